@@ -1,0 +1,38 @@
+"""tierstream: one source API for batch and stream over a tiered, Pulsar-shaped event log."""
+
+from tierstream.errors import (
+    AlreadyExistsError,
+    AuthError,
+    ConfigError,
+    CorruptionError,
+    DataLossError,
+    NotFoundError,
+    ProtocolError,
+    TierstreamError,
+    UnavailableError,
+)
+from tierstream.names import TopicName
+from tierstream.schema import MESSAGE_SCHEMA, READ_SCHEMA, key_hash
+from tierstream.splits.positions import KeyRange, Offset, Position
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MESSAGE_SCHEMA",
+    "READ_SCHEMA",
+    "AlreadyExistsError",
+    "AuthError",
+    "ConfigError",
+    "CorruptionError",
+    "DataLossError",
+    "KeyRange",
+    "NotFoundError",
+    "Offset",
+    "Position",
+    "ProtocolError",
+    "TierstreamError",
+    "TopicName",
+    "UnavailableError",
+    "__version__",
+    "key_hash",
+]

@@ -1,0 +1,3 @@
+from tierstream.cli import main
+
+main()

@@ -1,0 +1,424 @@
+"""The ``tierstream`` command line (typer + rich).
+
+Every command that talks to a broker takes ``--broker`` (env ``TIERSTREAM_BROKER``); every
+command that opens the store directly takes ``--data-dir`` (env ``TIERSTREAM_HOME``).
+Errors are one line on stderr naming the bad value; exit status 2 for bad input, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import pyarrow as pa
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from tierstream.errors import ConfigError, TierstreamError
+from tierstream.options import DEFAULT_BROKER_URL, DEFAULT_DATA_DIR, DEFAULT_PORT
+from tierstream.splits.positions import KeyRange, Offset, OffsetKind
+from tierstream.timeutil import format_ms, parse_time_ms
+
+app = typer.Typer(
+    name="tierstream",
+    help="Read a tiered, Pulsar-shaped event log with one source API for batch and stream.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+broker_app = typer.Typer(help="Run the embedded broker.", no_args_is_help=True)
+topic_app = typer.Typer(help="Create and list topics.", no_args_is_help=True)
+app.add_typer(broker_app, name="broker")
+app.add_typer(topic_app, name="topic")
+
+# Tables stay readable when piped (rich would otherwise squeeze them to 80 columns).
+out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, soft_wrap=True)
+
+BrokerOpt = Annotated[str, typer.Option(
+    "--broker", envvar="TIERSTREAM_BROKER", help="Broker URL.", show_default=True)]
+DataDirOpt = Annotated[Path, typer.Option(
+    "--data-dir", envvar="TIERSTREAM_HOME", help="Data directory of the embedded store.")]
+TokenOpt = Annotated[str | None, typer.Option(
+    "--auth-token", envvar="TIERSTREAM_AUTH_TOKEN", show_envvar=True,
+    help="Bearer token (required when the broker binds a non-loopback address).")]
+
+
+def main() -> None:
+    """Entry point: run the app, turning tierstream errors into one clear line."""
+    try:
+        app(standalone_mode=False)
+    except TierstreamError as exc:
+        err.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
+        sys.exit(2 if isinstance(exc, ConfigError) else 1)
+    except typer.Abort:
+        err.print("aborted")
+        sys.exit(130)
+    except Exception as exc:  # click's usage errors
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        if isinstance(exc, click.exceptions.Exit):
+            sys.exit(exc.exit_code)
+        raise
+
+
+# -- broker -----------------------------------------------------------------------------------
+
+@broker_app.command("start")
+def broker_start(
+    data_dir: DataDirOpt = Path(DEFAULT_DATA_DIR),
+    host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).")] = DEFAULT_PORT,
+    auth_token: TokenOpt = None,
+    bookies: Annotated[int, typer.Option(help="Number of bookies.")] = 1,
+    write_quorum: Annotated[int | None, typer.Option(help="Bookies per entry.")] = None,
+    ack_quorum: Annotated[int | None, typer.Option(help="Bookies that must fsync.")] = None,
+    max_entries_per_segment: Annotated[int | None, typer.Option(help="Rollover by entries.")]
+        = None,
+    max_segment_bytes: Annotated[str | None, typer.Option(help="Rollover by size, e.g. 128MiB.")]
+        = None,
+    segment_rollover_time: Annotated[str | None, typer.Option(help="Rollover by age, e.g. 4h.")]
+        = None,
+    fsync: Annotated[bool, typer.Option(help="fsync before acknowledging.")] = True,
+    log_level: Annotated[str, typer.Option(help="Log level.")] = "INFO",
+) -> None:
+    """Start the broker in the foreground; SIGTERM or Ctrl-C stops it cleanly.
+
+    Example: tierstream broker start --data-dir ./tierstream-data --port 6651
+    """
+    from tierstream.store.broker import run_broker
+    from tierstream.store.config import StoreConfig
+
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = StoreConfig.from_options({
+        "dataDir": str(data_dir), "bookies": bookies, "writeQuorum": write_quorum,
+        "ackQuorum": ack_quorum, "maxEntriesPerSegment": max_entries_per_segment,
+        "maxSegmentBytes": max_segment_bytes, "segmentRolloverTime": segment_rollover_time,
+        "fsync": fsync,
+    })
+
+    def ready(url: str) -> None:
+        print(f"tierstream broker listening on {url} (data dir {config.data_dir})", flush=True)
+
+    run_broker(config, host=host, port=port, auth_token=auth_token, ready=ready)
+
+
+# -- topics -----------------------------------------------------------------------------------
+
+@topic_app.command("create")
+def topic_create(
+    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
+    partitions: Annotated[int, typer.Option(help="Number of partitions (>= 1).")] = 1,
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    auth_token: TokenOpt = None,
+) -> None:
+    """Create a topic.
+
+    Example: tierstream topic create acme/web/clicks --partitions 4
+    """
+    from tierstream.store.client import Admin
+
+    with Admin(broker, auth_token=auth_token) as admin:
+        record = admin.create_topic(topic, partitions)
+    out.print(f"created {record.name} with {record.partitions} partition(s)", highlight=False)
+
+
+@topic_app.command("list")
+def topic_list(
+    namespace: Annotated[str | None, typer.Option(help="Only topics of tenant/namespace.")] = None,
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    auth_token: TokenOpt = None,
+) -> None:
+    """List topics.
+
+    Example: tierstream topic list --namespace acme/web
+    """
+    from tierstream.store.client import Admin
+
+    with Admin(broker, auth_token=auth_token) as admin:
+        topics = admin.list_topics(namespace)
+    table = Table("topic", "partitions", "created")
+    for t in topics:
+        table.add_row(t.name, str(t.partitions), format_ms(t.created_at))
+    out.print(table)
+
+
+# -- produce ----------------------------------------------------------------------------------
+
+@app.command()
+def produce(
+    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
+    generate: Annotated[int | None, typer.Option(help="Generate N synthetic messages instead "
+                                                      "of reading JSON lines from stdin.")] = None,
+    keys: Annotated[int, typer.Option(help="Distinct keys for --generate.")] = 100,
+    start_time: Annotated[str | None, typer.Option(help="Publish time of the first generated "
+                                                        "message (ISO-8601 or epoch ms).")] = None,
+    step_ms: Annotated[int, typer.Option(help="Publish-time step between generated "
+                                              "messages.")] = 0,
+    value_size: Annotated[int, typer.Option(help="Approximate bytes per generated value.")] = 100,
+    batch_size: Annotated[int, typer.Option(help="Messages per batch (entry).")] = 1000,
+    producer_name: Annotated[str | None, typer.Option("--name", help="Producer name (for "
+                                                                     "de-duplication).")] = None,
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    auth_token: TokenOpt = None,
+) -> None:
+    """Produce messages: JSON lines from stdin, or --generate N synthetic clicks.
+
+    A stdin line is {"value": "...", "key": "...", "event_time": ms, "properties": {...},
+    "publish_time": ms} (only value is required; "value_b64" for binary values). All lines
+    are checked before anything is sent.
+
+    Example: tierstream produce acme/web/clicks --generate 100000 --keys 50
+    --start-time 2026-11-01T00:00:00Z --step-ms 60
+    """
+    from tierstream.store.client import Producer
+
+    if generate is not None and generate < 0:
+        raise ConfigError(f"invalid --generate {generate}: expected a count >= 0")
+    if keys < 1:
+        raise ConfigError(f"invalid --keys {keys}: expected >= 1")
+    if step_ms < 0:
+        raise ConfigError(f"invalid --step-ms {step_ms}: expected >= 0")
+    t0 = parse_time_ms(start_time, what="--start-time") if start_time is not None else None
+    if generate is None:
+        messages = list(_stdin_messages())
+        total = len(messages)
+        chunks: Iterator[list[dict[str, Any]]] = _chunked(iter(messages), batch_size * 8)
+    else:
+        total = generate
+        chunks = _chunked(_generated(generate, keys, t0, step_ms, value_size), batch_size * 8)
+    sent = 0
+    with Producer(topic, broker=broker, auth_token=auth_token, name=producer_name,
+                  batch_size=batch_size) as producer, _progress(total > 50_000) as progress:
+        task = progress.add_task("producing", total=total)
+        for chunk in chunks:
+            producer.send_many(chunk)
+            sent += len(chunk)
+            progress.update(task, completed=sent)
+    err.print(f"produced {sent} message(s) to {topic}", highlight=False)
+
+
+def _stdin_messages() -> Iterator[dict[str, Any]]:
+    for lineno, line in enumerate(sys.stdin, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            raise ConfigError(f"stdin line {lineno} is not JSON: {line.strip()[:80]!r}") from None
+        if not isinstance(obj, dict):
+            raise ConfigError(f"stdin line {lineno}: expected a JSON object, got {line[:80]!r}")
+        unknown = set(obj) - {"value", "value_b64", "key", "event_time", "properties",
+                              "publish_time"}
+        if unknown:
+            raise ConfigError(f"stdin line {lineno}: unknown field(s) {sorted(unknown)}")
+        if "value_b64" in obj:
+            try:
+                value = base64.b64decode(obj["value_b64"], validate=True)
+            except (ValueError, TypeError):
+                raise ConfigError(f"stdin line {lineno}: value_b64 is not base64") from None
+        elif isinstance(obj.get("value"), str):
+            value = obj["value"].encode()
+        else:
+            raise ConfigError(f"stdin line {lineno}: needs a string 'value' (or 'value_b64')")
+        key = obj.get("key")
+        if key is not None and not isinstance(key, str):
+            raise ConfigError(f"stdin line {lineno}: key must be a string, got {key!r}")
+        props = obj.get("properties")
+        if props is not None and not (isinstance(props, dict) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in props.items())):
+            raise ConfigError(f"stdin line {lineno}: properties must map strings to strings")
+        times = {}
+        for f in ("event_time", "publish_time"):
+            if obj.get(f) is not None:
+                times[f] = parse_time_ms(obj[f], what=f"{f} on stdin line {lineno}")
+        yield {"value": value, "key": key, "properties": props, **times}
+
+
+def _generated(n: int, keys: int, t0: int | None, step_ms: int, value_size: int
+               ) -> Iterator[dict[str, Any]]:
+    pages = ["/", "/search", "/product", "/cart", "/checkout", "/help"]
+    pad = "x" * max(0, value_size - 60)
+    for i in range(n):
+        t = None if t0 is None else t0 + i * step_ms
+        user = f"user-{(i * 7919) % keys:05d}"
+        value = json.dumps({"user": user, "page": pages[i % len(pages)], "n": i, "pad": pad})
+        yield {"value": value.encode(), "key": user, "publish_time": t, "event_time": t,
+               "properties": {"source": "generator"}}
+
+
+def _chunked(it: Iterator[Any], n: int) -> Iterator[list[Any]]:
+    chunk: list[Any] = []
+    for item in it:
+        chunk.append(item)
+        if len(chunk) >= n:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _progress(show: bool) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeRemainingColumn(), console=err, disable=not show or not err.is_terminal,
+                    transient=True)
+
+
+# -- consume ----------------------------------------------------------------------------------
+
+@app.command()
+def consume(
+    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
+    from_: Annotated[str, typer.Option("--from", help="earliest, latest, ISO-8601, epoch ms "
+                                                      "or a position p:s:e[:b].")] = "earliest",
+    to: Annotated[str | None, typer.Option("--to", help="Exclusive end (same forms); default "
+                                                        "latest at start.")] = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep reading new messages "
+                                                               "(no --to).")] = False,
+    key_range: Annotated[list[str] | None, typer.Option("--key-range", help="Only key hashes in "
+                                                        "LO:HI (repeatable).")] = None,
+    partition: Annotated[int | None, typer.Option(help="Only this partition.")] = None,
+    limit: Annotated[int | None, typer.Option(help="Stop after N messages.")] = None,
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    auth_token: TokenOpt = None,
+) -> None:
+    """Print messages as JSON lines (value as UTF-8, or value_b64 when it is not text).
+
+    Example: tierstream consume acme/web/clicks --from 2026-11-01T00:00:00Z --limit 10
+    """
+    from tierstream.store.client import read
+
+    start = Offset.parse(from_, what="--from")
+    if follow and to is not None:
+        raise ConfigError("--follow and --to exclude each other: --follow reads without end")
+    end = None if follow else Offset.parse(to or "latest", what="--to")
+    if start.kind is OffsetKind.TIME and end is not None and end.kind is OffsetKind.TIME \
+            and end.time_ms is not None and start.time_ms is not None \
+            and end.time_ms < start.time_ms:
+        raise ConfigError(f"--to {to!r} is before --from {from_!r}")
+    ranges = [KeyRange.parse(r) for r in key_range or []]
+    if limit is not None and limit < 0:
+        raise ConfigError(f"invalid --limit {limit}: expected >= 0")
+    printed = 0
+    name = topic
+    batches = read(name, partition=partition, start=start, end=end, key_ranges=ranges,
+                   broker=broker, auth_token=auth_token)
+    try:
+        for batch in batches:
+            for row in _rows(batch, name):
+                if limit is not None and printed >= limit:
+                    return
+                sys.stdout.write(json.dumps(row) + "\n")
+                printed += 1
+            sys.stdout.flush()
+            if limit is not None and printed >= limit:
+                return
+    finally:
+        batches.close()
+
+
+def _rows(batch: pa.RecordBatch, topic: str) -> Iterator[dict[str, Any]]:
+    for r in batch.to_pylist():
+        value = r.pop("value")
+        try:
+            r["value"] = value.decode("utf-8")
+        except UnicodeDecodeError:
+            r["value_b64"] = base64.b64encode(value).decode()
+        r["properties"] = dict(r["properties"]) if r["properties"] is not None else None
+        yield {"topic": topic, **r}
+
+
+# -- segments ---------------------------------------------------------------------------------
+
+@app.command()
+def segments(
+    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
+    as_json: Annotated[bool, typer.Option("--json", help="JSON instead of a table.")] = False,
+    data_dir: DataDirOpt = Path(DEFAULT_DATA_DIR),
+) -> None:
+    """Show the segments of a topic, read from the metadata store (the open segment's stats
+    lag by at most a second).
+
+    Example: tierstream segments acme/web/clicks --data-dir ./tierstream-data
+    """
+    from tierstream.names import TopicName
+    from tierstream.store.metadata import MetadataStore
+
+    name = TopicName.parse(topic)
+    meta = MetadataStore(Path(data_dir) / "metadata.db", read_only=True)
+    try:
+        meta.get_topic(name)
+        records = meta.segments(str(name))
+    finally:
+        meta.close()
+    if as_json:
+        sys.stdout.write(json.dumps([r.to_dict() for r in records], indent=2) + "\n")
+        return
+    table = Table("partition", "segment", "state", "entries", "messages", "bytes",
+                  "min publish time", "max publish time", "lives in", title=str(name))
+    for r in records:
+        table.add_row(str(r.partition), str(r.segment_id), r.state, str(r.entries),
+                      str(r.messages), _human_bytes(r.bytes), format_ms(r.min_publish_time),
+                      format_ms(r.max_publish_time), r.location)
+    out.print(table)
+
+
+@app.command()
+def seal(
+    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
+    partition: Annotated[int | None, typer.Option(help="Only this partition.")] = None,
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    auth_token: TokenOpt = None,
+) -> None:
+    """Seal the open segment(s) now (a new one opens).
+
+    Example: tierstream seal acme/web/clicks --partition 0
+    """
+    from tierstream.store.client import Admin
+
+    with Admin(broker, auth_token=auth_token) as admin:
+        sealed = admin.seal(topic, partition)
+    out.print(f"sealed {len(sealed)} segment(s)", highlight=False)
+
+
+@app.command()
+def demo(
+    data_dir: Annotated[Path | None, typer.Option(help="Keep the demo's data here (default: a "
+                                                       "fresh temporary directory).")] = None,
+    messages: Annotated[int, typer.Option(help="Messages to produce.")] = 200_000,
+) -> None:
+    """Run the end-to-end tour on a fresh embedded store (what `make demo` runs).
+
+    Example: tierstream demo --messages 50000
+    """
+    from tierstream.demo import run
+
+    if data_dir is not None and data_dir.exists() and any(data_dir.iterdir()):
+        raise ConfigError(f"--data-dir {str(data_dir)!r} is not empty; the demo needs a fresh one")
+    if messages < 1000:
+        raise ConfigError(f"invalid --messages {messages}: expected >= 1000")
+    run(data_dir, messages)
+
+
+def _human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return str(n)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""One rooted error tree for everything tierstream raises on purpose.
+
+::
+
+    TierstreamError                 the root: catch this to catch all of ours
+    ├── ConfigError                 a bad option, argument, topic name, time or range
+    ├── NotFoundError               a topic, segment, subscription or file that does not exist
+    ├── AlreadyExistsError          creating something that is already there
+    ├── DataLossError               data asked for is gone (retention) or was never durable
+    ├── CorruptionError             every replica of an entry failed its checksum or id check
+    ├── AuthError                   a missing or wrong token (never echoes the token)
+    ├── UnavailableError            the broker (or another service) cannot be reached
+    └── ProtocolError               the two ends of a connection disagree about the wire format
+
+Messages say which value was wrong and what would have been valid.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AlreadyExistsError",
+    "AuthError",
+    "ConfigError",
+    "CorruptionError",
+    "DataLossError",
+    "NotFoundError",
+    "ProtocolError",
+    "TierstreamError",
+    "UnavailableError",
+]
+
+
+class TierstreamError(Exception):
+    """Root of every error tierstream raises on purpose."""
+
+    #: a short, stable name used on the wire between broker and clients
+    code = "error"
+
+
+class ConfigError(TierstreamError, ValueError):
+    """A value a user supplied is malformed or out of range."""
+
+    code = "config"
+
+
+class NotFoundError(TierstreamError, LookupError):
+    """Something that was named does not exist."""
+
+    code = "not_found"
+
+
+class AlreadyExistsError(TierstreamError):
+    """Something that was to be created is already there."""
+
+    code = "already_exists"
+
+
+class DataLossError(TierstreamError):
+    """Data that was asked for is no longer (or never was) available."""
+
+    code = "data_loss"
+
+
+class CorruptionError(TierstreamError):
+    """Stored bytes failed their checksum or id check on every replica."""
+
+    code = "corruption"
+
+
+class AuthError(TierstreamError, PermissionError):
+    """Authentication failed. The message never contains the token."""
+
+    code = "auth"
+
+
+class UnavailableError(TierstreamError, ConnectionError):
+    """A service could not be reached."""
+
+    code = "unavailable"
+
+
+class ProtocolError(TierstreamError):
+    """The two ends of a connection disagree about the wire format."""
+
+    code = "protocol"
+
+
+ERRORS_BY_CODE: dict[str, type[TierstreamError]] = {
+    cls.code: cls
+    for cls in (
+        TierstreamError,
+        ConfigError,
+        NotFoundError,
+        AlreadyExistsError,
+        DataLossError,
+        CorruptionError,
+        AuthError,
+        UnavailableError,
+        ProtocolError,
+    )
+}

@@ -1,0 +1,160 @@
+"""Every option, declared once: key, type, default, description.
+
+The Spark adapter, the Python API and the CLI all parse through this table, so an option has one
+name and one meaning everywhere. Keys are camelCase (Spark's convention); the Python API accepts
+the same keys, and :func:`parse_options` turns strings into typed values or raises a
+:class:`~tierstream.errors.ConfigError` naming the option and what would be valid.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tierstream.errors import ConfigError
+from tierstream.timeutil import parse_duration_ms
+
+__all__ = [
+    "DEFAULT_BROKER_URL",
+    "DEFAULT_DATA_DIR",
+    "DEFAULT_PORT",
+    "OPTIONS",
+    "Option",
+    "parse_options",
+]
+
+DEFAULT_PORT = 6651
+DEFAULT_BROKER_URL = f"grpc://127.0.0.1:{DEFAULT_PORT}"
+DEFAULT_DATA_DIR = "./tierstream-data"
+
+
+def _bool(raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise ValueError("expected true or false")
+
+
+def _positive_int(raw: Any) -> int:
+    if isinstance(raw, bool):
+        raise ValueError("expected a positive integer")
+    value = int(str(raw).strip()) if not isinstance(raw, int) else raw
+    if value < 1:
+        raise ValueError("expected a positive integer")
+    return value
+
+
+def _size_bytes(raw: Any) -> int:
+    """``1048576``, ``64KiB``, ``128MiB``, ``1GiB`` (also KB/MB/GB as powers of 1000)."""
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        value = raw
+    else:
+        text = str(raw).strip()
+        units = {"kib": 1024, "mib": 1024**2, "gib": 1024**3, "kb": 1000, "mb": 1000**2,
+                 "gb": 1000**3, "b": 1}
+        for suffix, mult in units.items():
+            if text.lower().endswith(suffix):
+                value = int(float(text[: -len(suffix)]) * mult)
+                break
+        else:
+            value = int(text)
+    if value < 1:
+        raise ValueError("expected a positive size such as 1048576, 64KiB or 128MiB")
+    return value
+
+
+def _duration(raw: Any) -> int:
+    return parse_duration_ms(raw)
+
+
+def _string(raw: Any) -> str:
+    text = str(raw)
+    if not text:
+        raise ValueError("expected a non-empty string")
+    return text
+
+
+@dataclass(frozen=True, kw_only=True)
+class Option:
+    """One option: its key, how to parse it, its default, and what it means."""
+
+    key: str
+    parse: Callable[[Any], Any]
+    default: Any
+    description: str
+    kind: str  # what a valid value looks like, for error messages
+    env: str | None = None
+    secret: bool = False
+    scopes: tuple[str, ...] = ("store",)
+
+    def value_from(self, raw: Mapping[str, Any]) -> Any:
+        if self.key in raw and raw[self.key] is not None:
+            return self._parse(raw[self.key])
+        if self.env and os.environ.get(self.env):
+            return self._parse(os.environ[self.env], from_env=True)
+        return self.default
+
+    def _parse(self, value: Any, *, from_env: bool = False) -> Any:
+        try:
+            return self.parse(value)
+        except (ValueError, TypeError, ConfigError) as exc:
+            where = f"environment variable {self.env}" if from_env else f"option {self.key!r}"
+            shown = "<hidden>" if self.secret else repr(value)
+            raise ConfigError(f"invalid {where}: {shown} ({exc}); expected {self.kind}") from None
+
+
+OPTIONS: dict[str, Option] = {
+    o.key: o
+    for o in [
+        Option(key="dataDir", parse=_string, default=DEFAULT_DATA_DIR, env="TIERSTREAM_HOME",
+               kind="a directory path", scopes=("store", "client"),
+               description="Directory of the embedded store (metadata.db, bookies/, tier/)."),
+        Option(key="broker", parse=_string, default=DEFAULT_BROKER_URL, env="TIERSTREAM_BROKER",
+               kind="a URL such as grpc://127.0.0.1:6651", scopes=("client",),
+               description="Address of the broker's Arrow Flight endpoint."),
+        Option(key="authToken", parse=_string, default=None, env="TIERSTREAM_AUTH_TOKEN",
+               secret=True, kind="a non-empty token", scopes=("store", "client"),
+               description="Bearer token; required by a broker bound to a non-loopback address."),
+        Option(key="bookies", parse=_positive_int, default=1, kind="an integer >= 1",
+               description="Number of bookies (storage directories) of the embedded store."),
+        Option(key="writeQuorum", parse=_positive_int, default=None, kind="an integer >= 1",
+               description="Bookies each entry is written to (the ensemble; default: all)."),
+        Option(key="ackQuorum", parse=_positive_int, default=None, kind="an integer >= 1",
+               description="Bookies that must have fsync'd an entry before it is acknowledged "
+                           "(default: a majority of the write quorum)."),
+        Option(key="maxEntriesPerSegment", parse=_positive_int, default=50_000,
+               kind="an integer >= 1",
+               description="Roll the open segment after this many entries."),
+        Option(key="maxSegmentBytes", parse=_size_bytes, default=256 * 1024**2,
+               kind="a size such as 128MiB",
+               description="Roll the open segment once its entries reach this many bytes."),
+        Option(key="segmentRolloverTime", parse=_duration, default=4 * 3_600_000,
+               kind="a duration such as 30s, 15m, 4h",
+               description="Roll a non-empty open segment once it is this old."),
+        Option(key="fsync", parse=_bool, default=True, kind="true or false",
+               description="fsync bookie writes before acknowledging (turn off only for tests)."),
+    ]
+}
+
+
+def parse_options(raw: Mapping[str, Any], *, scope: str) -> dict[str, Any]:
+    """Every option of ``scope``, parsed from ``raw`` (then env, then default).
+
+    Raises :class:`ConfigError` for a key no option of ``scope`` has, suggesting the nearest.
+    """
+    known = {k: o for k, o in OPTIONS.items() if scope in o.scopes}
+    for key in raw:
+        if key not in known:
+            near = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ConfigError(
+                f"unknown option {key!r}{hint} valid options: {', '.join(sorted(known))}"
+            )
+    return {k: o.value_from(raw) for k, o in known.items()}

@@ -1,0 +1,121 @@
+"""The one message schema, and the Key_Shared key hash.
+
+Every entry written to a bookie is one Arrow IPC record-batch message of :data:`MESSAGE_SCHEMA`;
+readers slice those batches and add a ``topic`` column (:data:`READ_SCHEMA`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mmh3
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from tierstream.errors import ConfigError
+
+__all__ = [
+    "KEY_HASH_SLOTS",
+    "MESSAGE_SCHEMA",
+    "NONE_KEY",
+    "PRODUCE_SCHEMA",
+    "READ_SCHEMA",
+    "as_produce_batch",
+    "key_hash",
+    "key_hashes",
+    "with_topic",
+]
+
+#: Key_Shared hash slots: a key hash lies in ``[0, KEY_HASH_SLOTS)``.
+KEY_HASH_SLOTS = 65536
+
+#: What Pulsar hashes for a message without a key.
+NONE_KEY = "NONE_KEY"
+
+_PROPERTIES = pa.map_(pa.string(), pa.string())
+
+MESSAGE_SCHEMA = pa.schema(
+    [
+        pa.field("key", pa.string(), nullable=True),
+        pa.field("key_hash", pa.int32(), nullable=False),
+        pa.field("value", pa.binary(), nullable=False),
+        pa.field("publish_time", pa.int64(), nullable=False),
+        pa.field("event_time", pa.int64(), nullable=True),
+        pa.field("properties", _PROPERTIES, nullable=True),
+        pa.field("partition", pa.int32(), nullable=False),
+        pa.field("segment_id", pa.int64(), nullable=False),
+        pa.field("entry_id", pa.int64(), nullable=False),
+        pa.field("batch_index", pa.int32(), nullable=False),
+    ]
+)
+
+#: What readers yield: the message schema with the topic in front.
+READ_SCHEMA = pa.schema([pa.field("topic", pa.string(), nullable=False), *MESSAGE_SCHEMA])
+
+#: What a producer sends: the broker fills in key_hash, positions and the final publish_time.
+#: ``publish_time`` here is a *requested* time (null = now); the broker never lets it go backwards.
+PRODUCE_SCHEMA = pa.schema(
+    [
+        pa.field("key", pa.string(), nullable=True),
+        pa.field("value", pa.binary(), nullable=False),
+        pa.field("publish_time", pa.int64(), nullable=True),
+        pa.field("event_time", pa.int64(), nullable=True),
+        pa.field("properties", _PROPERTIES, nullable=True),
+    ]
+)
+
+
+def key_hash(key: str | None) -> int:
+    """Pulsar's Key_Shared slot of ``key``: ``(murmur3_32(utf8, seed 0) & 0x7fffffff) % 65536``."""
+    data = (NONE_KEY if key is None else key).encode("utf-8")
+    return (mmh3.hash(data, 0, signed=False) & 0x7FFFFFFF) % KEY_HASH_SLOTS
+
+
+def key_hashes(keys: pa.Array | Sequence[str | None]) -> pa.Array:
+    """The key hash of every key, as an int32 array (null keys hash as :data:`NONE_KEY`)."""
+    arr = keys if isinstance(keys, pa.Array) else pa.array(keys, type=pa.string())
+    # Hash each distinct key once: batches usually repeat a few keys many times.
+    encoded = pc.dictionary_encode(arr)
+    if isinstance(encoded, pa.ChunkedArray):
+        encoded = encoded.combine_chunks()
+    slots = pa.array([key_hash(k) for k in encoded.dictionary.to_pylist()], type=pa.int32())
+    hashes = pc.take(slots, encoded.indices)
+    return pc.fill_null(hashes, pa.scalar(key_hash(None), pa.int32()))
+
+
+def with_topic(batch: pa.RecordBatch, topic: str) -> pa.RecordBatch:
+    """``batch`` (of :data:`MESSAGE_SCHEMA`) with a constant ``topic`` column in front."""
+    topic_col = pa.repeat(pa.scalar(topic, pa.string()), batch.num_rows)
+    return pa.RecordBatch.from_arrays([topic_col, *batch.columns], schema=READ_SCHEMA)
+
+
+def as_produce_batch(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """``batch`` with exactly the columns of PRODUCE_SCHEMA (missing optional ones as nulls)."""
+    names = set(batch.schema.names)
+    unknown = names - set(PRODUCE_SCHEMA.names)
+    if unknown:
+        raise ConfigError(
+            f"unknown column(s) {sorted(unknown)} in produced batch; expected "
+            f"{PRODUCE_SCHEMA.names}"
+        )
+    if "value" not in names:
+        raise ConfigError("a produced batch needs a 'value' column (binary)")
+    columns = []
+    for field_ in PRODUCE_SCHEMA:
+        if field_.name in names:
+            col = batch.column(field_.name)
+            if col.type != field_.type:
+                try:
+                    col = col.cast(field_.type)
+                except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                    raise ConfigError(
+                        f"column {field_.name!r} has type {col.type}, expected {field_.type}"
+                    ) from None
+            if not field_.nullable and col.null_count:
+                raise ConfigError(f"column {field_.name!r} has nulls; it must not")
+        else:
+            col = pa.nulls(batch.num_rows, field_.type)
+        columns.append(col)
+    return pa.RecordBatch.from_arrays(columns, schema=PRODUCE_SCHEMA)
+
+

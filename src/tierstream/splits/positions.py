@@ -1,0 +1,219 @@
+"""Positions in the log, key ranges, and named start/stop strategies.
+
+A :class:`Position` is a cut point inside one partition: as a start it is inclusive, as an end it
+is exclusive. Positions need not name an existing message: ``(p, s, e + 1, 0)`` is the point right
+after entry ``e`` of segment ``s``, which sorts before every message of a later segment.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from tierstream.errors import ConfigError
+from tierstream.schema import KEY_HASH_SLOTS
+
+__all__ = ["KeyRange", "Offset", "OffsetKind", "Position"]
+
+
+@dataclass(frozen=True, order=True)
+class Position:
+    """``(partition, segment_id, entry_id, batch_index)``: totally ordered within a partition."""
+
+    partition: int
+    segment_id: int
+    entry_id: int
+    batch_index: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("partition", "segment_id", "entry_id", "batch_index"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(
+                    f"invalid position: {name} must be an integer >= 0, got {value!r}"
+                )
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "partition": self.partition,
+            "segment_id": self.segment_id,
+            "entry_id": self.entry_id,
+            "batch_index": self.batch_index,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Position:
+        try:
+            return cls(
+                int(data["partition"]),
+                int(data["segment_id"]),
+                int(data["entry_id"]),
+                int(data.get("batch_index", 0)),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ConfigError(
+                f"invalid position {data!r}: expected partition, segment_id, entry_id, batch_index"
+            ) from exc
+
+    @classmethod
+    def parse(cls, text: str) -> Position:
+        """Parse ``partition:segment:entry[:batch]``."""
+        parts = text.split(":")
+        if len(parts) not in (3, 4) or not all(p.isdigit() for p in parts):
+            raise ConfigError(
+                f"invalid position {text!r}: expected partition:segment:entry[:batch_index], "
+                "e.g. 0:12:345:0"
+            )
+        return cls(*(int(p) for p in parts))
+
+    def __str__(self) -> str:
+        return f"{self.partition}:{self.segment_id}:{self.entry_id}:{self.batch_index}"
+
+
+@dataclass(frozen=True, order=True)
+class KeyRange:
+    """A half-open range ``[lo, hi)`` of Key_Shared hash slots, ``0 <= lo < hi <= 65536``."""
+
+    lo: int = 0
+    hi: int = KEY_HASH_SLOTS
+
+    def __post_init__(self) -> None:
+        ok = (
+            isinstance(self.lo, int)
+            and isinstance(self.hi, int)
+            and 0 <= self.lo < self.hi <= KEY_HASH_SLOTS
+        )
+        if not ok:
+            raise ConfigError(
+                f"invalid key range [{self.lo!r}, {self.hi!r}): expected 0 <= lo < hi <= "
+                f"{KEY_HASH_SLOTS}"
+            )
+
+    @classmethod
+    def full(cls) -> KeyRange:
+        return cls(0, KEY_HASH_SLOTS)
+
+    @property
+    def is_full(self) -> bool:
+        return self.lo == 0 and self.hi == KEY_HASH_SLOTS
+
+    def contains(self, slot: int) -> bool:
+        return self.lo <= slot < self.hi
+
+    @classmethod
+    def parse(cls, text: str) -> KeyRange:
+        """Parse ``LO:HI`` (half-open)."""
+        lo, sep, hi = text.partition(":")
+        if not sep or not lo.strip().isdigit() or not hi.strip().isdigit():
+            raise ConfigError(
+                f"invalid key range {text!r}: expected LO:HI with 0 <= LO < HI <= {KEY_HASH_SLOTS}"
+                ", e.g. 0:16384"
+            )
+        return cls(int(lo), int(hi))
+
+    @classmethod
+    def split(cls, k: int) -> list[KeyRange]:
+        """``k`` contiguous ranges covering all slots, as equal as integers allow."""
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= KEY_HASH_SLOTS:
+            raise ConfigError(f"invalid number of key ranges {k!r}: expected 1..{KEY_HASH_SLOTS}")
+        bounds = [i * KEY_HASH_SLOTS // k for i in range(k + 1)]
+        return [cls(bounds[i], bounds[i + 1]) for i in range(k)]
+
+    def to_list(self) -> list[int]:
+        return [self.lo, self.hi]
+
+    def __str__(self) -> str:
+        return f"{self.lo}:{self.hi}"
+
+
+class OffsetKind(enum.Enum):
+    EARLIEST = "earliest"
+    LATEST = "latest"
+    TIME = "time"
+    POSITION = "position"
+
+
+@dataclass(frozen=True)
+class Offset:
+    """Where a read starts or stops, built with the named constructors.
+
+    As a start: ``earliest()`` is the first surviving message, ``latest()`` is just after the last
+    confirmed one (only new messages), ``at_time(t)`` is the first message with
+    ``publish_time >= t``, ``at_position(p)`` is ``p`` itself (inclusive).
+    As an end (exclusive): ``latest()`` is the last confirmed message at the time the read is
+    planned, ``at_time(t)`` stops before the first message with ``publish_time >= t``.
+    """
+
+    kind: OffsetKind
+    time_ms: int | None = None
+    position: Position | None = None
+
+    @classmethod
+    def earliest(cls) -> Offset:
+        return cls(OffsetKind.EARLIEST)
+
+    @classmethod
+    def latest(cls) -> Offset:
+        return cls(OffsetKind.LATEST)
+
+    @classmethod
+    def at_time(cls, time_ms: int) -> Offset:
+        from tierstream.timeutil import parse_time_ms
+
+        return cls(OffsetKind.TIME, time_ms=parse_time_ms(time_ms))
+
+    @classmethod
+    def at_position(cls, position: Position) -> Offset:
+        if not isinstance(position, Position):
+            raise ConfigError(f"at_position needs a Position, got {position!r}")
+        return cls(OffsetKind.POSITION, position=position)
+
+    @classmethod
+    def parse(cls, text: str, *, what: str = "offset") -> Offset:
+        """``earliest``, ``latest``, a position ``p:s:e[:b]``, ISO-8601 or epoch milliseconds."""
+        from tierstream.timeutil import parse_time_ms
+
+        t = text.strip()
+        if t.lower() == "earliest":
+            return cls.earliest()
+        if t.lower() == "latest":
+            return cls.latest()
+        if t.count(":") >= 2 and all(p.isdigit() for p in t.split(":")):
+            return cls.at_position(Position.parse(t))
+        try:
+            return cls(OffsetKind.TIME, time_ms=parse_time_ms(t, what=what))
+        except ConfigError:
+            raise ConfigError(
+                f"invalid {what} {text!r}: expected earliest, latest, an ISO-8601 time, "
+                "epoch milliseconds, or a position partition:segment:entry[:batch]"
+            ) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind.value}
+        if self.time_ms is not None:
+            out["time_ms"] = self.time_ms
+        if self.position is not None:
+            out["position"] = self.position.to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Offset:
+        try:
+            kind = OffsetKind(data["kind"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"invalid offset {data!r}") from exc
+        if kind is OffsetKind.TIME:
+            return cls.at_time(data.get("time_ms"))
+        if kind is OffsetKind.POSITION:
+            return cls.at_position(Position.from_dict(data.get("position")))
+        return cls(kind)
+
+    def __str__(self) -> str:
+        if self.kind is OffsetKind.TIME:
+            from tierstream.timeutil import format_ms
+
+            return f"time {format_ms(self.time_ms)}"
+        if self.kind is OffsetKind.POSITION:
+            return f"position {self.position}"
+        return self.kind.value

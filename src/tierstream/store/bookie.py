@@ -1,0 +1,315 @@
+"""A bookie: a storage node that only stores. One directory, one ledger file pair per segment.
+
+Writes go through one group-commit thread per bookie: it takes every append that is waiting,
+writes them, fsyncs each touched ledger once, and only then completes their futures, so
+concurrent producers share fsyncs. Reads verify every frame and never go through that thread.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from tierstream.errors import CorruptionError, NotFoundError
+from tierstream.store.ledger import (
+    INDEX_RECORD,
+    IndexRecord,
+    encode_frame,
+    frame_length,
+    read_frame,
+    read_index,
+    scan_frames,
+)
+
+__all__ = ["Bookie", "RecoveredLedger", "ledger_paths"]
+
+
+def ledger_paths(bookie_dir: str | Path, segment_id: int) -> tuple[Path, Path]:
+    """(log, index) paths of ``segment_id`` under a bookie directory."""
+    base = Path(bookie_dir) / "ledgers" / f"{segment_id // 1000:06d}"
+    return base / f"{segment_id}.log", base / f"{segment_id}.idx"
+
+
+@dataclass
+class _OpenLedger:
+    log_fd: int
+    idx_fd: int
+    offset: int
+    records: list[IndexRecord] = field(default_factory=list)
+    dirty: bool = False
+
+
+@dataclass
+class _Append:
+    segment_id: int
+    entry_id: int
+    meta: dict[str, Any]
+    payload: pa.Buffer
+    messages: int
+    first_pt: int
+    last_pt: int
+    future: Future[IndexRecord]
+
+
+@dataclass(frozen=True)
+class RecoveredLedger:
+    """What recovery found in one replica: the valid entries and the frames' metadata."""
+
+    bookie_id: str
+    records: list[IndexRecord]
+    metas: list[dict[str, Any]]
+    cut_bytes: int
+
+
+class Bookie:
+    """A storage node rooted at ``root``. ``fsync=False`` is for tests and benchmarks only."""
+
+    def __init__(self, bookie_id: str, root: str | Path, *, fsync: bool = True) -> None:
+        self.bookie_id = bookie_id
+        self.root = Path(root)
+        self.fsync = fsync
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._open: dict[int, _OpenLedger] = {}
+        self._lock = threading.Lock()
+        # None stops the journal thread; a bare Future is a flush marker.
+        self._queue: queue.SimpleQueue[_Append | Future[None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._run, name=f"bookie-{bookie_id}-journal", daemon=True
+        )
+        self._closed = False
+        self.checksum_failures = 0
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"Bookie(id={self.bookie_id!r}, root={str(self.root)!r})"
+
+    # -- write side ---------------------------------------------------------------------------
+
+    def create_ledger(self, segment_id: int) -> None:
+        """Create the (empty) files of a new ledger for appending."""
+        log_path, idx_path = ledger_paths(self.root, segment_id)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+        ledger = _OpenLedger(os.open(log_path, flags, 0o644), os.open(idx_path, flags, 0o644), 0)
+        ledger.offset = os.fstat(ledger.log_fd).st_size
+        if self.fsync:
+            _fsync_dir(log_path.parent)
+        with self._lock:
+            self._open[segment_id] = ledger
+
+    def append(
+        self,
+        segment_id: int,
+        entry_id: int,
+        meta: dict[str, Any],
+        payload: pa.Buffer,
+        messages: int,
+        first_pt: int,
+        last_pt: int,
+    ) -> Future[IndexRecord]:
+        """Queue an entry; the future completes once it is written (and fsync'd)."""
+        fut: Future[IndexRecord] = Future()
+        if self._closed:
+            fut.set_exception(NotFoundError(f"bookie {self.bookie_id} is closed"))
+            return fut
+        self._queue.put(_Append(segment_id, entry_id, meta, payload, messages, first_pt, last_pt,
+                                fut))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            group: list[_Append] = []
+            markers: list[Future[None]] = []
+            item: _Append | Future[None] | None = first
+            while item is not None:
+                if isinstance(item, _Append):
+                    group.append(item)
+                else:
+                    markers.append(item)
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            if group:
+                self._write_group(group)
+            for marker in markers:
+                marker.set_result(None)
+            if item is None:
+                return
+
+    def _write_group(self, group: list[_Append]) -> None:
+        done: list[tuple[_Append, IndexRecord]] = []
+        touched: dict[int, _OpenLedger] = {}
+        for req in group:
+            try:
+                with self._lock:
+                    ledger = self._open.get(req.segment_id)
+                if ledger is None:
+                    raise NotFoundError(f"ledger {req.segment_id} is not open on {self.bookie_id}")
+                pieces = encode_frame(req.segment_id, req.entry_id, req.meta, req.payload)
+                length = frame_length(pieces)
+                written = os.writev(ledger.log_fd, pieces)
+                if written != length:
+                    raise OSError(f"short write to ledger {req.segment_id}: {written} of {length}")
+                rec = IndexRecord(req.entry_id, ledger.offset, length, req.messages, req.first_pt,
+                                  req.last_pt)
+                os.write(ledger.idx_fd, rec.pack())
+                ledger.offset += length
+                touched[req.segment_id] = ledger
+                done.append((req, rec))
+            except Exception as exc:
+                req.future.set_exception(exc)
+        try:
+            if self.fsync:
+                for ledger in touched.values():
+                    os.fdatasync(ledger.log_fd)
+        except OSError as exc:
+            for req, _ in done:
+                req.future.set_exception(exc)
+            return
+        for req, rec in done:
+            with self._lock:
+                ledger = self._open.get(req.segment_id)
+                if ledger is not None:
+                    ledger.records.append(rec)
+            req.future.set_result(rec)
+
+    def seal_ledger(self, segment_id: int, last_entry_id: int | None) -> None:
+        """Make the ledger read-only at ``last_entry_id`` (None: empty) and fsync both files.
+
+        Entries after ``last_entry_id`` (written, never acknowledged) are cut off.
+        """
+        self.flush()
+        with self._lock:
+            ledger = self._open.pop(segment_id, None)
+        if ledger is None:
+            return
+        keep = [r for r in ledger.records if last_entry_id is not None and
+                r.entry_id <= last_entry_id]
+        end = keep[-1].frame_offset + keep[-1].frame_len if keep else 0
+        os.ftruncate(ledger.log_fd, end)
+        os.ftruncate(ledger.idx_fd, len(keep) * INDEX_RECORD.size)
+        if self.fsync:
+            os.fsync(ledger.log_fd)
+            os.fsync(ledger.idx_fd)
+        os.close(ledger.log_fd)
+        os.close(ledger.idx_fd)
+
+    def flush(self) -> None:
+        """Wait until every append queued so far has been written."""
+        if self._closed or threading.current_thread() is self._thread:
+            return
+        marker: Future[None] = Future()
+        self._queue.put(marker)
+        marker.result()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+        with self._lock:
+            ledgers = list(self._open.values())
+            self._open.clear()
+        for ledger in ledgers:
+            os.close(ledger.log_fd)
+            os.close(ledger.idx_fd)
+
+    # -- read side ----------------------------------------------------------------------------
+
+    def index(self, segment_id: int) -> list[IndexRecord]:
+        """Index records of a ledger: live for an open ledger, from the file for a sealed one."""
+        with self._lock:
+            ledger = self._open.get(segment_id)
+            if ledger is not None:
+                return list(ledger.records)
+        _, idx_path = ledger_paths(self.root, segment_id)
+        if not idx_path.exists():
+            raise NotFoundError(f"ledger {segment_id} has no index on bookie {self.bookie_id}")
+        return read_index(idx_path)
+
+    def read_entries(
+        self, segment_id: int, records: list[IndexRecord]
+    ) -> Iterator[tuple[IndexRecord, dict[str, Any], pa.Buffer]]:
+        """Read and verify the given entries, in order. Raises CorruptionError on a bad frame."""
+        log_path, _ = ledger_paths(self.root, segment_id)
+        try:
+            fd = os.open(log_path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise NotFoundError(
+                f"ledger {segment_id} is missing on bookie {self.bookie_id}"
+            ) from None
+        try:
+            for rec in records:
+                try:
+                    meta, payload = read_frame(fd, segment_id, rec, f"bookie {self.bookie_id}")
+                except CorruptionError:
+                    self.checksum_failures += 1
+                    raise
+                yield rec, meta, payload
+        finally:
+            os.close(fd)
+
+    # -- recovery -----------------------------------------------------------------------------
+
+    def recover_ledger(self, segment_id: int) -> RecoveredLedger:
+        """Scan a ledger left open by a crash: the valid prefix of frames (torn tail excluded)."""
+        log_path, _ = ledger_paths(self.root, segment_id)
+        if not log_path.exists():
+            return RecoveredLedger(self.bookie_id, [], [], 0)
+        frames, valid = scan_frames(log_path, segment_id)
+        cut = log_path.stat().st_size - valid
+        return RecoveredLedger(self.bookie_id, [f.record for f in frames],
+                               [f.meta for f in frames], cut)
+
+    def rewrite_ledger(self, segment_id: int, frames: list[tuple[IndexRecord, bytes]]) -> None:
+        """Replace a ledger's files with exactly ``frames`` (raw frame bytes), fsync'd.
+
+        Used by recovery to cut torn tails and to re-replicate entries a replica missed.
+        """
+        log_path, idx_path = ledger_paths(self.root, segment_id)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp_log, tmp_idx = log_path.with_suffix(".log.tmp"), idx_path.with_suffix(".idx.tmp")
+        offset = 0
+        with open(tmp_log, "wb") as log, open(tmp_idx, "wb") as idx:
+            for rec, raw in frames:
+                log.write(raw)
+                idx.write(IndexRecord(rec.entry_id, offset, len(raw), rec.messages,
+                                      rec.first_publish_time, rec.last_publish_time).pack())
+                offset += len(raw)
+            for f in (log, idx):
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp_log, log_path)
+        os.replace(tmp_idx, idx_path)
+        _fsync_dir(log_path.parent)
+
+    def read_raw_frame(self, segment_id: int, rec: IndexRecord) -> bytes:
+        log_path, _ = ledger_paths(self.root, segment_id)
+        with open(log_path, "rb") as f:
+            f.seek(rec.frame_offset)
+            return f.read(rec.frame_len)
+
+    def delete_ledger(self, segment_id: int) -> None:
+        for path in ledger_paths(self.root, segment_id):
+            path.unlink(missing_ok=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

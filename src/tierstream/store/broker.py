@@ -1,0 +1,306 @@
+"""The broker: an Arrow Flight server in front of the embedded store. It only serves.
+
+Bound to loopback by default. Binding anywhere else requires a token, checked by middleware on
+every call; a call without the right token is denied before any handler runs.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+import signal
+import socket
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from tierstream.errors import AuthError, ConfigError, ProtocolError, TierstreamError
+from tierstream.options import DEFAULT_PORT
+from tierstream.schema import MESSAGE_SCHEMA
+from tierstream.splits.positions import KeyRange, Offset, OffsetKind, Position
+from tierstream.store.config import StoreConfig
+from tierstream.store.partition_log import PartitionLog
+from tierstream.store.protocol import decode, encode, server_error
+from tierstream.store.store import Store
+from tierstream.store.subscriptions import SubscriptionMode, Subscriptions
+
+__all__ = ["Broker", "is_loopback", "run_broker"]
+
+log = logging.getLogger(__name__)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _TokenMiddlewareFactory(flight.ServerMiddlewareFactory):
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    def start_call(self, info: Any, headers: dict[str, list[Any]]) -> None:
+        values = headers.get("authorization") or headers.get("Authorization") or []
+        given = values[0] if values else ""
+        given_b = given.encode() if isinstance(given, str) else bytes(given)
+        if not hmac.compare_digest(given_b, self._expected):
+            raise flight.FlightUnauthenticatedError("missing or wrong token")
+        return None
+
+
+class Broker(flight.FlightServerBase):
+    """Serves produce (DoPut), consume (DoGet) and admin actions (DoAction) for one store."""
+
+    def __init__(self, store: Store, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
+                 auth_token: str | None = None) -> None:
+        if not is_loopback(host) and not auth_token:
+            raise AuthError(
+                f"refusing to bind to non-loopback address {host!r} without a token: pass "
+                "--auth-token or set TIERSTREAM_AUTH_TOKEN"
+            )
+        middleware = {"auth": _TokenMiddlewareFactory(auth_token)} if auth_token else {}
+        location = f"grpc://{host}:{port}"
+        try:
+            super().__init__(location, middleware=middleware)
+        except (OSError, pa.ArrowException) as exc:
+            raise ConfigError(f"cannot listen on {location}: {exc}") from None
+        self.store = store
+        self.host = host
+        self.subscriptions = Subscriptions(store.metadata)
+
+    @property
+    def url(self) -> str:
+        host = self.host if ":" not in self.host else f"[{self.host}]"
+        return f"grpc://{host}:{self.port}"
+
+    # -- produce ------------------------------------------------------------------------------
+
+    def do_put(self, context: Any, descriptor: flight.FlightDescriptor,
+               reader: flight.MetadataRecordBatchReader,
+               writer: flight.FlightMetadataWriter) -> None:
+        try:
+            cmd = decode(descriptor.command, "produce command")
+            if cmd.get("op") != "produce":
+                raise ProtocolError(f"unknown DoPut operation {cmd.get('op')!r}")
+            plog = self.store.partition(cmd["topic"], int(cmd["partition"]))
+            producer = cmd.get("producer")
+            while True:
+                try:
+                    chunk = reader.read_chunk()
+                except StopIteration:
+                    return
+                if chunk.data is None:
+                    continue
+                meta = decode(chunk.app_metadata, "produce chunk metadata")
+                seq = meta.get("seq")
+                ack = plog.append(chunk.data, producer=producer,
+                                  sequence_id=None if seq is None else int(seq))
+                writer.write(pa.py_buffer(encode(ack.to_dict())))
+        except TierstreamError as exc:
+            raise server_error(exc) from None
+        except (KeyError, ValueError, TypeError) as exc:
+            raise server_error(ProtocolError(f"malformed produce request: {exc!r}")) from None
+
+    # -- consume ------------------------------------------------------------------------------
+
+    def do_get(self, context: Any, ticket: flight.Ticket) -> flight.FlightDataStream:
+        try:
+            req = decode(ticket.ticket, "consume ticket")
+            if req.get("op") != "consume":
+                raise ProtocolError(f"unknown DoGet operation {req.get('op')!r}")
+            plog = self.store.partition(req["topic"], int(req["partition"]))
+            ranges = [KeyRange(int(lo), int(hi)) for lo, hi in req.get("key_ranges") or []]
+            end, end_time = self._resolve_end(plog, req.get("end"))
+            sub = req.get("subscription")
+            if sub:
+                return self._subscribe(context, plog, sub, ranges or [KeyRange.full()])
+            start = self._resolve_start(plog, Offset.from_dict(req.get("start")
+                                                               or {"kind": "earliest"}))
+            follow = end is None and end_time is None
+            batches = plog.read(start, end=end, end_time=end_time, key_ranges=ranges,
+                                follow=follow, cancelled=context.is_cancelled)
+            return flight.GeneratorStream(MESSAGE_SCHEMA, batches)
+        except TierstreamError as exc:
+            raise server_error(exc) from None
+        except (KeyError, ValueError, TypeError) as exc:
+            raise server_error(ProtocolError(f"malformed consume request: {exc!r}")) from None
+
+    def _subscribe(self, context: Any, plog: PartitionLog, sub: dict[str, Any],
+                   ranges: list[KeyRange]) -> flight.FlightDataStream:
+        name = str(sub["name"])
+        mode = str(sub.get("mode", SubscriptionMode.EXCLUSIVE))
+        consumer = str(sub.get("consumer") or uuid.uuid4().hex[:12])
+        initial = self._resolve_start(plog, Offset.from_dict(sub.get("initial")
+                                                             or {"kind": "latest"}))
+        start = self.subscriptions.attach(plog.topic, name, plog.partition, consumer=consumer,
+                                          mode=mode, ranges=ranges, initial=initial)
+
+        def stream() -> Iterator[pa.RecordBatch]:
+            try:
+                yield from plog.read(start, end=None, key_ranges=ranges, follow=True,
+                                     cancelled=context.is_cancelled)
+            finally:
+                self.subscriptions.detach(plog.topic, name, plog.partition, consumer)
+
+        return flight.GeneratorStream(MESSAGE_SCHEMA, stream())
+
+    def _resolve_start(self, plog: PartitionLog, offset: Offset) -> Position:
+        if offset.kind is OffsetKind.EARLIEST:
+            return plog.earliest()
+        if offset.kind is OffsetKind.LATEST:
+            return plog.last_confirmed()[1]
+        if offset.kind is OffsetKind.TIME:
+            assert offset.time_ms is not None
+            return plog.position_at_time(offset.time_ms)
+        assert offset.position is not None
+        return _check_partition(offset.position, plog)
+
+    def _resolve_end(self, plog: PartitionLog, raw: Any) -> tuple[Position | None, int | None]:
+        if raw is None:
+            return None, None
+        offset = Offset.from_dict(raw)
+        if offset.kind is OffsetKind.LATEST:
+            return plog.last_confirmed()[1], None
+        if offset.kind is OffsetKind.TIME:
+            return None, offset.time_ms
+        if offset.kind is OffsetKind.EARLIEST:
+            return plog.earliest(), None
+        assert offset.position is not None
+        return _check_partition(offset.position, plog), None
+
+    # -- admin --------------------------------------------------------------------------------
+
+    def list_actions(self, context: Any) -> list[tuple[str, str]]:
+        return [(name, doc) for name, (_, doc) in _ACTIONS.items()]
+
+    def do_action(self, context: Any, action: flight.Action) -> Iterator[bytes]:
+        try:
+            entry = _ACTIONS.get(action.type)
+            if entry is None:
+                raise ProtocolError(f"unknown action {action.type!r}; known: {sorted(_ACTIONS)}")
+            body = decode(action.body.to_pybytes() if action.body else b"{}", "action body")
+            result = entry[0](self, body)
+        except TierstreamError as exc:
+            raise server_error(exc) from None
+        except (KeyError, ValueError, TypeError) as exc:
+            raise server_error(ProtocolError(f"malformed {action.type} request: {exc!r}")) \
+                from None
+        return iter([encode({"result": result})])
+
+    def _ping(self, body: dict[str, Any]) -> Any:
+        return {"ok": True}
+
+    def _create_topic(self, body: dict[str, Any]) -> Any:
+        return self.store.create_topic(body["topic"], body["partitions"],
+                                       retention_ms=body.get("retention_ms")).to_dict()
+
+    def _get_topic(self, body: dict[str, Any]) -> Any:
+        return self.store.topic(body["topic"]).to_dict()
+
+    def _list_topics(self, body: dict[str, Any]) -> Any:
+        return [t.to_dict() for t in self.store.topics(body.get("namespace"))]
+
+    def _list_segments(self, body: dict[str, Any]) -> Any:
+        return [s.to_dict() for s in self.store.segments(body["topic"])]
+
+    def _last_confirmed(self, body: dict[str, Any]) -> Any:
+        return {
+            str(p): {"last": None if last is None else last.to_dict(), "end": end.to_dict()}
+            for p, (last, end) in self.store.last_confirmed(body["topic"]).items()
+        }
+
+    def _seal(self, body: dict[str, Any]) -> Any:
+        return [s.to_dict() for s in self.store.seal(body["topic"], body.get("partition"))]
+
+    def _stats(self, body: dict[str, Any]) -> Any:
+        return self.store.stats()
+
+    def _ack(self, body: dict[str, Any]) -> Any:
+        topic = str(self.store.topic(body["topic"]).name)
+        ranges = [KeyRange(int(lo), int(hi)) for lo, hi in body.get("key_ranges")
+                  or [[0, 65536]]]
+        self.subscriptions.ack(topic, str(body["subscription"]), int(body["partition"]), ranges,
+                               Position.from_dict(body["position"]))
+        return {"ok": True}
+
+    def _producer_state(self, body: dict[str, Any]) -> Any:
+        return {str(p.partition): p.producer_state(str(body["producer"]))
+                for p in self.store.partitions(body["topic"])}
+
+
+_ACTIONS = {
+    "ping": (Broker._ping, "Check that the broker is up."),
+    "create-topic": (Broker._create_topic, "Create a topic: {topic, partitions}."),
+    "get-topic": (Broker._get_topic, "One topic's record: {topic}."),
+    "list-topics": (Broker._list_topics, "All topics, or those of {namespace}."),
+    "list-segments": (Broker._list_segments, "Segment records of {topic}, live stats."),
+    "last-confirmed": (Broker._last_confirmed, "Last confirmed position per partition."),
+    "seal": (Broker._seal, "Seal the open segment(s) of {topic[, partition]}."),
+    "stats": (Broker._stats, "Broker and store counters."),
+    "ack": (Broker._ack, "Cumulative ack on a subscription's cursor."),
+    "producer-state": (Broker._producer_state, "Last stored sequence id of {producer}."),
+}
+
+
+def _check_partition(position: Position, plog: PartitionLog) -> Position:
+    if position.partition != plog.partition:
+        raise ConfigError(f"position {position} is not in partition {plog.partition}")
+    return position
+
+
+def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
+               auth_token: str | None = None, ready: Any = None) -> None:
+    """Open the store, serve until SIGTERM/SIGINT, then shut down cleanly (main thread only).
+
+    ``ready`` is called with the broker URL once it accepts calls.
+    """
+    if not is_loopback(host) and not auth_token:
+        raise AuthError(
+            f"refusing to bind to non-loopback address {host!r} without a token: pass "
+            "--auth-token or set TIERSTREAM_AUTH_TOKEN"
+        )
+    if port != 0:
+        _check_port_free(host, port)
+    store = Store(config)
+    try:
+        broker = Broker(store, host=host, port=port, auth_token=auth_token)
+    except BaseException:
+        store.close()
+        raise
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        if ready is not None:
+            ready(broker.url)
+        while not stop.wait(0.5):
+            pass
+    finally:
+        log.info("broker shutting down")
+        store.closing.set()  # ends tail streams so that shutdown does not wait on them
+        broker.shutdown()
+        store.close()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+

@@ -1,0 +1,525 @@
+"""Python clients of the broker: :class:`Admin`, :class:`Producer`, :func:`read` and
+:class:`Consumer`. All talk Arrow Flight; all raise :mod:`tierstream.errors` types.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Generator, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Self
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from tierstream.errors import ConfigError, TierstreamError, UnavailableError
+from tierstream.names import TopicName
+from tierstream.options import parse_options
+from tierstream.schema import (
+    KEY_HASH_SLOTS,
+    MESSAGE_SCHEMA,
+    PRODUCE_SCHEMA,
+    as_produce_batch,
+    key_hash,
+)
+from tierstream.splits.positions import KeyRange, Offset, Position
+from tierstream.store.metadata import SegmentRecord, TopicRecord
+from tierstream.store.protocol import decode, encode, translate_errors
+
+__all__ = ["Admin", "BrokerClient", "Consumer", "Message", "Producer", "read"]
+
+
+class BrokerClient:
+    """A connection to one broker. ``broker``/``auth_token`` default to the option table
+    (``TIERSTREAM_BROKER``, ``TIERSTREAM_AUTH_TOKEN``)."""
+
+    def __init__(self, broker: str | None = None, *, auth_token: str | None = None,
+                 timeout: float = 30.0) -> None:
+        opts = parse_options({"broker": broker, "authToken": auth_token}, scope="client")
+        self.url: str = opts["broker"]
+        if not self.url.startswith(("grpc://", "grpc+tcp://", "grpc+tls://")):
+            raise ConfigError(f"invalid broker URL {self.url!r}: expected grpc://HOST:PORT")
+        headers = []
+        if opts["authToken"]:
+            headers.append((b"authorization", f"Bearer {opts['authToken']}".encode()))
+        self._options = flight.FlightCallOptions(headers=headers, timeout=timeout)
+        self._stream_options = flight.FlightCallOptions(headers=headers)
+        with translate_errors(self.url):
+            self._flight = flight.FlightClient(self.url)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(broker={self.url!r})"
+
+    def action(self, name: str, body: Mapping[str, Any] | None = None) -> Any:
+        with translate_errors(self.url):
+            results = list(self._flight.do_action(
+                flight.Action(name, encode(dict(body or {}))), self._options))
+        return decode(results[0].body.to_pybytes(), f"{name} result")["result"]
+
+    def close(self) -> None:
+        self._flight.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Admin(BrokerClient):
+    """Topic and segment administration through the broker."""
+
+    def ping(self) -> bool:
+        return bool(self.action("ping")["ok"])
+
+    def wait_until_ready(self, timeout: float = 30.0) -> None:
+        """Return once the broker answers, or raise UnavailableError after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.ping()
+                return
+            except UnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                threading.Event().wait(0.05)
+
+    def create_topic(self, topic: str, partitions: int, *, retention_ms: int | None = None
+                     ) -> TopicRecord:
+        TopicName.parse(topic)
+        if not isinstance(partitions, int) or isinstance(partitions, bool) or partitions < 1:
+            raise ConfigError(f"invalid partition count {partitions!r}: expected an integer >= 1")
+        return TopicRecord(**self.action("create-topic", {"topic": topic, "partitions": partitions,
+                                                          "retention_ms": retention_ms}))
+
+    def get_topic(self, topic: str) -> TopicRecord:
+        return TopicRecord(**self.action("get-topic", {"topic": str(TopicName.parse(topic))}))
+
+    def list_topics(self, namespace: str | None = None) -> list[TopicRecord]:
+        return [TopicRecord(**t) for t in self.action("list-topics", {"namespace": namespace})]
+
+    def list_segments(self, topic: str) -> list[SegmentRecord]:
+        out = []
+        for s in self.action("list-segments", {"topic": str(TopicName.parse(topic))}):
+            s.pop("location", None)
+            s["ensemble"] = tuple(s["ensemble"])
+            out.append(SegmentRecord(**s))
+        return out
+
+    def last_confirmed(self, topic: str) -> dict[int, tuple[Position | None, Position]]:
+        """Per partition: (last confirmed message or None, the exclusive end after it)."""
+        raw = self.action("last-confirmed", {"topic": str(TopicName.parse(topic))})
+        return {int(p): (None if v["last"] is None else Position.from_dict(v["last"]),
+                         Position.from_dict(v["end"])) for p, v in raw.items()}
+
+    def seal(self, topic: str, partition: int | None = None) -> list[SegmentRecord]:
+        raw = self.action("seal", {"topic": str(TopicName.parse(topic)), "partition": partition})
+        return [SegmentRecord(**{**s, "ensemble": tuple(s["ensemble"])})
+                for s in ({k: v for k, v in s.items() if k != "location"} for s in raw)]
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.action("stats"))
+
+
+@dataclass(frozen=True)
+class Message:
+    """One message as a producer sends it."""
+
+    value: bytes
+    key: str | None = None
+    event_time: int | None = None
+    properties: Mapping[str, str] | None = None
+    publish_time: int | None = None  # requested; the broker never lets time run backwards
+
+
+@dataclass
+class _PartitionStream:
+    writer: Any = None
+    reader: Any = None
+    next_seq: int = 0
+    unacked: deque[tuple[int, pa.RecordBatch]] = field(default_factory=deque)
+
+
+class Producer:
+    """Sends messages to one topic, routed by key hash (round-robin for unkeyed messages).
+
+    Each batch carries ``(name, sequence id)``; after a broker restart the producer re-sends
+    every unacknowledged batch, and the broker stores each sequence id once. Up to
+    ``max_in_flight`` batches per partition are pipelined before waiting for acks.
+    """
+
+    def __init__(self, topic: str, *, broker: str | None = None, auth_token: str | None = None,
+                 name: str | None = None, batch_size: int = 1000, max_in_flight: int = 8,
+                 send_timeout: float = 30.0) -> None:
+        self.topic = str(TopicName.parse(topic))
+        if batch_size < 1 or max_in_flight < 1:
+            raise ConfigError(f"batch_size ({batch_size}) and max_in_flight ({max_in_flight}) "
+                              "must be >= 1")
+        self.name = name or f"producer-{uuid.uuid4().hex[:12]}"
+        self.batch_size = batch_size
+        self.max_in_flight = max_in_flight
+        self.send_timeout = send_timeout
+        self._client = BrokerClient(broker, auth_token=auth_token)
+        self._admin = Admin(self._client.url, auth_token=auth_token)
+        self.partitions = self._admin.get_topic(self.topic).partitions
+        state = self._admin.action("producer-state", {"topic": self.topic, "producer": self.name})
+        self._streams = {p: _PartitionStream(next_seq=(state.get(str(p)) or -1) + 1)
+                         for p in range(self.partitions)}
+        self._rr = itertools.count()
+        self._acks: list[dict[str, Any]] = []
+
+    def __repr__(self) -> str:
+        return f"Producer(topic={self.topic!r}, name={self.name!r}, broker={self._client.url!r})"
+
+    # -- public API ---------------------------------------------------------------------------
+
+    def send(self, value: bytes | str, *, key: str | None = None, event_time: int | None = None,
+             properties: Mapping[str, str] | None = None, publish_time: int | None = None
+             ) -> dict[str, Any]:
+        """Send one message and wait for its ack (a dict with partition, segment_id, ...)."""
+        data = value.encode() if isinstance(value, str) else value
+        acks = self.send_many([Message(data, key, event_time, properties, publish_time)])
+        return acks[0]
+
+    def send_many(self, messages: Iterable[Message | Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """Send messages in batches of ``batch_size``; returns one ack per batch, once all
+        are acknowledged."""
+        buffers: dict[int, list[Message]] = {p: [] for p in range(self.partitions)}
+        self._acks = []
+        for m in messages:
+            msg = m if isinstance(m, Message) else Message(**m)
+            p = self._route(msg.key)
+            buffers[p].append(msg)
+            if len(buffers[p]) >= self.batch_size:
+                self._send(p, _to_batch(buffers[p]))
+                buffers[p] = []
+        for p, msgs in buffers.items():
+            if msgs:
+                self._send(p, _to_batch(msgs))
+        self.flush()
+        return self._acks
+
+    def send_batch(self, batch: pa.RecordBatch | pa.Table, *, partition: int | None = None
+                   ) -> list[dict[str, Any]]:
+        """Send Arrow data (columns of PRODUCE_SCHEMA) to one partition as-is (no routing)."""
+        p = next(self._rr) % self.partitions if partition is None else partition
+        if not 0 <= p < self.partitions:
+            raise ConfigError(f"invalid partition {p} for {self.topic!r}: it has "
+                              f"0..{self.partitions - 1}")
+        self._acks = []
+        batches = batch.to_batches(self.batch_size) if isinstance(batch, pa.Table) \
+            else [batch]
+        for b in batches:
+            self._send(p, as_produce_batch(b))
+        self.flush()
+        return self._acks
+
+    def flush(self) -> None:
+        """Wait until every batch sent so far is acknowledged (re-sending after failures)."""
+        for p, stream in self._streams.items():
+            while stream.unacked:
+                self._read_ack(p, stream)
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            for stream in self._streams.values():
+                self._drop(stream)
+            self._client.close()
+            self._admin.close()
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _route(self, key: str | None) -> int:
+        if key is None:
+            return next(self._rr) % self.partitions
+        return key_hash(key) % self.partitions
+
+    def _send(self, p: int, batch: pa.RecordBatch) -> None:
+        stream = self._streams[p]
+        seq = stream.next_seq
+        stream.next_seq += 1
+        stream.unacked.append((seq, batch))
+        try:
+            self._ensure_stream(p, stream)
+            stream.writer.write_with_metadata(batch, pa.py_buffer(encode({"seq": seq})))
+        except (flight.FlightError, OSError, pa.ArrowException):
+            self._recover(p, stream)
+        while len(stream.unacked) >= self.max_in_flight:
+            self._read_ack(p, stream)
+
+    def _ensure_stream(self, p: int, stream: _PartitionStream) -> None:
+        if stream.writer is None:
+            descriptor = flight.FlightDescriptor.for_command(encode({
+                "op": "produce", "topic": self.topic, "partition": p, "producer": self.name}))
+            with translate_errors(self._client.url):
+                stream.writer, stream.reader = self._client._flight.do_put(
+                    descriptor, PRODUCE_SCHEMA, self._client._stream_options)
+
+    def _read_ack(self, p: int, stream: _PartitionStream) -> None:
+        try:
+            buf = stream.reader.read()
+            if buf is None:
+                raise UnavailableError("broker closed the produce stream")
+        except (flight.FlightError, OSError, pa.ArrowException, UnavailableError) as exc:
+            self._raise_if_rejected(exc)
+            self._recover(p, stream)
+            return
+        ack = decode(buf.to_pybytes(), "ack")
+        seq, _ = stream.unacked.popleft()
+        if ack.get("sequence_id") != seq:
+            raise UnavailableError(f"ack for sequence {ack.get('sequence_id')} while waiting "
+                                   f"for {seq}")
+        self._acks.append(ack)
+
+    def _raise_if_rejected(self, exc: BaseException) -> None:
+        """A broker that answers with a tierstream error rejected the batch: do not retry."""
+        try:
+            with translate_errors(self._client.url):
+                raise exc
+        except UnavailableError:
+            return
+        except TierstreamError:
+            raise
+
+    def _recover(self, p: int, stream: _PartitionStream) -> None:
+        """Reconnect with backoff and re-send every unacknowledged batch, in order."""
+        deadline = time.monotonic() + self.send_timeout
+        delay = 0.05
+        while True:
+            self._drop(stream)
+            try:
+                self._ensure_stream(p, stream)
+                for seq, batch in stream.unacked:
+                    stream.writer.write_with_metadata(batch, pa.py_buffer(encode({"seq": seq})))
+                return
+            except (flight.FlightError, OSError, pa.ArrowException, UnavailableError) as exc:
+                self._raise_if_rejected(exc)
+                if time.monotonic() + delay > deadline:
+                    raise UnavailableError(
+                        f"could not deliver {len(stream.unacked)} batch(es) to {self.topic!r} "
+                        f"partition {p} within {self.send_timeout}s: broker "
+                        f"{self._client.url} unreachable") from None
+                threading.Event().wait(delay)
+                delay = min(delay * 2, 1.0)
+
+    def _drop(self, stream: _PartitionStream) -> None:
+        if stream.writer is not None:
+            with contextlib.suppress(Exception):
+                stream.writer.close()
+        stream.writer = stream.reader = None
+
+
+def _to_batch(messages: list[Message]) -> pa.RecordBatch:
+    return pa.RecordBatch.from_pydict({
+        "key": [m.key for m in messages],
+        "value": [m.value for m in messages],
+        "publish_time": [m.publish_time for m in messages],
+        "event_time": [m.event_time for m in messages],
+        "properties": [None if m.properties is None else list(m.properties.items())
+                       for m in messages],
+    }, schema=PRODUCE_SCHEMA)
+
+
+def _check_ranges(key_ranges: Iterable[KeyRange] | None) -> list[list[int]]:
+    ranges = list(key_ranges or [])
+    for r in ranges:
+        if not isinstance(r, KeyRange):
+            raise ConfigError(f"invalid key range {r!r}: expected a KeyRange")
+    return [r.to_list() for r in ranges]
+
+
+def read(topic: str, *, partition: int | None = None, start: Offset | None = None,
+         end: Offset | None = None, key_ranges: Iterable[KeyRange] | None = None,
+         broker: str | None = None, auth_token: str | None = None
+         ) -> Generator[pa.RecordBatch, None, None]:
+    """Read a topic through the broker, partition by partition (or one ``partition``).
+
+    ``end=None`` follows the tail forever (close the iterator to stop); a bounded ``end``
+    (``Offset.latest()`` included, resolved when each partition's read starts) finishes.
+    Batches have :data:`~tierstream.schema.MESSAGE_SCHEMA`.
+    """
+    client = BrokerClient(broker, auth_token=auth_token)
+    try:
+        name = str(TopicName.parse(topic))
+        count = Admin(client.url, auth_token=auth_token).get_topic(name).partitions
+        if partition is not None and not 0 <= partition < count:
+            raise ConfigError(f"invalid partition {partition} for {name!r}: it has "
+                              f"0..{count - 1}")
+        parts = [partition] if partition is not None else list(range(count))
+        ranges = _check_ranges(key_ranges)
+        ticket = {"op": "consume", "topic": name, "key_ranges": ranges,
+                  "start": (start or Offset.earliest()).to_dict(),
+                  "end": None if end is None else end.to_dict()}
+        if end is None and len(parts) > 1:
+            yield from _merge_streams(client, [{**ticket, "partition": p} for p in parts])
+            return
+        for p in parts:
+            yield from _stream(client, {**ticket, "partition": p})
+    finally:
+        client.close()
+
+
+def _stream(client: BrokerClient, ticket: dict[str, Any]) -> Iterator[pa.RecordBatch]:
+    with translate_errors(client.url):
+        reader = client._flight.do_get(flight.Ticket(encode(ticket)), client._stream_options)
+        try:
+            for chunk in reader:
+                if chunk.data is not None and chunk.data.num_rows:
+                    yield chunk.data
+        finally:
+            reader.cancel()
+
+
+_DONE = object()
+
+
+def _merge_streams(client: BrokerClient, tickets: list[dict[str, Any]]
+                   ) -> Iterator[pa.RecordBatch]:
+    """Several unbounded partition streams, merged as batches arrive (per-partition order)."""
+    out: queue.Queue[Any] = queue.Queue(maxsize=64)
+    stop = threading.Event()
+    readers: list[Any] = []
+
+    def pump(ticket: dict[str, Any]) -> None:
+        try:
+            with translate_errors(client.url):
+                reader = client._flight.do_get(flight.Ticket(encode(ticket)),
+                                               client._stream_options)
+                readers.append(reader)
+                for chunk in reader:
+                    if stop.is_set():
+                        return
+                    if chunk.data is not None and chunk.data.num_rows:
+                        out.put(chunk.data)
+        except Exception as exc:
+            if not stop.is_set():
+                out.put(exc)
+        finally:
+            out.put(_DONE)
+
+    threads = [threading.Thread(target=pump, args=(t,), daemon=True) for t in tickets]
+    for t in threads:
+        t.start()
+    finished = 0
+    try:
+        while finished < len(threads):
+            item = out.get()
+            if item is _DONE:
+                finished += 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        stop.set()
+        for r in readers:
+            r.cancel()
+
+
+class Consumer:
+    """A durable subscription on a topic: Exclusive, or Key_Shared with sticky key ranges.
+
+    :meth:`receive` returns record batches (each from one partition, in log order);
+    :meth:`ack` acknowledges cumulatively, per partition, within this consumer's key ranges.
+    A consumer that reconnects with the same ranges resumes after its last ack.
+    """
+
+    def __init__(self, topic: str, subscription: str, *, mode: str = "exclusive",
+                 key_ranges: Iterable[KeyRange] | None = None, initial: Offset | None = None,
+                 broker: str | None = None, auth_token: str | None = None,
+                 consumer_name: str | None = None) -> None:
+        self.topic = str(TopicName.parse(topic))
+        if not subscription or not isinstance(subscription, str):
+            raise ConfigError(f"invalid subscription name {subscription!r}")
+        self.subscription = subscription
+        self.key_ranges = list(key_ranges or [KeyRange(0, KEY_HASH_SLOTS)])
+        self.name = consumer_name or f"consumer-{uuid.uuid4().hex[:12]}"
+        self._client = BrokerClient(broker, auth_token=auth_token)
+        self._admin = Admin(self._client.url, auth_token=auth_token)
+        partitions = self._admin.get_topic(self.topic).partitions
+        sub = {"name": subscription, "mode": mode, "consumer": self.name,
+               "initial": (initial or Offset.latest()).to_dict()}
+        tickets = [{"op": "consume", "topic": self.topic, "partition": p,
+                    "key_ranges": _check_ranges(self.key_ranges), "subscription": sub}
+                   for p in range(partitions)]
+        # Open every stream before returning, so attach errors (a second exclusive consumer,
+        # overlapping ranges) surface here.
+        self._readers = []
+        with translate_errors(self._client.url):
+            for ticket in tickets:
+                reader = self._client._flight.do_get(flight.Ticket(encode(ticket)),
+                                                     self._client._stream_options)
+                reader.schema  # noqa: B018 - forces the call, raising attach errors now
+                self._readers.append(reader)
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=64)
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._pump, args=(r,), daemon=True)
+                         for r in self._readers]
+        for t in self._threads:
+            t.start()
+
+    def _pump(self, reader: Any) -> None:
+        try:
+            with translate_errors(self._client.url):
+                for chunk in reader:
+                    if self._stop.is_set():
+                        return
+                    if chunk.data is not None and chunk.data.num_rows:
+                        self._queue.put(chunk.data)
+        except Exception as exc:
+            if not self._stop.is_set():
+                self._queue.put(exc)
+
+    def receive(self, timeout: float | None = None) -> pa.RecordBatch | None:
+        """The next batch, or None if none arrived within ``timeout`` seconds."""
+        try:
+            item = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def ack(self, batch_or_position: pa.RecordBatch | Position) -> None:
+        """Acknowledge everything up to the last message of ``batch`` (or ``position``)."""
+        if isinstance(batch_or_position, Position):
+            pos = batch_or_position
+        else:
+            b = batch_or_position
+            if b.schema != MESSAGE_SCHEMA or b.num_rows == 0:
+                raise ConfigError("ack needs a non-empty batch received from this consumer")
+            i = b.num_rows - 1
+            pos = Position(b.column("partition")[i].as_py(), b.column("segment_id")[i].as_py(),
+                           b.column("entry_id")[i].as_py(), b.column("batch_index")[i].as_py())
+        self._admin.action("ack", {"topic": self.topic, "subscription": self.subscription,
+                                   "partition": pos.partition, "position": pos.to_dict(),
+                                   "key_ranges": [r.to_list() for r in self.key_ranges]})
+
+    def close(self) -> None:
+        self._stop.set()
+        for r in self._readers:
+            r.cancel()
+        for t in self._threads:
+            t.join(timeout=5)
+        self._client.close()
+        self._admin.close()
+
+    def __enter__(self) -> Consumer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

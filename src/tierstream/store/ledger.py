@@ -1,0 +1,180 @@
+"""The on-disk format of one ledger (segment) on one bookie, and how to read it back.
+
+A ledger is two files in the bookie's directory:
+
+``<segment_id>.log``  append-only frames. A frame is a 40-byte header
+    ``magic "TSE1", flags u32, segment_id i64, entry_id i64, meta_len u32, payload_len u32,
+    crc32 u32, 4 bytes padding``, then ``meta`` (a small JSON object: producer, sequence id)
+    padded to 8 bytes, then the payload (one Arrow IPC record-batch message of
+    :data:`~tierstream.schema.MESSAGE_SCHEMA`) padded to 8 bytes. The CRC-32 covers segment id,
+    entry id, both lengths, meta and payload, so a frame copied into the wrong ledger or slot
+    fails the check just like a flipped byte.
+``<segment_id>.idx``  fixed 40-byte records ``entry_id i64, frame_offset i64, frame_len u32,
+    messages u32, first_publish_time i64, last_publish_time i64``; the index is derived data:
+    recovery rebuilds it from the frames.
+
+Functions here are pure file I/O with no threads, so the bookie-log reader can use them on an
+executor that has nothing but the paths.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from tierstream.errors import CorruptionError
+from tierstream.schema import MESSAGE_SCHEMA
+
+__all__ = [
+    "FRAME_HEADER",
+    "INDEX_RECORD",
+    "IndexRecord",
+    "decode_payload",
+    "encode_frame",
+    "read_frame",
+    "read_index",
+    "scan_frames",
+]
+
+MAGIC = b"TSE1"
+FRAME_HEADER = struct.Struct("<4sIqqIII4x")
+INDEX_RECORD = struct.Struct("<qqIIqq")
+_CRC_IDS = struct.Struct("<qqII")
+
+
+def _pad8(n: int) -> int:
+    return (8 - n % 8) % 8
+
+
+@dataclass(frozen=True, slots=True)
+class IndexRecord:
+    entry_id: int
+    frame_offset: int
+    frame_len: int
+    messages: int
+    first_publish_time: int
+    last_publish_time: int
+
+    def pack(self) -> bytes:
+        return INDEX_RECORD.pack(
+            self.entry_id, self.frame_offset, self.frame_len, self.messages,
+            self.first_publish_time, self.last_publish_time,
+        )
+
+
+def _crc(segment_id: int, entry_id: int, meta: bytes, payload: Any) -> int:
+    crc = zlib.crc32(_CRC_IDS.pack(segment_id, entry_id, len(meta), len(payload)))
+    crc = zlib.crc32(meta, crc)
+    return zlib.crc32(payload, crc)
+
+
+def encode_frame(segment_id: int, entry_id: int, meta: dict[str, Any], payload: pa.Buffer) -> list[
+    Any
+]:
+    """The pieces of one frame, ready for ``os.writev`` (payload is not copied)."""
+    meta_bytes = json.dumps(meta, separators=(",", ":")).encode()
+    crc = _crc(segment_id, entry_id, meta_bytes, payload)
+    header = FRAME_HEADER.pack(
+        MAGIC, 0, segment_id, entry_id, len(meta_bytes), payload.size, crc
+    )
+    return [
+        header,
+        meta_bytes + b"\0" * _pad8(len(meta_bytes)),
+        payload,
+        b"\0" * _pad8(payload.size),
+    ]
+
+
+def frame_length(pieces: list[Any]) -> int:
+    return sum(len(p) if not isinstance(p, pa.Buffer) else p.size for p in pieces)
+
+
+def _parse(
+    buf: memoryview, segment_id: int, entry_id: int | None, where: str
+) -> tuple[int, dict[str, Any], memoryview, int]:
+    """(entry_id, meta, payload view, frame length) of the frame at the start of ``buf``."""
+    if len(buf) < FRAME_HEADER.size:
+        raise CorruptionError(f"{where}: short frame header")
+    magic, _flags, seg, ent, meta_len, payload_len, crc = FRAME_HEADER.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise CorruptionError(f"{where}: bad frame magic")
+    if seg != segment_id or (entry_id is not None and ent != entry_id):
+        raise CorruptionError(
+            f"{where}: frame belongs to segment {seg} entry {ent}, expected segment {segment_id}"
+            f" entry {entry_id}"
+        )
+    meta_start = FRAME_HEADER.size
+    payload_start = meta_start + meta_len + _pad8(meta_len)
+    end = payload_start + payload_len + _pad8(payload_len)
+    if end > len(buf):
+        raise CorruptionError(f"{where}: frame is cut short ({len(buf)} of {end} bytes)")
+    meta_bytes = bytes(buf[meta_start : meta_start + meta_len])
+    payload = buf[payload_start : payload_start + payload_len]
+    if _crc(seg, ent, meta_bytes, payload) != crc:
+        raise CorruptionError(f"{where}: checksum mismatch in segment {seg} entry {ent}")
+    try:
+        meta = json.loads(meta_bytes) if meta_bytes else {}
+    except ValueError:
+        raise CorruptionError(f"{where}: unreadable frame metadata") from None
+    return ent, meta, payload, end
+
+
+def read_frame(fd: int, segment_id: int, record: IndexRecord, where: str) -> tuple[
+    dict[str, Any], pa.Buffer
+]:
+    """Read and verify the frame ``record`` points at; returns (meta, payload buffer)."""
+    data = os.pread(fd, record.frame_len, record.frame_offset)
+    _, meta, payload, _ = _parse(memoryview(data), segment_id, record.entry_id, where)
+    return meta, pa.py_buffer(payload)
+
+
+def decode_payload(payload: pa.Buffer) -> pa.RecordBatch:
+    """The record batch of an entry payload, zero-copy over ``payload``."""
+    return pa.ipc.read_record_batch(payload, MESSAGE_SCHEMA)
+
+
+def read_index(path: str | Path) -> list[IndexRecord]:
+    """All records of an index file (a trailing partial record is ignored)."""
+    data = Path(path).read_bytes()
+    n = len(data) // INDEX_RECORD.size
+    return [IndexRecord(*INDEX_RECORD.unpack_from(data, i * INDEX_RECORD.size)) for i in range(n)]
+
+
+@dataclass(frozen=True)
+class ScannedFrame:
+    record: IndexRecord
+    meta: dict[str, Any]
+
+
+def scan_frames(path: str | Path, segment_id: int) -> tuple[list[ScannedFrame], int]:
+    """Every whole, valid frame from the start of a ledger file, in order, and the byte length
+    they cover. Scanning stops at the first torn or invalid frame (recovery cuts the file there).
+    """
+    with open(path, "rb") as f:
+        data = memoryview(f.read())
+    frames: list[ScannedFrame] = []
+    offset = 0
+    expected = 0
+    while offset < len(data):
+        try:
+            ent, meta, payload, length = _parse(data[offset:], segment_id, expected, str(path))
+            batch = decode_payload(pa.py_buffer(payload))
+        except (CorruptionError, pa.ArrowInvalid):
+            break
+        pts = batch.column("publish_time")
+        frames.append(ScannedFrame(
+            IndexRecord(ent, offset, length, batch.num_rows,
+                        pts[0].as_py() if len(pts) else 0, pts[-1].as_py() if len(pts) else 0),
+            meta,
+        ))
+        offset += length
+        expected += 1
+    return frames, offset
+

@@ -1,0 +1,354 @@
+"""The metadata store: topics, segment records, cursors and de-duplication snapshots.
+
+SQLite in WAL mode, one file in the data directory. The broker (and later the offloader) write;
+planners and the CLI read, each from its own connection, possibly in another process. Everything
+goes through :class:`MetadataStore` so that a networked SQL database can replace SQLite later.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from tierstream.errors import AlreadyExistsError, ConfigError, NotFoundError
+from tierstream.names import TopicName
+
+__all__ = ["MetadataStore", "SegmentRecord", "SegmentState", "TopicRecord"]
+
+SCHEMA_VERSION = 1
+
+_DDL = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS topics (
+    name TEXT PRIMARY KEY,
+    partitions INTEGER NOT NULL,
+    retention_ms INTEGER,
+    created_at INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS segments (
+    segment_id INTEGER PRIMARY KEY AUTOINCREMENT,
+    topic TEXT NOT NULL,
+    partition INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    entries INTEGER NOT NULL DEFAULT 0,
+    messages INTEGER NOT NULL DEFAULT 0,
+    bytes INTEGER NOT NULL DEFAULT 0,
+    min_publish_time INTEGER,
+    max_publish_time INTEGER,
+    created_at INTEGER NOT NULL,
+    sealed_at INTEGER,
+    ensemble TEXT NOT NULL,
+    tier_url TEXT,
+    offloaded_at INTEGER,
+    bookie_deleted_at INTEGER
+);
+CREATE INDEX IF NOT EXISTS segments_by_partition ON segments (topic, partition, segment_id);
+CREATE TABLE IF NOT EXISTS cursors (
+    topic TEXT NOT NULL,
+    subscription TEXT NOT NULL,
+    partition INTEGER NOT NULL,
+    intervals TEXT NOT NULL,
+    updated_at INTEGER NOT NULL,
+    PRIMARY KEY (topic, subscription, partition)
+);
+CREATE TABLE IF NOT EXISTS dedup (
+    topic TEXT NOT NULL,
+    partition INTEGER NOT NULL,
+    producer TEXT NOT NULL,
+    sequence_id INTEGER NOT NULL,
+    position TEXT NOT NULL,
+    PRIMARY KEY (topic, partition, producer)
+);
+"""
+
+
+class SegmentState:
+    OPEN = "OPEN"
+    CLOSED = "CLOSED"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TopicRecord:
+    name: str
+    partitions: int
+    retention_ms: int | None
+    created_at: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "partitions": self.partitions,
+            "retention_ms": self.retention_ms,
+            "created_at": self.created_at,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class SegmentRecord:
+    """One segment (Pulsar's ledger) of one partition. ``segment_id`` is unique in the store."""
+
+    topic: str
+    partition: int
+    segment_id: int
+    state: str
+    entries: int
+    messages: int
+    bytes: int
+    min_publish_time: int | None
+    max_publish_time: int | None
+    created_at: int
+    sealed_at: int | None
+    ensemble: tuple[str, ...]
+    tier_url: str | None = None
+    offloaded_at: int | None = None
+    bookie_deleted_at: int | None = None
+
+    @property
+    def location(self) -> str:
+        """Where a reader finds the data now: ``tier``, ``bookies`` or ``open``."""
+        if self.tier_url is not None:
+            return "tier"
+        return "open" if self.state == SegmentState.OPEN else "bookies"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        out["ensemble"] = list(self.ensemble)
+        out["location"] = self.location
+        return out
+
+    def with_stats(self, **changes: Any) -> SegmentRecord:
+        return replace(self, **changes)
+
+
+_SEGMENT_COLUMNS = (
+    "topic, partition, segment_id, state, entries, messages, bytes, min_publish_time, "
+    "max_publish_time, created_at, sealed_at, ensemble, tier_url, offloaded_at, bookie_deleted_at"
+)
+
+
+def _segment(row: sqlite3.Row | tuple[Any, ...]) -> SegmentRecord:
+    (topic, partition, segment_id, state, entries, messages, nbytes, min_pt, max_pt, created,
+     sealed, ensemble, tier_url, offloaded, deleted) = tuple(row)
+    return SegmentRecord(
+        topic=topic, partition=partition, segment_id=segment_id, state=state, entries=entries,
+        messages=messages, bytes=nbytes, min_publish_time=min_pt, max_publish_time=max_pt,
+        created_at=created, sealed_at=sealed, ensemble=tuple(json.loads(ensemble)),
+        tier_url=tier_url, offloaded_at=offloaded, bookie_deleted_at=deleted,
+    )
+
+
+class MetadataStore:
+    """SQLite-backed metadata. Thread-safe; one connection per store object.
+
+    ``read_only=True`` is for planners and the CLI: it never creates or migrates the file.
+    """
+
+    def __init__(self, path: str | Path, *, read_only: bool = False) -> None:
+        self.path = Path(path)
+        if read_only:
+            if not self.path.exists():
+                raise NotFoundError(
+                    f"no metadata store at {str(self.path)!r}: is the data directory right? "
+                    "(--data-dir / TIERSTREAM_HOME)"
+                )
+            uri = f"file:{self.path}?mode=ro"
+            self._conn = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=30)
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._conn = sqlite3.connect(self.path, check_same_thread=False, timeout=30)
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            # Seals, cursors and de-dup snapshots must survive power loss, and they are rare.
+            self._conn.execute("PRAGMA synchronous=FULL")
+            with self._conn:
+                self._conn.executescript(_DDL)
+                self._conn.execute(
+                    "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)",
+                    (str(SCHEMA_VERSION),),
+                )
+        self._lock = threading.RLock()
+        self._check_version()
+
+    def _check_version(self) -> None:
+        row = self._conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        if row is None or int(row[0]) != SCHEMA_VERSION:
+            raise ConfigError(
+                f"metadata store {str(self.path)!r} has schema version {row and row[0]!r}; "
+                f"this tierstream reads version {SCHEMA_VERSION}"
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock, self._conn:
+            yield self._conn
+
+    # -- topics -------------------------------------------------------------------------------
+
+    def create_topic(
+        self, name: TopicName, partitions: int, *, created_at: int, retention_ms: int | None = None
+    ) -> TopicRecord:
+        if not isinstance(partitions, int) or isinstance(partitions, bool) or partitions < 1:
+            raise ConfigError(
+                f"invalid partition count {partitions!r} for topic {str(name)!r}: expected an "
+                "integer >= 1"
+            )
+        try:
+            with self._tx() as c:
+                c.execute(
+                    "INSERT INTO topics (name, partitions, retention_ms, created_at) "
+                    "VALUES (?, ?, ?, ?)",
+                    (str(name), partitions, retention_ms, created_at),
+                )
+        except sqlite3.IntegrityError:
+            raise AlreadyExistsError(f"topic {str(name)!r} already exists") from None
+        return TopicRecord(
+            name=str(name), partitions=partitions, retention_ms=retention_ms, created_at=created_at
+        )
+
+    def get_topic(self, name: TopicName | str) -> TopicRecord:
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT name, partitions, retention_ms, created_at FROM topics WHERE name = ?",
+                (str(name),),
+            ).fetchone()
+        if row is None:
+            raise NotFoundError(f"topic {str(name)!r} does not exist")
+        return TopicRecord(name=row[0], partitions=row[1], retention_ms=row[2], created_at=row[3])
+
+    def list_topics(self, namespace: str | None = None) -> list[TopicRecord]:
+        with self._lock:
+            if namespace is None:
+                rows = self._conn.execute(
+                    "SELECT name, partitions, retention_ms, created_at FROM topics ORDER BY name"
+                ).fetchall()
+            else:
+                rows = self._conn.execute(
+                    "SELECT name, partitions, retention_ms, created_at FROM topics "
+                    "WHERE name LIKE ? ESCAPE '\\' ORDER BY name",
+                    (namespace.replace("_", "\\_").replace("%", "\\%") + "/%",),
+                ).fetchall()
+        return [TopicRecord(name=r[0], partitions=r[1], retention_ms=r[2], created_at=r[3])
+                for r in rows]
+
+    # -- segments -----------------------------------------------------------------------------
+
+    def new_segment(
+        self, topic: str, partition: int, *, ensemble: tuple[str, ...], created_at: int
+    ) -> SegmentRecord:
+        with self._tx() as c:
+            cur = c.execute(
+                "INSERT INTO segments (topic, partition, state, created_at, ensemble) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (topic, partition, SegmentState.OPEN, created_at, json.dumps(list(ensemble))),
+            )
+            segment_id = cur.lastrowid
+        assert segment_id is not None
+        return SegmentRecord(
+            topic=topic, partition=partition, segment_id=segment_id, state=SegmentState.OPEN,
+            entries=0, messages=0, bytes=0, min_publish_time=None, max_publish_time=None,
+            created_at=created_at, sealed_at=None, ensemble=ensemble,
+        )
+
+    def update_segment_stats(self, record: SegmentRecord) -> None:
+        """Write entries/messages/bytes/min/max/state/sealed_at of ``record``."""
+        with self._tx() as c:
+            c.execute(
+                "UPDATE segments SET state=?, entries=?, messages=?, bytes=?, min_publish_time=?, "
+                "max_publish_time=?, sealed_at=? WHERE segment_id=?",
+                (record.state, record.entries, record.messages, record.bytes,
+                 record.min_publish_time, record.max_publish_time, record.sealed_at,
+                 record.segment_id),
+            )
+
+    def delete_segment(self, segment_id: int) -> None:
+        with self._tx() as c:
+            c.execute("DELETE FROM segments WHERE segment_id=?", (segment_id,))
+
+    def segments(self, topic: str, partition: int | None = None) -> list[SegmentRecord]:
+        """Segment records of ``topic`` sorted by (partition, segment_id)."""
+        sql = f"SELECT {_SEGMENT_COLUMNS} FROM segments WHERE topic=?"
+        args: tuple[Any, ...] = (topic,)
+        if partition is not None:
+            sql += " AND partition=?"
+            args += (partition,)
+        with self._lock:
+            rows = self._conn.execute(sql + " ORDER BY partition, segment_id", args).fetchall()
+        return [_segment(r) for r in rows]
+
+    def get_segment(self, segment_id: int) -> SegmentRecord:
+        with self._lock:
+            row = self._conn.execute(
+                f"SELECT {_SEGMENT_COLUMNS} FROM segments WHERE segment_id=?", (segment_id,)
+            ).fetchone()
+        if row is None:
+            raise NotFoundError(f"segment {segment_id} does not exist")
+        return _segment(row)
+
+    def open_segments(self) -> list[SegmentRecord]:
+        with self._lock:
+            rows = self._conn.execute(
+                f"SELECT {_SEGMENT_COLUMNS} FROM segments WHERE state=? "
+                "ORDER BY topic, partition, segment_id",
+                (SegmentState.OPEN,),
+            ).fetchall()
+        return [_segment(r) for r in rows]
+
+    # -- cursors ------------------------------------------------------------------------------
+
+    def get_cursor(self, topic: str, subscription: str, partition: int) -> list[Any] | None:
+        """The stored interval list of a subscription's partition, or None if it has none."""
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT intervals FROM cursors WHERE topic=? AND subscription=? AND partition=?",
+                (topic, subscription, partition),
+            ).fetchone()
+        return None if row is None else list(json.loads(row[0]))
+
+    def save_cursor(
+        self, topic: str, subscription: str, partition: int, intervals: list[Any], *, now: int
+    ) -> None:
+        with self._tx() as c:
+            c.execute(
+                "INSERT INTO cursors (topic, subscription, partition, intervals, updated_at) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (topic, subscription, partition) DO UPDATE "
+                "SET intervals=excluded.intervals, updated_at=excluded.updated_at",
+                (topic, subscription, partition, json.dumps(intervals), now),
+            )
+
+    def subscriptions(self, topic: str) -> list[str]:
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT DISTINCT subscription FROM cursors WHERE topic=? ORDER BY subscription",
+                (topic,),
+            ).fetchall()
+        return [r[0] for r in rows]
+
+    # -- producer de-duplication ----------------------------------------------------------------
+
+    def load_dedup(self, topic: str, partition: int) -> dict[str, tuple[int, dict[str, int]]]:
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT producer, sequence_id, position FROM dedup WHERE topic=? AND partition=?",
+                (topic, partition),
+            ).fetchall()
+        return {r[0]: (r[1], json.loads(r[2])) for r in rows}
+
+    def save_dedup(
+        self, topic: str, partition: int, state: dict[str, tuple[int, dict[str, int]]]
+    ) -> None:
+        with self._tx() as c:
+            c.executemany(
+                "INSERT INTO dedup (topic, partition, producer, sequence_id, position) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (topic, partition, producer) DO UPDATE "
+                "SET sequence_id=excluded.sequence_id, position=excluded.position",
+                [(topic, partition, p, seq, json.dumps(pos)) for p, (seq, pos) in state.items()],
+            )

@@ -1,0 +1,518 @@
+"""The managed ledger of one partition, on the broker: appends, rollover, reads, the tail.
+
+Appends take the partition lock only to assign the entry id and hand the entry to the bookies;
+the wait for the ack quorum happens outside it, so concurrent producers of one partition share
+the bookies' group commits. Each bookie writes in queue order, so quorums complete in entry order
+and the last confirmed entry (LAC) only ever moves forward by one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from tierstream.errors import ConfigError, CorruptionError, NotFoundError, UnavailableError
+from tierstream.schema import MESSAGE_SCHEMA, as_produce_batch, key_hashes
+from tierstream.splits.positions import KeyRange, Position
+from tierstream.store.bookie import Bookie
+from tierstream.store.ledger import IndexRecord, decode_payload
+from tierstream.store.metadata import MetadataStore, SegmentRecord, SegmentState
+from tierstream.timeutil import now_ms
+
+__all__ = ["Ack", "PartitionLog", "filter_key_ranges"]
+
+_CACHE_BYTES = 64 * 1024**2
+
+
+@dataclass(frozen=True)
+class Ack:
+    """What a producer gets back for one batch."""
+
+    partition: int
+    segment_id: int
+    entry_id: int
+    messages: int
+    first_publish_time: int
+    last_publish_time: int
+    sequence_id: int | None
+    duplicate: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _InFlight:
+    futures: list[Future[IndexRecord]]
+    batch: pa.RecordBatch
+
+
+@dataclass
+class _Open:
+    record: SegmentRecord
+    records: list[IndexRecord] = field(default_factory=list)  # confirmed entries only
+    next_entry: int = 0
+    in_flight: dict[int, _InFlight] = field(default_factory=dict)
+    failed: bool = False
+    messages: int = 0
+    bytes: int = 0
+    min_pt: int | None = None
+    max_pt: int | None = None
+
+
+class PartitionLog:
+    """One partition's segments; owned by the broker's :class:`~tierstream.store.store.Store`."""
+
+    def __init__(
+        self,
+        *,
+        topic: str,
+        partition: int,
+        metadata: MetadataStore,
+        bookies: dict[str, Bookie],
+        choose_ensemble: Callable[[], tuple[str, ...]],
+        ack_quorum: int,
+        max_entries: int,
+        max_bytes: int,
+        rollover_ms: int,
+        closing: threading.Event,
+    ) -> None:
+        self.topic = topic
+        self.partition = partition
+        self._metadata = metadata
+        self._bookies = bookies
+        self._choose_ensemble = choose_ensemble
+        self._ack_quorum = ack_quorum
+        self._max_entries = max_entries
+        self._max_bytes = max_bytes
+        self._rollover_ms = rollover_ms
+        self._closing = closing
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._closed_segments: list[SegmentRecord] = [
+            s for s in metadata.segments(topic, partition) if s.state == SegmentState.CLOSED
+        ]
+        self._dedup: dict[str, tuple[int, dict[str, int]]] = metadata.load_dedup(topic, partition)
+        self._last_pt = max(
+            (s.max_publish_time for s in self._closed_segments if s.max_publish_time is not None),
+            default=0,
+        )
+        self._index_cache: OrderedDict[int, list[IndexRecord]] = OrderedDict()
+        self._entry_cache: OrderedDict[tuple[int, int], pa.RecordBatch] = OrderedDict()
+        self._entry_cache_bytes = 0
+        self._stats_dirty = False
+        self.replica_failures = 0
+        self._open = self._new_open_segment()
+
+    # -- appends ------------------------------------------------------------------------------
+
+    def append(self, batch: pa.RecordBatch, *, producer: str | None, sequence_id: int | None,
+               requested_now: int | None = None) -> Ack:
+        """Append one batch as one entry; returns once an ack quorum has it on disk.
+
+        A batch whose ``(producer, sequence_id)`` was already stored is not stored again: the
+        ack repeats the original position with ``duplicate=True``.
+        """
+        batch = as_produce_batch(batch)
+        if batch.num_rows == 0:
+            raise ConfigError("cannot append an empty batch")
+        with self._lock:
+            if producer is not None and sequence_id is not None:
+                seen = self._dedup.get(producer)
+                if seen is not None and sequence_id <= seen[0]:
+                    return self._duplicate_ack(sequence_id, seen)
+            self._roll_if_due(now_ms())
+            seg = self._open
+            entry_id = seg.next_entry
+            seg.next_entry += 1
+            now = requested_now if requested_now is not None else now_ms()
+            message_batch, first_pt, last_pt = self._build_entry(batch, seg.record.segment_id,
+                                                                 entry_id, now)
+            self._last_pt = last_pt
+            payload = message_batch.serialize()
+            meta: dict[str, Any] = {}
+            if producer is not None and sequence_id is not None:
+                meta = {"p": producer, "s": sequence_id}
+                self._dedup[producer] = (sequence_id, {"segment_id": seg.record.segment_id,
+                                                       "entry_id": entry_id})
+            futures = [
+                self._bookies[b].append(seg.record.segment_id, entry_id, meta, payload,
+                                        message_batch.num_rows, first_pt, last_pt)
+                for b in seg.record.ensemble
+            ]
+            seg.in_flight[entry_id] = _InFlight(futures, message_batch)
+        self._wait_quorum(futures)  # outside the lock: other producers keep appending
+        with self._lock:
+            self._advance(seg)
+            if len(seg.records) <= entry_id:
+                errors = [str(f.exception()) for f in futures if f.exception() is not None]
+                raise UnavailableError(
+                    f"entry {entry_id} of segment {seg.record.segment_id} ({self.topic} "
+                    f"partition {self.partition}) did not reach an ack quorum of "
+                    f"{self._ack_quorum} bookies: {'; '.join(errors) or 'segment was sealed'}"
+                )
+            if seg is self._open and (len(seg.records) >= self._max_entries
+                                      or seg.bytes >= self._max_bytes):
+                self._roll()
+        return Ack(self.partition, seg.record.segment_id, entry_id, message_batch.num_rows,
+                   first_pt, last_pt, sequence_id)
+
+    def _wait_quorum(self, futures: list[Future[IndexRecord]]) -> None:
+        pending = set(futures)
+        while pending:
+            ok = sum(1 for f in futures if f.done() and f.exception() is None)
+            if ok >= self._ack_quorum:
+                return
+            _, pending = wait_futures(pending, return_when="FIRST_COMPLETED")
+
+    def _advance(self, seg: _Open, *, roll_on_failure: bool = True) -> None:
+        """Confirm in-flight entries in entry order while each has its ack quorum (lock held).
+
+        Each bookie writes in queue order, so quorums complete in entry order; an entry that
+        failed its quorum stops the segment: it is sealed at the entry before.
+        """
+        advanced = False
+        while seg.in_flight:
+            entry_id = min(seg.in_flight)
+            pending = seg.in_flight[entry_id]
+            ok = [f for f in pending.futures if f.done() and f.exception() is None]
+            if len(ok) < self._ack_quorum and not all(f.done() for f in pending.futures):
+                break  # still waiting for its quorum
+            if len(ok) < self._ack_quorum:
+                # A hole: nothing after it may be confirmed. Seal the segment before it.
+                seg.failed = True
+                break
+            del seg.in_flight[entry_id]
+            record = ok[0].result()
+            batch = pending.batch
+            seg.records.append(record)
+            seg.messages += batch.num_rows
+            seg.bytes += record.frame_len
+            pts = batch.column("publish_time")
+            seg.min_pt = pts[0].as_py() if seg.min_pt is None else seg.min_pt
+            seg.max_pt = pts[-1].as_py()
+            self._cache_put((seg.record.segment_id, entry_id), batch)
+            self._stats_dirty = True
+            advanced = True
+        if advanced:
+            self._changed.notify_all()
+        if seg.failed and roll_on_failure and seg is self._open:
+            self._roll()
+
+    def _duplicate_ack(self, sequence_id: int, seen: tuple[int, dict[str, int]]) -> Ack:
+        pos = seen[1] if sequence_id == seen[0] else {"segment_id": 0, "entry_id": 0}
+        return Ack(self.partition, pos["segment_id"], pos["entry_id"], 0, 0, 0, sequence_id,
+                   duplicate=True)
+
+    def _build_entry(self, batch: pa.RecordBatch, segment_id: int, entry_id: int, now: int
+                     ) -> tuple[pa.RecordBatch, int, int]:
+        n = batch.num_rows
+        requested = pc.fill_null(batch.column("publish_time"), pa.scalar(now, pa.int64()))
+        floored = pc.max_element_wise(requested, pa.scalar(self._last_pt, pa.int64()))
+        publish_time = pc.cumulative_max(floored)
+        columns = [
+            batch.column("key"),
+            key_hashes(batch.column("key")),
+            batch.column("value"),
+            publish_time,
+            batch.column("event_time"),
+            batch.column("properties"),
+            pa.repeat(pa.scalar(self.partition, pa.int32()), n),
+            pa.repeat(pa.scalar(segment_id, pa.int64()), n),
+            pa.repeat(pa.scalar(entry_id, pa.int64()), n),
+            pa.array(range(n), type=pa.int32()),
+        ]
+        out = pa.RecordBatch.from_arrays(columns, schema=MESSAGE_SCHEMA)
+        return out, publish_time[0].as_py(), publish_time[-1].as_py()
+
+    # -- rollover -----------------------------------------------------------------------------
+
+    def _new_open_segment(self) -> _Open:
+        record = self._metadata.new_segment(self.topic, self.partition,
+                                            ensemble=self._choose_ensemble(), created_at=now_ms())
+        for b in record.ensemble:
+            self._bookies[b].create_ledger(record.segment_id)
+        return _Open(record)
+
+    def _roll_if_due(self, now: int) -> None:
+        seg = self._open
+        if seg.records and now - seg.record.created_at >= self._rollover_ms:
+            self._roll()
+
+    def roll_if_aged(self) -> bool:
+        """Seal the open segment if it is non-empty and older than the rollover time."""
+        with self._lock:
+            before = self._open
+            self._roll_if_due(now_ms())
+            return self._open is not before
+
+    def seal(self) -> SegmentRecord | None:
+        """Seal the open segment now (if it has entries) and open a new one."""
+        with self._lock:
+            if not self._open.records and not self._open.in_flight:
+                return None
+            self._roll()
+            return self._closed_segments[-1] if self._closed_segments else None
+
+    def _roll(self, *, reopen: bool = True) -> None:
+        seg = self._open
+        wait_futures([f for p in seg.in_flight.values() for f in p.futures])
+        self._advance(seg, roll_on_failure=False)
+        seg.in_flight.clear()
+        last = seg.records[-1].entry_id if seg.records else None
+        for b in seg.record.ensemble:
+            self._bookies[b].seal_ledger(seg.record.segment_id, last)
+        if seg.records:
+            sealed = seg.record.with_stats(
+                state=SegmentState.CLOSED, entries=len(seg.records), messages=seg.messages,
+                bytes=seg.bytes, min_publish_time=seg.min_pt, max_publish_time=seg.max_pt,
+                sealed_at=now_ms(),
+            )
+            self._metadata.update_segment_stats(sealed)
+            self._closed_segments.append(sealed)
+            self._index_cache[sealed.segment_id] = seg.records
+        else:
+            self._metadata.delete_segment(seg.record.segment_id)
+            for b in seg.record.ensemble:
+                self._bookies[b].delete_ledger(seg.record.segment_id)
+        self._metadata.save_dedup(self.topic, self.partition, self._dedup)
+        if reopen:
+            self._open = self._new_open_segment()
+        self._changed.notify_all()
+
+    def close(self) -> None:
+        """Clean shutdown: seal the open segment (an empty one is dropped)."""
+        with self._lock:
+            self._roll(reopen=False)
+
+    def flush_stats(self) -> None:
+        """Write the open segment's live stats to the metadata store (planners read them)."""
+        with self._lock:
+            if not self._stats_dirty:
+                return
+            seg = self._open
+            self._metadata.update_segment_stats(seg.record.with_stats(
+                entries=len(seg.records), messages=seg.messages, bytes=seg.bytes,
+                min_publish_time=seg.min_pt, max_publish_time=seg.max_pt))
+            self._stats_dirty = False
+
+    # -- views --------------------------------------------------------------------------------
+
+    def segments(self) -> list[SegmentRecord]:
+        """Every segment of the partition, the open one with its live stats."""
+        with self._lock:
+            seg = self._open
+            live = seg.record.with_stats(
+                entries=len(seg.records), messages=seg.messages, bytes=seg.bytes,
+                min_publish_time=seg.min_pt, max_publish_time=seg.max_pt)
+            return [*self._closed_segments, live]
+
+    def last_confirmed(self) -> tuple[Position | None, Position]:
+        """(position of the last confirmed message or None, the exclusive end after it)."""
+        with self._lock:
+            seg = self._open
+            if seg.records:
+                last = seg.records[-1]
+                sid = seg.record.segment_id
+            elif self._closed_segments:
+                closed = self._closed_segments[-1]
+                last = self._segment_index(closed)[-1]
+                sid = closed.segment_id
+            else:
+                return None, Position(self.partition, seg.record.segment_id, 0, 0)
+            return (Position(self.partition, sid, last.entry_id, last.messages - 1),
+                    Position(self.partition, sid, last.entry_id + 1, 0))
+
+    def earliest(self) -> Position:
+        with self._lock:
+            first = self._closed_segments[0] if self._closed_segments else self._open.record
+            return Position(self.partition, first.segment_id, 0, 0)
+
+    def position_at_time(self, t: int) -> Position:
+        """The first position whose message has ``publish_time >= t`` (or the end)."""
+        segs = self.segments()
+        lo, hi = 0, len(segs)
+        while lo < hi:  # first segment whose max_publish_time >= t
+            mid = (lo + hi) // 2
+            mx = segs[mid].max_publish_time
+            if mx is not None and mx < t:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo == len(segs):
+            return self.last_confirmed()[1]
+        seg = segs[lo]
+        records = self._segment_index(seg)
+        a, b = 0, len(records)
+        while a < b:  # first entry whose last_publish_time >= t
+            mid = (a + b) // 2
+            if records[mid].last_publish_time < t:
+                a = mid + 1
+            else:
+                b = mid
+        if a == len(records):
+            return Position(self.partition, seg.segment_id, len(records), 0)
+        batch = self._entry(seg, records[a])
+        idx = int(pc.sum(pc.less(batch.column("publish_time"), t)).as_py() or 0)
+        return Position(self.partition, seg.segment_id, records[a].entry_id, idx)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "segments": len(self._closed_segments) + 1,
+                "open_entries": len(self._open.records),
+                "replica_failures": self.replica_failures,
+            }
+
+    def producer_state(self, producer: str) -> int | None:
+        with self._lock:
+            seen = self._dedup.get(producer)
+            return None if seen is None else seen[0]
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def read(
+        self,
+        start: Position,
+        *,
+        end: Position | None,
+        end_time: int | None = None,
+        key_ranges: list[KeyRange] | None = None,
+        follow: bool = False,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> Iterator[pa.RecordBatch]:
+        """Batches from ``start`` (inclusive) to ``end`` (exclusive) or ``end_time``.
+
+        With ``follow`` and no end, waits for new entries (the tail) until ``cancelled()`` or
+        the broker closes; a new message is delivered as soon as it is confirmed.
+        """
+        pos = start
+        while True:
+            progressed = False
+            for seg, records in self._readable_from(pos):
+                for rec in records:
+                    if rec.entry_id < (pos.entry_id if seg.segment_id == pos.segment_id else 0):
+                        continue
+                    here = Position(self.partition, seg.segment_id, rec.entry_id, 0)
+                    if end is not None and here >= end:
+                        return
+                    batch = self._entry(seg, rec)
+                    lo = pos.batch_index if (seg.segment_id, rec.entry_id) == (
+                        pos.segment_id, pos.entry_id) else 0
+                    hi = batch.num_rows
+                    if end is not None and (end.segment_id, end.entry_id) == (
+                            seg.segment_id, rec.entry_id):
+                        hi = min(hi, end.batch_index)
+                    stop = False
+                    if end_time is not None and rec.last_publish_time >= end_time:
+                        hi = min(hi, int(pc.sum(pc.less(batch.column("publish_time"),
+                                                        end_time)).as_py() or 0))
+                        stop = True
+                    if hi > lo:
+                        out = filter_key_ranges(batch.slice(lo, hi - lo), key_ranges)
+                        if out.num_rows:
+                            yield out
+                    if stop:
+                        return
+                    pos = Position(self.partition, seg.segment_id, rec.entry_id + 1, 0)
+                    progressed = True
+                    if cancelled():
+                        return
+            if end is not None and pos >= end:
+                return
+            if not follow:
+                return
+            if not progressed:
+                with self._lock:
+                    if not self._has_after(pos):
+                        self._changed.wait(timeout=0.2)
+                if cancelled() or self._closing.is_set():
+                    return
+
+    def _has_after(self, pos: Position) -> bool:
+        seg = self._open
+        if pos.segment_id < seg.record.segment_id:
+            return True
+        return len(seg.records) > pos.entry_id
+
+    def _readable_from(self, pos: Position) -> list[tuple[SegmentRecord, list[IndexRecord]]]:
+        """Segments at or after ``pos`` with their confirmed index records (a snapshot)."""
+        with self._lock:
+            out: list[tuple[SegmentRecord, list[IndexRecord]]] = []
+            for seg in self._closed_segments:
+                if seg.segment_id >= pos.segment_id and not (
+                        seg.segment_id == pos.segment_id and pos.entry_id >= seg.entries):
+                    out.append((seg, self._segment_index(seg)))
+            open_seg = self._open
+            if open_seg.record.segment_id >= pos.segment_id:
+                out.append((open_seg.record, open_seg.records[:]))
+        return out
+
+    def _segment_index(self, seg: SegmentRecord) -> list[IndexRecord]:
+        if seg.segment_id == self._open.record.segment_id:
+            return self._open.records
+        cached = self._index_cache.get(seg.segment_id)
+        if cached is not None:
+            self._index_cache.move_to_end(seg.segment_id)
+            return cached
+        last_error: Exception | None = None
+        for b in seg.ensemble:
+            try:
+                records = self._bookies[b].index(seg.segment_id)
+            except (NotFoundError, OSError) as exc:
+                last_error = exc
+                continue
+            self._index_cache[seg.segment_id] = records
+            while len(self._index_cache) > 256:
+                self._index_cache.popitem(last=False)
+            return records
+        raise NotFoundError(f"no replica of segment {seg.segment_id} ({self.topic} partition "
+                            f"{self.partition}) has an index: {last_error}")
+
+    def _entry(self, seg: SegmentRecord, rec: IndexRecord) -> pa.RecordBatch:
+        key = (seg.segment_id, rec.entry_id)
+        with self._lock:
+            cached = self._entry_cache.get(key)
+        if cached is not None:
+            return cached
+        errors = []
+        for b in seg.ensemble:
+            try:
+                for _, _, payload in self._bookies[b].read_entries(seg.segment_id, [rec]):
+                    return decode_payload(payload)
+            except (CorruptionError, NotFoundError, OSError) as exc:
+                self.replica_failures += 1
+                errors.append(f"{b}: {exc}")
+        raise CorruptionError(
+            f"entry {rec.entry_id} of segment {seg.segment_id} ({self.topic} partition "
+            f"{self.partition}) is unreadable on every replica: {'; '.join(errors)}"
+        )
+
+    def _cache_put(self, key: tuple[int, int], batch: pa.RecordBatch) -> None:
+        self._entry_cache[key] = batch
+        self._entry_cache_bytes += batch.nbytes
+        while self._entry_cache_bytes > _CACHE_BYTES and self._entry_cache:
+            _, old = self._entry_cache.popitem(last=False)
+            self._entry_cache_bytes -= old.nbytes
+
+
+def filter_key_ranges(batch: pa.RecordBatch, key_ranges: list[KeyRange] | None
+                      ) -> pa.RecordBatch:
+    """The rows of ``batch`` whose key_hash lies in one of ``key_ranges`` (None: all)."""
+    if not key_ranges or any(r.is_full for r in key_ranges):
+        return batch
+    hashes = batch.column("key_hash")
+    mask = None
+    for r in key_ranges:
+        m = pc.and_(pc.greater_equal(hashes, r.lo), pc.less(hashes, r.hi))
+        mask = m if mask is None else pc.or_(mask, m)
+    return batch.filter(mask)

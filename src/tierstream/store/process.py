@@ -1,0 +1,104 @@
+"""Run a broker as a separate process: for the demo, the tests and the benchmarks.
+
+The child prints ``tierstream broker listening on URL`` once it accepts calls; :meth:`start`
+waits for that line (with a deadline), so callers never sleep to synchronise.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Self
+
+from tierstream.errors import UnavailableError
+
+__all__ = ["BrokerProcess"]
+
+_READY = re.compile(r"listening on (\S+)")
+
+
+class BrokerProcess:
+    """A ``tierstream broker start`` child process on loopback (``port=0``: any free port)."""
+
+    def __init__(self, data_dir: str | Path, *, port: int = 0, host: str = "127.0.0.1",
+                 args: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+        self.data_dir = Path(data_dir)
+        self.port = port
+        self.host = host
+        self.args = list(args or [])
+        self.env = env
+        self.url: str | None = None
+        self.proc: subprocess.Popen[str] | None = None
+        self.stderr_tail: deque[str] = deque(maxlen=200)
+
+    def __repr__(self) -> str:
+        return f"BrokerProcess(data_dir={str(self.data_dir)!r}, url={self.url!r})"
+
+    def start(self, timeout: float = 60.0) -> Self:
+        cmd = [sys.executable, "-m", "tierstream", "broker", "start", "--data-dir",
+               str(self.data_dir), "--host", self.host, "--port", str(self.port), *self.args]
+        env = {**os.environ, **(self.env or {})}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env)
+        ready = threading.Event()
+        stdout_lines: list[str] = []
+
+        def read_stdout() -> None:
+            assert self.proc is not None and self.proc.stdout is not None
+            for line in self.proc.stdout:
+                stdout_lines.append(line)
+                m = _READY.search(line)
+                if m and not ready.is_set():
+                    self.url = m.group(1)
+                    ready.set()
+
+        def read_stderr() -> None:
+            assert self.proc is not None and self.proc.stderr is not None
+            for line in self.proc.stderr:
+                self.stderr_tail.append(line)
+
+        threading.Thread(target=read_stdout, daemon=True).start()
+        threading.Thread(target=read_stderr, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while not ready.wait(0.05):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise UnavailableError(
+                    f"broker did not start (exit {self.proc.returncode}): "
+                    f"{''.join(self.stderr_tail)[-2000:]}")
+        return self
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, then wait for a clean exit; returns the exit status."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise UnavailableError(f"broker did not stop within {timeout}s of SIGTERM") from None
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, as far as the store can tell."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.stop()
+            except UnavailableError:
+                pass

@@ -1,0 +1,176 @@
+"""The embedded store: metadata, bookies and one managed ledger per partition.
+
+This is what the broker serves. Opening it recovers from a crash (segments left OPEN are sealed
+at their last durable entry) and opens a fresh segment for every partition.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from typing import Any
+
+from tierstream.errors import ConfigError
+from tierstream.names import TopicName
+from tierstream.splits.positions import Position
+from tierstream.store.bookie import Bookie
+from tierstream.store.config import StoreConfig
+from tierstream.store.metadata import MetadataStore, SegmentRecord, TopicRecord
+from tierstream.store.partition_log import PartitionLog
+from tierstream.store.recovery import RecoveryReport, recover_open_segments
+from tierstream.timeutil import now_ms
+
+__all__ = ["Store"]
+
+log = logging.getLogger(__name__)
+
+
+class Store:
+    """The embedded log store of one data directory. Only one process may open it to write."""
+
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        config.data_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_file = _lock_data_dir(config)
+        self.metadata = MetadataStore(config.metadata_path)
+        self.bookies = {
+            f"bookie-{i}": Bookie(f"bookie-{i}", config.bookie_dir(f"bookie-{i}"),
+                                  fsync=config.fsync)
+            for i in range(config.bookies)
+        }
+        self.closing = threading.Event()  # set: tail reads end, housekeeping stops
+        self._closed = False
+        self._rr = itertools.count()
+        self.recovery: list[RecoveryReport] = recover_open_segments(self.metadata, self.bookies)
+        self._logs: dict[tuple[str, int], PartitionLog] = {}
+        self._topics_lock = threading.Lock()
+        for topic in self.metadata.list_topics():
+            self._open_topic(topic)
+        self._timer = threading.Thread(target=self._housekeeping, name="store-housekeeping",
+                                       daemon=True)
+        self._timer.start()
+
+    def __repr__(self) -> str:
+        return f"Store(data_dir={str(self.config.data_dir)!r}, topics={len(self.topics())})"
+
+    def _choose_ensemble(self) -> tuple[str, ...]:
+        ids = list(self.bookies)
+        start = next(self._rr) % len(ids)
+        return tuple(ids[(start + i) % len(ids)] for i in range(self.config.write_quorum))
+
+    def _open_topic(self, topic: TopicRecord) -> None:
+        for p in range(topic.partitions):
+            self._logs[(topic.name, p)] = PartitionLog(
+                topic=topic.name, partition=p, metadata=self.metadata, bookies=self.bookies,
+                choose_ensemble=self._choose_ensemble, ack_quorum=self.config.ack_quorum,
+                max_entries=self.config.max_entries_per_segment,
+                max_bytes=self.config.max_segment_bytes,
+                rollover_ms=self.config.segment_rollover_ms, closing=self.closing,
+            )
+
+    # -- topics -------------------------------------------------------------------------------
+
+    def create_topic(self, name: str, partitions: int, *, retention_ms: int | None = None
+                     ) -> TopicRecord:
+        topic = TopicName.parse(name)
+        with self._topics_lock:
+            record = self.metadata.create_topic(topic, partitions, created_at=now_ms(),
+                                                retention_ms=retention_ms)
+            self._open_topic(record)
+        return record
+
+    def topic(self, name: str) -> TopicRecord:
+        return self.metadata.get_topic(TopicName.parse(name))
+
+    def topics(self, namespace: str | None = None) -> list[TopicRecord]:
+        return self.metadata.list_topics(namespace)
+
+    def partition(self, topic: str, partition: int) -> PartitionLog:
+        name = str(TopicName.parse(topic))
+        plog = self._logs.get((name, partition))
+        if plog is None:
+            record = self.metadata.get_topic(name)  # raises NotFoundError for an unknown topic
+            raise ConfigError(
+                f"invalid partition {partition!r} for topic {name!r}: it has partitions "
+                f"0..{record.partitions - 1}"
+            )
+        return plog
+
+    def partitions(self, topic: str) -> list[PartitionLog]:
+        record = self.topic(topic)
+        return [self._logs[(record.name, p)] for p in range(record.partitions)]
+
+    # -- admin views --------------------------------------------------------------------------
+
+    def segments(self, topic: str) -> list[SegmentRecord]:
+        return [s for plog in self.partitions(topic) for s in plog.segments()]
+
+    def last_confirmed(self, topic: str) -> dict[int, tuple[Position | None, Position]]:
+        return {plog.partition: plog.last_confirmed() for plog in self.partitions(topic)}
+
+    def seal(self, topic: str, partition: int | None = None) -> list[SegmentRecord]:
+        logs = self.partitions(topic) if partition is None else [self.partition(topic, partition)]
+        return [s for s in (plog.seal() for plog in logs) if s is not None]
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "topics": len(self.metadata.list_topics()),
+            "partitions": len(self._logs),
+            "replica_failures": sum(p.replica_failures for p in self._logs.values()),
+            "checksum_failures": {b.bookie_id: b.checksum_failures for b in self.bookies.values()},
+            "recovered_segments": [r.__dict__ for r in self.recovery],
+        }
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def _housekeeping(self) -> None:
+        interval = min(1.0, self.config.segment_rollover_ms / 4000)
+        while not self.closing.wait(interval):
+            for plog in list(self._logs.values()):
+                try:
+                    plog.roll_if_aged()
+                    plog.flush_stats()
+                except Exception:
+                    log.exception("housekeeping failed for %s/%s", plog.topic, plog.partition)
+
+    def close(self) -> None:
+        """Clean shutdown: seal every open segment, stop the bookies, close the metadata."""
+        if self._closed:
+            return
+        self._closed = True
+        self.closing.set()
+        self._timer.join()
+        for plog in self._logs.values():
+            plog.close()
+        for bookie in self.bookies.values():
+            bookie.close()
+        self.metadata.close()
+        _unlock_data_dir(self._lock_file)
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _lock_data_dir(config: StoreConfig) -> Any:
+    import fcntl
+
+    f = open(config.data_dir / "store.lock", "a+")  # noqa: SIM115 - held until close()
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise ConfigError(
+            f"data directory {str(config.data_dir)!r} is already in use by another broker"
+        ) from None
+    return f
+
+
+def _unlock_data_dir(f: Any) -> None:
+    import fcntl
+
+    fcntl.flock(f, fcntl.LOCK_UN)
+    f.close()

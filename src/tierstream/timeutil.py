@@ -1,0 +1,87 @@
+"""Parsing times and durations the way every command and option accepts them."""
+
+from __future__ import annotations
+
+import re
+import time
+from datetime import UTC, datetime
+
+from tierstream.errors import ConfigError
+
+__all__ = ["format_ms", "now_ms", "parse_duration_ms", "parse_time_ms"]
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)")
+_UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 604_800_000}
+
+
+def now_ms() -> int:
+    """Wall-clock time in milliseconds since the epoch."""
+    return time.time_ns() // 1_000_000
+
+
+def parse_time_ms(value: object, *, what: str = "time") -> int:
+    """Epoch milliseconds from an int, a string of digits, or an ISO-8601 string.
+
+    A naive ISO time (no offset) is taken as UTC. Raises :class:`ConfigError` naming the value.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"invalid {what} {value!r}: expected ISO-8601 or epoch milliseconds")
+    if isinstance(value, int):
+        return _check_range(value, value, what)
+    if isinstance(value, datetime):
+        dt = value if value.tzinfo else value.replace(tzinfo=UTC)
+        return int(dt.timestamp() * 1000)
+    if isinstance(value, str):
+        text = value.strip()
+        if re.fullmatch(r"-?\d+", text):
+            return _check_range(int(text), value, what)
+        try:
+            dt = datetime.fromisoformat(text.replace("Z", "+00:00"))
+        except ValueError:
+            pass
+        else:
+            if dt.tzinfo is None:
+                dt = dt.replace(tzinfo=UTC)
+            return round(dt.timestamp() * 1000)
+    raise ConfigError(
+        f"invalid {what} {value!r}: expected ISO-8601 (e.g. 2026-11-01T00:00:00Z) "
+        "or epoch milliseconds (e.g. 1793491200000)"
+    )
+
+
+def _check_range(ms: int, shown: object, what: str) -> int:
+    if not 0 <= ms < 253402300800000:  # 9999-12-31
+        raise ConfigError(f"invalid {what} {shown!r}: epoch milliseconds must be in [0, 2.5e14)")
+    return ms
+
+
+def parse_duration_ms(value: object, *, what: str = "duration") -> int:
+    """Milliseconds from ``"90s"``, ``"15m"``, ``"2h30m"``, ``"7d"``, ``"500ms"`` or an int (ms)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text.isdigit():
+            return int(text)
+        pos, total = 0, 0.0
+        for m in _DURATION.finditer(text):
+            if m.start() != pos:
+                break
+            total += float(m.group(1)) * _UNIT_MS[m.group(2)]
+            pos = m.end()
+        else:
+            if pos == len(text) and pos > 0:
+                return int(total)
+    raise ConfigError(
+        f"invalid {what} {value!r}: expected a non-negative duration "
+        "such as 500ms, 30s, 15m, 2h, 7d"
+    )
+
+
+def format_ms(ms: int | None) -> str:
+    """An epoch-ms time as ISO-8601 UTC with milliseconds, or ``-`` for none."""
+    if ms is None:
+        return "-"
+    return datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat(timespec="milliseconds").replace(
+        "+00:00", "Z"
+    )
