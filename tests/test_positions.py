@@ -1,3 +1,5 @@
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -29,7 +31,7 @@ def test_split_covers_every_slot_once(k: int) -> None:
     ranges = KeyRange.split(k)
     assert len(ranges) == k
     assert ranges[0].lo == 0 and ranges[-1].hi == 65536
-    assert all(a.hi == b.lo for a, b in zip(ranges, ranges[1:], strict=False))
+    assert all(a.hi == b.lo for a, b in itertools.pairwise(ranges))
 
 
 @pytest.mark.parametrize("k", [0, 65537, -3])

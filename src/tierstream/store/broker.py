@@ -127,7 +127,7 @@ class Broker(flight.FlightServerBase):
             follow = end is None and end_time is None
             batches = plog.read(start, end=end, end_time=end_time, key_ranges=ranges,
                                 follow=follow, cancelled=context.is_cancelled)
-            return flight.GeneratorStream(MESSAGE_SCHEMA, batches)
+            return flight.GeneratorStream(MESSAGE_SCHEMA, _carry_errors(batches))
         except TierstreamError as exc:
             raise server_error(exc) from None
         except (KeyError, ValueError, TypeError) as exc:
@@ -141,7 +141,8 @@ class Broker(flight.FlightServerBase):
         initial = self._resolve_start(plog, Offset.from_dict(sub.get("initial")
                                                              or {"kind": "latest"}))
         start = self.subscriptions.attach(plog.topic, name, plog.partition, consumer=consumer,
-                                          mode=mode, ranges=ranges, initial=initial)
+                                          mode=mode, ranges=ranges, initial=initial,
+                                          gone=context.is_cancelled)
 
         def stream() -> Iterator[pa.RecordBatch]:
             try:
@@ -150,7 +151,7 @@ class Broker(flight.FlightServerBase):
             finally:
                 self.subscriptions.detach(plog.topic, name, plog.partition, consumer)
 
-        return flight.GeneratorStream(MESSAGE_SCHEMA, stream())
+        return flight.GeneratorStream(MESSAGE_SCHEMA, _carry_errors(stream()))
 
     def _resolve_start(self, plog: PartitionLog, offset: Offset) -> Position:
         if offset.kind is OffsetKind.EARLIEST:
@@ -248,6 +249,14 @@ _ACTIONS = {
     "ack": (Broker._ack, "Cumulative ack on a subscription's cursor."),
     "producer-state": (Broker._producer_state, "Last stored sequence id of {producer}."),
 }
+
+
+def _carry_errors(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """Errors raised while streaming reach the client as the same tierstream error."""
+    try:
+        yield from batches
+    except TierstreamError as exc:
+        raise server_error(exc) from None
 
 
 def _check_partition(position: Position, plog: PartitionLog) -> Position:

@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Generator, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Self
 
@@ -32,7 +32,7 @@ from tierstream.splits.positions import KeyRange, Offset, Position
 from tierstream.store.metadata import SegmentRecord, TopicRecord
 from tierstream.store.protocol import decode, encode, translate_errors
 
-__all__ = ["Admin", "BrokerClient", "Consumer", "Message", "Producer", "read"]
+__all__ = ["Admin", "BrokerClient", "Consumer", "Message", "Producer", "TopicReader", "read"]
 
 
 class BrokerClient:
@@ -227,19 +227,26 @@ class Producer:
                 self._read_ack(p, stream)
 
     def close(self) -> None:
+        """Flush (waiting for every ack), then release the connections."""
         try:
             self.flush()
         finally:
-            for stream in self._streams.values():
-                self._drop(stream)
-            self._client.close()
-            self._admin.close()
+            self._release()
+
+    def _release(self) -> None:
+        for stream in self._streams.values():
+            self._drop(stream)
+        self._client.close()
+        self._admin.close()
 
     def __enter__(self) -> Producer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # do not retry for another send_timeout on the way out of an error
+            self._release()
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -270,6 +277,8 @@ class Producer:
                     descriptor, PRODUCE_SCHEMA, self._client._stream_options)
 
     def _read_ack(self, p: int, stream: _PartitionStream) -> None:
+        if stream.reader is None:
+            self._recover(p, stream)
         try:
             buf = stream.reader.read()
             if buf is None:
@@ -344,62 +353,91 @@ def _check_ranges(key_ranges: Iterable[KeyRange] | None) -> list[list[int]]:
 
 def read(topic: str, *, partition: int | None = None, start: Offset | None = None,
          end: Offset | None = None, key_ranges: Iterable[KeyRange] | None = None,
-         broker: str | None = None, auth_token: str | None = None
-         ) -> Generator[pa.RecordBatch, None, None]:
-    """Read a topic through the broker, partition by partition (or one ``partition``).
+         broker: str | None = None, auth_token: str | None = None) -> TopicReader:
+    """Read a topic through the broker (every partition, or one ``partition``).
 
-    ``end=None`` follows the tail forever (close the iterator to stop); a bounded ``end``
-    (``Offset.latest()`` included, resolved when each partition's read starts) finishes.
-    Batches have :data:`~tierstream.schema.MESSAGE_SCHEMA`.
+    The partition streams are opened before this returns, so ``latest`` (as start or end) is
+    pinned at call time for all partitions. ``end=None`` follows the tail until the reader is
+    closed; a bounded ``end`` finishes. Batches have :data:`~tierstream.schema.MESSAGE_SCHEMA`
+    and keep each partition's order.
     """
-    client = BrokerClient(broker, auth_token=auth_token)
-    try:
+    return TopicReader(topic, partition=partition, start=start, end=end, key_ranges=key_ranges,
+                       broker=broker, auth_token=auth_token)
+
+
+class TopicReader:
+    """Iterator of record batches over open partition streams; see :func:`read`."""
+
+    def __init__(self, topic: str, *, partition: int | None, start: Offset | None,
+                 end: Offset | None, key_ranges: Iterable[KeyRange] | None,
+                 broker: str | None, auth_token: str | None) -> None:
         name = str(TopicName.parse(topic))
-        count = Admin(client.url, auth_token=auth_token).get_topic(name).partitions
-        if partition is not None and not 0 <= partition < count:
-            raise ConfigError(f"invalid partition {partition} for {name!r}: it has "
-                              f"0..{count - 1}")
-        parts = [partition] if partition is not None else list(range(count))
         ranges = _check_ranges(key_ranges)
-        ticket = {"op": "consume", "topic": name, "key_ranges": ranges,
-                  "start": (start or Offset.earliest()).to_dict(),
-                  "end": None if end is None else end.to_dict()}
-        if end is None and len(parts) > 1:
-            yield from _merge_streams(client, [{**ticket, "partition": p} for p in parts])
-            return
-        for p in parts:
-            yield from _stream(client, {**ticket, "partition": p})
-    finally:
-        client.close()
-
-
-def _stream(client: BrokerClient, ticket: dict[str, Any]) -> Iterator[pa.RecordBatch]:
-    with translate_errors(client.url):
-        reader = client._flight.do_get(flight.Ticket(encode(ticket)), client._stream_options)
+        self._client = BrokerClient(broker, auth_token=auth_token)
+        self._readers: list[Any] = []
         try:
+            with Admin(self._client.url, auth_token=auth_token) as admin:
+                count = admin.get_topic(name).partitions
+            if partition is not None and not 0 <= partition < count:
+                raise ConfigError(f"invalid partition {partition} for {name!r}: it has "
+                                  f"0..{count - 1}")
+            parts = [partition] if partition is not None else list(range(count))
+            ticket = {"op": "consume", "topic": name, "key_ranges": ranges,
+                      "start": (start or Offset.earliest()).to_dict(),
+                      "end": None if end is None else end.to_dict()}
+            with translate_errors(self._client.url):
+                for p in parts:
+                    reader = self._client._flight.do_get(
+                        flight.Ticket(encode({**ticket, "partition": p})),
+                        self._client._stream_options)
+                    reader.schema  # noqa: B018 - waits for the broker to resolve the offsets
+                    self._readers.append(reader)
+        except BaseException:
+            self.close()
+            raise
+        self._iter = (_merge(self._client.url, self._readers) if end is None and len(parts) > 1
+                      else _chain(self._client.url, self._readers))
+
+    def __iter__(self) -> Iterator[pa.RecordBatch]:
+        return self
+
+    def __next__(self) -> pa.RecordBatch:
+        return next(self._iter)
+
+    def close(self) -> None:
+        for r in self._readers:
+            r.cancel()
+        close = getattr(getattr(self, "_iter", None), "close", None)
+        if close is not None:
+            close()
+        self._client.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _chain(url: str, readers: list[Any]) -> Iterator[pa.RecordBatch]:
+    with translate_errors(url):
+        for reader in readers:
             for chunk in reader:
                 if chunk.data is not None and chunk.data.num_rows:
                     yield chunk.data
-        finally:
-            reader.cancel()
 
 
 _DONE = object()
 
 
-def _merge_streams(client: BrokerClient, tickets: list[dict[str, Any]]
-                   ) -> Iterator[pa.RecordBatch]:
+def _merge(url: str, readers: list[Any]) -> Iterator[pa.RecordBatch]:
     """Several unbounded partition streams, merged as batches arrive (per-partition order)."""
     out: queue.Queue[Any] = queue.Queue(maxsize=64)
     stop = threading.Event()
-    readers: list[Any] = []
 
-    def pump(ticket: dict[str, Any]) -> None:
+    def pump(reader: Any) -> None:
         try:
-            with translate_errors(client.url):
-                reader = client._flight.do_get(flight.Ticket(encode(ticket)),
-                                               client._stream_options)
-                readers.append(reader)
+            with translate_errors(url):
                 for chunk in reader:
                     if stop.is_set():
                         return
@@ -411,7 +449,7 @@ def _merge_streams(client: BrokerClient, tickets: list[dict[str, Any]]
         finally:
             out.put(_DONE)
 
-    threads = [threading.Thread(target=pump, args=(t,), daemon=True) for t in tickets]
+    threads = [threading.Thread(target=pump, args=(r,), daemon=True) for r in readers]
     for t in threads:
         t.start()
     finished = 0

@@ -6,6 +6,7 @@ waits for that line (with a deadline), so callers never sleep to synchronise.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -98,7 +99,5 @@ class BrokerProcess:
 
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            try:
+            with contextlib.suppress(UnavailableError):
                 self.stop()
-            except UnavailableError:
-                pass

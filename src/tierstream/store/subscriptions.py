@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +23,8 @@ from tierstream.store.metadata import MetadataStore
 from tierstream.timeutil import now_ms
 
 __all__ = ["CursorMap", "SubscriptionMode", "Subscriptions"]
+
+_DISCONNECT_GRACE_S = 1.0
 
 
 class SubscriptionMode:
@@ -71,6 +75,7 @@ class _Active:
     consumer: str
     mode: str
     ranges: tuple[KeyRange, ...]
+    gone: Callable[[], bool]  # the consumer's call was cancelled (it disconnected)
 
 
 class Subscriptions:
@@ -79,17 +84,27 @@ class Subscriptions:
     def __init__(self, metadata: MetadataStore) -> None:
         self._metadata = metadata
         self._lock = threading.Lock()
+        self._detached = threading.Condition(self._lock)
         self._cursors: dict[tuple[str, str, int], CursorMap] = {}
         self._active: dict[tuple[str, str, int], list[_Active]] = {}
 
     def attach(self, topic: str, subscription: str, partition: int, *, consumer: str, mode: str,
-               ranges: list[KeyRange], initial: Position) -> Position:
-        """Register a consumer on one partition and return where it starts."""
+               ranges: list[KeyRange], initial: Position,
+               gone: Callable[[], bool] = lambda: False) -> Position:
+        """Register a consumer on one partition and return where it starts.
+
+        A consumer that just disconnected may still be registered for a moment: a conflict with
+        one whose call is cancelled waits (up to a second) for it to leave.
+        """
         if mode not in SubscriptionMode.ALL:
             raise ConfigError(f"invalid subscription mode {mode!r}: expected one of "
                               f"{', '.join(SubscriptionMode.ALL)}")
         key = (topic, subscription, partition)
+        deadline = time.monotonic() + _DISCONNECT_GRACE_S
         with self._lock:
+            while any(o.gone() for o in self._active.get(key, [])) and \
+                    time.monotonic() < deadline:
+                self._detached.wait(0.02)
             for other in self._active.get(key, []):
                 if other.mode != mode:
                     raise AlreadyExistsError(
@@ -104,13 +119,14 @@ class Subscriptions:
                         f"key ranges {[str(r) for r in ranges]} overlap those of consumer "
                         f"{other.consumer} on subscription {subscription!r}")
             cursor = self._load(key, initial)
-            self._active.setdefault(key, []).append(_Active(consumer, mode, tuple(ranges)))
+            self._active.setdefault(key, []).append(_Active(consumer, mode, tuple(ranges), gone))
             return cursor.start_for(ranges)
 
     def detach(self, topic: str, subscription: str, partition: int, consumer: str) -> None:
         key = (topic, subscription, partition)
         with self._lock:
             self._active[key] = [a for a in self._active.get(key, []) if a.consumer != consumer]
+            self._detached.notify_all()
 
     def ack(self, topic: str, subscription: str, partition: int, ranges: list[KeyRange],
             position: Position) -> None:

@@ -1,0 +1,38 @@
+"""Helpers for store tests: reading everything back and waiting on conditions with deadlines."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+
+from tierstream.splits.positions import Offset
+from tierstream.store.client import read
+
+
+def read_all(url: str, topic: str, **kwargs: Any) -> pa.Table:
+    """Every message of ``topic`` up to the latest confirmed one, partition by partition."""
+    batches = list(read(topic, broker=url, end=Offset.latest(), **kwargs))
+    if not batches:
+        from tierstream.schema import MESSAGE_SCHEMA
+
+        return MESSAGE_SCHEMA.empty_table()
+    return pa.Table.from_batches(batches)
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 30.0, what: str = "condition"
+             ) -> None:
+    """Poll ``condition`` until it holds; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)  # a poll interval, not synchronisation: the condition decides
+
+
+def positions(table: pa.Table) -> list[tuple[int, int, int, int]]:
+    cols = [table.column(c).to_pylist() for c in
+            ("partition", "segment_id", "entry_id", "batch_index")]
+    return list(zip(*cols, strict=True))

@@ -1,0 +1,204 @@
+"""Crashes, torn tails, corruption and de-duplication, with real broker processes."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from tierstream.errors import CorruptionError, UnavailableError
+from tierstream.schema import as_produce_batch
+from tierstream.store.bookie import ledger_paths
+from tierstream.store.client import Admin, Producer
+from tierstream.store.process import BrokerProcess
+
+from .helpers import positions, read_all, wait_for
+
+TOPIC = "acme/web/orders"
+REPLICATED = ("--bookies", "3", "--write-quorum", "3", "--ack-quorum", "2")
+
+
+def _produce_until_killed(url: str, broker: BrokerProcess, producers: int = 4
+                          ) -> dict[str, list[str]]:
+    """Several producers send small batches; the broker is SIGKILLed mid-stream.
+
+    Returns, per producer, the values the broker acknowledged before the kill.
+    """
+    acked: dict[str, list[str]] = defaultdict(list)
+    total = [0]
+    lock = threading.Lock()
+
+    def run(name: str) -> None:
+        try:
+            with Producer(TOPIC, broker=url, name=name, batch_size=20,
+                          send_timeout=2.0) as producer:
+                for chunk in range(10_000):
+                    values = [f"{name}-{chunk}-{i}" for i in range(20)]
+                    producer.send_many({"value": v.encode(), "key": f"{name}-{i % 5}"}
+                                       for i, v in enumerate(values))
+                    with lock:
+                        acked[name].extend(values)
+                        total[0] += len(values)
+        except UnavailableError:
+            return  # the broker is gone: what was acknowledged is in `acked`
+
+    threads = [threading.Thread(target=run, args=(f"p{i}",)) for i in range(producers)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: total[0] >= 4_000, what="producers to get acknowledgements")
+    broker.kill()
+    for t in threads:
+        t.join(timeout=60)
+    return acked
+
+
+@pytest.mark.parametrize("bookie_args", [(), REPLICATED], ids=["1-bookie", "3-bookies-wq3-aq2"])
+def test_sigkill_loses_no_acknowledged_message(start_broker, bookie_args) -> None:
+    broker = start_broker(*bookie_args)
+    with Admin(broker.url) as admin:
+        admin.create_topic(TOPIC, 3)
+    acked = _produce_until_killed(broker.url, broker)
+    restarted = start_broker(*bookie_args)
+    table = read_all(restarted.url, TOPIC)
+    stored = table.column("value").to_pylist()
+    stored_set = {v.decode() for v in stored}
+    missing = [v for vals in acked.values() for v in vals if v not in stored_set]
+    assert missing == [], f"{len(missing)} acknowledged message(s) lost"
+    assert len(stored) == len(stored_set), "a message was stored twice"
+    # in order: per producer key, values increase along the log
+    per_key: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for v in stored:
+        name, chunk, i = v.decode().split("-")
+        per_key[f"{name}-{int(i) % 5}"].append((int(chunk), int(i)))
+    assert all(seq == sorted(seq) for seq in per_key.values())
+    # the open segments were sealed by recovery, and new ones opened
+    with Admin(restarted.url) as admin:
+        segs = admin.list_segments(TOPIC)
+        assert sum(1 for s in segs if s.state == "OPEN") == 3
+        stats = admin.stats()
+    assert stats["recovered_segments"], "recovery should have sealed the crashed segments"
+
+
+def _ledger_files(data_dir: Path, bookie: str = "bookie-0") -> list[Path]:
+    return sorted((data_dir / "bookies" / bookie / "ledgers").rglob("*.log"))
+
+
+def test_torn_tail_is_cut_and_earlier_entries_survive(start_broker, data_dir) -> None:
+    broker = start_broker()
+    with Admin(broker.url) as admin:
+        admin.create_topic(TOPIC, 1)
+    with Producer(TOPIC, broker=broker.url, batch_size=10) as producer:
+        producer.send_many({"value": f"v{i}".encode()} for i in range(100))  # 10 entries
+    broker.kill()  # the segment stays OPEN on disk
+    (log,) = _ledger_files(data_dir)
+    size = log.stat().st_size
+    with open(log, "r+b") as f:
+        f.truncate(size - 37)  # mid-frame: the last entry is torn
+    restarted = start_broker()
+    values = read_all(restarted.url, TOPIC).column("value").to_pylist()
+    assert values == [f"v{i}".encode() for i in range(90)]
+    with Admin(restarted.url) as admin:
+        seg = admin.list_segments(TOPIC)[0]
+        assert (seg.state, seg.entries, seg.messages) == ("CLOSED", 9, 90)
+        recovered = admin.stats()["recovered_segments"]
+    assert recovered[0]["cut_bytes"] > 0
+
+
+def _flip_byte(path: Path, offset_from_end: int = 100) -> None:
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size - offset_from_end)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_a_corrupt_replica_is_detected_and_another_one_read(start_broker, data_dir) -> None:
+    broker = start_broker(*REPLICATED)
+    with Admin(broker.url) as admin:
+        admin.create_topic(TOPIC, 1)
+    with Producer(TOPIC, broker=broker.url, batch_size=10) as producer:
+        producer.send_many({"value": f"v{i}".encode()} for i in range(50))
+    assert broker.stop() == 0  # clean: the segment is sealed, nothing cached after restart
+    victims = [p for p in _ledger_files(data_dir, "bookie-0")]
+    assert victims
+    for p in victims:
+        _flip_byte(p)
+    restarted = start_broker(*REPLICATED)
+    values = read_all(restarted.url, TOPIC).column("value").to_pylist()
+    assert values == [f"v{i}".encode() for i in range(50)]
+    with Admin(restarted.url) as admin:
+        stats = admin.stats()
+    assert stats["replica_failures"] >= 1
+    assert stats["checksum_failures"]["bookie-0"] >= 1
+
+
+def test_every_replica_corrupt_is_a_corruption_error_never_wrong_bytes(
+        start_broker, data_dir) -> None:
+    broker = start_broker(*REPLICATED)
+    with Admin(broker.url) as admin:
+        admin.create_topic(TOPIC, 1)
+    with Producer(TOPIC, broker=broker.url, batch_size=10) as producer:
+        producer.send_many({"value": f"v{i}".encode()} for i in range(50))
+    assert broker.stop() == 0
+    for bookie in ("bookie-0", "bookie-1", "bookie-2"):
+        for p in _ledger_files(data_dir, bookie):
+            _flip_byte(p)
+    restarted = start_broker(*REPLICATED)
+    with pytest.raises(CorruptionError, match="unreadable on every replica"):
+        read_all(restarted.url, TOPIC)
+
+
+def test_a_retrying_producer_stores_each_sequence_id_once(start_broker) -> None:
+    broker = start_broker()
+    with Admin(broker.url) as admin:
+        admin.create_topic(TOPIC, 1)
+    producer = Producer(TOPIC, broker=broker.url, name="importer", batch_size=10,
+                        max_in_flight=64, send_timeout=30)
+    # Pipeline 40 batches without waiting, wait until the broker has stored some of them,
+    # then kill it: the producer holds batches the broker stored but never acknowledged.
+    batches = [as_produce_batch(pa.record_batch({"value": [f"b{b}-{i}".encode()
+                                                           for i in range(10)]}))
+               for b in range(40)]
+    for b in batches:
+        producer._send(0, b)
+    wait_for(lambda: len(read_all(broker.url, TOPIC)) >= 100, what="some batches stored")
+    broker.kill()
+    restarted = start_broker()
+    producer._client = type(producer._client)(restarted.url)
+    producer.flush()  # reconnects and re-sends every unacknowledged batch
+    values = read_all(restarted.url, TOPIC).column("value").to_pylist()
+    assert len(values) == 400 and len(set(values)) == 400
+    # An explicit retry of an old sequence id is acknowledged as a duplicate, not stored.
+    stream = producer._streams[0]
+    stream.next_seq = 3
+    producer._send(0, batches[3])
+    producer.flush()
+    assert producer._acks[-1]["duplicate"] is True
+    assert len(read_all(restarted.url, TOPIC)) == 400
+    producer.close()
+    # A new producer with the same name continues after the last stored sequence id.
+    with Producer(TOPIC, broker=restarted.url, name="importer") as again:
+        assert again._streams[0].next_seq == 40
+        again.send("after")
+    assert len(read_all(restarted.url, TOPIC)) == 401
+
+
+def test_positions_survive_restart(start_broker) -> None:
+    broker = start_broker()
+    with Admin(broker.url) as admin:
+        admin.create_topic(TOPIC, 2)
+    with Producer(TOPIC, broker=broker.url, batch_size=7) as producer:
+        producer.send_many({"value": f"v{i}".encode(), "key": f"k{i}"} for i in range(300))
+    before = read_all(broker.url, TOPIC)
+    assert broker.stop() == 0
+    after = read_all(start_broker().url, TOPIC)
+    assert positions(before) == positions(after)
+    assert before.column("value").to_pylist() == after.column("value").to_pylist()
+
+
+def test_ledger_paths_are_under_the_bookie_directory(tmp_path: Path) -> None:
+    log, idx = ledger_paths(tmp_path, 123456)
+    assert log.parent == idx.parent and tmp_path in log.parents

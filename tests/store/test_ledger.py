@@ -1,0 +1,106 @@
+"""The ledger file format and the bookie's group commit, on real files."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from tierstream.errors import CorruptionError
+from tierstream.schema import MESSAGE_SCHEMA
+from tierstream.store.bookie import Bookie, ledger_paths
+from tierstream.store.ledger import decode_payload, read_index, scan_frames
+
+
+def _entry(segment_id: int, entry_id: int, n: int = 5) -> pa.RecordBatch:
+    return pa.RecordBatch.from_pydict({
+        "key": [f"k{i}" for i in range(n)], "key_hash": [i for i in range(n)],
+        "value": [f"v{entry_id}-{i}".encode() for i in range(n)],
+        "publish_time": [1000 + entry_id * 10 + i for i in range(n)], "event_time": [None] * n,
+        "properties": [None] * n, "partition": [0] * n, "segment_id": [segment_id] * n,
+        "entry_id": [entry_id] * n, "batch_index": list(range(n)),
+    }, schema=MESSAGE_SCHEMA)
+
+
+def _write(bookie: Bookie, segment_id: int, entries: int) -> None:
+    bookie.create_ledger(segment_id)
+    futures = []
+    for e in range(entries):
+        batch = _entry(segment_id, e)
+        futures.append(bookie.append(segment_id, e, {"p": "x", "s": e}, batch.serialize(),
+                                     batch.num_rows, 1000 + e * 10, 1004 + e * 10))
+    for f in futures:
+        f.result(timeout=10)
+
+
+def test_frames_round_trip_with_index_and_meta(tmp_path: Path) -> None:
+    bookie = Bookie("b0", tmp_path)
+    try:
+        _write(bookie, 7, 20)
+        bookie.seal_ledger(7, 19)
+        records = bookie.index(7)
+        assert [r.entry_id for r in records] == list(range(20))
+        assert records == read_index(ledger_paths(tmp_path, 7)[1])
+        got = [decode_payload(p) for _, _, p in bookie.read_entries(7, records)]
+        assert got == [_entry(7, e) for e in range(20)]
+        frames, length = scan_frames(ledger_paths(tmp_path, 7)[0], 7)
+        assert [f.meta for f in frames] == [{"p": "x", "s": e} for e in range(20)]
+        assert length == ledger_paths(tmp_path, 7)[0].stat().st_size
+    finally:
+        bookie.close()
+
+
+def test_a_frame_in_the_wrong_ledger_fails_the_id_check(tmp_path: Path) -> None:
+    bookie = Bookie("b0", tmp_path)
+    try:
+        _write(bookie, 1, 3)
+        bookie.seal_ledger(1, 2)
+        log1, idx1 = ledger_paths(tmp_path, 1)
+        log2, idx2 = ledger_paths(tmp_path, 2)
+        log2.write_bytes(log1.read_bytes())
+        idx2.write_bytes(idx1.read_bytes())
+        with pytest.raises(CorruptionError, match="expected segment 2"):
+            list(bookie.read_entries(2, bookie.index(2)))
+    finally:
+        bookie.close()
+
+
+def test_scan_stops_at_a_torn_frame(tmp_path: Path) -> None:
+    bookie = Bookie("b0", tmp_path)
+    try:
+        _write(bookie, 3, 10)
+    finally:
+        bookie.close()
+    log, _ = ledger_paths(tmp_path, 3)
+    with open(log, "r+b") as f:
+        f.truncate(log.stat().st_size - 5)
+    frames, valid = scan_frames(log, 3)
+    assert len(frames) == 9 and valid < log.stat().st_size
+
+
+def test_concurrent_appends_share_fsyncs_and_all_complete(tmp_path: Path) -> None:
+    bookie = Bookie("b0", tmp_path)
+    try:
+        for s in range(4):
+            bookie.create_ledger(s)
+        errors: list[BaseException] = []
+
+        def producer(s: int) -> None:
+            try:
+                for e in range(50):
+                    batch = _entry(s, e)
+                    bookie.append(s, e, {}, batch.serialize(), 5, 0, 0).result(timeout=10)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=producer, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        assert all(len(bookie.index(s)) == 50 for s in range(4))
+    finally:
+        bookie.close()

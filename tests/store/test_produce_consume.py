@@ -1,0 +1,174 @@
+"""Round trip, ordering, publish-time rules and rollover, through a real broker process."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import defaultdict
+
+import pyarrow as pa
+
+from tierstream.splits.positions import Offset
+from tierstream.store.client import Admin, Producer, read
+from tierstream.store.process import BrokerProcess
+from tierstream.timeutil import parse_time_ms
+
+from .helpers import positions, read_all, wait_for
+
+TOPIC = "acme/web/clicks"
+
+
+def test_round_trip_keeps_every_field(broker: BrokerProcess) -> None:
+    url = broker.url
+    assert url is not None
+    with Admin(url) as admin:
+        admin.create_topic(TOPIC, 3)
+    sent = [{"value": f"v{i}".encode(), "key": None if i % 7 == 0 else f"k{i % 13}",
+             "event_time": 1_000 + i, "properties": {"i": str(i)} if i % 2 else None}
+            for i in range(2_500)]
+    with Producer(TOPIC, broker=url, batch_size=100) as producer:
+        acks = producer.send_many(sent)
+    assert sum(a["messages"] for a in acks) == len(sent)
+    table = read_all(url, TOPIC)
+    got = sorted((r["value"], r["key"], r["event_time"], dict(r["properties"] or []) or None)
+                 for r in table.to_pylist())
+    want = sorted((m["value"], m["key"], m["event_time"], m["properties"]) for m in sent)
+    assert got == want
+
+
+def test_each_partition_is_read_in_the_order_it_was_written(broker: BrokerProcess) -> None:
+    url = broker.url
+    assert url is not None
+    with Admin(url) as admin:
+        admin.create_topic(TOPIC, 4)
+    with Producer(TOPIC, broker=url, batch_size=50) as producer:
+        producer.send_many({"value": str(i).encode(), "key": f"k{i % 31}"} for i in range(5_000))
+    table = read_all(url, TOPIC)
+    per_key: dict[str, list[int]] = defaultdict(list)
+    for row in table.select(["key", "value"]).to_pylist():
+        per_key[row["key"]].append(int(row["value"]))
+    assert all(v == sorted(v) for v in per_key.values()), "a key's messages came out of order"
+    pos = positions(table)
+    for p in range(4):
+        mine = [x for x in pos if x[0] == p]
+        assert mine == sorted(mine) and len(set(mine)) == len(mine)
+    # every key lands in exactly one partition (routing by key hash)
+    part_of_key: dict[str, set[int]] = defaultdict(set)
+    for row in table.select(["key", "partition"]).to_pylist():
+        part_of_key[row["key"]].add(row["partition"])
+    assert all(len(s) == 1 for s in part_of_key.values())
+
+
+def test_publish_time_never_decreases_even_when_requested_times_go_backwards(
+        broker: BrokerProcess) -> None:
+    url = broker.url
+    assert url is not None
+    with Admin(url) as admin:
+        admin.create_topic(TOPIC, 1)
+    base = parse_time_ms("2026-11-01T00:00:00Z")
+    requested = [base + 5_000, base + 1_000, base + 9_000, base + 2_000, None, base]
+    with Producer(TOPIC, broker=url, batch_size=2) as producer:
+        producer.send_many({"value": b"x", "publish_time": t} for t in requested)
+    times = read_all(url, TOPIC).column("publish_time").to_pylist()
+    assert times[:4] == [base + 5_000, base + 5_000, base + 9_000, base + 9_000]
+    assert all(a <= b for a, b in itertools.pairwise(times))
+    assert times[4] >= int(time.time() * 1000) - 60_000  # null: the broker's clock
+
+
+def test_reads_by_time_and_position_are_exact(broker: BrokerProcess) -> None:
+    url = broker.url
+    assert url is not None
+    with Admin(url) as admin:
+        admin.create_topic(TOPIC, 1)
+    base = parse_time_ms("2026-11-01T00:00:00Z")
+    with Producer(TOPIC, broker=url, batch_size=64) as producer:
+        producer.send_many({"value": str(i).encode(), "publish_time": base + i * 10}
+                           for i in range(1_000))
+    window = list(read(TOPIC, broker=url, start=Offset.at_time(base + 2_505),
+                       end=Offset.at_time(base + 3_000)))
+    values = [int(v) for b in window for v in b.column("value").to_pylist()]
+    assert values == list(range(251, 300))
+    # a position in the middle of an entry starts exactly there
+    full = read_all(url, TOPIC)
+    row = full.slice(100, 1).to_pylist()[0]
+    from tierstream.splits.positions import Position
+
+    start = Position(0, row["segment_id"], row["entry_id"], row["batch_index"])
+    rest = pa.Table.from_batches(list(read(TOPIC, broker=url, start=Offset.at_position(start),
+                                           end=Offset.latest())))
+    assert rest.column("value").to_pylist() == full.column("value").to_pylist()[100:]
+
+
+def test_rollover_by_entries(start_broker) -> None:
+    url = start_broker("--max-entries-per-segment", "5").url
+    with Admin(url) as admin:
+        admin.create_topic(TOPIC, 1)
+        with Producer(TOPIC, broker=url, batch_size=10) as producer:
+            producer.send_many({"value": b"x"} for _ in range(120))  # 12 entries
+        segs = admin.list_segments(TOPIC)
+    assert [s.entries for s in segs] == [5, 5, 2]
+    assert [s.state for s in segs] == ["CLOSED", "CLOSED", "OPEN"]
+    assert len(read_all(url, TOPIC)) == 120
+
+
+def test_rollover_by_bytes(start_broker) -> None:
+    url = start_broker("--max-segment-bytes", "20KiB").url
+    with Admin(url) as admin:
+        admin.create_topic(TOPIC, 1)
+        with Producer(TOPIC, broker=url, batch_size=10) as producer:
+            producer.send_many({"value": b"x" * 1000} for _ in range(100))  # ~10 KiB entries
+        segs = admin.list_segments(TOPIC)
+    closed = [s for s in segs if s.state == "CLOSED"]
+    assert len(closed) >= 3
+    assert all(s.bytes >= 20 * 1024 and s.entries == 2 for s in closed)
+    assert sum(s.messages for s in segs) == 100
+
+
+def test_rollover_by_age(start_broker) -> None:
+    url = start_broker("--segment-rollover-time", "300ms").url
+    with Admin(url) as admin:
+        admin.create_topic(TOPIC, 1)
+        with Producer(TOPIC, broker=url) as producer:
+            producer.send("first")
+            wait_for(lambda: any(s.state == "CLOSED" for s in admin.list_segments(TOPIC)),
+                     timeout=20, what="the aged segment to be sealed")
+            producer.send("second")
+        segs = admin.list_segments(TOPIC)
+    assert segs[0].state == "CLOSED" and segs[0].messages == 1
+    assert sum(s.messages for s in segs) == 2
+
+
+def test_tail_stream_delivers_new_messages_without_polling(broker: BrokerProcess) -> None:
+    url = broker.url
+    assert url is not None
+    with Admin(url) as admin:
+        admin.create_topic(TOPIC, 2)
+    stream = read(TOPIC, broker=url, start=Offset.latest())  # unbounded
+    with Producer(TOPIC, broker=url) as producer:
+        latencies = []
+        for i in range(20):
+            t0 = time.perf_counter()
+            producer.send(f"m{i}", key="same-key")
+            batch = next(stream)
+            latencies.append(time.perf_counter() - t0)
+            assert batch.column("value").to_pylist() == [f"m{i}".encode()]
+    stream.close()
+    # Generous bound: catches a poll loop (hundreds of ms), not a busy machine.
+    assert sorted(latencies)[len(latencies) // 2] < 0.2
+
+
+def test_stats_flush_makes_open_segment_visible_in_metadata(broker: BrokerProcess) -> None:
+    from tierstream.store.metadata import MetadataStore
+
+    url = broker.url
+    assert url is not None
+    with Admin(url) as admin:
+        admin.create_topic(TOPIC, 1)
+    with Producer(TOPIC, broker=url) as producer:
+        producer.send_many({"value": b"x"} for _ in range(10))
+    meta = MetadataStore(broker.data_dir / "metadata.db", read_only=True)
+    try:
+        wait_for(lambda: meta.segments(TOPIC)[0].messages == 10, timeout=10,
+                 what="open segment stats in metadata.db")
+    finally:
+        meta.close()

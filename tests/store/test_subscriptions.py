@@ -1,0 +1,125 @@
+"""Key_Shared and Exclusive subscriptions with durable cursors, through a real broker."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pyarrow as pa
+import pytest
+
+from tierstream.errors import AlreadyExistsError
+from tierstream.splits.positions import KeyRange, Offset, Position
+from tierstream.store.client import Admin, Consumer, Producer
+from tierstream.store.process import BrokerProcess
+from tierstream.store.subscriptions import CursorMap
+
+TOPIC = "acme/web/clicks"
+
+
+def _drain(consumer: Consumer, expected: int, timeout: float = 10.0) -> list[pa.RecordBatch]:
+    got, n = [], 0
+    while n < expected:
+        batch = consumer.receive(timeout=timeout)
+        if batch is None:
+            break
+        got.append(batch)
+        n += batch.num_rows
+    return got
+
+
+def test_key_shared_consumers_with_disjoint_ranges_get_each_message_once(
+        broker: BrokerProcess) -> None:
+    url = broker.url
+    assert url is not None
+    with Admin(url) as admin:
+        admin.create_topic(TOPIC, 2)
+    ranges = KeyRange.split(3)
+    consumers = [Consumer(TOPIC, "ks", mode="key_shared", key_ranges=[r], broker=url,
+                          initial=Offset.earliest()) for r in ranges]
+    try:
+        with Producer(TOPIC, broker=url, batch_size=37) as producer:
+            producer.send_many({"value": f"v{i}".encode(), "key": f"user-{i % 97}"}
+                               for i in range(6_000))
+        owner: dict[str, set[int]] = defaultdict(set)
+        values: list[bytes] = []
+        for idx, c in enumerate(consumers):
+            received = pa.Table.from_batches(_drain_all(c))
+            for row in received.select(["key", "key_hash", "value"]).to_pylist():
+                assert ranges[idx].contains(row["key_hash"])
+                owner[row["key"]].add(idx)
+                values.append(row["value"])
+        assert sorted(values) == sorted(f"v{i}".encode() for i in range(6_000))
+        assert all(len(o) == 1 for o in owner.values()), "a key went to two consumers"
+    finally:
+        for c in consumers:
+            c.close()
+
+
+def _drain_all(consumer: Consumer) -> list[pa.RecordBatch]:
+    out = []
+    while (batch := consumer.receive(timeout=1.0)) is not None:
+        out.append(batch)
+    return out
+
+
+def test_overlapping_key_ranges_and_second_exclusive_consumer_are_refused(
+        broker: BrokerProcess) -> None:
+    url = broker.url
+    assert url is not None
+    with Admin(url) as admin:
+        admin.create_topic(TOPIC, 1)
+    with Consumer(TOPIC, "ks", mode="key_shared", key_ranges=[KeyRange(0, 1000)], broker=url), \
+            pytest.raises(AlreadyExistsError, match="overlap"):
+        Consumer(TOPIC, "ks", mode="key_shared", key_ranges=[KeyRange(500, 2000)], broker=url)
+    with Consumer(TOPIC, "ex", broker=url), \
+            pytest.raises(AlreadyExistsError, match="exclusive consumer"):
+        Consumer(TOPIC, "ex", broker=url)
+
+
+def test_a_consumer_resumes_after_its_last_ack(broker: BrokerProcess) -> None:
+    url = broker.url
+    assert url is not None
+    with Admin(url) as admin:
+        admin.create_topic(TOPIC, 1)
+    with Producer(TOPIC, broker=url, batch_size=10) as producer:
+        producer.send_many({"value": f"v{i}".encode()} for i in range(100))
+    with Consumer(TOPIC, "billing", broker=url, initial=Offset.earliest()) as c:
+        batches = _drain(c, 100)
+        first = pa.Table.from_batches(batches)
+        assert len(first) == 100
+        c.ack(Position(0, first.column("segment_id")[44].as_py(),
+                       first.column("entry_id")[44].as_py(),
+                       first.column("batch_index")[44].as_py()))
+    with Consumer(TOPIC, "billing", broker=url) as c:
+        rest = pa.Table.from_batches(_drain(c, 55))
+    assert rest.column("value").to_pylist() == [f"v{i}".encode() for i in range(45, 100)]
+
+
+def test_cursor_survives_a_broker_restart(start_broker) -> None:
+    broker = start_broker()
+    with Admin(broker.url) as admin:
+        admin.create_topic(TOPIC, 1)
+    with Producer(TOPIC, broker=broker.url, batch_size=10) as producer:
+        producer.send_many({"value": f"v{i}".encode()} for i in range(30))
+    with Consumer(TOPIC, "s", broker=broker.url, initial=Offset.earliest()) as c:
+        batch = c.receive(timeout=10)
+        assert batch is not None and batch.num_rows == 10
+        c.ack(batch)
+    broker.kill()
+    restarted = start_broker()
+    with Consumer(TOPIC, "s", broker=restarted.url) as c:
+        rest = pa.Table.from_batches(_drain(c, 20))
+    assert rest.column("value").to_pylist() == [f"v{i}".encode() for i in range(10, 30)]
+
+
+def test_cursor_map_acks_move_only_the_acked_slots_forward() -> None:
+    p = [Position(0, 1, e, 0) for e in range(5)]
+    cursor = CursorMap.at(p[0])
+    cursor.ack([KeyRange(0, 100)], p[3])
+    assert cursor.start_for([KeyRange(0, 50)]) == p[3]
+    assert cursor.start_for([KeyRange(50, 200)]) == p[0]
+    cursor.ack([KeyRange(0, 100)], p[1])  # never backwards
+    assert cursor.start_for([KeyRange(0, 100)]) == p[3]
+    cursor.ack([KeyRange(100, 65536)], p[3])
+    assert cursor.intervals == [(0, 65536, p[3])]
+    assert CursorMap.from_json(cursor.to_json()) == cursor

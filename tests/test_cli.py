@@ -1,0 +1,111 @@
+"""The CLI as a user runs it: real processes, a real broker, real output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tierstream.store.process import BrokerProcess
+
+from .store.helpers import wait_for
+
+COMMANDS = [["broker", "start"], ["topic", "create"], ["topic", "list"], ["produce"],
+            ["consume"], ["segments"], ["seal"], ["demo"]]
+
+
+def run(*args: str, stdin: str | None = None, env: dict[str, str] | None = None
+        ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tierstream", *args], input=stdin,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_every_command_has_help_with_an_example(command: list[str]) -> None:
+    proc = run(*command, "--help")
+    assert proc.returncode == 0
+    assert "Example: tierstream" in proc.stdout
+
+
+def test_a_session_through_the_cli(broker: BrokerProcess, data_dir: Path) -> None:
+    env = {"TIERSTREAM_BROKER": broker.url or "", "TIERSTREAM_HOME": str(data_dir)}
+    assert run("topic", "create", "acme/web/clicks", "--partitions", "2",
+               env=env).returncode == 0
+    proc = run("produce", "acme/web/clicks", "--generate", "3000", "--keys", "20",
+               "--start-time", "2026-11-01T00:00:00Z", "--step-ms", "1000", env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = "\n".join(json.dumps({"key": f"k{i}", "value": f"hello {i}",
+                                  "properties": {"src": "stdin"}}) for i in range(5))
+    assert run("produce", "acme/web/clicks", stdin=lines, env=env).returncode == 0
+
+    window = run("consume", "acme/web/clicks", "--from", "2026-11-01T00:10:00Z",
+                 "--to", "1793492400000", env=env)  # 00:10 .. 00:20 (as epoch ms)
+    rows = [json.loads(x) for x in window.stdout.splitlines()]
+    assert len(rows) == 600
+    assert all(1793491800000 <= r["publish_time"] < 1793492400000 for r in rows)
+    assert set(rows[0]) >= {"topic", "key", "key_hash", "value", "publish_time", "partition",
+                            "segment_id", "entry_id", "batch_index", "properties"}
+
+    limited = run("consume", "acme/web/clicks", "--limit", "7", env=env)
+    assert len(limited.stdout.splitlines()) == 7
+
+    keyed = run("consume", "acme/web/clicks", "--key-range", "0:32768", env=env)
+    hashes = [json.loads(x)["key_hash"] for x in keyed.stdout.splitlines()]
+    assert hashes and all(0 <= h < 32768 for h in hashes)
+
+    def segment_messages() -> int:
+        segs = run("segments", "acme/web/clicks", "--json", env=env)
+        return sum(r["messages"] for r in json.loads(segs.stdout))
+
+    wait_for(lambda: segment_messages() == 3005, timeout=20,
+             what="open segment stats to reach metadata.db")
+    table = run("segments", "acme/web/clicks", env=env)
+    assert "partition" in table.stdout and "lives in" in table.stdout
+
+    listing = run("topic", "list", env=env)
+    assert "acme/web/clicks" in listing.stdout
+
+
+@pytest.mark.parametrize(("args", "stdin", "needle"), [
+    (["topic", "create", "acme/../x"], None, "invalid topic name 'acme/../x'"),
+    (["topic", "create", "a/b/c", "--partitions", "-2"], None, "invalid partition count -2"),
+    (["consume", "a/b/c", "--from", "last tuesday"], None, "invalid --from 'last tuesday'"),
+    (["consume", "a/b/c", "--key-range", "9:3"], None, "invalid key range [9, 3)"),
+    (["consume", "a/b/c", "--from", "2026-11-02", "--to", "2026-11-01"], None,
+     "is before --from"),
+    (["produce", "a/b/c"], "{\"value\": 1}\n", "stdin line 1"),
+    (["produce", "a/b/c"], "not json\n", "stdin line 1 is not JSON"),
+    (["produce", "a/b/c", "--generate", "10", "--start-time", "soon"], None,
+     "invalid --start-time 'soon'"),
+])
+def test_bad_input_is_one_clear_line_and_exit_status_2(args: list[str], stdin: str | None,
+                                                       needle: str) -> None:
+    proc = run(*args, stdin=stdin, env={"TIERSTREAM_BROKER": "grpc://127.0.0.1:1"})
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_bad_stdin_sends_nothing(broker: BrokerProcess) -> None:
+    env = {"TIERSTREAM_BROKER": broker.url or ""}
+    run("topic", "create", "a/b/c", env=env)
+    proc = run("produce", "a/b/c", stdin='{"value": "ok"}\n{"value": 5}\n', env=env)
+    assert proc.returncode == 2 and "stdin line 2" in proc.stderr
+    assert run("consume", "a/b/c", env=env).stdout == ""
+
+
+def test_unreachable_broker_exit_status_1() -> None:
+    proc = run("topic", "list", env={"TIERSTREAM_BROKER": "grpc://127.0.0.1:1"})
+    assert proc.returncode == 1
+    assert "cannot reach the broker at grpc://127.0.0.1:1" in proc.stderr
+
+
+def test_segments_on_a_missing_data_dir_names_it(tmp_path: Path) -> None:
+    proc = run("segments", "a/b/c", "--data-dir", str(tmp_path / "nowhere"))
+    assert proc.returncode == 1
+    assert "nowhere" in proc.stderr
