@@ -240,27 +240,21 @@ class Bookie:
             raise NotFoundError(f"ledger {segment_id} has no index on bookie {self.bookie_id}")
         return read_index(idx_path)
 
+    def open_reader(self, segment_id: int) -> LedgerReader:
+        """A reader of one ledger's frames; close it when done. Raises NotFoundError."""
+        return LedgerReader(self, segment_id)
+
     def read_entries(
         self, segment_id: int, records: list[IndexRecord]
     ) -> Iterator[tuple[IndexRecord, dict[str, Any], pa.Buffer]]:
         """Read and verify the given entries, in order. Raises CorruptionError on a bad frame."""
-        log_path, _ = ledger_paths(self.root, segment_id)
-        try:
-            fd = os.open(log_path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise NotFoundError(
-                f"ledger {segment_id} is missing on bookie {self.bookie_id}"
-            ) from None
+        reader = self.open_reader(segment_id)
         try:
             for rec in records:
-                try:
-                    meta, payload = read_frame(fd, segment_id, rec, f"bookie {self.bookie_id}")
-                except CorruptionError:
-                    self.checksum_failures += 1
-                    raise
+                meta, payload = reader.read(rec)
                 yield rec, meta, payload
         finally:
-            os.close(fd)
+            reader.close()
 
     # -- recovery -----------------------------------------------------------------------------
 
@@ -305,6 +299,31 @@ class Bookie:
     def delete_ledger(self, segment_id: int) -> None:
         for path in ledger_paths(self.root, segment_id):
             path.unlink(missing_ok=True)
+
+
+class LedgerReader:
+    """An open ledger file of one bookie: verified reads of single frames, one fd."""
+
+    def __init__(self, bookie: Bookie, segment_id: int) -> None:
+        self._bookie = bookie
+        self.segment_id = segment_id
+        log_path, _ = ledger_paths(bookie.root, segment_id)
+        try:
+            self._fd = os.open(log_path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise NotFoundError(
+                f"ledger {segment_id} is missing on bookie {bookie.bookie_id}"
+            ) from None
+
+    def read(self, rec: IndexRecord) -> tuple[dict[str, Any], pa.Buffer]:
+        try:
+            return read_frame(self._fd, self.segment_id, rec, f"bookie {self._bookie.bookie_id}")
+        except CorruptionError:
+            self._bookie.checksum_failures += 1
+            raise
+
+    def close(self) -> None:
+        os.close(self._fd)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -127,7 +127,7 @@ class Broker(flight.FlightServerBase):
             follow = end is None and end_time is None
             batches = plog.read(start, end=end, end_time=end_time, key_ranges=ranges,
                                 follow=follow, cancelled=context.is_cancelled)
-            return flight.GeneratorStream(MESSAGE_SCHEMA, _carry_errors(batches))
+            return _stream(batches)
         except TierstreamError as exc:
             raise server_error(exc) from None
         except (KeyError, ValueError, TypeError) as exc:
@@ -151,7 +151,7 @@ class Broker(flight.FlightServerBase):
             finally:
                 self.subscriptions.detach(plog.topic, name, plog.partition, consumer)
 
-        return flight.GeneratorStream(MESSAGE_SCHEMA, _carry_errors(stream()))
+        return _stream(stream())
 
     def _resolve_start(self, plog: PartitionLog, offset: Offset) -> Position:
         if offset.kind is OffsetKind.EARLIEST:
@@ -249,6 +249,13 @@ _ACTIONS = {
     "ack": (Broker._ack, "Cumulative ack on a subscription's cursor."),
     "producer-state": (Broker._producer_state, "Last stored sequence id of {producer}."),
 }
+
+
+def _stream(batches: Iterator[pa.RecordBatch]) -> flight.FlightDataStream:
+    # A RecordBatchReader is pulled by Flight's C++ writer directly, which costs about half
+    # of what GeneratorStream does per batch (bench: python -m bench consume).
+    reader = pa.RecordBatchReader.from_batches(MESSAGE_SCHEMA, _carry_errors(batches))
+    return flight.RecordBatchStream(reader)
 
 
 def _carry_errors(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:

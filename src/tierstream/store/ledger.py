@@ -4,9 +4,10 @@ A ledger is two files in the bookie's directory:
 
 ``<segment_id>.log``  append-only frames. A frame is a 40-byte header
     ``magic "TSE1", flags u32, segment_id i64, entry_id i64, meta_len u32, payload_len u32,
-    crc32 u32, 4 bytes padding``, then ``meta`` (a small JSON object: producer, sequence id)
+    crc32c u32, 4 bytes padding``, then ``meta`` (a small JSON object: producer, sequence id)
     padded to 8 bytes, then the payload (one Arrow IPC record-batch message of
-    :data:`~tierstream.schema.MESSAGE_SCHEMA`) padded to 8 bytes. The CRC-32 covers segment id,
+    :data:`~tierstream.schema.MESSAGE_SCHEMA`) padded to 8 bytes. The CRC-32C (Castagnoli, as
+    BookKeeper's default digest; hardware-accelerated by the ``crc32c`` package) covers segment id,
     entry id, both lengths, meta and payload, so a frame copied into the wrong ledger or slot
     fails the check just like a flipped byte.
 ``<segment_id>.idx``  fixed 40-byte records ``entry_id i64, frame_offset i64, frame_len u32,
@@ -22,11 +23,11 @@ from __future__ import annotations
 import json
 import os
 import struct
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import pyarrow as pa
 
 from tierstream.errors import CorruptionError
@@ -43,7 +44,7 @@ __all__ = [
     "scan_frames",
 ]
 
-MAGIC = b"TSE1"
+MAGIC = b"TSE2"  # version 2: CRC-32C
 FRAME_HEADER = struct.Struct("<4sIqqIII4x")
 INDEX_RECORD = struct.Struct("<qqIIqq")
 _CRC_IDS = struct.Struct("<qqII")
@@ -70,9 +71,9 @@ class IndexRecord:
 
 
 def _crc(segment_id: int, entry_id: int, meta: bytes, payload: Any) -> int:
-    crc = zlib.crc32(_CRC_IDS.pack(segment_id, entry_id, len(meta), len(payload)))
-    crc = zlib.crc32(meta, crc)
-    return zlib.crc32(payload, crc)
+    crc = crc32c.crc32c(_CRC_IDS.pack(segment_id, entry_id, len(meta), len(payload)))
+    crc = crc32c.crc32c(meta, value=crc)
+    return crc32c.crc32c(payload, value=crc)
 
 
 def encode_frame(segment_id: int, entry_id: int, meta: dict[str, Any], payload: pa.Buffer) -> list[

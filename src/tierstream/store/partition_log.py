@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 from tierstream.errors import ConfigError, CorruptionError, NotFoundError, UnavailableError
 from tierstream.schema import MESSAGE_SCHEMA, as_produce_batch, key_hashes
 from tierstream.splits.positions import KeyRange, Position
-from tierstream.store.bookie import Bookie
+from tierstream.store.bookie import Bookie, LedgerReader
 from tierstream.store.ledger import IndexRecord, decode_payload
 from tierstream.store.metadata import MetadataStore, SegmentRecord, SegmentState
 from tierstream.timeutil import now_ms
@@ -396,47 +396,52 @@ class PartitionLog:
         the broker closes; a new message is delivered as soon as it is confirmed.
         """
         pos = start
-        while True:
-            progressed = False
-            for seg, records in self._readable_from(pos):
-                for rec in records:
-                    if rec.entry_id < (pos.entry_id if seg.segment_id == pos.segment_id else 0):
-                        continue
-                    here = Position(self.partition, seg.segment_id, rec.entry_id, 0)
-                    if end is not None and here >= end:
-                        return
-                    batch = self._entry(seg, rec)
-                    lo = pos.batch_index if (seg.segment_id, rec.entry_id) == (
-                        pos.segment_id, pos.entry_id) else 0
-                    hi = batch.num_rows
-                    if end is not None and (end.segment_id, end.entry_id) == (
-                            seg.segment_id, rec.entry_id):
-                        hi = min(hi, end.batch_index)
-                    stop = False
-                    if end_time is not None and rec.last_publish_time >= end_time:
-                        hi = min(hi, int(pc.sum(pc.less(batch.column("publish_time"),
-                                                        end_time)).as_py() or 0))
-                        stop = True
-                    if hi > lo:
-                        out = filter_key_ranges(batch.slice(lo, hi - lo), key_ranges)
-                        if out.num_rows:
-                            yield out
-                    if stop:
-                        return
-                    pos = Position(self.partition, seg.segment_id, rec.entry_id + 1, 0)
-                    progressed = True
+        end_key = None if end is None else (end.segment_id, end.entry_id, end.batch_index)
+        readers = _Readers()
+        try:
+            while True:
+                progressed = False
+                for seg, records in self._readable_from(pos):
+                    sid = seg.segment_id
+                    first = pos.entry_id if sid == pos.segment_id else 0
+                    for rec in records[first:] if _dense(records) else records:
+                        if rec.entry_id < first:
+                            continue
+                        if end_key is not None and (sid, rec.entry_id, 0) >= end_key:
+                            return
+                        batch = self._entry(seg, rec, readers)
+                        lo = pos.batch_index if (sid, rec.entry_id) == (
+                            pos.segment_id, pos.entry_id) else 0
+                        hi = batch.num_rows
+                        if end_key is not None and end_key[:2] == (sid, rec.entry_id):
+                            hi = min(hi, end_key[2])
+                        stop = end_time is not None and rec.last_publish_time >= end_time
+                        if stop:
+                            hi = min(hi, int(pc.sum(pc.less(batch.column("publish_time"),
+                                                            end_time)).as_py() or 0))
+                        if hi > lo:
+                            out = filter_key_ranges(batch.slice(lo, hi - lo), key_ranges)
+                            if out.num_rows:
+                                yield out
+                        if stop:
+                            return
+                        pos = Position(self.partition, sid, rec.entry_id + 1, 0)
+                        progressed = True
+                    readers.close_segment(sid)
                     if cancelled():
                         return
-            if end is not None and pos >= end:
-                return
-            if not follow:
-                return
-            if not progressed:
-                with self._lock:
-                    if not self._has_after(pos):
-                        self._changed.wait(timeout=0.2)
-                if cancelled() or self._closing.is_set():
+                if end is not None and pos >= end:
                     return
+                if not follow:
+                    return
+                if not progressed:
+                    with self._lock:
+                        if not self._has_after(pos):
+                            self._changed.wait(timeout=0.2)
+                    if cancelled() or self._closing.is_set():
+                        return
+        finally:
+            readers.close()
 
     def _has_after(self, pos: Position) -> bool:
         seg = self._open
@@ -478,17 +483,19 @@ class PartitionLog:
         raise NotFoundError(f"no replica of segment {seg.segment_id} ({self.topic} partition "
                             f"{self.partition}) has an index: {last_error}")
 
-    def _entry(self, seg: SegmentRecord, rec: IndexRecord) -> pa.RecordBatch:
+    def _entry(self, seg: SegmentRecord, rec: IndexRecord, readers: _Readers | None = None
+               ) -> pa.RecordBatch:
         key = (seg.segment_id, rec.entry_id)
         with self._lock:
             cached = self._entry_cache.get(key)
         if cached is not None:
             return cached
         errors = []
+        readers = readers or _Readers()
         for b in seg.ensemble:
             try:
-                for _, _, payload in self._bookies[b].read_entries(seg.segment_id, [rec]):
-                    return decode_payload(payload)
+                _, payload = readers.get(self._bookies[b], seg.segment_id).read(rec)
+                return decode_payload(payload)
             except (CorruptionError, NotFoundError, OSError) as exc:
                 self.replica_failures += 1
                 errors.append(f"{b}: {exc}")
@@ -503,6 +510,34 @@ class PartitionLog:
         while self._entry_cache_bytes > _CACHE_BYTES and self._entry_cache:
             _, old = self._entry_cache.popitem(last=False)
             self._entry_cache_bytes -= old.nbytes
+
+
+def _dense(records: list[IndexRecord]) -> bool:
+    """Entry ids are 0..n-1 in order (always, for a ledger), so slicing by id is exact."""
+    return not records or records[-1].entry_id == len(records) - 1
+
+
+class _Readers:
+    """Open ledger files of one read call, at most one per (bookie, segment)."""
+
+    def __init__(self) -> None:
+        self._open: dict[tuple[str, int], LedgerReader] = {}
+
+    def get(self, bookie: Bookie, segment_id: int) -> LedgerReader:
+        key = (bookie.bookie_id, segment_id)
+        reader = self._open.get(key)
+        if reader is None:
+            reader = self._open[key] = bookie.open_reader(segment_id)
+        return reader
+
+    def close_segment(self, segment_id: int) -> None:
+        for key in [k for k in self._open if k[1] == segment_id]:
+            self._open.pop(key).close()
+
+    def close(self) -> None:
+        for reader in self._open.values():
+            reader.close()
+        self._open.clear()
 
 
 def filter_key_ranges(batch: pa.RecordBatch, key_ranges: list[KeyRange] | None

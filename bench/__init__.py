@@ -1,0 +1,1 @@
+"""tierstream benchmarks: every figure beside a baseline measured in the same run."""

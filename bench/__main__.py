@@ -1,0 +1,48 @@
+"""``python -m bench [NAME|all] [--full]``: run benchmarks, print tables, write results."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from bench import store_bench
+
+BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
+    "produce": (store_bench.produce, "produce throughput into one partition, fsync on, beside "
+                                     "append+fdatasync of the same bytes"),
+    "tail": (store_bench.tail, "produce -> consume latency percentiles at 10,000 msg/s"),
+    "consume": (store_bench.consume, "consume throughput through the broker beside the Flight "
+                                     "transport serving the same batches from memory"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="tierstream benchmarks; each prints a table and writes "
+                    "bench/results/<name>.json (see bench/README.md).",
+        epilog="benchmarks:\n" + "\n".join(f"  {k:10s} {doc}" for k, (_, doc) in
+                                          BENCHMARKS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("name", choices=[*BENCHMARKS, "all"], help="benchmark to run, or all")
+    parser.add_argument("--full", action="store_true", help="the larger profile (slower)")
+    args = parser.parse_args(argv)
+    names = list(BENCHMARKS) if args.name == "all" else [args.name]
+    failed = []
+    for name in names:
+        try:
+            BENCHMARKS[name][0](not args.full)
+        except Exception as exc:  # report and go on with the others
+            print(f"benchmark {name} failed: {exc}", file=sys.stderr)
+            failed.append(name)
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""What every benchmark shares: repeated runs, medians and spread, one table, one JSON file.
+
+A benchmark returns :class:`Figure` rows; :func:`report` prints them as a table (figure, value,
+baseline, ratio, aim) and writes ``bench/results/<name>.json`` atomically, so a failed run never
+leaves a half-written result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+RESULTS = Path(__file__).parent / "results"
+console = Console(width=None if os.isatty(1) else 140)
+
+
+@dataclass
+class Figure:
+    name: str
+    unit: str
+    runs: list[float]
+    baseline_name: str | None = None
+    baseline_runs: list[float] = field(default_factory=list)
+    aim: str = ""
+    higher_is_better: bool = True
+    aim_check: Callable[[float, float | None], bool] | None = None
+
+    @property
+    def value(self) -> float:
+        return statistics.median(self.runs)
+
+    @property
+    def baseline(self) -> float | None:
+        return statistics.median(self.baseline_runs) if self.baseline_runs else None
+
+    @property
+    def ratio(self) -> float | None:
+        b = self.baseline
+        return None if not b else self.value / b
+
+    @property
+    def met(self) -> bool | None:
+        return None if self.aim_check is None else self.aim_check(self.value, self.ratio)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.pop("aim_check")
+        out.update(value=self.value, baseline=self.baseline, ratio=self.ratio, met=self.met,
+                   spread=_spread(self.runs), baseline_spread=_spread(self.baseline_runs))
+        return out
+
+
+def _spread(runs: list[float]) -> list[float] | None:
+    return [min(runs), max(runs)] if runs else None
+
+
+def repeat(fn: Callable[[], float], runs: int, warmup: int = 1) -> list[float]:
+    """Call ``fn`` ``warmup`` times unmeasured, then ``runs`` times; returns its results."""
+    for _ in range(warmup):
+        fn()
+    return [fn() for _ in range(runs)]
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _fmt(x: float | None, unit: str = "") -> str:
+    if x is None:
+        return "-"
+    if abs(x) >= 100:
+        s = f"{x:,.0f}"
+    elif abs(x) >= 1:
+        s = f"{x:,.2f}"
+    else:
+        s = f"{x:.3f}"
+    return f"{s} {unit}".strip()
+
+
+def report(name: str, figures: list[Figure], params: dict[str, Any],
+           extra: dict[str, Any] | None = None) -> Path:
+    table = Table("figure", "value", "spread", "baseline", "ratio", "aim", "met", title=name)
+    for f in figures:
+        spread = _spread(f.runs)
+        table.add_row(
+            f.name, _fmt(f.value, f.unit),
+            "-" if spread is None else f"{_fmt(spread[0])}..{_fmt(spread[1])}",
+            "-" if f.baseline is None else f"{_fmt(f.baseline, f.unit)} ({f.baseline_name})",
+            "-" if f.ratio is None else f"{f.ratio:.2f}",
+            f.aim or "-",
+            {None: "-", True: "yes", False: "NO"}[f.met],
+        )
+    console.print(table)
+    RESULTS.mkdir(exist_ok=True)
+    doc = {
+        "benchmark": name,
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"python": platform.python_version(), "platform": platform.platform(),
+                    "cpus": os.cpu_count()},
+        "versions": _versions(),
+        "parameters": params,
+        "figures": [f.to_dict() for f in figures],
+        **(extra or {}),
+    }
+    path = RESULTS / f"{name}.json"
+    fd, tmp = tempfile.mkstemp(dir=RESULTS, prefix=f".{name}.", suffix=".json")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(doc, fh, indent=2)
+    os.replace(tmp, path)
+    console.print(f"results: {path}")
+    return path
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("tierstream", "pyarrow", "pyspark", "pyiceberg"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "-"
+    return out
+
+
+def save_chart(name: str, draw: Callable[[Any], None]) -> Path:
+    """Draw with matplotlib (Agg) into ``bench/results/<name>.png``, atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    draw(ax)
+    fig.tight_layout()
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.png"
+    tmp = RESULTS / f".{name}.tmp.png"
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    console.print(f"chart: {path}")
+    return path

@@ -1,0 +1,233 @@
+"""Benchmarks of the embedded store (issue 2): produce, tail latency, consume vs its ceiling.
+
+Every figure runs against a real broker process with fsync on, beside a baseline from the
+same run on the same machine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from bench.harness import Figure, console, repeat, report, save_chart, timed
+from tierstream.schema import as_produce_batch
+from tierstream.splits.positions import Offset
+from tierstream.store.client import Admin, Producer, read
+from tierstream.store.process import BrokerProcess
+
+VALUE = b"v" * 100
+
+
+def _batch(n: int, keys: int = 100, seed: int = 0) -> pa.RecordBatch:
+    return as_produce_batch(pa.record_batch({
+        "key": [f"user-{(seed + i) % keys}" for i in range(n)],
+        "value": [VALUE] * n,
+    }))
+
+
+def produce(quick: bool = True) -> Path:
+    """Messages/s into one partition: 100-byte values, batches of 1,000, fsync on."""
+    messages = 300_000 if quick else 2_000_000
+    runs = 3 if quick else 5
+    batch = _batch(1000)
+    payload = pa.RecordBatch.from_arrays(batch.columns, schema=batch.schema).serialize()
+    with tempfile.TemporaryDirectory() as tmp:
+        broker = BrokerProcess(Path(tmp) / "data").start()
+        try:
+            assert broker.url is not None
+            with Admin(broker.url) as admin:
+                admin.create_topic("bench/produce/t", 1)
+            producer = Producer("bench/produce/t", broker=broker.url, name="bench",
+                                max_in_flight=16)
+
+            def run() -> float:
+                def send() -> None:
+                    for _ in range(messages // 1000):
+                        producer._send(0, batch)
+                    producer.flush()
+                return messages / timed(send)
+
+            tput = repeat(run, runs)
+            producer.close()
+        finally:
+            broker.stop()
+
+        def disk() -> float:
+            # The disk's own ceiling: the same entry bytes appended and fdatasync'd per batch.
+            path = Path(tmp) / "ceiling.log"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            try:
+                def write() -> None:
+                    for _ in range(messages // 1000):
+                        os.write(fd, payload)
+                        os.fdatasync(fd)
+                return messages / timed(write)
+            finally:
+                os.close(fd)
+                path.unlink()
+
+        ceiling = repeat(disk, runs)
+    mb = [t * 100 / 1e6 for t in tput]
+    figures = [
+        Figure("produce msg/s (1 partition, 100 B, batch 1000, fsync)", "msg/s", tput,
+               "append+fdatasync of the same bytes", ceiling, aim=">= 500,000 msg/s",
+               aim_check=lambda v, r: v >= 500_000),
+        Figure("produce value MB/s", "MB/s", mb),
+    ]
+    return report("produce", figures, {"messages": messages, "runs": runs, "batch": 1000,
+                                       "value_bytes": 100, "fsync": True})
+
+
+def tail(quick: bool = True) -> Path:
+    """Produce -> consumer latency at a steady 10,000 msg/s: p50 and p99."""
+    seconds = 5 if quick else 20
+    rate = 10_000
+    per_batch = 50  # 200 batches/s
+    latencies_ms: list[float] = []
+    ping_ms: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        broker = BrokerProcess(Path(tmp) / "data").start()
+        try:
+            url = broker.url
+            assert url is not None
+            with Admin(url) as admin:
+                admin.create_topic("bench/tail/t", 1)
+                for _ in range(200):
+                    t0 = time.perf_counter()
+                    admin.ping()
+                    ping_ms.append((time.perf_counter() - t0) * 1000)
+            stream = read("bench/tail/t", broker=url, start=Offset.latest())
+            sent_at: dict[int, float] = {}
+            done = threading.Event()
+            total = rate * seconds
+
+            def consume() -> None:
+                seen = 0
+                for b in stream:
+                    now = time.perf_counter()
+                    for v in b.column("value").to_pylist():
+                        latencies_ms.append((now - sent_at[int(v)]) * 1000)
+                    seen += b.num_rows
+                    if seen >= total:
+                        break
+                done.set()
+
+            consumer = threading.Thread(target=consume, daemon=True)
+            consumer.start()
+            with Producer("bench/tail/t", broker=url, max_in_flight=1) as producer:
+                start = time.perf_counter()
+                for i in range(total // per_batch):
+                    due = start + i * per_batch / rate
+                    delay = due - time.perf_counter()
+                    if delay > 0:
+                        time.sleep(delay)  # pacing the load, not synchronisation
+                    ids = range(i * per_batch, (i + 1) * per_batch)
+                    batch = pa.record_batch({"value": [str(j).encode() for j in ids]})
+                    now = time.perf_counter()
+                    for j in ids:
+                        sent_at[j] = now
+                    producer._send(0, as_produce_batch(batch))
+                producer.flush()
+            if not done.wait(60):
+                raise RuntimeError("tail consumer did not receive every message within 60 s")
+            stream.close()
+        finally:
+            broker.stop()
+    lat = sorted(latencies_ms)
+
+    def pct(xs: list[float], q: float) -> float:
+        return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+    pings = sorted(ping_ms)
+    figures = [
+        Figure("tail latency p50 at 10k msg/s", "ms", [pct(lat, 0.50)], "admin ping p50",
+               [pct(pings, 0.50)], higher_is_better=False),
+        Figure("tail latency p99 at 10k msg/s", "ms", [pct(lat, 0.99)], "admin ping p99",
+               [pct(pings, 0.99)], aim="p99 <= 20 ms", higher_is_better=False,
+               aim_check=lambda v, r: v <= 20),
+        Figure("tail latency max", "ms", [lat[-1]], higher_is_better=False),
+    ]
+
+    def draw(ax: Any) -> None:
+        ax.hist(lat, bins=100, color="#3b6ea5")
+        ax.axvline(pct(lat, 0.99), color="red", linestyle="--", label="p99")
+        ax.set_xlabel("produce -> consume latency (ms)")
+        ax.set_ylabel("messages")
+        ax.set_title(f"tail latency at {rate:,} msg/s ({len(lat):,} messages)")
+        ax.legend()
+
+    save_chart("tail", draw)
+    return report("tail", figures, {"rate": rate, "seconds": seconds, "batch": per_batch},
+                  {"latency_ms_sample": lat[:: max(1, len(lat) // 2000)]})
+
+
+def consume(quick: bool = True) -> Path:
+    """Consume msg/s through the broker beside the Flight transport serving the same batches
+    from memory (its ceiling), as a ratio."""
+    messages = 1_000_000 if quick else 5_000_000
+    runs = 7 if quick else 11  # the transport ceiling is noisy on 2 cores: more runs
+    with tempfile.TemporaryDirectory() as tmp:
+        broker = BrokerProcess(Path(tmp) / "data").start()
+        ceiling_proc = None
+        try:
+            url = broker.url
+            assert url is not None
+            with Admin(url) as admin:
+                admin.create_topic("bench/consume/t", 1)
+            with Producer("bench/consume/t", broker=url, max_in_flight=16) as producer:
+                for i in range(messages // 1000):
+                    producer._send(0, _batch(1000, seed=i))
+                producer.flush()
+            ceiling_proc = subprocess.Popen(
+                [sys.executable, "-m", "bench.flight_ceiling", "--broker", url, "--topic",
+                 "bench/consume/t"], stdout=subprocess.PIPE, text=True,
+                cwd=Path(__file__).parent.parent)
+            assert ceiling_proc.stdout is not None
+            line = ceiling_proc.stdout.readline()
+            if "listening on" not in line:
+                raise RuntimeError(f"ceiling server did not start: {line!r}")
+            ceiling_url = line.split()[-1]
+
+            def via_broker() -> float:
+                n = 0
+
+                def go() -> None:
+                    nonlocal n
+                    for b in read("bench/consume/t", broker=url, end=Offset.latest()):
+                        n += b.num_rows
+                rate = messages / timed(go)
+                assert n == messages, f"read {n} of {messages}"
+                return rate
+
+            client = flight.FlightClient(ceiling_url)
+
+            def via_ceiling() -> float:
+                def go() -> None:
+                    for _ in client.do_get(flight.Ticket(b"all")):
+                        pass
+                return messages / timed(go)
+
+            ours, ceiling = [], []
+            via_broker(), via_ceiling()  # warm-up, both
+            for _ in range(runs):  # interleaved, so drift hits both alike
+                ours.append(via_broker())
+                ceiling.append(via_ceiling())
+        finally:
+            if ceiling_proc is not None:
+                ceiling_proc.terminate()
+                ceiling_proc.wait()
+            broker.stop()
+    figures = [Figure("consume msg/s through the broker", "msg/s", ours,
+                      "Flight from memory", ceiling, aim="ratio >= 0.7",
+                      aim_check=lambda v, r: r is not None and r >= 0.7)]
+    console.print(f"{messages:,} messages of 100 B values, 1 partition, entries of 1,000")
+    return report("consume", figures, {"messages": messages, "runs": runs})
