@@ -16,7 +16,9 @@ from tierstream.store.subscriptions import CursorMap
 TOPIC = "acme/web/clicks"
 
 
-def _drain(consumer: Consumer, expected: int, timeout: float = 10.0) -> list[pa.RecordBatch]:
+def _drain(consumer: Consumer, expected: float = float("inf"), timeout: float = 10.0
+           ) -> list[pa.RecordBatch]:
+    """Batches until ``expected`` messages arrived, or none came for ``timeout`` seconds."""
     got, n = [], 0
     while n < expected:
         batch = consumer.receive(timeout=timeout)
@@ -43,7 +45,7 @@ def test_key_shared_consumers_with_disjoint_ranges_get_each_message_once(
         owner: dict[str, set[int]] = defaultdict(set)
         values: list[bytes] = []
         for idx, c in enumerate(consumers):
-            received = pa.Table.from_batches(_drain_all(c))
+            received = pa.Table.from_batches(_drain(c, timeout=1.0))
             for row in received.select(["key", "key_hash", "value"]).to_pylist():
                 assert ranges[idx].contains(row["key_hash"])
                 owner[row["key"]].add(idx)
@@ -53,13 +55,6 @@ def test_key_shared_consumers_with_disjoint_ranges_get_each_message_once(
     finally:
         for c in consumers:
             c.close()
-
-
-def _drain_all(consumer: Consumer) -> list[pa.RecordBatch]:
-    out = []
-    while (batch := consumer.receive(timeout=1.0)) is not None:
-        out.append(batch)
-    return out
 
 
 def test_overlapping_key_ranges_and_second_exclusive_consumer_are_refused(
