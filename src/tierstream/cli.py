@@ -90,6 +90,25 @@ def broker_start(
     segment_rollover_time: Annotated[str | None, typer.Option(help="Rollover by age, e.g. 4h.")]
         = None,
     fsync: Annotated[bool, typer.Option(help="fsync before acknowledging.")] = True,
+    tier_url: Annotated[str | None, typer.Option(
+        envvar="TIERSTREAM_TIER_URL", help="Tier for offloaded segments: a path, file:// or "
+        "s3://bucket/prefix (default: DATA_DIR/tier).")] = None,
+    s3_endpoint: Annotated[str | None, typer.Option(
+        envvar="TIERSTREAM_S3_ENDPOINT", help="S3 endpoint (MinIO, moto); default AWS.")] = None,
+    s3_region: Annotated[str | None, typer.Option(envvar="AWS_REGION", help="S3 region.")]
+        = None,
+    catalog_uri: Annotated[str | None, typer.Option(
+        envvar="TIERSTREAM_CATALOG_URI", help="Iceberg SQL catalog URL (default: "
+        "sqlite:///DATA_DIR/catalog.db).")] = None,
+    offload_after: Annotated[str | None, typer.Option(
+        help="Offload segments whose newest message is older than this, e.g. 1d.")] = None,
+    offload_threshold: Annotated[str | None, typer.Option(
+        help="Offload oldest segments while a topic's bookie bytes exceed this, e.g. 1GiB.")]
+        = None,
+    deletion_lag: Annotated[str | None, typer.Option(
+        help="Keep bookie copies this long after offload (default 10m).")] = None,
+    tier_check_interval: Annotated[str | None, typer.Option(
+        help="How often to apply offload/deletion/retention (default 30s).")] = None,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "INFO",
 ) -> None:
     """Start the broker in the foreground; SIGTERM or Ctrl-C stops it cleanly.
@@ -105,7 +124,10 @@ def broker_start(
         "dataDir": str(data_dir), "bookies": bookies, "writeQuorum": write_quorum,
         "ackQuorum": ack_quorum, "maxEntriesPerSegment": max_entries_per_segment,
         "maxSegmentBytes": max_segment_bytes, "segmentRolloverTime": segment_rollover_time,
-        "fsync": fsync,
+        "fsync": fsync, "tierUrl": tier_url, "s3Endpoint": s3_endpoint, "s3Region": s3_region,
+        "catalogUri": catalog_uri, "offloadAfter": offload_after,
+        "offloadThreshold": offload_threshold, "deletionLag": deletion_lag,
+        "tierCheckInterval": tier_check_interval,
     })
 
     def ready(url: str) -> None:
@@ -120,17 +142,22 @@ def broker_start(
 def topic_create(
     topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
     partitions: Annotated[int, typer.Option(help="Number of partitions (>= 1).")] = 1,
+    retention: Annotated[str | None, typer.Option(
+        help="Delete segments whose newest message is older than this, e.g. 30d.")] = None,
     broker: BrokerOpt = DEFAULT_BROKER_URL,
     auth_token: TokenOpt = None,
 ) -> None:
     """Create a topic.
 
-    Example: tierstream topic create acme/web/clicks --partitions 4
+    Example: tierstream topic create acme/web/clicks --partitions 4 --retention 30d
     """
     from tierstream.store.client import Admin
+    from tierstream.timeutil import parse_duration_ms
 
+    retention_ms = None if retention is None else parse_duration_ms(retention,
+                                                                     what="--retention")
     with Admin(broker, auth_token=auth_token) as admin:
-        record = admin.create_topic(topic, partitions)
+        record = admin.create_topic(topic, partitions, retention_ms=retention_ms)
     out.print(f"created {record.name} with {record.partitions} partition(s)", highlight=False)
 
 
@@ -409,6 +436,32 @@ def demo(
     if messages < 1000:
         raise ConfigError(f"invalid --messages {messages}: expected >= 1000")
     run(data_dir, messages)
+
+
+@app.command()
+def offload(
+    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
+    older_than: Annotated[str | None, typer.Option(
+        help="Only segments whose newest message is older than this, e.g. 2d.")] = None,
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    auth_token: TokenOpt = None,
+) -> None:
+    """Move closed segments to the tier (Parquet + Iceberg) now.
+
+    Example: tierstream offload acme/web/clicks --older-than 2d
+    """
+    from tierstream.store.client import Admin
+    from tierstream.timeutil import parse_duration_ms
+
+    older_ms = None if older_than is None else parse_duration_ms(older_than, what="--older-than")
+    with Admin(broker, auth_token=auth_token) as admin:
+        moved = admin.offload(topic, older_than_ms=older_ms)
+    total = sum(s.bytes for s in moved)
+    out.print(f"offloaded {len(moved)} segment(s), {_human_bytes(total)} of bookie data",
+              highlight=False)
+    for s in moved:
+        out.print(f"  partition {s.partition} segment {s.segment_id} -> {s.tier_url}",
+                  highlight=False)
 
 
 def _human_bytes(n: int) -> str:

@@ -232,6 +232,21 @@ class Broker(flight.FlightServerBase):
                                Position.from_dict(body["position"]))
         return {"ok": True}
 
+    def _offload(self, body: dict[str, Any]) -> Any:
+        moved = self.store.offloader.offload_topic(body["topic"],
+                                                   older_than_ms=body.get("older_than_ms"))
+        return [s.to_dict() for s in moved]
+
+    def _tier_pass(self, body: dict[str, Any]) -> Any:
+        return self.store.tier_pass()
+
+    def _set_retention(self, body: dict[str, Any]) -> Any:
+        return self.store.set_retention(body["topic"], body.get("retention_ms")).to_dict()
+
+    def _deleted_segments(self, body: dict[str, Any]) -> Any:
+        name = self.store.topic(body["topic"]).name
+        return self.store.metadata.deleted_segments(name, body.get("partition"))
+
     def _producer_state(self, body: dict[str, Any]) -> Any:
         return {str(p.partition): p.producer_state(str(body["producer"]))
                 for p in self.store.partitions(body["topic"])}
@@ -248,6 +263,10 @@ _ACTIONS = {
     "stats": (Broker._stats, "Broker and store counters."),
     "ack": (Broker._ack, "Cumulative ack on a subscription's cursor."),
     "producer-state": (Broker._producer_state, "Last stored sequence id of {producer}."),
+    "offload": (Broker._offload, "Offload closed segments of {topic[, older_than_ms]}."),
+    "tier-pass": (Broker._tier_pass, "Apply offload, bookie deletion and retention now."),
+    "set-retention": (Broker._set_retention, "Set {topic, retention_ms} (null: keep all)."),
+    "deleted-segments": (Broker._deleted_segments, "Segments removed by retention."),
 }
 
 

@@ -105,12 +105,8 @@ class Admin(BrokerClient):
         return [TopicRecord(**t) for t in self.action("list-topics", {"namespace": namespace})]
 
     def list_segments(self, topic: str) -> list[SegmentRecord]:
-        out = []
-        for s in self.action("list-segments", {"topic": str(TopicName.parse(topic))}):
-            s.pop("location", None)
-            s["ensemble"] = tuple(s["ensemble"])
-            out.append(SegmentRecord(**s))
-        return out
+        return [_segment_record(s) for s in
+                self.action("list-segments", {"topic": str(TopicName.parse(topic))})]
 
     def last_confirmed(self, topic: str) -> dict[int, tuple[Position | None, Position]]:
         """Per partition: (last confirmed message or None, the exclusive end after it)."""
@@ -120,11 +116,34 @@ class Admin(BrokerClient):
 
     def seal(self, topic: str, partition: int | None = None) -> list[SegmentRecord]:
         raw = self.action("seal", {"topic": str(TopicName.parse(topic)), "partition": partition})
-        return [SegmentRecord(**{**s, "ensemble": tuple(s["ensemble"])})
-                for s in ({k: v for k, v in s.items() if k != "location"} for s in raw)]
+        return [_segment_record(s) for s in raw]
 
     def stats(self) -> dict[str, Any]:
         return dict(self.action("stats"))
+
+    def offload(self, topic: str, *, older_than_ms: int | None = None) -> list[SegmentRecord]:
+        """Move closed segments to the tier now (those older than ``older_than_ms``)."""
+        raw = self.action("offload", {"topic": str(TopicName.parse(topic)),
+                                      "older_than_ms": older_than_ms})
+        return [_segment_record(s) for s in raw]
+
+    def tier_pass(self) -> dict[str, int]:
+        """Apply the broker's offload, bookie-deletion and retention policies now."""
+        return dict(self.action("tier-pass"))
+
+    def set_retention(self, topic: str, retention_ms: int | None) -> TopicRecord:
+        return TopicRecord(**self.action("set-retention", {"topic": str(TopicName.parse(topic)),
+                                                           "retention_ms": retention_ms}))
+
+    def deleted_segments(self, topic: str) -> list[dict[str, Any]]:
+        """Segments removed by retention: what was lost, and when."""
+        return list(self.action("deleted-segments", {"topic": str(TopicName.parse(topic))}))
+
+
+def _segment_record(raw: dict[str, Any]) -> SegmentRecord:
+    fields = {k: v for k, v in raw.items() if k != "location"}
+    fields["ensemble"] = tuple(fields["ensemble"])
+    return SegmentRecord(**fields)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from typing import Any
 
 from tierstream.errors import ConfigError
 from tierstream.options import parse_options
+from tierstream.store.tier import TierStorage
 
 __all__ = ["StoreConfig"]
 
@@ -25,6 +26,15 @@ class StoreConfig:
     max_segment_bytes: int = 256 * 1024**2
     segment_rollover_ms: int = 4 * 3_600_000
     fsync: bool = True
+    tier_url: str | None = None
+    s3_endpoint: str | None = None
+    s3_region: str | None = None
+    catalog_uri: str | None = None
+    tier_layout: str = "key-buckets"
+    offload_after_ms: int | None = None
+    offload_threshold_bytes: int | None = None
+    deletion_lag_ms: int = 10 * 60_000
+    tier_check_interval_ms: int = 30_000
 
     def __post_init__(self) -> None:
         if not 1 <= self.write_quorum <= self.bookies:
@@ -55,6 +65,15 @@ class StoreConfig:
             max_segment_bytes=opts["maxSegmentBytes"],
             segment_rollover_ms=opts["segmentRolloverTime"],
             fsync=opts["fsync"],
+            tier_url=opts["tierUrl"],
+            s3_endpoint=opts["s3Endpoint"],
+            s3_region=opts["s3Region"],
+            catalog_uri=opts["catalogUri"],
+            tier_layout=opts["tierLayout"],
+            offload_after_ms=opts["offloadAfter"],
+            offload_threshold_bytes=opts["offloadThreshold"],
+            deletion_lag_ms=opts["deletionLag"],
+            tier_check_interval_ms=opts["tierCheckInterval"],
         )
         values.update(overrides)
         return cls(**values)
@@ -65,3 +84,12 @@ class StoreConfig:
 
     def bookie_dir(self, bookie_id: str) -> Path:
         return self.data_dir / "bookies" / bookie_id
+
+    def tier(self) -> TierStorage:
+        location = self.tier_url or str(self.data_dir / "tier")
+        return TierStorage.from_location(location, s3_endpoint=self.s3_endpoint,
+                                         s3_region=self.s3_region, layout=self.tier_layout)
+
+    @property
+    def catalog(self) -> str:
+        return self.catalog_uri or f"sqlite:///{(self.data_dir / 'catalog.db').resolve()}"

@@ -21,7 +21,7 @@ from tierstream.names import TopicName
 
 __all__ = ["MetadataStore", "SegmentRecord", "SegmentState", "TopicRecord"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -46,7 +46,8 @@ CREATE TABLE IF NOT EXISTS segments (
     ensemble TEXT NOT NULL,
     tier_url TEXT,
     offloaded_at INTEGER,
-    bookie_deleted_at INTEGER
+    bookie_deleted_at INTEGER,
+    offload_pending_url TEXT
 );
 CREATE INDEX IF NOT EXISTS segments_by_partition ON segments (topic, partition, segment_id);
 CREATE TABLE IF NOT EXISTS cursors (
@@ -56,6 +57,17 @@ CREATE TABLE IF NOT EXISTS cursors (
     intervals TEXT NOT NULL,
     updated_at INTEGER NOT NULL,
     PRIMARY KEY (topic, subscription, partition)
+);
+CREATE TABLE IF NOT EXISTS deleted_segments (
+    segment_id INTEGER PRIMARY KEY,
+    topic TEXT NOT NULL,
+    partition INTEGER NOT NULL,
+    entries INTEGER NOT NULL,
+    messages INTEGER NOT NULL,
+    min_publish_time INTEGER,
+    max_publish_time INTEGER,
+    deleted_at INTEGER NOT NULL,
+    reason TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS dedup (
     topic TEXT NOT NULL,
@@ -108,6 +120,7 @@ class SegmentRecord:
     tier_url: str | None = None
     offloaded_at: int | None = None
     bookie_deleted_at: int | None = None
+    offload_pending_url: str | None = None
 
     @property
     def location(self) -> str:
@@ -128,18 +141,20 @@ class SegmentRecord:
 
 _SEGMENT_COLUMNS = (
     "topic, partition, segment_id, state, entries, messages, bytes, min_publish_time, "
-    "max_publish_time, created_at, sealed_at, ensemble, tier_url, offloaded_at, bookie_deleted_at"
+    "max_publish_time, created_at, sealed_at, ensemble, tier_url, offloaded_at, bookie_deleted_at, "
+    "offload_pending_url"
 )
 
 
 def _segment(row: sqlite3.Row | tuple[Any, ...]) -> SegmentRecord:
     (topic, partition, segment_id, state, entries, messages, nbytes, min_pt, max_pt, created,
-     sealed, ensemble, tier_url, offloaded, deleted) = tuple(row)
+     sealed, ensemble, tier_url, offloaded, deleted, pending) = tuple(row)
     return SegmentRecord(
         topic=topic, partition=partition, segment_id=segment_id, state=state, entries=entries,
         messages=messages, bytes=nbytes, min_publish_time=min_pt, max_publish_time=max_pt,
         created_at=created, sealed_at=sealed, ensemble=tuple(json.loads(ensemble)),
         tier_url=tier_url, offloaded_at=offloaded, bookie_deleted_at=deleted,
+        offload_pending_url=pending,
     )
 
 
@@ -171,8 +186,16 @@ class MetadataStore:
                     "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)",
                     (str(SCHEMA_VERSION),),
                 )
+                self._migrate()
         self._lock = threading.RLock()
         self._check_version()
+
+    def _migrate(self) -> None:
+        version = int(self._conn.execute(
+            "SELECT value FROM meta WHERE key='schema_version'").fetchone()[0])
+        if version == 1:  # v2: tiered storage
+            self._conn.execute("ALTER TABLE segments ADD COLUMN offload_pending_url TEXT")
+            self._conn.execute("UPDATE meta SET value='2' WHERE key='schema_version'")
 
     def _check_version(self) -> None:
         row = self._conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
@@ -301,6 +324,57 @@ class MetadataStore:
                 (SegmentState.OPEN,),
             ).fetchall()
         return [_segment(r) for r in rows]
+
+    # -- tiering ------------------------------------------------------------------------------
+
+    def set_offload_pending(self, segment_id: int, url: str) -> None:
+        """Record where the offloader writes this segment, before it writes anything, so a
+        retry after a crash reuses the same file instead of leaving an orphan."""
+        with self._tx() as c:
+            c.execute("UPDATE segments SET offload_pending_url=? WHERE segment_id=?",
+                      (url, segment_id))
+
+    def flip_to_tier(self, segment_id: int, url: str, *, offloaded_at: int) -> None:
+        """From now on readers read this segment from ``url``."""
+        with self._tx() as c:
+            c.execute("UPDATE segments SET tier_url=?, offloaded_at=?, offload_pending_url=NULL "
+                      "WHERE segment_id=?", (url, offloaded_at, segment_id))
+
+    def mark_bookie_deleted(self, segment_id: int, *, deleted_at: int) -> None:
+        with self._tx() as c:
+            c.execute("UPDATE segments SET bookie_deleted_at=? WHERE segment_id=?",
+                      (deleted_at, segment_id))
+
+    def record_deletion(self, record: SegmentRecord, *, deleted_at: int, reason: str) -> None:
+        """Remove a segment record and remember what was removed and why, in one step."""
+        with self._tx() as c:
+            c.execute(
+                "INSERT OR REPLACE INTO deleted_segments (segment_id, topic, partition, entries, "
+                "messages, min_publish_time, max_publish_time, deleted_at, reason) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (record.segment_id, record.topic, record.partition, record.entries,
+                 record.messages, record.min_publish_time, record.max_publish_time, deleted_at,
+                 reason),
+            )
+            c.execute("DELETE FROM segments WHERE segment_id=?", (record.segment_id,))
+
+    def deleted_segments(self, topic: str, partition: int | None = None) -> list[dict[str, Any]]:
+        """Segments removed by retention, oldest first: what readers report as data loss."""
+        sql = ("SELECT segment_id, topic, partition, entries, messages, min_publish_time, "
+               "max_publish_time, deleted_at, reason FROM deleted_segments WHERE topic=?")
+        args: tuple[Any, ...] = (topic,)
+        if partition is not None:
+            sql += " AND partition=?"
+            args += (partition,)
+        with self._lock:
+            rows = self._conn.execute(sql + " ORDER BY partition, segment_id", args).fetchall()
+        keys = ("segment_id", "topic", "partition", "entries", "messages", "min_publish_time",
+                "max_publish_time", "deleted_at", "reason")
+        return [dict(zip(keys, r, strict=True)) for r in rows]
+
+    def set_retention(self, topic: str, retention_ms: int | None) -> None:
+        with self._tx() as c:
+            c.execute("UPDATE topics SET retention_ms=? WHERE name=?", (retention_ms, topic))
 
     # -- cursors ------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from tierstream.splits.positions import KeyRange, Position
 from tierstream.store.bookie import Bookie, LedgerReader
 from tierstream.store.ledger import IndexRecord, decode_payload
 from tierstream.store.metadata import MetadataStore, SegmentRecord, SegmentState
+from tierstream.store.tier import TierStorage
 from tierstream.timeutil import now_ms
 
 __all__ = ["Ack", "PartitionLog", "filter_key_ranges"]
@@ -84,6 +85,7 @@ class PartitionLog:
         max_bytes: int,
         rollover_ms: int,
         closing: threading.Event,
+        tier: TierStorage | None = None,
     ) -> None:
         self.topic = topic
         self.partition = partition
@@ -95,6 +97,8 @@ class PartitionLog:
         self._max_bytes = max_bytes
         self._rollover_ms = rollover_ms
         self._closing = closing
+        self._tier = tier
+        self._tier_cache: OrderedDict[int, _TierSegment] = OrderedDict()
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._closed_segments: list[SegmentRecord] = [
@@ -315,6 +319,28 @@ class PartitionLog:
                 min_publish_time=seg.min_pt, max_publish_time=seg.max_pt)
             return [*self._closed_segments, live]
 
+    def closed_segments(self) -> list[SegmentRecord]:
+        with self._lock:
+            return list(self._closed_segments)
+
+    def update_segment(self, record: SegmentRecord) -> None:
+        """Replace a closed segment's record (it moved to the tier, or lost its bookie copy)."""
+        with self._lock:
+            self._closed_segments = [record if s.segment_id == record.segment_id else s
+                                     for s in self._closed_segments]
+            if record.bookie_deleted_at is not None:
+                self._index_cache.pop(record.segment_id, None)
+
+    def remove_segment(self, segment_id: int) -> None:
+        """Stop serving a closed segment (retention)."""
+        with self._lock:
+            self._closed_segments = [s for s in self._closed_segments
+                                     if s.segment_id != segment_id]
+            self._index_cache.pop(segment_id, None)
+            self._tier_cache.pop(segment_id, None)
+            for key in [k for k in self._entry_cache if k[0] == segment_id]:
+                self._entry_cache_bytes -= self._entry_cache.pop(key).nbytes
+
     def last_confirmed(self) -> tuple[Position | None, Position]:
         """(position of the last confirmed message or None, the exclusive end after it)."""
         with self._lock:
@@ -469,6 +495,8 @@ class PartitionLog:
         if cached is not None:
             self._index_cache.move_to_end(seg.segment_id)
             return cached
+        if seg.bookie_deleted_at is not None:
+            return self._tier_segment(seg).records
         last_error: Exception | None = None
         for b in seg.ensemble:
             try:
@@ -480,6 +508,9 @@ class PartitionLog:
             while len(self._index_cache) > 256:
                 self._index_cache.popitem(last=False)
             return records
+        moved = self._current(seg)
+        if moved.tier_url is not None:  # moved to the tier while we were planning
+            return self._tier_segment(moved).records
         raise NotFoundError(f"no replica of segment {seg.segment_id} ({self.topic} partition "
                             f"{self.partition}) has an index: {last_error}")
 
@@ -490,6 +521,8 @@ class PartitionLog:
             cached = self._entry_cache.get(key)
         if cached is not None:
             return cached
+        if seg.bookie_deleted_at is not None:
+            return self._tier_segment(seg).entry(rec.entry_id)
         errors = []
         readers = readers or _Readers()
         for b in seg.ensemble:
@@ -499,10 +532,37 @@ class PartitionLog:
             except (CorruptionError, NotFoundError, OSError) as exc:
                 self.replica_failures += 1
                 errors.append(f"{b}: {exc}")
+        moved = self._current(seg)
+        if moved.tier_url is not None:  # its bookie copy was deleted after it moved
+            return self._tier_segment(moved).entry(rec.entry_id)
         raise CorruptionError(
             f"entry {rec.entry_id} of segment {seg.segment_id} ({self.topic} partition "
             f"{self.partition}) is unreadable on every replica: {'; '.join(errors)}"
         )
+
+    def _current(self, seg: SegmentRecord) -> SegmentRecord:
+        with self._lock:
+            for s in self._closed_segments:
+                if s.segment_id == seg.segment_id:
+                    return s
+        return seg
+
+    def _tier_segment(self, seg: SegmentRecord) -> _TierSegment:
+        """A tiered segment's rows in log order, with entry boundaries (a small LRU)."""
+        with self._lock:
+            cached = self._tier_cache.get(seg.segment_id)
+            if cached is not None:
+                self._tier_cache.move_to_end(seg.segment_id)
+                return cached
+        if self._tier is None or seg.tier_url is None:
+            raise NotFoundError(f"segment {seg.segment_id} ({self.topic} partition "
+                                f"{self.partition}) has neither a bookie copy nor a tier file")
+        loaded = _TierSegment.load(self._tier.read_segment(seg.tier_url))
+        with self._lock:
+            self._tier_cache[seg.segment_id] = loaded
+            while len(self._tier_cache) > 2:
+                self._tier_cache.popitem(last=False)
+        return loaded
 
     def _cache_put(self, key: tuple[int, int], batch: pa.RecordBatch) -> None:
         self._entry_cache[key] = batch
@@ -510,6 +570,40 @@ class PartitionLog:
         while self._entry_cache_bytes > _CACHE_BYTES and self._entry_cache:
             _, old = self._entry_cache.popitem(last=False)
             self._entry_cache_bytes -= old.nbytes
+
+
+class _TierSegment:
+    """A segment read back from its Parquet file, in log order, served entry by entry."""
+
+    def __init__(self, table: pa.Table, records: list[IndexRecord],
+                 bounds: dict[int, tuple[int, int]]) -> None:
+        self.table = table
+        self.records = records
+        self._bounds = bounds
+
+    @classmethod
+    def load(cls, rows: pa.Table) -> _TierSegment:
+        table = rows.sort_by([("entry_id", "ascending"), ("batch_index", "ascending")])
+        table = table.combine_chunks()
+        entry_ids = table.column("entry_id").to_numpy()
+        pts = table.column("publish_time").to_numpy()
+        records, bounds = [], {}
+        start = 0
+        n = len(entry_ids)
+        while start < n:
+            e = int(entry_ids[start])
+            end = start
+            while end < n and entry_ids[end] == e:
+                end += 1
+            bounds[e] = (start, end - start)
+            records.append(IndexRecord(e, 0, 0, end - start, int(pts[start]), int(pts[end - 1])))
+            start = end
+        return cls(table, records, bounds)
+
+    def entry(self, entry_id: int) -> pa.RecordBatch:
+        start, count = self._bounds[entry_id]
+        batches = self.table.slice(start, count).to_batches()
+        return batches[0] if len(batches) == 1 else pa.concat_batches(batches)
 
 
 def _dense(records: list[IndexRecord]) -> bool:

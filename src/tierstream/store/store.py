@@ -9,14 +9,17 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from typing import Any
 
 from tierstream.errors import ConfigError
 from tierstream.names import TopicName
 from tierstream.splits.positions import Position
 from tierstream.store.bookie import Bookie
+from tierstream.store.catalog import TierCatalog
 from tierstream.store.config import StoreConfig
 from tierstream.store.metadata import MetadataStore, SegmentRecord, TopicRecord
+from tierstream.store.offload import Offloader
 from tierstream.store.partition_log import PartitionLog
 from tierstream.store.recovery import RecoveryReport, recover_open_segments
 from tierstream.timeutil import now_ms
@@ -41,6 +44,9 @@ class Store:
         }
         self.closing = threading.Event()  # set: tail reads end, housekeeping stops
         self._closed = False
+        self.tier = config.tier()
+        self._offloader: Offloader | None = None
+        self._last_tier_pass = 0.0
         self._rr = itertools.count()
         self.recovery: list[RecoveryReport] = recover_open_segments(self.metadata, self.bookies)
         self._logs: dict[tuple[str, int], PartitionLog] = {}
@@ -67,6 +73,7 @@ class Store:
                 max_entries=self.config.max_entries_per_segment,
                 max_bytes=self.config.max_segment_bytes,
                 rollover_ms=self.config.segment_rollover_ms, closing=self.closing,
+                tier=self.tier,
             )
 
     # -- topics -------------------------------------------------------------------------------
@@ -122,17 +129,59 @@ class Store:
             "recovered_segments": [r.__dict__ for r in self.recovery],
         }
 
+    # -- tier -------------------------------------------------------------------------------
+
+    @property
+    def offloader(self) -> Offloader:
+        """The offloader, created on first use (it opens the Iceberg catalog)."""
+        if self._offloader is None:
+            self.tier.check()
+            catalog = TierCatalog(self.config.catalog, self.tier)
+            self._offloader = Offloader(self, self.tier, catalog,
+                                        deletion_lag_ms=self.config.deletion_lag_ms)
+        return self._offloader
+
+    def tier_pass(self, now: int | None = None) -> dict[str, int]:
+        """Apply the offload, bookie-deletion and retention policies once, now."""
+        return self.offloader.run_policies(offload_after_ms=self.config.offload_after_ms,
+                                           threshold_bytes=self.config.offload_threshold_bytes,
+                                           now=now)
+
+    def _tier_policies_active(self) -> bool:
+        c = self.config
+        return (c.offload_after_ms is not None or c.offload_threshold_bytes is not None
+                or any(t.retention_ms is not None for t in self.metadata.list_topics())
+                or any(s.tier_url is not None and s.bookie_deleted_at is None
+                       for plog in self._logs.values() for s in plog.closed_segments()))
+
+    def set_retention(self, topic: str, retention_ms: int | None) -> TopicRecord:
+        name = str(TopicName.parse(topic))
+        self.metadata.get_topic(name)
+        self.metadata.set_retention(name, retention_ms)
+        return self.metadata.get_topic(name)
+
     # -- lifecycle ----------------------------------------------------------------------------
 
     def _housekeeping(self) -> None:
-        interval = min(1.0, self.config.segment_rollover_ms / 4000)
+        interval = min(1.0, self.config.segment_rollover_ms / 4000,
+                       self.config.tier_check_interval_ms / 1000)
         while not self.closing.wait(interval):
             for plog in list(self._logs.values()):
                 try:
                     plog.roll_if_aged()
                     plog.flush_stats()
-                except Exception:
+                except Exception:  # keep housekeeping alive; log and go on
                     log.exception("housekeeping failed for %s/%s", plog.topic, plog.partition)
+            now = time.monotonic()
+            if now - self._last_tier_pass >= self.config.tier_check_interval_ms / 1000:
+                self._last_tier_pass = now
+                try:
+                    if self._tier_policies_active():
+                        counts = self.tier_pass()
+                        if any(counts.values()):
+                            log.info("tier pass: %s", counts)
+                except Exception:  # a tier outage must not stop the broker; say so and retry
+                    log.exception("tier pass failed; segments stay readable from bookies")
 
     def close(self) -> None:
         """Clean shutdown: seal every open segment, stop the bookies, close the metadata."""
