@@ -22,7 +22,7 @@ from tierstream.schema import key_hash
 from tierstream.splits.positions import KeyRange, Offset
 from tierstream.store.client import Admin, Consumer, Producer, read
 from tierstream.store.process import BrokerProcess
-from tierstream.timeutil import format_ms, parse_time_ms
+from tierstream.timeutil import format_ms, now_ms, parse_time_ms
 
 TOPIC = "acme/web/clicks"
 WEEK_START = parse_time_ms("2026-11-01T00:00:00Z")
@@ -38,7 +38,8 @@ def run(data_dir: Path | None = None, messages: int = 200_000, keys: int = 500) 
     console.rule("[bold]tierstream demo: the embedded store, end to end")
     console.print(f"data directory: {root}")
     t_start = time.perf_counter()
-    broker = BrokerProcess(root, args=["--max-entries-per-segment", "20"]).start()
+    broker = BrokerProcess(root, args=["--max-entries-per-segment", "20",
+                                       "--deletion-lag", "0s"]).start()
     try:
         assert broker.url is not None
         console.print(f"1. broker started at {broker.url} (pid {broker.proc and broker.proc.pid})")
@@ -65,10 +66,16 @@ def run(data_dir: Path | None = None, messages: int = 200_000, keys: int = 500) 
             console.print(f"3. produced {messages:,} clicks from {format_ms(WEEK_START)} over 7 "
                           f"days in {dt:.2f}s ({messages / dt:,.0f} msg/s)")
 
+            cutoff = WEEK_START + 3 * DAY  # segments whose newest message is before this move
+            moved = admin.offload(TOPIC, older_than_ms=now_ms() - cutoff)
+            console.print(f"4. offloaded {len(moved)} segment(s) with data older than "
+                          f"{format_ms(cutoff)} to Parquet in the tier, "
+                          "registered in Iceberg")
+
             segments = admin.list_segments(TOPIC)
             table = Table("partition", "segment", "state", "entries", "messages",
                           "min publish time", "max publish time", "lives in",
-                          title="4. segments")
+                          title="5. segments: tier (Parquet), bookies (closed), open (tail)")
             for s in segments:
                 table.add_row(str(s.partition), str(s.segment_id), s.state, str(s.entries),
                               str(s.messages), format_ms(s.min_publish_time),
@@ -79,14 +86,14 @@ def run(data_dir: Path | None = None, messages: int = 200_000, keys: int = 500) 
             expected = sum(1 for i in range(messages) if lo_t <= WEEK_START + i * step < hi_t)
             got = sum(b.num_rows for b in read(TOPIC, start=Offset.at_time(lo_t),
                                                end=Offset.at_time(hi_t), broker=broker.url))
-            _check(console, f"5. one-day window {format_ms(lo_t)} .. {format_ms(hi_t)}",
+            _check(console, f"6. one-day window {format_ms(lo_t)} .. {format_ms(hi_t)}",
                    got, expected)
 
             quarter = KeyRange(0, 16384)
             expected = sum(1 for k in produced_keys if quarter.contains(key_hash(k)))
             got = sum(b.num_rows for b in read(TOPIC, key_ranges=[quarter],
                                                end=Offset.latest(), broker=broker.url))
-            _check(console, f"6. key range {quarter} (a quarter of the Key_Shared slots)",
+            _check(console, f"7. key range {quarter} (a quarter of the Key_Shared slots)",
                    got, expected)
 
             with Consumer(TOPIC, "demo-tail", broker=broker.url) as consumer, \
@@ -100,11 +107,11 @@ def run(data_dir: Path | None = None, messages: int = 200_000, keys: int = 500) 
                     if b is not None:
                         seen += b.num_rows
                         consumer.ack(b)
-                _check(console, f"7. tail subscription got the live messages in "
+                _check(console, f"8. tail subscription got the live messages in "
                        f"{(time.perf_counter() - t0) * 1000:.0f} ms", seen, 100)
     finally:
         status = broker.stop()
-    console.print(f"8. broker stopped cleanly (exit {status}); open segments were sealed")
+    console.print(f"9. broker stopped cleanly (exit {status}); open segments were sealed")
     if status != 0:
         raise SystemExit(f"broker exited with status {status}")
     console.rule(f"[green]demo passed in {time.perf_counter() - t_start:.1f}s")

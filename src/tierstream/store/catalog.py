@@ -36,6 +36,7 @@ class TierCatalog:
 
         self.uri = uri
         self.tier = tier
+        self._tables: dict[tuple[str, str, str], Any] = {}
         try:
             self._catalog = SqlCatalog("tierstream", uri=uri, warehouse=tier.warehouse_url(),
                                        **tier.iceberg_properties())
@@ -46,11 +47,18 @@ class TierCatalog:
         return f"TierCatalog(uri={self.uri!r})"
 
     def table(self, topic: TopicName) -> Any:
+        """The topic's table as of the catalog's current snapshot (created on first use)."""
         ident = iceberg_identifier(topic)
+        table = self._tables.get(ident)
+        if table is not None:
+            table.refresh()  # cheaper than loading; sees commits made since
+            return table
         self._catalog.create_namespace_if_not_exists(ident[:2])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return self._catalog.create_table_if_not_exists(ident, schema=MESSAGE_SCHEMA)
+            table = self._catalog.create_table_if_not_exists(ident, schema=MESSAGE_SCHEMA)
+        self._tables[ident] = table
+        return table
 
     def registered_files(self, topic: TopicName) -> list[str]:
         table = self.table(topic)
@@ -62,7 +70,7 @@ class TierCatalog:
         """Add ``url`` to the topic's table unless it is there already; True if added."""
         if url in self.registered_files(topic):
             return False
-        self.table(topic).add_files([url], check_duplicate_files=True)
+        self._tables[iceberg_identifier(topic)].add_files([url], check_duplicate_files=True)
         return True
 
     def unregister(self, topic: TopicName, url: str, segment_id: int) -> bool:

@@ -1,0 +1,190 @@
+"""Benchmarks of the tier (issue 3): offload throughput, bytes on disk, and the row layout.
+
+The layout figures are computed from the Parquet footers with the pruning a tier reader does
+(skip a row group whose publish_time or key_hash range misses the query): exactly the bytes a
+read must fetch, per layout, for the same segment.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from bench.harness import Figure, console, report, timed
+from tierstream.schema import MESSAGE_SCHEMA, as_produce_batch
+from tierstream.splits.positions import KeyRange
+from tierstream.store.config import StoreConfig
+from tierstream.store.store import Store
+from tierstream.store.tier import TierStorage
+
+TOPIC = "bench/tier/t"
+BASE = 1_793_491_200_000
+
+
+def _store(root: Path, entries: int, per_entry: int, keys: int, **options: Any) -> Store:
+    store = Store(StoreConfig.from_options({
+        "dataDir": str(root), "maxEntriesPerSegment": entries, "deletionLag": "1h",
+        **options}))
+    store.create_topic(TOPIC, 1)
+    plog = store.partition(TOPIC, 0)
+    for e in range(entries):
+        n0 = e * per_entry
+        plog.append(as_produce_batch(pa.record_batch({
+            "key": [f"user-{((n0 + j) * 7919) % keys}" for j in range(per_entry)],
+            # ~100-byte JSON clicks with a random-looking session id, so compression is
+            # realistic rather than flattered by padding
+            "value": [f'{{"n":{n0 + j},"page":"/p/{(n0 + j) % 50}","session":"'
+                      f'{hashlib.blake2b(str((n0 + j) // 20).encode(), digest_size=16).hexdigest()}'
+                      f'","ua":"Mozilla/5.0"}}'.encode() for j in range(per_entry)],
+            "publish_time": [BASE + (n0 + j) * 10 for j in range(per_entry)],
+        })), producer=None, sequence_id=None)
+    return store
+
+
+def offload(quick: bool = True) -> Path:
+    """MB/s of segment (bookie) bytes offloaded, to file:// and to a moto S3 server."""
+    entries, per_entry, runs = (50, 2000, 3) if quick else (100, 5000, 5)
+    figures: list[Figure] = []
+    sizes: dict[str, Any] = {}
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    moto.start()
+    host, port = moto._server.server_address  # type: ignore[attr-defined]
+    endpoint = f"http://{host}:{port}"
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
+    os.environ.setdefault("AWS_REGION", "us-east-1")
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
+    try:
+        for target in ("file", "s3"):
+            ours, baseline = [], []
+            for run in range(runs + 1):  # the first run warms up
+                with tempfile.TemporaryDirectory() as tmp:
+                    opts = {} if target == "file" else {
+                        "tierUrl": f"s3://bench/run{run}", "s3Endpoint": endpoint}
+                    store = _store(Path(tmp), entries + 1, per_entry, 1000, **opts)
+                    try:
+                        plog = store.partition(TOPIC, 0)
+                        store.seal(TOPIC)
+                        (seg,) = plog.closed_segments()
+                        store.offloader  # noqa: B018 - open the catalog outside the timing
+                        rows = store.offloader._segment_rows(plog, seg)
+                        offloader = store.offloader
+                        seconds = timed(lambda: offloader.offload_segment(plog, seg))  # noqa: B023
+                        moved = plog.closed_segments()[0]
+                        tier = store.tier
+                        plain_url = f"{tier.url}/plain-{run}.parquet"
+
+                        def plain_write(tier: TierStorage = tier, url: str = plain_url,
+                                        rows: pa.Table = rows) -> None:
+                            with tier.filesystem().open(tier._path(url), "wb") as f:
+                                pq.write_table(rows, f, compression="zstd")
+
+                        base_seconds = timed(plain_write)
+                        if run:
+                            ours.append(seg.bytes / seconds / 1e6)
+                            baseline.append(seg.bytes / base_seconds / 1e6)
+                        assert moved.tier_url is not None
+                        sizes[target] = {
+                            "bookie_bytes": seg.bytes,
+                            "parquet_bytes": int(tier.filesystem().size(
+                                tier._path(moved.tier_url))),
+                            "messages": seg.messages,
+                        }
+                    finally:
+                        store.close()
+            figures.append(Figure(f"offload MB/s to {target}:// (segment bytes)", "MB/s", ours,
+                                  "pq.write_table of the same rows", baseline))
+    finally:
+        moto.stop()
+    s = sizes["file"]
+    figures.append(Figure("Parquet bytes / bookie bytes (same segment)", "x",
+                          [s["parquet_bytes"] / s["bookie_bytes"]], higher_is_better=False))
+    console.print(f"segment: {s['messages']:,} messages, bookie copy {s['bookie_bytes']:,} B, "
+                  f"Parquet {s['parquet_bytes']:,} B")
+    return report("offload", figures, {"entries": entries, "messages_per_entry": per_entry,
+                                       "runs": runs}, {"sizes": sizes})
+
+
+def _fetched_fraction(path: str, *, key_range: KeyRange | None = None,
+                      window: tuple[int, int] | None = None) -> float:
+    """Compressed bytes of the row groups a pruning reader must fetch, over the file's."""
+    meta = pq.ParquetFile(path).metadata
+    names = MESSAGE_SCHEMA.names
+    kh, pt = names.index("key_hash"), names.index("publish_time")
+    total = fetched = 0
+    for i in range(meta.num_row_groups):
+        rg = meta.row_group(i)
+        size = sum(rg.column(c).total_compressed_size for c in range(rg.num_columns))
+        total += size
+        keep = True
+        if key_range is not None:
+            s = rg.column(kh).statistics
+            keep &= s.max >= key_range.lo and s.min < key_range.hi
+        if window is not None:
+            s = rg.column(pt).statistics
+            keep &= s.max >= window[0] and s.min < window[1]
+        fetched += size if keep else 0
+    return fetched / total
+
+
+def layout(quick: bool = True) -> Path:
+    """Bytes a k=4 key-range read and a 10% time-window read fetch, for each layout."""
+    entries, per_entry = (50, 2000) if quick else (100, 5000)
+    results: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        store = _store(Path(tmp) / "data", entries + 1, per_entry, 1000)
+        try:
+            store.seal(TOPIC)
+            plog = store.partition(TOPIC, 0)
+            (seg,) = plog.closed_segments()
+            rows = store.offloader._segment_rows(plog, seg)
+        finally:
+            store.close()
+        lo_t = rows.column("publish_time")[0].as_py()
+        hi_t = rows.column("publish_time")[rows.num_rows - 1].as_py()
+        span = hi_t - lo_t
+        mid = lo_t + span // 2  # a window in the middle: the boundary segment of a query
+        window = (mid, mid + span // 10)
+        for name in ("key-buckets", "log"):
+            tier = TierStorage.from_location(str(Path(tmp) / name), layout=name)
+            tier.check()
+            url = f"{tier.url}/seg.parquet"
+            tier.write_segment(url, rows)
+            path = tier._path(url)
+            ranges = KeyRange.split(4)
+            results[name] = {
+                "key_range_k4_max": max(_fetched_fraction(path, key_range=r) for r in ranges),
+                "key_range_k4_sum": sum(_fetched_fraction(path, key_range=r) for r in ranges),
+                "time_window_10pct": _fetched_fraction(path, window=window),
+                "row_groups": pq.ParquetFile(path).metadata.num_row_groups,
+                "bytes": os.path.getsize(path),
+            }
+    kb, lg = results["key-buckets"], results["log"]
+    figures = [
+        Figure("k=4 key-range read: fraction of file (worst range)", "", [kb["key_range_k4_max"]],
+               "log-order layout", [lg["key_range_k4_max"]], aim="<= 1.5/k = 0.375",
+               higher_is_better=False, aim_check=lambda v, r: v <= 0.375),
+        Figure("all 4 key ranges together: read amplification", "x", [kb["key_range_k4_sum"]],
+               "log-order layout", [lg["key_range_k4_sum"]], aim="<= 1.5",
+               higher_is_better=False, aim_check=lambda v, r: v <= 1.5),
+        Figure("10% time window: fraction of file", "", [kb["time_window_10pct"]],
+               "log-order layout", [lg["time_window_10pct"]], higher_is_better=False),
+    ]
+    console.print(f"one segment of {entries * per_entry:,} messages, 1,000 keys; row groups: "
+                  f"key-buckets {kb['row_groups']}, log {lg['row_groups']}; file bytes: "
+                  f"key-buckets {kb['bytes']:,}, log {lg['bytes']:,}")
+    return report("layout", figures, {"entries": entries, "messages_per_entry": per_entry},
+                  {"layouts": results})
