@@ -15,7 +15,7 @@ from tierstream.store.process import BrokerProcess
 from .store.helpers import wait_for
 
 COMMANDS = [["broker", "start"], ["topic", "create"], ["topic", "list"], ["produce"],
-            ["consume"], ["segments"], ["seal"], ["demo"]]
+            ["consume"], ["segments"], ["seal"], ["offload"], ["demo"]]
 
 
 def run(*args: str, stdin: str | None = None, env: dict[str, str] | None = None

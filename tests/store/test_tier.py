@@ -7,6 +7,7 @@ tests of the same features are in test_tier_broker.py.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,13 +16,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tierstream.errors import AuthError, NotFoundError, UnavailableError
+from tierstream.errors import AuthError, ConfigError, NotFoundError, UnavailableError
 from tierstream.names import TopicName
 from tierstream.schema import MESSAGE_SCHEMA, as_produce_batch
 from tierstream.store.config import StoreConfig
 from tierstream.store.offload import FAULT_POINTS, Offloader
 from tierstream.store.store import Store
-from tierstream.store.tier import KEY_BUCKETS
+from tierstream.store.tier import KEY_BUCKETS, TierStorage
 
 TOPIC = "acme/web/clicks"
 BASE = 1_793_491_200_000  # 2026-11-01T00:00:00Z
@@ -270,3 +271,19 @@ def test_a_bad_tier_is_a_clear_error_and_the_segment_stays_in_bookies(
         assert all(s.tier_url is None for s in store.partition(TOPIC, 0).closed_segments())
     finally:
         store.close()
+
+
+@pytest.mark.parametrize(("url", "needle"), [
+    ("ftp://host/tier", "expected file:///path or s3://bucket/prefix"),
+    ("s3:///no-bucket", "no bucket"),
+    ("gs://bucket/x", "invalid tier URL 'gs://bucket/x'"),
+])
+def test_a_misconfigured_tier_url_is_rejected_naming_it(url: str, needle: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        TierStorage.from_location(url)
+
+
+def test_a_plain_path_becomes_a_file_url(tmp_path: Path) -> None:
+    assert TierStorage.from_location(str(tmp_path / "t")).url == (tmp_path / "t").as_uri()
+    with pytest.raises(ConfigError, match="invalid tier layout"):
+        TierStorage.from_location(str(tmp_path), layout="random")
