@@ -17,8 +17,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from bench.harness import Figure, console, report, timed
-from tierstream.schema import MESSAGE_SCHEMA, as_produce_batch
-from tierstream.splits.positions import KeyRange
+from tierstream.readers.parquet_tier import selected_row_groups
+from tierstream.schema import as_produce_batch
+from tierstream.splits.positions import KeyRange, Position
+from tierstream.splits.split import ReaderKind, Split
 from tierstream.store.config import StoreConfig
 from tierstream.store.store import Store
 from tierstream.store.tier import TierStorage
@@ -120,24 +122,21 @@ def offload(quick: bool = True) -> Path:
 
 def _fetched_fraction(path: str, *, key_range: KeyRange | None = None,
                       window: tuple[int, int] | None = None) -> float:
-    """Compressed bytes of the row groups a pruning reader must fetch, over the file's."""
+    """Compressed bytes of the row groups the tier reader selects, over the file's: the
+    reader's own pruning (``selected_row_groups``) on a split covering the whole segment."""
     meta = pq.ParquetFile(path).metadata
-    names = MESSAGE_SCHEMA.names
-    kh, pt = names.index("key_hash"), names.index("publish_time")
-    total = fetched = 0
-    for i in range(meta.num_row_groups):
+    split = Split(topic=TOPIC, partition=0, segment_id=1, start=Position(0, 1, 0, 0),
+                  end=Position(0, 1, 1 << 40, 0), reader=ReaderKind.TIER,
+                  key_range=key_range or KeyRange.full(),
+                  start_time=None if window is None else window[0],
+                  end_time=None if window is None else window[1], tier_url=path)
+
+    def size(i: int) -> int:
         rg = meta.row_group(i)
-        size = sum(rg.column(c).total_compressed_size for c in range(rg.num_columns))
-        total += size
-        keep = True
-        if key_range is not None:
-            s = rg.column(kh).statistics
-            keep &= s.max >= key_range.lo and s.min < key_range.hi
-        if window is not None:
-            s = rg.column(pt).statistics
-            keep &= s.max >= window[0] and s.min < window[1]
-        fetched += size if keep else 0
-    return fetched / total
+        return sum(rg.column(c).total_compressed_size for c in range(rg.num_columns))
+
+    total = sum(size(i) for i in range(meta.num_row_groups))
+    return sum(size(i) for i in selected_row_groups(meta, split)) / total
 
 
 def layout(quick: bool = True) -> Path:

@@ -11,9 +11,11 @@ from tierstream.errors import (
     TierstreamError,
     UnavailableError,
 )
+from tierstream.local import latest_cut, plan, read, scan, tail
 from tierstream.names import TopicName
 from tierstream.schema import MESSAGE_SCHEMA, READ_SCHEMA, key_hash
 from tierstream.splits.positions import KeyRange, Offset, Position
+from tierstream.splits.split import ReaderKind, Split, StreamCut
 
 __version__ = "0.1.0"
 
@@ -30,9 +32,17 @@ __all__ = [
     "Offset",
     "Position",
     "ProtocolError",
+    "ReaderKind",
+    "Split",
+    "StreamCut",
     "TierstreamError",
     "TopicName",
     "UnavailableError",
     "__version__",
     "key_hash",
+    "latest_cut",
+    "plan",
+    "read",
+    "scan",
+    "tail",
 ]

@@ -18,6 +18,7 @@ import pytest
 
 from tierstream.errors import AuthError, ConfigError, NotFoundError, UnavailableError
 from tierstream.names import TopicName
+from tierstream.readers.parquet_tier import leaf_column
 from tierstream.schema import MESSAGE_SCHEMA, as_produce_batch
 from tierstream.store.config import StoreConfig
 from tierstream.store.offload import FAULT_POINTS, Offloader
@@ -102,13 +103,12 @@ def test_tier_files_carry_statistics_for_time_and_key_pruning(store: Store) -> N
     fs = store.tier.filesystem()
     meta = pq.ParquetFile(store.tier._path(seg.tier_url), filesystem=fs).metadata
     assert meta.num_row_groups >= KEY_BUCKETS
-    names = MESSAGE_SCHEMA.names
     for rg in range(meta.num_row_groups):
         group = meta.row_group(rg)
-        for column in ("publish_time", "key_hash"):
-            stats = group.column(names.index(column)).statistics
+        for column in ("publish_time", "key_hash", "entry_id"):
+            stats = group.column(leaf_column(meta, column)).statistics
             assert stats is not None and stats.has_min_max
-        kh = group.column(names.index("key_hash")).statistics
+        kh = group.column(leaf_column(meta, "key_hash")).statistics
         assert kh.min // 4096 == kh.max // 4096, "a row group spans two key buckets"
         assert group.column(0).compression == "ZSTD"
 

@@ -50,6 +50,10 @@ CREATE TABLE IF NOT EXISTS segments (
     offload_pending_url TEXT
 );
 CREATE INDEX IF NOT EXISTS segments_by_partition ON segments (topic, partition, segment_id);
+CREATE INDEX IF NOT EXISTS segments_by_max_time
+    ON segments (topic, partition, max_publish_time, segment_id);
+CREATE INDEX IF NOT EXISTS segments_by_min_time
+    ON segments (topic, partition, min_publish_time, segment_id);
 CREATE TABLE IF NOT EXISTS cursors (
     topic TEXT NOT NULL,
     subscription TEXT NOT NULL,
@@ -306,6 +310,46 @@ class MetadataStore:
         with self._lock:
             rows = self._conn.execute(sql + " ORDER BY partition, segment_id", args).fetchall()
         return [_segment(r) for r in rows]
+
+    def segments_in_window(self, topic: str, partition: int, start_time: int | None,
+                           end_time: int | None) -> list[SegmentRecord]:
+        """Segments of one partition that may hold publish times in ``[start_time, end_time)``,
+        in order, plus the open segment: two index lookups and one range read.
+
+        Min/max publish times never decrease along a partition's segments, so the first segment
+        whose max is ``>= start_time`` and the last whose min is ``< end_time`` bound the answer
+        (a binary search, done by SQLite's B-tree indexes on those columns).
+        """
+        args = (topic, partition)
+        with self._lock:
+            c = self._conn
+            first = None if start_time is None else c.execute(
+                "SELECT segment_id FROM segments WHERE topic=? AND partition=? AND "
+                "max_publish_time >= ? ORDER BY max_publish_time, segment_id LIMIT 1",
+                (*args, start_time)).fetchone()
+            last = None if end_time is None else c.execute(
+                "SELECT segment_id FROM segments WHERE topic=? AND partition=? AND "
+                "min_publish_time < ? ORDER BY min_publish_time DESC, segment_id DESC LIMIT 1",
+                (*args, end_time)).fetchone()
+            lo = 0 if start_time is None else (first[0] if first else None)
+            hi = (1 << 62) if end_time is None else (last[0] if last else -1)
+            rows = [] if lo is None else c.execute(
+                f"SELECT {_SEGMENT_COLUMNS} FROM segments WHERE topic=? AND partition=? AND "
+                "segment_id BETWEEN ? AND ? AND state=? ORDER BY segment_id",
+                (*args, lo, hi, SegmentState.CLOSED)).fetchall()
+            # the open segment, if any, is the partition's last one
+            newest = c.execute(
+                f"SELECT {_SEGMENT_COLUMNS} FROM segments WHERE topic=? AND partition=? "
+                "ORDER BY segment_id DESC LIMIT 1", args).fetchone()
+        tail = [_segment(newest)] if newest is not None and newest[3] == SegmentState.OPEN else []
+        return [_segment(r) for r in rows] + tail
+
+    def first_segment_id(self, topic: str, partition: int) -> int | None:
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT MIN(segment_id) FROM segments WHERE topic=? AND partition=?",
+                (topic, partition)).fetchone()
+        return None if row is None else row[0]
 
     def get_segment(self, segment_id: int) -> SegmentRecord:
         with self._lock:

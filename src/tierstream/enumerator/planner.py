@@ -1,0 +1,300 @@
+"""The enumerator: a query becomes splits, from segment metadata only (driver side).
+
+Per partition it finds the segments of the window with two index lookups on min/max publish
+time (a binary search, O(log S)), resolves ``latest`` to the broker's last confirmed positions
+(so a bounded read always ends), and gives each split the reader that fits where its data
+lives: tier -> parquet-tier, closed in bookies -> bookie-log, open -> tail-consumer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tierstream.errors import ConfigError, DataLossError, NotFoundError
+from tierstream.names import TopicName
+from tierstream.schema import KEY_HASH_SLOTS
+from tierstream.splits.positions import KeyRange, Offset, OffsetKind, Position
+from tierstream.splits.split import ReaderKind, Split, StreamCut, TierLocation
+from tierstream.store.metadata import MetadataStore, SegmentRecord, SegmentState, TopicRecord
+from tierstream.timeutil import format_ms
+
+__all__ = ["Enumerator", "Query"]
+
+log = logging.getLogger(__name__)
+
+Bound = Offset | StreamCut
+
+
+@dataclass(frozen=True, kw_only=True)
+class Query:
+    """What to read. ``end=None`` is unbounded (a tail); a bounded ``latest`` is resolved at
+    planning time. ``key_ranges=k`` splits every partition into k key ranges."""
+
+    topics: tuple[str, ...] = ()
+    namespace: str | None = None
+    start: Bound = field(default_factory=Offset.earliest)
+    end: Bound | None = field(default_factory=Offset.latest)
+    key_ranges: int = 1
+    max_split_bytes: int = 128 * 1024**2
+    reader: ReaderKind | None = None
+    fail_on_data_loss: bool = True
+    partitions: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.topics and self.namespace is None:
+            raise ConfigError("a query needs topics or a namespace")
+        for t in self.topics:
+            TopicName.parse(t)
+        KeyRange.split(self.key_ranges)  # validates 1..65536
+        if self.max_split_bytes < 1:
+            raise ConfigError(f"invalid maxSplitBytes {self.max_split_bytes}: expected >= 1")
+        s, e = self.start, self.end
+        if isinstance(s, Offset) and isinstance(e, Offset) and s.kind is OffsetKind.TIME \
+                and e.kind is OffsetKind.TIME and e.time_ms is not None \
+                and s.time_ms is not None and e.time_ms < s.time_ms:
+            raise ConfigError(f"end {format_ms(e.time_ms)} is before start "
+                              f"{format_ms(s.time_ms)}")
+
+
+class Enumerator:
+    """Plans splits for one store. ``broker`` resolves ``latest`` and serves open segments."""
+
+    def __init__(self, *, data_dir: str | Path, broker: str | None = None,
+                 auth_token: str | None = None, s3_endpoint: str | None = None,
+                 s3_region: str | None = None) -> None:
+        self.data_dir = Path(data_dir)
+        self.metadata = MetadataStore(self.data_dir / "metadata.db", read_only=True)
+        self.broker = broker
+        self.auth_token = auth_token
+        self.tier = TierLocation(s3_endpoint=s3_endpoint, s3_region=s3_region)
+
+    def __repr__(self) -> str:
+        return f"Enumerator(data_dir={str(self.data_dir)!r}, broker={self.broker!r})"
+
+    def close(self) -> None:
+        self.metadata.close()
+
+    def __enter__(self) -> Enumerator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- public -------------------------------------------------------------------------------
+
+    def topics(self, query: Query) -> list[TopicRecord]:
+        if query.namespace is not None:
+            found = self.metadata.list_topics(query.namespace)
+            if not found:
+                raise NotFoundError(f"namespace {query.namespace!r} has no topics")
+            return found
+        return [self.metadata.get_topic(TopicName.parse(t)) for t in query.topics]
+
+    def latest_cut(self, topic: str) -> StreamCut:
+        """The broker's last confirmed positions, as an exclusive end cut."""
+        from tierstream.store.client import Admin
+
+        if self.broker is None:
+            raise ConfigError("resolving 'latest' needs a broker address (option 'broker')")
+        with Admin(self.broker, auth_token=self.auth_token) as admin:
+            ends = admin.last_confirmed(topic)
+        return StreamCut.of(topic, {p: end for p, (_, end) in ends.items()})
+
+    def plan(self, query: Query) -> list[Split]:
+        """The splits of ``query``; together they read every message in it exactly once."""
+        splits: list[Split] = []
+        for topic in self.topics(query):
+            splits.extend(self._plan_topic(topic, query))
+        return splits
+
+    # -- per topic ----------------------------------------------------------------------------
+
+    def _plan_topic(self, topic: TopicRecord, query: Query) -> list[Split]:
+        partitions = range(topic.partitions)
+        if query.partitions is not None:
+            bad = [p for p in query.partitions if not 0 <= p < topic.partitions]
+            if bad:
+                raise ConfigError(f"invalid partition(s) {bad} for {topic.name!r}: it has "
+                                  f"0..{topic.partitions - 1}")
+            partitions = sorted(set(query.partitions))  # type: ignore[assignment]
+        needs_latest = _is_latest(query.start) or _is_latest(query.end)
+        latest = self.latest_cut(topic.name) if needs_latest else None
+        out: list[Split] = []
+        for p in partitions:
+            out.extend(self._plan_partition(topic, p, query, latest))
+        return out
+
+    def _plan_partition(self, topic: TopicRecord, p: int, query: Query,
+                        latest: StreamCut | None) -> list[Split]:
+        t0 = _time_of(query.start)
+        t1 = _time_of(query.end)
+        segments = self.metadata.segments_in_window(topic.name, p, t0, t1)
+        start = self._start_position(topic.name, p, query, latest, segments)
+        end: Position | None
+        if query.end is None:
+            end = None
+        elif _is_latest(query.end):
+            assert latest is not None
+            end = latest.get(p)
+        else:
+            end = _position_of(query.end, p, topic.name)
+        if start is None or (end is not None and end <= start):
+            return []
+        ranges = KeyRange.split(query.key_ranges)
+        out: list[Split] = []
+        for seg in segments:
+            if seg.segment_id < start.segment_id:
+                continue
+            if end is not None and seg.segment_id > end.segment_id:
+                break
+            if seg.state == SegmentState.OPEN and end is not None and \
+                    end.segment_id < seg.segment_id:
+                break
+            out.extend(self._segment_splits(topic.name, seg, start, end, t0, t1, ranges, query))
+        return out
+
+    def _start_position(self, topic: str, p: int, query: Query, latest: StreamCut | None,
+                        segments: list[SegmentRecord]) -> Position | None:
+        first_id = self.metadata.first_segment_id(topic, p)
+        start = query.start
+        if _is_latest(start):
+            assert latest is not None
+            return latest.get(p)
+        if isinstance(start, Offset) and start.kind is OffsetKind.EARLIEST:
+            return Position(p, first_id, 0, 0) if first_id is not None else None
+        if isinstance(start, Offset) and start.kind is OffsetKind.TIME:
+            assert start.time_ms is not None
+            lost = [d for d in self.metadata.deleted_segments(topic, p)
+                    if (d["max_publish_time"] or 0) >= start.time_ms]
+            if lost:
+                self._data_loss(query, topic, p, lost)
+            return Position(p, segments[0].segment_id, 0, 0) if segments else None
+        pos = _position_of(start, p, topic)
+        if pos is None:
+            return None
+        lost = [d for d in self.metadata.deleted_segments(topic, p)
+                if d["segment_id"] >= pos.segment_id]
+        if lost:
+            self._data_loss(query, topic, p, lost)
+            return Position(p, first_id, 0, 0) if first_id is not None else None
+        return pos
+
+    def _data_loss(self, query: Query, topic: str, p: int, lost: list[dict[str, Any]]) -> None:
+        ids = f"{lost[0]['segment_id']}..{lost[-1]['segment_id']}"
+        window = (f"{format_ms(lost[0]['min_publish_time'])} .. "
+                  f"{format_ms(lost[-1]['max_publish_time'])}")
+        messages = sum(d["messages"] for d in lost)
+        text = (f"data loss in {topic!r} partition {p}: segments {ids} ({messages} messages, "
+                f"publish times {window}) were deleted by {lost[-1]['reason']}")
+        if query.fail_on_data_loss:
+            raise DataLossError(text + "; set failOnDataLoss=false to read what survives")
+        log.warning("%s; skipping them (failOnDataLoss=false)", text)
+
+    def _segment_splits(self, topic: str, seg: SegmentRecord, start: Position,
+                        end: Position | None, t0: int | None, t1: int | None,
+                        ranges: list[KeyRange], query: Query) -> list[Split]:
+        p = seg.partition
+        kind = _reader_for(seg, query.reader)
+        seg_start = max(start, Position(p, seg.segment_id, 0, 0))
+        if seg.state == SegmentState.OPEN:
+            seg_end = end  # the open tail: to the resolved end, or unbounded
+            chunks: list[tuple[Position, Position | None]] = [(seg_start, seg_end)]
+        else:
+            seg_end = Position(p, seg.segment_id, seg.entries, 0)
+            if end is not None and end < seg_end:
+                seg_end = end
+            if seg_end <= seg_start:
+                return []
+            # a chunk bounds what one split reads: a bookie-log split reads its whole entry
+            # range whatever its key range, so chunks are sized by max_split_bytes alone
+            chunks = list(_entry_chunks(seg, seg_start, seg_end, query.max_split_bytes))
+        facts: dict[str, Any] = {"broker": self.broker}
+        if kind is ReaderKind.BOOKIE:
+            facts["bookie_dirs"] = tuple(str((self.data_dir / "bookies" / b).resolve())
+                                         for b in seg.ensemble)
+        if kind is ReaderKind.TIER:
+            facts.update(tier_url=seg.tier_url, tier=self.tier)
+        per_entry = seg.bytes / seg.entries if seg.entries else 0
+        out = []
+        for a, b in chunks:
+            entries = (b.entry_id - a.entry_id + 1) if b is not None else 0
+            for r in ranges:
+                out.append(Split(
+                    topic=topic, partition=p, segment_id=seg.segment_id, start=a, end=b,
+                    reader=kind, key_range=r, start_time=t0, end_time=t1,
+                    estimated_bytes=int(per_entry * entries * (r.hi - r.lo) / KEY_HASH_SLOTS),
+                    **facts))
+        return out
+
+
+def _entry_chunks(seg: SegmentRecord, start: Position, end: Position, max_bytes: int
+                  ) -> list[tuple[Position, Position]]:
+    """``[start, end)`` of one closed segment cut into entry ranges of about ``max_bytes``."""
+    first = start.entry_id
+    last = end.entry_id if end.batch_index == 0 else end.entry_id + 1  # exclusive entry
+    entries = max(1, last - first)
+    per_entry = seg.bytes / seg.entries if seg.entries else 0
+    n = max(1, min(entries, math.ceil(per_entry * entries / max_bytes)))
+    bounds = [first + entries * i // n for i in range(n + 1)]
+    out = []
+    for i in range(n):
+        a = start if i == 0 else Position(seg.partition, seg.segment_id, bounds[i], 0)
+        b = end if i == n - 1 else Position(seg.partition, seg.segment_id, bounds[i + 1], 0)
+        out.append((a, b))
+    return out
+
+
+def _reader_for(seg: SegmentRecord, forced: ReaderKind | None) -> ReaderKind:
+    if seg.state == SegmentState.OPEN:
+        natural = ReaderKind.TAIL
+    elif seg.tier_url is not None:
+        natural = ReaderKind.TIER
+    else:
+        natural = ReaderKind.BOOKIE
+    if forced is None or forced is natural:
+        return natural
+    possible = {ReaderKind.TAIL}  # the broker serves every location
+    if seg.tier_url is not None:
+        possible.add(ReaderKind.TIER)
+    if seg.state == SegmentState.CLOSED and seg.bookie_deleted_at is None:
+        possible.add(ReaderKind.BOOKIE)
+    if forced not in possible:
+        raise ConfigError(
+            f"reader {forced.value!r} cannot read segment {seg.segment_id} of {seg.topic!r} "
+            f"partition {seg.partition} (it lives in {seg.location}); possible: "
+            f"{', '.join(sorted(k.value for k in possible))}")
+    return forced
+
+
+def _is_latest(bound: Bound | None) -> bool:
+    return isinstance(bound, Offset) and bound.kind is OffsetKind.LATEST
+
+
+def _time_of(bound: Bound | None) -> int | None:
+    if isinstance(bound, Offset) and bound.kind is OffsetKind.TIME:
+        return bound.time_ms
+    return None
+
+
+def _position_of(bound: Bound, p: int, topic: str) -> Position | None:
+    """A position bound for partition ``p``; None where the bound is a time (no position)."""
+    if isinstance(bound, StreamCut):
+        if bound.topic != topic:
+            raise ConfigError(f"stream cut is for {bound.topic!r}, not {topic!r}")
+        pos = bound.get(p)
+        if pos is None:
+            raise ConfigError(f"stream cut for {topic!r} has no position for partition {p}")
+        return pos
+    if bound.kind is OffsetKind.POSITION:
+        assert bound.position is not None
+        if bound.position.partition != p:
+            raise ConfigError(f"position {bound.position} is not in partition {p}; use a "
+                              "stream cut to give a position per partition")
+        return bound.position
+    if bound.kind is OffsetKind.EARLIEST:
+        return Position(p, 0, 0, 0)
+    return None

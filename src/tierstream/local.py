@@ -1,0 +1,186 @@
+"""The local runner: the same plan and readers as Spark, on a thread pool, without Spark.
+
+``plan`` returns splits, ``scan`` yields their batches (READ_SCHEMA), ``read`` collects a
+table, ``tail`` follows the log from a cut, a time or ``latest``. Every function takes the
+store's data directory and broker address (defaults: the option table, i.e.
+``TIERSTREAM_HOME`` / ``TIERSTREAM_BROKER``).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from typing import Any
+
+import pyarrow as pa
+
+from tierstream.enumerator import Enumerator, Query
+from tierstream.errors import ConfigError
+from tierstream.options import parse_options
+from tierstream.readers import open_reader
+from tierstream.schema import READ_SCHEMA
+from tierstream.splits.positions import KeyRange, Offset, OffsetKind
+from tierstream.splits.split import ReaderKind, Split, StreamCut
+
+__all__ = ["latest_cut", "plan", "read", "scan", "tail"]
+
+BoundLike = Offset | StreamCut | str | int | datetime
+
+
+def _bound(value: BoundLike | None, what: str) -> Offset | StreamCut | None:
+    if value is None or isinstance(value, Offset | StreamCut):
+        return value
+    if isinstance(value, str):
+        return Offset.parse(value, what=what)
+    if isinstance(value, int | datetime):
+        return Offset.at_time(value)  # type: ignore[arg-type]
+    raise ConfigError(f"invalid {what} {value!r}: expected an Offset, a StreamCut, a time or "
+                      "'earliest'/'latest'")
+
+
+def _enumerator(data_dir: str | None, broker: str | None, auth_token: str | None) -> Enumerator:
+    store = parse_options({"dataDir": data_dir, "authToken": auth_token}, scope="store")
+    client = parse_options({"broker": broker}, scope="client")
+    tier = parse_options({}, scope="store")
+    return Enumerator(data_dir=store["dataDir"], broker=client["broker"],
+                      auth_token=store["authToken"], s3_endpoint=tier["s3Endpoint"],
+                      s3_region=tier["s3Region"])
+
+
+def _query(topic: str | Sequence[str] | None, namespace: str | None, start: BoundLike | None,
+           end: BoundLike | None, key_ranges: int, max_split_bytes: int,
+           reader: ReaderKind | str | None, fail_on_data_loss: bool,
+           partitions: Sequence[int] | None, *, unbounded_ok: bool = False) -> Query:
+    topics = (topic,) if isinstance(topic, str) else tuple(topic or ())
+    kind = ReaderKind.parse(reader) if isinstance(reader, str) else reader
+    end_bound = _bound(end, "end")
+    if end_bound is None and not unbounded_ok:
+        raise ConfigError("end=None is an unbounded read: use tail() for that")
+    return Query(topics=topics, namespace=namespace,
+                 start=_bound(start, "start") or Offset.earliest(), end=end_bound,
+                 key_ranges=key_ranges, max_split_bytes=max_split_bytes, reader=kind,
+                 fail_on_data_loss=fail_on_data_loss,
+                 partitions=None if partitions is None else tuple(partitions))
+
+
+def plan(topic: str | Sequence[str] | None = None, *, namespace: str | None = None,
+         start: BoundLike | None = None, end: BoundLike | None = "latest", key_ranges: int = 1,
+         max_split_bytes: int = 128 * 1024**2, reader: ReaderKind | str | None = None,
+         fail_on_data_loss: bool = True, partitions: Sequence[int] | None = None,
+         data_dir: str | None = None, broker: str | None = None,
+         auth_token: str | None = None) -> list[Split]:
+    """The splits of a bounded read (driver side; reads metadata only).
+
+    Raises ConfigError for a bad query, NotFoundError for an unknown topic, DataLossError if
+    the start lies in data deleted by retention (unless ``fail_on_data_loss=False``).
+    """
+    query = _query(topic, namespace, start, end, key_ranges, max_split_bytes, reader,
+                   fail_on_data_loss, partitions)
+    with _enumerator(data_dir, broker, auth_token) as enum:
+        return enum.plan(query)
+
+
+def run_splits(splits: Sequence[Split], *, parallelism: int | None = None,
+               auth_token: str | None = None) -> Iterator[pa.RecordBatch]:
+    """Read ``splits`` on a thread pool, keeping every key's order.
+
+    Splits of one (topic, partition, key range) are read one after another in log order;
+    different ones run in parallel. Key ranges never share a key, so each key's messages come
+    out in log order across the whole read; parallelism is partitions x key ranges. Memory is
+    bounded by a small queue.
+    """
+    chains: dict[tuple[str, int, KeyRange], list[Split]] = defaultdict(list)
+    for split in splits:
+        chains[(split.topic, split.partition, split.key_range)].append(split)
+    groups = [sorted(c, key=lambda s: s.start) for c in chains.values()]
+    if not groups:
+        return
+    workers = max(1, min(parallelism or 8, len(groups)))
+    out: queue.Queue[Any] = queue.Queue(maxsize=4 * workers)
+    stop = threading.Event()
+    done = object()
+
+    def work(chain: list[Split]) -> None:
+        try:
+            for split in chain:
+                for batch in open_reader(split, auth_token=auth_token):
+                    if stop.is_set():
+                        return
+                    out.put(batch)
+        except BaseException as exc:  # handed to the consuming thread
+            out.put(exc)
+        finally:
+            out.put(done)
+
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tierstream-read")
+    try:
+        for chain in groups:
+            pool.submit(work, chain)
+        finished = 0
+        while finished < len(groups):
+            item = out.get()
+            if item is done:
+                finished += 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        stop.set()
+        while True:  # unblock workers waiting on a full queue
+            try:
+                out.get_nowait()
+            except queue.Empty:
+                break
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def scan(topic: str | Sequence[str] | None = None, *, parallelism: int | None = None,
+         **kwargs: Any) -> Iterator[pa.RecordBatch]:
+    """Batches (READ_SCHEMA) of a bounded read; arguments as :func:`plan`."""
+    splits = plan(topic, **kwargs)
+    yield from run_splits(splits, parallelism=parallelism, auth_token=kwargs.get("auth_token"))
+
+
+def read(topic: str | Sequence[str] | None = None, **kwargs: Any) -> pa.Table:
+    """A bounded read as one Arrow table (READ_SCHEMA); arguments as :func:`plan`."""
+    return pa.Table.from_batches(list(scan(topic, **kwargs)), READ_SCHEMA)
+
+
+def latest_cut(topic: str, *, data_dir: str | None = None, broker: str | None = None,
+               auth_token: str | None = None) -> StreamCut:
+    """The broker's last confirmed positions of ``topic``: the end of "everything so far"."""
+    with _enumerator(data_dir, broker, auth_token) as enum:
+        return enum.latest_cut(topic)
+
+
+def tail(topic: str, *, start: BoundLike | None = "latest", key_ranges: int = 1,
+         fail_on_data_loss: bool = True, data_dir: str | None = None,
+         broker: str | None = None, auth_token: str | None = None
+         ) -> Iterator[pa.RecordBatch]:
+    """Follow ``topic`` from a cut, a time, ``earliest`` or ``latest``, forever.
+
+    History (if the start lies in the past) is read with the bounded readers up to the latest
+    cut, then one tail split per partition and key range follows from exactly that cut: no gap
+    and no duplicate at the hand-off. Close the iterator to stop.
+    """
+    bound = _bound(start, "start") or Offset.latest()
+    ranges = KeyRange.split(key_ranges)
+    with _enumerator(data_dir, broker, auth_token) as enum:
+        if isinstance(bound, StreamCut):
+            cut = bound
+        else:
+            cut = enum.latest_cut(topic)
+            if not (isinstance(bound, Offset) and bound.kind is OffsetKind.LATEST):
+                history = enum.plan(Query(topics=(topic,), start=bound, end=cut,
+                                          key_ranges=key_ranges,
+                                          fail_on_data_loss=fail_on_data_loss))
+                yield from run_splits(history, auth_token=auth_token)
+        splits = [Split(topic=topic, partition=p, segment_id=pos.segment_id, start=pos,
+                        end=None, reader=ReaderKind.TAIL, key_range=r, broker=enum.broker)
+                  for p, pos in cut.positions for r in ranges]
+    yield from run_splits(splits, parallelism=len(splits), auth_token=auth_token)

@@ -1,0 +1,31 @@
+"""Turning one split into Arrow record batches (executor side, data only).
+
+:func:`open_reader` picks the reader the split names; every reader trims to the split's exact
+bounds (positions, publish time, key range) and yields batches of
+:data:`~tierstream.schema.READ_SCHEMA`, with memory bounded by a few entries or row groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pyarrow as pa
+
+from tierstream.splits.split import ReaderKind, Split
+
+__all__ = ["open_reader"]
+
+
+def open_reader(split: Split, *, auth_token: str | None = None) -> Iterator[pa.RecordBatch]:
+    """Batches of ``split``, read from where its data lives (see DESIGN.md §3)."""
+    if split.reader is ReaderKind.BOOKIE:
+        from tierstream.readers.bookie_log import read_bookie_split
+
+        return read_bookie_split(split, auth_token=auth_token)
+    if split.reader is ReaderKind.TIER:
+        from tierstream.readers.parquet_tier import read_tier_split
+
+        return read_tier_split(split)
+    from tierstream.readers.tail import read_tail_split
+
+    return read_tail_split(split, auth_token=auth_token)

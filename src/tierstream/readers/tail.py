@@ -1,0 +1,58 @@
+"""The tail-consumer reader: a split through the broker (a Flight stream), key ranges
+filtered in the broker; bounded, or following the open tail when the split has no end."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.flight as flight
+
+from tierstream.errors import ConfigError
+from tierstream.readers.trim import trim
+from tierstream.schema import with_topic
+from tierstream.splits.positions import Offset
+from tierstream.splits.split import Split
+from tierstream.store.client import BrokerClient
+from tierstream.store.protocol import encode, translate_errors
+
+__all__ = ["read_tail_split"]
+
+
+def read_tail_split(split: Split, *, auth_token: str | None = None
+                    ) -> Iterator[pa.RecordBatch]:
+    if split.broker is None:
+        raise ConfigError(f"split {split.split_id} needs a broker address (option 'broker')")
+    end: Offset | None
+    if split.end is not None:
+        end = Offset.at_position(split.end)
+    elif split.end_time is not None:
+        end = Offset.at_time(split.end_time)
+    else:
+        end = None
+    ticket = {"op": "consume", "topic": split.topic, "partition": split.partition,
+              "start": Offset.at_position(split.start).to_dict(),
+              "end": None if end is None else end.to_dict(),
+              "key_ranges": [] if split.key_range.is_full else [split.key_range.to_list()]}
+    client = BrokerClient(split.broker, auth_token=auth_token)
+    try:
+        with translate_errors(client.url):
+            reader = client._flight.do_get(flight.Ticket(encode(ticket)),
+                                           client._stream_options)
+            try:
+                for chunk in reader:
+                    batch = chunk.data
+                    if batch is None or not batch.num_rows:
+                        continue
+                    stop = split.end_time is not None and \
+                        pc.max(batch.column("publish_time")).as_py() >= split.end_time
+                    out = trim(batch, split, check_positions=False, check_keys=False)
+                    if out.num_rows:
+                        yield with_topic(out, split.topic)
+                    if stop:
+                        return
+            finally:
+                reader.cancel()
+    finally:
+        client.close()

@@ -1,0 +1,182 @@
+"""Splits: immutable, picklable units of work that carry everything their reader needs.
+
+A split covers one partition between two positions ``[start, end)`` (``end=None``: the open
+tail, unbounded), restricted to ``[start_time, end_time)`` of publish time and to one key range.
+The enumerator makes the splits of a plan disjoint, so every message is read by exactly one.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierstream.errors import ConfigError
+from tierstream.splits.positions import KeyRange, Position
+
+__all__ = ["SPLIT_FORMAT_VERSION", "ReaderKind", "Split", "StreamCut", "TierLocation"]
+
+SPLIT_FORMAT_VERSION = 1
+
+
+class ReaderKind(enum.Enum):
+    """Which reader serves a split: where its data lives."""
+
+    TAIL = "tail-consumer"  # the open segment, through the broker
+    BOOKIE = "bookie-log"  # a closed segment, straight from the ledger files
+    TIER = "parquet-tier"  # an offloaded segment, from its Parquet file
+
+    @classmethod
+    def parse(cls, text: str) -> ReaderKind:
+        for kind in cls:
+            if text in (kind.value, kind.name.lower()):
+                return kind
+        raise ConfigError(f"invalid reader {text!r}: expected one of "
+                          f"{', '.join(k.value for k in cls)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TierLocation:
+    """What a tier reader needs besides the file URL."""
+
+    s3_endpoint: str | None = None
+    s3_region: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Split:
+    """One unit of work. Compare, hash and pickle freely; ``split_id`` is stable."""
+
+    topic: str
+    partition: int
+    segment_id: int
+    start: Position
+    end: Position | None
+    reader: ReaderKind
+    key_range: KeyRange = field(default_factory=KeyRange.full)
+    start_time: int | None = None
+    end_time: int | None = None
+    bookie_dirs: tuple[str, ...] = ()
+    tier_url: str | None = None
+    tier: TierLocation = field(default_factory=TierLocation)
+    broker: str | None = None
+    estimated_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.start.partition != self.partition or (
+                self.end is not None and self.end.partition != self.partition):
+            raise ConfigError(f"split positions {self.start} .. {self.end} are not in "
+                              f"partition {self.partition}")
+        if self.end is not None and self.end < self.start:
+            raise ConfigError(f"split end {self.end} is before its start {self.start}")
+
+    @property
+    def split_id(self) -> str:
+        end = "tail" if self.end is None else str(self.end)
+        return (f"{self.topic}/{self.partition}/{self.segment_id}/{self.start}-{end}/"
+                f"{self.key_range}")
+
+    @property
+    def bounded(self) -> bool:
+        return self.end is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "v": SPLIT_FORMAT_VERSION,
+            "topic": self.topic, "partition": self.partition, "segment_id": self.segment_id,
+            "start": self.start.to_dict(), "end": None if self.end is None else self.end.to_dict(),
+            "reader": self.reader.value, "key_range": self.key_range.to_list(),
+            "start_time": self.start_time, "end_time": self.end_time,
+            "bookie_dirs": list(self.bookie_dirs), "tier_url": self.tier_url,
+            "tier": {"s3_endpoint": self.tier.s3_endpoint, "s3_region": self.tier.s3_region},
+            "broker": self.broker, "estimated_bytes": self.estimated_bytes,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Split:
+        if not isinstance(data, dict) or data.get("v") != SPLIT_FORMAT_VERSION:
+            raise ConfigError(f"cannot read split of format version "
+                              f"{data.get('v') if isinstance(data, dict) else None!r}; this "
+                              f"tierstream reads version {SPLIT_FORMAT_VERSION}")
+        try:
+            return cls(
+                topic=data["topic"], partition=int(data["partition"]),
+                segment_id=int(data["segment_id"]), start=Position.from_dict(data["start"]),
+                end=None if data["end"] is None else Position.from_dict(data["end"]),
+                reader=ReaderKind(data["reader"]), key_range=KeyRange(*data["key_range"]),
+                start_time=data.get("start_time"), end_time=data.get("end_time"),
+                bookie_dirs=tuple(data.get("bookie_dirs") or ()), tier_url=data.get("tier_url"),
+                tier=TierLocation(**(data.get("tier") or {})), broker=data.get("broker"),
+                estimated_bytes=int(data.get("estimated_bytes") or 0),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"malformed split: {exc!r}") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> Split:
+        try:
+            return cls.from_dict(json.loads(text))
+        except ValueError:
+            raise ConfigError(f"malformed split JSON: {text[:80]!r}") from None
+
+
+@dataclass(frozen=True)
+class StreamCut:
+    """A position per partition of one topic: the exact boundary between before and after."""
+
+    topic: str
+    positions: tuple[tuple[int, Position], ...]
+
+    @classmethod
+    def of(cls, topic: str, positions: dict[int, Position]) -> StreamCut:
+        for p, pos in positions.items():
+            if pos.partition != p:
+                raise ConfigError(f"stream cut maps partition {p} to a position in partition "
+                                  f"{pos.partition}")
+        return cls(topic, tuple(sorted(positions.items())))
+
+    def __getitem__(self, partition: int) -> Position:
+        for p, pos in self.positions:
+            if p == partition:
+                return pos
+        raise KeyError(partition)
+
+    def get(self, partition: int) -> Position | None:
+        try:
+            return self[partition]
+        except KeyError:
+            return None
+
+    @property
+    def partitions(self) -> list[int]:
+        return [p for p, _ in self.positions]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"v": SPLIT_FORMAT_VERSION, "topic": self.topic,
+                "positions": {str(p): pos.to_dict() for p, pos in self.positions}}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StreamCut:
+        if not isinstance(data, dict) or data.get("v") != SPLIT_FORMAT_VERSION:
+            raise ConfigError(f"malformed stream cut {str(data)[:120]!r}: expected "
+                              f'{{"v": {SPLIT_FORMAT_VERSION}, "topic": ..., "positions": ...}}')
+        try:
+            positions = {int(p): Position.from_dict(pos)
+                         for p, pos in dict(data["positions"]).items()}
+            return cls.of(str(data["topic"]), positions)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"malformed stream cut {str(data)[:120]!r}: {exc}") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> StreamCut:
+        try:
+            return cls.from_dict(json.loads(text))
+        except ValueError:
+            raise ConfigError(f"malformed stream cut JSON {text[:80]!r}") from None
