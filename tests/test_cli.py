@@ -15,7 +15,7 @@ from tierstream.store.process import BrokerProcess
 from .store.helpers import wait_for
 
 COMMANDS = [["broker", "start"], ["topic", "create"], ["topic", "list"], ["produce"],
-            ["consume"], ["segments"], ["seal"], ["offload"], ["demo"]]
+            ["consume"], ["segments"], ["seal"], ["offload"], ["plan"], ["read"], ["demo"]]
 
 
 def run(*args: str, stdin: str | None = None, env: dict[str, str] | None = None
@@ -109,3 +109,27 @@ def test_segments_on_a_missing_data_dir_names_it(tmp_path: Path) -> None:
     proc = run("segments", "a/b/c", "--data-dir", str(tmp_path / "nowhere"))
     assert proc.returncode == 1
     assert "nowhere" in proc.stderr
+
+
+def test_plan_and_read_commands(broker: BrokerProcess, data_dir: Path, tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    env = {"TIERSTREAM_BROKER": broker.url or "", "TIERSTREAM_HOME": str(data_dir)}
+    run("topic", "create", "acme/web/clicks", "--partitions", "2", env=env)
+    run("produce", "acme/web/clicks", "--generate", "2000", "--start-time",
+        "2026-11-01T00:00:00Z", "--step-ms", "1000", env=env)
+    table = run("plan", "acme/web/clicks", "--key-ranges", "4", env=env)
+    assert table.returncode == 0, table.stderr
+    assert "tail-consumer: 8 split(s)" in table.stdout
+    lines = run("plan", "acme/web/clicks", "--json", env=env).stdout.splitlines()
+    assert len(lines) == 2 and all(json.loads(x)["reader"] == "tail-consumer" for x in lines)
+    out = tmp_path / "window.parquet"
+    proc = run("read", "acme/web/clicks", "--from", "2026-11-01T00:10:00Z", "--to",
+               "2026-11-01T00:20:00Z", "--key-ranges", "2", "--out", str(out), env=env)
+    assert proc.returncode == 0, proc.stderr
+    written = pq.read_table(out)
+    assert written.num_rows == 600 and written.schema.names[0] == "topic"
+    bad = run("read", "acme/web/clicks", "--out", str(tmp_path / "x.csv"), env=env)
+    assert bad.returncode == 2 and "must end in .parquet" in bad.stderr
+    bad = run("plan", "acme/web/clicks", "--max-split-bytes", "lots", env=env)
+    assert bad.returncode == 2 and "invalid --max-split-bytes 'lots'" in bad.stderr

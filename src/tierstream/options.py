@@ -24,6 +24,7 @@ __all__ = [
     "OPTIONS",
     "Option",
     "parse_options",
+    "parse_size",
 ]
 
 DEFAULT_PORT = 6651
@@ -68,6 +69,15 @@ def _size_bytes(raw: Any) -> int:
     if value < 1:
         raise ValueError("expected a positive size such as 1048576, 64KiB or 128MiB")
     return value
+
+
+def parse_size(raw: Any, *, what: str = "size") -> int:
+    """Bytes from ``1048576``, ``64KiB``, ``128MiB``...; ConfigError naming ``what``."""
+    try:
+        return _size_bytes(raw)
+    except (ValueError, TypeError):
+        raise ConfigError(f"invalid {what} {raw!r}: expected a positive size such as "
+                          "1048576, 64KiB or 128MiB") from None
 
 
 def _duration(raw: Any) -> int:
