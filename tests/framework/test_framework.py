@@ -218,3 +218,12 @@ def test_bad_queries_are_clear_errors(tmp_path: Path) -> None:
             ts.plan(TOPIC, partitions=[5], **kw)
         with pytest.raises(ConfigError, match="tail"):
             ts.plan(TOPIC, end=None, **kw)
+
+
+def test_a_time_end_in_the_future_still_finishes(tmp_path: Path) -> None:
+    with running_log(tmp_path / "data", maxEntriesPerSegment=3) as log:
+        _fill(log, partitions=2)
+        future = Offset.at_time(BASE + 10**12)
+        splits = ts.plan(TOPIC, end=future, **log.kw())
+        assert all(s.end is not None for s in splits), "a bounded plan has an unbounded split"
+        assert len(ts.read(TOPIC, end=future, **log.kw())) == len(log.everything())

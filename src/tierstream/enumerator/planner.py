@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,15 +122,20 @@ class Enumerator:
                 raise ConfigError(f"invalid partition(s) {bad} for {topic.name!r}: it has "
                                   f"0..{topic.partitions - 1}")
             partitions = sorted(set(query.partitions))  # type: ignore[assignment]
-        needs_latest = _is_latest(query.start) or _is_latest(query.end)
-        latest = self.latest_cut(topic.name) if needs_latest else None
+        cache: list[StreamCut] = []
+
+        def latest() -> StreamCut:  # resolved once per topic, and only when needed
+            if not cache:
+                cache.append(self.latest_cut(topic.name))
+            return cache[0]
+
         out: list[Split] = []
         for p in partitions:
             out.extend(self._plan_partition(topic, p, query, latest))
         return out
 
     def _plan_partition(self, topic: TopicRecord, p: int, query: Query,
-                        latest: StreamCut | None) -> list[Split]:
+                        latest: Callable[[], StreamCut]) -> list[Split]:
         t0 = _time_of(query.start)
         t1 = _time_of(query.end)
         segments = self.metadata.segments_in_window(topic.name, p, t0, t1)
@@ -138,10 +144,13 @@ class Enumerator:
         if query.end is None:
             end = None
         elif _is_latest(query.end):
-            assert latest is not None
-            end = latest.get(p)
+            end = latest().get(p)
         else:
             end = _position_of(query.end, p, topic.name)
+            if end is None and any(s.state == SegmentState.OPEN for s in segments):
+                # a time end: the open segment is read up to the last confirmed entry, so
+                # a bounded read finishes even if nothing reaches the end time yet
+                end = latest().get(p)
         if start is None or (end is not None and end <= start):
             return []
         ranges = KeyRange.split(query.key_ranges)
@@ -157,13 +166,13 @@ class Enumerator:
             out.extend(self._segment_splits(topic.name, seg, start, end, t0, t1, ranges, query))
         return out
 
-    def _start_position(self, topic: str, p: int, query: Query, latest: StreamCut | None,
-                        segments: list[SegmentRecord]) -> Position | None:
+    def _start_position(self, topic: str, p: int, query: Query,
+                        latest: Callable[[], StreamCut], segments: list[SegmentRecord]
+                        ) -> Position | None:
         first_id = self.metadata.first_segment_id(topic, p)
         start = query.start
         if _is_latest(start):
-            assert latest is not None
-            return latest.get(p)
+            return latest().get(p)
         if isinstance(start, Offset) and start.kind is OffsetKind.EARLIEST:
             return Position(p, first_id, 0, 0) if first_id is not None else None
         if isinstance(start, Offset) and start.kind is OffsetKind.TIME:

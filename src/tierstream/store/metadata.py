@@ -320,29 +320,23 @@ class MetadataStore:
         whose max is ``>= start_time`` and the last whose min is ``< end_time`` bound the answer
         (a binary search, done by SQLite's B-tree indexes on those columns).
         """
-        args = (topic, partition)
+        lo_sql = "0" if start_time is None else (
+            "(SELECT segment_id FROM segments WHERE topic=:t AND partition=:p AND "
+            "max_publish_time >= :t0 ORDER BY max_publish_time, segment_id LIMIT 1)")
+        hi_sql = str(1 << 62) if end_time is None else (
+            "(SELECT segment_id FROM segments WHERE topic=:t AND partition=:p AND "
+            "min_publish_time < :t1 ORDER BY min_publish_time DESC, segment_id DESC LIMIT 1)")
+        # One statement: the two bounds are index lookups, the range read walks only the
+        # window; the open segment, if any, is the partition's last one.
+        sql = (f"SELECT {_SEGMENT_COLUMNS} FROM segments WHERE topic=:t AND partition=:p AND "
+               f"state='CLOSED' AND segment_id BETWEEN {lo_sql} AND {hi_sql} "
+               f"UNION ALL SELECT * FROM (SELECT {_SEGMENT_COLUMNS} FROM segments WHERE "
+               "topic=:t AND partition=:p ORDER BY segment_id DESC LIMIT 1) WHERE state='OPEN' "
+               "ORDER BY segment_id")
         with self._lock:
-            c = self._conn
-            first = None if start_time is None else c.execute(
-                "SELECT segment_id FROM segments WHERE topic=? AND partition=? AND "
-                "max_publish_time >= ? ORDER BY max_publish_time, segment_id LIMIT 1",
-                (*args, start_time)).fetchone()
-            last = None if end_time is None else c.execute(
-                "SELECT segment_id FROM segments WHERE topic=? AND partition=? AND "
-                "min_publish_time < ? ORDER BY min_publish_time DESC, segment_id DESC LIMIT 1",
-                (*args, end_time)).fetchone()
-            lo = 0 if start_time is None else (first[0] if first else None)
-            hi = (1 << 62) if end_time is None else (last[0] if last else -1)
-            rows = [] if lo is None else c.execute(
-                f"SELECT {_SEGMENT_COLUMNS} FROM segments WHERE topic=? AND partition=? AND "
-                "segment_id BETWEEN ? AND ? AND state=? ORDER BY segment_id",
-                (*args, lo, hi, SegmentState.CLOSED)).fetchall()
-            # the open segment, if any, is the partition's last one
-            newest = c.execute(
-                f"SELECT {_SEGMENT_COLUMNS} FROM segments WHERE topic=? AND partition=? "
-                "ORDER BY segment_id DESC LIMIT 1", args).fetchone()
-        tail = [_segment(newest)] if newest is not None and newest[3] == SegmentState.OPEN else []
-        return [_segment(r) for r in rows] + tail
+            rows = self._conn.execute(sql, {"t": topic, "p": partition, "t0": start_time,
+                                            "t1": end_time}).fetchall()
+        return [_segment(r) for r in rows]
 
     def first_segment_id(self, topic: str, partition: int) -> int | None:
         with self._lock:
