@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import store_bench, tier_bench
+from bench import framework_bench, store_bench, tier_bench
 
 BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
     "produce": (store_bench.produce, "produce throughput into one partition, fsync on, beside "
@@ -15,6 +15,12 @@ BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
     "tail": (store_bench.tail, "produce -> consume latency percentiles at 10,000 msg/s"),
     "consume": (store_bench.consume, "consume throughput through the broker beside the Flight "
                                      "transport serving the same batches from memory"),
+    "plan": (framework_bench.plan, "planning a one-hour window, binary search vs a linear scan, "
+                                   "and time vs segments per partition"),
+    "readers": (framework_bench.readers, "bookie-log and parquet-tier readers beside pyarrow "
+                                         "reading the same bytes"),
+    "keyranges": (framework_bench.keyranges, "read amplification and speed-up of k key ranges "
+                                             "over tiered data"),
     "offload": (tier_bench.offload, "offload MB/s to file:// and moto S3 beside a plain "
                                     "Parquet write; Parquet vs bookie bytes"),
     "layout": (tier_bench.layout, "bytes a k=4 key-range read and a 10% time window fetch, "

@@ -85,8 +85,22 @@ def key_hashes(keys: pa.Array | Sequence[str | None]) -> pa.Array:
 
 def with_topic(batch: pa.RecordBatch, topic: str) -> pa.RecordBatch:
     """``batch`` (of :data:`MESSAGE_SCHEMA`) with a constant ``topic`` column in front."""
-    topic_col = pa.repeat(pa.scalar(topic, pa.string()), batch.num_rows)
-    return pa.RecordBatch.from_arrays([topic_col, *batch.columns], schema=READ_SCHEMA)
+    # add_column is ~15x cheaper than from_arrays(schema=...), which re-validates every column
+    return batch.add_column(0, READ_SCHEMA.field(0), _topic_column(topic, batch.num_rows))
+
+
+_TOPIC_COLUMNS: dict[str, pa.Array] = {}
+
+
+def _topic_column(topic: str, n: int) -> pa.Array:
+    """A zero-copy slice of a cached constant column (readers add one to every batch)."""
+    column = _TOPIC_COLUMNS.get(topic)
+    if column is None or len(column) < n:
+        if len(_TOPIC_COLUMNS) > 1024:
+            _TOPIC_COLUMNS.clear()
+        column = _TOPIC_COLUMNS[topic] = pa.repeat(pa.scalar(topic, pa.string()),
+                                                   max(n, 65536))
+    return column.slice(0, n)
 
 
 def as_produce_batch(batch: pa.RecordBatch) -> pa.RecordBatch:

@@ -43,7 +43,7 @@ def test_frames_round_trip_with_index_and_meta(tmp_path: Path) -> None:
         records = bookie.index(7)
         assert [r.entry_id for r in records] == list(range(20))
         assert records == read_index(ledger_paths(tmp_path, 7)[1])
-        got = [decode_payload(p) for _, _, p in bookie.read_entries(7, records)]
+        got = [decode_payload(p) for _, p in bookie.read_entries(7, records)]
         assert got == [_entry(7, e) for e in range(20)]
         frames, length = scan_frames(ledger_paths(tmp_path, 7)[0], 7)
         assert [f.meta for f in frames] == [{"p": "x", "s": e} for e in range(20)]

@@ -72,6 +72,7 @@ class Enumerator:
         self.broker = broker
         self.auth_token = auth_token
         self.tier = TierLocation(s3_endpoint=s3_endpoint, s3_region=s3_region)
+        self._bookie_dirs: dict[str, str] = {}
 
     def __repr__(self) -> str:
         return f"Enumerator(data_dir={str(self.data_dir)!r}, broker={self.broker!r})"
@@ -112,6 +113,13 @@ class Enumerator:
             splits.extend(self._plan_topic(topic, query))
         return splits
 
+    def _bookie_dir(self, bookie_id: str) -> str:
+        found = self._bookie_dirs.get(bookie_id)
+        if found is None:  # resolving a path stats every component: once per bookie
+            found = self._bookie_dirs[bookie_id] = str(
+                (self.data_dir / "bookies" / bookie_id).resolve())
+        return found
+
     # -- per topic ----------------------------------------------------------------------------
 
     def _plan_topic(self, topic: TopicRecord, query: Query) -> list[Split]:
@@ -123,23 +131,29 @@ class Enumerator:
                                   f"0..{topic.partitions - 1}")
             partitions = sorted(set(query.partitions))  # type: ignore[assignment]
         cache: list[StreamCut] = []
+        lost_by_partition: dict[int, list[dict[str, Any]]] = {}
+        for d in self.metadata.deleted_segments(topic.name):  # one read, usually empty
+            lost_by_partition.setdefault(d["partition"], []).append(d)
 
         def latest() -> StreamCut:  # resolved once per topic, and only when needed
             if not cache:
                 cache.append(self.latest_cut(topic.name))
             return cache[0]
 
+        t0, t1 = _time_of(query.start), _time_of(query.end)
         out: list[Split] = []
         for p in partitions:
-            out.extend(self._plan_partition(topic, p, query, latest))
+            window = self.metadata.segments_in_window(topic.name, p, t0, t1)
+            out.extend(self._plan_partition(topic, p, query, latest,
+                                            lost_by_partition.get(p, []), window))
         return out
 
     def _plan_partition(self, topic: TopicRecord, p: int, query: Query,
-                        latest: Callable[[], StreamCut]) -> list[Split]:
+                        latest: Callable[[], StreamCut], deleted: list[dict[str, Any]],
+                        segments: list[SegmentRecord]) -> list[Split]:
         t0 = _time_of(query.start)
         t1 = _time_of(query.end)
-        segments = self.metadata.segments_in_window(topic.name, p, t0, t1)
-        start = self._start_position(topic.name, p, query, latest, segments)
+        start = self._start_position(topic.name, p, query, latest, segments, deleted)
         end: Position | None
         if query.end is None:
             end = None
@@ -167,28 +181,27 @@ class Enumerator:
         return out
 
     def _start_position(self, topic: str, p: int, query: Query,
-                        latest: Callable[[], StreamCut], segments: list[SegmentRecord]
-                        ) -> Position | None:
-        first_id = self.metadata.first_segment_id(topic, p)
+                        latest: Callable[[], StreamCut], segments: list[SegmentRecord],
+                        deleted: list[dict[str, Any]]) -> Position | None:
         start = query.start
         if _is_latest(start):
             return latest().get(p)
         if isinstance(start, Offset) and start.kind is OffsetKind.EARLIEST:
+            first_id = self.metadata.first_segment_id(topic, p)
             return Position(p, first_id, 0, 0) if first_id is not None else None
         if isinstance(start, Offset) and start.kind is OffsetKind.TIME:
             assert start.time_ms is not None
-            lost = [d for d in self.metadata.deleted_segments(topic, p)
-                    if (d["max_publish_time"] or 0) >= start.time_ms]
+            lost = [d for d in deleted if (d["max_publish_time"] or 0) >= start.time_ms]
             if lost:
                 self._data_loss(query, topic, p, lost)
             return Position(p, segments[0].segment_id, 0, 0) if segments else None
         pos = _position_of(start, p, topic)
         if pos is None:
             return None
-        lost = [d for d in self.metadata.deleted_segments(topic, p)
-                if d["segment_id"] >= pos.segment_id]
+        lost = [d for d in deleted if d["segment_id"] >= pos.segment_id]
         if lost:
             self._data_loss(query, topic, p, lost)
+            first_id = self.metadata.first_segment_id(topic, p)
             return Position(p, first_id, 0, 0) if first_id is not None else None
         return pos
 
@@ -223,8 +236,7 @@ class Enumerator:
             chunks = list(_entry_chunks(seg, seg_start, seg_end, query.max_split_bytes))
         facts: dict[str, Any] = {"broker": self.broker}
         if kind is ReaderKind.BOOKIE:
-            facts["bookie_dirs"] = tuple(str((self.data_dir / "bookies" / b).resolve())
-                                         for b in seg.ensemble)
+            facts["bookie_dirs"] = tuple(self._bookie_dir(b) for b in seg.ensemble)
         if kind is ReaderKind.TIER:
             facts.update(tier_url=seg.tier_url, tier=self.tier)
         per_entry = seg.bytes / seg.entries if seg.entries else 0
@@ -248,6 +260,8 @@ def _entry_chunks(seg: SegmentRecord, start: Position, end: Position, max_bytes:
     entries = max(1, last - first)
     per_entry = seg.bytes / seg.entries if seg.entries else 0
     n = max(1, min(entries, math.ceil(per_entry * entries / max_bytes)))
+    if n == 1:
+        return [(start, end)]
     bounds = [first + entries * i // n for i in range(n + 1)]
     out = []
     for i in range(n):

@@ -79,7 +79,7 @@ def _read_entry(split: Split, rec: IndexRecord, fds: dict[str, int]) -> pa.Recor
             if fd is None:
                 log_path, _ = ledger_paths(d, split.segment_id)
                 fd = fds[d] = os.open(log_path, os.O_RDONLY)
-            _, payload = read_frame(fd, split.segment_id, rec, d)
+            payload = read_frame(fd, split.segment_id, rec, d)
             return decode_payload(payload)
         except (CorruptionError, OSError) as exc:
             errors.append(f"{d}: {exc}")

@@ -12,6 +12,7 @@ import threading
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -25,7 +26,7 @@ from tierstream.store.tier import TierStorage
 
 __all__ = ["READ_AHEAD", "leaf_column", "read_tier_split", "selected_row_groups"]
 
-READ_AHEAD = 4
+READ_AHEAD = 8
 
 
 def leaf_column(meta: pq.FileMetaData, name: str) -> int:
@@ -37,27 +38,50 @@ def leaf_column(meta: pq.FileMetaData, name: str) -> int:
     raise KeyError(f"no column {name!r} in the Parquet schema")
 
 
-def selected_row_groups(meta: pq.FileMetaData, split: Split) -> list[int]:
-    """Row groups that may hold rows of ``split``, judged by their min/max statistics."""
+@dataclass(frozen=True)
+class _Plan:
+    """A row group to read and which of the split's bounds its rows might cross."""
+
+    index: int
+    positions: bool
+    time: bool
+    keys: bool
+
+
+def _plans(meta: pq.FileMetaData, split: Split) -> list[_Plan]:
     kh, pt, en = (leaf_column(meta, c) for c in ("key_hash", "publish_time", "entry_id"))
     first_entry = split.start.entry_id
     last_entry = None if split.end is None else split.end.entry_id  # inclusive (batch_index)
-    keep = []
+    out = []
     for i in range(meta.num_row_groups):
         rg = meta.row_group(i)
         k, t, e = (rg.column(c).statistics for c in (kh, pt, en))
-        if k is not None and k.has_min_max and not split.key_range.is_full and (
-                k.max < split.key_range.lo or k.min >= split.key_range.hi):
+        k_ok = k is not None and k.has_min_max
+        t_ok = t is not None and t.has_min_max
+        e_ok = e is not None and e.has_min_max
+        r = split.key_range
+        if k_ok and not r.is_full and (k.max < r.lo or k.min >= r.hi):
             continue
-        if t is not None and t.has_min_max and (
-                (split.start_time is not None and t.max < split.start_time)
-                or (split.end_time is not None and t.min >= split.end_time)):
+        if t_ok and ((split.start_time is not None and t.max < split.start_time)
+                     or (split.end_time is not None and t.min >= split.end_time)):
             continue
-        if e is not None and e.has_min_max and (
-                e.max < first_entry or (last_entry is not None and e.min > last_entry)):
+        if e_ok and (e.max < first_entry or (last_entry is not None and e.min > last_entry)):
             continue
-        keep.append(i)
-    return keep
+        # which bounds can cut through this row group (the others need no per-row check)
+        inside_start = e_ok and (e.min > first_entry or (
+            e.min == first_entry and split.start.batch_index == 0))
+        inside_end = split.end is None or (e_ok and last_entry is not None and e.max < last_entry)
+        inside_time = t_ok and (split.start_time is None or t.min >= split.start_time) and (
+            split.end_time is None or t.max < split.end_time)
+        inside_keys = r.is_full or (k_ok and k.min >= r.lo and k.max < r.hi)
+        out.append(_Plan(i, not (inside_start and inside_end), not inside_time,
+                         not inside_keys))
+    return out
+
+
+def selected_row_groups(meta: pq.FileMetaData, split: Split) -> list[int]:
+    """Row groups that may hold rows of ``split``, judged by their min/max statistics."""
+    return [plan.index for plan in _plans(meta, split)]
 
 
 def read_tier_split(split: Split) -> Iterator[pa.RecordBatch]:
@@ -75,37 +99,42 @@ def read_tier_split(split: Split) -> Iterator[pa.RecordBatch]:
             f"segment {split.segment_id} ({split.tier_url}) is gone (deleted by retention "
             "after planning?)") from None
     with handle:
-        meta = pq.ParquetFile(handle).metadata
-        groups = selected_row_groups(meta, split)
+        pf = pq.ParquetFile(handle)
+        plans = _plans(pf.metadata, split)
+        # a few row groups per read: pyarrow decodes them in parallel, and memory stays
+        # bounded by READ_AHEAD row groups
+        chunks = [plans[i:i + READ_AHEAD] for i in range(0, len(plans), READ_AHEAD)]
         remote = tier.scheme != "file"
-        for table in _row_groups(fs, path, handle, groups, remote):
-            # a row group spans many entries and (in a bucket) several keys: always trim
-            out = trim(table, split)
+        for chunk, table in zip(chunks, _read_chunks(fs, path, pf, chunks, remote),
+                                strict=True):
+            out = trim(table, split, check_positions=any(p.positions for p in chunk),
+                       check_time=any(p.time for p in chunk),
+                       check_keys=any(p.keys for p in chunk))
             for batch in out.to_batches():
                 if batch.num_rows:
                     yield with_topic(batch, split.topic)
 
 
-def _row_groups(fs: Any, path: str, handle: Any, groups: list[int], remote: bool
-                ) -> Iterator[pa.Table]:
-    if not remote or len(groups) <= 1:
-        pf = pq.ParquetFile(handle)
-        for i in groups:
-            yield pf.read_row_group(i)
+def _read_chunks(fs: Any, path: str, pf: pq.ParquetFile, chunks: list[list[_Plan]],
+                 remote: bool) -> Iterator[pa.Table]:
+    if not remote or len(chunks) <= 1:
+        for chunk in chunks:
+            yield pf.read_row_groups([p.index for p in chunk])
         return
     local = threading.local()
 
-    def load(i: int) -> pa.Table:
-        pf = getattr(local, "pf", None)
-        if pf is None:  # one open file per worker thread: ParquetFile is not thread-safe
-            local.pf = pf = pq.ParquetFile(fs.open(path, "rb"))
-        return pf.read_row_group(i)
+    def load(chunk: list[_Plan]) -> pa.Table:
+        own = getattr(local, "pf", None)
+        if own is None:  # one open file per worker thread: ParquetFile is not thread-safe
+            local.pf = own = pq.ParquetFile(fs.open(path, "rb"))
+        return own.read_row_groups([p.index for p in chunk])
 
+    # remote: up to READ_AHEAD chunks in flight, so request latency overlaps decoding
     with ThreadPoolExecutor(max_workers=READ_AHEAD, thread_name_prefix="tier-read") as pool:
         pending: deque[Future[pa.Table]] = deque()
-        it = iter(groups)
-        for i in it:
-            pending.append(pool.submit(load, i))
+        it = iter(chunks)
+        for chunk in it:
+            pending.append(pool.submit(load, chunk))
             if len(pending) >= READ_AHEAD:
                 break
         while pending:

@@ -27,8 +27,12 @@ class Position:
     batch_index: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("partition", "segment_id", "entry_id", "batch_index"):
-            value = getattr(self, name)
+        values = (self.partition, self.segment_id, self.entry_id, self.batch_index)
+        # one fast test on the hot path (planning makes many positions); details on failure
+        if all(type(v) is int for v in values) and min(values) >= 0:
+            return
+        for name, value in zip(("partition", "segment_id", "entry_id", "batch_index"), values,
+                               strict=True):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(
                     f"invalid position: {name} must be an integer >= 0, got {value!r}"

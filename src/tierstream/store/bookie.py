@@ -246,13 +246,12 @@ class Bookie:
 
     def read_entries(
         self, segment_id: int, records: list[IndexRecord]
-    ) -> Iterator[tuple[IndexRecord, dict[str, Any], pa.Buffer]]:
+    ) -> Iterator[tuple[IndexRecord, pa.Buffer]]:
         """Read and verify the given entries, in order. Raises CorruptionError on a bad frame."""
         reader = self.open_reader(segment_id)
         try:
             for rec in records:
-                meta, payload = reader.read(rec)
-                yield rec, meta, payload
+                yield rec, reader.read(rec)
         finally:
             reader.close()
 
@@ -315,7 +314,7 @@ class LedgerReader:
                 f"ledger {segment_id} is missing on bookie {bookie.bookie_id}"
             ) from None
 
-    def read(self, rec: IndexRecord) -> tuple[dict[str, Any], pa.Buffer]:
+    def read(self, rec: IndexRecord) -> pa.Buffer:
         try:
             return read_frame(self._fd, self.segment_id, rec, f"bookie {self._bookie.bookie_id}")
         except CorruptionError:

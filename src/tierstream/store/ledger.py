@@ -99,8 +99,8 @@ def frame_length(pieces: list[Any]) -> int:
 
 def _parse(
     buf: memoryview, segment_id: int, entry_id: int | None, where: str
-) -> tuple[int, dict[str, Any], memoryview, int]:
-    """(entry_id, meta, payload view, frame length) of the frame at the start of ``buf``."""
+) -> tuple[int, bytes, memoryview, int]:
+    """(entry_id, meta bytes, payload view, frame length) of the frame at ``buf``'s start."""
     if len(buf) < FRAME_HEADER.size:
         raise CorruptionError(f"{where}: short frame header")
     magic, _flags, seg, ent, meta_len, payload_len, crc = FRAME_HEADER.unpack_from(buf, 0)
@@ -120,20 +120,21 @@ def _parse(
     payload = buf[payload_start : payload_start + payload_len]
     if _crc(seg, ent, meta_bytes, payload) != crc:
         raise CorruptionError(f"{where}: checksum mismatch in segment {seg} entry {ent}")
+    return ent, meta_bytes, payload, end
+
+
+def _meta(meta_bytes: bytes, where: str) -> dict[str, Any]:
     try:
-        meta = json.loads(meta_bytes) if meta_bytes else {}
+        return json.loads(meta_bytes) if meta_bytes else {}
     except ValueError:
         raise CorruptionError(f"{where}: unreadable frame metadata") from None
-    return ent, meta, payload, end
 
 
-def read_frame(fd: int, segment_id: int, record: IndexRecord, where: str) -> tuple[
-    dict[str, Any], pa.Buffer
-]:
-    """Read and verify the frame ``record`` points at; returns (meta, payload buffer)."""
+def read_frame(fd: int, segment_id: int, record: IndexRecord, where: str) -> pa.Buffer:
+    """Read and verify the frame ``record`` points at; returns its payload (zero-copy)."""
     data = os.pread(fd, record.frame_len, record.frame_offset)
-    _, meta, payload, _ = _parse(memoryview(data), segment_id, record.entry_id, where)
-    return meta, pa.py_buffer(payload)
+    _, _, payload, _ = _parse(memoryview(data), segment_id, record.entry_id, where)
+    return pa.py_buffer(payload)
 
 
 def decode_payload(payload: pa.Buffer) -> pa.RecordBatch:
@@ -165,7 +166,9 @@ def scan_frames(path: str | Path, segment_id: int) -> tuple[list[ScannedFrame], 
     expected = 0
     while offset < len(data):
         try:
-            ent, meta, payload, length = _parse(data[offset:], segment_id, expected, str(path))
+            ent, meta_bytes, payload, length = _parse(data[offset:], segment_id, expected,
+                                                      str(path))
+            meta = _meta(meta_bytes, str(path))
             batch = decode_payload(pa.py_buffer(payload))
         except (CorruptionError, pa.ArrowInvalid):
             break

@@ -7,6 +7,7 @@ goes through :class:`MetadataStore` so that a networked SQL database can replace
 
 from __future__ import annotations
 
+import functools
 import json
 import sqlite3
 import threading
@@ -150,13 +151,18 @@ _SEGMENT_COLUMNS = (
 )
 
 
+@functools.lru_cache(maxsize=1024)
+def _ensemble(text: str) -> tuple[str, ...]:
+    return tuple(json.loads(text))  # few distinct ensembles, many segments: decode each once
+
+
 def _segment(row: sqlite3.Row | tuple[Any, ...]) -> SegmentRecord:
     (topic, partition, segment_id, state, entries, messages, nbytes, min_pt, max_pt, created,
      sealed, ensemble, tier_url, offloaded, deleted, pending) = tuple(row)
     return SegmentRecord(
         topic=topic, partition=partition, segment_id=segment_id, state=state, entries=entries,
         messages=messages, bytes=nbytes, min_publish_time=min_pt, max_publish_time=max_pt,
-        created_at=created, sealed_at=sealed, ensemble=tuple(json.loads(ensemble)),
+        created_at=created, sealed_at=sealed, ensemble=_ensemble(ensemble),
         tier_url=tier_url, offloaded_at=offloaded, bookie_deleted_at=deleted,
         offload_pending_url=pending,
     )

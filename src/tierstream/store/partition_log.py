@@ -527,7 +527,7 @@ class PartitionLog:
         readers = readers or _Readers()
         for b in seg.ensemble:
             try:
-                _, payload = readers.get(self._bookies[b], seg.segment_id).read(rec)
+                payload = readers.get(self._bookies[b], seg.segment_id).read(rec)
                 return decode_payload(payload)
             except (CorruptionError, NotFoundError, OSError) as exc:
                 self.replica_failures += 1
