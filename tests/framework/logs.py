@@ -41,7 +41,8 @@ class Log:
 @contextmanager
 def running_log(data_dir: Path, **options: Any) -> Iterator[Log]:
     """A store with a broker serving it on loopback, in this process."""
-    opts = {"dataDir": str(data_dir), "fsync": False, "deletionLag": "1h", **options}
+    opts = {"dataDir": str(data_dir), "fsync": False, "deletionLag": "1h",
+            "tierCheckInterval": "1h", **options}
     store = Store(StoreConfig.from_options(opts))
     broker = Broker(store, port=0)
     thread = threading.Thread(target=broker.serve, daemon=True)

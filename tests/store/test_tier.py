@@ -30,8 +30,9 @@ BASE = 1_793_491_200_000  # 2026-11-01T00:00:00Z
 
 
 def make_store(data_dir: Path, **options: Any) -> Store:
+    # no background tier pass: these tests drive the offloader with their own clock
     opts = {"dataDir": str(data_dir), "maxEntriesPerSegment": 10, "deletionLag": "0s",
-            "fsync": False, **options}
+            "fsync": False, "tierCheckInterval": "1h", **options}
     return Store(StoreConfig.from_options(opts))
 
 

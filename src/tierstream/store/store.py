@@ -46,7 +46,7 @@ class Store:
         self._closed = False
         self.tier = config.tier()
         self._offloader: Offloader | None = None
-        self._last_tier_pass = 0.0
+        self._last_tier_pass = time.monotonic()  # the first pass waits one interval
         self._rr = itertools.count()
         self.recovery: list[RecoveryReport] = recover_open_segments(self.metadata, self.bookies)
         self._logs: dict[tuple[str, int], PartitionLog] = {}
