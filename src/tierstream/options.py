@@ -80,6 +80,19 @@ def parse_size(raw: Any, *, what: str = "size") -> int:
                           "1048576, 64KiB or 128MiB") from None
 
 
+def _string_list(raw: Any) -> tuple[str, ...]:
+    items = tuple(x.strip() for x in (raw.split(",") if isinstance(raw, str) else raw))
+    if not items or not all(items):
+        raise ValueError("expected a non-empty comma-separated list")
+    return items
+
+
+def _time(raw: Any) -> int:
+    from tierstream.timeutil import parse_time_ms
+
+    return parse_time_ms(raw)
+
+
 def _duration(raw: Any) -> int:
     return parse_duration_ms(raw)
 
@@ -124,13 +137,13 @@ OPTIONS: dict[str, Option] = {
     o.key: o
     for o in [
         Option(key="dataDir", parse=_string, default=DEFAULT_DATA_DIR, env="TIERSTREAM_HOME",
-               kind="a directory path", scopes=("store", "client"),
+               kind="a directory path", scopes=("store", "client", "read"),
                description="Directory of the embedded store (metadata.db, bookies/, tier/)."),
         Option(key="broker", parse=_string, default=DEFAULT_BROKER_URL, env="TIERSTREAM_BROKER",
-               kind="a URL such as grpc://127.0.0.1:6651", scopes=("client",),
+               kind="a URL such as grpc://127.0.0.1:6651", scopes=("client", "read"),
                description="Address of the broker's Arrow Flight endpoint."),
         Option(key="authToken", parse=_string, default=None, env="TIERSTREAM_AUTH_TOKEN",
-               secret=True, kind="a non-empty token", scopes=("store", "client"),
+               secret=True, kind="a non-empty token", scopes=("store", "client", "read"),
                description="Bearer token; required by a broker bound to a non-loopback address."),
         Option(key="bookies", parse=_positive_int, default=1, kind="an integer >= 1",
                description="Number of bookies (storage directories) of the embedded store."),
@@ -154,10 +167,11 @@ OPTIONS: dict[str, Option] = {
                kind="a URL such as file:///data/tier or s3://bucket/prefix",
                description="Where offloaded segments go (default: tier/ in the data directory)."),
         Option(key="s3Endpoint", parse=_string, default=None, env="TIERSTREAM_S3_ENDPOINT",
-               kind="a URL such as http://127.0.0.1:9000",
+               kind="a URL such as http://127.0.0.1:9000", scopes=("store", "read"),
                description="S3 endpoint for s3:// tiers (MinIO, moto); default: AWS."),
         Option(key="s3Region", parse=_string, default=None, env="AWS_REGION",
-               kind="an AWS region such as us-east-1", description="Region of the S3 bucket."),
+               kind="an AWS region such as us-east-1", scopes=("store", "read"),
+               description="Region of the S3 bucket."),
         Option(key="catalogUri", parse=_string, default=None, env="TIERSTREAM_CATALOG_URI",
                kind="an SQLAlchemy URL such as sqlite:////data/catalog.db",
                description="Iceberg SQL catalog (default: catalog.db in the data directory)."),
@@ -177,6 +191,36 @@ OPTIONS: dict[str, Option] = {
         Option(key="tierCheckInterval", parse=_duration, default=30_000,
                kind="a duration such as 500ms or 30s",
                description="How often the broker applies offload, deletion and retention."),
+        # -- what to read (the Spark adapter and the Python API) --------------------------
+        Option(key="topic", parse=_string, default=None, kind="tenant/namespace/topic",
+               scopes=("read",), description="The topic to read."),
+        Option(key="topics", parse=_string_list, default=None,
+               kind="comma-separated tenant/namespace/topic names", scopes=("read",),
+               description="Several topics to read."),
+        Option(key="namespace", parse=_string, default=None, kind="tenant/namespace",
+               scopes=("read",), description="Read every topic of a namespace."),
+        Option(key="startingTime", parse=_time, default=None,
+               kind="ISO-8601 or epoch milliseconds", scopes=("read",),
+               description="Read messages published at or after this time."),
+        Option(key="endingTime", parse=_time, default=None,
+               kind="ISO-8601 or epoch milliseconds", scopes=("read",),
+               description="Read messages published before this time (exclusive)."),
+        Option(key="startingPosition", parse=_string, default=None,
+               kind="earliest, latest or a stream cut as JSON", scopes=("read",),
+               description="Where to start (default earliest)."),
+        Option(key="endingPosition", parse=_string, default=None,
+               kind="latest or a stream cut as JSON", scopes=("read",),
+               description="Where to end, exclusive (default latest, resolved at planning)."),
+        Option(key="keyRanges", parse=_positive_int, default=1, kind="an integer 1..65536",
+               scopes=("read",), description="Split every partition into this many key ranges."),
+        Option(key="maxSplitBytes", parse=_size_bytes, default=128 * 1024**2,
+               kind="a size such as 64MiB", scopes=("read",),
+               description="Target bytes one split reads."),
+        Option(key="reader", parse=_string, default=None,
+               kind="parquet-tier, bookie-log or tail-consumer", scopes=("read",),
+               description="Force one reader (tests, benchmarks)."),
+        Option(key="failOnDataLoss", parse=_bool, default=True, kind="true or false",
+               scopes=("read",), description="Fail when data asked for was deleted."),
     ]
 }
 
@@ -187,6 +231,9 @@ def parse_options(raw: Mapping[str, Any], *, scope: str) -> dict[str, Any]:
     Raises :class:`ConfigError` for a key no option of ``scope`` has, suggesting the nearest.
     """
     known = {k: o for k, o in OPTIONS.items() if scope in o.scopes}
+    by_lower = {k.lower(): k for k in known}
+    # Spark hands options over case-insensitively (often lower-cased): map back to the key
+    raw = {by_lower.get(k.lower(), k): v for k, v in raw.items()}
     for key in raw:
         if key not in known:
             near = difflib.get_close_matches(key, known, n=1)

@@ -1,0 +1,18 @@
+"""The Spark adapter: tierstream splits as Spark partitions (PySpark Python Data Source API).
+
+``register(spark)`` makes ``spark.read.format("tierstream")`` available. Options are those of
+``options.py`` with scope ``read`` (topic/topics/namespace, startingTime/endingTime,
+startingPosition/endingPosition, keyRanges, maxSplitBytes, reader, failOnDataLoss, broker,
+dataDir, authToken); an unknown or malformed option fails at ``load()`` naming it.
+"""
+
+from tierstream.spark_adapter.source import (
+    SPARK_ARROW_SCHEMA,
+    SPARK_SCHEMA,
+    TierstreamDataSource,
+    register,
+    to_spark_batch,
+)
+
+__all__ = ["SPARK_ARROW_SCHEMA", "SPARK_SCHEMA", "TierstreamDataSource", "register",
+           "to_spark_batch"]
