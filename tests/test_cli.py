@@ -15,7 +15,8 @@ from tierstream.store.process import BrokerProcess
 from .store.helpers import wait_for
 
 COMMANDS = [["broker", "start"], ["topic", "create"], ["topic", "list"], ["produce"],
-            ["consume"], ["segments"], ["seal"], ["offload"], ["plan"], ["read"], ["demo"]]
+            ["consume"], ["segments"], ["seal"], ["offload"], ["plan"], ["read"], ["backfill"],
+            ["demo"]]
 
 
 def run(*args: str, stdin: str | None = None, env: dict[str, str] | None = None
@@ -133,3 +134,22 @@ def test_plan_and_read_commands(broker: BrokerProcess, data_dir: Path, tmp_path:
     assert bad.returncode == 2 and "must end in .parquet" in bad.stderr
     bad = run("plan", "acme/web/clicks", "--max-split-bytes", "lots", env=env)
     assert bad.returncode == 2 and "invalid --max-split-bytes 'lots'" in bad.stderr
+
+
+@pytest.mark.spark
+def test_backfill_runs_on_spark(broker: BrokerProcess, data_dir: Path, tmp_path: Path) -> None:
+    env = {"TIERSTREAM_BROKER": broker.url or "", "TIERSTREAM_HOME": str(data_dir),
+           "TIERSTREAM_SPARK_MASTER": "local[2]"}
+    run("topic", "create", "acme/web/clicks", "--partitions", "2", env=env)
+    run("produce", "acme/web/clicks", "--generate", "3000", "--start-time",
+        "2026-11-01T00:00:00Z", "--step-ms", "1000", env=env)
+    out = tmp_path / "week"
+    proc = run("backfill", "acme/web/clicks", "--from", "2026-11-01T00:10:00Z", "--to",
+               "2026-11-01T00:30:00Z", "--key-ranges", "2", "--out", str(out), env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "backfill of acme/web/clicks: 1,200 rows" in proc.stdout
+    again = run("backfill", "acme/web/clicks", "--out", str(out), env=env)
+    assert again.returncode == 2 and "exists" in again.stderr
+    everything = run("backfill", "acme/web/clicks", "--out", str(tmp_path / "all"), env=env)
+    assert everything.returncode == 0, everything.stderr[-2000:]
+    assert "3,000 rows" in everything.stdout and "tail-consumer: 2" in everything.stdout

@@ -565,6 +565,62 @@ def read_cmd(
 
 
 @app.command()
+def backfill(
+    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
+    out_path: Annotated[str, typer.Option("--out", help="Output directory (Parquet), new.")],
+    from_: FromOpt = "earliest",
+    to: ToOpt = "latest",
+    key_ranges: KeyRangesOpt = 1,
+    max_split_bytes: SplitBytesOpt = None,
+    reader: ReaderOpt = None,
+    fail_on_data_loss: LossOpt = True,
+    data_dir: DataDirOpt = Path(DEFAULT_DATA_DIR),
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    auth_token: TokenOpt = None,
+) -> None:
+    """Run the backfill on Spark: a bounded read of the topic, written as Parquet.
+
+    Example: tierstream backfill acme/web/clicks --from 2026-11-01 --to 2026-11-08
+    --out ./clicks-week --key-ranges 4
+    """
+    from tierstream.spark_adapter.jobs import backfill as run_backfill
+    from tierstream.spark_adapter.jobs import local_spark
+
+    options = {"topic": topic, "dataDir": str(data_dir), "broker": broker,
+               "keyRanges": str(key_ranges),
+               "failOnDataLoss": "true" if fail_on_data_loss else "false"}
+    for name, text in (("startingTime", from_), ("endingTime", to)):
+        offset = Offset.parse(text, what="--from" if name == "startingTime" else "--to")
+        if offset.kind is OffsetKind.TIME:
+            options[name] = str(offset.time_ms)
+        elif offset.kind is OffsetKind.POSITION:
+            raise ConfigError(f"{text!r}: backfill takes times, earliest or latest")
+        elif offset.kind.value != ("earliest" if name == "startingTime" else "latest"):
+            options["startingPosition" if name == "startingTime" else "endingPosition"] = \
+                offset.kind.value
+    if max_split_bytes is not None:
+        from tierstream.options import parse_size
+
+        options["maxSplitBytes"] = str(parse_size(max_split_bytes, what="--max-split-bytes"))
+    if reader is not None:
+        options["reader"] = reader
+    if auth_token:
+        options["authToken"] = auth_token
+    spark = local_spark("tierstream-backfill")
+    try:
+        with _progress(True) as progress:
+            task = progress.add_task("spark tasks", total=None)
+            result = run_backfill(spark, options, out_path,
+                                  progress=lambda d, t: progress.update(task, completed=d,
+                                                                        total=t))
+    finally:
+        spark.stop()
+    summary = ", ".join(f"{k}: {v}" for k, v in sorted(result.splits_by_reader.items()))
+    out.print(f"backfill of {topic}: {result.rows:,} rows in {result.seconds:.1f}s "
+              f"({summary or 'no splits'}) -> {result.out}", highlight=False)
+
+
+@app.command()
 def offload(
     topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
     older_than: Annotated[str | None, typer.Option(
