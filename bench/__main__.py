@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import framework_bench, store_bench, tier_bench
+from bench import framework_bench, spark_bench, store_bench, tier_bench
 
 BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
     "produce": (store_bench.produce, "produce throughput into one partition, fsync on, beside "
@@ -21,6 +21,8 @@ BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
                                          "reading the same bytes"),
     "keyranges": (framework_bench.keyranges, "read amplification and speed-up of k key ranges "
                                              "over tiered data"),
+    "spark": (spark_bench.spark, "Spark backfill (noop sink) over tiered and bookie data beside "
+                                 "spark.read.parquet of the same files; keyRanges"),
     "offload": (tier_bench.offload, "offload MB/s to file:// and moto S3 beside a plain "
                                     "Parquet write; Parquet vs bookie bytes"),
     "layout": (tier_bench.layout, "bytes a k=4 key-range read and a 10% time window fetch, "

@@ -1,0 +1,105 @@
+"""The Spark adapter (issue 5): backfill throughput beside spark.read.parquet."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pyarrow as pa
+
+from bench.harness import Figure, console, report, timed
+from tierstream.schema import as_produce_batch
+from tierstream.splits.split import StreamCut
+from tierstream.store.config import StoreConfig
+from tierstream.store.store import Store
+
+T0 = 1_700_000_000_000
+
+
+def _fill(store: Store, topic: str, partitions: int, entries: int, per_entry: int) -> None:
+    store.create_topic(topic, partitions)
+    for p in range(partitions):
+        plog = store.partition(topic, p)
+        for e in range(entries):
+            n0 = e * per_entry
+            plog.append(as_produce_batch(pa.record_batch({
+                "key": [f"user-{(n0 + j) * 7919 % 1000}" for j in range(per_entry)],
+                "value": [f'{{"n":{n0 + j},"p":{p}}}'.encode() + b"." * 80
+                          for j in range(per_entry)],
+                "publish_time": [T0 + (n0 + j) * 10 for j in range(per_entry)]})),
+                producer=None, sequence_id=None)
+    store.seal(topic)
+
+
+def spark(quick: bool = True) -> Path:
+    """Backfill rows/s (noop sink) over tiered and bookie-resident data, beside
+    spark.read.parquet of the same tier files; and keyRanges on one partition."""
+    partitions, entries, per_entry, runs = (4, 50, 2000, 3) if quick else (4, 150, 2000, 5)
+    from tierstream.spark_adapter import register
+    from tierstream.spark_adapter.jobs import local_spark
+
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store(StoreConfig.from_options({
+            "dataDir": str(Path(tmp) / "data"), "fsync": False,
+            "maxEntriesPerSegment": entries + 1, "deletionLag": "1h",
+            "tierCheckInterval": "1h"}))
+        try:
+            _fill(store, "bench/spark/tiered", partitions, entries, per_entry)
+            _fill(store, "bench/spark/bookies", partitions, entries, per_entry)
+            _fill(store, "bench/spark/one", 1, entries * 2, per_entry)
+            moved = store.offloader.offload_topic("bench/spark/tiered")
+            for plog in store.partitions("bench/spark/tiered"):
+                for seg in plog.closed_segments():
+                    store.offloader.delete_bookie_copy(plog, seg)
+            files = [s.tier_url for s in moved]
+            cuts = {t: StreamCut.of(t, {p.partition: p.last_confirmed()[1]
+                                        for p in store.partitions(t)}).to_json()
+                    for t in ("bench/spark/tiered", "bench/spark/bookies", "bench/spark/one")}
+            data_dir = str(store.config.data_dir)
+        finally:
+            store.close()
+        session = local_spark("tierstream-bench")
+        try:
+            register(session)
+            messages = partitions * entries * per_entry
+
+            def ours(topic: str, **extra: str) -> float:
+                reader = session.read.format("tierstream").option("topic", topic) \
+                    .option("dataDir", data_dir).option("endingPosition", cuts[topic])
+                for k, v in extra.items():
+                    reader = reader.option(k, v)
+                df = reader.load()
+                return messages / timed(lambda: df.write.format("noop").mode("overwrite")
+                                        .save())
+
+            def native() -> float:
+                df = session.read.parquet(*files)
+                return messages / timed(lambda: df.write.format("noop").mode("overwrite")
+                                        .save())
+
+            ours("bench/spark/tiered"), native()  # warm-up: JVM, Python workers
+            tiered, bookies, parquet = [], [], []
+            for _ in range(runs):  # interleaved
+                tiered.append(ours("bench/spark/tiered"))
+                bookies.append(ours("bench/spark/bookies"))
+                parquet.append(native())
+            one: dict[int, float] = {}
+            for k in (1, 2, 4):
+                messages = entries * 2 * per_entry
+                one[k] = max(ours("bench/spark/one", keyRanges=str(k)) for _ in range(2))
+        finally:
+            session.stop()
+    figures = [
+        Figure("Spark backfill rows/s, tiered data", "rows/s", tiered,
+               "spark.read.parquet, same files", parquet, aim="ratio >= 0.5",
+               aim_check=lambda v, r: r is not None and r >= 0.5),
+        Figure("Spark backfill rows/s, bookie-resident data", "rows/s", bookies,
+               "spark.read.parquet (tiered copy)", parquet),
+    ]
+    for k, rate in one.items():
+        figures.append(Figure(f"one partition, keyRanges={k}", "rows/s", [rate],
+                              "keyRanges=1", [one[1]]))
+    console.print(f"{partitions} partitions x {entries * per_entry:,} messages; noop sink; "
+                  "local[*] on this machine")
+    return report("spark", figures, {"partitions": partitions, "entries": entries,
+                                     "messages_per_entry": per_entry, "runs": runs})
