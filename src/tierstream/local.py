@@ -20,6 +20,7 @@ import pyarrow as pa
 
 from tierstream.enumerator import Enumerator, Query
 from tierstream.errors import ConfigError
+from tierstream.fanin import DONE, drain
 from tierstream.options import parse_options
 from tierstream.readers import open_reader
 from tierstream.schema import READ_SCHEMA
@@ -102,7 +103,6 @@ def run_splits(splits: Sequence[Split], *, parallelism: int | None = None,
     workers = max(1, min(parallelism or 8, len(groups)))
     out: queue.Queue[Any] = queue.Queue(maxsize=4 * workers)
     stop = threading.Event()
-    done = object()
 
     def work(chain: list[Split]) -> None:
         try:
@@ -114,21 +114,13 @@ def run_splits(splits: Sequence[Split], *, parallelism: int | None = None,
         except BaseException as exc:  # handed to the consuming thread
             out.put(exc)
         finally:
-            out.put(done)
+            out.put(DONE)
 
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tierstream-read")
     try:
         for chain in groups:
             pool.submit(work, chain)
-        finished = 0
-        while finished < len(groups):
-            item = out.get()
-            if item is done:
-                finished += 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
+        yield from drain(out, len(groups))
     finally:
         stop.set()
         while True:  # unblock workers waiting on a full queue

@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from tierstream.errors import ConfigError, TierstreamError, UnavailableError
+from tierstream.fanin import DONE, drain
 from tierstream.names import TopicName
 from tierstream.options import parse_options
 from tierstream.schema import (
@@ -446,9 +447,6 @@ def _chain(url: str, readers: list[Any]) -> Iterator[pa.RecordBatch]:
                     yield chunk.data
 
 
-_DONE = object()
-
-
 def _merge(url: str, readers: list[Any]) -> Iterator[pa.RecordBatch]:
     """Several unbounded partition streams, merged as batches arrive (per-partition order)."""
     out: queue.Queue[Any] = queue.Queue(maxsize=64)
@@ -466,21 +464,13 @@ def _merge(url: str, readers: list[Any]) -> Iterator[pa.RecordBatch]:
             if not stop.is_set():
                 out.put(exc)
         finally:
-            out.put(_DONE)
+            out.put(DONE)
 
     threads = [threading.Thread(target=pump, args=(r,), daemon=True) for r in readers]
     for t in threads:
         t.start()
-    finished = 0
     try:
-        while finished < len(threads):
-            item = out.get()
-            if item is _DONE:
-                finished += 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
+        yield from drain(out, len(threads))
     finally:
         stop.set()
         for r in readers:
