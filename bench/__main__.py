@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import framework_bench, spark_bench, store_bench, tier_bench
+from bench import framework_bench, remote_bench, spark_bench, store_bench, tier_bench
 
 BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
     "produce": (store_bench.produce, "produce throughput into one partition, fsync on, beside "
@@ -23,6 +23,8 @@ BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
                                              "over tiered data"),
     "spark": (spark_bench.spark, "Spark backfill (noop sink) over tiered and bookie data beside "
                                  "spark.read.parquet of the same files; keyRanges"),
+    "remote": (remote_bench.remote, "parquet-tier reader over S3 (moto) with 0/10/50 ms per "
+                                    "request, beside local files"),
     "offload": (tier_bench.offload, "offload MB/s to file:// and moto S3 beside a plain "
                                     "Parquet write; Parquet vs bookie bytes"),
     "layout": (tier_bench.layout, "bytes a k=4 key-range read and a 10% time window fetch, "
