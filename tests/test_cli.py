@@ -16,7 +16,7 @@ from .store.helpers import wait_for
 
 COMMANDS = [["broker", "start"], ["topic", "create"], ["topic", "list"], ["produce"],
             ["consume"], ["segments"], ["seal"], ["offload"], ["plan"], ["read"], ["backfill"],
-            ["demo"]]
+            ["tail"], ["demo"]]
 
 
 def run(*args: str, stdin: str | None = None, env: dict[str, str] | None = None
@@ -153,3 +153,24 @@ def test_backfill_runs_on_spark(broker: BrokerProcess, data_dir: Path, tmp_path:
     everything = run("backfill", "acme/web/clicks", "--out", str(tmp_path / "all"), env=env)
     assert everything.returncode == 0, everything.stderr[-2000:]
     assert "3,000 rows" in everything.stdout and "tail-consumer: 2" in everything.stdout
+
+
+@pytest.mark.spark
+def test_tail_available_now_writes_what_is_there(broker: BrokerProcess, data_dir: Path,
+                                                 tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    env = {"TIERSTREAM_BROKER": broker.url or "", "TIERSTREAM_HOME": str(data_dir),
+           "TIERSTREAM_SPARK_MASTER": "local[2]"}
+    run("topic", "create", "acme/web/clicks", "--partitions", "2", env=env)
+    run("produce", "acme/web/clicks", "--generate", "1000", env=env)
+    out, ckpt = tmp_path / "live", tmp_path / "ckpt"
+    proc = run("tail", "acme/web/clicks", "--from", "earliest", "--available-now",
+               "--max-records-per-trigger", "400", "--out", str(out), "--checkpoint",
+               str(ckpt), env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "3 micro-batch(es)" in proc.stdout
+    committed = [f for f in (out / "_spark_metadata").iterdir() if f.name.isdigit()]
+    assert len(committed) == 3
+    rows = sum(pq.read_table(f).num_rows for f in out.glob("*.parquet"))
+    assert rows == 1000

@@ -620,6 +620,54 @@ def backfill(
               f"({summary or 'no splits'}) -> {result.out}", highlight=False)
 
 
+@app.command("tail")
+def tail_cmd(
+    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
+    out_path: Annotated[str, typer.Option("--out", help="Output directory (Parquet sink).")],
+    checkpoint: Annotated[str, typer.Option(help="Checkpoint directory (restarts continue "
+                                                 "exactly from it).")],
+    from_: FromOpt = "latest",
+    available_now: Annotated[bool, typer.Option(
+        "--available-now", help="Write what is there now (in micro-batches), then stop.")]
+        = False,
+    max_records_per_trigger: Annotated[int | None, typer.Option(
+        help="At most this many messages per micro-batch.")] = None,
+    key_ranges: KeyRangesOpt = 1,
+    data_dir: DataDirOpt = Path(DEFAULT_DATA_DIR),
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    auth_token: TokenOpt = None,
+) -> None:
+    """Run a Structured Streaming read of the topic into Parquet until stopped (Ctrl-C).
+
+    Example: tierstream tail acme/web/clicks --out ./clicks-live --checkpoint ./ckpt
+    """
+    from tierstream.spark_adapter.jobs import local_spark
+    from tierstream.spark_adapter.jobs import tail as run_tail
+
+    start = Offset.parse(from_, what="--from")
+    options = {"topic": topic, "dataDir": str(data_dir), "broker": broker,
+               "keyRanges": str(key_ranges)}
+    if start.kind is OffsetKind.TIME:
+        options["startingTime"] = str(start.time_ms)
+    elif start.kind is OffsetKind.POSITION:
+        raise ConfigError(f"--from {from_!r}: tail takes a time, earliest or latest")
+    else:
+        options["startingPosition"] = start.kind.value
+    if max_records_per_trigger is not None:
+        options["maxRecordsPerTrigger"] = str(max_records_per_trigger)
+    if auth_token:
+        options["authToken"] = auth_token
+    spark = local_spark("tierstream-tail")
+    try:
+        batches = run_tail(spark, options, out_path, checkpoint, available_now=available_now,
+                           on_batch=lambda b, n: err.print(f"micro-batch {b}: {n:,} rows",
+                                                           highlight=False))
+    finally:
+        spark.stop()
+    out.print(f"tail of {topic}: {batches} micro-batch(es) with rows -> {out_path}",
+              highlight=False)
+
+
 @app.command()
 def offload(
     topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],

@@ -221,6 +221,16 @@ OPTIONS: dict[str, Option] = {
                description="Force one reader (tests, benchmarks)."),
         Option(key="failOnDataLoss", parse=_bool, default=True, kind="true or false",
                scopes=("read",), description="Fail when data asked for was deleted."),
+        Option(key="maxRecordsPerTrigger", parse=_positive_int, default=None,
+               kind="an integer >= 1", scopes=("read",),
+               description="Streaming: at most this many messages per micro-batch."),
+        Option(key="maxBytesPerTrigger", parse=_size_bytes, default=None,
+               kind="a size such as 64MiB", scopes=("read",),
+               description="Streaming: about this many bytes per micro-batch (converted to "
+                           "messages with the topic's average message size)."),
+        Option(key="subscription", parse=_string, default="tierstream-spark",
+               kind="a subscription name", scopes=("read",),
+               description="Streaming: the durable cursor a committed micro-batch advances."),
     ]
 }
 

@@ -13,7 +13,7 @@ from typing import Any
 from tierstream.errors import ConfigError
 from tierstream.splits.positions import Offset, OffsetKind
 
-__all__ = ["BackfillResult", "backfill", "local_spark"]
+__all__ = ["BackfillResult", "backfill", "local_spark", "tail"]
 
 
 @dataclass(frozen=True)
@@ -96,3 +96,50 @@ def backfill(spark: Any, options: dict[str, str], out: str, *, progress: Any = N
     rows = spark.read.parquet(out).count()
     kinds = Counter(s.reader.value for s in splits)
     return BackfillResult(dict(kinds), rows, seconds, out)
+
+
+def tail(spark: Any, options: dict[str, str], out: str, checkpoint: str, *,
+         available_now: bool, on_batch: Any = None) -> int:
+    """Run the streaming read into a Parquet sink until stopped (Ctrl-C / SIGTERM) or, with
+    ``available_now``, until what was there at the start is written. Returns the number of
+    micro-batches that read rows. Restarting with the same checkpoint continues exactly
+    where the last committed micro-batch ended."""
+    import signal
+
+    from tierstream.spark_adapter import register
+    from tierstream.spark_adapter.source import _Settings
+
+    _Settings(dict(options))  # bad options fail here, before Spark starts anything
+    register(spark)
+    reader = spark.readStream.format("tierstream")
+    for k, v in options.items():
+        reader = reader.option(k, v)
+    writer = reader.load().writeStream.format("parquet") \
+        .option("checkpointLocation", checkpoint)
+    writer = writer.trigger(availableNow=True) if available_now \
+        else writer.trigger(processingTime="1 second")
+    query = writer.start(out)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    seen = 0
+    try:
+        while query.isActive and not stop.is_set():
+            query.awaitTermination(0.5)
+            progress = [p for p in query.recentProgress if p.get("numInputRows")]
+            if on_batch is not None and len(progress) > seen:
+                for p in progress[seen:]:
+                    on_batch(p["batchId"], p["numInputRows"])
+                seen = len(progress)
+        if query.isActive:
+            query.stop()
+        exc = query.exception()
+        if exc is not None:
+            raise RuntimeError(f"streaming query failed: {exc}")
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return len([p for p in query.recentProgress if p.get("numInputRows")])

@@ -80,6 +80,9 @@ class _Settings:
         self.max_split_bytes: int = opts["maxSplitBytes"]
         self.reader = None if opts["reader"] is None else ReaderKind.parse(opts["reader"])
         self.fail_on_data_loss: bool = opts["failOnDataLoss"]
+        self.max_records_per_trigger: int | None = opts["maxRecordsPerTrigger"]
+        self.max_bytes_per_trigger: int | None = opts["maxBytesPerTrigger"]
+        self.subscription: str = opts["subscription"]
         self.data_dir: str = opts["dataDir"]
         self.broker: str = opts["broker"]
         self.auth_token: str | None = opts["authToken"]
@@ -115,6 +118,11 @@ class TierstreamDataSource(DataSource):
 
     def schema(self) -> str:
         return SPARK_SCHEMA
+
+    def streamReader(self, schema: Any) -> Any:
+        from tierstream.spark_adapter.stream import TierstreamStreamReader
+
+        return TierstreamStreamReader(self.settings)
 
     def reader(self, schema: Any) -> DataSourceReader:
         # No pushFilters on purpose: with pyspark 4.3, a DataFrame scanned once with pushed

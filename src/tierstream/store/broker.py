@@ -247,6 +247,25 @@ class Broker(flight.FlightServerBase):
         name = self.store.topic(body["topic"]).name
         return self.store.metadata.deleted_segments(name, body.get("partition"))
 
+    def _advance(self, body: dict[str, Any]) -> Any:
+        plog = self.store.partition(body["topic"], int(body["partition"]))
+        start = _check_partition(Position.from_dict(body["start"]), plog)
+        bound = _check_partition(Position.from_dict(body["bound"]), plog)
+        end, counted = plog.advance(start, int(body["max_messages"]), bound)
+        return {"end": end.to_dict(), "messages": counted}
+
+    def _position_at_time(self, body: dict[str, Any]) -> Any:
+        plog = self.store.partition(body["topic"], int(body["partition"]))
+        return plog.position_at_time(int(body["time_ms"])).to_dict()
+
+    def _set_cursor(self, body: dict[str, Any]) -> Any:
+        """Store a subscription's position per partition (a streaming query's commit)."""
+        topic = self.store.topic(body["topic"]).name
+        for p, raw in dict(body["positions"]).items():
+            self.subscriptions.set_position(topic, str(body["subscription"]), int(p),
+                                            Position.from_dict(raw))
+        return {"ok": True}
+
     def _producer_state(self, body: dict[str, Any]) -> Any:
         return {str(p.partition): p.producer_state(str(body["producer"]))
                 for p in self.store.partitions(body["topic"])}
@@ -267,6 +286,9 @@ _ACTIONS = {
     "tier-pass": (Broker._tier_pass, "Apply offload, bookie deletion and retention now."),
     "set-retention": (Broker._set_retention, "Set {topic, retention_ms} (null: keep all)."),
     "deleted-segments": (Broker._deleted_segments, "Segments removed by retention."),
+    "advance": (Broker._advance, "Position N messages after {start}, bounded by {bound}."),
+    "position-at-time": (Broker._position_at_time, "First position at or after a time."),
+    "set-cursor": (Broker._set_cursor, "Store a subscription's positions (a cut)."),
 }
 
 

@@ -136,6 +136,23 @@ class Admin(BrokerClient):
         return TopicRecord(**self.action("set-retention", {"topic": str(TopicName.parse(topic)),
                                                            "retention_ms": retention_ms}))
 
+    def advance(self, topic: str, start: Position, max_messages: int, bound: Position
+                ) -> tuple[Position, int]:
+        """The position ``max_messages`` after ``start`` (at most ``bound``), and the count."""
+        raw = self.action("advance", {"topic": topic, "partition": start.partition,
+                                      "start": start.to_dict(), "bound": bound.to_dict(),
+                                      "max_messages": max_messages})
+        return Position.from_dict(raw["end"]), int(raw["messages"])
+
+    def position_at_time(self, topic: str, partition: int, time_ms: int) -> Position:
+        return Position.from_dict(self.action("position-at-time", {
+            "topic": topic, "partition": partition, "time_ms": time_ms}))
+
+    def set_cursor(self, topic: str, subscription: str, positions: dict[int, Position]) -> None:
+        self.action("set-cursor", {"topic": topic, "subscription": subscription,
+                                   "positions": {str(p): pos.to_dict()
+                                                 for p, pos in positions.items()}})
+
     def deleted_segments(self, topic: str) -> list[dict[str, Any]]:
         """Segments removed by retention: what was lost, and when."""
         return list(self.action("deleted-segments", {"topic": str(TopicName.parse(topic))}))

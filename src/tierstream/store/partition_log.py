@@ -390,6 +390,37 @@ class PartitionLog:
         idx = int(pc.sum(pc.less(batch.column("publish_time"), t)).as_py() or 0)
         return Position(self.partition, seg.segment_id, records[a].entry_id, idx)
 
+    def advance(self, start: Position, max_messages: int, bound: Position
+                ) -> tuple[Position, int]:
+        """The position ``max_messages`` messages after ``start`` (never past ``bound``), and
+        how many messages lie between: index records only, no data is read."""
+        pos, counted = start, 0
+        for seg in self.segments():
+            if seg.segment_id < pos.segment_id or counted >= max_messages:
+                continue
+            if seg.segment_id > bound.segment_id:
+                break
+            for rec in self._segment_index(seg):
+                here = Position(self.partition, seg.segment_id, rec.entry_id, 0)
+                if here >= bound or counted >= max_messages:
+                    break
+                first = pos.batch_index if (seg.segment_id, rec.entry_id) == (
+                    pos.segment_id, pos.entry_id) else 0
+                if (seg.segment_id, rec.entry_id) < (pos.segment_id, pos.entry_id):
+                    continue
+                last = rec.messages
+                if (bound.segment_id, bound.entry_id) == (seg.segment_id, rec.entry_id):
+                    last = min(last, bound.batch_index)
+                take = min(last - first, max_messages - counted)
+                if take <= 0:
+                    continue
+                counted += take
+                end_index = first + take
+                pos = (Position(self.partition, seg.segment_id, rec.entry_id + 1, 0)
+                       if end_index >= rec.messages
+                       else Position(self.partition, seg.segment_id, rec.entry_id, end_index))
+        return (min(pos, bound) if counted else start), counted
+
     @property
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -148,6 +148,22 @@ class Subscriptions:
             self._metadata.save_cursor(topic, subscription, partition, cursor.to_json(),
                                        now=now_ms())
 
+    def set_position(self, topic: str, subscription: str, partition: int, position: Position
+                     ) -> None:
+        """Move every slot of a subscription's partition to ``position`` (forward only)."""
+        if position.partition != partition:
+            raise ConfigError(f"position {position} is not in partition {partition}")
+        key = (topic, subscription, partition)
+        with self._lock:
+            cursor = self._cursors.get(key)
+            if cursor is None:
+                stored = self._metadata.get_cursor(*key)
+                cursor = CursorMap.from_json(stored) if stored else CursorMap.at(position)
+                self._cursors[key] = cursor
+            cursor.ack([KeyRange(0, KEY_HASH_SLOTS)], position)
+            self._metadata.save_cursor(topic, subscription, partition, cursor.to_json(),
+                                       now=now_ms())
+
     def _load(self, key: tuple[str, str, int], initial: Position) -> CursorMap:
         cursor = self._cursors.get(key)
         if cursor is None:
