@@ -32,6 +32,7 @@ def local_spark(app_name: str = "tierstream") -> Any:
 
     spark = (SparkSession.builder.master(os.environ.get("TIERSTREAM_SPARK_MASTER", "local[*]"))
              .appName(app_name).config("spark.ui.enabled", "false")
+             .config("spark.ui.showConsoleProgress", "false")
              .config("spark.sql.session.timeZone", "UTC").getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
     return spark
