@@ -60,3 +60,17 @@ def append(store: Store, partition: int, values: list[str], *, keys: list[str | 
     store.partition(topic, partition).append(as_produce_batch(pa.record_batch({
         "key": pa.array(keys, pa.string()), "value": [v.encode() for v in values],
         "publish_time": pa.array(times, pa.int64())})), producer=None, sequence_id=None)
+
+
+def fill(log: Log, *, partitions: int, batches: int, n: int = 50, keys: int = 13) -> int:
+    """Create TOPIC and append ``batches`` rounds of ``n`` messages to every partition:
+    values ``"<partition>-<i>"``, keys ``k<i % keys>``, one second apart. Returns the count."""
+    log.store.create_topic(TOPIC, partitions)
+    i = 0
+    for _ in range(batches):
+        for p in range(partitions):
+            append(log.store, p, [f"{p}-{i + j}" for j in range(n)],
+                   keys=[f"k{(i + j) % keys}" for j in range(n)],
+                   times=[BASE + (i + j) * 1000 for j in range(n)])
+            i += n
+    return i

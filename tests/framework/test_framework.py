@@ -18,18 +18,11 @@ from tierstream.splits.positions import KeyRange, Offset, Position
 from tierstream.splits.split import ReaderKind, Split, StreamCut
 from tierstream.store.client import Producer
 
-from .logs import BASE, TOPIC, append, running_log
+from .logs import BASE, TOPIC, fill, running_log
 
 
-def _fill(log, partitions: int = 2, batches: int = 13, n: int = 50) -> None:  # type: ignore[no-untyped-def]
-    log.store.create_topic(TOPIC, partitions)
-    i = 0
-    for _ in range(batches):
-        for p in range(partitions):
-            append(log.store, p, [f"{p}-{i + j}" for j in range(n)],
-                   keys=[f"k{(i + j) % 13}" for j in range(n)],
-                   times=[BASE + (i + j) * 1000 for j in range(n)])
-            i += n
+def _fill(log, partitions: int = 2, batches: int = 13) -> None:  # type: ignore[no-untyped-def]
+    fill(log, partitions=partitions, batches=batches)
 
 
 def _values(table: pa.Table) -> list[str]:

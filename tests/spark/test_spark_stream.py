@@ -13,21 +13,13 @@ from tierstream.spark_adapter.source import _Settings
 from tierstream.spark_adapter.stream import TierstreamStreamReader
 from tierstream.splits.split import Split
 
-from ..framework.logs import BASE, TOPIC, append, running_log
+from ..framework.logs import TOPIC, fill, running_log
 
 pytestmark = pytest.mark.spark
 
 
-def _fill(log: Any, partitions: int, batches: int, n: int = 50) -> int:
-    log.store.create_topic(TOPIC, partitions)
-    i = 0
-    for _ in range(batches):
-        for p in range(partitions):
-            append(log.store, p, [f"{p}-{i + j}" for j in range(n)],
-                   keys=[f"k{(i + j) % 7}" for j in range(n)],
-                   times=[BASE + (i + j) * 1000 for j in range(n)])
-            i += n
-    return i
+def _fill(log: Any, partitions: int, batches: int) -> int:
+    return fill(log, partitions=partitions, batches=batches, keys=7)
 
 
 def test_available_now_with_a_read_limit_runs_several_batches_and_stops(

@@ -308,14 +308,18 @@ class MetadataStore:
 
     def segments(self, topic: str, partition: int | None = None) -> list[SegmentRecord]:
         """Segment records of ``topic`` sorted by (partition, segment_id)."""
-        sql = f"SELECT {_SEGMENT_COLUMNS} FROM segments WHERE topic=?"
+        rows = self._by_topic(f"SELECT {_SEGMENT_COLUMNS} FROM segments", topic, partition)
+        return [_segment(r) for r in rows]
+
+    def _by_topic(self, select: str, topic: str, partition: int | None) -> list[Any]:
+        """Rows of ``select`` for a topic (and partition), ordered by partition and segment."""
+        sql = select + " WHERE topic=?"
         args: tuple[Any, ...] = (topic,)
         if partition is not None:
             sql += " AND partition=?"
             args += (partition,)
         with self._lock:
-            rows = self._conn.execute(sql + " ORDER BY partition, segment_id", args).fetchall()
-        return [_segment(r) for r in rows]
+            return self._conn.execute(sql + " ORDER BY partition, segment_id", args).fetchall()
 
     def segments_in_window(self, topic: str, partition: int, start_time: int | None,
                            end_time: int | None) -> list[SegmentRecord]:
@@ -404,14 +408,9 @@ class MetadataStore:
 
     def deleted_segments(self, topic: str, partition: int | None = None) -> list[dict[str, Any]]:
         """Segments removed by retention, oldest first: what readers report as data loss."""
-        sql = ("SELECT segment_id, topic, partition, entries, messages, min_publish_time, "
-               "max_publish_time, deleted_at, reason FROM deleted_segments WHERE topic=?")
-        args: tuple[Any, ...] = (topic,)
-        if partition is not None:
-            sql += " AND partition=?"
-            args += (partition,)
-        with self._lock:
-            rows = self._conn.execute(sql + " ORDER BY partition, segment_id", args).fetchall()
+        rows = self._by_topic(
+            "SELECT segment_id, topic, partition, entries, messages, min_publish_time, "
+            "max_publish_time, deleted_at, reason FROM deleted_segments", topic, partition)
         keys = ("segment_id", "topic", "partition", "entries", "messages", "min_publish_time",
                 "max_publish_time", "deleted_at", "reason")
         return [dict(zip(keys, r, strict=True)) for r in rows]
