@@ -441,14 +441,6 @@ class MetadataStore:
                 (topic, subscription, partition, json.dumps(intervals), now),
             )
 
-    def subscriptions(self, topic: str) -> list[str]:
-        with self._lock:
-            rows = self._conn.execute(
-                "SELECT DISTINCT subscription FROM cursors WHERE topic=? ORDER BY subscription",
-                (topic,),
-            ).fetchall()
-        return [r[0] for r in rows]
-
     # -- producer de-duplication ----------------------------------------------------------------
 
     def load_dedup(self, topic: str, partition: int) -> dict[str, tuple[int, dict[str, int]]]:
