@@ -461,9 +461,7 @@ class PartitionLog:
                 for seg, records in self._readable_from(pos):
                     sid = seg.segment_id
                     first = pos.entry_id if sid == pos.segment_id else 0
-                    for rec in records[first:] if _dense(records) else records:
-                        if rec.entry_id < first:
-                            continue
+                    for rec in records[first:]:  # entry ids are 0..n-1: slice by id
                         if end_key is not None and (sid, rec.entry_id, 0) >= end_key:
                             return
                         batch = self._entry(seg, rec, readers)
@@ -635,11 +633,6 @@ class _TierSegment:
         start, count = self._bounds[entry_id]
         batches = self.table.slice(start, count).to_batches()
         return batches[0] if len(batches) == 1 else pa.concat_batches(batches)
-
-
-def _dense(records: list[IndexRecord]) -> bool:
-    """Entry ids are 0..n-1 in order (always, for a ledger), so slicing by id is exact."""
-    return not records or records[-1].entry_id == len(records) - 1
 
 
 class _Readers:
