@@ -464,6 +464,21 @@ def _chain(url: str, readers: list[Any]) -> Iterator[pa.RecordBatch]:
                     yield chunk.data
 
 
+def _pump(url: str, reader: Any, out: queue.Queue[Any], stop: threading.Event) -> None:
+    """Put a stream's non-empty batches on ``out`` until it ends or ``stop`` is set; an error
+    is put there too, for the consuming thread to raise."""
+    try:
+        with translate_errors(url):
+            for chunk in reader:
+                if stop.is_set():
+                    return
+                if chunk.data is not None and chunk.data.num_rows:
+                    out.put(chunk.data)
+    except Exception as exc:
+        if not stop.is_set():
+            out.put(exc)
+
+
 def _merge(url: str, readers: list[Any]) -> Iterator[pa.RecordBatch]:
     """Several unbounded partition streams, merged as batches arrive (per-partition order)."""
     out: queue.Queue[Any] = queue.Queue(maxsize=64)
@@ -471,15 +486,7 @@ def _merge(url: str, readers: list[Any]) -> Iterator[pa.RecordBatch]:
 
     def pump(reader: Any) -> None:
         try:
-            with translate_errors(url):
-                for chunk in reader:
-                    if stop.is_set():
-                        return
-                    if chunk.data is not None and chunk.data.num_rows:
-                        out.put(chunk.data)
-        except Exception as exc:
-            if not stop.is_set():
-                out.put(exc)
+            _pump(url, reader, out, stop)
         finally:
             out.put(DONE)
 
@@ -537,16 +544,7 @@ class Consumer:
             t.start()
 
     def _pump(self, reader: Any) -> None:
-        try:
-            with translate_errors(self._client.url):
-                for chunk in reader:
-                    if self._stop.is_set():
-                        return
-                    if chunk.data is not None and chunk.data.num_rows:
-                        self._queue.put(chunk.data)
-        except Exception as exc:
-            if not self._stop.is_set():
-                self._queue.put(exc)
+        _pump(self._client.url, reader, self._queue, self._stop)
 
     def receive(self, timeout: float | None = None) -> pa.RecordBatch | None:
         """The next batch, or None if none arrived within ``timeout`` seconds."""
