@@ -1,9 +1,9 @@
 """The plan reads every message of a query exactly once, whatever the log looks like.
 
 Random logs (partitions, rollovers, some segments offloaded, some bookie copies deleted, an
-open tail), random windows or cuts, random k and split sizes: the union of all split reads
-equals a brute-force filter of every message, and within a split each key's messages keep
-log order.
+open tail), random windows or cuts, random k and split sizes, sometimes a publish-time filter
+on top (as Spark pushes it down): the union of all split reads equals a brute-force filter of
+every message, and within a split each key's messages keep log order.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import tierstream as ts
+from tierstream.enumerator import Enumerator, Query
 from tierstream.readers import open_reader
 from tierstream.splits.positions import KeyRange, Offset, Position
 from tierstream.splits.split import StreamCut
@@ -50,6 +50,7 @@ def queries(draw: st.DrawFn) -> dict:
         "a": draw(st.floats(0, 1)), "b": draw(st.floats(0, 1)),
         "k": draw(st.sampled_from([1, 2, 3, 4, 7, 16])),
         "max_split_bytes": draw(st.sampled_from([1, 3_000, 20_000, 1 << 30])),
+        "filter": draw(st.none() | st.tuples(st.floats(0, 1), st.floats(0, 1))),
     }
 
 
@@ -107,8 +108,15 @@ def test_union_of_split_reads_is_exactly_the_query(spec: dict, q: dict) -> None:
                 cut_a[p], cut_b[p] = min(cut_a[p], cut_b[p]), max(cut_a[p], cut_b[p])
             start, end = StreamCut.of(TOPIC, cut_a), StreamCut.of(TOPIC, cut_b)
             want = [r for r in rows if cut_a[r["partition"]] <= pos(r) < cut_b[r["partition"]]]
-        splits = ts.plan(TOPIC, start=start, end=end, key_ranges=q["k"],
-                         max_split_bytes=q["max_split_bytes"], **log.kw())
+        time_from = time_to = None
+        if q["filter"] is not None:  # [from, to) on top of the bounds; may be empty
+            time_from = times_all[int(q["filter"][0] * (len(times_all) - 1))]
+            time_to = times_all[int(q["filter"][1] * (len(times_all) - 1))] + 1
+            want = [r for r in want if time_from <= r["publish_time"] < time_to]
+        with Enumerator(**log.kw()) as enum:
+            splits = enum.plan(Query(
+                topics=(TOPIC,), start=_bound(start), end=_bound(end), key_ranges=q["k"],
+                max_split_bytes=q["max_split_bytes"], time_from=time_from, time_to=time_to))
         got: list[str] = []
         for split in splits:
             per_key: dict[str | None, list[tuple[int, int, int]]] = defaultdict(list)
@@ -128,3 +136,9 @@ def test_union_of_split_reads_is_exactly_the_query(spec: dict, q: dict) -> None:
             f"extra {sorted(Counter(got) - expected)[:5]}")
         assert all(v == 1 for v in Counter(got).values()), "a message was read twice"
         KeyRange.split(q["k"])  # the ranges used above are this split
+
+
+def _bound(bound: Offset | StreamCut | str | None) -> Offset | StreamCut:
+    if bound is None:
+        return Offset.earliest()
+    return Offset.parse(bound) if isinstance(bound, str) else bound

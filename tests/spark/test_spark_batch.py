@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pytest
+from pyspark.sql.datasource import EqualTo, GreaterThan, GreaterThanOrEqual, In, LessThan, Not
 
 import tierstream as ts
 from tierstream.spark_adapter import SPARK_ARROW_SCHEMA, register, to_spark_batch
+from tierstream.spark_adapter.source import PUSHDOWN_CONF
 from tierstream.splits.positions import Position
 from tierstream.splits.split import StreamCut
 
@@ -74,6 +78,13 @@ def test_batch_equals_the_local_runner_across_all_three_readers(spark: Any, tier
                                    end="2026-11-01T00:20:00Z")
 
 
+def test_an_empty_plan_reads_no_rows(spark: Any, tiered_log: Any) -> None:
+    # Spark stands in one partition with no value when partitions() is empty
+    before = _load(spark, tiered_log, topic=TOPIC, startingTime=str(BASE - 60_000),
+                   endingTime=str(BASE - 1))
+    assert before.count() == 0
+
+
 def test_schema_is_exactly_the_declared_one(spark: Any, tiered_log: Any) -> None:
     df = _load(spark, tiered_log, topic=TOPIC)
     assert [(f.name, f.dataType.simpleString(), f.nullable) for f in df.schema.fields] == [
@@ -94,8 +105,8 @@ def test_schema_is_exactly_the_declared_one(spark: Any, tiered_log: Any) -> None
 
 def test_filters_are_exact_and_do_not_leak_into_later_scans(spark: Any, tiered_log: Any
                                                              ) -> None:
-    # guards the reason pushFilters is not implemented: a filtered scan first, then the
-    # unfiltered one, of the same DataFrame, must both be exact
+    # without Spark's pushdown switch (the default) a DataFrame may be reused: a filtered
+    # scan first, then the unfiltered one, must both be exact
     full = _load(spark, tiered_log, topic=TOPIC)
     everything = _local(tiered_log)
     lo = datetime.fromtimestamp((BASE + 1_200_000) / 1000, UTC)
@@ -147,3 +158,112 @@ def test_fail_on_data_loss_both_ways(spark: Any, tmp_path: Path) -> None:
         cut = StreamCut.of(TOPIC, {0: Position(0, first.segment_id + 1, 0, 0)})
         assert _load(spark, log, topic=TOPIC, startingPosition=json.dumps(cut.to_dict())
                      ).count() == 40
+
+
+@pytest.fixture
+def pushdown(spark: Any) -> Iterator[Any]:
+    """The session with Spark's pushdown switch on and tierstream registered under it."""
+    spark.conf.set(PUSHDOWN_CONF, "true")
+    register(spark)
+    try:
+        yield spark
+    finally:
+        spark.conf.unset(PUSHDOWN_CONF)
+        register(spark)
+
+
+def _micros(ms: int, extra_us: int = 0) -> str:
+    t = datetime.fromtimestamp(ms / 1000, UTC) + timedelta(microseconds=extra_us)
+    return "timestamp'" + t.strftime("%Y-%m-%d %H:%M:%S.%f") + "+00:00'"
+
+
+@pytest.mark.parametrize("where", [
+    # bounds between two milliseconds, on a millisecond, and an exact match
+    f"publish_time >= {_micros(BASE + 300_000, 500)} and publish_time < "
+    f"{_micros(BASE + 900_000, 1)}",
+    f"publish_time > {_micros(BASE + 300_000)} and publish_time <= {_micros(BASE + 900_000)}",
+    f"publish_time = {_micros(BASE + 400_000)}",
+    f"publish_time = {_micros(BASE + 400_000, 7)}",
+    f"publish_time > {_micros(BASE + 900_000)} and publish_time < {_micros(BASE + 300_000)}",
+    "partition = 1", "partition in (0, 2)", "partition > 0 and partition <= 1",
+    f"partition = 2 and publish_time < {_micros(BASE + 600_000)} and key = 'user-3'",
+    f"topic = '{TOPIC}'", "topic = 'acme/web/other'", "partition is null",
+    f"partition = 1 or publish_time < {_micros(BASE + 100_000)}",  # not pushable: Spark's
+])
+def test_pushdown_is_exact(spark: Any, tiered_log: Any, where: str) -> None:
+    expected = _rows(_load(spark, tiered_log, topic=TOPIC).where(where))  # Spark filters
+    spark.conf.set(PUSHDOWN_CONF, "true")
+    try:
+        register(spark)
+        df = _load(spark, tiered_log, topic=TOPIC)  # one DataFrame per query (see register)
+        assert _rows(df.where(where)) == expected
+    finally:
+        spark.conf.unset(PUSHDOWN_CONF)
+        register(spark)
+
+
+def test_pushdown_plans_fewer_splits_and_bytes(pushdown: Any, tiered_log: Any) -> None:
+    def planned(where: str | None) -> int:  # Spark partitions of a fresh DataFrame
+        df = _load(pushdown, tiered_log, topic=TOPIC)
+        return (df if where is None else df.where(where)).rdd.getNumPartitions()
+
+    everything = _reader(tiered_log)
+    all_bytes = sum(s.estimated_bytes for s in everything.plan())
+    window = _reader(tiered_log, GreaterThanOrEqual(("publish_time",), _dt(BASE + 600_000)),
+                     LessThan(("publish_time",), _dt(BASE + 800_000)))
+    one = _reader(tiered_log, EqualTo(("partition",), 1))
+    assert not window.unclaimed and not one.unclaimed
+    assert 0 < sum(s.estimated_bytes for s in window.plan()) < all_bytes / 2  # whole segments
+    assert {s.partition for s in one.plan()} == {1}
+    assert 0 < len(window.plan()) < len(everything.plan())
+    assert planned(f"publish_time >= {_micros(BASE + 600_000)} and publish_time < "
+                   f"{_micros(BASE + 800_000)}") == len(window.plan())
+    assert planned("partition = 1") == len(one.plan())
+    assert planned(None) == len(everything.plan())
+    nothing = _reader(tiered_log, EqualTo(("topic",), "acme/web/other"))
+    assert nothing.plan() == []  # Spark stands one empty partition in for an empty plan
+    assert planned("topic = 'acme/web/other'") == 1
+    assert _load(pushdown, tiered_log, topic=TOPIC).where("topic = 'acme/web/other'").count() == 0
+
+
+def test_not_pushable_filters_go_back_to_spark(tiered_log: Any) -> None:
+    kept = [EqualTo(("key",), "user-3"), Not(EqualTo(("partition",), 1)),
+            In(("publish_time",), [_dt(BASE)]), GreaterThan(("partition",), 1.5)]
+    r = _reader(tiered_log, *kept)
+    assert r.unclaimed == kept
+    assert len(r.plan()) == len(_reader(tiered_log).plan())
+
+
+@dataclass
+class _Pushed:
+    reader: Any
+    unclaimed: list[Any]
+
+    def plan(self) -> list[Any]:
+        return self.reader.plan()
+
+
+def _reader(log: Any, *filters: Any) -> _Pushed:
+    from tierstream.spark_adapter.source import TierstreamPushdownDataSource
+
+    source = TierstreamPushdownDataSource({"topic": TOPIC, "dataDir": str(log.data_dir),
+                                           "broker": log.url})
+    reader = source.reader(None)
+    return _Pushed(reader, list(reader.pushFilters(list(filters))))
+
+
+def _dt(ms: int) -> datetime:
+    return datetime.fromtimestamp(ms / 1000, UTC)
+
+
+def test_register_follows_the_pushdown_switch(spark: Any, tiered_log: Any,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="tierstream.spark_adapter.source"):
+        spark.conf.set(PUSHDOWN_CONF, "true")
+        try:
+            register(spark)
+        finally:
+            spark.conf.unset(PUSHDOWN_CONF)
+    assert "load() a new DataFrame for each differently filtered query" in caplog.text
+    register(spark)  # switch off: a reader without pushFilters, which Spark accepts
+    assert _load(spark, tiered_log, topic=TOPIC).where("partition = 1").count() > 0

@@ -33,7 +33,11 @@ Bound = Offset | StreamCut
 @dataclass(frozen=True, kw_only=True)
 class Query:
     """What to read. ``end=None`` is unbounded (a tail); a bounded ``latest`` is resolved at
-    planning time. ``key_ranges=k`` splits every partition into k key ranges."""
+    planning time. ``key_ranges=k`` splits every partition into k key ranges.
+
+    ``time_from``/``time_to`` (ms, ``[from, to)``) restrict publish time on top of ``start`` and
+    ``end`` (Spark's pushed-down filters arrive this way); an empty window plans nothing.
+    """
 
     topics: tuple[str, ...] = ()
     namespace: str | None = None
@@ -44,6 +48,8 @@ class Query:
     reader: ReaderKind | None = None
     fail_on_data_loss: bool = True
     partitions: tuple[int, ...] | None = None
+    time_from: int | None = None
+    time_to: int | None = None
 
     def __post_init__(self) -> None:
         if not self.topics and self.namespace is None:
@@ -140,7 +146,9 @@ class Enumerator:
                 cache.append(self.latest_cut(topic.name))
             return cache[0]
 
-        t0, t1 = _time_of(query.start), _time_of(query.end)
+        t0, t1 = _window(query)
+        if t0 is not None and t1 is not None and t1 <= t0:
+            return []
         out: list[Split] = []
         for p in partitions:
             window = self.metadata.segments_in_window(topic.name, p, t0, t1)
@@ -151,8 +159,10 @@ class Enumerator:
     def _plan_partition(self, topic: TopicRecord, p: int, query: Query,
                         latest: Callable[[], StreamCut], deleted: list[dict[str, Any]],
                         segments: list[SegmentRecord]) -> list[Split]:
-        t0 = _time_of(query.start)
-        t1 = _time_of(query.end)
+        t0, t1 = _window(query)
+        if segments and segments[-1].state == SegmentState.OPEN and t1 is not None and \
+                segments[-1].min_publish_time is not None and segments[-1].min_publish_time >= t1:
+            segments = segments[:-1]  # publish times never decrease: the open tail is too late
         start = self._start_position(topic.name, p, query, latest, segments, deleted)
         end: Position | None
         if query.end is None:
@@ -190,15 +200,18 @@ class Enumerator:
             first_id = self.metadata.first_segment_id(topic, p)
             return Position(p, first_id, 0, 0) if first_id is not None else None
         if isinstance(start, Offset) and start.kind is OffsetKind.TIME:
-            assert start.time_ms is not None
-            lost = [d for d in deleted if (d["max_publish_time"] or 0) >= start.time_ms]
+            t0 = _window(query)[0]
+            assert t0 is not None
+            lost = [d for d in deleted if (d["max_publish_time"] or 0) >= t0]
             if lost:
                 self._data_loss(query, topic, p, lost)
             return Position(p, segments[0].segment_id, 0, 0) if segments else None
         pos = _position_of(start, p, topic)
         if pos is None:
             return None
-        lost = [d for d in deleted if d["segment_id"] >= pos.segment_id]
+        t0 = _window(query)[0]
+        lost = [d for d in deleted if d["segment_id"] >= pos.segment_id
+                and (t0 is None or (d["max_publish_time"] or 0) >= t0)]
         if lost:
             self._data_loss(query, topic, p, lost)
             first_id = self.metadata.first_segment_id(topic, p)
@@ -295,6 +308,16 @@ def _reader_for(seg: SegmentRecord, forced: ReaderKind | None) -> ReaderKind:
 
 def _is_latest(bound: Bound | None) -> bool:
     return isinstance(bound, Offset) and bound.kind is OffsetKind.LATEST
+
+
+def _window(query: Query) -> tuple[int | None, int | None]:
+    """The publish-time window ``[t0, t1)`` of ``query``: its time bounds and time filter."""
+    t0, t1 = _time_of(query.start), _time_of(query.end)
+    if query.time_from is not None:
+        t0 = query.time_from if t0 is None else max(t0, query.time_from)
+    if query.time_to is not None:
+        t1 = query.time_to if t1 is None else min(t1, query.time_to)
+    return t0, t1
 
 
 def _time_of(bound: Bound | None) -> int | None:

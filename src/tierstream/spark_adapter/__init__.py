@@ -3,16 +3,19 @@
 ``register(spark)`` makes ``spark.read.format("tierstream")`` available. Options are those of
 ``options.py`` with scope ``read`` (topic/topics/namespace, startingTime/endingTime,
 startingPosition/endingPosition, keyRanges, maxSplitBytes, reader, failOnDataLoss, broker,
-dataDir, authToken); an unknown or malformed option fails at ``load()`` naming it.
+dataDir, authToken); an unknown or malformed option fails at ``load()`` naming it. With
+``spark.sql.python.filterPushdown.enabled=true``, batch reads push publish_time, partition and
+topic filters into planning.
 """
 
 from tierstream.spark_adapter.source import (
     SPARK_ARROW_SCHEMA,
     SPARK_SCHEMA,
     TierstreamDataSource,
+    TierstreamPushdownDataSource,
     register,
     to_spark_batch,
 )
 
-__all__ = ["SPARK_ARROW_SCHEMA", "SPARK_SCHEMA", "TierstreamDataSource", "register",
-           "to_spark_batch"]
+__all__ = ["SPARK_ARROW_SCHEMA", "SPARK_SCHEMA", "TierstreamDataSource",
+           "TierstreamPushdownDataSource", "register", "to_spark_batch"]

@@ -7,10 +7,12 @@ import logging
 import os
 import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyspark
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from tierstream.errors import ConfigError
@@ -18,10 +20,18 @@ from tierstream.options import parse_options
 from tierstream.splits.positions import Offset
 from tierstream.splits.split import ReaderKind, Split, StreamCut
 
-__all__ = ["SPARK_ARROW_SCHEMA", "SPARK_SCHEMA", "TierstreamDataSource", "register",
-           "to_spark_batch"]
+__all__ = ["PUSHDOWN_CONF", "SPARK_ARROW_SCHEMA", "SPARK_SCHEMA", "TierstreamDataSource",
+           "TierstreamPushdownDataSource", "register", "to_spark_batch"]
 
 log = logging.getLogger(__name__)
+
+_PYSPARK_VERSION = pyspark.__version__
+# Through 4.3, Spark stores the read plan a pushdown produced on the relation, and later
+# scans of the same DataFrame that push no filter reuse it (apache/spark#57752 fixes it).
+_PUSHDOWN_LEAKS = tuple(int(x) for x in _PYSPARK_VERSION.split(".")[:2] if x.isdigit()) <= (4, 3)
+
+#: Spark's switch for Python data sources' filter pushdown (off by default in Spark).
+PUSHDOWN_CONF = "spark.sql.python.filterPushdown.enabled"
 
 #: The DataFrame schema: publish/event time as Spark timestamps, the rest as in schema.py.
 SPARK_SCHEMA = (
@@ -125,41 +135,82 @@ class TierstreamDataSource(DataSource):
         return TierstreamStreamReader(self.settings)
 
     def reader(self, schema: Any) -> DataSourceReader:
-        # No pushFilters on purpose: with pyspark 4.3, a DataFrame scanned once with pushed
-        # filters was scanned again with the same pruned plan when queried without them
-        # (560 of 1,680 rows). Spark applies the filters after reading instead.
+        # Spark refuses a reader that implements pushFilters while its pushdown switch is
+        # off, so this one does not; register() picks the pushdown source when it is on.
         return _BatchReader(self.settings)
+
+
+class TierstreamPushdownDataSource(TierstreamDataSource):
+    """``spark.read.format("tierstream")`` when ``spark.sql.python.filterPushdown.enabled``:
+    publish_time, partition and topic filters are applied by planning (pushdown.py)."""
+
+    def reader(self, schema: Any) -> DataSourceReader:
+        return _PushdownBatchReader(self.settings)
 
 
 class _BatchReader(DataSourceReader):
     """Driver: ``partitions()`` is the enumerator's plan. Executor: ``read()`` runs a split."""
 
     def __init__(self, settings: _Settings) -> None:
+        from tierstream.spark_adapter.pushdown import Pushed
+
         self.settings = settings
+        self.pushed = Pushed()
 
     def partitions(self) -> Sequence[InputPartition]:
+        return [InputPartition(split.to_json()) for split in self.plan()]
+
+    def plan(self) -> list[Split]:
         from tierstream.enumerator import Enumerator, Query
 
-        s = self.settings
+        s, f = self.settings, self.pushed
+        base = Query(topics=s.topics, namespace=s.namespace, start=s.start, end=s.end,
+                     key_ranges=s.key_ranges, max_split_bytes=s.max_split_bytes,
+                     reader=s.reader, fail_on_data_loss=s.fail_on_data_loss,
+                     time_from=f.time_from, time_to=f.time_to)
         with Enumerator(data_dir=s.data_dir, broker=s.broker, auth_token=s.auth_token,
                         s3_endpoint=s.s3_endpoint, s3_region=s.s3_region) as enum:
-            splits = enum.plan(Query(
-                topics=s.topics, namespace=s.namespace, start=s.start, end=s.end,
-                key_ranges=s.key_ranges, max_split_bytes=s.max_split_bytes, reader=s.reader,
-                fail_on_data_loss=s.fail_on_data_loss))
-        return [InputPartition(split.to_json()) for split in splits]
+            if f.topics is None and not f.restricts_partitions and not f.nothing:
+                return enum.plan(base)
+            splits: list[Split] = []
+            for topic in enum.topics(base):  # unknown topics still fail, filtered or not
+                chosen = f.allowed_partitions(topic.partitions) \
+                    if f.allows_topic(topic.name) else []
+                if chosen:
+                    splits.extend(enum.plan(replace(base, topics=(topic.name,), namespace=None,
+                                                    partitions=tuple(chosen))))
+            return splits
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         from tierstream.readers import open_reader
 
+        if partition.value is None:  # Spark's stand-in when the plan has no split
+            return
         split = Split.from_json(partition.value)
         for batch in open_reader(split, auth_token=self.settings.auth_token):
             yield to_spark_batch(batch)
 
 
+class _PushdownBatchReader(_BatchReader):
+    def pushFilters(self, filters: list[Any]) -> Iterator[Any]:
+        yield from self.pushed.push(filters)
+
+
 def register(spark: Any) -> None:
     """Register format ``"tierstream"`` on ``spark`` (and make sure Spark's Python workers run
-    this interpreter when nothing else was configured)."""
+    this interpreter when nothing else was configured).
+
+    With ``spark.sql.python.filterPushdown.enabled=true`` set before this call, batch reads push
+    publish_time, partition and topic filters into planning; call it again after changing
+    that setting.
+    """
     if not os.environ.get("PYSPARK_PYTHON") and not spark.conf.get("spark.pyspark.python", None):
         os.environ["PYSPARK_PYTHON"] = sys.executable
-    spark.dataSource.register(TierstreamDataSource)
+    pushdown = str(spark.conf.get(PUSHDOWN_CONF, "false")).strip().lower() == "true"
+    if pushdown and _PUSHDOWN_LEAKS:
+        log.warning(
+            "filter pushdown on pyspark %s: Spark keeps a pushed-down read plan on the "
+            "DataFrame it came from, so load() a new DataFrame for each differently filtered "
+            "query (apache/spark#57752)", _PYSPARK_VERSION)
+    spark.dataSource.register(TierstreamPushdownDataSource if pushdown else TierstreamDataSource)
+

@@ -142,6 +142,8 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
         from tierstream.readers import open_reader
         from tierstream.spark_adapter.source import to_spark_batch
 
+        if partition.value is None:  # Spark's stand-in when the plan has no split
+            return
         for batch in open_reader(Split.from_json(partition.value),
                                  auth_token=self.settings.auth_token):
             yield to_spark_batch(batch)
