@@ -150,9 +150,14 @@ def test_backfill_runs_on_spark(broker: BrokerProcess, data_dir: Path, tmp_path:
     assert "backfill of acme/web/clicks: 1,200 rows" in proc.stdout
     again = run("backfill", "acme/web/clicks", "--out", str(out), env=env)
     assert again.returncode == 2 and "exists" in again.stderr
-    everything = run("backfill", "acme/web/clicks", "--out", str(tmp_path / "all"), env=env)
+    bad = run("backfill", "acme/web/clicks", "--out", str(tmp_path / "x"), "--format", "csv",
+              env=env)
+    assert bad.returncode == 2 and "invalid --format 'csv'" in bad.stderr
+    everything = run("backfill", "acme/web/clicks", "--out", str(tmp_path / "all"),
+                     "--format", "iceberg", env=env)
     assert everything.returncode == 0, everything.stderr[-2000:]
     assert "3,000 rows" in everything.stdout and "tail-consumer: 2" in everything.stdout
+    assert "Iceberg table backfill.acme_web_clicks" in everything.stdout
 
 
 @pytest.mark.spark

@@ -1,14 +1,21 @@
-"""Spark jobs the CLI runs: the backfill (a bounded read written to Parquet)."""
+"""Spark jobs the CLI runs: the backfill (a bounded read written as Parquet or as an Iceberg
+table) and the tail (a streaming read into a Parquet sink)."""
 
 from __future__ import annotations
 
+import glob
 import os
+import shutil
 import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+
+import pyarrow.parquet as pq
 
 from tierstream.errors import ConfigError
 from tierstream.splits.positions import Offset, OffsetKind
@@ -16,12 +23,20 @@ from tierstream.splits.positions import Offset, OffsetKind
 __all__ = ["BackfillResult", "backfill", "local_spark", "tail"]
 
 
+FORMATS = ("parquet", "iceberg")
+
+
 @dataclass(frozen=True)
 class BackfillResult:
     splits_by_reader: dict[str, int]
     rows: int
+    bytes_read: int  # log bytes the plan covers (from segment records)
+    bytes_written: int  # output data files on disk
     seconds: float
     out: str
+    format: str = "parquet"
+    table: str | None = None  # the Iceberg table, for format "iceberg"
+    catalog_uri: str | None = None
 
 
 def local_spark(app_name: str = "tierstream") -> Any:
@@ -38,20 +53,40 @@ def local_spark(app_name: str = "tierstream") -> Any:
     return spark
 
 
-def backfill(spark: Any, options: dict[str, str], out: str, *, progress: Any = None
+def backfill(spark: Any, options: dict[str, str], out: str, *, format: str = "parquet",
+             table: str | None = None, catalog_uri: str | None = None, progress: Any = None
              ) -> BackfillResult:
-    """Read ``options`` (the data source's) with Spark and write Parquet to ``out``.
+    """Read ``options`` (the data source's) with Spark and write them to the new directory
+    ``out``: Parquet files, or an Iceberg table there (data files under ``out/data``, table
+    metadata under ``out/metadata``, registered in the catalog at ``catalog_uri``, by default
+    a SQLite catalog in ``out/catalog.db``, as ``table``, by default ``backfill.<topic>``).
 
-    ``progress(done, total)`` is called about twice a second with Spark's task counts.
+    Everything is checked before Spark starts. On failure ``out`` is removed again and no
+    table is created, so nothing is left half-written. ``progress(done, total)`` is called
+    about twice a second with Spark's task counts.
     """
     import tierstream
     from tierstream.spark_adapter import register
     from tierstream.spark_adapter.source import _Settings
 
+    if format not in FORMATS:
+        raise ConfigError(f"invalid format {format!r}: expected one of {', '.join(FORMATS)}")
     if os.path.exists(out):
         raise ConfigError(f"--out {out!r} exists; choose a new path (nothing was written)")
+    if format == "parquet" and (table is not None or catalog_uri is not None):
+        raise ConfigError("a table and a catalog are for --format iceberg only")
     options = dict(options)
     settings = _Settings(options)
+    if format == "iceberg":
+        if table is None:
+            if len(settings.topics) != 1:
+                raise ConfigError("--format iceberg over several topics needs a table name")
+            table = "backfill." + _table_name(settings.topics[0])
+        catalog_uri = catalog_uri or "sqlite:///" + os.path.join(os.path.abspath(out),
+                                                                  "catalog.db")
+        sink: _IcebergSink | None = _IcebergSink(catalog_uri, table, os.path.abspath(out))
+    else:
+        sink = None
     if isinstance(settings.end, Offset) and settings.end.kind is OffsetKind.LATEST \
             and len(settings.topics) == 1:
         # Pin "latest" to a cut now, so Spark reads exactly what is planned and counted here.
@@ -71,6 +106,49 @@ def backfill(spark: Any, options: dict[str, str], out: str, *, progress: Any = N
     for k, v in options.items():
         reader = reader.option(k, v)
     df = reader.load()
+    data_dir = out if sink is None else os.path.join(out, "data")
+    t0 = time.perf_counter()
+    try:
+        with _watch(spark, progress), _conf(spark, _PARQUET_CONF):
+            df.write.parquet(data_dir)
+        files = sorted(glob.glob(os.path.join(glob.escape(data_dir), "*.parquet")))
+        rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+        if sink is not None:
+            _tidy(data_dir)
+            sink.commit(files)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    seconds = time.perf_counter() - t0
+    kinds = Counter(s.reader.value for s in splits)
+    return BackfillResult(dict(kinds), rows, sum(s.estimated_bytes for s in splits),
+                          sum(os.path.getsize(f) for f in files), seconds, out, format,
+                          table, catalog_uri)
+
+
+# Parquet that Iceberg and every other reader take as is: UTC instants as INT64 microseconds
+# (Spark's default is the legacy INT96).
+_PARQUET_CONF = {"spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS"}
+
+
+@contextmanager
+def _conf(spark: Any, settings: dict[str, str]) -> Iterator[None]:
+    before = {k: spark.conf.get(k, None) for k in settings}
+    for k, v in settings.items():
+        spark.conf.set(k, v)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                spark.conf.unset(k)
+            else:
+                spark.conf.set(k, v)
+
+
+@contextmanager
+def _watch(spark: Any, progress: Any) -> Iterator[None]:
+    """Report Spark's task counts to ``progress(done, total)`` while the block runs."""
     stop = threading.Event()
 
     def watch() -> None:
@@ -86,17 +164,67 @@ def backfill(spark: Any, options: dict[str, str], out: str, *, progress: Any = N
                 progress(done, total)
 
     watcher = threading.Thread(target=watch, daemon=True)
-    t0 = time.perf_counter()
     watcher.start()
     try:
-        df.write.parquet(out)
+        yield
     finally:
         stop.set()
         watcher.join()
-    seconds = time.perf_counter() - t0
-    rows = spark.read.parquet(out).count()
-    kinds = Counter(s.reader.value for s in splits)
-    return BackfillResult(dict(kinds), rows, seconds, out)
+
+
+def _tidy(data_dir: str) -> None:
+    """Leave only data files in an Iceberg table's data directory (no Hadoop markers)."""
+    for name in os.listdir(data_dir):
+        if name.startswith(("_", ".")):
+            os.remove(os.path.join(data_dir, name))
+
+
+def _table_name(topic: str) -> str:
+    return "_".join(p.replace(".", "_dot_").replace("-", "_") for p in topic.split("/"))
+
+
+class _IcebergSink:
+    """Creates the backfill's Iceberg table with all its files in one catalog commit."""
+
+    def __init__(self, catalog_uri: str, table: str, location: str) -> None:
+        parts = tuple(table.split("."))
+        if len(parts) < 2 or not all(parts):
+            raise ConfigError(f"invalid table {table!r}: expected namespace.name, e.g. "
+                              "backfill.clicks_week")
+        self.ident, self.location, self.catalog_uri = parts, location, catalog_uri
+        self._catalog: Any = None
+        inside = catalog_uri.startswith("sqlite:///" + location + os.sep)
+        if not inside and self.catalog().table_exists(self.ident):  # an existing catalog
+            raise ConfigError(f"Iceberg table {table!r} exists in {catalog_uri!r}; choose "
+                              "another --table (nothing was written)")
+
+    def catalog(self) -> Any:
+        if self._catalog is None:
+            from pyiceberg.catalog.sql import SqlCatalog
+
+            try:
+                self._catalog = SqlCatalog(
+                    "default", uri=self.catalog_uri,
+                    warehouse="file://" + os.path.dirname(self.location))
+            except Exception as exc:
+                raise ConfigError(f"cannot open the Iceberg catalog {self.catalog_uri!r}: "
+                                  f"{exc}") from None
+        return self._catalog
+
+    def commit(self, files: list[str]) -> None:
+        import warnings
+
+        from tierstream.spark_adapter.source import SPARK_ARROW_SCHEMA
+
+        catalog = self.catalog()
+        catalog.create_namespace_if_not_exists(self.ident[:-1])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tx = catalog.create_table_transaction(self.ident, schema=SPARK_ARROW_SCHEMA,
+                                                  location="file://" + self.location)
+            if files:
+                tx.add_files(["file://" + f for f in files])
+            tx.commit_transaction()
 
 
 def tail(spark: Any, options: dict[str, str], out: str, checkpoint: str, *,
