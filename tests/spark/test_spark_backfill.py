@@ -103,7 +103,7 @@ def test_bad_backfill_requests_fail_before_spark_runs(spark: Any, log: Any,
     catalog = f"sqlite:///{tmp_path / 'shared.db'}"
     backfill(spark, _options(log, endingTime=str(BASE + 100_000)), str(tmp_path / "one"),
              format="iceberg", table="lake.clicks", catalog_uri=catalog)
-    with pytest.raises(ConfigError, match="Iceberg table 'lake.clicks' exists"):
+    with pytest.raises(ConfigError, match=r"Iceberg table 'lake\.clicks' exists"):
         backfill(spark, _options(log), str(out), format="iceberg", table="lake.clicks",
                  catalog_uri=catalog)
     assert not out.exists()

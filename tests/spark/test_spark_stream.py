@@ -13,7 +13,7 @@ from tierstream.spark_adapter.source import _Settings
 from tierstream.spark_adapter.stream import TierstreamStreamReader
 from tierstream.splits.split import Split
 
-from ..framework.logs import TOPIC, fill, running_log
+from ..framework.logs import BASE, TOPIC, append, fill, running_log
 
 pytestmark = pytest.mark.spark
 
@@ -70,3 +70,72 @@ def test_a_replayed_batch_reads_the_same_rows_after_its_segments_moved(tmp_path:
                 off.delete_bookie_copy(plog, off.offload_segment(plog, seg))
         assert batch_rows() == first
         assert reader.latestOffset(start, reader.getDefaultReadLimit()) == end
+
+
+def _topic_rows(log: Any, topic: str, partitions: int, batches: int) -> list[str]:
+    log.store.create_topic(topic, partitions)
+    values = []
+    for b in range(batches):
+        for p in range(partitions):
+            vs = [f"{topic}|{p}-{b}-{j}" for j in range(40)]
+            append(log.store, p, vs, keys=[f"k{j % 5}" for j in range(40)],
+                   times=[BASE + (b * 100 + j) * 1000 for j in range(40)], topic=topic)
+            values.extend(vs)
+    return values
+
+
+def test_a_namespace_stream_picks_up_topics_created_mid_stream(tmp_path: Path) -> None:
+    with running_log(tmp_path / "data", maxEntriesPerSegment=3) as log:
+        want = _topic_rows(log, "acme/web/clicks", 2, 5) + _topic_rows(log, "acme/web/views",
+                                                                       1, 4)
+        settings = _Settings({"namespace": "acme/web", "dataDir": str(log.data_dir),
+                              "broker": log.url, "maxRecordsPerTrigger": "150"})
+        reader = TierstreamStreamReader(settings)
+        offset = reader.initialOffset()
+        assert set(offset["cuts"]) == {"acme/web/clicks", "acme/web/views"}
+        got: list[str] = []
+
+        def drain() -> int:
+            nonlocal offset
+            batches = 0
+            while True:
+                end = reader.latestOffset(offset, reader.getDefaultReadLimit())
+                if end == offset:
+                    return batches
+                rows = [v.decode() for part in reader.partitions(offset, end)
+                        for b in open_reader(Split.from_json(part.value))
+                        for v in b.column("value").to_pylist()]
+                assert 0 < len(rows) <= 150
+                got.extend(rows)
+                reader.commit(end)
+                offset, batches = end, batches + 1
+
+        assert drain() == 4  # 560 messages, 150 per trigger over three topic-partitions
+        want += _topic_rows(log, "acme/web/signups", 2, 3)  # created after the stream began
+        assert drain() == 2
+        assert sorted(got) == sorted(want)
+        assert set(offset["cuts"]) == {"acme/web/clicks", "acme/web/signups", "acme/web/views"}
+        for topic in offset["cuts"]:  # each committed batch moved every topic's cursor
+            assert log.store.metadata.get_cursor(topic, "tierstream-spark", 0) is not None
+
+
+def test_a_stream_over_several_topics_on_spark(spark: Any, tmp_path: Path) -> None:
+    with running_log(tmp_path / "data", maxEntriesPerSegment=3) as log:
+        want = _topic_rows(log, "acme/web/clicks", 2, 4) + _topic_rows(log, "acme/web/views",
+                                                                       2, 3)
+        register(spark)
+        stream = (spark.readStream.format("tierstream")
+                  .option("topics", "acme/web/clicks,acme/web/views")
+                  .option("dataDir", str(log.data_dir)).option("broker", log.url)
+                  .option("startingPosition", "earliest")
+                  .option("maxRecordsPerTrigger", "200").load())
+        out = tmp_path / "out"
+        query = (stream.writeStream.format("parquet")
+                 .option("checkpointLocation", str(tmp_path / "ckpt"))
+                 .trigger(availableNow=True).start(str(out)))
+        query.awaitTermination(180)
+        assert query.exception() is None
+        rows = spark.read.parquet(str(out)).select("topic", "value").collect()
+        assert sorted(bytes(r["value"]).decode() for r in rows) == sorted(want)
+        assert all(bytes(r["value"]).decode().startswith(r["topic"] + "|") for r in rows)
+        assert len([p for p in query.recentProgress if p["numInputRows"]]) == 3  # 560 / 200

@@ -4,6 +4,7 @@ table) and the tail (a streaming read into a Parquet sink)."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import sys
@@ -19,6 +20,7 @@ import pyarrow.parquet as pq
 
 from tierstream.errors import ConfigError
 from tierstream.splits.positions import Offset, OffsetKind
+from tierstream.splits.split import cuts_to_dict
 
 __all__ = ["BackfillResult", "backfill", "local_spark", "tail"]
 
@@ -65,9 +67,8 @@ def backfill(spark: Any, options: dict[str, str], out: str, *, format: str = "pa
     table is created, so nothing is left half-written. ``progress(done, total)`` is called
     about twice a second with Spark's task counts.
     """
-    import tierstream
     from tierstream.spark_adapter import register
-    from tierstream.spark_adapter.source import _Settings
+    from tierstream.spark_adapter.source import _BatchReader, _Settings
 
     if format not in FORMATS:
         raise ConfigError(f"invalid format {format!r}: expected one of {', '.join(FORMATS)}")
@@ -87,20 +88,11 @@ def backfill(spark: Any, options: dict[str, str], out: str, *, format: str = "pa
         sink: _IcebergSink | None = _IcebergSink(catalog_uri, table, os.path.abspath(out))
     else:
         sink = None
-    if isinstance(settings.end, Offset) and settings.end.kind is OffsetKind.LATEST \
-            and len(settings.topics) == 1:
-        # Pin "latest" to a cut now, so Spark reads exactly what is planned and counted here.
-        cut = tierstream.latest_cut(settings.topics[0], data_dir=settings.data_dir,
-                                    broker=settings.broker, auth_token=settings.auth_token)
-        options["endingPosition"] = cut.to_json()
+    if isinstance(settings.end, Offset) and settings.end.kind is OffsetKind.LATEST:
+        # Pin "latest" to cuts now, so Spark reads exactly what is planned and counted here.
+        options["endingPosition"] = json.dumps(_latest_cuts(settings))
         settings = _Settings(options)
-    splits = tierstream.plan(list(settings.topics) or None, namespace=settings.namespace,
-                             start=settings.start, end=settings.end,
-                             key_ranges=settings.key_ranges,
-                             max_split_bytes=settings.max_split_bytes, reader=settings.reader,
-                             fail_on_data_loss=settings.fail_on_data_loss,
-                             data_dir=settings.data_dir, broker=settings.broker,
-                             auth_token=settings.auth_token)
+    splits = _BatchReader(settings).plan()
     register(spark)
     reader = spark.read.format("tierstream")
     for k, v in options.items():
@@ -124,6 +116,18 @@ def backfill(spark: Any, options: dict[str, str], out: str, *, format: str = "pa
     return BackfillResult(dict(kinds), rows, sum(s.estimated_bytes for s in splits),
                           sum(os.path.getsize(f) for f in files), seconds, out, format,
                           table, catalog_uri)
+
+
+def _latest_cuts(settings: Any) -> dict[str, Any]:
+    """The broker's latest cut of every topic the read covers, as an ``endingPosition``."""
+    from tierstream.enumerator import Enumerator, Query
+
+    with Enumerator(data_dir=settings.data_dir, broker=settings.broker,
+                    auth_token=settings.auth_token) as enum:
+        topics = [t.name for t in enum.topics(Query(topics=settings.topics,
+                                                    namespace=settings.namespace))]
+        cuts = {t: enum.latest_cut(t) for t in topics}
+    return cuts_to_dict(cuts, single=len(cuts) == 1 and settings.namespace is None)
 
 
 # Parquet that Iceberg and every other reader take as is: UTC instants as INT64 microseconds

@@ -18,7 +18,7 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from tierstream.errors import ConfigError
 from tierstream.options import parse_options
 from tierstream.splits.positions import Offset
-from tierstream.splits.split import ReaderKind, Split, StreamCut
+from tierstream.splits.split import Cuts, ReaderKind, Split, StreamCut, cuts_from_json
 
 __all__ = ["PUSHDOWN_CONF", "SPARK_ARROW_SCHEMA", "SPARK_SCHEMA", "TierstreamDataSource",
            "TierstreamPushdownDataSource", "register", "to_spark_batch"]
@@ -83,6 +83,13 @@ class _Settings:
                             default=Offset.earliest())
         self.end = _bound(opts["endingPosition"], "endingPosition", opts["endingTime"],
                           default=Offset.latest())
+        for name, bound in (("startingPosition", self.start), ("endingPosition", self.end)):
+            named = {bound.topic} if isinstance(bound, StreamCut) else \
+                set(bound) if isinstance(bound, dict) else set()
+            stray = sorted(named - set(self.topics)) if self.topics else []
+            if stray:
+                raise ConfigError(f"invalid option {name!r}: it has cuts of {stray}, which "
+                                  f"are not read here ({', '.join(self.topics)})")
         if opts["keyRanges"] > 65536:
             raise ConfigError(f"invalid option 'keyRanges': {opts['keyRanges']}; expected "
                               "1..65536")
@@ -101,7 +108,9 @@ class _Settings:
 
 
 def _bound(position: str | None, name: str, time_ms: int | None, *, default: Offset
-           ) -> Offset | StreamCut:
+           ) -> Offset | StreamCut | Cuts:
+    """A time, earliest/latest, a topic's stream cut, or cuts per topic (the offset of a
+    multi-topic stream: ``{"v": 1, "cuts": {topic: cut}}``)."""
     if time_ms is not None:
         return Offset.at_time(time_ms)
     if position is None:
@@ -110,9 +119,13 @@ def _bound(position: str | None, name: str, time_ms: int | None, *, default: Off
     if text.lower() in ("earliest", "latest"):
         return Offset.parse(text)
     try:
-        return StreamCut.from_json(text)
+        cuts = cuts_from_json(text)
     except ConfigError as exc:
         raise ConfigError(f"invalid option {name!r}: {exc}") from None
+    if '"cuts"' in text:
+        return cuts
+    (cut,) = cuts.values()
+    return cut
 
 
 class TierstreamDataSource(DataSource):
@@ -164,21 +177,27 @@ class _BatchReader(DataSourceReader):
         from tierstream.enumerator import Enumerator, Query
 
         s, f = self.settings, self.pushed
-        base = Query(topics=s.topics, namespace=s.namespace, start=s.start, end=s.end,
+        base = Query(topics=s.topics, namespace=s.namespace,
+                     start=Offset.earliest() if isinstance(s.start, dict) else s.start,
+                     end=Offset.latest() if isinstance(s.end, dict) else s.end,
                      key_ranges=s.key_ranges, max_split_bytes=s.max_split_bytes,
                      reader=s.reader, fail_on_data_loss=s.fail_on_data_loss,
                      time_from=f.time_from, time_to=f.time_to)
+        per_topic = isinstance(s.start, (dict, StreamCut)) or isinstance(s.end, (dict, StreamCut))
         with Enumerator(data_dir=s.data_dir, broker=s.broker, auth_token=s.auth_token,
                         s3_endpoint=s.s3_endpoint, s3_region=s.s3_region) as enum:
-            if f.topics is None and not f.restricts_partitions and not f.nothing:
+            if not per_topic and f.topics is None and not f.restricts_partitions \
+                    and not f.nothing:
                 return enum.plan(base)
             splits: list[Split] = []
             for topic in enum.topics(base):  # unknown topics still fail, filtered or not
                 chosen = f.allowed_partitions(topic.partitions) \
                     if f.allows_topic(topic.name) else []
                 if chosen:
-                    splits.extend(enum.plan(replace(base, topics=(topic.name,), namespace=None,
-                                                    partitions=tuple(chosen))))
+                    splits.extend(enum.plan(replace(
+                        base, topics=(topic.name,), namespace=None, partitions=tuple(chosen),
+                        start=_bound_of(s.start, topic.name, "startingPosition"),
+                        end=_bound_of(s.end, topic.name, "endingPosition"))))
             return splits
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
@@ -189,6 +208,21 @@ class _BatchReader(DataSourceReader):
         split = Split.from_json(partition.value)
         for batch in open_reader(split, auth_token=self.settings.auth_token):
             yield to_spark_batch(batch)
+
+
+def _bound_of(bound: Offset | StreamCut | Cuts, topic: str, name: str) -> Offset | StreamCut:
+    """The bound for one topic of a multi-topic read: its cut, or where it has none, earliest
+    for a start (the topic is new) and an error for an end."""
+    if isinstance(bound, dict):
+        cut = bound.get(topic)
+        if cut is not None:
+            return cut
+        if name == "startingPosition":
+            return Offset.earliest()
+        raise ConfigError(f"invalid option {name!r}: it has no cut of {topic!r}")
+    if isinstance(bound, StreamCut) and bound.topic != topic:
+        return Offset.earliest() if name == "startingPosition" else Offset.latest()
+    return bound
 
 
 class _PushdownBatchReader(_BatchReader):

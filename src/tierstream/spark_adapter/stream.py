@@ -3,13 +3,19 @@
 ``partitions(start, end)`` plans between two cuts, so a micro-batch that Spark replays after a
 restart reads exactly the same messages, from wherever they live by then. ``latestOffset``
 honours ``ReadMaxRows`` exactly (the broker counts messages from its entry index) and
-``ReadMaxBytes`` approximately (through the topic's average message size); ``commit(end)``
+``ReadMaxBytes`` approximately (through the topics' average message size); ``commit(end)``
 moves a durable cursor on the broker, so retention and operators can see progress.
+
+A read of one ``topic`` uses that topic's stream cut as its offset, so an offset from Spark's
+progress or checkpoint can be passed back as ``startingPosition``. A read of ``topics`` or a
+``namespace`` uses ``{"v": 1, "cuts": {topic: cut}}``; a namespace read looks for new topics
+at every trigger and reads a topic that appeared mid-stream from its earliest message.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import pyarrow as pa
@@ -24,52 +30,64 @@ from pyspark.sql.streaming.datasource import (
 
 from tierstream.errors import ConfigError
 from tierstream.splits.positions import Offset, OffsetKind, Position
-from tierstream.splits.split import Split, StreamCut
+from tierstream.splits.split import Cuts, Split, StreamCut, cuts_from_dict, cuts_to_dict
 
 __all__ = ["TierstreamStreamReader"]
 
-
 class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __init__(self, settings: Any) -> None:
-        if len(settings.topics) != 1:
-            raise ConfigError("a streaming read takes exactly one 'topic'")
         if not (isinstance(settings.end, Offset) and settings.end.kind is OffsetKind.LATEST):
             raise ConfigError("a streaming read has no end: remove 'endingTime'/"
                               "'endingPosition'")
         self.settings = settings
-        self.topic: str = settings.topics[0]
-        self._target: StreamCut | None = None
+        self.single = settings.namespace is None and len(settings.topics) == 1
+        self._target: Cuts | None = None
 
     def _admin(self) -> Any:
         from tierstream.store.client import Admin
 
         return Admin(self.settings.broker, auth_token=self.settings.auth_token)
 
-    def _latest(self) -> StreamCut:
-        import tierstream
+    def _topics(self, admin: Any) -> list[str]:
+        """The topics read now: the named ones, or every topic the namespace has so far."""
+        if self.settings.namespace is None:
+            return list(self.settings.topics)
+        found = sorted(t.name for t in admin.list_topics(self.settings.namespace))
+        if not found:
+            raise ConfigError(f"namespace {self.settings.namespace!r} has no topics")
+        return found
 
-        return tierstream.latest_cut(self.topic, data_dir=self.settings.data_dir,
-                                     broker=self.settings.broker,
-                                     auth_token=self.settings.auth_token)
+    def _latest(self) -> Cuts:
+        with self._admin() as admin:
+            return {t: _latest_cut(admin, t) for t in self._topics(admin)}
 
     # -- offsets ------------------------------------------------------------------------------
 
     def initialOffset(self) -> dict[str, Any]:
         start = self.settings.start
-        if isinstance(start, StreamCut):
-            return start.to_dict()
-        latest = self._latest()
-        if start.kind is OffsetKind.LATEST:
-            return latest.to_dict()
+        if isinstance(start, (StreamCut, dict)):
+            # cuts given: topics without one (of a namespace, or new) start at their earliest
+            cuts = {start.topic: start} if isinstance(start, StreamCut) else dict(start)
+            missing = sorted(set(self.settings.topics) - set(cuts))
+            if missing and not self.single:
+                raise ConfigError(f"invalid option 'startingPosition': it has no cut of "
+                                  f"{missing}")
+            return cuts_to_dict(cuts, single=self.single)
         with self._admin() as admin:
-            if start.kind is OffsetKind.TIME:
-                assert start.time_ms is not None
-                positions = {p: admin.position_at_time(self.topic, p, start.time_ms)
-                             for p in latest.partitions}
-            else:  # earliest: the first surviving position
-                positions = {p: _earliest(admin, self.topic, p, latest[p])
-                             for p in latest.partitions}
-        return StreamCut.of(self.topic, positions).to_dict()
+            cuts = {}
+            for topic in self._topics(admin):
+                latest = _latest_cut(admin, topic)
+                if start.kind is OffsetKind.LATEST:
+                    cuts[topic] = latest
+                elif start.kind is OffsetKind.TIME:
+                    assert start.time_ms is not None
+                    cuts[topic] = StreamCut.of(topic, {
+                        p: admin.position_at_time(topic, p, start.time_ms)
+                        for p in latest.partitions})
+                else:  # earliest: the first surviving position
+                    cuts[topic] = StreamCut.of(topic, {
+                        p: _earliest(admin, topic, p, latest[p]) for p in latest.partitions})
+        return cuts_to_dict(cuts, single=self.single)
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.settings.max_records_per_trigger is not None:
@@ -82,43 +100,25 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
         self._target = self._latest()
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
-        begin = StreamCut.from_dict(start)
-        target = self._target or self._latest()
-        if isinstance(limit, ReadAllAvailable) or limit is None:
-            return target.to_dict()
-        if isinstance(limit, ReadMaxRows):
-            budget = int(limit.max_rows)
-        elif isinstance(limit, ReadMaxBytes):
-            budget = max(1, int(limit.max_bytes) // self._bytes_per_message())
+        begin = cuts_from_dict(start)
+        if self._target is not None:  # AvailableNow: what existed when the query started
+            target = {t: self._target[t] for t in self._target}
         else:
-            return target.to_dict()
-        return self._advance(begin, target, budget).to_dict()
-
-    def _advance(self, begin: StreamCut, target: StreamCut, budget: int) -> StreamCut:
-        """Spend ``budget`` messages fairly over the partitions that have new data."""
-        ends = {p: begin[p] for p in begin.partitions}
+            target = self._latest()
         with self._admin() as admin:
-            active = [p for p in begin.partitions if begin[p] < target[p]]
-            while budget > 0 and active:
-                share = max(1, budget // len(active))
-                still = []
-                for p in active:
-                    if budget <= 0:
-                        break
-                    want = min(share, budget)
-                    end, counted = admin.advance(self.topic, ends[p], want, target[p])
-                    ends[p] = end
-                    budget -= counted
-                    if counted == want and end < target[p]:
-                        still.append(p)  # took its whole share: may have more
-                active = still
-        return StreamCut.of(self.topic, ends)
-
-    def _bytes_per_message(self) -> int:
-        with self._admin() as admin:
-            segs = [s for s in admin.list_segments(self.topic) if s.messages]
-        messages = sum(s.messages for s in segs)
-        return max(1, sum(s.bytes for s in segs) // messages) if messages else 200
+            for topic in target:  # a topic new since the last batch starts at its beginning
+                if topic not in begin:
+                    begin[topic] = StreamCut.of(topic, {
+                        p: _earliest(admin, topic, p, target[topic][p])
+                        for p in target[topic].partitions})
+            if isinstance(limit, ReadMaxRows):
+                budget = int(limit.max_rows)
+            elif isinstance(limit, ReadMaxBytes):
+                budget = max(1, int(limit.max_bytes) // _bytes_per_message(admin, target))
+            else:  # ReadAllAvailable (or none)
+                return cuts_to_dict({**begin, **target}, single=self.single)
+            ends = _advance(admin, begin, target, budget)
+        return cuts_to_dict(ends, single=self.single)
 
     # -- micro-batches ------------------------------------------------------------------------
 
@@ -127,15 +127,19 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
         from tierstream.enumerator import Enumerator, Query
 
         s = self.settings
-        begin, finish = StreamCut.from_dict(start), StreamCut.from_dict(end)
+        begin, finish = cuts_from_dict(start), cuts_from_dict(end)
+        splits: list[Split] = []
         with Enumerator(data_dir=s.data_dir, broker=s.broker, auth_token=s.auth_token,
                         s3_endpoint=s.s3_endpoint, s3_region=s.s3_region) as enum:
-            splits = enum.plan(Query(topics=(self.topic,), start=begin, end=finish,
-                                     key_ranges=s.key_ranges, max_split_bytes=s.max_split_bytes,
-                                     reader=s.reader, fail_on_data_loss=s.fail_on_data_loss))
+            for topic in sorted(finish):
+                splits.extend(enum.plan(Query(
+                    topics=(topic,), start=begin.get(topic) or Offset.earliest(),
+                    end=finish[topic], key_ranges=s.key_ranges,
+                    max_split_bytes=s.max_split_bytes, reader=s.reader,
+                    fail_on_data_loss=s.fail_on_data_loss)))
         # a time start filters every batch, not only the first
         if isinstance(s.start, Offset) and s.start.kind is OffsetKind.TIME:
-            splits = [_with_start_time(sp, s.start.time_ms) for sp in splits]
+            splits = [replace(sp, start_time=s.start.time_ms) for sp in splits]
         return [InputPartition(sp.to_json()) for sp in splits]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
@@ -149,13 +153,17 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
             yield to_spark_batch(batch)
 
     def commit(self, end: dict[str, Any]) -> None:
-        cut = StreamCut.from_dict(end)
         with self._admin() as admin:
-            admin.set_cursor(self.topic, self.settings.subscription,
-                             {p: cut[p] for p in cut.partitions})
+            for topic, cut in cuts_from_dict(end).items():
+                admin.set_cursor(topic, self.settings.subscription,
+                                 {p: cut[p] for p in cut.partitions})
 
     def stop(self) -> None:
         pass
+
+
+def _latest_cut(admin: Any, topic: str) -> StreamCut:
+    return StreamCut.of(topic, {p: end for p, (_, end) in admin.last_confirmed(topic).items()})
 
 
 def _earliest(admin: Any, topic: str, partition: int, latest: Position) -> Position:
@@ -163,7 +171,30 @@ def _earliest(admin: Any, topic: str, partition: int, latest: Position) -> Posit
     return Position(partition, segs[0].segment_id, 0, 0) if segs else latest
 
 
-def _with_start_time(split: Split, time_ms: int | None) -> Split:
-    from dataclasses import replace
+def _advance(admin: Any, begin: Cuts, target: Cuts, budget: int) -> Cuts:
+    """Spend ``budget`` messages fairly over the (topic, partition)s that have new data."""
+    ends = {(t, p): begin[t][p] for t in begin for p in begin[t].partitions}
+    active = [k for k in sorted(ends) if k[0] in target and ends[k] < target[k[0]][k[1]]]
+    while budget > 0 and active:
+        share = max(1, budget // len(active))
+        still = []
+        for t, p in active:
+            if budget <= 0:
+                break
+            want = min(share, budget)
+            end, counted = admin.advance(t, ends[(t, p)], want, target[t][p])
+            ends[(t, p)] = end
+            budget -= counted
+            if counted == want and end < target[t][p]:
+                still.append((t, p))  # took its whole share: may have more
+        active = still
+    out: dict[str, dict[int, Position]] = {}
+    for (t, p), pos in ends.items():
+        out.setdefault(t, {})[p] = pos
+    return {t: StreamCut.of(t, positions) for t, positions in out.items()}
 
-    return replace(split, start_time=time_ms)
+
+def _bytes_per_message(admin: Any, topics: Cuts) -> int:
+    segs = [s for t in topics for s in admin.list_segments(t) if s.messages]
+    messages = sum(s.messages for s in segs)
+    return max(1, sum(s.bytes for s in segs) // messages) if messages else 200

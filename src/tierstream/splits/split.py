@@ -15,7 +15,8 @@ from typing import Any
 from tierstream.errors import ConfigError
 from tierstream.splits.positions import KeyRange, Position
 
-__all__ = ["SPLIT_FORMAT_VERSION", "ReaderKind", "Split", "StreamCut", "TierLocation"]
+__all__ = ["SPLIT_FORMAT_VERSION", "Cuts", "ReaderKind", "Split", "StreamCut", "TierLocation",
+           "cuts_from_dict", "cuts_from_json", "cuts_to_dict"]
 
 SPLIT_FORMAT_VERSION = 1
 
@@ -180,3 +181,38 @@ class StreamCut:
             return cls.from_dict(json.loads(text))
         except ValueError:
             raise ConfigError(f"malformed stream cut JSON {text[:80]!r}") from None
+
+
+#: A stream cut per topic: the position of a read over several topics.
+Cuts = dict[str, StreamCut]
+
+
+def cuts_to_dict(cuts: Cuts, *, single: bool) -> dict[str, Any]:
+    """JSON primitives: the topic's own cut when ``single``, else ``{"v": 1, "cuts": {...}}``."""
+    if single:
+        (cut,) = cuts.values()
+        return cut.to_dict()
+    return {"v": SPLIT_FORMAT_VERSION, "cuts": {t: cuts[t].to_dict() for t in sorted(cuts)}}
+
+
+def cuts_from_dict(data: Any) -> Cuts:
+    """Either form of :func:`cuts_to_dict`."""
+    if not (isinstance(data, dict) and "cuts" in data):
+        cut = StreamCut.from_dict(data)
+        return {cut.topic: cut}
+    if data.get("v") != SPLIT_FORMAT_VERSION or not isinstance(data["cuts"], dict):
+        raise ConfigError(f"malformed stream cuts {str(data)[:120]!r}: expected "
+                          f'{{"v": {SPLIT_FORMAT_VERSION}, "cuts": {{topic: cut}}}}')
+    cuts = {str(t): StreamCut.from_dict(c) for t, c in data["cuts"].items()}
+    for t, cut in cuts.items():
+        if cut.topic != t:
+            raise ConfigError(f"malformed stream cuts: the cut under {t!r} is for {cut.topic!r}")
+    return cuts
+
+
+def cuts_from_json(text: str) -> Cuts:
+    try:
+        data = json.loads(text)
+    except ValueError:
+        raise ConfigError(f"malformed stream cut JSON {text[:80]!r}") from None
+    return cuts_from_dict(data)
