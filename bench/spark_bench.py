@@ -1,8 +1,10 @@
-"""The Spark adapter (issue 5): backfill throughput beside spark.read.parquet."""
+"""The Spark adapter (issue 5): backfill throughput beside spark.read.parquet, filter
+pushdown on a time window, and keyRanges on one partition."""
 
 from __future__ import annotations
 
 import tempfile
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow as pa
@@ -16,11 +18,14 @@ from tierstream.store.store import Store
 T0 = 1_700_000_000_000
 
 
-def _fill(store: Store, topic: str, partitions: int, entries: int, per_entry: int) -> None:
+def _fill(store: Store, topic: str, partitions: int, entries: int, per_entry: int,
+          segment_entries: int | None = None) -> None:
     store.create_topic(topic, partitions)
     for p in range(partitions):
         plog = store.partition(topic, p)
         for e in range(entries):
+            if segment_entries and e and e % segment_entries == 0:
+                store.seal(topic, p)
             n0 = e * per_entry
             plog.append(as_produce_batch(pa.record_batch({
                 "key": [f"user-{(n0 + j) * 7919 % 1000}" for j in range(per_entry)],
@@ -31,12 +36,18 @@ def _fill(store: Store, topic: str, partitions: int, entries: int, per_entry: in
     store.seal(topic)
 
 
+def _ts(ms: int) -> str:
+    t = datetime.fromtimestamp(ms / 1000, UTC)
+    return "timestamp'" + t.strftime("%Y-%m-%d %H:%M:%S.%f") + "+00:00'"
+
+
 def spark(quick: bool = True) -> Path:
     """Backfill rows/s (noop sink) over tiered and bookie-resident data, beside
     spark.read.parquet of the same tier files; and keyRanges on one partition."""
     partitions, entries, per_entry, runs = (4, 50, 2000, 3) if quick else (4, 150, 2000, 5)
     from tierstream.spark_adapter import register
     from tierstream.spark_adapter.jobs import local_spark
+    from tierstream.spark_adapter.source import PUSHDOWN_CONF
 
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(StoreConfig.from_options({
@@ -47,6 +58,8 @@ def spark(quick: bool = True) -> Path:
             _fill(store, "bench/spark/tiered", partitions, entries, per_entry)
             _fill(store, "bench/spark/bookies", partitions, entries, per_entry)
             _fill(store, "bench/spark/one", 1, entries * 2, per_entry)
+            _fill(store, "bench/spark/window", partitions, entries, per_entry,
+                  segment_entries=entries // 10)  # 10 segments per partition
             moved = store.offloader.offload_topic("bench/spark/tiered")
             for plog in store.partitions("bench/spark/tiered"):
                 for seg in plog.closed_segments():
@@ -54,7 +67,8 @@ def spark(quick: bool = True) -> Path:
             files = [s.tier_url for s in moved]
             cuts = {t: StreamCut.of(t, {p.partition: p.last_confirmed()[1]
                                         for p in store.partitions(t)}).to_json()
-                    for t in ("bench/spark/tiered", "bench/spark/bookies", "bench/spark/one")}
+                    for t in ("bench/spark/tiered", "bench/spark/bookies", "bench/spark/one",
+                              "bench/spark/window")}
             data_dir = str(store.config.data_dir)
         finally:
             store.close()
@@ -83,6 +97,29 @@ def spark(quick: bool = True) -> Path:
                 tiered.append(ours("bench/spark/tiered"))
                 bookies.append(ours("bench/spark/bookies"))
                 parquet.append(native())
+            # a 10% publish-time window, filtered by Spark after reading or pushed into
+            # planning (a fresh DataFrame per query: see register())
+            span_ms = entries * per_entry * 10
+            where = (f"publish_time >= {_ts(T0 + span_ms * 45 // 100)} and "
+                     f"publish_time < {_ts(T0 + span_ms * 55 // 100)}")
+            in_window = partitions * (entries * per_entry // 10)
+
+            def windowed() -> float:
+                df = session.read.format("tierstream").option("topic", "bench/spark/window") \
+                    .option("dataDir", data_dir) \
+                    .option("endingPosition", cuts["bench/spark/window"]).load().where(where)
+                return in_window / timed(lambda: df.write.format("noop").mode("overwrite")
+                                         .save())
+
+            pushed, filtered = [], []
+            windowed()  # warm-up
+            for _ in range(runs):
+                filtered.append(windowed())
+                session.conf.set(PUSHDOWN_CONF, "true")
+                register(session)
+                pushed.append(windowed())
+                session.conf.unset(PUSHDOWN_CONF)
+                register(session)
             one: dict[int, list[float]] = {}
             for k in (1, 2, 4):
                 messages = entries * 2 * per_entry
@@ -95,6 +132,9 @@ def spark(quick: bool = True) -> Path:
                aim_check=lambda v, r: r is not None and r >= 0.5),
         Figure("Spark backfill rows/s, bookie-resident data", "rows/s", bookies,
                "spark.read.parquet (tiered copy)", parquet),
+        Figure("10% time window of 10 segments/partition, pushdown on (window rows/s)",
+               "rows/s", pushed,
+               "pushdown off (Spark filters)", filtered),
     ]
     for k, rates in one.items():
         figures.append(Figure(f"one partition, keyRanges={k}", "rows/s", rates,
