@@ -27,6 +27,8 @@ BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
                                     "request, beside local files"),
     "offload": (tier_bench.offload, "offload MB/s to file:// and moto S3 beside a plain "
                                     "Parquet write; Parquet vs bookie bytes"),
+    "catalog": (tier_bench.catalog, "ms to register one more tier file in Iceberg, early and "
+                                    "after N files, beside pyiceberg add_files defaults"),
     "layout": (tier_bench.layout, "bytes a k=4 key-range read and a 10% time window fetch, "
                                   "key-bucket layout vs log order"),
 }

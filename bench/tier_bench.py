@@ -187,3 +187,49 @@ def layout(quick: bool = True) -> Path:
                   f"key-buckets {kb['bytes']:,}, log {lg['bytes']:,}")
     return report("layout", figures, {"entries": entries, "messages_per_entry": per_entry},
                   {"layouts": results})
+
+
+def catalog(quick: bool = True) -> Path:
+    """Milliseconds to register one more offloaded file in a topic's Iceberg table, early and
+    after N files: TierCatalog (merged manifests, trimmed history, no scan on a first attempt)
+    beside pyiceberg's add_files with its defaults on a plain table."""
+    import warnings
+
+    from tierstream.names import TopicName
+    from tierstream.schema import MESSAGE_SCHEMA
+    from tierstream.store.catalog import TierCatalog
+
+    n = 200 if quick else 1000
+    window = 10
+    topic = TopicName.parse(TOPIC)
+    with tempfile.TemporaryDirectory() as tmp:
+        tier = TierStorage.from_location(str(Path(tmp) / "tier"))
+        empty = pa.Table.from_pylist([], MESSAGE_SCHEMA)
+        ours_cat = TierCatalog("sqlite:///" + str(Path(tmp) / "ours.db"), tier)
+        plain_cat = TierCatalog("sqlite:///" + str(Path(tmp) / "plain.db"), tier)
+        plain_cat._catalog.create_namespace_if_not_exists(("plain",))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plain = plain_cat._catalog.create_table(("plain", "t"), schema=MESSAGE_SCHEMA)
+        ours_ms: list[float] = []
+        plain_ms: list[float] = []
+        for i in range(n):
+            url = tier.segment_url(topic, 0, i)
+            tier.write_segment(url, empty)
+            ours_ms.append(timed(lambda u=url: ours_cat.register(topic, u, retry=False)) * 1e3)
+            plain_ms.append(timed(lambda u=url: plain.add_files([u])) * 1e3)
+    mid = n // 2
+
+    def files(ms: list[float], last: int) -> list[float]:
+        return ms[last - window:last]
+
+    figures = [Figure(f"register files {last - window + 1}..{last}", "ms", files(ours_ms, last),
+                      "pyiceberg add_files, defaults", files(plain_ms, last),
+                      higher_is_better=False) for last in (window, mid)]
+    figures.append(Figure(
+        f"register files {n - window + 1}..{n}", "ms", files(ours_ms, n),
+        "pyiceberg add_files, defaults", files(plain_ms, n), higher_is_better=False,
+        aim=f"flat: <= 1.5x files {mid - window + 1}..{mid}",
+        aim_check=lambda v, r: v <= 1.5 * sorted(files(ours_ms, mid))[window // 2]))
+    console.print(f"{n} empty segment files registered one by one in each table, file:// tier")
+    return report("catalog", figures, {"files": n, "window": window})

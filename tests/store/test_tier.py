@@ -149,6 +149,42 @@ def test_a_crash_between_any_two_steps_loses_and_duplicates_nothing(
         store.close()
 
 
+def test_a_topic_table_stays_small_as_segments_are_registered(
+        data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tierstream.store.catalog as catalog_module
+
+    monkeypatch.setattr(catalog_module, "KEEP_SNAPSHOTS", 3)
+    store = make_store(data_dir)
+    try:
+        fill(store, entries=205, per_entry=10)  # 20 closed segments
+        catalog = store.offloader.catalog
+        ident = catalog_module.iceberg_identifier(TopicName.parse(TOPIC))
+        catalog._catalog.create_namespace_if_not_exists(ident[:2])
+        catalog._catalog.create_table(ident, schema=MESSAGE_SCHEMA)  # as an older version did
+        store.offloader.offload_topic(TOPIC)
+        table = catalog.table(TopicName.parse(TOPIC))
+        assert all(table.properties.get(k) == v
+                   for k, v in catalog_module.TABLE_PROPERTIES.items())
+        segs = store.partition(TOPIC, 0).closed_segments()
+        assert len(segs) == 20
+        assert sorted(catalog.registered_files(TopicName.parse(TOPIC))) == sorted(
+            s.tier_url for s in segs)
+        assert table.scan().to_arrow().num_rows == sum(s.messages for s in segs)
+        snapshots = table.metadata.snapshots
+        assert 3 <= len(snapshots) <= 6  # trimmed back to 3 whenever it passed 6
+        metadata_dir = Path(table.location().removeprefix("file://")) / "metadata"
+        lists = {p.name for p in metadata_dir.glob("snap-*.avro")}
+        assert lists == {Path(s.manifest_list).name for s in snapshots}  # expired ones gone
+        versions = [int(p.name.split("-")[0]) for p in metadata_dir.glob("*.metadata.json")]
+        # 20 kept + the current one + the first, written before the properties were set
+        assert len(versions) <= 22 < max(versions)
+        assert len(table.current_snapshot().manifests(table.io)) <= 16  # merged
+        # a retry of a registered file adds nothing
+        assert not catalog.register(TopicName.parse(TOPIC), segs[0].tier_url)
+    finally:
+        store.close()
+
+
 def test_pyiceberg_scan_with_a_time_filter_returns_exactly_the_window(store: Store) -> None:
     from pyiceberg.expressions import And, GreaterThanOrEqual, LessThan
 

@@ -4,7 +4,7 @@ One segment moves in steps, each idempotent, each safe to crash after:
 
 1. record the target URL in the segment record (a retry reuses it: no orphan files);
 2. write the Parquet file (it appears whole or not at all);
-3. add it to the topic's Iceberg table unless the current snapshot has it already;
+3. add it to the topic's Iceberg table (on a retry: unless the current snapshot has it);
 4. flip the segment record to the tier: from here on readers read the file;
 5. after the deletion lag, delete the bookie copies.
 
@@ -67,7 +67,8 @@ class Offloader:
             return seg
         topic = TopicName.parse(seg.topic)
         metadata = self.store.metadata
-        url = seg.offload_pending_url
+        url = metadata.get_segment(seg.segment_id).offload_pending_url  # not a cached record
+        retry = url is not None  # an earlier attempt may have gone as far as Iceberg
         if url is None:
             url = self.tier.segment_url(topic, seg.partition, seg.segment_id)
             metadata.set_offload_pending(seg.segment_id, url)
@@ -75,7 +76,7 @@ class Offloader:
             rows = self._segment_rows(plog, seg)
             self.tier.write_segment(url, rows)
         self._fault("after_parquet")
-        self.catalog.register(topic, url)
+        self.catalog.register(topic, url, retry=retry)
         self._fault("after_iceberg")
         metadata.flip_to_tier(seg.segment_id, url, offloaded_at=now_ms())
         moved = metadata.get_segment(seg.segment_id)
