@@ -27,10 +27,12 @@ class Position:
     batch_index: int = 0
 
     def __post_init__(self) -> None:
-        values = (self.partition, self.segment_id, self.entry_id, self.batch_index)
+        p, s, e, b = self.partition, self.segment_id, self.entry_id, self.batch_index
         # one fast test on the hot path (planning makes many positions); details on failure
-        if all(type(v) is int for v in values) and min(values) >= 0:
+        if type(p) is int and type(s) is int and type(e) is int and type(b) is int \
+                and p >= 0 and s >= 0 and e >= 0 and b >= 0:
             return
+        values = (p, s, e, b)
         for name, value in zip(("partition", "segment_id", "entry_id", "batch_index"), values,
                                strict=True):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
