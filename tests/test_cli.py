@@ -16,7 +16,7 @@ from .store.helpers import wait_for
 
 COMMANDS = [["broker", "start"], ["topic", "create"], ["topic", "list"], ["produce"],
             ["consume"], ["segments"], ["seal"], ["offload"], ["plan"], ["read"], ["backfill"],
-            ["tail"], ["demo"]]
+            ["tail"], ["subscriptions"], ["demo"]]
 
 
 def run(*args: str, stdin: str | None = None, env: dict[str, str] | None = None

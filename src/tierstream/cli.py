@@ -402,6 +402,36 @@ def segments(
 
 
 @app.command()
+def subscriptions(
+    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
+    as_json: Annotated[bool, typer.Option("--json", help="JSON instead of a table.")] = False,
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    auth_token: TokenOpt = None,
+) -> None:
+    """Show each subscription's durable cursor per partition: where it is (everything before
+    it is acknowledged), its backlog (messages after it), and who is attached. A Spark stream
+    commits to subscription 'tierstream-spark' unless told otherwise.
+
+    Example: tierstream subscriptions acme/web/clicks
+    """
+    from tierstream.store.client import Admin
+
+    with Admin(broker, auth_token=auth_token) as admin:
+        rows = admin.subscriptions(topic)
+    if as_json:
+        sys.stdout.write(json.dumps([{**r, "position": str(r["position"])} for r in rows],
+                                    indent=2) + "\n")
+        return
+    table = Table("subscription", "partition", "cursor", "backlog", "key ranges", "consumers",
+                  "updated", title=str(topic))
+    for r in rows:
+        table.add_row(r["subscription"], str(r["partition"]), str(r["position"]),
+                      f"{r['backlog']:,}", str(r["key_ranges"]),
+                      ", ".join(r["consumers"]) or "-", format_ms(r["updated_at"]))
+    out.print(table if rows else f"{topic} has no subscriptions")
+
+
+@app.command()
 def seal(
     topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
     partition: Annotated[int | None, typer.Option(help="Only this partition.")] = None,

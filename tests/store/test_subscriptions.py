@@ -118,3 +118,46 @@ def test_cursor_map_acks_move_only_the_acked_slots_forward() -> None:
     cursor.ack([KeyRange(100, 65536)], p[3])
     assert cursor.intervals == [(0, 65536, p[3])]
     assert CursorMap.from_json(cursor.to_json()) == cursor
+
+
+def test_subscriptions_show_cursor_backlog_and_consumers(broker: BrokerProcess) -> None:
+    import json
+    import subprocess
+    import sys
+
+    url = broker.url
+    assert url is not None
+    with Admin(url) as admin:
+        admin.create_topic(TOPIC, 2)
+        with Producer(TOPIC, broker=url, batch_size=50) as producer:
+            producer.send_many({"value": f"v{i}".encode(), "key": f"user-{i % 13}"}
+                               for i in range(2_000))
+        admin.seal(TOPIC)  # a closed segment and a new open one per partition
+        with Producer(TOPIC, broker=url, batch_size=50) as producer:
+            producer.send_many({"value": f"w{i}".encode(), "key": f"user-{i % 13}"}
+                               for i in range(400))
+        ends = {p: end for p, (_, end) in admin.last_confirmed(TOPIC).items()}
+        counts = {p: admin.advance(TOPIC, Position(p, 0, 0, 0), 10**9, ends[p])[1]
+                  for p in ends}
+        assert sum(counts.values()) == 2_400
+        # what a Spark stream's commit does: partition 0 fully read, partition 1 at a middle
+        middle, _ = admin.advance(TOPIC, Position(1, 0, 0, 0), 700, ends[1])
+        admin.set_cursor(TOPIC, "spark-job", {0: ends[0], 1: middle})
+        consumer = Consumer(TOPIC, "live", mode="key_shared", key_ranges=[KeyRange(0, 30000)],
+                            broker=url, initial=Offset.earliest(),
+                            consumer_name="reader-a")
+        try:
+            rows = {(r["subscription"], r["partition"]): r for r in admin.subscriptions(TOPIC)}
+            assert rows[("spark-job", 0)]["backlog"] == 0
+            assert rows[("spark-job", 0)]["position"] == ends[0]
+            assert rows[("spark-job", 1)]["backlog"] == counts[1] - 700
+            assert rows[("live", 0)]["backlog"] == counts[0]  # attached, nothing acked
+            assert rows[("live", 0)]["consumers"] == ["reader-a"]
+            proc = subprocess.run([sys.executable, "-m", "tierstream", "subscriptions", TOPIC,
+                                   "--broker", url, "--json"], capture_output=True, text=True,
+                                  timeout=60)
+            assert proc.returncode == 0, proc.stderr
+            shown = {(r["subscription"], r["partition"]): r for r in json.loads(proc.stdout)}
+            assert shown[("spark-job", 1)]["backlog"] == counts[1] - 700
+        finally:
+            consumer.close()

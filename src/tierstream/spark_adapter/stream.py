@@ -3,8 +3,10 @@
 ``partitions(start, end)`` plans between two cuts, so a micro-batch that Spark replays after a
 restart reads exactly the same messages, from wherever they live by then. ``latestOffset``
 honours ``ReadMaxRows`` exactly (the broker counts messages from its entry index) and
-``ReadMaxBytes`` approximately (through the topics' average message size); ``commit(end)``
-moves a durable cursor on the broker, so retention and operators can see progress.
+``ReadMaxBytes`` approximately (through the topics' average message size). The durable cursor
+of ``subscription`` on the broker follows every finished batch (``commit(end)``, and the start
+Spark asks ``latestOffset`` from), so ``tierstream subscriptions`` shows a stream's progress
+and backlog.
 
 A read of one ``topic`` uses that topic's stream cut as its offset, so an offset from Spark's
 progress or checkpoint can be passed back as ``startingPosition``. A read of ``topics`` or a
@@ -42,6 +44,7 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
         self.settings = settings
         self.single = settings.namespace is None and len(settings.topics) == 1
         self._target: Cuts | None = None
+        self._cursor: dict[str, Any] | None = None  # the last offset stored as the cursor
 
     def _admin(self) -> Any:
         from tierstream.store.client import Admin
@@ -100,6 +103,11 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
         self._target = self._latest()
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        # Spark asks from the end of the last batch, which its commit log already holds:
+        # that batch is done. Spark's own commit(end) for it only comes once a next batch is
+        # planned, so without this the cursor of a stream that went idle, or of an AvailableNow
+        # run, would stay one batch behind.
+        self._move_cursor(start)
         begin = cuts_from_dict(start)
         if self._target is not None:  # AvailableNow: what existed when the query started
             target = {t: self._target[t] for t in self._target}
@@ -153,10 +161,17 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
             yield to_spark_batch(batch)
 
     def commit(self, end: dict[str, Any]) -> None:
+        self._move_cursor(end)
+
+    def _move_cursor(self, done: dict[str, Any]) -> None:
+        """Store ``done`` as the subscription's durable cursor (forward only, on the broker)."""
+        if done == self._cursor:
+            return  # an idle stream asks every trigger: write only what is new
         with self._admin() as admin:
-            for topic, cut in cuts_from_dict(end).items():
+            for topic, cut in cuts_from_dict(done).items():
                 admin.set_cursor(topic, self.settings.subscription,
                                  {p: cut[p] for p in cut.partitions})
+        self._cursor = done
 
     def stop(self) -> None:
         pass

@@ -266,6 +266,28 @@ class Broker(flight.FlightServerBase):
                                             Position.from_dict(raw))
         return {"ok": True}
 
+    def _subscriptions(self, body: dict[str, Any]) -> Any:
+        """Each subscription's cursor per partition: the lowest position of its key ranges
+        (everything before it is acknowledged), the messages after it up to the last
+        confirmed one (the backlog), and who is attached."""
+        from tierstream.store.subscriptions import CursorMap
+
+        topic = self.store.topic(body["topic"]).name
+        ends = {p: end for p, (_, end) in self.store.last_confirmed(topic).items()}
+        out = []
+        for c in self.store.metadata.cursors(topic):
+            p = int(c["partition"])
+            cursor = CursorMap.from_json(c["intervals"])
+            floor = min(pos for _, _, pos in cursor.intervals)
+            plog = self.store.partition(topic, p)
+            out.append({
+                "subscription": c["subscription"], "partition": p, "position": floor.to_dict(),
+                "key_ranges": len(cursor.intervals),
+                "backlog": plog.backlog(floor, ends[p]) if floor < ends[p] else 0,
+                "updated_at": c["updated_at"],
+                "consumers": self.subscriptions.connected(topic, c["subscription"], p)})
+        return out
+
     def _producer_state(self, body: dict[str, Any]) -> Any:
         return {str(p.partition): p.producer_state(str(body["producer"]))
                 for p in self.store.partitions(body["topic"])}
@@ -289,6 +311,7 @@ _ACTIONS = {
     "advance": (Broker._advance, "Position N messages after {start}, bounded by {bound}."),
     "position-at-time": (Broker._position_at_time, "First position at or after a time."),
     "set-cursor": (Broker._set_cursor, "Store a subscription's positions (a cut)."),
+    "subscriptions": (Broker._subscriptions, "Cursors of {topic}: position, backlog, consumers."),
 }
 
 

@@ -153,6 +153,13 @@ class Admin(BrokerClient):
                                    "positions": {str(p): pos.to_dict()
                                                  for p, pos in positions.items()}})
 
+    def subscriptions(self, topic: str) -> list[dict[str, Any]]:
+        """Per subscription and partition: ``position`` (a Position: everything before it is
+        acknowledged), ``backlog`` (messages after it), ``key_ranges`` (intervals the cursor
+        tracks), ``consumers`` attached now and ``updated_at`` (epoch ms)."""
+        raw = self.action("subscriptions", {"topic": str(TopicName.parse(topic))})
+        return [{**r, "position": Position.from_dict(r["position"])} for r in raw]
+
     def deleted_segments(self, topic: str) -> list[dict[str, Any]]:
         """Segments removed by retention: what was lost, and when."""
         return list(self.action("deleted-segments", {"topic": str(TopicName.parse(topic))}))

@@ -430,6 +430,15 @@ class MetadataStore:
             ).fetchone()
         return None if row is None else list(json.loads(row[0]))
 
+    def cursors(self, topic: str) -> list[dict[str, Any]]:
+        """Every stored cursor of ``topic``: subscription, partition, intervals, updated_at."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT subscription, partition, intervals, updated_at FROM cursors WHERE topic=? "
+                "ORDER BY subscription, partition", (topic,)).fetchall()
+        return [{"subscription": r[0], "partition": r[1], "intervals": json.loads(r[2]),
+                 "updated_at": r[3]} for r in rows]
+
     def save_cursor(
         self, topic: str, subscription: str, partition: int, intervals: list[Any], *, now: int
     ) -> None:

@@ -390,6 +390,27 @@ class PartitionLog:
         idx = int(pc.sum(pc.less(batch.column("publish_time"), t)).as_py() or 0)
         return Position(self.partition, seg.segment_id, records[a].entry_id, idx)
 
+    def backlog(self, start: Position, end: Position) -> int:
+        """Messages in ``[start, end)``: whole segments by their record's count, only the
+        partial ones through their entry index (a tiered segment's file is not read unless a
+        bound falls inside it)."""
+        total = 0
+        for seg in self.segments():
+            if seg.segment_id < start.segment_id:
+                continue
+            if seg.segment_id > end.segment_id:
+                break
+            first = Position(self.partition, seg.segment_id, 0, 0)
+            after = Position(self.partition, seg.segment_id, seg.entries, 0)
+            if seg.state == SegmentState.CLOSED and start <= first and after <= end:
+                total += seg.messages
+            else:
+                lo = max(start, first)
+                hi = end if seg.state != SegmentState.CLOSED else min(end, after)
+                if lo < hi:
+                    total += self.advance(lo, 1 << 62, hi)[1]
+        return total
+
     def advance(self, start: Position, max_messages: int, bound: Position
                 ) -> tuple[Position, int]:
         """The position ``max_messages`` messages after ``start`` (never past ``bound``), and

@@ -164,6 +164,11 @@ class Subscriptions:
             self._metadata.save_cursor(topic, subscription, partition, cursor.to_json(),
                                        now=now_ms())
 
+    def connected(self, topic: str, subscription: str, partition: int) -> list[str]:
+        """The consumers attached to a subscription's partition now."""
+        with self._lock:
+            return [a.consumer for a in self._active.get((topic, subscription, partition), [])]
+
     def _load(self, key: tuple[str, str, int], initial: Position) -> CursorMap:
         cursor = self._cursors.get(key)
         if cursor is None:
