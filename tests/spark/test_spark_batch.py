@@ -103,6 +103,18 @@ def test_schema_is_exactly_the_declared_one(spark: Any, tiered_log: Any) -> None
         t * 1000 for t in batch.column("publish_time").to_pylist()]
 
 
+def test_small_reader_batches_reach_spark_joined_and_in_order(tiered_log: Any) -> None:
+    from tierstream.spark_adapter.source import SPARK_BATCH_ROWS, spark_batches
+
+    small = [b.slice(i, 1000) for b in ts.scan(TOPIC, **tiered_log.kw())
+             for i in range(0, b.num_rows, 1000)] * 12  # > 8 x SPARK_BATCH_ROWS in all
+    out = list(spark_batches(small))
+    assert all(b.schema == SPARK_ARROW_SCHEMA for b in out)
+    assert all(b.num_rows >= SPARK_BATCH_ROWS for b in out[:-1]) and len(out) < len(small)
+    assert pa.Table.from_batches(out).column("entry_id").to_pylist() == [
+        e for b in small for e in b.column("entry_id").to_pylist()]
+
+
 def test_filters_are_exact_and_do_not_leak_into_later_scans(spark: Any, tiered_log: Any
                                                              ) -> None:
     # without Spark's pushdown switch (the default) a DataFrame may be reused: a filtered

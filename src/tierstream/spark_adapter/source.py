@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -61,6 +61,28 @@ def to_spark_batch(batch: pa.RecordBatch) -> pa.RecordBatch:
             col = pc.multiply(col, pa.scalar(1000, pa.int64())).cast(_TS)
         columns.append(col)
     return pa.RecordBatch.from_arrays(columns, schema=SPARK_ARROW_SCHEMA)
+
+
+#: Rows per batch handed to Spark: readers yield what they decode (a tier row group can be
+#: 1,024 rows), and Spark pays per batch, so small ones are joined up to this.
+SPARK_BATCH_ROWS = 8192
+
+
+def spark_batches(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """Reader batches as Spark batches of about SPARK_BATCH_ROWS rows, in order."""
+    pending: list[pa.RecordBatch] = []
+    rows = 0
+    for batch in batches:
+        if batch.num_rows >= SPARK_BATCH_ROWS and not pending:
+            yield to_spark_batch(batch)
+            continue
+        pending.append(batch)
+        rows += batch.num_rows
+        if rows >= SPARK_BATCH_ROWS:
+            yield to_spark_batch(pa.concat_batches(pending))
+            pending, rows = [], 0
+    if pending:
+        yield to_spark_batch(pa.concat_batches(pending))
 
 
 class _Settings:
@@ -206,8 +228,7 @@ class _BatchReader(DataSourceReader):
         if partition.value is None:  # Spark's stand-in when the plan has no split
             return
         split = Split.from_json(partition.value)
-        for batch in open_reader(split, auth_token=self.settings.auth_token):
-            yield to_spark_batch(batch)
+        yield from spark_batches(open_reader(split, auth_token=self.settings.auth_token))
 
 
 def _bound_of(bound: Offset | StreamCut | Cuts, topic: str, name: str) -> Offset | StreamCut:

@@ -152,13 +152,12 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         from tierstream.readers import open_reader
-        from tierstream.spark_adapter.source import to_spark_batch
+        from tierstream.spark_adapter.source import spark_batches
 
         if partition.value is None:  # Spark's stand-in when the plan has no split
             return
-        for batch in open_reader(Split.from_json(partition.value),
-                                 auth_token=self.settings.auth_token):
-            yield to_spark_batch(batch)
+        yield from spark_batches(open_reader(Split.from_json(partition.value),
+                                             auth_token=self.settings.auth_token))
 
     def commit(self, end: dict[str, Any]) -> None:
         self._move_cursor(end)
