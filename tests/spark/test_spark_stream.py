@@ -121,6 +121,15 @@ def test_a_namespace_stream_picks_up_topics_created_mid_stream(tmp_path: Path) -
         assert set(offset["cuts"]) == {"acme/web/clicks", "acme/web/signups", "acme/web/views"}
         for topic in offset["cuts"]:  # each committed batch moved every topic's cursor
             assert log.store.metadata.get_cursor(topic, "tierstream-spark", 0) is not None
+        # the stream's offset is a batch read's bound too: everything up to it, once
+        import json
+
+        from tierstream.spark_adapter.source import _BatchReader
+
+        batch = _BatchReader(_Settings({"namespace": "acme/web", "dataDir": str(log.data_dir),
+                                        "broker": log.url, "endingPosition": json.dumps(offset)}))
+        assert sorted(v.decode() for sp in batch.plan() for b in open_reader(sp)
+                      for v in b.column("value").to_pylist()) == sorted(want)
 
 
 def test_a_stream_over_several_topics_on_spark(spark: Any, tmp_path: Path) -> None:

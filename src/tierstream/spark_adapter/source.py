@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -18,7 +19,7 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from tierstream.errors import ConfigError
 from tierstream.options import parse_options
 from tierstream.splits.positions import Offset
-from tierstream.splits.split import Cuts, ReaderKind, Split, StreamCut, cuts_from_json
+from tierstream.splits.split import Cuts, ReaderKind, Split, StreamCut, cuts_from_dict
 
 __all__ = ["PUSHDOWN_CONF", "SPARK_ARROW_SCHEMA", "SPARK_SCHEMA", "TierstreamDataSource",
            "TierstreamPushdownDataSource", "register", "to_spark_batch"]
@@ -141,13 +142,16 @@ def _bound(position: str | None, name: str, time_ms: int | None, *, default: Off
     if text.lower() in ("earliest", "latest"):
         return Offset.parse(text)
     try:
-        cuts = cuts_from_json(text)
+        data = json.loads(text)
+    except ValueError:
+        raise ConfigError(f"invalid option {name!r}: expected earliest, latest or a stream cut "
+                          f"as JSON, got {text[:80]!r}") from None
+    try:
+        if isinstance(data, dict) and "cuts" in data:
+            return cuts_from_dict(data)
+        return StreamCut.from_dict(data)
     except ConfigError as exc:
         raise ConfigError(f"invalid option {name!r}: {exc}") from None
-    if '"cuts"' in text:
-        return cuts
-    (cut,) = cuts.values()
-    return cut
 
 
 class TierstreamDataSource(DataSource):

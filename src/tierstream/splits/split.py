@@ -16,7 +16,7 @@ from tierstream.errors import ConfigError
 from tierstream.splits.positions import KeyRange, Position
 
 __all__ = ["SPLIT_FORMAT_VERSION", "Cuts", "ReaderKind", "Split", "StreamCut", "TierLocation",
-           "cuts_from_dict", "cuts_from_json", "cuts_to_dict"]
+           "cuts_from_dict", "cuts_to_dict"]
 
 SPLIT_FORMAT_VERSION = 1
 
@@ -209,10 +209,3 @@ def cuts_from_dict(data: Any) -> Cuts:
             raise ConfigError(f"malformed stream cuts: the cut under {t!r} is for {cut.topic!r}")
     return cuts
 
-
-def cuts_from_json(text: str) -> Cuts:
-    try:
-        data = json.loads(text)
-    except ValueError:
-        raise ConfigError(f"malformed stream cut JSON {text[:80]!r}") from None
-    return cuts_from_dict(data)
