@@ -109,8 +109,7 @@ class Enumerator:
         if self.broker is None:
             raise ConfigError("resolving 'latest' needs a broker address (option 'broker')")
         with Admin(self.broker, auth_token=self.auth_token) as admin:
-            ends = admin.last_confirmed(topic)
-        return StreamCut.of(topic, {p: end for p, (_, end) in ends.items()})
+            return admin.latest_cut(topic)
 
     def plan(self, query: Query) -> list[Split]:
         """The splits of ``query``; together they read every message in it exactly once."""

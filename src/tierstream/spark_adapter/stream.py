@@ -60,9 +60,8 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
             raise ConfigError(f"namespace {self.settings.namespace!r} has no topics")
         return found
 
-    def _latest(self) -> Cuts:
-        with self._admin() as admin:
-            return {t: _latest_cut(admin, t) for t in self._topics(admin)}
+    def _latest(self, admin: Any) -> Cuts:
+        return {t: admin.latest_cut(t) for t in self._topics(admin)}
 
     # -- offsets ------------------------------------------------------------------------------
 
@@ -79,7 +78,7 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
         with self._admin() as admin:
             cuts = {}
             for topic in self._topics(admin):
-                latest = _latest_cut(admin, topic)
+                latest = admin.latest_cut(topic)
                 if start.kind is OffsetKind.LATEST:
                     cuts[topic] = latest
                 elif start.kind is OffsetKind.TIME:
@@ -88,8 +87,7 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
                         p: admin.position_at_time(topic, p, start.time_ms)
                         for p in latest.partitions})
                 else:  # earliest: the first surviving position
-                    cuts[topic] = StreamCut.of(topic, {
-                        p: _earliest(admin, topic, p, latest[p]) for p in latest.partitions})
+                    cuts[topic] = _earliest(admin, latest)
         return cuts_to_dict(cuts, single=self.single)
 
     def getDefaultReadLimit(self) -> ReadLimit:
@@ -100,25 +98,22 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
         return ReadAllAvailable()
 
     def prepareForTriggerAvailableNow(self) -> None:
-        self._target = self._latest()
+        with self._admin() as admin:
+            self._target = self._latest(admin)
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         # Spark asks from the end of the last batch, which its commit log already holds:
         # that batch is done. Spark's own commit(end) for it only comes once a next batch is
         # planned, so without this the cursor of a stream that went idle, or of an AvailableNow
         # run, would stay one batch behind.
-        self._move_cursor(start)
         begin = cuts_from_dict(start)
-        if self._target is not None:  # AvailableNow: what existed when the query started
-            target = {t: self._target[t] for t in self._target}
-        else:
-            target = self._latest()
         with self._admin() as admin:
+            self._move_cursor(start, admin)
+            # AvailableNow: what existed when the query started
+            target = dict(self._target) if self._target is not None else self._latest(admin)
             for topic in target:  # a topic new since the last batch starts at its beginning
                 if topic not in begin:
-                    begin[topic] = StreamCut.of(topic, {
-                        p: _earliest(admin, topic, p, target[topic][p])
-                        for p in target[topic].partitions})
+                    begin[topic] = _earliest(admin, target[topic])
             if isinstance(limit, ReadMaxRows):
                 budget = int(limit.max_rows)
             elif isinstance(limit, ReadMaxBytes):
@@ -160,29 +155,29 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
                                              auth_token=self.settings.auth_token))
 
     def commit(self, end: dict[str, Any]) -> None:
-        self._move_cursor(end)
+        with self._admin() as admin:
+            self._move_cursor(end, admin)
 
-    def _move_cursor(self, done: dict[str, Any]) -> None:
+    def _move_cursor(self, done: dict[str, Any], admin: Any) -> None:
         """Store ``done`` as the subscription's durable cursor (forward only, on the broker)."""
         if done == self._cursor:
             return  # an idle stream asks every trigger: write only what is new
-        with self._admin() as admin:
-            for topic, cut in cuts_from_dict(done).items():
-                admin.set_cursor(topic, self.settings.subscription,
-                                 {p: cut[p] for p in cut.partitions})
+        for topic, cut in cuts_from_dict(done).items():
+            admin.set_cursor(topic, self.settings.subscription,
+                             {p: cut[p] for p in cut.partitions})
         self._cursor = done
 
     def stop(self) -> None:
         pass
 
 
-def _latest_cut(admin: Any, topic: str) -> StreamCut:
-    return StreamCut.of(topic, {p: end for p, (_, end) in admin.last_confirmed(topic).items()})
-
-
-def _earliest(admin: Any, topic: str, partition: int, latest: Position) -> Position:
-    segs = [s for s in admin.list_segments(topic) if s.partition == partition]
-    return Position(partition, segs[0].segment_id, 0, 0) if segs else latest
+def _earliest(admin: Any, latest: StreamCut) -> StreamCut:
+    """Each partition's first surviving position (its latest one if it has no segment)."""
+    first: dict[int, int] = {}
+    for seg in admin.list_segments(latest.topic):
+        first[seg.partition] = min(first.get(seg.partition, seg.segment_id), seg.segment_id)
+    return StreamCut.of(latest.topic, {
+        p: Position(p, first[p], 0, 0) if p in first else latest[p] for p in latest.partitions})
 
 
 def _advance(admin: Any, begin: Cuts, target: Cuts, budget: int) -> Cuts:

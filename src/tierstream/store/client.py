@@ -30,6 +30,7 @@ from tierstream.schema import (
     key_hash,
 )
 from tierstream.splits.positions import KeyRange, Offset, Position
+from tierstream.splits.split import StreamCut
 from tierstream.store.metadata import SegmentRecord, TopicRecord
 from tierstream.store.protocol import decode, encode, translate_errors
 
@@ -114,6 +115,11 @@ class Admin(BrokerClient):
         raw = self.action("last-confirmed", {"topic": str(TopicName.parse(topic))})
         return {int(p): (None if v["last"] is None else Position.from_dict(v["last"]),
                          Position.from_dict(v["end"])) for p, v in raw.items()}
+
+    def latest_cut(self, topic: str) -> StreamCut:
+        """The end of everything confirmed so far: each partition's exclusive end position."""
+        return StreamCut.of(str(TopicName.parse(topic)),
+                            {p: end for p, (_, end) in self.last_confirmed(topic).items()})
 
     def seal(self, topic: str, partition: int | None = None) -> list[SegmentRecord]:
         raw = self.action("seal", {"topic": str(TopicName.parse(topic)), "partition": partition})
