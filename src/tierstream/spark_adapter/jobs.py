@@ -94,10 +94,7 @@ def backfill(spark: Any, options: dict[str, str], out: str, *, format: str = "pa
         settings = _Settings(options)
     splits = _BatchReader(settings).plan()
     register(spark)
-    reader = spark.read.format("tierstream")
-    for k, v in options.items():
-        reader = reader.option(k, v)
-    df = reader.load()
+    df = spark.read.format("tierstream").options(**options).load()
     data_dir = out if sink is None else os.path.join(out, "data")
     t0 = time.perf_counter()
     try:
@@ -120,10 +117,9 @@ def backfill(spark: Any, options: dict[str, str], out: str, *, format: str = "pa
 
 def _latest_cuts(settings: Any) -> dict[str, Any]:
     """The broker's latest cut of every topic the read covers, as an ``endingPosition``."""
-    from tierstream.enumerator import Enumerator, Query
+    from tierstream.enumerator import Query
 
-    with Enumerator(data_dir=settings.data_dir, broker=settings.broker,
-                    auth_token=settings.auth_token) as enum:
+    with settings.enumerator() as enum:
         topics = [t.name for t in enum.topics(Query(topics=settings.topics,
                                                     namespace=settings.namespace))]
         cuts = {t: enum.latest_cut(t) for t in topics}
@@ -184,7 +180,10 @@ def _tidy(data_dir: str) -> None:
 
 
 def _table_name(topic: str) -> str:
-    return "_".join(p.replace(".", "_dot_").replace("-", "_") for p in topic.split("/"))
+    from tierstream.names import TopicName
+    from tierstream.store.catalog import iceberg_identifier
+
+    return "_".join(iceberg_identifier(TopicName.parse(topic))).replace("-", "_")
 
 
 class _IcebergSink:
@@ -244,11 +243,8 @@ def tail(spark: Any, options: dict[str, str], out: str, checkpoint: str, *,
 
     _Settings(dict(options))  # bad options fail here, before Spark starts anything
     register(spark)
-    reader = spark.readStream.format("tierstream")
-    for k, v in options.items():
-        reader = reader.option(k, v)
-    writer = reader.load().writeStream.format("parquet") \
-        .option("checkpointLocation", checkpoint)
+    writer = spark.readStream.format("tierstream").options(**options).load() \
+        .writeStream.format("parquet").option("checkpointLocation", checkpoint)
     writer = writer.trigger(availableNow=True) if available_now \
         else writer.trigger(processingTime="1 second")
     query = writer.start(out)

@@ -130,6 +130,21 @@ class _Settings:
         self.s3_endpoint: str | None = opts["s3Endpoint"]
         self.s3_region: str | None = opts["s3Region"]
 
+    def enumerator(self) -> Any:
+        from tierstream.enumerator import Enumerator
+
+        return Enumerator(data_dir=self.data_dir, broker=self.broker, auth_token=self.auth_token,
+                          s3_endpoint=self.s3_endpoint, s3_region=self.s3_region)
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        """One Spark partition's rows (batch or stream): its split, read where it lives."""
+        from tierstream.readers import open_reader
+
+        if partition.value is None:  # Spark's stand-in when the plan has no split
+            return
+        yield from spark_batches(open_reader(Split.from_json(partition.value),
+                                             auth_token=self.auth_token))
+
 
 def _bound(position: str | None, name: str, time_ms: int | None, *, default: Offset
            ) -> Offset | StreamCut | Cuts:
@@ -201,7 +216,7 @@ class _BatchReader(DataSourceReader):
         return [InputPartition(split.to_json()) for split in self.plan()]
 
     def plan(self) -> list[Split]:
-        from tierstream.enumerator import Enumerator, Query
+        from tierstream.enumerator import Query
 
         s, f = self.settings, self.pushed
         base = Query(topics=s.topics, namespace=s.namespace,
@@ -211,8 +226,7 @@ class _BatchReader(DataSourceReader):
                      reader=s.reader, fail_on_data_loss=s.fail_on_data_loss,
                      time_from=f.time_from, time_to=f.time_to)
         per_topic = isinstance(s.start, (dict, StreamCut)) or isinstance(s.end, (dict, StreamCut))
-        with Enumerator(data_dir=s.data_dir, broker=s.broker, auth_token=s.auth_token,
-                        s3_endpoint=s.s3_endpoint, s3_region=s.s3_region) as enum:
+        with s.enumerator() as enum:
             if not per_topic and f.topics is None and not f.restricts_partitions \
                     and not f.nothing:
                 return enum.plan(base)
@@ -228,12 +242,7 @@ class _BatchReader(DataSourceReader):
             return splits
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        from tierstream.readers import open_reader
-
-        if partition.value is None:  # Spark's stand-in when the plan has no split
-            return
-        split = Split.from_json(partition.value)
-        yield from spark_batches(open_reader(split, auth_token=self.settings.auth_token))
+        return self.settings.read(partition)
 
 
 def _bound_of(bound: Offset | StreamCut | Cuts, topic: str, name: str) -> Offset | StreamCut:

@@ -127,13 +127,12 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]
                    ) -> Sequence[InputPartition]:
-        from tierstream.enumerator import Enumerator, Query
+        from tierstream.enumerator import Query
 
         s = self.settings
         begin, finish = cuts_from_dict(start), cuts_from_dict(end)
         splits: list[Split] = []
-        with Enumerator(data_dir=s.data_dir, broker=s.broker, auth_token=s.auth_token,
-                        s3_endpoint=s.s3_endpoint, s3_region=s.s3_region) as enum:
+        with s.enumerator() as enum:
             for topic in sorted(finish):
                 splits.extend(enum.plan(Query(
                     topics=(topic,), start=begin.get(topic) or Offset.earliest(),
@@ -146,13 +145,7 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
         return [InputPartition(sp.to_json()) for sp in splits]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        from tierstream.readers import open_reader
-        from tierstream.spark_adapter.source import spark_batches
-
-        if partition.value is None:  # Spark's stand-in when the plan has no split
-            return
-        yield from spark_batches(open_reader(Split.from_json(partition.value),
-                                             auth_token=self.settings.auth_token))
+        return self.settings.read(partition)
 
     def commit(self, end: dict[str, Any]) -> None:
         with self._admin() as admin:
