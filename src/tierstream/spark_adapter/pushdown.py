@@ -13,7 +13,7 @@ milliseconds, so each comparison becomes a whole-millisecond bound with no round
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -51,15 +51,10 @@ class Pushed:
     partitions: frozenset[int] | None = None
     topics: frozenset[str] | None = None
     nothing: bool = False  # a claimed filter no row can pass
-    claimed: list[str] = field(default_factory=list)
 
     def push(self, filters: Iterable[Filter]) -> Iterable[Filter]:
         """``DataSourceReader.pushFilters``: absorb what planning applies, return the rest."""
-        for f in filters:
-            if self._absorb(f):
-                self.claimed.append(repr(f))
-            else:
-                yield f
+        return (f for f in filters if not self._absorb(f))
 
     def allows_topic(self, topic: str) -> bool:
         return not self.nothing and (self.topics is None or topic in self.topics)
@@ -104,24 +99,20 @@ class Pushed:
         if us is None:
             return False
         floor_ms, ceil_ms = us // 1000, -(-us // 1000)
+        lo = hi = None
         if isinstance(f, GreaterThan):
-            self._from(floor_ms + 1)
+            lo = floor_ms + 1
         elif isinstance(f, GreaterThanOrEqual):
-            self._from(ceil_ms)
+            lo = ceil_ms
         elif isinstance(f, LessThan):
-            self._to(ceil_ms)
+            hi = ceil_ms
         elif isinstance(f, LessThanOrEqual):
-            self._to(floor_ms + 1)
+            hi = floor_ms + 1
         else:  # EqualTo / EqualNullSafe: only a whole millisecond can match
-            self._from(ceil_ms)
-            self._to(floor_ms + 1)
+            lo, hi = ceil_ms, floor_ms + 1
+        self.time_from = _narrow(self.time_from, lo, max)
+        self.time_to = _narrow(self.time_to, hi, min)
         return True
-
-    def _from(self, ms: int) -> None:
-        self.time_from = ms if self.time_from is None else max(self.time_from, ms)
-
-    def _to(self, ms: int) -> None:
-        self.time_to = ms if self.time_to is None else min(self.time_to, ms)
 
     def _partition(self, f: Any) -> bool:
         if isinstance(f, In):
@@ -133,26 +124,23 @@ class Pushed:
         if not isinstance(f, _COMPARISONS) or not _is_int(f.value):
             return False
         v = int(f.value)
+        lo = hi = None
         if isinstance(f, (EqualTo, EqualNullSafe)):
             self._only(frozenset((v,)))
         elif isinstance(f, GreaterThan):
-            self._lo(v + 1)
+            lo = v + 1
         elif isinstance(f, GreaterThanOrEqual):
-            self._lo(v)
+            lo = v
         elif isinstance(f, LessThan):
-            self._hi(v - 1)
+            hi = v - 1
         else:
-            self._hi(v)
+            hi = v
+        self.partition_lo = _narrow(self.partition_lo, lo, max)
+        self.partition_hi = _narrow(self.partition_hi, hi, min)
         return True
 
     def _only(self, values: frozenset[int]) -> None:
         self.partitions = values if self.partitions is None else self.partitions & values
-
-    def _lo(self, v: int) -> None:
-        self.partition_lo = v if self.partition_lo is None else max(self.partition_lo, v)
-
-    def _hi(self, v: int) -> None:
-        self.partition_hi = v if self.partition_hi is None else min(self.partition_hi, v)
 
     def _topic(self, f: Any) -> bool:
         if isinstance(f, In):
@@ -163,6 +151,13 @@ class Pushed:
             return False
         self.topics = values if self.topics is None else self.topics & values
         return True
+
+
+def _narrow(current: int | None, new: int | None, tighter: Any) -> int | None:
+    """A bound tightened by another (``tighter`` is max for lower bounds, min for upper)."""
+    if new is None:
+        return current
+    return new if current is None else tighter(current, new)
 
 
 def _micros(value: Any) -> int | None:
