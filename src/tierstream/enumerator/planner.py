@@ -151,18 +151,16 @@ class Enumerator:
         out: list[Split] = []
         for p in partitions:
             window = self.metadata.segments_in_window(topic.name, p, t0, t1)
-            out.extend(self._plan_partition(topic, p, query, latest,
+            out.extend(self._plan_partition(topic, p, query, (t0, t1), latest,
                                             lost_by_partition.get(p, []), window))
         return out
 
     def _plan_partition(self, topic: TopicRecord, p: int, query: Query,
+                        window: tuple[int | None, int | None],
                         latest: Callable[[], StreamCut], deleted: list[dict[str, Any]],
                         segments: list[SegmentRecord]) -> list[Split]:
-        t0, t1 = _window(query)
-        if segments and segments[-1].state == SegmentState.OPEN and t1 is not None and \
-                segments[-1].min_publish_time is not None and segments[-1].min_publish_time >= t1:
-            segments = segments[:-1]  # publish times never decrease: the open tail is too late
-        start = self._start_position(topic.name, p, query, latest, segments, deleted)
+        t0, t1 = window
+        start = self._start_position(topic.name, p, query, t0, latest, segments, deleted)
         end: Position | None
         if query.end is None:
             end = None
@@ -189,7 +187,7 @@ class Enumerator:
             out.extend(self._segment_splits(topic.name, seg, start, end, t0, t1, ranges, query))
         return out
 
-    def _start_position(self, topic: str, p: int, query: Query,
+    def _start_position(self, topic: str, p: int, query: Query, t0: int | None,
                         latest: Callable[[], StreamCut], segments: list[SegmentRecord],
                         deleted: list[dict[str, Any]]) -> Position | None:
         start = query.start
@@ -199,7 +197,6 @@ class Enumerator:
             first_id = self.metadata.first_segment_id(topic, p)
             return Position(p, first_id, 0, 0) if first_id is not None else None
         if isinstance(start, Offset) and start.kind is OffsetKind.TIME:
-            t0 = _window(query)[0]
             assert t0 is not None
             lost = [d for d in deleted if (d["max_publish_time"] or 0) >= t0]
             if lost:
@@ -208,7 +205,6 @@ class Enumerator:
         pos = _position_of(start, p, topic)
         if pos is None:
             return None
-        t0 = _window(query)[0]
         lost = [d for d in deleted if d["segment_id"] >= pos.segment_id
                 and (t0 is None or (d["max_publish_time"] or 0) >= t0)]
         if lost:

@@ -324,11 +324,13 @@ class MetadataStore:
     def segments_in_window(self, topic: str, partition: int, start_time: int | None,
                            end_time: int | None) -> list[SegmentRecord]:
         """Segments of one partition that may hold publish times in ``[start_time, end_time)``,
-        in order, plus the open segment: two index lookups and one range read.
+        in order, plus the open segment unless its first message is already past ``end_time``:
+        two index lookups and one range read.
 
         Min/max publish times never decrease along a partition's segments, so the first segment
         whose max is ``>= start_time`` and the last whose min is ``< end_time`` bound the answer
-        (a binary search, done by SQLite's B-tree indexes on those columns).
+        (a binary search, done by SQLite's B-tree indexes on those columns). The open segment's
+        max still grows, so only its min can rule it out.
         """
         lo_sql = "0" if start_time is None else (
             "(SELECT segment_id FROM segments WHERE topic=:t AND partition=:p AND "
@@ -342,6 +344,7 @@ class MetadataStore:
                f"state='CLOSED' AND segment_id BETWEEN {lo_sql} AND {hi_sql} "
                f"UNION ALL SELECT * FROM (SELECT {_SEGMENT_COLUMNS} FROM segments WHERE "
                "topic=:t AND partition=:p ORDER BY segment_id DESC LIMIT 1) WHERE state='OPEN' "
+               "AND (:t1 IS NULL OR min_publish_time IS NULL OR min_publish_time < :t1) "
                "ORDER BY segment_id")
         with self._lock:
             rows = self._conn.execute(sql, {"t": topic, "p": partition, "t0": start_time,
