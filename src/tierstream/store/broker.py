@@ -283,7 +283,7 @@ class Broker(flight.FlightServerBase):
             out.append({
                 "subscription": c["subscription"], "partition": p, "position": floor.to_dict(),
                 "key_ranges": len(cursor.intervals),
-                "backlog": plog.backlog(floor, ends[p]) if floor < ends[p] else 0,
+                "backlog": plog.backlog(floor, ends[p]),
                 "updated_at": c["updated_at"],
                 "consumers": self.subscriptions.connected(topic, c["subscription"], p)})
         return out

@@ -84,18 +84,15 @@ class TierCatalog:
         return table
 
     def registered_files(self, topic: TopicName) -> list[str]:
-        table = self.table(topic)
-        if table.current_snapshot() is None:
-            return []
-        return list(table.inspect.files().column("file_path").to_pylist())
+        return _files(self.table(topic))
 
     def register(self, topic: TopicName, url: str, *, retry: bool = True) -> bool:
         """Add ``url`` to the topic's table; True if added. ``retry`` (the safe default) first
         checks that it is not there already; pass False only when no earlier attempt to
         register ``url`` can have happened."""
-        if retry and url in self.registered_files(topic):
-            return False
         table = self.table(topic)
+        if retry and url in _files(table):
+            return False
         table.add_files([url], check_duplicate_files=False,
                         snapshot_properties={"tierstream.file": url})
         self._trim_history(table)
@@ -124,12 +121,19 @@ class TierCatalog:
 
     def unregister(self, topic: TopicName, url: str, segment_id: int) -> bool:
         """Remove the file of ``segment_id`` from the table (metadata only); True if removed."""
-        if url not in self.registered_files(topic):
+        table = self.table(topic)
+        if url not in _files(table):
             return False
         from pyiceberg.expressions import EqualTo
 
         equal_to: Any = EqualTo  # pyiceberg's pydantic signature confuses mypy
-        table = self.table(topic)
         table.delete(delete_filter=equal_to("segment_id", segment_id))
         self._trim_history(table)
         return True
+
+
+def _files(table: Any) -> list[str]:
+    """The data files in ``table``'s current snapshot."""
+    if table.current_snapshot() is None:
+        return []
+    return list(table.inspect.files().column("file_path").to_pylist())
