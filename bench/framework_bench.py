@@ -11,13 +11,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bench.harness import Figure, console, repeat, report, save_chart, timed
+from bench.harness import Figure, console, fill_clicks, repeat, report, save_chart, timed
 from tierstream.enumerator import Enumerator, Query
 from tierstream.local import run_splits
 from tierstream.names import TopicName
 from tierstream.readers import open_reader
 from tierstream.readers.parquet_tier import selected_row_groups
-from tierstream.schema import as_produce_batch
 from tierstream.splits.positions import Offset, Position
 from tierstream.splits.split import ReaderKind, Split, StreamCut
 from tierstream.store.bookie import ledger_paths
@@ -114,17 +113,10 @@ def _segment(root: Path, entries: int, per_entry: int) -> tuple[Store, Any]:
     store = Store(StoreConfig.from_options({"dataDir": str(root), "fsync": False,
                                             "maxEntriesPerSegment": entries + 1,
                                             "deletionLag": "1h"}))
-    store.create_topic("bench/read/t", 1)
+    fill_clicks(store, "bench/read/t", partitions=1, entries=entries, per_entry=per_entry,
+                t0=T0, value=lambda n, p: f'{{"n":{n},"page":"/p/{n % per_entry % 50}"}}'
+                .encode() + b"." * 70)
     plog = store.partition("bench/read/t", 0)
-    for e in range(entries):
-        n0 = e * per_entry
-        plog.append(as_produce_batch(pa.record_batch({
-            "key": [f"user-{(n0 + j) * 7919 % 1000}" for j in range(per_entry)],
-            "value": [f'{{"n":{n0 + j},"page":"/p/{j % 50}"}}'.encode() + b"." * 70
-                      for j in range(per_entry)],
-            "publish_time": [T0 + (n0 + j) * 10 for j in range(per_entry)]})),
-            producer=None, sequence_id=None)
-    store.seal("bench/read/t")
     (seg,) = plog.closed_segments()
     seg = store.offloader.offload_segment(plog, seg)  # tier copy; bookie copy stays
     return store, seg

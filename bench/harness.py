@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 from rich.console import Console
 from rich.table import Table
 
@@ -70,6 +71,30 @@ def repeat(fn: Callable[[], float], runs: int, warmup: int = 1) -> list[float]:
     for _ in range(warmup):
         fn()
     return [fn() for _ in range(runs)]
+
+
+def fill_clicks(store: Any, topic: str, *, partitions: int, entries: int, per_entry: int,
+                t0: int, value: Callable[[int, int], bytes], keys: int = 1000,
+                segment_entries: int | None = None, seal: bool = True) -> None:
+    """Create ``topic`` and append ``entries`` entries of ``per_entry`` messages to each
+    partition: message ``n`` of partition ``p`` has value ``value(n, p)``, a key among ``keys``
+    users and publish time ``t0 + 10 * n`` ms. A segment is sealed every ``segment_entries``
+    entries, and (``seal``) at the end."""
+    from tierstream.schema import as_produce_batch
+
+    store.create_topic(topic, partitions)
+    for p in range(partitions):
+        plog = store.partition(topic, p)
+        for e in range(entries):
+            if segment_entries and e and e % segment_entries == 0:
+                store.seal(topic, p)
+            ns = range(e * per_entry, (e + 1) * per_entry)
+            plog.append(as_produce_batch(pa.record_batch({
+                "key": [f"user-{n * 7919 % keys}" for n in ns],
+                "value": [value(n, p) for n in ns],
+                "publish_time": [t0 + n * 10 for n in ns]})), producer=None, sequence_id=None)
+    if seal:
+        store.seal(topic)
 
 
 def timed(fn: Callable[[], Any]) -> float:

@@ -7,10 +7,7 @@ import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 
-import pyarrow as pa
-
-from bench.harness import Figure, console, report, timed
-from tierstream.schema import as_produce_batch
+from bench.harness import Figure, console, fill_clicks, report, timed
 from tierstream.splits.split import StreamCut
 from tierstream.store.config import StoreConfig
 from tierstream.store.store import Store
@@ -20,20 +17,9 @@ T0 = 1_700_000_000_000
 
 def _fill(store: Store, topic: str, partitions: int, entries: int, per_entry: int,
           segment_entries: int | None = None) -> None:
-    store.create_topic(topic, partitions)
-    for p in range(partitions):
-        plog = store.partition(topic, p)
-        for e in range(entries):
-            if segment_entries and e and e % segment_entries == 0:
-                store.seal(topic, p)
-            n0 = e * per_entry
-            plog.append(as_produce_batch(pa.record_batch({
-                "key": [f"user-{(n0 + j) * 7919 % 1000}" for j in range(per_entry)],
-                "value": [f'{{"n":{n0 + j},"p":{p}}}'.encode() + b"." * 80
-                          for j in range(per_entry)],
-                "publish_time": [T0 + (n0 + j) * 10 for j in range(per_entry)]})),
-                producer=None, sequence_id=None)
-    store.seal(topic)
+    fill_clicks(store, topic, partitions=partitions, entries=entries, per_entry=per_entry,
+                t0=T0, segment_entries=segment_entries,
+                value=lambda n, p: f'{{"n":{n},"p":{p}}}'.encode() + b"." * 80)
 
 
 def _ts(ms: int) -> str:

@@ -16,9 +16,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bench.harness import Figure, console, report, timed
+from bench.harness import Figure, console, fill_clicks, report, timed
 from tierstream.readers.parquet_tier import selected_row_groups
-from tierstream.schema import as_produce_batch
 from tierstream.splits.positions import KeyRange, Position
 from tierstream.splits.split import ReaderKind, Split
 from tierstream.store.config import StoreConfig
@@ -33,19 +32,13 @@ def _store(root: Path, entries: int, per_entry: int, keys: int, **options: Any) 
     store = Store(StoreConfig.from_options({
         "dataDir": str(root), "maxEntriesPerSegment": entries, "deletionLag": "1h",
         **options}))
-    store.create_topic(TOPIC, 1)
-    plog = store.partition(TOPIC, 0)
-    for e in range(entries):
-        n0 = e * per_entry
-        plog.append(as_produce_batch(pa.record_batch({
-            "key": [f"user-{((n0 + j) * 7919) % keys}" for j in range(per_entry)],
-            # ~100-byte JSON clicks with a random-looking session id, so compression is
-            # realistic rather than flattered by padding
-            "value": [f'{{"n":{n0 + j},"page":"/p/{(n0 + j) % 50}","session":"'
-                      f'{hashlib.blake2b(str((n0 + j) // 20).encode(), digest_size=16).hexdigest()}'
-                      f'","ua":"Mozilla/5.0"}}'.encode() for j in range(per_entry)],
-            "publish_time": [BASE + (n0 + j) * 10 for j in range(per_entry)],
-        })), producer=None, sequence_id=None)
+    # ~100-byte JSON clicks with a random-looking session id, so compression is realistic
+    # rather than flattered by padding
+    fill_clicks(store, TOPIC, partitions=1, entries=entries, per_entry=per_entry, t0=BASE,
+                keys=keys, seal=False, value=lambda n, p: (
+                    f'{{"n":{n},"page":"/p/{n % 50}","session":"'
+                    f'{hashlib.blake2b(str(n // 20).encode(), digest_size=16).hexdigest()}'
+                    f'","ua":"Mozilla/5.0"}}').encode())
     return store
 
 
