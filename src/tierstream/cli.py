@@ -628,15 +628,8 @@ def backfill(
     options = {"topic": topic, "dataDir": str(data_dir), "broker": broker,
                "keyRanges": str(key_ranges),
                "failOnDataLoss": "true" if fail_on_data_loss else "false"}
-    for name, text in (("startingTime", from_), ("endingTime", to)):
-        offset = Offset.parse(text, what="--from" if name == "startingTime" else "--to")
-        if offset.kind is OffsetKind.TIME:
-            options[name] = str(offset.time_ms)
-        elif offset.kind is OffsetKind.POSITION:
-            raise ConfigError(f"{text!r}: backfill takes times, earliest or latest")
-        elif offset.kind.value != ("earliest" if name == "startingTime" else "latest"):
-            options["startingPosition" if name == "startingTime" else "endingPosition"] = \
-                offset.kind.value
+    options.update(_spark_bound(from_, "--from", "starting", "backfill"))
+    options.update(_spark_bound(to, "--to", "ending", "backfill"))
     if max_split_bytes is not None:
         from tierstream.options import parse_size
 
@@ -671,6 +664,16 @@ def backfill(
                   f" or spark.read.parquet('{result.out}/data')", highlight=False)
 
 
+def _spark_bound(text: str, flag: str, side: str, command: str) -> dict[str, str]:
+    """``--from``/``--to`` as the Spark source's ``<side>Time`` or ``<side>Position`` option."""
+    offset = Offset.parse(text, what=flag)
+    if offset.kind is OffsetKind.TIME:
+        return {f"{side}Time": str(offset.time_ms)}
+    if offset.kind is OffsetKind.POSITION:
+        raise ConfigError(f"{flag} {text!r}: {command} takes a time, earliest or latest")
+    return {f"{side}Position": offset.kind.value}
+
+
 @app.command("tail")
 def tail_cmd(
     topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
@@ -695,15 +698,8 @@ def tail_cmd(
     from tierstream.spark_adapter.jobs import local_spark
     from tierstream.spark_adapter.jobs import tail as run_tail
 
-    start = Offset.parse(from_, what="--from")
     options = {"topic": topic, "dataDir": str(data_dir), "broker": broker,
-               "keyRanges": str(key_ranges)}
-    if start.kind is OffsetKind.TIME:
-        options["startingTime"] = str(start.time_ms)
-    elif start.kind is OffsetKind.POSITION:
-        raise ConfigError(f"--from {from_!r}: tail takes a time, earliest or latest")
-    else:
-        options["startingPosition"] = start.kind.value
+               "keyRanges": str(key_ranges), **_spark_bound(from_, "--from", "starting", "tail")}
     if max_records_per_trigger is not None:
         options["maxRecordsPerTrigger"] = str(max_records_per_trigger)
     if auth_token:
