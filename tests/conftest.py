@@ -20,15 +20,25 @@ def start_broker(data_dir: Path) -> Iterator[Callable[..., BrokerProcess]]:
     """Start ``tierstream broker start`` processes; all are stopped at the end of the test."""
     started: list[BrokerProcess] = []
 
-    def start(*args: str, data: Path | None = None, env: dict[str, str] | None = None
-              ) -> BrokerProcess:
-        proc = BrokerProcess(data or data_dir, args=list(args), env=env).start()
+    def start(*args: str, data: Path | None = None, env: dict[str, str] | None = None,
+              port: int = 0) -> BrokerProcess:
+        proc = BrokerProcess(data or data_dir, args=list(args), env=env, port=port)
         started.append(proc)
-        return proc
+        return proc.start()
 
     yield start
     for proc in started:
         proc.kill()
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A loopback port that was free a moment ago: for a broker restarted on the same address."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -202,3 +203,78 @@ def test_positions_survive_restart(start_broker) -> None:
 def test_ledger_paths_are_under_the_bookie_directory(tmp_path: Path) -> None:
     log, idx = ledger_paths(tmp_path, 123456)
     assert log.parent == idx.parent and tmp_path in log.parents
+
+
+def test_a_named_producer_reopened_after_one_stored_batch_stores_its_next_batch(broker) -> None:
+    # Regression: a stored last sequence id of 0 was read as "none", so the reopened producer
+    # reused sequence id 0 and its message was acknowledged as a duplicate, and dropped.
+    with Admin(broker.url) as admin:
+        admin.create_topic(TOPIC, 1)
+    with Producer(TOPIC, broker=broker.url, name="importer") as first:
+        first.send("first", key="k")
+    with Producer(TOPIC, broker=broker.url, name="importer") as again:
+        ack = again.send("second", key="k")
+    assert ack["duplicate"] is False and ack["sequence_id"] == 1
+    assert read_all(broker.url, TOPIC).column("value").to_pylist() == [b"first", b"second"]
+
+
+def test_a_batch_whose_write_failed_is_stored_when_retried(start_broker, data_dir) -> None:
+    # Regression: the broker recorded a sequence id when the entry was submitted, not when it
+    # was stored. A write that failed (here: a full disk) was retried by the producer and
+    # acknowledged as a duplicate: an acknowledged message that was never stored.
+    import subprocess
+
+    from .crashcheck import check, send_numbered
+
+    bookie_dir = data_dir / "bookies" / "bookie-0"
+    bookie_dir.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(bookie_dir)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill up: {mounted.stderr.strip()}")
+    try:
+        broker = start_broker()
+        with Admin(broker.url) as admin:
+            admin.create_topic(TOPIC, 1)
+        producer = Producer(TOPIC, broker=broker.url, name="writer", batch_size=5,
+                            send_timeout=60)
+        sends = [send_numbered(producer, 0, 20)]
+        filler = bookie_dir / "filler"
+        with open(filler, "wb") as f, pytest.raises(OSError):
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        result: list[Any] = []
+        sender = threading.Thread(target=lambda: result.append(send_numbered(producer, 20, 20)))
+        sender.start()
+        with Admin(broker.url) as admin:  # the failed entry sealed the segment before it
+            wait_for(lambda: any(s.state == "CLOSED" for s in admin.list_segments(TOPIC)),
+                     what="a write to fail on the full disk")
+        filler.unlink()
+        sender.join(timeout=60)
+        assert result, "the retried send did not complete"
+        producer.close()
+        report = check(read_all(broker.url, TOPIC), sends + result)
+        assert report.ok and report.acknowledged == 40, str(report)
+        broker.stop()
+    finally:
+        subprocess.run(["umount", "-l", str(bookie_dir)], check=False)
+
+
+def test_a_producer_that_gives_up_names_the_sequence_ids_in_doubt(start_broker,
+                                                                  free_port) -> None:
+    broker = start_broker(port=free_port)
+    with Admin(broker.url) as admin:
+        admin.create_topic(TOPIC, 1)
+    producer = Producer(TOPIC, broker=broker.url, name="importer", send_timeout=1.0)
+    producer.send("stored")  # sequence id 0
+    broker.kill()
+    with pytest.raises(UnavailableError, match=r"sequence id\(s\) 1 \(1 message\(s\)\) were "
+                                               r"sent but never acknowledged") as info:
+        producer.send("in doubt")
+    assert info.value.unacknowledged == {0: [1]}  # type: ignore[attr-defined]
+    restarted = start_broker(port=free_port)
+    producer.flush()  # still queued: delivered now, once
+    producer.close()
+    values = read_all(restarted.url, TOPIC).column("value").to_pylist()
+    assert values == [b"stored", b"in doubt"]

@@ -202,6 +202,12 @@ class Producer:
     Each batch carries ``(name, sequence id)``; after a broker restart the producer re-sends
     every unacknowledged batch, and the broker stores each sequence id once. Up to
     ``max_in_flight`` batches per partition are pipelined before waiting for acks.
+
+    Give a ``name`` to get that guarantee across producer restarts too: a new producer with the
+    same name continues after the last stored sequence id. An unnamed producer gets a random
+    name, so only its own retries are de-duplicated. When ``send_timeout`` passes without an
+    ack, the UnavailableError names the sequence ids in doubt (``exc.unacknowledged``:
+    partition -> ids); they stay queued, so :meth:`flush` tries again.
     """
 
     def __init__(self, topic: str, *, broker: str | None = None, auth_token: str | None = None,
@@ -219,7 +225,10 @@ class Producer:
         self._admin = Admin(self._client.url, auth_token=auth_token)
         self.partitions = self._admin.get_topic(self.topic).partitions
         state = self._admin.action("producer-state", {"topic": self.topic, "producer": self.name})
-        self._streams = {p: _PartitionStream(next_seq=(state.get(str(p)) or -1) + 1)
+        # A partition where this name stored nothing yet starts at 0; note that 0 is also a
+        # stored id, so test for None, not for truth.
+        self._streams = {p: _PartitionStream(next_seq=0 if state.get(str(p)) is None
+                                             else int(state[str(p)]) + 1)
                          for p in range(self.partitions)}
         self._rr = itertools.count()
         self._acks: list[dict[str, Any]] = []
@@ -368,12 +377,23 @@ class Producer:
             except (flight.FlightError, OSError, pa.ArrowException, UnavailableError) as exc:
                 self._raise_if_rejected(exc)
                 if time.monotonic() + delay > deadline:
-                    raise UnavailableError(
-                        f"could not deliver {len(stream.unacked)} batch(es) to {self.topic!r} "
-                        f"partition {p} within {self.send_timeout}s: broker "
-                        f"{self._client.url} unreachable") from None
+                    raise self._gave_up(p, stream) from None
                 threading.Event().wait(delay)
                 delay = min(delay * 2, 1.0)
+
+    def _gave_up(self, p: int, stream: _PartitionStream) -> UnavailableError:
+        """The error for a send timeout: it names the batches whose fate is unknown."""
+        seqs = [seq for seq, _ in stream.unacked]
+        ids = str(seqs[0]) if len(seqs) == 1 else f"{seqs[0]}..{seqs[-1]}"
+        messages = sum(b.num_rows for _, b in stream.unacked)
+        exc = UnavailableError(
+            f"producer {self.name!r} gave up on {self.topic!r} partition {p} after "
+            f"{self.send_timeout}s (broker {self._client.url} unreachable): sequence id(s) "
+            f"{ids} ({messages} message(s)) were sent but never acknowledged, so they may or "
+            f"may not be stored; flush() re-sends them, and a producer named {self.name!r} "
+            "stores each at most once")
+        exc.unacknowledged = {p: seqs}  # type: ignore[attr-defined]
+        return exc
 
     def _drop(self, stream: _PartitionStream) -> None:
         if stream.writer is not None:

@@ -1,6 +1,6 @@
 """The metadata store: topics, segment records, cursors and de-duplication snapshots.
 
-SQLite in WAL mode, one file in the data directory. The broker (and later the offloader) write;
+SQLite in WAL mode, one file in the data directory. The broker and its offloader write;
 planners and the CLI read, each from its own connection, possibly in another process. Everything
 goes through :class:`MetadataStore` so that a networked SQL database can replace SQLite later.
 """
@@ -11,7 +11,7 @@ import functools
 import json
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -294,13 +294,15 @@ class MetadataStore:
     def update_segment_stats(self, record: SegmentRecord) -> None:
         """Write entries/messages/bytes/min/max/state/sealed_at of ``record``."""
         with self._tx() as c:
-            c.execute(
-                "UPDATE segments SET state=?, entries=?, messages=?, bytes=?, min_publish_time=?, "
-                "max_publish_time=?, sealed_at=? WHERE segment_id=?",
-                (record.state, record.entries, record.messages, record.bytes,
-                 record.min_publish_time, record.max_publish_time, record.sealed_at,
-                 record.segment_id),
-            )
+            _update_stats(c, record)
+
+    def seal_segment(self, record: SegmentRecord, dedup: Mapping[str, tuple[int, Any]]) -> None:
+        """Seal a segment (``record`` with state CLOSED and its final stats) and save the
+        partition's producer de-dup state in **one** transaction: a crash leaves both or
+        neither, so the state always covers every sealed entry (see ``store/dedup.py``)."""
+        with self._tx() as c:
+            _update_stats(c, record)
+            _save_dedup(c, record.topic, record.partition, dedup)
 
     def delete_segment(self, segment_id: int) -> None:
         with self._tx() as c:
@@ -455,7 +457,8 @@ class MetadataStore:
 
     # -- producer de-duplication ----------------------------------------------------------------
 
-    def load_dedup(self, topic: str, partition: int) -> dict[str, tuple[int, dict[str, int]]]:
+    def load_dedup(self, topic: str, partition: int) -> dict[str, tuple[int, Any]]:
+        """Per producer: (last stored sequence id, its saved acks); see ``store/dedup.py``."""
         with self._lock:
             rows = self._conn.execute(
                 "SELECT producer, sequence_id, position FROM dedup WHERE topic=? AND partition=?",
@@ -463,13 +466,21 @@ class MetadataStore:
             ).fetchall()
         return {r[0]: (r[1], json.loads(r[2])) for r in rows}
 
-    def save_dedup(
-        self, topic: str, partition: int, state: dict[str, tuple[int, dict[str, int]]]
-    ) -> None:
-        with self._tx() as c:
-            c.executemany(
-                "INSERT INTO dedup (topic, partition, producer, sequence_id, position) "
-                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (topic, partition, producer) DO UPDATE "
-                "SET sequence_id=excluded.sequence_id, position=excluded.position",
-                [(topic, partition, p, seq, json.dumps(pos)) for p, (seq, pos) in state.items()],
-            )
+
+def _update_stats(c: sqlite3.Connection, record: SegmentRecord) -> None:
+    c.execute(
+        "UPDATE segments SET state=?, entries=?, messages=?, bytes=?, min_publish_time=?, "
+        "max_publish_time=?, sealed_at=? WHERE segment_id=?",
+        (record.state, record.entries, record.messages, record.bytes, record.min_publish_time,
+         record.max_publish_time, record.sealed_at, record.segment_id),
+    )
+
+
+def _save_dedup(c: sqlite3.Connection, topic: str, partition: int,
+                state: Mapping[str, tuple[int, Any]]) -> None:
+    c.executemany(
+        "INSERT INTO dedup (topic, partition, producer, sequence_id, position) "
+        "VALUES (?, ?, ?, ?, ?) ON CONFLICT (topic, partition, producer) DO UPDATE "
+        "SET sequence_id=excluded.sequence_id, position=excluded.position",
+        [(topic, partition, p, seq, json.dumps(pos)) for p, (seq, pos) in state.items()],
+    )

@@ -23,6 +23,8 @@ from tierstream.errors import ConfigError, CorruptionError, NotFoundError, Unava
 from tierstream.schema import MESSAGE_SCHEMA, as_produce_batch, key_hashes
 from tierstream.splits.positions import KeyRange, Position
 from tierstream.store.bookie import Bookie, LedgerReader
+from tierstream.store.dedup import ProducerDedup, StoredBatch
+from tierstream.store.faults import crash_point
 from tierstream.store.ledger import IndexRecord, decode_payload
 from tierstream.store.metadata import MetadataStore, SegmentRecord, SegmentState
 from tierstream.store.tier import TierStorage
@@ -35,11 +37,13 @@ _CACHE_BYTES = 64 * 1024**2
 
 @dataclass(frozen=True)
 class Ack:
-    """What a producer gets back for one batch."""
+    """What a producer gets back for one batch. A re-sent batch that was already stored gets
+    its original ack with ``duplicate=True``; if it is older than the remembered window its
+    position is unknown (None) and ``messages`` is 0."""
 
     partition: int
-    segment_id: int
-    entry_id: int
+    segment_id: int | None
+    entry_id: int | None
     messages: int
     first_publish_time: int
     last_publish_time: int
@@ -54,6 +58,8 @@ class Ack:
 class _InFlight:
     futures: list[Future[IndexRecord]]
     batch: pa.RecordBatch
+    producer: str | None
+    sequence_id: int | None
 
 
 @dataclass
@@ -104,7 +110,7 @@ class PartitionLog:
         self._closed_segments: list[SegmentRecord] = [
             s for s in metadata.segments(topic, partition) if s.state == SegmentState.CLOSED
         ]
-        self._dedup: dict[str, tuple[int, dict[str, int]]] = metadata.load_dedup(topic, partition)
+        self._dedup = ProducerDedup.from_rows(metadata.load_dedup(topic, partition))
         self._last_pt = max(
             (s.max_publish_time for s in self._closed_segments if s.max_publish_time is not None),
             default=0,
@@ -123,16 +129,17 @@ class PartitionLog:
         """Append one batch as one entry; returns once an ack quorum has it on disk.
 
         A batch whose ``(producer, sequence_id)`` was already stored is not stored again: the
-        ack repeats the original position with ``duplicate=True``.
+        ack repeats the original one with ``duplicate=True``. A re-send of a batch that is still
+        being written waits for that write's outcome.
         """
         batch = as_produce_batch(batch)
         if batch.num_rows == 0:
             raise ConfigError("cannot append an empty batch")
         with self._lock:
             if producer is not None and sequence_id is not None:
-                seen = self._dedup.get(producer)
-                if seen is not None and sequence_id <= seen[0]:
-                    return self._duplicate_ack(sequence_id, seen)
+                duplicate = self._check_sequence(producer, sequence_id)
+                if duplicate is not None:
+                    return duplicate
             self._roll_if_due(now_ms())
             seg = self._open
             entry_id = seg.next_entry
@@ -145,14 +152,13 @@ class PartitionLog:
             meta: dict[str, Any] = {}
             if producer is not None and sequence_id is not None:
                 meta = {"p": producer, "s": sequence_id}
-                self._dedup[producer] = (sequence_id, {"segment_id": seg.record.segment_id,
-                                                       "entry_id": entry_id})
-            futures = [
-                self._bookies[b].append(seg.record.segment_id, entry_id, meta, payload,
-                                        message_batch.num_rows, first_pt, last_pt)
-                for b in seg.record.ensemble
-            ]
-            seg.in_flight[entry_id] = _InFlight(futures, message_batch)
+            futures: list[Future[IndexRecord]] = []
+            for b in seg.record.ensemble:
+                futures.append(self._bookies[b].append(seg.record.segment_id, entry_id, meta,
+                                                       payload, message_batch.num_rows,
+                                                       first_pt, last_pt))
+                crash_point("append.partial-replicas", before=futures[0].result)
+            seg.in_flight[entry_id] = _InFlight(futures, message_batch, producer, sequence_id)
         self._wait_quorum(futures)  # outside the lock: other producers keep appending
         with self._lock:
             self._advance(seg)
@@ -163,6 +169,7 @@ class PartitionLog:
                     f"partition {self.partition}) did not reach an ack quorum of "
                     f"{self._ack_quorum} bookies: {'; '.join(errors) or 'segment was sealed'}"
                 )
+            crash_point("append.before-ack")
             if seg is self._open and (len(seg.records) >= self._max_entries
                                       or seg.bytes >= self._max_bytes):
                 self._roll()
@@ -204,6 +211,10 @@ class PartitionLog:
             seg.min_pt = pts[0].as_py() if seg.min_pt is None else seg.min_pt
             seg.max_pt = pts[-1].as_py()
             self._cache_put((seg.record.segment_id, entry_id), batch)
+            if pending.producer is not None and pending.sequence_id is not None:
+                self._dedup.record(pending.producer, StoredBatch(
+                    pending.sequence_id, seg.record.segment_id, entry_id, record.messages,
+                    record.first_publish_time, record.last_publish_time))
             self._stats_dirty = True
             advanced = True
         if advanced:
@@ -211,10 +222,26 @@ class PartitionLog:
         if seg.failed and roll_on_failure and seg is self._open:
             self._roll()
 
-    def _duplicate_ack(self, sequence_id: int, seen: tuple[int, dict[str, int]]) -> Ack:
-        pos = seen[1] if sequence_id == seen[0] else {"segment_id": 0, "entry_id": 0}
-        return Ack(self.partition, pos["segment_id"], pos["entry_id"], 0, 0, 0, sequence_id,
-                   duplicate=True)
+    def _check_sequence(self, producer: str, sequence_id: int) -> Ack | None:
+        """The original ack if this batch is stored already, else None (lock held).
+
+        An entry is recorded as stored only once it is confirmed; while an entry of the same
+        producer with this id or a later one is still in flight, its outcome decides, so wait.
+        """
+        while True:
+            last = self._dedup.last(producer)
+            if last is not None and sequence_id <= last:
+                b = self._dedup.stored(producer, sequence_id)
+                if b is None:
+                    return Ack(self.partition, None, None, 0, 0, 0, sequence_id,
+                               duplicate=True)
+                return Ack(self.partition, b.segment_id, b.entry_id, b.messages,
+                           b.first_publish_time, b.last_publish_time, sequence_id,
+                           duplicate=True)
+            if not any(f.producer == producer and f.sequence_id is not None
+                       and f.sequence_id >= sequence_id for f in self._open.in_flight.values()):
+                return None
+            self._changed.wait(timeout=1.0)
 
     def _build_entry(self, batch: pa.RecordBatch, segment_id: int, entry_id: int, now: int
                      ) -> tuple[pa.RecordBatch, int, int]:
@@ -242,6 +269,7 @@ class PartitionLog:
     def _new_open_segment(self) -> _Open:
         record = self._metadata.new_segment(self.topic, self.partition,
                                             ensemble=self._choose_ensemble(), created_at=now_ms())
+        crash_point("roll.next-registered")
         for b in record.ensemble:
             self._bookies[b].create_ledger(record.segment_id)
         return _Open(record)
@@ -274,20 +302,21 @@ class PartitionLog:
         last = seg.records[-1].entry_id if seg.records else None
         for b in seg.record.ensemble:
             self._bookies[b].seal_ledger(seg.record.segment_id, last)
+        crash_point("roll.bookies-sealed")
         if seg.records:
             sealed = seg.record.with_stats(
                 state=SegmentState.CLOSED, entries=len(seg.records), messages=seg.messages,
                 bytes=seg.bytes, min_publish_time=seg.min_pt, max_publish_time=seg.max_pt,
                 sealed_at=now_ms(),
             )
-            self._metadata.update_segment_stats(sealed)
+            self._metadata.seal_segment(sealed, self._dedup.rows())
+            crash_point("roll.metadata-sealed")
             self._closed_segments.append(sealed)
             self._index_cache[sealed.segment_id] = seg.records
         else:
             self._metadata.delete_segment(seg.record.segment_id)
             for b in seg.record.ensemble:
                 self._bookies[b].delete_ledger(seg.record.segment_id)
-        self._metadata.save_dedup(self.topic, self.partition, self._dedup)
         if reopen:
             self._open = self._new_open_segment()
         self._changed.notify_all()
@@ -452,9 +481,9 @@ class PartitionLog:
             }
 
     def producer_state(self, producer: str) -> int | None:
+        """The producer's last stored sequence id here, or None."""
         with self._lock:
-            seen = self._dedup.get(producer)
-            return None if seen is None else seen[0]
+            return self._dedup.last(producer)
 
     # -- reads --------------------------------------------------------------------------------
 

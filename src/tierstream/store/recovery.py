@@ -3,7 +3,11 @@
 Every replica of a ledger is scanned for its valid prefix of frames (a torn tail is cut). An
 acknowledged entry is on at least an ack quorum of replicas, so the longest valid prefix holds
 every acknowledged entry; it becomes the ledger's content on every replica (re-replication), and
-the segment is sealed there. The frames' metadata rebuilds the producers' de-duplication state.
+the segment is sealed there. The frames' metadata rebuilds the producers' de-duplication state,
+saved in the same metadata transaction as the seal (``store/dedup.py`` says why).
+
+Recovery is idempotent: rewriting a replica is write-to-temp-then-rename, and until the seal is
+committed the segment stays OPEN, so a crash during recovery makes the next start redo it.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import logging
 from dataclasses import dataclass
 
 from tierstream.store.bookie import Bookie
+from tierstream.store.dedup import ProducerDedup, StoredBatch
+from tierstream.store.faults import crash_point
 from tierstream.store.metadata import MetadataStore, SegmentRecord, SegmentState
 from tierstream.timeutil import now_ms
 
@@ -59,6 +65,7 @@ def _recover(seg: SegmentRecord, metadata: MetadataStore, bookies: dict[str, Boo
             repaired += 1
         # Rewriting also rebuilds each index from the frames, which is the truth.
         bookies[replica.bookie_id].rewrite_ledger(seg.segment_id, frames)
+        crash_point("recovery.replica-repaired")
     records = best.records
     sealed = seg.with_stats(
         state=SegmentState.CLOSED,
@@ -69,13 +76,15 @@ def _recover(seg: SegmentRecord, metadata: MetadataStore, bookies: dict[str, Boo
         max_publish_time=records[-1].last_publish_time,
         sealed_at=now_ms(),
     )
-    dedup = metadata.load_dedup(seg.topic, seg.partition)
+    # The saved state covers every sealed segment; the frames of this one carry the rest.
+    dedup = ProducerDedup.from_rows(metadata.load_dedup(seg.topic, seg.partition))
     for rec, meta in zip(records, best.metas, strict=True):
         if "p" in meta and "s" in meta:
-            dedup[meta["p"]] = (int(meta["s"]), {"segment_id": seg.segment_id,
-                                                 "entry_id": rec.entry_id})
-    metadata.save_dedup(seg.topic, seg.partition, dedup)
-    metadata.update_segment_stats(sealed)
+            dedup.record(str(meta["p"]), StoredBatch(
+                int(meta["s"]), seg.segment_id, rec.entry_id, rec.messages,
+                rec.first_publish_time, rec.last_publish_time))
+    metadata.seal_segment(sealed, dedup.rows())
+    crash_point("recovery.sealed")
     cut = max(r.cut_bytes for r in replicas)
     log.info("recovery: sealed segment %s (%s/%s) at %d entries, cut %d torn bytes, "
              "repaired %d replica(s)", seg.segment_id, seg.topic, seg.partition, len(records),

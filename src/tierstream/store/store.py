@@ -18,6 +18,7 @@ from tierstream.splits.positions import Position
 from tierstream.store.bookie import Bookie
 from tierstream.store.catalog import TierCatalog
 from tierstream.store.config import StoreConfig
+from tierstream.store.faults import crash_point
 from tierstream.store.metadata import MetadataStore, SegmentRecord, TopicRecord
 from tierstream.store.offload import Offloader
 from tierstream.store.partition_log import PartitionLog
@@ -84,6 +85,7 @@ class Store:
         with self._topics_lock:
             record = self.metadata.create_topic(topic, partitions, created_at=now_ms(),
                                                 retention_ms=retention_ms)
+            crash_point("topic.registered")
             self._open_topic(record)
         return record
 

@@ -19,6 +19,7 @@ from typing import Any
 from tierstream.errors import AlreadyExistsError, ConfigError
 from tierstream.schema import KEY_HASH_SLOTS
 from tierstream.splits.positions import KeyRange, Position
+from tierstream.store.faults import crash_point
 from tierstream.store.metadata import MetadataStore
 from tierstream.timeutil import now_ms
 
@@ -147,6 +148,7 @@ class Subscriptions:
             cursor.ack(ranges, nxt)
             self._metadata.save_cursor(topic, subscription, partition, cursor.to_json(),
                                        now=now_ms())
+            crash_point("cursor.saved")
 
     def set_position(self, topic: str, subscription: str, partition: int, position: Position
                      ) -> None:

@@ -1,0 +1,85 @@
+"""Crash points: the broker kills itself (SIGKILL) at a named step, for crash-point tests.
+
+A test arms one point through the environment of the broker process it starts::
+
+    TIERSTREAM_CRASH_AT="roll.metadata-sealed@3"
+
+kills the process the third time the broker passes ``roll.metadata-sealed`` (``@1`` when no
+count is given). Nothing is mocked: the process dies as it would from ``kill -9`` at that line,
+and what is on disk is exactly what a crash there leaves. Unarmed, a crash point costs one
+global lookup.
+
+The points, in the order a write passes them (``tests/store/test_crash_points.py`` kills at each):
+
+``append.partial-replicas``   an entry is on the first bookie of its ensemble, not yet sent to
+                              the others (nothing acknowledged)
+``append.before-ack``         an entry has its ack quorum; the producer has no ack yet
+``roll.bookies-sealed``       rollover: the ledgers are sealed on the bookies, metadata says OPEN
+``roll.metadata-sealed``      rollover: the seal (with the producers' de-dup state) is committed
+``roll.next-registered``      rollover: the next segment is in metadata, its ledgers not created
+``recovery.replica-repaired`` recovery: one replica of a crashed segment was rewritten
+``recovery.sealed``           recovery: a crashed segment is sealed in metadata
+``cursor.saved``              a subscription's cursor is committed; the ack has no answer yet
+``topic.registered``          a new topic is in metadata; its partitions are not open yet
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+
+__all__ = ["ENV", "POINTS", "crash_point"]
+
+ENV = "TIERSTREAM_CRASH_AT"
+
+POINTS = frozenset({
+    "append.partial-replicas",
+    "append.before-ack",
+    "roll.bookies-sealed",
+    "roll.metadata-sealed",
+    "roll.next-registered",
+    "recovery.replica-repaired",
+    "recovery.sealed",
+    "cursor.saved",
+    "topic.registered",
+})
+
+
+def _armed() -> tuple[str, int] | None:
+    raw = os.environ.get(ENV)
+    if not raw:
+        return None
+    name, _, count = raw.partition("@")
+    if name not in POINTS:
+        # A typo would make a crash test pass without ever crashing: refuse it loudly.
+        raise SystemExit(f"{ENV}={raw!r}: unknown crash point {name!r}; known: {sorted(POINTS)}")
+    try:
+        n = int(count) if count else 1
+    except ValueError:
+        raise SystemExit(f"{ENV}={raw!r}: the count after '@' must be an integer") from None
+    return name, n
+
+
+_ARMED = _armed()
+_hits = 0
+_lock = threading.Lock()
+
+
+def crash_point(name: str, *, before: Callable[[], object] | None = None) -> None:
+    """Kill this process here if ``name`` is the armed point and this is its armed pass.
+
+    ``before`` runs first when the point fires (e.g. wait until one replica has the entry), so
+    the state on disk at the kill is the one the point's name promises.
+    """
+    if _ARMED is None or _ARMED[0] != name:
+        return
+    global _hits
+    with _lock:
+        _hits += 1
+        fire = _hits == _ARMED[1]
+    if fire:
+        if before is not None:
+            before()
+        os.kill(os.getpid(), signal.SIGKILL)
