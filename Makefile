@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install demo test bench lint clean
+.PHONY: install demo test chaos bench lint clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# Not in CI: >= 100 SIGKILL/restart cycles per store configuration (about 6 minutes).
+chaos: $(STAMP)
+	$(PY) -m tests.store.chaos --cycles 100
 
 bench: $(STAMP)
 	$(PY) -m bench all
