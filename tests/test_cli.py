@@ -179,3 +179,80 @@ def test_tail_available_now_writes_what_is_there(broker: BrokerProcess, data_dir
     assert len(committed) == 3
     rows = sum(pq.read_table(f).num_rows for f in out.glob("*.parquet"))
     assert rows == 1000
+
+
+USAGE_ERRORS = [
+    ([], "Usage"),  # a bare group shows its help
+    (["topic"], "Usage"),
+    (["bogus"], "No such command 'bogus'"),
+    (["topic", "create"], "Missing argument 'topic'"),
+    (["topic", "create", "a/b/c", "--partitions", "abc"], "(got 'abc')"),
+    (["topic", "create", "a/b/c", "--partitons", "3"], "did you mean --partitions?"),
+    (["consume"], "Missing argument 'topic'"),
+    (["broker", "start", "--port", "99999"], "invalid port 99999"),
+]
+
+
+@pytest.mark.parametrize(("args", "needle"), USAGE_ERRORS, ids=lambda a: " ".join(a)
+                         if isinstance(a, list) else None)
+def test_usage_errors_are_one_line_and_exit_status_2(args: list[str], needle: str,
+                                                     tmp_path: Path) -> None:
+    proc = run(*args, env={"TIERSTREAM_HOME": str(tmp_path / "d")})
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr
+    if needle != "Usage":
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_version_prints_the_version() -> None:
+    import tierstream
+
+    proc = run("--version")
+    assert (proc.returncode, proc.stdout.strip()) == (0, f"tierstream {tierstream.__version__}")
+
+
+def test_environment_errors_are_one_line_and_exit_status_1(tmp_path: Path) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    proc = run("broker", "start", "--data-dir", str(a_file), "--port", "0")
+    assert proc.returncode == 1 and "exists but is not a directory" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    proc = run("segments", "a/b/c", "--data-dir", str(a_file))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+
+
+def test_a_read_only_data_dir_is_one_line_and_exit_status_1(tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs: {mounted.stderr.strip()}")
+    try:
+        for data_dir, needle in ((ro, "is not writable"), (ro / "d", "cannot create")):
+            proc = run("broker", "start", "--data-dir", str(data_dir), "--port", "0")
+            assert proc.returncode == 1 and needle in proc.stderr, proc.stderr
+            assert "Read-only file system" in proc.stderr and "Traceback" not in proc.stderr
+    finally:
+        subprocess.run(["umount", "-l", str(ro)], check=False)
+
+
+def test_an_ipv6_loopback_broker_starts(tmp_path: Path) -> None:
+    try:
+        proc = BrokerProcess(tmp_path / "d", host="::1").start()
+    except Exception as exc:  # no IPv6 on this host
+        if "Cannot assign requested address" in str(exc) or "Address family" in str(exc):
+            pytest.skip(f"no IPv6 loopback here: {exc}")
+        raise
+    try:
+        assert proc.url is not None and proc.url.startswith("grpc://[::1]:")
+        topics = run("topic", "list", "--broker", proc.url)
+        assert topics.returncode == 0, topics.stderr
+    finally:
+        proc.stop()
+
+
+def test_debug_shows_the_traceback() -> None:
+    proc = run("--debug", "topic", "list", env={"TIERSTREAM_BROKER": "grpc://127.0.0.1:1"})
+    assert proc.returncode == 1 and "Traceback" in proc.stderr

@@ -8,6 +8,7 @@ from tierstream.errors import (
     DataLossError,
     NotFoundError,
     ProtocolError,
+    StorageError,
     TierstreamError,
     UnavailableError,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "ProtocolError",
     "ReaderKind",
     "Split",
+    "StorageError",
     "StreamCut",
     "TierstreamError",
     "TopicName",

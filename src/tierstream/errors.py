@@ -10,6 +10,8 @@
     ├── CorruptionError             every replica of an entry failed its checksum or id check
     ├── AuthError                   a missing or wrong token (never echoes the token)
     ├── UnavailableError            the broker (or another service) cannot be reached
+    ├── StorageError                the data directory cannot be used (not a directory,
+    │                               read-only, out of space or file descriptors)
     └── ProtocolError               the two ends of a connection disagree about the wire format
 
 Messages say which value was wrong and what would have been valid.
@@ -25,6 +27,7 @@ __all__ = [
     "DataLossError",
     "NotFoundError",
     "ProtocolError",
+    "StorageError",
     "TierstreamError",
     "UnavailableError",
 ]
@@ -79,6 +82,12 @@ class UnavailableError(TierstreamError, ConnectionError):
     code = "unavailable"
 
 
+class StorageError(TierstreamError):
+    """The store's files cannot be created, written or opened (an environment problem)."""
+
+    code = "storage"
+
+
 class ProtocolError(TierstreamError):
     """The two ends of a connection disagree about the wire format."""
 
@@ -96,6 +105,7 @@ ERRORS_BY_CODE: dict[str, type[TierstreamError]] = {
         CorruptionError,
         AuthError,
         UnavailableError,
+        StorageError,
         ProtocolError,
     )
 }

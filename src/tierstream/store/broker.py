@@ -67,7 +67,7 @@ class Broker(flight.FlightServerBase):
                 "--auth-token or set TIERSTREAM_AUTH_TOKEN"
             )
         middleware = {"auth": _TokenMiddlewareFactory(auth_token)} if auth_token else {}
-        location = f"grpc://{host}:{port}"
+        location = f"grpc://{_url_host(host)}:{port}"
         try:
             super().__init__(location, middleware=middleware)
         except (OSError, pa.ArrowException) as exc:
@@ -78,8 +78,7 @@ class Broker(flight.FlightServerBase):
 
     @property
     def url(self) -> str:
-        host = self.host if ":" not in self.host else f"[{self.host}]"
-        return f"grpc://{host}:{self.port}"
+        return f"grpc://{_url_host(self.host)}:{self.port}"
 
     # -- produce ------------------------------------------------------------------------------
 
@@ -347,6 +346,8 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
             f"refusing to bind to non-loopback address {host!r} without a token: pass "
             "--auth-token or set TIERSTREAM_AUTH_TOKEN"
         )
+    if isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ConfigError(f"invalid port {port!r}: expected 0..65535 (0: any free port)")
     if port != 0:
         _check_port_free(host, port)
     store = Store(config)
@@ -373,6 +374,11 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
         store.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _url_host(host: str) -> str:
+    """A host as it goes into a URL: IPv6 literals in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from tierstream.errors import AlreadyExistsError, ConfigError, NotFoundError
+from tierstream.errors import AlreadyExistsError, ConfigError, NotFoundError, StorageError
 from tierstream.names import TopicName
 
 __all__ = ["MetadataStore", "SegmentRecord", "SegmentState", "TopicRecord"]
@@ -176,6 +176,14 @@ class MetadataStore:
 
     def __init__(self, path: str | Path, *, read_only: bool = False) -> None:
         self.path = Path(path)
+        try:
+            self._open(read_only)
+        except sqlite3.Error as exc:
+            raise StorageError(f"cannot open metadata store {str(self.path)!r}: {exc}") from None
+        self._lock = threading.RLock()
+        self._check_version()
+
+    def _open(self, read_only: bool) -> None:
         if read_only:
             if not self.path.exists():
                 raise NotFoundError(
@@ -197,8 +205,6 @@ class MetadataStore:
                     (str(SCHEMA_VERSION),),
                 )
                 self._migrate()
-        self._lock = threading.RLock()
-        self._check_version()
 
     def _migrate(self) -> None:
         version = int(self._conn.execute(

@@ -10,9 +10,10 @@ import itertools
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
-from tierstream.errors import ConfigError
+from tierstream.errors import ConfigError, StorageError
 from tierstream.names import TopicName
 from tierstream.splits.positions import Position
 from tierstream.store.bookie import Bookie
@@ -35,14 +36,19 @@ class Store:
 
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
-        config.data_dir.mkdir(parents=True, exist_ok=True)
+        _prepare_data_dir(config.data_dir)
         self._lock_file = _lock_data_dir(config)
-        self.metadata = MetadataStore(config.metadata_path)
-        self.bookies = {
-            f"bookie-{i}": Bookie(f"bookie-{i}", config.bookie_dir(f"bookie-{i}"),
-                                  fsync=config.fsync)
-            for i in range(config.bookies)
-        }
+        try:
+            self.metadata = MetadataStore(config.metadata_path)
+            self.bookies = {
+                f"bookie-{i}": Bookie(f"bookie-{i}", config.bookie_dir(f"bookie-{i}"),
+                                      fsync=config.fsync)
+                for i in range(config.bookies)
+            }
+        except OSError as exc:
+            _unlock_data_dir(self._lock_file)
+            raise StorageError(f"cannot open the store in {str(config.data_dir)!r}: "
+                               f"{exc.strerror or exc}") from None
         self.closing = threading.Event()  # set: tail reads end, housekeeping stops
         self._closed = False
         self.tier = config.tier()
@@ -206,10 +212,25 @@ class Store:
         self.close()
 
 
+def _prepare_data_dir(path: Path) -> None:
+    """Create the data directory, or say in one line why it cannot be used."""
+    if path.exists() and not path.is_dir():
+        raise StorageError(f"data directory {str(path)!r} exists but is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StorageError(f"cannot create data directory {str(path)!r}: "
+                           f"{exc.strerror or exc}") from None
+
+
 def _lock_data_dir(config: StoreConfig) -> Any:
     import fcntl
 
-    f = open(config.data_dir / "store.lock", "a+")  # noqa: SIM115 - held until close()
+    try:
+        f = open(config.data_dir / "store.lock", "a+")  # noqa: SIM115 - held until close()
+    except OSError as exc:
+        raise StorageError(f"data directory {str(config.data_dir)!r} is not writable: "
+                           f"{exc.strerror or exc}") from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
