@@ -549,10 +549,21 @@ class PartitionLog:
             readers.close()
 
     def _has_after(self, pos: Position) -> bool:
+        """Whether a confirmed message lies at or after ``pos`` (lock held). The end of a
+        sealed segment is the start of the next one: it has nothing after it until the open
+        segment gets an entry, so a caught-up follower waits there instead of spinning."""
         seg = self._open
-        if pos.segment_id < seg.record.segment_id:
+        if pos.segment_id >= seg.record.segment_id:
+            return len(seg.records) > (pos.entry_id if pos.segment_id == seg.record.segment_id
+                                       else 0)
+        if seg.records:
             return True
-        return len(seg.records) > pos.entry_id
+        for closed in reversed(self._closed_segments):
+            if closed.segment_id < pos.segment_id:
+                break
+            if closed.entries > (pos.entry_id if closed.segment_id == pos.segment_id else 0):
+                return True
+        return False
 
     def _readable_from(self, pos: Position) -> list[tuple[SegmentRecord, list[IndexRecord]]]:
         """Segments at or after ``pos`` with their confirmed index records (a snapshot)."""
