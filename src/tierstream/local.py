@@ -12,7 +12,6 @@ import queue
 import threading
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from typing import Any
 
@@ -20,7 +19,7 @@ import pyarrow as pa
 
 from tierstream.enumerator import Enumerator, Query
 from tierstream.errors import ConfigError
-from tierstream.fanin import DONE, drain
+from tierstream.fanin import DONE, Cancel, drain, put
 from tierstream.options import parse_options
 from tierstream.readers import open_reader
 from tierstream.schema import READ_SCHEMA
@@ -102,33 +101,39 @@ def run_splits(splits: Sequence[Split], *, parallelism: int | None = None,
         return
     workers = max(1, min(parallelism or 8, len(groups)))
     out: queue.Queue[Any] = queue.Queue(maxsize=4 * workers)
-    stop = threading.Event()
+    pending: queue.SimpleQueue[list[Split]] = queue.SimpleQueue()
+    for chain in groups:
+        pending.put(chain)
+    stop = Cancel()  # set when the consumer leaves: interrupts tail reads waiting on the broker
 
     def work(chain: list[Split]) -> None:
         try:
             for split in chain:
-                for batch in open_reader(split, auth_token=auth_token):
-                    if stop.is_set():
+                for batch in open_reader(split, auth_token=auth_token, cancel=stop):
+                    if not put(out, batch, stop):
                         return
-                    out.put(batch)
         except BaseException as exc:  # handed to the consuming thread
-            out.put(exc)
+            if not stop.is_set():
+                put(out, exc, stop)
         finally:
-            out.put(DONE)
+            put(out, DONE, stop)
 
-    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tierstream-read")
+    def worker() -> None:
+        while not stop.is_set():
+            try:
+                chain = pending.get_nowait()
+            except queue.Empty:
+                return
+            work(chain)
+
+    # Daemon threads: a following read blocked on the broker never holds up interpreter exit
+    # (a ThreadPoolExecutor joins its threads at exit), and close() interrupts it at once.
+    for i in range(workers):
+        threading.Thread(target=worker, name=f"tierstream-read-{i}", daemon=True).start()
     try:
-        for chain in groups:
-            pool.submit(work, chain)
         yield from drain(out, len(groups))
     finally:
         stop.set()
-        while True:  # unblock workers waiting on a full queue
-            try:
-                out.get_nowait()
-            except queue.Empty:
-                break
-        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def scan(topic: str | Sequence[str] | None = None, *, parallelism: int | None = None,

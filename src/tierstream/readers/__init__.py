@@ -11,13 +11,16 @@ from collections.abc import Iterator
 
 import pyarrow as pa
 
+from tierstream.fanin import Cancel
 from tierstream.splits.split import ReaderKind, Split
 
 __all__ = ["open_reader"]
 
 
-def open_reader(split: Split, *, auth_token: str | None = None) -> Iterator[pa.RecordBatch]:
-    """Batches of ``split``, read from where its data lives (see DESIGN.md §3)."""
+def open_reader(split: Split, *, auth_token: str | None = None, cancel: Cancel | None = None
+                ) -> Iterator[pa.RecordBatch]:
+    """Batches of ``split``, read from where its data lives (see DESIGN.md §3). Setting
+    ``cancel`` interrupts a read that waits on the broker (a following tail split)."""
     if split.reader is ReaderKind.BOOKIE:
         from tierstream.readers.bookie_log import read_bookie_split
 
@@ -28,4 +31,4 @@ def open_reader(split: Split, *, auth_token: str | None = None) -> Iterator[pa.R
         return read_tier_split(split)
     from tierstream.readers.tail import read_tail_split
 
-    return read_tail_split(split, auth_token=auth_token)
+    return read_tail_split(split, auth_token=auth_token, cancel=cancel)

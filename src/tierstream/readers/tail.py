@@ -10,6 +10,7 @@ import pyarrow.compute as pc
 import pyarrow.flight as flight
 
 from tierstream.errors import ConfigError
+from tierstream.fanin import Cancel
 from tierstream.readers.trim import trim
 from tierstream.schema import with_topic
 from tierstream.splits.positions import Offset
@@ -20,8 +21,8 @@ from tierstream.store.protocol import encode, translate_errors
 __all__ = ["read_tail_split"]
 
 
-def read_tail_split(split: Split, *, auth_token: str | None = None
-                    ) -> Iterator[pa.RecordBatch]:
+def read_tail_split(split: Split, *, auth_token: str | None = None,
+                    cancel: Cancel | None = None) -> Iterator[pa.RecordBatch]:
     if split.broker is None:
         raise ConfigError(f"split {split.split_id} needs a broker address (option 'broker')")
     end: Offset | None
@@ -40,6 +41,7 @@ def read_tail_split(split: Split, *, auth_token: str | None = None
         with translate_errors(client.url):
             reader = client._flight.do_get(flight.Ticket(encode(ticket)),
                                            client._stream_options)
+            unregister = cancel.register(reader.cancel) if cancel is not None else None
             try:
                 for chunk in reader:
                     batch = chunk.data
@@ -52,7 +54,12 @@ def read_tail_split(split: Split, *, auth_token: str | None = None
                         yield with_topic(out, split.topic)
                     if stop:
                         return
+            except flight.FlightCancelledError:
+                if cancel is None or not cancel.is_set():
+                    raise
             finally:
+                if unregister is not None:
+                    unregister()
                 reader.cancel()
     finally:
         client.close()

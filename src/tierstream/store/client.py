@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from tierstream.errors import ConfigError, TierstreamError, UnavailableError
-from tierstream.fanin import DONE, drain
+from tierstream.fanin import DONE, drain, put
 from tierstream.names import TopicName
 from tierstream.options import parse_options
 from tierstream.schema import (
@@ -505,11 +505,12 @@ def _pump(url: str, reader: Any, out: queue.Queue[Any], stop: threading.Event) -
             for chunk in reader:
                 if stop.is_set():
                     return
-                if chunk.data is not None and chunk.data.num_rows:
-                    out.put(chunk.data)
+                if chunk.data is not None and chunk.data.num_rows and \
+                        not put(out, chunk.data, stop):
+                    return
     except Exception as exc:
         if not stop.is_set():
-            out.put(exc)
+            put(out, exc, stop)
 
 
 def _merge(url: str, readers: list[Any]) -> Iterator[pa.RecordBatch]:
@@ -521,9 +522,10 @@ def _merge(url: str, readers: list[Any]) -> Iterator[pa.RecordBatch]:
         try:
             _pump(url, reader, out, stop)
         finally:
-            out.put(DONE)
+            put(out, DONE, stop)
 
-    threads = [threading.Thread(target=pump, args=(r,), daemon=True) for r in readers]
+    threads = [threading.Thread(target=pump, args=(r,), name=f"tierstream-merge-{i}",
+                                daemon=True) for i, r in enumerate(readers)]
     for t in threads:
         t.start()
     try:
@@ -571,13 +573,20 @@ class Consumer:
                 self._readers.append(reader)
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=64)
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._pump, args=(r,), daemon=True)
-                         for r in self._readers]
+        self._threads = [threading.Thread(target=self._pump, args=(r,), daemon=True,
+                                          name=f"tierstream-consumer-{self.name}-p{i}")
+                         for i, r in enumerate(self._readers)]
         for t in self._threads:
             t.start()
 
     def _pump(self, reader: Any) -> None:
         _pump(self._client.url, reader, self._queue, self._stop)
+
+    @property
+    def buffered(self) -> int:
+        """Batches received from the broker that :meth:`receive` has not returned yet (at
+        most 64: the broker waits while the buffer is full)."""
+        return self._queue.qsize()
 
     def receive(self, timeout: float | None = None) -> pa.RecordBatch | None:
         """The next batch, or None if none arrived within ``timeout`` seconds."""
@@ -605,11 +614,18 @@ class Consumer:
                                    "key_ranges": [r.to_list() for r in self.key_ranges]})
 
     def close(self) -> None:
+        """Detach at once, whatever the buffer holds: streams are cancelled and the pump
+        threads end (a pump waiting on a full buffer sees the stop within 0.1 s)."""
         self._stop.set()
         for r in self._readers:
             r.cancel()
         for t in self._threads:
             t.join(timeout=5)
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
         self._client.close()
         self._admin.close()
 
