@@ -70,12 +70,21 @@ def put(out: queue.Queue[Any], item: Any, cancel: Cancel | threading.Event) -> b
     return False
 
 
-def drain(out: queue.Queue[Any], producers: int) -> Iterator[Any]:
-    """Items from ``out`` until ``producers`` threads have each put :data:`DONE`; an exception
-    a producer put is raised here, in the consuming thread."""
+def drain(out: queue.Queue[Any], producers: int, cancel: Cancel | None = None
+          ) -> Iterator[Any]:
+    """Items from ``out`` until ``producers`` threads have each put :data:`DONE` (or until
+    ``cancel`` is set); an exception a producer put is raised here, in the consuming thread."""
     finished = 0
     while finished < producers:
-        item = out.get()
+        if cancel is None:
+            item = out.get()
+        else:
+            try:
+                item = out.get(timeout=0.1)
+            except queue.Empty:
+                if cancel.is_set():
+                    return
+                continue
         if item is DONE:
             finished += 1
         elif isinstance(item, BaseException):

@@ -8,6 +8,7 @@ store's data directory and broker address (defaults: the option table, i.e.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections import defaultdict
@@ -26,7 +27,7 @@ from tierstream.schema import READ_SCHEMA
 from tierstream.splits.positions import KeyRange, Offset, OffsetKind
 from tierstream.splits.split import ReaderKind, Split, StreamCut
 
-__all__ = ["latest_cut", "plan", "read", "scan", "tail"]
+__all__ = ["Following", "latest_cut", "plan", "read", "scan", "tail"]
 
 BoundLike = Offset | StreamCut | str | int | datetime
 
@@ -85,7 +86,8 @@ def plan(topic: str | Sequence[str] | None = None, *, namespace: str | None = No
 
 
 def run_splits(splits: Sequence[Split], *, parallelism: int | None = None,
-               auth_token: str | None = None) -> Iterator[pa.RecordBatch]:
+               auth_token: str | None = None, cancel: Cancel | None = None
+               ) -> Iterator[pa.RecordBatch]:
     """Read ``splits`` on a thread pool, keeping every key's order.
 
     Splits of one (topic, partition, key range) are read one after another in log order;
@@ -104,7 +106,10 @@ def run_splits(splits: Sequence[Split], *, parallelism: int | None = None,
     pending: queue.SimpleQueue[list[Split]] = queue.SimpleQueue()
     for chain in groups:
         pending.put(chain)
-    stop = Cancel()  # set when the consumer leaves: interrupts tail reads waiting on the broker
+    # Set when the consumer leaves, or when ``cancel`` is (by its owner, from any thread):
+    # interrupts tail reads waiting on the broker and ends the iteration.
+    stop = Cancel()
+    unlink = cancel.register(stop.set) if cancel is not None else None
 
     def work(chain: list[Split]) -> None:
         try:
@@ -131,9 +136,11 @@ def run_splits(splits: Sequence[Split], *, parallelism: int | None = None,
     for i in range(workers):
         threading.Thread(target=worker, name=f"tierstream-read-{i}", daemon=True).start()
     try:
-        yield from drain(out, len(groups))
+        yield from drain(out, len(groups), stop)
     finally:
         stop.set()
+        if unlink is not None:
+            unlink()
 
 
 def scan(topic: str | Sequence[str] | None = None, *, parallelism: int | None = None,
@@ -155,16 +162,48 @@ def latest_cut(topic: str, *, data_dir: str | None = None, broker: str | None = 
         return enum.latest_cut(topic)
 
 
+class Following(Iterator[pa.RecordBatch]):
+    """What :func:`tail` returns: an iterator of record batches that follows the log until
+    :meth:`close` (callable from any thread), the end of a ``with`` block, or the loop that
+    iterates it is left (``break``). Each stops the reader threads and broker streams at once."""
+
+    def __init__(self, batches: Iterator[pa.RecordBatch], cancel: Cancel) -> None:
+        self._batches = batches
+        self._cancel = cancel
+
+    def __next__(self) -> pa.RecordBatch:
+        return next(self._batches)
+
+    def close(self) -> None:
+        self._cancel.set()  # wakes the iterating thread, wherever it is
+        with contextlib.suppress(ValueError):  # "generator already executing": it ends itself
+            self._batches.close()  # type: ignore[attr-defined]
+
+    def __enter__(self) -> Following:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def tail(topic: str, *, start: BoundLike | None = "latest", key_ranges: int = 1,
          fail_on_data_loss: bool = True, data_dir: str | None = None,
-         broker: str | None = None, auth_token: str | None = None
-         ) -> Iterator[pa.RecordBatch]:
+         broker: str | None = None, auth_token: str | None = None) -> Following:
     """Follow ``topic`` from a cut, a time, ``earliest`` or ``latest``, forever.
 
     History (if the start lies in the past) is read with the bounded readers up to the latest
     cut, then one tail split per partition and key range follows from exactly that cut: no gap
-    and no duplicate at the hand-off. Close the iterator to stop.
+    and no duplicate at the hand-off. A broker restart is ridden out (option
+    ``reconnectTimeout``). Close the iterator to stop.
     """
+    cancel = Cancel()
+    return Following(_tail(topic, start, key_ranges, fail_on_data_loss, data_dir, broker,
+                           auth_token, cancel), cancel)
+
+
+def _tail(topic: str, start: BoundLike | None, key_ranges: int, fail_on_data_loss: bool,
+          data_dir: str | None, broker: str | None, auth_token: str | None, cancel: Cancel
+          ) -> Iterator[pa.RecordBatch]:
     bound = _bound(start, "start") or Offset.latest()
     ranges = KeyRange.split(key_ranges)
     with _enumerator(data_dir, broker, auth_token) as enum:
@@ -176,8 +215,10 @@ def tail(topic: str, *, start: BoundLike | None = "latest", key_ranges: int = 1,
                 history = enum.plan(Query(topics=(topic,), start=bound, end=cut,
                                           key_ranges=key_ranges,
                                           fail_on_data_loss=fail_on_data_loss))
-                yield from run_splits(history, auth_token=auth_token)
+                yield from run_splits(history, auth_token=auth_token, cancel=cancel)
         splits = [Split(topic=topic, partition=p, segment_id=pos.segment_id, start=pos,
                         end=None, reader=ReaderKind.TAIL, key_range=r, broker=enum.broker)
                   for p, pos in cut.positions for r in ranges]
-    yield from run_splits(splits, parallelism=len(splits), auth_token=auth_token)
+    if not cancel.is_set():
+        yield from run_splits(splits, parallelism=len(splits), auth_token=auth_token,
+                              cancel=cancel)

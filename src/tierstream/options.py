@@ -142,6 +142,11 @@ OPTIONS: dict[str, Option] = {
         Option(key="broker", parse=_string, default=DEFAULT_BROKER_URL, env="TIERSTREAM_BROKER",
                kind="a URL such as grpc://127.0.0.1:6651", scopes=("client", "read"),
                description="Address of the broker's Arrow Flight endpoint."),
+        Option(key="reconnectTimeout", parse=_duration, default=60_000,
+               env="TIERSTREAM_RECONNECT_TIMEOUT", kind="a duration such as 30s or 5m",
+               scopes=("client", "read"),
+               description="How long a following read (tail, consume --follow, a stream) "
+                           "retries an unavailable broker before it fails."),
         Option(key="authToken", parse=_string, default=None, env="TIERSTREAM_AUTH_TOKEN",
                secret=True, kind="a non-empty token", scopes=("store", "client", "read"),
                description="Bearer token; required by a broker bound to a non-loopback address."),

@@ -17,10 +17,11 @@ from tierstream.splits.split import ReaderKind, Split
 __all__ = ["open_reader"]
 
 
-def open_reader(split: Split, *, auth_token: str | None = None, cancel: Cancel | None = None
-                ) -> Iterator[pa.RecordBatch]:
+def open_reader(split: Split, *, auth_token: str | None = None, cancel: Cancel | None = None,
+                reconnect_timeout_ms: int | None = None) -> Iterator[pa.RecordBatch]:
     """Batches of ``split``, read from where its data lives (see DESIGN.md §3). Setting
-    ``cancel`` interrupts a read that waits on the broker (a following tail split)."""
+    ``cancel`` interrupts a read that waits on the broker (a following tail split); a tail
+    split rides out a broker restart for up to ``reconnect_timeout_ms``."""
     if split.reader is ReaderKind.BOOKIE:
         from tierstream.readers.bookie_log import read_bookie_split
 
@@ -31,4 +32,5 @@ def open_reader(split: Split, *, auth_token: str | None = None, cancel: Cancel |
         return read_tier_split(split)
     from tierstream.readers.tail import read_tail_split
 
-    return read_tail_split(split, auth_token=auth_token, cancel=cancel)
+    return read_tail_split(split, auth_token=auth_token, cancel=cancel,
+                           reconnect_timeout_ms=reconnect_timeout_ms)

@@ -1,5 +1,6 @@
 """The tail-consumer reader: a split through the broker (a Flight stream), key ranges
-filtered in the broker; bounded, or following the open tail when the split has no end."""
+filtered in the broker; bounded, or following the open tail when the split has no end. It
+reconnects across broker restarts from the position after the last batch it delivered."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ from collections.abc import Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.flight as flight
 
 from tierstream.errors import ConfigError
 from tierstream.fanin import Cancel
@@ -15,14 +15,16 @@ from tierstream.readers.trim import trim
 from tierstream.schema import with_topic
 from tierstream.splits.positions import Offset
 from tierstream.splits.split import Split
-from tierstream.store.client import BrokerClient
-from tierstream.store.protocol import encode, translate_errors
+from tierstream.store.client import BrokerClient, consume_stream
 
 __all__ = ["read_tail_split"]
 
 
 def read_tail_split(split: Split, *, auth_token: str | None = None,
-                    cancel: Cancel | None = None) -> Iterator[pa.RecordBatch]:
+                    cancel: Cancel | None = None, reconnect_timeout_ms: int | None = None
+                    ) -> Iterator[pa.RecordBatch]:
+    """The split's batches through the broker; a broker restart is ridden out (see
+    :func:`~tierstream.store.client.consume_stream`)."""
     if split.broker is None:
         raise ConfigError(f"split {split.split_id} needs a broker address (option 'broker')")
     end: Offset | None
@@ -38,28 +40,14 @@ def read_tail_split(split: Split, *, auth_token: str | None = None,
               "key_ranges": [] if split.key_range.is_full else [split.key_range.to_list()]}
     client = BrokerClient(split.broker, auth_token=auth_token)
     try:
-        with translate_errors(client.url):
-            reader = client._flight.do_get(flight.Ticket(encode(ticket)),
-                                           client._stream_options)
-            unregister = cancel.register(reader.cancel) if cancel is not None else None
-            try:
-                for chunk in reader:
-                    batch = chunk.data
-                    if batch is None or not batch.num_rows:
-                        continue
-                    stop = split.end_time is not None and \
-                        pc.max(batch.column("publish_time")).as_py() >= split.end_time
-                    out = trim(batch, split, check_positions=False, check_keys=False)
-                    if out.num_rows:
-                        yield with_topic(out, split.topic)
-                    if stop:
-                        return
-            except flight.FlightCancelledError:
-                if cancel is None or not cancel.is_set():
-                    raise
-            finally:
-                if unregister is not None:
-                    unregister()
-                reader.cancel()
+        for batch in consume_stream(client, ticket, cancel=cancel,
+                                    reconnect_timeout_ms=reconnect_timeout_ms):
+            stop = split.end_time is not None and \
+                pc.max(batch.column("publish_time")).as_py() >= split.end_time
+            out = trim(batch, split, check_positions=False, check_keys=False)
+            if out.num_rows:
+                yield with_topic(out, split.topic)
+            if stop:
+                return
     finally:
         client.close()

@@ -129,6 +129,7 @@ class _Settings:
         self.auth_token: str | None = opts["authToken"]
         self.s3_endpoint: str | None = opts["s3Endpoint"]
         self.s3_region: str | None = opts["s3Region"]
+        self.reconnect_timeout_ms: int = opts["reconnectTimeout"]
 
     def enumerator(self) -> Any:
         from tierstream.enumerator import Enumerator
@@ -143,7 +144,8 @@ class _Settings:
         if partition.value is None:  # Spark's stand-in when the plan has no split
             return
         yield from spark_batches(open_reader(Split.from_json(partition.value),
-                                             auth_token=self.auth_token))
+                                             auth_token=self.auth_token,
+                                             reconnect_timeout_ms=self.reconnect_timeout_ms))
 
 
 def _bound(position: str | None, name: str, time_ms: int | None, *, default: Offset

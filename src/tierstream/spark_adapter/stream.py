@@ -16,9 +16,9 @@ at every trigger and reads a topic that appeared mid-stream from its earliest me
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import pyarrow as pa
 from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
@@ -33,8 +33,11 @@ from pyspark.sql.streaming.datasource import (
 from tierstream.errors import ConfigError
 from tierstream.splits.positions import Offset, OffsetKind, Position
 from tierstream.splits.split import Cuts, Split, StreamCut, cuts_from_dict, cuts_to_dict
+from tierstream.store.retry import with_reconnect
 
 __all__ = ["TierstreamStreamReader"]
+
+T = TypeVar("T")
 
 class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __init__(self, settings: Any) -> None:
@@ -45,6 +48,11 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
         self.single = settings.namespace is None and len(settings.topics) == 1
         self._target: Cuts | None = None
         self._cursor: dict[str, Any] | None = None  # the last offset stored as the cursor
+
+    def _retrying(self, call: Callable[[], T], what: str) -> T:
+        """A driver-side call that rides out a broker restart (option reconnectTimeout)."""
+        return with_reconnect(call, what=f"stream {what}",
+                              timeout_s=self.settings.reconnect_timeout_ms / 1000)
 
     def _admin(self) -> Any:
         from tierstream.store.client import Admin
@@ -66,6 +74,9 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
     # -- offsets ------------------------------------------------------------------------------
 
     def initialOffset(self) -> dict[str, Any]:
+        return self._retrying(self._initial_offset, "initialOffset")
+
+    def _initial_offset(self) -> dict[str, Any]:
         start = self.settings.start
         if isinstance(start, (StreamCut, dict)):
             # cuts given: topics without one (of a namespace, or new) start at their earliest
@@ -98,10 +109,16 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
         return ReadAllAvailable()
 
     def prepareForTriggerAvailableNow(self) -> None:
+        self._retrying(self._prepare_available_now, "prepareForTriggerAvailableNow")
+
+    def _prepare_available_now(self) -> None:
         with self._admin() as admin:
             self._target = self._latest(admin)
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        return self._retrying(lambda: self._latest_offset(start, limit), "latestOffset")
+
+    def _latest_offset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         # Spark asks from the end of the last batch, which its commit log already holds:
         # that batch is done. Spark's own commit(end) for it only comes once a next batch is
         # planned, so without this the cursor of a stream that went idle, or of an AvailableNow
@@ -127,6 +144,10 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]
                    ) -> Sequence[InputPartition]:
+        return self._retrying(lambda: self._partitions(start, end), "partitions")
+
+    def _partitions(self, start: dict[str, Any], end: dict[str, Any]
+                    ) -> Sequence[InputPartition]:
         from tierstream.enumerator import Query
 
         s = self.settings
@@ -148,6 +169,9 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
         return self.settings.read(partition)
 
     def commit(self, end: dict[str, Any]) -> None:
+        self._retrying(lambda: self._commit(end), "commit")
+
+    def _commit(self, end: dict[str, Any]) -> None:
         with self._admin() as admin:
             self._move_cursor(end, admin)
 

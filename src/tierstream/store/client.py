@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -19,7 +20,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from tierstream.errors import ConfigError, TierstreamError, UnavailableError
-from tierstream.fanin import DONE, drain, put
+from tierstream.fanin import DONE, Cancel, drain, put
 from tierstream.names import TopicName
 from tierstream.options import parse_options
 from tierstream.schema import (
@@ -33,8 +34,12 @@ from tierstream.splits.positions import KeyRange, Offset, Position
 from tierstream.splits.split import StreamCut
 from tierstream.store.metadata import SegmentRecord, TopicRecord
 from tierstream.store.protocol import decode, encode, translate_errors
+from tierstream.store.retry import Backoff, reconnect_timeout_s
 
-__all__ = ["Admin", "BrokerClient", "Consumer", "Message", "Producer", "TopicReader", "read"]
+__all__ = ["Admin", "BrokerClient", "Consumer", "Message", "Producer", "TopicReader",
+           "consume_stream", "read"]
+
+log = logging.getLogger(__name__)
 
 
 class BrokerClient:
@@ -445,6 +450,7 @@ class TopicReader:
         ranges = _check_ranges(key_ranges)
         self._client = BrokerClient(broker, auth_token=auth_token)
         self._readers: list[Any] = []
+        self._cancel = Cancel()
         try:
             with Admin(self._client.url, auth_token=auth_token) as admin:
                 count = admin.get_topic(name).partitions
@@ -465,8 +471,14 @@ class TopicReader:
         except BaseException:
             self.close()
             raise
-        self._iter = (_merge(self._client.url, self._readers) if end is None and len(parts) > 1
-                      else _chain(self._client.url, self._readers))
+        if end is None:  # following: each partition rides out broker restarts
+            streams = [consume_stream(self._client, {**ticket, "partition": p}, first=r,
+                                      cancel=self._cancel)
+                       for p, r in zip(parts, self._readers, strict=True)]
+            self._iter = (_merge(streams, self._cancel) if len(streams) > 1
+                          else iter(streams[0]))
+        else:
+            self._iter = _chain(self._client.url, self._readers)
 
     def __iter__(self) -> Iterator[pa.RecordBatch]:
         return self
@@ -475,6 +487,7 @@ class TopicReader:
         return next(self._iter)
 
     def close(self) -> None:
+        self._cancel.set()
         for r in self._readers:
             r.cancel()
         close = getattr(getattr(self, "_iter", None), "close", None)
@@ -497,43 +510,102 @@ def _chain(url: str, readers: list[Any]) -> Iterator[pa.RecordBatch]:
                     yield chunk.data
 
 
-def _pump(url: str, reader: Any, out: queue.Queue[Any], stop: threading.Event) -> None:
-    """Put a stream's non-empty batches on ``out`` until it ends or ``stop`` is set; an error
-    is put there too, for the consuming thread to raise."""
+def _batches(url: str, reader: Any) -> Iterator[pa.RecordBatch]:
+    """The non-empty batches of one Flight stream, errors as tierstream errors."""
+    with translate_errors(url):
+        for chunk in reader:
+            if chunk.data is not None and chunk.data.num_rows:
+                yield chunk.data
+
+
+def consume_stream(client: BrokerClient, ticket: dict[str, Any], *, first: Any = None,
+                   cancel: Cancel | None = None, reconnect_timeout_ms: int | None = None
+                   ) -> Iterator[pa.RecordBatch]:
+    """One partition's consume stream (``ticket`` as the broker takes it) that rides out broker
+    restarts: when the broker goes away it reconnects with backoff from the position after the
+    last batch it delivered, so nothing is skipped or repeated, for up to
+    ``reconnect_timeout_ms`` (the ``reconnectTimeout`` option) without progress; then it raises
+    one UnavailableError. ``first`` is an already open stream for the ticket; setting
+    ``cancel`` ends the stream at once."""
+    ticket = dict(ticket)
+    reader = first
+    backoff: Backoff | None = None
+    while True:
+        unregister = None
+        try:
+            if reader is None:
+                with translate_errors(client.url):
+                    reader = client._flight.do_get(flight.Ticket(encode(ticket)),
+                                                   client._stream_options)
+            if cancel is not None:
+                unregister = cancel.register(reader.cancel)
+            for batch in _batches(client.url, reader):
+                backoff = None
+                i = batch.num_rows - 1
+                ticket["start"] = Offset.at_position(Position(
+                    batch.column("partition")[i].as_py(), batch.column("segment_id")[i].as_py(),
+                    batch.column("entry_id")[i].as_py(),
+                    batch.column("batch_index")[i].as_py() + 1)).to_dict()
+                yield batch
+            if ticket.get("end") is not None or (cancel is not None and cancel.is_set()):
+                return  # a bounded stream that reached its end
+            # A following stream has no end: the broker closed it (a clean shutdown).
+            raise UnavailableError(f"the broker at {client.url} closed the stream")
+        except UnavailableError as exc:
+            if cancel is not None and cancel.is_set():
+                return  # cancelled by the consumer: not an outage
+            if backoff is None:
+                backoff = Backoff(reconnect_timeout_s(reconnect_timeout_ms), cancel=cancel)
+                log.info("%s partition %s: broker unavailable, reconnecting for up to %gs "
+                            "(%s)", ticket.get("topic"), ticket.get("partition"),
+                            backoff.timeout_s, exc)
+            if not backoff.wait():
+                if cancel is not None and cancel.is_set():
+                    return
+                raise UnavailableError(
+                    f"lost the broker at {client.url} while reading {ticket.get('topic')!r} "
+                    f"partition {ticket.get('partition')}: it stayed unavailable for "
+                    f"{backoff.timeout_s:g}s (option reconnectTimeout); resume from "
+                    f"{Offset.from_dict(ticket['start'])}") from None
+        finally:
+            if unregister is not None:
+                unregister()
+            if reader is not None:
+                reader.cancel()
+            reader = None
+
+
+def _pump(batches: Iterable[pa.RecordBatch], out: queue.Queue[Any],
+          stop: threading.Event | Cancel) -> None:
+    """Put ``batches`` on ``out`` until they end or ``stop`` is set; an error is put there
+    too, for the consuming thread to raise."""
     try:
-        with translate_errors(url):
-            for chunk in reader:
-                if stop.is_set():
-                    return
-                if chunk.data is not None and chunk.data.num_rows and \
-                        not put(out, chunk.data, stop):
-                    return
+        for batch in batches:
+            if not put(out, batch, stop):
+                return
     except Exception as exc:
         if not stop.is_set():
             put(out, exc, stop)
 
 
-def _merge(url: str, readers: list[Any]) -> Iterator[pa.RecordBatch]:
+def _merge(streams: list[Iterator[pa.RecordBatch]], stop: Cancel) -> Iterator[pa.RecordBatch]:
     """Several unbounded partition streams, merged as batches arrive (per-partition order)."""
     out: queue.Queue[Any] = queue.Queue(maxsize=64)
-    stop = threading.Event()
 
-    def pump(reader: Any) -> None:
+    def pump(stream: Iterator[pa.RecordBatch]) -> None:
         try:
-            _pump(url, reader, out, stop)
+            _pump(stream, out, stop)
         finally:
             put(out, DONE, stop)
 
-    threads = [threading.Thread(target=pump, args=(r,), name=f"tierstream-merge-{i}",
-                                daemon=True) for i, r in enumerate(readers)]
+    threads = [threading.Thread(target=pump, args=(st,), name=f"tierstream-merge-{i}",
+                                daemon=True) for i, st in enumerate(streams)]
     for t in threads:
         t.start()
     try:
         yield from drain(out, len(threads))
     finally:
         stop.set()
-        for r in readers:
-            r.cancel()
 
 
 class Consumer:
@@ -580,7 +652,7 @@ class Consumer:
             t.start()
 
     def _pump(self, reader: Any) -> None:
-        _pump(self._client.url, reader, self._queue, self._stop)
+        _pump(_batches(self._client.url, reader), self._queue, self._stop)
 
     @property
     def buffered(self) -> int:

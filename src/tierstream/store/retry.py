@@ -1,0 +1,72 @@
+"""Riding out a broker restart: bounded retries with backoff, then one clear error.
+
+Every client that follows the log (the tail reader, ``consume --follow``, a Spark stream's
+driver calls) retries an :class:`~tierstream.errors.UnavailableError` with exponential backoff
+(0.1 s doubling to 2 s) for up to ``reconnectTimeout`` (option, default 60 s), then raises one
+UnavailableError that says what it was doing and for how long it tried.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from tierstream.errors import UnavailableError
+from tierstream.fanin import Cancel
+from tierstream.options import parse_options
+
+__all__ = ["Backoff", "reconnect_timeout_s", "with_reconnect"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def reconnect_timeout_s(given_ms: int | None = None) -> float:
+    """``given_ms``, else the ``reconnectTimeout`` option (env, default), in seconds."""
+    if given_ms is None:
+        given_ms = parse_options({}, scope="client")["reconnectTimeout"]
+    return given_ms / 1000
+
+
+class Backoff:
+    """Waits between reconnect attempts; :meth:`wait` is False once ``timeout_s`` has passed
+    since the first failure (or when ``cancel`` is set)."""
+
+    def __init__(self, timeout_s: float, *, cancel: Cancel | None = None) -> None:
+        self.timeout_s = timeout_s
+        self._deadline = time.monotonic() + timeout_s
+        self._delay = 0.1
+        self._cancel = cancel
+        self.attempts = 0
+
+    def wait(self) -> bool:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            return False
+        delay = min(self._delay, left)
+        self._delay = min(self._delay * 2, 2.0)
+        self.attempts += 1
+        if self._cancel is not None:
+            return not self._cancel.wait(delay)
+        threading.Event().wait(delay)
+        return True
+
+
+def with_reconnect(call: Callable[[], T], *, what: str, timeout_s: float | None = None) -> T:
+    """``call()``, retried while the broker is unavailable, for up to ``timeout_s``."""
+    backoff: Backoff | None = None
+    while True:
+        try:
+            return call()
+        except UnavailableError as exc:
+            if backoff is None:
+                backoff = Backoff(reconnect_timeout_s() if timeout_s is None else timeout_s)
+                log.warning("%s: broker unavailable, retrying for up to %gs (%s)", what,
+                            backoff.timeout_s, exc)
+            if not backoff.wait():
+                raise UnavailableError(f"{what}: the broker stayed unavailable for "
+                                       f"{backoff.timeout_s:g}s: {exc}") from None

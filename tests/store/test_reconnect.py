@@ -1,0 +1,97 @@
+"""Following reads ride out broker restarts: no gap, no duplicate; then one clear error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import tierstream
+from tierstream.store.client import Admin, Producer
+from tierstream.store.process import BrokerProcess
+
+from .helpers import wait_for
+
+TOPIC = "acme/web/restarts"
+
+
+def _send(url: str, start: int, count: int) -> None:
+    with Producer(TOPIC, broker=url, batch_size=5) as producer:
+        producer.send_many({"value": f"v{i}".encode(), "key": f"k{i % 7}"}
+                           for i in range(start, start + count))
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_local_tail_rides_out_a_broker_restart(start_broker, free_port, data_dir, how
+                                                 ) -> None:
+    broker: BrokerProcess = start_broker(port=free_port)
+    with Admin(broker.url) as admin:
+        admin.create_topic(TOPIC, 3)
+    _send(broker.url, 0, 30)
+    seen: list[bytes] = []
+    errors: list[BaseException] = []
+    it = tierstream.tail(TOPIC, start="earliest", broker=broker.url, data_dir=str(data_dir))
+
+    def follow() -> None:
+        try:
+            for batch in it:
+                seen.extend(batch.column("value").to_pylist())
+        except BaseException as exc:
+            errors.append(exc)
+
+    reader = threading.Thread(target=follow, daemon=True)
+    reader.start()
+    wait_for(lambda: len(seen) == 30, what="the first 30 messages")
+    broker.kill() if how == "kill" else broker.stop()
+    restarted = start_broker(port=free_port)
+    _send(restarted.url, 30, 30)
+    wait_for(lambda: len(seen) >= 60 or bool(errors), what="the messages after the restart")
+    it.close()
+    assert not errors, errors
+    assert sorted(seen) == sorted(f"v{i}".encode() for i in range(60))  # no gap, no duplicate
+
+
+def _cli(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "tierstream", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+
+
+def test_consume_follow_rides_out_a_restart_and_fails_clearly_when_it_stays_down(
+        start_broker, free_port) -> None:
+    broker: BrokerProcess = start_broker(port=free_port)
+    with Admin(broker.url) as admin:
+        admin.create_topic(TOPIC, 2)
+    _send(broker.url, 0, 10)
+    proc = _cli("consume", TOPIC, "--follow", "--broker", broker.url or "",
+                env={"TIERSTREAM_RECONNECT_TIMEOUT": "3s"})
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True).start()
+    try:
+        wait_for(lambda: len(lines) == 10, what="consume --follow to print 10 messages")
+        broker.stop()  # a clean restart: the broker ends its streams
+        restarted = start_broker(port=free_port)
+        _send(restarted.url, 10, 10)
+        wait_for(lambda: len(lines) == 20, what="the messages after the restart")
+        restarted.kill()  # and now it stays down
+        code = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    values = sorted(json.loads(line)["value"] for line in lines)
+    assert values == sorted(f"v{i}" for i in range(20))
+    stderr = (proc.stderr.read() if proc.stderr else "").strip()
+    assert code == 1, stderr
+    assert "stayed unavailable for 3s" in stderr and "Traceback" not in stderr
+    assert len(stderr.splitlines()) == 1, stderr
+
+
+def test_reconnect_timeout_is_an_option() -> None:
+    from tierstream.errors import ConfigError
+    from tierstream.options import parse_options
+
+    assert parse_options({"reconnectTimeout": "5s"}, scope="read")["reconnectTimeout"] == 5000
+    with pytest.raises(ConfigError, match="reconnectTimeout"):
+        parse_options({"reconnectTimeout": "soon"}, scope="client")
