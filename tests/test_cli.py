@@ -256,3 +256,49 @@ def test_an_ipv6_loopback_broker_starts(tmp_path: Path) -> None:
 def test_debug_shows_the_traceback() -> None:
     proc = run("--debug", "topic", "list", env={"TIERSTREAM_BROKER": "grpc://127.0.0.1:1"})
     assert proc.returncode == 1 and "Traceback" in proc.stderr
+
+
+@pytest.mark.spark
+def test_tail_rides_out_a_broker_restart_and_reports_its_lag(start_broker, free_port,
+                                                             data_dir: Path,
+                                                             tmp_path: Path) -> None:
+    import re
+    import signal
+    import threading
+
+    from tierstream.spark_adapter.jobs import checkpoint_subscription
+
+    broker = start_broker(port=free_port)
+    env = {"TIERSTREAM_BROKER": broker.url or "", "TIERSTREAM_HOME": str(data_dir),
+           "TIERSTREAM_SPARK_MASTER": "local[2]"}
+    run("topic", "create", "acme/web/clicks", "--partitions", "2", env=env)
+    run("produce", "acme/web/clicks", "--generate", "500", env=env)
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, "-m", "tierstream", "tail", "acme/web/clicks",
+                             "--from", "earliest", "--out", str(tmp_path / "live"),
+                             "--checkpoint", str(ckpt)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stderr or []), daemon=True).start()
+
+    def rows() -> int:
+        return sum(int(m.group(1).replace(",", "")) for line in list(lines)
+                   if (m := re.search(r"micro-batch \d+: ([\d,]+) rows", line)))
+
+    try:
+        wait_for(lambda: rows() == 500, timeout=180, what="the first 500 rows")
+        broker.stop()  # restart the broker under the running query
+        restarted = start_broker(port=free_port)
+        assert run("produce", "acme/web/clicks", "--generate", "300",
+                   env={**env, "TIERSTREAM_BROKER": restarted.url or ""}).returncode == 0
+        wait_for(lambda: rows() == 800, timeout=180, what="the rows produced after the restart")
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    assert code == 0, "".join(lines)[-3000:]
+    assert any("behind: 0 message(s)" in line for line in lines), "".join(lines)[-2000:]
+    assert "Traceback" not in "".join(lines)
+    subs = run("subscriptions", "acme/web/clicks", "--json", env=env)
+    names = {r["subscription"] for r in json.loads(subs.stdout)}
+    assert names == {checkpoint_subscription(str(ckpt))}

@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from tierstream.bounds import end_cut, parse_bound, spark_bound, write_cut
 from tierstream.errors import ConfigError, TierstreamError
 from tierstream.options import DEFAULT_BROKER_URL, DEFAULT_DATA_DIR, DEFAULT_PORT
 from tierstream.splits.positions import KeyRange, Offset, OffsetKind
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     debug = "--debug" in args or os.environ.get("TIERSTREAM_DEBUG", "") not in ("", "0")
     args = [a for a in args if a != "--debug"]
     if debug:
+        os.environ["TIERSTREAM_DEBUG"] = "1"  # Spark jobs keep Spark's trace too
         logging.getLogger("tierstream").setLevel(logging.DEBUG)
     try:
         code = app(args=args, prog_name="tierstream", standalone_mode=False)
@@ -486,7 +488,7 @@ def subscriptions(
 ) -> None:
     """Show each subscription's durable cursor per partition: where it is (everything before
     it is acknowledged), its backlog (messages after it), and who is attached. A Spark stream
-    commits to subscription 'tierstream-spark' unless told otherwise.
+    commits to its own subscription (tierstream tail: derived from --checkpoint).
 
     Example: tierstream subscriptions acme/web/clicks
     """
@@ -544,13 +546,13 @@ def demo(
     run(data_dir, messages)
 
 
-def _query_kwargs(from_: str, to: str, key_ranges: int, max_split_bytes: str | None,
+def _query_kwargs(topic: str, from_: str, to: str, key_ranges: int, max_split_bytes: str | None,
                   reader: str | None, fail_on_data_loss: bool, data_dir: Path, broker: str,
                   auth_token: str | None) -> dict[str, Any]:
     from tierstream.options import parse_size
 
     kwargs: dict[str, Any] = {
-        "start": Offset.parse(from_, what="--from"), "end": Offset.parse(to, what="--to"),
+        "start": parse_bound(from_, "--from", topic), "end": parse_bound(to, "--to", topic),
         "key_ranges": key_ranges, "reader": reader, "fail_on_data_loss": fail_on_data_loss,
         "data_dir": str(data_dir), "broker": broker, "auth_token": auth_token}
     if max_split_bytes is not None:
@@ -558,9 +560,12 @@ def _query_kwargs(from_: str, to: str, key_ranges: int, max_split_bytes: str | N
     return kwargs
 
 
-FromOpt = Annotated[str, typer.Option("--from", help="earliest, ISO-8601, epoch ms or p:s:e.")]
-ToOpt = Annotated[str, typer.Option("--to", help="Exclusive end: latest (at planning), a time "
-                                                 "or a position.")]
+FromOpt = Annotated[str, typer.Option("--from", help="earliest, latest, ISO-8601, epoch ms, "
+                                                     "p:s:e or a stream cut (JSON or @FILE).")]
+ToOpt = Annotated[str, typer.Option("--to", help="Exclusive end: latest (at planning), a time, "
+                                                 "a position or a stream cut.")]
+CutOutOpt = Annotated[Path | None, typer.Option(
+    "--cut-out", help="Also write the end cut to this file (for a later --from @FILE).")]
 KeyRangesOpt = Annotated[int, typer.Option(help="Split every partition into K key ranges.")]
 SplitBytesOpt = Annotated[str | None, typer.Option(help="Target split size, e.g. 64MiB.")]
 ReaderOpt = Annotated[str | None, typer.Option(help="Force a reader: parquet-tier, bookie-log "
@@ -589,7 +594,8 @@ def plan(
     """
     import tierstream
 
-    splits = tierstream.plan(topic, **_query_kwargs(from_, to, key_ranges, max_split_bytes,
+    splits = tierstream.plan(topic, **_query_kwargs(topic, from_, to, key_ranges,
+                                                    max_split_bytes,
                                                     reader, fail_on_data_loss, data_dir,
                                                     broker, auth_token))
     if as_json:
@@ -617,18 +623,21 @@ def _summary(splits: list[Any]) -> list[tuple[str, int, int]]:
 @app.command("read")
 def read_cmd(
     topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
-    out_path: Annotated[Path, typer.Option("--out", help="Parquet file to write.")],
+    out_path: Annotated[Path, typer.Option("--out", help="Parquet file to write (new).")],
     from_: FromOpt = "earliest",
     to: ToOpt = "latest",
     key_ranges: KeyRangesOpt = 1,
     max_split_bytes: SplitBytesOpt = None,
     reader: ReaderOpt = None,
     fail_on_data_loss: LossOpt = True,
+    cut_out: CutOutOpt = None,
     data_dir: DataDirOpt = Path(DEFAULT_DATA_DIR),
     broker: BrokerOpt = DEFAULT_BROKER_URL,
     auth_token: TokenOpt = None,
 ) -> None:
-    """Read a bounded window with the local runner into one Parquet file (written atomically).
+    """Read a bounded window with the local runner into one new Parquet file (written
+    atomically; times as UTC timestamps, as backfill writes them). Prints the end cut, from
+    which `tail --from` or `read --from` continue with no gap and no duplicate.
 
     Example: tierstream read acme/web/clicks --from 2026-11-01 --to 2026-11-02 --out day1.parquet
     """
@@ -638,24 +647,32 @@ def read_cmd(
 
     import tierstream
     from tierstream.local import run_splits
-    from tierstream.schema import READ_SCHEMA
+    from tierstream.schema import OUTPUT_SCHEMA, as_output_batch
+    from tierstream.store.client import Admin
 
     if out_path.suffix != ".parquet":
         raise ConfigError(f"--out {str(out_path)!r} must end in .parquet")
+    if out_path.exists():
+        raise ConfigError(f"--out {str(out_path)!r} exists; choose a new file (nothing was "
+                          "written)")
     if not out_path.parent.exists():
         raise ConfigError(f"--out directory {str(out_path.parent)!r} does not exist")
-    kwargs = _query_kwargs(from_, to, key_ranges, max_split_bytes, reader, fail_on_data_loss,
-                           data_dir, broker, auth_token)
+    kwargs = _query_kwargs(topic, from_, to, key_ranges, max_split_bytes, reader,
+                           fail_on_data_loss, data_dir, broker, auth_token)
+    with Admin(broker, auth_token=auth_token) as admin:
+        cut = end_cut(admin, topic, kwargs["end"])
+    if cut is not None:
+        kwargs["end"] = cut  # planned up to exactly the cut this command reports
     splits = tierstream.plan(topic, **kwargs)
     t0 = time.perf_counter()
     rows = nbytes = 0
     tmp = out_path.with_name(f".{out_path.name}.partial")
     try:
-        with pq.ParquetWriter(tmp, READ_SCHEMA, compression="zstd") as writer, \
+        with pq.ParquetWriter(tmp, OUTPUT_SCHEMA, compression="zstd") as writer, \
                 _progress(True) as progress:
             task = progress.add_task("reading", total=sum(s.estimated_bytes for s in splits))
             for batch in run_splits(splits, auth_token=auth_token):
-                writer.write_batch(batch)
+                writer.write_batch(as_output_batch(batch))
                 rows += batch.num_rows
                 nbytes += batch.nbytes
                 progress.update(task, completed=min(nbytes, progress.tasks[0].total or 0))
@@ -668,6 +685,18 @@ def read_cmd(
             err.print(f"{kind}: {count} split(s)", highlight=False)
     err.print(f"wrote {rows:,} rows ({_human_bytes(nbytes)} in memory) to {out_path} in "
               f"{seconds:.2f}s", highlight=False)
+    _report_cut(cut, cut_out)
+
+
+def _report_cut(cut: Any, cut_out: Path | None) -> None:
+    """Print the end cut (and write it to ``cut_out``): where a next read starts."""
+    if cut is None:
+        return
+    if cut_out is not None:
+        write_cut(cut, cut_out)
+        err.print(f"end cut written to {cut_out} (continue with --from @{cut_out})",
+                  highlight=False)
+    err.print(f"end cut: {cut.to_json()}", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -688,12 +717,14 @@ def backfill(
     max_split_bytes: SplitBytesOpt = None,
     reader: ReaderOpt = None,
     fail_on_data_loss: LossOpt = True,
+    cut_out: CutOutOpt = None,
     data_dir: DataDirOpt = Path(DEFAULT_DATA_DIR),
     broker: BrokerOpt = DEFAULT_BROKER_URL,
     auth_token: TokenOpt = None,
 ) -> None:
     """Run the backfill on Spark: a bounded read of the topic, written as Parquet files or
-    as an Iceberg table. Nothing is left behind if it fails.
+    as an Iceberg table. Nothing is left behind if it fails. Prints the end cut, from which
+    `tail --from` continues with no gap and no duplicate.
 
     Example: tierstream backfill acme/web/clicks --from 2026-11-01 --to 2026-11-08
     --out ./clicks-week --key-ranges 4 --format iceberg
@@ -704,8 +735,14 @@ def backfill(
     options = {"topic": topic, "dataDir": str(data_dir), "broker": broker,
                "keyRanges": str(key_ranges),
                "failOnDataLoss": "true" if fail_on_data_loss else "false"}
-    options.update(_spark_bound(from_, "--from", "starting", "backfill"))
-    options.update(_spark_bound(to, "--to", "ending", "backfill"))
+    from tierstream.store.client import Admin
+
+    start = parse_bound(from_, "--from", topic)
+    end = parse_bound(to, "--to", topic)
+    with Admin(broker, auth_token=auth_token) as admin:
+        cut = end_cut(admin, topic, end)
+    options.update(spark_bound(start, "--from", "starting", "backfill"))
+    options.update(spark_bound(end if cut is None else cut, "--to", "ending", "backfill"))
     if max_split_bytes is not None:
         from tierstream.options import parse_size
 
@@ -738,16 +775,7 @@ def backfill(
         out.print(f"Iceberg table {result.table} in {result.catalog_uri}; read it with "
                   f"SqlCatalog('default', uri='{result.catalog_uri}').load_table('{result.table}')"
                   f" or spark.read.parquet('{result.out}/data')", highlight=False)
-
-
-def _spark_bound(text: str, flag: str, side: str, command: str) -> dict[str, str]:
-    """``--from``/``--to`` as the Spark source's ``<side>Time`` or ``<side>Position`` option."""
-    offset = Offset.parse(text, what=flag)
-    if offset.kind is OffsetKind.TIME:
-        return {f"{side}Time": str(offset.time_ms)}
-    if offset.kind is OffsetKind.POSITION:
-        raise ConfigError(f"{flag} {text!r}: {command} takes a time, earliest or latest")
-    return {f"{side}Position": offset.kind.value}
+    _report_cut(cut, cut_out)
 
 
 @app.command("tail")
@@ -762,6 +790,9 @@ def tail_cmd(
         = False,
     max_records_per_trigger: Annotated[int | None, typer.Option(
         help="At most this many messages per micro-batch.")] = None,
+    subscription: Annotated[str | None, typer.Option(
+        help="Durable cursor the stream advances [default: derived from --checkpoint, so "
+             "each query has its own].")] = None,
     key_ranges: KeyRangesOpt = 1,
     data_dir: DataDirOpt = Path(DEFAULT_DATA_DIR),
     broker: BrokerOpt = DEFAULT_BROKER_URL,
@@ -771,24 +802,44 @@ def tail_cmd(
 
     Example: tierstream tail acme/web/clicks --out ./clicks-live --checkpoint ./ckpt
     """
-    from tierstream.spark_adapter.jobs import local_spark
+    from tierstream.spark_adapter.jobs import checkpoint_subscription, local_spark
     from tierstream.spark_adapter.jobs import tail as run_tail
 
     options = {"topic": topic, "dataDir": str(data_dir), "broker": broker,
-               "keyRanges": str(key_ranges), **_spark_bound(from_, "--from", "starting", "tail")}
+               "keyRanges": str(key_ranges),
+               "subscription": subscription or checkpoint_subscription(checkpoint),
+               **spark_bound(parse_bound(from_, "--from", topic), "--from", "starting", "tail")}
     if max_records_per_trigger is not None:
         options["maxRecordsPerTrigger"] = str(max_records_per_trigger)
     if auth_token:
         options["authToken"] = auth_token
+    from tierstream.store.client import Admin
+
+    def on_batch(batch_id: int, rows: int, progress: dict[str, Any]) -> None:
+        err.print(f"micro-batch {batch_id}: {rows:,} rows; {_lag(admin, topic, sub)}",
+                  highlight=False)
+
+    sub = options["subscription"]
     spark = local_spark("tierstream-tail")
     try:
-        batches = run_tail(spark, options, out_path, checkpoint, available_now=available_now,
-                           on_batch=lambda b, n: err.print(f"micro-batch {b}: {n:,} rows",
-                                                           highlight=False))
+        with Admin(broker, auth_token=auth_token) as admin:
+            batches = run_tail(spark, options, out_path, checkpoint,
+                               available_now=available_now, on_batch=on_batch)
     finally:
         spark.stop()
     out.print(f"tail of {topic}: {batches} micro-batch(es) with rows -> {out_path}",
               highlight=False)
+
+
+def _lag(admin: Any, topic: str, subscription: str) -> str:
+    """How far the stream's cursor is behind the log, per partition (from the broker)."""
+    try:
+        rows = [r for r in admin.subscriptions(topic) if r["subscription"] == subscription]
+    except TierstreamError as exc:
+        return f"lag unknown ({exc})"
+    behind = sum(r["backlog"] for r in rows)
+    parts = ", ".join(f"p{r['partition']} {r['backlog']:,}" for r in rows)
+    return f"behind: {behind:,} message(s) ({parts or 'no cursor yet'})"
 
 
 @app.command()

@@ -233,9 +233,19 @@ OPTIONS: dict[str, Option] = {
                kind="a size such as 64MiB", scopes=("read",),
                description="Streaming: about this many bytes per micro-batch (converted to "
                            "messages with the topic's average message size)."),
-        Option(key="subscription", parse=_string, default="tierstream-spark",
+        Option(key="minRecordsPerTrigger", parse=_positive_int, default=None,
+               kind="an integer >= 1", scopes=("read",),
+               description="Streaming: wait for at least this many new messages before a "
+                           "micro-batch, up to maxTriggerDelay (as Spark's Kafka source)."),
+        Option(key="maxTriggerDelay", parse=_duration, default=15 * 60_000,
+               kind="a duration such as 30s or 15m", scopes=("read",),
+               description="Streaming: run a micro-batch after this long even below "
+                           "minRecordsPerTrigger."),
+        Option(key="subscription", parse=_string, default=None,
                kind="a subscription name", scopes=("read",),
-               description="Streaming: the durable cursor a committed micro-batch advances."),
+               description="Streaming: the durable cursor a committed micro-batch advances "
+                           "(default: one per query, derived from what it reads; tierstream "
+                           "tail derives it from the checkpoint)."),
     ]
 }
 

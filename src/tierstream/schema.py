@@ -18,8 +18,12 @@ __all__ = [
     "KEY_HASH_SLOTS",
     "MESSAGE_SCHEMA",
     "NONE_KEY",
+    "OUTPUT_DDL",
+    "OUTPUT_SCHEMA",
     "PRODUCE_SCHEMA",
     "READ_SCHEMA",
+    "TIMESTAMP",
+    "as_output_batch",
     "as_produce_batch",
     "key_hash",
     "key_hashes",
@@ -51,6 +55,38 @@ MESSAGE_SCHEMA = pa.schema(
 
 #: What readers yield: the message schema with the topic in front.
 READ_SCHEMA = pa.schema([pa.field("topic", pa.string(), nullable=False), *MESSAGE_SCHEMA])
+
+#: Publish and event time in tables and DataFrames: UTC instants in microseconds, as Spark's
+#: TimestampType and every Parquet reader take them.
+TIMESTAMP = pa.timestamp("us", tz="UTC")
+
+_OUTPUT_ORDER = ("topic", "partition", "key", "key_hash", "value", "publish_time", "event_time",
+                 "properties", "segment_id", "entry_id", "batch_index")
+
+#: What every table tierstream writes (``read``, ``backfill``, ``tail``) and every Spark
+#: DataFrame it returns has: :data:`READ_SCHEMA` with the times as :data:`TIMESTAMP`.
+OUTPUT_SCHEMA = pa.schema([
+    pa.field(n, TIMESTAMP, READ_SCHEMA.field(n).nullable)
+    if n in ("publish_time", "event_time") else READ_SCHEMA.field(n) for n in _OUTPUT_ORDER])
+
+_DDL_TYPES = {pa.string(): "string", pa.int32(): "int", pa.int64(): "bigint",
+              pa.binary(): "binary", TIMESTAMP: "timestamp", _PROPERTIES: "map<string,string>"}
+
+#: :data:`OUTPUT_SCHEMA` as a Spark DDL string.
+OUTPUT_DDL = ", ".join(f"{f.name} {_DDL_TYPES[f.type]}{'' if f.nullable else ' not null'}"
+                       for f in OUTPUT_SCHEMA)
+
+
+def as_output_batch(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """A reader batch (READ_SCHEMA) as exactly :data:`OUTPUT_SCHEMA`: ms times become µs."""
+    columns = []
+    for field in OUTPUT_SCHEMA:
+        col = batch.column(field.name)
+        if field.type == TIMESTAMP:
+            col = pc.multiply(col, pa.scalar(1000, pa.int64())).cast(TIMESTAMP)
+        columns.append(col)
+    return pa.RecordBatch.from_arrays(columns, schema=OUTPUT_SCHEMA)
+
 
 #: What a producer sends: the broker fills in key_hash, positions and the final publish_time.
 #: ``publish_time`` here is a *requested* time (null = now); the broker never lets it go backwards.

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import tierstream as ts
-from tierstream.errors import ConfigError
+from tierstream.errors import ConfigError, UnavailableError
 from tierstream.spark_adapter.jobs import backfill
 
 from ..framework.logs import BASE, TOPIC, append, running_log
@@ -82,10 +82,11 @@ def test_a_failed_backfill_leaves_nothing(spark: Any, log: Any, tmp_path: Path) 
     cut = ts.latest_cut(TOPIC, **log.kw())
     for fmt in ("parquet", "iceberg"):
         out = tmp_path / fmt
-        with pytest.raises(Exception, match="cannot reach the broker"):
-            backfill(spark, _options(log, broker="grpc://127.0.0.1:1",
+        with pytest.raises(UnavailableError, match="stayed unavailable for 1s") as info:
+            backfill(spark, _options(log, broker="grpc://127.0.0.1:1", reconnectTimeout="1s",
                                      endingPosition=json.dumps(cut.to_dict())),
                      str(out), format=fmt)
+        assert "\n" not in str(info.value)  # the error at the root, not Spark's pages of trace
         assert not out.exists()
 
 

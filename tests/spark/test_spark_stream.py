@@ -47,8 +47,12 @@ def test_available_now_with_a_read_limit_runs_several_batches_and_stops(
 
         with Admin(log.url) as admin:
             progress = admin.subscriptions(TOPIC)
+        own = _Settings({"topic": TOPIC, "maxRecordsPerTrigger": "250"}).subscription
+        assert own.startswith("spark-")  # each query its own cursor by default
         assert {(r["subscription"], r["partition"], r["backlog"]) for r in progress} == {
-            ("tierstream-spark", 0, 0), ("tierstream-spark", 1, 0)}
+            (own, 0, 0), (own, 1, 0)}
+        # Spark's progress shows what the broker had: the source's latestOffset
+        assert all(p["sources"][0]["latestOffset"] is not None for p in batches)
 
 
 def test_a_replayed_batch_reads_the_same_rows_after_its_segments_moved(tmp_path: Path
@@ -120,7 +124,7 @@ def test_a_namespace_stream_picks_up_topics_created_mid_stream(tmp_path: Path) -
         assert sorted(got) == sorted(want)
         assert set(offset["cuts"]) == {"acme/web/clicks", "acme/web/signups", "acme/web/views"}
         for topic in offset["cuts"]:  # each committed batch moved every topic's cursor
-            assert log.store.metadata.get_cursor(topic, "tierstream-spark", 0) is not None
+            assert log.store.metadata.get_cursor(topic, settings.subscription, 0) is not None
         # the stream's offset is a batch read's bound too: everything up to it, once
         import json
 

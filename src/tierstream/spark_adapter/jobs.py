@@ -18,11 +18,12 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from tierstream.errors import ConfigError
+from tierstream.errors import ERRORS_BY_CODE, ConfigError, TierstreamError
 from tierstream.splits.positions import Offset, OffsetKind
 from tierstream.splits.split import cuts_to_dict
 
-__all__ = ["BackfillResult", "backfill", "local_spark", "tail"]
+__all__ = ["BackfillResult", "backfill", "checkpoint_subscription", "local_spark", "query_error",
+           "tail"]
 
 
 FORMATS = ("parquet", "iceberg")
@@ -42,15 +43,22 @@ class BackfillResult:
 
 
 def local_spark(app_name: str = "tierstream") -> Any:
-    """A local SparkSession whose Python workers run this interpreter."""
+    """A SparkSession whose Python workers run this interpreter. A local master
+    (``TIERSTREAM_SPARK_MASTER``, default ``local[*]``) binds the driver to loopback unless
+    ``SPARK_LOCAL_IP`` names another address."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
-    spark = (SparkSession.builder.master(os.environ.get("TIERSTREAM_SPARK_MASTER", "local[*]"))
-             .appName(app_name).config("spark.ui.enabled", "false")
-             .config("spark.ui.showConsoleProgress", "false")
-             .config("spark.sql.session.timeZone", "UTC").getOrCreate())
+    master = os.environ.get("TIERSTREAM_SPARK_MASTER", "local[*]")
+    builder = (SparkSession.builder.master(master).appName(app_name)
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.sql.session.timeZone", "UTC"))
+    if master.startswith("local") and not os.environ.get("SPARK_LOCAL_IP"):
+        builder = builder.config("spark.driver.bindAddress", "127.0.0.1") \
+            .config("spark.driver.host", "127.0.0.1")
+    spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     return spark
 
@@ -105,9 +113,14 @@ def backfill(spark: Any, options: dict[str, str], out: str, *, format: str = "pa
         if sink is not None:
             _tidy(data_dir)
             sink.commit(files)
-    except BaseException:
+    except (TierstreamError, KeyboardInterrupt):
         shutil.rmtree(out, ignore_errors=True)
         raise
+    except Exception as exc:  # Spark's wrapping of the real error: pages of trace
+        shutil.rmtree(out, ignore_errors=True)
+        if os.environ.get("TIERSTREAM_DEBUG"):
+            raise
+        raise query_error(exc) from None
     seconds = time.perf_counter() - t0
     kinds = Counter(s.reader.value for s in splits)
     return BackfillResult(dict(kinds), rows, sum(s.estimated_bytes for s in splits),
@@ -230,6 +243,31 @@ class _IcebergSink:
             tx.commit_transaction()
 
 
+def checkpoint_subscription(checkpoint: str) -> str:
+    """The subscription of a stream with this checkpoint: its own durable cursor, the same
+    across restarts of the query, different for another query."""
+    import hashlib
+
+    digest = hashlib.sha256(os.path.abspath(checkpoint).encode()).hexdigest()[:12]
+    return f"spark-{digest}"
+
+
+def query_error(exc: BaseException) -> TierstreamError:
+    """A failed Spark query as the tierstream error at its root, in one line: Spark wraps a
+    Python source's error in pages of Java and Python trace."""
+    import re
+
+    text = str(exc)
+    found = re.findall(r"tierstream\.errors\.(\w+): ([^\n]+)", text)
+    if found:
+        name, message = found[-1]
+        cls = {c.__name__: c for c in ERRORS_BY_CODE.values()}.get(name, TierstreamError)
+        return cls(message.strip())
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return TierstreamError(f"the Spark query failed: {lines[0] if lines else type(exc).__name__}"
+                           " (run with --debug for Spark's trace)")
+
+
 def tail(spark: Any, options: dict[str, str], out: str, checkpoint: str, *,
          available_now: bool, on_batch: Any = None) -> int:
     """Run the streaming read into a Parquet sink until stopped (Ctrl-C / SIGTERM) or, with
@@ -257,17 +295,22 @@ def tail(spark: Any, options: dict[str, str], out: str, checkpoint: str, *,
     seen = 0
     try:
         while query.isActive and not stop.is_set():
-            query.awaitTermination(0.5)
+            try:
+                query.awaitTermination(0.5)
+            except Exception as exc:  # the query failed: its error, not Spark's trace
+                if os.environ.get("TIERSTREAM_DEBUG"):
+                    raise
+                raise query_error(exc) from None
             progress = [p for p in query.recentProgress if p.get("numInputRows")]
             if on_batch is not None and len(progress) > seen:
                 for p in progress[seen:]:
-                    on_batch(p["batchId"], p["numInputRows"])
+                    on_batch(p["batchId"], p["numInputRows"], p)
                 seen = len(progress)
         if query.isActive:
             query.stop()
-        exc = query.exception()
-        if exc is not None:
-            raise RuntimeError(f"streaming query failed: {exc}")
+        failure = query.exception()
+        if failure is not None:
+            raise query_error(failure)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

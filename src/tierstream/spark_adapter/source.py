@@ -12,12 +12,13 @@ from dataclasses import replace
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyspark
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from tierstream.errors import ConfigError
+from tierstream.names import TopicName
 from tierstream.options import parse_options
+from tierstream.schema import OUTPUT_DDL, OUTPUT_SCHEMA, as_output_batch
 from tierstream.splits.positions import Offset
 from tierstream.splits.split import Cuts, ReaderKind, Split, StreamCut, cuts_from_dict
 
@@ -36,33 +37,11 @@ _PUSHDOWN_LEAKS = tuple(int(x) for x in _PYSPARK_VERSION.split(".")[:2] if x.isd
 PUSHDOWN_CONF = "spark.sql.python.filterPushdown.enabled"
 
 #: The DataFrame schema: publish/event time as Spark timestamps, the rest as in schema.py.
-SPARK_SCHEMA = (
-    "topic string not null, partition int not null, key string, key_hash int not null, "
-    "value binary not null, publish_time timestamp not null, event_time timestamp, "
-    "properties map<string,string>, segment_id bigint not null, entry_id bigint not null, "
-    "batch_index int not null"
-)
+SPARK_SCHEMA = OUTPUT_DDL
 
-_TS = pa.timestamp("us", tz="UTC")
-SPARK_ARROW_SCHEMA = pa.schema([
-    pa.field("topic", pa.string(), False), pa.field("partition", pa.int32(), False),
-    pa.field("key", pa.string()), pa.field("key_hash", pa.int32(), False),
-    pa.field("value", pa.binary(), False), pa.field("publish_time", _TS, False),
-    pa.field("event_time", _TS), pa.field("properties", pa.map_(pa.string(), pa.string())),
-    pa.field("segment_id", pa.int64(), False), pa.field("entry_id", pa.int64(), False),
-    pa.field("batch_index", pa.int32(), False),
-])
-
-
-def to_spark_batch(batch: pa.RecordBatch) -> pa.RecordBatch:
-    """A reader batch (READ_SCHEMA) as exactly SPARK_ARROW_SCHEMA: ms times become µs."""
-    columns = []
-    for field in SPARK_ARROW_SCHEMA:
-        col = batch.column(field.name)
-        if field.type == _TS:
-            col = pc.multiply(col, pa.scalar(1000, pa.int64())).cast(_TS)
-        columns.append(col)
-    return pa.RecordBatch.from_arrays(columns, schema=SPARK_ARROW_SCHEMA)
+#: Spark's Arrow schema is the output schema every command writes (schema.py).
+SPARK_ARROW_SCHEMA = OUTPUT_SCHEMA
+to_spark_batch = as_output_batch
 
 
 #: Rows per batch handed to Spark: readers yield what they decode (a tier row group can be
@@ -103,6 +82,14 @@ class _Settings:
             raise ConfigError("options 'startingTime' and 'startingPosition' exclude each other")
         if opts["endingTime"] is not None and opts["endingPosition"] is not None:
             raise ConfigError("options 'endingTime' and 'endingPosition' exclude each other")
+        for topic in self.topics:
+            TopicName.parse(topic)  # 'a/../b' fails here, before any path is built
+        if self.namespace is not None:
+            TopicName.parse(self.namespace + "/x")
+        if opts["startingTime"] is not None and opts["endingTime"] is not None \
+                and opts["endingTime"] < opts["startingTime"]:
+            raise ConfigError(f"option 'endingTime' ({opts['endingTime']}) is before "
+                              f"'startingTime' ({opts['startingTime']})")
         self.start = _bound(opts["startingPosition"], "startingPosition", opts["startingTime"],
                             default=Offset.earliest())
         self.end = _bound(opts["endingPosition"], "endingPosition", opts["endingTime"],
@@ -123,13 +110,33 @@ class _Settings:
         self.fail_on_data_loss: bool = opts["failOnDataLoss"]
         self.max_records_per_trigger: int | None = opts["maxRecordsPerTrigger"]
         self.max_bytes_per_trigger: int | None = opts["maxBytesPerTrigger"]
-        self.subscription: str = opts["subscription"]
+        self.min_records_per_trigger: int | None = opts["minRecordsPerTrigger"]
+        self.max_trigger_delay_ms: int = opts["maxTriggerDelay"]
+        self.subscription: str = opts["subscription"] or self._derived_subscription(opts)
         self.data_dir: str = opts["dataDir"]
         self.broker: str = opts["broker"]
         self.auth_token: str | None = opts["authToken"]
         self.s3_endpoint: str | None = opts["s3Endpoint"]
         self.s3_region: str | None = opts["s3Region"]
         self.reconnect_timeout_ms: int = opts["reconnectTimeout"]
+
+    def check_exists(self) -> None:
+        """At ``load()``: the topics (or the namespace) exist. Raises NotFoundError."""
+        from tierstream.enumerator import Query
+
+        with self.enumerator() as enum:
+            enum.topics(Query(topics=self.topics, namespace=self.namespace))
+
+    @staticmethod
+    def _derived_subscription(opts: dict[str, Any]) -> str:
+        """One cursor per query by default: a name derived from what the query reads, so a
+        restarted query keeps its cursor and a different one does not overwrite it."""
+        import hashlib
+
+        what = json.dumps([opts["topic"], opts["topics"], opts["namespace"],
+                           opts["startingPosition"], opts["startingTime"], opts["keyRanges"]],
+                          sort_keys=True, default=str)
+        return "spark-" + hashlib.sha256(what.encode()).hexdigest()[:12]
 
     def enumerator(self) -> Any:
         from tierstream.enumerator import Enumerator
@@ -178,6 +185,7 @@ class TierstreamDataSource(DataSource):
     def __init__(self, options: dict[str, str]) -> None:
         super().__init__(options)
         self.settings = _Settings(dict(options))  # bad options fail here, at load()
+        self.settings.check_exists()
 
     @classmethod
     def name(cls) -> str:

@@ -16,6 +16,7 @@ at every trigger and reads a topic that appeared mid-stream from its earliest me
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -48,6 +49,7 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
         self.single = settings.namespace is None and len(settings.topics) == 1
         self._target: Cuts | None = None
         self._cursor: dict[str, Any] | None = None  # the last offset stored as the cursor
+        self._last_batch = time.monotonic()  # when the last micro-batch was planned
 
     def _retrying(self, call: Callable[[], T], what: str) -> T:
         """A driver-side call that rides out a broker restart (option reconnectTimeout)."""
@@ -118,6 +120,13 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         return self._retrying(lambda: self._latest_offset(start, limit), "latestOffset")
 
+    def reportLatestOffset(self) -> dict[str, Any] | None:
+        """What the broker has now: Spark's progress shows it as the source's latestOffset."""
+        def latest() -> dict[str, Any]:
+            with self._admin() as admin:
+                return cuts_to_dict(self._latest(admin), single=self.single)
+        return self._retrying(latest, "reportLatestOffset")
+
     def _latest_offset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         # Spark asks from the end of the last batch, which its commit log already holds:
         # that batch is done. Spark's own commit(end) for it only comes once a next batch is
@@ -131,6 +140,9 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
             for topic in target:  # a topic new since the last batch starts at its beginning
                 if topic not in begin:
                     begin[topic] = _earliest(admin, target[topic])
+            if self._too_few(admin, begin, target):
+                return start  # wait for minRecordsPerTrigger, up to maxTriggerDelay
+            self._last_batch = time.monotonic()
             if isinstance(limit, ReadMaxRows):
                 budget = int(limit.max_rows)
             elif isinstance(limit, ReadMaxBytes):
@@ -139,6 +151,21 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
                 return cuts_to_dict({**begin, **target}, single=self.single)
             ends = _advance(admin, begin, target, budget)
         return cuts_to_dict(ends, single=self.single)
+
+    def _too_few(self, admin: Any, begin: Cuts, target: Cuts) -> bool:
+        """Whether fewer than ``minRecordsPerTrigger`` messages are new and the last batch
+        is younger than ``maxTriggerDelay`` (AvailableNow never waits)."""
+        least = self.settings.min_records_per_trigger
+        if least is None or self._target is not None:
+            return False
+        if time.monotonic() - self._last_batch >= self.settings.max_trigger_delay_ms / 1000:
+            return False
+        new = 0  # counted from the brokers' entry indexes, only up to ``least``
+        for t, cut in target.items():
+            for p in cut.partitions:
+                if new < least and begin[t][p] < cut[p]:
+                    new += admin.advance(t, begin[t][p], least - new, cut[p])[1]
+        return new < least
 
     # -- micro-batches ------------------------------------------------------------------------
 

@@ -1,0 +1,54 @@
+"""What the Spark adapter checks at load(), and the SparkSession the CLI starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tierstream.spark_adapter import register
+from tierstream.spark_adapter.source import _Settings
+
+from ..framework.logs import TOPIC, fill, running_log
+
+pytestmark = pytest.mark.spark
+
+
+@pytest.mark.parametrize(("options", "needle"), [
+    ({"topic": "acme/../b"}, "invalid topic name"),
+    ({"topic": "acme/web/missing"}, "does not exist"),
+    ({"topic": TOPIC, "startingTime": "2026-11-02", "endingTime": "2026-11-01"},
+     "is before 'startingTime'"),
+])
+def test_bad_options_fail_at_load_not_when_the_query_runs(spark: Any, tmp_path: Path,
+                                                          options: dict[str, str],
+                                                          needle: str) -> None:
+    with running_log(tmp_path / "data") as log:
+        fill(log, partitions=1, batches=2, keys=3)
+        register(spark)
+        reader = spark.read.format("tierstream").option("dataDir", str(log.data_dir)) \
+            .option("broker", log.url).options(**options)
+        with pytest.raises(Exception, match=needle):
+            reader.load()  # no action: nothing runs yet
+
+
+def test_each_query_gets_its_own_subscription_by_default() -> None:
+    a = _Settings({"topic": TOPIC}).subscription
+    b = _Settings({"topic": TOPIC, "startingPosition": "latest"}).subscription
+    assert a != b and a == _Settings({"topic": TOPIC}).subscription
+    assert _Settings({"topic": TOPIC, "subscription": "mine"}).subscription == "mine"
+
+
+def test_the_cli_starts_local_spark_on_loopback() -> None:
+    script = ("from tierstream.spark_adapter.jobs import local_spark\n"
+              "s = local_spark('t')\n"
+              "print(s.conf.get('spark.driver.host'), s.conf.get('spark.driver.bindAddress'))\n"
+              "s.stop()\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=180, env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
+                                            "TIERSTREAM_SPARK_MASTER": "local[1]"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["127.0.0.1", "127.0.0.1"]
