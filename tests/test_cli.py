@@ -83,6 +83,9 @@ def test_a_session_through_the_cli(broker: BrokerProcess, data_dir: Path) -> Non
     (["produce", "a/b/c"], "not json\n", "stdin line 1 is not JSON"),
     (["produce", "a/b/c", "--generate", "10", "--start-time", "soon"], None,
      "invalid --start-time 'soon'"),
+    (["consume", "a/b/c", "--from", "1793664000"], None, "looks like epoch seconds"),
+    (["read", "a/b/c", "--out", "x.parquet", "--from", '{"v": 1}'], None,
+     "invalid --from"),
 ])
 def test_bad_input_is_one_clear_line_and_exit_status_2(args: list[str], stdin: str | None,
                                                        needle: str) -> None:
@@ -92,12 +95,42 @@ def test_bad_input_is_one_clear_line_and_exit_status_2(args: list[str], stdin: s
     assert "Traceback" not in proc.stderr
 
 
-def test_bad_stdin_sends_nothing(broker: BrokerProcess) -> None:
+def test_a_bad_stdin_line_stops_produce_after_the_lines_before_it(broker: BrokerProcess
+                                                                   ) -> None:
     env = {"TIERSTREAM_BROKER": broker.url or ""}
     run("topic", "create", "a/b/c", env=env)
-    proc = run("produce", "a/b/c", stdin='{"value": "ok"}\n{"value": 5}\n', env=env)
+    proc = run("produce", "a/b/c", stdin='{"value": "ok"}\n{"value": 5}\n{"value": "no"}\n',
+               env=env)
     assert proc.returncode == 2 and "stdin line 2" in proc.stderr
-    assert run("consume", "a/b/c", env=env).stdout == ""
+    assert "the 1 message(s) before it were sent to a/b/c, none after it" in proc.stderr
+    assert [json.loads(x)["value"] for x in run("consume", "a/b/c", env=env).stdout
+            .splitlines()] == ["ok"]
+
+
+def test_produce_sends_stdin_lines_as_they_arrive(broker: BrokerProcess) -> None:
+    # Regression: produce read all of stdin before sending anything.
+    env = {"TIERSTREAM_BROKER": broker.url or ""}
+    run("topic", "create", "a/b/live", env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "tierstream", "produce", "a/b/live"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+    try:
+        assert proc.stdin is not None
+        proc.stdin.write('{"value": "first"}\n')
+        proc.stdin.flush()  # the pipe stays open: a live source
+
+        def stored() -> list[str]:
+            out = run("consume", "a/b/live", env=env).stdout
+            return [json.loads(x)["value"] for x in out.splitlines()]
+
+        wait_for(lambda: stored() == ["first"], timeout=30,
+                 what="the first line to be sent while stdin is still open")
+        proc.stdin.write('{"value": "second"}\n')
+        proc.stdin.close()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+    assert stored() == ["first", "second"]
 
 
 def test_unreachable_broker_exit_status_1() -> None:
@@ -302,3 +335,24 @@ def test_tail_rides_out_a_broker_restart_and_reports_its_lag(start_broker, free_
     subs = run("subscriptions", "acme/web/clicks", "--json", env=env)
     names = {r["subscription"] for r in json.loads(subs.stdout)}
     assert names == {checkpoint_subscription(str(ckpt))}
+
+
+def test_offload_says_why_each_segment_stayed(broker: BrokerProcess) -> None:
+    import time
+
+    env = {"TIERSTREAM_BROKER": broker.url or ""}
+    run("topic", "create", "a/b/old", env=env)
+    now = int(time.time() * 1000)
+    old = "\n".join(json.dumps({"value": f"o{i}", "publish_time": now - 10 * 86_400_000})
+                    for i in range(3))
+    assert run("produce", "a/b/old", stdin=old, env=env).returncode == 0
+    run("seal", "a/b/old", env=env)  # segment 1: ten days old
+    assert run("produce", "a/b/old", stdin='{"value": "new"}\n', env=env).returncode == 0
+    run("seal", "a/b/old", env=env)  # segment 2: newer (its time never goes back)
+    assert run("produce", "a/b/old", stdin='{"value": "newest"}\n', env=env).returncode == 0
+    proc = run("offload", "a/b/old", "--older-than", "7d", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "offloaded 1 segment(s)" in proc.stdout
+    assert "kept 2 segment(s) where they are" in proc.stdout
+    assert "younger than --older-than 7d" in proc.stdout
+    assert "open: still being written" in proc.stdout

@@ -8,6 +8,7 @@ Errors are one line on stderr naming the bad value; exit status 2 for bad input,
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import logging
 import os
@@ -281,8 +282,10 @@ def produce(
     """Produce messages: JSON lines from stdin, or --generate N synthetic clicks.
 
     A stdin line is {"value": "...", "key": "...", "event_time": ms, "properties": {...},
-    "publish_time": ms} (only value is required; "value_b64" for binary values). All lines
-    are checked before anything is sent.
+    "publish_time": ms} (only value is required; "value_b64" for binary values). Lines are
+    sent as they arrive (batched for up to 50 ms or --batch-size lines), so a live source can
+    be piped in. Each line is checked: at a bad one, everything before it has been sent and
+    nothing after it is, and the error names the line.
 
     Example: tierstream produce acme/web/clicks --generate 100000 --keys 50
     --start-time 2026-11-01T00:00:00Z --step-ms 60
@@ -296,59 +299,118 @@ def produce(
     if step_ms < 0:
         raise ConfigError(f"invalid --step-ms {step_ms}: expected >= 0")
     t0 = parse_time_ms(start_time, what="--start-time") if start_time is not None else None
+    if batch_size < 1:
+        raise ConfigError(f"invalid --batch-size {batch_size}: expected >= 1")
+    total: int | None
     if generate is None:
-        messages = list(_stdin_messages())
-        total = len(messages)
-        chunks: Iterator[list[dict[str, Any]]] = _chunked(iter(messages), batch_size * 8)
+        total = None
+        stdin = _stdin_batches(batch_size, linger_s=0.05)
+        first = next(stdin, None)  # the first lines are read and checked before connecting
+        chunks: Iterator[list[dict[str, Any]]] = itertools.chain(
+            [first] if first is not None else [], stdin)
     else:
         total = generate
         chunks = _chunked(_generated(generate, keys, t0, step_ms, value_size), batch_size * 8)
     sent = 0
     with Producer(topic, broker=broker, auth_token=auth_token, name=producer_name,
-                  batch_size=batch_size) as producer, _progress(total > 50_000) as progress:
+                  batch_size=batch_size) as producer, \
+            _progress(total is not None and total > 50_000) as progress:
         task = progress.add_task("producing", total=total)
-        for chunk in chunks:
-            producer.send_many(chunk)
-            sent += len(chunk)
-            progress.update(task, completed=sent)
+        try:
+            for chunk in chunks:
+                producer.send_many(chunk)
+                sent += len(chunk)
+                progress.update(task, completed=sent)
+        except ConfigError as exc:
+            if generate is None:
+                raise ConfigError(f"{exc}; the {sent} message(s) before it were sent to "
+                                  f"{topic}, none after it") from None
+            raise
     err.print(f"produced {sent} message(s) to {topic}", highlight=False)
 
 
-def _stdin_messages() -> Iterator[dict[str, Any]]:
-    for lineno, line in enumerate(sys.stdin, 1):
-        if not line.strip():
-            continue
+def _stdin_batches(batch_size: int, *, linger_s: float) -> Iterator[list[dict[str, Any]]]:
+    """Checked messages from stdin lines as they arrive: a batch goes out when it has
+    ``batch_size`` lines or its first line waited ``linger_s``. A bad line ends it, after the
+    lines before it were handed out."""
+    import queue
+    import threading
+    import time
+
+    lines: queue.Queue[tuple[int, str] | None] = queue.Queue(maxsize=4 * batch_size)
+
+    def read() -> None:  # a thread, so that lingering does not wait on a blocking readline
         try:
-            obj = json.loads(line)
-        except ValueError:
-            raise ConfigError(f"stdin line {lineno} is not JSON: {line.strip()[:80]!r}") from None
-        if not isinstance(obj, dict):
-            raise ConfigError(f"stdin line {lineno}: expected a JSON object, got {line[:80]!r}")
-        unknown = set(obj) - {"value", "value_b64", "key", "event_time", "properties",
-                              "publish_time"}
-        if unknown:
-            raise ConfigError(f"stdin line {lineno}: unknown field(s) {sorted(unknown)}")
-        if "value_b64" in obj:
-            try:
-                value = base64.b64decode(obj["value_b64"], validate=True)
-            except (ValueError, TypeError):
-                raise ConfigError(f"stdin line {lineno}: value_b64 is not base64") from None
-        elif isinstance(obj.get("value"), str):
-            value = obj["value"].encode()
-        else:
-            raise ConfigError(f"stdin line {lineno}: needs a string 'value' (or 'value_b64')")
-        key = obj.get("key")
-        if key is not None and not isinstance(key, str):
-            raise ConfigError(f"stdin line {lineno}: key must be a string, got {key!r}")
-        props = obj.get("properties")
-        if props is not None and not (isinstance(props, dict) and all(
-                isinstance(k, str) and isinstance(v, str) for k, v in props.items())):
-            raise ConfigError(f"stdin line {lineno}: properties must map strings to strings")
-        times = {}
-        for f in ("event_time", "publish_time"):
-            if obj.get(f) is not None:
-                times[f] = parse_time_ms(obj[f], what=f"{f} on stdin line {lineno}")
-        yield {"value": value, "key": key, "properties": props, **times}
+            for lineno, line in enumerate(sys.stdin, 1):
+                lines.put((lineno, line))
+        finally:
+            lines.put(None)
+
+    threading.Thread(target=read, name="tierstream-stdin", daemon=True).start()
+    batch: list[dict[str, Any]] = []
+    deadline = 0.0
+    while True:
+        try:
+            item = lines.get(timeout=max(0.0, deadline - time.monotonic()) if batch else None)
+        except queue.Empty:
+            yield batch
+            batch = []
+            continue
+        if item is None:
+            if batch:
+                yield batch
+            return
+        try:
+            message = _stdin_message(*item)
+        except ConfigError:
+            if batch:
+                yield batch
+            raise
+        if message is None:
+            continue
+        if not batch:
+            deadline = time.monotonic() + linger_s
+        batch.append(message)
+        if len(batch) >= batch_size:
+            yield batch
+            batch = []
+
+
+def _stdin_message(lineno: int, line: str) -> dict[str, Any] | None:
+    """One stdin line as a message (None for a blank line); ConfigError naming the line."""
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        raise ConfigError(f"stdin line {lineno} is not JSON: {line.strip()[:80]!r}") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"stdin line {lineno}: expected a JSON object, got {line[:80]!r}")
+    unknown = set(obj) - {"value", "value_b64", "key", "event_time", "properties",
+                          "publish_time"}
+    if unknown:
+        raise ConfigError(f"stdin line {lineno}: unknown field(s) {sorted(unknown)}")
+    if "value_b64" in obj:
+        try:
+            value = base64.b64decode(obj["value_b64"], validate=True)
+        except (ValueError, TypeError):
+            raise ConfigError(f"stdin line {lineno}: value_b64 is not base64") from None
+    elif isinstance(obj.get("value"), str):
+        value = obj["value"].encode()
+    else:
+        raise ConfigError(f"stdin line {lineno}: needs a string 'value' (or 'value_b64')")
+    key = obj.get("key")
+    if key is not None and not isinstance(key, str):
+        raise ConfigError(f"stdin line {lineno}: key must be a string, got {key!r}")
+    props = obj.get("properties")
+    if props is not None and not (isinstance(props, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in props.items())):
+        raise ConfigError(f"stdin line {lineno}: properties must map strings to strings")
+    times = {}
+    for f in ("event_time", "publish_time"):
+        if obj.get(f) is not None:
+            times[f] = parse_time_ms(obj[f], what=f"{f} on stdin line {lineno}")
+    return {"value": value, "key": key, "properties": props, **times}
 
 
 def _generated(n: int, keys: int, t0: int | None, step_ms: int, value_size: int
@@ -855,10 +917,11 @@ def offload(
     Example: tierstream offload acme/web/clicks --older-than 2d
     """
     from tierstream.store.client import Admin
-    from tierstream.timeutil import parse_duration_ms
+    from tierstream.timeutil import now_ms, parse_duration_ms
 
     older_ms = None if older_than is None else parse_duration_ms(older_than, what="--older-than")
     with Admin(broker, auth_token=auth_token) as admin:
+        before = admin.list_segments(topic)
         moved = admin.offload(topic, older_than_ms=older_ms)
     total = sum(s.bytes for s in moved)
     out.print(f"offloaded {len(moved)} segment(s), {_human_bytes(total)} of bookie data",
@@ -866,6 +929,31 @@ def offload(
     for s in moved:
         out.print(f"  partition {s.partition} segment {s.segment_id} -> {s.tier_url}",
                   highlight=False)
+    moved_ids = {s.segment_id for s in moved}
+    stayed = [s for s in before if s.segment_id not in moved_ids]
+    if stayed:
+        out.print(f"kept {len(stayed)} segment(s) where they are:", highlight=False)
+    now = now_ms()
+    for s in stayed:
+        if s.tier_url is not None:
+            why = "already in the tier"
+        elif s.state == "OPEN":
+            why = ("open: still being written (empty)" if not s.entries else
+                   "open: still being written (`tierstream seal` closes it)")
+        elif older_ms is not None and s.max_publish_time is not None \
+                and s.max_publish_time > now - older_ms:
+            age = _human_duration(now - s.max_publish_time)
+            why = f"its newest message is {age} old, younger than --older-than {older_than}"
+        else:
+            why = "not moved by the broker (see its log)"
+        out.print(f"  partition {s.partition} segment {s.segment_id}: {why}", highlight=False)
+
+
+def _human_duration(ms: int) -> str:
+    for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1000)):
+        if ms >= size:
+            return f"{ms / size:.1f}{unit}"
+    return f"{ms}ms"
 
 
 def _human_bytes(n: int) -> str:

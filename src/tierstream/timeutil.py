@@ -20,21 +20,29 @@ def now_ms() -> int:
 
 
 def parse_time_ms(value: object, *, what: str = "time") -> int:
-    """Epoch milliseconds from an int, a string of digits, or an ISO-8601 string.
+    """Epoch milliseconds from an int, a string of digits, an ISO-8601 string, or a number with
+    a unit (``1793664000s``, ``1793664000000ms``).
 
-    A naive ISO time (no offset) is taken as UTC. Raises :class:`ConfigError` naming the value.
+    A naive ISO time (no offset) is taken as UTC. A bare number between 10^9 and 10^11 is
+    refused: as milliseconds it would fall in 1970-1973, so it is almost surely epoch
+    *seconds*, and guessing would silently read the wrong window. Raises
+    :class:`ConfigError` naming the value.
     """
     if isinstance(value, bool):
         raise ConfigError(f"invalid {what} {value!r}: expected ISO-8601 or epoch milliseconds")
     if isinstance(value, int):
-        return _check_range(value, value, what)
+        return _check_range(_not_seconds(value, value, what), value, what)
     if isinstance(value, datetime):
         dt = value if value.tzinfo else value.replace(tzinfo=UTC)
         return int(dt.timestamp() * 1000)
     if isinstance(value, str):
         text = value.strip()
         if re.fullmatch(r"-?\d+", text):
-            return _check_range(int(text), value, what)
+            return _check_range(_not_seconds(int(text), value, what), value, what)
+        unit = re.fullmatch(r"(\d+)(ms|s)", text)
+        if unit:
+            n = int(unit.group(1)) * (1000 if unit.group(2) == "s" else 1)
+            return _check_range(n, value, what)
         try:
             dt = datetime.fromisoformat(text.replace("Z", "+00:00"))
         except ValueError:
@@ -47,6 +55,16 @@ def parse_time_ms(value: object, *, what: str = "time") -> int:
         f"invalid {what} {value!r}: expected ISO-8601 (e.g. 2026-11-01T00:00:00Z) "
         "or epoch milliseconds (e.g. 1793491200000)"
     )
+
+
+def _not_seconds(n: int, shown: object, what: str) -> int:
+    if 1_000_000_000 <= n < 100_000_000_000:
+        as_s = datetime.fromtimestamp(n, tz=UTC).isoformat().replace("+00:00", "Z")
+        raise ConfigError(
+            f"ambiguous {what} {shown!r}: as epoch milliseconds it is in 1970-1973, so it looks "
+            f"like epoch seconds ({as_s}); write {n}s, {n * 1000} (milliseconds) or an "
+            "ISO-8601 time")
+    return n
 
 
 def _check_range(ms: int, shown: object, what: str) -> int:

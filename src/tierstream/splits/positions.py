@@ -189,7 +189,9 @@ class Offset:
             return cls.at_position(Position.parse(t))
         try:
             return cls(OffsetKind.TIME, time_ms=parse_time_ms(t, what=what))
-        except ConfigError:
+        except ConfigError as exc:
+            if str(exc).startswith("ambiguous"):
+                raise  # it says what to write instead
             raise ConfigError(
                 f"invalid {what} {text!r}: expected earliest, latest, an ISO-8601 time, "
                 "epoch milliseconds, or a position partition:segment:entry[:batch]"
