@@ -37,7 +37,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 broker_app = typer.Typer(help="Run the embedded broker.", no_args_is_help=True)
-topic_app = typer.Typer(help="Create and list topics.", no_args_is_help=True)
+topic_app = typer.Typer(help="Create, list, change and delete topics.", no_args_is_help=True)
 app.add_typer(broker_app, name="broker")
 app.add_typer(topic_app, name="topic")
 
@@ -169,6 +169,10 @@ def broker_start(
     segment_rollover_time: Annotated[str | None, typer.Option(help="Rollover by age, e.g. 4h.")]
         = None,
     fsync: Annotated[bool, typer.Option(help="fsync before acknowledging.")] = True,
+    max_partitions_per_topic: Annotated[int | None, typer.Option(
+        help="Most partitions a topic may have (default 1024).")] = None,
+    max_open_ledgers: Annotated[int | None, typer.Option(
+        help="Per bookie: ledgers holding open files at a time (default 512).")] = None,
     tier_url: Annotated[str | None, typer.Option(
         envvar="TIERSTREAM_TIER_URL", help="Tier for offloaded segments: a path, file:// or "
         "s3://bucket/prefix (default: DATA_DIR/tier).")] = None,
@@ -203,7 +207,9 @@ def broker_start(
         "dataDir": str(data_dir), "bookies": bookies, "writeQuorum": write_quorum,
         "ackQuorum": ack_quorum, "maxEntriesPerSegment": max_entries_per_segment,
         "maxSegmentBytes": max_segment_bytes, "segmentRolloverTime": segment_rollover_time,
-        "fsync": fsync, "tierUrl": tier_url, "s3Endpoint": s3_endpoint, "s3Region": s3_region,
+        "fsync": fsync, "maxPartitionsPerTopic": max_partitions_per_topic,
+        "maxOpenLedgers": max_open_ledgers,
+        "tierUrl": tier_url, "s3Endpoint": s3_endpoint, "s3Region": s3_region,
         "catalogUri": catalog_uri, "offloadAfter": offload_after,
         "offloadThreshold": offload_threshold, "deletionLag": deletion_lag,
         "tierCheckInterval": tier_check_interval,
@@ -238,6 +244,53 @@ def topic_create(
     with Admin(broker, auth_token=auth_token) as admin:
         record = admin.create_topic(topic, partitions, retention_ms=retention_ms)
     out.print(f"created {record.name} with {record.partitions} partition(s)", highlight=False)
+
+
+@topic_app.command("delete")
+def topic_delete(
+    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
+    yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation.")] = False,
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    auth_token: TokenOpt = None,
+) -> None:
+    """Delete a topic and all its data: segments on the bookies, tier files, its Iceberg
+    table, cursors. Crash-safe: an interrupted deletion finishes when the broker restarts.
+
+    Example: tierstream topic delete acme/web/huge --yes
+    """
+    from tierstream.store.client import Admin
+
+    if not yes:
+        if not sys.stdin.isatty():
+            raise ConfigError(f"deleting {topic!r} removes all its data: add --yes to confirm")
+        typer.confirm(f"Delete {topic} and all its data?", abort=True)
+    with Admin(broker, auth_token=auth_token) as admin:
+        record = admin.delete_topic(topic)
+    out.print(f"deleted {record.name} ({record.partitions} partition(s))", highlight=False)
+
+
+@topic_app.command("set")
+def topic_set(
+    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
+    retention: Annotated[str, typer.Option(
+        help="Delete segments whose newest message is older than this, e.g. 30d; 'none' "
+             "keeps everything.")],
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    auth_token: TokenOpt = None,
+) -> None:
+    """Change a topic's settings.
+
+    Example: tierstream topic set acme/web/clicks --retention 30d
+    """
+    from tierstream.store.client import Admin
+    from tierstream.timeutil import parse_duration_ms
+
+    retention_ms = None if retention.strip().lower() == "none" else parse_duration_ms(
+        retention, what="--retention")
+    with Admin(broker, auth_token=auth_token) as admin:
+        record = admin.set_retention(topic, retention_ms)
+    shown = "none (keep everything)" if record.retention_ms is None else retention
+    out.print(f"{record.name}: retention {shown}", highlight=False)
 
 
 @topic_app.command("list")

@@ -166,6 +166,13 @@ OPTIONS: dict[str, Option] = {
         Option(key="segmentRolloverTime", parse=_duration, default=4 * 3_600_000,
                kind="a duration such as 30s, 15m, 4h",
                description="Roll a non-empty open segment once it is this old."),
+        Option(key="maxPartitionsPerTopic", parse=_positive_int, default=1024,
+               kind="an integer >= 1",
+               description="The most partitions a topic may have; larger requests are refused "
+                           "before anything is registered."),
+        Option(key="maxOpenLedgers", parse=_positive_int, default=512, kind="an integer >= 1",
+               description="Per bookie: how many ledgers hold open files at a time (least "
+                           "recently written ones close theirs and reopen on demand)."),
         Option(key="fsync", parse=_bool, default=True, kind="true or false",
                description="fsync bookie writes before acknowledging (turn off only for tests)."),
         Option(key="tierUrl", parse=_string, default=None, env="TIERSTREAM_TIER_URL",

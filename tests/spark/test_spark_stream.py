@@ -156,3 +156,29 @@ def test_a_stream_over_several_topics_on_spark(spark: Any, tmp_path: Path) -> No
         assert sorted(bytes(r["value"]).decode() for r in rows) == sorted(want)
         assert all(bytes(r["value"]).decode().startswith(r["topic"] + "|") for r in rows)
         assert len([p for p in query.recentProgress if p["numInputRows"]]) == 3  # 560 / 200
+
+
+def test_min_records_per_trigger_waits_up_to_max_trigger_delay(tmp_path: Path) -> None:
+    from ..store.helpers import wait_for
+
+    def add(first: int, n: int) -> None:
+        append(log.store, 0, [f"v{i}" for i in range(first, first + n)],
+               keys=[f"k{i % 5}" for i in range(n)], times=[None] * n)
+
+    with running_log(tmp_path / "data") as log:
+        log.store.create_topic(TOPIC, 1)
+        add(0, 50)
+        settings = _Settings({"topic": TOPIC, "dataDir": str(log.data_dir), "broker": log.url,
+                              "startingPosition": "earliest", "minRecordsPerTrigger": "100",
+                              "maxTriggerDelay": "2s"})
+        reader = TierstreamStreamReader(settings)
+        start = reader.initialOffset()
+        limit = reader.getDefaultReadLimit()
+        assert reader.latestOffset(start, limit) == start  # 50 < 100: no micro-batch yet
+        add(50, 60)
+        ready = reader.latestOffset(start, limit)  # 110 >= 100: a batch of all of them
+        assert ready != start
+        add(110, 10)
+        assert reader.latestOffset(ready, limit) == ready  # 10 < 100, and the delay is fresh
+        wait_for(lambda: reader.latestOffset(ready, limit) != ready, timeout=15,
+                 what="maxTriggerDelay to let the small batch through")

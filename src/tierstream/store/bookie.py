@@ -1,5 +1,9 @@
 """A bookie: a storage node that only stores. One directory, one ledger file pair per segment.
 
+A ledger's files are created by its first append, and at most ``max_open`` ledgers hold file
+descriptors at a time (least recently written ones give theirs up), so the number of
+partitions is not bounded by the process's file descriptor limit.
+
 Writes go through one group-commit thread per bookie: it takes every append that is waiting,
 writes them, fsyncs each touched ledger once, and only then completes their futures, so
 concurrent producers share fsyncs. Reads verify every frame and never go through that thread.
@@ -10,6 +14,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -40,11 +45,15 @@ def ledger_paths(bookie_dir: str | Path, segment_id: int) -> tuple[Path, Path]:
 
 @dataclass
 class _OpenLedger:
-    log_fd: int
-    idx_fd: int
-    offset: int
+    """A ledger open for appends. Its files are created by the first append and its file
+    descriptors are opened on demand: at most ``max_open`` ledgers of a bookie hold them."""
+
+    segment_id: int
+    log_fd: int | None = None
+    idx_fd: int | None = None
+    offset: int = 0
     records: list[IndexRecord] = field(default_factory=list)
-    dirty: bool = False
+    created: bool = False
 
 
 @dataclass
@@ -72,12 +81,15 @@ class RecoveredLedger:
 class Bookie:
     """A storage node rooted at ``root``. ``fsync=False`` is for tests and benchmarks only."""
 
-    def __init__(self, bookie_id: str, root: str | Path, *, fsync: bool = True) -> None:
+    def __init__(self, bookie_id: str, root: str | Path, *, fsync: bool = True,
+                 max_open: int = 512) -> None:
         self.bookie_id = bookie_id
         self.root = Path(root)
         self.fsync = fsync
+        self.max_open = max_open
         self.root.mkdir(parents=True, exist_ok=True)
         self._open: dict[int, _OpenLedger] = {}
+        self._with_fds: OrderedDict[int, _OpenLedger] = OrderedDict()  # LRU, journal thread
         self._lock = threading.Lock()
         # None stops the journal thread; a bare Future is a flush marker.
         self._queue: queue.SimpleQueue[_Append | Future[None] | None] = queue.SimpleQueue()
@@ -94,16 +106,32 @@ class Bookie:
     # -- write side ---------------------------------------------------------------------------
 
     def create_ledger(self, segment_id: int) -> None:
-        """Create the (empty) files of a new ledger for appending."""
-        log_path, idx_path = ledger_paths(self.root, segment_id)
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
-        ledger = _OpenLedger(os.open(log_path, flags, 0o644), os.open(idx_path, flags, 0o644), 0)
-        ledger.offset = os.fstat(ledger.log_fd).st_size
-        if self.fsync:
-            _fsync_dir(log_path.parent)
+        """Open a new ledger for appending. No file is created and no descriptor held until
+        its first append: a broker with many idle partitions holds no files for them."""
         with self._lock:
-            self._open[segment_id] = ledger
+            self._open.setdefault(segment_id, _OpenLedger(segment_id))
+
+    def _fds(self, ledger: _OpenLedger, busy: set[int]) -> tuple[int, int]:
+        """The ledger's descriptors, opened (and its files created) if needed; the least
+        recently used ledgers not in ``busy`` give theirs up (journal thread, lock held)."""
+        if ledger.log_fd is None or ledger.idx_fd is None:
+            log_path, idx_path = ledger_paths(self.root, ledger.segment_id)
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+            ledger.log_fd = os.open(log_path, flags, 0o644)
+            ledger.idx_fd = os.open(idx_path, flags, 0o644)
+            ledger.offset = os.fstat(ledger.log_fd).st_size
+            if not ledger.created and self.fsync:
+                _fsync_dir(log_path.parent)  # the new files survive a crash
+            ledger.created = True
+        self._with_fds[ledger.segment_id] = ledger
+        self._with_fds.move_to_end(ledger.segment_id)
+        for sid in list(self._with_fds):
+            if len(self._with_fds) <= self.max_open:
+                break
+            if sid not in busy:  # written and fsync'd in an earlier group: safe to close
+                _close_fds(self._with_fds.pop(sid))
+        return ledger.log_fd, ledger.idx_fd
 
     def append(
         self,
@@ -150,30 +178,33 @@ class Bookie:
 
     def _write_group(self, group: list[_Append]) -> None:
         done: list[tuple[_Append, IndexRecord]] = []
-        touched: dict[int, _OpenLedger] = {}
+        touched: dict[int, int] = {}  # segment id -> log fd to sync
+        busy = {req.segment_id for req in group}
         for req in group:
             try:
                 with self._lock:
                     ledger = self._open.get(req.segment_id)
-                if ledger is None:
-                    raise NotFoundError(f"ledger {req.segment_id} is not open on {self.bookie_id}")
+                    if ledger is None:
+                        raise NotFoundError(f"ledger {req.segment_id} is not open on "
+                                            f"{self.bookie_id}")
+                    log_fd, idx_fd = self._fds(ledger, busy)
                 pieces = encode_frame(req.segment_id, req.entry_id, req.meta, req.payload)
                 length = frame_length(pieces)
-                written = os.writev(ledger.log_fd, pieces)
+                written = os.writev(log_fd, pieces)
                 if written != length:
                     raise OSError(f"short write to ledger {req.segment_id}: {written} of {length}")
                 rec = IndexRecord(req.entry_id, ledger.offset, length, req.messages, req.first_pt,
                                   req.last_pt)
-                os.write(ledger.idx_fd, rec.pack())
+                os.write(idx_fd, rec.pack())
                 ledger.offset += length
-                touched[req.segment_id] = ledger
+                touched[req.segment_id] = log_fd
                 done.append((req, rec))
             except Exception as exc:
                 req.future.set_exception(exc)
         try:
             if self.fsync:
-                for ledger in touched.values():
-                    os.fdatasync(ledger.log_fd)
+                for fd in touched.values():
+                    os.fdatasync(fd)
         except OSError as exc:
             for req, _ in done:
                 req.future.set_exception(exc)
@@ -193,18 +224,34 @@ class Bookie:
         self.flush()
         with self._lock:
             ledger = self._open.pop(segment_id, None)
+            if ledger is not None:
+                self._with_fds.pop(segment_id, None)
         if ledger is None:
             return
+        if not ledger.created:
+            return  # never written: there are no files to seal
         keep = [r for r in ledger.records if last_entry_id is not None and
                 r.entry_id <= last_entry_id]
         end = keep[-1].frame_offset + keep[-1].frame_len if keep else 0
-        os.ftruncate(ledger.log_fd, end)
-        os.ftruncate(ledger.idx_fd, len(keep) * INDEX_RECORD.size)
-        if self.fsync:
-            os.fsync(ledger.log_fd)
-            os.fsync(ledger.idx_fd)
-        os.close(ledger.log_fd)
-        os.close(ledger.idx_fd)
+        _close_fds(ledger)
+        for path, size in zip(ledger_paths(self.root, segment_id),
+                              (end, len(keep) * INDEX_RECORD.size), strict=True):
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                os.ftruncate(fd, size)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def discard_ledger(self, segment_id: int) -> None:
+        """Stop appending to a ledger without sealing it (its topic is being deleted)."""
+        self.flush()
+        with self._lock:
+            ledger = self._open.pop(segment_id, None)
+            self._with_fds.pop(segment_id, None)
+        if ledger is not None:
+            _close_fds(ledger)
 
     def flush(self) -> None:
         """Wait until every append queued so far has been written."""
@@ -223,9 +270,15 @@ class Bookie:
         with self._lock:
             ledgers = list(self._open.values())
             self._open.clear()
+            self._with_fds.clear()
         for ledger in ledgers:
-            os.close(ledger.log_fd)
-            os.close(ledger.idx_fd)
+            _close_fds(ledger)
+
+    @property
+    def open_files(self) -> int:
+        """Ledgers holding file descriptors now (at most ``max_open``, plus one group's)."""
+        with self._lock:
+            return len(self._with_fds)
 
     # -- read side ----------------------------------------------------------------------------
 
@@ -323,6 +376,13 @@ class LedgerReader:
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+def _close_fds(ledger: _OpenLedger) -> None:
+    for fd in (ledger.log_fd, ledger.idx_fd):
+        if fd is not None:
+            os.close(fd)
+    ledger.log_fd = ledger.idx_fd = None
 
 
 def _fsync_dir(path: Path) -> None:

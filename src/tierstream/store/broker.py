@@ -202,6 +202,9 @@ class Broker(flight.FlightServerBase):
         return self.store.create_topic(body["topic"], body["partitions"],
                                        retention_ms=body.get("retention_ms")).to_dict()
 
+    def _delete_topic(self, body: dict[str, Any]) -> Any:
+        return self.store.delete_topic(body["topic"]).to_dict()
+
     def _get_topic(self, body: dict[str, Any]) -> Any:
         return self.store.topic(body["topic"]).to_dict()
 
@@ -295,6 +298,7 @@ class Broker(flight.FlightServerBase):
 _ACTIONS = {
     "ping": (Broker._ping, "Check that the broker is up."),
     "create-topic": (Broker._create_topic, "Create a topic: {topic, partitions}."),
+    "delete-topic": (Broker._delete_topic, "Delete {topic} everywhere (crash-safe)."),
     "get-topic": (Broker._get_topic, "One topic's record: {topic}."),
     "list-topics": (Broker._list_topics, "All topics, or those of {namespace}."),
     "list-segments": (Broker._list_segments, "Segment records of {topic}, live stats."),
@@ -350,6 +354,7 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
         raise ConfigError(f"invalid port {port!r}: expected 0..65535 (0: any free port)")
     if port != 0:
         _check_port_free(host, port)
+    _raise_file_limit()
     store = Store(config)
     try:
         broker = Broker(store, host=host, port=port, auth_token=auth_token)
@@ -374,6 +379,19 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
         store.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _raise_file_limit() -> None:
+    """Take the hard limit of open files as the soft one: connections, followers and ledger
+    files all need descriptors, and the default soft limit (often 1024) is low for a server."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            log.warning("could not raise the open-file limit from %s to %s", soft, hard)
 
 
 def _url_host(host: str) -> str:

@@ -83,6 +83,19 @@ class TierCatalog:
         self._tables[ident] = table
         return table
 
+    def drop(self, topic: TopicName) -> None:
+        """Drop the topic's table and delete its metadata files (idempotent)."""
+        from pyiceberg.exceptions import NoSuchTableError
+
+        ident = iceberg_identifier(topic)
+        self._tables.pop(ident, None)
+        try:
+            location = self._catalog.load_table(ident).metadata.location
+        except NoSuchTableError:
+            return
+        self._catalog.drop_table(ident)
+        self.tier.delete_tree(location)  # its metadata files; the data files went before
+
     def registered_files(self, topic: TopicName) -> list[str]:
         return _files(self.table(topic))
 

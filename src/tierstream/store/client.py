@@ -105,6 +105,11 @@ class Admin(BrokerClient):
         return TopicRecord(**self.action("create-topic", {"topic": topic, "partitions": partitions,
                                                           "retention_ms": retention_ms}))
 
+    def delete_topic(self, topic: str) -> TopicRecord:
+        """Delete a topic everywhere (metadata, bookies, tier files, Iceberg table); returns
+        what it was. Readers and producers of it stop with NotFoundError."""
+        return TopicRecord(**self.action("delete-topic", {"topic": str(TopicName.parse(topic))}))
+
     def get_topic(self, topic: str) -> TopicRecord:
         return TopicRecord(**self.action("get-topic", {"topic": str(TopicName.parse(topic))}))
 

@@ -26,6 +26,8 @@ class StoreConfig:
     max_segment_bytes: int = 256 * 1024**2
     segment_rollover_ms: int = 4 * 3_600_000
     fsync: bool = True
+    max_partitions_per_topic: int = 1024
+    max_open_ledgers: int = 512
     tier_url: str | None = None
     s3_endpoint: str | None = None
     s3_region: str | None = None
@@ -65,6 +67,8 @@ class StoreConfig:
             max_segment_bytes=opts["maxSegmentBytes"],
             segment_rollover_ms=opts["segmentRolloverTime"],
             fsync=opts["fsync"],
+            max_partitions_per_topic=opts["maxPartitionsPerTopic"],
+            max_open_ledgers=opts["maxOpenLedgers"],
             tier_url=opts["tierUrl"],
             s3_endpoint=opts["s3Endpoint"],
             s3_region=opts["s3Region"],

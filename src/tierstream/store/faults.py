@@ -21,6 +21,9 @@ The points, in the order a write passes them (``tests/store/test_crash_points.py
 ``recovery.sealed``           recovery: a crashed segment is sealed in metadata
 ``cursor.saved``              a subscription's cursor is committed; the ack has no answer yet
 ``topic.registered``          a new topic is in metadata; its partitions are not open yet
+``topic.delete-marked``       a topic is marked deleted; its data is all still there
+``topic.data-deleted``        a deleted topic's ledgers, tier files and table are gone, its
+                              metadata records are not
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ POINTS = frozenset({
     "recovery.sealed",
     "cursor.saved",
     "topic.registered",
+    "topic.delete-marked",
+    "topic.data-deleted",
 })
 
 

@@ -22,7 +22,7 @@ from tierstream.names import TopicName
 
 __all__ = ["MetadataStore", "SegmentRecord", "SegmentState", "TopicRecord"]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -30,7 +30,8 @@ CREATE TABLE IF NOT EXISTS topics (
     name TEXT PRIMARY KEY,
     partitions INTEGER NOT NULL,
     retention_ms INTEGER,
-    created_at INTEGER NOT NULL
+    created_at INTEGER NOT NULL,
+    deleting_at INTEGER
 );
 CREATE TABLE IF NOT EXISTS segments (
     segment_id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -212,6 +213,12 @@ class MetadataStore:
         if version == 1:  # v2: tiered storage
             self._conn.execute("ALTER TABLE segments ADD COLUMN offload_pending_url TEXT")
             self._conn.execute("UPDATE meta SET value='2' WHERE key='schema_version'")
+            version = 2
+        if version == 2:  # v3: topic deletion
+            columns = [r[1] for r in self._conn.execute("PRAGMA table_info(topics)")]
+            if "deleting_at" not in columns:
+                self._conn.execute("ALTER TABLE topics ADD COLUMN deleting_at INTEGER")
+            self._conn.execute("UPDATE meta SET value='3' WHERE key='schema_version'")
 
     def _check_version(self) -> None:
         row = self._conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
@@ -233,8 +240,11 @@ class MetadataStore:
     # -- topics -------------------------------------------------------------------------------
 
     def create_topic(
-        self, name: TopicName, partitions: int, *, created_at: int, retention_ms: int | None = None
-    ) -> TopicRecord:
+        self, name: TopicName, partitions: int, *, created_at: int, retention_ms: int | None = None,
+        ensembles: list[tuple[str, ...]] | None = None,
+    ) -> tuple[TopicRecord, list[SegmentRecord]]:
+        """Register a topic and, in the same transaction, the first open segment of each
+        partition (on ``ensembles[p]``): a topic exists whole or not at all."""
         if not isinstance(partitions, int) or isinstance(partitions, bool) or partitions < 1:
             raise ConfigError(
                 f"invalid partition count {partitions!r} for topic {str(name)!r}: expected an "
@@ -247,17 +257,40 @@ class MetadataStore:
                     "VALUES (?, ?, ?, ?)",
                     (str(name), partitions, retention_ms, created_at),
                 )
+                segments = _insert_segments(c, str(name), list(enumerate(ensembles or [])),
+                                            created_at)
         except sqlite3.IntegrityError:
             raise AlreadyExistsError(f"topic {str(name)!r} already exists") from None
         return TopicRecord(
             name=str(name), partitions=partitions, retention_ms=retention_ms, created_at=created_at
-        )
+        ), segments
+
+    def mark_topic_deleting(self, name: str, *, now: int) -> None:
+        """From now on the topic is gone for everyone; its data is purged next."""
+        with self._tx() as c:
+            c.execute("UPDATE topics SET deleting_at=? WHERE name=? AND deleting_at IS NULL",
+                      (now, name))
+
+    def topics_being_deleted(self) -> list[TopicRecord]:
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT name, partitions, retention_ms, created_at FROM topics "
+                "WHERE deleting_at IS NOT NULL ORDER BY name").fetchall()
+        return [TopicRecord(name=r[0], partitions=r[1], retention_ms=r[2], created_at=r[3])
+                for r in rows]
+
+    def purge_topic(self, name: str) -> None:
+        """Remove every record of a topic, in one transaction (the last step of deleting)."""
+        with self._tx() as c:
+            for table in ("segments", "cursors", "deleted_segments", "dedup"):
+                c.execute(f"DELETE FROM {table} WHERE topic=?", (name,))
+            c.execute("DELETE FROM topics WHERE name=?", (name,))
 
     def get_topic(self, name: TopicName | str) -> TopicRecord:
         with self._lock:
             row = self._conn.execute(
-                "SELECT name, partitions, retention_ms, created_at FROM topics WHERE name = ?",
-                (str(name),),
+                "SELECT name, partitions, retention_ms, created_at FROM topics WHERE name = ? "
+                "AND deleting_at IS NULL", (str(name),),
             ).fetchone()
         if row is None:
             raise NotFoundError(f"topic {str(name)!r} does not exist")
@@ -267,12 +300,12 @@ class MetadataStore:
         with self._lock:
             if namespace is None:
                 rows = self._conn.execute(
-                    "SELECT name, partitions, retention_ms, created_at FROM topics ORDER BY name"
-                ).fetchall()
+                    "SELECT name, partitions, retention_ms, created_at FROM topics "
+                    "WHERE deleting_at IS NULL ORDER BY name").fetchall()
             else:
                 rows = self._conn.execute(
                     "SELECT name, partitions, retention_ms, created_at FROM topics "
-                    "WHERE name LIKE ? ESCAPE '\\' ORDER BY name",
+                    "WHERE name LIKE ? ESCAPE '\\' AND deleting_at IS NULL ORDER BY name",
                     (namespace.replace("_", "\\_").replace("%", "\\%") + "/%",),
                 ).fetchall()
         return [TopicRecord(name=r[0], partitions=r[1], retention_ms=r[2], created_at=r[3])
@@ -283,19 +316,14 @@ class MetadataStore:
     def new_segment(
         self, topic: str, partition: int, *, ensemble: tuple[str, ...], created_at: int
     ) -> SegmentRecord:
+        (record,) = self.new_segments(topic, [(partition, ensemble)], created_at=created_at)
+        return record
+
+    def new_segments(self, topic: str, partitions: list[tuple[int, tuple[str, ...]]], *,
+                     created_at: int) -> list[SegmentRecord]:
+        """A new open segment for each ``(partition, ensemble)``, in one transaction."""
         with self._tx() as c:
-            cur = c.execute(
-                "INSERT INTO segments (topic, partition, state, created_at, ensemble) "
-                "VALUES (?, ?, ?, ?, ?)",
-                (topic, partition, SegmentState.OPEN, created_at, json.dumps(list(ensemble))),
-            )
-            segment_id = cur.lastrowid
-        assert segment_id is not None
-        return SegmentRecord(
-            topic=topic, partition=partition, segment_id=segment_id, state=SegmentState.OPEN,
-            entries=0, messages=0, bytes=0, min_publish_time=None, max_publish_time=None,
-            created_at=created_at, sealed_at=None, ensemble=ensemble,
-        )
+            return _insert_segments(c, topic, partitions, created_at)
 
     def update_segment_stats(self, record: SegmentRecord) -> None:
         """Write entries/messages/bytes/min/max/state/sealed_at of ``record``."""
@@ -471,6 +499,23 @@ class MetadataStore:
                 (topic, partition),
             ).fetchall()
         return {r[0]: (r[1], json.loads(r[2])) for r in rows}
+
+
+def _insert_segments(c: sqlite3.Connection, topic: str,
+                     partitions: list[tuple[int, tuple[str, ...]]], created_at: int
+                     ) -> list[SegmentRecord]:
+    out = []
+    for partition, ensemble in partitions:
+        cur = c.execute(
+            "INSERT INTO segments (topic, partition, state, created_at, ensemble) "
+            "VALUES (?, ?, ?, ?, ?)",
+            (topic, partition, SegmentState.OPEN, created_at, json.dumps(list(ensemble))))
+        assert cur.lastrowid is not None
+        out.append(SegmentRecord(
+            topic=topic, partition=partition, segment_id=cur.lastrowid, state=SegmentState.OPEN,
+            entries=0, messages=0, bytes=0, min_publish_time=None, max_publish_time=None,
+            created_at=created_at, sealed_at=None, ensemble=ensemble))
+    return out
 
 
 def _update_stats(c: sqlite3.Connection, record: SegmentRecord) -> None:

@@ -92,6 +92,7 @@ class PartitionLog:
         rollover_ms: int,
         closing: threading.Event,
         tier: TierStorage | None = None,
+        open_record: SegmentRecord | None = None,
     ) -> None:
         self.topic = topic
         self.partition = partition
@@ -120,7 +121,13 @@ class PartitionLog:
         self._entry_cache_bytes = 0
         self._stats_dirty = False
         self.replica_failures = 0
-        self._open = self._new_open_segment()
+        self._gone = threading.Event()  # the topic was deleted: no appends, reads end
+        if open_record is None:
+            self._open = self._new_open_segment()
+        else:  # registered by the caller (with its topic, or with every partition at start)
+            for b in open_record.ensemble:
+                self._bookies[b].create_ledger(open_record.segment_id)
+            self._open = _Open(open_record)
 
     # -- appends ------------------------------------------------------------------------------
 
@@ -136,6 +143,8 @@ class PartitionLog:
         if batch.num_rows == 0:
             raise ConfigError("cannot append an empty batch")
         with self._lock:
+            if self._gone.is_set():
+                raise NotFoundError(f"topic {self.topic!r} was deleted")
             if producer is not None and sequence_id is not None:
                 duplicate = self._check_sequence(producer, sequence_id)
                 if duplicate is not None:
@@ -325,6 +334,16 @@ class PartitionLog:
         """Clean shutdown: seal the open segment (an empty one is dropped)."""
         with self._lock:
             self._roll(reopen=False)
+
+    def discard(self) -> None:
+        """The topic is being deleted: refuse appends, end reads, release the open ledger
+        without sealing it (its files are deleted next)."""
+        with self._lock:
+            self._gone.set()
+            wait_futures([f for p in self._open.in_flight.values() for f in p.futures])
+            for b in self._open.record.ensemble:
+                self._bookies[b].discard_ledger(self._open.record.segment_id)
+            self._changed.notify_all()
 
     def flush_stats(self) -> None:
         """Write the open segment's live stats to the metadata store (planners read them)."""
@@ -543,7 +562,7 @@ class PartitionLog:
                     with self._lock:
                         if not self._has_after(pos):
                             self._changed.wait(timeout=0.2)
-                    if cancelled() or self._closing.is_set():
+                    if cancelled() or self._closing.is_set() or self._gone.is_set():
                         return
         finally:
             readers.close()

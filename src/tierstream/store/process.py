@@ -29,12 +29,14 @@ class BrokerProcess:
     """A ``tierstream broker start`` child process on loopback (``port=0``: any free port)."""
 
     def __init__(self, data_dir: str | Path, *, port: int = 0, host: str = "127.0.0.1",
-                 args: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+                 args: list[str] | None = None, env: dict[str, str] | None = None,
+                 open_files: int | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.port = port
         self.host = host
         self.args = list(args or [])
         self.env = env
+        self.open_files = open_files  # a hard limit of open files for the child (tests)
         self.url: str | None = None
         self.proc: subprocess.Popen[str] | None = None
         self.stderr_tail: deque[str] = deque(maxlen=200)
@@ -46,8 +48,16 @@ class BrokerProcess:
         cmd = [sys.executable, "-m", "tierstream", "broker", "start", "--data-dir",
                str(self.data_dir), "--host", self.host, "--port", str(self.port), *self.args]
         env = {**os.environ, **(self.env or {})}
+        limit = self.open_files
+
+        def limit_files() -> None:
+            if limit is not None:
+                import resource
+
+                resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=env)
+                                     text=True, env=env, preexec_fn=limit_files)
         ready = threading.Event()
         stdout_lines: list[str] = []
 

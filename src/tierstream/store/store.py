@@ -42,7 +42,7 @@ class Store:
             self.metadata = MetadataStore(config.metadata_path)
             self.bookies = {
                 f"bookie-{i}": Bookie(f"bookie-{i}", config.bookie_dir(f"bookie-{i}"),
-                                      fsync=config.fsync)
+                                      fsync=config.fsync, max_open=config.max_open_ledgers)
                 for i in range(config.bookies)
             }
         except OSError as exc:
@@ -55,11 +55,16 @@ class Store:
         self._offloader: Offloader | None = None
         self._last_tier_pass = time.monotonic()  # the first pass waits one interval
         self._rr = itertools.count()
-        self.recovery: list[RecoveryReport] = recover_open_segments(self.metadata, self.bookies)
         self._logs: dict[tuple[str, int], PartitionLog] = {}
         self._topics_lock = threading.Lock()
+        self.purge_deleted_topics()  # a deletion a crash interrupted is finished first
+        self.recovery: list[RecoveryReport] = recover_open_segments(self.metadata, self.bookies)
         for topic in self.metadata.list_topics():
-            self._open_topic(topic)
+            # every partition's new open segment in one metadata transaction
+            opened = self.metadata.new_segments(
+                topic.name, [(p, self._choose_ensemble()) for p in range(topic.partitions)],
+                created_at=now_ms())
+            self._open_topic(topic, opened)
         self._timer = threading.Thread(target=self._housekeeping, name="store-housekeeping",
                                        daemon=True)
         self._timer.start()
@@ -72,28 +77,88 @@ class Store:
         start = next(self._rr) % len(ids)
         return tuple(ids[(start + i) % len(ids)] for i in range(self.config.write_quorum))
 
-    def _open_topic(self, topic: TopicRecord) -> None:
-        for p in range(topic.partitions):
-            self._logs[(topic.name, p)] = PartitionLog(
-                topic=topic.name, partition=p, metadata=self.metadata, bookies=self.bookies,
-                choose_ensemble=self._choose_ensemble, ack_quorum=self.config.ack_quorum,
+    def _open_topic(self, topic: TopicRecord, opened: list[SegmentRecord]) -> None:
+        for seg in opened:
+            self._logs[(topic.name, seg.partition)] = PartitionLog(
+                topic=topic.name, partition=seg.partition, metadata=self.metadata,
+                bookies=self.bookies, choose_ensemble=self._choose_ensemble,
+                ack_quorum=self.config.ack_quorum,
                 max_entries=self.config.max_entries_per_segment,
                 max_bytes=self.config.max_segment_bytes,
                 rollover_ms=self.config.segment_rollover_ms, closing=self.closing,
-                tier=self.tier,
+                tier=self.tier, open_record=seg,
             )
 
     # -- topics -------------------------------------------------------------------------------
 
     def create_topic(self, name: str, partitions: int, *, retention_ms: int | None = None
                      ) -> TopicRecord:
+        """Register a topic with its partitions' first segments (one metadata transaction),
+        then serve it. A count over ``maxPartitionsPerTopic`` is refused before anything is
+        registered; if serving fails, the registration is undone."""
+        topic = TopicName.parse(name)
+        limit = self.config.max_partitions_per_topic
+        if isinstance(partitions, int) and not isinstance(partitions, bool) \
+                and partitions > limit:
+            raise ConfigError(
+                f"invalid partition count {partitions} for topic {str(topic)!r}: this broker "
+                f"allows at most {limit} per topic (broker option --max-partitions-per-topic)")
+        with self._topics_lock:
+            record, opened = self.metadata.create_topic(
+                topic, partitions, created_at=now_ms(), retention_ms=retention_ms,
+                ensembles=[self._choose_ensemble() for _ in range(partitions)])
+            crash_point("topic.registered")
+            try:
+                self._open_topic(record, opened)
+            except Exception as exc:
+                for p in range(partitions):
+                    self._logs.pop((record.name, p), None)
+                self.metadata.purge_topic(record.name)
+                raise StorageError(f"cannot serve new topic {record.name!r}, so it was not "
+                                   f"created: {exc}") from None
+        return record
+
+    def delete_topic(self, name: str) -> TopicRecord:
+        """Delete a topic everywhere: metadata, bookies, the tier and its Iceberg table.
+
+        Crash-safe: the topic is first marked deleted (from then on nobody sees it), then its
+        data is removed, then its records; a deletion a crash interrupted is finished when the
+        broker starts again (or at its next tier pass).
+        """
         topic = TopicName.parse(name)
         with self._topics_lock:
-            record = self.metadata.create_topic(topic, partitions, created_at=now_ms(),
-                                                retention_ms=retention_ms)
-            crash_point("topic.registered")
-            self._open_topic(record)
+            record = self.metadata.get_topic(topic)  # NotFoundError for an unknown topic
+            self.metadata.mark_topic_deleting(record.name, now=now_ms())
+            crash_point("topic.delete-marked")
+            for p in range(record.partitions):
+                plog = self._logs.pop((record.name, p), None)
+                if plog is not None:
+                    plog.discard()
+        self.purge_deleted_topics()
         return record
+
+    def purge_deleted_topics(self) -> None:
+        """Remove the data and records of topics marked deleted (idempotent)."""
+        for record in self.metadata.topics_being_deleted():
+            try:
+                self._purge(record)
+            except Exception:  # e.g. the tier is unreachable: the next pass finishes it
+                log.exception("could not finish deleting topic %s; will retry", record.name)
+
+    def _purge(self, record: TopicRecord) -> None:
+        segments = self.metadata.segments(record.name)
+        for seg in segments:
+            for b in seg.ensemble:
+                if b in self.bookies:
+                    self.bookies[b].delete_ledger(seg.segment_id)
+        tiered = [u for s in segments for u in (s.tier_url, s.offload_pending_url) if u]
+        if tiered or self._offloader is not None:
+            for url in tiered:
+                self.tier.delete(url)
+            self.offloader.catalog.drop(TopicName.parse(record.name))
+        crash_point("topic.data-deleted")
+        self.metadata.purge_topic(record.name)
+        log.info("deleted topic %s (%d segments)", record.name, len(segments))
 
     def topic(self, name: str) -> TopicRecord:
         return self.metadata.get_topic(TopicName.parse(name))
@@ -183,6 +248,7 @@ class Store:
             now = time.monotonic()
             if now - self._last_tier_pass >= self.config.tier_check_interval_ms / 1000:
                 self._last_tier_pass = now
+                self.purge_deleted_topics()
                 try:
                     if self._tier_policies_active():
                         counts = self.tier_pass()

@@ -198,6 +198,13 @@ class TierStorage:
             return pq.read_table(self._path(url), filesystem=self.filesystem(), filters=filters,
                                  schema=MESSAGE_SCHEMA)
 
+    def delete_tree(self, url: str) -> None:
+        """Delete everything under ``url`` (a directory or prefix), if anything is there."""
+        fs = self.filesystem()
+        with _errors(url):
+            if fs.exists(self._path(url)):
+                fs.rm(self._path(url), recursive=True)
+
     def delete(self, url: str) -> None:
         fs = self.filesystem()
         with _errors(url):
