@@ -17,7 +17,8 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m tierstream demo
 
-test: $(STAMP)
+# What CI runs (.ci/run): the linters, then the whole suite.
+test: lint
 	$(PY) -m pytest
 
 # Not in CI: >= 100 SIGKILL/restart cycles per store configuration (about 6 minutes).
