@@ -32,9 +32,10 @@ WEEK_START = parse_time_ms("2026-11-01T00:00:00Z")
 DAY = 86_400_000
 
 
-def run(data_dir: Path | None = None, messages: int = 200_000, keys: int = 500) -> None:
-    from tierstream.cli import out as console
-
+def run(data_dir: Path | None = None, messages: int = 200_000, keys: int = 500,
+        console: Console | None = None) -> None:
+    """The tour; ``console`` (default: stdout) gets its report."""
+    console = console or Console(soft_wrap=True)
     keep = data_dir is not None
     root = data_dir or Path(tempfile.mkdtemp(prefix="tierstream-demo-"))
     step = 7 * DAY // messages

@@ -1,0 +1,118 @@
+"""The ``tierstream`` command line (typer + rich).
+
+Every command that talks to a broker takes ``--broker`` (env ``TIERSTREAM_BROKER``); every
+command that opens the store directly takes ``--data-dir`` (env ``TIERSTREAM_HOME``).
+Errors are one line on stderr naming the bad value; exit status 2 for bad input, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Annotated, Any
+
+import typer
+
+from tierstream.cli import admin, broker, produce, reads, topics  # noqa: F401 - registers them
+from tierstream.cli.common import app, err, out
+from tierstream.errors import ConfigError, TierstreamError
+
+__all__ = ["app", "main"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point. Every error is one line on stderr and an exit status: 2 for a usage error or
+    bad input, 1 for a broker, storage or environment problem, 130 when interrupted. A Python
+    traceback appears only with ``--debug`` (anywhere on the command line) or
+    ``TIERSTREAM_DEBUG=1``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args or os.environ.get("TIERSTREAM_DEBUG", "") not in ("", "0")
+    args = [a for a in args if a != "--debug"]
+    if debug:
+        os.environ["TIERSTREAM_DEBUG"] = "1"  # Spark jobs keep Spark's trace too
+        logging.getLogger("tierstream").setLevel(logging.DEBUG)
+    try:
+        code = app(args=args, prog_name="tierstream", standalone_mode=False)
+    except typer.Exit as exc:
+        code = exc.exit_code
+    except (typer.Abort, KeyboardInterrupt):
+        err.print("interrupted")
+        code = 130
+    except BrokenPipeError:  # e.g. `tierstream consume ... | head`: the reader left
+        sys.stderr.close()
+        code = 0
+    except typer.TyperException as exc:  # typer's (vendored click's) usage errors
+        if debug:
+            raise
+        code = _usage_error(exc, args)
+    except TierstreamError as exc:
+        if debug:
+            raise
+        _error_line(str(exc))
+        code = 2 if isinstance(exc, ConfigError) else 1
+    except Exception as exc:  # a bug: say so in one line, the traceback is one flag away
+        if debug:
+            raise
+        _error_line(f"unexpected {type(exc).__name__}: {exc} (run again with --debug for the "
+                    "traceback, and please report it)")
+        code = 1
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _error_line(message: str) -> None:
+    err.print(f"[red]error:[/red] {' '.join(message.split())}", markup=True, highlight=False)
+
+
+def _usage_error(exc: Any, args: list[str]) -> int:
+    """One line for a usage error, naming the bad value where the parser did not."""
+    ctx = getattr(exc, "ctx", None)
+    command = ctx.command_path if ctx is not None else "tierstream"
+    if type(exc).__name__ == "NoArgsIsHelpError" and ctx is not None:
+        text = ctx.get_help()  # a bare group: show what it offers (typer prints it itself)
+        if text:
+            out.print(text, highlight=False)
+        return 2
+    message = exc.format_message()
+    if type(exc).__name__ == "NoSuchOption":
+        import difflib
+
+        close = difflib.get_close_matches(str(exc.option_name), list(exc.possibilities or []), 1)
+        message = f"no such option {exc.option_name}" + (
+            f"; did you mean {close[0]}?" if close else "")
+    param = getattr(exc, "param", None)
+    if type(exc).__name__ == "BadParameter" and param is not None:
+        given = _given(args, list(getattr(param, "opts", [])))
+        if given is not None:
+            message = f"{message} (got {given!r})"
+    _error_line(f"{message} (see '{command} --help')")
+    return int(getattr(exc, "exit_code", 2) or 2)
+
+
+def _given(args: list[str], opts: list[str]) -> str | None:
+    for i, a in enumerate(args):
+        for opt in opts:
+            if a == opt and i + 1 < len(args):
+                return args[i + 1]
+            if a.startswith(opt + "="):
+                return a[len(opt) + 1:]
+    return None
+
+
+def _version(value: bool) -> None:
+    if value:
+        from tierstream import __version__
+
+        out.print(f"tierstream {__version__}", highlight=False)
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """Read a tiered, Pulsar-shaped event log with one source API for batch and stream.
+
+    Errors are one line; add --debug anywhere for a traceback.
+    """

@@ -1,0 +1,170 @@
+"""Looking at and managing the store: ``segments``, ``subscriptions``, ``seal``, ``offload``
+and the ``demo``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from tierstream.cli.common import (
+    BrokerOpt,
+    DataDirOpt,
+    TokenOpt,
+    app,
+    human_bytes,
+    human_duration,
+    out,
+)
+from tierstream.errors import ConfigError
+from tierstream.options import DEFAULT_BROKER_URL, DEFAULT_DATA_DIR
+from tierstream.timeutil import format_ms
+
+
+@app.command()
+def segments(
+    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
+    as_json: Annotated[bool, typer.Option("--json", help="JSON instead of a table.")] = False,
+    data_dir: DataDirOpt = Path(DEFAULT_DATA_DIR),
+) -> None:
+    """Show the segments of a topic, read from the metadata store (the open segment's stats
+    lag by at most a second).
+
+    Example: tierstream segments acme/web/clicks --data-dir ./tierstream-data
+    """
+    from tierstream.names import TopicName
+    from tierstream.store.metadata import MetadataStore
+
+    name = TopicName.parse(topic)
+    meta = MetadataStore(Path(data_dir) / "metadata.db", read_only=True)
+    try:
+        meta.get_topic(name)
+        records = meta.segments(str(name))
+    finally:
+        meta.close()
+    if as_json:
+        sys.stdout.write(json.dumps([r.to_dict() for r in records], indent=2) + "\n")
+        return
+    table = Table("partition", "segment", "state", "entries", "messages", "bytes",
+                  "min publish time", "max publish time", "lives in", title=str(name))
+    for r in records:
+        table.add_row(str(r.partition), str(r.segment_id), r.state, str(r.entries),
+                      str(r.messages), human_bytes(r.bytes), format_ms(r.min_publish_time),
+                      format_ms(r.max_publish_time), r.location)
+    out.print(table)
+
+
+@app.command()
+def subscriptions(
+    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
+    as_json: Annotated[bool, typer.Option("--json", help="JSON instead of a table.")] = False,
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    auth_token: TokenOpt = None,
+) -> None:
+    """Show each subscription's durable cursor per partition: where it is (everything before
+    it is acknowledged), its backlog (messages after it), and who is attached. A Spark stream
+    commits to its own subscription (tierstream tail: derived from --checkpoint).
+
+    Example: tierstream subscriptions acme/web/clicks
+    """
+    from tierstream.store.client import Admin
+
+    with Admin(broker, auth_token=auth_token) as admin:
+        rows = admin.subscriptions(topic)
+    if as_json:
+        sys.stdout.write(json.dumps([{**r, "position": str(r["position"])} for r in rows],
+                                    indent=2) + "\n")
+        return
+    table = Table("subscription", "partition", "cursor", "backlog", "key ranges", "consumers",
+                  "updated", title=str(topic))
+    for r in rows:
+        table.add_row(r["subscription"], str(r["partition"]), str(r["position"]),
+                      f"{r['backlog']:,}", str(r["key_ranges"]),
+                      ", ".join(r["consumers"]) or "-", format_ms(r["updated_at"]))
+    out.print(table if rows else f"{topic} has no subscriptions")
+
+
+@app.command()
+def seal(
+    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
+    partition: Annotated[int | None, typer.Option(help="Only this partition.")] = None,
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    auth_token: TokenOpt = None,
+) -> None:
+    """Seal the open segment(s) now (a new one opens).
+
+    Example: tierstream seal acme/web/clicks --partition 0
+    """
+    from tierstream.store.client import Admin
+
+    with Admin(broker, auth_token=auth_token) as admin:
+        sealed = admin.seal(topic, partition)
+    out.print(f"sealed {len(sealed)} segment(s)", highlight=False)
+
+
+@app.command()
+def demo(
+    data_dir: Annotated[Path | None, typer.Option(help="Keep the demo's data here (default: a "
+                                                       "fresh temporary directory).")] = None,
+    messages: Annotated[int, typer.Option(help="Messages to produce.")] = 200_000,
+) -> None:
+    """Run the end-to-end tour on a fresh embedded store (what `make demo` runs).
+
+    Example: tierstream demo --messages 50000
+    """
+    from tierstream.demo import run
+
+    if data_dir is not None and data_dir.exists() and any(data_dir.iterdir()):
+        raise ConfigError(f"--data-dir {str(data_dir)!r} is not empty; the demo needs a fresh one")
+    if messages < 1000:
+        raise ConfigError(f"invalid --messages {messages}: expected >= 1000")
+    run(data_dir, messages, console=out)
+
+
+@app.command()
+def offload(
+    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
+    older_than: Annotated[str | None, typer.Option(
+        help="Only segments whose newest message is older than this, e.g. 2d.")] = None,
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    auth_token: TokenOpt = None,
+) -> None:
+    """Move closed segments to the tier (Parquet + Iceberg) now.
+
+    Example: tierstream offload acme/web/clicks --older-than 2d
+    """
+    from tierstream.store.client import Admin
+    from tierstream.timeutil import now_ms, parse_duration_ms
+
+    older_ms = None if older_than is None else parse_duration_ms(older_than, what="--older-than")
+    with Admin(broker, auth_token=auth_token) as admin:
+        before = admin.list_segments(topic)
+        moved = admin.offload(topic, older_than_ms=older_ms)
+    total = sum(s.bytes for s in moved)
+    out.print(f"offloaded {len(moved)} segment(s), {human_bytes(total)} of bookie data",
+              highlight=False)
+    for s in moved:
+        out.print(f"  partition {s.partition} segment {s.segment_id} -> {s.tier_url}",
+                  highlight=False)
+    moved_ids = {s.segment_id for s in moved}
+    stayed = [s for s in before if s.segment_id not in moved_ids]
+    if stayed:
+        out.print(f"kept {len(stayed)} segment(s) where they are:", highlight=False)
+    now = now_ms()
+    for s in stayed:
+        if s.tier_url is not None:
+            why = "already in the tier"
+        elif s.state == "OPEN":
+            why = ("open: still being written (empty)" if not s.entries else
+                   "open: still being written (`tierstream seal` closes it)")
+        elif older_ms is not None and s.max_publish_time is not None \
+                and s.max_publish_time > now - older_ms:
+            age = human_duration(now - s.max_publish_time)
+            why = f"its newest message is {age} old, younger than --older-than {older_than}"
+        else:
+            why = "not moved by the broker (see its log)"
+        out.print(f"  partition {s.partition} segment {s.segment_id}: {why}", highlight=False)

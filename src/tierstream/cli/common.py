@@ -1,0 +1,61 @@
+"""What every command module shares: the typer apps, the two consoles, the common options
+and the small formatting helpers."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+__all__ = ["BrokerOpt", "DataDirOpt", "TokenOpt", "app", "broker_app", "err", "human_bytes",
+           "human_duration", "out", "progress_bar", "topic_app"]
+
+app = typer.Typer(
+    name="tierstream",
+    help="Read a tiered, Pulsar-shaped event log with one source API for batch and stream.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+broker_app = typer.Typer(help="Run the embedded broker.", no_args_is_help=True)
+topic_app = typer.Typer(help="Create, list, change and delete topics.", no_args_is_help=True)
+app.add_typer(broker_app, name="broker")
+app.add_typer(topic_app, name="topic")
+
+# Tables stay readable when piped (rich would otherwise squeeze them to 80 columns).
+out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, soft_wrap=True)
+
+BrokerOpt = Annotated[str, typer.Option(
+    "--broker", envvar="TIERSTREAM_BROKER", help="Broker URL.", show_default=True)]
+DataDirOpt = Annotated[Path, typer.Option(
+    "--data-dir", envvar="TIERSTREAM_HOME", help="Data directory of the embedded store.")]
+TokenOpt = Annotated[str | None, typer.Option(
+    "--auth-token", envvar="TIERSTREAM_AUTH_TOKEN", show_envvar=True,
+    help="Bearer token (required when the broker binds a non-loopback address).")]
+
+
+def progress_bar(show: bool) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeRemainingColumn(), console=err, disable=not show or not err.is_terminal,
+                    transient=True)
+
+
+def human_duration(ms: int) -> str:
+    for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1000)):
+        if ms >= size:
+            return f"{ms / size:.1f}{unit}"
+    return f"{ms}ms"
+
+
+def human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return str(n)

@@ -1,0 +1,198 @@
+"""``tierstream produce``: JSON lines from stdin as they arrive, each checked, or a
+synthetic click stream (``--generate``)."""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import sys
+from collections.abc import Iterator
+from typing import Annotated, Any
+
+import typer
+
+from tierstream.cli.common import (
+    BrokerOpt,
+    TokenOpt,
+    app,
+    err,
+    progress_bar,
+)
+from tierstream.errors import ConfigError
+from tierstream.options import DEFAULT_BROKER_URL
+from tierstream.timeutil import parse_time_ms
+
+
+@app.command()
+def produce(
+    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
+    generate: Annotated[int | None, typer.Option(help="Generate N synthetic messages instead "
+                                                      "of reading JSON lines from stdin.")] = None,
+    keys: Annotated[int, typer.Option(help="Distinct keys for --generate.")] = 100,
+    start_time: Annotated[str | None, typer.Option(help="Publish time of the first generated "
+                                                        "message (ISO-8601 or epoch ms).")] = None,
+    step_ms: Annotated[int, typer.Option(help="Publish-time step between generated "
+                                              "messages.")] = 0,
+    value_size: Annotated[int, typer.Option(help="Approximate bytes per generated value.")] = 100,
+    batch_size: Annotated[int, typer.Option(help="Messages per batch (entry).")] = 1000,
+    producer_name: Annotated[str | None, typer.Option("--name", help="Producer name (for "
+                                                                     "de-duplication).")] = None,
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    auth_token: TokenOpt = None,
+) -> None:
+    """Produce messages: JSON lines from stdin, or --generate N synthetic clicks.
+
+    A stdin line is {"value": "...", "key": "...", "event_time": ms, "properties": {...},
+    "publish_time": ms} (only value is required; "value_b64" for binary values). Lines are
+    sent as they arrive (batched for up to 50 ms or --batch-size lines), so a live source can
+    be piped in. Each line is checked: at a bad one, everything before it has been sent and
+    nothing after it is, and the error names the line.
+
+    Example: tierstream produce acme/web/clicks --generate 100000 --keys 50
+    --start-time 2026-11-01T00:00:00Z --step-ms 60
+    """
+    from tierstream.store.client import Producer
+
+    if generate is not None and generate < 0:
+        raise ConfigError(f"invalid --generate {generate}: expected a count >= 0")
+    if keys < 1:
+        raise ConfigError(f"invalid --keys {keys}: expected >= 1")
+    if step_ms < 0:
+        raise ConfigError(f"invalid --step-ms {step_ms}: expected >= 0")
+    t0 = parse_time_ms(start_time, what="--start-time") if start_time is not None else None
+    if batch_size < 1:
+        raise ConfigError(f"invalid --batch-size {batch_size}: expected >= 1")
+    total: int | None
+    if generate is None:
+        total = None
+        stdin = _stdin_batches(batch_size, linger_s=0.05)
+        first = next(stdin, None)  # the first lines are read and checked before connecting
+        chunks: Iterator[list[dict[str, Any]]] = itertools.chain(
+            [first] if first is not None else [], stdin)
+    else:
+        total = generate
+        chunks = _chunked(_generated(generate, keys, t0, step_ms, value_size), batch_size * 8)
+    sent = 0
+    with Producer(topic, broker=broker, auth_token=auth_token, name=producer_name,
+                  batch_size=batch_size) as producer, \
+            progress_bar(total is not None and total > 50_000) as progress:
+        task = progress.add_task("producing", total=total)
+        try:
+            for chunk in chunks:
+                producer.send_many(chunk)
+                sent += len(chunk)
+                progress.update(task, completed=sent)
+        except ConfigError as exc:
+            if generate is None:
+                raise ConfigError(f"{exc}; the {sent} message(s) before it were sent to "
+                                  f"{topic}, none after it") from None
+            raise
+    err.print(f"produced {sent} message(s) to {topic}", highlight=False)
+
+
+def _stdin_batches(batch_size: int, *, linger_s: float) -> Iterator[list[dict[str, Any]]]:
+    """Checked messages from stdin lines as they arrive: a batch goes out when it has
+    ``batch_size`` lines or its first line waited ``linger_s``. A bad line ends it, after the
+    lines before it were handed out."""
+    import queue
+    import threading
+    import time
+
+    lines: queue.Queue[tuple[int, str] | None] = queue.Queue(maxsize=4 * batch_size)
+
+    def read() -> None:  # a thread, so that lingering does not wait on a blocking readline
+        try:
+            for lineno, line in enumerate(sys.stdin, 1):
+                lines.put((lineno, line))
+        finally:
+            lines.put(None)
+
+    threading.Thread(target=read, name="tierstream-stdin", daemon=True).start()
+    batch: list[dict[str, Any]] = []
+    deadline = 0.0
+    while True:
+        try:
+            item = lines.get(timeout=max(0.0, deadline - time.monotonic()) if batch else None)
+        except queue.Empty:
+            yield batch
+            batch = []
+            continue
+        if item is None:
+            if batch:
+                yield batch
+            return
+        try:
+            message = _stdin_message(*item)
+        except ConfigError:
+            if batch:
+                yield batch
+            raise
+        if message is None:
+            continue
+        if not batch:
+            deadline = time.monotonic() + linger_s
+        batch.append(message)
+        if len(batch) >= batch_size:
+            yield batch
+            batch = []
+
+
+def _stdin_message(lineno: int, line: str) -> dict[str, Any] | None:
+    """One stdin line as a message (None for a blank line); ConfigError naming the line."""
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        raise ConfigError(f"stdin line {lineno} is not JSON: {line.strip()[:80]!r}") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"stdin line {lineno}: expected a JSON object, got {line[:80]!r}")
+    unknown = set(obj) - {"value", "value_b64", "key", "event_time", "properties",
+                          "publish_time"}
+    if unknown:
+        raise ConfigError(f"stdin line {lineno}: unknown field(s) {sorted(unknown)}")
+    if "value_b64" in obj:
+        try:
+            value = base64.b64decode(obj["value_b64"], validate=True)
+        except (ValueError, TypeError):
+            raise ConfigError(f"stdin line {lineno}: value_b64 is not base64") from None
+    elif isinstance(obj.get("value"), str):
+        value = obj["value"].encode()
+    else:
+        raise ConfigError(f"stdin line {lineno}: needs a string 'value' (or 'value_b64')")
+    key = obj.get("key")
+    if key is not None and not isinstance(key, str):
+        raise ConfigError(f"stdin line {lineno}: key must be a string, got {key!r}")
+    props = obj.get("properties")
+    if props is not None and not (isinstance(props, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in props.items())):
+        raise ConfigError(f"stdin line {lineno}: properties must map strings to strings")
+    times = {}
+    for f in ("event_time", "publish_time"):
+        if obj.get(f) is not None:
+            times[f] = parse_time_ms(obj[f], what=f"{f} on stdin line {lineno}")
+    return {"value": value, "key": key, "properties": props, **times}
+
+
+def _generated(n: int, keys: int, t0: int | None, step_ms: int, value_size: int
+               ) -> Iterator[dict[str, Any]]:
+    pages = ["/", "/search", "/product", "/cart", "/checkout", "/help"]
+    pad = "x" * max(0, value_size - 60)
+    for i in range(n):
+        t = None if t0 is None else t0 + i * step_ms
+        user = f"user-{(i * 7919) % keys:05d}"
+        value = json.dumps({"user": user, "page": pages[i % len(pages)], "n": i, "pad": pad})
+        yield {"value": value.encode(), "key": user, "publish_time": t, "event_time": t,
+               "properties": {"source": "generator"}}
+
+
+def _chunked(it: Iterator[Any], n: int) -> Iterator[list[Any]]:
+    chunk: list[Any] = []
+    for item in it:
+        chunk.append(item)
+        if len(chunk) >= n:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk

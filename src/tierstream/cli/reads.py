@@ -1,0 +1,388 @@
+"""Reading: ``consume`` (through the broker), ``plan``, ``read`` (the local runner),
+``backfill`` and ``tail`` (Spark)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import pyarrow as pa
+import typer
+from rich.table import Table
+
+from tierstream.bounds import end_cut, parse_bound, spark_bound, write_cut
+from tierstream.cli.common import (
+    BrokerOpt,
+    DataDirOpt,
+    TokenOpt,
+    app,
+    err,
+    human_bytes,
+    out,
+    progress_bar,
+)
+from tierstream.errors import ConfigError, TierstreamError
+from tierstream.options import DEFAULT_BROKER_URL, DEFAULT_DATA_DIR
+from tierstream.splits.positions import KeyRange, Offset, OffsetKind
+
+
+@app.command()
+def consume(
+    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
+    from_: Annotated[str, typer.Option("--from", help="earliest, latest, ISO-8601, epoch ms "
+                                                      "or a position p:s:e[:b].")] = "earliest",
+    to: Annotated[str | None, typer.Option("--to", help="Exclusive end (same forms); default "
+                                                        "latest at start.")] = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep reading new messages "
+                                                               "(no --to).")] = False,
+    key_range: Annotated[list[str] | None, typer.Option("--key-range", help="Only key hashes in "
+                                                        "LO:HI (repeatable).")] = None,
+    partition: Annotated[int | None, typer.Option(help="Only this partition.")] = None,
+    limit: Annotated[int | None, typer.Option(help="Stop after N messages.")] = None,
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    auth_token: TokenOpt = None,
+) -> None:
+    """Print messages as JSON lines (value as UTF-8, or value_b64 when it is not text).
+
+    Example: tierstream consume acme/web/clicks --from 2026-11-01T00:00:00Z --limit 10
+    """
+    from tierstream.store.client import read
+
+    start = Offset.parse(from_, what="--from")
+    if follow and to is not None:
+        raise ConfigError("--follow and --to exclude each other: --follow reads without end")
+    end = None if follow else Offset.parse(to or "latest", what="--to")
+    if start.kind is OffsetKind.TIME and end is not None and end.kind is OffsetKind.TIME \
+            and end.time_ms is not None and start.time_ms is not None \
+            and end.time_ms < start.time_ms:
+        raise ConfigError(f"--to {to!r} is before --from {from_!r}")
+    ranges = [KeyRange.parse(r) for r in key_range or []]
+    if limit is not None and limit < 0:
+        raise ConfigError(f"invalid --limit {limit}: expected >= 0")
+    printed = 0
+    name = topic
+    batches = read(name, partition=partition, start=start, end=end, key_ranges=ranges,
+                   broker=broker, auth_token=auth_token)
+    try:
+        for batch in batches:
+            for row in _rows(batch, name):
+                if limit is not None and printed >= limit:
+                    return
+                sys.stdout.write(json.dumps(row) + "\n")
+                printed += 1
+            sys.stdout.flush()
+            if limit is not None and printed >= limit:
+                return
+    finally:
+        batches.close()
+
+
+def _rows(batch: pa.RecordBatch, topic: str) -> Iterator[dict[str, Any]]:
+    for r in batch.to_pylist():
+        value = r.pop("value")
+        try:
+            r["value"] = value.decode("utf-8")
+        except UnicodeDecodeError:
+            r["value_b64"] = base64.b64encode(value).decode()
+        r["properties"] = dict(r["properties"]) if r["properties"] is not None else None
+        yield {"topic": topic, **r}
+
+
+def _query_kwargs(topic: str, from_: str, to: str, key_ranges: int, max_split_bytes: str | None,
+                  reader: str | None, fail_on_data_loss: bool, data_dir: Path, broker: str,
+                  auth_token: str | None) -> dict[str, Any]:
+    from tierstream.options import parse_size
+
+    kwargs: dict[str, Any] = {
+        "start": parse_bound(from_, "--from", topic), "end": parse_bound(to, "--to", topic),
+        "key_ranges": key_ranges, "reader": reader, "fail_on_data_loss": fail_on_data_loss,
+        "data_dir": str(data_dir), "broker": broker, "auth_token": auth_token}
+    if max_split_bytes is not None:
+        kwargs["max_split_bytes"] = parse_size(max_split_bytes, what="--max-split-bytes")
+    return kwargs
+
+
+FromOpt = Annotated[str, typer.Option("--from", help="earliest, latest, ISO-8601, epoch ms, "
+                                                     "p:s:e or a stream cut (JSON or @FILE).")]
+ToOpt = Annotated[str, typer.Option("--to", help="Exclusive end: latest (at planning), a time, "
+                                                 "a position or a stream cut.")]
+CutOutOpt = Annotated[Path | None, typer.Option(
+    "--cut-out", help="Also write the end cut to this file (for a later --from @FILE).")]
+KeyRangesOpt = Annotated[int, typer.Option(help="Split every partition into K key ranges.")]
+SplitBytesOpt = Annotated[str | None, typer.Option(help="Target split size, e.g. 64MiB.")]
+ReaderOpt = Annotated[str | None, typer.Option(help="Force a reader: parquet-tier, bookie-log "
+                                                    "or tail-consumer.")]
+LossOpt = Annotated[bool, typer.Option("--fail-on-data-loss/--skip-data-loss",
+                                       help="Fail (default) or skip when data is gone.")]
+
+
+@app.command()
+def plan(
+    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
+    from_: FromOpt = "earliest",
+    to: ToOpt = "latest",
+    key_ranges: KeyRangesOpt = 1,
+    max_split_bytes: SplitBytesOpt = None,
+    reader: ReaderOpt = None,
+    fail_on_data_loss: LossOpt = True,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON lines of splits.")] = False,
+    data_dir: DataDirOpt = Path(DEFAULT_DATA_DIR),
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    auth_token: TokenOpt = None,
+) -> None:
+    """Show the splits of a bounded read: which reader each got, and where.
+
+    Example: tierstream plan acme/web/clicks --from 2026-11-01 --to 2026-11-08 --key-ranges 4
+    """
+    import tierstream
+
+    splits = tierstream.plan(topic, **_query_kwargs(topic, from_, to, key_ranges,
+                                                    max_split_bytes,
+                                                    reader, fail_on_data_loss, data_dir,
+                                                    broker, auth_token))
+    if as_json:
+        for sp in splits:
+            sys.stdout.write(sp.to_json() + "\n")
+        return
+    table = Table("split", "partition", "segment", "reader", "key range", "entries",
+                  "est. bytes", title=f"plan of {topic}")
+    for sp in splits:
+        entries = "tail" if sp.end is None else f"{sp.start.entry_id}..{sp.end.entry_id}"
+        table.add_row(sp.split_id, str(sp.partition), str(sp.segment_id), sp.reader.value,
+                      str(sp.key_range), entries, human_bytes(sp.estimated_bytes))
+    out.print(table)
+    for kind, count, nbytes in _summary(splits):
+        out.print(f"{kind}: {count} split(s), ~{human_bytes(nbytes)}", highlight=False)
+
+
+def _summary(splits: list[Any]) -> list[tuple[str, int, int]]:
+    from tierstream.splits.split import ReaderKind
+
+    return [(k.value, sum(1 for s in splits if s.reader is k),
+             sum(s.estimated_bytes for s in splits if s.reader is k)) for k in ReaderKind]
+
+
+@app.command("read")
+def read_cmd(
+    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
+    out_path: Annotated[Path, typer.Option("--out", help="Parquet file to write (new).")],
+    from_: FromOpt = "earliest",
+    to: ToOpt = "latest",
+    key_ranges: KeyRangesOpt = 1,
+    max_split_bytes: SplitBytesOpt = None,
+    reader: ReaderOpt = None,
+    fail_on_data_loss: LossOpt = True,
+    cut_out: CutOutOpt = None,
+    data_dir: DataDirOpt = Path(DEFAULT_DATA_DIR),
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    auth_token: TokenOpt = None,
+) -> None:
+    """Read a bounded window with the local runner into one new Parquet file (written
+    atomically; times as UTC timestamps, as backfill writes them). Prints the end cut, from
+    which `tail --from` or `read --from` continue with no gap and no duplicate.
+
+    Example: tierstream read acme/web/clicks --from 2026-11-01 --to 2026-11-02 --out day1.parquet
+    """
+    import time
+
+    import pyarrow.parquet as pq
+
+    import tierstream
+    from tierstream.local import run_splits
+    from tierstream.schema import OUTPUT_SCHEMA, as_output_batch
+    from tierstream.store.client import Admin
+
+    if out_path.suffix != ".parquet":
+        raise ConfigError(f"--out {str(out_path)!r} must end in .parquet")
+    if out_path.exists():
+        raise ConfigError(f"--out {str(out_path)!r} exists; choose a new file (nothing was "
+                          "written)")
+    if not out_path.parent.exists():
+        raise ConfigError(f"--out directory {str(out_path.parent)!r} does not exist")
+    kwargs = _query_kwargs(topic, from_, to, key_ranges, max_split_bytes, reader,
+                           fail_on_data_loss, data_dir, broker, auth_token)
+    with Admin(broker, auth_token=auth_token) as admin:
+        cut = end_cut(admin, topic, kwargs["end"])
+    if cut is not None:
+        kwargs["end"] = cut  # planned up to exactly the cut this command reports
+    splits = tierstream.plan(topic, **kwargs)
+    t0 = time.perf_counter()
+    rows = nbytes = 0
+    tmp = out_path.with_name(f".{out_path.name}.partial")
+    try:
+        with pq.ParquetWriter(tmp, OUTPUT_SCHEMA, compression="zstd") as writer, \
+                progress_bar(True) as progress:
+            task = progress.add_task("reading", total=sum(s.estimated_bytes for s in splits))
+            for batch in run_splits(splits, auth_token=auth_token):
+                writer.write_batch(as_output_batch(batch))
+                rows += batch.num_rows
+                nbytes += batch.nbytes
+                progress.update(task, completed=min(nbytes, progress.tasks[0].total or 0))
+        tmp.replace(out_path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    seconds = time.perf_counter() - t0
+    for kind, count, _ in _summary(splits):
+        if count:
+            err.print(f"{kind}: {count} split(s)", highlight=False)
+    err.print(f"wrote {rows:,} rows ({human_bytes(nbytes)} in memory) to {out_path} in "
+              f"{seconds:.2f}s", highlight=False)
+    _report_cut(cut, cut_out)
+
+
+def _report_cut(cut: Any, cut_out: Path | None) -> None:
+    """Print the end cut (and write it to ``cut_out``): where a next read starts."""
+    if cut is None:
+        return
+    if cut_out is not None:
+        write_cut(cut, cut_out)
+        err.print(f"end cut written to {cut_out} (continue with --from @{cut_out})",
+                  highlight=False)
+    err.print(f"end cut: {cut.to_json()}", highlight=False, soft_wrap=True)
+
+
+@app.command()
+def backfill(
+    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
+    out_path: Annotated[str, typer.Option("--out", help="Output directory, new.")],
+    from_: FromOpt = "earliest",
+    to: ToOpt = "latest",
+    format_: Annotated[str, typer.Option(
+        "--format", help="parquet (files in --out) or iceberg (a table at --out).")]
+        = "parquet",
+    table: Annotated[str | None, typer.Option(
+        help="Iceberg table name, namespace.name [default: backfill.<topic>].")] = None,
+    catalog_uri: Annotated[str | None, typer.Option(
+        help="Iceberg catalog (SQLAlchemy URI) [default: sqlite in --out/catalog.db].")]
+        = None,
+    key_ranges: KeyRangesOpt = 1,
+    max_split_bytes: SplitBytesOpt = None,
+    reader: ReaderOpt = None,
+    fail_on_data_loss: LossOpt = True,
+    cut_out: CutOutOpt = None,
+    data_dir: DataDirOpt = Path(DEFAULT_DATA_DIR),
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    auth_token: TokenOpt = None,
+) -> None:
+    """Run the backfill on Spark: a bounded read of the topic, written as Parquet files or
+    as an Iceberg table. Nothing is left behind if it fails. Prints the end cut, from which
+    `tail --from` continues with no gap and no duplicate.
+
+    Example: tierstream backfill acme/web/clicks --from 2026-11-01 --to 2026-11-08
+    --out ./clicks-week --key-ranges 4 --format iceberg
+    """
+    from tierstream.spark_adapter.jobs import backfill as run_backfill
+    from tierstream.spark_adapter.jobs import local_spark
+
+    options = {"topic": topic, "dataDir": str(data_dir), "broker": broker,
+               "keyRanges": str(key_ranges),
+               "failOnDataLoss": "true" if fail_on_data_loss else "false"}
+    from tierstream.store.client import Admin
+
+    start = parse_bound(from_, "--from", topic)
+    end = parse_bound(to, "--to", topic)
+    with Admin(broker, auth_token=auth_token) as admin:
+        cut = end_cut(admin, topic, end)
+    options.update(spark_bound(start, "--from", "starting", "backfill"))
+    options.update(spark_bound(end if cut is None else cut, "--to", "ending", "backfill"))
+    if max_split_bytes is not None:
+        from tierstream.options import parse_size
+
+        options["maxSplitBytes"] = str(parse_size(max_split_bytes, what="--max-split-bytes"))
+    if reader is not None:
+        options["reader"] = reader
+    if auth_token:
+        options["authToken"] = auth_token
+    from tierstream.spark_adapter.jobs import FORMATS
+
+    if format_ not in FORMATS:
+        raise ConfigError(f"invalid --format {format_!r}: expected one of {', '.join(FORMATS)}")
+    spark = local_spark("tierstream-backfill")
+    try:
+        with progress_bar(True) as progress:
+            task = progress.add_task("spark tasks", total=None)
+            result = run_backfill(spark, options, out_path, format=format_, table=table,
+                                  catalog_uri=catalog_uri,
+                                  progress=lambda d, t: progress.update(task, completed=d,
+                                                                        total=t))
+    finally:
+        spark.stop()
+    summary = ", ".join(f"{k}: {v}" for k, v in sorted(result.splits_by_reader.items()))
+    rate = result.rows / result.seconds if result.seconds else 0.0
+    out.print(f"backfill of {topic}: {result.rows:,} rows in {result.seconds:.1f}s "
+              f"({rate:,.0f} rows/s); splits {summary or 'none'}; read "
+              f"~{human_bytes(result.bytes_read)} of log, wrote "
+              f"{human_bytes(result.bytes_written)} -> {result.out}", highlight=False)
+    if result.table is not None:
+        out.print(f"Iceberg table {result.table} in {result.catalog_uri}; read it with "
+                  f"SqlCatalog('default', uri='{result.catalog_uri}').load_table('{result.table}')"
+                  f" or spark.read.parquet('{result.out}/data')", highlight=False)
+    _report_cut(cut, cut_out)
+
+
+@app.command("tail")
+def tail_cmd(
+    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
+    out_path: Annotated[str, typer.Option("--out", help="Output directory (Parquet sink).")],
+    checkpoint: Annotated[str, typer.Option(help="Checkpoint directory (restarts continue "
+                                                 "exactly from it).")],
+    from_: FromOpt = "latest",
+    available_now: Annotated[bool, typer.Option(
+        "--available-now", help="Write what is there now (in micro-batches), then stop.")]
+        = False,
+    max_records_per_trigger: Annotated[int | None, typer.Option(
+        help="At most this many messages per micro-batch.")] = None,
+    subscription: Annotated[str | None, typer.Option(
+        help="Durable cursor the stream advances [default: derived from --checkpoint, so "
+             "each query has its own].")] = None,
+    key_ranges: KeyRangesOpt = 1,
+    data_dir: DataDirOpt = Path(DEFAULT_DATA_DIR),
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    auth_token: TokenOpt = None,
+) -> None:
+    """Run a Structured Streaming read of the topic into Parquet until stopped (Ctrl-C).
+
+    Example: tierstream tail acme/web/clicks --out ./clicks-live --checkpoint ./ckpt
+    """
+    from tierstream.spark_adapter.jobs import checkpoint_subscription, local_spark
+    from tierstream.spark_adapter.jobs import tail as run_tail
+
+    options = {"topic": topic, "dataDir": str(data_dir), "broker": broker,
+               "keyRanges": str(key_ranges),
+               "subscription": subscription or checkpoint_subscription(checkpoint),
+               **spark_bound(parse_bound(from_, "--from", topic), "--from", "starting", "tail")}
+    if max_records_per_trigger is not None:
+        options["maxRecordsPerTrigger"] = str(max_records_per_trigger)
+    if auth_token:
+        options["authToken"] = auth_token
+    from tierstream.store.client import Admin
+
+    def on_batch(batch_id: int, rows: int, progress: dict[str, Any]) -> None:
+        err.print(f"micro-batch {batch_id}: {rows:,} rows; {_lag(admin, topic, sub)}",
+                  highlight=False)
+
+    sub = options["subscription"]
+    spark = local_spark("tierstream-tail")
+    try:
+        with Admin(broker, auth_token=auth_token) as admin:
+            batches = run_tail(spark, options, out_path, checkpoint,
+                               available_now=available_now, on_batch=on_batch)
+    finally:
+        spark.stop()
+    out.print(f"tail of {topic}: {batches} micro-batch(es) with rows -> {out_path}",
+              highlight=False)
+
+
+def _lag(admin: Any, topic: str, subscription: str) -> str:
+    """How far the stream's cursor is behind the log, per partition (from the broker)."""
+    try:
+        rows = [r for r in admin.subscriptions(topic) if r["subscription"] == subscription]
+    except TierstreamError as exc:
+        return f"lag unknown ({exc})"
+    behind = sum(r["backlog"] for r in rows)
+    parts = ", ".join(f"p{r['partition']} {r['backlog']:,}" for r in rows)
+    return f"behind: {behind:,} message(s) ({parts or 'no cursor yet'})"

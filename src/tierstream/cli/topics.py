@@ -1,0 +1,109 @@
+"""``tierstream topic create|delete|set|list``."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from tierstream.cli.common import (
+    BrokerOpt,
+    TokenOpt,
+    out,
+    topic_app,
+)
+from tierstream.errors import ConfigError
+from tierstream.options import DEFAULT_BROKER_URL
+from tierstream.timeutil import format_ms
+
+
+@topic_app.command("create")
+def topic_create(
+    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
+    partitions: Annotated[int, typer.Option(help="Number of partitions (>= 1).")] = 1,
+    retention: Annotated[str | None, typer.Option(
+        help="Delete segments whose newest message is older than this, e.g. 30d.")] = None,
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    auth_token: TokenOpt = None,
+) -> None:
+    """Create a topic.
+
+    Example: tierstream topic create acme/web/clicks --partitions 4 --retention 30d
+    """
+    from tierstream.store.client import Admin
+    from tierstream.timeutil import parse_duration_ms
+
+    retention_ms = None if retention is None else parse_duration_ms(retention,
+                                                                     what="--retention")
+    with Admin(broker, auth_token=auth_token) as admin:
+        record = admin.create_topic(topic, partitions, retention_ms=retention_ms)
+    out.print(f"created {record.name} with {record.partitions} partition(s)", highlight=False)
+
+
+@topic_app.command("delete")
+def topic_delete(
+    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
+    yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation.")] = False,
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    auth_token: TokenOpt = None,
+) -> None:
+    """Delete a topic and all its data: segments on the bookies, tier files, its Iceberg
+    table, cursors. Crash-safe: an interrupted deletion finishes when the broker restarts.
+
+    Example: tierstream topic delete acme/web/huge --yes
+    """
+    from tierstream.store.client import Admin
+
+    if not yes:
+        if not sys.stdin.isatty():
+            raise ConfigError(f"deleting {topic!r} removes all its data: add --yes to confirm")
+        typer.confirm(f"Delete {topic} and all its data?", abort=True)
+    with Admin(broker, auth_token=auth_token) as admin:
+        record = admin.delete_topic(topic)
+    out.print(f"deleted {record.name} ({record.partitions} partition(s))", highlight=False)
+
+
+@topic_app.command("set")
+def topic_set(
+    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
+    retention: Annotated[str, typer.Option(
+        help="Delete segments whose newest message is older than this, e.g. 30d; 'none' "
+             "keeps everything.")],
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    auth_token: TokenOpt = None,
+) -> None:
+    """Change a topic's settings.
+
+    Example: tierstream topic set acme/web/clicks --retention 30d
+    """
+    from tierstream.store.client import Admin
+    from tierstream.timeutil import parse_duration_ms
+
+    retention_ms = None if retention.strip().lower() == "none" else parse_duration_ms(
+        retention, what="--retention")
+    with Admin(broker, auth_token=auth_token) as admin:
+        record = admin.set_retention(topic, retention_ms)
+    shown = "none (keep everything)" if record.retention_ms is None else retention
+    out.print(f"{record.name}: retention {shown}", highlight=False)
+
+
+@topic_app.command("list")
+def topic_list(
+    namespace: Annotated[str | None, typer.Option(help="Only topics of tenant/namespace.")] = None,
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    auth_token: TokenOpt = None,
+) -> None:
+    """List topics.
+
+    Example: tierstream topic list --namespace acme/web
+    """
+    from tierstream.store.client import Admin
+
+    with Admin(broker, auth_token=auth_token) as admin:
+        topics = admin.list_topics(namespace)
+    table = Table("topic", "partitions", "created")
+    for t in topics:
+        table.add_row(t.name, str(t.partitions), format_ms(t.created_at))
+    out.print(table)
