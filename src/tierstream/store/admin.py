@@ -1,0 +1,125 @@
+"""Topic, segment and subscription administration through the broker."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from tierstream.errors import ConfigError, UnavailableError
+from tierstream.names import TopicName
+from tierstream.splits.positions import Position
+from tierstream.splits.split import StreamCut
+from tierstream.store.connection import BrokerClient
+from tierstream.store.metadata import SegmentRecord, TopicRecord
+
+__all__ = ['Admin']
+
+
+
+class Admin(BrokerClient):
+    """Topic and segment administration through the broker."""
+
+    def ping(self) -> bool:
+        return bool(self.action("ping")["ok"])
+
+    def wait_until_ready(self, timeout: float = 30.0) -> None:
+        """Return once the broker answers, or raise UnavailableError after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.ping()
+                return
+            except UnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                threading.Event().wait(0.05)
+
+    def create_topic(self, topic: str, partitions: int, *, retention_ms: int | None = None
+                     ) -> TopicRecord:
+        TopicName.parse(topic)
+        if not isinstance(partitions, int) or isinstance(partitions, bool) or partitions < 1:
+            raise ConfigError(f"invalid partition count {partitions!r}: expected an integer >= 1")
+        return TopicRecord(**self.action("create-topic", {"topic": topic, "partitions": partitions,
+                                                          "retention_ms": retention_ms}))
+
+    def delete_topic(self, topic: str) -> TopicRecord:
+        """Delete a topic everywhere (metadata, bookies, tier files, Iceberg table); returns
+        what it was. Readers and producers of it stop with NotFoundError."""
+        return TopicRecord(**self.action("delete-topic", {"topic": str(TopicName.parse(topic))}))
+
+    def get_topic(self, topic: str) -> TopicRecord:
+        return TopicRecord(**self.action("get-topic", {"topic": str(TopicName.parse(topic))}))
+
+    def list_topics(self, namespace: str | None = None) -> list[TopicRecord]:
+        return [TopicRecord(**t) for t in self.action("list-topics", {"namespace": namespace})]
+
+    def list_segments(self, topic: str) -> list[SegmentRecord]:
+        return [_segment_record(s) for s in
+                self.action("list-segments", {"topic": str(TopicName.parse(topic))})]
+
+    def last_confirmed(self, topic: str) -> dict[int, tuple[Position | None, Position]]:
+        """Per partition: (last confirmed message or None, the exclusive end after it)."""
+        raw = self.action("last-confirmed", {"topic": str(TopicName.parse(topic))})
+        return {int(p): (None if v["last"] is None else Position.from_dict(v["last"]),
+                         Position.from_dict(v["end"])) for p, v in raw.items()}
+
+    def latest_cut(self, topic: str) -> StreamCut:
+        """The end of everything confirmed so far: each partition's exclusive end position."""
+        return StreamCut.of(str(TopicName.parse(topic)),
+                            {p: end for p, (_, end) in self.last_confirmed(topic).items()})
+
+    def seal(self, topic: str, partition: int | None = None) -> list[SegmentRecord]:
+        raw = self.action("seal", {"topic": str(TopicName.parse(topic)), "partition": partition})
+        return [_segment_record(s) for s in raw]
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.action("stats"))
+
+    def offload(self, topic: str, *, older_than_ms: int | None = None) -> list[SegmentRecord]:
+        """Move closed segments to the tier now (those older than ``older_than_ms``)."""
+        raw = self.action("offload", {"topic": str(TopicName.parse(topic)),
+                                      "older_than_ms": older_than_ms})
+        return [_segment_record(s) for s in raw]
+
+    def tier_pass(self) -> dict[str, int]:
+        """Apply the broker's offload, bookie-deletion and retention policies now."""
+        return dict(self.action("tier-pass"))
+
+    def set_retention(self, topic: str, retention_ms: int | None) -> TopicRecord:
+        return TopicRecord(**self.action("set-retention", {"topic": str(TopicName.parse(topic)),
+                                                           "retention_ms": retention_ms}))
+
+    def advance(self, topic: str, start: Position, max_messages: int, bound: Position
+                ) -> tuple[Position, int]:
+        """The position ``max_messages`` after ``start`` (at most ``bound``), and the count."""
+        raw = self.action("advance", {"topic": topic, "partition": start.partition,
+                                      "start": start.to_dict(), "bound": bound.to_dict(),
+                                      "max_messages": max_messages})
+        return Position.from_dict(raw["end"]), int(raw["messages"])
+
+    def position_at_time(self, topic: str, partition: int, time_ms: int) -> Position:
+        return Position.from_dict(self.action("position-at-time", {
+            "topic": topic, "partition": partition, "time_ms": time_ms}))
+
+    def set_cursor(self, topic: str, subscription: str, positions: dict[int, Position]) -> None:
+        self.action("set-cursor", {"topic": topic, "subscription": subscription,
+                                   "positions": {str(p): pos.to_dict()
+                                                 for p, pos in positions.items()}})
+
+    def subscriptions(self, topic: str) -> list[dict[str, Any]]:
+        """Per subscription and partition: ``position`` (a Position: everything before it is
+        acknowledged), ``backlog`` (messages after it), ``key_ranges`` (intervals the cursor
+        tracks), ``consumers`` attached now and ``updated_at`` (epoch ms)."""
+        raw = self.action("subscriptions", {"topic": str(TopicName.parse(topic))})
+        return [{**r, "position": Position.from_dict(r["position"])} for r in raw]
+
+    def deleted_segments(self, topic: str) -> list[dict[str, Any]]:
+        """Segments removed by retention: what was lost, and when."""
+        return list(self.action("deleted-segments", {"topic": str(TopicName.parse(topic))}))
+
+
+def _segment_record(raw: dict[str, Any]) -> SegmentRecord:
+    fields = {k: v for k, v in raw.items() if k != "location"}
+    fields["ensemble"] = tuple(fields["ensemble"])
+    return SegmentRecord(**fields)

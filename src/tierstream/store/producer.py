@@ -1,0 +1,264 @@
+"""The producer: batches routed by key hash, pipelined, re-sent after a reconnect and stored
+once by sequence id (see ``store/dedup.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from tierstream.errors import ConfigError, TierstreamError, UnavailableError
+from tierstream.names import TopicName
+from tierstream.schema import (
+    PRODUCE_SCHEMA,
+    as_produce_batch,
+    key_hash,
+)
+from tierstream.store.admin import Admin
+from tierstream.store.connection import BrokerClient
+from tierstream.store.protocol import decode, encode, translate_errors
+
+__all__ = ['Message', 'Producer']
+
+
+
+@dataclass(frozen=True)
+class Message:
+    """One message as a producer sends it."""
+
+    value: bytes
+    key: str | None = None
+    event_time: int | None = None
+    properties: Mapping[str, str] | None = None
+    publish_time: int | None = None  # requested; the broker never lets time run backwards
+
+
+@dataclass
+class _PartitionStream:
+    writer: Any = None
+    reader: Any = None
+    next_seq: int = 0
+    unacked: deque[tuple[int, pa.RecordBatch]] = field(default_factory=deque)
+
+
+class Producer:
+    """Sends messages to one topic, routed by key hash (round-robin for unkeyed messages).
+
+    Each batch carries ``(name, sequence id)``; after a broker restart the producer re-sends
+    every unacknowledged batch, and the broker stores each sequence id once. Up to
+    ``max_in_flight`` batches per partition are pipelined before waiting for acks.
+
+    Give a ``name`` to get that guarantee across producer restarts too: a new producer with the
+    same name continues after the last stored sequence id. An unnamed producer gets a random
+    name, so only its own retries are de-duplicated. When ``send_timeout`` passes without an
+    ack, the UnavailableError names the sequence ids in doubt (``exc.unacknowledged``:
+    partition -> ids); they stay queued, so :meth:`flush` tries again.
+    """
+
+    def __init__(self, topic: str, *, broker: str | None = None, auth_token: str | None = None,
+                 name: str | None = None, batch_size: int = 1000, max_in_flight: int = 8,
+                 send_timeout: float = 30.0) -> None:
+        self.topic = str(TopicName.parse(topic))
+        if batch_size < 1 or max_in_flight < 1:
+            raise ConfigError(f"batch_size ({batch_size}) and max_in_flight ({max_in_flight}) "
+                              "must be >= 1")
+        self.name = name or f"producer-{uuid.uuid4().hex[:12]}"
+        self.batch_size = batch_size
+        self.max_in_flight = max_in_flight
+        self.send_timeout = send_timeout
+        self._client = BrokerClient(broker, auth_token=auth_token)
+        self._admin = Admin(self._client.url, auth_token=auth_token)
+        self.partitions = self._admin.get_topic(self.topic).partitions
+        state = self._admin.action("producer-state", {"topic": self.topic, "producer": self.name})
+        # A partition where this name stored nothing yet starts at 0; note that 0 is also a
+        # stored id, so test for None, not for truth.
+        self._streams = {p: _PartitionStream(next_seq=0 if state.get(str(p)) is None
+                                             else int(state[str(p)]) + 1)
+                         for p in range(self.partitions)}
+        self._rr = itertools.count()
+        self._acks: list[dict[str, Any]] = []
+
+    def __repr__(self) -> str:
+        return f"Producer(topic={self.topic!r}, name={self.name!r}, broker={self._client.url!r})"
+
+    # -- public API ---------------------------------------------------------------------------
+
+    def send(self, value: bytes | str, *, key: str | None = None, event_time: int | None = None,
+             properties: Mapping[str, str] | None = None, publish_time: int | None = None
+             ) -> dict[str, Any]:
+        """Send one message and wait for its ack (a dict with partition, segment_id, ...)."""
+        data = value.encode() if isinstance(value, str) else value
+        acks = self.send_many([Message(data, key, event_time, properties, publish_time)])
+        return acks[0]
+
+    def send_many(self, messages: Iterable[Message | Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """Send messages in batches of ``batch_size``; returns one ack per batch, once all
+        are acknowledged."""
+        buffers: dict[int, list[Message]] = {p: [] for p in range(self.partitions)}
+        self._acks = []
+        for m in messages:
+            msg = m if isinstance(m, Message) else Message(**m)
+            p = self._route(msg.key)
+            buffers[p].append(msg)
+            if len(buffers[p]) >= self.batch_size:
+                self._send(p, _to_batch(buffers[p]))
+                buffers[p] = []
+        for p, msgs in buffers.items():
+            if msgs:
+                self._send(p, _to_batch(msgs))
+        self.flush()
+        return self._acks
+
+    def send_batch(self, batch: pa.RecordBatch | pa.Table, *, partition: int | None = None
+                   ) -> list[dict[str, Any]]:
+        """Send Arrow data (columns of PRODUCE_SCHEMA) to one partition as-is (no routing)."""
+        p = next(self._rr) % self.partitions if partition is None else partition
+        if not 0 <= p < self.partitions:
+            raise ConfigError(f"invalid partition {p} for {self.topic!r}: it has "
+                              f"0..{self.partitions - 1}")
+        self._acks = []
+        batches = batch.to_batches(self.batch_size) if isinstance(batch, pa.Table) \
+            else [batch]
+        for b in batches:
+            self._send(p, as_produce_batch(b))
+        self.flush()
+        return self._acks
+
+    def flush(self) -> None:
+        """Wait until every batch sent so far is acknowledged (re-sending after failures)."""
+        for p, stream in self._streams.items():
+            while stream.unacked:
+                self._read_ack(p, stream)
+
+    def close(self) -> None:
+        """Flush (waiting for every ack), then release the connections."""
+        try:
+            self.flush()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        for stream in self._streams.values():
+            self._drop(stream)
+        self._client.close()
+        self._admin.close()
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # do not retry for another send_timeout on the way out of an error
+            self._release()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _route(self, key: str | None) -> int:
+        if key is None:
+            return next(self._rr) % self.partitions
+        return key_hash(key) % self.partitions
+
+    def _send(self, p: int, batch: pa.RecordBatch) -> None:
+        stream = self._streams[p]
+        seq = stream.next_seq
+        stream.next_seq += 1
+        stream.unacked.append((seq, batch))
+        try:
+            self._ensure_stream(p, stream)
+            stream.writer.write_with_metadata(batch, pa.py_buffer(encode({"seq": seq})))
+        except (flight.FlightError, OSError, pa.ArrowException):
+            self._recover(p, stream)
+        while len(stream.unacked) >= self.max_in_flight:
+            self._read_ack(p, stream)
+
+    def _ensure_stream(self, p: int, stream: _PartitionStream) -> None:
+        if stream.writer is None:
+            stream.writer, stream.reader = self._client.produce({
+                "op": "produce", "topic": self.topic, "partition": p, "producer": self.name})
+
+    def _read_ack(self, p: int, stream: _PartitionStream) -> None:
+        if stream.reader is None:
+            self._recover(p, stream)
+        try:
+            buf = stream.reader.read()
+            if buf is None:
+                raise UnavailableError("broker closed the produce stream")
+        except (flight.FlightError, OSError, pa.ArrowException, UnavailableError) as exc:
+            self._raise_if_rejected(exc)
+            self._recover(p, stream)
+            return
+        ack = decode(buf.to_pybytes(), "ack")
+        seq, _ = stream.unacked.popleft()
+        if ack.get("sequence_id") != seq:
+            raise UnavailableError(f"ack for sequence {ack.get('sequence_id')} while waiting "
+                                   f"for {seq}")
+        self._acks.append(ack)
+
+    def _raise_if_rejected(self, exc: BaseException) -> None:
+        """A broker that answers with a tierstream error rejected the batch: do not retry."""
+        try:
+            with translate_errors(self._client.url):
+                raise exc
+        except UnavailableError:
+            return
+        except TierstreamError:
+            raise
+
+    def _recover(self, p: int, stream: _PartitionStream) -> None:
+        """Reconnect with backoff and re-send every unacknowledged batch, in order."""
+        deadline = time.monotonic() + self.send_timeout
+        delay = 0.05
+        while True:
+            self._drop(stream)
+            try:
+                self._ensure_stream(p, stream)
+                for seq, batch in stream.unacked:
+                    stream.writer.write_with_metadata(batch, pa.py_buffer(encode({"seq": seq})))
+                return
+            except (flight.FlightError, OSError, pa.ArrowException, UnavailableError) as exc:
+                self._raise_if_rejected(exc)
+                if time.monotonic() + delay > deadline:
+                    raise self._gave_up(p, stream) from None
+                threading.Event().wait(delay)
+                delay = min(delay * 2, 1.0)
+
+    def _gave_up(self, p: int, stream: _PartitionStream) -> UnavailableError:
+        """The error for a send timeout: it names the batches whose fate is unknown."""
+        seqs = [seq for seq, _ in stream.unacked]
+        ids = str(seqs[0]) if len(seqs) == 1 else f"{seqs[0]}..{seqs[-1]}"
+        messages = sum(b.num_rows for _, b in stream.unacked)
+        exc = UnavailableError(
+            f"producer {self.name!r} gave up on {self.topic!r} partition {p} after "
+            f"{self.send_timeout}s (broker {self._client.url} unreachable): sequence id(s) "
+            f"{ids} ({messages} message(s)) were sent but never acknowledged, so they may or "
+            f"may not be stored; flush() re-sends them, and a producer named {self.name!r} "
+            "stores each at most once")
+        exc.unacknowledged = {p: seqs}  # type: ignore[attr-defined]
+        return exc
+
+    def _drop(self, stream: _PartitionStream) -> None:
+        if stream.writer is not None:
+            with contextlib.suppress(Exception):
+                stream.writer.close()
+        stream.writer = stream.reader = None
+
+
+def _to_batch(messages: list[Message]) -> pa.RecordBatch:
+    return pa.RecordBatch.from_pydict({
+        "key": [m.key for m in messages],
+        "value": [m.value for m in messages],
+        "publish_time": [m.publish_time for m in messages],
+        "event_time": [m.event_time for m in messages],
+        "properties": [None if m.properties is None else list(m.properties.items())
+                       for m in messages],
+    }, schema=PRODUCE_SCHEMA)
