@@ -27,6 +27,7 @@ __all__ = [
     "as_produce_batch",
     "key_hash",
     "key_hashes",
+    "key_range_mask",
     "with_topic",
 ]
 
@@ -117,6 +118,19 @@ def key_hashes(keys: pa.Array | Sequence[str | None]) -> pa.Array:
     slots = pa.array([key_hash(k) for k in encoded.dictionary.to_pylist()], type=pa.int32())
     hashes = pc.take(slots, encoded.indices)
     return pc.fill_null(hashes, pa.scalar(key_hash(None), pa.int32()))
+
+
+def key_range_mask(key_hash: pa.Array, ranges: Sequence[tuple[int, int]]) -> pa.Array | None:
+    """A mask of the rows whose key hash lies in one of the half-open ``ranges`` ``[lo, hi)``;
+    None when they cover every slot (nothing to filter). The one key-range filter: the broker
+    and the readers both use it."""
+    if not ranges or any(lo <= 0 and hi >= KEY_HASH_SLOTS for lo, hi in ranges):
+        return None
+    mask = None
+    for lo, hi in ranges:
+        m = pc.and_(pc.greater_equal(key_hash, lo), pc.less(key_hash, hi))
+        mask = m if mask is None else pc.or_(mask, m)
+    return mask
 
 
 def with_topic(batch: pa.RecordBatch, topic: str) -> pa.RecordBatch:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from tierstream.schema import key_range_mask
 from tierstream.splits.positions import Position
 from tierstream.splits.split import Split
 
@@ -36,10 +37,11 @@ def trim(batch: pa.RecordBatch | pa.Table, split: Split, *, check_positions: boo
             masks.append(pc.greater_equal(pt, split.start_time))
         if split.end_time is not None:
             masks.append(pc.less(pt, split.end_time))
-    if check_keys and not split.key_range.is_full:
-        kh = batch.column("key_hash")
-        masks.append(pc.greater_equal(kh, split.key_range.lo))
-        masks.append(pc.less(kh, split.key_range.hi))
+    if check_keys:
+        keys = key_range_mask(batch.column("key_hash"),
+                              [(split.key_range.lo, split.key_range.hi)])
+        if keys is not None:
+            masks.append(keys)
     if not masks:
         return batch
     mask = masks[0]
