@@ -1,7 +1,6 @@
 import pyarrow as pa
 import pytest
 
-import tierstream
 from tierstream.errors import ConfigError
 from tierstream.schema import (
     MESSAGE_SCHEMA,
@@ -52,15 +51,3 @@ def test_produce_batch_rejects_unknown_columns_and_null_values() -> None:
         as_produce_batch(pa.record_batch({"value": [b"x"], "colour": ["red"]}))
     with pytest.raises(ConfigError, match="'value'"):
         as_produce_batch(pa.record_batch({"value": pa.array([None], pa.binary())}))
-
-
-def test_public_names_are_pinned() -> None:
-    assert sorted(tierstream.__all__) == sorted([
-        "MESSAGE_SCHEMA", "READ_SCHEMA", "AlreadyExistsError", "AuthError", "ConfigError",
-        "CorruptionError", "DataLossError", "KeyRange", "NotFoundError", "Offset", "Position",
-        "ProtocolError", "ReaderKind", "Split", "StorageError", "StreamCut", "TierstreamError",
-        "TopicName", "UnavailableError", "__version__", "key_hash", "latest_cut", "plan", "read",
-        "scan", "tail",
-    ])
-    for name in tierstream.__all__:
-        assert hasattr(tierstream, name)

@@ -1,9 +1,10 @@
 """The parquet-tier reader: an offloaded segment from its Parquet file (pyarrow + fsspec).
 
 It opens the footer, keeps only the row groups whose statistics (publish_time, key_hash,
-entry_id) can hold rows of the split, and reads them in order. On a remote store it reads up
-to ``READ_AHEAD`` row groups concurrently, so request latency overlaps decoding; memory stays
-bounded by that many row groups.
+entry_id) can hold rows of the split, and reads them in order, ``READ_AHEAD`` row groups per
+read. On a remote store up to ``READ_AHEAD`` such reads are in flight at once, so request
+latency overlaps decoding: memory is bounded by ``READ_AHEAD`` row groups locally and by
+``READ_AHEAD ** 2`` remotely.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tierstream.errors import DataLossError, NotFoundError
+from tierstream.errors import CorruptionError, DataLossError, NotFoundError
 from tierstream.readers.trim import trim
 from tierstream.schema import with_topic
 from tierstream.splits.split import Split
@@ -35,7 +36,8 @@ def leaf_column(meta: pq.FileMetaData, name: str) -> int:
     for i in range(meta.num_columns):
         if meta.schema.column(i).path == name:
             return i
-    raise KeyError(f"no column {name!r} in the Parquet schema")
+    raise CorruptionError(f"a tier file has no column {name!r}: it was not written by "
+                          "tierstream (or was changed since)")
 
 
 @dataclass(frozen=True)
@@ -101,8 +103,7 @@ def read_tier_split(split: Split) -> Iterator[pa.RecordBatch]:
     with handle:
         pf = pq.ParquetFile(handle)
         plans = _plans(pf.metadata, split)
-        # a few row groups per read: pyarrow decodes them in parallel, and memory stays
-        # bounded by READ_AHEAD row groups
+        # a few row groups per read: pyarrow decodes them in parallel
         chunks = [plans[i:i + READ_AHEAD] for i in range(0, len(plans), READ_AHEAD)]
         remote = tier.scheme != "file"
         for chunk, table in zip(chunks, _read_chunks(fs, path, pf, chunks, remote),
@@ -122,24 +123,32 @@ def _read_chunks(fs: Any, path: str, pf: pq.ParquetFile, chunks: list[list[_Plan
             yield pf.read_row_groups([p.index for p in chunk])
         return
     local = threading.local()
+    opened: list[Any] = []  # every worker's file, closed when the read ends
 
     def load(chunk: list[_Plan]) -> pa.Table:
         own = getattr(local, "pf", None)
         if own is None:  # one open file per worker thread: ParquetFile is not thread-safe
-            local.pf = own = pq.ParquetFile(fs.open(path, "rb"))
+            handle = fs.open(path, "rb")
+            opened.append(handle)
+            local.pf = own = pq.ParquetFile(handle)
         return own.read_row_groups([p.index for p in chunk])
 
     # remote: up to READ_AHEAD chunks in flight, so request latency overlaps decoding
-    with ThreadPoolExecutor(max_workers=READ_AHEAD, thread_name_prefix="tier-read") as pool:
-        pending: deque[Future[pa.Table]] = deque()
-        it = iter(chunks)
-        for chunk in it:
-            pending.append(pool.submit(load, chunk))
-            if len(pending) >= READ_AHEAD:
-                break
-        while pending:
-            table = pending.popleft().result()
-            nxt = next(it, None)
-            if nxt is not None:
-                pending.append(pool.submit(load, nxt))
-            yield table
+    try:
+        with ThreadPoolExecutor(max_workers=READ_AHEAD,
+                                thread_name_prefix="tier-read") as pool:
+            pending: deque[Future[pa.Table]] = deque()
+            it = iter(chunks)
+            for chunk in it:
+                pending.append(pool.submit(load, chunk))
+                if len(pending) >= READ_AHEAD:
+                    break
+            while pending:
+                table = pending.popleft().result()
+                nxt = next(it, None)
+                if nxt is not None:
+                    pending.append(pool.submit(load, nxt))
+                yield table
+    finally:
+        for handle in opened:
+            handle.close()

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from tierstream.errors import CorruptionError
+from tierstream.errors import ConfigError, CorruptionError
 from tierstream.names import TopicName
 from tierstream.schema import MESSAGE_SCHEMA
 from tierstream.splits.positions import Position
@@ -62,7 +62,8 @@ class Offloader:
     def offload_segment(self, plog: PartitionLog, seg: SegmentRecord) -> SegmentRecord:
         """Move one CLOSED segment to the tier (steps 1-4); returns its new record."""
         if seg.state != SegmentState.CLOSED:
-            raise ValueError(f"segment {seg.segment_id} is {seg.state}; only CLOSED ones move")
+            raise ConfigError(f"segment {seg.segment_id} is {seg.state}; only CLOSED ones move "
+                              "(tierstream seal closes the open one)")
         if seg.tier_url is not None:
             return seg
         topic = TopicName.parse(seg.topic)
@@ -100,7 +101,8 @@ class Offloader:
     def delete_bookie_copy(self, plog: PartitionLog, seg: SegmentRecord) -> SegmentRecord:
         """Step 5: delete the bookie copies of a tiered segment (the caller checks the lag)."""
         if seg.tier_url is None:
-            raise ValueError(f"segment {seg.segment_id} is not in the tier; keeping its bookies")
+            raise ConfigError(f"segment {seg.segment_id} is not in the tier; its bookie copy "
+                              "stays")
         self._fault("before_bookie_delete")
         for b in seg.ensemble:
             bookie = self.store.bookies.get(b)

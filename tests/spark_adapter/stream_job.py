@@ -1,6 +1,6 @@
 """A streaming query in its own process, for the kill-and-restart test.
 
-usage: python -m tests.spark.stream_job DATA_DIR BROKER OUT CHECKPOINT (run|available-now)
+usage: python -m tests.spark_adapter.stream_job DATA_DIR BROKER OUT CHECKPOINT (run|available-now)
 """
 
 from __future__ import annotations
