@@ -36,11 +36,12 @@ def segments(
 
     Example: tierstream segments acme/web/clicks --data-dir ./tierstream-data
     """
+    from tierstream.layout import DataDir
     from tierstream.names import TopicName
     from tierstream.store.metadata import MetadataStore
 
     name = TopicName.parse(topic)
-    meta = MetadataStore(Path(data_dir) / "metadata.db", read_only=True)
+    meta = MetadataStore(DataDir.at(data_dir).metadata, read_only=True)
     try:
         meta.get_topic(name)
         records = meta.segments(str(name))

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tierstream.errors import ConfigError, DataLossError, NotFoundError
+from tierstream.layout import DataDir
 from tierstream.names import TopicName
 from tierstream.schema import KEY_HASH_SLOTS
 from tierstream.splits.positions import KeyRange, Offset, OffsetKind, Position
@@ -74,7 +75,7 @@ class Enumerator:
                  auth_token: str | None = None, s3_endpoint: str | None = None,
                  s3_region: str | None = None) -> None:
         self.data_dir = Path(data_dir)
-        self.metadata = MetadataStore(self.data_dir / "metadata.db", read_only=True)
+        self.metadata = MetadataStore(DataDir.at(self.data_dir).metadata, read_only=True)
         self.broker = broker
         self.auth_token = auth_token
         self.tier = TierLocation(s3_endpoint=s3_endpoint, s3_region=s3_region)
@@ -122,7 +123,7 @@ class Enumerator:
         found = self._bookie_dirs.get(bookie_id)
         if found is None:  # resolving a path stats every component: once per bookie
             found = self._bookie_dirs[bookie_id] = str(
-                (self.data_dir / "bookies" / bookie_id).resolve())
+                DataDir.at(self.data_dir).bookie(bookie_id).resolve())
         return found
 
     # -- per topic ----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tierstream.errors import ConfigError
+from tierstream.layout import DataDir
 from tierstream.options import parse_options
 from tierstream.store.tier import TierStorage
 
@@ -83,17 +84,21 @@ class StoreConfig:
         return cls(**values)
 
     @property
+    def layout(self) -> DataDir:
+        return DataDir.at(self.data_dir)
+
+    @property
     def metadata_path(self) -> Path:
-        return self.data_dir / "metadata.db"
+        return self.layout.metadata
 
     def bookie_dir(self, bookie_id: str) -> Path:
-        return self.data_dir / "bookies" / bookie_id
+        return self.layout.bookie(bookie_id)
 
     def tier(self) -> TierStorage:
-        location = self.tier_url or str(self.data_dir / "tier")
+        location = self.tier_url or str(self.layout.tier)
         return TierStorage.from_location(location, s3_endpoint=self.s3_endpoint,
                                          s3_region=self.s3_region, layout=self.tier_layout)
 
     @property
     def catalog(self) -> str:
-        return self.catalog_uri or f"sqlite:///{(self.data_dir / 'catalog.db').resolve()}"
+        return self.catalog_uri or self.layout.catalog_uri

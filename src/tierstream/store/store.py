@@ -293,7 +293,7 @@ def _lock_data_dir(config: StoreConfig) -> Any:
     import fcntl
 
     try:
-        f = open(config.data_dir / "store.lock", "a+")  # noqa: SIM115 - held until close()
+        f = open(config.layout.lock, "a+")  # noqa: SIM115 - held until close()
     except OSError as exc:
         raise StorageError(f"data directory {str(config.data_dir)!r} is not writable: "
                            f"{exc.strerror or exc}") from None
