@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
 from typing import Any, TypeVar
 
 import pyarrow as pa
@@ -31,8 +30,14 @@ from pyspark.sql.streaming.datasource import (
     SupportsTriggerAvailableNow,
 )
 
+from tierstream.enumerator.streaming import (
+    advance_cuts,
+    bytes_per_message,
+    count_between,
+    earliest_cut,
+)
 from tierstream.errors import ConfigError
-from tierstream.splits.positions import Offset, OffsetKind, Position
+from tierstream.splits.positions import Offset, OffsetKind
 from tierstream.splits.split import Cuts, Split, StreamCut, cuts_from_dict, cuts_to_dict
 from tierstream.store.retry import with_reconnect
 
@@ -100,7 +105,7 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
                         p: admin.position_at_time(topic, p, start.time_ms)
                         for p in latest.partitions})
                 else:  # earliest: the first surviving position
-                    cuts[topic] = _earliest(admin, latest)
+                    cuts[topic] = earliest_cut(admin, latest)
         return cuts_to_dict(cuts, single=self.single)
 
     def getDefaultReadLimit(self) -> ReadLimit:
@@ -139,17 +144,17 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
             target = dict(self._target) if self._target is not None else self._latest(admin)
             for topic in target:  # a topic new since the last batch starts at its beginning
                 if topic not in begin:
-                    begin[topic] = _earliest(admin, target[topic])
+                    begin[topic] = earliest_cut(admin, target[topic])
             if self._too_few(admin, begin, target):
                 return start  # wait for minRecordsPerTrigger, up to maxTriggerDelay
             self._last_batch = time.monotonic()
             if isinstance(limit, ReadMaxRows):
                 budget = int(limit.max_rows)
             elif isinstance(limit, ReadMaxBytes):
-                budget = max(1, int(limit.max_bytes) // _bytes_per_message(admin, target))
+                budget = max(1, int(limit.max_bytes) // bytes_per_message(admin, target))
             else:  # ReadAllAvailable (or none)
                 return cuts_to_dict({**begin, **target}, single=self.single)
-            ends = _advance(admin, begin, target, budget)
+            ends = advance_cuts(admin, begin, target, budget)
         return cuts_to_dict(ends, single=self.single)
 
     def _too_few(self, admin: Any, begin: Cuts, target: Cuts) -> bool:
@@ -160,12 +165,7 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
             return False
         if time.monotonic() - self._last_batch >= self.settings.max_trigger_delay_ms / 1000:
             return False
-        new = 0  # counted from the brokers' entry indexes, only up to ``least``
-        for t, cut in target.items():
-            for p in cut.partitions:
-                if new < least and begin[t][p] < cut[p]:
-                    new += admin.advance(t, begin[t][p], least - new, cut[p])[1]
-        return new < least
+        return count_between(admin, begin, target, up_to=least) < least
 
     # -- micro-batches ------------------------------------------------------------------------
 
@@ -179,6 +179,9 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
 
         s = self.settings
         begin, finish = cuts_from_dict(start), cuts_from_dict(end)
+        # a time start filters every batch, not only the first
+        time_from = s.start.time_ms if isinstance(s.start, Offset) \
+            and s.start.kind is OffsetKind.TIME else None
         splits: list[Split] = []
         with s.enumerator() as enum:
             for topic in sorted(finish):
@@ -186,10 +189,7 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
                     topics=(topic,), start=begin.get(topic) or Offset.earliest(),
                     end=finish[topic], key_ranges=s.key_ranges,
                     max_split_bytes=s.max_split_bytes, reader=s.reader,
-                    fail_on_data_loss=s.fail_on_data_loss)))
-        # a time start filters every batch, not only the first
-        if isinstance(s.start, Offset) and s.start.kind is OffsetKind.TIME:
-            splits = [replace(sp, start_time=s.start.time_ms) for sp in splits]
+                    fail_on_data_loss=s.fail_on_data_loss, time_from=time_from)))
         return [InputPartition(sp.to_json()) for sp in splits]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
@@ -213,41 +213,3 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
 
     def stop(self) -> None:
         pass
-
-
-def _earliest(admin: Any, latest: StreamCut) -> StreamCut:
-    """Each partition's first surviving position (its latest one if it has no segment)."""
-    first: dict[int, int] = {}
-    for seg in admin.list_segments(latest.topic):
-        first[seg.partition] = min(first.get(seg.partition, seg.segment_id), seg.segment_id)
-    return StreamCut.of(latest.topic, {
-        p: Position(p, first[p], 0, 0) if p in first else latest[p] for p in latest.partitions})
-
-
-def _advance(admin: Any, begin: Cuts, target: Cuts, budget: int) -> Cuts:
-    """Spend ``budget`` messages fairly over the (topic, partition)s that have new data."""
-    ends = {(t, p): begin[t][p] for t in begin for p in begin[t].partitions}
-    active = [k for k in sorted(ends) if k[0] in target and ends[k] < target[k[0]][k[1]]]
-    while budget > 0 and active:
-        share = max(1, budget // len(active))
-        still = []
-        for t, p in active:
-            if budget <= 0:
-                break
-            want = min(share, budget)
-            end, counted = admin.advance(t, ends[(t, p)], want, target[t][p])
-            ends[(t, p)] = end
-            budget -= counted
-            if counted == want and end < target[t][p]:
-                still.append((t, p))  # took its whole share: may have more
-        active = still
-    out: dict[str, dict[int, Position]] = {}
-    for (t, p), pos in ends.items():
-        out.setdefault(t, {})[p] = pos
-    return {t: StreamCut.of(t, positions) for t, positions in out.items()}
-
-
-def _bytes_per_message(admin: Any, topics: Cuts) -> int:
-    segs = [s for t in topics for s in admin.list_segments(t) if s.messages]
-    messages = sum(s.messages for s in segs)
-    return max(1, sum(s.bytes for s in segs) // messages) if messages else 200
