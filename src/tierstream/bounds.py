@@ -12,11 +12,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tierstream.errors import ConfigError
 from tierstream.splits.positions import Offset, OffsetKind
 from tierstream.splits.split import StreamCut
+
+if TYPE_CHECKING:
+    from tierstream.store.admin import Admin
 
 __all__ = ["end_cut", "parse_bound", "spark_bound", "write_cut"]
 
@@ -42,7 +45,7 @@ def parse_bound(text: str, flag: str, topic: str) -> Offset | StreamCut:
     return Offset.parse(text, what=flag)
 
 
-def end_cut(admin: Any, topic: str, bound: Offset | StreamCut) -> StreamCut | None:
+def end_cut(admin: Admin, topic: str, bound: Offset | StreamCut) -> StreamCut | None:
     """The cut a bounded read up to ``bound`` ends at (None for a single position).
 
     ``latest`` is the broker's last confirmed positions now; a time ``t`` is, per partition,

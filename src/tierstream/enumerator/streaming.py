@@ -5,10 +5,13 @@ The Spark stream reader asks these; it plans nothing itself.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tierstream.splits.positions import Position
 from tierstream.splits.split import Cuts, StreamCut
+
+if TYPE_CHECKING:
+    from tierstream.store.admin import Admin
 
 __all__ = ["GUESS_BYTES_PER_MESSAGE", "advance_cuts", "bytes_per_message", "count_between",
            "earliest_cut"]
@@ -18,7 +21,7 @@ __all__ = ["GUESS_BYTES_PER_MESSAGE", "advance_cuts", "bytes_per_message", "coun
 GUESS_BYTES_PER_MESSAGE = 200
 
 
-def earliest_cut(admin: Any, latest: StreamCut) -> StreamCut:
+def earliest_cut(admin: Admin, latest: StreamCut) -> StreamCut:
     """Each partition's first surviving position (its latest one if it has no segment)."""
     first: dict[int, int] = {}
     for seg in admin.list_segments(latest.topic):
@@ -27,7 +30,7 @@ def earliest_cut(admin: Any, latest: StreamCut) -> StreamCut:
         p: Position(p, first[p], 0, 0) if p in first else latest[p] for p in latest.partitions})
 
 
-def advance_cuts(admin: Any, begin: Cuts, target: Cuts, budget: int) -> Cuts:
+def advance_cuts(admin: Admin, begin: Cuts, target: Cuts, budget: int) -> Cuts:
     """Spend ``budget`` messages fairly over the (topic, partition)s that have new data."""
     ends = {(t, p): begin[t][p] for t in begin for p in begin[t].partitions}
     active = [k for k in sorted(ends) if k[0] in target and ends[k] < target[k[0]][k[1]]]
@@ -50,14 +53,14 @@ def advance_cuts(admin: Any, begin: Cuts, target: Cuts, budget: int) -> Cuts:
     return {t: StreamCut.of(t, positions) for t, positions in out.items()}
 
 
-def bytes_per_message(admin: Any, topics: Cuts) -> int:
+def bytes_per_message(admin: Admin, topics: Cuts) -> int:
     segs = [s for t in topics for s in admin.list_segments(t) if s.messages]
     messages = sum(s.messages for s in segs)
     return max(1, sum(s.bytes for s in segs) // messages) if messages \
         else GUESS_BYTES_PER_MESSAGE
 
 
-def count_between(admin: Any, begin: Cuts, end: Cuts, *, up_to: int) -> int:
+def count_between(admin: Admin, begin: Cuts, end: Cuts, *, up_to: int) -> int:
     """Messages between ``begin`` and ``end`` (every topic of ``end``), counted from the
     brokers' entry indexes and only up to ``up_to`` (it stops there)."""
     counted = 0

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyarrow as pa
 from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
@@ -39,14 +39,18 @@ from tierstream.enumerator.streaming import (
 from tierstream.errors import ConfigError
 from tierstream.splits.positions import Offset, OffsetKind
 from tierstream.splits.split import Cuts, Split, StreamCut, cuts_from_dict, cuts_to_dict
+from tierstream.store.admin import Admin
 from tierstream.store.retry import with_reconnect
+
+if TYPE_CHECKING:  # source.py imports this module: only the type, no import cycle
+    from tierstream.spark_adapter.source import _Settings
 
 __all__ = ["TierstreamStreamReader"]
 
 T = TypeVar("T")
 
 class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
-    def __init__(self, settings: Any) -> None:
+    def __init__(self, settings: _Settings) -> None:
         if not (isinstance(settings.end, Offset) and settings.end.kind is OffsetKind.LATEST):
             raise ConfigError("a streaming read has no end: remove 'endingTime'/"
                               "'endingPosition'")
@@ -61,12 +65,10 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
         return with_reconnect(call, what=f"stream {what}",
                               timeout_s=self.settings.reconnect_timeout_ms / 1000)
 
-    def _admin(self) -> Any:
-        from tierstream.store.client import Admin
-
+    def _admin(self) -> Admin:
         return Admin(self.settings.broker, auth_token=self.settings.auth_token)
 
-    def _topics(self, admin: Any) -> list[str]:
+    def _topics(self, admin: Admin) -> list[str]:
         """The topics read now: the named ones, or every topic the namespace has so far."""
         if self.settings.namespace is None:
             return list(self.settings.topics)
@@ -75,7 +77,7 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
             raise ConfigError(f"namespace {self.settings.namespace!r} has no topics")
         return found
 
-    def _latest(self, admin: Any) -> Cuts:
+    def _latest(self, admin: Admin) -> Cuts:
         return {t: admin.latest_cut(t) for t in self._topics(admin)}
 
     # -- offsets ------------------------------------------------------------------------------
@@ -157,7 +159,7 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
             ends = advance_cuts(admin, begin, target, budget)
         return cuts_to_dict(ends, single=self.single)
 
-    def _too_few(self, admin: Any, begin: Cuts, target: Cuts) -> bool:
+    def _too_few(self, admin: Admin, begin: Cuts, target: Cuts) -> bool:
         """Whether fewer than ``minRecordsPerTrigger`` messages are new and the last batch
         is younger than ``maxTriggerDelay`` (AvailableNow never waits)."""
         least = self.settings.min_records_per_trigger
@@ -202,7 +204,7 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
         with self._admin() as admin:
             self._move_cursor(end, admin)
 
-    def _move_cursor(self, done: dict[str, Any], admin: Any) -> None:
+    def _move_cursor(self, done: dict[str, Any], admin: Admin) -> None:
         """Store ``done`` as the subscription's durable cursor (forward only, on the broker)."""
         if done == self._cursor:
             return  # an idle stream asks every trigger: write only what is new
