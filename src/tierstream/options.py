@@ -1,9 +1,13 @@
 """Every option, declared once: key, type, default, description.
 
-The Spark adapter, the Python API and the CLI all parse through this table, so an option has one
-name and one meaning everywhere. Keys are camelCase (Spark's convention); the Python API accepts
-the same keys, and :func:`parse_options` turns strings into typed values or raises a
-:class:`~tierstream.errors.ConfigError` naming the option and what would be valid.
+The Spark adapter, the broker's configuration and the clients parse through this table, so an
+option has one name and one meaning there. Keys are camelCase (Spark's convention);
+:func:`parse_options` turns strings into typed values or raises a
+:class:`~tierstream.errors.ConfigError` naming the option and what would be valid. The Python
+read API (``tierstream.plan/read/scan/tail``) takes the read settings as snake_case keyword
+arguments (``key_ranges`` for ``keyRanges``) and its connection settings (``data_dir``,
+``broker``, ``auth_token``) default through this table; one typed read-options object shared
+by all three is still to come.
 """
 
 from __future__ import annotations
