@@ -11,16 +11,23 @@ from __future__ import annotations
 
 import bisect
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pyarrow as pa
 
-from tierstream.errors import CorruptionError, NotFoundError
+from tierstream.errors import NotFoundError
 from tierstream.readers.trim import trim
 from tierstream.schema import with_topic
 from tierstream.splits.split import Split
 from tierstream.store.bookie import ledger_paths
-from tierstream.store.ledger import IndexRecord, decode_payload, read_frame, read_index
+from tierstream.store.ledger import (
+    IndexRecord,
+    decode_payload,
+    first_good_replica,
+    read_frame,
+    read_index,
+    unreadable,
+)
 
 __all__ = ["read_bookie_split"]
 
@@ -72,17 +79,16 @@ def read_bookie_split(split: Split, *, auth_token: str | None = None
 
 
 def _read_entry(split: Split, rec: IndexRecord, fds: dict[str, int]) -> pa.RecordBatch:
-    errors = []
-    for d in split.bookie_dirs:
-        try:
+    def read(d: str) -> Callable[[], pa.Buffer]:
+        def frame() -> pa.Buffer:
             fd = fds.get(d)
             if fd is None:
                 log_path, _ = ledger_paths(d, split.segment_id)
                 fd = fds[d] = os.open(log_path, os.O_RDONLY)
-            payload = read_frame(fd, split.segment_id, rec, d)
-            return decode_payload(payload)
-        except (CorruptionError, OSError) as exc:
-            errors.append(f"{d}: {exc}")
-    raise CorruptionError(f"entry {rec.entry_id} of segment {split.segment_id} "
-                          f"({split.topic} partition {split.partition}) is unreadable on every "
-                          f"replica: {'; '.join(errors)}")
+            return read_frame(fd, split.segment_id, rec, d)
+        return frame
+
+    payload, errors = first_good_replica((d, read(d)) for d in split.bookie_dirs)
+    if payload is None:
+        raise unreadable(rec.entry_id, split.segment_id, split.topic, split.partition, errors)
+    return decode_payload(payload)

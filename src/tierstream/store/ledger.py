@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from typing import Any
 import crc32c
 import pyarrow as pa
 
-from tierstream.errors import CorruptionError
+from tierstream.errors import CorruptionError, NotFoundError
 from tierstream.schema import MESSAGE_SCHEMA
 
 __all__ = [
@@ -39,9 +40,11 @@ __all__ = [
     "IndexRecord",
     "decode_payload",
     "encode_frame",
+    "first_good_replica",
     "read_frame",
     "read_index",
     "scan_frames",
+    "unreadable",
 ]
 
 MAGIC = b"TSE2"  # version 2: CRC-32C
@@ -182,3 +185,22 @@ def scan_frames(path: str | Path, segment_id: int) -> tuple[list[ScannedFrame], 
         expected += 1
     return frames, offset
 
+
+def first_good_replica(reads: Iterable[tuple[str, Callable[[], pa.Buffer]]]
+                       ) -> tuple[pa.Buffer | None, list[str]]:
+    """Try each replica's read of one frame in order; the first payload that reads and
+    verifies, and what went wrong with those before it. The one replica fallback: the broker
+    and the bookie-log reader both use it."""
+    errors: list[str] = []
+    for name, read in reads:
+        try:
+            return read(), errors
+        except (CorruptionError, NotFoundError, OSError) as exc:
+            errors.append(f"{name}: {exc}")
+    return None, errors
+
+
+def unreadable(entry_id: int, segment_id: int, topic: str, partition: int, errors: list[str]
+               ) -> CorruptionError:
+    return CorruptionError(f"entry {entry_id} of segment {segment_id} ({topic} partition "
+                           f"{partition}) is unreadable on every replica: {'; '.join(errors)}")

@@ -11,11 +11,11 @@ from collections.abc import Callable, Iterator
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tierstream.errors import CorruptionError, NotFoundError
+from tierstream.errors import NotFoundError
 from tierstream.schema import key_range_mask
 from tierstream.splits.positions import KeyRange, Position
 from tierstream.store.bookie import Bookie, LedgerReader
-from tierstream.store.ledger import IndexRecord, decode_payload
+from tierstream.store.ledger import IndexRecord, decode_payload, first_good_replica, unreadable
 from tierstream.store.metadata import SegmentRecord
 from tierstream.store.open_segment import OpenSegment
 from tierstream.store.tier import TierStorage
@@ -175,22 +175,19 @@ class PartitionReads:
             return cached
         if seg.bookie_deleted_at is not None:
             return self._tier_segment(seg).entry(rec.entry_id)
-        errors = []
-        readers = readers or _Readers()
-        for b in seg.ensemble:
-            try:
-                payload = readers.get(self._bookies[b], seg.segment_id).read(rec)
-                return decode_payload(payload)
-            except (CorruptionError, NotFoundError, OSError) as exc:
-                self.replica_failures += 1
-                errors.append(f"{b}: {exc}")
+        open_readers = readers or _Readers()
+
+        def read(bookie: str) -> Callable[[], pa.Buffer]:
+            return lambda: open_readers.get(self._bookies[bookie], seg.segment_id).read(rec)
+
+        payload, errors = first_good_replica((b, read(b)) for b in seg.ensemble)
+        self.replica_failures += len(errors)
+        if payload is not None:
+            return decode_payload(payload)
         moved = self._current(seg)
         if moved.tier_url is not None:  # its bookie copy was deleted after it moved
             return self._tier_segment(moved).entry(rec.entry_id)
-        raise CorruptionError(
-            f"entry {rec.entry_id} of segment {seg.segment_id} ({self.topic} partition "
-            f"{self.partition}) is unreadable on every replica: {'; '.join(errors)}"
-        )
+        raise unreadable(rec.entry_id, seg.segment_id, self.topic, self.partition, errors)
 
     def _current(self, seg: SegmentRecord) -> SegmentRecord:
         with self._lock:
