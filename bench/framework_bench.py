@@ -138,7 +138,7 @@ def readers(quick: bool = True) -> Path:
                                  **common)
             tier_split = Split(reader=ReaderKind.TIER, tier_url=seg.tier_url, **common)
             log_path, idx_path = ledger_paths(bookie_dir, seg.segment_id)
-            parquet_path = store.tier._path(seg.tier_url or "")
+            parquet_path = store.tier.path(seg.tier_url or "")
         finally:
             store.close()
 
@@ -195,7 +195,7 @@ def keyranges(quick: bool = True) -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         store, seg = _segment(Path(tmp) / "data", entries, per_entry)
         data_dir = store.config.data_dir
-        path = store.tier._path(seg.tier_url or "")
+        path = store.tier.path(seg.tier_url or "")
         store.close()
         meta = pq.ParquetFile(path).metadata
 

@@ -84,7 +84,7 @@ def offload(quick: bool = True) -> Path:
 
                         def plain_write(tier: TierStorage = tier, url: str = plain_url,
                                         rows: pa.Table = rows) -> None:
-                            with tier.filesystem().open(tier._path(url), "wb") as f:
+                            with tier.filesystem().open(tier.path(url), "wb") as f:
                                 pq.write_table(rows, f, compression="zstd")
 
                         base_seconds = timed(plain_write)
@@ -95,7 +95,7 @@ def offload(quick: bool = True) -> Path:
                         sizes[target] = {
                             "bookie_bytes": seg.bytes,
                             "parquet_bytes": int(tier.filesystem().size(
-                                tier._path(moved.tier_url))),
+                                tier.path(moved.tier_url))),
                             "messages": seg.messages,
                         }
                     finally:
@@ -155,7 +155,7 @@ def layout(quick: bool = True) -> Path:
             tier.check()
             url = f"{tier.url}/seg.parquet"
             tier.write_segment(url, rows)
-            path = tier._path(url)
+            path = tier.path(url)
             ranges = KeyRange.split(4)
             results[name] = {
                 "key_range_k4_max": max(_fetched_fraction(path, key_range=r) for r in ranges),

@@ -102,7 +102,7 @@ def test_tier_files_carry_statistics_for_time_and_key_pruning(store: Store) -> N
     (seg,) = store.offloader.offload_topic(TOPIC)
     assert seg.tier_url is not None
     fs = store.tier.filesystem()
-    meta = pq.ParquetFile(store.tier._path(seg.tier_url), filesystem=fs).metadata
+    meta = pq.ParquetFile(store.tier.path(seg.tier_url), filesystem=fs).metadata
     assert meta.num_row_groups >= KEY_BUCKETS
     for rg in range(meta.num_row_groups):
         group = meta.row_group(rg)
@@ -142,9 +142,9 @@ def test_a_crash_between_any_two_steps_loses_and_duplicates_nothing(
         assert set(registered) == {s.tier_url for s in segs}
         # no orphan: every data file in the tier is the current location of one segment
         fs = store.tier.filesystem()
-        root = store.tier._path(store.tier.url) + "/acme"
+        root = store.tier.path(store.tier.url) + "/acme"
         files = {f for f in fs.find(root) if f.endswith(".parquet")}
-        assert files == {store.tier._path(u) for u in registered}
+        assert files == {store.tier.path(u) for u in registered}
     finally:
         store.close()
 

@@ -21,7 +21,13 @@ from tierstream.names import TopicName
 from tierstream.schema import KEY_HASH_SLOTS
 from tierstream.splits.positions import KeyRange, Offset, OffsetKind, Position
 from tierstream.splits.split import ReaderKind, Split, StreamCut, TierLocation
-from tierstream.store.metadata import MetadataStore, SegmentRecord, SegmentState, TopicRecord
+from tierstream.store.metadata import (
+    MetadataReader,
+    MetadataStore,
+    SegmentRecord,
+    SegmentState,
+    TopicRecord,
+)
 from tierstream.timeutil import format_ms
 
 __all__ = ["Enumerator", "Query"]
@@ -75,7 +81,8 @@ class Enumerator:
                  auth_token: str | None = None, s3_endpoint: str | None = None,
                  s3_region: str | None = None) -> None:
         self.data_dir = Path(data_dir)
-        self.metadata = MetadataStore(DataDir.at(self.data_dir).metadata, read_only=True)
+        self.metadata: MetadataReader = MetadataStore(DataDir.at(self.data_dir).metadata,
+                                                      read_only=True)
         self.broker = broker
         self.auth_token = auth_token
         self.tier = TierLocation(s3_endpoint=s3_endpoint, s3_region=s3_region)

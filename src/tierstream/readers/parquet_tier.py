@@ -92,7 +92,7 @@ def read_tier_split(split: Split) -> Iterator[pa.RecordBatch]:
     tier = TierStorage(url=split.tier_url, s3_endpoint=split.tier.s3_endpoint,
                        s3_region=split.tier.s3_region)
     fs = tier.filesystem()
-    path = tier._path(split.tier_url)
+    path = tier.path(split.tier_url)
     try:
         handle = fs.open(path, "rb")
     except FileNotFoundError:

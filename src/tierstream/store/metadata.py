@@ -15,12 +15,12 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from tierstream.errors import AlreadyExistsError, ConfigError, NotFoundError, StorageError
 from tierstream.names import TopicName
 
-__all__ = ["MetadataStore", "SegmentRecord", "SegmentState", "TopicRecord"]
+__all__ = ["MetadataReader", "MetadataStore", "SegmentRecord", "SegmentState", "TopicRecord"]
 
 SCHEMA_VERSION = 3
 
@@ -84,6 +84,26 @@ CREATE TABLE IF NOT EXISTS dedup (
     PRIMARY KEY (topic, partition, producer)
 );
 """
+
+
+class MetadataReader(Protocol):
+    """What planning reads from metadata: the small interface a planner depends on.
+    :class:`MetadataStore` (the local SQLite file) is one implementation; a planner on another
+    host needs one that asks the broker (issue 13)."""
+
+    def list_topics(self, namespace: str | None = None) -> list[TopicRecord]: ...
+
+    def get_topic(self, name: TopicName | str) -> TopicRecord: ...
+
+    def segments_in_window(self, topic: str, partition: int, start_time: int | None,
+                           end_time: int | None) -> list[SegmentRecord]: ...
+
+    def first_segment_id(self, topic: str, partition: int) -> int | None: ...
+
+    def deleted_segments(self, topic: str, partition: int | None = None
+                         ) -> list[dict[str, Any]]: ...
+
+    def close(self) -> None: ...
 
 
 class SegmentState:

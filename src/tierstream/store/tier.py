@@ -123,7 +123,7 @@ class TierStorage:
                                                            "read_timeout": 60,
                                                            "retries": {"max_attempts": 3}})
 
-    def _path(self, url: str) -> str:
+    def path(self, url: str) -> str:
         parsed = urlparse(url)
         return parsed.path if parsed.scheme == "file" else f"{parsed.netloc}{parsed.path}"
 
@@ -161,7 +161,7 @@ class TierStorage:
         fs = self.filesystem()
         with _errors(self.url):
             if self.scheme == "file":
-                Path(self._path(self.url)).mkdir(parents=True, exist_ok=True)
+                Path(self.path(self.url)).mkdir(parents=True, exist_ok=True)
                 return
             # ls, not exists: s3fs.exists answers False when the endpoint is unreachable
             fs.ls(urlparse(self.url).netloc, refresh=True)
@@ -174,7 +174,7 @@ class TierStorage:
         """
         groups = arrange(rows.cast(MESSAGE_SCHEMA), self.layout)
         fs = self.filesystem()
-        path = self._path(url)
+        path = self.path(url)
         target = path + ".tmp" if self.scheme == "file" else path
         with _errors(url):
             if self.scheme == "file":
@@ -190,26 +190,26 @@ class TierStorage:
 
     def exists(self, url: str) -> bool:
         with _errors(url):
-            return bool(self.filesystem().exists(self._path(url)))
+            return bool(self.filesystem().exists(self.path(url)))
 
     def read_segment(self, url: str, *, filters: Any = None) -> pa.Table:
         """All rows of a tier file (optionally filtered by row groups' statistics)."""
         with _errors(url):
-            return pq.read_table(self._path(url), filesystem=self.filesystem(), filters=filters,
+            return pq.read_table(self.path(url), filesystem=self.filesystem(), filters=filters,
                                  schema=MESSAGE_SCHEMA)
 
     def delete_tree(self, url: str) -> None:
         """Delete everything under ``url`` (a directory or prefix), if anything is there."""
         fs = self.filesystem()
         with _errors(url):
-            if fs.exists(self._path(url)):
-                fs.rm(self._path(url), recursive=True)
+            if fs.exists(self.path(url)):
+                fs.rm(self.path(url), recursive=True)
 
     def delete(self, url: str) -> None:
         fs = self.filesystem()
         with _errors(url):
-            if fs.exists(self._path(url)):
-                fs.rm(self._path(url))
+            if fs.exists(self.path(url)):
+                fs.rm(self.path(url))
 
 
 @contextmanager
