@@ -49,3 +49,10 @@ def test_environment_values_are_named_as_such_and_secrets_hidden(monkeypatch) ->
 def test_options_of_another_scope_are_unknown_here() -> None:
     with pytest.raises(ConfigError, match="unknown option 'bookies'"):
         parse_options({"bookies": "3"}, scope="read")
+
+
+def test_cli_help_shows_defaults_as_a_user_writes_them() -> None:
+    assert OPTIONS["deletionLag"].help().endswith("(default 10m)")
+    assert OPTIONS["maxSegmentBytes"].help().endswith("(default 256MiB)")
+    assert OPTIONS["maxPartitionsPerTopic"].help().endswith("(default 1024)")
+    assert "default" not in OPTIONS["authToken"].help()

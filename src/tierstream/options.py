@@ -108,6 +108,20 @@ def _string(raw: Any) -> str:
     return text
 
 
+def _format_duration(ms: int) -> str:
+    for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1000)):
+        if ms >= size and ms % size == 0:
+            return f"{ms // size}{unit}"
+    return f"{ms}ms"
+
+
+def _format_size(n: int) -> str:
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Option:
     """One option: its key, how to parse it, its default, and what it means."""
@@ -120,6 +134,20 @@ class Option:
     env: str | None = None
     secret: bool = False
     scopes: tuple[str, ...] = ("store",)
+
+    def help(self) -> str:
+        """The description, with the default as a user writes it (for CLI flags)."""
+        if self.default is None or self.secret:
+            return self.description
+        if self.parse is _duration:
+            shown = _format_duration(self.default)
+        elif self.parse is _size_bytes:
+            shown = _format_size(self.default)
+        elif isinstance(self.default, bool):
+            shown = "true" if self.default else "false"
+        else:
+            shown = str(self.default)
+        return f"{self.description} (default {shown})"
 
     def value_from(self, raw: Mapping[str, Any]) -> Any:
         if self.key in raw and raw[self.key] is not None:

@@ -14,7 +14,11 @@ from tierstream.cli.common import (
     TokenOpt,
     broker_app,
 )
-from tierstream.options import DEFAULT_DATA_DIR, DEFAULT_PORT
+from tierstream.options import DEFAULT_DATA_DIR, DEFAULT_PORT, OPTIONS
+
+
+def _help(key: str) -> str:
+    return OPTIONS[key].help()  # one description and default: the option table's
 
 
 @broker_app.command("start")
@@ -23,20 +27,20 @@ def broker_start(
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).")] = DEFAULT_PORT,
     auth_token: TokenOpt = None,
-    bookies: Annotated[int, typer.Option(help="Number of bookies.")] = 1,
-    write_quorum: Annotated[int | None, typer.Option(help="Bookies per entry.")] = None,
-    ack_quorum: Annotated[int | None, typer.Option(help="Bookies that must fsync.")] = None,
-    max_entries_per_segment: Annotated[int | None, typer.Option(help="Rollover by entries.")]
+    bookies: Annotated[int, typer.Option(help=_help("bookies"))] = OPTIONS["bookies"].default,
+    write_quorum: Annotated[int | None, typer.Option(help=_help("writeQuorum"))] = None,
+    ack_quorum: Annotated[int | None, typer.Option(help=_help("ackQuorum"))] = None,
+    max_entries_per_segment: Annotated[int | None, typer.Option(
+        help=_help("maxEntriesPerSegment"))] = None,
+    max_segment_bytes: Annotated[str | None, typer.Option(help=_help("maxSegmentBytes"))]
         = None,
-    max_segment_bytes: Annotated[str | None, typer.Option(help="Rollover by size, e.g. 128MiB.")]
-        = None,
-    segment_rollover_time: Annotated[str | None, typer.Option(help="Rollover by age, e.g. 4h.")]
-        = None,
-    fsync: Annotated[bool, typer.Option(help="fsync before acknowledging.")] = True,
+    segment_rollover_time: Annotated[str | None, typer.Option(
+        help=_help("segmentRolloverTime"))] = None,
+    fsync: Annotated[bool, typer.Option(help=_help("fsync"))] = OPTIONS["fsync"].default,
     max_partitions_per_topic: Annotated[int | None, typer.Option(
-        help="Most partitions a topic may have (default 1024).")] = None,
-    max_open_ledgers: Annotated[int | None, typer.Option(
-        help="Per bookie: ledgers holding open files at a time (default 512).")] = None,
+        help=_help("maxPartitionsPerTopic"))] = None,
+    max_open_ledgers: Annotated[int | None, typer.Option(help=_help("maxOpenLedgers"))]
+        = None,
     tier_url: Annotated[str | None, typer.Option(
         envvar="TIERSTREAM_TIER_URL", help="Tier for offloaded segments: a path, file:// or "
         "s3://bucket/prefix (default: DATA_DIR/tier).")] = None,
@@ -47,15 +51,12 @@ def broker_start(
     catalog_uri: Annotated[str | None, typer.Option(
         envvar="TIERSTREAM_CATALOG_URI", help="Iceberg SQL catalog URL (default: "
         "sqlite:///DATA_DIR/catalog.db).")] = None,
-    offload_after: Annotated[str | None, typer.Option(
-        help="Offload segments whose newest message is older than this, e.g. 1d.")] = None,
-    offload_threshold: Annotated[str | None, typer.Option(
-        help="Offload oldest segments while a topic's bookie bytes exceed this, e.g. 1GiB.")]
+    offload_after: Annotated[str | None, typer.Option(help=_help("offloadAfter"))] = None,
+    offload_threshold: Annotated[str | None, typer.Option(help=_help("offloadThreshold"))]
         = None,
-    deletion_lag: Annotated[str | None, typer.Option(
-        help="Keep bookie copies this long after offload (default 10m).")] = None,
-    tier_check_interval: Annotated[str | None, typer.Option(
-        help="How often to apply offload/deletion/retention (default 30s).")] = None,
+    deletion_lag: Annotated[str | None, typer.Option(help=_help("deletionLag"))] = None,
+    tier_check_interval: Annotated[str | None, typer.Option(help=_help("tierCheckInterval"))]
+        = None,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "INFO",
 ) -> None:
     """Start the broker in the foreground; SIGTERM or Ctrl-C stops it cleanly.
