@@ -104,3 +104,13 @@ def test_concurrent_appends_share_fsyncs_and_all_complete(tmp_path: Path) -> Non
         assert all(len(bookie.index(s)) == 50 for s in range(4))
     finally:
         bookie.close()
+
+
+def test_entries_before_finds_the_first_entry_reaching_a_time() -> None:
+    from tierstream.store.ledger import IndexRecord, entries_before
+
+    # entries cover [0,9], [10,19], [20,29] (first, last publish time)
+    records = [IndexRecord(i, 0, 0, 10, 10 * i, 10 * i + 9) for i in range(3)]
+    assert [entries_before(records, t) for t in (0, 9, 10, 15, 29, 30)] == [0, 0, 1, 1, 2, 3]
+    assert [entries_before(records, t, by="first") for t in (0, 5, 10, 21, 30)] == [
+        0, 1, 1, 3, 3]

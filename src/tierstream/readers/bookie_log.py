@@ -9,7 +9,6 @@ serves the segment from wherever it is now.
 
 from __future__ import annotations
 
-import bisect
 import os
 from collections.abc import Callable, Iterator
 
@@ -23,6 +22,7 @@ from tierstream.store.bookie import ledger_paths
 from tierstream.store.ledger import (
     IndexRecord,
     decode_payload,
+    entries_before,
     first_good_replica,
     read_frame,
     read_index,
@@ -57,11 +57,9 @@ def read_bookie_split(split: Split, *, auth_token: str | None = None
     last = len(records) if split.end is None else min(
         len(records), split.end.entry_id + (1 if split.end.batch_index else 0))
     if split.start_time is not None:  # first entry whose last publish time reaches the window
-        keys = [r.last_publish_time for r in records]
-        first = max(first, bisect.bisect_left(keys, split.start_time))
+        first = max(first, entries_before(records, split.start_time))
     if split.end_time is not None:  # entries that start at or after the end are out
-        keys = [r.first_publish_time for r in records]
-        last = min(last, bisect.bisect_left(keys, split.end_time))
+        last = min(last, entries_before(records, split.end_time, by="first"))
     fds: dict[str, int] = {}
     try:
         for rec in records[first:last]:

@@ -20,10 +20,11 @@ executor that has nothing but the paths.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ __all__ = [
     "IndexRecord",
     "decode_payload",
     "encode_frame",
+    "entries_before",
     "first_good_replica",
     "read_frame",
     "read_index",
@@ -204,3 +206,13 @@ def unreadable(entry_id: int, segment_id: int, topic: str, partition: int, error
                ) -> CorruptionError:
     return CorruptionError(f"entry {entry_id} of segment {segment_id} ({topic} partition "
                            f"{partition}) is unreadable on every replica: {'; '.join(errors)}")
+
+
+def entries_before(records: Sequence[IndexRecord], t: int, *, by: str = "last") -> int:
+    """How many leading entries of an index lie wholly before time ``t``: the index of the
+    first entry whose last (``by="last"``) or first (``by="first"``) publish time is at or
+    after ``t``. publish_time never decreases along a ledger, so this is a binary search;
+    the broker's position-at-time and the bookie-log reader's time bounds both use it."""
+    if by == "last":
+        return bisect.bisect_left(records, t, key=lambda r: r.last_publish_time)
+    return bisect.bisect_left(records, t, key=lambda r: r.first_publish_time)

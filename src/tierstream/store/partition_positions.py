@@ -7,6 +7,7 @@ from __future__ import annotations
 import pyarrow.compute as pc
 
 from tierstream.splits.positions import Position
+from tierstream.store.ledger import entries_before
 from tierstream.store.metadata import SegmentState
 from tierstream.store.partition_reads import PartitionReads
 
@@ -52,13 +53,7 @@ class PartitionPositions(PartitionReads):
             return self.last_confirmed()[1]
         seg = segs[lo]
         records = self._segment_index(seg)
-        a, b = 0, len(records)
-        while a < b:  # first entry whose last_publish_time >= t
-            mid = (a + b) // 2
-            if records[mid].last_publish_time < t:
-                a = mid + 1
-            else:
-                b = mid
+        a = entries_before(records, t)  # the first entry whose last publish time reaches t
         if a == len(records):
             return Position(self.partition, seg.segment_id, len(records), 0)
         batch = self._entry(seg, records[a])
