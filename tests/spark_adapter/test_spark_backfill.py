@@ -14,7 +14,7 @@ import tierstream as ts
 from tierstream.errors import ConfigError, UnavailableError
 from tierstream.spark_adapter.jobs import backfill
 
-from ..framework.logs import BASE, TOPIC, append, running_log
+from ..logs import BASE, TOPIC, append, running_log
 
 pytestmark = pytest.mark.spark
 

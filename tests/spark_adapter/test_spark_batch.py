@@ -19,7 +19,7 @@ from tierstream.spark_adapter.source import PUSHDOWN_CONF
 from tierstream.splits.positions import Position
 from tierstream.splits.split import StreamCut
 
-from ..framework.logs import BASE, TOPIC, append, running_log
+from ..logs import BASE, TOPIC, append, running_log
 
 pytestmark = pytest.mark.spark
 

@@ -17,7 +17,7 @@ import pytest
 
 from tierstream.store.client import Producer
 
-from ..framework.logs import TOPIC, running_log
+from ..logs import TOPIC, running_log
 from ..store.helpers import wait_for
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]

@@ -12,7 +12,7 @@ import pytest
 from tierstream.spark_adapter import register
 from tierstream.spark_adapter.source import _Settings
 
-from ..framework.logs import TOPIC, fill, running_log
+from ..logs import TOPIC, fill, running_log
 
 pytestmark = pytest.mark.spark
 

@@ -13,7 +13,7 @@ from tierstream.spark_adapter.source import _Settings
 from tierstream.spark_adapter.stream import TierstreamStreamReader
 from tierstream.splits.split import Split
 
-from ..framework.logs import BASE, TOPIC, append, fill, running_log
+from ..logs import BASE, TOPIC, append, fill, running_log
 
 pytestmark = pytest.mark.spark
 

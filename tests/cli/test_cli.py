@@ -12,7 +12,7 @@ import pytest
 
 from tierstream.store.process import BrokerProcess
 
-from .store.helpers import wait_for
+from ..store.helpers import wait_for
 
 COMMANDS = [["broker", "start"], ["topic", "create"], ["topic", "list"], ["produce"],
             ["consume"], ["segments"], ["seal"], ["offload"], ["plan"], ["read"], ["backfill"],

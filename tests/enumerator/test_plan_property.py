@@ -20,7 +20,7 @@ from tierstream.readers import open_reader
 from tierstream.splits.positions import KeyRange, Offset, Position
 from tierstream.splits.split import StreamCut
 
-from .logs import BASE, TOPIC, append, running_log
+from ..logs import BASE, TOPIC, append, running_log
 
 KEYS = [None, *(f"user-{i}" for i in range(12))]
 

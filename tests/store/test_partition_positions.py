@@ -8,7 +8,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from .logs import BASE, TOPIC, append, running_log
+from ..logs import BASE, TOPIC, append, running_log
 
 
 @settings(max_examples=20, deadline=None)
