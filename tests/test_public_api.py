@@ -9,9 +9,26 @@ def test_public_names_are_pinned() -> None:
     assert sorted(tierstream.__all__) == sorted([
         "MESSAGE_SCHEMA", "READ_SCHEMA", "AlreadyExistsError", "AuthError", "ConfigError",
         "CorruptionError", "DataLossError", "KeyRange", "NotFoundError", "Offset", "Position",
-        "ProtocolError", "ReaderKind", "Split", "StorageError", "StreamCut", "TierstreamError",
-        "TopicName", "UnavailableError", "__version__", "key_hash", "latest_cut", "plan", "read",
-        "scan", "tail",
+        "ProtocolError", "ReadOptions", "ReaderKind", "Split", "StorageError", "StreamCut",
+        "TierstreamError", "TopicName", "UnavailableError", "__version__", "key_hash",
+        "latest_cut", "plan", "read", "scan", "tail",
     ])
     for name in tierstream.__all__:
         assert hasattr(tierstream, name)
+
+
+def test_the_python_api_takes_the_spark_source_options(tmp_path) -> None:
+    from .logs import BASE, TOPIC, fill, running_log
+
+    with running_log(tmp_path / "data") as log:
+        fill(log, partitions=2, batches=4, keys=5)
+        options = {"topic": TOPIC, "dataDir": str(log.data_dir), "broker": log.url,
+                   "startingTime": str(BASE + 60_000), "keyRanges": "2"}
+        by_options = tierstream.read(options=options)
+        by_kwargs = tierstream.read(TOPIC, start=BASE + 60_000, key_ranges=2, **log.kw())
+        assert by_options.num_rows == by_kwargs.num_rows > 0
+        assert sorted(by_options.column("value").to_pylist()) == sorted(
+            by_kwargs.column("value").to_pylist())
+        parsed = tierstream.ReadOptions.parse(options)
+        assert len(tierstream.plan(options=parsed)) == len(tierstream.plan(options=options))
+        assert "authToken" not in repr(parsed) and "auth_token" not in repr(parsed)

@@ -14,6 +14,7 @@ from tierstream.errors import (
 )
 from tierstream.local import latest_cut, plan, read, scan, tail
 from tierstream.names import TopicName
+from tierstream.read_options import ReadOptions
 from tierstream.schema import MESSAGE_SCHEMA, READ_SCHEMA, key_hash
 from tierstream.splits.positions import KeyRange, Offset, Position
 from tierstream.splits.split import ReaderKind, Split, StreamCut
@@ -33,6 +34,7 @@ __all__ = [
     "Offset",
     "Position",
     "ProtocolError",
+    "ReadOptions",
     "ReaderKind",
     "Split",
     "StorageError",

@@ -12,7 +12,7 @@ import contextlib
 import queue
 import threading
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -22,6 +22,7 @@ from tierstream.enumerator import Enumerator, Query
 from tierstream.errors import ConfigError
 from tierstream.fanin import DONE, Cancel, drain, put
 from tierstream.options import parse_options
+from tierstream.read_options import ReadOptions
 from tierstream.readers import open_reader
 from tierstream.schema import READ_SCHEMA
 from tierstream.splits.positions import KeyRange, Offset, OffsetKind
@@ -73,12 +74,22 @@ def plan(topic: str | Sequence[str] | None = None, *, namespace: str | None = No
          max_split_bytes: int = 128 * 1024**2, reader: ReaderKind | str | None = None,
          fail_on_data_loss: bool = True, partitions: Sequence[int] | None = None,
          data_dir: str | None = None, broker: str | None = None,
-         auth_token: str | None = None) -> list[Split]:
+         auth_token: str | None = None,
+         options: ReadOptions | Mapping[str, Any] | None = None) -> list[Split]:
     """The splits of a bounded read (driver side; reads metadata only).
 
-    Raises ConfigError for a bad query, NotFoundError for an unknown topic, DataLossError if
-    the start lies in data deleted by retention (unless ``fail_on_data_loss=False``).
+    ``options`` takes the read as the Spark source's options (the same keys: ``topic``,
+    ``startingTime``, ``keyRanges``, ``dataDir``...) or a parsed :class:`ReadOptions`, instead
+    of the keyword arguments. Raises ConfigError for a bad query, NotFoundError for an unknown
+    topic, DataLossError if the start lies in data deleted by retention (unless
+    ``fail_on_data_loss=False``).
     """
+    if options is not None:
+        if topic is not None or namespace is not None:
+            raise ConfigError("give the topic either in options or as an argument, not both")
+        parsed = options if isinstance(options, ReadOptions) else ReadOptions.parse(options)
+        with parsed.enumerator() as enum:
+            return enum.plan(parsed.query())
     query = _query(topic, namespace, start, end, key_ranges, max_split_bytes, reader,
                    fail_on_data_loss, partitions)
     with _enumerator(data_dir, broker, auth_token) as enum:
@@ -147,7 +158,10 @@ def scan(topic: str | Sequence[str] | None = None, *, parallelism: int | None = 
          **kwargs: Any) -> Iterator[pa.RecordBatch]:
     """Batches (READ_SCHEMA) of a bounded read; arguments as :func:`plan`."""
     splits = plan(topic, **kwargs)
-    yield from run_splits(splits, parallelism=parallelism, auth_token=kwargs.get("auth_token"))
+    options = kwargs.get("options")
+    token = options.auth_token if isinstance(options, ReadOptions) else \
+        (options or {}).get("authToken", kwargs.get("auth_token"))
+    yield from run_splits(splits, parallelism=parallelism, auth_token=token)
 
 
 def read(topic: str | Sequence[str] | None = None, **kwargs: Any) -> pa.Table:

@@ -1,13 +1,12 @@
 """Every option, declared once: key, type, default, description.
 
 The Spark adapter, the broker's configuration and the clients parse through this table, so an
-option has one name and one meaning there. Keys are camelCase (Spark's convention);
+option has one name and one meaning everywhere. Keys are camelCase (Spark's convention);
 :func:`parse_options` turns strings into typed values or raises a
-:class:`~tierstream.errors.ConfigError` naming the option and what would be valid. The Python
-read API (``tierstream.plan/read/scan/tail``) takes the read settings as snake_case keyword
-arguments (``key_ranges`` for ``keyRanges``) and its connection settings (``data_dir``,
-``broker``, ``auth_token``) default through this table; one typed read-options object shared
-by all three is still to come.
+:class:`~tierstream.errors.ConfigError` naming the option and what would be valid. A read's
+options parse once into :class:`tierstream.ReadOptions` (``read_options.py``): the Spark
+source uses it, and the Python API takes the same keys as ``options=`` (or the same settings
+as snake_case keyword arguments).
 """
 
 from __future__ import annotations

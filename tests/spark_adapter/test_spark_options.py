@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from tierstream.read_options import ReadOptions
 from tierstream.spark_adapter import register
-from tierstream.spark_adapter.source import _Settings
 
 from ..logs import TOPIC, fill, running_log
 
@@ -36,10 +36,10 @@ def test_bad_options_fail_at_load_not_when_the_query_runs(spark: Any, tmp_path: 
 
 
 def test_each_query_gets_its_own_subscription_by_default() -> None:
-    a = _Settings({"topic": TOPIC}).subscription
-    b = _Settings({"topic": TOPIC, "startingPosition": "latest"}).subscription
-    assert a != b and a == _Settings({"topic": TOPIC}).subscription
-    assert _Settings({"topic": TOPIC, "subscription": "mine"}).subscription == "mine"
+    a = ReadOptions.parse({"topic": TOPIC}).subscription
+    b = ReadOptions.parse({"topic": TOPIC, "startingPosition": "latest"}).subscription
+    assert a != b and a == ReadOptions.parse({"topic": TOPIC}).subscription
+    assert ReadOptions.parse({"topic": TOPIC, "subscription": "mine"}).subscription == "mine"
 
 
 def test_the_cli_starts_local_spark_on_loopback() -> None:

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
+from tierstream.read_options import ReadOptions
 from tierstream.readers import open_reader
 from tierstream.spark_adapter import register
-from tierstream.spark_adapter.source import _Settings
 from tierstream.spark_adapter.stream import TierstreamStreamReader
 from tierstream.splits.split import Split
 
@@ -47,7 +47,7 @@ def test_available_now_with_a_read_limit_runs_several_batches_and_stops(
 
         with Admin(log.url) as admin:
             progress = admin.subscriptions(TOPIC)
-        own = _Settings({"topic": TOPIC, "maxRecordsPerTrigger": "250"}).subscription
+        own = ReadOptions.parse({"topic": TOPIC, "maxRecordsPerTrigger": "250"}).subscription
         assert own.startswith("spark-")  # each query its own cursor by default
         assert {(r["subscription"], r["partition"], r["backlog"]) for r in progress} == {
             (own, 0, 0), (own, 1, 0)}
@@ -59,7 +59,7 @@ def test_a_replayed_batch_reads_the_same_rows_after_its_segments_moved(tmp_path:
                                                                        ) -> None:
     with running_log(tmp_path / "data", maxEntriesPerSegment=3) as log:
         _fill(log, 2, 10)
-        settings = _Settings({"topic": TOPIC, "dataDir": str(log.data_dir),
+        settings = ReadOptions.parse({"topic": TOPIC, "dataDir": str(log.data_dir),
                               "broker": log.url, "maxRecordsPerTrigger": "300"})
         reader = TierstreamStreamReader(settings)
         start = reader.initialOffset()
@@ -96,7 +96,7 @@ def test_a_namespace_stream_picks_up_topics_created_mid_stream(tmp_path: Path) -
     with running_log(tmp_path / "data", maxEntriesPerSegment=3) as log:
         want = _topic_rows(log, "acme/web/clicks", 2, 5) + _topic_rows(log, "acme/web/views",
                                                                        1, 4)
-        settings = _Settings({"namespace": "acme/web", "dataDir": str(log.data_dir),
+        settings = ReadOptions.parse({"namespace": "acme/web", "dataDir": str(log.data_dir),
                               "broker": log.url, "maxRecordsPerTrigger": "150"})
         reader = TierstreamStreamReader(settings)
         offset = reader.initialOffset()
@@ -130,8 +130,9 @@ def test_a_namespace_stream_picks_up_topics_created_mid_stream(tmp_path: Path) -
 
         from tierstream.spark_adapter.source import _BatchReader
 
-        batch = _BatchReader(_Settings({"namespace": "acme/web", "dataDir": str(log.data_dir),
-                                        "broker": log.url, "endingPosition": json.dumps(offset)}))
+        batch = _BatchReader(ReadOptions.parse({
+            "namespace": "acme/web", "dataDir": str(log.data_dir), "broker": log.url,
+            "endingPosition": json.dumps(offset)}))
         assert sorted(v.decode() for sp in batch.plan() for b in open_reader(sp)
                       for v in b.column("value").to_pylist()) == sorted(want)
 
@@ -168,9 +169,10 @@ def test_min_records_per_trigger_waits_up_to_max_trigger_delay(tmp_path: Path) -
     with running_log(tmp_path / "data") as log:
         log.store.create_topic(TOPIC, 1)
         add(0, 50)
-        settings = _Settings({"topic": TOPIC, "dataDir": str(log.data_dir), "broker": log.url,
-                              "startingPosition": "earliest", "minRecordsPerTrigger": "100",
-                              "maxTriggerDelay": "2s"})
+        settings = ReadOptions.parse({
+            "topic": TOPIC, "dataDir": str(log.data_dir), "broker": log.url,
+            "startingPosition": "earliest", "minRecordsPerTrigger": "100",
+            "maxTriggerDelay": "2s"})
         reader = TierstreamStreamReader(settings)
         start = reader.initialOffset()
         limit = reader.getDefaultReadLimit()

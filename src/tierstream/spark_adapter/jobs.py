@@ -75,8 +75,9 @@ def backfill(spark: Any, options: dict[str, str], out: str, *, format: str = "pa
     table is created, so nothing is left half-written. ``progress(done, total)`` is called
     about twice a second with Spark's task counts.
     """
+    from tierstream.read_options import ReadOptions
     from tierstream.spark_adapter import register
-    from tierstream.spark_adapter.source import _BatchReader, _Settings
+    from tierstream.spark_adapter.source import _BatchReader
 
     if format not in FORMATS:
         raise ConfigError(f"invalid format {format!r}: expected one of {', '.join(FORMATS)}")
@@ -85,7 +86,7 @@ def backfill(spark: Any, options: dict[str, str], out: str, *, format: str = "pa
     if format == "parquet" and (table is not None or catalog_uri is not None):
         raise ConfigError("a table and a catalog are for --format iceberg only")
     options = dict(options)
-    settings = _Settings(options)
+    settings = ReadOptions.parse(options)
     if format == "iceberg":
         if table is None:
             if len(settings.topics) != 1:
@@ -99,7 +100,7 @@ def backfill(spark: Any, options: dict[str, str], out: str, *, format: str = "pa
     if isinstance(settings.end, Offset) and settings.end.kind is OffsetKind.LATEST:
         # Pin "latest" to cuts now, so Spark reads exactly what is planned and counted here.
         options["endingPosition"] = json.dumps(_latest_cuts(settings))
-        settings = _Settings(options)
+        settings = ReadOptions.parse(options)
     splits = _BatchReader(settings).plan()
     register(spark)
     df = spark.read.format("tierstream").options(**options).load()
@@ -276,10 +277,10 @@ def tail(spark: Any, options: dict[str, str], out: str, checkpoint: str, *,
     where the last committed micro-batch ended."""
     import signal
 
+    from tierstream.read_options import ReadOptions
     from tierstream.spark_adapter import register
-    from tierstream.spark_adapter.source import _Settings
 
-    _Settings(dict(options))  # bad options fail here, before Spark starts anything
+    ReadOptions.parse(options)  # bad options fail here, before Spark starts anything
     register(spark)
     writer = spark.readStream.format("tierstream").options(**options).load() \
         .writeStream.format("parquet").option("checkpointLocation", checkpoint)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -16,11 +15,10 @@ import pyspark
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from tierstream.errors import ConfigError
-from tierstream.names import TopicName
-from tierstream.options import parse_options
+from tierstream.read_options import ReadOptions
 from tierstream.schema import OUTPUT_DDL, OUTPUT_SCHEMA, as_output_batch
 from tierstream.splits.positions import Offset
-from tierstream.splits.split import Cuts, ReaderKind, Split, StreamCut, cuts_from_dict
+from tierstream.splits.split import Cuts, Split, StreamCut
 
 __all__ = ["PUSHDOWN_CONF", "SPARK_ARROW_SCHEMA", "SPARK_SCHEMA", "TierstreamDataSource",
            "TierstreamPushdownDataSource", "register", "to_spark_batch"]
@@ -66,117 +64,16 @@ def spark_batches(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]
         yield to_spark_batch(pa.concat_batches(pending))
 
 
-class _Settings:
-    """The parsed options of one DataFrame read (picklable: it travels to Spark's workers)."""
+def read_partition(options: ReadOptions, partition: InputPartition
+                   ) -> Iterator[pa.RecordBatch]:
+    """One Spark partition's rows (batch or stream): its split, read where it lives."""
+    from tierstream.readers import open_reader
 
-    def __init__(self, raw: dict[str, Any]) -> None:
-        opts = parse_options(raw, scope="read")
-        given = [k for k in ("topic", "topics", "namespace") if opts[k] is not None]
-        if len(given) != 1:
-            raise ConfigError("option 'topic', 'topics' or 'namespace' is required (exactly "
-                              f"one of them); got {given or 'none'}")
-        self.topics: tuple[str, ...] = (
-            (opts["topic"],) if opts["topic"] else tuple(opts["topics"] or ()))
-        self.namespace: str | None = opts["namespace"]
-        if opts["startingTime"] is not None and opts["startingPosition"] is not None:
-            raise ConfigError("options 'startingTime' and 'startingPosition' exclude each other")
-        if opts["endingTime"] is not None and opts["endingPosition"] is not None:
-            raise ConfigError("options 'endingTime' and 'endingPosition' exclude each other")
-        for topic in self.topics:
-            TopicName.parse(topic)  # 'a/../b' fails here, before any path is built
-        if self.namespace is not None:
-            TopicName.parse(self.namespace + "/x")
-        if opts["startingTime"] is not None and opts["endingTime"] is not None \
-                and opts["endingTime"] < opts["startingTime"]:
-            raise ConfigError(f"option 'endingTime' ({opts['endingTime']}) is before "
-                              f"'startingTime' ({opts['startingTime']})")
-        self.start = _bound(opts["startingPosition"], "startingPosition", opts["startingTime"],
-                            default=Offset.earliest())
-        self.end = _bound(opts["endingPosition"], "endingPosition", opts["endingTime"],
-                          default=Offset.latest())
-        for name, bound in (("startingPosition", self.start), ("endingPosition", self.end)):
-            named = {bound.topic} if isinstance(bound, StreamCut) else \
-                set(bound) if isinstance(bound, dict) else set()
-            stray = sorted(named - set(self.topics)) if self.topics else []
-            if stray:
-                raise ConfigError(f"invalid option {name!r}: it has cuts of {stray}, which "
-                                  f"are not read here ({', '.join(self.topics)})")
-        if opts["keyRanges"] > 65536:
-            raise ConfigError(f"invalid option 'keyRanges': {opts['keyRanges']}; expected "
-                              "1..65536")
-        self.key_ranges: int = opts["keyRanges"]
-        self.max_split_bytes: int = opts["maxSplitBytes"]
-        self.reader = None if opts["reader"] is None else ReaderKind.parse(opts["reader"])
-        self.fail_on_data_loss: bool = opts["failOnDataLoss"]
-        self.max_records_per_trigger: int | None = opts["maxRecordsPerTrigger"]
-        self.max_bytes_per_trigger: int | None = opts["maxBytesPerTrigger"]
-        self.min_records_per_trigger: int | None = opts["minRecordsPerTrigger"]
-        self.max_trigger_delay_ms: int = opts["maxTriggerDelay"]
-        self.subscription: str = opts["subscription"] or self._derived_subscription(opts)
-        self.data_dir: str = opts["dataDir"]
-        self.broker: str = opts["broker"]
-        self.auth_token: str | None = opts["authToken"]
-        self.s3_endpoint: str | None = opts["s3Endpoint"]
-        self.s3_region: str | None = opts["s3Region"]
-        self.reconnect_timeout_ms: int = opts["reconnectTimeout"]
-
-    def check_exists(self) -> None:
-        """At ``load()``: the topics (or the namespace) exist. Raises NotFoundError."""
-        from tierstream.enumerator import Query
-
-        with self.enumerator() as enum:
-            enum.topics(Query(topics=self.topics, namespace=self.namespace))
-
-    @staticmethod
-    def _derived_subscription(opts: dict[str, Any]) -> str:
-        """One cursor per query by default: a name derived from what the query reads, so a
-        restarted query keeps its cursor and a different one does not overwrite it."""
-        import hashlib
-
-        what = json.dumps([opts["topic"], opts["topics"], opts["namespace"],
-                           opts["startingPosition"], opts["startingTime"], opts["keyRanges"]],
-                          sort_keys=True, default=str)
-        return "spark-" + hashlib.sha256(what.encode()).hexdigest()[:12]
-
-    def enumerator(self) -> Any:
-        from tierstream.enumerator import Enumerator
-
-        return Enumerator(data_dir=self.data_dir, broker=self.broker, auth_token=self.auth_token,
-                          s3_endpoint=self.s3_endpoint, s3_region=self.s3_region)
-
-    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        """One Spark partition's rows (batch or stream): its split, read where it lives."""
-        from tierstream.readers import open_reader
-
-        if partition.value is None:  # Spark's stand-in when the plan has no split
-            return
-        yield from spark_batches(open_reader(Split.from_json(partition.value),
-                                             auth_token=self.auth_token,
-                                             reconnect_timeout_ms=self.reconnect_timeout_ms))
-
-
-def _bound(position: str | None, name: str, time_ms: int | None, *, default: Offset
-           ) -> Offset | StreamCut | Cuts:
-    """A time, earliest/latest, a topic's stream cut, or cuts per topic (the offset of a
-    multi-topic stream: ``{"v": 1, "cuts": {topic: cut}}``)."""
-    if time_ms is not None:
-        return Offset.at_time(time_ms)
-    if position is None:
-        return default
-    text = position.strip()
-    if text.lower() in ("earliest", "latest"):
-        return Offset.parse(text)
-    try:
-        data = json.loads(text)
-    except ValueError:
-        raise ConfigError(f"invalid option {name!r}: expected earliest, latest or a stream cut "
-                          f"as JSON, got {text[:80]!r}") from None
-    try:
-        if isinstance(data, dict) and "cuts" in data:
-            return cuts_from_dict(data)
-        return StreamCut.from_dict(data)
-    except ConfigError as exc:
-        raise ConfigError(f"invalid option {name!r}: {exc}") from None
+    if partition.value is None:  # Spark's stand-in when the plan has no split
+        return
+    yield from spark_batches(open_reader(Split.from_json(partition.value),
+                                         auth_token=options.auth_token,
+                                         reconnect_timeout_ms=options.reconnect_timeout_ms))
 
 
 class TierstreamDataSource(DataSource):
@@ -184,7 +81,7 @@ class TierstreamDataSource(DataSource):
 
     def __init__(self, options: dict[str, str]) -> None:
         super().__init__(options)
-        self.settings = _Settings(dict(options))  # bad options fail here, at load()
+        self.settings = ReadOptions.parse(options)  # bad options fail here, at load()
         self.settings.check_exists()
 
     @classmethod
@@ -216,7 +113,7 @@ class TierstreamPushdownDataSource(TierstreamDataSource):
 class _BatchReader(DataSourceReader):
     """Driver: ``partitions()`` is the enumerator's plan. Executor: ``read()`` runs a split."""
 
-    def __init__(self, settings: _Settings) -> None:
+    def __init__(self, settings: ReadOptions) -> None:
         from tierstream.spark_adapter.pushdown import Pushed
 
         self.settings = settings
@@ -252,7 +149,7 @@ class _BatchReader(DataSourceReader):
             return splits
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        return self.settings.read(partition)
+        return read_partition(self.settings, partition)
 
 
 def _bound_of(bound: Offset | StreamCut | Cuts, topic: str, name: str) -> Offset | StreamCut:

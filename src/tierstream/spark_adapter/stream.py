@@ -43,14 +43,14 @@ from tierstream.store.admin import Admin
 from tierstream.store.retry import with_reconnect
 
 if TYPE_CHECKING:  # source.py imports this module: only the type, no import cycle
-    from tierstream.spark_adapter.source import _Settings
+    from tierstream.read_options import ReadOptions
 
 __all__ = ["TierstreamStreamReader"]
 
 T = TypeVar("T")
 
 class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
-    def __init__(self, settings: _Settings) -> None:
+    def __init__(self, settings: ReadOptions) -> None:
         if not (isinstance(settings.end, Offset) and settings.end.kind is OffsetKind.LATEST):
             raise ConfigError("a streaming read has no end: remove 'endingTime'/"
                               "'endingPosition'")
@@ -195,7 +195,9 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
         return [InputPartition(sp.to_json()) for sp in splits]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        return self.settings.read(partition)
+        from tierstream.spark_adapter.source import read_partition
+
+        return read_partition(self.settings, partition)
 
     def commit(self, end: dict[str, Any]) -> None:
         self._retrying(lambda: self._commit(end), "commit")

@@ -1,0 +1,155 @@
+"""What a read asks for, parsed once: the typed form of ``options.py``'s read options.
+
+:class:`ReadOptions` is what the Spark adapter gets from ``spark.read.format("tierstream")``
+options, what the Python API takes as ``options=`` (the same keys), and what the CLI builds
+from its flags: one parse, one meaning of every option, wherever a read starts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierstream.enumerator import Enumerator, Query
+from tierstream.errors import ConfigError
+from tierstream.names import TopicName
+from tierstream.options import parse_options
+from tierstream.splits.positions import Offset
+from tierstream.splits.split import Cuts, ReaderKind, StreamCut, cuts_from_dict
+
+__all__ = ["ReadOptions"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadOptions:
+    """A read: what (``topics`` or ``namespace``), between which bounds, how it is split, and
+    where the store is. Build it with :meth:`parse` from option keys; picklable (it travels to
+    Spark's workers); the token is kept out of its repr."""
+
+    topics: tuple[str, ...]
+    namespace: str | None
+    start: Offset | StreamCut | Cuts
+    end: Offset | StreamCut | Cuts
+    key_ranges: int
+    max_split_bytes: int
+    reader: ReaderKind | None
+    fail_on_data_loss: bool
+    max_records_per_trigger: int | None
+    max_bytes_per_trigger: int | None
+    min_records_per_trigger: int | None
+    max_trigger_delay_ms: int
+    subscription: str
+    data_dir: str
+    broker: str
+    auth_token: str | None = field(default=None, repr=False)
+    s3_endpoint: str | None = None
+    s3_region: str | None = None
+    reconnect_timeout_ms: int = 60_000
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> ReadOptions:
+        """Parse option keys (strings, as Spark passes them) through ``options.py``, once.
+        Raises ConfigError naming the option and what would be valid."""
+        opts = parse_options(dict(raw), scope="read")
+        given = [k for k in ("topic", "topics", "namespace") if opts[k] is not None]
+        if len(given) != 1:
+            raise ConfigError("option 'topic', 'topics' or 'namespace' is required (exactly "
+                              f"one of them); got {given or 'none'}")
+        topics = (opts["topic"],) if opts["topic"] else tuple(opts["topics"] or ())
+        namespace = opts["namespace"]
+        for topic in topics:
+            TopicName.parse(topic)  # 'a/../b' fails here, before any path is built
+        if namespace is not None:
+            TopicName.parse(namespace + "/x")
+        for side in ("starting", "ending"):
+            if opts[f"{side}Time"] is not None and opts[f"{side}Position"] is not None:
+                raise ConfigError(f"options '{side}Time' and '{side}Position' exclude each "
+                                  "other")
+        if opts["startingTime"] is not None and opts["endingTime"] is not None \
+                and opts["endingTime"] < opts["startingTime"]:
+            raise ConfigError(f"option 'endingTime' ({opts['endingTime']}) is before "
+                              f"'startingTime' ({opts['startingTime']})")
+        start = _bound(opts["startingPosition"], "startingPosition", opts["startingTime"],
+                       default=Offset.earliest())
+        end = _bound(opts["endingPosition"], "endingPosition", opts["endingTime"],
+                     default=Offset.latest())
+        for name, bound in (("startingPosition", start), ("endingPosition", end)):
+            named = {bound.topic} if isinstance(bound, StreamCut) else \
+                set(bound) if isinstance(bound, dict) else set()
+            stray = sorted(named - set(topics)) if topics else []
+            if stray:
+                raise ConfigError(f"invalid option {name!r}: it has cuts of {stray}, which "
+                                  f"are not read here ({', '.join(topics)})")
+        if opts["keyRanges"] > 65536:
+            raise ConfigError(f"invalid option 'keyRanges': {opts['keyRanges']}; expected "
+                              "1..65536")
+        return cls(
+            topics=topics, namespace=namespace, start=start, end=end,
+            key_ranges=opts["keyRanges"], max_split_bytes=opts["maxSplitBytes"],
+            reader=None if opts["reader"] is None else ReaderKind.parse(opts["reader"]),
+            fail_on_data_loss=opts["failOnDataLoss"],
+            max_records_per_trigger=opts["maxRecordsPerTrigger"],
+            max_bytes_per_trigger=opts["maxBytesPerTrigger"],
+            min_records_per_trigger=opts["minRecordsPerTrigger"],
+            max_trigger_delay_ms=opts["maxTriggerDelay"],
+            subscription=opts["subscription"] or _derived_subscription(opts),
+            data_dir=opts["dataDir"], broker=opts["broker"], auth_token=opts["authToken"],
+            s3_endpoint=opts["s3Endpoint"], s3_region=opts["s3Region"],
+            reconnect_timeout_ms=opts["reconnectTimeout"])
+
+    def check_exists(self) -> None:
+        """At ``load()``: the topics (or the namespace) exist. Raises NotFoundError."""
+        with self.enumerator() as enum:
+            enum.topics(Query(topics=self.topics, namespace=self.namespace))
+
+    def enumerator(self) -> Enumerator:
+        return Enumerator(data_dir=self.data_dir, broker=self.broker, auth_token=self.auth_token,
+                          s3_endpoint=self.s3_endpoint, s3_region=self.s3_region)
+
+    def query(self) -> Query:
+        """The enumerator's query of this read (one topic's cut, or none, as bounds; the
+        per-topic cuts of a multi-topic stream are planned topic by topic by the adapter)."""
+        if isinstance(self.start, dict) or isinstance(self.end, dict):
+            raise ConfigError("cuts of several topics bound a Spark stream's read; plan each "
+                              "topic with its own cut")
+        return Query(topics=self.topics, namespace=self.namespace, start=self.start,
+                     end=self.end, key_ranges=self.key_ranges,
+                     max_split_bytes=self.max_split_bytes, reader=self.reader,
+                     fail_on_data_loss=self.fail_on_data_loss)
+
+
+def _derived_subscription(opts: dict[str, Any]) -> str:
+    """One cursor per query by default: a name derived from what the query reads, so a
+    restarted query keeps its cursor and a different one does not overwrite it."""
+    import hashlib
+
+    what = json.dumps([opts["topic"], opts["topics"], opts["namespace"],
+                       opts["startingPosition"], opts["startingTime"], opts["keyRanges"]],
+                      sort_keys=True, default=str)
+    return "spark-" + hashlib.sha256(what.encode()).hexdigest()[:12]
+
+
+def _bound(position: str | None, name: str, time_ms: int | None, *, default: Offset
+           ) -> Offset | StreamCut | Cuts:
+    """A time, earliest/latest, a topic's stream cut, or cuts per topic (the offset of a
+    multi-topic stream: ``{"v": 1, "cuts": {topic: cut}}``)."""
+    if time_ms is not None:
+        return Offset.at_time(time_ms)
+    if position is None:
+        return default
+    text = position.strip()
+    if text.lower() in ("earliest", "latest"):
+        return Offset.parse(text)
+    try:
+        data = json.loads(text)
+    except ValueError:
+        raise ConfigError(f"invalid option {name!r}: expected earliest, latest or a stream cut "
+                          f"as JSON, got {text[:80]!r}") from None
+    try:
+        if isinstance(data, dict) and "cuts" in data:
+            return cuts_from_dict(data)
+        return StreamCut.from_dict(data)
+    except ConfigError as exc:
+        raise ConfigError(f"invalid option {name!r}: {exc}") from None
