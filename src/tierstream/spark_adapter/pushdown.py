@@ -165,7 +165,7 @@ def _micros(value: Any) -> int | None:
         return None
     if value.tzinfo is None:  # Spark sends UTC instants; be exact if one ever arrives naive
         value = value.replace(tzinfo=UTC)
-    return (value - _EPOCH) // _US
+    return int((value - _EPOCH) // _US)
 
 
 def _is_int(value: Any) -> bool:

@@ -224,4 +224,4 @@ class Offset:
             return f"time {format_ms(self.time_ms)}"
         if self.kind is OffsetKind.POSITION:
             return f"position {self.position}"
-        return self.kind.value
+        return str(self.kind.value)

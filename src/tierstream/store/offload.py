@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pyarrow as pa
 
@@ -27,25 +27,38 @@ from tierstream.names import TopicName
 from tierstream.schema import MESSAGE_SCHEMA
 from tierstream.splits.positions import Position
 from tierstream.store.catalog import TierCatalog
-from tierstream.store.metadata import SegmentRecord, SegmentState
+from tierstream.store.metadata import MetadataStore, SegmentRecord, SegmentState, TopicRecord
 from tierstream.store.tier import TierStorage
 from tierstream.timeutil import now_ms
 
 if TYPE_CHECKING:
+    from tierstream.store.bookie import Bookie
     from tierstream.store.partition_log import PartitionLog
-    from tierstream.store.store import Store
 
-__all__ = ["FAULT_POINTS", "Offloader"]
+__all__ = ["FAULT_POINTS", "OffloadHost", "Offloader"]
 
 log = logging.getLogger(__name__)
 
 FAULT_POINTS = ("after_parquet", "after_iceberg", "after_flip", "before_bookie_delete")
 
 
+class OffloadHost(Protocol):
+    """What the offloader uses of the store that runs it (the store implements it)."""
+
+    metadata: MetadataStore
+    bookies: dict[str, Bookie]
+
+    def topic(self, name: str) -> TopicRecord: ...
+
+    def topics(self, namespace: str | None = None) -> list[TopicRecord]: ...
+
+    def partitions(self, topic: str) -> list[PartitionLog]: ...
+
+
 class Offloader:
     """Moves segments of one store to its tier. Runs inside the broker process."""
 
-    def __init__(self, store: Store, tier: TierStorage, catalog: TierCatalog, *,
+    def __init__(self, store: OffloadHost, tier: TierStorage, catalog: TierCatalog, *,
                  deletion_lag_ms: int, fault: Callable[[str], None] | None = None) -> None:
         self.store = store
         self.tier = tier

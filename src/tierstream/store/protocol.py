@@ -57,9 +57,12 @@ def decode(data: bytes | memoryview | None, what: str) -> dict[str, Any]:
 
 def server_error(exc: TierstreamError) -> Exception:
     """The Flight error that carries ``exc`` to the client."""
+    error: Exception  # pyarrow.flight is untyped
     if isinstance(exc, AuthError):
-        return flight.FlightUnauthenticatedError(str(exc))
-    return flight.FlightServerError(f"[tierstream:{exc.code}] {exc}")
+        error = flight.FlightUnauthenticatedError(str(exc))
+    else:
+        error = flight.FlightServerError(f"[tierstream:{exc.code}] {exc}")
+    return error
 
 
 @contextmanager
