@@ -106,7 +106,7 @@ def test_a_namespace_stream_picks_up_topics_created_mid_stream(tmp_path: Path) -
         def drain() -> int:
             nonlocal offset
             batches = 0
-            while True:
+            for _ in range(50):  # bounded: a stream that never catches up fails the test
                 end = reader.latestOffset(offset, reader.getDefaultReadLimit())
                 if end == offset:
                     return batches
@@ -117,6 +117,7 @@ def test_a_namespace_stream_picks_up_topics_created_mid_stream(tmp_path: Path) -
                 got.extend(rows)
                 reader.commit(end)
                 offset, batches = end, batches + 1
+            raise AssertionError("the stream did not catch up within 50 micro-batches")
 
         assert drain() == 4  # 560 messages, 150 per trigger over three topic-partitions
         want += _topic_rows(log, "acme/web/signups", 2, 3)  # created after the stream began
