@@ -81,15 +81,24 @@ class Enumerator:
                  auth_token: str | None = None, s3_endpoint: str | None = None,
                  s3_region: str | None = None) -> None:
         self.data_dir = Path(data_dir)
-        self.metadata: MetadataReader = MetadataStore(DataDir.at(self.data_dir).metadata,
-                                                      read_only=True)
+        local = DataDir.at(self.data_dir).metadata
+        self.metadata: MetadataReader
+        if local.exists() or broker is None:
+            self.metadata = MetadataStore(local, read_only=True)  # the fast path
+            self.metadata_source = f"local file {local}"
+        else:  # another host: the same reads, answered by the broker
+            from tierstream.store.remote_metadata import BrokerMetadata
+
+            self.metadata = BrokerMetadata(broker, auth_token=auth_token)
+            self.metadata_source = f"broker {broker}"
         self.broker = broker
         self.auth_token = auth_token
         self.tier = TierLocation(s3_endpoint=s3_endpoint, s3_region=s3_region)
         self._bookie_dirs: dict[str, str] = {}
 
     def __repr__(self) -> str:
-        return f"Enumerator(data_dir={str(self.data_dir)!r}, broker={self.broker!r})"
+        return (f"Enumerator(data_dir={str(self.data_dir)!r}, broker={self.broker!r}, "
+                f"metadata from {self.metadata_source})")
 
     def close(self) -> None:
         self.metadata.close()

@@ -55,7 +55,7 @@ class Admin(BrokerClient):
         return [TopicRecord(**t) for t in self.action("list-topics", {"namespace": namespace})]
 
     def list_segments(self, topic: str) -> list[SegmentRecord]:
-        return [_segment_record(s) for s in
+        return [segment_record(s) for s in
                 self.action("list-segments", {"topic": str(TopicName.parse(topic))})]
 
     def last_confirmed(self, topic: str) -> dict[int, tuple[Position | None, Position]]:
@@ -71,7 +71,7 @@ class Admin(BrokerClient):
 
     def seal(self, topic: str, partition: int | None = None) -> list[SegmentRecord]:
         raw = self.action("seal", {"topic": str(TopicName.parse(topic)), "partition": partition})
-        return [_segment_record(s) for s in raw]
+        return [segment_record(s) for s in raw]
 
     def stats(self) -> dict[str, Any]:
         return dict(self.action("stats"))
@@ -80,7 +80,7 @@ class Admin(BrokerClient):
         """Move closed segments to the tier now (those older than ``older_than_ms``)."""
         raw = self.action("offload", {"topic": str(TopicName.parse(topic)),
                                       "older_than_ms": older_than_ms})
-        return [_segment_record(s) for s in raw]
+        return [segment_record(s) for s in raw]
 
     def tier_pass(self) -> dict[str, int]:
         """Apply the broker's offload, bookie-deletion and retention policies now."""
@@ -119,7 +119,7 @@ class Admin(BrokerClient):
         return list(self.action("deleted-segments", {"topic": str(TopicName.parse(topic))}))
 
 
-def _segment_record(raw: dict[str, Any]) -> SegmentRecord:
+def segment_record(raw: dict[str, Any]) -> SegmentRecord:
     fields = {k: v for k, v in raw.items() if k != "location"}
     fields["ensemble"] = tuple(fields["ensemble"])
     return SegmentRecord(**fields)

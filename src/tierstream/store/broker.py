@@ -290,6 +290,18 @@ class Broker(flight.FlightServerBase):
                 "consumers": self.subscriptions.connected(topic, c["subscription"], p)})
         return out
 
+    def _plan_segments(self, body: dict[str, Any]) -> Any:
+        """What a planner on another host needs of one topic, in one round trip: per
+        partition, the segments that may hold publish times in ``[start_time, end_time)``
+        (searched here, by SQLite's indexes: O(log S)) and the first live segment id."""
+        topic = self.store.topic(body["topic"])
+        t0, t1 = body.get("start_time"), body.get("end_time")
+        meta = self.store.metadata
+        return {str(p): {"window": [s.to_dict() for s in meta.segments_in_window(
+                             topic.name, p, t0, t1)],
+                         "first": meta.first_segment_id(topic.name, p)}
+                for p in range(topic.partitions)}
+
     def _producer_state(self, body: dict[str, Any]) -> Any:
         return {str(p.partition): p.producer_state(str(body["producer"]))
                 for p in self.store.partitions(body["topic"])}
@@ -307,6 +319,8 @@ _ACTIONS = {
     "stats": (Broker._stats, "Broker and store counters."),
     "ack": (Broker._ack, "Cumulative ack on a subscription's cursor."),
     "producer-state": (Broker._producer_state, "Last stored sequence id of {producer}."),
+    "plan-segments": (Broker._plan_segments, "Per partition: segments in a time window, "
+                                             "first segment id (planning off-host)."),
     "offload": (Broker._offload, "Offload closed segments of {topic[, older_than_ms]}."),
     "tier-pass": (Broker._tier_pass, "Apply offload, bookie deletion and retention now."),
     "set-retention": (Broker._set_retention, "Set {topic, retention_ms} (null: keep all)."),
