@@ -29,7 +29,7 @@ def open_reader(split: Split, *, auth_token: str | None = None, cancel: Cancel |
     if split.reader is ReaderKind.TIER:
         from tierstream.readers.parquet_tier import read_tier_split
 
-        return read_tier_split(split)
+        return read_tier_split(split, auth_token=auth_token)
     from tierstream.readers.tail import read_tail_split
 
     return read_tail_split(split, auth_token=auth_token, cancel=cancel,

@@ -9,6 +9,8 @@ latency overlaps decoding: memory is bounded by ``READ_AHEAD`` row groups locall
 
 from __future__ import annotations
 
+import logging
+import posixpath
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -19,13 +21,15 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tierstream.errors import CorruptionError, DataLossError, NotFoundError
+from tierstream.errors import CorruptionError, DataLossError, NotFoundError, UnavailableError
 from tierstream.readers.trim import trim
 from tierstream.schema import with_topic
 from tierstream.splits.split import Split
 from tierstream.store.tier import TierStorage
 
 __all__ = ["READ_AHEAD", "leaf_column", "read_tier_split", "selected_row_groups"]
+
+log = logging.getLogger(__name__)
 
 READ_AHEAD = 8
 
@@ -86,7 +90,11 @@ def selected_row_groups(meta: pq.FileMetaData, split: Split) -> list[int]:
     return [plan.index for plan in _plans(meta, split)]
 
 
-def read_tier_split(split: Split) -> Iterator[pa.RecordBatch]:
+def read_tier_split(split: Split, *, auth_token: str | None = None
+                    ) -> Iterator[pa.RecordBatch]:
+    """The split's rows from its tier file. A ``file://`` tier that this host cannot see
+    (its directory is not here: another machine) is read through the broker instead, which
+    serves the segment from the tier; only a file missing where its directory is, is lost."""
     if split.tier_url is None:
         raise NotFoundError(f"split {split.split_id} has no tier URL")
     tier = TierStorage(url=split.tier_url, s3_endpoint=split.tier.s3_endpoint,
@@ -96,6 +104,18 @@ def read_tier_split(split: Split) -> Iterator[pa.RecordBatch]:
     try:
         handle = fs.open(path, "rb")
     except FileNotFoundError:
+        if tier.scheme == "file" and not fs.exists(posixpath.dirname(path)):
+            if split.broker is None:
+                raise UnavailableError(
+                    f"the tier file {split.tier_url} of {split.topic!r} partition "
+                    f"{split.partition} is on another host: give the broker's address (option "
+                    "'broker') to read it through the broker, or keep the tier on S3") from None
+            log.info("tier file %s is not on this host; reading it through the broker %s",
+                     split.tier_url, split.broker)
+            from tierstream.readers.tail import read_tail_split
+
+            yield from read_tail_split(split, auth_token=auth_token)
+            return
         raise DataLossError(
             f"data loss in {split.topic!r} partition {split.partition}: the tier file of "
             f"segment {split.segment_id} ({split.tier_url}) is gone (deleted by retention "
