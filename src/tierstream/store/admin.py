@@ -13,7 +13,7 @@ from tierstream.splits.split import StreamCut
 from tierstream.store.connection import BrokerClient
 from tierstream.store.metadata import SegmentRecord, TopicRecord
 
-__all__ = ['Admin']
+__all__ = ["Admin", "segment_record"]
 
 
 

@@ -274,12 +274,6 @@ class Bookie:
         for ledger in ledgers:
             _close_fds(ledger)
 
-    @property
-    def open_files(self) -> int:
-        """Ledgers holding file descriptors now (at most ``max_open``, plus one group's)."""
-        with self._lock:
-            return len(self._with_fds)
-
     # -- read side ----------------------------------------------------------------------------
 
     def index(self, segment_id: int) -> list[IndexRecord]:

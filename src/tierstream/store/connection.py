@@ -14,7 +14,7 @@ from tierstream.schema import (
 )
 from tierstream.store.protocol import decode, encode, translate_errors
 
-__all__ = ['BrokerClient']
+__all__ = ["BrokerClient"]
 
 
 

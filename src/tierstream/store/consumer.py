@@ -22,7 +22,7 @@ from tierstream.store.connection import BrokerClient
 from tierstream.store.protocol import translate_errors
 from tierstream.store.reading import check_ranges, flight_batches, pump_batches
 
-__all__ = ['Consumer']
+__all__ = ["Consumer"]
 
 
 

@@ -27,7 +27,7 @@ from tierstream.store.admin import Admin
 from tierstream.store.connection import BrokerClient
 from tierstream.store.protocol import decode, encode, translate_errors
 
-__all__ = ['Message', 'Producer']
+__all__ = ["Message", "Producer"]
 
 
 

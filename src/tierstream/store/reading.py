@@ -20,7 +20,7 @@ from tierstream.store.connection import BrokerClient
 from tierstream.store.protocol import translate_errors
 from tierstream.store.retry import Backoff, reconnect_timeout_s
 
-__all__ = ['TopicReader', 'check_ranges', 'consume_stream', 'pump_batches', 'read']
+__all__ = ["TopicReader", "check_ranges", "consume_stream", "pump_batches", "read"]
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +108,8 @@ class TopicReader:
 
 
 def _chain(url: str, readers: list[Any]) -> Iterator[pa.RecordBatch]:
-    with translate_errors(url):
-        for reader in readers:
-            for chunk in reader:
-                if chunk.data is not None and chunk.data.num_rows:
-                    yield chunk.data
+    for reader in readers:
+        yield from flight_batches(url, reader)
 
 
 def flight_batches(url: str, reader: Any) -> Iterator[pa.RecordBatch]:
