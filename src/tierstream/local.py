@@ -157,10 +157,11 @@ def run_splits(splits: Sequence[Split], *, parallelism: int | None = None,
 def scan(topic: str | Sequence[str] | None = None, *, parallelism: int | None = None,
          **kwargs: Any) -> Iterator[pa.RecordBatch]:
     """Batches (READ_SCHEMA) of a bounded read; arguments as :func:`plan`."""
-    splits = plan(topic, **kwargs)
     options = kwargs.get("options")
-    token = options.auth_token if isinstance(options, ReadOptions) else \
-        (options or {}).get("authToken", kwargs.get("auth_token"))
+    if options is not None and not isinstance(options, ReadOptions):
+        kwargs["options"] = options = ReadOptions.parse(options)  # parsed once, for both
+    splits = plan(topic, **kwargs)
+    token = options.auth_token if options is not None else kwargs.get("auth_token")
     yield from run_splits(splits, parallelism=parallelism, auth_token=token)
 
 
