@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ class Log:
     broker: Broker
     url: str
     data_dir: Path
+    endpoints: list[Any] = field(default_factory=list)  # BookieServer per bookie, if asked
 
     def kw(self) -> dict[str, Any]:
         return {"data_dir": str(self.data_dir), "broker": self.url}
@@ -39,19 +40,27 @@ class Log:
 
 
 @contextmanager
-def running_log(data_dir: Path, **options: Any) -> Iterator[Log]:
-    """A store with a broker serving it on loopback, in this process."""
+def running_log(data_dir: Path, *, bookie_endpoints: bool = False,
+                **options: Any) -> Iterator[Log]:
+    """A store with a broker serving it on loopback, in this process; with
+    ``bookie_endpoints``, every bookie also serves its ledgers (``Log.endpoints``)."""
+    from tierstream.store.broker import _serve_bookies
+
     opts = {"dataDir": str(data_dir), "fsync": False, "deletionLag": "1h",
             "tierCheckInterval": "1h", **options}
     store = Store(StoreConfig.from_options(opts))
     broker = Broker(store, port=0)
     thread = threading.Thread(target=broker.serve, daemon=True)
     thread.start()
+    endpoints = _serve_bookies(store, "127.0.0.1", None, None, None, None) \
+        if bookie_endpoints else []
     try:
-        yield Log(store, broker, broker.url, data_dir)
+        yield Log(store, broker, broker.url, data_dir, endpoints)
     finally:
         store.closing.set()
         broker.shutdown()
+        for endpoint in endpoints:
+            endpoint.shutdown()
         store.close()
 
 

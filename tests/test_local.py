@@ -15,7 +15,7 @@ import tierstream as ts
 from tierstream.errors import ConfigError, DataLossError, NotFoundError
 from tierstream.readers import open_reader
 from tierstream.splits.positions import KeyRange, Offset, Position
-from tierstream.splits.split import ReaderKind, Split, StreamCut
+from tierstream.splits.split import ReaderKind, Replica, Split, StreamCut
 from tierstream.store.client import Producer
 
 from .logs import BASE, TOPIC, fill, running_log
@@ -33,7 +33,9 @@ def test_split_round_trips_through_json_and_pickle() -> None:
     split = Split(topic=TOPIC, partition=1, segment_id=7, start=Position(1, 7, 3, 2),
                   end=Position(1, 7, 90, 0), reader=ReaderKind.BOOKIE,
                   key_range=KeyRange(100, 2000), start_time=5, end_time=None,
-                  bookie_dirs=("/a", "/b"), broker="grpc://127.0.0.1:1", estimated_bytes=9)
+                  replicas=(Replica("bookie-0", "grpc://10.0.0.5:7000", "/a"),
+                            Replica("bookie-1", None, "/b")),
+                  broker="grpc://127.0.0.1:1", estimated_bytes=9)
     assert Split.from_json(split.to_json()) == split
     assert pickle.loads(pickle.dumps(split)) == split
     assert split.split_id == f"{TOPIC}/1/7/1:7:3:2-1:7:90:0/100:2000"
@@ -48,6 +50,15 @@ def test_malformed_cuts_and_splits_are_clear_errors(text: str) -> None:
         StreamCut.from_json(text)
     with pytest.raises(ConfigError, match="split"):
         Split.from_json(text)
+
+
+def test_a_split_of_the_old_format_is_refused_with_what_to_do() -> None:
+    old = {"v": 1, "topic": TOPIC, "partition": 0, "segment_id": 1,
+           "start": Position(0, 1, 0, 0).to_dict(), "end": None, "reader": "bookie-log",
+           "key_range": [0, 65536], "bookie_dirs": ["/data/bookies/bookie-0"]}
+    with pytest.raises(ConfigError, match=r"format version 1; this tierstream reads version 2 "
+                                          r"\(.*plan the read again\)"):
+        Split.from_dict(old)
 
 
 def test_batch_read_then_tail_from_its_end_cut_is_exactly_the_log(tmp_path: Path) -> None:

@@ -23,10 +23,11 @@ from tierstream.errors import ConfigError
 from tierstream.fanin import DONE, Cancel, drain, put
 from tierstream.options import parse_options
 from tierstream.read_options import ReadOptions
-from tierstream.readers import open_reader
+from tierstream.readers import ReadStats, open_reader
 from tierstream.schema import READ_SCHEMA
 from tierstream.splits.positions import KeyRange, Offset, OffsetKind
 from tierstream.splits.split import ReaderKind, Split, StreamCut
+from tierstream.store.security import read_pem
 
 __all__ = ["Following", "latest_cut", "plan", "read", "scan", "tail"]
 
@@ -47,10 +48,9 @@ def _bound(value: BoundLike | None, what: str) -> Offset | StreamCut | None:
 def _enumerator(data_dir: str | None, broker: str | None, auth_token: str | None) -> Enumerator:
     store = parse_options({"dataDir": data_dir, "authToken": auth_token}, scope="store")
     client = parse_options({"broker": broker}, scope="client")
-    tier = parse_options({}, scope="store")
     return Enumerator(data_dir=store["dataDir"], broker=client["broker"],
-                      auth_token=store["authToken"], s3_endpoint=tier["s3Endpoint"],
-                      s3_region=tier["s3Region"])
+                      auth_token=store["authToken"], s3_endpoint=store["s3Endpoint"],
+                      s3_region=store["s3Region"], tls_ca=read_pem(client["tlsCa"], "tlsCa"))
 
 
 def _query(topic: str | Sequence[str] | None, namespace: str | None, start: BoundLike | None,
@@ -97,9 +97,11 @@ def plan(topic: str | Sequence[str] | None = None, *, namespace: str | None = No
 
 
 def run_splits(splits: Sequence[Split], *, parallelism: int | None = None,
-               auth_token: str | None = None, cancel: Cancel | None = None
+               auth_token: str | None = None, cancel: Cancel | None = None,
+               tls_ca: bytes | None = None, stats: ReadStats | None = None
                ) -> Iterator[pa.RecordBatch]:
-    """Read ``splits`` on a thread pool, keeping every key's order.
+    """Read ``splits`` on a thread pool, keeping every key's order; ``stats`` counts rows
+    and bytes per reader and path (local file, bookie endpoint, broker...).
 
     Splits of one (topic, partition, key range) are read one after another in log order;
     different ones run in parallel. Key ranges never share a key, so each key's messages come
@@ -125,7 +127,8 @@ def run_splits(splits: Sequence[Split], *, parallelism: int | None = None,
     def work(chain: list[Split]) -> None:
         try:
             for split in chain:
-                for batch in open_reader(split, auth_token=auth_token, cancel=stop):
+                for batch in open_reader(split, auth_token=auth_token, cancel=stop,
+                                         tls_ca=tls_ca, stats=stats):
                     if not put(out, batch, stop):
                         return
         except BaseException as exc:  # handed to the consuming thread
@@ -155,14 +158,20 @@ def run_splits(splits: Sequence[Split], *, parallelism: int | None = None,
 
 
 def scan(topic: str | Sequence[str] | None = None, *, parallelism: int | None = None,
-         **kwargs: Any) -> Iterator[pa.RecordBatch]:
-    """Batches (READ_SCHEMA) of a bounded read; arguments as :func:`plan`."""
+         stats: ReadStats | None = None, **kwargs: Any) -> Iterator[pa.RecordBatch]:
+    """Batches (READ_SCHEMA) of a bounded read; arguments as :func:`plan`. ``stats`` (a
+    :class:`~tierstream.readers.stats.ReadStats`) counts which way each split was read."""
     options = kwargs.get("options")
     if options is not None and not isinstance(options, ReadOptions):
         kwargs["options"] = options = ReadOptions.parse(options)  # parsed once, for both
     splits = plan(topic, **kwargs)
-    token = options.auth_token if options is not None else kwargs.get("auth_token")
-    yield from run_splits(splits, parallelism=parallelism, auth_token=token)
+    if options is not None:
+        token, ca = options.auth_token, options.tls_ca
+    else:
+        client = parse_options({"authToken": kwargs.get("auth_token")}, scope="client")
+        token, ca = client["authToken"], read_pem(client["tlsCa"], "tlsCa")
+    yield from run_splits(splits, parallelism=parallelism, auth_token=token, tls_ca=ca,
+                          stats=stats)
 
 
 def read(topic: str | Sequence[str] | None = None, **kwargs: Any) -> pa.Table:

@@ -178,6 +178,10 @@ OPTIONS: dict[str, Option] = {
                scopes=("client", "read"),
                description="How long a following read (tail, consume --follow, a stream) "
                            "retries an unavailable broker before it fails."),
+        Option(key="tlsCa", parse=_string, default=None, env="TIERSTREAM_TLS_CA",
+               kind="a PEM file path (or PEM text)", scopes=("client", "read"),
+               description="CA certificate that grpc+tls:// endpoints (broker, bookies) are "
+                           "checked against; default: the system's CAs."),
         Option(key="authToken", parse=_string, default=None, env="TIERSTREAM_AUTH_TOKEN",
                secret=True, kind="a non-empty token", scopes=("store", "client", "read"),
                description="Bearer token; required by a broker bound to a non-loopback address."),

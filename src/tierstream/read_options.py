@@ -18,6 +18,7 @@ from tierstream.names import TopicName
 from tierstream.options import parse_options
 from tierstream.splits.positions import Offset
 from tierstream.splits.split import Cuts, ReaderKind, StreamCut, cuts_from_dict
+from tierstream.store.security import read_pem
 
 __all__ = ["ReadOptions"]
 
@@ -47,6 +48,7 @@ class ReadOptions:
     s3_endpoint: str | None = None
     s3_region: str | None = None
     reconnect_timeout_ms: int = 60_000
+    tls_ca: bytes | None = field(default=None, repr=False)  # PEM, read where the read started
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> ReadOptions:
@@ -97,7 +99,8 @@ class ReadOptions:
             subscription=opts["subscription"] or _derived_subscription(opts),
             data_dir=opts["dataDir"], broker=opts["broker"], auth_token=opts["authToken"],
             s3_endpoint=opts["s3Endpoint"], s3_region=opts["s3Region"],
-            reconnect_timeout_ms=opts["reconnectTimeout"])
+            reconnect_timeout_ms=opts["reconnectTimeout"],
+            tls_ca=read_pem(opts["tlsCa"], "option 'tlsCa'"))
 
     def check_exists(self) -> None:
         """At ``load()``: the topics (or the namespace) exist. Raises NotFoundError."""
@@ -106,6 +109,7 @@ class ReadOptions:
 
     def enumerator(self) -> Enumerator:
         return Enumerator(data_dir=self.data_dir, broker=self.broker, auth_token=self.auth_token,
+                          tls_ca=self.tls_ca,
                           s3_endpoint=self.s3_endpoint, s3_region=self.s3_region)
 
     def query(self) -> Query:

@@ -16,7 +16,7 @@ from ..store.helpers import wait_for
 
 COMMANDS = [["broker", "start"], ["topic", "create"], ["topic", "list"], ["produce"],
             ["consume"], ["segments"], ["seal"], ["offload"], ["plan"], ["read"], ["backfill"],
-            ["tail"], ["subscriptions"], ["demo"]]
+            ["tail"], ["subscriptions"], ["demo"], ["bookie", "serve"]]
 
 
 def run(*args: str, stdin: str | None = None, env: dict[str, str] | None = None
@@ -86,6 +86,12 @@ def test_a_session_through_the_cli(broker: BrokerProcess, data_dir: Path) -> Non
     (["consume", "a/b/c", "--from", "1793664000"], None, "looks like epoch seconds"),
     (["read", "a/b/c", "--out", "x.parquet", "--from", '{"v": 1}'], None,
      "invalid --from"),
+    (["bookie", "serve", "--dir", "/no/such/bookie"], None,
+     "invalid bookie directory '/no/such/bookie'"),
+    (["broker", "start", "--tls-cert", "/no/cert.pem", "--tls-key", "/no/key.pem"], None,
+     "cannot read --tls-cert '/no/cert.pem'"),
+    (["read", "a/b/c", "--out", "x.parquet", "--tls-ca", "/no/ca.pem"], None,
+     "cannot read --tls-ca '/no/ca.pem'"),
 ])
 def test_bad_input_is_one_clear_line_and_exit_status_2(args: list[str], stdin: str | None,
                                                        needle: str) -> None:

@@ -11,7 +11,11 @@ import typer
 
 from tierstream.cli.common import (
     DataDirOpt,
+    TlsCaOpt,
+    TlsCertOpt,
+    TlsKeyOpt,
     TokenOpt,
+    bookie_app,
     broker_app,
 )
 from tierstream.options import DEFAULT_DATA_DIR, DEFAULT_PORT, OPTIONS
@@ -27,6 +31,14 @@ def broker_start(
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).")] = DEFAULT_PORT,
     auth_token: TokenOpt = None,
+    tls_cert: TlsCertOpt = None,
+    tls_key: TlsKeyOpt = None,
+    bookie_endpoints: Annotated[bool, typer.Option(
+        help="Serve each bookie's sealed ledgers on an endpoint of its own, so readers on "
+             "other hosts read them directly.")] = True,
+    advertised_address: Annotated[str | None, typer.Option(
+        help="Host that readers on other machines reach the bookie endpoints at "
+             "[default: --host].")] = None,
     bookies: Annotated[int, typer.Option(help=_help("bookies"))] = OPTIONS["bookies"].default,
     write_quorum: Annotated[int | None, typer.Option(help=_help("writeQuorum"))] = None,
     ack_quorum: Annotated[int | None, typer.Option(help=_help("ackQuorum"))] = None,
@@ -83,4 +95,43 @@ def broker_start(
     def ready(url: str) -> None:
         print(f"tierstream broker listening on {url} (data dir {config.data_dir})", flush=True)
 
-    run_broker(config, host=host, port=port, auth_token=auth_token, ready=ready)
+    run_broker(config, host=host, port=port, auth_token=auth_token, ready=ready,
+               tls_cert=tls_cert, tls_key=tls_key, bookie_endpoints=bookie_endpoints,
+               advertised_address=advertised_address)
+
+
+@bookie_app.command("serve")
+def bookie_serve(
+    dir_: Annotated[Path, typer.Option("--dir", help="The bookie's directory, e.g. "
+                                       "DATA_DIR/bookies/bookie-0.")],
+    port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).")] = 0,
+    host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")]
+        = "127.0.0.1",
+    bookie_id: Annotated[str | None, typer.Option(
+        help="The bookie's id [default: the directory's name].")] = None,
+    advertised_address: Annotated[str | None, typer.Option(
+        help="Address readers reach this endpoint at: host, host:port or URL "
+             "[default: the bound one].")] = None,
+    broker: Annotated[str | None, typer.Option(
+        "--broker", help="Register the address with this broker (else readers are not told "
+                         "of it).")] = None,
+    auth_token: TokenOpt = None,
+    tls_cert: TlsCertOpt = None,
+    tls_key: TlsKeyOpt = None,
+    tls_ca: TlsCaOpt = None,
+) -> None:
+    """Serve one bookie directory's sealed ledgers read-only, in the foreground.
+
+    Example: tierstream bookie serve --dir ./tierstream-data/bookies/bookie-0 --port 6660
+    --broker grpc://127.0.0.1:6651
+    """
+    from tierstream.store.bookie_server import serve_bookie
+    from tierstream.store.security import read_pem
+
+    def ready(server: object, address: str) -> None:
+        print(f"tierstream bookie endpoint listening on {address} (dir {dir_})", flush=True)
+
+    serve_bookie(dir_, host=host, port=port, bookie_id=bookie_id, auth_token=auth_token,
+                 tls_cert=tls_cert, tls_key=tls_key, broker=broker,
+                 advertised_address=advertised_address, tls_ca=read_pem(tls_ca, "--tls-ca"),
+                 ready=ready)

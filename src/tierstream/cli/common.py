@@ -11,8 +11,9 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-__all__ = ["BrokerOpt", "DataDirOpt", "TokenOpt", "app", "broker_app", "err", "human_bytes",
-           "human_duration", "out", "progress_bar", "topic_app"]
+__all__ = ["BrokerOpt", "DataDirOpt", "TlsCaOpt", "TlsCertOpt", "TlsKeyOpt", "TokenOpt", "app",
+           "bookie_app", "broker_app", "err", "human_bytes", "human_duration", "out",
+           "progress_bar", "topic_app"]
 
 app = typer.Typer(
     name="tierstream",
@@ -23,7 +24,10 @@ app = typer.Typer(
 )
 broker_app = typer.Typer(help="Run the embedded broker.", no_args_is_help=True)
 topic_app = typer.Typer(help="Create, list, change and delete topics.", no_args_is_help=True)
+bookie_app = typer.Typer(help="Serve a bookie's ledgers to readers on other hosts.",
+                         no_args_is_help=True)
 app.add_typer(broker_app, name="broker")
+app.add_typer(bookie_app, name="bookie")
 app.add_typer(topic_app, name="topic")
 
 # Tables stay readable when piped (rich would otherwise squeeze them to 80 columns).
@@ -37,6 +41,13 @@ DataDirOpt = Annotated[Path, typer.Option(
 TokenOpt = Annotated[str | None, typer.Option(
     "--auth-token", envvar="TIERSTREAM_AUTH_TOKEN", show_envvar=True,
     help="Bearer token (required when the broker binds a non-loopback address).")]
+
+TlsCertOpt = Annotated[str | None, typer.Option(
+    "--tls-cert", help="PEM certificate: serve grpc+tls:// (with --tls-key).")]
+TlsKeyOpt = Annotated[str | None, typer.Option("--tls-key", help="PEM private key of --tls-cert.")]
+TlsCaOpt = Annotated[str | None, typer.Option(
+    "--tls-ca", envvar="TIERSTREAM_TLS_CA", show_envvar=True,
+    help="PEM CA that grpc+tls:// endpoints are checked against [default: the system's].")]
 
 
 def progress_bar(show: bool) -> Progress:

@@ -18,6 +18,7 @@ from tierstream.bounds import end_cut, parse_bound, spark_bound, write_cut
 from tierstream.cli.common import (
     BrokerOpt,
     DataDirOpt,
+    TlsCaOpt,
     TokenOpt,
     app,
     err,
@@ -180,6 +181,7 @@ def read_cmd(
     data_dir: DataDirOpt = Path(DEFAULT_DATA_DIR),
     broker: BrokerOpt = DEFAULT_BROKER_URL,
     auth_token: TokenOpt = None,
+    tls_ca: TlsCaOpt = None,
 ) -> None:
     """Read a bounded window with the local runner into one new Parquet file (written
     atomically; times as UTC timestamps, as backfill writes them). Prints the end cut, from
@@ -193,6 +195,7 @@ def read_cmd(
 
     import tierstream
     from tierstream.local import run_splits
+    from tierstream.readers.stats import ReadStats
     from tierstream.schema import OUTPUT_SCHEMA, as_output_batch
     from tierstream.store.client import Admin
 
@@ -203,13 +206,15 @@ def read_cmd(
                           "written)")
     if not out_path.parent.exists():
         raise ConfigError(f"--out directory {str(out_path.parent)!r} does not exist")
+    ca = _use_tls_ca(tls_ca)
     kwargs = _query_kwargs(topic, from_, to, key_ranges, max_split_bytes, reader,
                            fail_on_data_loss, data_dir, broker, auth_token)
-    with Admin(broker, auth_token=auth_token) as admin:
+    with Admin(broker, auth_token=auth_token, tls_ca=ca) as admin:
         cut = end_cut(admin, topic, kwargs["end"])
     if cut is not None:
         kwargs["end"] = cut  # planned up to exactly the cut this command reports
     splits = tierstream.plan(topic, **kwargs)
+    stats = ReadStats()
     t0 = time.perf_counter()
     rows = nbytes = 0
     tmp = out_path.with_name(f".{out_path.name}.partial")
@@ -217,7 +222,7 @@ def read_cmd(
         with pq.ParquetWriter(tmp, OUTPUT_SCHEMA, compression="zstd") as writer, \
                 progress_bar(True) as progress:
             task = progress.add_task("reading", total=sum(s.estimated_bytes for s in splits))
-            for batch in run_splits(splits, auth_token=auth_token):
+            for batch in run_splits(splits, auth_token=auth_token, tls_ca=ca, stats=stats):
                 writer.write_batch(as_output_batch(batch))
                 rows += batch.num_rows
                 nbytes += batch.nbytes
@@ -229,9 +234,24 @@ def read_cmd(
     for kind, count, _ in _summary(splits):
         if count:
             err.print(f"{kind}: {count} split(s)", highlight=False)
+    err.print(f"read paths: {stats.summary()}", highlight=False)
     err.print(f"wrote {rows:,} rows ({human_bytes(nbytes)} in memory) to {out_path} in "
               f"{seconds:.2f}s", highlight=False)
     _report_cut(cut, cut_out)
+
+
+def _use_tls_ca(tls_ca: str | None) -> bytes | None:
+    """The CA of --tls-ca, read once; also made the default of every client this command
+    opens (the option table reads TIERSTREAM_TLS_CA)."""
+    import os
+
+    from tierstream.store.security import read_pem
+
+    if tls_ca is None:
+        return None
+    pem = read_pem(tls_ca, "--tls-ca")
+    os.environ["TIERSTREAM_TLS_CA"] = tls_ca
+    return pem
 
 
 def _report_cut(cut: Any, cut_out: Path | None) -> None:
@@ -267,6 +287,7 @@ def backfill(
     data_dir: DataDirOpt = Path(DEFAULT_DATA_DIR),
     broker: BrokerOpt = DEFAULT_BROKER_URL,
     auth_token: TokenOpt = None,
+    tls_ca: TlsCaOpt = None,
 ) -> None:
     """Run the backfill on Spark: a bounded read of the topic, written as Parquet files or
     as an Iceberg table. Nothing is left behind if it fails. Prints the end cut, from which
@@ -283,9 +304,12 @@ def backfill(
                "failOnDataLoss": "true" if fail_on_data_loss else "false"}
     from tierstream.store.client import Admin
 
+    ca = _use_tls_ca(tls_ca)
+    if tls_ca is not None:
+        options["tlsCa"] = tls_ca
     start = parse_bound(from_, "--from", topic)
     end = parse_bound(to, "--to", topic)
-    with Admin(broker, auth_token=auth_token) as admin:
+    with Admin(broker, auth_token=auth_token, tls_ca=ca) as admin:
         cut = end_cut(admin, topic, end)
     options.update(spark_bound(start, "--from", "starting", "backfill"))
     options.update(spark_bound(end if cut is None else cut, "--to", "ending", "backfill"))
@@ -317,6 +341,7 @@ def backfill(
               f"({rate:,.0f} rows/s); splits {summary or 'none'}; read "
               f"~{human_bytes(result.bytes_read)} of log, wrote "
               f"{human_bytes(result.bytes_written)} -> {result.out}", highlight=False)
+    err.print(f"read paths: {result.read_stats.summary()}", highlight=False)
     if result.table is not None:
         out.print(f"Iceberg table {result.table} in {result.catalog_uri}; read it with "
                   f"SqlCatalog('default', uri='{result.catalog_uri}').load_table('{result.table}')"
@@ -343,6 +368,7 @@ def tail_cmd(
     data_dir: DataDirOpt = Path(DEFAULT_DATA_DIR),
     broker: BrokerOpt = DEFAULT_BROKER_URL,
     auth_token: TokenOpt = None,
+    tls_ca: TlsCaOpt = None,
 ) -> None:
     """Run a Structured Streaming read of the topic into Parquet until stopped (Ctrl-C).
 
@@ -359,6 +385,8 @@ def tail_cmd(
         options["maxRecordsPerTrigger"] = str(max_records_per_trigger)
     if auth_token:
         options["authToken"] = auth_token
+    if _use_tls_ca(tls_ca) is not None:
+        options["tlsCa"] = str(tls_ca)
     from tierstream.store.client import Admin
 
     def on_batch(batch_id: int, rows: int, progress: dict[str, Any]) -> None:

@@ -20,7 +20,7 @@ from tierstream.layout import DataDir
 from tierstream.names import TopicName
 from tierstream.schema import KEY_HASH_SLOTS
 from tierstream.splits.positions import KeyRange, Offset, OffsetKind, Position
-from tierstream.splits.split import ReaderKind, Split, StreamCut, TierLocation
+from tierstream.splits.split import ReaderKind, Replica, Split, StreamCut, TierLocation
 from tierstream.store.metadata import (
     MetadataReader,
     MetadataStore,
@@ -77,27 +77,33 @@ class Query:
 class Enumerator:
     """Plans splits for one store. ``broker`` resolves ``latest`` and serves open segments."""
 
-    def __init__(self, *, data_dir: str | Path, broker: str | None = None,
+    def __init__(self, *, data_dir: str | Path | None = None, broker: str | None = None,
                  auth_token: str | None = None, s3_endpoint: str | None = None,
-                 s3_region: str | None = None) -> None:
-        self.data_dir = Path(data_dir)
-        local = DataDir.at(self.data_dir).metadata
+                 s3_region: str | None = None, tls_ca: bytes | None = None) -> None:
+        self.data_dir = Path(data_dir) if data_dir is not None else None
+        local = DataDir.at(self.data_dir).metadata if self.data_dir is not None else None
         self.metadata: MetadataReader
-        if local.exists() or broker is None:
+        if local is not None and (local.exists() or broker is None):
             self.metadata = MetadataStore(local, read_only=True)  # the fast path
             self.metadata_source = f"local file {local}"
-        else:  # another host: the same reads, answered by the broker
+        elif broker is not None:  # another host: the same reads, answered by the broker
             from tierstream.store.remote_metadata import BrokerMetadata
 
-            self.metadata = BrokerMetadata(broker, auth_token=auth_token)
+            self.metadata = BrokerMetadata(broker, auth_token=auth_token, tls_ca=tls_ca)
             self.metadata_source = f"broker {broker}"
+        else:
+            raise ConfigError("planning needs the store's data directory (option 'dataDir') "
+                              "or its broker (option 'broker')")
         self.broker = broker
         self.auth_token = auth_token
+        self.tls_ca = tls_ca
         self.tier = TierLocation(s3_endpoint=s3_endpoint, s3_region=s3_region)
         self._bookie_dirs: dict[str, str] = {}
+        self._endpoints: dict[str, str] | None = None
 
     def __repr__(self) -> str:
-        return (f"Enumerator(data_dir={str(self.data_dir)!r}, broker={self.broker!r}, "
+        where = None if self.data_dir is None else str(self.data_dir)
+        return (f"Enumerator(data_dir={where!r}, broker={self.broker!r}, "
                 f"metadata from {self.metadata_source})")
 
     def close(self) -> None:
@@ -125,7 +131,7 @@ class Enumerator:
 
         if self.broker is None:
             raise ConfigError("resolving 'latest' needs a broker address (option 'broker')")
-        with Admin(self.broker, auth_token=self.auth_token) as admin:
+        with Admin(self.broker, auth_token=self.auth_token, tls_ca=self.tls_ca) as admin:
             return admin.latest_cut(topic)
 
     def plan(self, query: Query) -> list[Split]:
@@ -135,12 +141,18 @@ class Enumerator:
             splits.extend(self._plan_topic(topic, query))
         return splits
 
-    def _bookie_dir(self, bookie_id: str) -> str:
-        found = self._bookie_dirs.get(bookie_id)
-        if found is None:  # resolving a path stats every component: once per bookie
-            found = self._bookie_dirs[bookie_id] = str(
-                DataDir.at(self.data_dir).bookie(bookie_id).resolve())
-        return found
+    def _replica(self, bookie_id: str) -> Replica:
+        """Where a reader finds one bookie's copy: its advertised endpoint, and its directory
+        when planning from the store's own files (a reader on this host reads it directly)."""
+        if self._endpoints is None:  # once per enumerator: endpoints change only on restart
+            self._endpoints = self.metadata.bookie_endpoints()
+        local = None
+        if isinstance(self.metadata, MetadataStore) and self.data_dir is not None:
+            local = self._bookie_dirs.get(bookie_id)
+            if local is None:  # resolving a path stats every component: once per bookie
+                local = self._bookie_dirs[bookie_id] = str(
+                    DataDir.at(self.data_dir).bookie(bookie_id).resolve())
+        return Replica(bookie_id, self._endpoints.get(bookie_id), local)
 
     # -- per topic ----------------------------------------------------------------------------
 
@@ -261,7 +273,7 @@ class Enumerator:
             chunks = list(_entry_chunks(seg, seg_start, seg_end, query.max_split_bytes))
         facts: dict[str, Any] = {"broker": self.broker}
         if kind is ReaderKind.BOOKIE:
-            facts["bookie_dirs"] = tuple(self._bookie_dir(b) for b in seg.ensemble)
+            facts["replicas"] = tuple(self._replica(b) for b in seg.ensemble)
         if kind is ReaderKind.TIER:
             facts.update(tier_url=seg.tier_url, tier=self.tier)
         per_entry = seg.bytes / seg.entries if seg.entries else 0

@@ -12,25 +12,29 @@ from collections.abc import Iterator
 import pyarrow as pa
 
 from tierstream.fanin import Cancel
+from tierstream.readers.stats import BROKER, ReadStats, counted
 from tierstream.splits.split import ReaderKind, Split
 
-__all__ = ["open_reader"]
+__all__ = ["ReadStats", "open_reader"]
 
 
 def open_reader(split: Split, *, auth_token: str | None = None, cancel: Cancel | None = None,
-                reconnect_timeout_ms: int | None = None) -> Iterator[pa.RecordBatch]:
-    """Batches of ``split``, read from where its data lives (see DESIGN.md §3). Setting
-    ``cancel`` interrupts a read that waits on the broker (a following tail split); a tail
-    split rides out a broker restart for up to ``reconnect_timeout_ms``."""
+                reconnect_timeout_ms: int | None = None, tls_ca: bytes | None = None,
+                stats: ReadStats | None = None) -> Iterator[pa.RecordBatch]:
+    """Batches of ``split``, read from where its data lives (see DESIGN.md §3) by the path
+    that fits this host (readers/bookie_log.py), counted in ``stats`` per reader and path.
+    Setting ``cancel`` interrupts a read that waits on the broker (a following tail split); a
+    tail split rides out a broker restart for up to ``reconnect_timeout_ms``."""
     if split.reader is ReaderKind.BOOKIE:
         from tierstream.readers.bookie_log import read_bookie_split
 
-        return read_bookie_split(split, auth_token=auth_token)
+        return read_bookie_split(split, auth_token=auth_token, tls_ca=tls_ca, stats=stats)
     if split.reader is ReaderKind.TIER:
         from tierstream.readers.parquet_tier import read_tier_split
 
-        return read_tier_split(split, auth_token=auth_token)
+        return read_tier_split(split, auth_token=auth_token, tls_ca=tls_ca, stats=stats)
     from tierstream.readers.tail import read_tail_split
 
-    return read_tail_split(split, auth_token=auth_token, cancel=cancel,
-                           reconnect_timeout_ms=reconnect_timeout_ms)
+    return counted(read_tail_split(split, auth_token=auth_token, cancel=cancel,
+                                   reconnect_timeout_ms=reconnect_timeout_ms, tls_ca=tls_ca),
+                   stats, ReaderKind.TAIL.value, BROKER)

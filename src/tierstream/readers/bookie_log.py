@@ -1,82 +1,132 @@
-"""The bookie-log reader: a closed segment straight from the ledger files, not the broker.
+"""The bookie-log reader: a closed segment straight from log storage, not through the broker.
 
-It binary-searches the entry index for the split's time bounds, verifies every frame's
-checksum and ids, reads another replica when one fails, and trims only the entries at the
-split's edges. If the ledger is gone on every replica (the segment moved to the tier and its
-bookie copy was deleted after planning), it reads the same bounds through the broker, which
-serves the segment from wherever it is now.
+Where the data is read depends on where the reader runs, in this order:
+
+1. **local files**: a replica's ledger files are on this host (the store's host): they are
+   read directly, binary-searching the entry index for the split's time bounds;
+2. **bookie endpoints**: otherwise the replicas' endpoints (``tierstream bookie serve``, or the
+   broker's own per bookie) stream the entry range, key range filtered on the bookie;
+3. **the broker**: only when the segment really left the bookies (every endpoint says the
+   ledger is not there: it moved to the tier and its bookie copy was deleted after planning),
+   or no bookie advertised an endpoint; the broker serves it from wherever it is now.
+
+Every frame is verified against its checksum wherever it came from, and an entry that fails
+on one replica is read from another. If an endpoint fails mid-read, the read continues from
+the next entry on another replica. Each path is counted in ``stats`` (readers/stats.py).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Any
 
 import pyarrow as pa
+import pyarrow.flight as flight
 
-from tierstream.errors import NotFoundError
+from tierstream.errors import (
+    AuthError,
+    CorruptionError,
+    NotFoundError,
+    ProtocolError,
+    TierstreamError,
+    UnavailableError,
+)
+from tierstream.readers.stats import BROKER_FALLBACK, ENDPOINT, LOCAL, ReadStats, counted
 from tierstream.readers.trim import trim
 from tierstream.schema import with_topic
-from tierstream.splits.split import Split
+from tierstream.splits.positions import Position
+from tierstream.splits.split import Replica, Split
 from tierstream.store.bookie import ledger_paths
 from tierstream.store.ledger import (
     IndexRecord,
     decode_payload,
-    entries_before,
+    entry_range,
     first_good_replica,
+    parse_frame,
     read_frame,
     read_index,
     unreadable,
 )
+from tierstream.store.protocol import encode, translate_errors
+from tierstream.store.security import call_headers, client_for
 
 __all__ = ["read_bookie_split"]
 
+log = logging.getLogger(__name__)
 
-def _index(split: Split) -> list[IndexRecord] | None:
-    for d in split.bookie_dirs:
+READER = "bookie-log"
+
+
+def read_bookie_split(split: Split, *, auth_token: str | None = None,
+                      tls_ca: bytes | None = None, stats: ReadStats | None = None
+                      ) -> Iterator[pa.RecordBatch]:
+    local = _local_index(split)
+    if local is not None:
+        records, dirs = local
+        yield from counted(_read_local(split, records, dirs), stats, READER, LOCAL)
+        return
+    remote = [r for r in split.replicas if r.endpoint]
+    resume = split.start
+    if remote:
+        reader = _RemoteLedger(split, remote, auth_token, tls_ca)
+        try:
+            yield from counted(reader.read(), stats, READER, ENDPOINT)
+            return
+        except _LedgerGone as gone:
+            resume = gone.resume
+            log.info("segment %s of %s partition %s is on none of its bookies any more; "
+                     "reading it through the broker", split.segment_id, split.topic,
+                     split.partition)
+    if split.broker is None:
+        raise NotFoundError(f"segment {split.segment_id} of {split.topic!r} partition "
+                            f"{split.partition} is on no bookie this host can reach and no "
+                            "broker was given")
+    from tierstream.readers.tail import read_tail_split
+
+    rest = replace(split, start=resume) if resume != split.start else split
+    yield from counted(read_tail_split(rest, auth_token=auth_token, tls_ca=tls_ca), stats,
+                       READER, BROKER_FALLBACK)
+
+
+# -- local files ------------------------------------------------------------------------------
+
+
+def _local_index(split: Split) -> tuple[list[IndexRecord], list[str]] | None:
+    """The entry index from the first replica whose files this host sees, and every such
+    replica's directory (for per-entry fallback), or None when no replica is local."""
+    dirs = [r.local_dir for r in split.replicas if r.local_dir]
+    for i, d in enumerate(dirs):
         _, idx = ledger_paths(d, split.segment_id)
         try:
-            return read_index(idx)
+            records = read_index(idx)
         except FileNotFoundError:
             continue
+        return records, dirs[i:]
     return None
 
 
-def read_bookie_split(split: Split, *, auth_token: str | None = None
-                      ) -> Iterator[pa.RecordBatch]:
-    records = _index(split)
-    if records is None:
-        if split.broker is None:
-            raise NotFoundError(f"segment {split.segment_id} of {split.topic!r} partition "
-                                f"{split.partition} is on no bookie and no broker was given")
-        from tierstream.readers.tail import read_tail_split
-
-        yield from read_tail_split(split, auth_token=auth_token)
-        return
-    first = split.start.entry_id
-    last = len(records) if split.end is None else min(
-        len(records), split.end.entry_id + (1 if split.end.batch_index else 0))
-    if split.start_time is not None:  # first entry whose last publish time reaches the window
-        first = max(first, entries_before(records, split.start_time))
-    if split.end_time is not None:  # entries that start at or after the end are out
-        last = min(last, entries_before(records, split.end_time, by="first"))
+def _read_local(split: Split, records: list[IndexRecord], dirs: list[str]
+                ) -> Iterator[pa.RecordBatch]:
+    first, last = entry_range(records, split.start.entry_id, split.end, split.start_time,
+                              split.end_time)
     fds: dict[str, int] = {}
     try:
         for rec in records[first:last]:
-            batch = _read_entry(split, rec, fds)
-            edge = rec.entry_id in (split.start.entry_id,
-                                    None if split.end is None else split.end.entry_id)
-            in_time = (split.start_time is None or rec.first_publish_time >= split.start_time) \
-                and (split.end_time is None or rec.last_publish_time < split.end_time)
-            out = trim(batch, split, check_positions=edge, check_time=not in_time)
+            out = _trim_entry(split, rec.entry_id, rec.first_publish_time,
+                              rec.last_publish_time, _read_entry(split, rec, dirs, fds),
+                              check_keys=True)
             if out.num_rows:
-                yield with_topic(out, split.topic)
+                yield out
     finally:
         for fd in fds.values():
             os.close(fd)
 
 
-def _read_entry(split: Split, rec: IndexRecord, fds: dict[str, int]) -> pa.RecordBatch:
+def _read_entry(split: Split, rec: IndexRecord, dirs: list[str], fds: dict[str, int]
+                ) -> pa.RecordBatch:
     def read(d: str) -> Callable[[], pa.Buffer]:
         def frame() -> pa.Buffer:
             fd = fds.get(d)
@@ -86,7 +136,143 @@ def _read_entry(split: Split, rec: IndexRecord, fds: dict[str, int]) -> pa.Recor
             return read_frame(fd, split.segment_id, rec, d)
         return frame
 
-    payload, errors = first_good_replica((d, read(d)) for d in split.bookie_dirs)
+    payload, errors = first_good_replica((d, read(d)) for d in dirs)
     if payload is None:
         raise unreadable(rec.entry_id, split.segment_id, split.topic, split.partition, errors)
     return decode_payload(payload)
+
+
+def _trim_entry(split: Split, entry_id: int, first_pt: int, last_pt: int,
+                batch: pa.RecordBatch, *, check_keys: bool) -> pa.RecordBatch:
+    """One entry's rows inside the split: only the entries at its edges can hold rows of
+    positions or times outside it."""
+    edge = entry_id in (split.start.entry_id, None if split.end is None else split.end.entry_id)
+    in_time = (split.start_time is None or first_pt >= split.start_time) \
+        and (split.end_time is None or last_pt < split.end_time)
+    out = trim(batch, split, check_positions=edge, check_time=not in_time,
+               check_keys=check_keys)
+    return with_topic(out, split.topic) if out.num_rows else out
+
+
+# -- bookie endpoints -------------------------------------------------------------------------
+
+
+class _LedgerGone(Exception):
+    """Every replica's endpoint says it does not have the ledger (any more)."""
+
+    def __init__(self, resume: Position) -> None:
+        self.resume = resume
+
+
+class _RemoteLedger:
+    """Reads a split's entries from its replicas' endpoints, moving to the next replica when
+    one fails, and reading single corrupt entries from another replica."""
+
+    def __init__(self, split: Split, replicas: list[Replica], auth_token: str | None,
+                 tls_ca: bytes | None) -> None:
+        self.split = split
+        self.replicas = replicas
+        self.tls_ca = tls_ca
+        self._options = flight.FlightCallOptions(headers=call_headers(auth_token))
+        self._clients: dict[str, Any] = {}
+
+    def _client(self, replica: Replica) -> Any:
+        assert replica.endpoint is not None
+        client = self._clients.get(replica.endpoint)
+        if client is None:
+            client = self._clients[replica.endpoint] = client_for(replica.endpoint,
+                                                                  tls_ca=self.tls_ca)
+        return client
+
+    def _stream(self, replica: Replica, first: int, end: Position | None,
+                timed: bool) -> Iterator[pa.RecordBatch]:
+        s = self.split
+        ticket = {"op": "entries", "segment_id": s.segment_id, "first": first,
+                  "end": None if end is None else end.to_dict(),
+                  "start_time": s.start_time if timed else None,
+                  "end_time": s.end_time if timed else None,
+                  "key_range": s.key_range.to_list()}
+        assert replica.endpoint is not None
+        with translate_errors(replica.endpoint, what=f"bookie endpoint of {replica.bookie}"):
+            reader = self._client(replica).do_get(flight.Ticket(encode(ticket)), self._options)
+            for chunk in reader:
+                yield chunk.data
+
+    def read(self) -> Iterator[pa.RecordBatch]:
+        s = self.split
+        next_entry = s.start.entry_id
+        errors: dict[str, str] = {}
+        gone: set[str] = set()
+        k = 0
+        try:
+            while len(errors) < len(self.replicas):
+                replica = self.replicas[k % len(self.replicas)]
+                k += 1
+                if replica.bookie in errors:
+                    continue
+                try:
+                    for wire in self._stream(replica, next_entry, s.end, timed=True):
+                        for out, entry_id in self._entries(wire, replica):
+                            if out.num_rows:
+                                yield out
+                            next_entry = entry_id + 1
+                            errors.clear()  # progress: every replica may be tried again
+                            gone.clear()
+                    return
+                except AuthError:
+                    raise  # the reader's token, not the replica: no other will take it
+                except NotFoundError as exc:
+                    errors[replica.bookie] = str(exc)
+                    gone.add(replica.bookie)
+                except (UnavailableError, ProtocolError, OSError) as exc:
+                    errors[replica.bookie] = str(exc)
+                    log.warning("bookie endpoint %s failed reading segment %s at entry %s "
+                                "(%s); continuing on another replica", replica.endpoint,
+                                s.segment_id, next_entry, exc)
+        finally:
+            for client in self._clients.values():
+                client.close()
+        resume = max(s.start, Position(s.partition, s.segment_id, next_entry, 0))
+        if len(gone) == len(self.replicas):
+            raise _LedgerGone(resume)
+        raise UnavailableError(
+            f"segment {s.segment_id} of {s.topic!r} partition {s.partition}: no bookie "
+            f"endpoint could serve entry {next_entry}: "
+            + "; ".join(f"{b}: {e}" for b, e in errors.items()))
+
+    def _entries(self, wire: pa.RecordBatch, source: Replica
+                 ) -> Iterator[tuple[pa.RecordBatch, int]]:
+        s = self.split
+        cols = wire.to_pydict()
+        for entry_id, first_pt, last_pt, frame, error in zip(
+                cols["entry_id"], cols["first_publish_time"], cols["last_publish_time"],
+                cols["frame"], cols["error"], strict=True):
+            where = f"bookie endpoint {source.endpoint}"
+            try:
+                if frame is None:
+                    raise CorruptionError(f"{where}: {error}")
+                payload = parse_frame(frame, s.segment_id, entry_id, where)
+            except CorruptionError as exc:
+                payload = self._from_others(entry_id, source, str(exc))
+            batch = decode_payload(payload)
+            yield _trim_entry(s, entry_id, first_pt, last_pt, batch,
+                              check_keys=False), entry_id
+
+    def _from_others(self, entry_id: int, bad: Replica, first_error: str) -> pa.Buffer:
+        """One entry that failed its check, from each other replica in turn."""
+        s = self.split
+        errors = [first_error]
+        end = Position(s.partition, s.segment_id, entry_id + 1, 0)
+        for replica in self.replicas:
+            if replica is bad:
+                continue
+            try:
+                for wire in self._stream(replica, entry_id, end, timed=False):
+                    row = wire.to_pydict()
+                    if row["frame"] and row["frame"][0] is not None:
+                        return parse_frame(row["frame"][0], s.segment_id, entry_id,
+                                           f"bookie endpoint {replica.endpoint}")
+                    errors.append(f"{replica.bookie}: {row['error'][0] if row['error'] else ''}")
+            except (TierstreamError, OSError) as exc:
+                errors.append(f"{replica.bookie}: {exc}")
+        raise unreadable(entry_id, s.segment_id, s.topic, s.partition, errors)

@@ -22,6 +22,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tierstream.errors import CorruptionError, DataLossError, NotFoundError, UnavailableError
+from tierstream.readers.stats import (
+    BROKER_FALLBACK,
+    LOCAL,
+    OBJECT_STORE,
+    ReadStats,
+    counted,
+)
 from tierstream.readers.trim import trim
 from tierstream.schema import with_topic
 from tierstream.splits.split import Split
@@ -32,6 +39,7 @@ __all__ = ["READ_AHEAD", "leaf_column", "read_tier_split", "selected_row_groups"
 log = logging.getLogger(__name__)
 
 READ_AHEAD = 8
+READER = "parquet-tier"
 
 
 def leaf_column(meta: pq.FileMetaData, name: str) -> int:
@@ -90,7 +98,8 @@ def selected_row_groups(meta: pq.FileMetaData, split: Split) -> list[int]:
     return [plan.index for plan in _plans(meta, split)]
 
 
-def read_tier_split(split: Split, *, auth_token: str | None = None
+def read_tier_split(split: Split, *, auth_token: str | None = None,
+                    tls_ca: bytes | None = None, stats: ReadStats | None = None
                     ) -> Iterator[pa.RecordBatch]:
     """The split's rows from its tier file. A ``file://`` tier that this host cannot see
     (its directory is not here: another machine) is read through the broker instead, which
@@ -114,7 +123,8 @@ def read_tier_split(split: Split, *, auth_token: str | None = None
                      split.tier_url, split.broker)
             from tierstream.readers.tail import read_tail_split
 
-            yield from read_tail_split(split, auth_token=auth_token)
+            yield from counted(read_tail_split(split, auth_token=auth_token, tls_ca=tls_ca),
+                               stats, READER, BROKER_FALLBACK)
             return
         raise DataLossError(
             f"data loss in {split.topic!r} partition {split.partition}: the tier file of "
@@ -126,6 +136,7 @@ def read_tier_split(split: Split, *, auth_token: str | None = None
         # a few row groups per read: pyarrow decodes them in parallel
         chunks = [plans[i:i + READ_AHEAD] for i in range(0, len(plans), READ_AHEAD)]
         remote = tier.scheme != "file"
+        path_kind = OBJECT_STORE if remote else LOCAL
         for chunk, table in zip(chunks, _read_chunks(fs, path, pf, chunks, remote),
                                 strict=True):
             out = trim(table, split, check_positions=any(p.positions for p in chunk),
@@ -133,6 +144,8 @@ def read_tier_split(split: Split, *, auth_token: str | None = None
                        check_keys=any(p.keys for p in chunk))
             for batch in out.to_batches():
                 if batch.num_rows:
+                    if stats is not None:
+                        stats.add(READER, path_kind, batch.num_rows, batch.nbytes)
                     yield with_topic(batch, split.topic)
 
 

@@ -21,8 +21,8 @@ __all__ = ["read_tail_split"]
 
 
 def read_tail_split(split: Split, *, auth_token: str | None = None,
-                    cancel: Cancel | None = None, reconnect_timeout_ms: int | None = None
-                    ) -> Iterator[pa.RecordBatch]:
+                    cancel: Cancel | None = None, reconnect_timeout_ms: int | None = None,
+                    tls_ca: bytes | None = None) -> Iterator[pa.RecordBatch]:
     """The split's batches through the broker; a broker restart is ridden out (see
     :func:`~tierstream.store.client.consume_stream`)."""
     if split.broker is None:
@@ -38,7 +38,7 @@ def read_tail_split(split: Split, *, auth_token: str | None = None,
               "start": Offset.at_position(split.start).to_dict(),
               "end": None if end is None else end.to_dict(),
               "key_ranges": [] if split.key_range.is_full else [split.key_range.to_list()]}
-    client = BrokerClient(split.broker, auth_token=auth_token)
+    client = BrokerClient(split.broker, auth_token=auth_token, tls_ca=tls_ca)
     try:
         for batch in consume_stream(client, ticket, cancel=cancel,
                                     reconnect_timeout_ms=reconnect_timeout_ms):

@@ -40,6 +40,7 @@ class BackfillResult:
     format: str = "parquet"
     table: str | None = None  # the Iceberg table, for format "iceberg"
     catalog_uri: str | None = None
+    read_stats: Any = None  # ReadStats: rows and bytes per reader and path (readers/stats.py)
 
 
 def local_spark(app_name: str = "tierstream") -> Any:
@@ -76,8 +77,8 @@ def backfill(spark: Any, options: dict[str, str], out: str, *, format: str = "pa
     about twice a second with Spark's task counts.
     """
     from tierstream.read_options import ReadOptions
-    from tierstream.spark_adapter import register
-    from tierstream.spark_adapter.source import _BatchReader
+    from tierstream.readers.stats import ReadStats, StatsParam
+    from tierstream.spark_adapter.source import _BatchReader, counting_format
 
     if format not in FORMATS:
         raise ConfigError(f"invalid format {format!r}: expected one of {', '.join(FORMATS)}")
@@ -102,8 +103,8 @@ def backfill(spark: Any, options: dict[str, str], out: str, *, format: str = "pa
         options["endingPosition"] = json.dumps(_latest_cuts(settings))
         settings = ReadOptions.parse(options)
     splits = _BatchReader(settings).plan()
-    register(spark)
-    df = spark.read.format("tierstream").options(**options).load()
+    stats = spark.sparkContext.accumulator(ReadStats(), StatsParam())
+    df = spark.read.format(counting_format(spark, stats)).options(**options).load()
     data_dir = out if sink is None else os.path.join(out, "data")
     t0 = time.perf_counter()
     try:
@@ -126,7 +127,7 @@ def backfill(spark: Any, options: dict[str, str], out: str, *, format: str = "pa
     kinds = Counter(s.reader.value for s in splits)
     return BackfillResult(dict(kinds), rows, sum(s.estimated_bytes for s in splits),
                           sum(os.path.getsize(f) for f in files), seconds, out, format,
-                          table, catalog_uri)
+                          table, catalog_uri, stats.value)
 
 
 def _latest_cuts(settings: Any) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
@@ -64,20 +65,28 @@ def spark_batches(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]
         yield to_spark_batch(pa.concat_batches(pending))
 
 
-def read_partition(options: ReadOptions, partition: InputPartition
+def read_partition(options: ReadOptions, partition: InputPartition, stats: Any = None
                    ) -> Iterator[pa.RecordBatch]:
-    """One Spark partition's rows (batch or stream): its split, read where it lives."""
-    from tierstream.readers import open_reader
+    """One Spark partition's rows (batch or stream): its split, read where it lives. With
+    ``stats`` (a Spark accumulator of ReadStats), what went which way is added to it."""
+    from tierstream.readers import ReadStats, open_reader
 
     if partition.value is None:  # Spark's stand-in when the plan has no split
         return
+    counts = ReadStats() if stats is not None else None
     yield from spark_batches(open_reader(Split.from_json(partition.value),
-                                         auth_token=options.auth_token,
-                                         reconnect_timeout_ms=options.reconnect_timeout_ms))
+                                         auth_token=options.auth_token, tls_ca=options.tls_ca,
+                                         reconnect_timeout_ms=options.reconnect_timeout_ms,
+                                         stats=counts))
+    if stats is not None:
+        stats.add(counts)
 
 
 class TierstreamDataSource(DataSource):
     """``spark.read.format("tierstream")``."""
+
+    #: A Spark accumulator of ReadStats that batch reads add to (see :func:`counting_format`).
+    _stats: Any = None
 
     def __init__(self, options: dict[str, str]) -> None:
         super().__init__(options)
@@ -99,7 +108,7 @@ class TierstreamDataSource(DataSource):
     def reader(self, schema: Any) -> DataSourceReader:
         # Spark refuses a reader that implements pushFilters while its pushdown switch is
         # off, so this one does not; register() picks the pushdown source when it is on.
-        return _BatchReader(self.settings)
+        return _BatchReader(self.settings, self._stats)
 
 
 class TierstreamPushdownDataSource(TierstreamDataSource):
@@ -107,16 +116,17 @@ class TierstreamPushdownDataSource(TierstreamDataSource):
     publish_time, partition and topic filters are applied by planning (pushdown.py)."""
 
     def reader(self, schema: Any) -> DataSourceReader:
-        return _PushdownBatchReader(self.settings)
+        return _PushdownBatchReader(self.settings, self._stats)
 
 
 class _BatchReader(DataSourceReader):
     """Driver: ``partitions()`` is the enumerator's plan. Executor: ``read()`` runs a split."""
 
-    def __init__(self, settings: ReadOptions) -> None:
+    def __init__(self, settings: ReadOptions, stats: Any = None) -> None:
         from tierstream.spark_adapter.pushdown import Pushed
 
         self.settings = settings
+        self.stats = stats
         self.pushed = Pushed()
 
     def partitions(self) -> Sequence[InputPartition]:
@@ -149,7 +159,7 @@ class _BatchReader(DataSourceReader):
             return splits
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        return read_partition(self.settings, partition)
+        return read_partition(self.settings, partition, self.stats)
 
 
 def _bound_of(bound: Offset | StreamCut | Cuts, topic: str, name: str) -> Offset | StreamCut:
@@ -170,6 +180,24 @@ def _bound_of(bound: Offset | StreamCut | Cuts, topic: str, name: str) -> Offset
 class _PushdownBatchReader(_BatchReader):
     def pushFilters(self, filters: list[Any]) -> Iterator[Any]:
         yield from self.pushed.push(filters)
+
+
+def counting_format(spark: Any, stats: Any) -> str:
+    """Register a copy of the source whose batch reads add, per split, the rows and bytes
+    read per reader and path to ``stats`` (a Spark accumulator of ReadStats, see
+    readers/stats.py); returns its format name. The copy is a class made here, so Spark's
+    pickling carries it (and the accumulator) by value to the Python workers."""
+    register(spark)  # same checks and pushdown choice as the plain source
+    pushdown = str(spark.conf.get(PUSHDOWN_CONF, "false")).strip().lower() == "true"
+    base = TierstreamPushdownDataSource if pushdown else TierstreamDataSource
+    name = f"tierstream_counted_{next(_COUNTED)}"
+    cls = type(f"_Counted_{name}", (base,), {
+        "__module__": __name__, "_stats": stats, "name": classmethod(lambda c: name)})
+    spark.dataSource.register(cls)
+    return name
+
+
+_COUNTED = itertools.count(1)
 
 
 def register(spark: Any) -> None:

@@ -66,7 +66,8 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
                               timeout_s=self.settings.reconnect_timeout_ms / 1000)
 
     def _admin(self) -> Admin:
-        return Admin(self.settings.broker, auth_token=self.settings.auth_token)
+        return Admin(self.settings.broker, auth_token=self.settings.auth_token,
+                     tls_ca=self.settings.tls_ca)
 
     def _topics(self, admin: Admin) -> list[str]:
         """The topics read now: the named ones, or every topic the namespace has so far."""

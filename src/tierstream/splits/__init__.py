@@ -4,6 +4,7 @@ from tierstream.splits.positions import KeyRange, Offset, OffsetKind, Position
 from tierstream.splits.split import (
     SPLIT_FORMAT_VERSION,
     ReaderKind,
+    Replica,
     Split,
     StreamCut,
     TierLocation,
@@ -16,6 +17,7 @@ __all__ = [
     "OffsetKind",
     "Position",
     "ReaderKind",
+    "Replica",
     "Split",
     "StreamCut",
     "TierLocation",

@@ -15,10 +15,14 @@ from typing import Any
 from tierstream.errors import ConfigError
 from tierstream.splits.positions import KeyRange, Position
 
-__all__ = ["SPLIT_FORMAT_VERSION", "Cuts", "ReaderKind", "Split", "StreamCut", "TierLocation",
-           "cuts_from_dict", "cuts_to_dict"]
+__all__ = ["CUT_FORMAT_VERSION", "SPLIT_FORMAT_VERSION", "Cuts", "ReaderKind", "Replica", "Split",
+           "StreamCut", "TierLocation", "cuts_from_dict", "cuts_to_dict"]
 
-SPLIT_FORMAT_VERSION = 1
+#: Version 2: a bookie-log split names its replicas by bookie id and network endpoint (a
+#: reader on any host can use them), with the directory on the store's host only as a hint.
+SPLIT_FORMAT_VERSION = 2
+#: Stream cuts (in checkpoints and files users keep) have their own version: still 1.
+CUT_FORMAT_VERSION = 1
 
 
 class ReaderKind(enum.Enum):
@@ -45,6 +49,20 @@ class TierLocation:
     s3_region: str | None = None
 
 
+@dataclass(frozen=True)
+class Replica:
+    """One bookie holding a copy of a segment: its id, the endpoint that serves its ledgers
+    over the network (None: it has not advertised one), and its directory on the store's
+    host (a hint: read directly when this host sees it)."""
+
+    bookie: str
+    endpoint: str | None = None
+    local_dir: str | None = None
+
+    def to_list(self) -> list[str | None]:
+        return [self.bookie, self.endpoint, self.local_dir]
+
+
 @dataclass(frozen=True, kw_only=True)
 class Split:
     """One unit of work. Compare, hash and pickle freely; ``split_id`` is stable."""
@@ -58,7 +76,7 @@ class Split:
     key_range: KeyRange = field(default_factory=KeyRange.full)
     start_time: int | None = None
     end_time: int | None = None
-    bookie_dirs: tuple[str, ...] = ()
+    replicas: tuple[Replica, ...] = ()
     tier_url: str | None = None
     tier: TierLocation = field(default_factory=TierLocation)
     broker: str | None = None
@@ -89,7 +107,7 @@ class Split:
             "start": self.start.to_dict(), "end": None if self.end is None else self.end.to_dict(),
             "reader": self.reader.value, "key_range": self.key_range.to_list(),
             "start_time": self.start_time, "end_time": self.end_time,
-            "bookie_dirs": list(self.bookie_dirs), "tier_url": self.tier_url,
+            "replicas": [r.to_list() for r in self.replicas], "tier_url": self.tier_url,
             "tier": {"s3_endpoint": self.tier.s3_endpoint, "s3_region": self.tier.s3_region},
             "broker": self.broker, "estimated_bytes": self.estimated_bytes,
         }
@@ -100,9 +118,10 @@ class Split:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Split:
         if not isinstance(data, dict) or data.get("v") != SPLIT_FORMAT_VERSION:
-            raise ConfigError(f"cannot read split of format version "
-                              f"{data.get('v') if isinstance(data, dict) else None!r}; this "
-                              f"tierstream reads version {SPLIT_FORMAT_VERSION}")
+            version = data.get("v") if isinstance(data, dict) else None
+            raise ConfigError(f"cannot read split of format version {version!r}; this "
+                              f"tierstream reads version {SPLIT_FORMAT_VERSION} (splits "
+                              "are not kept across upgrades: plan the read again)")
         try:
             return cls(
                 topic=data["topic"], partition=int(data["partition"]),
@@ -110,7 +129,8 @@ class Split:
                 end=None if data["end"] is None else Position.from_dict(data["end"]),
                 reader=ReaderKind(data["reader"]), key_range=KeyRange(*data["key_range"]),
                 start_time=data.get("start_time"), end_time=data.get("end_time"),
-                bookie_dirs=tuple(data.get("bookie_dirs") or ()), tier_url=data.get("tier_url"),
+                replicas=tuple(Replica(*r) for r in data.get("replicas") or ()),
+                tier_url=data.get("tier_url"),
                 tier=TierLocation(**(data.get("tier") or {})), broker=data.get("broker"),
                 estimated_bytes=int(data.get("estimated_bytes") or 0),
             )
@@ -157,7 +177,7 @@ class StreamCut:
         return [p for p, _ in self.positions]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"v": SPLIT_FORMAT_VERSION, "topic": self.topic,
+        return {"v": CUT_FORMAT_VERSION, "topic": self.topic,
                 "positions": {str(p): pos.to_dict() for p, pos in self.positions}}
 
     def to_json(self) -> str:
@@ -165,9 +185,9 @@ class StreamCut:
 
     @classmethod
     def from_dict(cls, data: Any) -> StreamCut:
-        if not isinstance(data, dict) or data.get("v") != SPLIT_FORMAT_VERSION:
+        if not isinstance(data, dict) or data.get("v") != CUT_FORMAT_VERSION:
             raise ConfigError(f"malformed stream cut {str(data)[:120]!r}: expected "
-                              f'{{"v": {SPLIT_FORMAT_VERSION}, "topic": ..., "positions": ...}}')
+                              f'{{"v": {CUT_FORMAT_VERSION}, "topic": ..., "positions": ...}}')
         try:
             positions = {int(p): Position.from_dict(pos)
                          for p, pos in dict(data["positions"]).items()}
@@ -192,7 +212,7 @@ def cuts_to_dict(cuts: Cuts, *, single: bool) -> dict[str, Any]:
     if single:
         (cut,) = cuts.values()
         return cut.to_dict()
-    return {"v": SPLIT_FORMAT_VERSION, "cuts": {t: cuts[t].to_dict() for t in sorted(cuts)}}
+    return {"v": CUT_FORMAT_VERSION, "cuts": {t: cuts[t].to_dict() for t in sorted(cuts)}}
 
 
 def cuts_from_dict(data: Any) -> Cuts:
@@ -200,9 +220,9 @@ def cuts_from_dict(data: Any) -> Cuts:
     if not (isinstance(data, dict) and "cuts" in data):
         cut = StreamCut.from_dict(data)
         return {cut.topic: cut}
-    if data.get("v") != SPLIT_FORMAT_VERSION or not isinstance(data["cuts"], dict):
+    if data.get("v") != CUT_FORMAT_VERSION or not isinstance(data["cuts"], dict):
         raise ConfigError(f"malformed stream cuts {str(data)[:120]!r}: expected "
-                          f'{{"v": {SPLIT_FORMAT_VERSION}, "cuts": {{topic: cut}}}}')
+                          f'{{"v": {CUT_FORMAT_VERSION}, "cuts": {{topic: cut}}}}')
     cuts = {str(t): StreamCut.from_dict(c) for t, c in data["cuts"].items()}
     for t, cut in cuts.items():
         if cut.topic != t:

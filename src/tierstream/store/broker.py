@@ -6,8 +6,6 @@ every call; a call without the right token is denied before any handler runs.
 
 from __future__ import annotations
 
-import hmac
-import ipaddress
 import logging
 import signal
 import socket
@@ -19,13 +17,20 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from tierstream.errors import AuthError, ConfigError, ProtocolError, TierstreamError
+from tierstream.errors import ConfigError, NotFoundError, ProtocolError, TierstreamError
 from tierstream.options import DEFAULT_PORT
 from tierstream.schema import MESSAGE_SCHEMA
 from tierstream.splits.positions import KeyRange, Offset, OffsetKind, Position
 from tierstream.store.config import StoreConfig
 from tierstream.store.partition_log import PartitionLog
 from tierstream.store.protocol import decode, encode, server_error
+from tierstream.store.security import (
+    TokenMiddlewareFactory,
+    check_bind,
+    is_loopback,
+    server_tls,
+    url_host,
+)
 from tierstream.store.store import Store
 from tierstream.store.subscriptions import SubscriptionMode, Subscriptions
 
@@ -34,42 +39,19 @@ __all__ = ["Broker", "is_loopback", "run_broker"]
 log = logging.getLogger(__name__)
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-class _TokenMiddlewareFactory(flight.ServerMiddlewareFactory):
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
-
-    def start_call(self, info: Any, headers: dict[str, list[Any]]) -> None:
-        values = headers.get("authorization") or headers.get("Authorization") or []
-        given = values[0] if values else ""
-        given_b = given.encode() if isinstance(given, str) else bytes(given)
-        if not hmac.compare_digest(given_b, self._expected):
-            raise flight.FlightUnauthenticatedError("missing or wrong token")
-        return None
-
-
 class Broker(flight.FlightServerBase):
     """Serves produce (DoPut), consume (DoGet) and admin actions (DoAction) for one store."""
 
     def __init__(self, store: Store, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
-                 auth_token: str | None = None) -> None:
-        if not is_loopback(host) and not auth_token:
-            raise AuthError(
-                f"refusing to bind to non-loopback address {host!r} without a token: pass "
-                "--auth-token or set TIERSTREAM_AUTH_TOKEN"
-            )
-        middleware = {"auth": _TokenMiddlewareFactory(auth_token)} if auth_token else {}
-        location = f"grpc://{_url_host(host)}:{port}"
+                 auth_token: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None) -> None:
+        tls = server_tls(tls_cert, tls_key)
+        check_bind(host, auth_token=auth_token, tls=tls is not None, what="broker")
+        middleware = {"auth": TokenMiddlewareFactory(auth_token)} if auth_token else {}
+        self.scheme = "grpc+tls" if tls else "grpc"
+        location = f"{self.scheme}://{url_host(host)}:{port}"
         try:
-            super().__init__(location, middleware=middleware)
+            super().__init__(location, middleware=middleware, tls_certificates=tls or [])
         except (OSError, pa.ArrowException) as exc:
             raise ConfigError(f"cannot listen on {location}: {exc}") from None
         self.store = store
@@ -78,7 +60,7 @@ class Broker(flight.FlightServerBase):
 
     @property
     def url(self) -> str:
-        return f"grpc://{_url_host(self.host)}:{self.port}"
+        return f"{self.scheme}://{url_host(self.host)}:{self.port}"
 
     # -- produce ------------------------------------------------------------------------------
 
@@ -302,6 +284,20 @@ class Broker(flight.FlightServerBase):
                          "first": meta.first_segment_id(topic.name, p)}
                 for p in range(topic.partitions)}
 
+    def _bookie_endpoints(self, body: dict[str, Any]) -> Any:
+        return self.store.metadata.bookie_endpoints()
+
+    def _register_bookie(self, body: dict[str, Any]) -> Any:
+        bookie, address = str(body["bookie"]), str(body["address"])
+        if bookie not in self.store.bookies:
+            raise NotFoundError(f"no bookie {bookie!r} in this store; its bookies are "
+                                f"{', '.join(sorted(self.store.bookies))}")
+        if not address.startswith(("grpc://", "grpc+tcp://", "grpc+tls://")):
+            raise ConfigError(f"invalid bookie address {address!r}: expected grpc://HOST:PORT "
+                              "or grpc+tls://HOST:PORT")
+        self.store.metadata.set_bookie_endpoint(bookie, address)
+        return {"bookie": bookie, "address": address}
+
     def _producer_state(self, body: dict[str, Any]) -> Any:
         return {str(p.partition): p.producer_state(str(body["producer"]))
                 for p in self.store.partitions(body["topic"])}
@@ -321,6 +317,8 @@ _ACTIONS = {
     "producer-state": (Broker._producer_state, "Last stored sequence id of {producer}."),
     "plan-segments": (Broker._plan_segments, "Per partition: segments in a time window, "
                                              "first segment id (planning off-host)."),
+    "bookie-endpoints": (Broker._bookie_endpoints, "Advertised address of each bookie."),
+    "register-bookie": (Broker._register_bookie, "Record {bookie, address} (bookie serve)."),
     "offload": (Broker._offload, "Offload closed segments of {topic[, older_than_ms]}."),
     "tier-pass": (Broker._tier_pass, "Apply offload, bookie deletion and retention now."),
     "set-retention": (Broker._set_retention, "Set {topic, retention_ms} (null: keep all)."),
@@ -354,25 +352,34 @@ def _check_partition(position: Position, plog: PartitionLog) -> Position:
 
 
 def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
-               auth_token: str | None = None, ready: Any = None) -> None:
+               auth_token: str | None = None, ready: Any = None, tls_cert: str | None = None,
+               tls_key: str | None = None, bookie_endpoints: bool = True,
+               advertised_address: str | None = None) -> None:
     """Open the store, serve until SIGTERM/SIGINT, then shut down cleanly (main thread only).
 
-    ``ready`` is called with the broker URL once it accepts calls.
+    With ``bookie_endpoints`` (the default) every bookie also serves its sealed ledgers on an
+    endpoint of its own (any free port on ``host``, same token and TLS), registered in
+    metadata under ``advertised_address`` (the host readers on other machines use) or
+    ``host``. ``ready`` is called with the broker URL once it accepts calls.
     """
-    if not is_loopback(host) and not auth_token:
-        raise AuthError(
-            f"refusing to bind to non-loopback address {host!r} without a token: pass "
-            "--auth-token or set TIERSTREAM_AUTH_TOKEN"
-        )
+    server_tls(tls_cert, tls_key)  # both or neither, readable: checked before anything opens
+    check_bind(host, auth_token=auth_token, tls=tls_cert is not None, what="broker")
     if isinstance(port, bool) or not 0 <= port <= 65535:
         raise ConfigError(f"invalid port {port!r}: expected 0..65535 (0: any free port)")
     if port != 0:
         _check_port_free(host, port)
     _raise_file_limit()
     store = Store(config)
+    endpoints: list[Any] = []
     try:
-        broker = Broker(store, host=host, port=port, auth_token=auth_token)
+        broker = Broker(store, host=host, port=port, auth_token=auth_token,
+                        tls_cert=tls_cert, tls_key=tls_key)
+        if bookie_endpoints:
+            endpoints = _serve_bookies(store, host, auth_token, tls_cert, tls_key,
+                                       advertised_address)
     except BaseException:
+        for endpoint in endpoints:
+            endpoint.shutdown()
         store.close()
         raise
     stop = threading.Event()
@@ -390,9 +397,32 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
         log.info("broker shutting down")
         store.closing.set()  # ends tail streams so that shutdown does not wait on them
         broker.shutdown()
+        for endpoint in endpoints:
+            endpoint.shutdown()
         store.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _serve_bookies(store: Store, host: str, auth_token: str | None, tls_cert: str | None,
+                   tls_key: str | None, advertised: str | None) -> list[Any]:
+    """An endpoint per bookie of the store, each registered in metadata."""
+    from tierstream.store.bookie_server import BookieServer, advertised_url
+
+    servers = []
+    try:
+        for bookie_id, bookie in store.bookies.items():
+            server = BookieServer(bookie.root, bookie_id=bookie_id, host=host, port=0,
+                                  auth_token=auth_token, tls_cert=tls_cert, tls_key=tls_key)
+            servers.append(server)
+            address = advertised_url(server, advertised)
+            store.metadata.set_bookie_endpoint(bookie_id, address)
+            log.info("bookie %s serves its ledgers at %s", bookie_id, address)
+    except BaseException:
+        for server in servers:
+            server.shutdown()
+        raise
+    return servers
 
 
 def _raise_file_limit() -> None:
@@ -406,11 +436,6 @@ def _raise_file_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         except (ValueError, OSError):
             log.warning("could not raise the open-file limit from %s to %s", soft, hard)
-
-
-def _url_host(host: str) -> str:
-    """A host as it goes into a URL: IPv6 literals in brackets."""
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -9,13 +9,11 @@ import pyarrow.flight as flight
 
 from tierstream.errors import ConfigError
 from tierstream.options import parse_options
-from tierstream.schema import (
-    PRODUCE_SCHEMA,
-)
+from tierstream.schema import PRODUCE_SCHEMA
 from tierstream.store.protocol import decode, encode, translate_errors
+from tierstream.store.security import call_headers, client_for, read_pem
 
 __all__ = ["BrokerClient"]
-
 
 
 class BrokerClient:
@@ -23,18 +21,21 @@ class BrokerClient:
     (``TIERSTREAM_BROKER``, ``TIERSTREAM_AUTH_TOKEN``)."""
 
     def __init__(self, broker: str | None = None, *, auth_token: str | None = None,
-                 timeout: float = 30.0) -> None:
-        opts = parse_options({"broker": broker, "authToken": auth_token}, scope="client")
+                 tls_ca: bytes | str | None = None, timeout: float = 30.0) -> None:
+        opts = parse_options({"broker": broker, "authToken": auth_token,
+                              "tlsCa": tls_ca if isinstance(tls_ca, str) else None},
+                             scope="client")
         self.url: str = opts["broker"]
         if not self.url.startswith(("grpc://", "grpc+tcp://", "grpc+tls://")):
-            raise ConfigError(f"invalid broker URL {self.url!r}: expected grpc://HOST:PORT")
-        headers = []
-        if opts["authToken"]:
-            headers.append((b"authorization", f"Bearer {opts['authToken']}".encode()))
+            raise ConfigError(f"invalid broker URL {self.url!r}: expected grpc://HOST:PORT "
+                              "or grpc+tls://HOST:PORT")
+        self.auth_token: str | None = opts["authToken"]
+        self.tls_ca = tls_ca if isinstance(tls_ca, bytes) else read_pem(opts["tlsCa"], "tlsCa")
+        headers = call_headers(self.auth_token)
         self._options = flight.FlightCallOptions(headers=headers, timeout=timeout)
         self._stream_options = flight.FlightCallOptions(headers=headers)
         with translate_errors(self.url):
-            self._flight = flight.FlightClient(self.url)
+            self._flight = client_for(self.url, tls_ca=self.tls_ca)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(broker={self.url!r})"

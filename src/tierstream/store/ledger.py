@@ -42,7 +42,9 @@ __all__ = [
     "decode_payload",
     "encode_frame",
     "entries_before",
+    "entry_range",
     "first_good_replica",
+    "parse_frame",
     "read_frame",
     "read_index",
     "scan_frames",
@@ -137,8 +139,15 @@ def _meta(meta_bytes: bytes, where: str) -> dict[str, Any]:
 
 def read_frame(fd: int, segment_id: int, record: IndexRecord, where: str) -> pa.Buffer:
     """Read and verify the frame ``record`` points at; returns its payload (zero-copy)."""
-    data = os.pread(fd, record.frame_len, record.frame_offset)
-    _, _, payload, _ = _parse(memoryview(data), segment_id, record.entry_id, where)
+    return parse_frame(os.pread(fd, record.frame_len, record.frame_offset), segment_id,
+                       record.entry_id, where)
+
+
+def parse_frame(frame: bytes | memoryview, segment_id: int, entry_id: int, where: str
+                ) -> pa.Buffer:
+    """Verify one whole frame (checksum, segment and entry id); its payload, zero-copy. A
+    frame that crossed the network is checked here exactly as one read from disk."""
+    _, _, payload, _ = _parse(memoryview(frame), segment_id, entry_id, where)
     return pa.py_buffer(payload)
 
 
@@ -206,6 +215,20 @@ def unreadable(entry_id: int, segment_id: int, topic: str, partition: int, error
                ) -> CorruptionError:
     return CorruptionError(f"entry {entry_id} of segment {segment_id} ({topic} partition "
                            f"{partition}) is unreadable on every replica: {'; '.join(errors)}")
+
+
+def entry_range(records: Sequence[IndexRecord], first: int, end: Any, start_time: int | None,
+                end_time: int | None) -> tuple[int, int]:
+    """The slice ``[i, j)`` of an index that a read from entry ``first`` to position ``end``
+    (exclusive; None: the whole ledger) within publish times ``[start_time, end_time)`` needs,
+    found by binary search. The bookie-log reader and the bookie endpoint both use it."""
+    last = len(records) if end is None else min(
+        len(records), end.entry_id + (1 if end.batch_index else 0))
+    if start_time is not None:  # first entry whose last publish time reaches the window
+        first = max(first, entries_before(records, start_time))
+    if end_time is not None:  # entries that start at or after the end are out
+        last = min(last, entries_before(records, end_time, by="first"))
+    return first, max(first, last)
 
 
 def entries_before(records: Sequence[IndexRecord], t: int, *, by: str = "last") -> int:

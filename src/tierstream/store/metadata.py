@@ -19,10 +19,11 @@ from typing import Any, Protocol
 
 from tierstream.errors import AlreadyExistsError, ConfigError, NotFoundError, StorageError
 from tierstream.names import TopicName
+from tierstream.timeutil import now_ms
 
 __all__ = ["MetadataReader", "MetadataStore", "SegmentRecord", "SegmentState", "TopicRecord"]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -83,6 +84,11 @@ CREATE TABLE IF NOT EXISTS dedup (
     position TEXT NOT NULL,
     PRIMARY KEY (topic, partition, producer)
 );
+CREATE TABLE IF NOT EXISTS bookie_endpoints (
+    bookie_id TEXT PRIMARY KEY,
+    address TEXT NOT NULL,
+    updated_at INTEGER NOT NULL
+);
 """
 
 
@@ -102,6 +108,8 @@ class MetadataReader(Protocol):
 
     def deleted_segments(self, topic: str, partition: int | None = None
                          ) -> list[dict[str, Any]]: ...
+
+    def bookie_endpoints(self) -> dict[str, str]: ...
 
     def close(self) -> None: ...
 
@@ -239,6 +247,9 @@ class MetadataStore:
             if "deleting_at" not in columns:
                 self._conn.execute("ALTER TABLE topics ADD COLUMN deleting_at INTEGER")
             self._conn.execute("UPDATE meta SET value='3' WHERE key='schema_version'")
+            version = 3
+        if version == 3:  # v4: bookie endpoints (the table is created by the DDL above)
+            self._conn.execute("UPDATE meta SET value='4' WHERE key='schema_version'")
 
     def _check_version(self) -> None:
         row = self._conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
@@ -473,6 +484,22 @@ class MetadataStore:
         keys = ("segment_id", "topic", "partition", "entries", "messages", "min_publish_time",
                 "max_publish_time", "deleted_at", "reason")
         return [dict(zip(keys, r, strict=True)) for r in rows]
+
+    # -- bookie endpoints ---------------------------------------------------------------------
+
+    def set_bookie_endpoint(self, bookie_id: str, address: str) -> None:
+        """Record where readers on other hosts reach ``bookie_id`` (its advertised address)."""
+        with self._tx() as c:
+            c.execute("INSERT INTO bookie_endpoints (bookie_id, address, updated_at) "
+                      "VALUES (?, ?, ?) ON CONFLICT(bookie_id) DO UPDATE SET "
+                      "address=excluded.address, updated_at=excluded.updated_at",
+                      (bookie_id, address, now_ms()))
+
+    def bookie_endpoints(self) -> dict[str, str]:
+        """bookie id -> advertised address, for every bookie that has one."""
+        with self._lock:
+            return dict(self._conn.execute(
+                "SELECT bookie_id, address FROM bookie_endpoints").fetchall())
 
     def set_retention(self, topic: str, retention_ms: int | None) -> None:
         with self._tx() as c:

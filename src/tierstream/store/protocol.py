@@ -66,30 +66,32 @@ def server_error(exc: TierstreamError) -> Exception:
 
 
 @contextmanager
-def translate_errors(broker_url: str) -> Iterator[None]:
-    """Turn Flight errors raised inside the block back into tierstream errors."""
+def translate_errors(url: str, what: str = "broker") -> Iterator[None]:
+    """Turn Flight errors raised inside the block back into tierstream errors. ``what`` names
+    the endpoint in messages (the broker, or a bookie endpoint)."""
+    hint = "is it running? (tierstream broker start; --broker / TIERSTREAM_BROKER) " \
+        if what == "broker" else ""
     try:
         yield
     except flight.FlightUnauthenticatedError:
         raise AuthError(
-            f"broker {broker_url} denied the call: missing or wrong token "
+            f"{what} {url} denied the call: missing or wrong token "
             "(set --auth-token or TIERSTREAM_AUTH_TOKEN)"
         ) from None
     except flight.FlightUnavailableError as exc:
         raise UnavailableError(
-            f"cannot reach the broker at {broker_url}: is it running? "
-            f"(tierstream broker start; --broker / TIERSTREAM_BROKER) [{_first_line(exc)}]"
+            f"cannot reach the {what} at {url}: {hint}[{_first_line(exc)}]"
         ) from None
     except flight.FlightTimedOutError:
-        raise UnavailableError(f"the broker at {broker_url} did not answer in time") from None
+        raise UnavailableError(f"the {what} at {url} did not answer in time") from None
     except flight.FlightError as exc:
         match = _TAGGED.search(str(exc))
         if match:
             cls = ERRORS_BY_CODE.get(match.group(1), TierstreamError)
             raise cls(match.group(2).strip()) from None
-        raise UnavailableError(f"broker {broker_url} failed: {_first_line(exc)}") from None
+        raise UnavailableError(f"{what} {url} failed: {_first_line(exc)}") from None
     except OSError as exc:
-        raise UnavailableError(f"cannot reach the broker at {broker_url}: {exc}") from None
+        raise UnavailableError(f"cannot reach the {what} at {url}: {exc}") from None
 
 
 def _first_line(exc: BaseException) -> str:

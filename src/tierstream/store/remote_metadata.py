@@ -21,8 +21,9 @@ __all__ = ["BrokerMetadata"]
 class BrokerMetadata:
     """The planner's metadata reads, answered by the broker at ``broker``."""
 
-    def __init__(self, broker: str, *, auth_token: str | None = None) -> None:
-        self._admin = Admin(broker, auth_token=auth_token)
+    def __init__(self, broker: str, *, auth_token: str | None = None,
+                 tls_ca: bytes | None = None) -> None:
+        self._admin = Admin(broker, auth_token=auth_token, tls_ca=tls_ca)
         self._windows: dict[tuple[str, int | None, int | None], dict[str, Any]] = {}
 
     def __repr__(self) -> str:
@@ -58,6 +59,9 @@ class BrokerMetadata:
                          ) -> list[dict[str, Any]]:
         return [d for d in self._admin.deleted_segments(topic)
                 if partition is None or d["partition"] == partition]
+
+    def bookie_endpoints(self) -> dict[str, str]:
+        return dict(self._admin.action("bookie-endpoints"))
 
     def close(self) -> None:
         self._admin.close()
