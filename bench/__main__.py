@@ -7,7 +7,14 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import framework_bench, remote_bench, spark_bench, store_bench, tier_bench
+from bench import (
+    framework_bench,
+    remote_bench,
+    remote_bookie_bench,
+    spark_bench,
+    store_bench,
+    tier_bench,
+)
 
 BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
     "produce": (store_bench.produce, "produce throughput into one partition, fsync on, beside "
@@ -25,6 +32,8 @@ BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
                                  "spark.read.parquet of the same files; keyRanges"),
     "remote": (remote_bench.remote, "parquet-tier reader over S3 (moto) with 0/10/50 ms per "
                                     "request, beside local files"),
+    "remote-bookie": (remote_bookie_bench.remote_bookie, "bookie-log reader over a bookie "
+                      "endpoint beside local files; key-range wire amplification"),
     "offload": (tier_bench.offload, "offload MB/s to file:// and moto S3 beside a plain "
                                     "Parquet write; Parquet vs bookie bytes"),
     "catalog": (tier_bench.catalog, "ms to register one more tier file in Iceberg, early and "

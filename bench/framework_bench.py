@@ -18,7 +18,7 @@ from tierstream.names import TopicName
 from tierstream.readers import open_reader
 from tierstream.readers.parquet_tier import selected_row_groups
 from tierstream.splits.positions import Offset, Position
-from tierstream.splits.split import ReaderKind, Split, StreamCut
+from tierstream.splits.split import ReaderKind, Replica, Split, StreamCut
 from tierstream.store.bookie import ledger_paths
 from tierstream.store.config import StoreConfig
 from tierstream.store.ledger import FRAME_HEADER, read_index
@@ -134,7 +134,8 @@ def readers(quick: bool = True) -> Path:
                                           segment_id=seg.segment_id,
                                           start=Position(0, seg.segment_id, 0, 0),
                                           end=Position(0, seg.segment_id, seg.entries, 0))
-            bookie_split = Split(reader=ReaderKind.BOOKIE, bookie_dirs=(str(bookie_dir),),
+            bookie_split = Split(reader=ReaderKind.BOOKIE,
+                                 replicas=(Replica("bookie-0", None, str(bookie_dir)),),
                                  **common)
             tier_split = Split(reader=ReaderKind.TIER, tier_url=seg.tier_url, **common)
             log_path, idx_path = ledger_paths(bookie_dir, seg.segment_id)

@@ -243,19 +243,22 @@ class _RemoteLedger:
     def _entries(self, wire: pa.RecordBatch, source: Replica
                  ) -> Iterator[tuple[pa.RecordBatch, int]]:
         s = self.split
-        cols = wire.to_pydict()
-        for entry_id, first_pt, last_pt, frame, error in zip(
-                cols["entry_id"], cols["first_publish_time"], cols["last_publish_time"],
-                cols["frame"], cols["error"], strict=True):
-            where = f"bookie endpoint {source.endpoint}"
+        where = f"bookie endpoint {source.endpoint}"
+        ids = wire.column("entry_id").to_pylist()
+        firsts = wire.column("first_publish_time").to_pylist()
+        lasts = wire.column("last_publish_time").to_pylist()
+        frames = wire.column("frame")
+        errors = wire.column("error")
+        for i, entry_id in enumerate(ids):
             try:
-                if frame is None:
-                    raise CorruptionError(f"{where}: {error}")
-                payload = parse_frame(frame, s.segment_id, entry_id, where)
+                if not frames[i].is_valid:
+                    raise CorruptionError(f"{where}: {errors[i].as_py()}")
+                # zero-copy: a slice of the wire buffer, verified like a frame from disk
+                payload = parse_frame(memoryview(frames[i].as_buffer()), s.segment_id,
+                                      entry_id, where)
             except CorruptionError as exc:
                 payload = self._from_others(entry_id, source, str(exc))
-            batch = decode_payload(payload)
-            yield _trim_entry(s, entry_id, first_pt, last_pt, batch,
+            yield _trim_entry(s, entry_id, firsts[i], lasts[i], decode_payload(payload),
                               check_keys=False), entry_id
 
     def _from_others(self, entry_id: int, bad: Replica, first_error: str) -> pa.Buffer:

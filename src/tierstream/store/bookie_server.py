@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -148,49 +149,78 @@ class BookieServer(flight.FlightServerBase):
             raise server_error(NotFoundError(
                 f"ledger {segment_id} is not on bookie {self.bookie_id}")) from None
         where = f"bookie {self.bookie_id}"
-        filtered = key_range != (0, 65536)
         try:
-            cols: list[list[Any]] = [[], [], [], [], []]
-            size = 0
-            for rec in records:
+            for group in _groups(records):
                 if cancelled():
                     return
-                frame, error = self._frame(fd, segment_id, rec, where, key_range, filtered)
-                for col, value in zip(cols, (rec.entry_id, rec.first_publish_time,
-                                             rec.last_publish_time, frame, error), strict=True):
-                    col.append(value)
-                size += len(frame or b"")
-                if len(cols[0]) >= _BATCH_ENTRIES or size >= _BATCH_BYTES:
-                    yield self._batch(cols, size)
-                    cols, size = [[], [], [], [], []], 0
-            if cols[0]:
-                yield self._batch(cols, size)
+                # frames of consecutive entries are contiguous in the ledger: one read each
+                start = group[0].frame_offset
+                end = group[-1].frame_offset + group[-1].frame_len
+                data = os.pread(fd, end - start, start)
+                if key_range == (0, 65536):
+                    offsets = [r.frame_offset - start for r in group] + [end - start]
+                    errors: list[str | None] = [None] * len(group)
+                else:
+                    data, offsets, errors = _filtered(data, start, group, segment_id, where,
+                                                      key_range)
+                yield self._batch(group, data, offsets, errors)
         finally:
             os.close(fd)
 
-    def _frame(self, fd: int, segment_id: int, rec: IndexRecord, where: str,
-               key_range: tuple[int, int], filtered: bool) -> tuple[bytes | None, str | None]:
-        raw = os.pread(fd, rec.frame_len, rec.frame_offset)
-        if not filtered:
-            return raw, None  # verified by the reader, end to end
+    def _batch(self, group: list[IndexRecord], data: bytes, offsets: list[int],
+               errors: list[str | None]) -> pa.RecordBatch:
+        with self._lock:
+            self.frames_served += len(group)
+            self.bytes_served += len(data)
+        valid = None if not any(errors) else pa.array([e is None for e in errors]).buffers()[1]
+        frames = pa.Array.from_buffers(pa.binary(), len(group), [
+            valid, pa.py_buffer(array("i", offsets)), pa.py_buffer(data)])
+        return pa.RecordBatch.from_arrays([
+            pa.array([r.entry_id for r in group], pa.int64()),
+            pa.array([r.first_publish_time for r in group], pa.int64()),
+            pa.array([r.last_publish_time for r in group], pa.int64()),
+            frames, pa.array(errors, pa.string())], schema=ENTRY_WIRE_SCHEMA)
+
+
+def _groups(records: list[IndexRecord]) -> Iterator[list[IndexRecord]]:
+    """Runs of entries to send as one wire batch: bounded by count and by bytes."""
+    group: list[IndexRecord] = []
+    size = 0
+    for rec in records:
+        if group and (len(group) >= _BATCH_ENTRIES or size + rec.frame_len > _BATCH_BYTES):
+            yield group
+            group, size = [], 0
+        group.append(rec)
+        size += rec.frame_len
+    if group:
+        yield group
+
+
+def _filtered(data: bytes, start: int, group: list[IndexRecord], segment_id: int, where: str,
+              key_range: tuple[int, int]) -> tuple[bytes, list[int], list[str | None]]:
+    """Each stored frame verified, then re-framed with only the rows of ``key_range`` (and a
+    checksum of its own); a frame that fails its check becomes an error for the reader."""
+    view = memoryview(data)
+    out: list[bytes] = []
+    offsets = [0]
+    errors: list[str | None] = []
+    for rec in group:
+        raw = view[rec.frame_offset - start: rec.frame_offset - start + rec.frame_len]
         try:
             payload = parse_frame(raw, segment_id, rec.entry_id, where)
         except CorruptionError as exc:
-            return None, str(exc)
+            errors.append(str(exc))
+            offsets.append(offsets[-1])
+            continue
         batch = decode_payload(payload)
         mask = key_range_mask(batch.column("key_hash"), [key_range])
         kept = batch.filter(mask) if mask is not None else batch
-        return b"".join(bytes(p) if not isinstance(p, pa.Buffer) else p.to_pybytes()
-                        for p in encode_frame(segment_id, rec.entry_id, {},
-                                              kept.serialize())), None
-
-    def _batch(self, cols: list[list[Any]], size: int) -> pa.RecordBatch:
-        with self._lock:
-            self.frames_served += len(cols[0])
-            self.bytes_served += size
-        return pa.RecordBatch.from_arrays([pa.array(c, type=f.type) for c, f in
-                                           zip(cols, ENTRY_WIRE_SCHEMA, strict=True)],
-                                          schema=ENTRY_WIRE_SCHEMA)
+        frame = b"".join(p.to_pybytes() if isinstance(p, pa.Buffer) else bytes(p)
+                         for p in encode_frame(segment_id, rec.entry_id, {}, kept.serialize()))
+        out.append(frame)
+        offsets.append(offsets[-1] + len(frame))
+        errors.append(None)
+    return b"".join(out), offsets, errors
 
 
 def serve_bookie(root: str | Path, *, host: str, port: int, bookie_id: str | None = None,
