@@ -12,6 +12,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -202,3 +203,41 @@ def test_a_bookie_endpoint_killed_mid_read_and_the_read_completes_on_another_rep
         assert stats.rows(path=ENDPOINT) == len(rows)
         # it did continue elsewhere (the stream was not already all buffered here)
         assert any("continuing on another replica" in r.getMessage() for r in caplog.records)
+
+
+def test_splits_planned_before_a_broker_restart_find_the_endpoints_where_they_moved(
+        start_broker: Any, free_port: int, tmp_path: Path) -> None:
+    from tierstream.store.admin import Admin
+    from tierstream.store.producer import Producer
+
+    broker = start_broker("--max-entries-per-segment", "2", port=free_port)
+    with Admin(broker.url) as admin:
+        admin.create_topic(TOPIC, 1)
+        for i in range(5):
+            with Producer(TOPIC, broker=broker.url) as producer:
+                producer.send_many({"value": f"v{i}-{j}"} for j in range(20))
+        before = admin.action("bookie-endpoints")
+    # planned on a host without the files: replicas name endpoints only
+    with Enumerator(broker=broker.url) as enum:
+        splits = [s for s in enum.plan(Query(topics=(TOPIC,)))
+                  if s.reader is ReaderKind.BOOKIE]
+    assert splits and all(r.local_dir is None for s in splits for r in s.replicas)
+    expected = _read(splits)
+    broker.stop()
+    broker = start_broker("--max-entries-per-segment", "2", port=free_port)
+    with Admin(broker.url) as admin:
+        assert admin.action("bookie-endpoints") != before  # a new free port each start
+    stats = ReadStats()
+    assert _read(splits, stats) == expected
+    assert stats.rows(path=ENDPOINT) == len(expected) and not stats.rows(path=BROKER_FALLBACK)
+
+
+def test_bookie_port_base_gives_each_bookie_a_fixed_port(start_broker: Any, free_port: int
+                                                         ) -> None:
+    from tierstream.store.admin import Admin
+
+    broker = start_broker("--bookies", "2", "--bookie-port-base", str(free_port))
+    with Admin(broker.url) as admin:
+        assert admin.action("bookie-endpoints") == {
+            "bookie-0": f"grpc://127.0.0.1:{free_port}",
+            "bookie-1": f"grpc://127.0.0.1:{free_port + 1}"}

@@ -39,6 +39,9 @@ def broker_start(
     advertised_address: Annotated[str | None, typer.Option(
         help="Host that readers on other machines reach the bookie endpoints at "
              "[default: --host].")] = None,
+    bookie_port_base: Annotated[int, typer.Option(
+        help="Bookie i's endpoint listens on this port + i (0: any free port, chosen at each "
+             "start).")] = 0,
     bookies: Annotated[int, typer.Option(help=_help("bookies"))] = OPTIONS["bookies"].default,
     write_quorum: Annotated[int | None, typer.Option(help=_help("writeQuorum"))] = None,
     ack_quorum: Annotated[int | None, typer.Option(help=_help("ackQuorum"))] = None,
@@ -97,7 +100,7 @@ def broker_start(
 
     run_broker(config, host=host, port=port, auth_token=auth_token, ready=ready,
                tls_cert=tls_cert, tls_key=tls_key, bookie_endpoints=bookie_endpoints,
-               advertised_address=advertised_address)
+               advertised_address=advertised_address, bookie_port_base=bookie_port_base)
 
 
 @bookie_app.command("serve")

@@ -71,9 +71,8 @@ def read_bookie_split(split: Split, *, auth_token: str | None = None,
     remote = [r for r in split.replicas if r.endpoint]
     resume = split.start
     if remote:
-        reader = _RemoteLedger(split, remote, auth_token, tls_ca)
         try:
-            yield from counted(reader.read(), stats, READER, ENDPOINT)
+            yield from _read_endpoints(split, remote, auth_token, tls_ca, stats)
             return
         except _LedgerGone as gone:
             resume = gone.resume
@@ -89,6 +88,42 @@ def read_bookie_split(split: Split, *, auth_token: str | None = None,
     rest = replace(split, start=resume) if resume != split.start else split
     yield from counted(read_tail_split(rest, auth_token=auth_token, tls_ca=tls_ca), stats,
                        READER, BROKER_FALLBACK)
+
+
+def _read_endpoints(split: Split, replicas: list[Replica], auth_token: str | None,
+                    tls_ca: bytes | None, stats: ReadStats | None) -> Iterator[pa.RecordBatch]:
+    """The split from its replicas' endpoints. If none answers, the broker may have been
+    restarted since planning and its endpoints moved: ask it once for the current ones."""
+    reader = _RemoteLedger(split, replicas, auth_token, tls_ca)
+    try:
+        yield from counted(reader.read(), stats, READER, ENDPOINT)
+        return
+    except UnavailableError:
+        moved = _current_endpoints(split, replicas, auth_token, tls_ca)
+        if moved is None:
+            raise
+        log.info("bookie endpoints of segment %s moved since planning; now %s",
+                 split.segment_id, [r.endpoint for r in moved])
+    rest = replace(split, start=max(split.start, reader.resume))
+    yield from counted(_RemoteLedger(rest, moved, auth_token, tls_ca).read(), stats, READER,
+                       ENDPOINT)
+
+
+def _current_endpoints(split: Split, replicas: list[Replica], auth_token: str | None,
+                       tls_ca: bytes | None) -> list[Replica] | None:
+    """The replicas with the broker's current endpoints, or None if nothing changed (or the
+    broker cannot say)."""
+    if split.broker is None:
+        return None
+    from tierstream.store.admin import Admin
+
+    try:
+        with Admin(split.broker, auth_token=auth_token, tls_ca=tls_ca, timeout=10) as admin:
+            now = admin.action("bookie-endpoints")
+    except TierstreamError:
+        return None
+    moved = [replace(r, endpoint=now.get(r.bookie, r.endpoint)) for r in replicas]
+    return moved if moved != replicas else None
 
 
 # -- local files ------------------------------------------------------------------------------
@@ -175,6 +210,8 @@ class _RemoteLedger:
         self.tls_ca = tls_ca
         self._options = flight.FlightCallOptions(headers=call_headers(auth_token))
         self._clients: dict[str, Any] = {}
+        #: where a read that stopped would continue: after the last entry delivered
+        self.resume = split.start
 
     def _client(self, replica: Replica) -> Any:
         assert replica.endpoint is not None
@@ -216,6 +253,7 @@ class _RemoteLedger:
                             if out.num_rows:
                                 yield out
                             next_entry = entry_id + 1
+                            self.resume = Position(s.partition, s.segment_id, next_entry, 0)
                             errors.clear()  # progress: every replica may be tried again
                             gone.clear()
                     return

@@ -354,13 +354,14 @@ def _check_partition(position: Position, plog: PartitionLog) -> Position:
 def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
                auth_token: str | None = None, ready: Any = None, tls_cert: str | None = None,
                tls_key: str | None = None, bookie_endpoints: bool = True,
-               advertised_address: str | None = None) -> None:
+               advertised_address: str | None = None, bookie_port_base: int = 0) -> None:
     """Open the store, serve until SIGTERM/SIGINT, then shut down cleanly (main thread only).
 
     With ``bookie_endpoints`` (the default) every bookie also serves its sealed ledgers on an
-    endpoint of its own (any free port on ``host``, same token and TLS), registered in
-    metadata under ``advertised_address`` (the host readers on other machines use) or
-    ``host``. ``ready`` is called with the broker URL once it accepts calls.
+    endpoint of its own (port ``bookie_port_base + i`` for bookie i, or any free port when it
+    is 0; same host, token and TLS), registered in metadata under ``advertised_address`` (the
+    host readers on other machines use) or ``host``. ``ready`` is called with the broker URL
+    once it accepts calls.
     """
     server_tls(tls_cert, tls_key)  # both or neither, readable: checked before anything opens
     check_bind(host, auth_token=auth_token, tls=tls_cert is not None, what="broker")
@@ -368,6 +369,15 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
         raise ConfigError(f"invalid port {port!r}: expected 0..65535 (0: any free port)")
     if port != 0:
         _check_port_free(host, port)
+    bookie_ports = [bookie_port_base + i if bookie_port_base else 0
+                    for i in range(config.bookies)] if bookie_endpoints else []
+    if bookie_ports and bookie_port_base and not (bookie_port_base > 0
+                                                  and bookie_ports[-1] <= 65535):
+        raise ConfigError(f"invalid --bookie-port-base {bookie_port_base}: its {config.bookies} "
+                          "bookie port(s) must lie in 1..65535")
+    for p in bookie_ports:
+        if p:
+            _check_port_free(host, p)
     _raise_file_limit()
     store = Store(config)
     endpoints: list[Any] = []
@@ -376,7 +386,7 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
                         tls_cert=tls_cert, tls_key=tls_key)
         if bookie_endpoints:
             endpoints = _serve_bookies(store, host, auth_token, tls_cert, tls_key,
-                                       advertised_address)
+                                       advertised_address, bookie_ports)
     except BaseException:
         for endpoint in endpoints:
             endpoint.shutdown()
@@ -405,14 +415,17 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
 
 
 def _serve_bookies(store: Store, host: str, auth_token: str | None, tls_cert: str | None,
-                   tls_key: str | None, advertised: str | None) -> list[Any]:
-    """An endpoint per bookie of the store, each registered in metadata."""
+                   tls_key: str | None, advertised: str | None,
+                   ports: list[int] | None = None) -> list[Any]:
+    """An endpoint per bookie of the store (``ports[i]``, 0: any free), each registered in
+    metadata."""
     from tierstream.store.bookie_server import BookieServer, advertised_url
 
     servers = []
     try:
-        for bookie_id, bookie in store.bookies.items():
-            server = BookieServer(bookie.root, bookie_id=bookie_id, host=host, port=0,
+        for i, (bookie_id, bookie) in enumerate(store.bookies.items()):
+            port = ports[i] if ports else 0
+            server = BookieServer(bookie.root, bookie_id=bookie_id, host=host, port=port,
                                   auth_token=auth_token, tls_cert=tls_cert, tls_key=tls_key)
             servers.append(server)
             address = advertised_url(server, advertised)

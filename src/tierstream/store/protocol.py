@@ -95,4 +95,8 @@ def translate_errors(url: str, what: str = "broker") -> Iterator[None]:
 
 
 def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    """The gist of a Flight error: its first line, without gRPC's debug context."""
+    text = str(exc).strip()
+    if not text:
+        return type(exc).__name__
+    return text.splitlines()[0].split(". gRPC client debug context")[0]
