@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -26,7 +25,7 @@ from tierstream.read_options import ReadOptions
 from tierstream.readers import ReadStats, open_reader
 from tierstream.schema import READ_SCHEMA
 from tierstream.splits.positions import KeyRange, Offset, OffsetKind
-from tierstream.splits.split import ReaderKind, Split, StreamCut
+from tierstream.splits.split import ReaderKind, Split, StreamCut, chains
 from tierstream.store.security import read_pem
 
 __all__ = ["Following", "latest_cut", "plan", "read", "scan", "tail"]
@@ -108,10 +107,7 @@ def run_splits(splits: Sequence[Split], *, parallelism: int | None = None,
     out in log order across the whole read; parallelism is partitions x key ranges. Memory is
     bounded by a small queue.
     """
-    chains: dict[tuple[str, int, KeyRange], list[Split]] = defaultdict(list)
-    for split in splits:
-        chains[(split.topic, split.partition, split.key_range)].append(split)
-    groups = [sorted(c, key=lambda s: s.start) for c in chains.values()]
+    groups = chains(list(splits))
     if not groups:
         return
     workers = max(1, min(parallelism or 8, len(groups)))

@@ -288,6 +288,21 @@ OPTIONS: dict[str, Option] = {
                description="Streaming: the durable cursor a committed micro-batch advances "
                            "(default: one per query, derived from what it reads; tierstream "
                            "tail derives it from the checkpoint)."),
+        Option(key="partitioning", parse=_string, default=None,
+               kind="splits or key-ranges", scopes=("read",),
+               description="Spark partitions: one per split (splits: most parallel; batch "
+                           "default) or one per topic partition and key range reading its "
+                           "segments in log order (key-ranges: each key in one Spark partition, "
+                           "in order; streaming default)."),
+        Option(key="tierReader", parse=_string, default="auto", kind="auto, native or source",
+               scopes=("read",),
+               description="Batch reads through tierstream.spark_adapter.read: tier splits on "
+                           "Spark's Parquet reader (native), through the tierstream source "
+                           "(source), or native where Spark can read the files (auto)."),
+        Option(key="splits", parse=_string, default=None,
+               kind="a JSON list of splits", scopes=("read",),
+               description="Read exactly these splits instead of planning (what "
+                           "tierstream.spark_adapter.read hands the source)."),
     ]
 }
 

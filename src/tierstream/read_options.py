@@ -17,7 +17,7 @@ from tierstream.errors import ConfigError
 from tierstream.names import TopicName
 from tierstream.options import parse_options
 from tierstream.splits.positions import Offset
-from tierstream.splits.split import Cuts, ReaderKind, StreamCut, cuts_from_dict
+from tierstream.splits.split import Cuts, ReaderKind, Split, StreamCut, cuts_from_dict
 from tierstream.store.security import read_pem
 
 __all__ = ["ReadOptions"]
@@ -49,6 +49,9 @@ class ReadOptions:
     s3_region: str | None = None
     reconnect_timeout_ms: int = 60_000
     tls_ca: bytes | None = field(default=None, repr=False)  # PEM, read where the read started
+    splits: tuple[Split, ...] | None = field(default=None, repr=False)  # planned already
+    partitioning: str | None = None  # "splits" or "key-ranges"; None: the mode's default
+    tier_reader: str = "auto"  # spark_adapter.read: "auto", "native" or "source"
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> ReadOptions:
@@ -84,6 +87,12 @@ class ReadOptions:
             if stray:
                 raise ConfigError(f"invalid option {name!r}: it has cuts of {stray}, which "
                                   f"are not read here ({', '.join(topics)})")
+        if opts["partitioning"] not in (None, "splits", "key-ranges"):
+            raise ConfigError(f"invalid option 'partitioning' {opts['partitioning']!r}: "
+                              "expected splits or key-ranges")
+        if opts["tierReader"] not in ("auto", "native", "source"):
+            raise ConfigError(f"invalid option 'tierReader' {opts['tierReader']!r}: expected "
+                              "auto, native or source")
         if opts["keyRanges"] > 65536:
             raise ConfigError(f"invalid option 'keyRanges': {opts['keyRanges']}; expected "
                               "1..65536")
@@ -100,7 +109,9 @@ class ReadOptions:
             data_dir=opts["dataDir"], broker=opts["broker"], auth_token=opts["authToken"],
             s3_endpoint=opts["s3Endpoint"], s3_region=opts["s3Region"],
             reconnect_timeout_ms=opts["reconnectTimeout"],
-            tls_ca=read_pem(opts["tlsCa"], "option 'tlsCa'"))
+            tls_ca=read_pem(opts["tlsCa"], "option 'tlsCa'"),
+            splits=None if opts["splits"] is None else _splits(opts["splits"]),
+            partitioning=opts["partitioning"], tier_reader=opts["tierReader"])
 
     def check_exists(self) -> None:
         """At ``load()``: the topics (or the namespace) exist. Raises NotFoundError."""
@@ -122,6 +133,16 @@ class ReadOptions:
                      end=self.end, key_ranges=self.key_ranges,
                      max_split_bytes=self.max_split_bytes, reader=self.reader,
                      fail_on_data_loss=self.fail_on_data_loss)
+
+
+def _splits(text: str) -> tuple[Split, ...]:
+    try:
+        data = json.loads(text)
+    except ValueError:
+        raise ConfigError(f"invalid option 'splits': not JSON ({text[:60]!r})") from None
+    if not isinstance(data, list):
+        raise ConfigError("invalid option 'splits': expected a JSON list of splits")
+    return tuple(Split.from_dict(d) for d in data)
 
 
 def _derived_subscription(opts: dict[str, Any]) -> str:

@@ -181,7 +181,9 @@ def test_a_bookie_endpoint_killed_mid_read_and_the_read_completes_on_another_rep
         caplog: pytest.LogCaptureFixture) -> None:
     with running_log(tmp_path / "data", bookies=3, writeQuorum=3, ackQuorum=2,
                      maxEntriesPerSegment=100_000) as log:
-        fill(log, partitions=1, batches=600, n=40)
+        # ~20 MB of frames: more than gRPC buffers ahead of the reader, so the kill lands
+        # while most of the stream is still to come
+        fill(log, partitions=1, batches=800, n=400)
         for bookie_id, bookie in sorted(log.store.bookies.items()):
             proc, url = _serve(bookie.root, log.url)
             served.append(proc)
@@ -199,7 +201,7 @@ def test_a_bookie_endpoint_killed_mid_read_and_the_read_completes_on_another_rep
             rows.extend(zip(*(t.column(c).to_pylist() for c in
                               ("partition", "segment_id", "entry_id", "batch_index", "value")),
                             strict=True))
-        assert rows == expected and len(rows) == 24_000
+        assert rows == expected and len(rows) == 320_000
         assert stats.rows(path=ENDPOINT) == len(rows)
         # it did continue elsewhere (the stream was not already all buffered here)
         assert any("continuing on another replica" in r.getMessage() for r in caplog.records)

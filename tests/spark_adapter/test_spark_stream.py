@@ -10,8 +10,8 @@ import pytest
 from tierstream.read_options import ReadOptions
 from tierstream.readers import open_reader
 from tierstream.spark_adapter import register
+from tierstream.spark_adapter.source import partition_splits
 from tierstream.spark_adapter.stream import TierstreamStreamReader
-from tierstream.splits.split import Split
 
 from ..logs import BASE, TOPIC, append, fill, running_log
 
@@ -67,7 +67,8 @@ def test_a_replayed_batch_reads_the_same_rows_after_its_segments_moved(tmp_path:
 
         def batch_rows() -> list[str]:
             return sorted(v.decode() for part in reader.partitions(start, end)
-                          for b in open_reader(Split.from_json(part.value))
+                          for split in partition_splits(part.value)
+                          for b in open_reader(split)
                           for v in b.column("value").to_pylist())
 
         first = batch_rows()
@@ -111,7 +112,8 @@ def test_a_namespace_stream_picks_up_topics_created_mid_stream(tmp_path: Path) -
                 if end == offset:
                     return batches
                 rows = [v.decode() for part in reader.partitions(offset, end)
-                        for b in open_reader(Split.from_json(part.value))
+                        for split in partition_splits(part.value)
+                        for b in open_reader(split)
                         for v in b.column("value").to_pylist()]
                 assert 0 < len(rows) <= 150
                 got.extend(rows)

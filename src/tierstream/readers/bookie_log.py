@@ -46,7 +46,6 @@ from tierstream.store.ledger import (
     entry_range,
     first_good_replica,
     parse_frame,
-    read_frame,
     read_index,
     unreadable,
 )
@@ -147,34 +146,53 @@ def _read_local(split: Split, records: list[IndexRecord], dirs: list[str]
                 ) -> Iterator[pa.RecordBatch]:
     first, last = entry_range(records, split.start.entry_id, split.end, split.start_time,
                               split.end_time)
-    fds: dict[str, int] = {}
-    try:
-        for rec in records[first:last]:
-            out = _trim_entry(split, rec.entry_id, rec.first_publish_time,
-                              rec.last_publish_time, _read_entry(split, rec, dirs, fds),
-                              check_keys=True)
-            if out.num_rows:
-                yield out
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+    maps: dict[str, pa.Buffer] = {}  # unmapped when the last batch over it is gone
+    for rec in records[first:last]:
+        out = _trim_entry(split, rec.entry_id, rec.first_publish_time, rec.last_publish_time,
+                          _read_entry(split, rec, dirs, maps), check_keys=True)
+        if out.num_rows:
+            yield out
 
 
-def _read_entry(split: Split, rec: IndexRecord, dirs: list[str], fds: dict[str, int]
+def _read_entry(split: Split, rec: IndexRecord, dirs: list[str], maps: dict[str, pa.Buffer]
                 ) -> pa.RecordBatch:
+    """One entry from the first replica whose frame verifies. A sealed ledger file is
+    memory-mapped: a frame is verified and decoded where the page cache holds it, with no
+    copy and no system call per entry."""
     def read(d: str) -> Callable[[], pa.Buffer]:
         def frame() -> pa.Buffer:
-            fd = fds.get(d)
-            if fd is None:
+            whole = maps.get(d)
+            if whole is None:
                 log_path, _ = ledger_paths(d, split.segment_id)
-                fd = fds[d] = os.open(log_path, os.O_RDONLY)
-            return read_frame(fd, split.segment_id, rec, d)
+                try:
+                    whole = maps[d] = _mapped(str(log_path))
+                except FileNotFoundError:
+                    raise NotFoundError(f"{d}: ledger {split.segment_id} is missing") from None
+            if rec.frame_offset + rec.frame_len > whole.size:
+                raise CorruptionError(f"{d}: ledger {split.segment_id} is shorter than its "
+                                      f"index says (entry {rec.entry_id})")
+            return parse_frame(memoryview(whole.slice(rec.frame_offset, rec.frame_len)),
+                               split.segment_id, rec.entry_id, d)
         return frame
 
     payload, errors = first_good_replica((d, read(d)) for d in dirs)
     if payload is None:
         raise unreadable(rec.entry_id, split.segment_id, split.topic, split.partition, errors)
     return decode_payload(payload)
+
+
+def _mapped(path: str) -> pa.Buffer:
+    """A sealed ledger file as one zero-copy buffer over a read-only mapping, its pages
+    faulted in up front (one system call instead of one fault per page)."""
+    import mmap
+
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return pa.py_buffer(b"")
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mapped = mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ)
+    return pa.py_buffer(mapped)  # the buffer keeps the mapping alive
 
 
 def _trim_entry(split: Split, entry_id: int, first_pt: int, last_pt: int,

@@ -1,13 +1,15 @@
 """The Spark adapter: tierstream splits as Spark partitions (PySpark Python Data Source API).
 
-``register(spark)`` makes ``spark.read.format("tierstream")`` available. Options are those of
-``options.py`` with scope ``read`` (topic/topics/namespace, startingTime/endingTime,
-startingPosition/endingPosition, keyRanges, maxSplitBytes, reader, failOnDataLoss, broker,
-dataDir, authToken); an unknown or malformed option fails at ``load()`` naming it. With
-``spark.sql.python.filterPushdown.enabled=true``, batch reads push publish_time, partition and
-topic filters into planning.
+``register(spark)`` makes ``spark.read.format("tierstream")`` available; ``read(spark,
+**options)`` is the same bounded read with tier splits on Spark's own Parquet reader.
+Options are those of ``options.py`` with scope ``read`` (topic/topics/namespace,
+startingTime/endingTime, startingPosition/endingPosition, keyRanges, maxSplitBytes, reader,
+failOnDataLoss, broker, dataDir, authToken, tlsCa, tierReader); an unknown or malformed
+option fails at ``load()`` naming it. With ``spark.sql.python.filterPushdown.enabled=true``,
+batch reads push publish_time, partition and topic filters into planning.
 """
 
+from tierstream.spark_adapter.hybrid import read
 from tierstream.spark_adapter.source import (
     SPARK_ARROW_SCHEMA,
     SPARK_SCHEMA,
@@ -18,4 +20,4 @@ from tierstream.spark_adapter.source import (
 )
 
 __all__ = ["SPARK_ARROW_SCHEMA", "SPARK_SCHEMA", "TierstreamDataSource",
-           "TierstreamPushdownDataSource", "register", "to_spark_batch"]
+           "TierstreamPushdownDataSource", "read", "register", "to_spark_batch"]

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlparse
 
 import pyarrow.parquet as pq
 
@@ -78,7 +79,7 @@ def backfill(spark: Any, options: dict[str, str], out: str, *, format: str = "pa
     """
     from tierstream.read_options import ReadOptions
     from tierstream.readers.stats import ReadStats, StatsParam
-    from tierstream.spark_adapter.source import _BatchReader, counting_format
+    from tierstream.spark_adapter.hybrid import NATIVE, plan_read
 
     if format not in FORMATS:
         raise ConfigError(f"invalid format {format!r}: expected one of {', '.join(FORMATS)}")
@@ -102,9 +103,9 @@ def backfill(spark: Any, options: dict[str, str], out: str, *, format: str = "pa
         # Pin "latest" to cuts now, so Spark reads exactly what is planned and counted here.
         options["endingPosition"] = json.dumps(_latest_cuts(settings))
         settings = ReadOptions.parse(options)
-    splits = _BatchReader(settings).plan()
     stats = spark.sparkContext.accumulator(ReadStats(), StatsParam())
-    df = spark.read.format(counting_format(spark, stats)).options(**options).load()
+    planned = plan_read(spark, options, stats=stats)
+    splits, df = planned.splits, planned.df
     data_dir = out if sink is None else os.path.join(out, "data")
     t0 = time.perf_counter()
     try:
@@ -124,10 +125,15 @@ def backfill(spark: Any, options: dict[str, str], out: str, *, format: str = "pa
             raise
         raise query_error(exc) from None
     seconds = time.perf_counter() - t0
+    counts = stats.value
+    if planned.native:  # rows Spark's own reader read: the rest of what was written
+        tier_files = {s.tier_url for s in planned.native}
+        counts.add("parquet-tier", NATIVE, rows - counts.rows(),
+                   sum(os.path.getsize(urlparse(u or "").path) for u in tier_files))
     kinds = Counter(s.reader.value for s in splits)
     return BackfillResult(dict(kinds), rows, sum(s.estimated_bytes for s in splits),
                           sum(os.path.getsize(f) for f in files), seconds, out, format,
-                          table, catalog_uri, stats.value)
+                          table, catalog_uri, counts)
 
 
 def _latest_cuts(settings: Any) -> dict[str, Any]:
@@ -259,7 +265,12 @@ def query_error(exc: BaseException) -> TierstreamError:
     Python source's error in pages of Java and Python trace."""
     import re
 
+    from tierstream.spark_adapter.hybrid import missing_tier_file
+
     text = str(exc)
+    gone = missing_tier_file(text)
+    if gone is not None:
+        return gone
     found = re.findall(r"tierstream\.errors\.(\w+): ([^\n]+)", text)
     if found:
         name, message = found[-1]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import sys
@@ -19,7 +20,7 @@ from tierstream.errors import ConfigError
 from tierstream.read_options import ReadOptions
 from tierstream.schema import OUTPUT_DDL, OUTPUT_SCHEMA, as_output_batch
 from tierstream.splits.positions import Offset
-from tierstream.splits.split import Cuts, Split, StreamCut
+from tierstream.splits.split import Cuts, Split, StreamCut, chains
 
 __all__ = ["PUSHDOWN_CONF", "SPARK_ARROW_SCHEMA", "SPARK_SCHEMA", "TierstreamDataSource",
            "TierstreamPushdownDataSource", "register", "to_spark_batch"]
@@ -74,12 +75,34 @@ def read_partition(options: ReadOptions, partition: InputPartition, stats: Any =
     if partition.value is None:  # Spark's stand-in when the plan has no split
         return
     counts = ReadStats() if stats is not None else None
-    yield from spark_batches(open_reader(Split.from_json(partition.value),
-                                         auth_token=options.auth_token, tls_ca=options.tls_ca,
-                                         reconnect_timeout_ms=options.reconnect_timeout_ms,
-                                         stats=counts))
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        for split in partition_splits(partition.value):  # a chain: in log order
+            yield from open_reader(split, auth_token=options.auth_token, tls_ca=options.tls_ca,
+                                   reconnect_timeout_ms=options.reconnect_timeout_ms,
+                                   stats=counts)
+
+    yield from spark_batches(batches())
     if stats is not None:
         stats.add(counts)
+
+
+def spark_partitions(splits: list[Split], partitioning: str) -> list[InputPartition]:
+    """Spark partitions of a plan: one per split (``splits``), or one per chain of splits of
+    a (topic, partition, key range) in log order (``key-ranges``: every key in one Spark
+    partition per topic partition, its messages in order; see splits.split.chains)."""
+    if partitioning == "key-ranges":
+        return [InputPartition(json.dumps([s.to_dict() for s in chain],
+                                          separators=(",", ":")))
+                for chain in chains(splits)]
+    return [InputPartition(split.to_json()) for split in splits]
+
+
+def partition_splits(value: str) -> list[Split]:
+    """The splits of one Spark partition's value: one split, or a chain (a JSON list)."""
+    if value.startswith("["):
+        return [Split.from_dict(d) for d in json.loads(value)]
+    return [Split.from_json(value)]
 
 
 class TierstreamDataSource(DataSource):
@@ -130,12 +153,14 @@ class _BatchReader(DataSourceReader):
         self.pushed = Pushed()
 
     def partitions(self) -> Sequence[InputPartition]:
-        return [InputPartition(split.to_json()) for split in self.plan()]
+        return spark_partitions(self.plan(), self.settings.partitioning or "splits")
 
     def plan(self) -> list[Split]:
         from tierstream.enumerator import Query
 
         s, f = self.settings, self.pushed
+        if s.splits is not None:  # planned by the caller (spark_adapter.read): exactly these
+            return list(s.splits)
         base = Query(topics=s.topics, namespace=s.namespace,
                      start=Offset.earliest() if isinstance(s.start, dict) else s.start,
                      end=Offset.latest() if isinstance(s.end, dict) else s.end,
@@ -179,6 +204,9 @@ def _bound_of(bound: Offset | StreamCut | Cuts, topic: str, name: str) -> Offset
 
 class _PushdownBatchReader(_BatchReader):
     def pushFilters(self, filters: list[Any]) -> Iterator[Any]:
+        if self.settings.splits is not None:  # planned already: Spark applies every filter
+            yield from filters
+            return
         yield from self.pushed.push(filters)
 
 

@@ -193,7 +193,9 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
                     end=finish[topic], key_ranges=s.key_ranges,
                     max_split_bytes=s.max_split_bytes, reader=s.reader,
                     fail_on_data_loss=s.fail_on_data_loss, time_from=time_from)))
-        return [InputPartition(sp.to_json()) for sp in splits]
+        from tierstream.spark_adapter.source import spark_partitions
+
+        return spark_partitions(splits, s.partitioning or "key-ranges")
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         from tierstream.spark_adapter.source import read_partition

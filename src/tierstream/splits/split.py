@@ -16,7 +16,7 @@ from tierstream.errors import ConfigError
 from tierstream.splits.positions import KeyRange, Position
 
 __all__ = ["CUT_FORMAT_VERSION", "SPLIT_FORMAT_VERSION", "Cuts", "ReaderKind", "Replica", "Split",
-           "StreamCut", "TierLocation", "cuts_from_dict", "cuts_to_dict"]
+           "StreamCut", "TierLocation", "chains", "cuts_from_dict", "cuts_to_dict"]
 
 #: Version 2: a bookie-log split names its replicas by bookie id and network endpoint (a
 #: reader on any host can use them), with the directory on the store's host only as a hint.
@@ -143,6 +143,16 @@ class Split:
             return cls.from_dict(json.loads(text))
         except ValueError:
             raise ConfigError(f"malformed split JSON: {text[:80]!r}") from None
+
+
+def chains(splits: list[Split]) -> list[list[Split]]:
+    """The splits grouped by (topic, partition, key range), each group in log order: read a
+    group's splits one after another and every key's messages come out in log order (key
+    ranges never share a key). In order of first appearance."""
+    groups: dict[tuple[str, int, KeyRange], list[Split]] = {}
+    for split in splits:
+        groups.setdefault((split.topic, split.partition, split.key_range), []).append(split)
+    return [sorted(g, key=lambda s: s.start) for g in groups.values()]
 
 
 @dataclass(frozen=True)
