@@ -9,6 +9,7 @@ from pathlib import Path
 
 from bench import (
     framework_bench,
+    latency_fs_bench,
     remote_bench,
     remote_bookie_bench,
     spark_bench,
@@ -32,6 +33,8 @@ BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
                                  "spark.read.parquet of the same files; keyRanges"),
     "remote": (remote_bench.remote, "parquet-tier reader over S3 (moto) with 0/10/50 ms per "
                                     "request, beside local files"),
+    "remote-fs": (latency_fs_bench.remote_fs, "parquet-tier reader over local files behind a "
+                  "modelled network (0/10/50 ms + 100 MB/s per request), beside local files"),
     "remote-bookie": (remote_bookie_bench.remote_bookie, "bookie-log reader over a bookie "
                       "endpoint beside local files; key-range wire amplification"),
     "offload": (tier_bench.offload, "offload MB/s to file:// and moto S3 beside a plain "

@@ -1,0 +1,111 @@
+"""The parquet-tier reader over an object store modelled without moto (issue 14).
+
+moto answers every request with Python on the same two cores the reader runs on, so the
+``remote`` benchmark measures moto's CPU as much as the reader. Here the tier's files are
+local, and the filesystem in front of them adds what a network object store adds per request:
+a fixed latency (0, 10, 50 ms) and a bandwidth cap per request (100 MB/s, about one S3
+connection), with s3fs's file defaults (50 MiB read-ahead blocks). The reader's throughput
+over it is compared with plain local files in the same run, with the requests per read and
+the bytes fetched per byte of the file.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.spec import AbstractBufferedFile
+
+from bench.harness import Figure, console, report, timed
+from bench.spark_bench import _fill
+from tierstream.readers import open_reader
+from tierstream.splits.positions import Position
+from tierstream.splits.split import ReaderKind, Split
+from tierstream.store import tier as tier_module
+from tierstream.store.config import StoreConfig
+from tierstream.store.store import Store
+
+BANDWIDTH = 100e6  # bytes/s per request
+
+
+class LatencyFS(LocalFileSystem):
+    """Local files behind a modelled network: every ranged read is one request that waits
+    ``latency_s`` and then transfers at ``BANDWIDTH``."""
+
+    latency_s = 0.0
+    requests = 0
+    fetched = 0
+    _lock = threading.Lock()
+
+    def _open(self, path: str, mode: str = "rb", block_size: Any = None, **kwargs: Any) -> Any:
+        return _SlowFile(self, path, mode=mode, block_size=block_size or 50 * 2**20,
+                         cache_type="readahead")
+
+
+class _SlowFile(AbstractBufferedFile):
+    def _fetch_range(self, start: int, end: int) -> bytes:
+        with LatencyFS._lock:
+            LatencyFS.requests += 1
+            LatencyFS.fetched += end - start
+        time.sleep(LatencyFS.latency_s + (end - start) / BANDWIDTH)  # the modelled network
+        with open(self.path, "rb") as f:
+            f.seek(start)
+            return f.read(end - start)
+
+
+def remote_fs(quick: bool = True) -> Path:
+    entries, per_entry = (100, 2000) if quick else (300, 2000)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store(StoreConfig.from_options({
+            "dataDir": str(Path(tmp) / "data"), "fsync": False,
+            "maxEntriesPerSegment": entries + 1, "deletionLag": "1h",
+            "tierCheckInterval": "1h"}))
+        try:
+            _fill(store, "bench/remote/t", 1, entries, per_entry)
+            (seg,) = store.offloader.offload_topic("bench/remote/t")
+        finally:
+            store.close()
+        split = Split(topic="bench/remote/t", partition=0, segment_id=seg.segment_id,
+                      start=Position(0, seg.segment_id, 0, 0),
+                      end=Position(0, seg.segment_id, seg.entries, 0),
+                      reader=ReaderKind.TIER, tier_url=seg.tier_url)
+        size = Path((seg.tier_url or "").removeprefix("file://")).stat().st_size
+        messages = entries * per_entry
+
+        def rate() -> float:
+            return messages / timed(lambda: sum(b.num_rows for b in open_reader(split)))
+
+        plain = tier_module.TierStorage.filesystem
+        results: dict[str, list[float]] = {"local": []}
+        per_read: dict[int, tuple[float, float]] = {}
+        rate()
+        for _ in range(3):
+            results["local"].append(rate())
+        try:
+            # the tier's file:// URLs, served through the modelled network
+            tier_module.TierStorage.filesystem = lambda self: LatencyFS()
+            for ms in (0, 10, 50):
+                LatencyFS.latency_s = ms / 1000
+                LatencyFS.requests = LatencyFS.fetched = 0
+                results[f"{ms}"] = [rate() for _ in range(3)]
+                per_read[ms] = (LatencyFS.requests / 3, LatencyFS.fetched / 3 / size)
+        finally:
+            tier_module.TierStorage.filesystem = plain
+            fsspec.clear_instance_cache()
+    figures = [Figure(f"tier reader, {ms} ms + 100 MB/s per request", "rows/s",
+                      results[str(ms)], "local files", results["local"],
+                      aim="ratio >= 0.85" if ms == 10 else "",
+                      aim_check=(lambda v, r: r is not None and r >= 0.85) if ms == 10
+                      else None) for ms in (0, 10, 50)]
+    console.print(f"one {size / 1e6:.1f} MB tier file of {messages:,} messages; per read: "
+                  + "; ".join(f"{ms} ms: {req:.0f} requests, {ratio:.2f} bytes fetched per "
+                              "byte of the file" for ms, (req, ratio) in per_read.items()))
+    return report("remote-fs", figures, {"entries": entries, "messages_per_entry": per_entry,
+                                         "bandwidth_bytes_per_s": BANDWIDTH},
+                  {"per_read": {str(k): {"requests": r, "bytes_per_byte": b}
+                                for k, (r, b) in per_read.items()}})
