@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractBufferedFile
 
@@ -96,7 +95,6 @@ def remote_fs(quick: bool = True) -> Path:
                 per_read[ms] = (LatencyFS.requests / 3, LatencyFS.fetched / 3 / size)
         finally:
             tier_module.TierStorage.filesystem = plain
-            fsspec.clear_instance_cache()
     figures = [Figure(f"tier reader, {ms} ms + 100 MB/s per request", "rows/s",
                       results[str(ms)], "local files", results["local"],
                       aim="ratio >= 0.85" if ms == 10 else "",
