@@ -100,6 +100,7 @@ class Enumerator:
         self.tier = TierLocation(s3_endpoint=s3_endpoint, s3_region=s3_region)
         self._bookie_dirs: dict[str, str] = {}
         self._endpoints: dict[str, str] | None = None
+        self._ensembles: dict[Any, tuple[Replica, ...]] = {}
 
     def __repr__(self) -> str:
         where = None if self.data_dir is None else str(self.data_dir)
@@ -273,7 +274,11 @@ class Enumerator:
             chunks = list(_entry_chunks(seg, seg_start, seg_end, query.max_split_bytes))
         facts: dict[str, Any] = {"broker": self.broker}
         if kind is ReaderKind.BOOKIE:
-            facts["replicas"] = tuple(self._replica(b) for b in seg.ensemble)
+            replicas = self._ensembles.get(seg.ensemble)
+            if replicas is None:  # a store has few distinct ensembles: resolve each once
+                replicas = self._ensembles[seg.ensemble] = tuple(
+                    self._replica(b) for b in seg.ensemble)
+            facts["replicas"] = replicas
         if kind is ReaderKind.TIER:
             facts.update(tier_url=seg.tier_url, tier=self.tier)
         per_entry = seg.bytes / seg.entries if seg.entries else 0
