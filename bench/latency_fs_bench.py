@@ -36,10 +36,17 @@ class LatencyFS(LocalFileSystem):
     """Local files behind a modelled network: every ranged read is one request that waits
     ``latency_s`` and then transfers at ``BANDWIDTH``."""
 
+    protocol = ("latency",)  # not local: the reader takes its remote path
     latency_s = 0.0
     requests = 0
     fetched = 0
     _lock = threading.Lock()
+
+    def info(self, path: str, **kwargs: Any) -> Any:  # a HEAD request
+        with LatencyFS._lock:
+            LatencyFS.requests += 1
+        time.sleep(LatencyFS.latency_s)
+        return super().info(path, **kwargs)
 
     def _open(self, path: str, mode: str = "rb", block_size: Any = None, **kwargs: Any) -> Any:
         return _SlowFile(self, path, mode=mode, block_size=block_size or 50 * 2**20,

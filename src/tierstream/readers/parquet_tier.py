@@ -39,6 +39,8 @@ __all__ = ["READ_AHEAD", "leaf_column", "read_tier_split", "selected_row_groups"
 log = logging.getLogger(__name__)
 
 READ_AHEAD = 8
+#: Remote tier files up to this size are fetched whole, in one request.
+SMALL_FILE = 16 * 1024**2
 READER = "parquet-tier"
 
 
@@ -131,12 +133,17 @@ def read_tier_split(split: Split, *, auth_token: str | None = None,
             f"segment {split.segment_id} ({split.tier_url}) is gone (deleted by retention "
             "after planning?)") from None
     with handle:
-        pf = pq.ParquetFile(handle)
+        protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+        remote = "file" not in protocols  # an object store: every request pays latency
+        whole = remote and 0 < (getattr(handle, "size", None) or 0) <= SMALL_FILE
+        # a small remote file in one request, not footer, then metadata, then data: each
+        # request pays the store's latency, which a small file's decoding cannot hide
+        pf = pq.ParquetFile(pa.py_buffer(handle.read()) if whole else handle)
         plans = _plans(pf.metadata, split)
         # a few row groups per read: pyarrow decodes them in parallel
         chunks = [plans[i:i + READ_AHEAD] for i in range(0, len(plans), READ_AHEAD)]
-        remote = tier.scheme != "file"
         path_kind = OBJECT_STORE if remote else LOCAL
+        remote = remote and not whole  # a whole file is read from memory
         for chunk, table in zip(chunks, _read_chunks(fs, path, pf, chunks, remote),
                                 strict=True):
             out = trim(table, split, check_positions=any(p.positions for p in chunk),
