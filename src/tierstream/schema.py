@@ -126,6 +126,15 @@ def key_range_mask(key_hash: pa.Array, ranges: Sequence[tuple[int, int]]) -> pa.
     and the readers both use it."""
     if not ranges or any(lo <= 0 and hi >= KEY_HASH_SLOTS for lo, hi in ranges):
         return None
+    if isinstance(key_hash, pa.Array) and key_hash.null_count == 0:
+        # numpy over the zero-copy values: one pass per bound instead of an Arrow kernel
+        # call each (readers filter every entry of a key-range split: small batches, many)
+        values = key_hash.to_numpy(zero_copy_only=True)
+        hit = None
+        for lo, hi in ranges:
+            m = (values >= lo) & (values < hi)
+            hit = m if hit is None else hit | m
+        return pa.array(hit, type=pa.bool_())
     mask = None
     for lo, hi in ranges:
         m = pc.and_(pc.greater_equal(key_hash, lo), pc.less(key_hash, hi))

@@ -140,6 +140,14 @@ class Enumerator:
         splits: list[Split] = []
         for topic in self.topics(query):
             splits.extend(self._plan_topic(topic, query))
+        if query.key_ranges > 1:
+            on_bookies = {s.segment_id for s in splits if s.reader is ReaderKind.BOOKIE}
+            if on_bookies:  # the trade-off of key ranges over log-ordered data, said once
+                log.info("keyRanges=%d over %d bookie-resident segment(s): each key-range split "
+                         "reads and decodes all of its entries (%dx the work of one range; "
+                         "over a bookie endpoint the bookie filters, so the wire carries ~1x); "
+                         "tiered segments are bucketed by key and are not affected",
+                         query.key_ranges, len(on_bookies), query.key_ranges)
         return splits
 
     def _replica(self, bookie_id: str) -> Replica:
