@@ -11,6 +11,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from tierstream.units import human_bytes
+
 __all__ = ["BrokerOpt", "DataDirOpt", "TlsCaOpt", "TlsCertOpt", "TlsKeyOpt", "TokenOpt", "app",
            "bookie_app", "broker_app", "err", "human_bytes", "human_duration", "out",
            "progress_bar", "topic_app"]
@@ -62,11 +64,3 @@ def human_duration(ms: int) -> str:
             return f"{ms / size:.1f}{unit}"
     return f"{ms}ms"
 
-
-def human_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return str(n)

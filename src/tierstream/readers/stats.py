@@ -15,6 +15,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from tierstream.units import human_bytes
+
 __all__ = ["BROKER", "BROKER_FALLBACK", "ENDPOINT", "LOCAL", "OBJECT_STORE", "ReadStats",
            "StatsParam", "counted"]
 
@@ -61,7 +63,7 @@ class ReadStats:
 
     def summary(self) -> str:
         """``bookie-log via bookie endpoint: 1,200 rows, 96.0 KiB; ...``, or ``nothing read``."""
-        parts = [f"{reader} via {path}: {rows:,} rows, {_human(nbytes)}"
+        parts = [f"{reader} via {path}: {rows:,} rows, {human_bytes(nbytes)}"
                  for (reader, path), (rows, nbytes) in self.items()]
         return "; ".join(parts) or "nothing read"
 
@@ -79,15 +81,6 @@ def counted(batches: Iterable[pa.RecordBatch], stats: ReadStats | None, reader: 
         if stats is not None:
             stats.add(reader, path, batch.num_rows, batch.nbytes)
         yield batch
-
-
-def _human(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return str(n)
 
 
 try:  # Spark's accumulator of ReadStats, when pyspark is there
