@@ -124,3 +124,29 @@ def test_a_non_loopback_bind_needs_a_token_and_warns_without_tls(
         check_bind("10.1.2.3", auth_token="t", tls=True, what="broker")
         check_bind("127.0.0.1", auth_token=None, tls=False, what="broker")
     assert not caplog.text
+
+
+def test_producer_consumer_and_read_take_the_ca(tmp_path: Path) -> None:
+    from tierstream.splits.positions import Offset
+    from tierstream.store.client import Consumer, Producer, read
+
+    cert, key = make_cert(tmp_path)
+    with running_log(tmp_path / "data") as log:
+        log.store.create_topic(TOPIC, 2)
+        broker = Broker(log.store, port=0, tls_cert=str(cert), tls_key=str(key))
+        threading.Thread(target=broker.serve, daemon=True).start()
+        try:
+            with Producer(TOPIC, broker=broker.url, tls_ca=str(cert)) as producer:
+                producer.send_many({"key": f"k{i}", "value": f"v{i}"} for i in range(50))
+            got = sum(b.num_rows for b in read(TOPIC, broker=broker.url, tls_ca=str(cert),
+                                               end=Offset.latest()))
+            assert got == 50
+            with Consumer(TOPIC, "s", broker=broker.url, tls_ca=cert.read_bytes(),
+                          initial=Offset.earliest()) as consumer:
+                seen = 0
+                while seen < 50:
+                    batch = consumer.receive(timeout=10)
+                    assert batch is not None
+                    seen += batch.num_rows
+        finally:
+            broker.shutdown()

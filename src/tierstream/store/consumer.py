@@ -37,6 +37,7 @@ class Consumer:
     def __init__(self, topic: str, subscription: str, *, mode: str = "exclusive",
                  key_ranges: Iterable[KeyRange] | None = None, initial: Offset | None = None,
                  broker: str | None = None, auth_token: str | None = None,
+                 tls_ca: bytes | str | None = None,
                  consumer_name: str | None = None) -> None:
         self.topic = str(TopicName.parse(topic))
         if not subscription or not isinstance(subscription, str):
@@ -44,8 +45,8 @@ class Consumer:
         self.subscription = subscription
         self.key_ranges = list(key_ranges or [KeyRange(0, KEY_HASH_SLOTS)])
         self.name = consumer_name or f"consumer-{uuid.uuid4().hex[:12]}"
-        self._client = BrokerClient(broker, auth_token=auth_token)
-        self._admin = Admin(self._client.url, auth_token=auth_token)
+        self._client = BrokerClient(broker, auth_token=auth_token, tls_ca=tls_ca)
+        self._admin = Admin(self._client.url, auth_token=auth_token, tls_ca=self._client.tls_ca)
         partitions = self._admin.get_topic(self.topic).partitions
         sub = {"name": subscription, "mode": mode, "consumer": self.name,
                "initial": (initial or Offset.latest()).to_dict()}

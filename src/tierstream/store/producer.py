@@ -65,7 +65,8 @@ class Producer:
     """
 
     def __init__(self, topic: str, *, broker: str | None = None, auth_token: str | None = None,
-                 name: str | None = None, batch_size: int = 1000, max_in_flight: int = 8,
+                 tls_ca: bytes | str | None = None, name: str | None = None,
+                 batch_size: int = 1000, max_in_flight: int = 8,
                  send_timeout: float = 30.0) -> None:
         self.topic = str(TopicName.parse(topic))
         if batch_size < 1 or max_in_flight < 1:
@@ -75,8 +76,8 @@ class Producer:
         self.batch_size = batch_size
         self.max_in_flight = max_in_flight
         self.send_timeout = send_timeout
-        self._client = BrokerClient(broker, auth_token=auth_token)
-        self._admin = Admin(self._client.url, auth_token=auth_token)
+        self._client = BrokerClient(broker, auth_token=auth_token, tls_ca=tls_ca)
+        self._admin = Admin(self._client.url, auth_token=auth_token, tls_ca=self._client.tls_ca)
         self.partitions = self._admin.get_topic(self.topic).partitions
         state = self._admin.action("producer-state", {"topic": self.topic, "producer": self.name})
         # A partition where this name stored nothing yet starts at 0; note that 0 is also a

@@ -35,7 +35,8 @@ def check_ranges(key_ranges: Iterable[KeyRange] | None) -> list[list[int]]:
 
 def read(topic: str, *, partition: int | None = None, start: Offset | None = None,
          end: Offset | None = None, key_ranges: Iterable[KeyRange] | None = None,
-         broker: str | None = None, auth_token: str | None = None) -> TopicReader:
+         broker: str | None = None, auth_token: str | None = None,
+         tls_ca: bytes | str | None = None) -> TopicReader:
     """Read a topic through the broker (every partition, or one ``partition``).
 
     The partition streams are opened before this returns, so ``latest`` (as start or end) is
@@ -44,7 +45,7 @@ def read(topic: str, *, partition: int | None = None, start: Offset | None = Non
     and keep each partition's order.
     """
     return TopicReader(topic, partition=partition, start=start, end=end, key_ranges=key_ranges,
-                       broker=broker, auth_token=auth_token)
+                       broker=broker, auth_token=auth_token, tls_ca=tls_ca)
 
 
 class TopicReader:
@@ -52,14 +53,16 @@ class TopicReader:
 
     def __init__(self, topic: str, *, partition: int | None, start: Offset | None,
                  end: Offset | None, key_ranges: Iterable[KeyRange] | None,
-                 broker: str | None, auth_token: str | None) -> None:
+                 broker: str | None, auth_token: str | None,
+                 tls_ca: bytes | str | None = None) -> None:
         name = str(TopicName.parse(topic))
         ranges = check_ranges(key_ranges)
-        self._client = BrokerClient(broker, auth_token=auth_token)
+        self._client = BrokerClient(broker, auth_token=auth_token, tls_ca=tls_ca)
         self._readers: list[Any] = []
         self._cancel = Cancel()
         try:
-            with Admin(self._client.url, auth_token=auth_token) as admin:
+            with Admin(self._client.url, auth_token=auth_token,
+                       tls_ca=self._client.tls_ca) as admin:
                 count = admin.get_topic(name).partitions
             if partition is not None and not 0 <= partition < count:
                 raise ConfigError(f"invalid partition {partition} for {name!r}: it has "
