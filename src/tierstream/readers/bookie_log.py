@@ -84,7 +84,7 @@ def read_bookie_split(split: Split, *, auth_token: str | None = None,
                             "broker was given")
     from tierstream.readers.tail import read_tail_split
 
-    rest = replace(split, start=resume) if resume != split.start else split
+    rest = replace(split, start=resume)  # after what the endpoints delivered, if anything
     yield from counted(read_tail_split(rest, auth_token=auth_token, tls_ca=tls_ca), stats,
                        READER, BROKER_FALLBACK)
 
@@ -103,7 +103,7 @@ def _read_endpoints(split: Split, replicas: list[Replica], auth_token: str | Non
             raise
         log.info("bookie endpoints of segment %s moved since planning; now %s",
                  split.segment_id, [r.endpoint for r in moved])
-    rest = replace(split, start=max(split.start, reader.resume))
+    rest = replace(split, start=reader.resume)
     yield from counted(_RemoteLedger(rest, moved, auth_token, tls_ca).read(), stats, READER,
                        ENDPOINT)
 
@@ -255,7 +255,6 @@ class _RemoteLedger:
 
     def read(self) -> Iterator[pa.RecordBatch]:
         s = self.split
-        next_entry = s.start.entry_id
         errors: dict[str, str] = {}
         gone: set[str] = set()
         k = 0
@@ -266,12 +265,11 @@ class _RemoteLedger:
                 if replica.bookie in errors:
                     continue
                 try:
-                    for wire in self._stream(replica, next_entry, s.end, timed=True):
+                    for wire in self._stream(replica, self.resume.entry_id, s.end, timed=True):
                         for out, entry_id in self._entries(wire, replica):
                             if out.num_rows:
                                 yield out
-                            next_entry = entry_id + 1
-                            self.resume = Position(s.partition, s.segment_id, next_entry, 0)
+                            self.resume = Position(s.partition, s.segment_id, entry_id + 1, 0)
                             errors.clear()  # progress: every replica may be tried again
                             gone.clear()
                     return
@@ -284,16 +282,15 @@ class _RemoteLedger:
                     errors[replica.bookie] = str(exc)
                     log.warning("bookie endpoint %s failed reading segment %s at entry %s "
                                 "(%s); continuing on another replica", replica.endpoint,
-                                s.segment_id, next_entry, exc)
+                                s.segment_id, self.resume.entry_id, exc)
         finally:
             for client in self._clients.values():
                 client.close()
-        resume = max(s.start, Position(s.partition, s.segment_id, next_entry, 0))
         if len(gone) == len(self.replicas):
-            raise _LedgerGone(resume)
+            raise _LedgerGone(self.resume)
         raise UnavailableError(
             f"segment {s.segment_id} of {s.topic!r} partition {s.partition}: no bookie "
-            f"endpoint could serve entry {next_entry}: "
+            f"endpoint could serve entry {self.resume.entry_id}: "
             + "; ".join(f"{b}: {e}" for b, e in errors.items()))
 
     def _entries(self, wire: pa.RecordBatch, source: Replica
