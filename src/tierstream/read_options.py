@@ -17,7 +17,14 @@ from tierstream.errors import ConfigError
 from tierstream.names import TopicName
 from tierstream.options import parse_options
 from tierstream.splits.positions import Offset
-from tierstream.splits.split import Cuts, ReaderKind, Split, StreamCut, cuts_from_dict
+from tierstream.splits.split import (
+    Cuts,
+    ReaderKind,
+    Split,
+    StreamCut,
+    cuts_from_dict,
+    splits_from_json,
+)
 from tierstream.store.security import read_pem
 
 __all__ = ["ReadOptions"]
@@ -110,7 +117,8 @@ class ReadOptions:
             s3_endpoint=opts["s3Endpoint"], s3_region=opts["s3Region"],
             reconnect_timeout_ms=opts["reconnectTimeout"],
             tls_ca=read_pem(opts["tlsCa"], "option 'tlsCa'"),
-            splits=None if opts["splits"] is None else _splits(opts["splits"]),
+            splits=None if opts["splits"] is None else tuple(
+                splits_from_json(opts["splits"], what="option 'splits'")),
             partitioning=opts["partitioning"], tier_reader=opts["tierReader"])
 
     def check_exists(self) -> None:
@@ -133,16 +141,6 @@ class ReadOptions:
                      end=self.end, key_ranges=self.key_ranges,
                      max_split_bytes=self.max_split_bytes, reader=self.reader,
                      fail_on_data_loss=self.fail_on_data_loss)
-
-
-def _splits(text: str) -> tuple[Split, ...]:
-    try:
-        data = json.loads(text)
-    except ValueError:
-        raise ConfigError(f"invalid option 'splits': not JSON ({text[:60]!r})") from None
-    if not isinstance(data, list):
-        raise ConfigError("invalid option 'splits': expected a JSON list of splits")
-    return tuple(Split.from_dict(d) for d in data)
 
 
 def _derived_subscription(opts: dict[str, Any]) -> str:

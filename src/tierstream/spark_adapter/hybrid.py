@@ -24,7 +24,6 @@ reason is logged once.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Sequence
@@ -35,7 +34,7 @@ from urllib.parse import urlparse
 
 from tierstream.errors import DataLossError
 from tierstream.splits.positions import Position
-from tierstream.splits.split import ReaderKind, Split
+from tierstream.splits.split import ReaderKind, Split, splits_to_json
 
 __all__ = ["NATIVE", "Hybrid", "native_tier_reason", "plan_read", "read"]
 
@@ -97,7 +96,7 @@ def plan_read(spark: Any, options: dict[str, str], *, stats: Any = None) -> Hybr
     parts = []
     if rest or not tier:
         parts.append(spark.read.format(fmt).options(**options).option(
-            "splits", json.dumps([s.to_dict() for s in rest])).load())
+            "splits", splits_to_json(rest)).load())
     if tier:
         parts.append(_native(spark, tier, splits))
     return Hybrid(reduce(lambda a, b: a.unionByName(b), parts), splits, tier)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import sys
@@ -20,7 +19,14 @@ from tierstream.errors import ConfigError
 from tierstream.read_options import ReadOptions
 from tierstream.schema import OUTPUT_DDL, OUTPUT_SCHEMA, as_output_batch
 from tierstream.splits.positions import Offset
-from tierstream.splits.split import Cuts, Split, StreamCut, chains
+from tierstream.splits.split import (
+    Cuts,
+    Split,
+    StreamCut,
+    chains,
+    splits_from_json,
+    splits_to_json,
+)
 
 __all__ = ["PUSHDOWN_CONF", "SPARK_ARROW_SCHEMA", "SPARK_SCHEMA", "TierstreamDataSource",
            "TierstreamPushdownDataSource", "register", "to_spark_batch"]
@@ -92,16 +98,14 @@ def spark_partitions(splits: list[Split], partitioning: str) -> list[InputPartit
     a (topic, partition, key range) in log order (``key-ranges``: every key in one Spark
     partition per topic partition, its messages in order; see splits.split.chains)."""
     if partitioning == "key-ranges":
-        return [InputPartition(json.dumps([s.to_dict() for s in chain],
-                                          separators=(",", ":")))
-                for chain in chains(splits)]
+        return [InputPartition(splits_to_json(chain)) for chain in chains(splits)]
     return [InputPartition(split.to_json()) for split in splits]
 
 
 def partition_splits(value: str) -> list[Split]:
     """The splits of one Spark partition's value: one split, or a chain (a JSON list)."""
     if value.startswith("["):
-        return [Split.from_dict(d) for d in json.loads(value)]
+        return splits_from_json(value, what="Spark partition")
     return [Split.from_json(value)]
 
 

@@ -16,7 +16,8 @@ from tierstream.errors import ConfigError
 from tierstream.splits.positions import KeyRange, Position
 
 __all__ = ["CUT_FORMAT_VERSION", "SPLIT_FORMAT_VERSION", "Cuts", "ReaderKind", "Replica", "Split",
-           "StreamCut", "TierLocation", "chains", "cuts_from_dict", "cuts_to_dict"]
+           "StreamCut", "TierLocation", "chains", "cuts_from_dict", "cuts_to_dict",
+           "splits_from_json", "splits_to_json"]
 
 #: Version 2: a bookie-log split names its replicas by bookie id and network endpoint (a
 #: reader on any host can use them), with the directory on the store's host only as a hint.
@@ -143,6 +144,22 @@ class Split:
             return cls.from_dict(json.loads(text))
         except ValueError:
             raise ConfigError(f"malformed split JSON: {text[:80]!r}") from None
+
+
+def splits_to_json(splits: list[Split]) -> str:
+    """A list of splits as one JSON document (what :func:`splits_from_json` reads)."""
+    return json.dumps([s.to_dict() for s in splits], separators=(",", ":"))
+
+
+def splits_from_json(text: str, *, what: str = "splits") -> list[Split]:
+    """The splits of a JSON list of splits; ConfigError naming ``what`` otherwise."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        raise ConfigError(f"invalid {what}: not JSON ({text[:60]!r})") from None
+    if not isinstance(data, list):
+        raise ConfigError(f"invalid {what}: expected a JSON list of splits")
+    return [Split.from_dict(d) for d in data]
 
 
 def chains(splits: list[Split]) -> list[list[Split]]:
