@@ -218,7 +218,7 @@ def test_splits_planned_before_a_broker_restart_find_the_endpoints_where_they_mo
         for i in range(5):
             with Producer(TOPIC, broker=broker.url) as producer:
                 producer.send_many({"value": f"v{i}-{j}"} for j in range(20))
-        before = admin.action("bookie-endpoints")
+        before = admin.bookie_endpoints()
     # planned on a host without the files: replicas name endpoints only
     with Enumerator(broker=broker.url) as enum:
         splits = [s for s in enum.plan(Query(topics=(TOPIC,)))
@@ -228,7 +228,7 @@ def test_splits_planned_before_a_broker_restart_find_the_endpoints_where_they_mo
     broker.stop()
     broker = start_broker("--max-entries-per-segment", "2", port=free_port)
     with Admin(broker.url) as admin:
-        assert admin.action("bookie-endpoints") != before  # a new free port each start
+        assert admin.bookie_endpoints() != before  # a new free port each start
     stats = ReadStats()
     assert _read(splits, stats) == expected
     assert stats.rows(path=ENDPOINT) == len(expected) and not stats.rows(path=BROKER_FALLBACK)
@@ -240,6 +240,6 @@ def test_bookie_port_base_gives_each_bookie_a_fixed_port(start_broker: Any, free
 
     broker = start_broker("--bookies", "2", "--bookie-port-base", str(free_port))
     with Admin(broker.url) as admin:
-        assert admin.action("bookie-endpoints") == {
+        assert admin.bookie_endpoints() == {
             "bookie-0": f"grpc://127.0.0.1:{free_port}",
             "bookie-1": f"grpc://127.0.0.1:{free_port + 1}"}

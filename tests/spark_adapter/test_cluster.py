@@ -167,7 +167,7 @@ def test_reads_on_a_spark_cluster_whose_worker_cannot_see_the_store(
             assert admin.offload(TOPIC)  # these segments go to the tier (S3)
             for i in range(6, 14):
                 _produce(broker.url, i * 40, 40)  # closed bookie segments and open ones
-            endpoints = admin.action("bookie-endpoints")
+            endpoints = admin.bookie_endpoints()
         assert sorted(endpoints) == ["bookie-0", "bookie-1", "bookie-2"]
         expected = sorted(f"v{i}" for i in range(14 * 40))
         env = {**os.environ, "TIERSTREAM_SPARK_MASTER": master, "SPARK_LOCAL_IP": "127.0.0.1",

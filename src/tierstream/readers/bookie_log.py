@@ -118,7 +118,7 @@ def _current_endpoints(split: Split, replicas: list[Replica], auth_token: str | 
 
     try:
         with Admin(split.broker, auth_token=auth_token, tls_ca=tls_ca, timeout=10) as admin:
-            now = admin.action("bookie-endpoints")
+            now = admin.bookie_endpoints()
     except TierstreamError:
         return None
     moved = [replace(r, endpoint=now.get(r.bookie, r.endpoint)) for r in replicas]

@@ -114,6 +114,14 @@ class Admin(BrokerClient):
         raw = self.action("subscriptions", {"topic": str(TopicName.parse(topic))})
         return [{**r, "position": Position.from_dict(r["position"])} for r in raw]
 
+    def bookie_endpoints(self) -> dict[str, str]:
+        """bookie id -> the address its endpoint is advertised at (for readers elsewhere)."""
+        return dict(self.action("bookie-endpoints"))
+
+    def register_bookie(self, bookie: str, address: str) -> None:
+        """Advertise ``address`` as bookie ``bookie``'s endpoint (``tierstream bookie serve``)."""
+        self.action("register-bookie", {"bookie": bookie, "address": address})
+
     def deleted_segments(self, topic: str) -> list[dict[str, Any]]:
         """Segments removed by retention: what was lost, and when."""
         return list(self.action("deleted-segments", {"topic": str(TopicName.parse(topic))}))

@@ -241,8 +241,7 @@ def serve_bookie(root: str | Path, *, host: str, port: int, bookie_id: str | Non
             from tierstream.store.admin import Admin
 
             with Admin(broker, auth_token=auth_token, tls_ca=tls_ca) as admin:
-                admin.action("register-bookie", {"bookie": server.bookie_id,
-                                                 "address": address})
+                admin.register_bookie(server.bookie_id, address)
         stop = threading.Event()
         previous = {s: signal.signal(s, lambda *_: stop.set())
                     for s in (signal.SIGTERM, signal.SIGINT)}

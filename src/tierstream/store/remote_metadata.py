@@ -61,7 +61,7 @@ class BrokerMetadata:
                 if partition is None or d["partition"] == partition]
 
     def bookie_endpoints(self) -> dict[str, str]:
-        return dict(self._admin.action("bookie-endpoints"))
+        return self._admin.bookie_endpoints()
 
     def close(self) -> None:
         self._admin.close()
