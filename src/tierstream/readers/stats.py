@@ -4,7 +4,7 @@ A reader takes the path that fits where it runs (see ``readers/__init__.py``): a
 split reads local ledger files, else a bookie endpoint, else, only when the segment left the
 bookies, the broker. Counting each path makes a fallback visible instead of silent.
 ``tierstream read`` and ``tierstream backfill`` print the counts; on Spark they travel back
-from the executors in an accumulator (:class:`StatsParam`).
+from the executors in an accumulator (``spark_adapter.source.StatsParam``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pyarrow as pa
 from tierstream.units import human_bytes
 
 __all__ = ["BROKER", "BROKER_FALLBACK", "ENDPOINT", "LOCAL", "OBJECT_STORE", "ReadStats",
-           "StatsParam", "counted"]
+           "counted"]
 
 LOCAL = "local file"
 ENDPOINT = "bookie endpoint"
@@ -81,18 +81,3 @@ def counted(batches: Iterable[pa.RecordBatch], stats: ReadStats | None, reader: 
         if stats is not None:
             stats.add(reader, path, batch.num_rows, batch.nbytes)
         yield batch
-
-
-try:  # Spark's accumulator of ReadStats, when pyspark is there
-    from pyspark.accumulators import AccumulatorParam
-
-    class StatsParam(AccumulatorParam):  # type: ignore[type-arg]
-        """Adds up ReadStats from Spark tasks on the driver."""
-
-        def zero(self, value: ReadStats) -> ReadStats:
-            return ReadStats()
-
-        def addInPlace(self, a: ReadStats, b: ReadStats) -> ReadStats:
-            return a.merge(b)
-except ImportError:  # pragma: no cover - pyspark is a dependency
-    StatsParam = None  # type: ignore[assignment,misc]

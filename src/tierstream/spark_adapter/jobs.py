@@ -78,8 +78,9 @@ def backfill(spark: Any, options: dict[str, str], out: str, *, format: str = "pa
     about twice a second with Spark's task counts.
     """
     from tierstream.read_options import ReadOptions
-    from tierstream.readers.stats import ReadStats, StatsParam
+    from tierstream.readers.stats import ReadStats
     from tierstream.spark_adapter.hybrid import NATIVE, plan_read
+    from tierstream.spark_adapter.source import StatsParam
 
     if format not in FORMATS:
         raise ConfigError(f"invalid format {format!r}: expected one of {', '.join(FORMATS)}")

@@ -13,10 +13,12 @@ from typing import Any
 
 import pyarrow as pa
 import pyspark
+from pyspark.accumulators import AccumulatorParam
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from tierstream.errors import ConfigError
 from tierstream.read_options import ReadOptions
+from tierstream.readers.stats import ReadStats
 from tierstream.schema import OUTPUT_DDL, OUTPUT_SCHEMA, as_output_batch
 from tierstream.splits.positions import Offset
 from tierstream.splits.split import (
@@ -28,8 +30,16 @@ from tierstream.splits.split import (
     splits_to_json,
 )
 
-__all__ = ["PUSHDOWN_CONF", "SPARK_ARROW_SCHEMA", "SPARK_SCHEMA", "TierstreamDataSource",
-           "TierstreamPushdownDataSource", "register", "to_spark_batch"]
+__all__ = [
+    "PUSHDOWN_CONF",
+    "SPARK_ARROW_SCHEMA",
+    "SPARK_SCHEMA",
+    "StatsParam",
+    "TierstreamDataSource",
+    "TierstreamPushdownDataSource",
+    "register",
+    "to_spark_batch",
+]
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +86,7 @@ def read_partition(options: ReadOptions, partition: InputPartition, stats: Any =
                    ) -> Iterator[pa.RecordBatch]:
     """One Spark partition's rows (batch or stream): its split, read where it lives. With
     ``stats`` (a Spark accumulator of ReadStats), what went which way is added to it."""
-    from tierstream.readers import ReadStats, open_reader
+    from tierstream.readers import open_reader
 
     if partition.value is None:  # Spark's stand-in when the plan has no split
         return
@@ -212,6 +222,16 @@ class _PushdownBatchReader(_BatchReader):
             yield from filters
             return
         yield from self.pushed.push(filters)
+
+
+class StatsParam(AccumulatorParam):  # type: ignore[type-arg]
+    """Adds up the ReadStats (readers/stats.py) of Spark tasks on the driver."""
+
+    def zero(self, value: ReadStats) -> ReadStats:
+        return ReadStats()
+
+    def addInPlace(self, a: ReadStats, b: ReadStats) -> ReadStats:
+        return a.merge(b)
 
 
 def counting_format(spark: Any, stats: Any) -> str:
