@@ -28,6 +28,7 @@ from tierstream.store.security import (
     TokenMiddlewareFactory,
     check_bind,
     is_loopback,
+    require_token,
     server_tls,
     url_host,
 )
@@ -363,8 +364,9 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
     host readers on other machines use) or ``host``. ``ready`` is called with the broker URL
     once it accepts calls.
     """
-    server_tls(tls_cert, tls_key)  # both or neither, readable: checked before anything opens
-    check_bind(host, auth_token=auth_token, tls=tls_cert is not None, what="broker")
+    # checked before anything opens; the servers check (and warn) again as they bind
+    server_tls(tls_cert, tls_key)  # both or neither, readable
+    require_token(host, auth_token=auth_token, what="broker")
     if isinstance(port, bool) or not 0 <= port <= 65535:
         raise ConfigError(f"invalid port {port!r}: expected 0..65535 (0: any free port)")
     if port != 0:

@@ -23,7 +23,7 @@ import pyarrow.flight as flight
 from tierstream.errors import AuthError, ConfigError
 
 __all__ = ["TokenMiddlewareFactory", "check_bind", "client_for", "is_loopback", "read_pem",
-           "server_tls", "url_host"]
+           "require_token", "server_tls", "url_host"]
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +45,18 @@ def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def check_bind(host: str, *, auth_token: str | None, tls: bool, what: str) -> None:
-    """Refuse a non-loopback bind without a token; warn about one without TLS."""
-    if is_loopback(host):
-        return
-    if not auth_token:
+def require_token(host: str, *, auth_token: str | None, what: str) -> None:
+    """Refuse a non-loopback bind without a token (before anything is opened)."""
+    if not is_loopback(host) and not auth_token:
         raise AuthError(
             f"refusing to bind the {what} to non-loopback address {host!r} without a token: "
             "pass --auth-token or set TIERSTREAM_AUTH_TOKEN")
-    if not tls:
+
+
+def check_bind(host: str, *, auth_token: str | None, tls: bool, what: str) -> None:
+    """Refuse a non-loopback bind without a token; warn about one without TLS."""
+    require_token(host, auth_token=auth_token, what=what)
+    if not is_loopback(host) and not tls:
         log.warning("the %s listens on %s without TLS: the token and the data cross the "
                     "network in clear text (pass --tls-cert and --tls-key)", what, host)
 
