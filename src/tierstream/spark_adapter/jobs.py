@@ -288,9 +288,8 @@ def tail(spark: Any, options: dict[str, str], out: str, checkpoint: str, *,
     ``available_now``, until what was there at the start is written. Returns the number of
     micro-batches that read rows. Restarting with the same checkpoint continues exactly
     where the last committed micro-batch ended."""
-    import signal
-
     from tierstream.read_options import ReadOptions
+    from tierstream.signals import stop_requested
     from tierstream.spark_adapter import register
 
     ReadOptions.parse(options)  # bad options fail here, before Spark starts anything
@@ -300,14 +299,8 @@ def tail(spark: Any, options: dict[str, str], out: str, checkpoint: str, *,
     writer = writer.trigger(availableNow=True) if available_now \
         else writer.trigger(processingTime="1 second")
     query = writer.start(out)
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: Any) -> None:
-        stop.set()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     seen = 0
-    try:
+    with stop_requested() as stop:
         while query.isActive and not stop.is_set():
             try:
                 query.awaitTermination(0.5)
@@ -325,7 +318,4 @@ def tail(spark: Any, options: dict[str, str], out: str, checkpoint: str, *,
         failure = query.exception()
         if failure is not None:
             raise query_error(failure)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     return len([p for p in query.recentProgress if p.get("numInputRows")])

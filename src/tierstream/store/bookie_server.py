@@ -231,7 +231,7 @@ def serve_bookie(root: str | Path, *, host: str, port: int, bookie_id: str | Non
     """Run one bookie endpoint until SIGTERM/SIGINT (main thread). With ``broker``, its
     address (``advertised_address`` or the bound one) is registered in the store's metadata,
     so planners hand it to readers."""
-    import signal
+    from tierstream.signals import stop_requested
 
     server = BookieServer(root, bookie_id=bookie_id, host=host, port=port,
                           auth_token=auth_token, tls_cert=tls_cert, tls_key=tls_key)
@@ -242,17 +242,11 @@ def serve_bookie(root: str | Path, *, host: str, port: int, bookie_id: str | Non
 
             with Admin(broker, auth_token=auth_token, tls_ca=tls_ca) as admin:
                 admin.register_bookie(server.bookie_id, address)
-        stop = threading.Event()
-        previous = {s: signal.signal(s, lambda *_: stop.set())
-                    for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
+        with stop_requested() as stop:
             if ready is not None:
                 ready(server, address)
             while not stop.wait(0.5):
                 pass
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
     finally:
         server.shutdown()
 

@@ -7,9 +7,7 @@ every call; a call without the right token is denied before any handler runs.
 from __future__ import annotations
 
 import logging
-import signal
 import socket
-import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +18,7 @@ import pyarrow.flight as flight
 from tierstream.errors import ConfigError, NotFoundError, ProtocolError, TierstreamError
 from tierstream.options import DEFAULT_PORT
 from tierstream.schema import MESSAGE_SCHEMA
+from tierstream.signals import stop_requested
 from tierstream.splits.positions import KeyRange, Offset, OffsetKind, Position
 from tierstream.store.config import StoreConfig
 from tierstream.store.partition_log import PartitionLog
@@ -394,26 +393,19 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
             endpoint.shutdown()
         store.close()
         raise
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: Any) -> None:
-        stop.set()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        if ready is not None:
-            ready(broker.url)
-        while not stop.wait(0.5):
-            pass
-    finally:
-        log.info("broker shutting down")
-        store.closing.set()  # ends tail streams so that shutdown does not wait on them
-        broker.shutdown()
-        for endpoint in endpoints:
-            endpoint.shutdown()
-        store.close()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    with stop_requested() as stop:
+        try:
+            if ready is not None:
+                ready(broker.url)
+            while not stop.wait(0.5):
+                pass
+        finally:
+            log.info("broker shutting down")
+            store.closing.set()  # ends tail streams so that shutdown does not wait on them
+            broker.shutdown()
+            for endpoint in endpoints:
+                endpoint.shutdown()
+            store.close()
 
 
 def _serve_bookies(store: Store, host: str, auth_token: str | None, tls_cert: str | None,
