@@ -32,3 +32,16 @@ def test_the_python_api_takes_the_spark_source_options(tmp_path) -> None:
         parsed = tierstream.ReadOptions.parse(options)
         assert len(tierstream.plan(options=parsed)) == len(tierstream.plan(options=options))
         assert "authToken" not in repr(parsed) and "auth_token" not in repr(parsed)
+
+
+def test_importing_tierstream_does_not_import_pyspark() -> None:
+    # Regression: the readers' stats module imported pyspark (~60 ms) for every CLI command
+    # and every Python user; only the Spark adapter needs it.
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", "import sys, tierstream, tierstream.local, "
+                           "tierstream.readers.stats; print('pyspark' in sys.modules)"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
