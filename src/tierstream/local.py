@@ -88,11 +88,11 @@ def plan(topic: str | Sequence[str] | None = None, *, namespace: str | None = No
             raise ConfigError("give the topic either in options or as an argument, not both")
         parsed = options if isinstance(options, ReadOptions) else ReadOptions.parse(options)
         with parsed.enumerator() as enum:
-            return enum.plan(parsed.query())
+            return list(enum.plan(parsed.query()))
     query = _query(topic, namespace, start, end, key_ranges, max_split_bytes, reader,
                    fail_on_data_loss, partitions)
     with _enumerator(data_dir, broker, auth_token) as enum:
-        return enum.plan(query)
+        return list(enum.plan(query))
 
 
 def run_splits(splits: Sequence[Split], *, parallelism: int | None = None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from tierstream.enumerator.planner import _entry_chunks
+from tierstream.enumerator.plan import entry_chunks as _entry_chunks
 from tierstream.splits.positions import Position
 from tierstream.store.metadata import SegmentRecord
 

@@ -117,6 +117,8 @@ def test_union_of_split_reads_is_exactly_the_query(spec: dict, q: dict) -> None:
             splits = enum.plan(Query(
                 topics=(TOPIC,), start=_bound(start), end=_bound(end), key_ranges=q["k"],
                 max_split_bytes=q["max_split_bytes"], time_from=time_from, time_to=time_to))
+        counted = len(splits)  # counted before the split objects exist, after enum is closed
+        assert len(list(splits)) == counted
         got: list[str] = []
         for split in splits:
             per_key: dict[str | None, list[tuple[int, int, int]]] = defaultdict(list)

@@ -9,18 +9,17 @@ lives: tier -> parquet-tier, closed in bookies -> bookie-log, open -> tail-consu
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tierstream.enumerator.plan import PartitionPlan, Plan, SegmentPlan, no_gc
 from tierstream.errors import ConfigError, DataLossError, NotFoundError
 from tierstream.layout import DataDir
 from tierstream.names import TopicName
-from tierstream.schema import KEY_HASH_SLOTS
 from tierstream.splits.positions import KeyRange, Offset, OffsetKind, Position
-from tierstream.splits.split import ReaderKind, Replica, Split, StreamCut, TierLocation
+from tierstream.splits.split import ReaderKind, Replica, StreamCut, TierLocation
 from tierstream.store.metadata import (
     MetadataReader,
     MetadataStore,
@@ -100,7 +99,7 @@ class Enumerator:
         self.tier = TierLocation(s3_endpoint=s3_endpoint, s3_region=s3_region)
         self._bookie_dirs: dict[str, str] = {}
         self._endpoints: dict[str, str] | None = None
-        self._ensembles: dict[Any, tuple[Replica, ...]] = {}
+        self._facts: dict[tuple[Any, ...], dict[str, Any]] = {}
 
     def __repr__(self) -> str:
         where = None if self.data_dir is None else str(self.data_dir)
@@ -135,20 +134,28 @@ class Enumerator:
         with Admin(self.broker, auth_token=self.auth_token, tls_ca=self.tls_ca) as admin:
             return admin.latest_cut(topic)
 
-    def plan(self, query: Query) -> list[Split]:
+    def plan(self, query: Query) -> Plan:
         """The splits of ``query``; together they read every message in it exactly once."""
-        splits: list[Split] = []
-        for topic in self.topics(query):
-            splits.extend(self._plan_topic(topic, query))
+        with no_gc():
+            partitions: list[PartitionPlan] = []
+            for topic in self.topics(query):
+                partitions.extend(self._plan_topic(topic, query))
+            if self._endpoints is None:  # what a split's replicas need, read while open
+                self._endpoints = self.metadata.bookie_endpoints()
+        if query.reader is not None:  # a forced reader that cannot read a segment: say so now
+            for part in partitions:
+                for seg in part.records():
+                    _reader_for(seg, query.reader)
         if query.key_ranges > 1:
-            on_bookies = {s.segment_id for s in splits if s.reader is ReaderKind.BOOKIE}
+            on_bookies = {seg.segment_id for part in partitions for seg in part.records()
+                          if _reader_for(seg, query.reader) is ReaderKind.BOOKIE}
             if on_bookies:  # the trade-off of key ranges over log-ordered data, said once
                 log.info("keyRanges=%d over %d bookie-resident segment(s): each key-range split "
                          "reads and decodes all of its entries (%dx the work of one range; "
                          "over a bookie endpoint the bookie filters, so the wire carries ~1x); "
                          "tiered segments are bucketed by key and are not affected",
                          query.key_ranges, len(on_bookies), query.key_ranges)
-        return splits
+        return Plan(partitions, self._segment_plans)
 
     def _replica(self, bookie_id: str) -> Replica:
         """Where a reader finds one bookie's copy: its advertised endpoint, and its directory
@@ -165,7 +172,7 @@ class Enumerator:
 
     # -- per topic ----------------------------------------------------------------------------
 
-    def _plan_topic(self, topic: TopicRecord, query: Query) -> list[Split]:
+    def _plan_topic(self, topic: TopicRecord, query: Query) -> list[PartitionPlan]:
         partitions = range(topic.partitions)
         if query.partitions is not None:
             bad = [p for p in query.partitions if not 0 <= p < topic.partitions]
@@ -186,17 +193,21 @@ class Enumerator:
         t0, t1 = _window(query)
         if t0 is not None and t1 is not None and t1 <= t0:
             return []
-        out: list[Split] = []
+        out: list[PartitionPlan] = []
+        windows = self.metadata.segments_in_windows(topic.name, partitions, t0, t1)
+        ranges = tuple(KeyRange.split(query.key_ranges))
         for p in partitions:
-            window = self.metadata.segments_in_window(topic.name, p, t0, t1)
-            out.extend(self._plan_partition(topic, p, query, (t0, t1), latest,
-                                            lost_by_partition.get(p, []), window))
+            planned = self._plan_partition(topic, p, query, (t0, t1), latest,
+                                           lost_by_partition.get(p, []), windows[p], ranges)
+            if planned is not None:
+                out.append(planned)
         return out
 
     def _plan_partition(self, topic: TopicRecord, p: int, query: Query,
                         window: tuple[int | None, int | None],
                         latest: Callable[[], StreamCut], deleted: list[dict[str, Any]],
-                        segments: list[SegmentRecord]) -> list[Split]:
+                        segments: list[SegmentRecord], ranges: tuple[KeyRange, ...]
+                        ) -> PartitionPlan | None:
         t0, t1 = window
         start = self._start_position(topic.name, p, query, t0, latest, segments, deleted)
         end: Position | None
@@ -210,19 +221,18 @@ class Enumerator:
                 # a time end: the open segment is read up to the last confirmed entry, so
                 # a bounded read finishes even if nothing reaches the end time yet
                 end = latest().get(p)
-        if start is None or (end is not None and end <= start):
-            return []
-        ranges = KeyRange.split(query.key_ranges)
-        out: list[Split] = []
-        for seg in segments:
-            if seg.segment_id < start.segment_id:
-                continue
-            if end is not None and seg.segment_id > end.segment_id:
-                break
-            if seg.state == SegmentState.OPEN and end is not None and \
-                    end.segment_id < seg.segment_id:
-                break
-            out.extend(self._segment_splits(topic.name, seg, start, end, t0, t1, ranges, query))
+        if start is None or (end is not None and end <= start) or not segments:
+            return None
+        return PartitionPlan(topic.name, segments, start, end, t0, t1, ranges, query.reader,
+                             query.max_split_bytes)
+
+    def _segment_plans(self, part: PartitionPlan) -> list[SegmentPlan]:
+        """What a partition's plan reads of each segment (when the plan's splits are made)."""
+        out: list[SegmentPlan] = []
+        for seg in part.records():
+            planned = self._segment_plan(part, seg)
+            if planned is not None:
+                out.append(planned)
         return out
 
     def _start_position(self, topic: str, p: int, query: Query, t0: int | None,
@@ -262,63 +272,32 @@ class Enumerator:
             raise DataLossError(text + "; set failOnDataLoss=false to read what survives")
         log.warning("%s; skipping them (failOnDataLoss=false)", text)
 
-    def _segment_splits(self, topic: str, seg: SegmentRecord, start: Position,
-                        end: Position | None, t0: int | None, t1: int | None,
-                        ranges: list[KeyRange], query: Query) -> list[Split]:
-        p = seg.partition
-        kind = _reader_for(seg, query.reader)
-        seg_start = max(start, Position(p, seg.segment_id, 0, 0))
+    def _segment_plan(self, part: PartitionPlan, seg: SegmentRecord) -> SegmentPlan | None:
+        p, start, end = seg.partition, part.start, part.end
+        kind = _reader_for(seg, part.reader)
+        seg_start = start if start.segment_id == seg.segment_id else Position.known(
+            p, seg.segment_id, 0, 0)  # start is never past this segment here
         if seg.state == SegmentState.OPEN:
             seg_end = end  # the open tail: to the resolved end, or unbounded
-            chunks: list[tuple[Position, Position | None]] = [(seg_start, seg_end)]
         else:
-            seg_end = Position(p, seg.segment_id, seg.entries, 0)
+            seg_end = Position.known(p, seg.segment_id, seg.entries, 0)
             if end is not None and end < seg_end:
                 seg_end = end
             if seg_end <= seg_start:
-                return []
-            # a chunk bounds what one split reads: a bookie-log split reads its whole entry
-            # range whatever its key range, so chunks are sized by max_split_bytes alone
-            chunks = list(_entry_chunks(seg, seg_start, seg_end, query.max_split_bytes))
-        facts: dict[str, Any] = {"broker": self.broker}
-        if kind is ReaderKind.BOOKIE:
-            replicas = self._ensembles.get(seg.ensemble)
-            if replicas is None:  # a store has few distinct ensembles: resolve each once
-                replicas = self._ensembles[seg.ensemble] = tuple(
-                    self._replica(b) for b in seg.ensemble)
-            facts["replicas"] = replicas
-        if kind is ReaderKind.TIER:
-            facts.update(tier_url=seg.tier_url, tier=self.tier)
-        per_entry = seg.bytes / seg.entries if seg.entries else 0
-        out = []
-        for a, b in chunks:
-            entries = (b.entry_id - a.entry_id + 1) if b is not None else 0
-            for r in ranges:
-                out.append(Split(
-                    topic=topic, partition=p, segment_id=seg.segment_id, start=a, end=b,
-                    reader=kind, key_range=r, start_time=t0, end_time=t1,
-                    estimated_bytes=int(per_entry * entries * (r.hi - r.lo) / KEY_HASH_SLOTS),
-                    **facts))
-        return out
-
-
-def _entry_chunks(seg: SegmentRecord, start: Position, end: Position, max_bytes: int
-                  ) -> list[tuple[Position, Position]]:
-    """``[start, end)`` of one closed segment cut into entry ranges of about ``max_bytes``."""
-    first = start.entry_id
-    last = end.entry_id if end.batch_index == 0 else end.entry_id + 1  # exclusive entry
-    entries = max(1, last - first)
-    per_entry = seg.bytes / seg.entries if seg.entries else 0
-    n = max(1, min(entries, math.ceil(per_entry * entries / max_bytes)))
-    if n == 1:
-        return [(start, end)]
-    bounds = [first + entries * i // n for i in range(n + 1)]
-    out = []
-    for i in range(n):
-        a = start if i == 0 else Position(seg.partition, seg.segment_id, bounds[i], 0)
-        b = end if i == n - 1 else Position(seg.partition, seg.segment_id, bounds[i + 1], 0)
-        out.append((a, b))
-    return out
+                return None
+        facts = self._facts.get((kind, seg.ensemble, seg.tier_url))
+        if facts is None:  # shared by every split with the same location
+            facts = {"broker": self.broker}
+            if kind is ReaderKind.BOOKIE:  # a store has few distinct ensembles
+                facts["replicas"] = tuple(self._replica(b) for b in seg.ensemble)
+            if kind is ReaderKind.TIER:
+                facts.update(tier_url=seg.tier_url, tier=self.tier)
+            if kind is not ReaderKind.TIER:  # tier URLs are one per segment: not worth keeping
+                self._facts[(kind, seg.ensemble, seg.tier_url)] = facts
+        # a chunk bounds what one split reads: a bookie-log split reads its whole entry range
+        # whatever its key range, so chunks are sized by max_split_bytes alone
+        return SegmentPlan(part.topic, seg, seg_start, seg_end, kind, part.start_time,
+                           part.end_time, part.key_ranges, part.max_split_bytes, facts)
 
 
 def _reader_for(seg: SegmentRecord, forced: ReaderKind | None) -> ReaderKind:

@@ -185,7 +185,7 @@ class _BatchReader(DataSourceReader):
         with s.enumerator() as enum:
             if not per_topic and f.topics is None and not f.restricts_partitions \
                     and not f.nothing:
-                return enum.plan(base)
+                return list(enum.plan(base))
             splits: list[Split] = []
             for topic in enum.topics(base):  # unknown topics still fail, filtered or not
                 chosen = f.allowed_partitions(topic.partitions) \

@@ -40,6 +40,16 @@ class Position:
                     f"invalid position: {name} must be an integer >= 0, got {value!r}"
                 )
 
+    @classmethod
+    def known(cls, partition: int, segment_id: int, entry_id: int, batch_index: int = 0
+              ) -> Position:
+        """A position of values already known to be valid (ints >= 0 read from the metadata
+        store or taken from other positions): the planner makes thousands, so no checks."""
+        pos = object.__new__(cls)
+        pos.__dict__.update(partition=partition, segment_id=segment_id, entry_id=entry_id,
+                            batch_index=batch_index)
+        return pos
+
     def to_dict(self) -> dict[str, int]:
         return {
             "partition": self.partition,

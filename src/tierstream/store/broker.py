@@ -279,10 +279,10 @@ class Broker(flight.FlightServerBase):
         topic = self.store.topic(body["topic"])
         t0, t1 = body.get("start_time"), body.get("end_time")
         meta = self.store.metadata
-        return {str(p): {"window": [s.to_dict() for s in meta.segments_in_window(
-                             topic.name, p, t0, t1)],
+        windows = meta.segments_in_windows(topic.name, range(topic.partitions), t0, t1)
+        return {str(p): {"window": [s.to_dict() for s in window],
                          "first": meta.first_segment_id(topic.name, p)}
-                for p in range(topic.partitions)}
+                for p, window in windows.items()}
 
     def _bookie_endpoints(self, body: dict[str, Any]) -> Any:
         return self.store.metadata.bookie_endpoints()

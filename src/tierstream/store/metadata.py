@@ -11,7 +11,7 @@ import functools
 import json
 import sqlite3
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -101,8 +101,9 @@ class MetadataReader(Protocol):
 
     def get_topic(self, name: TopicName | str) -> TopicRecord: ...
 
-    def segments_in_window(self, topic: str, partition: int, start_time: int | None,
-                           end_time: int | None) -> list[SegmentRecord]: ...
+    def segments_in_windows(self, topic: str, partitions: Sequence[int],
+                            start_time: int | None, end_time: int | None
+                            ) -> dict[int, list[SegmentRecord]]: ...
 
     def first_segment_id(self, topic: str, partition: int) -> int | None: ...
 
@@ -178,6 +179,7 @@ _SEGMENT_COLUMNS = (
     "max_publish_time, created_at, sealed_at, ensemble, tier_url, offloaded_at, bookie_deleted_at, "
     "offload_pending_url"
 )
+_SEGMENT_FIELDS = tuple(c.strip() for c in _SEGMENT_COLUMNS.split(","))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -186,15 +188,13 @@ def _ensemble(text: str) -> tuple[str, ...]:
 
 
 def _segment(row: sqlite3.Row | tuple[Any, ...]) -> SegmentRecord:
-    (topic, partition, segment_id, state, entries, messages, nbytes, min_pt, max_pt, created,
-     sealed, ensemble, tier_url, offloaded, deleted, pending) = tuple(row)
-    return SegmentRecord(
-        topic=topic, partition=partition, segment_id=segment_id, state=state, entries=entries,
-        messages=messages, bytes=nbytes, min_publish_time=min_pt, max_publish_time=max_pt,
-        created_at=created, sealed_at=sealed, ensemble=_ensemble(ensemble),
-        tier_url=tier_url, offloaded_at=offloaded, bookie_deleted_at=deleted,
-        offload_pending_url=pending,
-    )
+    """The record of a row of ``_SEGMENT_COLUMNS``. The columns are the record's fields and
+    were checked when written, so the record is filled in directly (a plan reads thousands)."""
+    record = object.__new__(SegmentRecord)
+    fields = record.__dict__
+    fields.update(zip(_SEGMENT_FIELDS, row, strict=True))
+    fields["ensemble"] = _ensemble(fields["ensemble"])
+    return record
 
 
 class MetadataStore:
@@ -390,9 +390,16 @@ class MetadataStore:
 
     def segments_in_window(self, topic: str, partition: int, start_time: int | None,
                            end_time: int | None) -> list[SegmentRecord]:
-        """Segments of one partition that may hold publish times in ``[start_time, end_time)``,
-        in order, plus the open segment unless its first message is already past ``end_time``:
-        two index lookups and one range read.
+        """:meth:`segments_in_windows` of one partition."""
+        return self.segments_in_windows(topic, [partition], start_time, end_time)[partition]
+
+    def segments_in_windows(self, topic: str, partitions: Sequence[int],
+                            start_time: int | None, end_time: int | None
+                            ) -> dict[int, list[SegmentRecord]]:
+        """Per partition, the segments that may hold publish times in
+        ``[start_time, end_time)``, in order, plus the open segment unless its first message is
+        already past ``end_time``: one statement for all partitions, two index lookups and one
+        range read per partition.
 
         Min/max publish times never decrease along a partition's segments, so the first segment
         whose max is ``>= start_time`` and the last whose min is ``< end_time`` bound the answer
@@ -400,23 +407,30 @@ class MetadataStore:
         max still grows, so only its min can rule it out.
         """
         lo_sql = "0" if start_time is None else (
-            "(SELECT segment_id FROM segments WHERE topic=:t AND partition=:p AND "
+            "(SELECT segment_id FROM segments WHERE topic=:t AND partition=parts.p AND "
             "max_publish_time >= :t0 ORDER BY max_publish_time, segment_id LIMIT 1)")
         hi_sql = str(1 << 62) if end_time is None else (
-            "(SELECT segment_id FROM segments WHERE topic=:t AND partition=:p AND "
+            "(SELECT segment_id FROM segments WHERE topic=:t AND partition=parts.p AND "
             "min_publish_time < :t1 ORDER BY min_publish_time DESC, segment_id DESC LIMIT 1)")
-        # One statement: the two bounds are index lookups, the range read walks only the
-        # window; the open segment, if any, is the partition's last one.
-        sql = (f"SELECT {_SEGMENT_COLUMNS} FROM segments WHERE topic=:t AND partition=:p AND "
-               f"state='CLOSED' AND segment_id BETWEEN {lo_sql} AND {hi_sql} "
-               f"UNION ALL SELECT * FROM (SELECT {_SEGMENT_COLUMNS} FROM segments WHERE "
-               "topic=:t AND partition=:p ORDER BY segment_id DESC LIMIT 1) WHERE state='OPEN' "
-               "AND (:t1 IS NULL OR min_publish_time IS NULL OR min_publish_time < :t1) "
-               "ORDER BY segment_id")
+        columns = ", ".join(f"s.{c}" for c in _SEGMENT_FIELDS)
+        # the bounds are index lookups, the range read walks only the window; the open
+        # segment, if any, is the partition's last one
+        sql = (f"WITH parts(p) AS (SELECT value FROM json_each(:parts)), "
+               f"bounds(p, lo, hi) AS (SELECT p, {lo_sql}, {hi_sql} FROM parts) "
+               f"SELECT {columns} FROM bounds JOIN segments s ON s.topic=:t AND "
+               "s.partition=bounds.p AND s.segment_id BETWEEN bounds.lo AND bounds.hi AND "
+               f"s.state='CLOSED' UNION ALL SELECT {columns} FROM parts JOIN segments s ON "
+               "s.segment_id=(SELECT MAX(segment_id) FROM segments WHERE topic=:t AND "
+               "partition=parts.p) WHERE s.state='OPEN' AND (:t1 IS NULL OR "
+               "s.min_publish_time IS NULL OR s.min_publish_time < :t1) ORDER BY 2, 3")
+        args = {"t": topic, "parts": json.dumps([int(p) for p in partitions]),
+                "t0": start_time, "t1": end_time}
         with self._lock:
-            rows = self._conn.execute(sql, {"t": topic, "p": partition, "t0": start_time,
-                                            "t1": end_time}).fetchall()
-        return [_segment(r) for r in rows]
+            rows = self._conn.execute(sql, args).fetchall()
+        out: dict[int, list[SegmentRecord]] = {int(p): [] for p in partitions}
+        for r in rows:
+            out[r[1]].append(_segment(r))
+        return out
 
     def first_segment_id(self, topic: str, partition: int) -> int | None:
         with self._lock:

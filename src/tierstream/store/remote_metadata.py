@@ -9,6 +9,7 @@ many partitions the topic has.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from tierstream.names import TopicName
@@ -44,10 +45,11 @@ class BrokerMetadata:
                 "topic": topic, "start_time": start_time, "end_time": end_time})
         return found
 
-    def segments_in_window(self, topic: str, partition: int, start_time: int | None,
-                           end_time: int | None) -> list[SegmentRecord]:
-        return [segment_record(s) for s in
-                self._planned(topic, start_time, end_time)[str(partition)]["window"]]
+    def segments_in_windows(self, topic: str, partitions: Sequence[int],
+                            start_time: int | None, end_time: int | None
+                            ) -> dict[int, list[SegmentRecord]]:
+        planned = self._planned(topic, start_time, end_time)
+        return {p: [segment_record(s) for s in planned[str(p)]["window"]] for p in partitions}
 
     def first_segment_id(self, topic: str, partition: int) -> int | None:
         cached = next((w for (t, _, _), w in self._windows.items() if t == topic), None)
