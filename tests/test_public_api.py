@@ -8,7 +8,8 @@ import tierstream
 def test_public_names_are_pinned() -> None:
     assert sorted(tierstream.__all__) == sorted([
         "MESSAGE_SCHEMA", "READ_SCHEMA", "AlreadyExistsError", "AuthError", "ConfigError",
-        "CorruptionError", "DataLossError", "KeyRange", "NotFoundError", "Offset", "Position",
+        "ConflictError", "CorruptionError", "DataLossError", "KeyRange", "NotFoundError",
+        "Offset", "Position",
         "ProtocolError", "ReadOptions", "ReaderKind", "Split", "StorageError", "StreamCut",
         "TierstreamError", "TopicName", "UnavailableError", "__version__", "key_hash",
         "latest_cut", "plan", "read", "scan", "tail",

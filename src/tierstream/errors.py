@@ -6,6 +6,8 @@
     ├── ConfigError                 a bad option, argument, topic name, time or range
     ├── NotFoundError               a topic, segment, subscription or file that does not exist
     ├── AlreadyExistsError          creating something that is already there
+    ├── ConflictError               an operation the object's state forbids (committing an
+    │                               aborted transaction, writing to a committed one)
     ├── DataLossError               data asked for is gone (retention) or was never durable
     ├── CorruptionError             every replica of an entry failed its checksum or id check
     ├── AuthError                   a missing or wrong token (never echoes the token)
@@ -23,6 +25,7 @@ __all__ = [
     "AlreadyExistsError",
     "AuthError",
     "ConfigError",
+    "ConflictError",
     "CorruptionError",
     "DataLossError",
     "NotFoundError",
@@ -56,6 +59,13 @@ class AlreadyExistsError(TierstreamError):
     """Something that was to be created is already there."""
 
     code = "already_exists"
+
+
+class ConflictError(TierstreamError):
+    """The operation conflicts with the state of what it names (a transaction that already
+    ended, a batch staged for another sink)."""
+
+    code = "conflict"
 
 
 class DataLossError(TierstreamError):
@@ -101,6 +111,7 @@ ERRORS_BY_CODE: dict[str, type[TierstreamError]] = {
         ConfigError,
         NotFoundError,
         AlreadyExistsError,
+        ConflictError,
         DataLossError,
         CorruptionError,
         AuthError,

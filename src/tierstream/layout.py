@@ -6,6 +6,7 @@
         bookies/<id>/        a bookie's ledgers (see store/bookie.py for the files inside)
         tier/                the default tier: offloaded segments as Parquet
         catalog.db           the default Iceberg SQL catalog of the tier's tables
+        transactions/<id>/   a transaction's staged data until it is applied or aborted
 
 The broker's configuration, the planner and the CLI ask this module instead of joining paths.
 """
@@ -38,6 +39,10 @@ class DataDir:
 
     def bookie(self, bookie_id: str) -> Path:
         return self.root / "bookies" / bookie_id
+
+    @property
+    def transactions(self) -> Path:
+        return self.root / "transactions"
 
     @property
     def tier(self) -> Path:

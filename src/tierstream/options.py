@@ -238,6 +238,10 @@ OPTIONS: dict[str, Option] = {
         Option(key="tierCheckInterval", parse=_duration, default=30_000,
                kind="a duration such as 500ms or 30s",
                description="How often the broker applies offload, deletion and retention."),
+        Option(key="transactionTimeout", parse=_duration, default=15 * 60_000,
+               kind="a duration such as 30s or 15m",
+               description="A transaction neither committed nor written to for this long is "
+                           "aborted and its staged data removed."),
         # -- what to read (the Spark adapter and the Python API) --------------------------
         Option(key="topic", parse=_string, default=None, kind="tenant/namespace/topic",
                scopes=("read",), description="The topic to read."),

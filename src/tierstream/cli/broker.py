@@ -72,6 +72,8 @@ def broker_start(
     deletion_lag: Annotated[str | None, typer.Option(help=_help("deletionLag"))] = None,
     tier_check_interval: Annotated[str | None, typer.Option(help=_help("tierCheckInterval"))]
         = None,
+    transaction_timeout: Annotated[
+        str | None, typer.Option(help=_help("transactionTimeout"))] = None,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "INFO",
 ) -> None:
     """Start the broker in the foreground; SIGTERM or Ctrl-C stops it cleanly.
@@ -92,7 +94,7 @@ def broker_start(
         "tierUrl": tier_url, "s3Endpoint": s3_endpoint, "s3Region": s3_region,
         "catalogUri": catalog_uri, "offloadAfter": offload_after,
         "offloadThreshold": offload_threshold, "deletionLag": deletion_lag,
-        "tierCheckInterval": tier_check_interval,
+        "tierCheckInterval": tier_check_interval, "transactionTimeout": transaction_timeout,
     })
 
     def ready(url: str) -> None:

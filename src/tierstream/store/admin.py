@@ -122,6 +122,27 @@ class Admin(BrokerClient):
         """Advertise ``address`` as bookie ``bookie``'s endpoint (``tierstream bookie serve``)."""
         self.action("register-bookie", {"bookie": bookie, "address": address})
 
+    def commit_transactions(self, txns: list[str], *, sink: str | None = None,
+                            batch: int | None = None) -> dict[str, Any]:
+        """Make prepared transactions visible at once; with ``sink``/``batch``, idempotent
+        (a batch at or below the sink's last committed one is a no-op). Returns
+        ``{"status": "committed" | "already-committed", "messages": n, "aborted": [...]}``."""
+        return dict(self.action("txn-commit", {"txns": list(txns), "sink": sink,
+                                               "batch": batch}))
+
+    def abort_transaction(self, txn: str, reason: str = "aborted by its writer") -> bool:
+        """Discard an open or prepared transaction; False if it had already ended."""
+        return bool(self.action("txn-abort", {"txn": txn, "reason": reason})["aborted"])
+
+    def transactions(self) -> list[dict[str, Any]]:
+        """Every transaction the broker remembers, with its state and staged messages."""
+        return list(self.action("transactions"))
+
+    def last_committed_batch(self, sink: str) -> int | None:
+        """The last batch id ``sink`` committed, or None."""
+        last = self.action("sink-state", {"sink": sink})["last_batch"]
+        return None if last is None else int(last)
+
     def deleted_segments(self, topic: str) -> list[dict[str, Any]]:
         """Segments removed by retention: what was lost, and when."""
         return list(self.action("deleted-segments", {"topic": str(TopicName.parse(topic))}))

@@ -69,6 +69,13 @@ class Broker(flight.FlightServerBase):
                writer: flight.FlightMetadataWriter) -> None:
         try:
             cmd = decode(descriptor.command, "produce command")
+            if cmd.get("op") == "stage":
+                rows = self.store.transactions.stage(
+                    str(cmd["txn"]), str(cmd["topic"]), int(cmd["partition"]),
+                    _chunks(reader), sink_id=cmd.get("sink"),
+                    batch_id=None if cmd.get("batch") is None else int(cmd["batch"]))
+                writer.write(pa.py_buffer(encode({"rows": rows})))
+                return
             if cmd.get("op") != "produce":
                 raise ProtocolError(f"unknown DoPut operation {cmd.get('op')!r}")
             plog = self.store.partition(cmd["topic"], int(cmd["partition"]))
@@ -298,6 +305,27 @@ class Broker(flight.FlightServerBase):
         self.store.metadata.set_bookie_endpoint(bookie, address)
         return {"bookie": bookie, "address": address}
 
+    def _txn_prepare(self, body: dict[str, Any]) -> Any:
+        expected = {(str(t), int(p)): int(n) for t, p, n in body.get("parts") or []}
+        return self.store.transactions.prepare(str(body["txn"]), expected).to_dict()
+
+    def _txn_commit(self, body: dict[str, Any]) -> Any:
+        batch = body.get("batch")
+        return self.store.transactions.commit(
+            [str(t) for t in body.get("txns") or []], sink_id=body.get("sink"),
+            batch_id=None if batch is None else int(batch))
+
+    def _txn_abort(self, body: dict[str, Any]) -> Any:
+        return {"aborted": self.store.transactions.abort(
+            str(body["txn"]), str(body.get("reason") or "aborted by its writer"))}
+
+    def _transactions(self, body: dict[str, Any]) -> Any:
+        return self.store.transactions.list()
+
+    def _sink_state(self, body: dict[str, Any]) -> Any:
+        return {"sink": body["sink"], "last_batch": self.store.transactions.records.last_batch(
+            str(body["sink"]))}
+
     def _producer_state(self, body: dict[str, Any]) -> Any:
         return {str(p.partition): p.producer_state(str(body["producer"]))
                 for p in self.store.partitions(body["topic"])}
@@ -327,7 +355,22 @@ _ACTIONS = {
     "position-at-time": (Broker._position_at_time, "First position at or after a time."),
     "set-cursor": (Broker._set_cursor, "Store a subscription's positions (a cut)."),
     "subscriptions": (Broker._subscriptions, "Cursors of {topic}: position, backlog, consumers."),
+    "txn-prepare": (Broker._txn_prepare, "Check {txn}'s staged rows ({parts}); PREPARED."),
+    "txn-commit": (Broker._txn_commit, "Commit {txns} at once (idempotent by {sink, batch})."),
+    "txn-abort": (Broker._txn_abort, "Abort {txn} and remove its staged rows."),
+    "transactions": (Broker._transactions, "Transactions and their states."),
+    "sink-state": (Broker._sink_state, "The last batch id committed by {sink}."),
 }
+
+
+def _chunks(reader: flight.MetadataRecordBatchReader) -> Iterator[pa.RecordBatch]:
+    while True:
+        try:
+            chunk = reader.read_chunk()
+        except StopIteration:
+            return
+        if chunk.data is not None:
+            yield chunk.data
 
 
 def _stream(batches: Iterator[pa.RecordBatch]) -> flight.FlightDataStream:

@@ -38,6 +38,7 @@ class StoreConfig:
     offload_threshold_bytes: int | None = None
     deletion_lag_ms: int = 10 * 60_000
     tier_check_interval_ms: int = 30_000
+    transaction_timeout_ms: int = 15 * 60_000
 
     def __post_init__(self) -> None:
         if not 1 <= self.write_quorum <= self.bookies:
@@ -79,6 +80,7 @@ class StoreConfig:
             offload_threshold_bytes=opts["offloadThreshold"],
             deletion_lag_ms=opts["deletionLag"],
             tier_check_interval_ms=opts["tierCheckInterval"],
+            transaction_timeout_ms=opts["transactionTimeout"],
         )
         values.update(overrides)
         return cls(**values)

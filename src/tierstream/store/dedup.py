@@ -77,6 +77,14 @@ class ProducerDedup:
         if len(recent) > WINDOW:
             del recent[:len(recent) - WINDOW]
 
+    def producers(self) -> list[str]:
+        return list(self._recent)
+
+    def forget(self, producers: set[str]) -> None:
+        """Drop these producers' state (they will never send again)."""
+        for p in producers:
+            self._recent.pop(p, None)
+
     def rows(self) -> dict[str, tuple[int, Any]]:
         """What the metadata store keeps: per producer, (last id, the recent acks as JSON)."""
         return {p: (recent[-1].sequence_id, {"recent": [b.to_list() for b in recent]})

@@ -24,6 +24,10 @@ The points, in the order a write passes them (``tests/store/test_crash_points.py
 ``topic.delete-marked``       a topic is marked deleted; its data is all still there
 ``topic.data-deleted``        a deleted topic's ledgers, tier files and table are gone, its
                               metadata records are not
+``txn.decided``               a commit is decided (COMMITTED in metadata), nothing applied
+``txn.partition-applied``     a commit's rows are in the log for one partition of one
+                              transaction (held from readers), not yet for the others
+``txn.applied``               a commit is in the log and marked APPLIED; staging not removed
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ POINTS = frozenset({
     "topic.registered",
     "topic.delete-marked",
     "topic.data-deleted",
+    "txn.decided",
+    "txn.partition-applied",
+    "txn.applied",
 })
 
 

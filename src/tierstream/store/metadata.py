@@ -12,7 +12,7 @@ import json
 import sqlite3
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,7 +23,7 @@ from tierstream.timeutil import now_ms
 
 __all__ = ["MetadataReader", "MetadataStore", "SegmentRecord", "SegmentState", "TopicRecord"]
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -57,6 +57,22 @@ CREATE INDEX IF NOT EXISTS segments_by_max_time
     ON segments (topic, partition, max_publish_time, segment_id);
 CREATE INDEX IF NOT EXISTS segments_by_min_time
     ON segments (topic, partition, min_publish_time, segment_id);
+CREATE TABLE IF NOT EXISTS transactions (
+    txn_id TEXT PRIMARY KEY,
+    sink_id TEXT,
+    batch_id INTEGER,
+    state TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    updated_at INTEGER NOT NULL,
+    parts TEXT NOT NULL DEFAULT '[]',
+    reason TEXT
+);
+CREATE INDEX IF NOT EXISTS transactions_by_batch ON transactions (sink_id, batch_id);
+CREATE TABLE IF NOT EXISTS sinks (
+    sink_id TEXT PRIMARY KEY,
+    last_batch INTEGER NOT NULL,
+    committed_at INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS cursors (
     topic TEXT NOT NULL,
     subscription TEXT NOT NULL,
@@ -250,6 +266,9 @@ class MetadataStore:
             version = 3
         if version == 3:  # v4: bookie endpoints (the table is created by the DDL above)
             self._conn.execute("UPDATE meta SET value='4' WHERE key='schema_version'")
+            version = 4
+        if version == 4:  # v5: transactions and sinks (tables created by the DDL above)
+            self._conn.execute("UPDATE meta SET value='5' WHERE key='schema_version'")
 
     def _check_version(self) -> None:
         row = self._conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
@@ -267,6 +286,16 @@ class MetadataStore:
     def _tx(self) -> Iterator[sqlite3.Connection]:
         with self._lock, self._conn:
             yield self._conn
+
+    def atomic(self) -> AbstractContextManager[sqlite3.Connection]:
+        """One write transaction, for the tables another module keeps (``transactions`` and
+        ``sinks``: store/transaction_records.py)."""
+        return self._tx()
+
+    def query(self, sql: str, args: Sequence[Any] | Mapping[str, Any] = ()) -> list[Any]:
+        """Rows of one read statement (for the same modules)."""
+        with self._lock:
+            return self._conn.execute(sql, args).fetchall()
 
     # -- topics -------------------------------------------------------------------------------
 

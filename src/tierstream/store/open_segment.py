@@ -25,7 +25,9 @@ class InFlight:
 @dataclass
 class OpenSegment:
     record: SegmentRecord
-    records: list[IndexRecord] = field(default_factory=list)  # confirmed entries only
+    records: list[IndexRecord] = field(default_factory=list)  # confirmed, visible entries
+    # confirmed while the partition is held for a transaction commit: visible on release
+    hidden: list[tuple[IndexRecord, pa.RecordBatch]] = field(default_factory=list)
     next_entry: int = 0
     in_flight: dict[int, InFlight] = field(default_factory=dict)
     failed: bool = False

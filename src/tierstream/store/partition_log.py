@@ -103,6 +103,7 @@ class PartitionLog(PartitionPositions):
         self._stats_dirty = False
         self.replica_failures = 0
         self._gone = threading.Event()  # the topic was deleted: no appends, reads end
+        self._held = False  # a transaction commit is being applied: see hold()
         if open_record is None:
             self._open = self._new_open_segment()
         else:  # registered by the caller (with its topic, or with every partition at start)
@@ -152,7 +153,7 @@ class PartitionLog(PartitionPositions):
         self._wait_quorum(futures)  # outside the lock: other producers keep appending
         with self._lock:
             self._advance(seg)
-            if len(seg.records) <= entry_id:
+            if len(seg.records) + len(seg.hidden) <= entry_id:
                 errors = [str(f.exception()) for f in futures if f.exception() is not None]
                 raise UnavailableError(
                     f"entry {entry_id} of segment {seg.record.segment_id} ({self.topic} "
@@ -160,8 +161,8 @@ class PartitionLog(PartitionPositions):
                     f"{self._ack_quorum} bookies: {'; '.join(errors) or 'segment was sealed'}"
                 )
             crash_point("append.before-ack")
-            if seg is self._open and (len(seg.records) >= self._max_entries
-                                      or seg.bytes >= self._max_bytes):
+            if seg is self._open and not self._held and (
+                    len(seg.records) >= self._max_entries or seg.bytes >= self._max_bytes):
                 self._roll()
         return Ack(self.partition, seg.record.segment_id, entry_id, message_batch.num_rows,
                    first_pt, last_pt, sequence_id)
@@ -193,24 +194,61 @@ class PartitionLog(PartitionPositions):
                 break
             del seg.in_flight[entry_id]
             record = ok[0].result()
-            batch = pending.batch
-            seg.records.append(record)
-            seg.messages += batch.num_rows
-            seg.bytes += record.frame_len
-            pts = batch.column("publish_time")
-            seg.min_pt = pts[0].as_py() if seg.min_pt is None else seg.min_pt
-            seg.max_pt = pts[-1].as_py()
-            self._cache_put((seg.record.segment_id, entry_id), batch)
             if pending.producer is not None and pending.sequence_id is not None:
                 self._dedup.record(pending.producer, StoredBatch(
                     pending.sequence_id, seg.record.segment_id, entry_id, record.messages,
                     record.first_publish_time, record.last_publish_time))
-            self._stats_dirty = True
-            advanced = True
+            if self._held:
+                seg.hidden.append((record, pending.batch))
+            else:
+                self._show(seg, record, pending.batch)
+                advanced = True
         if advanced:
             self._changed.notify_all()
         if seg.failed and roll_on_failure and seg is self._open:
             self._roll()
+
+    def _show(self, seg: OpenSegment, record: IndexRecord, batch: pa.RecordBatch) -> None:
+        """A confirmed entry becomes visible: to reads, positions and stats (lock held)."""
+        seg.records.append(record)
+        seg.messages += batch.num_rows
+        seg.bytes += record.frame_len
+        pts = batch.column("publish_time")
+        seg.min_pt = pts[0].as_py() if seg.min_pt is None else seg.min_pt
+        seg.max_pt = pts[-1].as_py()
+        self._cache_put((seg.record.segment_id, record.entry_id), batch)
+        self._stats_dirty = True
+
+    def hold(self) -> None:
+        """Entries confirmed from now on stay out of sight (reads, positions, stats) and the
+        segment does not roll, until :meth:`release`. A transaction commit holds every
+        partition it writes, so readers see all of its entries at once or none. Durability is
+        unchanged: producers are acknowledged as usual."""
+        with self._lock:
+            self._held = True
+
+    def release(self) -> None:
+        """End :meth:`hold`: the entries confirmed meanwhile become visible, in order."""
+        with self._lock:
+            self._held = False
+            self._show_hidden(self._open)
+
+    def _show_hidden(self, seg: OpenSegment) -> None:
+        if not seg.hidden:
+            return
+        for record, batch in seg.hidden:
+            self._show(seg, record, batch)
+        seg.hidden.clear()
+        self._changed.notify_all()
+        if seg is self._open and not self._held and (
+                len(seg.records) >= self._max_entries or seg.bytes >= self._max_bytes):
+            self._roll()
+
+    def forget_producers(self, names: set[str]) -> None:
+        """Drop the de-duplication state of producers that will never send again (applied
+        transactions): it is saved with every seal, so it must not grow without end."""
+        with self._lock:
+            self._dedup.forget(names)
 
     def _check_sequence(self, producer: str, sequence_id: int) -> Ack | None:
         """The original ack if this batch is stored already, else None (lock held).
@@ -266,6 +304,8 @@ class PartitionLog(PartitionPositions):
 
     def _roll_if_due(self, now: int) -> None:
         seg = self._open
+        if self._held:
+            return  # a commit is being applied; the segment rolls after it
         if seg.records and now - seg.record.created_at >= self._rollover_ms:
             self._roll()
 
@@ -289,6 +329,9 @@ class PartitionLog(PartitionPositions):
         wait_futures([f for p in seg.in_flight.values() for f in p.futures])
         self._advance(seg, roll_on_failure=False)
         seg.in_flight.clear()
+        # Sealing makes every confirmed entry readable from the bookies: a commit being
+        # applied here (only on a seal request, shutdown or a failed write) shows early.
+        self._show_hidden(seg)
         last = seg.records[-1].entry_id if seg.records else None
         for b in seg.record.ensemble:
             self._bookies[b].seal_ledger(seg.record.segment_id, last)
@@ -378,6 +421,11 @@ class PartitionLog(PartitionPositions):
                 "open_entries": len(self._open.records),
                 "replica_failures": self.replica_failures,
             }
+
+    def producers(self) -> list[str]:
+        """Names of the producers whose de-duplication state this partition keeps."""
+        with self._lock:
+            return self._dedup.producers()
 
     def producer_state(self, producer: str) -> int | None:
         """The producer's last stored sequence id here, or None."""

@@ -9,14 +9,14 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from tierstream.errors import ConfigError, TierstreamError, UnavailableError
+from tierstream.errors import ConfigError, ConflictError, TierstreamError, UnavailableError
 from tierstream.names import TopicName
 from tierstream.schema import (
     PRODUCE_SCHEMA,
@@ -26,6 +26,9 @@ from tierstream.schema import (
 from tierstream.store.admin import Admin
 from tierstream.store.connection import BrokerClient
 from tierstream.store.protocol import decode, encode, translate_errors
+
+if TYPE_CHECKING:
+    from tierstream.store.transaction import Transaction
 
 __all__ = ["Message", "Producer"]
 
@@ -87,6 +90,7 @@ class Producer:
                          for p in range(self.partitions)}
         self._rr = itertools.count()
         self._acks: list[dict[str, Any]] = []
+        self._txn: Transaction | None = None
 
     def __repr__(self) -> str:
         return f"Producer(topic={self.topic!r}, name={self.name!r}, broker={self._client.url!r})"
@@ -134,6 +138,25 @@ class Producer:
         self.flush()
         return self._acks
 
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[Transaction]:
+        """Inside ``with producer.transaction():`` the producer's sends are staged, not
+        stored: on leaving the block they become visible all at once, in every partition
+        (an error aborts them instead). Acks of sends inside say ``staged`` and the
+        transaction, not a position."""
+        from tierstream.store.transaction import Transaction
+
+        if self._txn is not None:
+            raise ConflictError("this producer is already in a transaction")
+        self.flush()  # what was sent before the transaction is not part of it
+        self._txn = Transaction(broker=self._client.url, auth_token=self._client.auth_token,
+                                tls_ca=self._client.tls_ca)
+        try:
+            with self._txn as txn:
+                yield txn
+        finally:
+            self._txn = None
+
     def flush(self) -> None:
         """Wait until every batch sent so far is acknowledged (re-sending after failures)."""
         for p, stream in self._streams.items():
@@ -170,6 +193,11 @@ class Producer:
         return key_hash(key) % self.partitions
 
     def _send(self, p: int, batch: pa.RecordBatch) -> None:
+        if self._txn is not None:  # staged: the ack says where, not at which position
+            self._txn.write(self.topic, batch, partition=p)
+            self._acks.append({"partition": p, "messages": batch.num_rows,
+                               "transaction": self._txn.txn_id, "staged": True})
+            return
         stream = self._streams[p]
         seq = stream.next_seq
         stream.next_seq += 1

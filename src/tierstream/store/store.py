@@ -57,6 +57,9 @@ class Store:
         self._rr = itertools.count()
         self._logs: dict[tuple[str, int], PartitionLog] = {}
         self._topics_lock = threading.Lock()
+        # A commit shows its entries in every partition under this lock, and the last
+        # confirmed positions of a topic are read under it: a cut has all of a commit or none.
+        self.visibility = threading.Lock()
         self.purge_deleted_topics()  # a deletion a crash interrupted is finished first
         self.recovery: list[RecoveryReport] = recover_open_segments(self.metadata, self.bookies)
         for topic in self.metadata.list_topics():
@@ -65,6 +68,11 @@ class Store:
                 topic.name, [(p, self._choose_ensemble()) for p in range(topic.partitions)],
                 created_at=now_ms())
             self._open_topic(topic, opened)
+        from tierstream.store.transactions import Transactions
+
+        self.transactions = Transactions(self, timeout_ms=config.transaction_timeout_ms)
+        self.transactions.recover()  # a commit a crash interrupted is finished first
+        self._last_txn_pass = time.monotonic()
         self._timer = threading.Thread(target=self._housekeeping, name="store-housekeeping",
                                        daemon=True)
         self._timer.start()
@@ -177,6 +185,9 @@ class Store:
             )
         return plog
 
+    def all_partitions(self) -> list[PartitionLog]:
+        return list(self._logs.values())
+
     def partitions(self, topic: str) -> list[PartitionLog]:
         record = self.topic(topic)
         return [self._logs[(record.name, p)] for p in range(record.partitions)]
@@ -187,7 +198,9 @@ class Store:
         return [s for plog in self.partitions(topic) for s in plog.segments()]
 
     def last_confirmed(self, topic: str) -> dict[int, tuple[Position | None, Position]]:
-        return {plog.partition: plog.last_confirmed() for plog in self.partitions(topic)}
+        logs = self.partitions(topic)
+        with self.visibility:
+            return {plog.partition: plog.last_confirmed() for plog in logs}
 
     def seal(self, topic: str, partition: int | None = None) -> list[SegmentRecord]:
         logs = self.partitions(topic) if partition is None else [self.partition(topic, partition)]
@@ -246,6 +259,12 @@ class Store:
                 except Exception:  # keep housekeeping alive; log and go on
                     log.exception("housekeeping failed for %s/%s", plog.topic, plog.partition)
             now = time.monotonic()
+            if now - self._last_txn_pass >= min(10.0, self.config.transaction_timeout_ms / 4000):
+                self._last_txn_pass = now
+                try:
+                    self.transactions.expire()
+                except Exception:
+                    log.exception("transaction housekeeping failed; retrying later")
             if now - self._last_tier_pass >= self.config.tier_check_interval_ms / 1000:
                 self._last_tier_pass = now
                 self.purge_deleted_topics()

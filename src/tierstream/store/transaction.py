@@ -1,0 +1,230 @@
+"""The client side of a transaction: stage rows to any partitions of any topics, then commit
+them all at once, or abort. ``store/transactions.py`` is the broker side and says why a commit
+is atomic and crash-safe.
+
+::
+
+    with Transaction(broker=url) as txn:           # commit on success, abort on an error
+        txn.write("acme/web/clicks", table)        # routed by key hash, as producers do
+        txn.send("acme/web/orders", b"...", key="k1")
+
+A Spark sink stages one transaction per task attempt and commits the batch's transactions
+together from the driver, with its sink id and batch id (``spark_adapter/sink.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.flight as flight
+
+from tierstream.errors import ConfigError, ConflictError, UnavailableError
+from tierstream.names import TopicName
+from tierstream.schema import as_produce_batch, key_hashes
+from tierstream.store.admin import Admin
+from tierstream.store.protocol import decode, translate_errors
+
+__all__ = ["Transaction"]
+
+#: Rows per staged Flight message are capped near this many bytes.
+_CHUNK_BYTES = 8 * 1024**2
+
+
+class Transaction:
+    """One transaction. Rows written here are staged on the broker, invisible to every
+    reader, until :meth:`commit` makes all of them visible at once; :meth:`abort` (or the
+    broker's transaction timeout) discards them.
+
+    ``sink``/``batch`` make the commit idempotent: the broker commits a sink's batch once,
+    and a later commit of the same or an earlier batch id is a no-op that aborts this one.
+    """
+
+    def __init__(self, *, broker: str | None = None, auth_token: str | None = None,
+                 tls_ca: bytes | str | None = None, sink: str | None = None,
+                 batch: int | None = None, txn_id: str | None = None) -> None:
+        if (sink is None) != (batch is None):
+            raise ConfigError("a transaction names both a sink and a batch id, or neither")
+        if batch is not None and (not isinstance(batch, int) or batch < 0):
+            raise ConfigError(f"invalid batch id {batch!r}: expected an integer >= 0")
+        self.txn_id = txn_id or uuid.uuid4().hex
+        self.sink = sink
+        self.batch = batch
+        self._admin = Admin(broker, auth_token=auth_token, tls_ca=tls_ca)
+        self._partitions: dict[str, int] = {}
+        self._streams: dict[tuple[str, int], tuple[Any, Any]] = {}
+        self._sent: dict[tuple[str, int], int] = {}
+        self._round_robin = 0
+        self.state = "open"
+
+    def __repr__(self) -> str:
+        return (f"Transaction({self.txn_id}, {self.state}, sink={self.sink!r}, "
+                f"batch={self.batch!r}, broker={self._admin.url!r})")
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def partitions_of(self, topic: str) -> int:
+        name = str(TopicName.parse(topic))
+        if name not in self._partitions:
+            self._partitions[name] = self._admin.get_topic(name).partitions
+        return self._partitions[name]
+
+    def send(self, topic: str, value: bytes | str, *, key: str | None = None,
+             event_time: int | None = None, properties: Mapping[str, str] | None = None) -> None:
+        """Stage one message (better: :meth:`write` many at once)."""
+        data = value.encode() if isinstance(value, str) else value
+        self.write(topic, pa.RecordBatch.from_pydict({
+            "key": pa.array([key], pa.string()), "value": pa.array([data], pa.binary()),
+            "event_time": pa.array([event_time], pa.int64()),
+            "properties": pa.array([None if properties is None else list(properties.items())],
+                                   pa.map_(pa.string(), pa.string()))}))
+
+    def write(self, topic: str, data: pa.RecordBatch | pa.Table, *,
+              partition: int | None = None) -> int:
+        """Stage rows (columns of the produce schema: ``value``, optional ``key``,
+        ``event_time``, ``properties``) to ``topic``: routed by key hash like a producer's
+        (unkeyed rows round-robin), or all to ``partition``. Returns the rows staged."""
+        self._check_open()
+        name = str(TopicName.parse(topic))
+        n = self.partitions_of(name)
+        table = data if isinstance(data, pa.Table) else pa.Table.from_batches([data])
+        if table.num_rows == 0:
+            return 0
+        if partition is not None:
+            if not 0 <= partition < n:
+                raise ConfigError(f"invalid partition {partition} for {name!r}: it has "
+                                  f"0..{n - 1}")
+            self._stage(name, partition, table)
+            return int(table.num_rows)
+        for p, part in self._route(table, n):
+            self._stage(name, p, part)
+        return int(table.num_rows)
+
+    def _route(self, table: pa.Table, partitions: int) -> list[tuple[int, pa.Table]]:
+        if partitions == 1:
+            return [(0, table)]
+        keys = table.column("key") if "key" in table.column_names else \
+            pa.nulls(table.num_rows, pa.string())
+        target = np.asarray(key_hashes(keys.combine_chunks() if isinstance(
+            keys, pa.ChunkedArray) else keys)) % partitions
+        unkeyed = np.asarray(pc.is_null(keys).to_numpy(zero_copy_only=False), dtype=bool)
+        if unkeyed.any():
+            spread = (self._round_robin + np.arange(int(unkeyed.sum()))) % partitions
+            self._round_robin += int(unkeyed.sum())
+            target[unkeyed] = spread
+        order = np.argsort(target, kind="stable")  # keeps each key's rows in order
+        bounds = np.searchsorted(target[order], np.arange(partitions + 1))
+        sorted_table = table.take(pa.array(order))
+        return [(p, sorted_table.slice(bounds[p], bounds[p + 1] - bounds[p]))
+                for p in range(partitions) if bounds[p + 1] > bounds[p]]
+
+    def _stage(self, topic: str, partition: int, table: pa.Table) -> None:
+        key = (topic, partition)
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._streams[key] = self._admin.produce({
+                "op": "stage", "txn": self.txn_id, "topic": topic, "partition": partition,
+                "sink": self.sink, "batch": self.batch})
+        per_row = max(1, table.nbytes // max(1, table.num_rows))
+        try:
+            with translate_errors(self._admin.url):
+                for batch in table.to_batches(max_chunksize=max(1, _CHUNK_BYTES // per_row)):
+                    stream[0].write_batch(as_produce_batch(batch))
+        except (flight.FlightError, OSError, pa.ArrowException) as exc:
+            self.state = "failed"
+            raise UnavailableError(f"staging transaction {self.txn_id} on {topic} partition "
+                                   f"{partition} failed: {exc}; abort it and write "
+                                   "again") from None
+        except Exception:
+            self.state = "failed"
+            raise
+        self._sent[key] = self._sent.get(key, 0) + table.num_rows
+
+    # -- ending -------------------------------------------------------------------------------
+
+    def prepare(self) -> dict[str, Any]:
+        """Finish staging: every staged row is durable on the broker, checked against what
+        was sent. Spark tasks end here; the driver commits."""
+        if self.state == "prepared":
+            return {"txn": self.txn_id}
+        self._check_open()
+        try:
+            for key, (writer, reader) in sorted(self._streams.items()):
+                with translate_errors(self._admin.url):
+                    writer.done_writing()
+                    ack = reader.read()
+                    writer.close()
+                if ack is None:
+                    raise UnavailableError(f"the broker closed transaction {self.txn_id}'s "
+                                           f"staging stream for {key[0]} partition {key[1]}")
+                decode(ack.to_pybytes(), "stage ack")
+            self._streams.clear()
+            self._admin.action("txn-prepare", {
+                "txn": self.txn_id, "parts": [[t, p, n] for (t, p), n in self._sent.items()]})
+        except BaseException:
+            self.state = "failed"
+            raise
+        self.state = "prepared"
+        return {"txn": self.txn_id, "parts": [[t, p, n] for (t, p), n in self._sent.items()]}
+
+    @property
+    def messages(self) -> int:
+        return sum(self._sent.values())
+
+    def commit(self) -> dict[str, Any]:
+        """Prepare if needed, then make the transaction visible (one atomic step)."""
+        if not self._sent:  # nothing staged: nothing to show, but a sink's batch is recorded
+            self.state = "prepared"
+            if self.sink is None:
+                self.state = "committed"
+                return {"status": "committed", "messages": 0}
+            return self._commit([])
+        self.prepare()
+        return self._commit([self.txn_id])
+
+    def _commit(self, txns: list[str]) -> dict[str, Any]:
+        result: dict[str, Any] = self._admin.action("txn-commit", {
+            "txns": txns, "sink": self.sink, "batch": self.batch})
+        self.state = "committed" if result.get("status") == "committed" else "aborted"
+        return result
+
+    def abort(self, reason: str = "aborted by its writer") -> None:
+        """Discard everything staged. Safe to call in any state but committed."""
+        if self.state in ("committed", "aborted"):
+            if self.state == "committed":
+                raise ConflictError(f"transaction {self.txn_id} is committed: it cannot be "
+                                    "aborted")
+            return
+        for writer, _ in self._streams.values():
+            with contextlib.suppress(Exception):
+                writer.close()
+        self._streams.clear()
+        if self._sent or self.state == "failed":
+            self._admin.action("txn-abort", {"txn": self.txn_id, "reason": reason})
+        self.state = "aborted"
+
+    def close(self) -> None:
+        self._admin.close()
+
+    def __enter__(self) -> Transaction:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        try:
+            if exc_type is None:
+                self.commit()
+            else:
+                with contextlib.suppress(Exception):  # the original error is what matters
+                    self.abort(f"the writer failed: {exc_type}")
+        finally:
+            self.close()
+
+    def _check_open(self) -> None:
+        if self.state != "open":
+            raise ConflictError(f"transaction {self.txn_id} is {self.state}: it takes no more "
+                                "writes")
