@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from tierstream.errors import ConfigError
 
-__all__ = ["TopicName"]
+__all__ = ["TopicName", "check_txn_id"]
 
 _COMPONENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 _PARTS = ("tenant", "namespace", "topic")
@@ -60,3 +61,13 @@ def _check_component(part: str, value: str, whole: str) -> None:
             f"invalid topic name {whole[:200]!r}: {part} {shown!r} must be 1-128 ASCII characters "
             "from [A-Za-z0-9_.-], starting with a letter or digit"
         )
+
+
+def check_txn_id(txn_id: Any) -> str:
+    """A transaction id as given by a client: 1-64 of ``[A-Za-z0-9_.-]``, not only dots."""
+    text = str(txn_id)
+    if not (0 < len(text) <= 64 and all(c.isalnum() or c in "_.-" for c in text)
+            and text.isascii() and text.strip(".")):
+        raise ConfigError(f"invalid transaction id {text[:80]!r}: expected 1-64 characters "
+                          "of A-Z a-z 0-9 _ . -")
+    return text

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierstream.errors import ConfigError
+from tierstream.names import check_txn_id
 from tierstream.timeutil import parse_duration_ms
 
 __all__ = [
@@ -53,6 +54,19 @@ def _positive_int(raw: Any) -> int:
     if value < 1:
         raise ValueError("expected a positive integer")
     return value
+
+
+def _non_negative_int(raw: Any) -> int:
+    if isinstance(raw, bool):
+        raise ValueError("expected an integer >= 0")
+    value = int(str(raw).strip()) if not isinstance(raw, int) else raw
+    if value < 0:
+        raise ValueError("expected an integer >= 0")
+    return value
+
+
+def _txn_name(raw: Any) -> str:
+    return check_txn_id(str(raw).strip())
 
 
 def _size_bytes(raw: Any) -> int:
@@ -171,7 +185,8 @@ OPTIONS: dict[str, Option] = {
                kind="a directory path", scopes=("store", "client", "read"),
                description="Directory of the embedded store (metadata.db, bookies/, tier/)."),
         Option(key="broker", parse=_string, default=DEFAULT_BROKER_URL, env="TIERSTREAM_BROKER",
-               kind="a URL such as grpc://127.0.0.1:6651", scopes=("client", "read"),
+               kind="a URL such as grpc://127.0.0.1:6651",
+               scopes=("client", "read", "write"),
                description="Address of the broker's Arrow Flight endpoint."),
         Option(key="reconnectTimeout", parse=_duration, default=60_000,
                env="TIERSTREAM_RECONNECT_TIMEOUT", kind="a duration such as 30s or 5m",
@@ -179,11 +194,12 @@ OPTIONS: dict[str, Option] = {
                description="How long a following read (tail, consume --follow, a stream) "
                            "retries an unavailable broker before it fails."),
         Option(key="tlsCa", parse=_string, default=None, env="TIERSTREAM_TLS_CA",
-               kind="a PEM file path (or PEM text)", scopes=("client", "read"),
+               kind="a PEM file path (or PEM text)", scopes=("client", "read", "write"),
                description="CA certificate that grpc+tls:// endpoints (broker, bookies) are "
                            "checked against; default: the system's CAs."),
         Option(key="authToken", parse=_string, default=None, env="TIERSTREAM_AUTH_TOKEN",
-               secret=True, kind="a non-empty token", scopes=("store", "client", "read"),
+               secret=True, kind="a non-empty token",
+               scopes=("store", "client", "read", "write"),
                description="Bearer token; required by a broker bound to a non-loopback address."),
         Option(key="bookies", parse=_positive_int, default=1, kind="an integer >= 1",
                description="Number of bookies (storage directories) of the embedded store."),
@@ -244,7 +260,9 @@ OPTIONS: dict[str, Option] = {
                            "aborted and its staged data removed."),
         # -- what to read (the Spark adapter and the Python API) --------------------------
         Option(key="topic", parse=_string, default=None, kind="tenant/namespace/topic",
-               scopes=("read",), description="The topic to read."),
+               scopes=("read", "write"),
+               description="The topic to read; for the sink, the topic to write (else each "
+                           "row's 'topic' column)."),
         Option(key="topics", parse=_string_list, default=None,
                kind="comma-separated tenant/namespace/topic names", scopes=("read",),
                description="Several topics to read."),
@@ -307,6 +325,19 @@ OPTIONS: dict[str, Option] = {
                kind="a JSON list of splits", scopes=("read",),
                description="Read exactly these splits instead of planning (what "
                            "tierstream.spark_adapter.read hands the source)."),
+        # -- the sink (spark_adapter/sink.py) ---------------------------------------------
+        Option(key="sinkId", parse=_txn_name, default=None,
+               kind="1-64 characters of A-Z a-z 0-9 _ . -", scopes=("write",),
+               description="Who commits: a commit of a batch id at or below this sink's last "
+                           "committed one is a no-op (default: the streaming query's id from "
+                           "its checkpoint; a batch write: its own)."),
+        Option(key="batchId", parse=_non_negative_int, default=None,
+               kind="an integer >= 0", scopes=("write",),
+               description="Batch writes with sinkId: the batch this write is (re-running it "
+                           "writes nothing twice)."),
+        Option(key="checkpointLocation", parse=_string, default=None, kind="a directory",
+               scopes=("write",),
+               description="Spark's own option for streams (passed through; not used)."),
     ]
 }
 

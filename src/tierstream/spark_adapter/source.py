@@ -127,15 +127,43 @@ class TierstreamDataSource(DataSource):
 
     def __init__(self, options: dict[str, str]) -> None:
         super().__init__(options)
-        self.settings = ReadOptions.parse(options)  # bad options fail here, at load()
-        self.settings.check_exists()
+        self._settings: ReadOptions | None = None
+
+    @property
+    def settings(self) -> ReadOptions:
+        """The read options, parsed on first use (a write has other options: sink.py)."""
+        if self._settings is None:
+            self._settings = ReadOptions.parse(self.options)
+            self._settings.check_exists()
+        return self._settings
 
     @classmethod
     def name(cls) -> str:
         return "tierstream"
 
     def schema(self) -> str:
+        self.settings  # noqa: B018 - bad read options fail here, at load()
         return SPARK_SCHEMA
+
+    def writer(self, schema: Any, overwrite: bool) -> Any:
+        from tierstream.spark_adapter.sink import TierstreamBatchWriter
+
+        return TierstreamBatchWriter(self._sink_options(schema, overwrite))
+
+    def streamWriter(self, schema: Any, overwrite: bool) -> Any:
+        from tierstream.spark_adapter.sink import TierstreamStreamWriter
+
+        return TierstreamStreamWriter(self._sink_options(schema, overwrite))
+
+    def _sink_options(self, schema: Any, overwrite: bool) -> Any:
+        from tierstream.spark_adapter.sink import SinkOptions, check_sink_schema
+
+        if overwrite:
+            raise ConfigError("tierstream topics are append-only: write with mode('append') "
+                              "(outputMode 'append' for streams), not overwrite")
+        options = SinkOptions.parse(dict(self.options))
+        check_sink_schema(schema, options)
+        return options
 
     def streamReader(self, schema: Any) -> Any:
         from tierstream.spark_adapter.stream import TierstreamStreamReader

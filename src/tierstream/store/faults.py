@@ -28,6 +28,9 @@ The points, in the order a write passes them (``tests/store/test_crash_points.py
 ``txn.partition-applied``     a commit's rows are in the log for one partition of one
                               transaction (held from readers), not yet for the others
 ``txn.applied``               a commit is in the log and marked APPLIED; staging not removed
+``sink.committed``            the Spark sink's commit of a batch returned from the broker;
+                              Spark has not recorded the batch as done (a Python process of
+                              the Spark driver dies here, so the query fails and re-runs it)
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ POINTS = frozenset({
     "txn.decided",
     "txn.partition-applied",
     "txn.applied",
+    "sink.committed",
 })
 
 

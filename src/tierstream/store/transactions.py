@@ -38,7 +38,7 @@ import pyarrow as pa
 
 from tierstream.errors import ConfigError, ConflictError, NotFoundError, StorageError
 from tierstream.layout import DataDir
-from tierstream.names import TopicName
+from tierstream.names import TopicName, check_txn_id
 from tierstream.schema import PRODUCE_SCHEMA, as_produce_batch
 from tierstream.store.faults import crash_point
 from tierstream.store.transaction_records import (
@@ -51,7 +51,7 @@ from tierstream.timeutil import now_ms
 if TYPE_CHECKING:
     from tierstream.store.store import Store
 
-__all__ = ["PRODUCER_PREFIX", "Transactions", "check_txn_id"]
+__all__ = ["PRODUCER_PREFIX", "Transactions"]
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +61,6 @@ PRODUCER_PREFIX = "txn/"
 ENTRY_BYTES = 4 * 1024**2
 #: Records of ended transactions are kept this long (to answer a late, repeated commit).
 KEEP_ENDED_MS = 24 * 3_600_000
-
-
-def check_txn_id(txn_id: Any) -> str:
-    """A transaction id as given by a client: 1-64 of ``[A-Za-z0-9_.-]``, not only dots."""
-    text = str(txn_id)
-    if not (0 < len(text) <= 64 and all(c.isalnum() or c in "_.-" for c in text)
-            and text.isascii() and text.strip(".")):
-        raise ConfigError(f"invalid transaction id {text[:80]!r}: expected 1-64 characters "
-                          "of A-Z a-z 0-9 _ . -")
-    return text
 
 
 class Transactions:
