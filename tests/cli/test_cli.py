@@ -220,6 +220,40 @@ def test_tail_available_now_writes_what_is_there(broker: BrokerProcess, data_dir
     assert rows == 1000
 
 
+@pytest.mark.spark
+def test_tail_into_iceberg_commits_each_batch_once(broker: BrokerProcess, data_dir: Path,
+                                                   tmp_path: Path) -> None:
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    env = {"TIERSTREAM_BROKER": broker.url or "", "TIERSTREAM_HOME": str(data_dir),
+           "TIERSTREAM_SPARK_MASTER": "local[2]"}
+    run("topic", "create", "acme/web/clicks", "--partitions", "2", env=env)
+    run("produce", "acme/web/clicks", "--generate", "1000", env=env)
+    out, ckpt = tmp_path / "live", tmp_path / "ckpt"
+    args = ("tail", "acme/web/clicks", "--from", "earliest", "--available-now",
+            "--max-records-per-trigger", "400", "--format", "iceberg", "--out", str(out),
+            "--checkpoint", str(ckpt))
+    proc = run(*args, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    catalog = SqlCatalog("default", uri=f"sqlite:///{out}/catalog.db")
+    table = catalog.load_table("tail.acme_web_clicks")
+    values = table.scan().to_arrow().column("value").to_pylist()
+    assert len(values) == len(set(values)) == 1000
+    assert len(table.snapshots()) == 3  # one commit per micro-batch
+    # The driver dies after the table commit of batch 2, before Spark logs it as done:
+    # Spark runs batch 2 again, and its files were written but never committed.
+    (ckpt / "commits" / "2").unlink()
+    (ckpt / "commits" / ".2.crc").unlink(missing_ok=True)
+    orphan = next((out / "data").iterdir()).name.rsplit("-", 2)[0] + "-9-dead"
+    (out / "data" / orphan).mkdir()
+    proc = run(*args, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = catalog.load_table("tail.acme_web_clicks")
+    assert table.scan().to_arrow().num_rows == 1000  # batch 2 was not added twice
+    assert len(table.snapshots()) == 3
+    assert not (out / "data" / orphan).exists()  # uncommitted files are removed
+
+
 USAGE_ERRORS = [
     ([], "Usage"),  # a bare group shows its help
     (["topic"], "Usage"),

@@ -352,9 +352,18 @@ def backfill(
 @app.command("tail")
 def tail_cmd(
     topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
-    out_path: Annotated[str, typer.Option("--out", help="Output directory (Parquet sink).")],
+    out_path: Annotated[str, typer.Option(
+        "--out", help="Output directory: Parquet files, or the Iceberg table's location.")],
     checkpoint: Annotated[str, typer.Option(help="Checkpoint directory (restarts continue "
                                                  "exactly from it).")],
+    format_: Annotated[str, typer.Option(
+        "--format", help="parquet (Spark's file sink) or iceberg (one table commit per "
+                         "micro-batch, idempotent by batch id).")] = "parquet",
+    table: Annotated[str | None, typer.Option(
+        help="Iceberg table name, namespace.name [default: tail.<topic>].")] = None,
+    catalog_uri: Annotated[str | None, typer.Option(
+        help="Iceberg catalog (SQLAlchemy URI) [default: sqlite in --out/catalog.db].")]
+        = None,
     from_: FromOpt = "latest",
     available_now: Annotated[bool, typer.Option(
         "--available-now", help="Write what is there now (in micro-batches), then stop.")]
@@ -370,7 +379,12 @@ def tail_cmd(
     auth_token: TokenOpt = None,
     tls_ca: TlsCaOpt = None,
 ) -> None:
-    """Run a Structured Streaming read of the topic into Parquet until stopped (Ctrl-C).
+    """Run a Structured Streaming read of the topic into Parquet or Iceberg until stopped.
+
+    With --format parquet, only readers that honour Spark's _spark_metadata log (Spark)
+    see each message once: a batch killed mid-write leaves files that pyarrow or DuckDB
+    count. --format iceberg commits each micro-batch to the table once, so every Iceberg
+    reader sees each message once.
 
     Example: tierstream tail acme/web/clicks --out ./clicks-live --checkpoint ./ckpt
     """
@@ -398,7 +412,8 @@ def tail_cmd(
     try:
         with Admin(broker, auth_token=auth_token) as admin:
             batches = run_tail(spark, options, out_path, checkpoint,
-                               available_now=available_now, on_batch=on_batch)
+                               available_now=available_now, on_batch=on_batch,
+                               format=format_, table=table, catalog_uri=catalog_uri)
     finally:
         spark.stop()
     out.print(f"tail of {topic}: {batches} micro-batch(es) with rows -> {out_path}",
