@@ -12,6 +12,7 @@ from bench import (
     latency_fs_bench,
     remote_bench,
     remote_bookie_bench,
+    sink_bench,
     spark_bench,
     store_bench,
     tier_bench,
@@ -41,6 +42,8 @@ BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
                                     "Parquet write; Parquet vs bookie bytes"),
     "catalog": (tier_bench.catalog, "ms to register one more tier file in Iceberg, early and "
                                     "after N files, beside pyiceberg add_files defaults"),
+    "sink": (sink_bench.sink, "Spark batch write through two-phase commit beside the Python "
+                              "producer on the same rows; ms per micro-batch commit"),
     "layout": (tier_bench.layout, "bytes a k=4 key-range read and a 10% time window fetch, "
                                   "key-bucket layout vs log order"),
 }

@@ -31,6 +31,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -182,10 +183,19 @@ class Transactions:
         try:
             for r in records:
                 staged = self.staged(r.txn_id)
-                for key, plog in plogs.items():
+
+                def apply(key: tuple[str, int], txn_id: str = r.txn_id,
+                          staged: dict[tuple[str, int], list[Path]] = staged) -> None:
+                    plog = plogs[key]
                     for seq, batch in enumerate(_entries(staged.get(key, []))):
-                        plog.append(batch, producer=PRODUCER_PREFIX + r.txn_id, sequence_id=seq)
+                        plog.append(batch, producer=PRODUCER_PREFIX + txn_id, sequence_id=seq)
                     crash_point("txn.partition-applied")
+
+                # partitions in parallel: their appends share the bookies' group commits
+                # (python -m bench sink: the commit of 200,000 rows over 4 partitions)
+                with ThreadPoolExecutor(min(8, len(plogs)) or 1) as pool:
+                    for done in [pool.submit(apply, key) for key in plogs]:
+                        done.result()
         finally:
             with self.store.visibility:  # a cut sees all partitions of the commit, or none
                 for plog in plogs.values():
