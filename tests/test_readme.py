@@ -29,3 +29,21 @@ def test_the_python_api_example_runs(broker) -> None:
                           timeout=120, env={**os.environ, "TIERSTREAM_BROKER": broker.url})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("ok")
+
+
+def test_the_transaction_example_runs(broker) -> None:
+    code = _python_block("Python writers get the same transactions")
+    script = (
+        "from tierstream.store.client import Admin, read\n"
+        "from tierstream import Offset\n"
+        "with Admin() as a:\n"
+        "    a.create_topic('acme/web/orders', 3)\n"
+        "    a.create_topic('acme/web/audit', 1)\n"
+        + code +
+        "\nn = {t: sum(b.num_rows for b in read(t, end=Offset.latest()))\n"
+        "     for t in ('acme/web/orders', 'acme/web/audit')}\n"
+        "assert n == {'acme/web/orders': 1001, 'acme/web/audit': 1}, n\nprint('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "TIERSTREAM_BROKER": broker.url})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("ok")
