@@ -8,6 +8,7 @@ from typing import Any
 
 from tierstream.errors import ConfigError, UnavailableError
 from tierstream.names import TopicName
+from tierstream.schemas.model import SchemaInfo
 from tierstream.splits.positions import Position
 from tierstream.splits.split import StreamCut
 from tierstream.store.connection import BrokerClient
@@ -142,6 +143,33 @@ class Admin(BrokerClient):
         """The last batch id ``sink`` committed, or None."""
         last = self.action("sink-state", {"sink": sink})["last_batch"]
         return None if last is None else int(last)
+
+    def register_schema(self, topic: str, type: str, definition: str | None = None
+                        ) -> SchemaInfo:
+        """Add a schema version to ``topic`` (or return the version it already is); an
+        incompatible one is refused with ConfigError naming the field and the rule."""
+        return SchemaInfo.from_dict(self.action("schema-register", {
+            "topic": str(TopicName.parse(topic)), "type": type, "definition": definition}))
+
+    def get_schema(self, topic: str, version: int | None = None) -> SchemaInfo:
+        return SchemaInfo.from_dict(self.action("schema-get", {
+            "topic": str(TopicName.parse(topic)), "version": version}))
+
+    def list_schemas(self, topic: str) -> tuple[str, list[SchemaInfo]]:
+        """(compatibility rule, every version in order) of ``topic``."""
+        raw = self.action("schema-list", {"topic": str(TopicName.parse(topic))})
+        return raw["compatibility"], [SchemaInfo.from_dict(v) for v in raw["versions"]]
+
+    def check_schema(self, topic: str, type: str, definition: str | None = None
+                     ) -> str | None:
+        """Why this schema would be refused as ``topic``'s next version, or None."""
+        raw = self.action("schema-check", {"topic": str(TopicName.parse(topic)),
+                                           "type": type, "definition": definition})
+        return None if raw["compatible"] else str(raw["reason"])
+
+    def set_schema_compatibility(self, topic: str, compatibility: str) -> None:
+        self.action("schema-compatibility", {"topic": str(TopicName.parse(topic)),
+                                             "compatibility": compatibility})
 
     def deleted_segments(self, topic: str) -> list[dict[str, Any]]:
         """Segments removed by retention: what was lost, and when."""

@@ -18,11 +18,13 @@ import pyarrow.flight as flight
 from tierstream.errors import ConfigError, NotFoundError, ProtocolError, TierstreamError
 from tierstream.options import DEFAULT_PORT
 from tierstream.schema import MESSAGE_SCHEMA
+from tierstream.schemas.model import Compatibility, SchemaType
 from tierstream.signals import stop_requested
 from tierstream.splits.positions import KeyRange, Offset, OffsetKind, Position
 from tierstream.store.config import StoreConfig
 from tierstream.store.partition_log import PartitionLog
 from tierstream.store.protocol import decode, encode, server_error
+from tierstream.store.schema_registry import SchemaRegistry
 from tierstream.store.security import (
     TokenMiddlewareFactory,
     check_bind,
@@ -57,6 +59,7 @@ class Broker(flight.FlightServerBase):
         self.store = store
         self.host = host
         self.subscriptions = Subscriptions(store.metadata)
+        self.schemas = SchemaRegistry(store.metadata)
 
     @property
     def url(self) -> str:
@@ -326,6 +329,29 @@ class Broker(flight.FlightServerBase):
         return {"sink": body["sink"], "last_batch": self.store.transactions.records.last_batch(
             str(body["sink"]))}
 
+    def _schema_register(self, body: dict[str, Any]) -> Any:
+        return self.schemas.register(body["topic"], SchemaType.parse(body["type"]),
+                                     body.get("definition")).to_dict()
+
+    def _schema_get(self, body: dict[str, Any]) -> Any:
+        version = body.get("version")
+        return self.schemas.get(body["topic"], None if version is None
+                                else int(version)).to_dict()
+
+    def _schema_list(self, body: dict[str, Any]) -> Any:
+        return {"compatibility": self.schemas.compatibility(body["topic"]).value,
+                "versions": [v.to_dict() for v in self.schemas.versions(body["topic"])]}
+
+    def _schema_check(self, body: dict[str, Any]) -> Any:
+        why = self.schemas.check(body["topic"], SchemaType.parse(body["type"]),
+                                 body.get("definition"))
+        return {"compatible": why is None, "reason": why}
+
+    def _schema_compatibility(self, body: dict[str, Any]) -> Any:
+        rule = Compatibility.parse(body["compatibility"])
+        self.schemas.set_compatibility(body["topic"], rule)
+        return {"compatibility": rule.value}
+
     def _producer_state(self, body: dict[str, Any]) -> Any:
         return {str(p.partition): p.producer_state(str(body["producer"]))
                 for p in self.store.partitions(body["topic"])}
@@ -360,6 +386,12 @@ _ACTIONS = {
     "txn-abort": (Broker._txn_abort, "Abort {txn} and remove its staged rows."),
     "transactions": (Broker._transactions, "Transactions and their states."),
     "sink-state": (Broker._sink_state, "The last batch id committed by {sink}."),
+    "schema-register": (Broker._schema_register, "Add {type, definition} as {topic}'s next "
+                                                 "schema version (if compatible)."),
+    "schema-get": (Broker._schema_get, "A schema version of {topic} (default: latest)."),
+    "schema-list": (Broker._schema_list, "Every schema version of {topic}, and its rule."),
+    "schema-check": (Broker._schema_check, "Would {type, definition} be compatible?"),
+    "schema-compatibility": (Broker._schema_compatibility, "Set {topic}'s compatibility."),
 }
 
 

@@ -23,7 +23,7 @@ from tierstream.timeutil import now_ms
 
 __all__ = ["MetadataReader", "MetadataStore", "SegmentRecord", "SegmentState", "TopicRecord"]
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -72,6 +72,19 @@ CREATE TABLE IF NOT EXISTS sinks (
     sink_id TEXT PRIMARY KEY,
     last_batch INTEGER NOT NULL,
     committed_at INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS schemas (
+    topic TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    type TEXT NOT NULL,
+    definition TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    PRIMARY KEY (topic, version)
+);
+CREATE TABLE IF NOT EXISTS schema_policies (
+    topic TEXT PRIMARY KEY,
+    compatibility TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS cursors (
     topic TEXT NOT NULL,
@@ -269,6 +282,9 @@ class MetadataStore:
             version = 4
         if version == 4:  # v5: transactions and sinks (tables created by the DDL above)
             self._conn.execute("UPDATE meta SET value='5' WHERE key='schema_version'")
+            version = 5
+        if version == 5:  # v6: topic schemas (tables created by the DDL above)
+            self._conn.execute("UPDATE meta SET value='6' WHERE key='schema_version'")
 
     def _check_version(self) -> None:
         row = self._conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
@@ -289,7 +305,7 @@ class MetadataStore:
 
     def atomic(self) -> AbstractContextManager[sqlite3.Connection]:
         """One write transaction, for the tables another module keeps (``transactions`` and
-        ``sinks``: store/transaction_records.py)."""
+        ``sinks``: store/transaction_records.py; ``schemas``: store/schema_registry.py)."""
         return self._tx()
 
     def query(self, sql: str, args: Sequence[Any] | Mapping[str, Any] = ()) -> list[Any]:
@@ -342,7 +358,8 @@ class MetadataStore:
     def purge_topic(self, name: str) -> None:
         """Remove every record of a topic, in one transaction (the last step of deleting)."""
         with self._tx() as c:
-            for table in ("segments", "cursors", "deleted_segments", "dedup"):
+            for table in ("segments", "cursors", "deleted_segments", "dedup", "schemas",
+                          "schema_policies"):
                 c.execute(f"DELETE FROM {table} WHERE topic=?", (name,))
             c.execute("DELETE FROM topics WHERE name=?", (name,))
 

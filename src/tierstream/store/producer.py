@@ -28,6 +28,7 @@ from tierstream.store.connection import BrokerClient
 from tierstream.store.protocol import decode, encode, translate_errors
 
 if TYPE_CHECKING:
+    from tierstream.schemas.codec import Encoder
     from tierstream.store.transaction import Transaction
 
 __all__ = ["Message", "Producer"]
@@ -38,7 +39,7 @@ __all__ = ["Message", "Producer"]
 class Message:
     """One message as a producer sends it."""
 
-    value: bytes
+    value: Any  # bytes; with a schema, what it encodes (a dict for AVRO and JSON, a str)
     key: str | None = None
     event_time: int | None = None
     properties: Mapping[str, str] | None = None
@@ -65,12 +66,20 @@ class Producer:
     name, so only its own retries are de-duplicated. When ``send_timeout`` passes without an
     ack, the UnavailableError names the sequence ids in doubt (``exc.unacknowledged``:
     partition -> ids); they stay queued, so :meth:`flush` tries again.
+
+    Typed values: ``schema=("avro", definition)`` registers that schema as a version of the
+    topic (or finds it: refused if incompatible under the topic's rule); without it the
+    producer uses the topic's latest schema, if it has one. Values are then encoded and
+    checked (a dict for AVRO and JSON, text for STRING), every value of a call before any is
+    sent, and each message records its schema version (property
+    ``tierstream.schema.version``).
     """
 
     def __init__(self, topic: str, *, broker: str | None = None, auth_token: str | None = None,
                  tls_ca: bytes | str | None = None, name: str | None = None,
                  batch_size: int = 1000, max_in_flight: int = 8,
-                 send_timeout: float = 30.0) -> None:
+                 send_timeout: float = 30.0,
+                 schema: tuple[str, str | None] | None = None) -> None:
         self.topic = str(TopicName.parse(topic))
         if batch_size < 1 or max_in_flight < 1:
             raise ConfigError(f"batch_size ({batch_size}) and max_in_flight ({max_in_flight}) "
@@ -90,10 +99,34 @@ class Producer:
                          for p in range(self.partitions)}
         self._rr = itertools.count()
         self._acks: list[dict[str, Any]] = []
+        self.encoder = self._schema_encoder(schema)
         self._txn: Transaction | None = None
 
     def __repr__(self) -> str:
         return f"Producer(topic={self.topic!r}, name={self.name!r}, broker={self._client.url!r})"
+
+    def _schema_encoder(self, schema: tuple[str, str | None] | None) -> Encoder | None:
+        """The topic's schema: ``schema`` (type, definition) registered (or found) as a
+        version, else the topic's latest version if it has one, else none (bytes)."""
+        from tierstream.errors import NotFoundError
+        from tierstream.schemas.codec import Encoder
+
+        if schema is not None:
+            return Encoder(self._admin.register_schema(self.topic, schema[0], schema[1]))
+        try:
+            return Encoder(self._admin.get_schema(self.topic))
+        except NotFoundError:
+            return None
+
+    def _encoded(self, messages: Iterable[Message | Mapping[str, Any]]) -> list[Message]:
+        """Messages with values encoded by the schema (all checked before any is sent)."""
+        out = [m if isinstance(m, Message) else Message(**m) for m in messages]
+        if self.encoder is None:
+            return out
+        props = self.encoder.properties
+        return [Message(self.encoder.encode(m.value, i), m.key, m.event_time,
+                        {**(m.properties or {}), **props}, m.publish_time)
+                for i, m in enumerate(out)]
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -101,7 +134,7 @@ class Producer:
              properties: Mapping[str, str] | None = None, publish_time: int | None = None
              ) -> dict[str, Any]:
         """Send one message and wait for its ack (a dict with partition, segment_id, ...)."""
-        data = value.encode() if isinstance(value, str) else value
+        data = value.encode() if isinstance(value, str) and self.encoder is None else value
         acks = self.send_many([Message(data, key, event_time, properties, publish_time)])
         return acks[0]
 
@@ -110,8 +143,7 @@ class Producer:
         are acknowledged."""
         buffers: dict[int, list[Message]] = {p: [] for p in range(self.partitions)}
         self._acks = []
-        for m in messages:
-            msg = m if isinstance(m, Message) else Message(**m)
+        for msg in self._encoded(messages):
             p = self._route(msg.key)
             buffers[p].append(msg)
             if len(buffers[p]) >= self.batch_size:
@@ -133,6 +165,9 @@ class Producer:
         self._acks = []
         batches = batch.to_batches(self.batch_size) if isinstance(batch, pa.Table) \
             else [batch]
+        if self.encoder is not None:  # every value checked before any is sent
+            batches = [self._encode_batch(as_produce_batch(b), i * self.batch_size)
+                       for i, b in enumerate(batches)]
         for b in batches:
             self._send(p, as_produce_batch(b))
         self.flush()
@@ -186,6 +221,18 @@ class Producer:
             self._release()
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _encode_batch(self, batch: pa.RecordBatch, first: int) -> pa.RecordBatch:
+        assert self.encoder is not None
+        encoder = self.encoder
+        values = [encoder.encode(v, first + i)
+                  for i, v in enumerate(batch.column("value").to_pylist())]
+        props = [list({**dict(p or []), **encoder.properties}.items())
+                 for p in batch.column("properties").to_pylist()]
+        out = batch.set_column(batch.schema.get_field_index("value"), "value",
+                               pa.array(values, pa.binary()))
+        return out.set_column(out.schema.get_field_index("properties"), "properties",
+                              pa.array(props, out.schema.field("properties").type))
 
     def _route(self, key: str | None) -> int:
         if key is None:

@@ -1,0 +1,289 @@
+"""Values through a schema: producers encode and validate them (a bad value is refused before
+anything is sent, naming the message and the field); readers decode each message by the
+schema version it was written with, resolved to the topic's latest schema.
+
+Encodings: AVRO is Avro binary of the writer's schema (no header: the version travels in the
+message property ``tierstream.schema.version``, as Pulsar keeps it in message metadata), JSON
+is UTF-8 JSON text, STRING is UTF-8 text, NONE is bytes as given. A message without the
+property was written without a schema: version 0, bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import pyarrow as pa
+
+from tierstream.errors import ConfigError
+from tierstream.schemas.model import VERSION_PROPERTY, SchemaInfo, SchemaType
+
+__all__ = ["MODES", "Decoder", "Encoder", "arrow_type", "decode_batch"]
+
+MODES = ("FAILFAST", "PERMISSIVE", "DROPMALFORMED")
+CORRUPT_COLUMN = "_corrupt_record"
+
+
+class Encoder:
+    """Encodes and checks values for one schema version (producer side)."""
+
+    def __init__(self, info: SchemaInfo) -> None:
+        self.info = info
+        self._avro: Any = None
+        self._json: Any = None
+        if info.type is SchemaType.AVRO:
+            import fastavro
+
+            self._avro = fastavro.parse_schema(info.parsed)
+        elif info.type is SchemaType.JSON:
+            import jsonschema
+
+            self._json = jsonschema.validators.validator_for(info.parsed)(info.parsed)
+
+    @property
+    def properties(self) -> dict[str, str]:
+        return {VERSION_PROPERTY: str(self.info.version)}
+
+    def encode(self, value: Any, index: int = 0) -> bytes:
+        """``value`` as the bytes of this schema. AVRO and JSON take a dict (or their
+        encoded bytes/text, which are checked); ConfigError names message ``index`` and the
+        field otherwise."""
+        where = f"message {index} of topic {self.info.topic!r} (schema version " \
+                f"{self.info.version}, {self.info.type.value})"
+        kind = self.info.type
+        if kind is SchemaType.NONE:
+            if not isinstance(value, (bytes, bytearray, memoryview)):
+                raise ConfigError(f"{where}: expected bytes, got {type(value).__name__}")
+            return bytes(value)
+        if kind is SchemaType.STRING:
+            if isinstance(value, str):
+                return value.encode()
+            try:
+                bytes(value).decode("utf-8")
+            except (TypeError, UnicodeDecodeError):
+                raise ConfigError(f"{where}: not UTF-8 text") from None
+            return bytes(value)
+        if kind is SchemaType.JSON:
+            doc = value
+            if isinstance(value, (bytes, bytearray, str)):
+                try:
+                    doc = json.loads(value)
+                except ValueError as exc:
+                    raise ConfigError(f"{where}: not JSON ({exc})") from None
+            error = next(iter(self._json.iter_errors(doc)), None)
+            if error is not None:
+                path = ".".join(str(p) for p in error.absolute_path) or "the value"
+                raise ConfigError(f"{where}: field {path!r}: {error.message}")
+            return json.dumps(doc, separators=(",", ":")).encode()
+        import fastavro
+        from fastavro.validation import ValidationError, validate
+
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            try:  # already Avro: it must decode with this schema and nothing left over
+                buf = io.BytesIO(bytes(value))
+                fastavro.schemaless_reader(buf, self._avro, None)
+                if buf.read(1):
+                    raise ValueError("bytes left after the record")
+            except Exception as exc:
+                raise ConfigError(f"{where}: not Avro of this schema ({exc})") from None
+            return bytes(value)
+        try:
+            validate(value, self._avro, raise_errors=True)
+        except ValidationError as exc:
+            raise ConfigError(f"{where}: {_avro_error(exc, self.info.parsed)}") from None
+        out = io.BytesIO()
+        fastavro.schemaless_writer(out, self._avro, value)
+        return out.getvalue()
+
+
+def _avro_error(exc: Any, schema: Any) -> str:
+    """fastavro's first validation error as ``field 'a.b': 'x' is not int``."""
+    errors = getattr(exc, "errors", None) or []
+    if errors:
+        first = errors[0]
+        field = str(getattr(first, "field", None) or "")
+        names = [schema.get("name", ""), schema.get("namespace", "")] \
+            if isinstance(schema, dict) else []
+        for prefix in (f"{names[1]}.{names[0]}." if names and names[1] else "",
+                       f"{names[0]}." if names else ""):
+            if prefix and field.startswith(prefix):
+                field = field[len(prefix):]
+                break
+        return f"field {field or 'the value'!r}: {first.datum!r} is not {_short(first.schema)}"
+    return str(exc)
+
+
+def _short(schema: Any) -> str:
+    if isinstance(schema, dict):
+        return str(schema.get("type"))
+    return str(schema)
+
+
+def arrow_type(info: SchemaInfo) -> pa.DataType:
+    """The Arrow type a value of ``info`` decodes to."""
+    if info.type is SchemaType.NONE:
+        return pa.binary()
+    if info.type is SchemaType.STRING:
+        return pa.string()
+    if info.type is SchemaType.JSON:
+        return _json_type(info.parsed)
+    return _avro_type(info.parsed, {})
+
+
+def _avro_type(schema: Any, names: dict[str, pa.DataType]) -> pa.DataType:
+    if isinstance(schema, list):
+        branches = [b for b in schema if b != "null"]
+        if len(branches) == 1:
+            return _avro_type(branches[0], names)
+        return pa.string()  # a union of several types: its JSON text
+    if isinstance(schema, str):
+        simple = {"null": pa.null(), "boolean": pa.bool_(), "int": pa.int32(),
+                  "long": pa.int64(), "float": pa.float32(), "double": pa.float64(),
+                  "bytes": pa.binary(), "string": pa.string()}
+        if schema in simple:
+            return simple[schema]
+        return names.get(schema, names.get(schema.rsplit(".", 1)[-1], pa.string()))
+    kind, logical = schema.get("type"), schema.get("logicalType")
+    if logical in ("timestamp-millis", "timestamp-micros"):
+        return pa.timestamp("us", tz="UTC")
+    if logical == "date":
+        return pa.date32()
+    if kind == "record":
+        struct = pa.struct([pa.field(f["name"], _avro_type(f["type"], names))
+                            for f in schema.get("fields", [])])
+        names[schema["name"]] = struct
+        return struct
+    if kind == "enum":
+        return pa.string()
+    if kind == "fixed":
+        return pa.binary()
+    if kind == "array":
+        return pa.list_(_avro_type(schema["items"], names))
+    if kind == "map":
+        return pa.map_(pa.string(), _avro_type(schema["values"], names))
+    return _avro_type(kind, names)
+
+
+def _json_type(schema: Any) -> pa.DataType:
+    if not isinstance(schema, dict):
+        return pa.string()
+    t = schema.get("type")
+    types = [x for x in (t if isinstance(t, list) else [t]) if x != "null"]
+    t = types[0] if len(types) == 1 else None
+    if t == "object" and "properties" in schema:
+        return pa.struct([pa.field(k, _json_type(v)) for k, v in schema["properties"].items()])
+    if t == "array" and isinstance(schema.get("items"), dict):
+        return pa.list_(_json_type(schema["items"]))
+    return {"string": pa.string(), "integer": pa.int64(), "number": pa.float64(),
+            "boolean": pa.bool_()}.get(str(t), pa.string())  # anything else: its JSON text
+
+
+class Decoder:
+    """Decodes values written with any version of a topic's schema into its latest one."""
+
+    def __init__(self, versions: Iterable[SchemaInfo]) -> None:
+        self.versions = {v.version: v for v in versions}
+        if not self.versions:
+            raise ConfigError("valueFormat=auto needs a topic with a schema")
+        self.latest = self.versions[max(self.versions)]
+        self.type = arrow_type(self.latest)
+        self._parsed: dict[int, Any] = {}
+
+    def _avro(self, version: int) -> Any:
+        import fastavro
+
+        if version not in self._parsed:
+            self._parsed[version] = fastavro.parse_schema(self.versions[version].parsed)
+        return self._parsed[version]
+
+    def decode(self, value: bytes, version: int) -> Any:
+        """One value as Python data of the latest schema; raises ValueError if it cannot."""
+        latest = self.latest
+        writer = self.versions.get(version)
+        if version == 0 or writer is None:
+            if version != 0:
+                raise ValueError(f"unknown schema version {version}")
+            if latest.type in (SchemaType.NONE, SchemaType.STRING):
+                return value if latest.type is SchemaType.NONE else value.decode()
+            raise ValueError("written without a schema (version 0)")
+        if latest.type is SchemaType.STRING:
+            return value.decode()
+        if latest.type is SchemaType.NONE:
+            return value
+        if latest.type is SchemaType.JSON:
+            return _fit_json(json.loads(value), self.type)
+        import fastavro
+
+        buf = io.BytesIO(value)
+        record = fastavro.schemaless_reader(buf, self._avro(version), self._avro(latest.version))
+        if buf.read(1):
+            raise ValueError("bytes left after the record")
+        return record
+
+
+def _fit_json(doc: Any, type_: pa.DataType) -> Any:
+    """A JSON document shaped for ``type_`` (unknown shapes kept as JSON text)."""
+    if pa.types.is_struct(type_):
+        if not isinstance(doc, dict):
+            raise ValueError(f"expected an object, got {type(doc).__name__}")
+        return {f.name: _fit_json(doc.get(f.name), f.type) for f in type_}
+    if pa.types.is_list(type_) and doc is not None:
+        return [_fit_json(x, type_.value_type) for x in doc]
+    if pa.types.is_string(type_) and doc is not None and not isinstance(doc, str):
+        return json.dumps(doc)
+    return doc
+
+
+def decode_batch(batch: pa.RecordBatch, decoder: Decoder, mode: str, topic: str,
+                 dropped: list[int] | None = None) -> pa.RecordBatch:
+    """``batch`` (the message schema plus ``topic``) with ``value`` decoded into the latest
+    schema's type. ``mode``: FAILFAST raises naming topic, partition and position;
+    PERMISSIVE leaves null and puts the raw bytes in ``_corrupt_record``; DROPMALFORMED drops
+    the message and counts it in ``dropped[0]``."""
+    values = batch.column("value").to_pylist()
+    props = batch.column("properties").to_pylist()
+    decoded: list[Any] = []
+    corrupt: list[bytes | None] = []
+    keep: list[bool] = []
+    for i, (value, p) in enumerate(zip(values, props, strict=True)):
+        version = _version(p)
+        try:
+            decoded.append(decoder.decode(value, version))
+            corrupt.append(None)
+            keep.append(True)
+        except Exception as exc:
+            if mode == "FAILFAST":
+                pos = (batch.column("partition")[i].as_py(), batch.column("segment_id")[i]
+                       .as_py(), batch.column("entry_id")[i].as_py(),
+                       batch.column("batch_index")[i].as_py())
+                raise ConfigError(
+                    f"cannot decode the value of {topic!r} partition {pos[0]} at position "
+                    f"{pos[1]}:{pos[2]}:{pos[3]} (schema version {version}): {exc}; "
+                    "mode=PERMISSIVE keeps it as _corrupt_record, DROPMALFORMED skips it"
+                ) from None
+            decoded.append(None)
+            corrupt.append(value)
+            keep.append(mode != "DROPMALFORMED")
+    index = batch.schema.get_field_index("value")
+    out = batch.set_column(index, pa.field("value", decoder.type),
+                           pa.array(decoded, type=decoder.type))
+    if mode == "PERMISSIVE":
+        out = out.append_column(pa.field(CORRUPT_COLUMN, pa.binary()),
+                                pa.array(corrupt, pa.binary()))
+    if mode == "DROPMALFORMED" and not all(keep):
+        if dropped is not None:
+            dropped[0] += keep.count(False)
+        out = out.filter(pa.array(keep))
+    return out
+
+
+def _version(properties: Iterable[tuple[str, str]] | Mapping[str, str] | None) -> int:
+    if not properties:
+        return 0
+    items = properties.items() if isinstance(properties, Mapping) else properties
+    for k, v in items:
+        if k == VERSION_PROPERTY:
+            return int(v)
+    return 0

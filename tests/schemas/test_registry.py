@@ -1,0 +1,122 @@
+"""Schema versions, compatibility rules and producers' checks, against a real broker."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tierstream.errors import ConfigError, NotFoundError
+from tierstream.schemas.compat import can_read
+from tierstream.schemas.model import SchemaType
+from tierstream.store.client import Admin, Producer
+
+from ..logs import running_log
+from ..store.helpers import read_all
+
+TOPIC = "acme/shop/orders"
+
+V1 = {"type": "record", "name": "Order", "fields": [
+    {"name": "id", "type": "string"}, {"name": "amount", "type": "int"},
+    {"name": "note", "type": ["null", "string"], "default": None}]}
+# v2: a field added with a default, one removed; amount widened int -> long
+V2 = {"type": "record", "name": "Order", "fields": [
+    {"name": "id", "type": "string"}, {"name": "amount", "type": "long"},
+    {"name": "currency", "type": "string", "default": "EUR"}]}
+# v3: a new field without a default: old data cannot be read with it
+V3 = {"type": "record", "name": "Order", "fields": [
+    {"name": "id", "type": "string"}, {"name": "amount", "type": "long"},
+    {"name": "currency", "type": "string", "default": "EUR"},
+    {"name": "customer", "type": "string"}]}
+
+
+def test_versions_fingerprints_and_rules(tmp_path) -> None:
+    with running_log(tmp_path / "data") as log, Admin(log.url) as admin:
+        admin.create_topic(TOPIC, 2)
+        with pytest.raises(NotFoundError, match="has no schema"):
+            admin.get_schema(TOPIC)
+        one = admin.register_schema(TOPIC, "avro", json.dumps(V1))
+        assert one.version == 1 and one.type is SchemaType.AVRO
+        # the same schema written differently is the same version
+        again = admin.register_schema(TOPIC, "AVRO", json.dumps(V1, indent=4))
+        assert again.version == 1 and again.fingerprint == one.fingerprint
+        two = admin.register_schema(TOPIC, "avro", json.dumps(V2))
+        assert two.version == 2
+        assert admin.check_schema(TOPIC, "avro", json.dumps(V3)) is not None
+        with pytest.raises(ConfigError, match=r"BACKWARD.*field 'customer' .* no default"):
+            admin.register_schema(TOPIC, "avro", json.dumps(V3))
+        with pytest.raises(ConfigError, match="change of type"):
+            admin.register_schema(TOPIC, "json", json.dumps({"type": "object"}))
+        # FORWARD: the old schema must read new data; v3 adds a field: v2 skips it: fine
+        admin.set_schema_compatibility(TOPIC, "forward")
+        assert admin.check_schema(TOPIC, "avro", json.dumps(V3)) is None
+        admin.set_schema_compatibility(TOPIC, "FULL_TRANSITIVE")
+        reason = admin.check_schema(TOPIC, "avro", json.dumps(V3))
+        assert reason is not None and "FULL_TRANSITIVE" in reason
+        admin.set_schema_compatibility(TOPIC, "ALWAYS_INCOMPATIBLE")
+        with pytest.raises(ConfigError, match="cannot change"):
+            admin.register_schema(TOPIC, "avro", json.dumps(V3))
+        admin.set_schema_compatibility(TOPIC, "ALWAYS_COMPATIBLE")
+        assert admin.register_schema(TOPIC, "json", json.dumps({"type": "object"})).version == 3
+        rule, versions = admin.list_schemas(TOPIC)
+        assert rule == "ALWAYS_COMPATIBLE" and [v.version for v in versions] == [1, 2, 3]
+        with pytest.raises(ConfigError, match="invalid compatibility 'sideways'"):
+            admin.set_schema_compatibility(TOPIC, "sideways")
+        with pytest.raises(ConfigError, match="invalid Avro schema"):
+            admin.register_schema(TOPIC, "avro", '{"type": "record"}')
+        with pytest.raises(ConfigError, match="invalid schema type 'xml'"):
+            admin.register_schema(TOPIC, "xml", "<a/>")
+
+
+@pytest.mark.parametrize(("reader", "writer", "why"), [
+    ("int", "long", "changed type from long to int"),
+    ("long", "int", None),
+    ({"type": "enum", "name": "E", "symbols": ["A"]},
+     {"type": "enum", "name": "E", "symbols": ["A", "B"]}, "enum symbol(s) ['B']"),
+    (["null", "string"], "string", None),
+    ("string", ["null", "string"], "changed type from null to string"),
+    ({"type": "array", "items": "double"}, {"type": "array", "items": "float"}, None),
+    ({"type": "map", "values": "int"}, {"type": "map", "values": "string"}, "changed type"),
+])
+def test_avro_resolution_rules(reader, writer, why) -> None:
+    got = can_read(SchemaType.AVRO, reader, writer)
+    assert (got is None) if why is None else (got is not None and why in got), got
+
+
+def test_json_schema_rules() -> None:
+    old = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    new = {"type": "object", "properties": {"a": {"type": "integer"},
+                                            "b": {"type": "string"}}, "required": ["a", "b"]}
+    assert "field 'b' is required" in (can_read(SchemaType.JSON, new, old) or "")
+    assert can_read(SchemaType.JSON, old, new) is None
+    typed = {"type": "object", "properties": {"a": {"type": "string"}}}
+    assert "changed type" in (can_read(SchemaType.JSON, typed, old) or "")
+
+
+def test_producers_check_and_encode_values_and_record_the_version(tmp_path) -> None:
+    with running_log(tmp_path / "data") as log:
+        with Admin(log.url) as admin:
+            admin.create_topic(TOPIC, 2)
+            admin.create_topic("acme/shop/events", 1)
+        with Producer(TOPIC, broker=log.url, schema=("avro", json.dumps(V1))) as producer:
+            producer.send_many([{"key": "a", "value": {"id": "o1", "amount": 5, "note": None}}])
+            with pytest.raises(ConfigError, match=r"message 1 .*field 'amount'"):
+                producer.send_many([{"value": {"id": "o2", "amount": 6, "note": None}},
+                                    {"value": {"id": "o3", "amount": "seven", "note": None}}])
+        table = read_all(log.url, TOPIC)
+        assert table.num_rows == 1  # the bad call sent nothing, not even its good message
+        assert dict(table.column("properties")[0].as_py())["tierstream.schema.version"] == "1"
+        # a producer without a schema argument uses the topic's latest one
+        with Producer(TOPIC, broker=log.url) as producer:
+            assert producer.encoder is not None and producer.encoder.info.version == 1
+            with pytest.raises(ConfigError, match="not Avro of this schema"):
+                producer.send(b"\xff\xff raw bytes")
+        schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+        with Producer("acme/shop/events", broker=log.url,
+                      schema=("json", json.dumps(schema))) as producer:
+            producer.send({"n": 1})
+            with pytest.raises(ConfigError, match=r"field 'n': 'x' is not of type 'integer'"):
+                producer.send({"n": "x"})
+        # a topic without a schema takes bytes as before
+        with Producer("acme/shop/events", broker=log.url) as producer:
+            assert producer.encoder is not None  # it has one now
