@@ -9,6 +9,7 @@ store's data directory and broker address (defaults: the option table, i.e.
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -24,6 +25,7 @@ from tierstream.options import parse_options
 from tierstream.read_options import ReadOptions
 from tierstream.readers import ReadStats, open_reader
 from tierstream.schema import READ_SCHEMA
+from tierstream.schemas.codec import decode_batch
 from tierstream.splits.positions import KeyRange, Offset, OffsetKind
 from tierstream.splits.split import ReaderKind, Split, StreamCut, chains
 from tierstream.store.security import read_pem
@@ -42,6 +44,9 @@ def _bound(value: BoundLike | None, what: str) -> Offset | StreamCut | None:
         return Offset.at_time(value)  # type: ignore[arg-type]
     raise ConfigError(f"invalid {what} {value!r}: expected an Offset, a StreamCut, a time or "
                       "'earliest'/'latest'")
+
+
+log = logging.getLogger(__name__)
 
 
 def _enumerator(data_dir: str | None, broker: str | None, auth_token: str | None) -> Enumerator:
@@ -154,25 +159,64 @@ def run_splits(splits: Sequence[Split], *, parallelism: int | None = None,
 
 
 def scan(topic: str | Sequence[str] | None = None, *, parallelism: int | None = None,
-         stats: ReadStats | None = None, **kwargs: Any) -> Iterator[pa.RecordBatch]:
+         stats: ReadStats | None = None, value_format: str = "raw", mode: str = "FAILFAST",
+         **kwargs: Any) -> Iterator[pa.RecordBatch]:
     """Batches (READ_SCHEMA) of a bounded read; arguments as :func:`plan`. ``stats`` (a
-    :class:`~tierstream.readers.stats.ReadStats`) counts which way each split was read."""
+    :class:`~tierstream.readers.stats.ReadStats`) counts which way each split was read.
+
+    ``value_format="auto"`` decodes each value by the schema version it was written with into
+    the topic's latest schema (``value`` becomes a struct, or text for STRING); ``mode`` says
+    what happens to a value that cannot be decoded (FAILFAST, PERMISSIVE, DROPMALFORMED: see
+    the option ``mode``)."""
     options = kwargs.get("options")
     if options is not None and not isinstance(options, ReadOptions):
         kwargs["options"] = options = ReadOptions.parse(options)  # parsed once, for both
+    if options is None:
+        options = _decoding_options(topic, kwargs, value_format, mode)
+    decoder = options.decoder() if options is not None else None
     splits = plan(topic, **kwargs)
-    if options is not None:
-        token, ca = options.auth_token, options.tls_ca
+    given = kwargs.get("options")
+    if isinstance(given, ReadOptions):
+        token, ca = given.auth_token, given.tls_ca
     else:
         client = parse_options({"authToken": kwargs.get("auth_token")}, scope="client")
         token, ca = client["authToken"], read_pem(client["tlsCa"], "tlsCa")
-    yield from run_splits(splits, parallelism=parallelism, auth_token=token, tls_ca=ca,
-                          stats=stats)
+    batches = run_splits(splits, parallelism=parallelism, auth_token=token, tls_ca=ca,
+                         stats=stats)
+    if decoder is None:
+        yield from batches
+        return
+    assert options is not None
+    dropped = [0]
+    for batch in batches:
+        out = decode_batch(batch, decoder, options.mode, options.topics[0], dropped)
+        if out.num_rows or options.mode != "DROPMALFORMED":
+            yield out
+    if dropped[0]:
+        log.warning("dropped %d value(s) of %r that could not be decoded (mode=DROPMALFORMED)",
+                    dropped[0], options.topics[0])
+
+
+def _decoding_options(topic: Any, kwargs: dict[str, Any], value_format: str, mode: str
+                      ) -> ReadOptions | None:
+    """The read as options, when the keyword arguments ask for decoding (else None)."""
+    if str(value_format).lower() == "raw" and str(mode).upper() == "FAILFAST":
+        return None
+    raw = {"topic": topic if isinstance(topic, str) else None,
+           "topics": None if isinstance(topic, str) or topic is None else ",".join(topic),
+           "namespace": kwargs.get("namespace"), "valueFormat": value_format, "mode": mode,
+           "dataDir": kwargs.get("data_dir"), "broker": kwargs.get("broker"),
+           "authToken": kwargs.get("auth_token")}
+    return ReadOptions.parse({k: v for k, v in raw.items() if v is not None})
 
 
 def read(topic: str | Sequence[str] | None = None, **kwargs: Any) -> pa.Table:
-    """A bounded read as one Arrow table (READ_SCHEMA); arguments as :func:`plan`."""
-    return pa.Table.from_batches(list(scan(topic, **kwargs)), READ_SCHEMA)
+    """A bounded read as one Arrow table (READ_SCHEMA, or with ``value_format="auto"`` the
+    decoded value); arguments as :func:`plan` and :func:`scan`."""
+    batches = list(scan(topic, **kwargs))
+    if batches:
+        return pa.Table.from_batches(batches)
+    return READ_SCHEMA.empty_table()
 
 
 def latest_cut(topic: str, *, data_dir: str | None = None, broker: str | None = None,

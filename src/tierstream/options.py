@@ -321,6 +321,16 @@ OPTIONS: dict[str, Option] = {
                description="Batch reads through tierstream.spark_adapter.read: tier splits on "
                            "Spark's Parquet reader (native), through the tierstream source "
                            "(source), or native where Spark can read the files (auto)."),
+        Option(key="valueFormat", parse=_string, default="raw", kind="raw or auto",
+               scopes=("read",),
+               description="raw: values as bytes; auto: each value decoded by the schema "
+                           "version it was written with into the topic's latest schema (a "
+                           "struct column; one topic per read)."),
+        Option(key="mode", parse=_string, default="FAILFAST",
+               kind="FAILFAST, PERMISSIVE or DROPMALFORMED", scopes=("read",),
+               description="valueFormat=auto: a value that cannot be decoded fails the read "
+                           "(FAILFAST), becomes null with its bytes in _corrupt_record "
+                           "(PERMISSIVE), or is skipped and counted (DROPMALFORMED)."),
         Option(key="splits", parse=_string, default=None,
                kind="a JSON list of splits", scopes=("read",),
                description="Read exactly these splits instead of planning (what "

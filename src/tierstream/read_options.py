@@ -10,12 +10,16 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierstream.enumerator import Enumerator, Query
 from tierstream.errors import ConfigError
 from tierstream.names import TopicName
 from tierstream.options import parse_options
+
+if TYPE_CHECKING:
+    from tierstream.schemas.codec import Decoder
+
 from tierstream.splits.positions import Offset
 from tierstream.splits.split import (
     Cuts,
@@ -59,6 +63,8 @@ class ReadOptions:
     splits: tuple[Split, ...] | None = field(default=None, repr=False)  # planned already
     partitioning: str | None = None  # "splits" or "key-ranges"; None: the mode's default
     tier_reader: str = "auto"  # spark_adapter.read: "auto", "native" or "source"
+    value_format: str = "raw"  # "raw" or "auto" (decode by the topic's schema)
+    mode: str = "FAILFAST"  # valueFormat=auto: FAILFAST, PERMISSIVE or DROPMALFORMED
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> ReadOptions:
@@ -100,6 +106,18 @@ class ReadOptions:
         if opts["tierReader"] not in ("auto", "native", "source"):
             raise ConfigError(f"invalid option 'tierReader' {opts['tierReader']!r}: expected "
                               "auto, native or source")
+        value_format = str(opts["valueFormat"]).strip().lower()
+        if value_format not in ("raw", "auto"):
+            raise ConfigError(f"invalid option 'valueFormat' {opts['valueFormat']!r}: expected "
+                              "raw or auto")
+        mode = str(opts["mode"]).strip().upper()
+        if mode not in ("FAILFAST", "PERMISSIVE", "DROPMALFORMED"):
+            raise ConfigError(f"invalid option 'mode' {opts['mode']!r}: expected FAILFAST, "
+                              "PERMISSIVE or DROPMALFORMED")
+        if value_format == "auto" and len(topics) != 1:
+            raise ConfigError("valueFormat=auto reads one topic (its schema gives the "
+                              "columns); got " + (f"namespace {namespace!r}" if namespace
+                                                  else f"{len(topics)} topics"))
         if opts["keyRanges"] > 65536:
             raise ConfigError(f"invalid option 'keyRanges': {opts['keyRanges']}; expected "
                               "1..65536")
@@ -119,7 +137,22 @@ class ReadOptions:
             tls_ca=read_pem(opts["tlsCa"], "option 'tlsCa'"),
             splits=None if opts["splits"] is None else tuple(
                 splits_from_json(opts["splits"], what="option 'splits'")),
-            partitioning=opts["partitioning"], tier_reader=opts["tierReader"])
+            partitioning=opts["partitioning"], tier_reader=opts["tierReader"],
+            value_format=value_format, mode=mode)
+
+    def decoder(self) -> Decoder | None:
+        """For valueFormat=auto, the decoder of the topic's schema versions (read now, on
+        the driver); None for raw."""
+        if self.value_format != "auto":
+            return None
+        from tierstream.schemas.codec import Decoder
+
+        with self.enumerator() as enum:
+            versions = enum.schema_versions(self.topics[0])
+        if not versions:
+            raise ConfigError(f"valueFormat=auto: topic {self.topics[0]!r} has no schema "
+                              "(tierstream schema set); read it with valueFormat=raw")
+        return Decoder(versions)
 
     def check_exists(self) -> None:
         """At ``load()``: the topics (or the namespace) exist. Raises NotFoundError."""

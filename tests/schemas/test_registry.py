@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pyarrow as pa
 import pytest
 
 from tierstream.errors import ConfigError, NotFoundError
@@ -120,3 +121,59 @@ def test_producers_check_and_encode_values_and_record_the_version(tmp_path) -> N
         # a topic without a schema takes bytes as before
         with Producer("acme/shop/events", broker=log.url) as producer:
             assert producer.encoder is not None  # it has one now
+
+
+def test_reads_decode_every_version_into_the_latest_schema(tmp_path) -> None:
+    """The evolution test: v1, then v2 (a field added with a default, one removed), part of
+    it offloaded; a read across all of it decodes every message to v2; v3 is refused."""
+    import tierstream
+
+    with running_log(tmp_path / "data", maxEntriesPerSegment="4") as log:
+        with Admin(log.url) as admin:
+            admin.create_topic(TOPIC, 2)
+        with Producer(TOPIC, broker=log.url, batch_size=5,
+                      schema=("avro", json.dumps(V1))) as producer:
+            producer.send_many({"key": f"c{i % 3}", "value": {"id": f"a{i}", "amount": i,
+                                                              "note": "old"}}
+                               for i in range(40))
+        log.store.seal(TOPIC)
+        moved = log.store.offloader.offload_topic(TOPIC)
+        assert moved  # part of v1's data is in the tier now
+        with Producer(TOPIC, broker=log.url, batch_size=5,
+                      schema=("avro", json.dumps(V2))) as producer:
+            producer.send_many({"key": f"c{i % 3}", "value": {"id": f"b{i}", "amount": 2**40 + i,
+                                                              "currency": "USD"}}
+                               for i in range(30))
+        with Admin(log.url) as admin, pytest.raises(ConfigError, match="field 'customer'"):
+            admin.register_schema(TOPIC, "avro", json.dumps(V3))
+        table = tierstream.read(TOPIC, value_format="auto", **log.kw())
+        assert table.num_rows == 70
+        assert table.schema.field("value").type == pa.struct([
+            ("id", pa.string()), ("amount", pa.int64()), ("currency", pa.string())])
+        rows = {r["id"]: r for r in table.column("value").to_pylist()}
+        assert rows["a7"] == {"id": "a7", "amount": 7, "currency": "EUR"}  # v1 -> default
+        assert rows["b3"]["amount"] == 2**40 + 3 and rows["b3"]["currency"] == "USD"
+        raw = tierstream.read(TOPIC, **log.kw())
+        assert raw.schema.field("value").type == pa.binary()
+
+
+def test_undecodable_values_follow_the_mode(tmp_path) -> None:
+    import tierstream
+
+    with running_log(tmp_path / "data") as log:
+        with Admin(log.url) as admin:
+            admin.create_topic(TOPIC, 1)
+        with Producer(TOPIC, broker=log.url) as producer:  # before the schema: bytes
+            producer.send(b"legacy bytes")
+        with Producer(TOPIC, broker=log.url, schema=("avro", json.dumps(V1))) as producer:
+            producer.send({"id": "x", "amount": 1, "note": None})
+        with pytest.raises(ConfigError, match=r"cannot decode the value of 'acme/shop/orders' "
+                                              r"partition 0 at position \d+:0:0"):
+            tierstream.read(TOPIC, value_format="auto", **log.kw())
+        loose = tierstream.read(TOPIC, value_format="auto", mode="PERMISSIVE", **log.kw())
+        assert loose.column("_corrupt_record").to_pylist() == [b"legacy bytes", None]
+        assert loose.column("value").to_pylist()[0] is None
+        kept = tierstream.read(TOPIC, value_format="auto", mode="DROPMALFORMED", **log.kw())
+        assert kept.column("value").to_pylist() == [{"id": "x", "amount": 1, "note": None}]
+        with pytest.raises(ConfigError, match="invalid option 'mode' 'lax': expected FAILFAST"):
+            tierstream.read(TOPIC, value_format="auto", mode="lax", **log.kw())

@@ -18,6 +18,7 @@ from tierstream.enumerator.plan import PartitionPlan, Plan, SegmentPlan, no_gc
 from tierstream.errors import ConfigError, DataLossError, NotFoundError
 from tierstream.layout import DataDir
 from tierstream.names import TopicName
+from tierstream.schemas.model import SchemaInfo
 from tierstream.splits.positions import KeyRange, Offset, OffsetKind, Position
 from tierstream.splits.split import ReaderKind, Replica, StreamCut, TierLocation
 from tierstream.store.metadata import (
@@ -124,6 +125,10 @@ class Enumerator:
                 raise NotFoundError(f"namespace {query.namespace!r} has no topics")
             return found
         return [self.metadata.get_topic(TopicName.parse(t)) for t in query.topics]
+
+    def schema_versions(self, topic: str) -> list[SchemaInfo]:
+        """The topic's schema versions, in order (empty: its values are bytes)."""
+        return self.metadata.schema_versions(str(TopicName.parse(topic)))
 
     def latest_cut(self, topic: str) -> StreamCut:
         """The broker's last confirmed positions, as an exclusive end cut."""

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from tierstream.errors import AlreadyExistsError, ConfigError, NotFoundError, StorageError
 from tierstream.names import TopicName
+from tierstream.schemas.model import SchemaInfo
 from tierstream.timeutil import now_ms
 
 __all__ = ["MetadataReader", "MetadataStore", "SegmentRecord", "SegmentState", "TopicRecord"]
@@ -140,6 +141,8 @@ class MetadataReader(Protocol):
                          ) -> list[dict[str, Any]]: ...
 
     def bookie_endpoints(self) -> dict[str, str]: ...
+
+    def schema_versions(self, topic: str) -> list[SchemaInfo]: ...
 
     def close(self) -> None: ...
 
@@ -554,6 +557,12 @@ class MetadataStore:
                       "VALUES (?, ?, ?) ON CONFLICT(bookie_id) DO UPDATE SET "
                       "address=excluded.address, updated_at=excluded.updated_at",
                       (bookie_id, address, now_ms()))
+
+    def schema_versions(self, topic: str) -> list[SchemaInfo]:
+        """Every schema version of ``topic``, in order (store/schema_registry.py)."""
+        from tierstream.store.schema_registry import SchemaRegistry
+
+        return SchemaRegistry(self).versions(topic)
 
     def bookie_endpoints(self) -> dict[str, str]:
         """bookie id -> advertised address, for every bookie that has one."""

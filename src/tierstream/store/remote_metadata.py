@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tierstream.names import TopicName
+from tierstream.schemas.model import SchemaInfo
 from tierstream.store.admin import Admin, segment_record
 from tierstream.store.metadata import SegmentRecord, TopicRecord
 
@@ -61,6 +62,9 @@ class BrokerMetadata:
                          ) -> list[dict[str, Any]]:
         return [d for d in self._admin.deleted_segments(topic)
                 if partition is None or d["partition"] == partition]
+
+    def schema_versions(self, topic: str) -> list[SchemaInfo]:
+        return self._admin.list_schemas(topic)[1]
 
     def bookie_endpoints(self) -> dict[str, str]:
         return self._admin.bookie_endpoints()
