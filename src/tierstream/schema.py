@@ -78,15 +78,17 @@ OUTPUT_DDL = ", ".join(f"{f.name} {_DDL_TYPES[f.type]}{'' if f.nullable else ' n
                        for f in OUTPUT_SCHEMA)
 
 
-def as_output_batch(batch: pa.RecordBatch) -> pa.RecordBatch:
-    """A reader batch (READ_SCHEMA) as exactly :data:`OUTPUT_SCHEMA`: ms times become µs."""
+def as_output_batch(batch: pa.RecordBatch, schema: pa.Schema = OUTPUT_SCHEMA
+                    ) -> pa.RecordBatch:
+    """A reader batch (READ_SCHEMA) as exactly :data:`OUTPUT_SCHEMA` (or ``schema``, its
+    form with decoded values: schemas/codec.py): ms times become µs."""
     columns = []
-    for field in OUTPUT_SCHEMA:
+    for field in schema:
         col = batch.column(field.name)
         if field.type == TIMESTAMP:
             col = pc.multiply(col, pa.scalar(1000, pa.int64())).cast(TIMESTAMP)
         columns.append(col)
-    return pa.RecordBatch.from_arrays(columns, schema=OUTPUT_SCHEMA)
+    return pa.RecordBatch.from_arrays(columns, schema=schema)
 
 
 #: What a producer sends: the broker fills in key_hash, positions and the final publish_time.

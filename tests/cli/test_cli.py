@@ -16,7 +16,8 @@ from ..store.helpers import wait_for
 
 COMMANDS = [["broker", "start"], ["topic", "create"], ["topic", "list"], ["produce"],
             ["consume"], ["segments"], ["seal"], ["offload"], ["plan"], ["read"], ["backfill"],
-            ["tail"], ["subscriptions"], ["demo"], ["bookie", "serve"]]
+            ["tail"], ["subscriptions"], ["demo"], ["bookie", "serve"], ["schema", "set"],
+            ["schema", "get"], ["schema", "list"], ["schema", "check"]]
 
 
 def run(*args: str, stdin: str | None = None, env: dict[str, str] | None = None
@@ -252,6 +253,49 @@ def test_tail_into_iceberg_commits_each_batch_once(broker: BrokerProcess, data_d
     assert table.scan().to_arrow().num_rows == 1000  # batch 2 was not added twice
     assert len(table.snapshots()) == 3
     assert not (out / "data" / orphan).exists()  # uncommitted files are removed
+
+
+def test_schemas_through_the_cli(broker: BrokerProcess, data_dir: Path,
+                                 tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    env = {"TIERSTREAM_BROKER": broker.url or "", "TIERSTREAM_HOME": str(data_dir)}
+    topic = "acme/shop/orders"
+    run("topic", "create", topic, "--partitions", "2", env=env)
+    v1 = tmp_path / "v1.avsc"
+    v1.write_text(json.dumps({"type": "record", "name": "Order", "fields": [
+        {"name": "id", "type": "string"}, {"name": "amount", "type": "int"}]}))
+    v2 = tmp_path / "v2.avsc"
+    v2.write_text(json.dumps({"type": "record", "name": "Order", "fields": [
+        {"name": "id", "type": "string"}, {"name": "amount", "type": "long"},
+        {"name": "customer", "type": "string"}]}))
+    proc = run("schema", "set", topic, "--type", "avro", "--file", str(v1), env=env)
+    assert proc.returncode == 0 and "schema version 1" in proc.stdout, proc.stderr
+    proc = run("schema", "check", topic, "--type", "avro", "--file", str(v2), env=env)
+    assert proc.returncode == 1 and "field 'customer'" in proc.stdout
+    proc = run("schema", "set", topic, "--type", "avro", "--file", str(v2), env=env)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr  # one line
+    assert "incompatible schema" in proc.stderr and "BACKWARD" in proc.stderr
+    proc = run("schema", "set", topic, "--type", "avro", "--file", str(tmp_path / "nope"),
+               env=env)
+    assert proc.returncode == 2 and "cannot read --file" in proc.stderr
+    assert "BACKWARD" in run("schema", "list", topic, env=env).stdout
+    assert '"amount"' in run("schema", "get", topic, env=env).stdout
+    from tierstream.store.client import Producer
+
+    with Producer(topic, broker=broker.url) as producer:  # the topic's schema, looked up
+        producer.send_many({"key": f"k{i}", "value": {"id": f"o{i}", "amount": i}}
+                           for i in range(20))
+    proc = run("consume", topic, "--value-format", "auto", "--limit", "3", env=env)
+    rows = [json.loads(x) for x in proc.stdout.splitlines()]
+    assert len(rows) == 3 and set(rows[0]["value"]) == {"id", "amount"}, proc.stderr
+    out = tmp_path / "orders.parquet"
+    proc = run("read", topic, "--value-format", "auto", "--out", str(out), env=env)
+    assert proc.returncode == 0, proc.stderr
+    table = pq.read_table(out)
+    assert table.num_rows == 20 and table.schema.field("value").type.num_fields == 2
+    proc = run("consume", topic, "--value-format", "fancy", env=env)
+    assert proc.returncode == 2 and "invalid option 'valueFormat' 'fancy'" in proc.stderr
 
 
 USAGE_ERRORS = [

@@ -14,7 +14,14 @@ from typing import Annotated, Any
 
 import typer
 
-from tierstream.cli import admin, broker, produce, reads, topics  # noqa: F401 - registers them
+from tierstream.cli import (  # noqa: F401 - registers them
+    admin,
+    broker,
+    produce,
+    reads,
+    schemas,
+    topics,
+)
 from tierstream.cli.common import app, err, out
 from tierstream.errors import ConfigError, TierstreamError
 

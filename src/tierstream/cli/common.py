@@ -15,7 +15,7 @@ from tierstream.units import human_bytes
 
 __all__ = ["BrokerOpt", "DataDirOpt", "TlsCaOpt", "TlsCertOpt", "TlsKeyOpt", "TokenOpt", "app",
            "bookie_app", "broker_app", "err", "human_bytes", "human_duration", "out",
-           "progress_bar", "topic_app"]
+           "progress_bar", "schema_app", "topic_app"]
 
 app = typer.Typer(
     name="tierstream",
@@ -28,7 +28,10 @@ broker_app = typer.Typer(help="Run the embedded broker.", no_args_is_help=True)
 topic_app = typer.Typer(help="Create, list, change and delete topics.", no_args_is_help=True)
 bookie_app = typer.Typer(help="Serve a bookie's ledgers to readers on other hosts.",
                          no_args_is_help=True)
+schema_app = typer.Typer(help="Topic schemas: versions, compatibility, checks.",
+                         no_args_is_help=True)
 app.add_typer(broker_app, name="broker")
+app.add_typer(schema_app, name="schema")
 app.add_typer(bookie_app, name="bookie")
 app.add_typer(topic_app, name="topic")
 

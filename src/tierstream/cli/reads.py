@@ -28,6 +28,7 @@ from tierstream.cli.common import (
 )
 from tierstream.errors import ConfigError, TierstreamError
 from tierstream.options import DEFAULT_BROKER_URL, DEFAULT_DATA_DIR
+from tierstream.schemas.codec import decode_batch, decoded_schema
 from tierstream.splits.positions import KeyRange, Offset, OffsetKind
 
 
@@ -44,10 +45,13 @@ def consume(
                                                         "LO:HI (repeatable).")] = None,
     partition: Annotated[int | None, typer.Option(help="Only this partition.")] = None,
     limit: Annotated[int | None, typer.Option(help="Stop after N messages.")] = None,
+    value_format: ValueFormatOpt = "raw",
+    mode: ModeOpt = "FAILFAST",
     broker: BrokerOpt = DEFAULT_BROKER_URL,
     auth_token: TokenOpt = None,
 ) -> None:
-    """Print messages as JSON lines (value as UTF-8, or value_b64 when it is not text).
+    """Print messages as JSON lines (value as UTF-8, or value_b64 when it is not text; with
+    --value-format auto, the value decoded by the topic's schema).
 
     Example: tierstream consume acme/web/clicks --from 2026-11-01T00:00:00Z --limit 10
     """
@@ -66,10 +70,14 @@ def consume(
         raise ConfigError(f"invalid --limit {limit}: expected >= 0")
     printed = 0
     name = topic
+    decoder = _decoder(topic, value_format, mode, broker, auth_token)
+    dropped = [0]
     batches = read(name, partition=partition, start=start, end=end, key_ranges=ranges,
                    broker=broker, auth_token=auth_token)
     try:
-        for batch in batches:
+        for raw in batches:
+            batch = raw if decoder is None else decode_batch(raw, decoder, mode.upper(), name,
+                                                             dropped)
             for row in _rows(batch, name):
                 if limit is not None and printed >= limit:
                     return
@@ -80,17 +88,60 @@ def consume(
                 return
     finally:
         batches.close()
+        if dropped[0]:
+            err.print(f"dropped {dropped[0]:,} message(s) whose value could not be decoded "
+                      "(--mode DROPMALFORMED)", highlight=False)
+
+
+def _decoder(topic: str, value_format: str, mode: str, broker: str, auth_token: str | None
+             ) -> Any:
+    """The decoder for --value-format auto (None for raw); bad values of either flag fail
+    here, naming them."""
+    from tierstream.read_options import ReadOptions
+
+    options = ReadOptions.parse({"topic": topic, "valueFormat": value_format, "mode": mode,
+                                 "broker": broker, **({"authToken": auth_token}
+                                                      if auth_token else {})})
+    if options.value_format == "raw":
+        return None
+    from tierstream.schemas.codec import Decoder
+    from tierstream.store.client import Admin
+
+    with Admin(broker, auth_token=auth_token) as admin:
+        versions = admin.list_schemas(topic)[1]
+    if not versions:
+        raise ConfigError(f"--value-format auto: topic {topic!r} has no schema "
+                          "(tierstream schema set)")
+    return Decoder(versions)
 
 
 def _rows(batch: pa.RecordBatch, topic: str) -> Iterator[dict[str, Any]]:
     for r in batch.to_pylist():
         value = r.pop("value")
-        try:
-            r["value"] = value.decode("utf-8")
-        except UnicodeDecodeError:
-            r["value_b64"] = base64.b64encode(value).decode()
+        if not isinstance(value, bytes):  # decoded (--value-format auto), or null
+            r["value"] = _jsonable(value)
+        else:
+            try:
+                r["value"] = value.decode("utf-8")
+            except UnicodeDecodeError:
+                r["value_b64"] = base64.b64encode(value).decode()
+        if isinstance(r.get("_corrupt_record"), bytes):
+            r["_corrupt_record"] = base64.b64encode(r["_corrupt_record"]).decode()
         r["properties"] = dict(r["properties"]) if r["properties"] is not None else None
         yield {"topic": topic, **r}
+
+
+def _jsonable(value: Any) -> Any:
+    """A decoded value as JSON: bytes as base64, times as ISO-8601."""
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode()
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    return value
 
 
 def _query_kwargs(topic: str, from_: str, to: str, key_ranges: int, max_split_bytes: str | None,
@@ -114,6 +165,11 @@ ToOpt = Annotated[str, typer.Option("--to", help="Exclusive end: latest (at plan
 CutOutOpt = Annotated[Path | None, typer.Option(
     "--cut-out", help="Also write the end cut to this file (for a later --from @FILE).")]
 KeyRangesOpt = Annotated[int, typer.Option(help="Split every partition into K key ranges.")]
+ValueFormatOpt = Annotated[str, typer.Option(
+    "--value-format", help="raw (bytes) or auto (decoded by the topic's schema).")]
+ModeOpt = Annotated[str, typer.Option(
+    "--mode", help="--value-format auto: FAILFAST, PERMISSIVE (_corrupt_record) or "
+                   "DROPMALFORMED.")]
 SplitBytesOpt = Annotated[str | None, typer.Option(help="Target split size, e.g. 64MiB.")]
 ReaderOpt = Annotated[str | None, typer.Option(help="Force a reader: parquet-tier, bookie-log "
                                                     "or tail-consumer.")]
@@ -178,6 +234,8 @@ def read_cmd(
     reader: ReaderOpt = None,
     fail_on_data_loss: LossOpt = True,
     cut_out: CutOutOpt = None,
+    value_format: ValueFormatOpt = "raw",
+    mode: ModeOpt = "FAILFAST",
     data_dir: DataDirOpt = Path(DEFAULT_DATA_DIR),
     broker: BrokerOpt = DEFAULT_BROKER_URL,
     auth_token: TokenOpt = None,
@@ -213,17 +271,23 @@ def read_cmd(
         cut = end_cut(admin, topic, kwargs["end"])
     if cut is not None:
         kwargs["end"] = cut  # planned up to exactly the cut this command reports
+    decoder = _decoder(topic, value_format, mode, broker, auth_token)
+    schema = OUTPUT_SCHEMA if decoder is None else decoded_schema(OUTPUT_SCHEMA, decoder,
+                                                                  mode.upper())
+    dropped = [0]
     splits = tierstream.plan(topic, **kwargs)
     stats = ReadStats()
     t0 = time.perf_counter()
     rows = nbytes = 0
     tmp = out_path.with_name(f".{out_path.name}.partial")
     try:
-        with pq.ParquetWriter(tmp, OUTPUT_SCHEMA, compression="zstd") as writer, \
+        with pq.ParquetWriter(tmp, schema, compression="zstd") as writer, \
                 progress_bar(True) as progress:
             task = progress.add_task("reading", total=sum(s.estimated_bytes for s in splits))
-            for batch in run_splits(splits, auth_token=auth_token, tls_ca=ca, stats=stats):
-                writer.write_batch(as_output_batch(batch))
+            for raw in run_splits(splits, auth_token=auth_token, tls_ca=ca, stats=stats):
+                batch = raw if decoder is None else decode_batch(raw, decoder, mode.upper(),
+                                                                 topic, dropped)
+                writer.write_batch(as_output_batch(batch, schema))
                 rows += batch.num_rows
                 nbytes += batch.nbytes
                 progress.update(task, completed=min(nbytes, progress.tasks[0].total or 0))
@@ -235,6 +299,9 @@ def read_cmd(
         if count:
             err.print(f"{kind}: {count} split(s)", highlight=False)
     err.print(f"read paths: {stats.summary()}", highlight=False)
+    if dropped[0]:
+        err.print(f"dropped {dropped[0]:,} message(s) whose value could not be decoded "
+                  "(--mode DROPMALFORMED)", highlight=False)
     err.print(f"wrote {rows:,} rows ({human_bytes(nbytes)} in memory) to {out_path} in "
               f"{seconds:.2f}s", highlight=False)
     _report_cut(cut, cut_out)

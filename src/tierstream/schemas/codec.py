@@ -20,7 +20,7 @@ import pyarrow as pa
 from tierstream.errors import ConfigError
 from tierstream.schemas.model import VERSION_PROPERTY, SchemaInfo, SchemaType
 
-__all__ = ["MODES", "Decoder", "Encoder", "arrow_type", "decode_batch"]
+__all__ = ["MODES", "Decoder", "Encoder", "arrow_type", "decode_batch", "decoded_schema"]
 
 MODES = ("FAILFAST", "PERMISSIVE", "DROPMALFORMED")
 CORRUPT_COLUMN = "_corrupt_record"
@@ -234,6 +234,15 @@ def _fit_json(doc: Any, type_: pa.DataType) -> Any:
     if pa.types.is_string(type_) and doc is not None and not isinstance(doc, str):
         return json.dumps(doc)
     return doc
+
+
+def decoded_schema(schema: pa.Schema, decoder: Decoder, mode: str) -> pa.Schema:
+    """``schema`` (read or output) with ``value`` decoded, and PERMISSIVE's corrupt column."""
+    i = schema.get_field_index("value")
+    out = schema.set(i, pa.field("value", decoder.type, nullable=True))
+    if mode == "PERMISSIVE":
+        out = out.append(pa.field(CORRUPT_COLUMN, pa.binary()))
+    return out
 
 
 def decode_batch(batch: pa.RecordBatch, decoder: Decoder, mode: str, topic: str,
