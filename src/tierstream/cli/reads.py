@@ -351,6 +351,8 @@ def backfill(
     reader: ReaderOpt = None,
     fail_on_data_loss: LossOpt = True,
     cut_out: CutOutOpt = None,
+    value_format: ValueFormatOpt = "raw",
+    mode: ModeOpt = "FAILFAST",
     data_dir: DataDirOpt = Path(DEFAULT_DATA_DIR),
     broker: BrokerOpt = DEFAULT_BROKER_URL,
     auth_token: TokenOpt = None,
@@ -368,7 +370,8 @@ def backfill(
 
     options = {"topic": topic, "dataDir": str(data_dir), "broker": broker,
                "keyRanges": str(key_ranges),
-               "failOnDataLoss": "true" if fail_on_data_loss else "false"}
+               "failOnDataLoss": "true" if fail_on_data_loss else "false",
+               "valueFormat": value_format, "mode": mode}
     from tierstream.store.client import Admin
 
     ca = _use_tls_ca(tls_ca)

@@ -78,6 +78,8 @@ def plan_read(spark: Any, options: dict[str, str], *, stats: Any = None) -> Hybr
     splits = _BatchReader(settings).plan()
     tier = [s for s in splits if s.reader is ReaderKind.TIER]
     why = native_tier_reason(spark, tier, settings.tier_reader)
+    if settings.value_format == "auto" and tier:
+        why = "valueFormat=auto decodes values in the tierstream source"
     if settings.partitioning == "key-ranges" and tier:
         why = ("partitioning=key-ranges reads each key's segments in order in one Spark "
                "partition, which Spark's Parquet reader does not")

@@ -116,7 +116,7 @@ def backfill(spark: Any, options: dict[str, str], out: str, *, format: str = "pa
         rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
         if sink is not None:
             _tidy(data_dir)
-            sink.commit(files)
+            sink.commit(files, _table_schema(settings))
     except (TierstreamError, KeyboardInterrupt):
         shutil.rmtree(out, ignore_errors=True)
         raise
@@ -135,6 +135,17 @@ def backfill(spark: Any, options: dict[str, str], out: str, *, format: str = "pa
     return BackfillResult(dict(kinds), rows, sum(s.estimated_bytes for s in splits),
                           sum(os.path.getsize(f) for f in files), seconds, out, format,
                           table, catalog_uri, counts)
+
+
+def _table_schema(settings: Any) -> Any:
+    """The Arrow schema of what a backfill writes: the source's, with decoded values for
+    valueFormat=auto."""
+    from tierstream.schemas.codec import decoded_schema
+    from tierstream.spark_adapter.source import SPARK_ARROW_SCHEMA
+
+    decoder = settings.decoder()
+    return SPARK_ARROW_SCHEMA if decoder is None else decoded_schema(
+        SPARK_ARROW_SCHEMA, decoder, settings.mode)
 
 
 def _latest_cuts(settings: Any) -> dict[str, Any]:
@@ -236,16 +247,17 @@ class _IcebergSink:
                                   f"{exc}") from None
         return self._catalog
 
-    def commit(self, files: list[str]) -> None:
+    def commit(self, files: list[str], schema: Any = None) -> None:
         import warnings
 
         from tierstream.spark_adapter.source import SPARK_ARROW_SCHEMA
 
+        schema = SPARK_ARROW_SCHEMA if schema is None else schema
         catalog = self.catalog()
         catalog.create_namespace_if_not_exists(self.ident[:-1])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            tx = catalog.create_table_transaction(self.ident, schema=SPARK_ARROW_SCHEMA,
+            tx = catalog.create_table_transaction(self.ident, schema=schema,
                                                   location="file://" + self.location)
             if files:
                 tx.add_files(["file://" + f for f in files])

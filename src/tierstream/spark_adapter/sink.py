@@ -20,6 +20,10 @@ Columns, like Spark's Kafka sink: ``value`` (binary or string, required), ``key`
 ``properties`` (map<string,string>), ``event_time`` (timestamp, or long ms), and ``topic``
 (string) when the option ``topic`` is not given. Rows go to partitions by key hash, as the
 producers route them. Anything else fails when the write starts, naming the column.
+
+A topic with a schema (``tierstream schema set``) gets values encoded and checked against
+its latest version: ``value`` may then be a struct (AVRO, JSON) or the encoded bytes; a value
+that does not fit fails the task, naming the field, before its transaction is prepared.
 """
 
 from __future__ import annotations
@@ -96,6 +100,8 @@ def check_sink_schema(schema: Any, options: SinkOptions) -> None:
         if name not in _TYPES:
             raise ConfigError(f"the tierstream sink has no column {name!r}: expected "
                               f"{', '.join(_TYPES)} (select or rename the columns to write)")
+        if name == "value" and type_.startswith("struct<"):
+            continue  # encoded by the topic's schema in the task (AVRO or JSON)
         if type_ not in _TYPES[name]:
             raise ConfigError(f"column {name!r} is {type_}; the tierstream sink takes "
                               f"{' or '.join(_TYPES[name])}")
@@ -114,20 +120,32 @@ class TxnMessage(WriterCommitMessage):
     rows: int
 
 
-def _produce_columns(batch: pa.RecordBatch) -> pa.Table:
-    """Spark's Arrow batch as the produce schema's columns (value binary, event_time ms)."""
+def _produce_columns(batch: pa.RecordBatch, encoder: Any = None) -> pa.Table:
+    """Spark's Arrow batch as the produce schema's columns (value binary, event_time ms);
+    with the topic's schema ``encoder``, values encoded and checked, their version recorded."""
     names = batch.schema.names
     value = batch.column("value")
-    if pa.types.is_string(value.type) or pa.types.is_large_string(value.type):
-        value = pc.cast(value, pa.binary())
     if value.null_count:
         raise ConfigError(f"column 'value' is null in {value.null_count} row(s): every "
                           "message needs a value")
+    if encoder is not None:
+        value = pa.array([encoder.encode(v, i) for i, v in enumerate(value.to_pylist())],
+                         pa.binary())
+    elif pa.types.is_struct(value.type):
+        raise ConfigError("column 'value' is a struct, but the topic has no schema to encode "
+                          "it with (tierstream schema set)")
+    elif pa.types.is_string(value.type) or pa.types.is_large_string(value.type):
+        value = pc.cast(value, pa.binary())
     columns: dict[str, Any] = {"value": value}
     if "key" in names:
         columns["key"] = batch.column("key")
-    if "properties" in names:
-        columns["properties"] = batch.column("properties")
+    props = batch.column("properties") if "properties" in names else None
+    if encoder is not None:
+        given = props.to_pylist() if props is not None else [None] * batch.num_rows
+        props = pa.array([list({**dict(p or []), **encoder.properties}.items())
+                          for p in given], pa.map_(pa.string(), pa.string()))
+    if props is not None:
+        columns["properties"] = props
     if "event_time" in names:
         t = batch.column("event_time")
         if pa.types.is_timestamp(t.type):
@@ -144,21 +162,38 @@ def write_task(options: SinkOptions, batches: Iterator[pa.RecordBatch], sink_id:
 
     txn = Transaction(broker=options.broker, auth_token=options.auth_token,
                       tls_ca=options.tls_ca, sink=sink_id, batch=batch_id)
+    encoders: dict[str, Any] = {}
+
+    def encoder(topic: str) -> Any:  # the topic's latest schema, looked up once per task
+        if topic not in encoders:
+            from tierstream.errors import NotFoundError
+            from tierstream.schemas.codec import Encoder
+            from tierstream.store.admin import Admin
+
+            with Admin(options.broker, auth_token=options.auth_token,
+                       tls_ca=options.tls_ca) as admin:
+                try:
+                    encoders[topic] = Encoder(admin.get_schema(topic))
+                except NotFoundError:
+                    encoders[topic] = None
+        return encoders[topic]
+
     try:
         rows = 0
         for batch in batches:
             if batch.num_rows == 0:
                 continue
-            table = _produce_columns(batch)
             if options.topic is not None:
-                rows += txn.write(options.topic, table)
+                rows += txn.write(options.topic,
+                                  _produce_columns(batch, encoder(options.topic)))
                 continue
             topics = batch.column("topic")
             if topics.null_count:
                 raise ConfigError(f"column 'topic' is null in {topics.null_count} row(s) and "
                                   "there is no option 'topic' to fall back on")
             for topic in pc.unique(topics).to_pylist():
-                rows += txn.write(topic, table.filter(pc.equal(topics, topic)))
+                part = batch.filter(pc.equal(topics, topic))
+                rows += txn.write(topic, _produce_columns(part, encoder(topic)))
         if rows == 0:
             return TxnMessage(txn_id=None, sink_id=sink_id, rows=0)
         txn.prepare()

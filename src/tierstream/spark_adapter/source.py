@@ -20,6 +20,7 @@ from tierstream.errors import ConfigError
 from tierstream.read_options import ReadOptions
 from tierstream.readers.stats import ReadStats
 from tierstream.schema import OUTPUT_DDL, OUTPUT_SCHEMA, as_output_batch
+from tierstream.schemas.codec import Decoder, decode_batch, decoded_schema
 from tierstream.splits.positions import Offset
 from tierstream.splits.split import (
     Cuts,
@@ -82,10 +83,11 @@ def spark_batches(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]
         yield to_spark_batch(pa.concat_batches(pending))
 
 
-def read_partition(options: ReadOptions, partition: InputPartition, stats: Any = None
-                   ) -> Iterator[pa.RecordBatch]:
+def read_partition(options: ReadOptions, partition: InputPartition, stats: Any = None,
+                   decoder: Decoder | None = None) -> Iterator[pa.RecordBatch]:
     """One Spark partition's rows (batch or stream): its split, read where it lives. With
-    ``stats`` (a Spark accumulator of ReadStats), what went which way is added to it."""
+    ``stats`` (a Spark accumulator of ReadStats), what went which way is added to it; with
+    ``decoder`` (valueFormat=auto), values are decoded as the declared schema says."""
     from tierstream.readers import open_reader
 
     if partition.value is None:  # Spark's stand-in when the plan has no split
@@ -98,7 +100,17 @@ def read_partition(options: ReadOptions, partition: InputPartition, stats: Any =
                                    reconnect_timeout_ms=options.reconnect_timeout_ms,
                                    stats=counts)
 
-    yield from spark_batches(batches())
+    if decoder is None:
+        yield from spark_batches(batches())
+    else:
+        dropped = [0]
+        for batch in spark_batches(batches()):
+            out = decode_batch(batch, decoder, options.mode, options.topics[0], dropped)
+            if out.num_rows or options.mode != "DROPMALFORMED":
+                yield out
+        if dropped[0]:
+            log.warning("dropped %d value(s) of %r that could not be decoded "
+                        "(mode=DROPMALFORMED)", dropped[0], options.topics[0])
     if stats is not None:
         stats.add(counts)
 
@@ -128,6 +140,7 @@ class TierstreamDataSource(DataSource):
     def __init__(self, options: dict[str, str]) -> None:
         super().__init__(options)
         self._settings: ReadOptions | None = None
+        self._decoder: Decoder | None = None
 
     @property
     def settings(self) -> ReadOptions:
@@ -142,8 +155,18 @@ class TierstreamDataSource(DataSource):
         return "tierstream"
 
     def schema(self) -> str:
-        self.settings  # noqa: B018 - bad read options fail here, at load()
+        settings = self.settings  # bad read options fail here, at load()
+        decoder = self.decoder
+        if decoder is not None:  # valueFormat=auto: the topic's latest schema, as columns
+            return spark_ddl(decoded_schema(OUTPUT_SCHEMA, decoder, settings.mode))
         return SPARK_SCHEMA
+
+    @property
+    def decoder(self) -> Decoder | None:
+        """valueFormat=auto: the topic's schema versions, read once on the driver."""
+        if self._decoder is None and self.settings.value_format == "auto":
+            self._decoder = self.settings.decoder()
+        return self._decoder
 
     def writer(self, schema: Any, overwrite: bool) -> Any:
         from tierstream.spark_adapter.sink import TierstreamBatchWriter
@@ -168,12 +191,12 @@ class TierstreamDataSource(DataSource):
     def streamReader(self, schema: Any) -> Any:
         from tierstream.spark_adapter.stream import TierstreamStreamReader
 
-        return TierstreamStreamReader(self.settings)
+        return TierstreamStreamReader(self.settings, self.decoder)
 
     def reader(self, schema: Any) -> DataSourceReader:
         # Spark refuses a reader that implements pushFilters while its pushdown switch is
         # off, so this one does not; register() picks the pushdown source when it is on.
-        return _BatchReader(self.settings, self._stats)
+        return _BatchReader(self.settings, self._stats, self.decoder)
 
 
 class TierstreamPushdownDataSource(TierstreamDataSource):
@@ -181,17 +204,19 @@ class TierstreamPushdownDataSource(TierstreamDataSource):
     publish_time, partition and topic filters are applied by planning (pushdown.py)."""
 
     def reader(self, schema: Any) -> DataSourceReader:
-        return _PushdownBatchReader(self.settings, self._stats)
+        return _PushdownBatchReader(self.settings, self._stats, self.decoder)
 
 
 class _BatchReader(DataSourceReader):
     """Driver: ``partitions()`` is the enumerator's plan. Executor: ``read()`` runs a split."""
 
-    def __init__(self, settings: ReadOptions, stats: Any = None) -> None:
+    def __init__(self, settings: ReadOptions, stats: Any = None,
+                 decoder: Decoder | None = None) -> None:
         from tierstream.spark_adapter.pushdown import Pushed
 
         self.settings = settings
         self.stats = stats
+        self.decoder = decoder  # made on the driver, pickled with the reader
         self.pushed = Pushed()
 
     def partitions(self) -> Sequence[InputPartition]:
@@ -226,7 +251,28 @@ class _BatchReader(DataSourceReader):
             return splits
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        return read_partition(self.settings, partition, self.stats)
+        return read_partition(self.settings, partition, self.stats, self.decoder)
+
+
+def spark_ddl(schema: pa.Schema) -> str:
+    """An Arrow schema as a Spark DDL string (the declared schema of a decoded read)."""
+    return ", ".join(f"`{f.name}` {_spark_type(f.type)}{'' if f.nullable else ' not null'}"
+                     for f in schema)
+
+
+def _spark_type(t: pa.DataType) -> str:
+    if pa.types.is_struct(t):
+        return "struct<" + ",".join(f"`{f.name}`:{_spark_type(f.type)}" for f in t) + ">"
+    if pa.types.is_map(t):
+        return f"map<{_spark_type(t.key_type)},{_spark_type(t.item_type)}>"
+    if pa.types.is_list(t):
+        return f"array<{_spark_type(t.value_type)}>"
+    if pa.types.is_timestamp(t):
+        return "timestamp"
+    simple = {pa.string(): "string", pa.binary(): "binary", pa.int32(): "int",
+              pa.int64(): "bigint", pa.float32(): "float", pa.float64(): "double",
+              pa.bool_(): "boolean", pa.date32(): "date", pa.null(): "string"}
+    return simple.get(t, "string")
 
 
 def _bound_of(bound: Offset | StreamCut | Cuts, topic: str, name: str) -> Offset | StreamCut:

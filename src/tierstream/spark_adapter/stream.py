@@ -44,17 +44,21 @@ from tierstream.store.retry import with_reconnect
 
 if TYPE_CHECKING:  # source.py imports this module: only the type, no import cycle
     from tierstream.read_options import ReadOptions
+    from tierstream.schemas.codec import Decoder
 
 __all__ = ["TierstreamStreamReader"]
 
 T = TypeVar("T")
 
 class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
-    def __init__(self, settings: ReadOptions) -> None:
+    def __init__(self, settings: ReadOptions, decoder: Decoder | None = None) -> None:
         if not (isinstance(settings.end, Offset) and settings.end.kind is OffsetKind.LATEST):
             raise ConfigError("a streaming read has no end: remove 'endingTime'/"
                               "'endingPosition'")
         self.settings = settings
+        # valueFormat=auto: the schema versions when the query started (a version added
+        # later fails to decode: restart the query to take it)
+        self.decoder = decoder
         self.single = settings.namespace is None and len(settings.topics) == 1
         self._target: Cuts | None = None
         self._cursor: dict[str, Any] | None = None  # the last offset stored as the cursor
@@ -200,7 +204,7 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         from tierstream.spark_adapter.source import read_partition
 
-        return read_partition(self.settings, partition)
+        return read_partition(self.settings, partition, decoder=self.decoder)
 
     def commit(self, end: dict[str, Any]) -> None:
         self._retrying(lambda: self._commit(end), "commit")
