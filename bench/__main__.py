@@ -12,6 +12,7 @@ from bench import (
     latency_fs_bench,
     remote_bench,
     remote_bookie_bench,
+    schema_bench,
     sink_bench,
     spark_bench,
     store_bench,
@@ -44,6 +45,8 @@ BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
                                     "after N files, beside pyiceberg add_files defaults"),
     "sink": (sink_bench.sink, "Spark batch write through two-phase commit beside the Python "
                               "producer on the same rows; ms per micro-batch commit"),
+    "schema": (schema_bench.schema, "decoding typed values (Avro, JSON) beside the codec "
+                                    "library alone; Spark valueFormat=auto beside raw"),
     "layout": (tier_bench.layout, "bytes a k=4 key-range read and a 10% time window fetch, "
                                   "key-bucket layout vs log order"),
 }

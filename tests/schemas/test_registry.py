@@ -177,3 +177,35 @@ def test_undecodable_values_follow_the_mode(tmp_path) -> None:
         assert kept.column("value").to_pylist() == [{"id": "x", "amount": 1, "note": None}]
         with pytest.raises(ConfigError, match="invalid option 'mode' 'lax': expected FAILFAST"):
             tierstream.read(TOPIC, value_format="auto", mode="lax", **log.kw())
+
+
+def test_json_values_decode_into_columns(tmp_path) -> None:
+    import tierstream
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"},
+                                               "tags": {"type": "array",
+                                                        "items": {"type": "string"}},
+                                               "extra": {}}}
+    with running_log(tmp_path / "data") as log:
+        with Admin(log.url) as admin:
+            admin.create_topic("acme/shop/events", 1)
+        with Producer("acme/shop/events", broker=log.url,
+                      schema=("json", json.dumps(schema))) as producer:
+            producer.send_many([{"value": {"n": 1, "tags": ["a"], "extra": {"deep": [1]}}},
+                                {"value": {"n": 2, "unknown": True}}])
+        table = tierstream.read("acme/shop/events", value_format="auto", **log.kw())
+        assert table.column("value").to_pylist() == [
+            {"n": 1, "tags": ["a"], "extra": '{"deep": [1]}'},  # no type: kept as JSON text
+            {"n": 2, "tags": None, "extra": None}]
+
+
+def test_versions_are_read_from_sliced_batches() -> None:
+    # Readers hand out slices of entries; a slice's map keys are its parent's.
+    from tierstream.schemas.codec import _versions
+
+    props = pa.array([[("a", "1"), ("tierstream.schema.version", "3")], None,
+                      [("tierstream.schema.version", "5")], [],
+                      [("tierstream.schema.version", "7")]], pa.map_(pa.string(), pa.string()))
+    assert _versions(props) == [3, 0, 5, 0, 7]
+    assert _versions(props.slice(1, 3)) == [0, 5, 0]
+    assert _versions(props.slice(3)) == [0, 7]

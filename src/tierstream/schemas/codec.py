@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import pyarrow as pa
@@ -213,7 +213,10 @@ class Decoder:
         if latest.type is SchemaType.NONE:
             return value
         if latest.type is SchemaType.JSON:
-            return _fit_json(json.loads(value), self.type)
+            doc = json.loads(value)
+            if pa.types.is_struct(self.type) and not isinstance(doc, dict):
+                raise ValueError(f"expected a JSON object, got {type(doc).__name__}")
+            return doc  # shaped for the column by decode_batch (only when Arrow cannot)
         import fastavro
 
         buf = io.BytesIO(value)
@@ -252,32 +255,44 @@ def decode_batch(batch: pa.RecordBatch, decoder: Decoder, mode: str, topic: str,
     PERMISSIVE leaves null and puts the raw bytes in ``_corrupt_record``; DROPMALFORMED drops
     the message and counts it in ``dropped[0]``."""
     values = batch.column("value").to_pylist()
-    props = batch.column("properties").to_pylist()
     decoded: list[Any] = []
     corrupt: list[bytes | None] = []
     keep: list[bool] = []
-    for i, (value, p) in enumerate(zip(values, props, strict=True)):
-        version = _version(p)
+
+    def failed(i: int, version: int, exc: Exception) -> None:
+        if mode == "FAILFAST":
+            pos = (batch.column("partition")[i].as_py(), batch.column("segment_id")[i]
+                   .as_py(), batch.column("entry_id")[i].as_py(),
+                   batch.column("batch_index")[i].as_py())
+            raise ConfigError(
+                f"cannot decode the value of {topic!r} partition {pos[0]} at position "
+                f"{pos[1]}:{pos[2]}:{pos[3]} (schema version {version}): {exc}; "
+                "mode=PERMISSIVE keeps it as _corrupt_record, DROPMALFORMED skips it") from None
+        decoded[i] = None
+        corrupt[i] = values[i]
+        keep[i] = mode != "DROPMALFORMED"
+
+    versions = _versions(batch.column("properties"))
+    for i, (value, version) in enumerate(zip(values, versions, strict=True)):
+        decoded.append(None)
+        corrupt.append(None)
+        keep.append(True)
         try:
-            decoded.append(decoder.decode(value, version))
-            corrupt.append(None)
-            keep.append(True)
+            decoded[i] = decoder.decode(value, version)
         except Exception as exc:
-            if mode == "FAILFAST":
-                pos = (batch.column("partition")[i].as_py(), batch.column("segment_id")[i]
-                       .as_py(), batch.column("entry_id")[i].as_py(),
-                       batch.column("batch_index")[i].as_py())
-                raise ConfigError(
-                    f"cannot decode the value of {topic!r} partition {pos[0]} at position "
-                    f"{pos[1]}:{pos[2]}:{pos[3]} (schema version {version}): {exc}; "
-                    "mode=PERMISSIVE keeps it as _corrupt_record, DROPMALFORMED skips it"
-                ) from None
-            decoded.append(None)
-            corrupt.append(value)
-            keep.append(mode != "DROPMALFORMED")
+            failed(i, version, exc)
+    try:
+        column = pa.array(decoded, type=decoder.type)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):  # a JSON shape Arrow does not take as is
+        for i, doc in enumerate(decoded):
+            if doc is not None:
+                try:
+                    decoded[i] = _fit_json(doc, decoder.type)
+                except Exception as exc:
+                    failed(i, versions[i], exc)
+        column = pa.array(decoded, type=decoder.type)
     index = batch.schema.get_field_index("value")
-    out = batch.set_column(index, pa.field("value", decoder.type),
-                           pa.array(decoded, type=decoder.type))
+    out = batch.set_column(index, pa.field("value", decoder.type), column)
     if mode == "PERMISSIVE":
         out = out.append_column(pa.field(CORRUPT_COLUMN, pa.binary()),
                                 pa.array(corrupt, pa.binary()))
@@ -288,11 +303,22 @@ def decode_batch(batch: pa.RecordBatch, decoder: Decoder, mode: str, topic: str,
     return out
 
 
-def _version(properties: Iterable[tuple[str, str]] | Mapping[str, str] | None) -> int:
-    if not properties:
-        return 0
-    items = properties.items() if isinstance(properties, Mapping) else properties
-    for k, v in items:
-        if k == VERSION_PROPERTY:
-            return int(v)
-    return 0
+def _versions(properties: pa.Array) -> list[int]:
+    """The schema version of every row, from its properties (0 where none is recorded):
+    vectorised over the map's keys, since most rows have a few properties."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    n = len(properties)
+    out = np.zeros(n, dtype=np.int64)
+    if n == 0 or properties.null_count == n:
+        return out.tolist()
+    offsets = np.asarray(properties.offsets)
+    hits = np.flatnonzero(np.asarray(pc.fill_null(pc.equal(properties.keys, VERSION_PROPERTY),
+                                                  False)))
+    # a sliced array's keys are its parent's: keep the entries of this slice's rows
+    hits = hits[(hits >= offsets[0]) & (hits < offsets[-1])]
+    if len(hits):
+        rows = np.searchsorted(offsets, hits, side="right") - 1
+        out[rows] = np.asarray(properties.items.take(pa.array(hits)).cast(pa.int64()))
+    return out.tolist()
