@@ -294,6 +294,15 @@ def test_schemas_through_the_cli(broker: BrokerProcess, data_dir: Path,
     assert proc.returncode == 0, proc.stderr
     table = pq.read_table(out)
     assert table.num_rows == 20 and table.schema.field("value").type.num_fields == 2
+    lines = "\n".join(json.dumps({"key": "k", "value": v}) for v in
+                      ({"id": "o20", "amount": 20}, {"id": "o21", "amount": "many"}))
+    proc = run("produce", topic, stdin=lines, env=env)
+    assert proc.returncode == 2 and "field 'amount'" in proc.stderr, proc.stderr
+    assert "the 1 message(s) before it were sent" not in proc.stderr  # one batch: none sent
+    run("topic", "create", "acme/web/plain", env=env)
+    proc = run("produce", "acme/web/plain", stdin='{"value": {"a": 1}}', env=env)
+    assert proc.returncode == 2 and "needs a topic schema" in proc.stderr, proc.stderr
+    assert sum(1 for _ in run("consume", topic, env=env).stdout.splitlines()) == 20
     proc = run("consume", topic, "--value-format", "fancy", env=env)
     assert proc.returncode == 2 and "invalid option 'valueFormat' 'fancy'" in proc.stderr
 

@@ -44,7 +44,8 @@ def produce(
     """Produce messages: JSON lines from stdin, or --generate N synthetic clicks.
 
     A stdin line is {"value": "...", "key": "...", "event_time": ms, "properties": {...},
-    "publish_time": ms} (only value is required; "value_b64" for binary values). Lines are
+    "publish_time": ms} (only value is required; "value_b64" for binary values; an object
+    value for a topic with a schema, which checks and encodes it). Lines are
     sent as they arrive (batched for up to 50 ms or --batch-size lines), so a live source can
     be piped in. Each line is checked: at a bad one, everything before it has been sent and
     nothing after it is, and the error names the line.
@@ -159,8 +160,11 @@ def _stdin_message(lineno: int, line: str) -> dict[str, Any] | None:
             raise ConfigError(f"stdin line {lineno}: value_b64 is not base64") from None
     elif isinstance(obj.get("value"), str):
         value = obj["value"].encode()
+    elif isinstance(obj.get("value"), (dict, list)):
+        value = obj["value"]  # for a topic with a JSON or Avro schema: encoded by it
     else:
-        raise ConfigError(f"stdin line {lineno}: needs a string 'value' (or 'value_b64')")
+        raise ConfigError(f"stdin line {lineno}: needs a string 'value' (or 'value_b64', "
+                          "or an object for a topic with a schema)")
     key = obj.get("key")
     if key is not None and not isinstance(key, str):
         raise ConfigError(f"stdin line {lineno}: key must be a string, got {key!r}")

@@ -122,6 +122,12 @@ class Producer:
         """Messages with values encoded by the schema (all checked before any is sent)."""
         out = [m if isinstance(m, Message) else Message(**m) for m in messages]
         if self.encoder is None:
+            for i, m in enumerate(out):
+                if not isinstance(m.value, (bytes, bytearray, memoryview, str)):
+                    raise ConfigError(
+                        f"message {i}: a value of type {type(m.value).__name__} needs a topic "
+                        f"schema to encode it ({self.topic!r} has none: tierstream schema "
+                        "set); without one values are bytes or text")
             return out
         props = self.encoder.properties
         return [Message(self.encoder.encode(m.value, i), m.key, m.event_time,
