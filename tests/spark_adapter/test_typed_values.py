@@ -86,3 +86,22 @@ def test_the_sink_encodes_a_struct_value_by_the_topics_schema(spark, tmp_path) -
             bad.write.format("tierstream").mode("append").option("topic", TOPIC) \
                 .option("broker", log.url).save()
         assert read_all(log.url, TOPIC).num_rows == 50  # the failed write showed nothing
+
+
+def test_a_decoded_backfill_into_iceberg_has_the_schemas_columns(spark, tmp_path) -> None:
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    from tierstream.spark_adapter.jobs import backfill
+
+    with running_log(tmp_path / "data", maxEntriesPerSegment="4") as log:
+        _evolved(log)
+        out = tmp_path / "orders"
+        result = backfill(spark, {"topic": TOPIC, "broker": log.url,
+                                  "dataDir": str(log.data_dir), "valueFormat": "auto",
+                                  "mode": "DROPMALFORMED"}, str(out), format="iceberg")
+        assert result.rows == 70
+        table = SqlCatalog("default", uri=f"sqlite:///{out}/catalog.db").load_table(
+            result.table)
+        values = table.scan().to_arrow().column("value").to_pylist()
+        assert sorted(v["id"] for v in values)[:2] == ["a0", "a1"]
+        assert {v["currency"] for v in values} == {"EUR", "USD"}
