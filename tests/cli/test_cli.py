@@ -200,15 +200,21 @@ def test_backfill_runs_on_spark(broker: BrokerProcess, data_dir: Path, tmp_path:
     assert "Iceberg table backfill.acme_web_clicks" in everything.stdout
 
 
+def _thousand_clicks(broker: BrokerProcess, data_dir: Path) -> dict[str, str]:
+    """A 2-partition topic with 1,000 messages; the environment of a tail over it."""
+    env = {"TIERSTREAM_BROKER": broker.url or "", "TIERSTREAM_HOME": str(data_dir),
+           "TIERSTREAM_SPARK_MASTER": "local[2]"}
+    run("topic", "create", "acme/web/clicks", "--partitions", "2", env=env)
+    run("produce", "acme/web/clicks", "--generate", "1000", env=env)
+    return env
+
+
 @pytest.mark.spark
 def test_tail_available_now_writes_what_is_there(broker: BrokerProcess, data_dir: Path,
                                                  tmp_path: Path) -> None:
     import pyarrow.parquet as pq
 
-    env = {"TIERSTREAM_BROKER": broker.url or "", "TIERSTREAM_HOME": str(data_dir),
-           "TIERSTREAM_SPARK_MASTER": "local[2]"}
-    run("topic", "create", "acme/web/clicks", "--partitions", "2", env=env)
-    run("produce", "acme/web/clicks", "--generate", "1000", env=env)
+    env = _thousand_clicks(broker, data_dir)
     out, ckpt = tmp_path / "live", tmp_path / "ckpt"
     proc = run("tail", "acme/web/clicks", "--from", "earliest", "--available-now",
                "--max-records-per-trigger", "400", "--out", str(out), "--checkpoint",
@@ -226,10 +232,7 @@ def test_tail_into_iceberg_commits_each_batch_once(broker: BrokerProcess, data_d
                                                    tmp_path: Path) -> None:
     from pyiceberg.catalog.sql import SqlCatalog
 
-    env = {"TIERSTREAM_BROKER": broker.url or "", "TIERSTREAM_HOME": str(data_dir),
-           "TIERSTREAM_SPARK_MASTER": "local[2]"}
-    run("topic", "create", "acme/web/clicks", "--partitions", "2", env=env)
-    run("produce", "acme/web/clicks", "--generate", "1000", env=env)
+    env = _thousand_clicks(broker, data_dir)
     out, ckpt = tmp_path / "live", tmp_path / "ckpt"
     args = ("tail", "acme/web/clicks", "--from", "earliest", "--available-now",
             "--max-records-per-trigger", "400", "--format", "iceberg", "--out", str(out),

@@ -24,6 +24,7 @@ from typing import Any
 import pyarrow as pa
 
 from tierstream.errors import CorruptionError, NotFoundError
+from tierstream.store.durable import fsync_dir
 from tierstream.store.ledger import (
     INDEX_RECORD,
     IndexRecord,
@@ -122,7 +123,7 @@ class Bookie:
             ledger.idx_fd = os.open(idx_path, flags, 0o644)
             ledger.offset = os.fstat(ledger.log_fd).st_size
             if not ledger.created and self.fsync:
-                _fsync_dir(log_path.parent)  # the new files survive a crash
+                fsync_dir(log_path.parent)  # the new files survive a crash
             ledger.created = True
         self._with_fds[ledger.segment_id] = ledger
         self._with_fds.move_to_end(ledger.segment_id)
@@ -334,7 +335,7 @@ class Bookie:
                 os.fsync(f.fileno())
         os.replace(tmp_log, log_path)
         os.replace(tmp_idx, idx_path)
-        _fsync_dir(log_path.parent)
+        fsync_dir(log_path.parent)
 
     def read_raw_frame(self, segment_id: int, rec: IndexRecord) -> bytes:
         log_path, _ = ledger_paths(self.root, segment_id)
@@ -377,11 +378,3 @@ def _close_fds(ledger: _OpenLedger) -> None:
         if fd is not None:
             os.close(fd)
     ledger.log_fd = ledger.idx_fd = None
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

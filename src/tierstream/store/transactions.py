@@ -41,6 +41,7 @@ from tierstream.errors import ConfigError, ConflictError, NotFoundError, Storage
 from tierstream.layout import DataDir
 from tierstream.names import TopicName, check_txn_id
 from tierstream.schema import PRODUCE_SCHEMA, as_produce_batch
+from tierstream.store.durable import fsync_dir
 from tierstream.store.faults import crash_point
 from tierstream.store.transaction_records import (
     TransactionRecord,
@@ -101,7 +102,7 @@ class Transactions:
                 os.fsync(f.fileno())
             if rows:
                 os.rename(tmp, folder / f"{plog.partition}.{time.time_ns()}.{rows}.arrow")
-                _fsync_dir(folder)
+                fsync_dir(folder)
             else:
                 tmp.unlink()
         except BaseException:
@@ -290,11 +291,3 @@ def _entries(paths: list[Path]) -> Iterator[pa.RecordBatch]:
     table = pa.concat_tables(tables).combine_chunks()
     per_row = max(1, table.nbytes // max(1, table.num_rows))
     yield from table.to_batches(max_chunksize=max(1, ENTRY_BYTES // per_row))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
