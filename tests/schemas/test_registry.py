@@ -209,3 +209,16 @@ def test_versions_are_read_from_sliced_batches() -> None:
     assert _versions(props) == [3, 0, 5, 0, 7]
     assert _versions(props.slice(1, 3)) == [0, 5, 0]
     assert _versions(props.slice(3)) == [0, 7]
+
+
+def test_a_version_newer_than_the_read_says_to_restart() -> None:
+    from tierstream.schemas.codec import Decoder, Encoder
+    from tierstream.schemas.model import SchemaInfo, canonical
+
+    def info(version: int, schema: dict[str, object]) -> SchemaInfo:
+        text, fingerprint = canonical(SchemaType.AVRO, json.dumps(schema))
+        return SchemaInfo(TOPIC, version, SchemaType.AVRO, text, fingerprint, 0)
+
+    value = Encoder(info(2, V2)).encode({"id": "x", "amount": 1, "currency": "EUR"})
+    with pytest.raises(ValueError, match="version 2 is newer than this read knows .*restart"):
+        Decoder([info(1, V1)]).decode(value, 2)

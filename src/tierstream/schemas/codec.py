@@ -204,7 +204,9 @@ class Decoder:
         writer = self.versions.get(version)
         if version == 0 or writer is None:
             if version != 0:
-                raise ValueError(f"unknown schema version {version}")
+                raise ValueError(f"schema version {version} is newer than this read knows "
+                                 f"(it has 1..{latest.version}; a stream takes the versions "
+                                 "that exist when it starts: restart it)")
             if latest.type in (SchemaType.NONE, SchemaType.STRING):
                 return value if latest.type is SchemaType.NONE else value.decode()
             raise ValueError("written without a schema (version 0)")
