@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
 from tierstream.store.process import BrokerProcess
@@ -17,7 +18,7 @@ from ..store.helpers import wait_for
 COMMANDS = [["broker", "start"], ["topic", "create"], ["topic", "list"], ["produce"],
             ["consume"], ["segments"], ["seal"], ["offload"], ["plan"], ["read"], ["backfill"],
             ["tail"], ["subscriptions"], ["demo"], ["bookie", "serve"], ["schema", "set"],
-            ["schema", "get"], ["schema", "list"], ["schema", "check"]]
+            ["schema", "get"], ["schema", "list"], ["schema", "check"], ["transactions"]]
 
 
 def run(*args: str, stdin: str | None = None, env: dict[str, str] | None = None
@@ -308,6 +309,25 @@ def test_schemas_through_the_cli(broker: BrokerProcess, data_dir: Path,
     assert sum(1 for _ in run("consume", topic, env=env).stdout.splitlines()) == 20
     proc = run("consume", topic, "--value-format", "fancy", env=env)
     assert proc.returncode == 2 and "invalid option 'valueFormat' 'fancy'" in proc.stderr
+
+
+def test_transactions_are_listed_and_a_stuck_one_aborted(broker: BrokerProcess) -> None:
+    from tierstream.store.client import Admin, Transaction
+
+    env = {"TIERSTREAM_BROKER": broker.url or ""}
+    with Admin(broker.url) as admin:
+        admin.create_topic("acme/web/out", 2)
+    stuck = Transaction(broker=broker.url, sink="etl", batch=4)
+    stuck.write("acme/web/out", pa.table({"value": [b"x"] * 10}))
+    stuck.prepare()
+    proc = run("transactions", env=env)
+    assert proc.returncode == 0 and stuck.txn_id in proc.stdout and "PREPARED" in proc.stdout
+    proc = run("transactions", "--abort", stuck.txn_id, env=env)
+    assert proc.returncode == 0 and "aborted" in proc.stdout
+    rows = json.loads(run("transactions", "--json", env=env).stdout)
+    assert [(r["txn_id"], r["state"]) for r in rows] == [(stuck.txn_id, "ABORTED")]
+    proc = run("transactions", "--abort", "../x", env=env)
+    assert proc.returncode == 2 and "invalid transaction id" in proc.stderr
 
 
 USAGE_ERRORS = [

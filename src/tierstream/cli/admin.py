@@ -1,5 +1,5 @@
-"""Looking at and managing the store: ``segments``, ``subscriptions``, ``seal``, ``offload``
-and the ``demo``."""
+"""Looking at and managing the store: ``segments``, ``subscriptions``, ``transactions``,
+``seal``, ``offload`` and the ``demo``."""
 
 from __future__ import annotations
 
@@ -87,6 +87,45 @@ def subscriptions(
                       f"{r['backlog']:,}", str(r["key_ranges"]),
                       ", ".join(r["consumers"]) or "-", format_ms(r["updated_at"]))
     out.print(table if rows else f"{topic} has no subscriptions")
+
+
+@app.command()
+def transactions(
+    abort: Annotated[str | None, typer.Option(
+        help="Abort this open or prepared transaction and remove its staged rows.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON instead of a table.")] = False,
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    auth_token: TokenOpt = None,
+) -> None:
+    """Show the broker's transactions (staged writes of sinks and producers): state, sink
+    and batch, staged messages, age; or abort one that is stuck (the broker also aborts
+    what nobody commits within --transaction-timeout).
+
+    Example: tierstream transactions --abort 3f2c9a...
+    """
+    from tierstream.store.client import Admin
+    from tierstream.timeutil import now_ms
+
+    with Admin(broker, auth_token=auth_token) as admin:
+        if abort is not None:
+            done = admin.abort_transaction(abort, "aborted with tierstream transactions")
+            out.print(f"transaction {abort} " + ("aborted" if done else
+                                                 "had already ended (nothing to abort)"),
+                      highlight=False)
+            return
+        rows = admin.transactions()
+    if as_json:
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        return
+    table = Table("transaction", "state", "sink", "batch", "messages", "age", "reason",
+                  title="transactions")
+    now = now_ms()
+    for r in rows:
+        table.add_row(r["txn_id"], r["state"], r["sink_id"] or "-",
+                      "-" if r["batch_id"] is None else str(r["batch_id"]),
+                      f"{r['messages']:,}", human_duration(now - r["created_at"]),
+                      r["reason"] or "")
+    out.print(table if rows else "no transactions")
 
 
 @app.command()
