@@ -6,6 +6,7 @@ readers slice those batches and add a ``topic`` column (:data:`READ_SCHEMA`).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import mmh3
@@ -28,6 +29,7 @@ __all__ = [
     "key_hash",
     "key_hashes",
     "key_range_mask",
+    "spark_ddl",
     "with_topic",
 ]
 
@@ -70,12 +72,36 @@ OUTPUT_SCHEMA = pa.schema([
     pa.field(n, TIMESTAMP, READ_SCHEMA.field(n).nullable)
     if n in ("publish_time", "event_time") else READ_SCHEMA.field(n) for n in _OUTPUT_ORDER])
 
-_DDL_TYPES = {pa.string(): "string", pa.int32(): "int", pa.int64(): "bigint",
-              pa.binary(): "binary", TIMESTAMP: "timestamp", _PROPERTIES: "map<string,string>"}
+
+def spark_ddl(schema: pa.Schema) -> str:
+    """An Arrow schema as a Spark DDL string (the declared schema of the Spark source; with
+    decoded values, the topic's schema as columns)."""
+    return ", ".join(f"{_ddl_name(f.name)} {_spark_type(f.type)}"
+                     f"{'' if f.nullable else ' not null'}" for f in schema)
+
+
+def _ddl_name(name: str) -> str:
+    return name if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) else f"`{name}`"
+
+
+def _spark_type(t: pa.DataType) -> str:
+    if pa.types.is_struct(t):
+        return "struct<" + ",".join(f"{_ddl_name(f.name)}:{_spark_type(f.type)}"
+                                    for f in t) + ">"
+    if pa.types.is_map(t):
+        return f"map<{_spark_type(t.key_type)},{_spark_type(t.item_type)}>"
+    if pa.types.is_list(t):
+        return f"array<{_spark_type(t.value_type)}>"
+    if pa.types.is_timestamp(t):
+        return "timestamp"
+    simple = {pa.string(): "string", pa.binary(): "binary", pa.int32(): "int",
+              pa.int64(): "bigint", pa.float32(): "float", pa.float64(): "double",
+              pa.bool_(): "boolean", pa.date32(): "date", pa.null(): "string"}
+    return simple.get(t, "string")
+
 
 #: :data:`OUTPUT_SCHEMA` as a Spark DDL string.
-OUTPUT_DDL = ", ".join(f"{f.name} {_DDL_TYPES[f.type]}{'' if f.nullable else ' not null'}"
-                       for f in OUTPUT_SCHEMA)
+OUTPUT_DDL = spark_ddl(OUTPUT_SCHEMA)
 
 
 def as_output_batch(batch: pa.RecordBatch, schema: pa.Schema = OUTPUT_SCHEMA

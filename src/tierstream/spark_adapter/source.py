@@ -19,7 +19,7 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from tierstream.errors import ConfigError
 from tierstream.read_options import ReadOptions
 from tierstream.readers.stats import ReadStats
-from tierstream.schema import OUTPUT_DDL, OUTPUT_SCHEMA, as_output_batch
+from tierstream.schema import OUTPUT_DDL, OUTPUT_SCHEMA, as_output_batch, spark_ddl
 from tierstream.schemas.codec import Decoder, decode_batch, decoded_schema
 from tierstream.splits.positions import Offset
 from tierstream.splits.split import (
@@ -252,27 +252,6 @@ class _BatchReader(DataSourceReader):
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         return read_partition(self.settings, partition, self.stats, self.decoder)
-
-
-def spark_ddl(schema: pa.Schema) -> str:
-    """An Arrow schema as a Spark DDL string (the declared schema of a decoded read)."""
-    return ", ".join(f"`{f.name}` {_spark_type(f.type)}{'' if f.nullable else ' not null'}"
-                     for f in schema)
-
-
-def _spark_type(t: pa.DataType) -> str:
-    if pa.types.is_struct(t):
-        return "struct<" + ",".join(f"`{f.name}`:{_spark_type(f.type)}" for f in t) + ">"
-    if pa.types.is_map(t):
-        return f"map<{_spark_type(t.key_type)},{_spark_type(t.item_type)}>"
-    if pa.types.is_list(t):
-        return f"array<{_spark_type(t.value_type)}>"
-    if pa.types.is_timestamp(t):
-        return "timestamp"
-    simple = {pa.string(): "string", pa.binary(): "binary", pa.int32(): "int",
-              pa.int64(): "bigint", pa.float32(): "float", pa.float64(): "double",
-              pa.bool_(): "boolean", pa.date32(): "date", pa.null(): "string"}
-    return simple.get(t, "string")
 
 
 def _bound_of(bound: Offset | StreamCut | Cuts, topic: str, name: str) -> Offset | StreamCut:
