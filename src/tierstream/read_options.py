@@ -16,6 +16,7 @@ from tierstream.enumerator import Enumerator, Query
 from tierstream.errors import ConfigError
 from tierstream.names import TopicName
 from tierstream.options import parse_options
+from tierstream.schemas.model import MODES
 
 if TYPE_CHECKING:
     from tierstream.schemas.codec import Decoder
@@ -111,7 +112,7 @@ class ReadOptions:
             raise ConfigError(f"invalid option 'valueFormat' {opts['valueFormat']!r}: expected "
                               "raw or auto")
         mode = str(opts["mode"]).strip().upper()
-        if mode not in ("FAILFAST", "PERMISSIVE", "DROPMALFORMED"):
+        if mode not in MODES:
             raise ConfigError(f"invalid option 'mode' {opts['mode']!r}: expected FAILFAST, "
                               "PERMISSIVE or DROPMALFORMED")
         if value_format == "auto" and len(topics) != 1:

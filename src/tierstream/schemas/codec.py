@@ -18,11 +18,10 @@ from typing import Any
 import pyarrow as pa
 
 from tierstream.errors import ConfigError
-from tierstream.schemas.model import VERSION_PROPERTY, SchemaInfo, SchemaType
+from tierstream.schemas.model import MODES, VERSION_PROPERTY, SchemaInfo, SchemaType
 
 __all__ = ["MODES", "Decoder", "Encoder", "arrow_type", "decode_batch", "decoded_schema"]
 
-MODES = ("FAILFAST", "PERMISSIVE", "DROPMALFORMED")
 CORRUPT_COLUMN = "_corrupt_record"
 
 
@@ -96,6 +95,19 @@ class Encoder:
         out = io.BytesIO()
         fastavro.schemaless_writer(out, self._avro, value)
         return out.getvalue()
+
+
+    def encode_columns(self, values: pa.Array, properties: pa.Array | None, first: int = 0
+                       ) -> tuple[pa.Array, pa.Array]:
+        """A batch's ``value`` column encoded (row ``i`` named as message ``first + i``) and
+        its ``properties`` (None: none given) with this version recorded in each."""
+        encoded = pa.array([self.encode(v, first + i) for i, v in enumerate(values.to_pylist())],
+                           pa.binary())
+        given = properties.to_pylist() if properties is not None else [None] * len(values)
+        version = self.properties
+        merged = pa.array([list({**dict(p or []), **version}.items()) for p in given],
+                          pa.map_(pa.string(), pa.string()))
+        return encoded, merged
 
 
 def _avro_error(exc: Any, schema: Any) -> str:
@@ -257,9 +269,9 @@ def decode_batch(batch: pa.RecordBatch, decoder: Decoder, mode: str, topic: str,
     PERMISSIVE leaves null and puts the raw bytes in ``_corrupt_record``; DROPMALFORMED drops
     the message and counts it in ``dropped[0]``."""
     values = batch.column("value").to_pylist()
-    decoded: list[Any] = []
-    corrupt: list[bytes | None] = []
-    keep: list[bool] = []
+    decoded: list[Any] = [None] * len(values)
+    corrupt: list[bytes | None] = [None] * len(values)
+    keep = [True] * len(values)
 
     def failed(i: int, version: int, exc: Exception) -> None:
         if mode == "FAILFAST":
@@ -276,9 +288,6 @@ def decode_batch(batch: pa.RecordBatch, decoder: Decoder, mode: str, topic: str,
 
     versions = _versions(batch.column("properties"))
     for i, (value, version) in enumerate(zip(values, versions, strict=True)):
-        decoded.append(None)
-        corrupt.append(None)
-        keep.append(True)
         try:
             decoded[i] = decoder.decode(value, version)
         except Exception as exc:

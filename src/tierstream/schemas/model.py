@@ -17,10 +17,13 @@ from typing import Any
 
 from tierstream.errors import ConfigError
 
-__all__ = ["Compatibility", "SchemaInfo", "SchemaType", "canonical", "parse_definition"]
+__all__ = ["MODES", "Compatibility", "SchemaInfo", "SchemaType", "canonical", "parse_definition"]
 
 #: The message property that records the schema version a value was written with.
 VERSION_PROPERTY = "tierstream.schema.version"
+
+#: What a read with valueFormat=auto does with a value it cannot decode (option ``mode``).
+MODES = ("FAILFAST", "PERMISSIVE", "DROPMALFORMED")
 
 
 class SchemaType(enum.Enum):

@@ -128,9 +128,9 @@ def _produce_columns(batch: pa.RecordBatch, encoder: Any = None) -> pa.Table:
     if value.null_count:
         raise ConfigError(f"column 'value' is null in {value.null_count} row(s): every "
                           "message needs a value")
+    props = batch.column("properties") if "properties" in names else None
     if encoder is not None:
-        value = pa.array([encoder.encode(v, i) for i, v in enumerate(value.to_pylist())],
-                         pa.binary())
+        value, props = encoder.encode_columns(value, props)
     elif pa.types.is_struct(value.type):
         raise ConfigError("column 'value' is a struct, but the topic has no schema to encode "
                           "it with (tierstream schema set)")
@@ -139,11 +139,6 @@ def _produce_columns(batch: pa.RecordBatch, encoder: Any = None) -> pa.Table:
     columns: dict[str, Any] = {"value": value}
     if "key" in names:
         columns["key"] = batch.column("key")
-    props = batch.column("properties") if "properties" in names else None
-    if encoder is not None:
-        given = props.to_pylist() if props is not None else [None] * batch.num_rows
-        props = pa.array([list({**dict(p or []), **encoder.properties}.items())
-                          for p in given], pa.map_(pa.string(), pa.string()))
     if props is not None:
         columns["properties"] = props
     if "event_time" in names:

@@ -230,15 +230,10 @@ class Producer:
 
     def _encode_batch(self, batch: pa.RecordBatch, first: int) -> pa.RecordBatch:
         assert self.encoder is not None
-        encoder = self.encoder
-        values = [encoder.encode(v, first + i)
-                  for i, v in enumerate(batch.column("value").to_pylist())]
-        props = [list({**dict(p or []), **encoder.properties}.items())
-                 for p in batch.column("properties").to_pylist()]
-        out = batch.set_column(batch.schema.get_field_index("value"), "value",
-                               pa.array(values, pa.binary()))
-        return out.set_column(out.schema.get_field_index("properties"), "properties",
-                              pa.array(props, out.schema.field("properties").type))
+        values, props = self.encoder.encode_columns(batch.column("value"),
+                                                    batch.column("properties"), first)
+        out = batch.set_column(batch.schema.get_field_index("value"), "value", values)
+        return out.set_column(out.schema.get_field_index("properties"), "properties", props)
 
     def _route(self, key: str | None) -> int:
         if key is None:
