@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, overload
 from tierstream.schema import KEY_HASH_SLOTS
 from tierstream.splits.positions import KeyRange, Position
 from tierstream.splits.split import ReaderKind, Split
-from tierstream.store.metadata import SegmentRecord
+from tierstream.store.metadata import SegmentRecord, SegmentState
 
 __all__ = ["PartitionPlan", "Plan", "SegmentPlan", "no_gc"]
 
@@ -38,15 +38,22 @@ class SegmentPlan(NamedTuple):
     max_split_bytes: int
     facts: dict[str, Any]
 
+    @property
+    def _chunked(self) -> bool:
+        """A closed segment's range is cut by size; the open tail is one range."""
+        return self.end is not None and self.segment.state == SegmentState.CLOSED
+
     def chunks(self) -> list[tuple[Position, Position | None]]:
-        if self.end is None or self.segment.state != "CLOSED":
+        if not self._chunked:
             return [(self.start, self.end)]
+        assert self.end is not None
         return entry_chunks(self.segment, self.start, self.end, self.max_split_bytes)
 
     def split_count(self) -> int:
         """How many splits :meth:`splits` makes, without making them."""
-        if self.end is None or self.segment.state != "CLOSED":
+        if not self._chunked:
             return len(self.key_ranges)
+        assert self.end is not None
         return _chunk_count(self.segment, self.start, self.end,
                             self.max_split_bytes)[0] * len(self.key_ranges)
 

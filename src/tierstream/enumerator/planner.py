@@ -147,14 +147,12 @@ class Enumerator:
                 partitions.extend(self._plan_topic(topic, query))
             if self._endpoints is None:  # what a split's replicas need, read while open
                 self._endpoints = self.metadata.bookie_endpoints()
-        if query.reader is not None:  # a forced reader that cannot read a segment: say so now
-            for part in partitions:
-                for seg in part.records():
-                    _reader_for(seg, query.reader)
-        if query.key_ranges > 1:
-            on_bookies = {seg.segment_id for part in partitions for seg in part.records()
-                          if _reader_for(seg, query.reader) is ReaderKind.BOOKIE}
-            if on_bookies:  # the trade-off of key ranges over log-ordered data, said once
+        if query.reader is not None or query.key_ranges > 1:
+            # a forced reader that cannot read a segment fails here, at planning
+            kinds = [(seg.segment_id, _reader_for(seg, query.reader))
+                     for part in partitions for seg in part.records()]
+            on_bookies = {sid for sid, kind in kinds if kind is ReaderKind.BOOKIE}
+            if query.key_ranges > 1 and on_bookies:  # key ranges over log-ordered data
                 log.info("keyRanges=%d over %d bookie-resident segment(s): each key-range split "
                          "reads and decodes all of its entries (%dx the work of one range; "
                          "over a bookie endpoint the bookie filters, so the wire carries ~1x); "

@@ -223,16 +223,21 @@ class _IcebergSink:
     """Creates the backfill's Iceberg table with all its files in one catalog commit."""
 
     def __init__(self, catalog_uri: str, table: str, location: str) -> None:
-        parts = tuple(table.split("."))
-        if len(parts) < 2 or not all(parts):
-            raise ConfigError(f"invalid table {table!r}: expected namespace.name, e.g. "
-                              "backfill.clicks_week")
-        self.ident, self.location, self.catalog_uri = parts, location, catalog_uri
-        self._catalog: Any = None
+        self._open_catalog(catalog_uri, table, location, example="backfill.clicks_week")
         inside = catalog_uri.startswith("sqlite:///" + location + os.sep)
         if not inside and self.catalog().table_exists(self.ident):  # an existing catalog
             raise ConfigError(f"Iceberg table {table!r} exists in {catalog_uri!r}; choose "
                               "another --table (nothing was written)")
+
+    def _open_catalog(self, catalog_uri: str, table: str, location: str, *, example: str
+                      ) -> None:
+        """Where the table goes; its name checked (the catalog opens on first use)."""
+        parts = tuple(table.split("."))
+        if len(parts) < 2 or not all(parts):
+            raise ConfigError(f"invalid table {table!r}: expected namespace.name, e.g. "
+                              f"{example}")
+        self.ident, self.location, self.catalog_uri = parts, location, catalog_uri
+        self._catalog: Any = None
 
     def catalog(self) -> Any:
         if self._catalog is None:
@@ -364,12 +369,7 @@ class _IcebergTail(_IcebergSink):
     written but never committed are removed when the tail starts again."""
 
     def __init__(self, catalog_uri: str, table: str, location: str, query: str) -> None:
-        parts = tuple(table.split("."))
-        if len(parts) < 2 or not all(parts):
-            raise ConfigError(f"invalid table {table!r}: expected namespace.name, e.g. "
-                              "tail.clicks")
-        self.ident, self.location, self.catalog_uri = parts, location, catalog_uri
-        self._catalog = None
+        self._open_catalog(catalog_uri, table, location, example="tail.clicks")
         self.query = query
         self.property = f"tierstream.batch.{query}"
         os.makedirs(location, exist_ok=True)

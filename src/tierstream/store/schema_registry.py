@@ -8,6 +8,8 @@ topic returns that version (producers register on every start).
 
 from __future__ import annotations
 
+import json
+
 from tierstream.errors import ConfigError, NotFoundError
 from tierstream.names import TopicName
 from tierstream.schemas.compat import check_new_version
@@ -72,7 +74,7 @@ class SchemaRegistry:
         versions = self.versions(topic)
         if any(v.fingerprint == fingerprint for v in versions):
             return None
-        return check_new_version(type_, None if not definition else _json(definition),
+        return check_new_version(type_, json.loads(definition) if definition else None,
                                  versions, self.compatibility(topic), topic)
 
     def register(self, topic: str, type_: SchemaType, text: str | None) -> SchemaInfo:
@@ -89,7 +91,7 @@ class SchemaRegistry:
             if same is not None:
                 return same
             rule = self.compatibility(name)
-            why = check_new_version(type_, None if not definition else _json(definition),
+            why = check_new_version(type_, json.loads(definition) if definition else None,
                                     versions, rule, name)
             if why is not None:
                 raise ConfigError(f"incompatible schema for {name!r}: {why}")
@@ -99,9 +101,3 @@ class SchemaRegistry:
                       (info.topic, info.version, info.type.value, info.definition,
                        info.fingerprint, info.created_at))
         return info
-
-
-def _json(text: str) -> object:
-    import json
-
-    return json.loads(text)
