@@ -117,6 +117,28 @@ def test_a_frame_corrupt_on_one_bookie_is_caught_by_the_reader_and_read_from_ano
             _read([_elsewhere(first)])
 
 
+def test_local_files_a_corrupt_or_missing_first_replica_is_read_from_the_next(
+        tmp_path: Path) -> None:
+    with running_log(tmp_path / "data", bookies=3, writeQuorum=3, ackQuorum=2,
+                     maxEntriesPerSegment=6) as log:
+        fill(log, partitions=1, batches=6)
+        splits = _bookie_splits(log)
+        before = _read(splits)
+        first = splits[0]
+        _corrupt_entry(first.replicas[0].local_dir or "", first.segment_id, 1)
+        stats = ReadStats()
+        assert _read(splits, stats) == before  # same rows, same order, from local files
+        assert stats.rows(path=LOCAL) == len(before)
+        log_path, _ = ledger_paths(first.replicas[0].local_dir or "", first.segment_id)
+        log_path.unlink()  # the first replica's ledger gone, its index still there
+        assert _read(splits) == before
+        for r in first.replicas[1:]:
+            _corrupt_entry(r.local_dir or "", first.segment_id, 1)
+        with pytest.raises(CorruptionError, match=rf"entry 1 of segment {first.segment_id} "
+                                                  r".*unreadable on every replica"):
+            _read([first])
+
+
 def test_a_segment_that_left_the_bookies_after_planning_is_read_through_the_broker(
         tmp_path: Path) -> None:
     with running_log(tmp_path / "data", bookie_endpoints=True, maxEntriesPerSegment=5) as log:

@@ -144,30 +144,37 @@ def _local_index(split: Split) -> tuple[list[IndexRecord], list[str]] | None:
 
 def _read_local(split: Split, records: list[IndexRecord], dirs: list[str]
                 ) -> Iterator[pa.RecordBatch]:
+    """A sealed ledger file is memory-mapped: a frame is verified and decoded where the page
+    cache holds it, with no copy and no system call per entry. The first replica's copy is
+    read directly; only an entry that fails there goes through the per-entry fallback."""
     first, last = entry_range(records, split.start.entry_id, split.end, split.start_time,
                               split.end_time)
     maps: dict[str, pa.Buffer] = {}  # unmapped when the last batch over it is gone
+    try:
+        primary = _ledger_map(split, dirs[0], maps)
+    except NotFoundError:
+        primary = None
+    segment_id, where = split.segment_id, dirs[0]
     for rec in records[first:last]:
+        try:
+            if primary is None or rec.frame_offset + rec.frame_len > primary.size:
+                raise CorruptionError("")  # the fallback says what is wrong
+            payload = parse_frame(memoryview(primary.slice(rec.frame_offset, rec.frame_len)),
+                                  segment_id, rec.entry_id, where)
+        except CorruptionError:
+            payload = _read_entry(split, rec, dirs, maps)
         out = _trim_entry(split, rec.entry_id, rec.first_publish_time, rec.last_publish_time,
-                          _read_entry(split, rec, dirs, maps), check_keys=True)
+                          decode_payload(payload), check_keys=True)
         if out.num_rows:
             yield out
 
 
 def _read_entry(split: Split, rec: IndexRecord, dirs: list[str], maps: dict[str, pa.Buffer]
-                ) -> pa.RecordBatch:
-    """One entry from the first replica whose frame verifies. A sealed ledger file is
-    memory-mapped: a frame is verified and decoded where the page cache holds it, with no
-    copy and no system call per entry."""
+                ) -> pa.Buffer:
+    """One entry's verified payload from the first replica whose frame verifies."""
     def read(d: str) -> Callable[[], pa.Buffer]:
         def frame() -> pa.Buffer:
-            whole = maps.get(d)
-            if whole is None:
-                log_path, _ = ledger_paths(d, split.segment_id)
-                try:
-                    whole = maps[d] = _mapped(str(log_path))
-                except FileNotFoundError:
-                    raise NotFoundError(f"{d}: ledger {split.segment_id} is missing") from None
+            whole = _ledger_map(split, d, maps)
             if rec.frame_offset + rec.frame_len > whole.size:
                 raise CorruptionError(f"{d}: ledger {split.segment_id} is shorter than its "
                                       f"index says (entry {rec.entry_id})")
@@ -178,7 +185,18 @@ def _read_entry(split: Split, rec: IndexRecord, dirs: list[str], maps: dict[str,
     payload, errors = first_good_replica((d, read(d)) for d in dirs)
     if payload is None:
         raise unreadable(rec.entry_id, split.segment_id, split.topic, split.partition, errors)
-    return decode_payload(payload)
+    return payload
+
+
+def _ledger_map(split: Split, d: str, maps: dict[str, pa.Buffer]) -> pa.Buffer:
+    whole = maps.get(d)
+    if whole is None:
+        log_path, _ = ledger_paths(d, split.segment_id)
+        try:
+            whole = maps[d] = _mapped(str(log_path))
+        except FileNotFoundError:
+            raise NotFoundError(f"{d}: ledger {split.segment_id} is missing") from None
+    return whole
 
 
 def _mapped(path: str) -> pa.Buffer:
@@ -199,12 +217,14 @@ def _trim_entry(split: Split, entry_id: int, first_pt: int, last_pt: int,
                 batch: pa.RecordBatch, *, check_keys: bool) -> pa.RecordBatch:
     """One entry's rows inside the split: only the entries at its edges can hold rows of
     positions or times outside it."""
-    edge = entry_id in (split.start.entry_id, None if split.end is None else split.end.entry_id)
+    edge = entry_id == split.start.entry_id or (split.end is not None
+                                                 and entry_id == split.end.entry_id)
     in_time = (split.start_time is None or first_pt >= split.start_time) \
         and (split.end_time is None or last_pt < split.end_time)
-    out = trim(batch, split, check_positions=edge, check_time=not in_time,
-               check_keys=check_keys)
-    return with_topic(out, split.topic) if out.num_rows else out
+    if edge or not in_time or (check_keys and not split.key_range.is_full):
+        batch = trim(batch, split, check_positions=edge, check_time=not in_time,
+                     check_keys=check_keys)
+    return with_topic(batch, split.topic) if batch.num_rows else batch
 
 
 # -- bookie endpoints -------------------------------------------------------------------------
