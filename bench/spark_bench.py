@@ -31,6 +31,9 @@ def spark(quick: bool = True) -> Path:
     """Backfill rows/s (noop sink) over tiered and bookie-resident data, beside
     spark.read.parquet of the same tier files; and keyRanges on one partition."""
     partitions, entries, per_entry, runs = (4, 50, 2000, 3) if quick else (4, 150, 2000, 5)
+    # the backfill figures at >= 10 M rows in the full profile (5 segments per partition),
+    # the window and key-range figures at the smaller size
+    backfill_entries = entries if quick else 1250
     from tierstream.spark_adapter import read as hybrid_read
     from tierstream.spark_adapter import register
     from tierstream.spark_adapter.jobs import local_spark
@@ -39,11 +42,12 @@ def spark(quick: bool = True) -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(StoreConfig.from_options({
             "dataDir": str(Path(tmp) / "data"), "fsync": False,
-            "maxEntriesPerSegment": entries + 1, "deletionLag": "1h",
+            "maxEntriesPerSegment": backfill_entries + 1, "deletionLag": "1h",
             "tierCheckInterval": "1h"}))
         try:
-            _fill(store, "bench/spark/tiered", partitions, entries, per_entry)
-            _fill(store, "bench/spark/bookies", partitions, entries, per_entry)
+            for topic in ("bench/spark/tiered", "bench/spark/bookies"):
+                _fill(store, topic, partitions, backfill_entries, per_entry,
+                      segment_entries=None if quick else backfill_entries // 5)
             _fill(store, "bench/spark/one", 1, entries * 2, per_entry)
             _fill(store, "bench/spark/window", partitions, entries, per_entry,
                   segment_entries=entries // 10)  # 10 segments per partition
@@ -62,7 +66,7 @@ def spark(quick: bool = True) -> Path:
         session = local_spark("tierstream-bench")
         try:
             register(session)
-            messages = partitions * entries * per_entry
+            messages = partitions * backfill_entries * per_entry
 
             def ours(topic: str, **extra: str) -> float:
                 reader = session.read.format("tierstream").option("topic", topic) \
@@ -106,6 +110,7 @@ def spark(quick: bool = True) -> Path:
                 return in_window / timed(lambda: df.write.format("noop").mode("overwrite")
                                          .save())
 
+            messages = partitions * entries * per_entry
             pushed, filtered = [], []
             windowed()  # warm-up
             for _ in range(runs):
@@ -137,7 +142,9 @@ def spark(quick: bool = True) -> Path:
     for k, rates in one.items():
         figures.append(Figure(f"one partition, keyRanges={k}", "rows/s", rates,
                               "keyRanges=1", one[1]))
-    console.print(f"{partitions} partitions x {entries * per_entry:,} messages; noop sink; "
+    console.print(f"backfills: {partitions} partitions x {backfill_entries * per_entry:,} "
+                  f"messages; window: {partitions} x {entries * per_entry:,}; noop sink; "
                   "local[*] on this machine")
     return report("spark", figures, {"partitions": partitions, "entries": entries,
+                                     "backfill_entries": backfill_entries,
                                      "messages_per_entry": per_entry, "runs": runs})

@@ -294,7 +294,7 @@ class Enumerator:
             if kind is ReaderKind.BOOKIE:  # a store has few distinct ensembles
                 facts["replicas"] = tuple(self._replica(b) for b in seg.ensemble)
             if kind is ReaderKind.TIER:
-                facts.update(tier_url=seg.tier_url, tier=self.tier)
+                facts.update(tier_url=seg.tier_url, tier_bytes=seg.tier_bytes, tier=self.tier)
             if kind is not ReaderKind.TIER:  # tier URLs are one per segment: not worth keeping
                 self._facts[(kind, seg.ensemble, seg.tier_url)] = facts
         # a chunk bounds what one split reads: a bookie-log split reads its whole entry range

@@ -20,6 +20,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from fsspec.spec import AbstractBufferedFile
 
 from tierstream.errors import CorruptionError, DataLossError, NotFoundError, UnavailableError
 from tierstream.readers.stats import (
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 READ_AHEAD = 8
 #: Remote tier files up to this size are fetched whole, in one request.
 SMALL_FILE = 16 * 1024**2
+#: The smallest ranged request a whole small file is fetched in.
+MIN_RANGE = 256 * 1024
 READER = "parquet-tier"
 
 
@@ -112,9 +115,26 @@ def read_tier_split(split: Split, *, auth_token: str | None = None,
                        s3_region=split.tier.s3_region)
     fs = tier.filesystem()
     path = tier.path(split.tier_url)
+    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    remote = "file" not in protocols  # an object store: every request pays latency
+    handle = None
+    in_memory = False
     try:
-        handle = fs.open(path, "rb")
+        if not remote:  # pyarrow's own (memory-mapped) file: faster than an fsspec handle
+            pf = pq.ParquetFile(path, memory_map=True)
+        elif split.tier_bytes is not None and 0 < split.tier_bytes <= SMALL_FILE:
+            # a small remote file is fetched whole, not footer, then metadata, then data:
+            # each request pays the store's latency, which a small file's decoding cannot
+            # hide; its known size spares the HEAD
+            pf, in_memory = pq.ParquetFile(pa.py_buffer(_fetch_whole(fs, path,
+                                                                     split.tier_bytes))), True
+        else:
+            handle = _open(fs, path, split.tier_bytes)
+            in_memory = 0 < (getattr(handle, "size", None) or 0) <= SMALL_FILE
+            pf = pq.ParquetFile(pa.py_buffer(handle.read()) if in_memory else handle)
     except FileNotFoundError:
+        if handle is not None:
+            handle.close()
         if tier.scheme == "file" and not fs.exists(posixpath.dirname(path)):
             if split.broker is None:
                 raise UnavailableError(
@@ -128,24 +148,15 @@ def read_tier_split(split: Split, *, auth_token: str | None = None,
             yield from counted(read_tail_split(split, auth_token=auth_token, tls_ca=tls_ca),
                                stats, READER, BROKER_FALLBACK)
             return
-        raise DataLossError(
-            f"data loss in {split.topic!r} partition {split.partition}: the tier file of "
-            f"segment {split.segment_id} ({split.tier_url}) is gone (deleted by retention "
-            "after planning?)") from None
-    with handle:
-        protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-        remote = "file" not in protocols  # an object store: every request pays latency
-        whole = remote and 0 < (getattr(handle, "size", None) or 0) <= SMALL_FILE
-        # a small remote file in one request, not footer, then metadata, then data: each
-        # request pays the store's latency, which a small file's decoding cannot hide
-        pf = pq.ParquetFile(pa.py_buffer(handle.read()) if whole else handle)
+        raise _gone(split) from None
+    try:
         plans = _plans(pf.metadata, split)
         # a few row groups per read: pyarrow decodes them in parallel
         chunks = [plans[i:i + READ_AHEAD] for i in range(0, len(plans), READ_AHEAD)]
         path_kind = OBJECT_STORE if remote else LOCAL
-        remote = remote and not whole  # a whole file is read from memory
-        for chunk, table in zip(chunks, _read_chunks(fs, path, pf, chunks, remote),
-                                strict=True):
+        ahead = remote and not in_memory
+        for chunk, table in zip(chunks, _read_chunks(fs, path, pf, chunks, ahead,
+                                                     split.tier_bytes), strict=True):
             out = trim(table, split, check_positions=any(p.positions for p in chunk),
                        check_time=any(p.time for p in chunk),
                        check_keys=any(p.keys for p in chunk))
@@ -154,10 +165,48 @@ def read_tier_split(split: Split, *, auth_token: str | None = None,
                     if stats is not None:
                         stats.add(READER, path_kind, batch.num_rows, batch.nbytes)
                     yield with_topic(batch, split.topic)
+    except FileNotFoundError:  # opened by its known size: a missing file shows on reading
+        raise _gone(split) from None
+    finally:
+        pf.close()
+        if handle is not None:
+            handle.close()
+
+
+def _fetch_whole(fs: Any, path: str, size: int) -> bytes:
+    """A remote file of known ``size`` in ranged GETs of at least ``MIN_RANGE`` bytes, up to
+    ``READ_AHEAD`` at once: an object store's throughput is per request (connection), so
+    a file arrives in about one latency plus its size over ``READ_AHEAD`` connections. Ranged,
+    too, because without a range s3fs asks for the size first (a HEAD)."""
+    step = max(MIN_RANGE, -(-size // READ_AHEAD))
+    ranges = [(start, min(start + step, size)) for start in range(0, size, step)]
+    if len(ranges) == 1:
+        return bytes(fs.cat_file(path, start=0, end=size))
+    with ThreadPoolExecutor(max_workers=len(ranges), thread_name_prefix="tier-fetch") as pool:
+        parts = list(pool.map(lambda r: fs.cat_file(path, start=r[0], end=r[1]), ranges))
+    return b"".join(parts)
+
+
+def _open(fs: Any, path: str, size: int | None) -> Any:
+    """``path`` opened for reading; of a known ``size`` without asking the store for it (s3fs
+    would send a HEAD first, for the size and again before the first ranged read)."""
+    if not size:
+        return fs.open(path, "rb")
+    handle = fs.open(path, "rb", size=size)
+    if isinstance(handle, AbstractBufferedFile):
+        handle.details = {"name": path, "size": size, "type": "file"}
+    return handle
+
+
+def _gone(split: Split) -> DataLossError:
+    return DataLossError(
+        f"data loss in {split.topic!r} partition {split.partition}: the tier file of "
+        f"segment {split.segment_id} ({split.tier_url}) is gone (deleted by retention "
+        "after planning?)")
 
 
 def _read_chunks(fs: Any, path: str, pf: pq.ParquetFile, chunks: list[list[_Plan]],
-                 remote: bool) -> Iterator[pa.Table]:
+                 remote: bool, size: int | None) -> Iterator[pa.Table]:
     if not remote or len(chunks) <= 1:
         for chunk in chunks:
             yield pf.read_row_groups([p.index for p in chunk])
@@ -168,7 +217,7 @@ def _read_chunks(fs: Any, path: str, pf: pq.ParquetFile, chunks: list[list[_Plan
     def load(chunk: list[_Plan]) -> pa.Table:
         own = getattr(local, "pf", None)
         if own is None:  # one open file per worker thread: ParquetFile is not thread-safe
-            handle = fs.open(path, "rb")
+            handle = _open(fs, path, size)
             opened.append(handle)
             local.pf = own = pq.ParquetFile(handle)
         return own.read_row_groups([p.index for p in chunk])

@@ -79,6 +79,8 @@ class Split:
     end_time: int | None = None
     replicas: tuple[Replica, ...] = ()
     tier_url: str | None = None
+    #: the tier file's size when known: it is opened without a HEAD request
+    tier_bytes: int | None = None
     tier: TierLocation = field(default_factory=TierLocation)
     broker: str | None = None
     estimated_bytes: int = 0
@@ -109,6 +111,7 @@ class Split:
             "reader": self.reader.value, "key_range": self.key_range.to_list(),
             "start_time": self.start_time, "end_time": self.end_time,
             "replicas": [r.to_list() for r in self.replicas], "tier_url": self.tier_url,
+            "tier_bytes": self.tier_bytes,
             "tier": {"s3_endpoint": self.tier.s3_endpoint, "s3_region": self.tier.s3_region},
             "broker": self.broker, "estimated_bytes": self.estimated_bytes,
         }
@@ -131,7 +134,7 @@ class Split:
                 reader=ReaderKind(data["reader"]), key_range=KeyRange(*data["key_range"]),
                 start_time=data.get("start_time"), end_time=data.get("end_time"),
                 replicas=tuple(Replica(*r) for r in data.get("replicas") or ()),
-                tier_url=data.get("tier_url"),
+                tier_url=data.get("tier_url"), tier_bytes=data.get("tier_bytes"),
                 tier=TierLocation(**(data.get("tier") or {})), broker=data.get("broker"),
                 estimated_bytes=int(data.get("estimated_bytes") or 0),
             )

@@ -24,7 +24,7 @@ from tierstream.timeutil import now_ms
 
 __all__ = ["MetadataReader", "MetadataStore", "SegmentRecord", "SegmentState", "TopicRecord"]
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -51,7 +51,8 @@ CREATE TABLE IF NOT EXISTS segments (
     tier_url TEXT,
     offloaded_at INTEGER,
     bookie_deleted_at INTEGER,
-    offload_pending_url TEXT
+    offload_pending_url TEXT,
+    tier_bytes INTEGER
 );
 CREATE INDEX IF NOT EXISTS segments_by_partition ON segments (topic, partition, segment_id);
 CREATE INDEX IF NOT EXISTS segments_by_max_time
@@ -188,6 +189,8 @@ class SegmentRecord:
     offloaded_at: int | None = None
     bookie_deleted_at: int | None = None
     offload_pending_url: str | None = None
+    #: the tier file's size: a reader opens it without asking the object store (a HEAD)
+    tier_bytes: int | None = None
 
     @property
     def location(self) -> str:
@@ -209,7 +212,7 @@ class SegmentRecord:
 _SEGMENT_COLUMNS = (
     "topic, partition, segment_id, state, entries, messages, bytes, min_publish_time, "
     "max_publish_time, created_at, sealed_at, ensemble, tier_url, offloaded_at, bookie_deleted_at, "
-    "offload_pending_url"
+    "offload_pending_url, tier_bytes"
 )
 _SEGMENT_FIELDS = tuple(c.strip() for c in _SEGMENT_COLUMNS.split(","))
 
@@ -288,6 +291,12 @@ class MetadataStore:
             version = 5
         if version == 5:  # v6: topic schemas (tables created by the DDL above)
             self._conn.execute("UPDATE meta SET value='6' WHERE key='schema_version'")
+            version = 6
+        if version == 6:  # v7: tier file sizes (unknown, NULL, for files offloaded before)
+            columns = [r[1] for r in self._conn.execute("PRAGMA table_info(segments)")]
+            if "tier_bytes" not in columns:
+                self._conn.execute("ALTER TABLE segments ADD COLUMN tier_bytes INTEGER")
+            self._conn.execute("UPDATE meta SET value='7' WHERE key='schema_version'")
 
     def _check_version(self) -> None:
         row = self._conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
@@ -515,11 +524,13 @@ class MetadataStore:
             c.execute("UPDATE segments SET offload_pending_url=? WHERE segment_id=?",
                       (url, segment_id))
 
-    def flip_to_tier(self, segment_id: int, url: str, *, offloaded_at: int) -> None:
-        """From now on readers read this segment from ``url``."""
+    def flip_to_tier(self, segment_id: int, url: str, *, offloaded_at: int,
+                     tier_bytes: int | None = None) -> None:
+        """From now on readers read this segment from ``url`` (a file of ``tier_bytes``)."""
         with self._tx() as c:
-            c.execute("UPDATE segments SET tier_url=?, offloaded_at=?, offload_pending_url=NULL "
-                      "WHERE segment_id=?", (url, offloaded_at, segment_id))
+            c.execute("UPDATE segments SET tier_url=?, offloaded_at=?, tier_bytes=?, "
+                      "offload_pending_url=NULL WHERE segment_id=?",
+                      (url, offloaded_at, tier_bytes, segment_id))
 
     def mark_bookie_deleted(self, segment_id: int, *, deleted_at: int) -> None:
         with self._tx() as c:

@@ -86,13 +86,14 @@ class Offloader:
         if url is None:
             url = self.tier.segment_url(topic, seg.partition, seg.segment_id)
             metadata.set_offload_pending(seg.segment_id, url)
-        if not self.tier.exists(url):
-            rows = self._segment_rows(plog, seg)
-            self.tier.write_segment(url, rows)
+        if self.tier.exists(url):  # written by an attempt that crashed after it
+            size = self.tier.size(url)
+        else:
+            size = self.tier.write_segment(url, self._segment_rows(plog, seg))
         self._fault("after_parquet")
         self.catalog.register(topic, url, retry=retry)
         self._fault("after_iceberg")
-        metadata.flip_to_tier(seg.segment_id, url, offloaded_at=now_ms())
+        metadata.flip_to_tier(seg.segment_id, url, offloaded_at=now_ms(), tier_bytes=size)
         moved = metadata.get_segment(seg.segment_id)
         plog.update_segment(moved)
         self._fault("after_flip")

@@ -188,6 +188,10 @@ class TierStorage:
                 os.replace(target, path)
             return int(fs.size(path))
 
+    def size(self, url: str) -> int:
+        with _errors(url):
+            return int(self.filesystem().size(self.path(url)))
+
     def exists(self, url: str) -> bool:
         with _errors(url):
             return bool(self.filesystem().exists(self.path(url)))

@@ -1,0 +1,80 @@
+"""The parquet-tier reader on S3 (a moto server on loopback): requests per read, counted from
+s3fs's own call log, and a file gone after planning."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tierstream.enumerator import Enumerator, Query
+from tierstream.errors import DataLossError
+from tierstream.readers import open_reader, parquet_tier
+from tierstream.splits.split import ReaderKind, Split, StreamCut
+from tierstream.store.store import Store
+
+from ..store.test_tier import TOPIC, fill, make_store
+
+
+@pytest.fixture
+def s3_store(data_dir: Path, s3_bucket: str, moto_endpoint: str) -> Iterator[Store]:
+    store = make_store(data_dir, tierUrl=f"s3://{s3_bucket}/tier", s3Endpoint=moto_endpoint)
+    fill(store, entries=10)
+    store.offloader.offload_topic(TOPIC)
+    yield store
+    store.close()
+
+
+def _tier_split(store: Store) -> Split:
+    cut = StreamCut.of(TOPIC, {p.partition: p.last_confirmed()[1]
+                               for p in store.partitions(TOPIC)})
+    with Enumerator(data_dir=store.config.data_dir,
+                    s3_endpoint=store.config.s3_endpoint) as enum:
+        (split,) = [s for s in enum.plan(Query(topics=(TOPIC,), end=cut))
+                    if s.reader is ReaderKind.TIER]
+    return split
+
+
+def _calls(caplog: pytest.LogCaptureFixture, split: Split) -> tuple[int, list[str]]:
+    """Rows read, and the S3 calls s3fs made for them."""
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="s3fs"):
+        rows = sum(b.num_rows for b in open_reader(split))
+    calls = [r.getMessage().split(" - ")[0].removeprefix("CALL: ") for r in caplog.records
+             if r.name == "s3fs" and r.getMessage().startswith("CALL: ")]
+    return rows, calls
+
+
+def test_the_planned_file_size_spares_the_head_request(
+        s3_store: Store, caplog: pytest.LogCaptureFixture) -> None:
+    split = _tier_split(s3_store)
+    assert split.tier_bytes == s3_store.tier.size(split.tier_url or "") > 0
+    rows, calls = _calls(caplog, split)
+    assert rows == 1000
+    assert calls == ["get_object"]  # a small file: one GET of the whole object
+    # a segment offloaded before sizes were recorded: a HEAD, then the same GET
+    assert _calls(caplog, replace(split, tier_bytes=None)) == (1000, ["head_object",
+                                                                     "get_object"])
+
+
+def test_a_large_file_of_known_size_is_read_in_ranges_without_a_head(
+        s3_store: Store, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(parquet_tier, "SMALL_FILE", 0)  # every file is "large"
+    rows, calls = _calls(caplog, _tier_split(s3_store))
+    assert rows == 1000
+    assert calls and set(calls) == {"get_object"}
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_a_tier_file_of_known_size_gone_after_planning_is_data_loss(
+        s3_store: Store, small: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not small:
+        monkeypatch.setattr(parquet_tier, "SMALL_FILE", 0)
+    split = _tier_split(s3_store)
+    s3_store.tier.delete(split.tier_url or "")
+    with pytest.raises(DataLossError, match=rf"tier file of segment {split.segment_id} .* gone"):
+        list(open_reader(split))
