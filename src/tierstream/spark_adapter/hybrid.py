@@ -148,8 +148,8 @@ def _native(spark: Any, splits: list[Split], plan: list[Split]) -> Any:
     if t1 is not None:
         c = F.col("publish_time") < F.lit(t1)
         condition = c if condition is None else condition & c
-    edges = [c for c in (_position_bounds(f, ends[(f[0].topic, f[0].partition)])
-                         for f in by_file.values()) if c is not None]
+    edges = [c for c in (_position_bounds(f, ends[(f[0].topic, f[0].partition)], url)
+                         for url, f in by_file.items()) if c is not None]
     if edges:
         ids = [seg for seg, _ in edges]
         inside = ~F.col("segment_id").isin(ids)
@@ -183,7 +183,7 @@ def _native(spark: Any, splits: list[Split], plan: list[Split]) -> Any:
         required("batch_index", 0).alias("batch_index"))
 
 
-def _position_bounds(splits: list[Split], first_last: tuple[int, int]
+def _position_bounds(splits: list[Split], first_last: tuple[int, int], url: str
                      ) -> tuple[int, Any] | None:
     """(segment id, condition) when the plan may read only part of this segment's positions:
     its start bound if it is the partition's first segment, its end bound if the last (a
@@ -195,7 +195,8 @@ def _position_bounds(splits: list[Split], first_last: tuple[int, int]
     ends = [s.end for s in splits]
     end = None if any(e is None for e in ends) else max(e for e in ends if e is not None)
     whole_start = seg != first_last[0] or start == Position(start.partition, seg, 0, 0)
-    whole_end = seg != first_last[1] or end is None
+    whole_end = seg != first_last[1] or end is None or (
+        end.batch_index == 0 and end.entry_id > _last_entry(url))
     if whole_start and whole_end:
         return None
     entry, index = F.col("entry_id"), F.col("batch_index")
@@ -207,6 +208,30 @@ def _position_bounds(splits: list[Split], first_last: tuple[int, int]
         c = c & ((entry < end.entry_id) | ((entry == end.entry_id) &
                                            (index < end.batch_index)))
     return seg, c
+
+
+def _last_entry(url: str) -> float:
+    """The last entry id in a tier file, from its footer's statistics, when this host sees the
+    file (a read to the segment's end needs no per-row end bound); else infinity."""
+    import pyarrow.parquet as pq
+
+    from tierstream.readers.parquet_tier import leaf_column
+
+    parsed = urlparse(url)
+    if parsed.scheme != "file":
+        return float("inf")
+    try:
+        meta = pq.read_metadata(parsed.path)
+    except FileNotFoundError:  # gone: Spark's read fails with the clear error
+        return float("inf")
+    column = leaf_column(meta, "entry_id")
+    last = -1
+    for i in range(meta.num_row_groups):
+        stats = meta.row_group(i).column(column).statistics
+        if stats is None or not stats.has_min_max:
+            return float("inf")
+        last = max(last, stats.max)
+    return last
 
 
 def missing_tier_file(message: str) -> DataLossError | None:
