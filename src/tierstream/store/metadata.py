@@ -8,6 +8,7 @@ goes through :class:`MetadataStore` so that a networked SQL database can replace
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import sqlite3
 import threading
@@ -472,22 +473,26 @@ class MetadataStore:
             "min_publish_time < :t1 ORDER BY min_publish_time DESC, segment_id DESC LIMIT 1)")
         columns = ", ".join(f"s.{c}" for c in _SEGMENT_FIELDS)
         # the bounds are index lookups, the range read walks only the window; the open
-        # segment, if any, is the partition's last one
+        # segment, if any, is the partition's last one. CROSS JOIN fixes the join order
+        # (SQLite's planner otherwise may scan every segment of the topic: seconds, not ms)
         sql = (f"WITH parts(p) AS (SELECT value FROM json_each(:parts)), "
-               f"bounds(p, lo, hi) AS (SELECT p, {lo_sql}, {hi_sql} FROM parts) "
-               f"SELECT {columns} FROM bounds JOIN segments s ON s.topic=:t AND "
+               f"bounds(p, lo, hi) AS MATERIALIZED (SELECT p, {lo_sql}, {hi_sql} FROM parts) "
+               f"SELECT {columns} FROM bounds CROSS JOIN segments s ON s.topic=:t AND "
                "s.partition=bounds.p AND s.segment_id BETWEEN bounds.lo AND bounds.hi AND "
-               f"s.state='CLOSED' UNION ALL SELECT {columns} FROM parts JOIN segments s ON "
-               "s.segment_id=(SELECT MAX(segment_id) FROM segments WHERE topic=:t AND "
+               f"s.state='CLOSED' UNION ALL SELECT {columns} FROM parts CROSS JOIN segments s "
+               "ON s.segment_id=(SELECT MAX(segment_id) FROM segments WHERE topic=:t AND "
                "partition=parts.p) WHERE s.state='OPEN' AND (:t1 IS NULL OR "
-               "s.min_publish_time IS NULL OR s.min_publish_time < :t1) ORDER BY 2, 3")
+               "s.min_publish_time IS NULL OR s.min_publish_time < :t1)")
         args = {"t": topic, "parts": json.dumps([int(p) for p in partitions]),
                 "t0": start_time, "t1": end_time}
         with self._lock:
             rows = self._conn.execute(sql, args).fetchall()
         out: dict[int, list[SegmentRecord]] = {int(p): [] for p in partitions}
-        for r in rows:
+        for r in rows:  # closed segments, then each partition's open one (its last)
             out[r[1]].append(_segment(r))
+        for segs in out.values():  # in log order: a sort only if the engine did not keep it
+            if any(a.segment_id > b.segment_id for a, b in itertools.pairwise(segs)):
+                segs.sort(key=lambda seg: seg.segment_id)
         return out
 
     def first_segment_id(self, topic: str, partition: int) -> int | None:
