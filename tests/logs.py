@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +19,10 @@ from tierstream.store.store import Store
 
 TOPIC = "acme/web/clicks"
 BASE = 1_793_491_200_000
+
+#: SIGKILL cycles of the Spark chaos tests (a query killed mid-batch, then restarted): a few
+#: in the suite, more under ``make chaos`` (TIERSTREAM_SPARK_KILLS)
+SPARK_KILLS = int(os.environ.get("TIERSTREAM_SPARK_KILLS", "2"))
 
 
 @dataclass

@@ -25,7 +25,7 @@ import pytest
 from tierstream.store.client import Admin, Producer
 from tierstream.store.faults import ENV
 
-from ..logs import running_log
+from ..logs import SPARK_KILLS, running_log
 from ..store.helpers import read_all, wait_for
 
 pytestmark = [pytest.mark.spark]
@@ -73,7 +73,7 @@ def _check_exactly_once(log: Any) -> int:
 
 
 @pytest.mark.slow
-def test_a_read_process_write_query_killed_five_times_writes_each_row_once(tmp_path) -> None:
+def test_a_read_process_write_query_killed_repeatedly_writes_each_row_once(tmp_path) -> None:
     rng = random.Random(20261122)
     with running_log(tmp_path / "data", maxEntriesPerSegment=8) as log:
         with Admin(log.url) as admin:
@@ -95,7 +95,7 @@ def test_a_read_process_write_query_killed_five_times_writes_each_row_once(tmp_p
         checkpoint = tmp_path / "ckpt"
         kills: list[int] = []
         try:
-            while len(kills) < 5:
+            while len(kills) < SPARK_KILLS:
                 job = _job(log, checkpoint, "run")
                 before = _committed_batches(checkpoint)
                 wait = rng.randint(1, 2)
@@ -122,7 +122,7 @@ def test_a_read_process_write_query_killed_five_times_writes_each_row_once(tmp_p
         final = _job(log, checkpoint, "available-now")
         _, err = final.communicate(timeout=300)
         assert final.returncode == 0, err[-3000:]
-        assert kills == [-signal.SIGKILL] * 5, kills
+        assert kills == [-signal.SIGKILL] * SPARK_KILLS, kills
         written = _check_exactly_once(log)
         assert written == read_all(log.url, SOURCE).num_rows > 0
         # what killed drivers left staged was fenced by the re-run of its batch, or is open

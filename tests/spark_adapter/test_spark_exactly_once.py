@@ -17,7 +17,7 @@ import pytest
 
 from tierstream.store.client import Producer
 
-from ..logs import TOPIC, running_log
+from ..logs import SPARK_KILLS, TOPIC, running_log
 from ..store.helpers import wait_for
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
@@ -60,7 +60,7 @@ def test_sigkilled_streaming_query_restarts_exactly_once(spark: Any, tmp_path: P
         out, checkpoint = tmp_path / "out", tmp_path / "ckpt"
         kills: list[int] = []  # exit statuses of the killed jobs
         try:
-            while len(kills) < 5:
+            while len(kills) < SPARK_KILLS:
                 job = _job(log, out, checkpoint, "run")
                 before = _committed_batches(checkpoint)
                 wait = rng.randint(1, 2)
@@ -80,4 +80,4 @@ def test_sigkilled_streaming_query_restarts_exactly_once(spark: Any, tmp_path: P
         got = sorted(bytes(r["value"]).decode() for r in rows)
         assert len(got) == len(set(got)), f"{len(got) - len(set(got))} duplicated"
         assert sorted(produced) == got, f"{len(set(produced) - set(got))} lost"
-        assert kills == [-signal.SIGKILL] * 5, kills  # each kill hit a live query
+        assert kills == [-signal.SIGKILL] * SPARK_KILLS, kills  # each kill hit a live query
