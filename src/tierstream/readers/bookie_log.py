@@ -151,16 +151,17 @@ def _read_local(split: Split, records: list[IndexRecord], dirs: list[str]
                               split.end_time)
     maps: dict[str, pa.Buffer] = {}  # unmapped when the last batch over it is gone
     try:
-        primary = _ledger_map(split, dirs[0], maps)
+        primary = memoryview(_ledger_map(split, dirs[0], maps))
     except NotFoundError:
-        primary = None
-    segment_id, where = split.segment_id, dirs[0]
+        primary = memoryview(b"")
+    segment_id, where, size = split.segment_id, dirs[0], len(primary)
     for rec in records[first:last]:
+        start = rec.frame_offset
         try:
-            if primary is None or rec.frame_offset + rec.frame_len > primary.size:
+            if start + rec.frame_len > size:
                 raise CorruptionError("")  # the fallback says what is wrong
-            payload = parse_frame(memoryview(primary.slice(rec.frame_offset, rec.frame_len)),
-                                  segment_id, rec.entry_id, where)
+            payload = parse_frame(primary[start:start + rec.frame_len], segment_id,
+                                  rec.entry_id, where)
         except CorruptionError:
             payload = _read_entry(split, rec, dirs, maps)
         out = _trim_entry(split, rec.entry_id, rec.first_publish_time, rec.last_publish_time,

@@ -55,6 +55,8 @@ MAGIC = b"TSE2"  # version 2: CRC-32C
 FRAME_HEADER = struct.Struct("<4sIqqIII4x")
 INDEX_RECORD = struct.Struct("<qqIIqq")
 _CRC_IDS = struct.Struct("<qqII")
+#: where the fields _CRC_IDS packs (segment, entry, meta and payload lengths) sit in a header
+_IDS_AT = 8
 
 
 def _pad8(n: int) -> int:
@@ -106,8 +108,8 @@ def frame_length(pieces: list[Any]) -> int:
 
 def _parse(
     buf: memoryview, segment_id: int, entry_id: int | None, where: str
-) -> tuple[int, bytes, memoryview, int]:
-    """(entry_id, meta bytes, payload view, frame length) of the frame at ``buf``'s start."""
+) -> tuple[int, memoryview, memoryview, int]:
+    """(entry_id, meta view, payload view, frame length) of the frame at ``buf``'s start."""
     if len(buf) < FRAME_HEADER.size:
         raise CorruptionError(f"{where}: short frame header")
     magic, _flags, seg, ent, meta_len, payload_len, crc = FRAME_HEADER.unpack_from(buf, 0)
@@ -123,16 +125,19 @@ def _parse(
     end = payload_start + payload_len + _pad8(payload_len)
     if end > len(buf):
         raise CorruptionError(f"{where}: frame is cut short ({len(buf)} of {end} bytes)")
-    meta_bytes = bytes(buf[meta_start : meta_start + meta_len])
+    meta = buf[meta_start : meta_start + meta_len]
     payload = buf[payload_start : payload_start + payload_len]
-    if _crc(seg, ent, meta_bytes, payload) != crc:
+    # the checksum's id fields are the header's own bytes 8..32 (_CRC_IDS): no repacking
+    check = crc32c.crc32c(buf[_IDS_AT : _IDS_AT + _CRC_IDS.size])
+    check = crc32c.crc32c(payload, value=crc32c.crc32c(meta, value=check))
+    if check != crc:
         raise CorruptionError(f"{where}: checksum mismatch in segment {seg} entry {ent}")
-    return ent, meta_bytes, payload, end
+    return ent, meta, payload, end
 
 
-def _meta(meta_bytes: bytes, where: str) -> dict[str, Any]:
+def _meta(meta_bytes: bytes | memoryview, where: str) -> dict[str, Any]:
     try:
-        return json.loads(meta_bytes) if meta_bytes else {}
+        return json.loads(bytes(meta_bytes)) if meta_bytes else {}
     except ValueError:
         raise CorruptionError(f"{where}: unreadable frame metadata") from None
 
