@@ -187,12 +187,12 @@ def _fetch_whole(fs: Any, path: str, size: int) -> bytes:
     return b"".join(parts)
 
 
-def _open(fs: Any, path: str, size: int | None) -> Any:
+def _open(fs: Any, path: str, size: int | None, **kwargs: Any) -> Any:
     """``path`` opened for reading; of a known ``size`` without asking the store for it (s3fs
     would send a HEAD first, for the size and again before the first ranged read)."""
     if not size:
-        return fs.open(path, "rb")
-    handle = fs.open(path, "rb", size=size)
+        return fs.open(path, "rb", **kwargs)
+    handle = fs.open(path, "rb", size=size, **kwargs)
     if isinstance(handle, AbstractBufferedFile):
         handle.details = {"name": path, "size": size, "type": "file"}
     return handle
@@ -217,9 +217,12 @@ def _read_chunks(fs: Any, path: str, pf: pq.ParquetFile, chunks: list[list[_Plan
     def load(chunk: list[_Plan]) -> pa.Table:
         own = getattr(local, "pf", None)
         if own is None:  # one open file per worker thread: ParquetFile is not thread-safe
-            handle = _open(fs, path, size)
+            # no read-ahead cache (s3fs's would fetch from each read to the end of its 50 MiB
+            # block: every worker the rest of the file); pyarrow's pre-buffering instead
+            # joins the column chunks of the row groups asked for into a few ranged reads
+            handle = _open(fs, path, size, cache_type="none")
             opened.append(handle)
-            local.pf = own = pq.ParquetFile(handle)
+            local.pf = own = pq.ParquetFile(handle, pre_buffer=True, metadata=pf.metadata)
         return own.read_row_groups([p.index for p in chunk])
 
     # remote: up to READ_AHEAD chunks in flight, so request latency overlaps decoding
