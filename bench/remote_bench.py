@@ -78,7 +78,7 @@ def remote(quick: bool = True) -> Path:
                         topic="bench/remote/t", partition=0, segment_id=seg.segment_id,
                         start=Position(0, seg.segment_id, 0, 0),
                         end=Position(0, seg.segment_id, seg.entries, 0),
-                        reader=ReaderKind.TIER, tier_url=seg.tier_url,
+                        reader=ReaderKind.TIER, tier_url=seg.tier_url, tier_bytes=seg.tier_bytes,
                         tier=TierLocation(s3_endpoint=opts.get("s3Endpoint")))
                 finally:
                     store.close()
