@@ -5,6 +5,11 @@ entry_id) can hold rows of the split, and reads them in order, ``READ_AHEAD`` ro
 read. On a remote store up to ``READ_AHEAD`` such reads are in flight at once, so request
 latency overlaps decoding: memory is bounded by ``READ_AHEAD`` row groups locally and by
 ``READ_AHEAD ** 2`` remotely.
+
+A remote file's size comes with the split (recorded at offload), so opening it costs no HEAD
+request; a small one (``SMALL_FILE``) is fetched whole, in parallel ranged GETs, since each
+request pays the store's latency and a small file's decoding cannot hide it. Local files are
+opened by pyarrow itself, memory-mapped.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ __all__ = ["READ_AHEAD", "leaf_column", "read_tier_split", "selected_row_groups"
 log = logging.getLogger(__name__)
 
 READ_AHEAD = 8
-#: Remote tier files up to this size are fetched whole, in one request.
+#: Remote tier files up to this size are fetched whole (_fetch_whole), before decoding.
 SMALL_FILE = 16 * 1024**2
 #: The smallest ranged request a whole small file is fetched in.
 MIN_RANGE = 256 * 1024
