@@ -12,9 +12,10 @@ import pytest
 
 from tierstream.errors import DataLossError
 from tierstream.spark_adapter import read
+from tierstream.spark_adapter.hybrid import plan_read
 from tierstream.spark_adapter.source import register
 from tierstream.splits.positions import Position
-from tierstream.splits.split import StreamCut
+from tierstream.splits.split import ReaderKind, StreamCut
 
 from ..logs import BASE, TOPIC, append, running_log
 
@@ -54,7 +55,7 @@ def _random_log(log: Any, rng: random.Random) -> list[tuple[int, int, int]]:
             for s in p.segments()]
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(12))
 def test_the_hybrid_read_returns_exactly_the_rows_of_the_source(spark: Any, tmp_path: Path,
                                                                 seed: int) -> None:
     rng = random.Random(seed)
@@ -75,16 +76,27 @@ def test_the_hybrid_read_returns_exactly_the_rows_of_the_source(spark: Any, tmp_
             options["startingPosition"] = StreamCut.of(TOPIC, cut).to_json()
         if rng.random() < 0.5:
             options["endingTime"] = str(BASE + rng.randint(150, 400) * 1000)
+        elif "startingPosition" not in options and rng.random() < 0.7:
+            # an end cut: inside a segment, or at its very end (for a tiered segment, the
+            # hybrid read then drops the per-row end bound, knowing the file's last entry)
+            end = {}
+            for p in sorted({p for p, _, _ in segments}):
+                p_segs = [(s, e) for q, s, e in segments if q == p and e]
+                seg, entries = rng.choice(p_segs) if p_segs else (0, 0)
+                end[p] = Position(p, seg, entries, 0) if rng.random() < 0.5 else Position(
+                    p, seg, rng.randint(0, max(0, entries - 1)), rng.randint(0, 3))
+            options["endingPosition"] = StreamCut.of(TOPIC, end).to_json()
         register(spark)
         expected = _rows(spark.read.format("tierstream").options(**options).load())
         hybrid = read(spark, **options)
         assert _rows(hybrid) == expected, json.dumps(options)
         source_schema = spark.read.format("tierstream").options(**options).load().schema
         assert hybrid.schema == source_schema  # names, types and nullability
-        tiered = any(p.closed_segments() and any(s.tier_url for s in p.closed_segments())
-                     for p in log.store.partitions(TOPIC))
-        if tiered and expected:
-            assert "parquet" in _plan_text(hybrid).lower()
+        planned = plan_read(spark, options)  # the tier splits it plans go to Spark's reader
+        tier = [s for s in planned.splits if s.reader is ReaderKind.TIER]
+        assert planned.native == tier
+        if tier:
+            assert "parquet" in _plan_text(planned.df).lower()
 
 
 def test_the_hybrid_read_takes_the_source_path_for_a_tier_spark_cannot_read(
@@ -117,3 +129,29 @@ def test_a_tier_file_removed_after_planning_is_a_clear_data_loss_error(
             df.collect()
         error = query_error(info.value)
         assert isinstance(error, DataLossError) and "is gone" in str(error), error
+
+
+@pytest.mark.parametrize(("entry", "bounded"), [(3, False), (2, True)])
+def test_an_end_at_a_tier_files_last_entry_needs_no_per_row_bound(
+        spark: Any, tmp_path: Path, entry: int, bounded: bool) -> None:
+    """An end cut at the end of the partition's last tier file (entry 3 of a 3-entry
+    segment) drops the end filter, known from the file's footer; one entry earlier keeps
+    it. Both read exactly the source's rows."""
+    with running_log(tmp_path / "data", maxEntriesPerSegment=3) as log:
+        log.store.create_topic(TOPIC, 1)
+        for i in range(7):
+            append(log.store, 0, [f"v{i}-{j}" for j in range(4)], keys=[None] * 4,
+                   times=[BASE + i * 10 + j for j in range(4)])
+        plog = log.store.partitions(TOPIC)[0]
+        first, second = plog.closed_segments()[:2]
+        for seg in (first, second):
+            log.store.offloader.offload_segment(plog, seg)
+        options = {"topic": TOPIC, "dataDir": str(log.data_dir), "broker": log.url,
+                   "endingPosition": StreamCut.of(
+                       TOPIC, {0: Position(0, second.segment_id, entry, 0)}).to_json()}
+        hybrid = read(spark, **options)
+        register(spark)
+        expected = _rows(spark.read.format("tierstream").options(**options).load())
+        assert _rows(hybrid) == expected and len(expected) == 4 * (3 + entry)
+        plan = _plan_text(hybrid)  # no time window: a pushed filter is the end bound
+        assert ("PushedFilters: []" not in plan) is bounded, plan
