@@ -3,6 +3,7 @@ s3fs's own call log, and a file gone after planning."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 from collections.abc import Iterator
@@ -10,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -61,6 +63,26 @@ def test_the_planned_file_size_spares_the_head_request(
     # a segment offloaded before sizes were recorded: a HEAD, then the same GET
     assert _calls(caplog, replace(split, tier_bytes=None)) == (1000, ["head_object",
                                                                      "get_object"])
+
+
+def test_a_small_file_arrives_in_parallel_ranged_gets_put_together_in_order(
+        s3_store: Store, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(parquet_tier, "MIN_RANGE", 1024)  # a small test file, several ranges
+    split = _tier_split(s3_store)
+    assert split.tier_bytes is not None
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="s3fs"):
+        got = pa.Table.from_batches(list(open_reader(split)))
+    ranges = sorted((int(a), int(b)) for a, b in re.findall(
+        r"'Range': 'bytes=(\d+)-(\d+)'", "\n".join(r.getMessage() for r in caplog.records
+                                                   if r.name == "s3fs")))
+    assert len(ranges) == parquet_tier.READ_AHEAD  # the file in READ_AHEAD parts at once
+    assert ranges[0][0] == 0 and ranges[-1][1] == split.tier_bytes - 1
+    assert all(b + 1 == c for (_, b), (c, _) in itertools.pairwise(ranges))  # no gap
+    assert got.num_rows == 1000
+    assert sorted(got.column("value").to_pylist()) == sorted(f"0-{i}".encode()
+                                                             for i in range(1000))
 
 
 def test_a_large_file_of_known_size_is_read_in_ranges_without_a_head(
