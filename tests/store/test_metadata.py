@@ -5,6 +5,9 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+import pytest
+
+from tierstream.errors import ConfigError
 from tierstream.names import TopicName
 from tierstream.store.metadata import SCHEMA_VERSION, MetadataStore
 
@@ -48,3 +51,21 @@ def test_planning_reads_a_window_by_index_never_by_scanning_the_topic(tmp_path: 
         assert any("segments_by_partition" in step for step in plan), plan
     finally:
         store.close()
+
+
+def test_a_planner_on_a_store_not_yet_upgraded_is_told_how_to_upgrade_it(
+        tmp_path: Path) -> None:
+    path = tmp_path / "metadata.db"
+    MetadataStore(path).close()
+    with sqlite3.connect(path) as c:
+        c.execute("UPDATE meta SET value='6' WHERE key='schema_version'")
+    c.close()
+    with pytest.raises(ConfigError, match=r"has schema version 6; this tierstream reads "
+                                          r"version 7: the broker upgrades it when it starts: "
+                                          r"run `tierstream broker start --data-dir "):
+        MetadataStore(path, read_only=True)
+    with sqlite3.connect(path) as c:
+        c.execute("UPDATE meta SET value='99' WHERE key='schema_version'")
+    c.close()
+    with pytest.raises(ConfigError, match="written by a newer tierstream: upgrade this one"):
+        MetadataStore(path, read_only=True)

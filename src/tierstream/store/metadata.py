@@ -302,9 +302,15 @@ class MetadataStore:
     def _check_version(self) -> None:
         row = self._conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
         if row is None or int(row[0]) != SCHEMA_VERSION:
+            found = None if row is None else int(row[0])
+            if found is not None and found < SCHEMA_VERSION:
+                advice = ("the broker upgrades it when it starts: run `tierstream broker start "
+                          f"--data-dir {self.path.parent}` once")
+            else:
+                advice = "it was written by a newer tierstream: upgrade this one"
             raise ConfigError(
-                f"metadata store {str(self.path)!r} has schema version {row and row[0]!r}; "
-                f"this tierstream reads version {SCHEMA_VERSION}"
+                f"metadata store {str(self.path)!r} has schema version {found!r}; this "
+                f"tierstream reads version {SCHEMA_VERSION}: {advice}"
             )
 
     def close(self) -> None:
