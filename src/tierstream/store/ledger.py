@@ -79,8 +79,10 @@ class IndexRecord:
         )
 
 
-def _crc(segment_id: int, entry_id: int, meta: bytes, payload: Any) -> int:
-    crc = crc32c.crc32c(_CRC_IDS.pack(segment_id, entry_id, len(meta), len(payload)))
+def _crc(ids: bytes | memoryview, meta: bytes | memoryview, payload: Any) -> int:
+    """The frame checksum: over the packed ids (:data:`_CRC_IDS`, which a header holds as its
+    bytes 8..32), the metadata and the payload, in that order."""
+    crc = crc32c.crc32c(ids)
     crc = crc32c.crc32c(meta, value=crc)
     return crc32c.crc32c(payload, value=crc)
 
@@ -90,7 +92,8 @@ def encode_frame(segment_id: int, entry_id: int, meta: dict[str, Any], payload: 
 ]:
     """The pieces of one frame, ready for ``os.writev`` (payload is not copied)."""
     meta_bytes = json.dumps(meta, separators=(",", ":")).encode()
-    crc = _crc(segment_id, entry_id, meta_bytes, payload)
+    crc = _crc(_CRC_IDS.pack(segment_id, entry_id, len(meta_bytes), payload.size), meta_bytes,
+               payload)
     header = FRAME_HEADER.pack(
         MAGIC, 0, segment_id, entry_id, len(meta_bytes), payload.size, crc
     )
@@ -127,10 +130,8 @@ def _parse(
         raise CorruptionError(f"{where}: frame is cut short ({len(buf)} of {end} bytes)")
     meta = buf[meta_start : meta_start + meta_len]
     payload = buf[payload_start : payload_start + payload_len]
-    # the checksum's id fields are the header's own bytes 8..32 (_CRC_IDS): no repacking
-    check = crc32c.crc32c(buf[_IDS_AT : _IDS_AT + _CRC_IDS.size])
-    check = crc32c.crc32c(payload, value=crc32c.crc32c(meta, value=check))
-    if check != crc:
+    # the checksum's id fields are the header's own bytes: checked in place, not repacked
+    if _crc(buf[_IDS_AT : _IDS_AT + _CRC_IDS.size], meta, payload) != crc:
         raise CorruptionError(f"{where}: checksum mismatch in segment {seg} entry {ent}")
     return ent, meta, payload, end
 
