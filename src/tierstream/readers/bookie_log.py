@@ -156,13 +156,13 @@ def _read_local(split: Split, records: list[IndexRecord], dirs: list[str]
         primary = memoryview(b"")
     segment_id, where, size = split.segment_id, dirs[0], len(primary)
     for rec in records[first:last]:
-        start = rec.frame_offset
+        start, end = rec.frame_offset, rec.frame_offset + rec.frame_len
         try:
-            if start + rec.frame_len > size:
-                raise CorruptionError("")  # the fallback says what is wrong
-            payload = parse_frame(primary[start:start + rec.frame_len], segment_id,
-                                  rec.entry_id, where)
+            payload = parse_frame(primary[start:end], segment_id, rec.entry_id, where) \
+                if end <= size else None
         except CorruptionError:
+            payload = None
+        if payload is None:  # the fallback reads it again, says what is wrong, tries others
             payload = _read_entry(split, rec, dirs, maps)
         out = _trim_entry(split, rec.entry_id, rec.first_publish_time, rec.last_publish_time,
                           decode_payload(payload), check_keys=True)
@@ -222,10 +222,9 @@ def _trim_entry(split: Split, entry_id: int, first_pt: int, last_pt: int,
                                                  and entry_id == split.end.entry_id)
     in_time = (split.start_time is None or first_pt >= split.start_time) \
         and (split.end_time is None or last_pt < split.end_time)
-    if edge or not in_time or (check_keys and not split.key_range.is_full):
-        batch = trim(batch, split, check_positions=edge, check_time=not in_time,
-                     check_keys=check_keys)
-    return with_topic(batch, split.topic) if batch.num_rows else batch
+    out = trim(batch, split, check_positions=edge, check_time=not in_time,
+               check_keys=check_keys)
+    return with_topic(out, split.topic) if out.num_rows else out
 
 
 # -- bookie endpoints -------------------------------------------------------------------------
