@@ -123,20 +123,23 @@ def read_tier_split(split: Split, *, auth_token: str | None = None,
     protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     remote = "file" not in protocols  # an object store: every request pays latency
     handle = None
+    size = split.tier_bytes
     in_memory = False
     try:
         if not remote:  # pyarrow's own (memory-mapped) file: faster than an fsspec handle
             pf = pq.ParquetFile(path, memory_map=True)
-        elif split.tier_bytes is not None and 0 < split.tier_bytes <= SMALL_FILE:
-            # a small remote file is fetched whole, not footer, then metadata, then data:
-            # each request pays the store's latency, which a small file's decoding cannot
-            # hide; its known size spares the HEAD
-            pf, in_memory = pq.ParquetFile(pa.py_buffer(_fetch_whole(fs, path,
-                                                                     split.tier_bytes))), True
         else:
-            handle = _open(fs, path, split.tier_bytes)
-            in_memory = 0 < (getattr(handle, "size", None) or 0) <= SMALL_FILE
-            pf = pq.ParquetFile(pa.py_buffer(handle.read()) if in_memory else handle)
+            if not size:  # offloaded before sizes were recorded: ask the store (a HEAD)
+                size = int(fs.size(path))
+            in_memory = 0 < size <= SMALL_FILE
+            if in_memory:
+                # a small remote file is fetched whole, not footer, then metadata, then
+                # data: each request pays the store's latency, which a small file's
+                # decoding cannot hide
+                pf = pq.ParquetFile(pa.py_buffer(_fetch_whole(fs, path, size)))
+            else:
+                handle = _open(fs, path, size)
+                pf = pq.ParquetFile(handle)
     except FileNotFoundError:
         if handle is not None:
             handle.close()
@@ -160,8 +163,8 @@ def read_tier_split(split: Split, *, auth_token: str | None = None,
         chunks = [plans[i:i + READ_AHEAD] for i in range(0, len(plans), READ_AHEAD)]
         path_kind = OBJECT_STORE if remote else LOCAL
         ahead = remote and not in_memory
-        for chunk, table in zip(chunks, _read_chunks(fs, path, pf, chunks, ahead,
-                                                     split.tier_bytes), strict=True):
+        for chunk, table in zip(chunks, _read_chunks(fs, path, pf, chunks, ahead, size),
+                                strict=True):
             out = trim(table, split, check_positions=any(p.positions for p in chunk),
                        check_time=any(p.time for p in chunk),
                        check_keys=any(p.keys for p in chunk))
