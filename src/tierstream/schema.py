@@ -26,6 +26,7 @@ __all__ = [
     "TIMESTAMP",
     "as_output_batch",
     "as_produce_batch",
+    "batches_of_about",
     "key_hash",
     "key_hashes",
     "key_range_mask",
@@ -189,6 +190,13 @@ def _topic_column(topic: str, n: int) -> pa.Array:
         column = _TOPIC_COLUMNS[topic] = pa.repeat(pa.scalar(topic, pa.string()),
                                                    max(n, 65536))
     return column.slice(0, n)
+
+
+def batches_of_about(table: pa.Table, nbytes: int) -> list[pa.RecordBatch]:
+    """``table`` as record batches of about ``nbytes`` each (by its mean row size): the same
+    boundaries for the same table every time."""
+    per_row = max(1, table.nbytes // max(1, table.num_rows))
+    return list(table.to_batches(max_chunksize=max(1, nbytes // per_row)))
 
 
 def as_produce_batch(batch: pa.RecordBatch) -> pa.RecordBatch:

@@ -26,7 +26,7 @@ import pyarrow.flight as flight
 
 from tierstream.errors import ConfigError, ConflictError, UnavailableError
 from tierstream.names import TopicName
-from tierstream.schema import as_produce_batch, key_hashes
+from tierstream.schema import as_produce_batch, batches_of_about, key_hashes
 from tierstream.store.admin import Admin
 from tierstream.store.protocol import decode, translate_errors
 
@@ -130,10 +130,9 @@ class Transaction:
             stream = self._streams[key] = self._admin.produce({
                 "op": "stage", "txn": self.txn_id, "topic": topic, "partition": partition,
                 "sink": self.sink, "batch": self.batch})
-        per_row = max(1, table.nbytes // max(1, table.num_rows))
         try:
             with translate_errors(self._admin.url):
-                for batch in table.to_batches(max_chunksize=max(1, _CHUNK_BYTES // per_row)):
+                for batch in batches_of_about(table, _CHUNK_BYTES):
                     stream[0].write_batch(as_produce_batch(batch))
         except (flight.FlightError, OSError, pa.ArrowException) as exc:
             self.state = "failed"

@@ -40,7 +40,7 @@ import pyarrow as pa
 from tierstream.errors import ConfigError, ConflictError, NotFoundError, StorageError
 from tierstream.layout import DataDir
 from tierstream.names import TopicName, check_txn_id
-from tierstream.schema import PRODUCE_SCHEMA, as_produce_batch
+from tierstream.schema import PRODUCE_SCHEMA, as_produce_batch, batches_of_about
 from tierstream.store.durable import fsync_dir
 from tierstream.store.faults import crash_point
 from tierstream.store.transaction_records import (
@@ -285,6 +285,4 @@ def _entries(paths: list[Path]) -> Iterator[pa.RecordBatch]:
     for path in paths:
         with pa.OSFile(str(path)) as source:
             tables.append(pa.ipc.open_stream(source).read_all())
-    table = pa.concat_tables(tables).combine_chunks()
-    per_row = max(1, table.nbytes // max(1, table.num_rows))
-    yield from table.to_batches(max_chunksize=max(1, ENTRY_BYTES // per_row))
+    yield from batches_of_about(pa.concat_tables(tables).combine_chunks(), ENTRY_BYTES)
