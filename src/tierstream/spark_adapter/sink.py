@@ -87,6 +87,12 @@ class SinkOptions:
                    tls_ca=read_pem(opts["tlsCa"], "tlsCa"), sink_id=opts["sinkId"],
                    batch_id=opts["batchId"])
 
+    def admin(self) -> Any:
+        """An admin client of the sink's broker (close it: ``with options.admin() as a:``)."""
+        from tierstream.store.admin import Admin
+
+        return Admin(self.broker, auth_token=self.auth_token, tls_ca=self.tls_ca)
+
     def __repr__(self) -> str:  # never the token
         return (f"SinkOptions(topic={self.topic!r}, broker={self.broker!r}, "
                 f"sink_id={self.sink_id!r}, batch_id={self.batch_id!r})")
@@ -163,10 +169,8 @@ def write_task(options: SinkOptions, batches: Iterator[pa.RecordBatch], sink_id:
         if topic not in encoders:
             from tierstream.errors import NotFoundError
             from tierstream.schemas.codec import Encoder
-            from tierstream.store.admin import Admin
 
-            with Admin(options.broker, auth_token=options.auth_token,
-                       tls_ca=options.tls_ca) as admin:
+            with options.admin() as admin:
                 try:
                     encoders[topic] = Encoder(admin.get_schema(topic))
                 except NotFoundError:
@@ -203,10 +207,9 @@ def write_task(options: SinkOptions, batches: Iterator[pa.RecordBatch], sink_id:
 def commit_batch(options: SinkOptions, messages: list[Any], sink_id: str | None,
                  batch_id: int) -> dict[str, Any] | None:
     """Driver: commit the batch's transactions at once (idempotent by sink and batch)."""
-    from tierstream.store.admin import Admin
     from tierstream.store.retry import reconnect_timeout_s, with_reconnect
 
-    txns = [m.txn_id for m in messages if isinstance(m, TxnMessage) and m.txn_id]
+    txns = _txn_ids(messages)
     if sink_id is None:
         sink_id = next((m.sink_id for m in messages if isinstance(m, TxnMessage)
                         and m.sink_id), None)
@@ -214,9 +217,10 @@ def commit_batch(options: SinkOptions, messages: list[Any], sink_id: str | None,
         return None  # nothing staged, no sink to record the batch for
 
     def commit() -> dict[str, Any]:
-        with Admin(options.broker, auth_token=options.auth_token,
-                   tls_ca=options.tls_ca) as admin:
-            return admin.commit_transactions(txns, sink=sink_id, batch=batch_id)
+        with options.admin() as admin:
+            result: dict[str, Any] = admin.commit_transactions(txns, sink=sink_id,
+                                                               batch=batch_id)
+            return result
 
     result = with_reconnect(commit, timeout_s=reconnect_timeout_s(),
                             what=f"committing batch {batch_id} of sink {sink_id!r}")
@@ -227,17 +231,20 @@ def commit_batch(options: SinkOptions, messages: list[Any], sink_id: str | None,
 def abort_batch(options: SinkOptions, messages: list[Any]) -> None:
     """Driver: a batch failed; abort what its tasks staged (the rest times out, or is fenced
     by the batch's next commit)."""
-    from tierstream.store.admin import Admin
-
-    txns = [m.txn_id for m in messages if isinstance(m, TxnMessage) and m.txn_id]
+    txns = _txn_ids(messages)
     if not txns:
         return
-    with Admin(options.broker, auth_token=options.auth_token, tls_ca=options.tls_ca) as admin:
+    with options.admin() as admin:
         for txn in txns:
             try:
                 admin.abort_transaction(txn, "the Spark job was aborted")
             except Exception:  # best effort: the timeout removes it otherwise
                 continue
+
+
+def _txn_ids(messages: list[Any]) -> list[str]:
+    """The transactions the tasks of a batch staged (tasks that staged nothing have none)."""
+    return [m.txn_id for m in messages if isinstance(m, TxnMessage) and m.txn_id]
 
 
 class TierstreamBatchWriter(DataSourceArrowWriter):
