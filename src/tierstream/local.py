@@ -9,7 +9,6 @@ store's data directory and broker address (defaults: the option table, i.e.
 from __future__ import annotations
 
 import contextlib
-import logging
 import queue
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -25,7 +24,7 @@ from tierstream.options import parse_options
 from tierstream.read_options import ReadOptions
 from tierstream.readers import ReadStats, open_reader
 from tierstream.schema import READ_SCHEMA
-from tierstream.schemas.codec import decode_batch
+from tierstream.schemas.codec import decode_batches
 from tierstream.splits.positions import KeyRange, Offset, OffsetKind
 from tierstream.splits.split import ReaderKind, Split, StreamCut, chains
 from tierstream.store.security import read_pem
@@ -44,9 +43,6 @@ def _bound(value: BoundLike | None, what: str) -> Offset | StreamCut | None:
         return Offset.at_time(value)  # type: ignore[arg-type]
     raise ConfigError(f"invalid {what} {value!r}: expected an Offset, a StreamCut, a time or "
                       "'earliest'/'latest'")
-
-
-log = logging.getLogger(__name__)
 
 
 def _enumerator(data_dir: str | None, broker: str | None, auth_token: str | None) -> Enumerator:
@@ -187,14 +183,7 @@ def scan(topic: str | Sequence[str] | None = None, *, parallelism: int | None = 
         yield from batches
         return
     assert options is not None
-    dropped = [0]
-    for batch in batches:
-        out = decode_batch(batch, decoder, options.mode, options.topics[0], dropped)
-        if out.num_rows or options.mode != "DROPMALFORMED":
-            yield out
-    if dropped[0]:
-        log.warning("dropped %d value(s) of %r that could not be decoded (mode=DROPMALFORMED)",
-                    dropped[0], options.topics[0])
+    yield from decode_batches(batches, decoder, options.mode, options.topics[0])
 
 
 def _decoding_options(topic: Any, kwargs: dict[str, Any], value_format: str, mode: str

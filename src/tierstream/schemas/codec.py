@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterable
+import logging
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import pyarrow as pa
@@ -20,7 +21,10 @@ import pyarrow as pa
 from tierstream.errors import ConfigError
 from tierstream.schemas.model import MODES, VERSION_PROPERTY, SchemaInfo, SchemaType
 
-__all__ = ["MODES", "Decoder", "Encoder", "arrow_type", "decode_batch", "decoded_schema"]
+__all__ = ["MODES", "Decoder", "Encoder", "arrow_type", "decode_batch", "decode_batches",
+           "decoded_schema"]
+
+log = logging.getLogger(__name__)
 
 CORRUPT_COLUMN = "_corrupt_record"
 
@@ -260,6 +264,20 @@ def decoded_schema(schema: pa.Schema, decoder: Decoder, mode: str) -> pa.Schema:
     if mode == "PERMISSIVE":
         out = out.append(pa.field(CORRUPT_COLUMN, pa.binary()))
     return out
+
+
+def decode_batches(batches: Iterable[pa.RecordBatch], decoder: Decoder, mode: str, topic: str
+                   ) -> Iterator[pa.RecordBatch]:
+    """Each of ``batches`` decoded (:func:`decode_batch`). With DROPMALFORMED, a batch left
+    empty is skipped, and how many values were dropped is logged once, at the end."""
+    dropped = [0]
+    for batch in batches:
+        out = decode_batch(batch, decoder, mode, topic, dropped)
+        if out.num_rows or mode != "DROPMALFORMED":
+            yield out
+    if dropped[0]:
+        log.warning("dropped %d value(s) of %r that could not be decoded (mode=DROPMALFORMED)",
+                    dropped[0], topic)
 
 
 def decode_batch(batch: pa.RecordBatch, decoder: Decoder, mode: str, topic: str,

@@ -20,7 +20,7 @@ from tierstream.errors import ConfigError
 from tierstream.read_options import ReadOptions
 from tierstream.readers.stats import ReadStats
 from tierstream.schema import OUTPUT_DDL, OUTPUT_SCHEMA, as_output_batch, spark_ddl
-from tierstream.schemas.codec import Decoder, decode_batch, decoded_schema
+from tierstream.schemas.codec import Decoder, decode_batches, decoded_schema
 from tierstream.splits.positions import Offset
 from tierstream.splits.split import (
     Cuts,
@@ -103,14 +103,8 @@ def read_partition(options: ReadOptions, partition: InputPartition, stats: Any =
     if decoder is None:
         yield from spark_batches(batches())
     else:
-        dropped = [0]
-        for batch in spark_batches(batches()):
-            out = decode_batch(batch, decoder, options.mode, options.topics[0], dropped)
-            if out.num_rows or options.mode != "DROPMALFORMED":
-                yield out
-        if dropped[0]:
-            log.warning("dropped %d value(s) of %r that could not be decoded "
-                        "(mode=DROPMALFORMED)", dropped[0], options.topics[0])
+        yield from decode_batches(spark_batches(batches()), decoder, options.mode,
+                                  options.topics[0])
     if stats is not None:
         stats.add(counts)
 
