@@ -187,8 +187,7 @@ class Transaction:
         return self._commit([self.txn_id])
 
     def _commit(self, txns: list[str]) -> dict[str, Any]:
-        result: dict[str, Any] = self._admin.action("txn-commit", {
-            "txns": txns, "sink": self.sink, "batch": self.batch})
+        result = self._admin.commit_transactions(txns, sink=self.sink, batch=self.batch)
         self.state = "committed" if result.get("status") == "committed" else "aborted"
         return result
 
@@ -204,7 +203,7 @@ class Transaction:
                 writer.close()
         self._streams.clear()
         if self._sent or self.state == "failed":
-            self._admin.action("txn-abort", {"txn": self.txn_id, "reason": reason})
+            self._admin.abort_transaction(self.txn_id, reason)
         self.state = "aborted"
 
     def close(self) -> None:
