@@ -26,9 +26,11 @@ __all__ = [
     "DEFAULT_DATA_DIR",
     "DEFAULT_PORT",
     "OPTIONS",
+    "SPARK_OPTIONS",
     "Option",
     "parse_options",
     "parse_size",
+    "topic_from_path",
 ]
 
 DEFAULT_PORT = 6651
@@ -147,6 +149,8 @@ class Option:
     env: str | None = None
     secret: bool = False
     scopes: tuple[str, ...] = ("store",)
+    #: Set by Spark itself (not by the user): accepted wherever Spark may pass it.
+    spark_own: bool = False
 
     def help(self) -> str:
         """The description, with the default as a user writes it (for CLI flags)."""
@@ -345,11 +349,33 @@ OPTIONS: dict[str, Option] = {
                kind="an integer >= 0", scopes=("write",),
                description="Batch writes with sinkId: the batch this write is (re-running it "
                            "writes nothing twice)."),
+        # -- what Spark itself hands a data source: accepted, never refused as unknown -----
+        Option(key="path", parse=_string, default=None, kind="tenant/namespace/topic",
+               scopes=("read", "write"), spark_own=True,
+               description="Spark's load(path), save(path) or start(path): the topic, when "
+                           "option 'topic' is not given."),
+        Option(key="queryName", parse=_string, default=None, kind="a query name",
+               scopes=("read", "write"), spark_own=True,
+               description="Spark's writeStream.queryName(...) (passed through; not used)."),
         Option(key="checkpointLocation", parse=_string, default=None, kind="a directory",
-               scopes=("write",),
+               scopes=("read", "write"), spark_own=True,
                description="Spark's own option for streams (passed through; not used)."),
     ]
 }
+
+#: The options Spark sets on its own (``.queryName()``, ``.option("checkpointLocation")``,
+#: ``load/save/start(path)``): every read and write accepts them.
+SPARK_OPTIONS = tuple(k for k, o in OPTIONS.items() if o.spark_own)
+
+
+def topic_from_path(opts: Mapping[str, Any]) -> str | None:
+    """The topic named by option ``topic`` or, failing that, by Spark's ``path``
+    (``load("acme/web/clicks")``). Raises ConfigError when both name different topics."""
+    topic, path = opts.get("topic"), opts.get("path")
+    if path is not None and topic is not None and path != topic:
+        raise ConfigError(f"option 'topic' ({topic!r}) and the path ({path!r}) name different "
+                          "topics; give one of them")
+    return topic if topic is not None else path
 
 
 def parse_options(raw: Mapping[str, Any], *, scope: str) -> dict[str, Any]:

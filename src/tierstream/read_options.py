@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from tierstream.enumerator import Enumerator, Query
 from tierstream.errors import ConfigError
 from tierstream.names import TopicName
-from tierstream.options import parse_options
+from tierstream.options import parse_options, topic_from_path
 from tierstream.schemas.model import MODES
 
 if TYPE_CHECKING:
@@ -72,6 +72,7 @@ class ReadOptions:
         """Parse option keys (strings, as Spark passes them) through ``options.py``, once.
         Raises ConfigError naming the option and what would be valid."""
         opts = parse_options(dict(raw), scope="read")
+        opts["topic"] = topic_from_path(opts)  # spark.read.format(...).load("a/b/c")
         given = [k for k in ("topic", "topics", "namespace") if opts[k] is not None]
         if len(given) != 1:
             raise ConfigError("option 'topic', 'topics' or 'namespace' is required (exactly "

@@ -208,3 +208,59 @@ def test_overwrite_and_missing_topic_are_refused(spark) -> None:
     with pytest.raises(Exception, match="'batchId' needs option 'sinkId'"):
         df.write.format("tierstream").mode("append").option("topic", SINK) \
             .option("batchId", "1").save()
+
+
+def test_a_named_query_reads_and_writes_with_spark_s_own_options(spark, tmp_path) -> None:
+    """``.queryName()``, ``checkpointLocation`` and ``load(path)``/``save(path)`` are options
+    Spark itself hands the source and the sink: accepted (the path names the topic), while a
+    user's typo is still refused naming the nearest option."""
+    from tierstream.spark_adapter import register
+
+    register(spark)
+    with running_log(tmp_path / "data") as log:
+        with Admin(log.url) as admin:
+            admin.create_topic(SOURCE, 2)
+            admin.create_topic(SINK, 2)
+        with Producer(SOURCE, broker=log.url) as producer:
+            producer.send_many({"value": f"v{i}".encode(), "key": f"k{i % 7}"}
+                               for i in range(200))
+        raw = (spark.readStream.format("tierstream").option("broker", log.url)
+               .option("dataDir", str(log.data_dir)).option("startingPosition", "earliest")
+               .load(SOURCE))  # the path is the topic
+        query = (raw.selectExpr("key", "upper(cast(value as string)) as value")
+                 .writeStream.format("tierstream").option("topic", SINK)
+                 .option("broker", log.url)
+                 .option("checkpointLocation", str(tmp_path / "ckpt")).queryName("upper")
+                 .trigger(availableNow=True).start())
+        query.awaitTermination()
+        assert query.exception() is None
+        assert read_all(log.url, SINK).num_rows == 200
+        # a batch read and a batch write through the path
+        back = spark.read.format("tierstream").option("broker", log.url) \
+            .option("dataDir", str(log.data_dir)).load(SINK)
+        assert back.count() == 200
+        back.select("key", "value").limit(5).write.format("tierstream").mode("append") \
+            .option("broker", log.url).save(SOURCE)
+        assert read_all(log.url, SOURCE).num_rows == 205
+        typo = (raw.writeStream.format("tierstream").option("topicc", SINK)
+                .option("checkpointLocation", str(tmp_path / "ckpt2")).queryName("typo")
+                .trigger(availableNow=True).start())
+        with pytest.raises(Exception, match="unknown option 'topicc'; did you mean 'topic'"):
+            typo.awaitTermination()  # Spark makes a stream's writer when the query starts
+        with pytest.raises(Exception, match="name different topics"):
+            spark.read.format("tierstream").option("topic", SINK).load(SOURCE)
+
+
+def test_a_missing_topic_fails_when_the_write_starts_in_one_line(spark, tmp_path) -> None:
+    from tierstream.spark_adapter import register
+
+    register(spark)
+    with running_log(tmp_path / "data") as log:
+        df = spark.createDataFrame([("k", "v")], "key string, value string")
+        with pytest.raises(Exception) as caught:
+            df.write.format("tierstream").mode("append").option("broker", log.url) \
+                .option("topic", "acme/etl/missing").save()
+        assert "topic 'acme/etl/missing' does not exist" in str(caught.value)
+        # refused while Spark made the writer on the driver, not from a task's Python worker
+        assert "Failed to initialize Python data source writer" in str(caught.value)
+        assert type(caught.value).__name__ == "AnalysisException"

@@ -43,11 +43,11 @@ from pyspark.sql.datasource import (
 
 from tierstream.errors import ConfigError
 from tierstream.names import TopicName
-from tierstream.options import parse_options
+from tierstream.options import parse_options, topic_from_path
 from tierstream.store.faults import crash_point
 
 __all__ = ["SinkOptions", "TierstreamBatchWriter", "TierstreamStreamWriter", "TxnMessage",
-           "check_sink_schema"]
+           "check_sink_schema", "check_sink_topic"]
 
 #: Spark's local property with a streaming query's id (stable across restarts).
 QUERY_ID_PROPERTY = "sql.streaming.queryId"
@@ -78,7 +78,7 @@ class SinkOptions:
         from tierstream.store.security import read_pem
 
         opts = parse_options(raw, scope="write")
-        topic = opts["topic"]
+        topic = topic_from_path(opts)  # df.write.format("tierstream").save("a/b/c")
         if topic is not None:
             topic = str(TopicName.parse(topic))
         if opts["batchId"] is not None and opts["sinkId"] is None:
@@ -115,6 +115,27 @@ def check_sink_schema(schema: Any, options: SinkOptions) -> None:
         raise ConfigError("the tierstream sink needs a 'value' column (binary or string)")
     if options.topic is None and "topic" not in fields:
         raise ConfigError("the tierstream sink needs option 'topic' or a 'topic' column")
+
+
+def check_sink_topic(schema: Any, options: SinkOptions) -> None:
+    """On the driver, when the write starts: option ``topic`` names a topic that exists, and
+    a struct ``value`` has a schema to be encoded with. Raises NotFoundError or ConfigError
+    (one line, before any task runs)."""
+    if options.topic is None:
+        return  # topics come from the rows' 'topic' column: checked per row by the tasks
+    from tierstream.errors import NotFoundError
+
+    with options.admin() as admin:
+        admin.get_topic(options.topic)
+        struct = any(f.name == "value" and f.dataType.simpleString().startswith("struct<")
+                     for f in schema.fields)
+        if struct:
+            try:
+                admin.get_schema(options.topic)
+            except NotFoundError:
+                raise ConfigError(f"column 'value' is a struct, but topic {options.topic!r} "
+                                  "has no schema to encode it with (tierstream schema set)"
+                                  ) from None
 
 
 @dataclass

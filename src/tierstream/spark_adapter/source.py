@@ -173,13 +173,14 @@ class TierstreamDataSource(DataSource):
         return TierstreamStreamWriter(self._sink_options(schema, overwrite))
 
     def _sink_options(self, schema: Any, overwrite: bool) -> Any:
-        from tierstream.spark_adapter.sink import SinkOptions, check_sink_schema
+        from tierstream.spark_adapter.sink import SinkOptions, check_sink_schema, check_sink_topic
 
         if overwrite:
             raise ConfigError("tierstream topics are append-only: write with mode('append') "
                               "(outputMode 'append' for streams), not overwrite")
         options = SinkOptions.parse(dict(self.options))
         check_sink_schema(schema, options)
+        check_sink_topic(schema, options)
         return options
 
     def streamReader(self, schema: Any) -> Any:
