@@ -6,6 +6,7 @@ processes killed at each ``txn.*`` crash point for crash safety.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 from collections import Counter
@@ -90,6 +91,49 @@ def test_a_sink_batch_is_committed_once_and_other_attempts_are_fenced(tmp_path) 
         states = {t["txn_id"]: t["state"] for t in admin.transactions()}
         assert states[failed.txn_id] == "ABORTED" and states[ok.txn_id] == "APPLIED"
         assert states[rerun.txn_id] == "ABORTED"
+
+
+def test_a_re_run_s_commit_fences_every_other_attempt_of_the_committed_batch(tmp_path
+                                                                             ) -> None:
+    """Batch 5 committed; a second attempt of it staged (and prepared, another still open);
+    a third attempt's commit is a no-op that must abort the others too, not leave them
+    PREPARED until the transaction timeout."""
+    with running_log(tmp_path / "data") as log, Admin(log.url) as admin:
+        admin.create_topic(TOPIC, 2)
+        first = Transaction(broker=log.url, sink="q5", batch=5)
+        first.write(TOPIC, _rows("b5", 10))
+        assert first.commit()["status"] == "committed"
+        second = Transaction(broker=log.url, sink="q5", batch=5)
+        second.write(TOPIC, _rows("again", 10))
+        second.prepare()
+        still_open = Transaction(broker=log.url, sink="q5", batch=5)
+        still_open.write(TOPIC, _rows("open", 3))
+        third = Transaction(broker=log.url, sink="q5", batch=5)
+        third.write(TOPIC, _rows("third", 10))
+        try:
+            result = third.commit()
+            # the attempt still staging finishes after the fence: refused, not kept
+            with pytest.raises(ConflictError, match="aborted"):
+                still_open.prepare()
+        finally:  # its stream must not stay open (the broker's shutdown would wait on it)
+            with contextlib.suppress(Exception):
+                still_open.abort()
+        assert result["status"] == "already-committed"
+        assert sorted(result["aborted"]) == sorted([second.txn_id, still_open.txn_id,
+                                                    third.txn_id])
+        states = {t["txn_id"]: t["state"] for t in admin.transactions()}
+        assert states[second.txn_id] == states[still_open.txn_id] == "ABORTED"
+        assert states[third.txn_id] == "ABORTED" and states[first.txn_id] == "APPLIED"
+        for txn in (second, still_open, third):  # staging removed with the fence
+            assert not (log.data_dir / "transactions" / txn.txn_id).exists()
+        assert sorted(_values(read_all(log.url, TOPIC))) == sorted(_values(_rows("b5", 10)))
+        # an attempt of an older batch (4, below the last committed 5) is fenced the same way
+        old = Transaction(broker=log.url, sink="q5", batch=4)
+        old.write(TOPIC, _rows("b4", 2))
+        old.prepare()
+        admin.commit_transactions([], sink="q5", batch=4)
+        assert {t["txn_id"]: t["state"] for t in admin.transactions()}[old.txn_id] == \
+            "ABORTED"
 
 
 def test_abort_and_timeout_discard_staged_rows(tmp_path) -> None:

@@ -122,9 +122,13 @@ class TransactionRecords:
                 row = c.execute("SELECT last_batch FROM sinks WHERE sink_id=?",
                                 (sink_id,)).fetchone()
                 if row is not None and batch_id is not None and batch_id <= row[0]:
-                    self._abort(c, txn_ids, now, f"batch {batch_id} of sink {sink_id!r} was "
-                                f"already committed (last committed batch: {row[0]})")
-                    return Decision([], list(txn_ids), True)
+                    # every attempt of a batch that is already decided is fenced: the
+                    # listed ones and the batch's other open or prepared ones alike
+                    others = self._attempts(c, sink_id, batch_id, exclude=txn_ids)
+                    fenced = self._abort(c, [*txn_ids, *others], now,
+                                         f"batch {batch_id} of sink {sink_id!r} was already "
+                                         f"committed (last committed batch: {row[0]})")
+                    return Decision([], fenced, True)
             records = []
             for txn_id in txn_ids:
                 row = c.execute(f"SELECT {_COLUMNS} FROM transactions WHERE txn_id=?",
@@ -150,13 +154,9 @@ class TransactionRecords:
                 c.execute("INSERT INTO sinks (sink_id, last_batch, committed_at) VALUES (?,?,?) "
                           "ON CONFLICT (sink_id) DO UPDATE SET last_batch=excluded.last_batch, "
                           "committed_at=excluded.committed_at", (sink_id, batch_id, now))
-                marks = ",".join("?" * len(txn_ids))
-                fenced = [r[0] for r in c.execute(
-                    f"SELECT txn_id FROM transactions WHERE sink_id=? AND batch_id=? AND "
-                    f"state IN (?,?) AND txn_id NOT IN ({marks})",
-                    (sink_id, batch_id, TxnState.OPEN, TxnState.PREPARED, *txn_ids))]
-                self._abort(c, fenced, now, f"fenced: not among the transactions committed "
-                            f"for batch {batch_id} of sink {sink_id!r}")
+                fenced = self._abort(c, self._attempts(c, sink_id, batch_id, exclude=txn_ids),
+                                     now, f"fenced: not among the transactions committed for "
+                                     f"batch {batch_id} of sink {sink_id!r}")
         committed = [self.get(r.txn_id) for r in records]
         return Decision(committed, fenced, False)
 
@@ -171,6 +171,16 @@ class TransactionRecords:
                     raise ConflictError(f"cannot abort transaction {txn_id}: it is "
                                         f"{row[0].lower()}")
             return self._abort(c, txn_ids, now, reason)
+
+    @staticmethod
+    def _attempts(c: Any, sink_id: str, batch_id: int | None, *, exclude: list[str]
+                  ) -> list[str]:
+        """The open or prepared transactions of a sink's batch, but ``exclude``."""
+        marks = ",".join("?" * len(exclude))
+        return [r[0] for r in c.execute(
+            f"SELECT txn_id FROM transactions WHERE sink_id=? AND batch_id=? AND "
+            f"state IN (?,?) AND txn_id NOT IN ({marks}) ORDER BY txn_id",
+            (sink_id, batch_id, TxnState.OPEN, TxnState.PREPARED, *exclude))]
 
     @staticmethod
     def _abort(c: Any, txn_ids: list[str], now: int, reason: str) -> list[str]:

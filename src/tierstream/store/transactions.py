@@ -106,9 +106,21 @@ class Transactions:
                 tmp.unlink()
         except BaseException:
             tmp.unlink(missing_ok=True)
+            self._refuse_if_ended(txn_id)  # the abort removed the folder under the stream
             raise
         self.records.touch(txn_id, now_ms())
+        self._refuse_if_ended(txn_id)
         return rows
+
+    def _refuse_if_ended(self, txn_id: str) -> None:
+        """Fenced or aborted while a stream was staging (a zombie task attempt): remove its
+        staging, which the abort's removal may have missed, and raise ConflictError."""
+        record = self.records.get(txn_id)
+        if record.state != TxnState.OPEN:
+            self._remove(txn_id)
+            raise ConflictError(f"transaction {txn_id} is {record.state.lower()}"
+                                f"{f' ({record.reason})' if record.reason else ''}: it "
+                                "takes no more writes")
 
     def staged(self, txn_id: str) -> dict[tuple[str, int], list[Path]]:
         """The whole staged files of ``txn_id`` per (topic, partition), in staging order."""
@@ -157,7 +169,8 @@ class Transactions:
                 self._remove(fenced)
             if decision.duplicate:
                 log.info("commit of batch %s of sink %r: already committed; %d transaction(s) "
-                         "of the repeated batch aborted", batch_id, sink_id, len(txn_ids))
+                         "of the repeated batch aborted", batch_id, sink_id,
+                         len(decision.fenced))
                 return {"status": "already-committed", "sink": sink_id, "batch": batch_id,
                         "messages": 0, "aborted": decision.fenced}
             pending = [r for r in decision.committed if r.state == TxnState.COMMITTED]
