@@ -16,6 +16,7 @@ from tierstream.store.bookie import ledger_paths
 from tierstream.store.client import Admin, Producer
 from tierstream.store.process import BrokerProcess
 
+from ..timing import scaled
 from .helpers import positions, read_all, wait_for
 
 TOPIC = "acme/web/orders"
@@ -266,6 +267,8 @@ def test_a_producer_that_gives_up_names_the_sequence_ids_in_doubt(start_broker,
     broker = start_broker(port=free_port)
     with Admin(broker.url) as admin:
         admin.create_topic(TOPIC, 1)
+    # a short send timeout to give up quickly while the broker is down (load only makes
+    # the give-up later) ...
     producer = Producer(TOPIC, broker=broker.url, name="importer", send_timeout=1.0)
     producer.send("stored")  # sequence id 0
     broker.kill()
@@ -274,6 +277,9 @@ def test_a_producer_that_gives_up_names_the_sequence_ids_in_doubt(start_broker,
         producer.send("in doubt")
     assert info.value.unacknowledged == {0: [1]}  # type: ignore[attr-defined]
     restarted = start_broker(port=free_port)
+    # ... and a load-proof one for the re-send: a restarted broker recovers before it
+    # answers, which a busy machine stretches past one second
+    producer.send_timeout = scaled(30)
     producer.flush()  # still queued: delivered now, once
     producer.close()
     values = read_all(restarted.url, TOPIC).column("value").to_pylist()
