@@ -84,6 +84,94 @@ def test_avro_resolution_rules(reader, writer, why) -> None:
     assert (got is None) if why is None else (got is not None and why in got), got
 
 
+def _rec(name: str, *fields: dict, **extra: object) -> dict:
+    return {"type": "record", "name": name, "fields": list(fields), **extra}
+
+
+_CUR = {"name": "c", "type": {"type": "enum", "name": "Cur", "symbols": ["EUR", "USD"]}}
+_HASH = {"name": "h", "type": {"type": "fixed", "name": "Hash", "size": 4}}
+
+
+@pytest.mark.parametrize(("reader", "writer", "why"), [
+    # named types match by unqualified name or a reader's alias (Avro "Schema Resolution")
+    (_rec("Order2", {"name": "id", "type": "int"}), _rec("Order", {"name": "id", "type": "int"}),
+     "the record 'Order' was renamed to 'Order2' without an alias"),
+    (_rec("Order2", {"name": "id", "type": "int"}, aliases=["Order"]),
+     _rec("Order", {"name": "id", "type": "int"}), None),
+    (_rec("Order2", {"name": "id", "type": "int"}, aliases=["shop.Order"]),
+     _rec("Order", {"name": "id", "type": "int"}, namespace="shop"), None),
+    (_rec("Order", {"name": "id", "type": "int"}, namespace="b"),
+     _rec("Order", {"name": "id", "type": "int"}, namespace="a"), None),
+    (_rec("R", {"name": "c", "type": {"type": "enum", "name": "Ccy", "symbols": ["EUR", "USD"]}}),
+     _rec("R", _CUR), "the enum 'Cur' was renamed to 'Ccy'"),
+    (_rec("R", {"name": "c", "type": {"type": "enum", "name": "Ccy", "aliases": ["Cur"],
+                                      "symbols": ["EUR", "USD"]}}), _rec("R", _CUR), None),
+    (_rec("R", {"name": "h", "type": {"type": "fixed", "name": "Digest", "size": 4}}),
+     _rec("R", _HASH), "the fixed 'Hash' was renamed to 'Digest'"),
+    # a writer's field aliases are no names the reader can match
+    (_rec("R", {"name": "currency", "type": "string"}),
+     _rec("R", {"name": "ccy", "aliases": ["currency"], "type": "string"}),
+     "field 'currency' is not in the writer's schema"),
+    (_rec("R", {"name": "ccy", "aliases": ["currency"], "type": "string"}),
+     _rec("R", {"name": "currency", "type": "string"}), None),
+])
+def test_avro_named_types_and_aliases(reader, writer, why) -> None:
+    """Each verdict agrees with fastavro's own resolution of a value written and read."""
+    import io
+
+    import fastavro
+
+    got = can_read(SchemaType.AVRO, reader, writer)
+    assert (got is None) if why is None else (got is not None and why in got), got
+    parsed = fastavro.parse_schema(writer)
+    datum = {"id": 1} if writer["fields"][0]["name"] == "id" else \
+        {writer["fields"][0]["name"]: {"c": "EUR", "h": b"abcd"}.get(
+            writer["fields"][0]["name"], "x")}
+    buf = io.BytesIO()
+    fastavro.schemaless_writer(buf, parsed, datum)
+    buf.seek(0)
+    try:
+        fastavro.schemaless_reader(buf, parsed, fastavro.parse_schema(reader))
+        readable = True
+    except Exception:
+        readable = False
+    assert readable == (why is None)
+
+
+def test_an_accepted_rename_reads_every_version_and_a_refused_one_is_never_stored(
+        tmp_path) -> None:
+    """v1 -> v2 renames field currency to ccy with an alias (accepted), v3 renames it back
+    without one (refused: v3 could not read v2's data); a record renamed with an alias is
+    accepted and a value_format=auto read decodes every version."""
+    import tierstream
+
+    v1 = _rec("Order", {"name": "id", "type": "string"}, {"name": "currency", "type": "string"})
+    v2 = _rec("Order", {"name": "id", "type": "string"},
+              {"name": "ccy", "aliases": ["currency"], "type": "string"})
+    v3 = _rec("Order", {"name": "id", "type": "string"}, {"name": "currency", "type": "string"},
+              {"name": "note", "type": ["null", "string"], "default": None})  # not v1 again
+    renamed = _rec("Purchase", {"name": "id", "type": "string"},
+                   {"name": "ccy", "aliases": ["currency"], "type": "string"})
+    with running_log(tmp_path / "data") as log:
+        with Admin(log.url) as admin:
+            admin.create_topic(TOPIC, 1)
+        for version, value in ((v1, {"id": "a", "currency": "EUR"}),
+                               (v2, {"id": "b", "ccy": "USD"})):
+            with Producer(TOPIC, broker=log.url, schema=("avro", json.dumps(version))) as p:
+                p.send(value)
+        with Admin(log.url) as admin:
+            with pytest.raises(ConfigError, match="field 'currency' is not in the writer's"):
+                admin.register_schema(TOPIC, "avro", json.dumps(v3))
+            with pytest.raises(ConfigError, match="renamed to 'Purchase' without an alias"):
+                admin.register_schema(TOPIC, "avro", json.dumps(
+                    {**renamed, "name": "Purchase", "aliases": []}))
+            assert admin.register_schema(TOPIC, "avro", json.dumps(
+                {**renamed, "aliases": ["Order"]})).version == 3
+        table = tierstream.read(TOPIC, value_format="auto", **log.kw())
+        assert table.column("value").to_pylist() == [{"id": "a", "ccy": "EUR"},
+                                                     {"id": "b", "ccy": "USD"}]
+
+
 def test_json_schema_rules() -> None:
     old = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     new = {"type": "object", "properties": {"a": {"type": "integer"},

@@ -1,8 +1,10 @@
 """Schema compatibility: can data written with one schema be read with another, and does a new
 version satisfy a topic's rule (model.Compatibility)?
 
-Avro follows the specification's schema resolution: a reader's record field missing from the
-writer needs a default; a writer's field missing from the reader is skipped; int -> long ->
+Avro follows the specification's schema resolution: named types (record, enum, fixed) match
+by unqualified name or one of the reader's aliases (a writer's aliases count for nothing); a
+reader's record field missing from the writer (by name or one of the reader field's aliases)
+needs a default; a writer's field missing from the reader is skipped; int -> long ->
 float -> double and string <-> bytes promote; an enum reader needs every writer symbol (or a
 default); union branches resolve branch by branch. JSON Schema is checked on what decoding
 needs: a reader requiring a property the writer does not require cannot read every old
@@ -141,11 +143,14 @@ def _avro(reader: Any, writer: Any, path: str, rn: dict[str, Any], wn: dict[str,
         return f"{_where(path)} changed type from {wk} to {rk}"
     if rk != wk:
         return f"{_where(path)} changed type from {wk} to {rk}"
+    if rk in ("record", "enum", "fixed") and not _same_name(reader, writer):
+        return (f"{_where(path)}: the {rk} {_short_name(writer['name'])!r} was renamed to "
+                f"{_short_name(reader['name'])!r} without an alias (add \"aliases\": "
+                f"[{_short_name(writer['name'])!r}] to the reader's {rk})")
     if rk == "record":
+        # only the reader's aliases match a writer's field: a writer's own aliases name
+        # nothing the reader can ask for (the specification's "Schema Resolution")
         written = {f["name"]: f for f in writer.get("fields", [])}
-        for alias_field in writer.get("fields", []):
-            for alias in alias_field.get("aliases", []):
-                written.setdefault(alias, alias_field)
         for field in reader.get("fields", []):
             sub = f"{path}.{field['name']}" if path else field["name"]
             source = written.get(field["name"]) or next(
@@ -174,6 +179,16 @@ def _avro(reader: Any, writer: Any, path: str, rn: dict[str, Any], wn: dict[str,
     if rk == "map":
         return _avro(reader["values"], writer["values"], f"{path}{{}}", rn, wn)
     return None
+
+
+def _short_name(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
+
+
+def _same_name(reader: dict[str, Any], writer: dict[str, Any]) -> bool:
+    """Named types match by unqualified name, or by one of the *reader's* aliases."""
+    wanted = _short_name(writer["name"])
+    return wanted in {_short_name(n) for n in [reader["name"], *reader.get("aliases", [])]}
 
 
 # -- JSON Schema -----------------------------------------------------------------------------
