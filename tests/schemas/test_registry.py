@@ -310,3 +310,42 @@ def test_a_version_newer_than_the_read_says_to_restart() -> None:
     value = Encoder(info(2, V2)).encode({"id": "x", "amount": 1, "currency": "EUR"})
     with pytest.raises(ValueError, match=r"version 2 is newer than this read knows .*restart"):
         Decoder([info(1, V1)]).decode(value, 2)
+
+
+def test_transactions_encode_and_check_values_and_the_broker_refuses_forged_versions(
+        tmp_path) -> None:
+    import tierstream
+    from tierstream.store.client import Transaction
+
+    with running_log(tmp_path / "data") as log:
+        with Admin(log.url) as admin:
+            admin.create_topic(TOPIC, 2)
+            admin.create_topic("acme/shop/plain", 1)
+            admin.register_schema(TOPIC, "avro", json.dumps(V1))
+        with Transaction(broker=log.url) as txn:  # dicts are encoded, as a producer's are
+            txn.send(TOPIC, {"id": "t1", "amount": 1, "note": None}, key="a")
+            txn.write(TOPIC, pa.table({"key": ["b"], "value": pa.array(
+                [{"id": "t2", "amount": 2, "note": "x"}])}))
+        table = tierstream.read(TOPIC, value_format="auto", **log.kw())
+        assert sorted(r["id"] for r in table.column("value").to_pylist()) == ["t1", "t2"]
+        assert {dict(p)["tierstream.schema.version"] for p in
+                read_all(log.url, TOPIC).column("properties").to_pylist()} == {"1"}
+        # a bad value is refused before anything is staged, naming the field
+        txn = Transaction(broker=log.url)
+        with pytest.raises(ConfigError, match=r"message 0 .*field 'amount'"):
+            txn.send(TOPIC, {"id": "t3", "amount": "three", "note": None})
+        # raw bytes under a forged version property: checked against the schema, refused
+        with pytest.raises(ConfigError, match="not Avro of this schema"):
+            txn.send(TOPIC, b"\x00garbage", properties={"tierstream.schema.version": "1"})
+        txn.abort()
+        txn.close()
+        # the broker refuses a version the topic does not have, from any writer
+        forged = {"tierstream.schema.version": "7"}
+        refused = r"'7' names no schema version of topic 'acme/shop/plain' \(it has no schema\)"
+        with pytest.raises(ConfigError, match=refused), Transaction(broker=log.url) as txn:
+            txn.send("acme/shop/plain", b"raw", properties=forged)
+        with Producer("acme/shop/plain", broker=log.url) as producer, \
+                pytest.raises(ConfigError, match="names no schema version"):
+            producer.send(b"raw", properties=forged)
+        assert read_all(log.url, "acme/shop/plain").num_rows == 0
+        assert read_all(log.url, TOPIC).num_rows == 2

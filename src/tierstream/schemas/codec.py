@@ -22,7 +22,7 @@ from tierstream.errors import ConfigError
 from tierstream.schemas.model import MODES, VERSION_PROPERTY, SchemaInfo, SchemaType
 
 __all__ = ["MODES", "Decoder", "Encoder", "arrow_type", "decode_batch", "decode_batches",
-           "decoded_schema"]
+           "decoded_schema", "named_versions"]
 
 log = logging.getLogger(__name__)
 
@@ -330,6 +330,22 @@ def decode_batch(batch: pa.RecordBatch, decoder: Decoder, mode: str, topic: str,
             dropped[0] += keep.count(False)
         out = out.filter(pa.array(keep))
     return out
+
+
+def named_versions(batch: pa.RecordBatch) -> set[str]:
+    """The distinct values of the version property in ``batch``'s ``properties`` (what the
+    broker checks against the topic's versions before storing a batch)."""
+    import pyarrow.compute as pc
+
+    if "properties" not in batch.schema.names:
+        return set()
+    props = batch.column("properties")
+    if len(props) == 0 or props.null_count == len(props) or len(props.keys) == 0:
+        return set()
+    found = pc.map_lookup(props, pa.scalar(VERSION_PROPERTY), "first")
+    if found.null_count == len(found):
+        return set()
+    return {str(v) for v in pc.unique(found.drop_null()).to_pylist()}
 
 
 def _versions(properties: pa.Array) -> list[int]:

@@ -147,27 +147,18 @@ class TxnMessage(WriterCommitMessage):
     rows: int
 
 
-def _produce_columns(batch: pa.RecordBatch, encoder: Any = None) -> pa.Table:
-    """Spark's Arrow batch as the produce schema's columns (value binary, event_time ms);
-    with the topic's schema ``encoder``, values encoded and checked, their version recorded."""
+def _produce_columns(batch: pa.RecordBatch) -> pa.Table:
+    """Spark's Arrow batch as the produce schema's columns (event_time in ms); values stay as
+    Spark sent them: the transaction encodes them by the topic's schema, if it has one."""
     names = batch.schema.names
     value = batch.column("value")
     if value.null_count:
         raise ConfigError(f"column 'value' is null in {value.null_count} row(s): every "
                           "message needs a value")
-    props = batch.column("properties") if "properties" in names else None
-    if encoder is not None:
-        value, props = encoder.encode_columns(value, props)
-    elif pa.types.is_struct(value.type):
-        raise ConfigError("column 'value' is a struct, but the topic has no schema to encode "
-                          "it with (tierstream schema set)")
-    elif pa.types.is_string(value.type) or pa.types.is_large_string(value.type):
-        value = pc.cast(value, pa.binary())
     columns: dict[str, Any] = {"value": value}
-    if "key" in names:
-        columns["key"] = batch.column("key")
-    if props is not None:
-        columns["properties"] = props
+    for name in ("key", "properties"):
+        if name in names:
+            columns[name] = batch.column(name)
     if "event_time" in names:
         t = batch.column("event_time")
         if pa.types.is_timestamp(t.type):
@@ -184,28 +175,13 @@ def write_task(options: SinkOptions, batches: Iterator[pa.RecordBatch], sink_id:
 
     txn = Transaction(broker=options.broker, auth_token=options.auth_token,
                       tls_ca=options.tls_ca, sink=sink_id, batch=batch_id)
-    encoders: dict[str, Any] = {}
-
-    def encoder(topic: str) -> Any:  # the topic's latest schema, looked up once per task
-        if topic not in encoders:
-            from tierstream.errors import NotFoundError
-            from tierstream.schemas.codec import Encoder
-
-            with options.admin() as admin:
-                try:
-                    encoders[topic] = Encoder(admin.get_schema(topic))
-                except NotFoundError:
-                    encoders[topic] = None
-        return encoders[topic]
-
     try:
         rows = 0
         for batch in batches:
             if batch.num_rows == 0:
                 continue
             if options.topic is not None:
-                rows += txn.write(options.topic,
-                                  _produce_columns(batch, encoder(options.topic)))
+                rows += txn.write(options.topic, _produce_columns(batch))
                 continue
             topics = batch.column("topic")
             if topics.null_count:
@@ -213,7 +189,7 @@ def write_task(options: SinkOptions, batches: Iterator[pa.RecordBatch], sink_id:
                                   "there is no option 'topic' to fall back on")
             for topic in pc.unique(topics).to_pylist():
                 part = batch.filter(pc.equal(topics, topic))
-                rows += txn.write(topic, _produce_columns(part, encoder(topic)))
+                rows += txn.write(topic, _produce_columns(part))
         if rows == 0:
             return TxnMessage(txn_id=None, sink_id=sink_id, rows=0)
         txn.prepare()

@@ -16,8 +16,10 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from tierstream.errors import ConfigError, NotFoundError, ProtocolError, TierstreamError
+from tierstream.names import TopicName
 from tierstream.options import DEFAULT_PORT
 from tierstream.schema import MESSAGE_SCHEMA
+from tierstream.schemas.codec import named_versions
 from tierstream.schemas.model import Compatibility, SchemaType
 from tierstream.signals import stop_requested
 from tierstream.splits.positions import KeyRange, Offset, OffsetKind, Position
@@ -75,7 +77,7 @@ class Broker(flight.FlightServerBase):
             if cmd.get("op") == "stage":
                 rows = self.store.transactions.stage(
                     str(cmd["txn"]), str(cmd["topic"]), int(cmd["partition"]),
-                    _chunks(reader), sink_id=cmd.get("sink"),
+                    self._checked(str(cmd["topic"]), _chunks(reader)), sink_id=cmd.get("sink"),
                     batch_id=None if cmd.get("batch") is None else int(cmd["batch"]))
                 writer.write(pa.py_buffer(encode({"rows": rows})))
                 return
@@ -91,6 +93,7 @@ class Broker(flight.FlightServerBase):
                 if chunk.data is None:
                     continue
                 meta = decode(chunk.app_metadata, "produce chunk metadata")
+                self.schemas.check_named_versions(plog.topic, named_versions(chunk.data))
                 seq = meta.get("seq")
                 ack = plog.append(chunk.data, producer=producer,
                                   sequence_id=None if seq is None else int(seq))
@@ -99,6 +102,14 @@ class Broker(flight.FlightServerBase):
             raise server_error(exc) from None
         except (KeyError, ValueError, TypeError) as exc:
             raise server_error(ProtocolError(f"malformed produce request: {exc!r}")) from None
+
+    def _checked(self, topic: str, batches: Iterator[pa.RecordBatch]
+                 ) -> Iterator[pa.RecordBatch]:
+        """``batches``, each refused if it names a schema version the topic does not have."""
+        name = str(TopicName.parse(topic))
+        for batch in batches:
+            self.schemas.check_named_versions(name, named_versions(batch))
+            yield batch
 
     # -- consume ------------------------------------------------------------------------------
 
@@ -195,7 +206,9 @@ class Broker(flight.FlightServerBase):
                                        retention_ms=body.get("retention_ms")).to_dict()
 
     def _delete_topic(self, body: dict[str, Any]) -> Any:
-        return self.store.delete_topic(body["topic"]).to_dict()
+        deleted = self.store.delete_topic(body["topic"]).to_dict()
+        self.schemas.forget(str(TopicName.parse(body["topic"])))
+        return deleted
 
     def _get_topic(self, body: dict[str, Any]) -> Any:
         return self.store.topic(body["topic"]).to_dict()

@@ -191,7 +191,9 @@ class Producer:
             raise ConflictError("this producer is already in a transaction")
         self.flush()  # what was sent before the transaction is not part of it
         self._txn = Transaction(broker=self._client.url, auth_token=self._client.auth_token,
-                                tls_ca=self._client.tls_ca)
+                                tls_ca=self._client.tls_ca,
+                                encoders=None if self.encoder is None else
+                                {self.topic: self.encoder})
         try:
             with self._txn as txn:
                 yield txn
@@ -269,6 +271,7 @@ class Producer:
         try:
             buf = stream.reader.read()
             if buf is None:
+                self._raise_if_refused(stream)
                 raise UnavailableError("broker closed the produce stream")
         except (flight.FlightError, OSError, pa.ArrowException, UnavailableError) as exc:
             self._raise_if_rejected(exc)
@@ -280,6 +283,21 @@ class Producer:
             raise UnavailableError(f"ack for sequence {ack.get('sequence_id')} while waiting "
                                    f"for {seq}")
         self._acks.append(ack)
+
+    def _raise_if_refused(self, stream: _PartitionStream) -> None:
+        """The ack stream ended early: a broker that refused the batch (a tierstream error)
+        says why when the stream is closed; raise that rather than retry."""
+        writer, stream.writer, stream.reader = stream.writer, None, None
+        try:
+            writer.close()
+        except (flight.FlightError, OSError, pa.ArrowException) as exc:
+            try:
+                self._raise_if_rejected(exc)
+            except TierstreamError:
+                # the broker stored nothing from the refused batch on: neither it nor what
+                # was pipelined behind it is sent again (the call that sent them fails)
+                stream.unacked.clear()
+                raise
 
     def _raise_if_rejected(self, exc: BaseException) -> None:
         """A broker that answers with a tierstream error rejected the batch: do not retry."""

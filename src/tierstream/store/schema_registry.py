@@ -15,6 +15,7 @@ from tierstream.names import TopicName
 from tierstream.schemas.compat import check_new_version
 from tierstream.schemas.model import (
     DEFAULT_COMPATIBILITY,
+    VERSION_PROPERTY,
     Compatibility,
     SchemaInfo,
     SchemaType,
@@ -33,6 +34,29 @@ class SchemaRegistry:
 
     def __init__(self, metadata: MetadataStore) -> None:
         self._meta = metadata
+        self._known: dict[str, set[str]] = {}  # topic -> its version numbers, as text
+
+    def check_named_versions(self, topic: str, named: set[str]) -> None:
+        """Refuse a batch whose messages name (property ``tierstream.schema.version``) a
+        version ``topic`` does not have: readers would decode it with the wrong schema or
+        none. Versions only grow, so the known ones are cached and re-read on a miss."""
+        if not named:
+            return
+        known = self._known.get(topic)
+        if known is None or not named <= known:
+            known = self._known[topic] = {str(v.version) for v in self.versions(topic)}
+        stray = sorted(named - known)
+        if stray:
+            has = f"versions 1..{max(map(int, known))}" if known else "no schema"
+            raise ConfigError(
+                f"message property {VERSION_PROPERTY!r} = {stray[0]!r} names no schema version "
+                f"of topic {topic!r} (it has {has}); the property is set by tierstream when it "
+                "encodes a value: send values through a producer or transaction of the topic, "
+                "without that property")
+
+    def forget(self, topic: str) -> None:
+        """The topic was deleted: a topic made again with its name starts with no versions."""
+        self._known.pop(topic, None)
 
     def _topic(self, topic: str) -> str:
         return str(self._meta.get_topic(TopicName.parse(topic)).name)  # exists, or NotFound

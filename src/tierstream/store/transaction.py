@@ -17,18 +17,21 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.flight as flight
 
-from tierstream.errors import ConfigError, ConflictError, UnavailableError
+from tierstream.errors import ConfigError, ConflictError, NotFoundError, UnavailableError
 from tierstream.names import TopicName
 from tierstream.schema import as_produce_batch, batches_of_about, key_hashes
 from tierstream.store.admin import Admin
 from tierstream.store.protocol import decode, translate_errors
+
+if TYPE_CHECKING:
+    from tierstream.schemas.codec import Encoder
 
 __all__ = ["Transaction"]
 
@@ -43,11 +46,16 @@ class Transaction:
 
     ``sink``/``batch`` make the commit idempotent: the broker commits a sink's batch once,
     and a later commit of the same or an earlier batch id is a no-op that aborts this one.
+
+    On a topic with a schema, values are encoded and checked as a producer's are (by the
+    topic's latest version, or by the one ``encoders`` names for the topic), and the broker
+    refuses rows whose version property names no version of the topic.
     """
 
     def __init__(self, *, broker: str | None = None, auth_token: str | None = None,
                  tls_ca: bytes | str | None = None, sink: str | None = None,
-                 batch: int | None = None, txn_id: str | None = None) -> None:
+                 batch: int | None = None, txn_id: str | None = None,
+                 encoders: Mapping[str, Encoder] | None = None) -> None:
         if (sink is None) != (batch is None):
             raise ConfigError("a transaction names both a sink and a batch id, or neither")
         if batch is not None and (not isinstance(batch, int) or batch < 0):
@@ -57,6 +65,10 @@ class Transaction:
         self.batch = batch
         self._admin = Admin(broker, auth_token=auth_token, tls_ca=tls_ca)
         self._partitions: dict[str, int] = {}
+        # a topic's values are encoded by its latest schema, or by the version given here
+        # (a producer's own, which it registered)
+        self._encoders: dict[str, Encoder | None] = {
+            str(TopicName.parse(t)): e for t, e in (encoders or {}).items()}
         self._streams: dict[tuple[str, int], tuple[Any, Any]] = {}
         self._sent: dict[tuple[str, int], int] = {}
         self._round_robin = 0
@@ -74,27 +86,61 @@ class Transaction:
             self._partitions[name] = self._admin.get_topic(name).partitions
         return self._partitions[name]
 
-    def send(self, topic: str, value: bytes | str, *, key: str | None = None,
+    def encoder(self, topic: str) -> Encoder | None:
+        """The encoder of ``topic``'s latest schema (None: it has none), looked up once."""
+        name = str(TopicName.parse(topic))
+        if name not in self._encoders:
+            from tierstream.schemas.codec import Encoder
+
+            try:
+                self._encoders[name] = Encoder(self._admin.get_schema(name))
+            except NotFoundError:
+                self.partitions_of(name)  # a missing topic says so, not "no schema"
+                self._encoders[name] = None
+        return self._encoders[name]
+
+    def send(self, topic: str, value: Any, *, key: str | None = None,
              event_time: int | None = None, properties: Mapping[str, str] | None = None) -> None:
-        """Stage one message (better: :meth:`write` many at once)."""
-        data = value.encode() if isinstance(value, str) else value
-        self.write(topic, pa.RecordBatch.from_pydict({
-            "key": pa.array([key], pa.string()), "value": pa.array([data], pa.binary()),
+        """Stage one message (better: :meth:`write` many at once). On a topic with a schema,
+        ``value`` is what the schema encodes (a dict for AVRO and JSON, text for STRING)."""
+        self._check_open()
+        name = str(TopicName.parse(topic))
+        encoder = self.encoder(name)
+        props = dict(properties) if properties is not None else None
+        if encoder is not None:
+            value = encoder.encode(value, self.messages)
+            props = {**(props or {}), **encoder.properties}
+        elif isinstance(value, str):
+            value = value.encode()
+        elif not isinstance(value, (bytes, bytearray, memoryview)):
+            raise ConfigError(f"topic {name!r} has no schema: a value is bytes or text, not "
+                              f"{type(value).__name__} (tierstream schema set)")
+        self._write(name, pa.Table.from_pydict({
+            "key": pa.array([key], pa.string()), "value": pa.array([bytes(value)], pa.binary()),
             "event_time": pa.array([event_time], pa.int64()),
-            "properties": pa.array([None if properties is None else list(properties.items())],
-                                   pa.map_(pa.string(), pa.string()))}))
+            "properties": pa.array([None if props is None else list(props.items())],
+                                   pa.map_(pa.string(), pa.string()))}), None)
 
     def write(self, topic: str, data: pa.RecordBatch | pa.Table, *,
               partition: int | None = None) -> int:
         """Stage rows (columns of the produce schema: ``value``, optional ``key``,
         ``event_time``, ``properties``) to ``topic``: routed by key hash like a producer's
-        (unkeyed rows round-robin), or all to ``partition``. Returns the rows staged."""
+        (unkeyed rows round-robin), or all to ``partition``. Returns the rows staged.
+
+        On a topic with a schema, every value is encoded and checked by its latest version
+        before any row is staged (``value`` may then be a struct, as the Spark sink sends
+        it), and each row records that version, as producers do; ConfigError names the row
+        and the field."""
         self._check_open()
         name = str(TopicName.parse(topic))
-        n = self.partitions_of(name)
         table = data if isinstance(data, pa.Table) else pa.Table.from_batches([data])
         if table.num_rows == 0:
             return 0
+        return self._write(name, self._encoded(name, table), partition)
+
+    def _write(self, name: str, table: pa.Table, partition: int | None) -> int:
+        """Stage ``table`` (values encoded already) to ``name``, routed or to ``partition``."""
+        n = self.partitions_of(name)
         if partition is not None:
             if not 0 <= partition < n:
                 raise ConfigError(f"invalid partition {partition} for {name!r}: it has "
@@ -104,6 +150,27 @@ class Transaction:
         for p, part in self._route(table, n):
             self._stage(name, p, part)
         return int(table.num_rows)
+
+    def _encoded(self, topic: str, table: pa.Table) -> pa.Table:
+        """``table`` with its values encoded by the topic's schema, if it has one."""
+        value = table.column("value")
+        encoder = self.encoder(topic)
+        if encoder is None:
+            if pa.types.is_struct(value.type):
+                raise ConfigError(f"column 'value' is a struct, but topic {topic!r} has no "
+                                  "schema to encode it with (tierstream schema set)")
+            if pa.types.is_string(value.type) or pa.types.is_large_string(value.type):
+                return table.set_column(table.schema.get_field_index("value"), "value",
+                                        pc.cast(value, pa.binary()))
+            return table
+        props = table.column("properties") if "properties" in table.column_names else None
+        encoded, merged = encoder.encode_columns(
+            value.combine_chunks(), None if props is None else props.combine_chunks(),
+            self.messages)
+        out = table.set_column(table.schema.get_field_index("value"), "value", encoded)
+        if props is None:
+            return out.append_column("properties", merged)
+        return out.set_column(out.schema.get_field_index("properties"), "properties", merged)
 
     def _route(self, table: pa.Table, partitions: int) -> list[tuple[int, pa.Table]]:
         if partitions == 1:
@@ -226,3 +293,4 @@ class Transaction:
         if self.state != "open":
             raise ConflictError(f"transaction {self.txn_id} is {self.state}: it takes no more "
                                 "writes")
+

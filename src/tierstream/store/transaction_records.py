@@ -125,10 +125,10 @@ class TransactionRecords:
                     # every attempt of a batch that is already decided is fenced: the
                     # listed ones and the batch's other open or prepared ones alike
                     others = self._attempts(c, sink_id, batch_id, exclude=txn_ids)
-                    fenced = self._abort(c, [*txn_ids, *others], now,
-                                         f"batch {batch_id} of sink {sink_id!r} was already "
-                                         f"committed (last committed batch: {row[0]})")
-                    return Decision([], fenced, True)
+                    repeated = self._abort(c, [*txn_ids, *others], now,
+                                           f"batch {batch_id} of sink {sink_id!r} was already "
+                                           f"committed (last committed batch: {row[0]})")
+                    return Decision([], repeated, True)
             records = []
             for txn_id in txn_ids:
                 row = c.execute(f"SELECT {_COLUMNS} FROM transactions WHERE txn_id=?",
