@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 
 from tierstream.errors import ConfigError
 
-__all__ = ["format_ms", "now_ms", "parse_duration_ms", "parse_time_ms"]
+__all__ = ["describe_duration", "format_ms", "now_ms", "parse_duration_ms", "parse_time_ms"]
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)")
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 604_800_000}
@@ -74,13 +74,19 @@ def _check_range(ms: int, shown: object, what: str) -> int:
 
 
 def parse_duration_ms(value: object, *, what: str = "duration") -> int:
-    """Milliseconds from ``"90s"``, ``"15m"``, ``"2h30m"``, ``"7d"``, ``"500ms"`` or an int (ms)."""
+    """Milliseconds from ``"90s"``, ``"15m"``, ``"2h30m"``, ``"7d"``, ``"500ms"`` or a Python
+    int (ms). Text must carry a unit (only ``"0"`` may stand alone): ``--retention 30`` once
+    meant 30 milliseconds and deleted a week of data."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
     if isinstance(value, str):
         text = value.strip().lower()
         if text.isdigit():
-            return int(text)
+            if int(text) == 0:
+                return 0
+            raise ConfigError(
+                f"invalid {what} {value!r}: a duration needs a unit, e.g. {text}d, {text}h, "
+                f"{text}m, {text}s or {text}ms (a bare number is not taken as milliseconds)")
         pos, total = 0, 0.0
         for m in _DURATION.finditer(text):
             if m.start() != pos:
@@ -94,6 +100,20 @@ def parse_duration_ms(value: object, *, what: str = "duration") -> int:
         f"invalid {what} {value!r}: expected a non-negative duration "
         "such as 500ms, 30s, 15m, 2h, 7d"
     )
+
+
+def describe_duration(ms: int) -> str:
+    """A duration in words, e.g. ``30 days``, ``1 hour 30 minutes``, ``250 milliseconds``."""
+    if ms == 0:
+        return "0 seconds"
+    parts = []
+    rest = ms
+    for name, size in (("day", 86_400_000), ("hour", 3_600_000), ("minute", 60_000),
+                       ("second", 1000), ("millisecond", 1)):
+        n, rest = divmod(rest, size)
+        if n:
+            parts.append(f"{n} {name}{'s' if n != 1 else ''}")
+    return " ".join(parts[:3]) if len(parts) <= 3 else "about " + " ".join(parts[:3])
 
 
 def format_ms(ms: int | None) -> str:

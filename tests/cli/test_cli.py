@@ -15,7 +15,8 @@ from tierstream.store.process import BrokerProcess
 
 from ..store.helpers import wait_for
 
-COMMANDS = [["broker", "start"], ["topic", "create"], ["topic", "list"], ["produce"],
+COMMANDS = [["broker", "start"], ["topic", "create"], ["topic", "list"], ["topic", "get"],
+            ["topic", "set"], ["topic", "delete"], ["produce"],
             ["consume"], ["segments"], ["seal"], ["offload"], ["plan"], ["read"], ["backfill"],
             ["tail"], ["subscriptions"], ["demo"], ["bookie", "serve"], ["schema", "set"],
             ["schema", "get"], ["schema", "list"], ["schema", "check"], ["transactions"]]
@@ -94,6 +95,12 @@ def test_a_session_through_the_cli(broker: BrokerProcess, data_dir: Path) -> Non
      "cannot read --tls-cert '/no/cert.pem'"),
     (["read", "a/b/c", "--out", "x.parquet", "--tls-ca", "/no/ca.pem"], None,
      "cannot read --tls-ca '/no/ca.pem'"),
+    (["topic", "list", "--tls-ca", "/no/ca.pem"], None, "cannot read --tls-ca '/no/ca.pem'"),
+    # a duration without a unit once meant milliseconds: --retention 30 deleted a week
+    (["topic", "set", "a/b/c", "--retention", "30"], None,
+     "invalid --retention '30': a duration needs a unit, e.g. 30d"),
+    (["topic", "create", "a/b/c", "--retention", "7"], None, "a duration needs a unit"),
+    (["offload", "a/b/c", "--older-than", "7"], None, "invalid --older-than '7'"),
 ])
 def test_bad_input_is_one_clear_line_and_exit_status_2(args: list[str], stdin: str | None,
                                                        needle: str) -> None:
@@ -468,7 +475,52 @@ def test_offload_says_why_each_segment_stayed(broker: BrokerProcess) -> None:
     assert run("produce", "a/b/old", stdin='{"value": "newest"}\n', env=env).returncode == 0
     proc = run("offload", "a/b/old", "--older-than", "7d", env=env)
     assert proc.returncode == 0, proc.stderr
-    assert "offloaded 1 segment(s)" in proc.stdout
+    assert "offloaded 1 closed segment(s) whose newest message is older than 7 days" \
+        in proc.stdout
     assert "kept 2 segment(s) where they are" in proc.stdout
     assert "younger than --older-than 7d" in proc.stdout
     assert "open: still being written" in proc.stdout
+
+
+def test_retention_is_echoed_in_words_and_shown_and_names_exit_2(broker: BrokerProcess
+                                                                  ) -> None:
+    env = {"TIERSTREAM_BROKER": broker.url or ""}
+    created = run("topic", "create", "acme/web/kept", "--retention", "36h", env=env)
+    assert created.returncode == 0, created.stderr
+    assert "retention: 1 day 12 hours (closed segments whose newest message is older" \
+        in created.stdout
+    changed = run("topic", "set", "acme/web/kept", "--retention", "30d", env=env)
+    assert "acme/web/kept: retention: 30 days" in changed.stdout
+    listed = run("topic", "list", env=env).stdout
+    assert "30 days" in listed and "retention" in listed
+    shown = run("topic", "get", "acme/web/kept", env=env)
+    assert shown.returncode == 0 and "partitions: 1" in shown.stdout
+    assert "retention:  30 days" in shown.stdout and "schema:     none" in shown.stdout
+    # naming a topic that is not there (or already is) is bad input: exit 2
+    missing = run("topic", "get", "acme/web/nope", env=env)
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    again = run("topic", "create", "acme/web/kept", env=env)
+    assert again.returncode == 2 and "exists" in again.stderr
+
+
+def test_a_port_in_use_is_an_environment_problem_exit_1(broker: BrokerProcess,
+                                                        tmp_path: Path) -> None:
+    port = (broker.url or "").rsplit(":", 1)[1]
+    proc = run("broker", "start", "--data-dir", str(tmp_path / "other"), "--port", port)
+    assert proc.returncode == 1 and "cannot listen on" in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1
+
+
+def test_help_lists_commands_sorted_with_whole_sentences_and_no_flag_placeholders() -> None:
+    root = run("--help", env={"COLUMNS": "200"}).stdout
+    assert "--debug" in root
+    plain = ["backfill", "consume", "demo", "offload", "plan", "produce", "read", "seal",
+             "segments", "subscriptions", "tail", "transactions"]
+    where = [root.index(f"│ {c} ") for c in plain]
+    assert where == sorted(where), "commands are listed in alphabetical order"
+    assert "Run the backfill on Spark: a bounded read of the topic, written as Parquet files " \
+        "or as an Iceberg table." in root
+    for command in (["topic", "delete"], ["broker", "start"], ["produce"]):
+        text = run(*command, "--help", env={"COLUMNS": "200"}).stdout
+        assert "<bool>" not in text, command
+        assert "(default 1) [default: 1]" not in text

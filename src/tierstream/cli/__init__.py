@@ -2,7 +2,9 @@
 
 Every command that talks to a broker takes ``--broker`` (env ``TIERSTREAM_BROKER``); every
 command that opens the store directly takes ``--data-dir`` (env ``TIERSTREAM_HOME``).
-Errors are one line on stderr naming the bad value; exit status 2 for bad input, 1 otherwise.
+Errors are one line on stderr naming the bad value; exit status 2 for bad input (including a
+topic that does not exist, or already does), 1 for a broker, storage or environment problem
+(an unreachable broker, a port in use, a data directory another broker holds).
 """
 
 from __future__ import annotations
@@ -23,7 +25,12 @@ from tierstream.cli import (  # noqa: F401 - registers them
     topics,
 )
 from tierstream.cli.common import app, err, out
-from tierstream.errors import ConfigError, TierstreamError
+from tierstream.errors import (
+    AlreadyExistsError,
+    ConfigError,
+    NotFoundError,
+    TierstreamError,
+)
 
 __all__ = ["app", "main"]
 
@@ -57,7 +64,8 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             raise
         _error_line(str(exc))
-        code = 2 if isinstance(exc, ConfigError) else 1
+        # bad input (2) includes naming a topic that does not exist or already does
+        code = 2 if isinstance(exc, (ConfigError, NotFoundError, AlreadyExistsError)) else 1
     except Exception as exc:  # a bug: say so in one line, the traceback is one flag away
         if debug:
             raise
@@ -118,8 +126,28 @@ def _version(value: bool) -> None:
 def _root(
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                           help="Print the version and exit.")] = False,
+    debug: Annotated[bool, typer.Option(
+        "--debug", help="On an error, print its traceback too (allowed anywhere on the "
+                        "command line; or TIERSTREAM_DEBUG=1).")] = False,
 ) -> None:
     """Read a tiered, Pulsar-shaped event log with one source API for batch and stream.
 
     Errors are one line; add --debug anywhere for a traceback.
     """
+
+
+def _tidy_help() -> None:
+    """The command list: sorted by name, each command with its first sentence on one line
+    (typer would show the docstring's first paragraph with its line breaks)."""
+    import re
+
+    for info in app.registered_commands:
+        doc = (info.callback.__doc__ or "") if info.callback else ""
+        first = " ".join(doc.strip().split("\n\n")[0].split())
+        info.short_help = info.short_help or re.split(r"(?<=\.)\s", first, maxsplit=1)[0]
+    app.registered_commands.sort(key=lambda c: c.name or (c.callback.__name__ if c.callback
+                                                          else ""))
+    app.registered_groups.sort(key=lambda g: g.name or "")
+
+
+_tidy_help()

@@ -14,6 +14,7 @@ from rich.table import Table
 from tierstream.cli.common import (
     BrokerOpt,
     DataDirOpt,
+    TlsCaOpt,
     TokenOpt,
     app,
     human_bytes,
@@ -30,23 +31,40 @@ def segments(
     topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
     as_json: Annotated[bool, typer.Option("--json", help="JSON instead of a table.")] = False,
     data_dir: DataDirOpt = Path(DEFAULT_DATA_DIR),
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    tls_ca: TlsCaOpt = None,
+    auth_token: TokenOpt = None,
 ) -> None:
-    """Show the segments of a topic, read from the metadata store (the open segment's stats
-    lag by at most a second).
+    """Show the segments of a topic: from the metadata store when --data-dir has one here,
+    else from the broker, as plan and read do (the open segment's stats lag by at most a
+    second).
 
-    Example: tierstream segments acme/web/clicks --data-dir ./tierstream-data
+    Example: tierstream segments acme/web/clicks
     """
     from tierstream.layout import DataDir
     from tierstream.names import TopicName
     from tierstream.store.metadata import MetadataStore
 
     name = TopicName.parse(topic)
-    meta = MetadataStore(DataDir.at(data_dir).metadata, read_only=True)
-    try:
-        meta.get_topic(name)
-        records = meta.segments(str(name))
-    finally:
-        meta.close()
+    local = DataDir.at(data_dir).metadata
+    if local.is_file():
+        meta = MetadataStore(local, read_only=True)
+        try:
+            meta.get_topic(name)
+            records = meta.segments(str(name))
+        finally:
+            meta.close()
+    else:
+        from tierstream.errors import UnavailableError
+        from tierstream.store.client import Admin
+
+        try:
+            with Admin(broker, auth_token=auth_token) as admin:
+                admin.get_topic(str(name))
+                records = admin.list_segments(str(name))
+        except UnavailableError as exc:
+            raise UnavailableError(f"no metadata store under --data-dir {str(data_dir)!r} "
+                                   f"here, and {exc}") from None
     if as_json:
         sys.stdout.write(json.dumps([r.to_dict() for r in records], indent=2) + "\n")
         return
@@ -64,6 +82,7 @@ def subscriptions(
     topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
     as_json: Annotated[bool, typer.Option("--json", help="JSON instead of a table.")] = False,
     broker: BrokerOpt = DEFAULT_BROKER_URL,
+    tls_ca: TlsCaOpt = None,
     auth_token: TokenOpt = None,
 ) -> None:
     """Show each subscription's durable cursor per partition: where it is (everything before
@@ -95,6 +114,7 @@ def transactions(
         help="Abort this open or prepared transaction and remove its staged rows.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="JSON instead of a table.")] = False,
     broker: BrokerOpt = DEFAULT_BROKER_URL,
+    tls_ca: TlsCaOpt = None,
     auth_token: TokenOpt = None,
 ) -> None:
     """Show the broker's transactions (staged writes of sinks and producers): state, sink
@@ -133,6 +153,7 @@ def seal(
     topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
     partition: Annotated[int | None, typer.Option(help="Only this partition.")] = None,
     broker: BrokerOpt = DEFAULT_BROKER_URL,
+    tls_ca: TlsCaOpt = None,
     auth_token: TokenOpt = None,
 ) -> None:
     """Seal the open segment(s) now (a new one opens).
@@ -171,6 +192,7 @@ def offload(
     older_than: Annotated[str | None, typer.Option(
         help="Only segments whose newest message is older than this, e.g. 2d.")] = None,
     broker: BrokerOpt = DEFAULT_BROKER_URL,
+    tls_ca: TlsCaOpt = None,
     auth_token: TokenOpt = None,
 ) -> None:
     """Move closed segments to the tier (Parquet + Iceberg) now.
@@ -178,15 +200,17 @@ def offload(
     Example: tierstream offload acme/web/clicks --older-than 2d
     """
     from tierstream.store.client import Admin
-    from tierstream.timeutil import now_ms, parse_duration_ms
+    from tierstream.timeutil import describe_duration, now_ms, parse_duration_ms
 
     older_ms = None if older_than is None else parse_duration_ms(older_than, what="--older-than")
     with Admin(broker, auth_token=auth_token) as admin:
         before = admin.list_segments(topic)
         moved = admin.offload(topic, older_than_ms=older_ms)
     total = sum(s.bytes for s in moved)
-    out.print(f"offloaded {len(moved)} segment(s), {human_bytes(total)} of bookie data",
-              highlight=False)
+    scope = "" if older_ms is None else \
+        f" whose newest message is older than {describe_duration(older_ms)}"
+    out.print(f"offloaded {len(moved)} closed segment(s){scope}, {human_bytes(total)} of "
+              "bookie data", highlight=False)
     for s in moved:
         out.print(f"  partition {s.partition} segment {s.segment_id} -> {s.tier_url}",
                   highlight=False)

@@ -42,7 +42,8 @@ def broker_start(
     bookie_port_base: Annotated[int, typer.Option(
         help="Bookie i's endpoint listens on this port + i (0: any free port, chosen at each "
              "start).")] = 0,
-    bookies: Annotated[int, typer.Option(help=_help("bookies"))] = OPTIONS["bookies"].default,
+    bookies: Annotated[int, typer.Option(help=_help("bookies"), show_default=False)]
+        = OPTIONS["bookies"].default,
     write_quorum: Annotated[int | None, typer.Option(help=_help("writeQuorum"))] = None,
     ack_quorum: Annotated[int | None, typer.Option(help=_help("ackQuorum"))] = None,
     max_entries_per_segment: Annotated[int | None, typer.Option(
@@ -51,7 +52,8 @@ def broker_start(
         = None,
     segment_rollover_time: Annotated[str | None, typer.Option(
         help=_help("segmentRolloverTime"))] = None,
-    fsync: Annotated[bool, typer.Option(help=_help("fsync"))] = OPTIONS["fsync"].default,
+    fsync: Annotated[bool, typer.Option(help=_help("fsync"), show_default=False)]
+        = OPTIONS["fsync"].default,
     max_partitions_per_topic: Annotated[int | None, typer.Option(
         help=_help("maxPartitionsPerTopic"))] = None,
     max_open_ledgers: Annotated[int | None, typer.Option(help=_help("maxOpenLedgers"))]

@@ -17,6 +17,21 @@ __all__ = ["BrokerOpt", "DataDirOpt", "TlsCaOpt", "TlsCertOpt", "TlsKeyOpt", "To
            "bookie_app", "broker_app", "err", "human_bytes", "human_duration", "out",
            "progress_bar", "schema_app", "topic_app"]
 
+def _no_placeholder_on_flags() -> None:
+    """typer shows ``<bool>`` beside on/off flags (``--yes <bool>``, ``--help <bool>``), as if
+    they took a value: a flag's help shows no type."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+
+    def display_type_rich(self: TyperOption, ctx: typer.Context) -> str | None:
+        return None if self.is_flag else shown(self, ctx)
+
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign,assignment]
+
+
+_no_placeholder_on_flags()
+
 app = typer.Typer(
     name="tierstream",
     help="Read a tiered, Pulsar-shaped event log with one source API for batch and stream.",
@@ -50,9 +65,22 @@ TokenOpt = Annotated[str | None, typer.Option(
 TlsCertOpt = Annotated[str | None, typer.Option(
     "--tls-cert", help="PEM certificate: serve grpc+tls:// (with --tls-key).")]
 TlsKeyOpt = Annotated[str | None, typer.Option("--tls-key", help="PEM private key of --tls-cert.")]
+def _tls_ca(value: str | None) -> str | None:
+    """--tls-ca: checked once, then the default of every client the command opens (the
+    option table reads TIERSTREAM_TLS_CA)."""
+    if value:
+        import os
+
+        from tierstream.store.security import read_pem
+
+        read_pem(value, "--tls-ca")
+        os.environ["TIERSTREAM_TLS_CA"] = value
+    return value
+
+
 TlsCaOpt = Annotated[str | None, typer.Option(
-    "--tls-ca", envvar="TIERSTREAM_TLS_CA", show_envvar=True,
-    help="PEM CA that grpc+tls:// endpoints are checked against [default: the system's].")]
+    "--tls-ca", envvar="TIERSTREAM_TLS_CA", show_envvar=True, callback=_tls_ca,
+    help="PEM CA that grpc+tls:// endpoints are checked against (default: the system's).")]
 
 
 def progress_bar(show: bool) -> Progress:

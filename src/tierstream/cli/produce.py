@@ -14,6 +14,7 @@ import typer
 
 from tierstream.cli.common import (
     BrokerOpt,
+    TlsCaOpt,
     TokenOpt,
     app,
     err,
@@ -39,6 +40,7 @@ def produce(
     producer_name: Annotated[str | None, typer.Option("--name", help="Producer name (for "
                                                                      "de-duplication).")] = None,
     broker: BrokerOpt = DEFAULT_BROKER_URL,
+    tls_ca: TlsCaOpt = None,
     auth_token: TokenOpt = None,
 ) -> None:
     """Produce messages: JSON lines from stdin, or --generate N synthetic clicks.

@@ -48,6 +48,7 @@ def consume(
     value_format: ValueFormatOpt = "raw",
     mode: ModeOpt = "FAILFAST",
     broker: BrokerOpt = DEFAULT_BROKER_URL,
+    tls_ca: TlsCaOpt = None,
     auth_token: TokenOpt = None,
 ) -> None:
     """Print messages as JSON lines (value as UTF-8, or value_b64 when it is not text; with
@@ -189,6 +190,7 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines of splits.")] = False,
     data_dir: DataDirOpt = Path(DEFAULT_DATA_DIR),
     broker: BrokerOpt = DEFAULT_BROKER_URL,
+    tls_ca: TlsCaOpt = None,
     auth_token: TokenOpt = None,
 ) -> None:
     """Show the splits of a bounded read: which reader each got, and where.

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from tierstream.cli.common import BrokerOpt, TokenOpt, out, schema_app
+from tierstream.cli.common import BrokerOpt, TlsCaOpt, TokenOpt, out, schema_app
 from tierstream.errors import ConfigError
 from tierstream.options import DEFAULT_BROKER_URL
 from tierstream.timeutil import format_ms
@@ -37,6 +37,7 @@ def schema_set(
         help="Set the topic's rule first: BACKWARD (default), FORWARD, FULL, their "
              "_TRANSITIVE forms, ALWAYS_COMPATIBLE, ALWAYS_INCOMPATIBLE.")] = None,
     broker: BrokerOpt = DEFAULT_BROKER_URL,
+    tls_ca: TlsCaOpt = None,
     auth_token: TokenOpt = None,
 ) -> None:
     """Add a schema version to a topic (refused, naming the field and the rule, if it is not
@@ -61,6 +62,7 @@ def schema_get(
     version: Annotated[int | None, typer.Option(help="A version [default: the latest].")]
         = None,
     broker: BrokerOpt = DEFAULT_BROKER_URL,
+    tls_ca: TlsCaOpt = None,
     auth_token: TokenOpt = None,
 ) -> None:
     """Print a schema version's definition (the latest by default).
@@ -80,6 +82,7 @@ def schema_get(
 def schema_list(
     topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
     broker: BrokerOpt = DEFAULT_BROKER_URL,
+    tls_ca: TlsCaOpt = None,
     auth_token: TokenOpt = None,
 ) -> None:
     """List a topic's schema versions and its compatibility rule.
@@ -104,6 +107,7 @@ def schema_check(
     type_: TypeOpt,
     file: FileOpt = None,
     broker: BrokerOpt = DEFAULT_BROKER_URL,
+    tls_ca: TlsCaOpt = None,
     auth_token: TokenOpt = None,
 ) -> None:
     """Say whether a schema could become the topic's next version (exit status 1 if not).

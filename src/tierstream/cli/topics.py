@@ -1,4 +1,4 @@
-"""``tierstream topic create|delete|set|list``."""
+"""``tierstream topic create|delete|get|set|list``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from rich.table import Table
 
 from tierstream.cli.common import (
     BrokerOpt,
+    TlsCaOpt,
     TokenOpt,
     out,
     topic_app,
@@ -26,6 +27,7 @@ def topic_create(
     retention: Annotated[str | None, typer.Option(
         help="Delete segments whose newest message is older than this, e.g. 30d.")] = None,
     broker: BrokerOpt = DEFAULT_BROKER_URL,
+    tls_ca: TlsCaOpt = None,
     auth_token: TokenOpt = None,
 ) -> None:
     """Create a topic.
@@ -39,7 +41,18 @@ def topic_create(
                                                                      what="--retention")
     with Admin(broker, auth_token=auth_token) as admin:
         record = admin.create_topic(topic, partitions, retention_ms=retention_ms)
-    out.print(f"created {record.name} with {record.partitions} partition(s)", highlight=False)
+    out.print(f"created {record.name} with {record.partitions} partition(s); "
+              f"{_retention_words(record.retention_ms)}", highlight=False)
+
+
+def _retention_words(retention_ms: int | None) -> str:
+    """A topic's retention as a sentence a user can check against what they meant."""
+    from tierstream.timeutil import describe_duration
+
+    if retention_ms is None:
+        return "retention: none (every message is kept)"
+    return (f"retention: {describe_duration(retention_ms)} (closed segments whose newest "
+            "message is older are deleted everywhere: bookies, tier, Iceberg table)")
 
 
 @topic_app.command("delete")
@@ -47,6 +60,7 @@ def topic_delete(
     topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
     yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation.")] = False,
     broker: BrokerOpt = DEFAULT_BROKER_URL,
+    tls_ca: TlsCaOpt = None,
     auth_token: TokenOpt = None,
 ) -> None:
     """Delete a topic and all its data: segments on the bookies, tier files, its Iceberg
@@ -72,6 +86,7 @@ def topic_set(
         help="Delete segments whose newest message is older than this, e.g. 30d; 'none' "
              "keeps everything.")],
     broker: BrokerOpt = DEFAULT_BROKER_URL,
+    tls_ca: TlsCaOpt = None,
     auth_token: TokenOpt = None,
 ) -> None:
     """Change a topic's settings.
@@ -85,14 +100,42 @@ def topic_set(
         retention, what="--retention")
     with Admin(broker, auth_token=auth_token) as admin:
         record = admin.set_retention(topic, retention_ms)
-    shown = "none (keep everything)" if record.retention_ms is None else retention
-    out.print(f"{record.name}: retention {shown}", highlight=False)
+    out.print(f"{record.name}: {_retention_words(record.retention_ms)}", highlight=False)
+
+
+@topic_app.command("get")
+def topic_get(
+    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    tls_ca: TlsCaOpt = None,
+    auth_token: TokenOpt = None,
+) -> None:
+    """Show a topic's settings: partitions, retention, creation time, schema.
+
+    Example: tierstream topic get acme/web/clicks
+    """
+    from tierstream.errors import NotFoundError
+    from tierstream.store.client import Admin
+
+    with Admin(broker, auth_token=auth_token) as admin:
+        record = admin.get_topic(topic)
+        try:
+            info = admin.get_schema(topic)
+            schema = f"{info.type.value}, version {info.version}"
+        except NotFoundError:
+            schema = "none (values are bytes)"
+    out.print(f"topic:      {record.name}\n"
+              f"partitions: {record.partitions}\n"
+              f"created:    {format_ms(record.created_at)}\n"
+              f"{_retention_words(record.retention_ms).replace(': ', ':  ', 1)}\n"
+              f"schema:     {schema}", highlight=False)
 
 
 @topic_app.command("list")
 def topic_list(
     namespace: Annotated[str | None, typer.Option(help="Only topics of tenant/namespace.")] = None,
     broker: BrokerOpt = DEFAULT_BROKER_URL,
+    tls_ca: TlsCaOpt = None,
     auth_token: TokenOpt = None,
 ) -> None:
     """List topics.
@@ -103,7 +146,10 @@ def topic_list(
 
     with Admin(broker, auth_token=auth_token) as admin:
         topics = admin.list_topics(namespace)
-    table = Table("topic", "partitions", "created")
+    from tierstream.timeutil import describe_duration
+
+    table = Table("topic", "partitions", "retention", "created")
     for t in topics:
-        table.add_row(t.name, str(t.partitions), format_ms(t.created_at))
+        table.add_row(t.name, str(t.partitions), "none" if t.retention_ms is None
+                      else describe_duration(t.retention_ms), format_ms(t.created_at))
     out.print(table)

@@ -6,6 +6,7 @@ every call; a call without the right token is denied before any handler runs.
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import uuid
@@ -15,7 +16,13 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from tierstream.errors import ConfigError, NotFoundError, ProtocolError, TierstreamError
+from tierstream.errors import (
+    ConfigError,
+    ConflictError,
+    NotFoundError,
+    ProtocolError,
+    TierstreamError,
+)
 from tierstream.names import TopicName
 from tierstream.options import DEFAULT_PORT
 from tierstream.schema import MESSAGE_SCHEMA
@@ -540,5 +547,8 @@ def _check_port_free(host: str, port: int) -> None:
         try:
             s.bind((host, port))
         except OSError as exc:
-            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+            # a port in use is the machine's state (exit 1); an address that cannot be bound
+            # here is bad input (exit 2)
+            cls = ConflictError if exc.errno == errno.EADDRINUSE else ConfigError
+            raise cls(f"cannot listen on {host}:{port}: {exc.strerror}") from None
 

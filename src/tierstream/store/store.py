@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tierstream.errors import ConfigError, StorageError
+from tierstream.errors import ConfigError, ConflictError, StorageError
 from tierstream.names import TopicName
 from tierstream.splits.positions import Position
 from tierstream.store.bookie import Bookie
@@ -320,7 +320,7 @@ def _lock_data_dir(config: StoreConfig) -> Any:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.close()
-        raise ConfigError(
+        raise ConflictError(
             f"data directory {str(config.data_dir)!r} is already in use by another broker"
         ) from None
     return f
