@@ -524,3 +524,19 @@ def test_help_lists_commands_sorted_with_whole_sentences_and_no_flag_placeholder
         text = run(*command, "--help", env={"COLUMNS": "200"}).stdout
         assert "<bool>" not in text, command
         assert "(default 1) [default: 1]" not in text
+
+
+def test_producing_history_behind_newer_messages_warns_how_many_were_restamped(
+        broker: BrokerProcess) -> None:
+    env = {"TIERSTREAM_BROKER": broker.url or ""}
+    run("topic", "create", "acme/web/late", env=env)
+    now = run("produce", "acme/web/late", stdin='{"value": "today"}\n', env=env)
+    assert now.returncode == 0 and "warning" not in now.stderr
+    history = run("produce", "acme/web/late", "--generate", "50", "--start-time",
+                  "2026-11-01T00:00:00Z", "--step-ms", "1000", env=env)
+    assert history.returncode == 0, history.stderr
+    assert "50 of 50 message(s) asked for a publish time before the newest message" \
+        in " ".join(history.stderr.split())
+    stdin = run("produce", "acme/web/late", env=env,
+                stdin='{"value": "old", "publish_time": "2026-11-02T00:00:00Z"}\n')
+    assert "1 of 1 message(s)" in " ".join(stdin.stderr.split())

@@ -31,8 +31,11 @@ def produce(
     generate: Annotated[int | None, typer.Option(help="Generate N synthetic messages instead "
                                                       "of reading JSON lines from stdin.")] = None,
     keys: Annotated[int, typer.Option(help="Distinct keys for --generate.")] = 100,
-    start_time: Annotated[str | None, typer.Option(help="Publish time of the first generated "
-                                                        "message (ISO-8601 or epoch ms).")] = None,
+    start_time: Annotated[str | None, typer.Option(help=(
+        "Publish (and event) time of the first generated message (ISO-8601 or epoch ms). "
+        "A publish time before the partition's newest message is stamped with that newer "
+        "time instead (the command warns how many), so import history into a new topic."))]
+        = None,
     step_ms: Annotated[int, typer.Option(help="Publish-time step between generated "
                                               "messages.")] = 0,
     value_size: Annotated[int, typer.Option(help="Approximate bytes per generated value.")] = 100,
@@ -81,9 +84,11 @@ def produce(
                   batch_size=batch_size) as producer, \
             progress_bar(total is not None and total > 50_000) as progress:
         task = progress.add_task("producing", total=total)
+        restamped = 0
         try:
             for chunk in chunks:
-                producer.send_many(chunk)
+                acks = producer.send_many(chunk)
+                restamped += sum(int(a.get("restamped") or 0) for a in acks)
                 sent += len(chunk)
                 progress.update(task, completed=sent)
         except ConfigError as exc:
@@ -92,6 +97,13 @@ def produce(
                                   f"{topic}, none after it") from None
             raise
     err.print(f"produced {sent} message(s) to {topic}", highlight=False)
+    if restamped:
+        err.print(f"[yellow]warning:[/yellow] {restamped:,} of {sent:,} message(s) asked for a "
+                  "publish time before the newest message already in their partition and were "
+                  "stamped with that newer time instead (publish_time never runs backwards "
+                  "within a partition), so time windows (--from/--to) find them there; their "
+                  "event_time keeps the time asked for. To import history under its own "
+                  "times, produce it into a new topic.", markup=True, highlight=False)
 
 
 def _stdin_batches(batch_size: int, *, linger_s: float) -> Iterator[list[dict[str, Any]]]:

@@ -51,6 +51,9 @@ class Ack:
     last_publish_time: int
     sequence_id: int | None
     duplicate: bool = False
+    #: messages whose requested publish time was before the partition's newest message and
+    #: were stamped later (publish_time never runs backwards within a partition)
+    restamped: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -164,8 +167,11 @@ class PartitionLog(PartitionPositions):
             if seg is self._open and not self._held and (
                     len(seg.records) >= self._max_entries or seg.bytes >= self._max_bytes):
                 self._roll()
+        requested = batch.column("publish_time")
+        restamped = 0 if requested.null_count == len(requested) else int(pc.sum(pc.less(
+            requested, message_batch.column("publish_time"))).as_py() or 0)
         return Ack(self.partition, seg.record.segment_id, entry_id, message_batch.num_rows,
-                   first_pt, last_pt, sequence_id)
+                   first_pt, last_pt, sequence_id, restamped=restamped)
 
     def _wait_quorum(self, futures: list[Future[IndexRecord]]) -> None:
         pending = set(futures)
