@@ -198,6 +198,8 @@ def test_backfill_runs_on_spark(broker: BrokerProcess, data_dir: Path, tmp_path:
     assert "backfill of acme/web/clicks: 1,200 rows" in proc.stdout
     again = run("backfill", "acme/web/clicks", "--out", str(out), env=env)
     assert again.returncode == 2 and "exists" in again.stderr
+    # refused before a Spark session started: no JVM, no Spark log line, just the error
+    assert again.stderr.strip().count("\n") == 0, again.stderr
     bad = run("backfill", "acme/web/clicks", "--out", str(tmp_path / "x"), "--format", "csv",
               env=env)
     assert bad.returncode == 2 and "invalid --format 'csv'" in bad.stderr

@@ -250,6 +250,15 @@ def test_retention_deletes_everywhere_and_records_what_it_removed(store: Store) 
     assert len(registered) == 1 and "/3-" in registered[0]
     remaining = everything(store)
     assert sorted(remaining.column("segment_id").unique().to_pylist()) == [3, 4]
+    # a read of the deleted past fails naming the switch in each place a user sets it
+    import tierstream
+    from tierstream.errors import DataLossError
+
+    with pytest.raises(DataLossError) as lost:
+        tierstream.plan(TOPIC, start=BASE, end=BASE + 3_000_000,
+                        data_dir=str(store.config.data_dir))
+    for spelling in ("failOnDataLoss=false", "fail_on_data_loss=False", "--skip-data-loss"):
+        assert spelling in str(lost.value)
 
 
 def test_policy_offloads_by_age_and_by_bookie_bytes(data_dir: Path) -> None:

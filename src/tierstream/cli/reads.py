@@ -393,10 +393,9 @@ def backfill(
         options["reader"] = reader
     if auth_token:
         options["authToken"] = auth_token
-    from tierstream.spark_adapter.jobs import FORMATS
+    from tierstream.spark_adapter.jobs import check_target
 
-    if format_ not in FORMATS:
-        raise ConfigError(f"invalid --format {format_!r}: expected one of {', '.join(FORMATS)}")
+    check_target(out_path, format=format_, table=table, catalog_uri=catalog_uri)
     spark = local_spark("tierstream-backfill")
     try:
         with progress_bar(True) as progress:

@@ -272,7 +272,9 @@ class Enumerator:
         text = (f"data loss in {topic!r} partition {p}: segments {ids} ({messages} messages, "
                 f"publish times {window}) were deleted by {lost[-1]['reason']}")
         if query.fail_on_data_loss:
-            raise DataLossError(text + "; set failOnDataLoss=false to read what survives")
+            raise DataLossError(text + "; to read what survives, set failOnDataLoss=false "
+                                "(Spark option; fail_on_data_loss=False in Python; "
+                                "--skip-data-loss on the command line)")
         log.warning("%s; skipping them (failOnDataLoss=false)", text)
 
     def _segment_plan(self, part: PartitionPlan, seg: SegmentRecord) -> SegmentPlan | None:

@@ -65,6 +65,18 @@ def local_spark(app_name: str = "tierstream") -> Any:
     return spark
 
 
+def check_target(out: str, *, format: str, table: str | None, catalog_uri: str | None
+                 ) -> None:
+    """Where a backfill writes, checked without Spark (the CLI calls this before it starts
+    one): a known format, a new ``out``, and a table or catalog only for Iceberg."""
+    if format not in FORMATS:
+        raise ConfigError(f"invalid --format {format!r}: expected one of {', '.join(FORMATS)}")
+    if os.path.exists(out):
+        raise ConfigError(f"--out {out!r} exists; choose a new path (nothing was written)")
+    if format == "parquet" and (table is not None or catalog_uri is not None):
+        raise ConfigError("a table and a catalog are for --format iceberg only")
+
+
 def backfill(spark: Any, options: dict[str, str], out: str, *, format: str = "parquet",
              table: str | None = None, catalog_uri: str | None = None, progress: Any = None
              ) -> BackfillResult:
@@ -82,12 +94,7 @@ def backfill(spark: Any, options: dict[str, str], out: str, *, format: str = "pa
     from tierstream.spark_adapter.hybrid import NATIVE, plan_read
     from tierstream.spark_adapter.source import StatsParam
 
-    if format not in FORMATS:
-        raise ConfigError(f"invalid format {format!r}: expected one of {', '.join(FORMATS)}")
-    if os.path.exists(out):
-        raise ConfigError(f"--out {out!r} exists; choose a new path (nothing was written)")
-    if format == "parquet" and (table is not None or catalog_uri is not None):
-        raise ConfigError("a table and a catalog are for --format iceberg only")
+    check_target(out, format=format, table=table, catalog_uri=catalog_uri)
     options = dict(options)
     settings = ReadOptions.parse(options)
     if format == "iceberg":
