@@ -542,3 +542,19 @@ def test_producing_history_behind_newer_messages_warns_how_many_were_restamped(
     stdin = run("produce", "acme/web/late", env=env,
                 stdin='{"value": "old", "publish_time": "2026-11-02T00:00:00Z"}\n')
     assert "1 of 1 message(s)" in " ".join(stdin.stderr.split())
+
+
+def test_the_readme_schema_example_runs_with_the_shipped_files(broker: BrokerProcess) -> None:
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    env = {"TIERSTREAM_BROKER": broker.url or ""}
+    assert run("topic", "create", "acme/shop/orders", "--partitions", "2",
+               env=env).returncode == 0
+    one = run("schema", "set", "acme/shop/orders", "--type", "avro", "--file",
+              str(examples / "order.avsc"), env=env)
+    assert one.returncode == 0, one.stderr
+    check = run("schema", "check", "acme/shop/orders", "--type", "avro", "--file",
+                str(examples / "order-v2.avsc"), env=env)
+    assert "field 'customer' is not in the writer's schema" in check.stdout
+    two = run("schema", "set", "acme/shop/orders", "--type", "avro", "--file",
+              str(examples / "order-v2.avsc"), "--compatibility", "FORWARD", env=env)
+    assert two.returncode == 0 and "version 2" in two.stdout, two.stdout + two.stderr

@@ -6,7 +6,7 @@ import threading
 import time
 from typing import Any
 
-from tierstream.errors import ConfigError, UnavailableError
+from tierstream.errors import AlreadyExistsError, ConfigError, ConflictError, UnavailableError
 from tierstream.names import TopicName
 from tierstream.schemas.model import SchemaInfo
 from tierstream.splits.positions import Position
@@ -36,13 +36,24 @@ class Admin(BrokerClient):
                     raise
                 threading.Event().wait(0.05)
 
-    def create_topic(self, topic: str, partitions: int, *, retention_ms: int | None = None
-                     ) -> TopicRecord:
+    def create_topic(self, topic: str, partitions: int, *, retention_ms: int | None = None,
+                     exist_ok: bool = False) -> TopicRecord:
+        """Create ``topic``; AlreadyExistsError if it exists, unless ``exist_ok``: then the
+        existing topic is returned if it has ``partitions`` (ConflictError if not)."""
         TopicName.parse(topic)
         if not isinstance(partitions, int) or isinstance(partitions, bool) or partitions < 1:
             raise ConfigError(f"invalid partition count {partitions!r}: expected an integer >= 1")
-        return TopicRecord(**self.action("create-topic", {"topic": topic, "partitions": partitions,
-                                                          "retention_ms": retention_ms}))
+        try:
+            return TopicRecord(**self.action("create-topic", {
+                "topic": topic, "partitions": partitions, "retention_ms": retention_ms}))
+        except AlreadyExistsError:
+            if not exist_ok:
+                raise
+        existing = self.get_topic(topic)
+        if existing.partitions != partitions:
+            raise ConflictError(f"topic {existing.name!r} exists with {existing.partitions} "
+                                f"partition(s), not {partitions}")
+        return existing
 
     def delete_topic(self, topic: str) -> TopicRecord:
         """Delete a topic everywhere (metadata, bookies, tier files, Iceberg table); returns
