@@ -558,3 +558,18 @@ def test_the_readme_schema_example_runs_with_the_shipped_files(broker: BrokerPro
     two = run("schema", "set", "acme/shop/orders", "--type", "avro", "--file",
               str(examples / "order-v2.avsc"), "--compatibility", "FORWARD", env=env)
     assert two.returncode == 0 and "version 2" in two.stdout, two.stdout + two.stderr
+    # schema get writes a file schema set takes back (the version line goes to stderr)
+    got = run("schema", "get", "acme/shop/orders", "--version", "1", env=env)
+    assert json.loads(got.stdout) == json.loads((examples / "order.avsc").read_text())
+    assert "version 1" in got.stderr
+    # Avro binary is often valid UTF-8 made of control characters: consume prints it as
+    # value_b64 unless asked to decode it
+    sent = run("produce", "acme/shop/orders", env=env, stdin=json.dumps(
+        {"key": "o1", "value": {"id": "o1", "amount": 3, "currency": "EUR",
+                                "customer": "c"}}) + "\n")
+    assert sent.returncode == 0, sent.stderr
+    row = json.loads(run("consume", "acme/shop/orders", env=env).stdout)
+    assert "value" not in row and row["value_b64"]
+    decoded = json.loads(run("consume", "acme/shop/orders", "--value-format", "auto",
+                             env=env).stdout)
+    assert decoded["value"]["customer"] == "c"

@@ -52,3 +52,5 @@ def test_the_cli_starts_local_spark_on_loopback() -> None:
                                             "TIERSTREAM_SPARK_MASTER": "local[1]"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["127.0.0.1", "127.0.0.1"]
+    # the JVM itself was pinned before it looked for a routable address of its own
+    assert "resolves to a loopback address" not in proc.stderr, proc.stderr[-2000:]

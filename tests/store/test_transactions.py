@@ -178,6 +178,9 @@ def test_python_producer_transactions_are_atomic(tmp_path) -> None:
             producer.send(b"after")
         values = _values(read_all(log.url, TOPIC))
         assert "never" not in values and "after" in values and len(values) == 32
+        with Admin(log.url) as admin:  # the reason reads as the error, not its class repr
+            reasons = [t["reason"] for t in admin.transactions() if t["state"] == "ABORTED"]
+        assert reasons == ["the writer failed: RuntimeError: the writer fails"], reasons
 
 
 def test_readers_see_each_commit_whole(tmp_path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -122,14 +123,28 @@ def _rows(batch: pa.RecordBatch, topic: str) -> Iterator[dict[str, Any]]:
         if not isinstance(value, bytes):  # decoded (--value-format auto), or null
             r["value"] = _jsonable(value)
         else:
-            try:
-                r["value"] = value.decode("utf-8")
-            except UnicodeDecodeError:
+            text = _text(value)
+            if text is not None:
+                r["value"] = text
+            else:
                 r["value_b64"] = base64.b64encode(value).decode()
         if isinstance(r.get("_corrupt_record"), bytes):
             r["_corrupt_record"] = base64.b64encode(r["_corrupt_record"]).decode()
         r["properties"] = dict(r["properties"]) if r["properties"] is not None else None
         yield {"topic": topic, **r}
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+def _text(value: bytes) -> str | None:
+    """``value`` as text if it is UTF-8 text a terminal shows (Avro binary is often valid
+    UTF-8 made of control characters: that is printed as value_b64), else None."""
+    try:
+        text = value.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return None if _CONTROL.search(text) else text
 
 
 def _jsonable(value: Any) -> Any:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from tierstream.cli.common import BrokerOpt, TlsCaOpt, TokenOpt, out, schema_app
+from tierstream.cli.common import BrokerOpt, TlsCaOpt, TokenOpt, err, out, schema_app
 from tierstream.errors import ConfigError
 from tierstream.options import DEFAULT_BROKER_URL
 from tierstream.timeutil import format_ms
@@ -65,17 +66,23 @@ def schema_get(
     tls_ca: TlsCaOpt = None,
     auth_token: TokenOpt = None,
 ) -> None:
-    """Print a schema version's definition (the latest by default).
+    """Print a schema version's definition (the latest by default) on stdout, as a file
+    `schema set --file` takes (an .avsc for AVRO); its version and fingerprint go to stderr.
 
-    Example: tierstream schema get acme/shop/orders --version 1
+    Example: tierstream schema get acme/shop/orders --version 1 > order-v1.avsc
     """
+    import json
+
     from tierstream.store.client import Admin
 
     with Admin(broker, auth_token=auth_token) as admin:
         info = admin.get_schema(topic, version)
-    out.print(f"# {info.topic} version {info.version} {info.type.value} {info.fingerprint}",
+    err.print(f"{info.topic} version {info.version} {info.type.value} {info.fingerprint}",
               highlight=False)
-    out.print(info.definition or "(no definition)", highlight=False, markup=False)
+    if info.definition is None:
+        err.print(f"({info.type.value} has no definition)", highlight=False)
+        return
+    sys.stdout.write(json.dumps(json.loads(info.definition), indent=2) + "\n")
 
 
 @schema_app.command("list")

@@ -53,11 +53,15 @@ def local_spark(app_name: str = "tierstream") -> Any:
     from pyspark.sql import SparkSession
 
     master = os.environ.get("TIERSTREAM_SPARK_MASTER", "local[*]")
+    if master.startswith("local"):
+        # read by the JVM as it starts, before any config: without it Spark looks up a
+        # routable address for itself (and warns that the hostname resolves to loopback)
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     builder = (SparkSession.builder.master(master).appName(app_name)
                .config("spark.ui.enabled", "false")
                .config("spark.ui.showConsoleProgress", "false")
                .config("spark.sql.session.timeZone", "UTC"))
-    if master.startswith("local") and not os.environ.get("SPARK_LOCAL_IP"):
+    if master.startswith("local") and os.environ["SPARK_LOCAL_IP"] == "127.0.0.1":
         builder = builder.config("spark.driver.bindAddress", "127.0.0.1") \
             .config("spark.driver.host", "127.0.0.1")
     spark = builder.getOrCreate()

@@ -279,13 +279,14 @@ class Transaction:
     def __enter__(self) -> Transaction:
         return self
 
-    def __exit__(self, exc_type: object, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> None:
         try:
             if exc_type is None:
                 self.commit()
             else:
                 with contextlib.suppress(Exception):  # the original error is what matters
-                    self.abort(f"the writer failed: {exc_type}")
+                    self.abort(f"the writer failed: {_describe(exc_type, exc)}")
         finally:
             self.close()
 
@@ -294,3 +295,9 @@ class Transaction:
             raise ConflictError(f"transaction {self.txn_id} is {self.state}: it takes no more "
                                 "writes")
 
+
+def _describe(exc_type: type[BaseException], exc: BaseException | None) -> str:
+    """An error as a reason a person reads in ``tierstream transactions``: its class name
+    and first line (``ValueError: bad row``), not ``<class 'ValueError'>``."""
+    text = str(exc).strip().splitlines()[0] if exc is not None and str(exc).strip() else ""
+    return f"{exc_type.__name__}: {text[:200]}" if text else exc_type.__name__
