@@ -49,6 +49,10 @@ __all__ = ["Broker", "is_loopback", "run_broker"]
 
 log = logging.getLogger(__name__)
 
+#: A Key_Shared backlog up to this many messages after the lowest cursor is counted exactly
+#: (by reading the key hashes); a larger one is shown as that upper bound.
+_EXACT_BACKLOG = 200_000
+
 
 class Broker(flight.FlightServerBase):
     """Serves produce (DoPut), consume (DoGet) and admin actions (DoAction) for one store."""
@@ -294,10 +298,15 @@ class Broker(flight.FlightServerBase):
             cursor = CursorMap.from_json(c["intervals"])
             floor = min(pos for _, _, pos in cursor.intervals)
             plog = self.store.partition(topic, p)
+            backlog = plog.backlog(floor, ends[p])
+            if len(cursor.intervals) > 1 and 0 < backlog <= _EXACT_BACKLOG:
+                # key ranges acknowledged to different positions: the messages after the
+                # lowest one are counted only where their own range has not passed them
+                backlog = sum(cursor.pending(b) for b in plog.read(floor, end=ends[p]))
             out.append({
                 "subscription": c["subscription"], "partition": p, "position": floor.to_dict(),
                 "key_ranges": len(cursor.intervals),
-                "backlog": plog.backlog(floor, ends[p]),
+                "backlog": backlog,
                 "updated_at": c["updated_at"],
                 "consumers": self.subscriptions.connected(topic, c["subscription"], p)})
         return out

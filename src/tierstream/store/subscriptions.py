@@ -16,6 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+
 from tierstream.errors import AlreadyExistsError, ConfigError
 from tierstream.schema import KEY_HASH_SLOTS
 from tierstream.splits.positions import KeyRange, Position
@@ -62,6 +65,22 @@ class CursorMap:
             else:
                 pieces.append((lo, hi, pos))
         self.intervals = pieces
+
+    def pending(self, batch: pa.RecordBatch) -> int:
+        """How many messages of ``batch`` (the message schema) are not acknowledged: those
+        at or after the position of the interval their key hash falls in."""
+        if batch.num_rows == 0:
+            return 0
+        key_hash = batch.column("key_hash").to_numpy()
+        seg = batch.column("segment_id").to_numpy()
+        ent = batch.column("entry_id").to_numpy()
+        idx = batch.column("batch_index").to_numpy()
+        total = 0
+        for lo, hi, pos in self.intervals:
+            at_or_after = (seg > pos.segment_id) | ((seg == pos.segment_id) & (
+                (ent > pos.entry_id) | ((ent == pos.entry_id) & (idx >= pos.batch_index))))
+            total += int(np.count_nonzero((key_hash >= lo) & (key_hash < hi) & at_or_after))
+        return total
 
     def to_json(self) -> list[Any]:
         return [[lo, hi, pos.to_dict()] for lo, hi, pos in self.intervals]
