@@ -13,6 +13,9 @@ from tierstream.store.client import Admin, Consumer, Producer
 from tierstream.store.process import BrokerProcess
 from tierstream.store.subscriptions import CursorMap
 
+from ..timing import scaled
+from .helpers import wait_for
+
 TOPIC = "acme/web/clicks"
 
 
@@ -169,3 +172,38 @@ def test_subscriptions_show_cursor_backlog_and_consumers(broker: BrokerProcess) 
             assert shown[("spark-job", 1)]["backlog"] == counts[1] - 700
         finally:
             consumer.close()
+
+
+def test_an_abandoned_subscription_can_be_deleted_but_not_while_attached(
+        broker: BrokerProcess) -> None:
+    import subprocess
+    import sys
+
+    from tierstream.errors import ConflictError, NotFoundError
+
+    url = broker.url
+    assert url is not None
+    with Admin(url) as admin:
+        admin.create_topic(TOPIC, 2)
+        with Producer(TOPIC, broker=url) as producer:
+            producer.send_many({"value": b"v", "key": f"k{i}"} for i in range(20))
+        consumer = Consumer(TOPIC, "old-job", broker=url, initial=Offset.earliest(),
+                            consumer_name="still-here")
+        try:
+            with pytest.raises(ConflictError, match="consumers attached \\(still-here\\)"):
+                admin.delete_subscription(TOPIC, "old-job")
+        finally:
+            consumer.close()
+        wait_for(lambda: not any(r["consumers"] for r in admin.subscriptions(TOPIC)),
+                 timeout=scaled(10), what="the broker to see the consumer leave")
+        proc = subprocess.run([sys.executable, "-m", "tierstream", "subscriptions", TOPIC,
+                               "--delete", "old-job", "--broker", url], capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert "deleted subscription 'old-job'" in proc.stdout
+        assert admin.subscriptions(TOPIC) == []
+        with pytest.raises(NotFoundError, match="no subscription 'old-job'"):
+            admin.delete_subscription(TOPIC, "old-job")
+        # a consumer of that name starts afresh at its initial position
+        with Consumer(TOPIC, "old-job", broker=url, initial=Offset.latest()) as again:
+            assert again.receive(timeout=0.5) is None

@@ -81,6 +81,9 @@ def segments(
 def subscriptions(
     topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
     as_json: Annotated[bool, typer.Option("--json", help="JSON instead of a table.")] = False,
+    delete: Annotated[str | None, typer.Option(
+        help="Remove this abandoned subscription (its cursor on every partition); refused "
+             "while a consumer is attached.")] = None,
     broker: BrokerOpt = DEFAULT_BROKER_URL,
     tls_ca: TlsCaOpt = None,
     auth_token: TokenOpt = None,
@@ -89,11 +92,16 @@ def subscriptions(
     it is acknowledged), its backlog (messages after it), and who is attached. A Spark stream
     commits to its own subscription (tierstream tail: derived from --checkpoint).
 
-    Example: tierstream subscriptions acme/web/clicks
+    Example: tierstream subscriptions acme/web/clicks [--delete old-job]
     """
     from tierstream.store.client import Admin
 
     with Admin(broker, auth_token=auth_token) as admin:
+        if delete is not None:
+            n = admin.delete_subscription(topic, delete)
+            out.print(f"deleted subscription {delete!r} of {topic} ({n} partition cursor(s))",
+                      highlight=False)
+            return
         rows = admin.subscriptions(topic)
     if as_json:
         sys.stdout.write(json.dumps([{**r, "position": str(r["position"])} for r in rows],

@@ -126,6 +126,14 @@ class Admin(BrokerClient):
         raw = self.action("subscriptions", {"topic": str(TopicName.parse(topic))})
         return [{**r, "position": Position.from_dict(r["position"])} for r in raw]
 
+    def delete_subscription(self, topic: str, subscription: str) -> int:
+        """Remove an abandoned subscription of ``topic``: its durable cursor on every
+        partition (returns how many). ConflictError while consumers are attached,
+        NotFoundError if the topic has no such subscription."""
+        raw = self.action("delete-subscription", {"topic": str(TopicName.parse(topic)),
+                                                  "subscription": subscription})
+        return int(raw["cursors"])
+
     def bookie_endpoints(self) -> dict[str, str]:
         """bookie id -> the address its endpoint is advertised at (for readers elsewhere)."""
         return dict(self.action("bookie-endpoints"))

@@ -284,6 +284,10 @@ class Broker(flight.FlightServerBase):
                                             Position.from_dict(raw))
         return {"ok": True}
 
+    def _delete_subscription(self, body: dict[str, Any]) -> Any:
+        topic = self.store.topic(body["topic"]).name
+        return {"cursors": self.subscriptions.delete(topic, str(body["subscription"]))}
+
     def _subscriptions(self, body: dict[str, Any]) -> Any:
         """Each subscription's cursor per partition: the lowest position of its key ranges
         (everything before it is acknowledged), the messages after it up to the last
@@ -410,6 +414,8 @@ _ACTIONS = {
     "position-at-time": (Broker._position_at_time, "First position at or after a time."),
     "set-cursor": (Broker._set_cursor, "Store a subscription's positions (a cut)."),
     "subscriptions": (Broker._subscriptions, "Cursors of {topic}: position, backlog, consumers."),
+    "delete-subscription": (Broker._delete_subscription,
+                            "Remove {subscription} of {topic} (no consumer may be attached)."),
     "txn-prepare": (Broker._txn_prepare, "Check {txn}'s staged rows ({parts}); PREPARED."),
     "txn-commit": (Broker._txn_commit, "Commit {txns} at once (idempotent by {sink, batch})."),
     "txn-abort": (Broker._txn_abort, "Abort {txn} and remove its staged rows."),

@@ -627,6 +627,12 @@ class MetadataStore:
                 (topic, subscription, partition, json.dumps(intervals), now),
             )
 
+    def delete_cursors(self, topic: str, subscription: str) -> int:
+        """Forget a subscription of ``topic`` (every partition's cursor); how many went."""
+        with self._tx() as c:
+            return int(c.execute("DELETE FROM cursors WHERE topic=? AND subscription=?",
+                                 (topic, subscription)).rowcount)
+
     # -- producer de-duplication ----------------------------------------------------------------
 
     def load_dedup(self, topic: str, partition: int) -> dict[str, tuple[int, Any]]:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from tierstream.errors import AlreadyExistsError, ConfigError
+from tierstream.errors import AlreadyExistsError, ConfigError, ConflictError, NotFoundError
 from tierstream.schema import KEY_HASH_SLOTS
 from tierstream.splits.positions import KeyRange, Position
 from tierstream.store.faults import crash_point
@@ -184,6 +184,23 @@ class Subscriptions:
             cursor.ack([KeyRange(0, KEY_HASH_SLOTS)], position)
             self._metadata.save_cursor(topic, subscription, partition, cursor.to_json(),
                                        now=now_ms())
+
+    def delete(self, topic: str, subscription: str) -> int:
+        """Remove an abandoned subscription: its durable cursors on every partition (how
+        many). ConflictError while a consumer is attached; NotFoundError if there is none."""
+        with self._lock:
+            attached = sorted({a.consumer for (t, sub, _), active in self._active.items()
+                               if t == topic and sub == subscription for a in active
+                               if not a.gone()})
+            if attached:
+                raise ConflictError(f"subscription {subscription!r} on {topic!r} has consumers "
+                                    f"attached ({', '.join(attached)}): close them first")
+            removed = self._metadata.delete_cursors(topic, subscription)
+            for key in [k for k in self._cursors if k[:2] == (topic, subscription)]:
+                del self._cursors[key]
+        if not removed:
+            raise NotFoundError(f"topic {topic!r} has no subscription {subscription!r}")
+        return removed
 
     def connected(self, topic: str, subscription: str, partition: int) -> list[str]:
         """The consumers attached to a subscription's partition now."""
