@@ -76,6 +76,8 @@ def test_delete_removes_a_topic_everywhere_and_its_name_can_be_reused(broker, da
     proc = _cli("topic", "delete", TOPIC, "--yes", url=broker.url)
     assert proc.returncode == 0 and "deleted acme/web/huge (2 partition(s))" in proc.stdout
     assert _files(data_dir, TOPIC) == []  # ledgers and tier files
+    # and no empty folders of the topic (nor of its tenant, which had no other topic)
+    assert not (data_dir / "tier" / "acme").exists()
     with Admin(broker.url) as admin:
         assert admin.list_topics() == []
         with pytest.raises(NotFoundError):
@@ -107,10 +109,10 @@ def test_topic_set_retention(broker) -> None:
     with Admin(broker.url) as admin:
         admin.create_topic(TOPIC, 1)
     proc = _cli("topic", "set", TOPIC, "--retention", "30d", url=broker.url)
-    assert proc.returncode == 0 and "retention 30d" in proc.stdout
+    assert proc.returncode == 0 and "retention: 30 days" in proc.stdout
     with Admin(broker.url) as admin:
         assert admin.get_topic(TOPIC).retention_ms == 30 * 86_400_000
     proc = _cli("topic", "set", TOPIC, "--retention", "none", url=broker.url)
-    assert proc.returncode == 0 and "keep everything" in proc.stdout
+    assert proc.returncode == 0 and "retention: none (every message is kept)" in proc.stdout
     bad = _cli("topic", "set", TOPIC, "--retention", "forever", url=broker.url)
     assert bad.returncode == 2 and "invalid --retention 'forever'" in bad.stderr

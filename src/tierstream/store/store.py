@@ -163,6 +163,7 @@ class Store:
         if tiered or self._offloader is not None:
             for url in tiered:
                 self.tier.delete(url)
+            self.tier.delete_topic(TopicName.parse(record.name))
             self.offloader.catalog.drop(TopicName.parse(record.name))
         crash_point("topic.data-deleted")
         self.metadata.purge_topic(record.name)

@@ -151,6 +151,10 @@ class TierStorage:
         return posixpath.join(self.url, *topic.path_parts, f"partition={partition}",
                               f"{segment_id}-{uuid.uuid4().hex}.parquet")
 
+    def topic_url(self, topic: TopicName) -> str:
+        """``<tier>/<tenant>/<ns>/<topic>``: where every tier file of ``topic`` lives."""
+        return posixpath.join(self.url, *topic.path_parts)
+
     def warehouse_url(self) -> str:
         return posixpath.join(self.url, "_iceberg")
 
@@ -214,6 +218,21 @@ class TierStorage:
         with _errors(url):
             if fs.exists(self.path(url)):
                 fs.rm(self.path(url))
+
+    def delete_topic(self, topic: TopicName) -> None:
+        """Remove ``topic``'s folder (files left by interrupted offloads too) and, on a
+        file tier, its tenant and namespace folders once they are empty (object stores
+        have no empty folders)."""
+        self.delete_tree(self.topic_url(topic))
+        if self.scheme == "file":
+            folder = Path(self.path(self.topic_url(topic))).parent
+            root = Path(self.path(self.url))
+            while folder != root and root in folder.parents:
+                try:
+                    folder.rmdir()  # only if empty: another topic's files stay
+                except OSError:
+                    break
+                folder = folder.parent
 
 
 @contextmanager
