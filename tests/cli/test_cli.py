@@ -178,6 +178,16 @@ def test_plan_and_read_commands(broker: BrokerProcess, data_dir: Path, tmp_path:
     assert proc.returncode == 0, proc.stderr
     written = pq.read_table(out)
     assert written.num_rows == 600 and written.schema.names[0] == "topic"
+    # plan pins --to to the same cut as read (and backfill): the same splits, the same bounds
+    planned = run("plan", "acme/web/clicks", "--from", "2026-11-01T00:10:00Z", "--to",
+                  "2026-11-01T00:20:00Z", "--key-ranges", "2", "--json", env=env)
+    cut_line = [x for x in planned.stderr.splitlines() if x.startswith("end cut: ")]
+    assert cut_line and cut_line == [x for x in proc.stderr.splitlines()
+                                     if x.startswith("end cut: ")]
+    cut = json.loads(cut_line[0][len("end cut: "):])["positions"]
+    for line in planned.stdout.splitlines():
+        split = json.loads(line)
+        assert split["end"] == cut[str(split["partition"])]
     bad = run("read", "acme/web/clicks", "--out", str(tmp_path / "x.csv"), env=env)
     assert bad.returncode == 2 and "must end in .parquet" in bad.stderr
     bad = run("plan", "acme/web/clicks", "--max-split-bytes", "lots", env=env)

@@ -208,19 +208,26 @@ def plan(
     tls_ca: TlsCaOpt = None,
     auth_token: TokenOpt = None,
 ) -> None:
-    """Show the splits of a bounded read: which reader each got, and where.
+    """Show the splits of a bounded read: which reader each got, and where. --to is pinned
+    to a stream cut first, exactly as read and backfill do, so the three show the same plan
+    of the same window; the cut is printed.
 
     Example: tierstream plan acme/web/clicks --from 2026-11-01 --to 2026-11-08 --key-ranges 4
     """
     import tierstream
+    from tierstream.store.client import Admin
 
-    splits = tierstream.plan(topic, **_query_kwargs(topic, from_, to, key_ranges,
-                                                    max_split_bytes,
-                                                    reader, fail_on_data_loss, data_dir,
-                                                    broker, auth_token))
+    kwargs = _query_kwargs(topic, from_, to, key_ranges, max_split_bytes, reader,
+                           fail_on_data_loss, data_dir, broker, auth_token)
+    with Admin(broker, auth_token=auth_token) as admin:
+        cut = end_cut(admin, topic, kwargs["end"])
+    if cut is not None:
+        kwargs["end"] = cut
+    splits = tierstream.plan(topic, **kwargs)
     if as_json:
         for sp in splits:
             sys.stdout.write(sp.to_json() + "\n")
+        _report_cut(cut, None)  # stderr: stdout stays JSON lines
         return
     table = Table("split", "partition", "segment", "reader", "key range", "entries",
                   "est. bytes", title=f"plan of {topic}")
@@ -231,6 +238,7 @@ def plan(
     out.print(table)
     for kind, count, nbytes in _summary(splits):
         out.print(f"{kind}: {count} split(s), ~{human_bytes(nbytes)}", highlight=False)
+    _report_cut(cut, None)
 
 
 def _summary(splits: list[Any]) -> list[tuple[str, int, int]]:
