@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from tierstream.enumerator import Enumerator, Query
 from tierstream.errors import ConfigError
+from tierstream.event_time import check_time_field, event_time_window, within_event_time
 from tierstream.fanin import DONE, Cancel, drain, put
 from tierstream.options import parse_options
 from tierstream.read_options import ReadOptions
@@ -156,14 +157,29 @@ def run_splits(splits: Sequence[Split], *, parallelism: int | None = None,
 
 def scan(topic: str | Sequence[str] | None = None, *, parallelism: int | None = None,
          stats: ReadStats | None = None, value_format: str = "raw", mode: str = "FAILFAST",
-         **kwargs: Any) -> Iterator[pa.RecordBatch]:
+         time_field: str = "publish_time", **kwargs: Any) -> Iterator[pa.RecordBatch]:
     """Batches (READ_SCHEMA) of a bounded read; arguments as :func:`plan`. ``stats`` (a
     :class:`~tierstream.readers.stats.ReadStats`) counts which way each split was read.
 
     ``value_format="auto"`` decodes each value by the schema version it was written with into
     the topic's latest schema (``value`` becomes a struct, or text for STRING); ``mode`` says
     what happens to a value that cannot be decoded (FAILFAST, PERMISSIVE, DROPMALFORMED: see
-    the option ``mode``)."""
+    the option ``mode``).
+
+    ``time_field="event_time"`` makes ``start``/``end`` (times) a window on event_time: the
+    whole log up to its latest position is read and filtered (event times are not ordered;
+    see ``tierstream/event_time.py``)."""
+    window = None
+    if check_time_field(time_field) == "event_time":
+        if kwargs.get("options") is not None:
+            raise ConfigError("time_field='event_time' takes start/end arguments, not options")
+        window = event_time_window(_bound(kwargs.pop("start", None), "start"),
+                                   _bound(kwargs.pop("end", "latest"), "end"), "start/end")
+        kwargs["end"] = "latest"
+        yield from within_event_time(scan(topic, parallelism=parallelism, stats=stats,
+                                          value_format=value_format, mode=mode, **kwargs),
+                                     *window)
+        return
     options = kwargs.get("options")
     if options is not None and not isinstance(options, ReadOptions):
         kwargs["options"] = options = ReadOptions.parse(options)  # parsed once, for both

@@ -539,7 +539,7 @@ def test_help_lists_commands_sorted_with_whole_sentences_and_no_flag_placeholder
 
 
 def test_producing_history_behind_newer_messages_warns_how_many_were_restamped(
-        broker: BrokerProcess) -> None:
+        broker: BrokerProcess, data_dir: Path, tmp_path: Path) -> None:
     env = {"TIERSTREAM_BROKER": broker.url or ""}
     run("topic", "create", "acme/web/late", env=env)
     now = run("produce", "acme/web/late", stdin='{"value": "today"}\n', env=env)
@@ -552,6 +552,28 @@ def test_producing_history_behind_newer_messages_warns_how_many_were_restamped(
     stdin = run("produce", "acme/web/late", env=env,
                 stdin='{"value": "old", "publish_time": "2026-11-02T00:00:00Z"}\n')
     assert "1 of 1 message(s)" in " ".join(stdin.stderr.split())
+    # the week is not there by publish time, and is by event time, where a user asks for it
+    window = ["--from", "2026-11-01T00:00:10Z", "--to", "2026-11-01T00:00:20Z"]
+    assert run("consume", "acme/web/late", *window, env=env).stdout == ""
+    by_event = run("consume", "acme/web/late", *window, "--time-field", "event_time", env=env)
+    assert by_event.returncode == 0, by_event.stderr
+    assert len(by_event.stdout.splitlines()) == 10
+    out = tmp_path / "week.parquet"
+    read = run("read", "acme/web/late", *window, "--time-field", "event-time", "--out",
+               str(out), "--data-dir", str(data_dir), env=env)
+    assert read.returncode == 0, read.stderr
+    import pyarrow.parquet as pq
+
+    assert pq.read_table(out).num_rows == 10
+    import tierstream
+
+    table = tierstream.read("acme/web/late", start="2026-11-01T00:00:10Z",
+                            end="2026-11-01T00:00:20Z", time_field="event_time",
+                            broker=broker.url, data_dir=str(data_dir))
+    assert table.num_rows == 10
+    bad = run("consume", "acme/web/late", "--from", "0:1:0", "--time-field", "event_time",
+              env=env)
+    assert bad.returncode == 2 and "takes times, earliest or latest" in bad.stderr
 
 
 def test_the_readme_schema_example_runs_with_the_shipped_files(broker: BrokerProcess) -> None:

@@ -28,6 +28,7 @@ from tierstream.cli.common import (
     progress_bar,
 )
 from tierstream.errors import ConfigError, TierstreamError
+from tierstream.event_time import check_time_field, event_time_window, within_event_time
 from tierstream.options import DEFAULT_BROKER_URL, DEFAULT_DATA_DIR
 from tierstream.schemas.codec import decode_batch, decoded_schema
 from tierstream.splits.positions import KeyRange, Offset, OffsetKind
@@ -48,6 +49,7 @@ def consume(
     limit: Annotated[int | None, typer.Option(help="Stop after N messages.")] = None,
     value_format: ValueFormatOpt = "raw",
     mode: ModeOpt = "FAILFAST",
+    time_field: TimeFieldOpt = "publish_time",
     broker: BrokerOpt = DEFAULT_BROKER_URL,
     tls_ca: TlsCaOpt = None,
     auth_token: TokenOpt = None,
@@ -67,6 +69,13 @@ def consume(
             and end.time_ms is not None and start.time_ms is not None \
             and end.time_ms < start.time_ms:
         raise ConfigError(f"--to {to!r} is before --from {from_!r}")
+    window = None
+    if check_time_field(time_field, "--time-field") == "event_time":
+        if follow:
+            raise ConfigError("--follow reads by arrival; --time-field event_time needs a "
+                              "bounded read")
+        window = event_time_window(start, end)
+        start, end = Offset.earliest(), Offset.latest()
     ranges = [KeyRange.parse(r) for r in key_range or []]
     if limit is not None and limit < 0:
         raise ConfigError(f"invalid --limit {limit}: expected >= 0")
@@ -77,7 +86,7 @@ def consume(
     batches = read(name, partition=partition, start=start, end=end, key_ranges=ranges,
                    broker=broker, auth_token=auth_token)
     try:
-        for raw in batches:
+        for raw in batches if window is None else within_event_time(batches, *window):
             batch = raw if decoder is None else decode_batch(raw, decoder, mode.upper(), name,
                                                              dropped)
             for row in _rows(batch, name):
@@ -189,6 +198,10 @@ ModeOpt = Annotated[str, typer.Option(
 SplitBytesOpt = Annotated[str | None, typer.Option(help="Target split size, e.g. 64MiB.")]
 ReaderOpt = Annotated[str | None, typer.Option(help="Force a reader: parquet-tier, bookie-log "
                                                     "or tail-consumer.")]
+TimeFieldOpt = Annotated[str, typer.Option(
+    "--time-field", help="What --from/--to times mean: publish_time (found by a binary search "
+                         "over segments) or event_time (a filter over the whole log up to "
+                         "its latest message: event times are in no order).")]
 LossOpt = Annotated[bool, typer.Option("--fail-on-data-loss/--skip-data-loss",
                                        help="Fail (default) or skip when data is gone.")]
 
@@ -261,6 +274,7 @@ def read_cmd(
     cut_out: CutOutOpt = None,
     value_format: ValueFormatOpt = "raw",
     mode: ModeOpt = "FAILFAST",
+    time_field: TimeFieldOpt = "publish_time",
     data_dir: DataDirOpt = Path(DEFAULT_DATA_DIR),
     broker: BrokerOpt = DEFAULT_BROKER_URL,
     auth_token: TokenOpt = None,
@@ -292,6 +306,10 @@ def read_cmd(
     ca = _use_tls_ca(tls_ca)
     kwargs = _query_kwargs(topic, from_, to, key_ranges, max_split_bytes, reader,
                            fail_on_data_loss, data_dir, broker, auth_token)
+    window = None
+    if check_time_field(time_field, "--time-field") == "event_time":
+        window = event_time_window(kwargs["start"], kwargs["end"])
+        kwargs["start"], kwargs["end"] = Offset.earliest(), Offset.latest()
     with Admin(broker, auth_token=auth_token, tls_ca=ca) as admin:
         cut = end_cut(admin, topic, kwargs["end"])
     if cut is not None:
@@ -309,7 +327,10 @@ def read_cmd(
         with pq.ParquetWriter(tmp, schema, compression="zstd") as writer, \
                 progress_bar(True) as progress:
             task = progress.add_task("reading", total=sum(s.estimated_bytes for s in splits))
-            for raw in run_splits(splits, auth_token=auth_token, tls_ca=ca, stats=stats):
+            batches = run_splits(splits, auth_token=auth_token, tls_ca=ca, stats=stats)
+            if window is not None:
+                batches = within_event_time(batches, *window)
+            for raw in batches:
                 batch = raw if decoder is None else decode_batch(raw, decoder, mode.upper(),
                                                                  topic, dropped)
                 writer.write_batch(as_output_batch(batch, schema))
