@@ -28,6 +28,10 @@ def _produce_history(url: str, n: int = 3000) -> list[bytes]:
 def test_broker_offloads_old_segments_and_still_serves_them(start_broker) -> None:
     broker = start_broker("--max-entries-per-segment", "5", "--offload-after", "1d",
                           "--deletion-lag", "0s", "--tier-check-interval", "200ms")
+    # the policy is echoed in words at start, where a wrong unit shows before data moves
+    assert "offload to the tier: closed segments whose newest message is older than 1 day; " \
+        "bookie copies deleted 0 seconds after; checked every 200 milliseconds" in \
+        "".join(broker.stdout_lines)
     with Admin(broker.url) as admin:
         admin.create_topic(TOPIC, 2)
         values = _produce_history(broker.url)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -100,6 +100,9 @@ def broker_start(
     })
 
     def ready(url: str) -> None:
+        policy = _offload_policy(config)
+        if policy:  # before the line that says it is ready: all of the banner is out then
+            print(policy, flush=True)
         print(f"tierstream broker listening on {url} (data dir {config.data_dir})", flush=True)
 
     run_broker(config, host=host, port=port, auth_token=auth_token, ready=ready,
@@ -142,3 +145,23 @@ def bookie_serve(
                  tls_cert=tls_cert, tls_key=tls_key, broker=broker,
                  advertised_address=advertised_address, tls_ca=read_pem(tls_ca, "--tls-ca"),
                  ready=ready)
+
+
+def _offload_policy(config: Any) -> str | None:
+    """The automatic offload settings in words (None when there are none), so that a unit
+    typed wrong shows at start, not when data has moved."""
+    from tierstream.timeutil import describe_duration
+    from tierstream.units import human_bytes
+
+    rules = []
+    if config.offload_after_ms is not None:
+        rules.append("closed segments whose newest message is older than "
+                     f"{describe_duration(config.offload_after_ms)}")
+    if config.offload_threshold_bytes is not None:
+        rules.append("the oldest closed segments while a topic has more than "
+                     f"{human_bytes(config.offload_threshold_bytes)} not yet offloaded")
+    if not rules:
+        return None
+    return (f"offload to the tier: {' and '.join(rules)}; bookie copies deleted "
+            f"{describe_duration(config.deletion_lag_ms)} after; checked every "
+            f"{describe_duration(config.tier_check_interval_ms)}")

@@ -40,6 +40,7 @@ class BrokerProcess:
         self.url: str | None = None
         self.proc: subprocess.Popen[str] | None = None
         self.stderr_tail: deque[str] = deque(maxlen=200)
+        self.stdout_lines: list[str] = []  # what the broker printed (its start banner)
 
     def __repr__(self) -> str:
         return f"BrokerProcess(data_dir={str(self.data_dir)!r}, url={self.url!r})"
@@ -59,12 +60,12 @@ class BrokerProcess:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env=env, preexec_fn=limit_files)
         ready = threading.Event()
-        stdout_lines: list[str] = []
+        self.stdout_lines = []
 
         def read_stdout() -> None:
             assert self.proc is not None and self.proc.stdout is not None
             for line in self.proc.stdout:
-                stdout_lines.append(line)
+                self.stdout_lines.append(line)
                 m = _READY.search(line)
                 if m and not ready.is_set():
                     self.url = m.group(1)
