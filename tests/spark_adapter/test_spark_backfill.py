@@ -94,7 +94,7 @@ def test_bad_backfill_requests_fail_before_spark_runs(spark: Any, log: Any,
                                                       tmp_path: Path) -> None:
     out = tmp_path / "x"
     for kwargs, needle in [
-        ({"format": "csv"}, "invalid format 'csv'"),
+        ({"format": "csv"}, "invalid --format 'csv'"),  # as the CLI names it
         ({"format": "iceberg", "table": "flat"}, "invalid table 'flat'"),
         ({"table": "a.b"}, "for --format iceberg only"),
     ]:
