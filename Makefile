@@ -19,7 +19,7 @@ demo: $(STAMP)
 
 # What CI runs (.ci/run): the linters, then the whole suite.
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=15
 
 # Not in CI: >= 100 SIGKILL/restart cycles per store configuration (about 6 minutes), then
 # the Spark exactly-once tests with 8 killed queries each instead of the suite's 2 (~8 min).

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import tierstream
 
+from .timing import scaled
+
 
 def test_public_names_are_pinned() -> None:
     assert sorted(tierstream.__all__) == sorted([
@@ -43,6 +45,6 @@ def test_importing_tierstream_does_not_import_pyspark() -> None:
 
     proc = subprocess.run([sys.executable, "-c", "import sys, tierstream, tierstream.local, "
                            "tierstream.readers.stats; print('pyspark' in sys.modules)"],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=scaled(60))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"

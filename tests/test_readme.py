@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .timing import scaled
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -26,7 +28,7 @@ def test_the_python_api_example_runs(broker) -> None:
                         "        received.append(batch.num_rows)  # one partition")
     script = "received = []\n" + code + "\nassert sum(received) > 0, received\nprint('ok')\n"
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "TIERSTREAM_BROKER": broker.url})
+                          timeout=scaled(120), env={**os.environ, "TIERSTREAM_BROKER": broker.url})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("ok")
 
@@ -41,6 +43,6 @@ def test_the_transaction_example_runs(broker) -> None:
         "     for t in ('acme/web/orders', 'acme/web/audit')}\n"
         "assert n == {'acme/web/orders': 1001, 'acme/web/audit': 1}, n\nprint('ok')\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "TIERSTREAM_BROKER": broker.url})
+                          timeout=scaled(120), env={**os.environ, "TIERSTREAM_BROKER": broker.url})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("ok")

@@ -18,6 +18,8 @@ import pytest
 
 from tierstream.store.process import BrokerProcess
 
+from .timing import scaled
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -54,10 +56,10 @@ def test_the_readme_tour_runs_as_written(data_dir: Path, tmp_path: Path) -> None
             if "--follow" in command:  # the tail runs until stopped: it must still be running
                 with pytest.raises(subprocess.TimeoutExpired):
                     subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env,
-                                   capture_output=True, text=True, timeout=5)
+                                   capture_output=True, text=True, timeout=scaled(5))
                 continue
             proc = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env,
-                                  capture_output=True, text=True, timeout=300)
+                                  capture_output=True, text=True, timeout=scaled(300))
             assert proc.returncode == 0, f"{command}\n{proc.stderr[-3000:]}"
             outputs[command] = proc
         assert broker.stop() == 0  # kill %1: a clean stop

@@ -14,6 +14,7 @@ import pytest
 from tierstream.store.process import BrokerProcess
 
 from ..store.helpers import wait_for
+from ..timing import scaled
 
 COMMANDS = [["broker", "start"], ["topic", "create"], ["topic", "list"], ["topic", "get"],
             ["topic", "set"], ["topic", "delete"], ["produce"],
@@ -25,7 +26,7 @@ COMMANDS = [["broker", "start"], ["topic", "create"], ["topic", "list"], ["topic
 def run(*args: str, stdin: str | None = None, env: dict[str, str] | None = None
         ) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "tierstream", *args], input=stdin,
-                          capture_output=True, text=True, timeout=120,
+                          capture_output=True, text=True, timeout=scaled(120),
                           env={**os.environ, **(env or {})})
 
 
@@ -66,7 +67,7 @@ def test_a_session_through_the_cli(broker: BrokerProcess, data_dir: Path) -> Non
         segs = run("segments", "acme/web/clicks", "--json", env=env)
         return sum(r["messages"] for r in json.loads(segs.stdout))
 
-    wait_for(lambda: segment_messages() == 3005, timeout=20,
+    wait_for(lambda: segment_messages() == 3005, timeout=scaled(20),
              what="open segment stats to reach metadata.db")
     table = run("segments", "acme/web/clicks", env=env)
     assert "partition" in table.stdout and "lives in" in table.stdout
@@ -138,11 +139,11 @@ def test_produce_sends_stdin_lines_as_they_arrive(broker: BrokerProcess) -> None
             out = run("consume", "a/b/live", env=env).stdout
             return [json.loads(x)["value"] for x in out.splitlines()]
 
-        wait_for(lambda: stored() == ["first"], timeout=30,
+        wait_for(lambda: stored() == ["first"], timeout=scaled(30),
                  what="the first line to be sent while stdin is still open")
         proc.stdin.write('{"value": "second"}\n')
         proc.stdin.close()
-        assert proc.wait(timeout=30) == 0
+        assert proc.wait(timeout=scaled(30)) == 0
     finally:
         proc.kill()
     assert stored() == ["first", "second"]
@@ -454,14 +455,15 @@ def test_tail_rides_out_a_broker_restart_and_reports_its_lag(start_broker, free_
                    if (m := re.search(r"micro-batch \d+: ([\d,]+) rows", line)))
 
     try:
-        wait_for(lambda: rows() == 500, timeout=180, what="the first 500 rows")
+        wait_for(lambda: rows() == 500, timeout=scaled(180), what="the first 500 rows")
         broker.stop()  # restart the broker under the running query
         restarted = start_broker(port=free_port)
         assert run("produce", "acme/web/clicks", "--generate", "300",
                    env={**env, "TIERSTREAM_BROKER": restarted.url or ""}).returncode == 0
-        wait_for(lambda: rows() == 800, timeout=180, what="the rows produced after the restart")
+        wait_for(lambda: rows() == 800, timeout=scaled(180),
+                 what="the rows produced after the restart")
         proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=120)
+        code = proc.wait(timeout=scaled(120))
     finally:
         proc.kill()
     assert code == 0, "".join(lines)[-3000:]

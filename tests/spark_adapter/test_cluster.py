@@ -32,6 +32,8 @@ from tierstream.store.admin import Admin
 from tierstream.store.process import BrokerProcess
 from tierstream.store.producer import Producer
 
+from ..timing import scaled
+
 pytestmark = [pytest.mark.slow, pytest.mark.s3]
 
 TOPIC = "acme/web/clicks"
@@ -43,7 +45,7 @@ def _why_no_namespace(probe: Path) -> str | None:
         return "unshare(1) is not installed"
     probe.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs tmpfs '{probe}'"],
-                          capture_output=True, text=True, timeout=30)
+                          capture_output=True, text=True, timeout=scaled(30))
     if proc.returncode != 0:
         return f"unshare -m with a tmpfs mount is not permitted here: {proc.stderr.strip()}"
     return None
@@ -135,7 +137,7 @@ def _produce(broker: str, start: int, count: int) -> None:
 
 
 def _driver(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=scaled(400))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 

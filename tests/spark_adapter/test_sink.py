@@ -27,6 +27,7 @@ from tierstream.store.faults import ENV
 
 from ..logs import SPARK_KILLS, running_log
 from ..store.helpers import read_all, wait_for
+from ..timing import scaled
 
 pytestmark = [pytest.mark.spark]
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,7 +101,7 @@ def test_a_read_process_write_query_killed_repeatedly_writes_each_row_once(tmp_p
                 before = _committed_batches(checkpoint)
                 wait = rng.randint(1, 2)
                 wait_for(lambda b=before, w=wait, j=job: _committed_batches(checkpoint) >= b + w
-                         or j.poll() is not None, timeout=180,
+                         or j.poll() is not None, timeout=scaled(180),
                          what="the query to commit micro-batches")
                 assert job.poll() is None, f"the job died on its own: {job.stderr.read()[-3000:]}"
                 time.sleep(rng.random() * 0.3)  # a random point inside the next batch
@@ -109,7 +110,7 @@ def test_a_read_process_write_query_killed_repeatedly_writes_each_row_once(tmp_p
             # and once right after the sink's commit, before Spark records the batch as
             # done: the restarted query runs that batch again, which must write nothing
             job = _job(log, checkpoint, "run", crash_at="sink.committed@1")
-            _, err = job.communicate(timeout=180)
+            _, err = job.communicate(timeout=scaled(180))
             assert job.returncode != 0, err[-3000:]
             query_id = json.loads((checkpoint / "metadata").read_text())["id"]
             with Admin(log.url) as admin:  # the broker has one batch more than Spark's log
@@ -120,7 +121,7 @@ def test_a_read_process_write_query_killed_repeatedly_writes_each_row_once(tmp_p
             stop.set()
             writer.join()
         final = _job(log, checkpoint, "available-now")
-        _, err = final.communicate(timeout=300)
+        _, err = final.communicate(timeout=scaled(300))
         assert final.returncode == 0, err[-3000:]
         assert kills == [-signal.SIGKILL] * SPARK_KILLS, kills
         written = _check_exactly_once(log)
@@ -141,7 +142,7 @@ def test_task_attempts_that_fail_after_staging_write_nothing_twice(tmp_path) -> 
             producer.send_many({"value": f"v{i}".encode(), "key": f"k{i % 13}"}
                                for i in range(1000))
         job = _job(log, tmp_path / "ckpt", "flaky", master="local[2,3]")
-        _, err = job.communicate(timeout=300)
+        _, err = job.communicate(timeout=scaled(300))
         assert job.returncode == 0, err[-3000:]
         assert "injected" in err  # first attempts did fail
         assert _check_exactly_once(log) == 1000

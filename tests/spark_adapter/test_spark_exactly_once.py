@@ -19,6 +19,7 @@ from tierstream.store.client import Producer
 
 from ..logs import SPARK_KILLS, TOPIC, running_log
 from ..store.helpers import wait_for
+from ..timing import scaled
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,7 +66,7 @@ def test_sigkilled_streaming_query_restarts_exactly_once(spark: Any, tmp_path: P
                 before = _committed_batches(checkpoint)
                 wait = rng.randint(1, 2)
                 wait_for(lambda b=before, w=wait, j=job: _committed_batches(checkpoint) >= b + w
-                         or j.poll() is not None, timeout=180,
+                         or j.poll() is not None, timeout=scaled(180),
                          what="the streaming query to commit micro-batches")
                 assert job.poll() is None, "the streaming job died on its own"
                 time.sleep(rng.random() * 0.3)  # a random point inside the next batch
@@ -75,7 +76,7 @@ def test_sigkilled_streaming_query_restarts_exactly_once(spark: Any, tmp_path: P
             stop.set()
             writer.join()
         final = _job(log, out, checkpoint, "available-now")
-        assert final.wait(timeout=300) == 0
+        assert final.wait(timeout=scaled(300)) == 0
         rows = spark.read.parquet(str(out)).select("value").collect()
         got = sorted(bytes(r["value"]).decode() for r in rows)
         assert len(got) == len(set(got)), f"{len(got) - len(set(got))} duplicated"

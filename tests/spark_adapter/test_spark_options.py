@@ -13,6 +13,7 @@ from tierstream.read_options import ReadOptions
 from tierstream.spark_adapter import register
 
 from ..logs import TOPIC, fill, running_log
+from ..timing import scaled
 
 pytestmark = pytest.mark.spark
 
@@ -48,8 +49,9 @@ def test_the_cli_starts_local_spark_on_loopback() -> None:
               "print(s.conf.get('spark.driver.host'), s.conf.get('spark.driver.bindAddress'))\n"
               "s.stop()\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=180, env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
-                                            "TIERSTREAM_SPARK_MASTER": "local[1]"})
+                          timeout=scaled(180),
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
+                               "TIERSTREAM_SPARK_MASTER": "local[1]"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["127.0.0.1", "127.0.0.1"]
     # the JVM itself was pinned before it looked for a routable address of its own

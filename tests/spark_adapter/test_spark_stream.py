@@ -14,6 +14,7 @@ from tierstream.spark_adapter.source import partition_splits
 from tierstream.spark_adapter.stream import TierstreamStreamReader
 
 from ..logs import BASE, TOPIC, append, fill, running_log
+from ..timing import scaled
 
 pytestmark = pytest.mark.spark
 
@@ -185,5 +186,5 @@ def test_min_records_per_trigger_waits_up_to_max_trigger_delay(tmp_path: Path) -
         assert ready != start
         add(110, 10)
         assert reader.latestOffset(ready, limit) == ready  # 10 < 100, and the delay is fresh
-        wait_for(lambda: reader.latestOffset(ready, limit) != ready, timeout=15,
+        wait_for(lambda: reader.latestOffset(ready, limit) != ready, timeout=scaled(15),
                  what="maxTriggerDelay to let the small batch through")

@@ -34,6 +34,7 @@ from tierstream.errors import UnavailableError
 from tierstream.store.client import Admin, Producer
 from tierstream.store.process import BrokerProcess
 
+from ..timing import scaled
 from .crashcheck import Report, check, send_numbered
 from .helpers import read_all, wait_for
 
@@ -108,7 +109,7 @@ def run_cycles(work: Path, *, config: str, cycles: int, producers: int = 3,
             # Kill only under load: wait until the producers got new acks from this broker.
             before = _acked_bytes(outs)
             wait_for(lambda b=before: _acked_bytes(outs) > b  # type: ignore[misc]
-                     or any(p.poll() is not None for p in procs), timeout=60,
+                     or any(p.poll() is not None for p in procs), timeout=scaled(60),
                      what=f"acknowledgements in cycle {cycle}")
             if any(p.poll() is not None for p in procs):
                 break
@@ -122,7 +123,7 @@ def run_cycles(work: Path, *, config: str, cycles: int, producers: int = 3,
         stop.touch()
         for p in procs:
             try:
-                _, stderr = p.communicate(timeout=180)
+                _, stderr = p.communicate(timeout=scaled(180))
             except subprocess.TimeoutExpired:
                 p.kill()
                 _, stderr = p.communicate()
@@ -140,11 +141,11 @@ def run_cycles(work: Path, *, config: str, cycles: int, producers: int = 3,
 
 def _open_producer(args: argparse.Namespace) -> Producer:
     """A producer, opened as soon as the broker (maybe restarting now) answers."""
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + scaled(120)
     while True:
         try:
             return Producer(TOPIC, broker=args.broker, name=args.name, batch_size=3,
-                            send_timeout=120)
+                            send_timeout=scaled(120))
         except UnavailableError:
             if time.monotonic() > deadline:
                 raise

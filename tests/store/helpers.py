@@ -11,6 +11,8 @@ import pyarrow as pa
 from tierstream.splits.positions import Offset
 from tierstream.store.client import read
 
+from ..timing import scaled
+
 
 def read_all(url: str, topic: str, **kwargs: Any) -> pa.Table:
     """Every message of ``topic`` up to the latest confirmed one, partition by partition."""
@@ -22,9 +24,11 @@ def read_all(url: str, topic: str, **kwargs: Any) -> pa.Table:
     return pa.Table.from_batches(batches)
 
 
-def wait_for(condition: Callable[[], bool], timeout: float = 30.0, what: str = "condition"
-             ) -> None:
-    """Poll ``condition`` until it holds; fail the test after ``timeout`` seconds."""
+def wait_for(condition: Callable[[], bool], timeout: float | None = None,
+             what: str = "condition") -> None:
+    """Poll ``condition`` until it holds; fail the test after ``timeout`` seconds (default
+    ``scaled(30)``; callers pass scaled deadlines too: tests/timing.py)."""
+    timeout = scaled(30) if timeout is None else timeout
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:

@@ -22,6 +22,7 @@ from tierstream.store.client import Admin, Consumer, Producer
 from tierstream.store.faults import ENV
 from tierstream.store.process import BrokerProcess
 
+from ..timing import scaled
 from .crashcheck import check, send_numbered
 from .helpers import read_all, wait_for
 
@@ -36,7 +37,8 @@ class Writer:
     broker restarts (the producer re-sends what was not acknowledged)."""
 
     def __init__(self, url: str, *, name: str = "writer") -> None:
-        self.producer = Producer(TOPIC, broker=url, name=name, batch_size=3, send_timeout=60)
+        self.producer = Producer(TOPIC, broker=url, name=name, batch_size=3,
+                                 send_timeout=scaled(60))
         self.sends: list[dict[str, Any]] = []
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -53,13 +55,13 @@ class Writer:
             self.error = exc
 
     def wait_for_sends(self, count: int) -> None:
-        wait_for(lambda: len(self.sends) >= count or self.error is not None, timeout=60,
+        wait_for(lambda: len(self.sends) >= count or self.error is not None, timeout=scaled(60),
                  what=f"{count} acknowledged sends")
         assert self.error is None, repr(self.error)
 
     def finish(self) -> list[dict[str, Any]]:
         self._stop.set()
-        self._thread.join(timeout=90)
+        self._thread.join(timeout=scaled(90))
         assert not self._thread.is_alive(), "the writer did not finish"
         assert self.error is None, repr(self.error)
         self.producer.close()
@@ -68,7 +70,7 @@ class Writer:
 
 def _wait_crashed(broker: BrokerProcess, point: str) -> None:
     assert broker.proc is not None
-    wait_for(lambda: broker.proc is not None and broker.proc.poll() is not None, timeout=60,
+    wait_for(lambda: broker.proc is not None and broker.proc.poll() is not None, timeout=scaled(60),
              what=f"the broker to crash at {point}")
     assert broker.proc.returncode == -signal.SIGKILL, "".join(broker.stderr_tail)[-2000:]
 
@@ -136,7 +138,7 @@ def test_a_crash_after_a_cursor_is_saved_resumes_after_the_ack(start_broker, fre
     with Producer(TOPIC, broker=broker.url, name="writer", batch_size=5) as producer:
         sends = [send_numbered(producer, 0, 40)]
     consumer = Consumer(TOPIC, "audit", initial=Offset.earliest(), broker=broker.url)
-    first = consumer.receive(timeout=30)
+    first = consumer.receive(timeout=scaled(30))
     assert first is not None and first.num_rows >= 5
     consumer.ack(Position(0, first.column("segment_id")[0].as_py(),
                           first.column("entry_id")[0].as_py(), 1))
@@ -147,7 +149,7 @@ def test_a_crash_after_a_cursor_is_saved_resumes_after_the_ack(start_broker, fre
     _wait_crashed(broker, "cursor.saved")
     restarted = start_broker(*ONE, port=free_port)
     with Consumer(TOPIC, "audit", broker=restarted.url) as again:
-        batch = again.receive(timeout=30)
+        batch = again.receive(timeout=scaled(30))
     assert batch is not None
     assert batch.column("value")[0].as_py() == first.column("value")[4].as_py()
     report = check(read_all(restarted.url, TOPIC), sends)

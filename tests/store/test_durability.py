@@ -36,7 +36,7 @@ def _produce_until_killed(url: str, broker: BrokerProcess, producers: int = 4
     def run(name: str) -> None:
         try:
             with Producer(TOPIC, broker=url, name=name, batch_size=20,
-                          send_timeout=2.0) as producer:
+                          send_timeout=scaled(2.0)) as producer:
                 for chunk in range(10_000):
                     values = [f"{name}-{chunk}-{i}" for i in range(20)]
                     producer.send_many({"value": v.encode(), "key": f"{name}-{i % 5}"}
@@ -53,7 +53,7 @@ def _produce_until_killed(url: str, broker: BrokerProcess, producers: int = 4
     wait_for(lambda: total[0] >= 4_000, what="producers to get acknowledgements")
     broker.kill()
     for t in threads:
-        t.join(timeout=60)
+        t.join(timeout=scaled(60))
     return acked
 
 
@@ -158,7 +158,7 @@ def test_a_retrying_producer_stores_each_sequence_id_once(start_broker) -> None:
     with Admin(broker.url) as admin:
         admin.create_topic(TOPIC, 1)
     producer = Producer(TOPIC, broker=broker.url, name="importer", batch_size=10,
-                        max_in_flight=64, send_timeout=30)
+                        max_in_flight=64, send_timeout=scaled(30))
     # Pipeline 40 batches without waiting, wait until the broker has stored some of them,
     # then kill it: the producer holds batches the broker stored but never acknowledged.
     batches = [as_produce_batch(pa.record_batch({"value": [f"b{b}-{i}".encode()
@@ -238,7 +238,7 @@ def test_a_batch_whose_write_failed_is_stored_when_retried(start_broker, data_di
         with Admin(broker.url) as admin:
             admin.create_topic(TOPIC, 1)
         producer = Producer(TOPIC, broker=broker.url, name="writer", batch_size=5,
-                            send_timeout=60)
+                            send_timeout=scaled(60))
         sends = [send_numbered(producer, 0, 20)]
         filler = bookie_dir / "filler"
         with open(filler, "wb") as f, pytest.raises(OSError):
@@ -252,7 +252,7 @@ def test_a_batch_whose_write_failed_is_stored_when_retried(start_broker, data_di
             wait_for(lambda: any(s.state == "CLOSED" for s in admin.list_segments(TOPIC)),
                      what="a write to fail on the full disk")
         filler.unlink()
-        sender.join(timeout=60)
+        sender.join(timeout=scaled(60))
         assert result, "the retried send did not complete"
         producer.close()
         report = check(read_all(broker.url, TOPIC), sends + result)

@@ -14,6 +14,7 @@ from tierstream.splits.split import StreamCut
 from tierstream.store.client import Admin, Consumer, Producer
 from tierstream.store.process import BrokerProcess
 
+from ..timing import scaled
 from .helpers import wait_for
 
 TOPIC = "acme/web/leave"
@@ -49,7 +50,7 @@ def test_closing_a_local_tail_stops_its_threads_though_nothing_arrives(broker, d
     assert next(it).num_rows > 0
     assert _threads("tierstream-read")
     it.close()
-    wait_for(lambda: not _threads("tierstream-read"), timeout=10,
+    wait_for(lambda: not _threads("tierstream-read"), timeout=scaled(10),
              what="the tail's reader threads to stop")
 
 
@@ -64,7 +65,7 @@ def test_a_program_that_breaks_out_of_tail_exits(broker, data_dir) -> None:
         "    break\n"
         "print('left', flush=True)\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=60)  # the old code never exited: TimeoutExpired
+                          timeout=scaled(60))  # the old code never exited: TimeoutExpired
     assert proc.returncode == 0 and "left" in proc.stdout, proc.stderr[-2000:]
 
 
@@ -73,7 +74,8 @@ def test_closing_a_consumer_with_a_full_buffer_stops_its_pumps(broker) -> None:
     # them stuck.
     _topic(broker, 4, 2000, batch_size=1)
     consumer = Consumer(TOPIC, "leaver", initial=Offset.earliest(), broker=broker.url)
-    wait_for(lambda: consumer.buffered >= 64, timeout=30, what="the consumer's buffer to fill")
+    wait_for(lambda: consumer.buffered >= 64, timeout=scaled(30),
+             what="the consumer's buffer to fill")
     assert len(_threads(f"tierstream-consumer-{consumer.name}")) == 4
     consumer.close()
     assert _threads(f"tierstream-consumer-{consumer.name}") == []

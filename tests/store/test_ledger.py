@@ -13,6 +13,8 @@ from tierstream.schema import MESSAGE_SCHEMA
 from tierstream.store.bookie import Bookie, ledger_paths
 from tierstream.store.ledger import decode_payload, read_index, scan_frames
 
+from ..timing import scaled
+
 
 def _entry(segment_id: int, entry_id: int, n: int = 5) -> pa.RecordBatch:
     return pa.RecordBatch.from_pydict({
@@ -32,7 +34,7 @@ def _write(bookie: Bookie, segment_id: int, entries: int) -> None:
         futures.append(bookie.append(segment_id, e, {"p": "x", "s": e}, batch.serialize(),
                                      batch.num_rows, 1000 + e * 10, 1004 + e * 10))
     for f in futures:
-        f.result(timeout=10)
+        f.result(timeout=scaled(10))
 
 
 def test_frames_round_trip_with_index_and_meta(tmp_path: Path) -> None:
@@ -91,7 +93,7 @@ def test_concurrent_appends_share_fsyncs_and_all_complete(tmp_path: Path) -> Non
             try:
                 for e in range(50):
                     batch = _entry(s, e)
-                    bookie.append(s, e, {}, batch.serialize(), 5, 0, 0).result(timeout=10)
+                    bookie.append(s, e, {}, batch.serialize(), 5, 0, 0).result(timeout=scaled(10))
             except BaseException as exc:
                 errors.append(exc)
 

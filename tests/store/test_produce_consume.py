@@ -13,6 +13,7 @@ from tierstream.store.client import Admin, Producer, read
 from tierstream.store.process import BrokerProcess
 from tierstream.timeutil import parse_time_ms
 
+from ..timing import scaled
 from .helpers import positions, read_all, wait_for
 
 TOPIC = "acme/web/clicks"
@@ -131,7 +132,7 @@ def test_rollover_by_age(start_broker) -> None:
         with Producer(TOPIC, broker=url) as producer:
             producer.send("first")
             wait_for(lambda: any(s.state == "CLOSED" for s in admin.list_segments(TOPIC)),
-                     timeout=20, what="the aged segment to be sealed")
+                     timeout=scaled(20), what="the aged segment to be sealed")
             producer.send("second")
         segs = admin.list_segments(TOPIC)
     assert segs[0].state == "CLOSED" and segs[0].messages == 1
@@ -165,7 +166,7 @@ def test_stats_flush_makes_open_segment_visible_in_metadata(broker: BrokerProces
         producer.send_many({"value": b"x"} for _ in range(10))
     meta = MetadataStore(broker.data_dir / "metadata.db", read_only=True)
     try:
-        wait_for(lambda: meta.segments(TOPIC)[0].messages == 10, timeout=10,
+        wait_for(lambda: meta.segments(TOPIC)[0].messages == 10, timeout=scaled(10),
                  what="open segment stats in metadata.db")
     finally:
         meta.close()

@@ -14,6 +14,7 @@ import tierstream
 from tierstream.store.client import Admin, Producer
 from tierstream.store.process import BrokerProcess
 
+from ..timing import scaled
 from .helpers import wait_for
 
 TOPIC = "acme/web/restarts"
@@ -60,6 +61,10 @@ def _cli(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
 
 
+#: long enough to ride out a restart on a busy machine, short enough to wait for the give-up
+GIVE_UP = f"{scaled(3):g}s"
+
+
 def test_consume_follow_rides_out_a_restart_and_fails_clearly_when_it_stays_down(
         start_broker, free_port) -> None:
     broker: BrokerProcess = start_broker(port=free_port)
@@ -67,7 +72,7 @@ def test_consume_follow_rides_out_a_restart_and_fails_clearly_when_it_stays_down
         admin.create_topic(TOPIC, 2)
     _send(broker.url, 0, 10)
     proc = _cli("consume", TOPIC, "--follow", "--broker", broker.url or "",
-                env={"TIERSTREAM_RECONNECT_TIMEOUT": "3s"})
+                env={"TIERSTREAM_RECONNECT_TIMEOUT": GIVE_UP})
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True).start()
     try:
@@ -77,14 +82,14 @@ def test_consume_follow_rides_out_a_restart_and_fails_clearly_when_it_stays_down
         _send(restarted.url, 10, 10)
         wait_for(lambda: len(lines) == 20, what="the messages after the restart")
         restarted.kill()  # and now it stays down
-        code = proc.wait(timeout=30)
+        code = proc.wait(timeout=scaled(30))
     finally:
         proc.kill()
     values = sorted(json.loads(line)["value"] for line in lines)
     assert values == sorted(f"v{i}" for i in range(20))
     stderr = (proc.stderr.read() if proc.stderr else "").strip()
     assert code == 1, stderr
-    assert "stayed unavailable for 3s" in stderr and "Traceback" not in stderr
+    assert f"stayed unavailable for {GIVE_UP}" in stderr and "Traceback" not in stderr
     assert len(stderr.splitlines()) == 1, stderr
 
 

@@ -12,6 +12,8 @@ from tierstream.splits.positions import KeyRange, Offset
 from tierstream.store.client import Admin, Producer, read
 from tierstream.store.process import BrokerProcess
 
+from ..timing import scaled
+
 TOKEN = "s3cret-token-value"
 
 
@@ -43,7 +45,7 @@ def test_non_loopback_bind_without_token_is_refused(data_dir) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "tierstream", "broker", "start", "--host", "0.0.0.0",
          "--port", "0", "--data-dir", str(data_dir)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=scaled(60),
         env={k: v for k, v in __import__("os").environ.items()
              if k != "TIERSTREAM_AUTH_TOKEN"},
     )
@@ -74,7 +76,7 @@ def test_bad_requests_name_the_bad_value(broker: BrokerProcess) -> None:
 def test_unreachable_broker_is_a_clear_error() -> None:
     unreachable = r"cannot reach the broker at grpc://127\.0\.0\.1:1"
     with pytest.raises(UnavailableError, match=unreachable), \
-            Admin("grpc://127.0.0.1:1", timeout=5) as admin:
+            Admin("grpc://127.0.0.1:1", timeout=scaled(5)) as admin:
         admin.ping()
     with pytest.raises(ConfigError, match="invalid broker URL"):
         Admin("http://localhost:80")
@@ -83,4 +85,4 @@ def test_unreachable_broker_is_a_clear_error() -> None:
 def test_a_data_directory_serves_one_broker_at_a_time(start_broker, data_dir) -> None:
     start_broker()
     with pytest.raises(UnavailableError, match="already in use"):
-        BrokerProcess(data_dir).start(timeout=30)
+        BrokerProcess(data_dir).start(timeout=scaled(30))

@@ -48,7 +48,7 @@ def test_key_shared_consumers_with_disjoint_ranges_get_each_message_once(
         owner: dict[str, set[int]] = defaultdict(set)
         values: list[bytes] = []
         for idx, c in enumerate(consumers):
-            batches = _drain(c, timeout=1.0)
+            batches = _drain(c, timeout=scaled(1.0))
             for batch in batches:
                 c.ack(batch)
             received = pa.Table.from_batches(batches)
@@ -108,7 +108,7 @@ def test_cursor_survives_a_broker_restart(start_broker) -> None:
     with Producer(TOPIC, broker=broker.url, batch_size=10) as producer:
         producer.send_many({"value": f"v{i}".encode()} for i in range(30))
     with Consumer(TOPIC, "s", broker=broker.url, initial=Offset.earliest()) as c:
-        batch = c.receive(timeout=10)
+        batch = c.receive(timeout=scaled(10))
         assert batch is not None and batch.num_rows == 10
         c.ack(batch)
     broker.kill()
@@ -166,7 +166,7 @@ def test_subscriptions_show_cursor_backlog_and_consumers(broker: BrokerProcess) 
             assert rows[("live", 0)]["consumers"] == ["reader-a"]
             proc = subprocess.run([sys.executable, "-m", "tierstream", "subscriptions", TOPIC,
                                    "--broker", url, "--json"], capture_output=True, text=True,
-                                  timeout=60)
+                                  timeout=scaled(60))
             assert proc.returncode == 0, proc.stderr
             shown = {(r["subscription"], r["partition"]): r for r in json.loads(proc.stdout)}
             assert shown[("spark-job", 1)]["backlog"] == counts[1] - 700
@@ -198,7 +198,7 @@ def test_an_abandoned_subscription_can_be_deleted_but_not_while_attached(
                  timeout=scaled(10), what="the broker to see the consumer leave")
         proc = subprocess.run([sys.executable, "-m", "tierstream", "subscriptions", TOPIC,
                                "--delete", "old-job", "--broker", url], capture_output=True,
-                              text=True, timeout=60)
+                              text=True, timeout=scaled(60))
         assert proc.returncode == 0, proc.stderr
         assert "deleted subscription 'old-job'" in proc.stdout
         assert admin.subscriptions(TOPIC) == []
@@ -206,4 +206,4 @@ def test_an_abandoned_subscription_can_be_deleted_but_not_while_attached(
             admin.delete_subscription(TOPIC, "old-job")
         # a consumer of that name starts afresh at its initial position
         with Consumer(TOPIC, "old-job", broker=url, initial=Offset.latest()) as again:
-            assert again.receive(timeout=0.5) is None
+            assert again.receive(timeout=scaled(0.5)) is None

@@ -11,6 +11,7 @@ import pyarrow as pa
 
 from tierstream.store.client import Admin, Producer
 
+from ..timing import scaled
 from .helpers import read_all, wait_for
 
 TOPIC = "acme/web/clicks"
@@ -41,7 +42,8 @@ def test_broker_offloads_old_segments_and_still_serves_them(start_broker) -> Non
             segs = [s for s in admin.list_segments(TOPIC) if s.state == "CLOSED"]
             return bool(segs) and all(s.bookie_deleted_at is not None for s in segs)
 
-        wait_for(all_moved, timeout=60, what="every closed segment offloaded and bookie-free")
+        wait_for(all_moved, timeout=scaled(60),
+                 what="every closed segment offloaded and bookie-free")
         assert {s.location for s in admin.list_segments(TOPIC)} == {"tier", "open"}
     got = read_all(broker.url, TOPIC).column("value").to_pylist()
     assert sorted(got) == sorted(values)
@@ -59,16 +61,16 @@ def test_offload_command_and_segment_table(start_broker, data_dir) -> None:
     env = {**os.environ, "TIERSTREAM_BROKER": broker.url, "TIERSTREAM_HOME": str(data_dir)}
     run = [sys.executable, "-m", "tierstream"]
     proc = subprocess.run([*run, "offload", TOPIC, "--older-than", "1d"], env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=scaled(120))
     assert proc.returncode == 0, proc.stderr
     assert "offloaded 2 segment(s)" in proc.stdout
     table = subprocess.run([*run, "segments", TOPIC, "--json"], env=env, capture_output=True,
-                           text=True, timeout=60)
+                           text=True, timeout=scaled(60))
     records = json.loads(table.stdout)
     assert [r["location"] for r in records] == ["tier", "tier", "open"]
     assert records[0]["tier_url"].startswith((data_dir / "tier").resolve().as_uri())
     bad = subprocess.run([*run, "offload", TOPIC, "--older-than", "a while"], env=env,
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=scaled(60))
     assert bad.returncode == 2 and "invalid --older-than 'a while'" in bad.stderr
 
 

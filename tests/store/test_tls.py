@@ -22,6 +22,7 @@ from tierstream.store.client import Admin
 from tierstream.store.security import check_bind
 
 from ..logs import TOPIC, fill, running_log
+from ..timing import scaled
 
 
 def make_cert(directory: Path, name: str = "tierstream-test") -> tuple[Path, Path]:
@@ -64,11 +65,11 @@ def test_the_broker_serves_tls_and_clients_check_it_against_the_ca(tmp_path: Pat
             with Admin(broker.url, tls_ca=str(cert)) as admin:  # a path works as well
                 assert admin.ping()
             for wrong in (other.read_bytes(), None):  # another CA, the system's CAs
-                with Admin(broker.url, tls_ca=wrong, timeout=5) as admin, \
+                with Admin(broker.url, tls_ca=wrong, timeout=scaled(5)) as admin, \
                         pytest.raises(UnavailableError, match="cannot reach the broker"):
                     admin.ping()
             plain = broker.url.replace("grpc+tls://", "grpc://")
-            with Admin(plain, timeout=5) as admin, pytest.raises(UnavailableError):
+            with Admin(plain, timeout=scaled(5)) as admin, pytest.raises(UnavailableError):
                 admin.ping()
         finally:
             broker.shutdown()
@@ -145,7 +146,7 @@ def test_producer_consumer_and_read_take_the_ca(tmp_path: Path) -> None:
                           initial=Offset.earliest()) as consumer:
                 seen = 0
                 while seen < 50:
-                    batch = consumer.receive(timeout=10)
+                    batch = consumer.receive(timeout=scaled(10))
                     assert batch is not None
                     seen += batch.num_rows
         finally:

@@ -14,6 +14,7 @@ from tierstream.store.client import Admin, Producer
 from tierstream.store.faults import ENV
 from tierstream.store.process import BrokerProcess
 
+from ..timing import scaled
 from .helpers import read_all
 
 TOPIC = "acme/web/huge"
@@ -21,7 +22,8 @@ TOPIC = "acme/web/huge"
 
 def _cli(*args: str, url: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "tierstream", *args], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "TIERSTREAM_BROKER": url})
+                          text=True, timeout=scaled(120),
+                          env={**os.environ, "TIERSTREAM_BROKER": url})
 
 
 def test_too_many_partitions_are_refused_before_anything_is_registered(broker) -> None:

@@ -21,6 +21,7 @@ from tierstream.store.faults import ENV
 from tierstream.store.process import BrokerProcess
 
 from ..logs import running_log
+from ..timing import scaled
 from .helpers import read_all, wait_for
 
 TOPIC = "acme/txn/out"
@@ -214,13 +215,13 @@ def test_readers_see_each_commit_whole(tmp_path) -> None:
             counts = Counter(v.split("-")[0] for v in _values(read_all(log.url, TOPIC)))
             assert counts == Counter({f"b{i}": per_batch for i in range(b + 1)})
         stop.set()
-        thread.join(timeout=30)
+        thread.join(timeout=scaled(30))
         assert len(snapshots) > batches  # cuts were taken while commits were applied
         partial = [s for s in snapshots if any(n != per_batch for n in s.values())]
         assert not partial, f"a cut saw part of a commit: {partial[0]}"
         seen: list[str] = []
         while len(seen) < batches * per_batch:
-            got = consumer.receive(timeout=30)
+            got = consumer.receive(timeout=scaled(30))
             assert got is not None, f"the consumer got {len(seen)} rows"
             seen.extend(_values(pa.Table.from_batches([got])))
         consumer.close()
@@ -283,6 +284,6 @@ def test_a_broker_killed_before_the_decision_keeps_the_transaction_committable(
 
 def _wait_killed(broker: BrokerProcess) -> None:
     assert broker.proc is not None
-    wait_for(lambda: broker.proc is not None and broker.proc.poll() is not None, timeout=60,
+    wait_for(lambda: broker.proc is not None and broker.proc.poll() is not None, timeout=scaled(60),
              what="the broker to die at its crash point")
     assert broker.proc.returncode == -signal.SIGKILL, "".join(broker.stderr_tail)[-2000:]
