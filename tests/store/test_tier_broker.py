@@ -63,7 +63,7 @@ def test_offload_command_and_segment_table(start_broker, data_dir) -> None:
     proc = subprocess.run([*run, "offload", TOPIC, "--older-than", "1d"], env=env,
                           capture_output=True, text=True, timeout=scaled(120))
     assert proc.returncode == 0, proc.stderr
-    assert "offloaded 2 segment(s)" in proc.stdout
+    assert "offloaded 2 closed segment(s) whose newest message is older than 1 day" in proc.stdout
     table = subprocess.run([*run, "segments", TOPIC, "--json"], env=env, capture_output=True,
                            text=True, timeout=scaled(60))
     records = json.loads(table.stdout)
