@@ -15,9 +15,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from tierstream.schema import MESSAGE_SCHEMA
+from tierstream.client import read
+from tierstream.message_format import MESSAGE_SCHEMA
 from tierstream.splits.positions import Offset
-from tierstream.store.client import read
 
 
 class CeilingServer(flight.FlightServerBase):

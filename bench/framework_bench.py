@@ -13,18 +13,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from bench.harness import Figure, console, fill_clicks, repeat, report, save_chart, timed
+from tierstream.bookie.ledger import FRAME_HEADER, read_index
+from tierstream.bookie.storage import ledger_paths
+from tierstream.broker.config import StoreConfig
+from tierstream.broker.store import Store
 from tierstream.enumerator import Enumerator, Query
 from tierstream.local import run_splits
+from tierstream.metadata.store import MetadataStore
 from tierstream.names import TopicName
 from tierstream.readers import open_reader
 from tierstream.readers.parquet_tier import selected_row_groups
 from tierstream.splits.positions import Offset, Position
 from tierstream.splits.split import ReaderKind, Replica, Split, StreamCut
-from tierstream.store.bookie import ledger_paths
-from tierstream.store.config import StoreConfig
-from tierstream.store.ledger import FRAME_HEADER, read_index
-from tierstream.store.metadata import MetadataStore
-from tierstream.store.store import Store
 
 T0 = 1_700_000_000_000
 WEEK = 7 * 86_400_000
@@ -150,7 +150,7 @@ def readers(quick: bool = True) -> Path:
         def count(it: Any) -> int:
             return sum(b.num_rows for b in it)
 
-        from tierstream.schema import MESSAGE_SCHEMA as bookie_schema
+        from tierstream.message_format import MESSAGE_SCHEMA as bookie_schema
 
         def ipc_ceiling(checked: bool = False) -> int:
             """pyarrow reading the ledger's IPC frames, nothing else; ``checked``: plus

@@ -22,12 +22,12 @@ from fsspec.spec import AbstractBufferedFile
 
 from bench.harness import Figure, console, report, timed
 from bench.spark_bench import _fill
+from tierstream.broker.config import StoreConfig
+from tierstream.broker.store import Store
 from tierstream.readers import open_reader
 from tierstream.splits.positions import Position
 from tierstream.splits.split import ReaderKind, Split
-from tierstream.store import tier as tier_module
-from tierstream.store.config import StoreConfig
-from tierstream.store.store import Store
+from tierstream.tier import storage as tier_module
 
 BANDWIDTH = 100e6  # bytes/s per request
 

@@ -17,11 +17,11 @@ from typing import Any
 
 from bench.harness import Figure, console, report, timed
 from bench.spark_bench import _fill
+from tierstream.broker.config import StoreConfig
+from tierstream.broker.store import Store
 from tierstream.readers import open_reader
 from tierstream.splits.positions import Position
 from tierstream.splits.split import ReaderKind, Split, TierLocation
-from tierstream.store.config import StoreConfig
-from tierstream.store.store import Store
 
 
 class _Delay:

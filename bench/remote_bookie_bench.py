@@ -21,11 +21,11 @@ import pyarrow.flight as flight
 
 from bench.framework_bench import _segment
 from bench.harness import Figure, console, report, timed
+from tierstream.bookie.server import BookieServer
+from tierstream.protocol import encode
 from tierstream.readers import open_reader
 from tierstream.splits.positions import KeyRange, Position
 from tierstream.splits.split import ReaderKind, Replica, Split
-from tierstream.store.bookie_server import BookieServer
-from tierstream.store.protocol import encode
 
 
 def remote_bookie(quick: bool = True) -> Path:

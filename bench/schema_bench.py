@@ -12,7 +12,7 @@ import fastavro
 import pyarrow as pa
 
 from bench.harness import Figure, console, repeat, report, timed
-from tierstream.schema import MESSAGE_SCHEMA
+from tierstream.message_format import MESSAGE_SCHEMA
 from tierstream.schemas.codec import Decoder, Encoder, decode_batch
 from tierstream.schemas.model import VERSION_PROPERTY, SchemaInfo, SchemaType, canonical
 
@@ -84,10 +84,10 @@ def schema(quick: bool = True) -> Path:
 
 
 def _spark(quick: bool) -> Figure:
+    from tierstream.broker.process import BrokerProcess
+    from tierstream.client import Admin, Producer
     from tierstream.spark_adapter import register
     from tierstream.spark_adapter.jobs import local_spark
-    from tierstream.store.client import Admin, Producer
-    from tierstream.store.process import BrokerProcess
 
     n = 100_000 if quick else 500_000
     with tempfile.TemporaryDirectory() as tmp:

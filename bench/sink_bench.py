@@ -11,9 +11,9 @@ import numpy as np
 import pyarrow as pa
 
 from bench.harness import Figure, console, report, timed
-from tierstream.schema import key_hashes
-from tierstream.store.client import Admin, Producer, Transaction
-from tierstream.store.process import BrokerProcess
+from tierstream.broker.process import BrokerProcess
+from tierstream.client import Admin, Producer, Transaction
+from tierstream.message_format import key_hashes
 
 PARTITIONS = 4
 KEYS = 100

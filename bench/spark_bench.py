@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import Figure, console, fill_clicks, report, timed
+from tierstream.broker.config import StoreConfig
+from tierstream.broker.store import Store
 from tierstream.splits.split import StreamCut
-from tierstream.store.config import StoreConfig
-from tierstream.store.store import Store
 
 T0 = 1_700_000_000_000
 
@@ -46,7 +46,7 @@ def _handover_source(batch_file: str, partitions: int, batches: int) -> Any:
         def read(self, partition: InputPartition) -> Any:
             import pyarrow.parquet as pq
 
-            from tierstream.schema import as_output_batch, with_topic
+            from tierstream.message_format import as_output_batch, with_topic
 
             rows = pq.read_table(batch_file).slice(0, 8192).combine_chunks().to_batches()[0]
             batch = as_output_batch(with_topic(rows, "bench/spark/ceiling"))

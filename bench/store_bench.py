@@ -19,10 +19,10 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from bench.harness import Figure, console, repeat, report, save_chart, timed
-from tierstream.schema import as_produce_batch
+from tierstream.broker.process import BrokerProcess
+from tierstream.client import Admin, Producer, read
+from tierstream.message_format import as_produce_batch
 from tierstream.splits.positions import Offset
-from tierstream.store.client import Admin, Producer, read
-from tierstream.store.process import BrokerProcess
 
 VALUE = b"v" * 100
 

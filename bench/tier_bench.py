@@ -17,12 +17,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from bench.harness import Figure, console, fill_clicks, report, timed
+from tierstream.broker.config import StoreConfig
+from tierstream.broker.store import Store
 from tierstream.readers.parquet_tier import selected_row_groups
 from tierstream.splits.positions import KeyRange, Position
 from tierstream.splits.split import ReaderKind, Split
-from tierstream.store.config import StoreConfig
-from tierstream.store.store import Store
-from tierstream.store.tier import TierStorage
+from tierstream.tier.storage import TierStorage
 
 TOPIC = "bench/tier/t"
 BASE = 1_793_491_200_000
@@ -188,9 +188,9 @@ def catalog(quick: bool = True) -> Path:
     beside pyiceberg's add_files with its defaults on a plain table."""
     import warnings
 
+    from tierstream.message_format import MESSAGE_SCHEMA
     from tierstream.names import TopicName
-    from tierstream.schema import MESSAGE_SCHEMA
-    from tierstream.store.catalog import TierCatalog
+    from tierstream.tier.catalog import TierCatalog
 
     n = 200 if quick else 1000
     window = 10

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tierstream.store.process import BrokerProcess
+from tierstream.broker.process import BrokerProcess
 
 
 @pytest.fixture

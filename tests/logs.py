@@ -12,10 +12,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from tierstream.schema import MESSAGE_SCHEMA, as_produce_batch
-from tierstream.store.broker import Broker
-from tierstream.store.config import StoreConfig
-from tierstream.store.store import Store
+from tierstream.broker.config import StoreConfig
+from tierstream.broker.server import Broker
+from tierstream.broker.store import Store
+from tierstream.message_format import MESSAGE_SCHEMA, as_produce_batch
 
 TOPIC = "acme/web/clicks"
 BASE = 1_793_491_200_000
@@ -49,7 +49,7 @@ def running_log(data_dir: Path, *, bookie_endpoints: bool = False,
                 **options: Any) -> Iterator[Log]:
     """A store with a broker serving it on loopback, in this process; with
     ``bookie_endpoints``, every bookie also serves its ledgers (``Log.endpoints``)."""
-    from tierstream.store.broker import _serve_bookies
+    from tierstream.broker.run import serve_bookies
 
     opts = {"dataDir": str(data_dir), "fsync": False, "deletionLag": "1h",
             "tierCheckInterval": "1h", **options}
@@ -57,7 +57,7 @@ def running_log(data_dir: Path, *, bookie_endpoints: bool = False,
     broker = Broker(store, port=0)
     thread = threading.Thread(target=broker.serve, daemon=True)
     thread.start()
-    endpoints = _serve_bookies(store, "127.0.0.1", None, None, None, None) \
+    endpoints = serve_bookies(store, "127.0.0.1", None, None, None, None) \
         if bookie_endpoints else []
     try:
         yield Log(store, broker, broker.url, data_dir, endpoints)

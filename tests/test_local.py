@@ -12,11 +12,11 @@ import pyarrow as pa
 import pytest
 
 import tierstream as ts
+from tierstream.client import Producer
 from tierstream.errors import ConfigError, DataLossError, NotFoundError
 from tierstream.readers import open_reader
 from tierstream.splits.positions import KeyRange, Offset, Position
 from tierstream.splits.split import ReaderKind, Replica, Split, StreamCut
-from tierstream.store.client import Producer
 
 from .logs import BASE, TOPIC, fill, running_log
 

@@ -36,7 +36,7 @@ def test_the_python_api_example_runs(broker) -> None:
 def test_the_transaction_example_runs(broker) -> None:
     code = _python_block("Python writers get the same transactions")
     script = (  # the block makes its own topics, as a new user runs it
-        "from tierstream.store.client import read\n"
+        "from tierstream.client import read\n"
         "from tierstream import Offset\n"
         + code +
         "\nn = {t: sum(b.num_rows for b in read(t, end=Offset.latest()))\n"

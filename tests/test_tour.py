@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tierstream.store.process import BrokerProcess
+from tierstream.broker.process import BrokerProcess
 
 from .timing import scaled
 

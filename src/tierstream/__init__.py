@@ -14,9 +14,9 @@ from tierstream.errors import (
     UnavailableError,
 )
 from tierstream.local import latest_cut, plan, read, scan, tail
+from tierstream.message_format import MESSAGE_SCHEMA, READ_SCHEMA, key_hash
 from tierstream.names import TopicName
 from tierstream.read_options import ReadOptions
-from tierstream.schema import MESSAGE_SCHEMA, READ_SCHEMA, key_hash
 from tierstream.splits.positions import KeyRange, Offset, Position
 from tierstream.splits.split import ReaderKind, Split, StreamCut
 

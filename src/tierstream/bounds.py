@@ -19,7 +19,7 @@ from tierstream.splits.positions import Offset, OffsetKind
 from tierstream.splits.split import StreamCut
 
 if TYPE_CHECKING:
-    from tierstream.store.admin import Admin
+    from tierstream.client.admin import Admin
 
 __all__ = ["end_cut", "parse_bound", "spark_bound", "write_cut"]
 

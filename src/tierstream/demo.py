@@ -20,11 +20,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from tierstream.broker.process import BrokerProcess
+from tierstream.client import Admin, Consumer, Producer, read
 from tierstream.errors import TierstreamError
-from tierstream.schema import key_hash
+from tierstream.message_format import key_hash
 from tierstream.splits.positions import KeyRange, Offset
-from tierstream.store.client import Admin, Consumer, Producer, read
-from tierstream.store.process import BrokerProcess
 from tierstream.timeutil import format_ms, now_ms, parse_time_ms
 
 TOPIC = "acme/web/clicks"

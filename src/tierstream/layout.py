@@ -3,7 +3,7 @@
     <data dir>/
         metadata.db          SQLite metadata (WAL): topics, segments, cursors, de-dup state
         store.lock           held by the one broker that writes here
-        bookies/<id>/        a bookie's ledgers (see store/bookie.py for the files inside)
+        bookies/<id>/        a bookie's ledgers (see bookie/storage.py for the files inside)
         tier/                the default tier: offloaded segments as Parquet
         catalog.db           the default Iceberg SQL catalog of the tier's tables
         transactions/<id>/   a transaction's staged data until it is applied or aborted

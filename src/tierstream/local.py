@@ -21,14 +21,14 @@ from tierstream.enumerator import Enumerator, Query
 from tierstream.errors import ConfigError
 from tierstream.event_time import check_time_field, event_time_window, within_event_time
 from tierstream.fanin import DONE, Cancel, drain, put
+from tierstream.message_format import READ_SCHEMA
 from tierstream.options import parse_options
 from tierstream.read_options import ReadOptions
 from tierstream.readers import ReadStats, open_reader
-from tierstream.schema import READ_SCHEMA
 from tierstream.schemas.codec import decode_batches
+from tierstream.security import read_pem
 from tierstream.splits.positions import KeyRange, Offset, OffsetKind
 from tierstream.splits.split import ReaderKind, Split, StreamCut, chains
-from tierstream.store.security import read_pem
 
 __all__ = ["Following", "latest_cut", "plan", "read", "scan", "tail"]
 

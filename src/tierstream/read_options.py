@@ -21,6 +21,7 @@ from tierstream.schemas.model import MODES
 if TYPE_CHECKING:
     from tierstream.schemas.codec import Decoder
 
+from tierstream.security import read_pem
 from tierstream.splits.positions import Offset
 from tierstream.splits.split import (
     Cuts,
@@ -30,7 +31,6 @@ from tierstream.splits.split import (
     cuts_from_dict,
     splits_from_json,
 )
-from tierstream.store.security import read_pem
 
 __all__ = ["ReadOptions"]
 

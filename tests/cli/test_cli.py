@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from tierstream.store.process import BrokerProcess
+from tierstream.broker.process import BrokerProcess
 
 from ..store.helpers import wait_for
 from ..timing import scaled
@@ -305,7 +305,7 @@ def test_schemas_through_the_cli(broker: BrokerProcess, data_dir: Path,
     assert proc.returncode == 2 and "cannot read --file" in proc.stderr
     assert "BACKWARD" in run("schema", "list", topic, env=env).stdout
     assert '"amount"' in run("schema", "get", topic, env=env).stdout
-    from tierstream.store.client import Producer
+    from tierstream.client import Producer
 
     with Producer(topic, broker=broker.url) as producer:  # the topic's schema, looked up
         producer.send_many({"key": f"k{i}", "value": {"id": f"o{i}", "amount": i}}
@@ -332,7 +332,7 @@ def test_schemas_through_the_cli(broker: BrokerProcess, data_dir: Path,
 
 
 def test_transactions_are_listed_and_a_stuck_one_aborted(broker: BrokerProcess) -> None:
-    from tierstream.store.client import Admin, Transaction
+    from tierstream.client import Admin, Transaction
 
     env = {"TIERSTREAM_BROKER": broker.url or ""}
     with Admin(broker.url) as admin:

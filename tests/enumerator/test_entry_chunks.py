@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 
 from tierstream.enumerator.plan import entry_chunks as _entry_chunks
+from tierstream.metadata.records import SegmentRecord
 from tierstream.splits.positions import Position
-from tierstream.store.metadata import SegmentRecord
 
 
 def _segment(entries: int, nbytes: int) -> SegmentRecord:

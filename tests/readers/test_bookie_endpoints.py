@@ -17,14 +17,14 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
+from tierstream.bookie.ledger import read_index
+from tierstream.bookie.server import BookieServer
+from tierstream.bookie.storage import ledger_paths
 from tierstream.enumerator import Enumerator, Query
 from tierstream.errors import AuthError, CorruptionError
 from tierstream.readers import ReadStats, open_reader
 from tierstream.readers.stats import BROKER_FALLBACK, ENDPOINT, LOCAL
 from tierstream.splits.split import ReaderKind, Split
-from tierstream.store.bookie import ledger_paths
-from tierstream.store.bookie_server import BookieServer
-from tierstream.store.ledger import read_index
 
 from ..logs import TOPIC, Log, fill, running_log
 
@@ -231,8 +231,8 @@ def test_a_bookie_endpoint_killed_mid_read_and_the_read_completes_on_another_rep
 
 def test_splits_planned_before_a_broker_restart_find_the_endpoints_where_they_moved(
         start_broker: Any, free_port: int, tmp_path: Path) -> None:
-    from tierstream.store.admin import Admin
-    from tierstream.store.producer import Producer
+    from tierstream.client.admin import Admin
+    from tierstream.client.producer import Producer
 
     broker = start_broker("--max-entries-per-segment", "2", port=free_port)
     with Admin(broker.url) as admin:
@@ -258,7 +258,7 @@ def test_splits_planned_before_a_broker_restart_find_the_endpoints_where_they_mo
 
 def test_bookie_port_base_gives_each_bookie_a_fixed_port(start_broker: Any, free_port: int
                                                          ) -> None:
-    from tierstream.store.admin import Admin
+    from tierstream.client.admin import Admin
 
     broker = start_broker("--bookies", "2", "--bookie-port-base", str(free_port))
     with Admin(broker.url) as admin:

@@ -15,11 +15,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tierstream.broker.store import Store
 from tierstream.enumerator import Enumerator, Query
 from tierstream.errors import DataLossError
 from tierstream.readers import open_reader, parquet_tier
 from tierstream.splits.split import ReaderKind, Split, StreamCut
-from tierstream.store.store import Store
 
 from ..store.test_tier import TOPIC, fill, make_store
 

@@ -11,12 +11,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
+from tierstream.message_format import MESSAGE_SCHEMA, key_hashes
 from tierstream.readers.parquet_tier import selected_row_groups
 from tierstream.readers.trim import trim
-from tierstream.schema import MESSAGE_SCHEMA, key_hashes
 from tierstream.splits.positions import KeyRange, Position
 from tierstream.splits.split import ReaderKind, Split
-from tierstream.store.tier import TierStorage
+from tierstream.tier.storage import TierStorage
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,10 @@ import json
 import pyarrow as pa
 import pytest
 
+from tierstream.client import Admin, Producer
 from tierstream.errors import ConfigError, NotFoundError
 from tierstream.schemas.compat import can_read
 from tierstream.schemas.model import SchemaType
-from tierstream.store.client import Admin, Producer
 
 from ..logs import running_log
 from ..store.helpers import read_all
@@ -315,7 +315,7 @@ def test_a_version_newer_than_the_read_says_to_restart() -> None:
 def test_transactions_encode_and_check_values_and_the_broker_refuses_forged_versions(
         tmp_path) -> None:
     import tierstream
-    from tierstream.store.client import Transaction
+    from tierstream.client import Transaction
 
     with running_log(tmp_path / "data") as log:
         with Admin(log.url) as admin:

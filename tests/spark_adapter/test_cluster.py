@@ -28,9 +28,9 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pytest
 
-from tierstream.store.admin import Admin
-from tierstream.store.process import BrokerProcess
-from tierstream.store.producer import Producer
+from tierstream.broker.process import BrokerProcess
+from tierstream.client.admin import Admin
+from tierstream.client.producer import Producer
 
 from ..timing import scaled
 

@@ -22,8 +22,8 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from tierstream.store.client import Admin, Producer
-from tierstream.store.faults import ENV
+from tierstream.client import Admin, Producer
+from tierstream.faults import ENV
 
 from ..logs import SPARK_KILLS, running_log
 from ..store.helpers import read_all, wait_for

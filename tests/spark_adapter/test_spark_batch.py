@@ -104,7 +104,7 @@ def test_schema_is_exactly_the_declared_one(spark: Any, tiered_log: Any) -> None
 
 
 def test_small_reader_batches_reach_spark_joined_and_in_order(tiered_log: Any) -> None:
-    from tierstream.spark_adapter.source import SPARK_BATCH_ROWS, spark_batches
+    from tierstream.spark_adapter.partitions import SPARK_BATCH_ROWS, spark_batches
 
     small = [b.slice(i, 1000) for b in ts.scan(TOPIC, **tiered_log.kw())
              for i in range(0, b.num_rows, 1000)] * 12  # > 8 x SPARK_BATCH_ROWS in all

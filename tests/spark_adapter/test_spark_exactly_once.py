@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tierstream.store.client import Producer
+from tierstream.client import Producer
 
 from ..logs import SPARK_KILLS, TOPIC, running_log
 from ..store.helpers import wait_for

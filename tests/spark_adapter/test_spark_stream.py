@@ -10,7 +10,7 @@ import pytest
 from tierstream.read_options import ReadOptions
 from tierstream.readers import open_reader
 from tierstream.spark_adapter import register
-from tierstream.spark_adapter.source import partition_splits
+from tierstream.spark_adapter.partitions import partition_splits
 from tierstream.spark_adapter.stream import TierstreamStreamReader
 
 from ..logs import BASE, TOPIC, append, fill, running_log
@@ -44,7 +44,7 @@ def test_available_now_with_a_read_limit_runs_several_batches_and_stops(
         assert values == sorted(v.decode() for v in log.everything().column("value")
                                 .to_pylist())
         # the committed end is the broker's durable cursor: nothing left behind it
-        from tierstream.store.client import Admin
+        from tierstream.client import Admin
 
         with Admin(log.url) as admin:
             progress = admin.subscriptions(TOPIC)

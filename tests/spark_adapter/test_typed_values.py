@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tierstream.store.client import Admin, Producer
+from tierstream.client import Admin, Producer
 
 from ..logs import running_log
 from ..schemas.test_registry import V1, V2

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tierstream.broker.process import BrokerProcess
+from tierstream.client import Admin, Producer
 from tierstream.errors import UnavailableError
-from tierstream.store.client import Admin, Producer
-from tierstream.store.process import BrokerProcess
 
 from ..timing import scaled
 from .crashcheck import Report, check, send_numbered

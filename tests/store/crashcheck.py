@@ -1,7 +1,7 @@
 """What every crash test checks: a log read back against what producers were acknowledged.
 
 Producers send numbered values ``"<name>:<n>"`` keyed ``"<name>-k<n % KEYS>"`` through a named
-:class:`~tierstream.store.client.Producer`, and record every acknowledged send with the acks the
+:class:`~tierstream.client.Producer`, and record every acknowledged send with the acks the
 broker returned. :func:`check` then compares a full read of the topic with those records:
 
 - **missing**: an acknowledged value that is not in the log;
@@ -21,8 +21,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from tierstream.schema import key_hash
-from tierstream.store.client import Producer
+from tierstream.client import Producer
+from tierstream.message_format import key_hash
 
 KEYS = 4
 

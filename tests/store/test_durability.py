@@ -10,11 +10,11 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
+from tierstream.bookie.storage import ledger_paths
+from tierstream.broker.process import BrokerProcess
+from tierstream.client import Admin, Producer
 from tierstream.errors import CorruptionError, UnavailableError
-from tierstream.schema import as_produce_batch
-from tierstream.store.bookie import ledger_paths
-from tierstream.store.client import Admin, Producer
-from tierstream.store.process import BrokerProcess
+from tierstream.message_format import as_produce_batch
 
 from ..timing import scaled
 from .helpers import positions, read_all, wait_for

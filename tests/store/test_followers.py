@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from tierstream.broker.process import BrokerProcess
+from tierstream.client import Admin, Producer, read
 from tierstream.splits.positions import Offset
-from tierstream.store.client import Admin, Producer, read
-from tierstream.store.process import BrokerProcess
 
 from ..timing import scaled
 

@@ -9,10 +9,10 @@ import threading
 from pathlib import Path
 
 import tierstream
+from tierstream.broker.process import BrokerProcess
+from tierstream.client import Admin, Consumer, Producer
 from tierstream.splits.positions import Offset, Position
 from tierstream.splits.split import StreamCut
-from tierstream.store.client import Admin, Consumer, Producer
-from tierstream.store.process import BrokerProcess
 
 from ..timing import scaled
 from .helpers import wait_for

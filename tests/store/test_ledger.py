@@ -8,10 +8,10 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from tierstream.bookie.ledger import decode_payload, read_index, scan_frames
+from tierstream.bookie.storage import Bookie, ledger_paths
 from tierstream.errors import CorruptionError
-from tierstream.schema import MESSAGE_SCHEMA
-from tierstream.store.bookie import Bookie, ledger_paths
-from tierstream.store.ledger import decode_payload, read_index, scan_frames
+from tierstream.message_format import MESSAGE_SCHEMA
 
 from ..timing import scaled
 
@@ -109,7 +109,7 @@ def test_concurrent_appends_share_fsyncs_and_all_complete(tmp_path: Path) -> Non
 
 
 def test_entries_before_finds_the_first_entry_reaching_a_time() -> None:
-    from tierstream.store.ledger import IndexRecord, entries_before
+    from tierstream.bookie.ledger import IndexRecord, entries_before
 
     # entries cover [0,9], [10,19], [20,29] (first, last publish time)
     records = [IndexRecord(i, 0, 0, 10, 10 * i, 10 * i + 9) for i in range(3)]

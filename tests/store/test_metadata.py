@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from tierstream.errors import ConfigError
+from tierstream.metadata.store import MetadataStore
+from tierstream.metadata.tables import SCHEMA_VERSION
 from tierstream.names import TopicName
-from tierstream.store.metadata import SCHEMA_VERSION, MetadataStore
 
 
 def test_a_version_6_store_gains_tier_sizes_and_keeps_its_segments(tmp_path: Path) -> None:

@@ -8,9 +8,9 @@ from collections import defaultdict
 
 import pyarrow as pa
 
+from tierstream.broker.process import BrokerProcess
+from tierstream.client import Admin, Producer, read
 from tierstream.splits.positions import Offset
-from tierstream.store.client import Admin, Producer, read
-from tierstream.store.process import BrokerProcess
 from tierstream.timeutil import parse_time_ms
 
 from ..timing import scaled
@@ -156,7 +156,7 @@ def test_tail_stream_delivers_each_new_message_as_it_is_acknowledged(broker: Bro
 
 
 def test_stats_flush_makes_open_segment_visible_in_metadata(broker: BrokerProcess) -> None:
-    from tierstream.store.metadata import MetadataStore
+    from tierstream.metadata.store import MetadataStore
 
     url = broker.url
     assert url is not None

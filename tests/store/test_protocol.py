@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tierstream.client import Admin
 from tierstream.errors import (
     ERRORS_BY_CODE,
     AlreadyExistsError,
@@ -14,8 +15,7 @@ from tierstream.errors import (
     TierstreamError,
     UnavailableError,
 )
-from tierstream.store.client import Admin
-from tierstream.store.protocol import server_error, translate_errors
+from tierstream.protocol import server_error, translate_errors
 
 
 @pytest.mark.parametrize("cls", sorted(ERRORS_BY_CODE.values(), key=lambda c: c.code),

@@ -11,8 +11,8 @@ import threading
 import pytest
 
 import tierstream
-from tierstream.store.client import Admin, Producer
-from tierstream.store.process import BrokerProcess
+from tierstream.broker.process import BrokerProcess
+from tierstream.client import Admin, Producer
 
 from ..timing import scaled
 from .helpers import wait_for

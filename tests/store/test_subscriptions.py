@@ -7,11 +7,11 @@ from collections import defaultdict
 import pyarrow as pa
 import pytest
 
+from tierstream.broker.process import BrokerProcess
+from tierstream.broker.subscriptions import CursorMap
+from tierstream.client import Admin, Consumer, Producer
 from tierstream.errors import AlreadyExistsError
 from tierstream.splits.positions import KeyRange, Offset, Position
-from tierstream.store.client import Admin, Consumer, Producer
-from tierstream.store.process import BrokerProcess
-from tierstream.store.subscriptions import CursorMap
 
 from ..timing import scaled
 from .helpers import wait_for

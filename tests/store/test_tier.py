@@ -16,14 +16,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tierstream.broker.config import StoreConfig
+from tierstream.broker.store import Store
 from tierstream.errors import AuthError, ConfigError, NotFoundError, UnavailableError
+from tierstream.message_format import MESSAGE_SCHEMA, as_produce_batch
 from tierstream.names import TopicName
 from tierstream.readers.parquet_tier import leaf_column
-from tierstream.schema import MESSAGE_SCHEMA, as_produce_batch
-from tierstream.store.config import StoreConfig
-from tierstream.store.offload import FAULT_POINTS, Offloader
-from tierstream.store.store import Store
-from tierstream.store.tier import KEY_BUCKETS, TierStorage
+from tierstream.tier.offload import FAULT_POINTS, Offloader
+from tierstream.tier.storage import KEY_BUCKETS, TierStorage
 
 TOPIC = "acme/web/clicks"
 BASE = 1_793_491_200_000  # 2026-11-01T00:00:00Z
@@ -151,7 +151,7 @@ def test_a_crash_between_any_two_steps_loses_and_duplicates_nothing(
 
 def test_a_topic_table_stays_small_as_segments_are_registered(
         data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import tierstream.store.catalog as catalog_module
+    import tierstream.tier.catalog as catalog_module
 
     monkeypatch.setattr(catalog_module, "KEEP_SNAPSHOTS", 3)
     store = make_store(data_dir)

@@ -9,7 +9,7 @@ import sys
 
 import pyarrow as pa
 
-from tierstream.store.client import Admin, Producer
+from tierstream.client import Admin, Producer
 
 from ..timing import scaled
 from .helpers import read_all, wait_for

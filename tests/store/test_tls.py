@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from tierstream.bookie.server import BookieServer
+from tierstream.broker.server import Broker
+from tierstream.client import Admin
 from tierstream.enumerator import Enumerator, Query
 from tierstream.errors import AuthError, ConfigError, UnavailableError
 from tierstream.readers import ReadStats, open_reader
 from tierstream.readers.stats import ENDPOINT
+from tierstream.security import check_bind
 from tierstream.splits.split import ReaderKind
-from tierstream.store.bookie_server import BookieServer
-from tierstream.store.broker import Broker
-from tierstream.store.client import Admin
-from tierstream.store.security import check_bind
 
 from ..logs import TOPIC, fill, running_log
 from ..timing import scaled
@@ -128,8 +128,8 @@ def test_a_non_loopback_bind_needs_a_token_and_warns_without_tls(
 
 
 def test_producer_consumer_and_read_take_the_ca(tmp_path: Path) -> None:
+    from tierstream.client import Consumer, Producer, read
     from tierstream.splits.positions import Offset
-    from tierstream.store.client import Consumer, Producer, read
 
     cert, key = make_cert(tmp_path)
     with running_log(tmp_path / "data") as log:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from tierstream.broker.process import BrokerProcess
+from tierstream.client import Admin, Producer
 from tierstream.errors import NotFoundError, UnavailableError
-from tierstream.store.client import Admin, Producer
-from tierstream.store.faults import ENV
-from tierstream.store.process import BrokerProcess
+from tierstream.faults import ENV
 
 from ..timing import scaled
 from .helpers import read_all

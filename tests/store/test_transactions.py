@@ -14,11 +14,11 @@ from collections import Counter
 import pyarrow as pa
 import pytest
 
+from tierstream.broker.process import BrokerProcess
+from tierstream.client import Admin, Consumer, Producer, Transaction, read
 from tierstream.errors import ConfigError, ConflictError, NotFoundError
+from tierstream.faults import ENV
 from tierstream.splits.positions import Offset
-from tierstream.store.client import Admin, Consumer, Producer, Transaction, read
-from tierstream.store.faults import ENV
-from tierstream.store.process import BrokerProcess
 
 from ..logs import running_log
 from ..timing import scaled

@@ -22,6 +22,7 @@ from tierstream.cli import (  # noqa: F401 - registers them
     produce,
     reads,
     schemas,
+    spark_jobs,
     topics,
 )
 from tierstream.cli.common import app, err, out

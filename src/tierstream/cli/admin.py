@@ -42,8 +42,8 @@ def segments(
     Example: tierstream segments acme/web/clicks
     """
     from tierstream.layout import DataDir
+    from tierstream.metadata.store import MetadataStore
     from tierstream.names import TopicName
-    from tierstream.store.metadata import MetadataStore
 
     name = TopicName.parse(topic)
     local = DataDir.at(data_dir).metadata
@@ -55,8 +55,8 @@ def segments(
         finally:
             meta.close()
     else:
+        from tierstream.client import Admin
         from tierstream.errors import UnavailableError
-        from tierstream.store.client import Admin
 
         try:
             with Admin(broker, auth_token=auth_token) as admin:
@@ -94,7 +94,7 @@ def subscriptions(
 
     Example: tierstream subscriptions acme/web/clicks [--delete old-job]
     """
-    from tierstream.store.client import Admin
+    from tierstream.client import Admin
 
     with Admin(broker, auth_token=auth_token) as admin:
         if delete is not None:
@@ -131,7 +131,7 @@ def transactions(
 
     Example: tierstream transactions --abort 3f2c9a...
     """
-    from tierstream.store.client import Admin
+    from tierstream.client import Admin
     from tierstream.timeutil import now_ms
 
     with Admin(broker, auth_token=auth_token) as admin:
@@ -168,7 +168,7 @@ def seal(
 
     Example: tierstream seal acme/web/clicks --partition 0
     """
-    from tierstream.store.client import Admin
+    from tierstream.client import Admin
 
     with Admin(broker, auth_token=auth_token) as admin:
         sealed = admin.seal(topic, partition)
@@ -207,7 +207,7 @@ def offload(
 
     Example: tierstream offload acme/web/clicks --older-than 2d
     """
-    from tierstream.store.client import Admin
+    from tierstream.client import Admin
     from tierstream.timeutil import describe_duration, now_ms, parse_duration_ms
 
     older_ms = None if older_than is None else parse_duration_ms(older_than, what="--older-than")

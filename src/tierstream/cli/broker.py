@@ -82,8 +82,8 @@ def broker_start(
 
     Example: tierstream broker start --data-dir ./tierstream-data --port 6651
     """
-    from tierstream.store.broker import run_broker
-    from tierstream.store.config import StoreConfig
+    from tierstream.broker.config import StoreConfig
+    from tierstream.broker.run import run_broker
 
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -135,8 +135,8 @@ def bookie_serve(
     Example: tierstream bookie serve --dir ./tierstream-data/bookies/bookie-0 --port 6660
     --broker grpc://127.0.0.1:6651
     """
-    from tierstream.store.bookie_server import serve_bookie
-    from tierstream.store.security import read_pem
+    from tierstream.bookie.server import serve_bookie
+    from tierstream.security import read_pem
 
     def ready(server: object, address: str) -> None:
         print(f"tierstream bookie endpoint listening on {address} (dir {dir_})", flush=True)

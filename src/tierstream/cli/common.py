@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from tierstream.bounds import write_cut
 from tierstream.units import human_bytes
 
-__all__ = ["BrokerOpt", "DataDirOpt", "TlsCaOpt", "TlsCertOpt", "TlsKeyOpt", "TokenOpt", "app",
-           "bookie_app", "broker_app", "err", "human_bytes", "human_duration", "out",
-           "progress_bar", "schema_app", "topic_app"]
+__all__ = ["BrokerOpt", "CutOutOpt", "DataDirOpt", "FromOpt", "KeyRangesOpt", "LossOpt",
+           "ModeOpt", "ReaderOpt", "SplitBytesOpt", "TimeFieldOpt", "TlsCaOpt", "TlsCertOpt",
+           "TlsKeyOpt", "ToOpt", "TokenOpt", "ValueFormatOpt", "app", "bookie_app", "broker_app",
+           "err", "human_bytes", "human_duration", "out", "progress_bar", "report_cut",
+           "schema_app", "topic_app", "use_tls_ca"]
 
 def _no_placeholder_on_flags() -> None:
     """typer shows ``<bool>`` beside on/off flags (``--yes <bool>``, ``--help <bool>``), as if
@@ -71,7 +74,7 @@ def _tls_ca(value: str | None) -> str | None:
     if value:
         import os
 
-        from tierstream.store.security import read_pem
+        from tierstream.security import read_pem
 
         read_pem(value, "--tls-ca")
         os.environ["TIERSTREAM_TLS_CA"] = value
@@ -95,3 +98,52 @@ def human_duration(ms: int) -> str:
             return f"{ms / size:.1f}{unit}"
     return f"{ms}ms"
 
+
+# -- what the reading commands share (reads.py, spark_jobs.py) ---------------------------
+
+FromOpt = Annotated[str, typer.Option("--from", help="earliest, latest, ISO-8601, epoch ms, "
+                                                     "p:s:e or a stream cut (JSON or @FILE).")]
+ToOpt = Annotated[str, typer.Option("--to", help="Exclusive end: latest (at planning), a time, "
+                                                 "a position or a stream cut.")]
+CutOutOpt = Annotated[Path | None, typer.Option(
+    "--cut-out", help="Also write the end cut to this file (for a later --from @FILE).")]
+KeyRangesOpt = Annotated[int, typer.Option(help="Split every partition into K key ranges.")]
+ValueFormatOpt = Annotated[str, typer.Option(
+    "--value-format", help="raw (bytes) or auto (decoded by the topic's schema).")]
+ModeOpt = Annotated[str, typer.Option(
+    "--mode", help="--value-format auto: FAILFAST, PERMISSIVE (_corrupt_record) or "
+                   "DROPMALFORMED.")]
+SplitBytesOpt = Annotated[str | None, typer.Option(help="Target split size, e.g. 64MiB.")]
+ReaderOpt = Annotated[str | None, typer.Option(help="Force a reader: parquet-tier, bookie-log "
+                                                    "or tail-consumer.")]
+TimeFieldOpt = Annotated[str, typer.Option(
+    "--time-field", help="What --from/--to times mean: publish_time (found by a binary search "
+                         "over segments) or event_time (a filter over the whole log up to "
+                         "its latest message: event times are in no order).")]
+LossOpt = Annotated[bool, typer.Option("--fail-on-data-loss/--skip-data-loss",
+                                       help="Fail (default) or skip when data is gone.")]
+
+
+def use_tls_ca(tls_ca: str | None) -> bytes | None:
+    """The CA of --tls-ca, read once; also made the default of every client this command
+    opens (the option table reads TIERSTREAM_TLS_CA)."""
+    import os
+
+    from tierstream.security import read_pem
+
+    if tls_ca is None:
+        return None
+    pem = read_pem(tls_ca, "--tls-ca")
+    os.environ["TIERSTREAM_TLS_CA"] = tls_ca
+    return pem
+
+
+def report_cut(cut: Any, cut_out: Path | None) -> None:
+    """Print the end cut (and write it to ``cut_out``): where a next read starts."""
+    if cut is None:
+        return
+    if cut_out is not None:
+        write_cut(cut, cut_out)
+        err.print(f"end cut written to {cut_out} (continue with --from @{cut_out})",
+                  highlight=False)
+    err.print(f"end cut: {cut.to_json()}", highlight=False, soft_wrap=True)

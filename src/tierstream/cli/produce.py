@@ -58,7 +58,7 @@ def produce(
     Example: tierstream produce acme/web/clicks --generate 100000 --keys 50
     --start-time 2026-11-01T00:00:00Z --step-ms 60
     """
-    from tierstream.store.client import Producer
+    from tierstream.client import Producer
 
     if generate is not None and generate < 0:
         raise ConfigError(f"invalid --generate {generate}: expected a count >= 0")

@@ -1,5 +1,5 @@
-"""Reading: ``consume`` (through the broker), ``plan``, ``read`` (the local runner),
-``backfill`` and ``tail`` (Spark)."""
+"""Reading: ``consume`` (through the broker), ``plan`` and ``read`` (the local runner); the
+Spark jobs ``backfill`` and ``tail`` are in ``spark_jobs.py``."""
 
 from __future__ import annotations
 
@@ -15,19 +15,31 @@ import pyarrow as pa
 import typer
 from rich.table import Table
 
-from tierstream.bounds import end_cut, parse_bound, spark_bound, write_cut
+from tierstream.bounds import end_cut, parse_bound
 from tierstream.cli.common import (
     BrokerOpt,
+    CutOutOpt,
     DataDirOpt,
+    FromOpt,
+    KeyRangesOpt,
+    LossOpt,
+    ModeOpt,
+    ReaderOpt,
+    SplitBytesOpt,
+    TimeFieldOpt,
     TlsCaOpt,
     TokenOpt,
+    ToOpt,
+    ValueFormatOpt,
     app,
     err,
     human_bytes,
     out,
     progress_bar,
+    report_cut,
+    use_tls_ca,
 )
-from tierstream.errors import ConfigError, TierstreamError
+from tierstream.errors import ConfigError
 from tierstream.event_time import check_time_field, event_time_window, within_event_time
 from tierstream.options import DEFAULT_BROKER_URL, DEFAULT_DATA_DIR
 from tierstream.schemas.codec import decode_batch, decoded_schema
@@ -59,7 +71,7 @@ def consume(
 
     Example: tierstream consume acme/web/clicks --from 2026-11-01T00:00:00Z --limit 10
     """
-    from tierstream.store.client import read
+    from tierstream.client import read
 
     start = Offset.parse(from_, what="--from")
     if follow and to is not None:
@@ -115,8 +127,8 @@ def _decoder(topic: str, value_format: str, mode: str, broker: str, auth_token: 
                                                       if auth_token else {})})
     if options.value_format == "raw":
         return None
+    from tierstream.client import Admin
     from tierstream.schemas.codec import Decoder
-    from tierstream.store.client import Admin
 
     with Admin(broker, auth_token=auth_token) as admin:
         versions = admin.list_schemas(topic)[1]
@@ -183,29 +195,6 @@ def _query_kwargs(topic: str, from_: str, to: str, key_ranges: int, max_split_by
     return kwargs
 
 
-FromOpt = Annotated[str, typer.Option("--from", help="earliest, latest, ISO-8601, epoch ms, "
-                                                     "p:s:e or a stream cut (JSON or @FILE).")]
-ToOpt = Annotated[str, typer.Option("--to", help="Exclusive end: latest (at planning), a time, "
-                                                 "a position or a stream cut.")]
-CutOutOpt = Annotated[Path | None, typer.Option(
-    "--cut-out", help="Also write the end cut to this file (for a later --from @FILE).")]
-KeyRangesOpt = Annotated[int, typer.Option(help="Split every partition into K key ranges.")]
-ValueFormatOpt = Annotated[str, typer.Option(
-    "--value-format", help="raw (bytes) or auto (decoded by the topic's schema).")]
-ModeOpt = Annotated[str, typer.Option(
-    "--mode", help="--value-format auto: FAILFAST, PERMISSIVE (_corrupt_record) or "
-                   "DROPMALFORMED.")]
-SplitBytesOpt = Annotated[str | None, typer.Option(help="Target split size, e.g. 64MiB.")]
-ReaderOpt = Annotated[str | None, typer.Option(help="Force a reader: parquet-tier, bookie-log "
-                                                    "or tail-consumer.")]
-TimeFieldOpt = Annotated[str, typer.Option(
-    "--time-field", help="What --from/--to times mean: publish_time (found by a binary search "
-                         "over segments) or event_time (a filter over the whole log up to "
-                         "its latest message: event times are in no order).")]
-LossOpt = Annotated[bool, typer.Option("--fail-on-data-loss/--skip-data-loss",
-                                       help="Fail (default) or skip when data is gone.")]
-
-
 @app.command()
 def plan(
     topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
@@ -228,7 +217,7 @@ def plan(
     Example: tierstream plan acme/web/clicks --from 2026-11-01 --to 2026-11-08 --key-ranges 4
     """
     import tierstream
-    from tierstream.store.client import Admin
+    from tierstream.client import Admin
 
     kwargs = _query_kwargs(topic, from_, to, key_ranges, max_split_bytes, reader,
                            fail_on_data_loss, data_dir, broker, auth_token)
@@ -240,7 +229,7 @@ def plan(
     if as_json:
         for sp in splits:
             sys.stdout.write(sp.to_json() + "\n")
-        _report_cut(cut, None)  # stderr: stdout stays JSON lines
+        report_cut(cut, None)  # stderr: stdout stays JSON lines
         return
     table = Table("split", "partition", "segment", "reader", "key range", "entries",
                   "est. bytes", title=f"plan of {topic}")
@@ -251,7 +240,7 @@ def plan(
     out.print(table)
     for kind, count, nbytes in _summary(splits):
         out.print(f"{kind}: {count} split(s), ~{human_bytes(nbytes)}", highlight=False)
-    _report_cut(cut, None)
+    report_cut(cut, None)
 
 
 def _summary(splits: list[Any]) -> list[tuple[str, int, int]]:
@@ -291,10 +280,10 @@ def read_cmd(
     import pyarrow.parquet as pq
 
     import tierstream
+    from tierstream.client import Admin
     from tierstream.local import run_splits
+    from tierstream.message_format import OUTPUT_SCHEMA, as_output_batch
     from tierstream.readers.stats import ReadStats
-    from tierstream.schema import OUTPUT_SCHEMA, as_output_batch
-    from tierstream.store.client import Admin
 
     if out_path.suffix != ".parquet":
         raise ConfigError(f"--out {str(out_path)!r} must end in .parquet")
@@ -303,7 +292,7 @@ def read_cmd(
                           "written)")
     if not out_path.parent.exists():
         raise ConfigError(f"--out directory {str(out_path.parent)!r} does not exist")
-    ca = _use_tls_ca(tls_ca)
+    ca = use_tls_ca(tls_ca)
     kwargs = _query_kwargs(topic, from_, to, key_ranges, max_split_bytes, reader,
                            fail_on_data_loss, data_dir, broker, auth_token)
     window = None
@@ -350,197 +339,4 @@ def read_cmd(
                   "(--mode DROPMALFORMED)", highlight=False)
     err.print(f"wrote {rows:,} rows ({human_bytes(nbytes)} in memory) to {out_path} in "
               f"{seconds:.2f}s", highlight=False)
-    _report_cut(cut, cut_out)
-
-
-def _use_tls_ca(tls_ca: str | None) -> bytes | None:
-    """The CA of --tls-ca, read once; also made the default of every client this command
-    opens (the option table reads TIERSTREAM_TLS_CA)."""
-    import os
-
-    from tierstream.store.security import read_pem
-
-    if tls_ca is None:
-        return None
-    pem = read_pem(tls_ca, "--tls-ca")
-    os.environ["TIERSTREAM_TLS_CA"] = tls_ca
-    return pem
-
-
-def _report_cut(cut: Any, cut_out: Path | None) -> None:
-    """Print the end cut (and write it to ``cut_out``): where a next read starts."""
-    if cut is None:
-        return
-    if cut_out is not None:
-        write_cut(cut, cut_out)
-        err.print(f"end cut written to {cut_out} (continue with --from @{cut_out})",
-                  highlight=False)
-    err.print(f"end cut: {cut.to_json()}", highlight=False, soft_wrap=True)
-
-
-@app.command()
-def backfill(
-    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
-    out_path: Annotated[str, typer.Option("--out", help="Output directory, new.")],
-    from_: FromOpt = "earliest",
-    to: ToOpt = "latest",
-    format_: Annotated[str, typer.Option(
-        "--format", help="parquet (files in --out) or iceberg (a table at --out).")]
-        = "parquet",
-    table: Annotated[str | None, typer.Option(
-        help="Iceberg table name, namespace.name [default: backfill.<topic>].")] = None,
-    catalog_uri: Annotated[str | None, typer.Option(
-        help="Iceberg catalog (SQLAlchemy URI) [default: sqlite in --out/catalog.db].")]
-        = None,
-    key_ranges: KeyRangesOpt = 1,
-    max_split_bytes: SplitBytesOpt = None,
-    reader: ReaderOpt = None,
-    fail_on_data_loss: LossOpt = True,
-    cut_out: CutOutOpt = None,
-    value_format: ValueFormatOpt = "raw",
-    mode: ModeOpt = "FAILFAST",
-    data_dir: DataDirOpt = Path(DEFAULT_DATA_DIR),
-    broker: BrokerOpt = DEFAULT_BROKER_URL,
-    auth_token: TokenOpt = None,
-    tls_ca: TlsCaOpt = None,
-) -> None:
-    """Run the backfill on Spark: a bounded read of the topic, written as Parquet files or
-    as an Iceberg table. Nothing is left behind if it fails. Prints the end cut, from which
-    `tail --from` continues with no gap and no duplicate.
-
-    Example: tierstream backfill acme/web/clicks --from 2026-11-01 --to 2026-11-08
-    --out ./clicks-week --key-ranges 4 --format iceberg
-    """
-    from tierstream.spark_adapter.jobs import backfill as run_backfill
-    from tierstream.spark_adapter.jobs import local_spark
-
-    options = {"topic": topic, "dataDir": str(data_dir), "broker": broker,
-               "keyRanges": str(key_ranges),
-               "failOnDataLoss": "true" if fail_on_data_loss else "false",
-               "valueFormat": value_format, "mode": mode}
-    from tierstream.store.client import Admin
-
-    ca = _use_tls_ca(tls_ca)
-    if tls_ca is not None:
-        options["tlsCa"] = tls_ca
-    start = parse_bound(from_, "--from", topic)
-    end = parse_bound(to, "--to", topic)
-    with Admin(broker, auth_token=auth_token, tls_ca=ca) as admin:
-        cut = end_cut(admin, topic, end)
-    options.update(spark_bound(start, "--from", "starting", "backfill"))
-    options.update(spark_bound(end if cut is None else cut, "--to", "ending", "backfill"))
-    if max_split_bytes is not None:
-        from tierstream.options import parse_size
-
-        options["maxSplitBytes"] = str(parse_size(max_split_bytes, what="--max-split-bytes"))
-    if reader is not None:
-        options["reader"] = reader
-    if auth_token:
-        options["authToken"] = auth_token
-    from tierstream.spark_adapter.jobs import check_target
-
-    check_target(out_path, format=format_, table=table, catalog_uri=catalog_uri)
-    spark = local_spark("tierstream-backfill")
-    try:
-        with progress_bar(True) as progress:
-            task = progress.add_task("spark tasks", total=None)
-            result = run_backfill(spark, options, out_path, format=format_, table=table,
-                                  catalog_uri=catalog_uri,
-                                  progress=lambda d, t: progress.update(task, completed=d,
-                                                                        total=t))
-    finally:
-        spark.stop()
-    summary = ", ".join(f"{k}: {v}" for k, v in sorted(result.splits_by_reader.items()))
-    rate = result.rows / result.seconds if result.seconds else 0.0
-    out.print(f"backfill of {topic}: {result.rows:,} rows in {result.seconds:.1f}s "
-              f"({rate:,.0f} rows/s); splits {summary or 'none'}; read "
-              f"~{human_bytes(result.bytes_read)} of log, wrote "
-              f"{human_bytes(result.bytes_written)} -> {result.out}", highlight=False)
-    err.print(f"read paths: {result.read_stats.summary()}", highlight=False)
-    if result.table is not None:
-        out.print(f"Iceberg table {result.table} in {result.catalog_uri}; read it with "
-                  f"SqlCatalog('default', uri='{result.catalog_uri}').load_table('{result.table}')"
-                  f" or spark.read.parquet('{result.out}/data')", highlight=False)
-    _report_cut(cut, cut_out)
-
-
-@app.command("tail")
-def tail_cmd(
-    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
-    out_path: Annotated[str, typer.Option(
-        "--out", help="Output directory: Parquet files, or the Iceberg table's location.")],
-    checkpoint: Annotated[str, typer.Option(help="Checkpoint directory (restarts continue "
-                                                 "exactly from it).")],
-    format_: Annotated[str, typer.Option(
-        "--format", help="parquet (Spark's file sink) or iceberg (one table commit per "
-                         "micro-batch, idempotent by batch id).")] = "parquet",
-    table: Annotated[str | None, typer.Option(
-        help="Iceberg table name, namespace.name [default: tail.<topic>].")] = None,
-    catalog_uri: Annotated[str | None, typer.Option(
-        help="Iceberg catalog (SQLAlchemy URI) [default: sqlite in --out/catalog.db].")]
-        = None,
-    from_: FromOpt = "latest",
-    available_now: Annotated[bool, typer.Option(
-        "--available-now", help="Write what is there now (in micro-batches), then stop.")]
-        = False,
-    max_records_per_trigger: Annotated[int | None, typer.Option(
-        help="At most this many messages per micro-batch.")] = None,
-    subscription: Annotated[str | None, typer.Option(
-        help="Durable cursor the stream advances [default: derived from --checkpoint, so "
-             "each query has its own].")] = None,
-    key_ranges: KeyRangesOpt = 1,
-    data_dir: DataDirOpt = Path(DEFAULT_DATA_DIR),
-    broker: BrokerOpt = DEFAULT_BROKER_URL,
-    auth_token: TokenOpt = None,
-    tls_ca: TlsCaOpt = None,
-) -> None:
-    """Run a Structured Streaming read of the topic into Parquet or Iceberg until stopped.
-
-    With --format parquet, only readers that honour Spark's _spark_metadata log (Spark)
-    see each message once: a batch killed mid-write leaves files that pyarrow or DuckDB
-    count. --format iceberg commits each micro-batch to the table once, so every Iceberg
-    reader sees each message once.
-
-    Example: tierstream tail acme/web/clicks --out ./clicks-live --checkpoint ./ckpt
-    """
-    from tierstream.spark_adapter.jobs import checkpoint_subscription, local_spark
-    from tierstream.spark_adapter.jobs import tail as run_tail
-
-    options = {"topic": topic, "dataDir": str(data_dir), "broker": broker,
-               "keyRanges": str(key_ranges),
-               "subscription": subscription or checkpoint_subscription(checkpoint),
-               **spark_bound(parse_bound(from_, "--from", topic), "--from", "starting", "tail")}
-    if max_records_per_trigger is not None:
-        options["maxRecordsPerTrigger"] = str(max_records_per_trigger)
-    if auth_token:
-        options["authToken"] = auth_token
-    if _use_tls_ca(tls_ca) is not None:
-        options["tlsCa"] = str(tls_ca)
-    from tierstream.store.client import Admin
-
-    def on_batch(batch_id: int, rows: int, progress: dict[str, Any]) -> None:
-        err.print(f"micro-batch {batch_id}: {rows:,} rows; {_lag(admin, topic, sub)}",
-                  highlight=False)
-
-    sub = options["subscription"]
-    spark = local_spark("tierstream-tail")
-    try:
-        with Admin(broker, auth_token=auth_token) as admin:
-            batches = run_tail(spark, options, out_path, checkpoint,
-                               available_now=available_now, on_batch=on_batch,
-                               format=format_, table=table, catalog_uri=catalog_uri)
-    finally:
-        spark.stop()
-    out.print(f"tail of {topic}: {batches} micro-batch(es) with rows -> {out_path}",
-              highlight=False)
-
-
-def _lag(admin: Any, topic: str, subscription: str) -> str:
-    """How far the stream's cursor is behind the log, per partition (from the broker)."""
-    try:
-        rows = [r for r in admin.subscriptions(topic) if r["subscription"] == subscription]
-    except TierstreamError as exc:
-        return f"lag unknown ({exc})"
-    behind = sum(r["backlog"] for r in rows)
-    parts = ", ".join(f"p{r['partition']} {r['backlog']:,}" for r in rows)
-    return f"behind: {behind:,} message(s) ({parts or 'no cursor yet'})"
+    report_cut(cut, cut_out)

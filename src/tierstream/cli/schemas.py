@@ -46,7 +46,7 @@ def schema_set(
 
     Example: tierstream schema set acme/shop/orders --type avro --file order.avsc
     """
-    from tierstream.store.client import Admin
+    from tierstream.client import Admin
 
     definition = _definition(file)
     with Admin(broker, auth_token=auth_token) as admin:
@@ -73,7 +73,7 @@ def schema_get(
     """
     import json
 
-    from tierstream.store.client import Admin
+    from tierstream.client import Admin
 
     with Admin(broker, auth_token=auth_token) as admin:
         info = admin.get_schema(topic, version)
@@ -96,7 +96,7 @@ def schema_list(
 
     Example: tierstream schema list acme/shop/orders
     """
-    from tierstream.store.client import Admin
+    from tierstream.client import Admin
 
     with Admin(broker, auth_token=auth_token) as admin:
         rule, versions = admin.list_schemas(topic)
@@ -121,7 +121,7 @@ def schema_check(
 
     Example: tierstream schema check acme/shop/orders --type avro --file order-v2.avsc
     """
-    from tierstream.store.client import Admin
+    from tierstream.client import Admin
 
     with Admin(broker, auth_token=auth_token) as admin:
         reason = admin.check_schema(topic, type_, _definition(file))

@@ -34,7 +34,7 @@ def topic_create(
 
     Example: tierstream topic create acme/web/clicks --partitions 4 --retention 30d
     """
-    from tierstream.store.client import Admin
+    from tierstream.client import Admin
     from tierstream.timeutil import parse_duration_ms
 
     retention_ms = None if retention is None else parse_duration_ms(retention,
@@ -68,7 +68,7 @@ def topic_delete(
 
     Example: tierstream topic delete acme/web/huge --yes
     """
-    from tierstream.store.client import Admin
+    from tierstream.client import Admin
 
     if not yes:
         if not sys.stdin.isatty():
@@ -93,7 +93,7 @@ def topic_set(
 
     Example: tierstream topic set acme/web/clicks --retention 30d
     """
-    from tierstream.store.client import Admin
+    from tierstream.client import Admin
     from tierstream.timeutil import parse_duration_ms
 
     retention_ms = None if retention.strip().lower() == "none" else parse_duration_ms(
@@ -114,8 +114,8 @@ def topic_get(
 
     Example: tierstream topic get acme/web/clicks
     """
+    from tierstream.client import Admin
     from tierstream.errors import NotFoundError
-    from tierstream.store.client import Admin
 
     with Admin(broker, auth_token=auth_token) as admin:
         record = admin.get_topic(topic)
@@ -142,7 +142,7 @@ def topic_list(
 
     Example: tierstream topic list --namespace acme/web
     """
-    from tierstream.store.client import Admin
+    from tierstream.client import Admin
 
     with Admin(broker, auth_token=auth_token) as admin:
         topics = admin.list_topics(namespace)

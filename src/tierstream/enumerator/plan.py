@@ -15,10 +15,10 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, overload
 
-from tierstream.schema import KEY_HASH_SLOTS
+from tierstream.message_format import KEY_HASH_SLOTS
+from tierstream.metadata.records import SegmentRecord, SegmentState
 from tierstream.splits.positions import KeyRange, Position
 from tierstream.splits.split import ReaderKind, Split
-from tierstream.store.metadata import SegmentRecord, SegmentState
 
 __all__ = ["PartitionPlan", "Plan", "SegmentPlan", "no_gc"]
 

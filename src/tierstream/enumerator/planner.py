@@ -17,17 +17,12 @@ from typing import Any
 from tierstream.enumerator.plan import PartitionPlan, Plan, SegmentPlan, no_gc
 from tierstream.errors import ConfigError, DataLossError, NotFoundError
 from tierstream.layout import DataDir
+from tierstream.metadata.records import MetadataReader, SegmentRecord, SegmentState, TopicRecord
+from tierstream.metadata.store import MetadataStore
 from tierstream.names import TopicName
 from tierstream.schemas.model import SchemaInfo
 from tierstream.splits.positions import KeyRange, Offset, OffsetKind, Position
 from tierstream.splits.split import ReaderKind, Replica, StreamCut, TierLocation
-from tierstream.store.metadata import (
-    MetadataReader,
-    MetadataStore,
-    SegmentRecord,
-    SegmentState,
-    TopicRecord,
-)
 from tierstream.timeutil import format_ms
 
 __all__ = ["Enumerator", "Query"]
@@ -87,7 +82,7 @@ class Enumerator:
             self.metadata = MetadataStore(local, read_only=True)  # the fast path
             self.metadata_source = f"local file {local}"
         elif broker is not None:  # another host: the same reads, answered by the broker
-            from tierstream.store.remote_metadata import BrokerMetadata
+            from tierstream.client.remote_metadata import BrokerMetadata
 
             self.metadata = BrokerMetadata(broker, auth_token=auth_token, tls_ca=tls_ca)
             self.metadata_source = f"broker {broker}"
@@ -132,7 +127,7 @@ class Enumerator:
 
     def latest_cut(self, topic: str) -> StreamCut:
         """The broker's last confirmed positions, as an exclusive end cut."""
-        from tierstream.store.client import Admin
+        from tierstream.client import Admin
 
         if self.broker is None:
             raise ConfigError("resolving 'latest' needs a broker address (option 'broker')")

@@ -11,7 +11,7 @@ from tierstream.splits.positions import Position
 from tierstream.splits.split import Cuts, StreamCut
 
 if TYPE_CHECKING:
-    from tierstream.store.admin import Admin
+    from tierstream.client.admin import Admin
 
 __all__ = ["GUESS_BYTES_PER_MESSAGE", "advance_cuts", "bytes_per_message", "count_between",
            "earliest_cut"]

@@ -2,7 +2,7 @@
 
 :func:`open_reader` picks the reader the split names; every reader trims to the split's exact
 bounds (positions, publish time, key range) and yields batches of
-:data:`~tierstream.schema.READ_SCHEMA`, with memory bounded by a few entries or row groups.
+:data:`~tierstream.message_format.READ_SCHEMA`, with memory bounded by a few entries or row groups.
 """
 
 from __future__ import annotations

@@ -26,21 +26,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from tierstream.errors import (
-    AuthError,
-    CorruptionError,
-    NotFoundError,
-    ProtocolError,
-    TierstreamError,
-    UnavailableError,
-)
-from tierstream.readers.stats import BROKER_FALLBACK, ENDPOINT, LOCAL, ReadStats, counted
-from tierstream.readers.trim import trim
-from tierstream.schema import with_topic
-from tierstream.splits.positions import Position
-from tierstream.splits.split import Replica, Split
-from tierstream.store.bookie import ledger_paths
-from tierstream.store.ledger import (
+from tierstream.bookie.ledger import (
     IndexRecord,
     decode_payload,
     entry_range,
@@ -49,8 +35,22 @@ from tierstream.store.ledger import (
     read_index,
     unreadable,
 )
-from tierstream.store.protocol import encode, translate_errors
-from tierstream.store.security import call_headers, client_for
+from tierstream.bookie.storage import ledger_paths
+from tierstream.errors import (
+    AuthError,
+    CorruptionError,
+    NotFoundError,
+    ProtocolError,
+    TierstreamError,
+    UnavailableError,
+)
+from tierstream.message_format import with_topic
+from tierstream.protocol import encode, translate_errors
+from tierstream.readers.stats import BROKER_FALLBACK, ENDPOINT, LOCAL, ReadStats, counted
+from tierstream.readers.trim import trim
+from tierstream.security import call_headers, client_for
+from tierstream.splits.positions import Position
+from tierstream.splits.split import Replica, Split
 
 __all__ = ["read_bookie_split"]
 
@@ -114,7 +114,7 @@ def _current_endpoints(split: Split, replicas: list[Replica], auth_token: str | 
     broker cannot say)."""
     if split.broker is None:
         return None
-    from tierstream.store.admin import Admin
+    from tierstream.client.admin import Admin
 
     try:
         with Admin(split.broker, auth_token=auth_token, tls_ca=tls_ca, timeout=10) as admin:

@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 from fsspec.spec import AbstractBufferedFile
 
 from tierstream.errors import CorruptionError, DataLossError, NotFoundError, UnavailableError
+from tierstream.message_format import with_topic
 from tierstream.readers.stats import (
     BROKER_FALLBACK,
     LOCAL,
@@ -36,9 +37,8 @@ from tierstream.readers.stats import (
     counted,
 )
 from tierstream.readers.trim import trim
-from tierstream.schema import with_topic
 from tierstream.splits.split import Split
-from tierstream.store.tier import TierStorage
+from tierstream.tier.storage import TierStorage
 
 __all__ = ["READ_AHEAD", "leaf_column", "read_tier_split", "selected_row_groups"]
 

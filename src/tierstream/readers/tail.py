@@ -9,13 +9,13 @@ from collections.abc import Iterator
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from tierstream.client import BrokerClient, consume_stream
 from tierstream.errors import ConfigError
 from tierstream.fanin import Cancel
+from tierstream.message_format import with_topic
 from tierstream.readers.trim import trim
-from tierstream.schema import with_topic
 from tierstream.splits.positions import Offset
 from tierstream.splits.split import Split
-from tierstream.store.client import BrokerClient, consume_stream
 
 __all__ = ["read_tail_split"]
 
@@ -24,7 +24,7 @@ def read_tail_split(split: Split, *, auth_token: str | None = None,
                     cancel: Cancel | None = None, reconnect_timeout_ms: int | None = None,
                     tls_ca: bytes | None = None) -> Iterator[pa.RecordBatch]:
     """The split's batches through the broker; a broker restart is ridden out (see
-    :func:`~tierstream.store.client.consume_stream`)."""
+    :func:`~tierstream.client.consume_stream`)."""
     if split.broker is None:
         raise ConfigError(f"split {split.split_id} needs a broker address (option 'broker')")
     end: Offset | None

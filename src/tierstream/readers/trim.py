@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tierstream.schema import key_range_mask
+from tierstream.message_format import key_range_mask
 from tierstream.splits.positions import Position
 from tierstream.splits.split import Split
 

@@ -225,7 +225,7 @@ def _tidy(data_dir: str) -> None:
 
 def _table_name(topic: str) -> str:
     from tierstream.names import TopicName
-    from tierstream.store.catalog import iceberg_identifier
+    from tierstream.tier.catalog import iceberg_identifier
 
     return "_".join(iceberg_identifier(TopicName.parse(topic))).replace("-", "_")
 

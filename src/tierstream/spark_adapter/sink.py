@@ -1,5 +1,5 @@
 """The sink: ``df.write.format("tierstream")`` and ``df.writeStream.format("tierstream")``,
-exactly once through two-phase commit (store/transactions.py).
+exactly once through two-phase commit (broker/transaction_coordinator.py).
 
 Each task attempt stages its rows as one transaction that no reader sees and returns its id;
 the driver commits the batch's transactions in one step, idempotent by (sink id, batch id):
@@ -42,9 +42,9 @@ from pyspark.sql.datasource import (
 )
 
 from tierstream.errors import ConfigError
+from tierstream.faults import crash_point
 from tierstream.names import TopicName
 from tierstream.options import parse_options, topic_from_path
-from tierstream.store.faults import crash_point
 
 __all__ = ["SinkOptions", "TierstreamBatchWriter", "TierstreamStreamWriter", "TxnMessage",
            "check_sink_schema", "check_sink_topic"]
@@ -75,7 +75,7 @@ class SinkOptions:
 
     @classmethod
     def parse(cls, raw: dict[str, str]) -> SinkOptions:
-        from tierstream.store.security import read_pem
+        from tierstream.security import read_pem
 
         opts = parse_options(raw, scope="write")
         topic = topic_from_path(opts)  # df.write.format("tierstream").save("a/b/c")
@@ -89,7 +89,7 @@ class SinkOptions:
 
     def admin(self) -> Any:
         """An admin client of the sink's broker (close it: ``with options.admin() as a:``)."""
-        from tierstream.store.admin import Admin
+        from tierstream.client.admin import Admin
 
         return Admin(self.broker, auth_token=self.auth_token, tls_ca=self.tls_ca)
 
@@ -171,7 +171,7 @@ def _produce_columns(batch: pa.RecordBatch) -> pa.Table:
 def write_task(options: SinkOptions, batches: Iterator[pa.RecordBatch], sink_id: str | None,
                batch_id: int | None) -> TxnMessage:
     """Executor: stage this task's rows as one transaction (prepared: durable, invisible)."""
-    from tierstream.store.transaction import Transaction
+    from tierstream.client.transaction import Transaction
 
     txn = Transaction(broker=options.broker, auth_token=options.auth_token,
                       tls_ca=options.tls_ca, sink=sink_id, batch=batch_id)
@@ -204,7 +204,7 @@ def write_task(options: SinkOptions, batches: Iterator[pa.RecordBatch], sink_id:
 def commit_batch(options: SinkOptions, messages: list[Any], sink_id: str | None,
                  batch_id: int) -> dict[str, Any] | None:
     """Driver: commit the batch's transactions at once (idempotent by sink and batch)."""
-    from tierstream.store.retry import reconnect_timeout_s, with_reconnect
+    from tierstream.client.retry import reconnect_timeout_s, with_reconnect
 
     txns = _txn_ids(messages)
     if sink_id is None:

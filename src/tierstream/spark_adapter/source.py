@@ -7,7 +7,7 @@ import itertools
 import logging
 import os
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -17,19 +17,13 @@ from pyspark.accumulators import AccumulatorParam
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from tierstream.errors import ConfigError
+from tierstream.message_format import OUTPUT_DDL, OUTPUT_SCHEMA, as_output_batch, spark_ddl
 from tierstream.read_options import ReadOptions
 from tierstream.readers.stats import ReadStats
-from tierstream.schema import OUTPUT_DDL, OUTPUT_SCHEMA, as_output_batch, spark_ddl
-from tierstream.schemas.codec import Decoder, decode_batches, decoded_schema
+from tierstream.schemas.codec import Decoder, decoded_schema
+from tierstream.spark_adapter.partitions import read_partition, spark_partitions
 from tierstream.splits.positions import Offset
-from tierstream.splits.split import (
-    Cuts,
-    Split,
-    StreamCut,
-    chains,
-    splits_from_json,
-    splits_to_json,
-)
+from tierstream.splits.split import Cuts, Split, StreamCut
 
 __all__ = [
     "PUSHDOWN_CONF",
@@ -53,76 +47,12 @@ _PUSHDOWN_LEAKS = tuple(int(x) for x in _PYSPARK_VERSION.split(".")[:2] if x.isd
 #: Spark's switch for Python data sources' filter pushdown (off by default in Spark).
 PUSHDOWN_CONF = "spark.sql.python.filterPushdown.enabled"
 
-#: The DataFrame schema: publish/event time as Spark timestamps, the rest as in schema.py.
+#: The DataFrame schema: publish/event time as Spark timestamps, the rest as in message_format.py.
 SPARK_SCHEMA = OUTPUT_DDL
 
-#: Spark's Arrow schema is the output schema every command writes (schema.py).
+#: Spark's Arrow schema is the output schema every command writes (message_format.py).
 SPARK_ARROW_SCHEMA = OUTPUT_SCHEMA
 to_spark_batch = as_output_batch
-
-
-#: Rows per batch handed to Spark: readers yield what they decode (a tier row group can be
-#: 1,024 rows), and Spark pays per batch, so small ones are joined up to this.
-SPARK_BATCH_ROWS = 8192
-
-
-def spark_batches(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    """Reader batches as Spark batches of about SPARK_BATCH_ROWS rows, in order."""
-    pending: list[pa.RecordBatch] = []
-    rows = 0
-    for batch in batches:
-        if batch.num_rows >= SPARK_BATCH_ROWS and not pending:
-            yield to_spark_batch(batch)
-            continue
-        pending.append(batch)
-        rows += batch.num_rows
-        if rows >= SPARK_BATCH_ROWS:
-            yield to_spark_batch(pa.concat_batches(pending))
-            pending, rows = [], 0
-    if pending:
-        yield to_spark_batch(pa.concat_batches(pending))
-
-
-def read_partition(options: ReadOptions, partition: InputPartition, stats: Any = None,
-                   decoder: Decoder | None = None) -> Iterator[pa.RecordBatch]:
-    """One Spark partition's rows (batch or stream): its split, read where it lives. With
-    ``stats`` (a Spark accumulator of ReadStats), what went which way is added to it; with
-    ``decoder`` (valueFormat=auto), values are decoded as the declared schema says."""
-    from tierstream.readers import open_reader
-
-    if partition.value is None:  # Spark's stand-in when the plan has no split
-        return
-    counts = ReadStats() if stats is not None else None
-
-    def batches() -> Iterator[pa.RecordBatch]:
-        for split in partition_splits(partition.value):  # a chain: in log order
-            yield from open_reader(split, auth_token=options.auth_token, tls_ca=options.tls_ca,
-                                   reconnect_timeout_ms=options.reconnect_timeout_ms,
-                                   stats=counts)
-
-    if decoder is None:
-        yield from spark_batches(batches())
-    else:
-        yield from decode_batches(spark_batches(batches()), decoder, options.mode,
-                                  options.topics[0])
-    if stats is not None:
-        stats.add(counts)
-
-
-def spark_partitions(splits: list[Split], partitioning: str) -> list[InputPartition]:
-    """Spark partitions of a plan: one per split (``splits``), or one per chain of splits of
-    a (topic, partition, key range) in log order (``key-ranges``: every key in one Spark
-    partition per topic partition, its messages in order; see splits.split.chains)."""
-    if partitioning == "key-ranges":
-        return [InputPartition(splits_to_json(chain)) for chain in chains(splits)]
-    return [InputPartition(split.to_json()) for split in splits]
-
-
-def partition_splits(value: str) -> list[Split]:
-    """The splits of one Spark partition's value: one split, or a chain (a JSON list)."""
-    if value.startswith("["):
-        return splits_from_json(value, what="Spark partition")
-    return [Split.from_json(value)]
 
 
 class TierstreamDataSource(DataSource):

@@ -30,6 +30,8 @@ from pyspark.sql.streaming.datasource import (
     SupportsTriggerAvailableNow,
 )
 
+from tierstream.client.admin import Admin
+from tierstream.client.retry import with_reconnect
 from tierstream.enumerator.streaming import (
     advance_cuts,
     bytes_per_message,
@@ -37,10 +39,9 @@ from tierstream.enumerator.streaming import (
     earliest_cut,
 )
 from tierstream.errors import ConfigError
+from tierstream.spark_adapter.partitions import read_partition, spark_partitions
 from tierstream.splits.positions import Offset, OffsetKind
 from tierstream.splits.split import Cuts, Split, StreamCut, cuts_from_dict, cuts_to_dict
-from tierstream.store.admin import Admin
-from tierstream.store.retry import with_reconnect
 
 if TYPE_CHECKING:  # source.py imports this module: only the type, no import cycle
     from tierstream.read_options import ReadOptions
@@ -197,13 +198,9 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
                     end=finish[topic], key_ranges=s.key_ranges,
                     max_split_bytes=s.max_split_bytes, reader=s.reader,
                     fail_on_data_loss=s.fail_on_data_loss, time_from=time_from)))
-        from tierstream.spark_adapter.source import spark_partitions
-
         return spark_partitions(splits, s.partitioning or "key-ranges")
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        from tierstream.spark_adapter.source import read_partition
-
         return read_partition(self.settings, partition, decoder=self.decoder)
 
     def commit(self, end: dict[str, Any]) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierstream.errors import ConfigError
-from tierstream.schema import KEY_HASH_SLOTS
+from tierstream.message_format import KEY_HASH_SLOTS
 
 __all__ = ["KeyRange", "Offset", "OffsetKind", "Position"]
 

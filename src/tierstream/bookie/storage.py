@@ -1,0 +1,380 @@
+"""A bookie: a storage node that only stores. One directory, one ledger file pair per segment.
+
+A ledger's files are created by its first append, and at most ``max_open`` ledgers hold file
+descriptors at a time (least recently written ones give theirs up), so the number of
+partitions is not bounded by the process's file descriptor limit.
+
+Writes go through one group-commit thread per bookie: it takes every append that is waiting,
+writes them, fsyncs each touched ledger once, and only then completes their futures, so
+concurrent producers share fsyncs. Reads verify every frame and never go through that thread.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from tierstream.bookie.ledger import (
+    INDEX_RECORD,
+    IndexRecord,
+    encode_frame,
+    frame_length,
+    read_frame,
+    read_index,
+    scan_frames,
+)
+from tierstream.durable import fsync_dir
+from tierstream.errors import CorruptionError, NotFoundError
+
+__all__ = ["Bookie", "RecoveredLedger", "ledger_paths"]
+
+
+def ledger_paths(bookie_dir: str | Path, segment_id: int) -> tuple[Path, Path]:
+    """(log, index) paths of ``segment_id`` under a bookie directory."""
+    base = Path(bookie_dir) / "ledgers" / f"{segment_id // 1000:06d}"
+    return base / f"{segment_id}.log", base / f"{segment_id}.idx"
+
+
+@dataclass
+class _OpenLedger:
+    """A ledger open for appends. Its files are created by the first append and its file
+    descriptors are opened on demand: at most ``max_open`` ledgers of a bookie hold them."""
+
+    segment_id: int
+    log_fd: int | None = None
+    idx_fd: int | None = None
+    offset: int = 0
+    records: list[IndexRecord] = field(default_factory=list)
+    created: bool = False
+
+
+@dataclass
+class _Append:
+    segment_id: int
+    entry_id: int
+    meta: dict[str, Any]
+    payload: pa.Buffer
+    messages: int
+    first_pt: int
+    last_pt: int
+    future: Future[IndexRecord]
+
+
+@dataclass(frozen=True)
+class RecoveredLedger:
+    """What recovery found in one replica: the valid entries and the frames' metadata."""
+
+    bookie_id: str
+    records: list[IndexRecord]
+    metas: list[dict[str, Any]]
+    cut_bytes: int
+
+
+class Bookie:
+    """A storage node rooted at ``root``. ``fsync=False`` is for tests and benchmarks only."""
+
+    def __init__(self, bookie_id: str, root: str | Path, *, fsync: bool = True,
+                 max_open: int = 512) -> None:
+        self.bookie_id = bookie_id
+        self.root = Path(root)
+        self.fsync = fsync
+        self.max_open = max_open
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._open: dict[int, _OpenLedger] = {}
+        self._with_fds: OrderedDict[int, _OpenLedger] = OrderedDict()  # LRU, journal thread
+        self._lock = threading.Lock()
+        # None stops the journal thread; a bare Future is a flush marker.
+        self._queue: queue.SimpleQueue[_Append | Future[None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._run, name=f"bookie-{bookie_id}-journal", daemon=True
+        )
+        self._closed = False
+        self.checksum_failures = 0
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"Bookie(id={self.bookie_id!r}, root={str(self.root)!r})"
+
+    # -- write side ---------------------------------------------------------------------------
+
+    def create_ledger(self, segment_id: int) -> None:
+        """Open a new ledger for appending. No file is created and no descriptor held until
+        its first append: a broker with many idle partitions holds no files for them."""
+        with self._lock:
+            self._open.setdefault(segment_id, _OpenLedger(segment_id))
+
+    def _fds(self, ledger: _OpenLedger, busy: set[int]) -> tuple[int, int]:
+        """The ledger's descriptors, opened (and its files created) if needed; the least
+        recently used ledgers not in ``busy`` give theirs up (journal thread, lock held)."""
+        if ledger.log_fd is None or ledger.idx_fd is None:
+            log_path, idx_path = ledger_paths(self.root, ledger.segment_id)
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+            ledger.log_fd = os.open(log_path, flags, 0o644)
+            ledger.idx_fd = os.open(idx_path, flags, 0o644)
+            ledger.offset = os.fstat(ledger.log_fd).st_size
+            if not ledger.created and self.fsync:
+                fsync_dir(log_path.parent)  # the new files survive a crash
+            ledger.created = True
+        self._with_fds[ledger.segment_id] = ledger
+        self._with_fds.move_to_end(ledger.segment_id)
+        for sid in list(self._with_fds):
+            if len(self._with_fds) <= self.max_open:
+                break
+            if sid not in busy:  # written and fsync'd in an earlier group: safe to close
+                _close_fds(self._with_fds.pop(sid))
+        return ledger.log_fd, ledger.idx_fd
+
+    def append(
+        self,
+        segment_id: int,
+        entry_id: int,
+        meta: dict[str, Any],
+        payload: pa.Buffer,
+        messages: int,
+        first_pt: int,
+        last_pt: int,
+    ) -> Future[IndexRecord]:
+        """Queue an entry; the future completes once it is written (and fsync'd)."""
+        fut: Future[IndexRecord] = Future()
+        if self._closed:
+            fut.set_exception(NotFoundError(f"bookie {self.bookie_id} is closed"))
+            return fut
+        self._queue.put(_Append(segment_id, entry_id, meta, payload, messages, first_pt, last_pt,
+                                fut))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            group: list[_Append] = []
+            markers: list[Future[None]] = []
+            item: _Append | Future[None] | None = first
+            while item is not None:
+                if isinstance(item, _Append):
+                    group.append(item)
+                else:
+                    markers.append(item)
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            if group:
+                self._write_group(group)
+            for marker in markers:
+                marker.set_result(None)
+            if item is None:
+                return
+
+    def _write_group(self, group: list[_Append]) -> None:
+        done: list[tuple[_Append, IndexRecord]] = []
+        touched: dict[int, int] = {}  # segment id -> log fd to sync
+        busy = {req.segment_id for req in group}
+        for req in group:
+            try:
+                with self._lock:
+                    ledger = self._open.get(req.segment_id)
+                    if ledger is None:
+                        raise NotFoundError(f"ledger {req.segment_id} is not open on "
+                                            f"{self.bookie_id}")
+                    log_fd, idx_fd = self._fds(ledger, busy)
+                pieces = encode_frame(req.segment_id, req.entry_id, req.meta, req.payload)
+                length = frame_length(pieces)
+                written = os.writev(log_fd, pieces)
+                if written != length:
+                    raise OSError(f"short write to ledger {req.segment_id}: {written} of {length}")
+                rec = IndexRecord(req.entry_id, ledger.offset, length, req.messages, req.first_pt,
+                                  req.last_pt)
+                os.write(idx_fd, rec.pack())
+                ledger.offset += length
+                touched[req.segment_id] = log_fd
+                done.append((req, rec))
+            except Exception as exc:
+                req.future.set_exception(exc)
+        try:
+            if self.fsync:
+                for fd in touched.values():
+                    os.fdatasync(fd)
+        except OSError as exc:
+            for req, _ in done:
+                req.future.set_exception(exc)
+            return
+        for req, rec in done:
+            with self._lock:
+                ledger = self._open.get(req.segment_id)
+                if ledger is not None:
+                    ledger.records.append(rec)
+            req.future.set_result(rec)
+
+    def seal_ledger(self, segment_id: int, last_entry_id: int | None) -> None:
+        """Make the ledger read-only at ``last_entry_id`` (None: empty) and fsync both files.
+
+        Entries after ``last_entry_id`` (written, never acknowledged) are cut off.
+        """
+        self.flush()
+        with self._lock:
+            ledger = self._open.pop(segment_id, None)
+            if ledger is not None:
+                self._with_fds.pop(segment_id, None)
+        if ledger is None:
+            return
+        if not ledger.created:
+            return  # never written: there are no files to seal
+        keep = [r for r in ledger.records if last_entry_id is not None and
+                r.entry_id <= last_entry_id]
+        end = keep[-1].frame_offset + keep[-1].frame_len if keep else 0
+        _close_fds(ledger)
+        for path, size in zip(ledger_paths(self.root, segment_id),
+                              (end, len(keep) * INDEX_RECORD.size), strict=True):
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                os.ftruncate(fd, size)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def discard_ledger(self, segment_id: int) -> None:
+        """Stop appending to a ledger without sealing it (its topic is being deleted)."""
+        self.flush()
+        with self._lock:
+            ledger = self._open.pop(segment_id, None)
+            self._with_fds.pop(segment_id, None)
+        if ledger is not None:
+            _close_fds(ledger)
+
+    def flush(self) -> None:
+        """Wait until every append queued so far has been written."""
+        if self._closed or threading.current_thread() is self._thread:
+            return
+        marker: Future[None] = Future()
+        self._queue.put(marker)
+        marker.result()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+        with self._lock:
+            ledgers = list(self._open.values())
+            self._open.clear()
+            self._with_fds.clear()
+        for ledger in ledgers:
+            _close_fds(ledger)
+
+    # -- read side ----------------------------------------------------------------------------
+
+    def index(self, segment_id: int) -> list[IndexRecord]:
+        """Index records of a ledger: live for an open ledger, from the file for a sealed one."""
+        with self._lock:
+            ledger = self._open.get(segment_id)
+            if ledger is not None:
+                return list(ledger.records)
+        _, idx_path = ledger_paths(self.root, segment_id)
+        if not idx_path.exists():
+            raise NotFoundError(f"ledger {segment_id} has no index on bookie {self.bookie_id}")
+        return read_index(idx_path)
+
+    def open_reader(self, segment_id: int) -> LedgerReader:
+        """A reader of one ledger's frames; close it when done. Raises NotFoundError."""
+        return LedgerReader(self, segment_id)
+
+    def read_entries(
+        self, segment_id: int, records: list[IndexRecord]
+    ) -> Iterator[tuple[IndexRecord, pa.Buffer]]:
+        """Read and verify the given entries, in order. Raises CorruptionError on a bad frame."""
+        reader = self.open_reader(segment_id)
+        try:
+            for rec in records:
+                yield rec, reader.read(rec)
+        finally:
+            reader.close()
+
+    # -- recovery -----------------------------------------------------------------------------
+
+    def recover_ledger(self, segment_id: int) -> RecoveredLedger:
+        """Scan a ledger left open by a crash: the valid prefix of frames (torn tail excluded)."""
+        log_path, _ = ledger_paths(self.root, segment_id)
+        if not log_path.exists():
+            return RecoveredLedger(self.bookie_id, [], [], 0)
+        frames, valid = scan_frames(log_path, segment_id)
+        cut = log_path.stat().st_size - valid
+        return RecoveredLedger(self.bookie_id, [f.record for f in frames],
+                               [f.meta for f in frames], cut)
+
+    def rewrite_ledger(self, segment_id: int, frames: list[tuple[IndexRecord, bytes]]) -> None:
+        """Replace a ledger's files with exactly ``frames`` (raw frame bytes), fsync'd.
+
+        Used by recovery to cut torn tails and to re-replicate entries a replica missed.
+        """
+        log_path, idx_path = ledger_paths(self.root, segment_id)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp_log, tmp_idx = log_path.with_suffix(".log.tmp"), idx_path.with_suffix(".idx.tmp")
+        offset = 0
+        with open(tmp_log, "wb") as log, open(tmp_idx, "wb") as idx:
+            for rec, raw in frames:
+                log.write(raw)
+                idx.write(IndexRecord(rec.entry_id, offset, len(raw), rec.messages,
+                                      rec.first_publish_time, rec.last_publish_time).pack())
+                offset += len(raw)
+            for f in (log, idx):
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp_log, log_path)
+        os.replace(tmp_idx, idx_path)
+        fsync_dir(log_path.parent)
+
+    def read_raw_frame(self, segment_id: int, rec: IndexRecord) -> bytes:
+        log_path, _ = ledger_paths(self.root, segment_id)
+        with open(log_path, "rb") as f:
+            f.seek(rec.frame_offset)
+            return f.read(rec.frame_len)
+
+    def delete_ledger(self, segment_id: int) -> None:
+        for path in ledger_paths(self.root, segment_id):
+            path.unlink(missing_ok=True)
+
+
+class LedgerReader:
+    """An open ledger file of one bookie: verified reads of single frames, one fd."""
+
+    def __init__(self, bookie: Bookie, segment_id: int) -> None:
+        self._bookie = bookie
+        self.segment_id = segment_id
+        log_path, _ = ledger_paths(bookie.root, segment_id)
+        try:
+            self._fd = os.open(log_path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise NotFoundError(
+                f"ledger {segment_id} is missing on bookie {bookie.bookie_id}"
+            ) from None
+
+    def read(self, rec: IndexRecord) -> pa.Buffer:
+        try:
+            return read_frame(self._fd, self.segment_id, rec, f"bookie {self._bookie.bookie_id}")
+        except CorruptionError:
+            self._bookie.checksum_failures += 1
+            raise
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def _close_fds(ledger: _OpenLedger) -> None:
+    for fd in (ledger.log_fd, ledger.idx_fd):
+        if fd is not None:
+            os.close(fd)
+    ledger.log_fd = ledger.idx_fd = None

@@ -1,0 +1,106 @@
+"""Configuration of the embedded store, built from the option table."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tierstream.errors import ConfigError
+from tierstream.layout import DataDir
+from tierstream.options import parse_options
+from tierstream.tier.storage import TierStorage
+
+__all__ = ["StoreConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreConfig:
+    """Everything the embedded store needs to open. Keyword-only; see ``options.py``."""
+
+    data_dir: Path
+    bookies: int = 1
+    write_quorum: int = 1
+    ack_quorum: int = 1
+    max_entries_per_segment: int = 50_000
+    max_segment_bytes: int = 256 * 1024**2
+    segment_rollover_ms: int = 4 * 3_600_000
+    fsync: bool = True
+    max_partitions_per_topic: int = 1024
+    max_open_ledgers: int = 512
+    tier_url: str | None = None
+    s3_endpoint: str | None = None
+    s3_region: str | None = None
+    catalog_uri: str | None = None
+    tier_layout: str = "key-buckets"
+    offload_after_ms: int | None = None
+    offload_threshold_bytes: int | None = None
+    deletion_lag_ms: int = 10 * 60_000
+    tier_check_interval_ms: int = 30_000
+    transaction_timeout_ms: int = 15 * 60_000
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.write_quorum <= self.bookies:
+            raise ConfigError(
+                f"invalid writeQuorum {self.write_quorum}: must be between 1 and the number of "
+                f"bookies ({self.bookies})"
+            )
+        if not 1 <= self.ack_quorum <= self.write_quorum:
+            raise ConfigError(
+                f"invalid ackQuorum {self.ack_quorum}: must be between 1 and writeQuorum "
+                f"({self.write_quorum})"
+            )
+
+    @classmethod
+    def from_options(cls, raw: Mapping[str, Any] | None = None, **overrides: Any) -> StoreConfig:
+        """Parse ``raw`` (option keys such as ``maxEntriesPerSegment``) through ``options.py``."""
+        opts = parse_options({k: v for k, v in (raw or {}).items() if v is not None},
+                             scope="store")
+        bookies = opts["bookies"]
+        write_quorum = opts["writeQuorum"] or bookies
+        ack_quorum = opts["ackQuorum"] or (write_quorum // 2 + 1)
+        values: dict[str, Any] = dict(
+            data_dir=Path(opts["dataDir"]),
+            bookies=bookies,
+            write_quorum=write_quorum,
+            ack_quorum=ack_quorum,
+            max_entries_per_segment=opts["maxEntriesPerSegment"],
+            max_segment_bytes=opts["maxSegmentBytes"],
+            segment_rollover_ms=opts["segmentRolloverTime"],
+            fsync=opts["fsync"],
+            max_partitions_per_topic=opts["maxPartitionsPerTopic"],
+            max_open_ledgers=opts["maxOpenLedgers"],
+            tier_url=opts["tierUrl"],
+            s3_endpoint=opts["s3Endpoint"],
+            s3_region=opts["s3Region"],
+            catalog_uri=opts["catalogUri"],
+            tier_layout=opts["tierLayout"],
+            offload_after_ms=opts["offloadAfter"],
+            offload_threshold_bytes=opts["offloadThreshold"],
+            deletion_lag_ms=opts["deletionLag"],
+            tier_check_interval_ms=opts["tierCheckInterval"],
+            transaction_timeout_ms=opts["transactionTimeout"],
+        )
+        values.update(overrides)
+        return cls(**values)
+
+    @property
+    def layout(self) -> DataDir:
+        return DataDir.at(self.data_dir)
+
+    @property
+    def metadata_path(self) -> Path:
+        return self.layout.metadata
+
+    def bookie_dir(self, bookie_id: str) -> Path:
+        return self.layout.bookie(bookie_id)
+
+    def tier(self) -> TierStorage:
+        location = self.tier_url or str(self.layout.tier)
+        return TierStorage.from_location(location, s3_endpoint=self.s3_endpoint,
+                                         s3_region=self.s3_region, layout=self.tier_layout)
+
+    @property
+    def catalog(self) -> str:
+        return self.catalog_uri or self.layout.catalog_uri

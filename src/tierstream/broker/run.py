@@ -1,0 +1,131 @@
+"""Running a broker process: check the addresses, open the store, serve the broker and one
+endpoint per bookie until SIGTERM or SIGINT, then shut down cleanly (``tierstream broker
+start``).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+from typing import Any
+
+from tierstream.broker.config import StoreConfig
+from tierstream.broker.server import Broker
+from tierstream.broker.store import Store
+from tierstream.errors import ConfigError, ConflictError
+from tierstream.options import DEFAULT_PORT
+from tierstream.security import require_token, server_tls
+from tierstream.signals import stop_requested
+
+__all__ = ["run_broker", "serve_bookies"]
+
+log = logging.getLogger(__name__)
+
+
+def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
+               auth_token: str | None = None, ready: Any = None, tls_cert: str | None = None,
+               tls_key: str | None = None, bookie_endpoints: bool = True,
+               advertised_address: str | None = None, bookie_port_base: int = 0) -> None:
+    """Open the store, serve until SIGTERM/SIGINT, then shut down cleanly (main thread only).
+
+    With ``bookie_endpoints`` (the default) every bookie also serves its sealed ledgers on an
+    endpoint of its own (port ``bookie_port_base + i`` for bookie i, or any free port when it
+    is 0; same host, token and TLS), registered in metadata under ``advertised_address`` (the
+    host readers on other machines use) or ``host``. ``ready`` is called with the broker URL
+    once it accepts calls.
+    """
+    # checked before anything opens; the servers check (and warn) again as they bind
+    server_tls(tls_cert, tls_key)  # both or neither, readable
+    require_token(host, auth_token=auth_token, what="broker")
+    if isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ConfigError(f"invalid port {port!r}: expected 0..65535 (0: any free port)")
+    if port != 0:
+        _check_port_free(host, port)
+    bookie_ports = [bookie_port_base + i if bookie_port_base else 0
+                    for i in range(config.bookies)] if bookie_endpoints else []
+    if bookie_ports and bookie_port_base and not (bookie_port_base > 0
+                                                  and bookie_ports[-1] <= 65535):
+        raise ConfigError(f"invalid --bookie-port-base {bookie_port_base}: its {config.bookies} "
+                          "bookie port(s) must lie in 1..65535")
+    for p in bookie_ports:
+        if p:
+            _check_port_free(host, p)
+    _raise_file_limit()
+    store = Store(config)
+    endpoints: list[Any] = []
+    try:
+        broker = Broker(store, host=host, port=port, auth_token=auth_token,
+                        tls_cert=tls_cert, tls_key=tls_key)
+        if bookie_endpoints:
+            endpoints = serve_bookies(store, host, auth_token, tls_cert, tls_key,
+                                       advertised_address, bookie_ports)
+    except BaseException:
+        for endpoint in endpoints:
+            endpoint.shutdown()
+        store.close()
+        raise
+    with stop_requested() as stop:
+        try:
+            if ready is not None:
+                ready(broker.url)
+            while not stop.wait(0.5):
+                pass
+        finally:
+            log.info("broker shutting down")
+            store.closing.set()  # ends tail streams so that shutdown does not wait on them
+            broker.shutdown()
+            for endpoint in endpoints:
+                endpoint.shutdown()
+            store.close()
+
+
+def serve_bookies(store: Store, host: str, auth_token: str | None, tls_cert: str | None,
+                   tls_key: str | None, advertised: str | None,
+                   ports: list[int] | None = None) -> list[Any]:
+    """An endpoint per bookie of the store (``ports[i]``, 0: any free), each registered in
+    metadata."""
+    from tierstream.bookie.server import BookieServer, advertised_url
+
+    servers = []
+    try:
+        for i, (bookie_id, bookie) in enumerate(store.bookies.items()):
+            port = ports[i] if ports else 0
+            server = BookieServer(bookie.root, bookie_id=bookie_id, host=host, port=port,
+                                  auth_token=auth_token, tls_cert=tls_cert, tls_key=tls_key)
+            servers.append(server)
+            address = advertised_url(server, advertised)
+            store.metadata.set_bookie_endpoint(bookie_id, address)
+            log.info("bookie %s serves its ledgers at %s", bookie_id, address)
+    except BaseException:
+        for server in servers:
+            server.shutdown()
+        raise
+    return servers
+
+
+def _raise_file_limit() -> None:
+    """Take the hard limit of open files as the soft one: connections, followers and ledger
+    files all need descriptors, and the default soft limit (often 1024) is low for a server."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            log.warning("could not raise the open-file limit from %s to %s", soft, hard)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            # a port in use is the machine's state (exit 1); an address that cannot be bound
+            # here is bad input (exit 2)
+            cls = ConflictError if exc.errno == errno.EADDRINUSE else ConfigError
+            raise cls(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+

@@ -1,0 +1,338 @@
+"""The embedded store: metadata, bookies and one managed ledger per partition.
+
+This is what the broker serves. Opening it recovers from a crash (segments left OPEN are sealed
+at their last durable entry) and opens a fresh segment for every partition.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from tierstream.bookie.storage import Bookie
+from tierstream.broker.config import StoreConfig
+from tierstream.broker.recovery import RecoveryReport, recover_open_segments
+from tierstream.broker.transaction_coordinator import TransactionCoordinator
+from tierstream.errors import ConfigError, ConflictError, StorageError
+from tierstream.faults import crash_point
+from tierstream.managed_ledger.partition_log import PartitionLog
+from tierstream.metadata.records import SegmentRecord, TopicRecord
+from tierstream.metadata.store import MetadataStore
+from tierstream.names import TopicName
+from tierstream.splits.positions import Position
+from tierstream.tier.catalog import TierCatalog
+from tierstream.tier.offload import Offloader
+from tierstream.timeutil import now_ms
+
+__all__ = ["Store"]
+
+log = logging.getLogger(__name__)
+
+
+class Store:
+    """The embedded log store of one data directory. Only one process may open it to write."""
+
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        _prepare_data_dir(config.data_dir)
+        self._lock_file = _lock_data_dir(config)
+        try:
+            self.metadata = MetadataStore(config.metadata_path)
+            self.bookies = {
+                f"bookie-{i}": Bookie(f"bookie-{i}", config.bookie_dir(f"bookie-{i}"),
+                                      fsync=config.fsync, max_open=config.max_open_ledgers)
+                for i in range(config.bookies)
+            }
+        except OSError as exc:
+            _unlock_data_dir(self._lock_file)
+            raise StorageError(f"cannot open the store in {str(config.data_dir)!r}: "
+                               f"{exc.strerror or exc}") from None
+        self.closing = threading.Event()  # set: tail reads end, housekeeping stops
+        self._closed = False
+        self.tier = config.tier()
+        self._offloader: Offloader | None = None
+        self._last_tier_pass = time.monotonic()  # the first pass waits one interval
+        self._rr = itertools.count()
+        self._logs: dict[tuple[str, int], PartitionLog] = {}
+        self._topics_lock = threading.Lock()
+        # A commit shows its entries in every partition under this lock, and the last
+        # confirmed positions of a topic are read under it: a cut has all of a commit or none.
+        self.visibility = threading.Lock()
+        self.purge_deleted_topics()  # a deletion a crash interrupted is finished first
+        self.recovery: list[RecoveryReport] = recover_open_segments(self.metadata, self.bookies)
+        for topic in self.metadata.list_topics():
+            # every partition's new open segment in one metadata transaction
+            opened = self.metadata.new_segments(
+                topic.name, [(p, self._choose_ensemble()) for p in range(topic.partitions)],
+                created_at=now_ms())
+            self._open_topic(topic, opened)
+        self.transactions = TransactionCoordinator(self, timeout_ms=config.transaction_timeout_ms)
+        self.transactions.recover()  # a commit a crash interrupted is finished first
+        self._last_txn_pass = time.monotonic()
+        self._timer = threading.Thread(target=self._housekeeping, name="store-housekeeping",
+                                       daemon=True)
+        self._timer.start()
+
+    def __repr__(self) -> str:
+        return f"Store(data_dir={str(self.config.data_dir)!r}, topics={len(self.topics())})"
+
+    def _choose_ensemble(self) -> tuple[str, ...]:
+        ids = list(self.bookies)
+        start = next(self._rr) % len(ids)
+        return tuple(ids[(start + i) % len(ids)] for i in range(self.config.write_quorum))
+
+    def _open_topic(self, topic: TopicRecord, opened: list[SegmentRecord]) -> None:
+        for seg in opened:
+            self._logs[(topic.name, seg.partition)] = PartitionLog(
+                topic=topic.name, partition=seg.partition, metadata=self.metadata,
+                bookies=self.bookies, choose_ensemble=self._choose_ensemble,
+                ack_quorum=self.config.ack_quorum,
+                max_entries=self.config.max_entries_per_segment,
+                max_bytes=self.config.max_segment_bytes,
+                rollover_ms=self.config.segment_rollover_ms, closing=self.closing,
+                tier=self.tier, open_record=seg,
+            )
+
+    # -- topics -------------------------------------------------------------------------------
+
+    def create_topic(self, name: str, partitions: int, *, retention_ms: int | None = None
+                     ) -> TopicRecord:
+        """Register a topic with its partitions' first segments (one metadata transaction),
+        then serve it. A count over ``maxPartitionsPerTopic`` is refused before anything is
+        registered; if serving fails, the registration is undone."""
+        topic = TopicName.parse(name)
+        limit = self.config.max_partitions_per_topic
+        if isinstance(partitions, int) and not isinstance(partitions, bool) \
+                and partitions > limit:
+            raise ConfigError(
+                f"invalid partition count {partitions} for topic {str(topic)!r}: this broker "
+                f"allows at most {limit} per topic (broker option --max-partitions-per-topic)")
+        with self._topics_lock:
+            record, opened = self.metadata.create_topic(
+                topic, partitions, created_at=now_ms(), retention_ms=retention_ms,
+                ensembles=[self._choose_ensemble() for _ in range(partitions)])
+            crash_point("topic.registered")
+            try:
+                self._open_topic(record, opened)
+            except Exception as exc:
+                for p in range(partitions):
+                    self._logs.pop((record.name, p), None)
+                self.metadata.purge_topic(record.name)
+                raise StorageError(f"cannot serve new topic {record.name!r}, so it was not "
+                                   f"created: {exc}") from None
+        return record
+
+    def delete_topic(self, name: str) -> TopicRecord:
+        """Delete a topic everywhere: metadata, bookies, the tier and its Iceberg table.
+
+        Crash-safe: the topic is first marked deleted (from then on nobody sees it), then its
+        data is removed, then its records; a deletion a crash interrupted is finished when the
+        broker starts again (or at its next tier pass).
+        """
+        topic = TopicName.parse(name)
+        with self._topics_lock:
+            record = self.metadata.get_topic(topic)  # NotFoundError for an unknown topic
+            self.metadata.mark_topic_deleting(record.name, now=now_ms())
+            crash_point("topic.delete-marked")
+            for p in range(record.partitions):
+                plog = self._logs.pop((record.name, p), None)
+                if plog is not None:
+                    plog.discard()
+        self.purge_deleted_topics()
+        return record
+
+    def purge_deleted_topics(self) -> None:
+        """Remove the data and records of topics marked deleted (idempotent)."""
+        for record in self.metadata.topics_being_deleted():
+            try:
+                self._purge(record)
+            except Exception:  # e.g. the tier is unreachable: the next pass finishes it
+                log.exception("could not finish deleting topic %s; will retry", record.name)
+
+    def _purge(self, record: TopicRecord) -> None:
+        segments = self.metadata.segments(record.name)
+        for seg in segments:
+            for b in seg.ensemble:
+                if b in self.bookies:
+                    self.bookies[b].delete_ledger(seg.segment_id)
+        tiered = [u for s in segments for u in (s.tier_url, s.offload_pending_url) if u]
+        if tiered or self._offloader is not None:
+            for url in tiered:
+                self.tier.delete(url)
+            self.tier.delete_topic(TopicName.parse(record.name))
+            self.offloader.catalog.drop(TopicName.parse(record.name))
+        crash_point("topic.data-deleted")
+        self.metadata.purge_topic(record.name)
+        log.info("deleted topic %s (%d segments)", record.name, len(segments))
+
+    def topic(self, name: str) -> TopicRecord:
+        return self.metadata.get_topic(TopicName.parse(name))
+
+    def topics(self, namespace: str | None = None) -> list[TopicRecord]:
+        return self.metadata.list_topics(namespace)
+
+    def partition(self, topic: str, partition: int) -> PartitionLog:
+        name = str(TopicName.parse(topic))
+        plog = self._logs.get((name, partition))
+        if plog is None:
+            record = self.metadata.get_topic(name)  # raises NotFoundError for an unknown topic
+            raise ConfigError(
+                f"invalid partition {partition!r} for topic {name!r}: it has partitions "
+                f"0..{record.partitions - 1}"
+            )
+        return plog
+
+    def all_partitions(self) -> list[PartitionLog]:
+        return list(self._logs.values())
+
+    @property
+    def data_dir(self) -> Path:
+        return Path(self.config.data_dir)
+
+    def partitions(self, topic: str) -> list[PartitionLog]:
+        record = self.topic(topic)
+        return [self._logs[(record.name, p)] for p in range(record.partitions)]
+
+    # -- admin views --------------------------------------------------------------------------
+
+    def segments(self, topic: str) -> list[SegmentRecord]:
+        return [s for plog in self.partitions(topic) for s in plog.segments()]
+
+    def last_confirmed(self, topic: str) -> dict[int, tuple[Position | None, Position]]:
+        logs = self.partitions(topic)
+        with self.visibility:
+            return {plog.partition: plog.last_confirmed() for plog in logs}
+
+    def seal(self, topic: str, partition: int | None = None) -> list[SegmentRecord]:
+        logs = self.partitions(topic) if partition is None else [self.partition(topic, partition)]
+        return [s for s in (plog.seal() for plog in logs) if s is not None]
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "topics": len(self.metadata.list_topics()),
+            "partitions": len(self._logs),
+            "replica_failures": sum(p.replica_failures for p in self._logs.values()),
+            "checksum_failures": {b.bookie_id: b.checksum_failures for b in self.bookies.values()},
+            "recovered_segments": [r.__dict__ for r in self.recovery],
+        }
+
+    # -- tier -------------------------------------------------------------------------------
+
+    @property
+    def offloader(self) -> Offloader:
+        """The offloader, created on first use (it opens the Iceberg catalog)."""
+        if self._offloader is None:
+            self.tier.check()
+            catalog = TierCatalog(self.config.catalog, self.tier)
+            self._offloader = Offloader(self, self.tier, catalog,
+                                        deletion_lag_ms=self.config.deletion_lag_ms)
+        return self._offloader
+
+    def tier_pass(self, now: int | None = None) -> dict[str, int]:
+        """Apply the offload, bookie-deletion and retention policies once, now."""
+        return self.offloader.run_policies(offload_after_ms=self.config.offload_after_ms,
+                                           threshold_bytes=self.config.offload_threshold_bytes,
+                                           now=now)
+
+    def _tier_policies_active(self) -> bool:
+        c = self.config
+        return (c.offload_after_ms is not None or c.offload_threshold_bytes is not None
+                or any(t.retention_ms is not None for t in self.metadata.list_topics())
+                or any(s.tier_url is not None and s.bookie_deleted_at is None
+                       for plog in self._logs.values() for s in plog.closed_segments()))
+
+    def set_retention(self, topic: str, retention_ms: int | None) -> TopicRecord:
+        name = str(TopicName.parse(topic))
+        self.metadata.get_topic(name)
+        self.metadata.set_retention(name, retention_ms)
+        return self.metadata.get_topic(name)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def _housekeeping(self) -> None:
+        interval = min(1.0, self.config.segment_rollover_ms / 4000,
+                       self.config.tier_check_interval_ms / 1000)
+        while not self.closing.wait(interval):
+            for plog in list(self._logs.values()):
+                try:
+                    plog.roll_if_aged()
+                    plog.flush_stats()
+                except Exception:  # keep housekeeping alive; log and go on
+                    log.exception("housekeeping failed for %s/%s", plog.topic, plog.partition)
+            now = time.monotonic()
+            if now - self._last_txn_pass >= min(10.0, self.config.transaction_timeout_ms / 4000):
+                self._last_txn_pass = now
+                try:
+                    self.transactions.expire()
+                except Exception:
+                    log.exception("transaction housekeeping failed; retrying later")
+            if now - self._last_tier_pass >= self.config.tier_check_interval_ms / 1000:
+                self._last_tier_pass = now
+                self.purge_deleted_topics()
+                try:
+                    if self._tier_policies_active():
+                        counts = self.tier_pass()
+                        if any(counts.values()):
+                            log.info("tier pass: %s", counts)
+                except Exception:  # a tier outage must not stop the broker; say so and retry
+                    log.exception("tier pass failed; segments stay readable from bookies")
+
+    def close(self) -> None:
+        """Clean shutdown: seal every open segment, stop the bookies, close the metadata."""
+        if self._closed:
+            return
+        self._closed = True
+        self.closing.set()
+        self._timer.join()
+        for plog in self._logs.values():
+            plog.close()
+        for bookie in self.bookies.values():
+            bookie.close()
+        self.metadata.close()
+        _unlock_data_dir(self._lock_file)
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _prepare_data_dir(path: Path) -> None:
+    """Create the data directory, or say in one line why it cannot be used."""
+    if path.exists() and not path.is_dir():
+        raise StorageError(f"data directory {str(path)!r} exists but is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StorageError(f"cannot create data directory {str(path)!r}: "
+                           f"{exc.strerror or exc}") from None
+
+
+def _lock_data_dir(config: StoreConfig) -> Any:
+    import fcntl
+
+    try:
+        f = open(config.layout.lock, "a+")  # noqa: SIM115 - held until close()
+    except OSError as exc:
+        raise StorageError(f"data directory {str(config.data_dir)!r} is not writable: "
+                           f"{exc.strerror or exc}") from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise ConflictError(
+            f"data directory {str(config.data_dir)!r} is already in use by another broker"
+        ) from None
+    return f
+
+
+def _unlock_data_dir(f: Any) -> None:
+    import fcntl
+
+    fcntl.flock(f, fcntl.LOCK_UN)
+    f.close()

@@ -1,0 +1,203 @@
+"""The Spark jobs of the CLI: ``backfill`` (a bounded read written as Parquet or Iceberg) and
+``tail`` (a Structured Streaming read until stopped)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from tierstream.bounds import end_cut, parse_bound, spark_bound
+from tierstream.cli.common import (
+    BrokerOpt,
+    CutOutOpt,
+    DataDirOpt,
+    FromOpt,
+    KeyRangesOpt,
+    LossOpt,
+    ModeOpt,
+    ReaderOpt,
+    SplitBytesOpt,
+    TlsCaOpt,
+    TokenOpt,
+    ToOpt,
+    ValueFormatOpt,
+    app,
+    err,
+    human_bytes,
+    out,
+    progress_bar,
+    report_cut,
+    use_tls_ca,
+)
+from tierstream.errors import TierstreamError
+from tierstream.options import DEFAULT_BROKER_URL, DEFAULT_DATA_DIR
+
+
+@app.command()
+def backfill(
+    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
+    out_path: Annotated[str, typer.Option("--out", help="Output directory, new.")],
+    from_: FromOpt = "earliest",
+    to: ToOpt = "latest",
+    format_: Annotated[str, typer.Option(
+        "--format", help="parquet (files in --out) or iceberg (a table at --out).")]
+        = "parquet",
+    table: Annotated[str | None, typer.Option(
+        help="Iceberg table name, namespace.name [default: backfill.<topic>].")] = None,
+    catalog_uri: Annotated[str | None, typer.Option(
+        help="Iceberg catalog (SQLAlchemy URI) [default: sqlite in --out/catalog.db].")]
+        = None,
+    key_ranges: KeyRangesOpt = 1,
+    max_split_bytes: SplitBytesOpt = None,
+    reader: ReaderOpt = None,
+    fail_on_data_loss: LossOpt = True,
+    cut_out: CutOutOpt = None,
+    value_format: ValueFormatOpt = "raw",
+    mode: ModeOpt = "FAILFAST",
+    data_dir: DataDirOpt = Path(DEFAULT_DATA_DIR),
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    auth_token: TokenOpt = None,
+    tls_ca: TlsCaOpt = None,
+) -> None:
+    """Run the backfill on Spark: a bounded read of the topic, written as Parquet files or
+    as an Iceberg table. Nothing is left behind if it fails. Prints the end cut, from which
+    `tail --from` continues with no gap and no duplicate.
+
+    Example: tierstream backfill acme/web/clicks --from 2026-11-01 --to 2026-11-08
+    --out ./clicks-week --key-ranges 4 --format iceberg
+    """
+    from tierstream.spark_adapter.jobs import backfill as run_backfill
+    from tierstream.spark_adapter.jobs import local_spark
+
+    options = {"topic": topic, "dataDir": str(data_dir), "broker": broker,
+               "keyRanges": str(key_ranges),
+               "failOnDataLoss": "true" if fail_on_data_loss else "false",
+               "valueFormat": value_format, "mode": mode}
+    from tierstream.client import Admin
+
+    ca = use_tls_ca(tls_ca)
+    if tls_ca is not None:
+        options["tlsCa"] = tls_ca
+    start = parse_bound(from_, "--from", topic)
+    end = parse_bound(to, "--to", topic)
+    with Admin(broker, auth_token=auth_token, tls_ca=ca) as admin:
+        cut = end_cut(admin, topic, end)
+    options.update(spark_bound(start, "--from", "starting", "backfill"))
+    options.update(spark_bound(end if cut is None else cut, "--to", "ending", "backfill"))
+    if max_split_bytes is not None:
+        from tierstream.options import parse_size
+
+        options["maxSplitBytes"] = str(parse_size(max_split_bytes, what="--max-split-bytes"))
+    if reader is not None:
+        options["reader"] = reader
+    if auth_token:
+        options["authToken"] = auth_token
+    from tierstream.spark_adapter.jobs import check_target
+
+    check_target(out_path, format=format_, table=table, catalog_uri=catalog_uri)
+    spark = local_spark("tierstream-backfill")
+    try:
+        with progress_bar(True) as progress:
+            task = progress.add_task("spark tasks", total=None)
+            result = run_backfill(spark, options, out_path, format=format_, table=table,
+                                  catalog_uri=catalog_uri,
+                                  progress=lambda d, t: progress.update(task, completed=d,
+                                                                        total=t))
+    finally:
+        spark.stop()
+    summary = ", ".join(f"{k}: {v}" for k, v in sorted(result.splits_by_reader.items()))
+    rate = result.rows / result.seconds if result.seconds else 0.0
+    out.print(f"backfill of {topic}: {result.rows:,} rows in {result.seconds:.1f}s "
+              f"({rate:,.0f} rows/s); splits {summary or 'none'}; read "
+              f"~{human_bytes(result.bytes_read)} of log, wrote "
+              f"{human_bytes(result.bytes_written)} -> {result.out}", highlight=False)
+    err.print(f"read paths: {result.read_stats.summary()}", highlight=False)
+    if result.table is not None:
+        out.print(f"Iceberg table {result.table} in {result.catalog_uri}; read it with "
+                  f"SqlCatalog('default', uri='{result.catalog_uri}').load_table('{result.table}')"
+                  f" or spark.read.parquet('{result.out}/data')", highlight=False)
+    report_cut(cut, cut_out)
+
+
+@app.command("tail")
+def tail_cmd(
+    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
+    out_path: Annotated[str, typer.Option(
+        "--out", help="Output directory: Parquet files, or the Iceberg table's location.")],
+    checkpoint: Annotated[str, typer.Option(help="Checkpoint directory (restarts continue "
+                                                 "exactly from it).")],
+    format_: Annotated[str, typer.Option(
+        "--format", help="parquet (Spark's file sink) or iceberg (one table commit per "
+                         "micro-batch, idempotent by batch id).")] = "parquet",
+    table: Annotated[str | None, typer.Option(
+        help="Iceberg table name, namespace.name [default: tail.<topic>].")] = None,
+    catalog_uri: Annotated[str | None, typer.Option(
+        help="Iceberg catalog (SQLAlchemy URI) [default: sqlite in --out/catalog.db].")]
+        = None,
+    from_: FromOpt = "latest",
+    available_now: Annotated[bool, typer.Option(
+        "--available-now", help="Write what is there now (in micro-batches), then stop.")]
+        = False,
+    max_records_per_trigger: Annotated[int | None, typer.Option(
+        help="At most this many messages per micro-batch.")] = None,
+    subscription: Annotated[str | None, typer.Option(
+        help="Durable cursor the stream advances [default: derived from --checkpoint, so "
+             "each query has its own].")] = None,
+    key_ranges: KeyRangesOpt = 1,
+    data_dir: DataDirOpt = Path(DEFAULT_DATA_DIR),
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    auth_token: TokenOpt = None,
+    tls_ca: TlsCaOpt = None,
+) -> None:
+    """Run a Structured Streaming read of the topic into Parquet or Iceberg until stopped.
+
+    With --format parquet, only readers that honour Spark's _spark_metadata log (Spark)
+    see each message once: a batch killed mid-write leaves files that pyarrow or DuckDB
+    count. --format iceberg commits each micro-batch to the table once, so every Iceberg
+    reader sees each message once.
+
+    Example: tierstream tail acme/web/clicks --out ./clicks-live --checkpoint ./ckpt
+    """
+    from tierstream.spark_adapter.jobs import checkpoint_subscription, local_spark
+    from tierstream.spark_adapter.jobs import tail as run_tail
+
+    options = {"topic": topic, "dataDir": str(data_dir), "broker": broker,
+               "keyRanges": str(key_ranges),
+               "subscription": subscription or checkpoint_subscription(checkpoint),
+               **spark_bound(parse_bound(from_, "--from", topic), "--from", "starting", "tail")}
+    if max_records_per_trigger is not None:
+        options["maxRecordsPerTrigger"] = str(max_records_per_trigger)
+    if auth_token:
+        options["authToken"] = auth_token
+    if use_tls_ca(tls_ca) is not None:
+        options["tlsCa"] = str(tls_ca)
+    from tierstream.client import Admin
+
+    def on_batch(batch_id: int, rows: int, progress: dict[str, Any]) -> None:
+        err.print(f"micro-batch {batch_id}: {rows:,} rows; {_lag(admin, topic, sub)}",
+                  highlight=False)
+
+    sub = options["subscription"]
+    spark = local_spark("tierstream-tail")
+    try:
+        with Admin(broker, auth_token=auth_token) as admin:
+            batches = run_tail(spark, options, out_path, checkpoint,
+                               available_now=available_now, on_batch=on_batch,
+                               format=format_, table=table, catalog_uri=catalog_uri)
+    finally:
+        spark.stop()
+    out.print(f"tail of {topic}: {batches} micro-batch(es) with rows -> {out_path}",
+              highlight=False)
+
+
+def _lag(admin: Any, topic: str, subscription: str) -> str:
+    """How far the stream's cursor is behind the log, per partition (from the broker)."""
+    try:
+        rows = [r for r in admin.subscriptions(topic) if r["subscription"] == subscription]
+    except TierstreamError as exc:
+        return f"lag unknown ({exc})"
+    behind = sum(r["backlog"] for r in rows)
+    parts = ", ".join(f"p{r['partition']} {r['backlog']:,}" for r in rows)
+    return f"behind: {behind:,} message(s) ({parts or 'no cursor yet'})"

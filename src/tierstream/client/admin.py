@@ -1,0 +1,201 @@
+"""Topic, segment and subscription administration through the broker."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from tierstream.client.connection import BrokerClient
+from tierstream.errors import AlreadyExistsError, ConfigError, ConflictError, UnavailableError
+from tierstream.metadata.records import SegmentRecord, TopicRecord
+from tierstream.names import TopicName
+from tierstream.schemas.model import SchemaInfo
+from tierstream.splits.positions import Position
+from tierstream.splits.split import StreamCut
+
+__all__ = ["Admin", "segment_record"]
+
+
+
+class Admin(BrokerClient):
+    """Topic and segment administration through the broker."""
+
+    def ping(self) -> bool:
+        return bool(self.action("ping")["ok"])
+
+    def wait_until_ready(self, timeout: float = 30.0) -> None:
+        """Return once the broker answers, or raise UnavailableError after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.ping()
+                return
+            except UnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                threading.Event().wait(0.05)
+
+    def create_topic(self, topic: str, partitions: int, *, retention_ms: int | None = None,
+                     exist_ok: bool = False) -> TopicRecord:
+        """Create ``topic``; AlreadyExistsError if it exists, unless ``exist_ok``: then the
+        existing topic is returned if it has ``partitions`` (ConflictError if not)."""
+        TopicName.parse(topic)
+        if not isinstance(partitions, int) or isinstance(partitions, bool) or partitions < 1:
+            raise ConfigError(f"invalid partition count {partitions!r}: expected an integer >= 1")
+        try:
+            return TopicRecord(**self.action("create-topic", {
+                "topic": topic, "partitions": partitions, "retention_ms": retention_ms}))
+        except AlreadyExistsError:
+            if not exist_ok:
+                raise
+        existing = self.get_topic(topic)
+        if existing.partitions != partitions:
+            raise ConflictError(f"topic {existing.name!r} exists with {existing.partitions} "
+                                f"partition(s), not {partitions}")
+        return existing
+
+    def delete_topic(self, topic: str) -> TopicRecord:
+        """Delete a topic everywhere (metadata, bookies, tier files, Iceberg table); returns
+        what it was. Readers and producers of it stop with NotFoundError."""
+        return TopicRecord(**self.action("delete-topic", {"topic": str(TopicName.parse(topic))}))
+
+    def get_topic(self, topic: str) -> TopicRecord:
+        return TopicRecord(**self.action("get-topic", {"topic": str(TopicName.parse(topic))}))
+
+    def list_topics(self, namespace: str | None = None) -> list[TopicRecord]:
+        return [TopicRecord(**t) for t in self.action("list-topics", {"namespace": namespace})]
+
+    def list_segments(self, topic: str) -> list[SegmentRecord]:
+        return [segment_record(s) for s in
+                self.action("list-segments", {"topic": str(TopicName.parse(topic))})]
+
+    def last_confirmed(self, topic: str) -> dict[int, tuple[Position | None, Position]]:
+        """Per partition: (last confirmed message or None, the exclusive end after it)."""
+        raw = self.action("last-confirmed", {"topic": str(TopicName.parse(topic))})
+        return {int(p): (None if v["last"] is None else Position.from_dict(v["last"]),
+                         Position.from_dict(v["end"])) for p, v in raw.items()}
+
+    def latest_cut(self, topic: str) -> StreamCut:
+        """The end of everything confirmed so far: each partition's exclusive end position."""
+        return StreamCut.of(str(TopicName.parse(topic)),
+                            {p: end for p, (_, end) in self.last_confirmed(topic).items()})
+
+    def seal(self, topic: str, partition: int | None = None) -> list[SegmentRecord]:
+        raw = self.action("seal", {"topic": str(TopicName.parse(topic)), "partition": partition})
+        return [segment_record(s) for s in raw]
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.action("stats"))
+
+    def offload(self, topic: str, *, older_than_ms: int | None = None) -> list[SegmentRecord]:
+        """Move closed segments to the tier now (those older than ``older_than_ms``)."""
+        raw = self.action("offload", {"topic": str(TopicName.parse(topic)),
+                                      "older_than_ms": older_than_ms})
+        return [segment_record(s) for s in raw]
+
+    def tier_pass(self) -> dict[str, int]:
+        """Apply the broker's offload, bookie-deletion and retention policies now."""
+        return dict(self.action("tier-pass"))
+
+    def set_retention(self, topic: str, retention_ms: int | None) -> TopicRecord:
+        return TopicRecord(**self.action("set-retention", {"topic": str(TopicName.parse(topic)),
+                                                           "retention_ms": retention_ms}))
+
+    def advance(self, topic: str, start: Position, max_messages: int, bound: Position
+                ) -> tuple[Position, int]:
+        """The position ``max_messages`` after ``start`` (at most ``bound``), and the count."""
+        raw = self.action("advance", {"topic": topic, "partition": start.partition,
+                                      "start": start.to_dict(), "bound": bound.to_dict(),
+                                      "max_messages": max_messages})
+        return Position.from_dict(raw["end"]), int(raw["messages"])
+
+    def position_at_time(self, topic: str, partition: int, time_ms: int) -> Position:
+        return Position.from_dict(self.action("position-at-time", {
+            "topic": topic, "partition": partition, "time_ms": time_ms}))
+
+    def set_cursor(self, topic: str, subscription: str, positions: dict[int, Position]) -> None:
+        self.action("set-cursor", {"topic": topic, "subscription": subscription,
+                                   "positions": {str(p): pos.to_dict()
+                                                 for p, pos in positions.items()}})
+
+    def subscriptions(self, topic: str) -> list[dict[str, Any]]:
+        """Per subscription and partition: ``position`` (a Position: everything before it is
+        acknowledged), ``backlog`` (messages after it), ``key_ranges`` (intervals the cursor
+        tracks), ``consumers`` attached now and ``updated_at`` (epoch ms)."""
+        raw = self.action("subscriptions", {"topic": str(TopicName.parse(topic))})
+        return [{**r, "position": Position.from_dict(r["position"])} for r in raw]
+
+    def delete_subscription(self, topic: str, subscription: str) -> int:
+        """Remove an abandoned subscription of ``topic``: its durable cursor on every
+        partition (returns how many). ConflictError while consumers are attached,
+        NotFoundError if the topic has no such subscription."""
+        raw = self.action("delete-subscription", {"topic": str(TopicName.parse(topic)),
+                                                  "subscription": subscription})
+        return int(raw["cursors"])
+
+    def bookie_endpoints(self) -> dict[str, str]:
+        """bookie id -> the address its endpoint is advertised at (for readers elsewhere)."""
+        return dict(self.action("bookie-endpoints"))
+
+    def register_bookie(self, bookie: str, address: str) -> None:
+        """Advertise ``address`` as bookie ``bookie``'s endpoint (``tierstream bookie serve``)."""
+        self.action("register-bookie", {"bookie": bookie, "address": address})
+
+    def commit_transactions(self, txns: list[str], *, sink: str | None = None,
+                            batch: int | None = None) -> dict[str, Any]:
+        """Make prepared transactions visible at once; with ``sink``/``batch``, idempotent
+        (a batch at or below the sink's last committed one is a no-op). Returns
+        ``{"status": "committed" | "already-committed", "messages": n, "aborted": [...]}``."""
+        return dict(self.action("txn-commit", {"txns": list(txns), "sink": sink,
+                                               "batch": batch}))
+
+    def abort_transaction(self, txn: str, reason: str = "aborted by its writer") -> bool:
+        """Discard an open or prepared transaction; False if it had already ended."""
+        return bool(self.action("txn-abort", {"txn": txn, "reason": reason})["aborted"])
+
+    def transactions(self) -> list[dict[str, Any]]:
+        """Every transaction the broker remembers, with its state and staged messages."""
+        return list(self.action("transactions"))
+
+    def last_committed_batch(self, sink: str) -> int | None:
+        """The last batch id ``sink`` committed, or None."""
+        last = self.action("sink-state", {"sink": sink})["last_batch"]
+        return None if last is None else int(last)
+
+    def register_schema(self, topic: str, type: str, definition: str | None = None
+                        ) -> SchemaInfo:
+        """Add a schema version to ``topic`` (or return the version it already is); an
+        incompatible one is refused with ConfigError naming the field and the rule."""
+        return SchemaInfo.from_dict(self.action("schema-register", {
+            "topic": str(TopicName.parse(topic)), "type": type, "definition": definition}))
+
+    def get_schema(self, topic: str, version: int | None = None) -> SchemaInfo:
+        return SchemaInfo.from_dict(self.action("schema-get", {
+            "topic": str(TopicName.parse(topic)), "version": version}))
+
+    def list_schemas(self, topic: str) -> tuple[str, list[SchemaInfo]]:
+        """(compatibility rule, every version in order) of ``topic``."""
+        raw = self.action("schema-list", {"topic": str(TopicName.parse(topic))})
+        return raw["compatibility"], [SchemaInfo.from_dict(v) for v in raw["versions"]]
+
+    def check_schema(self, topic: str, type: str, definition: str | None = None
+                     ) -> str | None:
+        """Why this schema would be refused as ``topic``'s next version, or None."""
+        raw = self.action("schema-check", {"topic": str(TopicName.parse(topic)),
+                                           "type": type, "definition": definition})
+        return None if raw["compatible"] else str(raw["reason"])
+
+    def set_schema_compatibility(self, topic: str, compatibility: str) -> None:
+        self.action("schema-compatibility", {"topic": str(TopicName.parse(topic)),
+                                             "compatibility": compatibility})
+
+    def deleted_segments(self, topic: str) -> list[dict[str, Any]]:
+        """Segments removed by retention: what was lost, and when."""
+        return list(self.action("deleted-segments", {"topic": str(TopicName.parse(topic))}))
+
+
+def segment_record(raw: dict[str, Any]) -> SegmentRecord:
+    fields = {k: v for k, v in raw.items() if k != "location"}
+    fields["ensemble"] = tuple(fields["ensemble"])
+    return SegmentRecord(**fields)

@@ -1,0 +1,359 @@
+"""The producer: batches routed by key hash, pipelined, re-sent after a reconnect and stored
+once by sequence id (see ``managed_ledger/dedup.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from tierstream.client.admin import Admin
+from tierstream.client.connection import BrokerClient
+from tierstream.errors import ConfigError, ConflictError, TierstreamError, UnavailableError
+from tierstream.message_format import (
+    PRODUCE_SCHEMA,
+    as_produce_batch,
+    key_hash,
+)
+from tierstream.names import TopicName
+from tierstream.protocol import decode, encode, translate_errors
+
+if TYPE_CHECKING:
+    from tierstream.client.transaction import Transaction
+    from tierstream.schemas.codec import Encoder
+
+__all__ = ["Message", "Producer"]
+
+
+
+@dataclass(frozen=True)
+class Message:
+    """One message as a producer sends it."""
+
+    value: Any  # bytes; with a schema, what it encodes (a dict for AVRO and JSON, a str)
+    key: str | None = None
+    event_time: int | None = None
+    properties: Mapping[str, str] | None = None
+    publish_time: int | None = None  # requested; the broker never lets time run backwards
+
+
+@dataclass
+class _PartitionStream:
+    writer: Any = None
+    reader: Any = None
+    next_seq: int = 0
+    unacked: deque[tuple[int, pa.RecordBatch]] = field(default_factory=deque)
+
+
+class Producer:
+    """Sends messages to one topic, routed by key hash (round-robin for unkeyed messages).
+
+    Each batch carries ``(name, sequence id)``; after a broker restart the producer re-sends
+    every unacknowledged batch, and the broker stores each sequence id once. Up to
+    ``max_in_flight`` batches per partition are pipelined before waiting for acks.
+
+    Give a ``name`` to get that guarantee across producer restarts too: a new producer with the
+    same name continues after the last stored sequence id. An unnamed producer gets a random
+    name, so only its own retries are de-duplicated. When ``send_timeout`` passes without an
+    ack, the UnavailableError names the sequence ids in doubt (``exc.unacknowledged``:
+    partition -> ids); they stay queued, so :meth:`flush` tries again.
+
+    Typed values: ``schema=("avro", definition)`` registers that schema as a version of the
+    topic (or finds it: refused if incompatible under the topic's rule); without it the
+    producer uses the topic's latest schema, if it has one. Values are then encoded and
+    checked (a dict for AVRO and JSON, text for STRING), every value of a call before any is
+    sent, and each message records its schema version (property
+    ``tierstream.schema.version``).
+    """
+
+    def __init__(self, topic: str, *, broker: str | None = None, auth_token: str | None = None,
+                 tls_ca: bytes | str | None = None, name: str | None = None,
+                 batch_size: int = 1000, max_in_flight: int = 8,
+                 send_timeout: float = 30.0,
+                 schema: tuple[str, str | None] | None = None) -> None:
+        self.topic = str(TopicName.parse(topic))
+        if batch_size < 1 or max_in_flight < 1:
+            raise ConfigError(f"batch_size ({batch_size}) and max_in_flight ({max_in_flight}) "
+                              "must be >= 1")
+        self.name = name or f"producer-{uuid.uuid4().hex[:12]}"
+        self.batch_size = batch_size
+        self.max_in_flight = max_in_flight
+        self.send_timeout = send_timeout
+        self._client = BrokerClient(broker, auth_token=auth_token, tls_ca=tls_ca)
+        self._admin = Admin(self._client.url, auth_token=auth_token, tls_ca=self._client.tls_ca)
+        self.partitions = self._admin.get_topic(self.topic).partitions
+        state = self._admin.action("producer-state", {"topic": self.topic, "producer": self.name})
+        # A partition where this name stored nothing yet starts at 0; note that 0 is also a
+        # stored id, so test for None, not for truth.
+        self._streams = {p: _PartitionStream(next_seq=0 if state.get(str(p)) is None
+                                             else int(state[str(p)]) + 1)
+                         for p in range(self.partitions)}
+        self._rr = itertools.count()
+        self._acks: list[dict[str, Any]] = []
+        self.encoder = self._schema_encoder(schema)
+        self._txn: Transaction | None = None
+
+    def __repr__(self) -> str:
+        return f"Producer(topic={self.topic!r}, name={self.name!r}, broker={self._client.url!r})"
+
+    def _schema_encoder(self, schema: tuple[str, str | None] | None) -> Encoder | None:
+        """The topic's schema: ``schema`` (type, definition) registered (or found) as a
+        version, else the topic's latest version if it has one, else none (bytes)."""
+        from tierstream.errors import NotFoundError
+        from tierstream.schemas.codec import Encoder
+
+        if schema is not None:
+            return Encoder(self._admin.register_schema(self.topic, schema[0], schema[1]))
+        try:
+            return Encoder(self._admin.get_schema(self.topic))
+        except NotFoundError:
+            return None
+
+    def _encoded(self, messages: Iterable[Message | Mapping[str, Any]]) -> list[Message]:
+        """Messages with values encoded by the schema (all checked before any is sent)."""
+        out = [m if isinstance(m, Message) else Message(**m) for m in messages]
+        if self.encoder is None:
+            for i, m in enumerate(out):
+                if not isinstance(m.value, (bytes, bytearray, memoryview, str)):
+                    raise ConfigError(
+                        f"message {i}: a value of type {type(m.value).__name__} needs a topic "
+                        f"schema to encode it ({self.topic!r} has none: tierstream schema "
+                        "set); without one values are bytes or text")
+            return out
+        props = self.encoder.properties
+        return [Message(self.encoder.encode(m.value, i), m.key, m.event_time,
+                        {**(m.properties or {}), **props}, m.publish_time)
+                for i, m in enumerate(out)]
+
+    # -- public API ---------------------------------------------------------------------------
+
+    def send(self, value: bytes | str, *, key: str | None = None, event_time: int | None = None,
+             properties: Mapping[str, str] | None = None, publish_time: int | None = None
+             ) -> dict[str, Any]:
+        """Send one message and wait for its ack (a dict with partition, segment_id, ...)."""
+        data = value.encode() if isinstance(value, str) and self.encoder is None else value
+        acks = self.send_many([Message(data, key, event_time, properties, publish_time)])
+        return acks[0]
+
+    def send_many(self, messages: Iterable[Message | Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """Send messages in batches of ``batch_size``; returns one ack per batch, once all
+        are acknowledged."""
+        buffers: dict[int, list[Message]] = {p: [] for p in range(self.partitions)}
+        self._acks = []
+        for msg in self._encoded(messages):
+            p = self._route(msg.key)
+            buffers[p].append(msg)
+            if len(buffers[p]) >= self.batch_size:
+                self._send(p, _to_batch(buffers[p]))
+                buffers[p] = []
+        for p, msgs in buffers.items():
+            if msgs:
+                self._send(p, _to_batch(msgs))
+        self.flush()
+        return self._acks
+
+    def send_batch(self, batch: pa.RecordBatch | pa.Table, *, partition: int | None = None
+                   ) -> list[dict[str, Any]]:
+        """Send Arrow data (columns of PRODUCE_SCHEMA) to one partition as-is (no routing)."""
+        p = next(self._rr) % self.partitions if partition is None else partition
+        if not 0 <= p < self.partitions:
+            raise ConfigError(f"invalid partition {p} for {self.topic!r}: it has "
+                              f"0..{self.partitions - 1}")
+        self._acks = []
+        batches = batch.to_batches(self.batch_size) if isinstance(batch, pa.Table) \
+            else [batch]
+        if self.encoder is not None:  # every value checked before any is sent
+            batches = [self._encode_batch(as_produce_batch(b), i * self.batch_size)
+                       for i, b in enumerate(batches)]
+        for b in batches:
+            self._send(p, as_produce_batch(b))
+        self.flush()
+        return self._acks
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[Transaction]:
+        """Inside ``with producer.transaction():`` the producer's sends are staged, not
+        stored: on leaving the block they become visible all at once, in every partition
+        (an error aborts them instead). Acks of sends inside say ``staged`` and the
+        transaction, not a position."""
+        from tierstream.client.transaction import Transaction
+
+        if self._txn is not None:
+            raise ConflictError("this producer is already in a transaction")
+        self.flush()  # what was sent before the transaction is not part of it
+        self._txn = Transaction(broker=self._client.url, auth_token=self._client.auth_token,
+                                tls_ca=self._client.tls_ca,
+                                encoders=None if self.encoder is None else
+                                {self.topic: self.encoder})
+        try:
+            with self._txn as txn:
+                yield txn
+        finally:
+            self._txn = None
+
+    def flush(self) -> None:
+        """Wait until every batch sent so far is acknowledged (re-sending after failures)."""
+        for p, stream in self._streams.items():
+            while stream.unacked:
+                self._read_ack(p, stream)
+
+    def close(self) -> None:
+        """Flush (waiting for every ack), then release the connections."""
+        try:
+            self.flush()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        for stream in self._streams.values():
+            self._drop(stream)
+        self._client.close()
+        self._admin.close()
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # do not retry for another send_timeout on the way out of an error
+            self._release()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _encode_batch(self, batch: pa.RecordBatch, first: int) -> pa.RecordBatch:
+        assert self.encoder is not None
+        values, props = self.encoder.encode_columns(batch.column("value"),
+                                                    batch.column("properties"), first)
+        out = batch.set_column(batch.schema.get_field_index("value"), "value", values)
+        return out.set_column(out.schema.get_field_index("properties"), "properties", props)
+
+    def _route(self, key: str | None) -> int:
+        if key is None:
+            return next(self._rr) % self.partitions
+        return key_hash(key) % self.partitions
+
+    def _send(self, p: int, batch: pa.RecordBatch) -> None:
+        if self._txn is not None:  # staged: the ack says where, not at which position
+            self._txn.write(self.topic, batch, partition=p)
+            self._acks.append({"partition": p, "messages": batch.num_rows,
+                               "transaction": self._txn.txn_id, "staged": True})
+            return
+        stream = self._streams[p]
+        seq = stream.next_seq
+        stream.next_seq += 1
+        stream.unacked.append((seq, batch))
+        try:
+            self._ensure_stream(p, stream)
+            stream.writer.write_with_metadata(batch, pa.py_buffer(encode({"seq": seq})))
+        except (flight.FlightError, OSError, pa.ArrowException):
+            self._recover(p, stream)
+        while len(stream.unacked) >= self.max_in_flight:
+            self._read_ack(p, stream)
+
+    def _ensure_stream(self, p: int, stream: _PartitionStream) -> None:
+        if stream.writer is None:
+            stream.writer, stream.reader = self._client.produce({
+                "op": "produce", "topic": self.topic, "partition": p, "producer": self.name})
+
+    def _read_ack(self, p: int, stream: _PartitionStream) -> None:
+        if stream.reader is None:
+            self._recover(p, stream)
+        try:
+            buf = stream.reader.read()
+            if buf is None:
+                self._raise_if_refused(stream)
+                raise UnavailableError("broker closed the produce stream")
+        except (flight.FlightError, OSError, pa.ArrowException, UnavailableError) as exc:
+            self._raise_if_rejected(exc)
+            self._recover(p, stream)
+            return
+        ack = decode(buf.to_pybytes(), "ack")
+        seq, _ = stream.unacked.popleft()
+        if ack.get("sequence_id") != seq:
+            raise UnavailableError(f"ack for sequence {ack.get('sequence_id')} while waiting "
+                                   f"for {seq}")
+        self._acks.append(ack)
+
+    def _raise_if_refused(self, stream: _PartitionStream) -> None:
+        """The ack stream ended early: a broker that refused the batch (a tierstream error)
+        says why when the stream is closed; raise that rather than retry."""
+        writer, stream.writer, stream.reader = stream.writer, None, None
+        try:
+            writer.close()
+        except (flight.FlightError, OSError, pa.ArrowException) as exc:
+            try:
+                self._raise_if_rejected(exc)
+            except TierstreamError:
+                # the broker stored nothing from the refused batch on: neither it nor what
+                # was pipelined behind it is sent again (the call that sent them fails)
+                stream.unacked.clear()
+                raise
+
+    def _raise_if_rejected(self, exc: BaseException) -> None:
+        """A broker that answers with a tierstream error rejected the batch: do not retry."""
+        try:
+            with translate_errors(self._client.url):
+                raise exc
+        except UnavailableError:
+            return
+        except TierstreamError:
+            raise
+
+    def _recover(self, p: int, stream: _PartitionStream) -> None:
+        """Reconnect with backoff and re-send every unacknowledged batch, in order."""
+        deadline = time.monotonic() + self.send_timeout
+        delay = 0.05
+        while True:
+            self._drop(stream)
+            try:
+                self._ensure_stream(p, stream)
+                for seq, batch in stream.unacked:
+                    stream.writer.write_with_metadata(batch, pa.py_buffer(encode({"seq": seq})))
+                return
+            except (flight.FlightError, OSError, pa.ArrowException, UnavailableError) as exc:
+                self._raise_if_rejected(exc)
+                if time.monotonic() + delay > deadline:
+                    raise self._gave_up(p, stream) from None
+                threading.Event().wait(delay)
+                delay = min(delay * 2, 1.0)
+
+    def _gave_up(self, p: int, stream: _PartitionStream) -> UnavailableError:
+        """The error for a send timeout: it names the batches whose fate is unknown."""
+        seqs = [seq for seq, _ in stream.unacked]
+        ids = str(seqs[0]) if len(seqs) == 1 else f"{seqs[0]}..{seqs[-1]}"
+        messages = sum(b.num_rows for _, b in stream.unacked)
+        exc = UnavailableError(
+            f"producer {self.name!r} gave up on {self.topic!r} partition {p} after "
+            f"{self.send_timeout}s (broker {self._client.url} unreachable): sequence id(s) "
+            f"{ids} ({messages} message(s)) were sent but never acknowledged, so they may or "
+            f"may not be stored; flush() re-sends them, and a producer named {self.name!r} "
+            "stores each at most once")
+        exc.unacknowledged = {p: seqs}  # type: ignore[attr-defined]
+        return exc
+
+    def _drop(self, stream: _PartitionStream) -> None:
+        if stream.writer is not None:
+            with contextlib.suppress(Exception):
+                stream.writer.close()
+        stream.writer = stream.reader = None
+
+
+def _to_batch(messages: list[Message]) -> pa.RecordBatch:
+    return pa.RecordBatch.from_pydict({
+        "key": [m.key for m in messages],
+        "value": [m.value for m in messages],
+        "publish_time": [m.publish_time for m in messages],
+        "event_time": [m.event_time for m in messages],
+        "properties": [None if m.properties is None else list(m.properties.items())
+                       for m in messages],
+    }, schema=PRODUCE_SCHEMA)

@@ -1,0 +1,211 @@
+"""Reading a topic through the broker: bounded reads, following reads that ride out broker
+restarts (:func:`consume_stream`), and merging partition streams."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any, Self
+
+import pyarrow as pa
+
+from tierstream.client.admin import Admin
+from tierstream.client.connection import BrokerClient
+from tierstream.client.retry import Backoff, reconnect_timeout_s
+from tierstream.errors import ConfigError, UnavailableError
+from tierstream.fanin import DONE, Cancel, drain, put
+from tierstream.names import TopicName
+from tierstream.protocol import translate_errors
+from tierstream.splits.positions import KeyRange, Offset, Position
+
+__all__ = ["TopicReader", "check_ranges", "consume_stream", "pump_batches", "read"]
+
+log = logging.getLogger(__name__)
+
+
+def check_ranges(key_ranges: Iterable[KeyRange] | None) -> list[list[int]]:
+    ranges = list(key_ranges or [])
+    for r in ranges:
+        if not isinstance(r, KeyRange):
+            raise ConfigError(f"invalid key range {r!r}: expected a KeyRange")
+    return [r.to_list() for r in ranges]
+
+
+def read(topic: str, *, partition: int | None = None, start: Offset | None = None,
+         end: Offset | None = None, key_ranges: Iterable[KeyRange] | None = None,
+         broker: str | None = None, auth_token: str | None = None,
+         tls_ca: bytes | str | None = None) -> TopicReader:
+    """Read a topic through the broker (every partition, or one ``partition``).
+
+    The partition streams are opened before this returns, so ``latest`` (as start or end) is
+    pinned at call time for all partitions. ``end=None`` follows the tail until the reader is
+    closed; a bounded ``end`` finishes. Batches have
+    :data:`~tierstream.message_format.MESSAGE_SCHEMA` and keep each partition's order.
+    """
+    return TopicReader(topic, partition=partition, start=start, end=end, key_ranges=key_ranges,
+                       broker=broker, auth_token=auth_token, tls_ca=tls_ca)
+
+
+class TopicReader:
+    """Iterator of record batches over open partition streams; see :func:`read`."""
+
+    def __init__(self, topic: str, *, partition: int | None, start: Offset | None,
+                 end: Offset | None, key_ranges: Iterable[KeyRange] | None,
+                 broker: str | None, auth_token: str | None,
+                 tls_ca: bytes | str | None = None) -> None:
+        name = str(TopicName.parse(topic))
+        ranges = check_ranges(key_ranges)
+        self._client = BrokerClient(broker, auth_token=auth_token, tls_ca=tls_ca)
+        self._readers: list[Any] = []
+        self._cancel = Cancel()
+        try:
+            with Admin(self._client.url, auth_token=auth_token,
+                       tls_ca=self._client.tls_ca) as admin:
+                count = admin.get_topic(name).partitions
+            if partition is not None and not 0 <= partition < count:
+                raise ConfigError(f"invalid partition {partition} for {name!r}: it has "
+                                  f"0..{count - 1}")
+            parts = [partition] if partition is not None else list(range(count))
+            ticket = {"op": "consume", "topic": name, "key_ranges": ranges,
+                      "start": (start or Offset.earliest()).to_dict(),
+                      "end": None if end is None else end.to_dict()}
+            for p in parts:
+                reader = self._client.consume({**ticket, "partition": p})
+                with translate_errors(self._client.url):
+                    reader.schema  # noqa: B018 - waits for the broker to resolve the offsets
+                self._readers.append(reader)
+        except BaseException:
+            self.close()
+            raise
+        if end is None:  # following: each partition rides out broker restarts
+            streams = [consume_stream(self._client, {**ticket, "partition": p}, first=r,
+                                      cancel=self._cancel)
+                       for p, r in zip(parts, self._readers, strict=True)]
+            self._iter = (_merge(streams, self._cancel) if len(streams) > 1
+                          else iter(streams[0]))
+        else:
+            self._iter = _chain(self._client.url, self._readers)
+
+    def __iter__(self) -> Iterator[pa.RecordBatch]:
+        return self
+
+    def __next__(self) -> pa.RecordBatch:
+        return next(self._iter)
+
+    def close(self) -> None:
+        self._cancel.set()
+        for r in self._readers:
+            r.cancel()
+        close = getattr(getattr(self, "_iter", None), "close", None)
+        if close is not None:
+            close()
+        self._client.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _chain(url: str, readers: list[Any]) -> Iterator[pa.RecordBatch]:
+    for reader in readers:
+        yield from flight_batches(url, reader)
+
+
+def flight_batches(url: str, reader: Any) -> Iterator[pa.RecordBatch]:
+    """The non-empty batches of one Flight stream, errors as tierstream errors."""
+    with translate_errors(url):
+        for chunk in reader:
+            if chunk.data is not None and chunk.data.num_rows:
+                yield chunk.data
+
+
+def consume_stream(client: BrokerClient, ticket: dict[str, Any], *, first: Any = None,
+                   cancel: Cancel | None = None, reconnect_timeout_ms: int | None = None
+                   ) -> Iterator[pa.RecordBatch]:
+    """One partition's consume stream (``ticket`` as the broker takes it) that rides out broker
+    restarts: when the broker goes away it reconnects with backoff from the position after the
+    last batch it delivered, so nothing is skipped or repeated, for up to
+    ``reconnect_timeout_ms`` (the ``reconnectTimeout`` option) without progress; then it raises
+    one UnavailableError. ``first`` is an already open stream for the ticket; setting
+    ``cancel`` ends the stream at once."""
+    ticket = dict(ticket)
+    reader = first
+    backoff: Backoff | None = None
+    while True:
+        unregister = None
+        try:
+            if reader is None:
+                reader = client.consume(ticket)
+            if cancel is not None:
+                unregister = cancel.register(reader.cancel)
+            for batch in flight_batches(client.url, reader):
+                backoff = None
+                i = batch.num_rows - 1
+                ticket["start"] = Offset.at_position(Position(
+                    batch.column("partition")[i].as_py(), batch.column("segment_id")[i].as_py(),
+                    batch.column("entry_id")[i].as_py(),
+                    batch.column("batch_index")[i].as_py() + 1)).to_dict()
+                yield batch
+            if ticket.get("end") is not None or (cancel is not None and cancel.is_set()):
+                return  # a bounded stream that reached its end
+            # A following stream has no end: the broker closed it (a clean shutdown).
+            raise UnavailableError(f"the broker at {client.url} closed the stream")
+        except UnavailableError as exc:
+            if cancel is not None and cancel.is_set():
+                return  # cancelled by the consumer: not an outage
+            if backoff is None:
+                backoff = Backoff(reconnect_timeout_s(reconnect_timeout_ms), cancel=cancel)
+                log.info("%s partition %s: broker unavailable, reconnecting for up to %gs "
+                            "(%s)", ticket.get("topic"), ticket.get("partition"),
+                            backoff.timeout_s, exc)
+            if not backoff.wait():
+                if cancel is not None and cancel.is_set():
+                    return
+                raise UnavailableError(
+                    f"lost the broker at {client.url} while reading {ticket.get('topic')!r} "
+                    f"partition {ticket.get('partition')}: it stayed unavailable for "
+                    f"{backoff.timeout_s:g}s (option reconnectTimeout); resume from "
+                    f"{Offset.from_dict(ticket['start'])}") from None
+        finally:
+            if unregister is not None:
+                unregister()
+            if reader is not None:
+                reader.cancel()
+            reader = None
+
+
+def pump_batches(batches: Iterable[pa.RecordBatch], out: queue.Queue[Any],
+          stop: threading.Event | Cancel) -> None:
+    """Put ``batches`` on ``out`` until they end or ``stop`` is set; an error is put there
+    too, for the consuming thread to raise."""
+    try:
+        for batch in batches:
+            if not put(out, batch, stop):
+                return
+    except Exception as exc:
+        if not stop.is_set():
+            put(out, exc, stop)
+
+
+def _merge(streams: list[Iterator[pa.RecordBatch]], stop: Cancel) -> Iterator[pa.RecordBatch]:
+    """Several unbounded partition streams, merged as batches arrive (per-partition order)."""
+    out: queue.Queue[Any] = queue.Queue(maxsize=64)
+
+    def pump(stream: Iterator[pa.RecordBatch]) -> None:
+        try:
+            pump_batches(stream, out, stop)
+        finally:
+            put(out, DONE, stop)
+
+    threads = [threading.Thread(target=pump, args=(st,), name=f"tierstream-merge-{i}",
+                                daemon=True) for i, st in enumerate(streams)]
+    for t in threads:
+        t.start()
+    try:
+        yield from drain(out, len(threads))
+    finally:
+        stop.set()

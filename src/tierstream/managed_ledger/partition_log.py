@@ -1,0 +1,440 @@
+"""The managed ledger of one partition, on the broker: appends and rollover. Reads and the
+tail are in ``partition_reads.py``, position arithmetic in ``partition_positions.py``.
+
+Appends take the partition lock only to assign the entry id and hand the entry to the bookies;
+the wait for the ack quorum happens outside it, so concurrent producers of one partition share
+the bookies' group commits. Each bookie writes in queue order, so quorums complete in entry order
+and the last confirmed entry (LAC) only ever moves forward by one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from tierstream.bookie.ledger import IndexRecord
+from tierstream.bookie.storage import Bookie
+from tierstream.errors import ConfigError, NotFoundError, UnavailableError
+from tierstream.faults import crash_point
+from tierstream.managed_ledger.dedup import ProducerDedup, StoredBatch
+from tierstream.managed_ledger.open_segment import InFlight, OpenSegment
+from tierstream.managed_ledger.partition_positions import PartitionPositions
+from tierstream.managed_ledger.partition_reads import TierSegment, filter_key_ranges
+from tierstream.message_format import MESSAGE_SCHEMA, as_produce_batch, key_hashes
+from tierstream.metadata.records import SegmentRecord, SegmentState
+from tierstream.metadata.store import MetadataStore
+from tierstream.tier.storage import TierStorage
+from tierstream.timeutil import now_ms
+
+__all__ = ["Ack", "PartitionLog", "filter_key_ranges"]
+
+
+
+@dataclass(frozen=True)
+class Ack:
+    """What a producer gets back for one batch. A re-sent batch that was already stored gets
+    its original ack with ``duplicate=True``; if it is older than the remembered window its
+    position is unknown (None) and ``messages`` is 0."""
+
+    partition: int
+    segment_id: int | None
+    entry_id: int | None
+    messages: int
+    first_publish_time: int
+    last_publish_time: int
+    sequence_id: int | None
+    duplicate: bool = False
+    #: messages whose requested publish time was before the partition's newest message and
+    #: were stamped later (publish_time never runs backwards within a partition)
+    restamped: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class PartitionLog(PartitionPositions):
+    """One partition's segments; owned by the broker's :class:`~tierstream.broker.store.Store`."""
+
+    def __init__(
+        self,
+        *,
+        topic: str,
+        partition: int,
+        metadata: MetadataStore,
+        bookies: dict[str, Bookie],
+        choose_ensemble: Callable[[], tuple[str, ...]],
+        ack_quorum: int,
+        max_entries: int,
+        max_bytes: int,
+        rollover_ms: int,
+        closing: threading.Event,
+        tier: TierStorage | None = None,
+        open_record: SegmentRecord | None = None,
+    ) -> None:
+        self.topic = topic
+        self.partition = partition
+        self._metadata = metadata
+        self._bookies = bookies
+        self._choose_ensemble = choose_ensemble
+        self._ack_quorum = ack_quorum
+        self._max_entries = max_entries
+        self._max_bytes = max_bytes
+        self._rollover_ms = rollover_ms
+        self._closing = closing
+        self._tier = tier
+        self._tier_cache: OrderedDict[int, TierSegment] = OrderedDict()
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._closed_segments: list[SegmentRecord] = [
+            s for s in metadata.segments(topic, partition) if s.state == SegmentState.CLOSED
+        ]
+        self._dedup = ProducerDedup.from_rows(metadata.load_dedup(topic, partition))
+        self._last_pt = max(
+            (s.max_publish_time for s in self._closed_segments if s.max_publish_time is not None),
+            default=0,
+        )
+        self._index_cache: OrderedDict[int, list[IndexRecord]] = OrderedDict()
+        self._entry_cache: OrderedDict[tuple[int, int], pa.RecordBatch] = OrderedDict()
+        self._entry_cache_bytes = 0
+        self._stats_dirty = False
+        self.replica_failures = 0
+        self._gone = threading.Event()  # the topic was deleted: no appends, reads end
+        self._held = False  # a transaction commit is being applied: see hold()
+        if open_record is None:
+            self._open = self._new_open_segment()
+        else:  # registered by the caller (with its topic, or with every partition at start)
+            for b in open_record.ensemble:
+                self._bookies[b].create_ledger(open_record.segment_id)
+            self._open = OpenSegment(open_record)
+
+    # -- appends ------------------------------------------------------------------------------
+
+    def append(self, batch: pa.RecordBatch, *, producer: str | None, sequence_id: int | None,
+               requested_now: int | None = None) -> Ack:
+        """Append one batch as one entry; returns once an ack quorum has it on disk.
+
+        A batch whose ``(producer, sequence_id)`` was already stored is not stored again: the
+        ack repeats the original one with ``duplicate=True``. A re-send of a batch that is still
+        being written waits for that write's outcome.
+        """
+        batch = as_produce_batch(batch)
+        if batch.num_rows == 0:
+            raise ConfigError("cannot append an empty batch")
+        with self._lock:
+            if self._gone.is_set():
+                raise NotFoundError(f"topic {self.topic!r} was deleted")
+            if producer is not None and sequence_id is not None:
+                duplicate = self._check_sequence(producer, sequence_id)
+                if duplicate is not None:
+                    return duplicate
+            self._roll_if_due(now_ms())
+            seg = self._open
+            entry_id = seg.next_entry
+            seg.next_entry += 1
+            now = requested_now if requested_now is not None else now_ms()
+            message_batch, first_pt, last_pt = self._build_entry(batch, seg.record.segment_id,
+                                                                 entry_id, now)
+            self._last_pt = last_pt
+            payload = message_batch.serialize()
+            meta: dict[str, Any] = {}
+            if producer is not None and sequence_id is not None:
+                meta = {"p": producer, "s": sequence_id}
+            futures: list[Future[IndexRecord]] = []
+            for b in seg.record.ensemble:
+                futures.append(self._bookies[b].append(seg.record.segment_id, entry_id, meta,
+                                                       payload, message_batch.num_rows,
+                                                       first_pt, last_pt))
+                crash_point("append.partial-replicas", before=futures[0].result)
+            seg.in_flight[entry_id] = InFlight(futures, message_batch, producer, sequence_id)
+        self._wait_quorum(futures)  # outside the lock: other producers keep appending
+        with self._lock:
+            self._advance(seg)
+            if len(seg.records) + len(seg.hidden) <= entry_id:
+                errors = [str(f.exception()) for f in futures if f.exception() is not None]
+                raise UnavailableError(
+                    f"entry {entry_id} of segment {seg.record.segment_id} ({self.topic} "
+                    f"partition {self.partition}) did not reach an ack quorum of "
+                    f"{self._ack_quorum} bookies: {'; '.join(errors) or 'segment was sealed'}"
+                )
+            crash_point("append.before-ack")
+            if seg is self._open and not self._held and (
+                    len(seg.records) >= self._max_entries or seg.bytes >= self._max_bytes):
+                self._roll()
+        requested = batch.column("publish_time")
+        restamped = 0 if requested.null_count == len(requested) else int(pc.sum(pc.less(
+            requested, message_batch.column("publish_time"))).as_py() or 0)
+        return Ack(self.partition, seg.record.segment_id, entry_id, message_batch.num_rows,
+                   first_pt, last_pt, sequence_id, restamped=restamped)
+
+    def _wait_quorum(self, futures: list[Future[IndexRecord]]) -> None:
+        pending = set(futures)
+        while pending:
+            ok = sum(1 for f in futures if f.done() and f.exception() is None)
+            if ok >= self._ack_quorum:
+                return
+            _, pending = wait_futures(pending, return_when="FIRST_COMPLETED")
+
+    def _advance(self, seg: OpenSegment, *, roll_on_failure: bool = True) -> None:
+        """Confirm in-flight entries in entry order while each has its ack quorum (lock held).
+
+        Each bookie writes in queue order, so quorums complete in entry order; an entry that
+        failed its quorum stops the segment: it is sealed at the entry before.
+        """
+        advanced = False
+        while seg.in_flight:
+            entry_id = min(seg.in_flight)
+            pending = seg.in_flight[entry_id]
+            ok = [f for f in pending.futures if f.done() and f.exception() is None]
+            if len(ok) < self._ack_quorum and not all(f.done() for f in pending.futures):
+                break  # still waiting for its quorum
+            if len(ok) < self._ack_quorum:
+                # A hole: nothing after it may be confirmed. Seal the segment before it.
+                seg.failed = True
+                break
+            del seg.in_flight[entry_id]
+            record = ok[0].result()
+            if pending.producer is not None and pending.sequence_id is not None:
+                self._dedup.record(pending.producer, StoredBatch(
+                    pending.sequence_id, seg.record.segment_id, entry_id, record.messages,
+                    record.first_publish_time, record.last_publish_time))
+            if self._held:
+                seg.hidden.append((record, pending.batch))
+            else:
+                self._show(seg, record, pending.batch)
+                advanced = True
+        if advanced:
+            self._changed.notify_all()
+        if seg.failed and roll_on_failure and seg is self._open:
+            self._roll()
+
+    def _show(self, seg: OpenSegment, record: IndexRecord, batch: pa.RecordBatch) -> None:
+        """A confirmed entry becomes visible: to reads, positions and stats (lock held)."""
+        seg.records.append(record)
+        seg.messages += batch.num_rows
+        seg.bytes += record.frame_len
+        pts = batch.column("publish_time")
+        seg.min_pt = pts[0].as_py() if seg.min_pt is None else seg.min_pt
+        seg.max_pt = pts[-1].as_py()
+        self._cache_put((seg.record.segment_id, record.entry_id), batch)
+        self._stats_dirty = True
+
+    def hold(self) -> None:
+        """Entries confirmed from now on stay out of sight (reads, positions, stats) and the
+        segment does not roll, until :meth:`release`. A transaction commit holds every
+        partition it writes, so readers see all of its entries at once or none. Durability is
+        unchanged: producers are acknowledged as usual."""
+        with self._lock:
+            self._held = True
+
+    def release(self) -> None:
+        """End :meth:`hold`: the entries confirmed meanwhile become visible, in order."""
+        with self._lock:
+            self._held = False
+            self._show_hidden(self._open)
+
+    def _show_hidden(self, seg: OpenSegment) -> None:
+        if not seg.hidden:
+            return
+        for record, batch in seg.hidden:
+            self._show(seg, record, batch)
+        seg.hidden.clear()
+        self._changed.notify_all()
+        if seg is self._open and not self._held and (
+                len(seg.records) >= self._max_entries or seg.bytes >= self._max_bytes):
+            self._roll()
+
+    def forget_producers(self, names: set[str]) -> None:
+        """Drop the de-duplication state of producers that will never send again (applied
+        transactions): it is saved with every seal, so it must not grow without end."""
+        with self._lock:
+            self._dedup.forget(names)
+
+    def _check_sequence(self, producer: str, sequence_id: int) -> Ack | None:
+        """The original ack if this batch is stored already, else None (lock held).
+
+        An entry is recorded as stored only once it is confirmed; while an entry of the same
+        producer with this id or a later one is still in flight, its outcome decides, so wait.
+        """
+        while True:
+            last = self._dedup.last(producer)
+            if last is not None and sequence_id <= last:
+                b = self._dedup.stored(producer, sequence_id)
+                if b is None:
+                    return Ack(self.partition, None, None, 0, 0, 0, sequence_id,
+                               duplicate=True)
+                return Ack(self.partition, b.segment_id, b.entry_id, b.messages,
+                           b.first_publish_time, b.last_publish_time, sequence_id,
+                           duplicate=True)
+            if not any(f.producer == producer and f.sequence_id is not None
+                       and f.sequence_id >= sequence_id for f in self._open.in_flight.values()):
+                return None
+            self._changed.wait(timeout=1.0)
+
+    def _build_entry(self, batch: pa.RecordBatch, segment_id: int, entry_id: int, now: int
+                     ) -> tuple[pa.RecordBatch, int, int]:
+        n = batch.num_rows
+        requested = pc.fill_null(batch.column("publish_time"), pa.scalar(now, pa.int64()))
+        floored = pc.max_element_wise(requested, pa.scalar(self._last_pt, pa.int64()))
+        publish_time = pc.cumulative_max(floored)
+        columns = [
+            batch.column("key"),
+            key_hashes(batch.column("key")),
+            batch.column("value"),
+            publish_time,
+            batch.column("event_time"),
+            batch.column("properties"),
+            pa.repeat(pa.scalar(self.partition, pa.int32()), n),
+            pa.repeat(pa.scalar(segment_id, pa.int64()), n),
+            pa.repeat(pa.scalar(entry_id, pa.int64()), n),
+            pa.array(range(n), type=pa.int32()),
+        ]
+        out = pa.RecordBatch.from_arrays(columns, schema=MESSAGE_SCHEMA)
+        return out, publish_time[0].as_py(), publish_time[-1].as_py()
+
+    # -- rollover -----------------------------------------------------------------------------
+
+    def _new_open_segment(self) -> OpenSegment:
+        record = self._metadata.new_segment(self.topic, self.partition,
+                                            ensemble=self._choose_ensemble(), created_at=now_ms())
+        crash_point("roll.next-registered")
+        for b in record.ensemble:
+            self._bookies[b].create_ledger(record.segment_id)
+        return OpenSegment(record)
+
+    def _roll_if_due(self, now: int) -> None:
+        seg = self._open
+        if self._held:
+            return  # a commit is being applied; the segment rolls after it
+        if seg.records and now - seg.record.created_at >= self._rollover_ms:
+            self._roll()
+
+    def roll_if_aged(self) -> bool:
+        """Seal the open segment if it is non-empty and older than the rollover time."""
+        with self._lock:
+            before = self._open
+            self._roll_if_due(now_ms())
+            return self._open is not before
+
+    def seal(self) -> SegmentRecord | None:
+        """Seal the open segment now (if it has entries) and open a new one."""
+        with self._lock:
+            if not self._open.records and not self._open.in_flight:
+                return None
+            self._roll()
+            return self._closed_segments[-1] if self._closed_segments else None
+
+    def _roll(self, *, reopen: bool = True) -> None:
+        seg = self._open
+        wait_futures([f for p in seg.in_flight.values() for f in p.futures])
+        self._advance(seg, roll_on_failure=False)
+        seg.in_flight.clear()
+        # Sealing makes every confirmed entry readable from the bookies: a commit being
+        # applied here (only on a seal request, shutdown or a failed write) shows early.
+        self._show_hidden(seg)
+        last = seg.records[-1].entry_id if seg.records else None
+        for b in seg.record.ensemble:
+            self._bookies[b].seal_ledger(seg.record.segment_id, last)
+        crash_point("roll.bookies-sealed")
+        if seg.records:
+            sealed = seg.record.with_stats(
+                state=SegmentState.CLOSED, entries=len(seg.records), messages=seg.messages,
+                bytes=seg.bytes, min_publish_time=seg.min_pt, max_publish_time=seg.max_pt,
+                sealed_at=now_ms(),
+            )
+            self._metadata.seal_segment(sealed, self._dedup.rows())
+            crash_point("roll.metadata-sealed")
+            self._closed_segments.append(sealed)
+            self._index_cache[sealed.segment_id] = seg.records
+        else:
+            self._metadata.delete_segment(seg.record.segment_id)
+            for b in seg.record.ensemble:
+                self._bookies[b].delete_ledger(seg.record.segment_id)
+        if reopen:
+            self._open = self._new_open_segment()
+        self._changed.notify_all()
+
+    def close(self) -> None:
+        """Clean shutdown: seal the open segment (an empty one is dropped)."""
+        with self._lock:
+            self._roll(reopen=False)
+
+    def discard(self) -> None:
+        """The topic is being deleted: refuse appends, end reads, release the open ledger
+        without sealing it (its files are deleted next)."""
+        with self._lock:
+            self._gone.set()
+            wait_futures([f for p in self._open.in_flight.values() for f in p.futures])
+            for b in self._open.record.ensemble:
+                self._bookies[b].discard_ledger(self._open.record.segment_id)
+            self._changed.notify_all()
+
+    def flush_stats(self) -> None:
+        """Write the open segment's live stats to the metadata store (planners read them)."""
+        with self._lock:
+            if not self._stats_dirty:
+                return
+            seg = self._open
+            self._metadata.update_segment_stats(seg.record.with_stats(
+                entries=len(seg.records), messages=seg.messages, bytes=seg.bytes,
+                min_publish_time=seg.min_pt, max_publish_time=seg.max_pt))
+            self._stats_dirty = False
+
+    # -- views --------------------------------------------------------------------------------
+
+    def segments(self) -> list[SegmentRecord]:
+        """Every segment of the partition, the open one with its live stats."""
+        with self._lock:
+            seg = self._open
+            live = seg.record.with_stats(
+                entries=len(seg.records), messages=seg.messages, bytes=seg.bytes,
+                min_publish_time=seg.min_pt, max_publish_time=seg.max_pt)
+            return [*self._closed_segments, live]
+
+    def closed_segments(self) -> list[SegmentRecord]:
+        with self._lock:
+            return list(self._closed_segments)
+
+    def update_segment(self, record: SegmentRecord) -> None:
+        """Replace a closed segment's record (it moved to the tier, or lost its bookie copy)."""
+        with self._lock:
+            self._closed_segments = [record if s.segment_id == record.segment_id else s
+                                     for s in self._closed_segments]
+            if record.bookie_deleted_at is not None:
+                self._index_cache.pop(record.segment_id, None)
+
+    def remove_segment(self, segment_id: int) -> None:
+        """Stop serving a closed segment (retention)."""
+        with self._lock:
+            self._closed_segments = [s for s in self._closed_segments
+                                     if s.segment_id != segment_id]
+            self._index_cache.pop(segment_id, None)
+            self._tier_cache.pop(segment_id, None)
+            for key in [k for k in self._entry_cache if k[0] == segment_id]:
+                self._entry_cache_bytes -= self._entry_cache.pop(key).nbytes
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "segments": len(self._closed_segments) + 1,
+                "open_entries": len(self._open.records),
+                "replica_failures": self.replica_failures,
+            }
+
+    def producers(self) -> list[str]:
+        """Names of the producers whose de-duplication state this partition keeps."""
+        with self._lock:
+            return self._dedup.producers()
+
+    def producer_state(self, producer: str) -> int | None:
+        """The producer's last stored sequence id here, or None."""
+        with self._lock:
+            return self._dedup.last(producer)

@@ -1,0 +1,101 @@
+"""The records of the metadata store that every side shares: a topic, a segment, and the
+small read interface a planner depends on (the local SQLite file in ``store.py``, or the
+broker for a planner on another host: ``client/remote_metadata.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from tierstream.names import TopicName
+from tierstream.schemas.model import SchemaInfo
+
+__all__ = ["MetadataReader", "SegmentRecord", "SegmentState", "TopicRecord"]
+
+
+class MetadataReader(Protocol):
+    """What planning reads from metadata: the small interface a planner depends on.
+    :class:`MetadataStore` (the local SQLite file) is one implementation; a planner on another
+    host needs one that asks the broker (issue 13)."""
+
+    def list_topics(self, namespace: str | None = None) -> list[TopicRecord]: ...
+
+    def get_topic(self, name: TopicName | str) -> TopicRecord: ...
+
+    def segments_in_windows(self, topic: str, partitions: Sequence[int],
+                            start_time: int | None, end_time: int | None
+                            ) -> dict[int, list[SegmentRecord]]: ...
+
+    def first_segment_id(self, topic: str, partition: int) -> int | None: ...
+
+    def deleted_segments(self, topic: str, partition: int | None = None
+                         ) -> list[dict[str, Any]]: ...
+
+    def bookie_endpoints(self) -> dict[str, str]: ...
+
+    def schema_versions(self, topic: str) -> list[SchemaInfo]: ...
+
+    def close(self) -> None: ...
+
+
+class SegmentState:
+    OPEN = "OPEN"
+    CLOSED = "CLOSED"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TopicRecord:
+    name: str
+    partitions: int
+    retention_ms: int | None
+    created_at: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "partitions": self.partitions,
+            "retention_ms": self.retention_ms,
+            "created_at": self.created_at,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class SegmentRecord:
+    """One segment (Pulsar's ledger) of one partition. ``segment_id`` is unique in the store."""
+
+    topic: str
+    partition: int
+    segment_id: int
+    state: str
+    entries: int
+    messages: int
+    bytes: int
+    min_publish_time: int | None
+    max_publish_time: int | None
+    created_at: int
+    sealed_at: int | None
+    ensemble: tuple[str, ...]
+    tier_url: str | None = None
+    offloaded_at: int | None = None
+    bookie_deleted_at: int | None = None
+    offload_pending_url: str | None = None
+    #: the tier file's size: a reader opens it without asking the object store (a HEAD)
+    tier_bytes: int | None = None
+
+    @property
+    def location(self) -> str:
+        """Where a reader finds the data now: ``tier``, ``bookies`` or ``open``."""
+        if self.tier_url is not None:
+            return "tier"
+        return "open" if self.state == SegmentState.OPEN else "bookies"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        out["ensemble"] = list(self.ensemble)
+        out["location"] = self.location
+        return out
+
+    def with_stats(self, **changes: Any) -> SegmentRecord:
+        return replace(self, **changes)

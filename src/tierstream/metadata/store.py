@@ -1,0 +1,469 @@
+"""The metadata store: topics, segment records, cursors and de-duplication snapshots.
+
+SQLite in WAL mode, one file in the data directory. The broker and its offloader write;
+planners and the CLI read, each from its own connection, possibly in another process. Everything
+goes through :class:`MetadataStore` so that a networked SQL database can replace SQLite later.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import sqlite3
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+from typing import Any
+
+from tierstream.errors import AlreadyExistsError, ConfigError, NotFoundError, StorageError
+from tierstream.metadata.records import SegmentRecord, SegmentState, TopicRecord
+from tierstream.metadata.tables import SCHEMA_VERSION, create_and_migrate
+from tierstream.names import TopicName
+from tierstream.schemas.model import SchemaInfo, SchemaType
+from tierstream.timeutil import now_ms
+
+__all__ = ["MetadataStore"]
+
+
+
+_SEGMENT_COLUMNS = (
+    "topic, partition, segment_id, state, entries, messages, bytes, min_publish_time, "
+    "max_publish_time, created_at, sealed_at, ensemble, tier_url, offloaded_at, bookie_deleted_at, "
+    "offload_pending_url, tier_bytes"
+)
+_SEGMENT_FIELDS = tuple(c.strip() for c in _SEGMENT_COLUMNS.split(","))
+
+
+@functools.lru_cache(maxsize=1024)
+def _ensemble(text: str) -> tuple[str, ...]:
+    return tuple(json.loads(text))  # few distinct ensembles, many segments: decode each once
+
+
+def _segment(row: sqlite3.Row | tuple[Any, ...]) -> SegmentRecord:
+    """The record of a row of ``_SEGMENT_COLUMNS``. The columns are the record's fields and
+    were checked when written, so the record is filled in directly (a plan reads thousands)."""
+    record = object.__new__(SegmentRecord)
+    fields = record.__dict__
+    fields.update(zip(_SEGMENT_FIELDS, row, strict=True))
+    fields["ensemble"] = _ensemble(fields["ensemble"])
+    return record
+
+
+class MetadataStore:
+    """SQLite-backed metadata. Thread-safe; one connection per store object.
+
+    ``read_only=True`` is for planners and the CLI: it never creates or migrates the file.
+    """
+
+    def __init__(self, path: str | Path, *, read_only: bool = False) -> None:
+        self.path = Path(path)
+        try:
+            self._open(read_only)
+        except sqlite3.Error as exc:
+            raise StorageError(f"cannot open metadata store {str(self.path)!r}: {exc}") from None
+        self._lock = threading.RLock()
+        self._check_version()
+
+    def _open(self, read_only: bool) -> None:
+        if read_only:
+            if not self.path.exists():
+                raise NotFoundError(
+                    f"no metadata store at {str(self.path)!r}: is the data directory right? "
+                    "(--data-dir / TIERSTREAM_HOME)"
+                )
+            uri = f"file:{self.path}?mode=ro"
+            self._conn = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=30)
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._conn = sqlite3.connect(self.path, check_same_thread=False, timeout=30)
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            # Seals, cursors and de-dup snapshots must survive power loss, and they are rare.
+            self._conn.execute("PRAGMA synchronous=FULL")
+            with self._conn:
+                create_and_migrate(self._conn)
+
+    def _check_version(self) -> None:
+        row = self._conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        if row is None or int(row[0]) != SCHEMA_VERSION:
+            found = None if row is None else int(row[0])
+            if found is not None and found < SCHEMA_VERSION:
+                advice = ("the broker upgrades it when it starts: run `tierstream broker start "
+                          f"--data-dir {self.path.parent}` once")
+            else:
+                advice = "it was written by a newer tierstream: upgrade this one"
+            raise ConfigError(
+                f"metadata store {str(self.path)!r} has schema version {found!r}; this "
+                f"tierstream reads version {SCHEMA_VERSION}: {advice}"
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock, self._conn:
+            yield self._conn
+
+    def atomic(self) -> AbstractContextManager[sqlite3.Connection]:
+        """One write transaction, for the tables another module keeps (``transactions`` and
+        ``sinks``: metadata/transaction_records.py; ``schemas``: metadata/schema_registry.py)."""
+        return self._tx()
+
+    def query(self, sql: str, args: Sequence[Any] | Mapping[str, Any] = ()) -> list[Any]:
+        """Rows of one read statement (for the same modules)."""
+        with self._lock:
+            return self._conn.execute(sql, args).fetchall()
+
+    # -- topics -------------------------------------------------------------------------------
+
+    def create_topic(
+        self, name: TopicName, partitions: int, *, created_at: int, retention_ms: int | None = None,
+        ensembles: list[tuple[str, ...]] | None = None,
+    ) -> tuple[TopicRecord, list[SegmentRecord]]:
+        """Register a topic and, in the same transaction, the first open segment of each
+        partition (on ``ensembles[p]``): a topic exists whole or not at all."""
+        if not isinstance(partitions, int) or isinstance(partitions, bool) or partitions < 1:
+            raise ConfigError(
+                f"invalid partition count {partitions!r} for topic {str(name)!r}: expected an "
+                "integer >= 1"
+            )
+        try:
+            with self._tx() as c:
+                c.execute(
+                    "INSERT INTO topics (name, partitions, retention_ms, created_at) "
+                    "VALUES (?, ?, ?, ?)",
+                    (str(name), partitions, retention_ms, created_at),
+                )
+                segments = _insert_segments(c, str(name), list(enumerate(ensembles or [])),
+                                            created_at)
+        except sqlite3.IntegrityError:
+            raise AlreadyExistsError(f"topic {str(name)!r} already exists") from None
+        return TopicRecord(
+            name=str(name), partitions=partitions, retention_ms=retention_ms, created_at=created_at
+        ), segments
+
+    def mark_topic_deleting(self, name: str, *, now: int) -> None:
+        """From now on the topic is gone for everyone; its data is purged next."""
+        with self._tx() as c:
+            c.execute("UPDATE topics SET deleting_at=? WHERE name=? AND deleting_at IS NULL",
+                      (now, name))
+
+    def topics_being_deleted(self) -> list[TopicRecord]:
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT name, partitions, retention_ms, created_at FROM topics "
+                "WHERE deleting_at IS NOT NULL ORDER BY name").fetchall()
+        return [TopicRecord(name=r[0], partitions=r[1], retention_ms=r[2], created_at=r[3])
+                for r in rows]
+
+    def purge_topic(self, name: str) -> None:
+        """Remove every record of a topic, in one transaction (the last step of deleting)."""
+        with self._tx() as c:
+            for table in ("segments", "cursors", "deleted_segments", "dedup", "schemas",
+                          "schema_policies"):
+                c.execute(f"DELETE FROM {table} WHERE topic=?", (name,))
+            c.execute("DELETE FROM topics WHERE name=?", (name,))
+
+    def get_topic(self, name: TopicName | str) -> TopicRecord:
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT name, partitions, retention_ms, created_at FROM topics WHERE name = ? "
+                "AND deleting_at IS NULL", (str(name),),
+            ).fetchone()
+        if row is None:
+            raise NotFoundError(f"topic {str(name)!r} does not exist")
+        return TopicRecord(name=row[0], partitions=row[1], retention_ms=row[2], created_at=row[3])
+
+    def list_topics(self, namespace: str | None = None) -> list[TopicRecord]:
+        with self._lock:
+            if namespace is None:
+                rows = self._conn.execute(
+                    "SELECT name, partitions, retention_ms, created_at FROM topics "
+                    "WHERE deleting_at IS NULL ORDER BY name").fetchall()
+            else:
+                rows = self._conn.execute(
+                    "SELECT name, partitions, retention_ms, created_at FROM topics "
+                    "WHERE name LIKE ? ESCAPE '\\' AND deleting_at IS NULL ORDER BY name",
+                    (namespace.replace("_", "\\_").replace("%", "\\%") + "/%",),
+                ).fetchall()
+        return [TopicRecord(name=r[0], partitions=r[1], retention_ms=r[2], created_at=r[3])
+                for r in rows]
+
+    # -- segments -----------------------------------------------------------------------------
+
+    def new_segment(
+        self, topic: str, partition: int, *, ensemble: tuple[str, ...], created_at: int
+    ) -> SegmentRecord:
+        (record,) = self.new_segments(topic, [(partition, ensemble)], created_at=created_at)
+        return record
+
+    def new_segments(self, topic: str, partitions: list[tuple[int, tuple[str, ...]]], *,
+                     created_at: int) -> list[SegmentRecord]:
+        """A new open segment for each ``(partition, ensemble)``, in one transaction."""
+        with self._tx() as c:
+            return _insert_segments(c, topic, partitions, created_at)
+
+    def update_segment_stats(self, record: SegmentRecord) -> None:
+        """Write entries/messages/bytes/min/max/state/sealed_at of ``record``."""
+        with self._tx() as c:
+            _update_stats(c, record)
+
+    def seal_segment(self, record: SegmentRecord, dedup: Mapping[str, tuple[int, Any]]) -> None:
+        """Seal a segment (``record`` with state CLOSED and its final stats) and save the
+        partition's producer de-dup state in **one** transaction: a crash leaves both or
+        neither, so the state always covers every sealed entry (see ``managed_ledger/dedup.py``)."""
+        with self._tx() as c:
+            _update_stats(c, record)
+            _save_dedup(c, record.topic, record.partition, dedup)
+
+    def delete_segment(self, segment_id: int) -> None:
+        with self._tx() as c:
+            c.execute("DELETE FROM segments WHERE segment_id=?", (segment_id,))
+
+    def segments(self, topic: str, partition: int | None = None) -> list[SegmentRecord]:
+        """Segment records of ``topic`` sorted by (partition, segment_id)."""
+        rows = self._by_topic(f"SELECT {_SEGMENT_COLUMNS} FROM segments", topic, partition)
+        return [_segment(r) for r in rows]
+
+    def _by_topic(self, select: str, topic: str, partition: int | None) -> list[Any]:
+        """Rows of ``select`` for a topic (and partition), ordered by partition and segment."""
+        sql = select + " WHERE topic=?"
+        args: tuple[Any, ...] = (topic,)
+        if partition is not None:
+            sql += " AND partition=?"
+            args += (partition,)
+        with self._lock:
+            return self._conn.execute(sql + " ORDER BY partition, segment_id", args).fetchall()
+
+    def segments_in_window(self, topic: str, partition: int, start_time: int | None,
+                           end_time: int | None) -> list[SegmentRecord]:
+        """:meth:`segments_in_windows` of one partition."""
+        return self.segments_in_windows(topic, [partition], start_time, end_time)[partition]
+
+    def segments_in_windows(self, topic: str, partitions: Sequence[int],
+                            start_time: int | None, end_time: int | None
+                            ) -> dict[int, list[SegmentRecord]]:
+        """Per partition, the segments that may hold publish times in
+        ``[start_time, end_time)``, in order, plus the open segment unless its first message is
+        already past ``end_time``: one statement for all partitions, two index lookups and one
+        range read per partition.
+
+        Min/max publish times never decrease along a partition's segments, so the first segment
+        whose max is ``>= start_time`` and the last whose min is ``< end_time`` bound the answer
+        (a binary search, done by SQLite's B-tree indexes on those columns). The open segment's
+        max still grows, so only its min can rule it out.
+        """
+        lo_sql = "0" if start_time is None else (
+            "(SELECT segment_id FROM segments WHERE topic=:t AND partition=parts.p AND "
+            "max_publish_time >= :t0 ORDER BY max_publish_time, segment_id LIMIT 1)")
+        hi_sql = str(1 << 62) if end_time is None else (
+            "(SELECT segment_id FROM segments WHERE topic=:t AND partition=parts.p AND "
+            "min_publish_time < :t1 ORDER BY min_publish_time DESC, segment_id DESC LIMIT 1)")
+        columns = ", ".join(f"s.{c}" for c in _SEGMENT_FIELDS)
+        # the bounds are index lookups, the range read walks only the window; the open
+        # segment, if any, is the partition's last one. CROSS JOIN fixes the join order
+        # (SQLite's planner otherwise may scan every segment of the topic: seconds, not ms)
+        sql = (f"WITH parts(p) AS (SELECT value FROM json_each(:parts)), "
+               f"bounds(p, lo, hi) AS MATERIALIZED (SELECT p, {lo_sql}, {hi_sql} FROM parts) "
+               f"SELECT {columns} FROM bounds CROSS JOIN segments s ON s.topic=:t AND "
+               "s.partition=bounds.p AND s.segment_id BETWEEN bounds.lo AND bounds.hi AND "
+               f"s.state='CLOSED' UNION ALL SELECT {columns} FROM parts CROSS JOIN segments s "
+               "ON s.segment_id=(SELECT MAX(segment_id) FROM segments WHERE topic=:t AND "
+               "partition=parts.p) WHERE s.state='OPEN' AND (:t1 IS NULL OR "
+               "s.min_publish_time IS NULL OR s.min_publish_time < :t1)")
+        args = {"t": topic, "parts": json.dumps([int(p) for p in partitions]),
+                "t0": start_time, "t1": end_time}
+        with self._lock:
+            rows = self._conn.execute(sql, args).fetchall()
+        out: dict[int, list[SegmentRecord]] = {int(p): [] for p in partitions}
+        for r in rows:  # closed segments, then each partition's open one (its last)
+            out[r[1]].append(_segment(r))
+        for segs in out.values():  # in log order: a sort only if the engine did not keep it
+            if any(a.segment_id > b.segment_id for a, b in itertools.pairwise(segs)):
+                segs.sort(key=lambda seg: seg.segment_id)
+        return out
+
+    def first_segment_id(self, topic: str, partition: int) -> int | None:
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT MIN(segment_id) FROM segments WHERE topic=? AND partition=?",
+                (topic, partition)).fetchone()
+        return None if row is None else row[0]
+
+    def get_segment(self, segment_id: int) -> SegmentRecord:
+        with self._lock:
+            row = self._conn.execute(
+                f"SELECT {_SEGMENT_COLUMNS} FROM segments WHERE segment_id=?", (segment_id,)
+            ).fetchone()
+        if row is None:
+            raise NotFoundError(f"segment {segment_id} does not exist")
+        return _segment(row)
+
+    def open_segments(self) -> list[SegmentRecord]:
+        with self._lock:
+            rows = self._conn.execute(
+                f"SELECT {_SEGMENT_COLUMNS} FROM segments WHERE state=? "
+                "ORDER BY topic, partition, segment_id",
+                (SegmentState.OPEN,),
+            ).fetchall()
+        return [_segment(r) for r in rows]
+
+    # -- tiering ------------------------------------------------------------------------------
+
+    def set_offload_pending(self, segment_id: int, url: str) -> None:
+        """Record where the offloader writes this segment, before it writes anything, so a
+        retry after a crash reuses the same file instead of leaving an orphan."""
+        with self._tx() as c:
+            c.execute("UPDATE segments SET offload_pending_url=? WHERE segment_id=?",
+                      (url, segment_id))
+
+    def flip_to_tier(self, segment_id: int, url: str, *, offloaded_at: int,
+                     tier_bytes: int | None = None) -> None:
+        """From now on readers read this segment from ``url`` (a file of ``tier_bytes``)."""
+        with self._tx() as c:
+            c.execute("UPDATE segments SET tier_url=?, offloaded_at=?, tier_bytes=?, "
+                      "offload_pending_url=NULL WHERE segment_id=?",
+                      (url, offloaded_at, tier_bytes, segment_id))
+
+    def mark_bookie_deleted(self, segment_id: int, *, deleted_at: int) -> None:
+        with self._tx() as c:
+            c.execute("UPDATE segments SET bookie_deleted_at=? WHERE segment_id=?",
+                      (deleted_at, segment_id))
+
+    def record_deletion(self, record: SegmentRecord, *, deleted_at: int, reason: str) -> None:
+        """Remove a segment record and remember what was removed and why, in one step."""
+        with self._tx() as c:
+            c.execute(
+                "INSERT OR REPLACE INTO deleted_segments (segment_id, topic, partition, entries, "
+                "messages, min_publish_time, max_publish_time, deleted_at, reason) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (record.segment_id, record.topic, record.partition, record.entries,
+                 record.messages, record.min_publish_time, record.max_publish_time, deleted_at,
+                 reason),
+            )
+            c.execute("DELETE FROM segments WHERE segment_id=?", (record.segment_id,))
+
+    def deleted_segments(self, topic: str, partition: int | None = None) -> list[dict[str, Any]]:
+        """Segments removed by retention, oldest first: what readers report as data loss."""
+        rows = self._by_topic(
+            "SELECT segment_id, topic, partition, entries, messages, min_publish_time, "
+            "max_publish_time, deleted_at, reason FROM deleted_segments", topic, partition)
+        keys = ("segment_id", "topic", "partition", "entries", "messages", "min_publish_time",
+                "max_publish_time", "deleted_at", "reason")
+        return [dict(zip(keys, r, strict=True)) for r in rows]
+
+    # -- bookie endpoints ---------------------------------------------------------------------
+
+    def set_bookie_endpoint(self, bookie_id: str, address: str) -> None:
+        """Record where readers on other hosts reach ``bookie_id`` (its advertised address)."""
+        with self._tx() as c:
+            c.execute("INSERT INTO bookie_endpoints (bookie_id, address, updated_at) "
+                      "VALUES (?, ?, ?) ON CONFLICT(bookie_id) DO UPDATE SET "
+                      "address=excluded.address, updated_at=excluded.updated_at",
+                      (bookie_id, address, now_ms()))
+
+    def schema_versions(self, topic: str) -> list[SchemaInfo]:
+        """Every schema version of ``topic``, in order (NotFoundError for an unknown topic;
+        metadata/schema_registry.py adds and checks versions)."""
+        name = str(self.get_topic(TopicName.parse(topic)).name)
+        return [SchemaInfo(t, v, SchemaType(ty), d, f, c) for t, v, ty, d, f, c in self.query(
+            "SELECT topic, version, type, definition, fingerprint, created_at FROM schemas "
+            "WHERE topic=? ORDER BY version", (name,))]
+
+    def bookie_endpoints(self) -> dict[str, str]:
+        """bookie id -> advertised address, for every bookie that has one."""
+        with self._lock:
+            return dict(self._conn.execute(
+                "SELECT bookie_id, address FROM bookie_endpoints").fetchall())
+
+    def set_retention(self, topic: str, retention_ms: int | None) -> None:
+        with self._tx() as c:
+            c.execute("UPDATE topics SET retention_ms=? WHERE name=?", (retention_ms, topic))
+
+    # -- cursors ------------------------------------------------------------------------------
+
+    def get_cursor(self, topic: str, subscription: str, partition: int) -> list[Any] | None:
+        """The stored interval list of a subscription's partition, or None if it has none."""
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT intervals FROM cursors WHERE topic=? AND subscription=? AND partition=?",
+                (topic, subscription, partition),
+            ).fetchone()
+        return None if row is None else list(json.loads(row[0]))
+
+    def cursors(self, topic: str) -> list[dict[str, Any]]:
+        """Every stored cursor of ``topic``: subscription, partition, intervals, updated_at."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT subscription, partition, intervals, updated_at FROM cursors WHERE topic=? "
+                "ORDER BY subscription, partition", (topic,)).fetchall()
+        return [{"subscription": r[0], "partition": r[1], "intervals": json.loads(r[2]),
+                 "updated_at": r[3]} for r in rows]
+
+    def save_cursor(
+        self, topic: str, subscription: str, partition: int, intervals: list[Any], *, now: int
+    ) -> None:
+        with self._tx() as c:
+            c.execute(
+                "INSERT INTO cursors (topic, subscription, partition, intervals, updated_at) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (topic, subscription, partition) DO UPDATE "
+                "SET intervals=excluded.intervals, updated_at=excluded.updated_at",
+                (topic, subscription, partition, json.dumps(intervals), now),
+            )
+
+    def delete_cursors(self, topic: str, subscription: str) -> int:
+        """Forget a subscription of ``topic`` (every partition's cursor); how many went."""
+        with self._tx() as c:
+            return int(c.execute("DELETE FROM cursors WHERE topic=? AND subscription=?",
+                                 (topic, subscription)).rowcount)
+
+    # -- producer de-duplication ----------------------------------------------------------------
+
+    def load_dedup(self, topic: str, partition: int) -> dict[str, tuple[int, Any]]:
+        """Per producer: (last stored sequence id, its saved acks); see
+        ``managed_ledger/dedup.py``."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT producer, sequence_id, position FROM dedup WHERE topic=? AND partition=?",
+                (topic, partition),
+            ).fetchall()
+        return {r[0]: (r[1], json.loads(r[2])) for r in rows}
+
+
+def _insert_segments(c: sqlite3.Connection, topic: str,
+                     partitions: list[tuple[int, tuple[str, ...]]], created_at: int
+                     ) -> list[SegmentRecord]:
+    out = []
+    for partition, ensemble in partitions:
+        cur = c.execute(
+            "INSERT INTO segments (topic, partition, state, created_at, ensemble) "
+            "VALUES (?, ?, ?, ?, ?)",
+            (topic, partition, SegmentState.OPEN, created_at, json.dumps(list(ensemble))))
+        assert cur.lastrowid is not None
+        out.append(SegmentRecord(
+            topic=topic, partition=partition, segment_id=cur.lastrowid, state=SegmentState.OPEN,
+            entries=0, messages=0, bytes=0, min_publish_time=None, max_publish_time=None,
+            created_at=created_at, sealed_at=None, ensemble=ensemble))
+    return out
+
+
+def _update_stats(c: sqlite3.Connection, record: SegmentRecord) -> None:
+    c.execute(
+        "UPDATE segments SET state=?, entries=?, messages=?, bytes=?, min_publish_time=?, "
+        "max_publish_time=?, sealed_at=? WHERE segment_id=?",
+        (record.state, record.entries, record.messages, record.bytes, record.min_publish_time,
+         record.max_publish_time, record.sealed_at, record.segment_id),
+    )
+
+
+def _save_dedup(c: sqlite3.Connection, topic: str, partition: int,
+                state: Mapping[str, tuple[int, Any]]) -> None:
+    c.executemany(
+        "INSERT INTO dedup (topic, partition, producer, sequence_id, position) "
+        "VALUES (?, ?, ?, ?, ?) ON CONFLICT (topic, partition, producer) DO UPDATE "
+        "SET sequence_id=excluded.sequence_id, position=excluded.position",
+        [(topic, partition, p, seq, json.dumps(pos)) for p, (seq, pos) in state.items()],
+    )

@@ -1,0 +1,148 @@
+"""The metadata store's tables, and how an older store is brought to this version.
+
+A store records its schema version in ``meta``; the broker (the one writer) creates missing
+tables and migrates an older store step by step when it opens it; readers refuse a version
+they do not know (``store.py``).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+__all__ = ["SCHEMA_VERSION", "create_and_migrate"]
+
+SCHEMA_VERSION = 7
+
+DDL = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS topics (
+    name TEXT PRIMARY KEY,
+    partitions INTEGER NOT NULL,
+    retention_ms INTEGER,
+    created_at INTEGER NOT NULL,
+    deleting_at INTEGER
+);
+CREATE TABLE IF NOT EXISTS segments (
+    segment_id INTEGER PRIMARY KEY AUTOINCREMENT,
+    topic TEXT NOT NULL,
+    partition INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    entries INTEGER NOT NULL DEFAULT 0,
+    messages INTEGER NOT NULL DEFAULT 0,
+    bytes INTEGER NOT NULL DEFAULT 0,
+    min_publish_time INTEGER,
+    max_publish_time INTEGER,
+    created_at INTEGER NOT NULL,
+    sealed_at INTEGER,
+    ensemble TEXT NOT NULL,
+    tier_url TEXT,
+    offloaded_at INTEGER,
+    bookie_deleted_at INTEGER,
+    offload_pending_url TEXT,
+    tier_bytes INTEGER
+);
+CREATE INDEX IF NOT EXISTS segments_by_partition ON segments (topic, partition, segment_id);
+CREATE INDEX IF NOT EXISTS segments_by_max_time
+    ON segments (topic, partition, max_publish_time, segment_id);
+CREATE INDEX IF NOT EXISTS segments_by_min_time
+    ON segments (topic, partition, min_publish_time, segment_id);
+CREATE TABLE IF NOT EXISTS transactions (
+    txn_id TEXT PRIMARY KEY,
+    sink_id TEXT,
+    batch_id INTEGER,
+    state TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    updated_at INTEGER NOT NULL,
+    parts TEXT NOT NULL DEFAULT '[]',
+    reason TEXT
+);
+CREATE INDEX IF NOT EXISTS transactions_by_batch ON transactions (sink_id, batch_id);
+CREATE TABLE IF NOT EXISTS sinks (
+    sink_id TEXT PRIMARY KEY,
+    last_batch INTEGER NOT NULL,
+    committed_at INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS schemas (
+    topic TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    type TEXT NOT NULL,
+    definition TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    PRIMARY KEY (topic, version)
+);
+CREATE TABLE IF NOT EXISTS schema_policies (
+    topic TEXT PRIMARY KEY,
+    compatibility TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS cursors (
+    topic TEXT NOT NULL,
+    subscription TEXT NOT NULL,
+    partition INTEGER NOT NULL,
+    intervals TEXT NOT NULL,
+    updated_at INTEGER NOT NULL,
+    PRIMARY KEY (topic, subscription, partition)
+);
+CREATE TABLE IF NOT EXISTS deleted_segments (
+    segment_id INTEGER PRIMARY KEY,
+    topic TEXT NOT NULL,
+    partition INTEGER NOT NULL,
+    entries INTEGER NOT NULL,
+    messages INTEGER NOT NULL,
+    min_publish_time INTEGER,
+    max_publish_time INTEGER,
+    deleted_at INTEGER NOT NULL,
+    reason TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS dedup (
+    topic TEXT NOT NULL,
+    partition INTEGER NOT NULL,
+    producer TEXT NOT NULL,
+    sequence_id INTEGER NOT NULL,
+    position TEXT NOT NULL,
+    PRIMARY KEY (topic, partition, producer)
+);
+CREATE TABLE IF NOT EXISTS bookie_endpoints (
+    bookie_id TEXT PRIMARY KEY,
+    address TEXT NOT NULL,
+    updated_at INTEGER NOT NULL
+);
+"""
+
+
+def create_and_migrate(conn: sqlite3.Connection) -> None:
+    """Create what is missing and migrate an older store to :data:`SCHEMA_VERSION` (inside
+    the caller's transaction)."""
+    conn.executescript(DDL)
+    conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)",
+                 (str(SCHEMA_VERSION),))
+    _migrate(conn)
+
+
+def _migrate(conn: sqlite3.Connection) -> None:
+    version = int(conn.execute(
+        "SELECT value FROM meta WHERE key='schema_version'").fetchone()[0])
+    if version == 1:  # v2: tiered storage
+        conn.execute("ALTER TABLE segments ADD COLUMN offload_pending_url TEXT")
+        conn.execute("UPDATE meta SET value='2' WHERE key='schema_version'")
+        version = 2
+    if version == 2:  # v3: topic deletion
+        columns = [r[1] for r in conn.execute("PRAGMA table_info(topics)")]
+        if "deleting_at" not in columns:
+            conn.execute("ALTER TABLE topics ADD COLUMN deleting_at INTEGER")
+        conn.execute("UPDATE meta SET value='3' WHERE key='schema_version'")
+        version = 3
+    if version == 3:  # v4: bookie endpoints (the table is created by the DDL above)
+        conn.execute("UPDATE meta SET value='4' WHERE key='schema_version'")
+        version = 4
+    if version == 4:  # v5: transactions and sinks (tables created by the DDL above)
+        conn.execute("UPDATE meta SET value='5' WHERE key='schema_version'")
+        version = 5
+    if version == 5:  # v6: topic schemas (tables created by the DDL above)
+        conn.execute("UPDATE meta SET value='6' WHERE key='schema_version'")
+        version = 6
+    if version == 6:  # v7: tier file sizes (unknown, NULL, for files offloaded before)
+        columns = [r[1] for r in conn.execute("PRAGMA table_info(segments)")]
+        if "tier_bytes" not in columns:
+            conn.execute("ALTER TABLE segments ADD COLUMN tier_bytes INTEGER")
+        conn.execute("UPDATE meta SET value='7' WHERE key='schema_version'")

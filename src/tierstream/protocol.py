@@ -1,0 +1,102 @@
+"""The broker's wire protocol over Arrow Flight: JSON commands, and errors that survive the trip.
+
+- produce: ``DoPut`` with descriptor command ``{"op": "produce", topic, partition, producer}``;
+  each chunk is a batch of :data:`~tierstream.message_format.PRODUCE_SCHEMA` with app metadata
+  ``{"seq": n}``; the broker answers each chunk with one metadata message, the JSON of an ack.
+- consume: ``DoGet`` with a ticket ``{"op": "consume", topic, partition, start, end, ...}``; the
+  stream has :data:`~tierstream.message_format.MESSAGE_SCHEMA`.
+- admin: ``DoAction`` with a JSON body; the result is one JSON document.
+
+A :class:`~tierstream.errors.TierstreamError` raised in the broker reaches the client as the
+same class with the same message.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pyarrow.flight as flight
+
+from tierstream.errors import (
+    ERRORS_BY_CODE,
+    AuthError,
+    ProtocolError,
+    TierstreamError,
+    UnavailableError,
+)
+
+__all__ = ["PROTOCOL_VERSION", "decode", "encode", "server_error", "translate_errors"]
+
+PROTOCOL_VERSION = 1
+_TAGGED = re.compile(r"\[tierstream:(\w+)\] (.*?)(?:\. Detail:|\. gRPC client debug context|$)",
+                     re.S)
+
+
+def encode(obj: dict[str, Any]) -> bytes:
+    return json.dumps({"v": PROTOCOL_VERSION, **obj}, separators=(",", ":")).encode()
+
+
+def decode(data: bytes | memoryview | None, what: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(bytes(data or b"{}"))
+    except ValueError:
+        raise ProtocolError(f"malformed {what}: not JSON") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"malformed {what}: expected a JSON object")
+    version = obj.pop("v", PROTOCOL_VERSION)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"{what} uses protocol version {version}; this side speaks {PROTOCOL_VERSION}"
+        )
+    return obj
+
+
+def server_error(exc: TierstreamError) -> Exception:
+    """The Flight error that carries ``exc`` to the client."""
+    error: Exception  # pyarrow.flight is untyped
+    if isinstance(exc, AuthError):
+        error = flight.FlightUnauthenticatedError(str(exc))
+    else:
+        error = flight.FlightServerError(f"[tierstream:{exc.code}] {exc}")
+    return error
+
+
+@contextmanager
+def translate_errors(url: str, what: str = "broker") -> Iterator[None]:
+    """Turn Flight errors raised inside the block back into tierstream errors. ``what`` names
+    the endpoint in messages (the broker, or a bookie endpoint)."""
+    hint = "is it running? (tierstream broker start; --broker / TIERSTREAM_BROKER) " \
+        if what == "broker" else ""
+    try:
+        yield
+    except flight.FlightUnauthenticatedError:
+        raise AuthError(
+            f"{what} {url} denied the call: missing or wrong token "
+            "(set --auth-token or TIERSTREAM_AUTH_TOKEN)"
+        ) from None
+    except flight.FlightUnavailableError as exc:
+        raise UnavailableError(
+            f"cannot reach the {what} at {url}: {hint}[{_first_line(exc)}]"
+        ) from None
+    except flight.FlightTimedOutError:
+        raise UnavailableError(f"the {what} at {url} did not answer in time") from None
+    except flight.FlightError as exc:
+        match = _TAGGED.search(str(exc))
+        if match:
+            cls = ERRORS_BY_CODE.get(match.group(1), TierstreamError)
+            raise cls(match.group(2).strip()) from None
+        raise UnavailableError(f"{what} {url} failed: {_first_line(exc)}") from None
+    except OSError as exc:
+        raise UnavailableError(f"cannot reach the {what} at {url}: {exc}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    """The gist of a Flight error: its first line, without gRPC's debug context."""
+    text = str(exc).strip()
+    if not text:
+        return type(exc).__name__
+    return text.splitlines()[0].split(". gRPC client debug context")[0]

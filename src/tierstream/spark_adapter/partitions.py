@@ -1,0 +1,85 @@
+"""Spark partitions of a plan, and reading one: what the batch source (``source.py``) and
+the stream (``stream.py``) share. A partition carries its split, or a chain of splits read in
+log order, as JSON; reading it opens the reader where each split's data lives and hands
+Spark batches of about :data:`SPARK_BATCH_ROWS` rows in the declared schema.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import pyarrow as pa
+from pyspark.sql.datasource import InputPartition
+
+from tierstream.message_format import as_output_batch
+from tierstream.read_options import ReadOptions
+from tierstream.readers.stats import ReadStats
+from tierstream.schemas.codec import Decoder, decode_batches
+from tierstream.splits.split import Split, chains, splits_from_json, splits_to_json
+
+__all__ = ["SPARK_BATCH_ROWS", "partition_splits", "read_partition", "spark_batches",
+           "spark_partitions"]
+
+#: Rows per batch handed to Spark: readers yield what they decode (a tier row group can be
+#: 1,024 rows), and Spark pays per batch, so small ones are joined up to this.
+SPARK_BATCH_ROWS = 8192
+
+
+def spark_batches(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """Reader batches as Spark batches of about SPARK_BATCH_ROWS rows, in order."""
+    pending: list[pa.RecordBatch] = []
+    rows = 0
+    for batch in batches:
+        if batch.num_rows >= SPARK_BATCH_ROWS and not pending:
+            yield as_output_batch(batch)
+            continue
+        pending.append(batch)
+        rows += batch.num_rows
+        if rows >= SPARK_BATCH_ROWS:
+            yield as_output_batch(pa.concat_batches(pending))
+            pending, rows = [], 0
+    if pending:
+        yield as_output_batch(pa.concat_batches(pending))
+
+
+def read_partition(options: ReadOptions, partition: InputPartition, stats: Any = None,
+                   decoder: Decoder | None = None) -> Iterator[pa.RecordBatch]:
+    """One Spark partition's rows (batch or stream): its split, read where it lives. With
+    ``stats`` (a Spark accumulator of ReadStats), what went which way is added to it; with
+    ``decoder`` (valueFormat=auto), values are decoded as the declared schema says."""
+    from tierstream.readers import open_reader
+
+    if partition.value is None:  # Spark's stand-in when the plan has no split
+        return
+    counts = ReadStats() if stats is not None else None
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        for split in partition_splits(partition.value):  # a chain: in log order
+            yield from open_reader(split, auth_token=options.auth_token, tls_ca=options.tls_ca,
+                                   reconnect_timeout_ms=options.reconnect_timeout_ms,
+                                   stats=counts)
+
+    if decoder is None:
+        yield from spark_batches(batches())
+    else:
+        yield from decode_batches(spark_batches(batches()), decoder, options.mode,
+                                  options.topics[0])
+    if stats is not None:
+        stats.add(counts)
+
+
+def spark_partitions(splits: list[Split], partitioning: str) -> list[InputPartition]:
+    """Spark partitions of a plan: one per split (``splits``), or one per chain of splits of
+    a (topic, partition, key range) in log order (``key-ranges``: every key in one Spark
+    partition per topic partition, its messages in order; see splits.split.chains)."""
+    if partitioning == "key-ranges":
+        return [InputPartition(splits_to_json(chain)) for chain in chains(splits)]
+    return [InputPartition(split.to_json()) for split in splits]
+
+
+def partition_splits(value: str) -> list[Split]:
+    """The splits of one Spark partition's value: one split, or a chain (a JSON list)."""
+    if value.startswith("["):
+        return splits_from_json(value, what="Spark partition")
+    return [Split.from_json(value)]

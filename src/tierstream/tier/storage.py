@@ -1,0 +1,267 @@
+"""The tier: object storage holding offloaded segments as Parquet files, chosen by URL scheme.
+
+``file://`` (the default, under the data directory) and ``s3://`` (s3fs/boto3, with an optional
+endpoint so MinIO and moto work as well as AWS; credentials come from the usual AWS sources).
+
+**Row layout.** A segment's rows are grouped into 16 key buckets of 4096 Key_Shared slots
+each (bucket = key_hash // 4096), each bucket in log order and cut into row groups of about an
+eighth of the bucket. Row-group statistics (min/max of publish_time and key_hash) let a reader
+skip what it does not need:
+
+- a key-range read of 1/k of the slots (k a power of two up to 16) reads exactly its buckets;
+  for other k at most one extra bucket per range boundary;
+- a time-window read reads, per bucket, the row groups overlapping the window.
+
+Within a bucket rows keep log order, so each key's messages stay in order. The alternative
+measured against it is plain log order (``layout="log"``), which is best for time windows but
+makes every key-range read fetch the whole file (``python -m bench tier``).
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from tierstream.errors import AuthError, ConfigError, NotFoundError, UnavailableError
+from tierstream.message_format import KEY_HASH_SLOTS, MESSAGE_SCHEMA
+from tierstream.names import TopicName
+
+__all__ = ["KEY_BUCKETS", "TierStorage", "arrange"]
+
+KEY_BUCKETS = 16
+_BUCKET_SLOTS = KEY_HASH_SLOTS // KEY_BUCKETS
+_ROW_GROUPS_PER_BUCKET = 8
+_MIN_ROW_GROUP = 1024
+LAYOUTS = ("key-buckets", "log")
+
+
+def arrange(table: pa.Table, layout: str = "key-buckets") -> list[pa.Table]:
+    """The row groups of a segment's rows (given in log order) for ``layout``."""
+    if layout == "log":
+        size = max(_MIN_ROW_GROUP, -(-table.num_rows // (KEY_BUCKETS * _ROW_GROUPS_PER_BUCKET)))
+        return [table.slice(i, size) for i in range(0, table.num_rows, size)]
+    if layout != "key-buckets":
+        raise ConfigError(f"invalid tier layout {layout!r}: expected one of {LAYOUTS}")
+    bucket = pc.divide(table.column("key_hash"), pa.scalar(_BUCKET_SLOTS, pa.int32()))
+    # A stable sort by bucket keeps log order within each bucket.
+    order = pc.sort_indices(pa.table({"b": bucket, "i": pa.array(range(table.num_rows))}),
+                            sort_keys=[("b", "ascending"), ("i", "ascending")])
+    arranged = table.take(order)
+    counts = pc.value_counts(bucket).to_pylist()
+    sizes = {c["values"]: c["counts"] for c in counts}
+    groups, offset = [], 0
+    for b in range(KEY_BUCKETS):
+        n = sizes.get(b, 0)
+        size = max(_MIN_ROW_GROUP, -(-n // _ROW_GROUPS_PER_BUCKET))
+        for i in range(0, n, size):
+            groups.append(arranged.slice(offset + i, min(size, n - i)))
+        offset += n
+    return groups
+
+
+@dataclass(frozen=True, kw_only=True)
+class TierStorage:
+    """Where offloaded segments live. ``url`` is ``file:///abs/path`` or ``s3://bucket/prefix``."""
+
+    url: str
+    s3_endpoint: str | None = None
+    s3_region: str | None = None
+    layout: str = "key-buckets"
+
+    def __post_init__(self) -> None:
+        scheme = urlparse(self.url).scheme
+        if scheme not in ("file", "s3"):
+            raise ConfigError(f"invalid tier URL {self.url!r}: expected file:///path or "
+                              "s3://bucket/prefix")
+        if scheme == "s3" and not urlparse(self.url).netloc:
+            raise ConfigError(f"invalid tier URL {self.url!r}: no bucket")
+        if self.layout not in LAYOUTS:
+            raise ConfigError(f"invalid tier layout {self.layout!r}: expected one of {LAYOUTS}")
+
+    @classmethod
+    def from_location(cls, location: str, **kwargs: Any) -> TierStorage:
+        """Accept a plain path as well as a URL."""
+        if "://" not in location:
+            location = Path(location).resolve().as_uri()
+        return cls(url=location.rstrip("/"), **kwargs)
+
+    @property
+    def scheme(self) -> str:
+        return urlparse(self.url).scheme
+
+    # -- filesystems ------------------------------------------------------------------------
+
+    def filesystem(self) -> Any:
+        """The fsspec filesystem for this URL (s3fs imported only when needed)."""
+        if self.scheme == "file":
+            import fsspec
+
+            return fsspec.filesystem("file")
+        try:
+            import s3fs
+        except ImportError:  # pragma: no cover - s3fs is a dependency
+            raise ConfigError("s3:// tier URLs need s3fs: pip install s3fs") from None
+        client_kwargs: dict[str, Any] = {}
+        if self.s3_endpoint:
+            client_kwargs["endpoint_url"] = self.s3_endpoint
+        if self.s3_region:
+            client_kwargs["region_name"] = self.s3_region
+        # Bounded retries: an unreachable endpoint should fail in seconds, not minutes.
+        return s3fs.S3FileSystem(client_kwargs=client_kwargs, skip_instance_cache=True,
+                                 config_kwargs={"connect_timeout": 5,
+                                                           "read_timeout": 60,
+                                                           "retries": {"max_attempts": 3}})
+
+    def path(self, url: str) -> str:
+        parsed = urlparse(url)
+        return parsed.path if parsed.scheme == "file" else f"{parsed.netloc}{parsed.path}"
+
+    def iceberg_properties(self) -> dict[str, str]:
+        """FileIO properties pyiceberg needs to read our files."""
+        props: dict[str, str] = {}
+        if self.scheme == "s3":
+            if self.s3_endpoint:
+                props["s3.endpoint"] = self.s3_endpoint
+            region = self.s3_region or os.environ.get("AWS_REGION") or \
+                os.environ.get("AWS_DEFAULT_REGION")
+            if region:
+                props["s3.region"] = region
+            for env, key in (("AWS_ACCESS_KEY_ID", "s3.access-key-id"),
+                             ("AWS_SECRET_ACCESS_KEY", "s3.secret-access-key"),
+                             ("AWS_SESSION_TOKEN", "s3.session-token")):
+                if os.environ.get(env):
+                    props[key] = os.environ[env]
+        return props
+
+    # -- layout of paths --------------------------------------------------------------------
+
+    def segment_url(self, topic: TopicName, partition: int, segment_id: int) -> str:
+        """A fresh URL ``<tier>/<tenant>/<ns>/<topic>/partition=<p>/<id>-<uuid>.parquet``."""
+        return posixpath.join(self.url, *topic.path_parts, f"partition={partition}",
+                              f"{segment_id}-{uuid.uuid4().hex}.parquet")
+
+    def topic_url(self, topic: TopicName) -> str:
+        """``<tier>/<tenant>/<ns>/<topic>``: where every tier file of ``topic`` lives."""
+        return posixpath.join(self.url, *topic.path_parts)
+
+    def warehouse_url(self) -> str:
+        return posixpath.join(self.url, "_iceberg")
+
+    # -- I/O --------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Fail with a clear error if the tier cannot be written (bad bucket, credentials)."""
+        fs = self.filesystem()
+        with _errors(self.url):
+            if self.scheme == "file":
+                Path(self.path(self.url)).mkdir(parents=True, exist_ok=True)
+                return
+            # ls, not exists: s3fs.exists answers False when the endpoint is unreachable
+            fs.ls(urlparse(self.url).netloc, refresh=True)
+
+    def write_segment(self, url: str, rows: pa.Table) -> int:
+        """Write a segment's rows (in log order) to ``url``; returns the file's size in bytes.
+
+        The file appears whole or not at all: a local file is written aside and renamed; an S3
+        object is only visible once its upload completes.
+        """
+        groups = arrange(rows.cast(MESSAGE_SCHEMA), self.layout)
+        fs = self.filesystem()
+        path = self.path(url)
+        target = path + ".tmp" if self.scheme == "file" else path
+        with _errors(url):
+            if self.scheme == "file":
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+            with fs.open(target, "wb") as f, pq.ParquetWriter(
+                    f, MESSAGE_SCHEMA, compression="zstd", write_statistics=True,
+                    use_dictionary=["key"]) as writer:
+                for group in groups:
+                    writer.write_table(group, row_group_size=max(1, group.num_rows))
+            if self.scheme == "file":
+                os.replace(target, path)
+            return int(fs.size(path))
+
+    def size(self, url: str) -> int:
+        with _errors(url):
+            return int(self.filesystem().size(self.path(url)))
+
+    def exists(self, url: str) -> bool:
+        with _errors(url):
+            return bool(self.filesystem().exists(self.path(url)))
+
+    def read_segment(self, url: str, *, filters: Any = None) -> pa.Table:
+        """All rows of a tier file (optionally filtered by row groups' statistics)."""
+        with _errors(url):
+            return pq.read_table(self.path(url), filesystem=self.filesystem(), filters=filters,
+                                 schema=MESSAGE_SCHEMA)
+
+    def delete_tree(self, url: str) -> None:
+        """Delete everything under ``url`` (a directory or prefix), if anything is there."""
+        fs = self.filesystem()
+        with _errors(url):
+            if fs.exists(self.path(url)):
+                fs.rm(self.path(url), recursive=True)
+
+    def delete(self, url: str) -> None:
+        fs = self.filesystem()
+        with _errors(url):
+            if fs.exists(self.path(url)):
+                fs.rm(self.path(url))
+
+    def delete_topic(self, topic: TopicName) -> None:
+        """Remove ``topic``'s folder (files left by interrupted offloads too) and, on a
+        file tier, its tenant and namespace folders once they are empty (object stores
+        have no empty folders)."""
+        self.delete_tree(self.topic_url(topic))
+        if self.scheme == "file":
+            folder = Path(self.path(self.topic_url(topic))).parent
+            root = Path(self.path(self.url))
+            while folder != root and root in folder.parents:
+                try:
+                    folder.rmdir()  # only if empty: another topic's files stay
+                except OSError:
+                    break
+                folder = folder.parent
+
+
+@contextmanager
+def _errors(url: str) -> Iterator[None]:
+    """Turn storage exceptions into tierstream errors that name the URL (never credentials)."""
+    try:
+        yield
+    except (ConfigError, NotFoundError, UnavailableError, AuthError):
+        raise
+    except Exception as exc:
+        name = type(exc).__name__
+        text = str(exc)
+        if name in ("NoCredentialsError", "PartialCredentialsError") or (
+                "credentials" in text.lower() and "unable to locate" in text.lower()):
+            raise AuthError(f"no credentials for tier {url!r}: set AWS_ACCESS_KEY_ID/"
+                            "AWS_SECRET_ACCESS_KEY or an AWS profile") from None
+        if isinstance(exc, PermissionError) or any(
+                code in text for code in ("AccessDenied", "InvalidAccessKeyId",
+                                          "SignatureDoesNotMatch")):
+            raise AuthError(f"access to tier {url!r} denied: check the credentials") from None
+        if isinstance(exc, FileNotFoundError) or "NoSuchBucket" in text:
+            raise NotFoundError(f"tier location {url!r} does not exist "
+                                f"({_first_line(text)})") from None
+        if isinstance(exc, OSError) or "EndpointConnectionError" in name or \
+                "Could not connect" in text or "ConnectTimeout" in name:
+            raise UnavailableError(f"tier {url!r} is unreachable: {_first_line(text)}") \
+                from None
+        raise
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0][:300] if text.strip() else "no detail"
