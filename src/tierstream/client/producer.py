@@ -288,6 +288,8 @@ class Producer:
         """The ack stream ended early: a broker that refused the batch (a tierstream error)
         says why when the stream is closed; raise that rather than retry."""
         writer, stream.writer, stream.reader = stream.writer, None, None
+        if writer is None:
+            return
         try:
             writer.close()
         except (flight.FlightError, OSError, pa.ArrowException) as exc:
