@@ -53,7 +53,9 @@ def produce(
     value for a topic with a schema, which checks and encodes it). Lines are
     sent as they arrive (batched for up to 50 ms or --batch-size lines), so a live source can
     be piped in. Each line is checked: at a bad one, everything before it has been sent and
-    nothing after it is, and the error names the line.
+    nothing after it is, and the error names the line. publish_time never runs backwards in a
+    partition: a time before the partition's newest message is stamped with that newer time,
+    and the command warns how many were (event_time keeps what was asked).
 
     Example: tierstream produce acme/web/clicks --generate 100000 --keys 50
     --start-time 2026-11-01T00:00:00Z --step-ms 60
