@@ -69,15 +69,8 @@ TlsCertOpt = Annotated[str | None, typer.Option(
     "--tls-cert", help="PEM certificate: serve grpc+tls:// (with --tls-key).")]
 TlsKeyOpt = Annotated[str | None, typer.Option("--tls-key", help="PEM private key of --tls-cert.")]
 def _tls_ca(value: str | None) -> str | None:
-    """--tls-ca: checked once, then the default of every client the command opens (the
-    option table reads TIERSTREAM_TLS_CA)."""
-    if value:
-        import os
-
-        from tierstream.security import read_pem
-
-        read_pem(value, "--tls-ca")
-        os.environ["TIERSTREAM_TLS_CA"] = value
+    """--tls-ca's callback: checked when the command line is parsed (use_tls_ca)."""
+    use_tls_ca(value or None)
     return value
 
 
@@ -125,8 +118,8 @@ LossOpt = Annotated[bool, typer.Option("--fail-on-data-loss/--skip-data-loss",
 
 
 def use_tls_ca(tls_ca: str | None) -> bytes | None:
-    """The CA of --tls-ca, read once; also made the default of every client this command
-    opens (the option table reads TIERSTREAM_TLS_CA)."""
+    """The CA of --tls-ca (ConfigError naming the flag if it cannot be read); also made the
+    default of every client this command opens (the option table reads TIERSTREAM_TLS_CA)."""
     import os
 
     from tierstream.security import read_pem
