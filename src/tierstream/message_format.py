@@ -16,6 +16,7 @@ import pyarrow.compute as pc
 from tierstream.errors import ConfigError
 
 __all__ = [
+    "CONSUMER_SCHEMA",
     "KEY_HASH_SLOTS",
     "MESSAGE_SCHEMA",
     "NONE_KEY",
@@ -56,6 +57,11 @@ MESSAGE_SCHEMA = pa.schema(
         pa.field("batch_index", pa.int32(), nullable=False),
     ]
 )
+
+#: What a subscription's consumer receives: each message with how many times it was
+#: delivered before (0 the first time).
+CONSUMER_SCHEMA = pa.schema([*MESSAGE_SCHEMA, pa.field("redelivery_count", pa.int32(),
+                                                       nullable=False)])
 
 #: What readers yield: the message schema with the topic in front.
 READ_SCHEMA = pa.schema([pa.field("topic", pa.string(), nullable=False), *MESSAGE_SCHEMA])

@@ -13,12 +13,15 @@ same class with the same message.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.flight as flight
 
 from tierstream.errors import (
@@ -29,7 +32,8 @@ from tierstream.errors import (
     UnavailableError,
 )
 
-__all__ = ["PROTOCOL_VERSION", "decode", "encode", "server_error", "translate_errors"]
+__all__ = ["PROTOCOL_VERSION", "decode", "decode_positions", "encode", "encode_positions",
+           "server_error", "translate_errors"]
 
 PROTOCOL_VERSION = 1
 _TAGGED = re.compile(r"\[tierstream:(\w+)\] (.*?)(?:\. Detail:|\. gRPC client debug context|$)",
@@ -53,6 +57,23 @@ def decode(data: bytes | memoryview | None, what: str) -> dict[str, Any]:
             f"{what} uses protocol version {version}; this side speaks {PROTOCOL_VERSION}"
         )
     return obj
+
+
+def encode_positions(batch: pa.RecordBatch) -> dict[str, str]:
+    """The message positions of ``batch`` (one partition) for an ack or nack body: segment
+    ids, entry ids and batch indexes as base64 of little-endian int64 arrays."""
+    return {name: base64.b64encode(np.ascontiguousarray(
+        batch.column(name).to_numpy(), dtype="<i8").tobytes()).decode()
+        for name in ("segment_id", "entry_id", "batch_index")}
+
+
+def decode_positions(body: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What :func:`encode_positions` wrote, as three int64 arrays of one length."""
+    segment, entry, index = (np.frombuffer(base64.b64decode(body[name]), dtype="<i8")
+                             for name in ("segment_id", "entry_id", "batch_index"))
+    if not len(segment) == len(entry) == len(index):
+        raise ProtocolError("malformed positions: arrays of different lengths")
+    return segment, entry, index
 
 
 def server_error(exc: TierstreamError) -> Exception:

@@ -1,177 +1,380 @@
-"""Key_Shared and Exclusive subscriptions with durable cursors, through a real broker."""
+"""Subscriptions as Pulsar's: four types, individual acks, redelivery, dead letters, through a
+real broker process."""
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 
 import pyarrow as pa
 import pytest
 
 from tierstream.broker.process import BrokerProcess
-from tierstream.broker.subscriptions import CursorMap
 from tierstream.client import Admin, Consumer, Producer
-from tierstream.errors import AlreadyExistsError
+from tierstream.errors import ConfigError, ConflictError
 from tierstream.splits.positions import KeyRange, Offset, Position
 
 from ..timing import scaled
-from .helpers import wait_for
+from .helpers import read_all, wait_for
 
-TOPIC = "acme/web/clicks"
+TOPIC = "acme/web/orders"
 
 
-def _drain(consumer: Consumer, expected: float = float("inf"), timeout: float = 10.0
-           ) -> list[pa.RecordBatch]:
+def _drain(consumer: Consumer, expected: float = float("inf"), timeout: float = 10.0,
+           ack: bool = False) -> list[pa.RecordBatch]:
     """Batches until ``expected`` messages arrived, or none came for ``timeout`` seconds."""
     got, n = [], 0
     while n < expected:
         batch = consumer.receive(timeout=timeout)
         if batch is None:
             break
+        if ack:
+            consumer.ack(batch)
         got.append(batch)
         n += batch.num_rows
     return got
 
 
-def test_key_shared_consumers_with_disjoint_ranges_get_each_message_once(
-        broker: BrokerProcess) -> None:
+def _produce(url: str, n: int, partitions: int = 1, keys: int = 50, batch_size: int = 25
+             ) -> None:
+    with Admin(url) as admin:
+        admin.create_topic(TOPIC, partitions, exist_ok=True)
+    with Producer(TOPIC, broker=url, batch_size=batch_size) as producer:
+        producer.send_many({"value": f"v{i}".encode(), "key": f"k{i % keys}"} for i in range(n))
+
+
+def _backlog(url: str, subscription: str) -> int:
+    with Admin(url) as admin:
+        return sum(r["backlog"] for r in admin.subscriptions(TOPIC)
+                   if r["subscription"] == subscription)
+
+
+def _unacked(url: str, consumer: str) -> int:
+    with Admin(url) as admin:
+        return sum(c["unacked"] for r in admin.subscriptions(TOPIC) for c in r["consumers"]
+                   if c["name"] == consumer)
+
+
+def _receive_all(consumers: list[Consumer], total: int) -> dict[int, list[pa.RecordBatch]]:
+    """Round-robin receive (acking each batch) until ``total`` messages came."""
+    got: dict[int, list[pa.RecordBatch]] = defaultdict(list)
+    n, idle = 0, 0
+    while n < total and idle < len(consumers) * 50:
+        for i, c in enumerate(consumers):
+            batch = c.receive(timeout=scaled(0.05))
+            if batch is None:
+                idle += 1
+                continue
+            idle = 0
+            c.ack(batch)
+            got[i].append(batch)
+            n += batch.num_rows
+    return got
+
+
+@pytest.mark.parametrize("mode", ["exclusive", "failover", "shared", "key_shared"])
+def test_every_type_delivers_each_message_once_when_each_is_acked(broker: BrokerProcess,
+                                                                  mode: str) -> None:
     url = broker.url
-    assert url is not None
     with Admin(url) as admin:
         admin.create_topic(TOPIC, 2)
-    ranges = KeyRange.split(3)
-    consumers = [Consumer(TOPIC, "ks", mode="key_shared", key_ranges=[r], broker=url,
-                          initial=Offset.earliest()) for r in ranges]
+    count = 1 if mode == "exclusive" else 3
+    consumers = [Consumer(TOPIC, "s", mode=mode, broker=url, initial=Offset.earliest(),
+                          consumer_name=f"c{i}") for i in range(count)]
     try:
-        with Producer(TOPIC, broker=url, batch_size=37) as producer:
-            producer.send_many({"value": f"v{i}".encode(), "key": f"user-{i % 97}"}
-                               for i in range(6_000))
-        owner: dict[str, set[int]] = defaultdict(set)
-        values: list[bytes] = []
-        for idx, c in enumerate(consumers):
-            batches = _drain(c, timeout=scaled(1.0))
-            for batch in batches:
-                c.ack(batch)
-            received = pa.Table.from_batches(batches)
-            for row in received.select(["key", "key_hash", "value"]).to_pylist():
-                assert ranges[idx].contains(row["key_hash"])
-                owner[row["key"]].add(idx)
-                values.append(row["value"])
-        assert sorted(values) == sorted(f"v{i}".encode() for i in range(6_000))
-        assert all(len(o) == 1 for o in owner.values()), "a key went to two consumers"
-        # every message acknowledged, each range at its own position: no backlog is left
-        # (the lowest range's position alone would count the other ranges' acked messages)
+        _produce(url, 3_000, partitions=2)  # all consumers are there: no key moves
+        got = _receive_all(consumers, 3_000)
+        values = [v for batches in got.values() for b in batches
+                  for v in b.column("value").to_pylist()]
+        assert sorted(values) == sorted(f"v{i}".encode() for i in range(3_000))
+        assert _backlog(url, "s") == 0
+        owners: dict[str, set[int]] = defaultdict(set)
+        for i, batches in got.items():
+            for b in batches:
+                for key in b.column("key").to_pylist():
+                    owners[key].add(i)
+        if mode == "key_shared":
+            assert all(len(o) == 1 for o in owners.values()), "a key went to two consumers"
+            assert len(got) == 3
+        if mode == "shared":
+            assert len(got) == 3, "shared spreads over every consumer with room"
         with Admin(url) as admin:
-            assert {(r["partition"], r["backlog"]) for r in admin.subscriptions(TOPIC)} == \
-                {(0, 0), (1, 0)}
+            assert {r["type"] for r in admin.subscriptions(TOPIC)} == {mode}
     finally:
         for c in consumers:
             c.close()
 
 
-def test_overlapping_key_ranges_and_second_exclusive_consumer_are_refused(
-        broker: BrokerProcess) -> None:
-    url = broker.url
-    assert url is not None
-    with Admin(url) as admin:
-        admin.create_topic(TOPIC, 1)
-    with Consumer(TOPIC, "ks", mode="key_shared", key_ranges=[KeyRange(0, 1000)], broker=url), \
-            pytest.raises(AlreadyExistsError, match="overlap"):
-        Consumer(TOPIC, "ks", mode="key_shared", key_ranges=[KeyRange(500, 2000)], broker=url)
-    with Consumer(TOPIC, "ex", broker=url), \
-            pytest.raises(AlreadyExistsError, match="exclusive consumer"):
-        Consumer(TOPIC, "ex", broker=url)
+def test_an_ack_of_a_slice_acknowledges_just_its_rows_even_across_a_broker_kill(
+        start_broker) -> None:
+    broker = start_broker()
+    _produce(broker.url, 30, batch_size=10)
+    with Consumer(TOPIC, "audit", broker=broker.url, initial=Offset.earliest()) as c:
+        batch = c.receive(timeout=scaled(10))
+        assert batch is not None and batch.num_rows == 10
+        c.ack(batch.slice(2, 3))
+        assert _backlog(broker.url, "audit") == 27
+        with Admin(broker.url) as admin:
+            row = admin.subscriptions(TOPIC)[0]
+            assert row["acked_ranges"] == 1
+            assert row["position"] == Position(0, batch.column("segment_id")[0].as_py(),
+                                               batch.column("entry_id")[0].as_py(), 0)
+    broker.kill()
+    restarted = start_broker()
+    with Consumer(TOPIC, "audit", broker=restarted.url) as c:
+        rest = pa.Table.from_batches(_drain(c, 27, timeout=scaled(2)))
+    assert rest.column("value").to_pylist() == [
+        f"v{i}".encode() for i in range(30) if i not in (2, 3, 4)]
+    assert set(rest.column("redelivery_count").to_pylist()) == {0}
 
 
-def test_a_consumer_resumes_after_its_last_ack(broker: BrokerProcess) -> None:
-    url = broker.url
-    assert url is not None
-    with Admin(url) as admin:
-        admin.create_topic(TOPIC, 1)
-    with Producer(TOPIC, broker=url, batch_size=10) as producer:
-        producer.send_many({"value": f"v{i}".encode()} for i in range(100))
-    with Consumer(TOPIC, "billing", broker=url, initial=Offset.earliest()) as c:
-        batches = _drain(c, 100)
-        first = pa.Table.from_batches(batches)
-        assert len(first) == 100
-        c.ack(Position(0, first.column("segment_id")[44].as_py(),
-                       first.column("entry_id")[44].as_py(),
-                       first.column("batch_index")[44].as_py()))
-    with Consumer(TOPIC, "billing", broker=url) as c:
+def test_cumulative_acks_on_exclusive_resume_after_the_acked_position(broker) -> None:
+    _produce(broker.url, 100, batch_size=10)
+    with Consumer(TOPIC, "billing", broker=broker.url, initial=Offset.earliest()) as c:
+        first = pa.Table.from_batches(_drain(c, 100))
+        c.ack_cumulative(Position(0, first.column("segment_id")[44].as_py(),
+                                  first.column("entry_id")[44].as_py(),
+                                  first.column("batch_index")[44].as_py()))
+    with Consumer(TOPIC, "billing", broker=broker.url) as c:
         rest = pa.Table.from_batches(_drain(c, 55))
     assert rest.column("value").to_pylist() == [f"v{i}".encode() for i in range(45, 100)]
 
 
-def test_cursor_survives_a_broker_restart(start_broker) -> None:
-    broker = start_broker()
-    with Admin(broker.url) as admin:
+def test_bad_inputs_get_one_clear_line_each(broker) -> None:
+    url = broker.url
+    _produce(url, 20)
+    with Consumer(TOPIC, "ks", mode="key_shared", key_ranges=[KeyRange(0, 1000)], broker=url,
+                  initial=Offset.earliest()):
+        with pytest.raises(ConflictError, match="overlap those of consumer"):
+            Consumer(TOPIC, "ks", mode="key_shared", key_ranges=[KeyRange(500, 2000)],
+                     broker=url)
+        with pytest.raises(ConflictError, match="is key_shared; a shared consumer cannot "
+                                                "join it"):
+            Consumer(TOPIC, "ks", mode="shared", broker=url)
+        with pytest.raises(ConflictError, match="a consumer without key_ranges"):
+            Consumer(TOPIC, "ks", mode="key_shared", broker=url)
+    with Consumer(TOPIC, "ex", broker=url), \
+            pytest.raises(ConflictError, match="already has an exclusive consumer"):
+        Consumer(TOPIC, "ex", broker=url)
+    with Consumer(TOPIC, "sh", mode="shared", broker=url, initial=Offset.earliest()) as a, \
+            Consumer(TOPIC, "other", mode="shared", broker=url,
+                     initial=Offset.earliest()) as b:
+        batch = a.receive(timeout=scaled(10))
+        assert batch is not None
+        with pytest.raises(ConfigError, match="not received by consumer"):
+            b.ack(batch)
+        with pytest.raises(ConfigError, match="ack_cumulative is for exclusive and failover"):
+            a.ack_cumulative(batch)
+        with pytest.raises(ConfigError, match="needs a batch this consumer received"):
+            a.ack(batch.select(["value"]))
+    for kwargs, message in [({"mode": "round_robin"}, "invalid mode 'round_robin'"),
+                            ({"mode": "shared", "key_ranges": [KeyRange(0, 10)]},
+                             "key_ranges are for mode='key_shared'"),
+                            ({"receiver_queue_size": 0}, "invalid receiver_queue_size 0"),
+                            ({"ack_timeout": "30"}, "a duration needs a unit"),
+                            ({"dead_letter_topic": "a/b/c"}, "needs max_redeliveries")]:
+        with pytest.raises(ConfigError, match=message):
+            Consumer(TOPIC, "bad", broker=url, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_key_that_moves_waits_for_the_old_owner_s_acks(broker) -> None:
+    url = broker.url
+    with Admin(url) as admin:
         admin.create_topic(TOPIC, 1)
-    with Producer(TOPIC, broker=broker.url, batch_size=10) as producer:
-        producer.send_many({"value": f"v{i}".encode()} for i in range(30))
-    with Consumer(TOPIC, "s", broker=broker.url, initial=Offset.earliest()) as c:
-        batch = c.receive(timeout=scaled(10))
-        assert batch is not None and batch.num_rows == 10
-        c.ack(batch)
-    broker.kill()
-    restarted = start_broker()
-    with Consumer(TOPIC, "s", broker=restarted.url) as c:
-        rest = pa.Table.from_batches(_drain(c, 20))
-    assert rest.column("value").to_pylist() == [f"v{i}".encode() for i in range(10, 30)]
+    with Producer(TOPIC, broker=url, batch_size=20) as producer:  # 40 keys in runs of 10
+        producer.send_many({"value": f"v{i}".encode(), "key": f"k{i // 10 % 40}"}
+                           for i in range(2_000))
+    first = Consumer(TOPIC, "ordered", mode="key_shared", broker=url, consumer_name="first",
+                     initial=Offset.earliest(), receiver_queue_size=200)
+    # it takes its 200 permits' worth (keys k0..k19) and receives none of it yet
+    wait_for(lambda: _unacked(url, "first") == 200, timeout=scaled(10),
+             what="the first consumer's receiver queue to fill")
+    held_keys = {f"k{i}" for i in range(20)}
+    second = Consumer(TOPIC, "ordered", mode="key_shared", broker=url, consumer_name="second")
+    try:
+        early = _drain(second, timeout=scaled(1.0))
+        early_keys = {k for b in early for k in b.column("key").to_pylist()}
+        assert early_keys, "the keys that did not move keep flowing"
+        assert not early_keys & held_keys, "a moved key reached its new owner before the " \
+                                           "old owner acknowledged it"
+        for b in _drain(first, 200, timeout=scaled(2)):
+            first.ack(b)
+        moved = _drain(second, timeout=scaled(1.0), ack=True)
+        assert {k for b in moved for k in b.column("key").to_pylist()} & held_keys
+        for b in early:
+            second.ack(b)
+        _receive_all([first, second], 2_000)
+        assert _backlog(url, "ordered") == 0
+    finally:
+        first.close()
+        second.close()
 
 
-def test_cursor_map_acks_move_only_the_acked_slots_forward() -> None:
-    p = [Position(0, 1, e, 0) for e in range(5)]
-    cursor = CursorMap.at(p[0])
-    cursor.ack([KeyRange(0, 100)], p[3])
-    assert cursor.start_for([KeyRange(0, 50)]) == p[3]
-    assert cursor.start_for([KeyRange(50, 200)]) == p[0]
-    cursor.ack([KeyRange(0, 100)], p[1])  # never backwards
-    assert cursor.start_for([KeyRange(0, 100)]) == p[3]
-    cursor.ack([KeyRange(100, 65536)], p[3])
-    assert cursor.intervals == [(0, 65536, p[3])]
-    assert CursorMap.from_json(cursor.to_json()) == cursor
+def test_what_a_closed_consumer_held_goes_to_the_others_with_its_count(broker) -> None:
+    url = broker.url
+    _produce(url, 500, batch_size=50)
+    a = Consumer(TOPIC, "work", mode="shared", broker=url, consumer_name="a",
+                 initial=Offset.earliest(), receiver_queue_size=100)
+    batch = a.receive(timeout=scaled(10))
+    assert batch is not None
+    taken = set(batch.column("value").to_pylist())
+    with Consumer(TOPIC, "work", mode="shared", broker=url, consumer_name="b") as b:
+        a.close()
+        got = pa.Table.from_batches(_drain(b, 500, timeout=scaled(2), ack=True))
+    assert sorted(got.column("value").to_pylist()) == sorted(f"v{i}".encode()
+                                                             for i in range(500))
+    again = {v: n for v, n in zip(got.column("value").to_pylist(),
+                                  got.column("redelivery_count").to_pylist(), strict=True)
+             if v in taken}
+    assert set(again.values()) == {1}
 
 
-def test_subscriptions_show_cursor_backlog_and_consumers(broker: BrokerProcess) -> None:
+def test_nacked_messages_come_back_then_go_to_the_dead_letter_topic_once(broker) -> None:
+    url = broker.url
+    _produce(url, 3, batch_size=3)
+    with Consumer(TOPIC, "fragile", mode="shared", broker=url, initial=Offset.earliest(),
+                  nack_delay=0.05, max_redeliveries=2) as c:
+        counts = []
+        for _ in range(3):
+            batch = c.receive(timeout=scaled(10))
+            assert batch is not None and batch.num_rows == 3
+            counts.append(batch.column("redelivery_count").to_pylist())
+            c.nack(batch)
+        assert counts == [[0] * 3, [1] * 3, [2] * 3]
+        dlq = f"{TOPIC}-fragile-DLQ"
+        with Admin(url) as admin:
+            wait_for(lambda: _backlog(url, "fragile") == 0, timeout=scaled(10),
+                     what="the originals to be acknowledged")
+            assert admin.get_topic(dlq).partitions == 1
+        assert c.receive(timeout=scaled(0.3)) is None
+    dead = read_all(url, dlq)
+    assert sorted(dead.column("value").to_pylist()) == [b"v0", b"v1", b"v2"]
+    props = dict(dead.column("properties")[0].as_py())
+    assert props["REAL_TOPIC"] == f"{TOPIC}-partition-0"
+    assert props["ORIGIN_MESSAGE_ID"].startswith("0:")
+    assert props["tierstream.dead_letter.subscription"] == "fragile"
+
+
+def test_an_unacknowledged_message_comes_back_after_the_ack_timeout(broker) -> None:
+    _produce(broker.url, 5, batch_size=5)
+    with Consumer(TOPIC, "slow", broker=broker.url, initial=Offset.earliest(),
+                  ack_timeout=0.2) as c:
+        first = c.receive(timeout=scaled(10))
+        again = c.receive(timeout=scaled(10))
+        assert first is not None and again is not None
+        assert again.column("value").to_pylist() == first.column("value").to_pylist()
+        assert again.column("redelivery_count").to_pylist() == [1] * 5
+        c.ack(again)
+        assert c.receive(timeout=scaled(0.5)) is None
+
+
+def test_failover_spreads_partitions_and_the_standby_takes_over(broker) -> None:
+    url = broker.url
+    with Admin(url) as admin:
+        admin.create_topic(TOPIC, 2)
+    a = Consumer(TOPIC, "fo", mode="failover", broker=url, consumer_name="a",
+                 initial=Offset.earliest())
+    b = Consumer(TOPIC, "fo", mode="failover", broker=url, consumer_name="b")
+    try:
+        _produce(url, 400, partitions=2, batch_size=20)
+        got = _receive_all([a, b], 400)
+        parts = {i: {p for x in batches for p in x.column("partition").to_pylist()}
+                 for i, batches in got.items()}
+        assert sorted(map(sorted, parts.values())) == [[0], [1]], parts
+        with Producer(TOPIC, broker=url, batch_size=20) as producer:
+            producer.send_many({"value": f"w{i}".encode(), "key": f"k{i}"} for i in range(100))
+        a.close()
+        rest = pa.Table.from_batches(_drain(b, 100, timeout=scaled(2), ack=True))
+        assert sorted(rest.column("value").to_pylist()) == sorted(f"w{i}".encode()
+                                                                  for i in range(100))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_full_receiver_queue_holds_up_only_its_consumer(broker) -> None:
+    url = broker.url
+    _produce(url, 1_000, batch_size=10)
+    stalled = Consumer(TOPIC, "q", mode="shared", broker=url, consumer_name="stalled",
+                       initial=Offset.earliest(), receiver_queue_size=20)
+    try:
+        with Consumer(TOPIC, "q", mode="shared", broker=url, consumer_name="busy") as busy:
+            got = pa.Table.from_batches(_drain(busy, 980, timeout=scaled(2), ack=True))
+            assert got.num_rows == 980
+            with Admin(url) as admin:
+                row = admin.subscriptions(TOPIC)[0]
+            mine = next(c for c in row["consumers"] if c["name"] == "stalled")
+            assert mine["unacked"] == 20 and mine["permits"] == 0
+    finally:
+        stalled.close()
+
+
+def test_acks_are_stored_in_grouped_transactions(broker) -> None:
+    url = broker.url
+    _produce(url, 4_000, partitions=4, batch_size=10)
+    with Admin(url) as admin:
+        before = admin.stats()["cursor_writes"]
+    consumers = [Consumer(TOPIC, "many", mode="shared", broker=url, consumer_name=f"c{i}",
+                          initial=Offset.earliest(), receiver_queue_size=100)
+                 for i in range(8)]
+    acks = [0]
+
+    def work(c: Consumer) -> None:
+        while (batch := c.receive(timeout=scaled(1.0))) is not None:
+            for i in range(batch.num_rows):
+                c.ack(batch.slice(i, 1))
+                acks[0] += 1
+
+    threads = [threading.Thread(target=work, args=(c,)) for c in consumers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for c in consumers:
+        c.close()
+    assert acks[0] == 4_000 and _backlog(url, "many") == 0
+    with Admin(url) as admin:
+        writes = admin.stats()["cursor_writes"] - before
+    assert writes < acks[0] * 0.8, f"{writes} writes for {acks[0]} acks"
+
+
+def test_subscriptions_show_type_backlog_and_consumers(broker: BrokerProcess) -> None:
     import json
     import subprocess
     import sys
 
     url = broker.url
-    assert url is not None
+    _produce(url, 2_000, partitions=2, batch_size=50)
     with Admin(url) as admin:
-        admin.create_topic(TOPIC, 2)
-        with Producer(TOPIC, broker=url, batch_size=50) as producer:
-            producer.send_many({"value": f"v{i}".encode(), "key": f"user-{i % 13}"}
-                               for i in range(2_000))
-        admin.seal(TOPIC)  # a closed segment and a new open one per partition
-        with Producer(TOPIC, broker=url, batch_size=50) as producer:
-            producer.send_many({"value": f"w{i}".encode(), "key": f"user-{i % 13}"}
-                               for i in range(400))
         ends = {p: end for p, (_, end) in admin.last_confirmed(TOPIC).items()}
         counts = {p: admin.advance(TOPIC, Position(p, 0, 0, 0), 10**9, ends[p])[1]
                   for p in ends}
-        assert sum(counts.values()) == 2_400
-        # what a Spark stream's commit does: partition 0 fully read, partition 1 at a middle
         middle, _ = admin.advance(TOPIC, Position(1, 0, 0, 0), 700, ends[1])
         admin.set_cursor(TOPIC, "spark-job", {0: ends[0], 1: middle})
-        consumer = Consumer(TOPIC, "live", mode="key_shared", key_ranges=[KeyRange(0, 30000)],
-                            broker=url, initial=Offset.earliest(),
-                            consumer_name="reader-a")
-        try:
+        with Consumer(TOPIC, "live", mode="key_shared", broker=url,
+                      initial=Offset.earliest(), consumer_name="reader-a",
+                      receiver_queue_size=100) as consumer:
+            wait_for(lambda: consumer.buffered > 0, timeout=scaled(10), what="deliveries")
             rows = {(r["subscription"], r["partition"]): r for r in admin.subscriptions(TOPIC)}
             assert rows[("spark-job", 0)]["backlog"] == 0
-            assert rows[("spark-job", 0)]["position"] == ends[0]
             assert rows[("spark-job", 1)]["backlog"] == counts[1] - 700
-            assert rows[("live", 0)]["backlog"] == counts[0]  # attached, nothing acked
-            assert rows[("live", 0)]["consumers"] == ["reader-a"]
+            assert rows[("spark-job", 1)]["type"] is None
+            assert rows[("live", 0)]["backlog"] == counts[0]  # nothing acknowledged
+            assert rows[("live", 0)]["type"] == "key_shared"
+            shown = rows[("live", 0)]["consumers"]
+            assert [c["name"] for c in shown] == ["reader-a"]
+            assert shown[0]["assignment"] == "0:65536" and shown[0]["unacked"] == 50
             proc = subprocess.run([sys.executable, "-m", "tierstream", "subscriptions", TOPIC,
                                    "--broker", url, "--json"], capture_output=True, text=True,
                                   timeout=scaled(60))
             assert proc.returncode == 0, proc.stderr
-            shown = {(r["subscription"], r["partition"]): r for r in json.loads(proc.stdout)}
-            assert shown[("spark-job", 1)]["backlog"] == counts[1] - 700
-        finally:
-            consumer.close()
+            listed = {(r["subscription"], r["partition"]): r for r in json.loads(proc.stdout)}
+            assert listed[("spark-job", 1)]["backlog"] == counts[1] - 700
+            table = subprocess.run([sys.executable, "-m", "tierstream", "subscriptions", TOPIC,
+                                    "--broker", url], capture_output=True, text=True,
+                                   timeout=scaled(60))
+            assert table.returncode == 0, table.stderr
+            assert "reader-a" in table.stdout and "key_shared" in table.stdout
 
 
 def test_an_abandoned_subscription_can_be_deleted_but_not_while_attached(
@@ -179,14 +382,11 @@ def test_an_abandoned_subscription_can_be_deleted_but_not_while_attached(
     import subprocess
     import sys
 
-    from tierstream.errors import ConflictError, NotFoundError
+    from tierstream.errors import NotFoundError
 
     url = broker.url
-    assert url is not None
+    _produce(url, 20, partitions=2)
     with Admin(url) as admin:
-        admin.create_topic(TOPIC, 2)
-        with Producer(TOPIC, broker=url) as producer:
-            producer.send_many({"value": b"v", "key": f"k{i}"} for i in range(20))
         consumer = Consumer(TOPIC, "old-job", broker=url, initial=Offset.earliest(),
                             consumer_name="still-here")
         try:

@@ -14,8 +14,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from tierstream.broker.dispatcher import ConsumerSettings
 from tierstream.broker.store import Store
-from tierstream.broker.subscriptions import SubscriptionMode, Subscriptions
+from tierstream.broker.subscriptions import Subscriptions
 from tierstream.errors import (
     ConfigError,
     NotFoundError,
@@ -23,11 +24,11 @@ from tierstream.errors import (
     TierstreamError,
 )
 from tierstream.managed_ledger.partition_log import PartitionLog
-from tierstream.message_format import MESSAGE_SCHEMA
+from tierstream.message_format import CONSUMER_SCHEMA, MESSAGE_SCHEMA
 from tierstream.metadata.schema_registry import SchemaRegistry
 from tierstream.names import TopicName
 from tierstream.options import DEFAULT_PORT
-from tierstream.protocol import decode, encode, server_error
+from tierstream.protocol import decode, decode_positions, encode, server_error
 from tierstream.schemas.codec import named_versions
 from tierstream.schemas.model import Compatibility, SchemaType
 from tierstream.security import (
@@ -38,14 +39,11 @@ from tierstream.security import (
     url_host,
 )
 from tierstream.splits.positions import KeyRange, Offset, OffsetKind, Position
+from tierstream.subscription_type import SubscriptionType
 
 __all__ = ["Broker", "is_loopback"]
 
 log = logging.getLogger(__name__)
-
-#: A Key_Shared backlog up to this many messages after the lowest cursor is counted exactly
-#: (by reading the key hashes); a larger one is shown as that upper bound.
-_EXACT_BACKLOG = 200_000
 
 
 class Broker(flight.FlightServerBase):
@@ -65,8 +63,13 @@ class Broker(flight.FlightServerBase):
             raise ConfigError(f"cannot listen on {location}: {exc}") from None
         self.store = store
         self.host = host
-        self.subscriptions = Subscriptions(store.metadata)
+        self.subscriptions = Subscriptions(store)
         self.schemas = SchemaRegistry(store.metadata)
+
+    def shutdown(self) -> None:
+        """Stop serving, then store every subscription's last acks."""
+        super().shutdown()
+        self.subscriptions.close()
 
     @property
     def url(self) -> str:
@@ -128,7 +131,7 @@ class Broker(flight.FlightServerBase):
             end, end_time = self._resolve_end(plog, req.get("end"))
             sub = req.get("subscription")
             if sub:
-                return self._subscribe(context, plog, sub, ranges or [KeyRange.full()])
+                return self._subscribe(context, plog, sub, ranges or None)
             start = self._resolve_start(plog, Offset.from_dict(req.get("start")
                                                                or {"kind": "earliest"}))
             follow = end is None and end_time is None
@@ -141,24 +144,38 @@ class Broker(flight.FlightServerBase):
             raise server_error(ProtocolError(f"malformed consume request: {exc!r}")) from None
 
     def _subscribe(self, context: Any, plog: PartitionLog, sub: dict[str, Any],
-                   ranges: list[KeyRange]) -> flight.FlightDataStream:
+                   ranges: list[KeyRange] | None) -> flight.FlightDataStream:
         name = str(sub["name"])
-        mode = str(sub.get("mode", SubscriptionMode.EXCLUSIVE))
-        consumer = str(sub.get("consumer") or uuid.uuid4().hex[:12])
+        kind = SubscriptionType.parse(str(sub.get("type") or SubscriptionType.EXCLUSIVE))
+        if ranges is not None and kind != SubscriptionType.KEY_SHARED:
+            raise ConfigError(f"key_ranges are for key_shared subscriptions, not {kind}")
+        settings = ConsumerSettings(
+            name=str(sub.get("consumer") or uuid.uuid4().hex[:12]), type=kind,
+            sticky=None if ranges is None else tuple(ranges),
+            permits=max(1, int(sub.get("permits") or 1000)),
+            ack_timeout_s=_optional_float(sub.get("ack_timeout_s")),
+            max_redeliveries=None if sub.get("max_redeliveries") is None
+            else int(sub["max_redeliveries"]),
+            dead_letter_topic=None if not sub.get("dead_letter_topic")
+            else str(TopicName.parse(sub["dead_letter_topic"])))
         initial = self._resolve_start(plog, Offset.from_dict(sub.get("initial")
                                                              or {"kind": "latest"}))
-        start = self.subscriptions.attach(plog.topic, name, plog.partition, consumer=consumer,
-                                          mode=mode, ranges=ranges, initial=initial,
-                                          gone=context.is_cancelled)
+        attached = self.subscriptions.attach(plog.topic, name, plog.partition, settings,
+                                             initial=initial, gone=context.is_cancelled)
+        closing = self.store.closing
 
         def stream() -> Iterator[pa.RecordBatch]:
             try:
-                yield from plog.read(start, end=None, key_ranges=ranges, follow=True,
-                                     cancelled=context.is_cancelled)
+                while not attached.detached:
+                    batch = attached.next_batch(0.2)
+                    if batch is not None:
+                        yield batch
+                    elif context.is_cancelled() or closing.is_set():
+                        return
             finally:
-                self.subscriptions.detach(plog.topic, name, plog.partition, consumer)
+                self.subscriptions.detach(plog.topic, name, plog.partition, attached)
 
-        return _stream(stream())
+        return _stream(stream(), CONSUMER_SCHEMA)
 
     def _resolve_start(self, plog: PartitionLog, offset: Offset) -> Position:
         if offset.kind is OffsetKind.EARLIEST:
@@ -213,6 +230,7 @@ class Broker(flight.FlightServerBase):
     def _delete_topic(self, body: dict[str, Any]) -> Any:
         deleted = self.store.delete_topic(body["topic"]).to_dict()
         self.schemas.forget(str(TopicName.parse(body["topic"])))
+        self.subscriptions.forget_topic(str(TopicName.parse(body["topic"])))
         return deleted
 
     def _get_topic(self, body: dict[str, Any]) -> Any:
@@ -234,14 +252,37 @@ class Broker(flight.FlightServerBase):
         return [s.to_dict() for s in self.store.seal(body["topic"], body.get("partition"))]
 
     def _stats(self, body: dict[str, Any]) -> Any:
-        return self.store.stats()
+        writer = self.subscriptions.writer
+        return {**self.store.stats(), "cursor_writes": writer.writes,
+                "cursor_snapshots": writer.snapshots,
+                "dead_letters": self.subscriptions.dead_letters.written}
 
     def _ack(self, body: dict[str, Any]) -> Any:
         topic = str(self.store.topic(body["topic"]).name)
-        ranges = [KeyRange(int(lo), int(hi)) for lo, hi in body.get("key_ranges")
-                  or [[0, 65536]]]
-        self.subscriptions.ack(topic, str(body["subscription"]), int(body["partition"]), ranges,
-                               Position.from_dict(body["position"]))
+        segment, entry, index = decode_positions(body)
+        self.subscriptions.ack(topic, str(body["subscription"]), int(body["partition"]),
+                               str(body.get("consumer") or ""), segment, entry, index)
+        return {"ok": True}
+
+    def _ack_cumulative(self, body: dict[str, Any]) -> Any:
+        topic = str(self.store.topic(body["topic"]).name)
+        self.subscriptions.ack_cumulative(topic, str(body["subscription"]),
+                                          str(body.get("consumer") or ""),
+                                          Position.from_dict(body["position"]))
+        return {"ok": True}
+
+    def _nack(self, body: dict[str, Any]) -> Any:
+        topic = str(self.store.topic(body["topic"]).name)
+        segment, entry, index = decode_positions(body)
+        self.subscriptions.nack(topic, str(body["subscription"]), int(body["partition"]),
+                                str(body["consumer"]), segment, entry, index,
+                                float(body.get("delay_s") or 0.0))
+        return {"ok": True}
+
+    def _flow(self, body: dict[str, Any]) -> Any:
+        topic = str(self.store.topic(body["topic"]).name)
+        self.subscriptions.flow(topic, str(body["subscription"]), int(body["partition"]),
+                                str(body["consumer"]), int(body["permits"]))
         return {"ok": True}
 
     def _offload(self, body: dict[str, Any]) -> Any:
@@ -283,31 +324,8 @@ class Broker(flight.FlightServerBase):
         return {"cursors": self.subscriptions.delete(topic, str(body["subscription"]))}
 
     def _subscriptions(self, body: dict[str, Any]) -> Any:
-        """Each subscription's cursor per partition: the lowest position of its key ranges
-        (everything before it is acknowledged), the messages after it up to the last
-        confirmed one (the backlog), and who is attached."""
-        from tierstream.broker.subscriptions import CursorMap
-
-        topic = self.store.topic(body["topic"]).name
-        ends = {p: end for p, (_, end) in self.store.last_confirmed(topic).items()}
-        out = []
-        for c in self.store.metadata.cursors(topic):
-            p = int(c["partition"])
-            cursor = CursorMap.from_json(c["intervals"])
-            floor = min(pos for _, _, pos in cursor.intervals)
-            plog = self.store.partition(topic, p)
-            backlog = plog.backlog(floor, ends[p])
-            if len(cursor.intervals) > 1 and 0 < backlog <= _EXACT_BACKLOG:
-                # key ranges acknowledged to different positions: the messages after the
-                # lowest one are counted only where their own range has not passed them
-                backlog = sum(cursor.pending(b) for b in plog.read(floor, end=ends[p]))
-            out.append({
-                "subscription": c["subscription"], "partition": p, "position": floor.to_dict(),
-                "key_ranges": len(cursor.intervals),
-                "backlog": backlog,
-                "updated_at": c["updated_at"],
-                "consumers": self.subscriptions.connected(topic, c["subscription"], p)})
-        return out
+        """Per subscription and partition: type, position, backlog, consumers."""
+        return self.subscriptions.listing(self.store.topic(body["topic"]).name)
 
     def _plan_segments(self, body: dict[str, Any]) -> Any:
         """What a planner on another host needs of one topic, in one round trip: per
@@ -394,7 +412,11 @@ _ACTIONS = {
     "last-confirmed": (Broker._last_confirmed, "Last confirmed position per partition."),
     "seal": (Broker._seal, "Seal the open segment(s) of {topic[, partition]}."),
     "stats": (Broker._stats, "Broker and store counters."),
-    "ack": (Broker._ack, "Cumulative ack on a subscription's cursor."),
+    "ack": (Broker._ack, "Acknowledge the given messages of a subscription (individually)."),
+    "ack-cumulative": (Broker._ack_cumulative, "Acknowledge up to and including {position} "
+                                               "(exclusive and failover only)."),
+    "nack": (Broker._nack, "Redeliver the given messages after {delay_s}."),
+    "flow": (Broker._flow, "Give a consumer {permits} more messages."),
     "producer-state": (Broker._producer_state, "Last stored sequence id of {producer}."),
     "plan-segments": (Broker._plan_segments, "Per partition: segments in a time window, "
                                              "first segment id (planning off-host)."),
@@ -434,10 +456,11 @@ def _chunks(reader: flight.MetadataRecordBatchReader) -> Iterator[pa.RecordBatch
             yield chunk.data
 
 
-def _stream(batches: Iterator[pa.RecordBatch]) -> flight.FlightDataStream:
+def _stream(batches: Iterator[pa.RecordBatch], schema: pa.Schema = MESSAGE_SCHEMA
+            ) -> flight.FlightDataStream:
     # A RecordBatchReader is pulled by Flight's C++ writer directly, which costs about half
     # of what GeneratorStream does per batch (bench: python -m bench consume).
-    reader = pa.RecordBatchReader.from_batches(MESSAGE_SCHEMA, _carry_errors(batches))
+    reader = pa.RecordBatchReader.from_batches(schema, _carry_errors(batches))
     return flight.RecordBatchStream(reader)
 
 
@@ -447,6 +470,10 @@ def _carry_errors(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]
         yield from batches
     except TierstreamError as exc:
         raise server_error(exc) from None
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _check_partition(position: Position, plog: PartitionLog) -> Position:

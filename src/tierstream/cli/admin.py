@@ -88,11 +88,13 @@ def subscriptions(
     tls_ca: TlsCaOpt = None,
     auth_token: TokenOpt = None,
 ) -> None:
-    """Show each subscription's durable cursor per partition: where it is (everything before
-    it is acknowledged), its backlog (messages after it), and who is attached. A Spark stream
-    commits to its own subscription (tierstream tail: derived from --checkpoint).
+    """Show each subscription per partition: its type, where it is (everything before the
+    position is acknowledged, and the acked ranges after it), its backlog (messages not
+    acknowledged), and its consumers: which keys or partitions each has, what it holds
+    unacknowledged, how many were redelivered, its permits. A Spark stream commits to its
+    own subscription (tierstream tail: derived from --checkpoint).
 
-    Example: tierstream subscriptions acme/web/clicks [--delete old-job]
+    Example: tierstream subscriptions acme/web/orders [--delete old-job]
     """
     from tierstream.client import Admin
 
@@ -107,12 +109,16 @@ def subscriptions(
         sys.stdout.write(json.dumps([{**r, "position": str(r["position"])} for r in rows],
                                     indent=2) + "\n")
         return
-    table = Table("subscription", "partition", "cursor", "backlog", "key ranges", "consumers",
-                  "updated", title=str(topic))
+    table = Table("subscription", "type", "partition", "position", "acked ranges", "backlog",
+                  "consumers (keys/role: unacked, redelivered, permits)", "updated",
+                  title=str(topic))
     for r in rows:
-        table.add_row(r["subscription"], str(r["partition"]), str(r["position"]),
-                      f"{r['backlog']:,}", str(r["key_ranges"]),
-                      ", ".join(r["consumers"]) or "-", format_ms(r["updated_at"]))
+        consumers = "\n".join(
+            f"{c['name']} [{c['assignment']}]: {c['unacked']:,}, {c['redelivered']:,}, "
+            f"{c['permits']:,}" for c in r["consumers"]) or "-"
+        table.add_row(r["subscription"], r["type"] or "(stream cursor)", str(r["partition"]),
+                      str(r["position"]), f"{r['acked_ranges']:,}", f"{r['backlog']:,}",
+                      consumers, format_ms(r["updated_at"]))
     out.print(table if rows else f"{topic} has no subscriptions")
 
 

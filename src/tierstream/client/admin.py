@@ -120,9 +120,12 @@ class Admin(BrokerClient):
                                                  for p, pos in positions.items()}})
 
     def subscriptions(self, topic: str) -> list[dict[str, Any]]:
-        """Per subscription and partition: ``position`` (a Position: everything before it is
-        acknowledged), ``backlog`` (messages after it), ``key_ranges`` (intervals the cursor
-        tracks), ``consumers`` attached now and ``updated_at`` (epoch ms)."""
+        """Per subscription and partition: ``type`` (None for a Spark stream's cursor),
+        ``position`` (a Position: everything before it is acknowledged), ``acked_ranges``
+        (acknowledged ranges after it), ``backlog`` (messages not acknowledged),
+        ``updated_at`` (epoch ms) and ``consumers``: per consumer ``name``, ``assignment``
+        (key_shared: its hash ranges; failover: active or standby; shared: any), ``unacked``,
+        ``delivered``, ``redelivered`` and ``permits``."""
         raw = self.action("subscriptions", {"topic": str(TopicName.parse(topic))})
         return [{**r, "position": Position.from_dict(r["position"])} for r in raw]
 

@@ -1,7 +1,10 @@
-"""Durable subscriptions from Python: Exclusive and Key_Shared consumers with cumulative acks."""
+"""Durable subscriptions from Python, as Pulsar's consumers: exclusive, failover, shared and
+key_shared; individual and cumulative acks, nacks, ack timeout, dead letters."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import queue
 import threading
 import uuid
@@ -12,102 +15,258 @@ import pyarrow as pa
 
 from tierstream.client.admin import Admin
 from tierstream.client.connection import BrokerClient
-from tierstream.client.reading import check_ranges, flight_batches, pump_batches
-from tierstream.errors import ConfigError
-from tierstream.message_format import (
-    KEY_HASH_SLOTS,
-    MESSAGE_SCHEMA,
-)
+from tierstream.client.reading import check_ranges, flight_batches
+from tierstream.client.retry import Backoff, reconnect_timeout_s, with_reconnect
+from tierstream.errors import ConfigError, TierstreamError, UnavailableError
+from tierstream.fanin import put
+from tierstream.message_format import CONSUMER_SCHEMA
 from tierstream.names import TopicName
-from tierstream.protocol import translate_errors
+from tierstream.protocol import encode_positions, translate_errors
 from tierstream.splits.positions import KeyRange, Offset, Position
+from tierstream.subscription_type import SubscriptionType
+from tierstream.timeutil import parse_duration_ms
 
 __all__ = ["Consumer"]
 
+log = logging.getLogger(__name__)
+
+_TAG = b"tierstream.consumer"
+_EPOCH = b"tierstream.epoch"
 
 
 class Consumer:
-    """A durable subscription on a topic: Exclusive, or Key_Shared with sticky key ranges.
+    """A consumer of a durable subscription (Pulsar's four types: ``mode`` is ``exclusive``,
+    ``failover``, ``shared`` or ``key_shared``).
 
-    :meth:`receive` returns record batches (each from one partition, in log order);
-    :meth:`ack` acknowledges cumulatively, per partition, within this consumer's key ranges.
-    A consumer that reconnects with the same ranges resumes after its last ack.
+    :meth:`receive` returns record batches of
+    :data:`~tierstream.message_format.CONSUMER_SCHEMA` (each from one partition, with each
+    message's ``redelivery_count``); :meth:`ack` acknowledges exactly the messages of a batch
+    (or a slice of it), :meth:`ack_cumulative` everything up to a message (exclusive and
+    failover), :meth:`nack` asks for a batch again after ``nack_delay``.
+
+    ``key_shared`` without ``key_ranges`` splits the key hashes among the connected consumers
+    by consistent hashing; with them, the consumer owns exactly those ranges (sticky).
+    ``receiver_queue_size`` bounds the messages the broker sends ahead of :meth:`receive`.
+    ``ack_timeout`` (off by default) redelivers what is held unacknowledged longer;
+    after ``max_redeliveries`` redeliveries a message goes to ``dead_letter_topic`` (default
+    ``<topic>-<subscription>-DLQ``). Durations are seconds, or text with a unit (``"30s"``).
+    A consumer rides out a broker restart: what it had not acknowledged is delivered again.
     """
 
     def __init__(self, topic: str, subscription: str, *, mode: str = "exclusive",
-                 key_ranges: Iterable[KeyRange] | None = None, initial: Offset | None = None,
-                 broker: str | None = None, auth_token: str | None = None,
-                 tls_ca: bytes | str | None = None,
-                 consumer_name: str | None = None) -> None:
+                 key_ranges: Iterable[KeyRange] | None = None,
+                 consumer_name: str | None = None, initial: Offset | None = None,
+                 receiver_queue_size: int = 1000, ack_timeout: float | str | None = None,
+                 nack_delay: float | str = 1.0, max_redeliveries: int | None = None,
+                 dead_letter_topic: str | None = None, broker: str | None = None,
+                 auth_token: str | None = None, tls_ca: bytes | str | None = None) -> None:
         self.topic = str(TopicName.parse(topic))
         if not subscription or not isinstance(subscription, str):
             raise ConfigError(f"invalid subscription name {subscription!r}")
         self.subscription = subscription
-        self.key_ranges = list(key_ranges or [KeyRange(0, KEY_HASH_SLOTS)])
+        self.mode = SubscriptionType.parse(mode, "mode")
+        if key_ranges is not None and self.mode != SubscriptionType.KEY_SHARED:
+            raise ConfigError(f"key_ranges are for mode='key_shared', not {self.mode!r}")
+        self.key_ranges = None if key_ranges is None else list(key_ranges)
+        ranges = None if self.key_ranges is None else check_ranges(self.key_ranges)
+        if ranges == []:
+            raise ConfigError("key_ranges is empty: give at least one KeyRange, or None to "
+                              "split keys among the consumers")
+        if isinstance(receiver_queue_size, bool) or not isinstance(receiver_queue_size, int) \
+                or receiver_queue_size < 1:
+            raise ConfigError(f"invalid receiver_queue_size {receiver_queue_size!r}: expected "
+                              "an integer >= 1")
+        self.ack_timeout = None if ack_timeout is None else _seconds(ack_timeout, "ack_timeout")
+        if self.ack_timeout == 0:
+            raise ConfigError("invalid ack_timeout 0: give None to turn it off")
+        self.nack_delay = _seconds(nack_delay, "nack_delay")
+        if max_redeliveries is not None and (isinstance(max_redeliveries, bool) or not
+                                             isinstance(max_redeliveries, int)
+                                             or max_redeliveries < 1):
+            raise ConfigError(f"invalid max_redeliveries {max_redeliveries!r}: expected an "
+                              "integer >= 1, or None")
+        if dead_letter_topic is not None and max_redeliveries is None:
+            raise ConfigError("dead_letter_topic needs max_redeliveries (after how many "
+                              "redeliveries a message goes there)")
+        if max_redeliveries is not None:
+            dlq = dead_letter_topic or f"{self.topic}-{subscription}-DLQ"
+            try:
+                dead_letter_topic = str(TopicName.parse(dlq))
+            except ConfigError as exc:
+                raise ConfigError(f"invalid dead-letter topic {dlq!r} ({exc}); pass "
+                                  "dead_letter_topic=") from None
         self.name = consumer_name or f"consumer-{uuid.uuid4().hex[:12]}"
+        self._id = f"{self.name}/{uuid.uuid4().hex}".encode()
         self._client = BrokerClient(broker, auth_token=auth_token, tls_ca=tls_ca)
         self._admin = Admin(self._client.url, auth_token=auth_token, tls_ca=self._client.tls_ca)
-        partitions = self._admin.get_topic(self.topic).partitions
-        sub = {"name": subscription, "mode": mode, "consumer": self.name,
-               "initial": (initial or Offset.latest()).to_dict()}
-        tickets = [{"op": "consume", "topic": self.topic, "partition": p,
-                    "key_ranges": check_ranges(self.key_ranges), "subscription": sub}
-                   for p in range(partitions)]
-        # Open every stream before returning, so attach errors (a second exclusive consumer,
-        # overlapping ranges) surface here.
-        self._readers = []
-        for ticket in tickets:
-            reader = self._client.consume(ticket)
-            with translate_errors(self._client.url):
-                reader.schema  # noqa: B018 - forces the call, raising attach errors now
-            self._readers.append(reader)
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=64)
+        self._queue: queue.Queue[Any] = queue.Queue()
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._pump, args=(r,), daemon=True,
-                                          name=f"tierstream-consumer-{self.name}-p{i}")
-                         for i, r in enumerate(self._readers)]
+        self._readers: dict[int, Any] = {}
+        self._threads: list[threading.Thread] = []
+        try:
+            partitions = self._admin.get_topic(self.topic).partitions
+            self._permits = max(1, receiver_queue_size // partitions)
+            self._epoch = dict.fromkeys(range(partitions), 0)
+            self._taken = dict.fromkeys(range(partitions), 0)
+            sub = {"name": subscription, "type": self.mode, "consumer": self.name,
+                   "initial": (initial or Offset.latest()).to_dict(), "permits": self._permits,
+                   "ack_timeout_s": self.ack_timeout, "max_redeliveries": max_redeliveries,
+                   "dead_letter_topic": dead_letter_topic}
+            self._tickets = {p: {"op": "consume", "topic": self.topic, "partition": p,
+                                 "key_ranges": ranges, "subscription": sub}
+                             for p in range(partitions)}
+            # every stream opens before this returns: attach errors (a second exclusive
+            # consumer, overlapping ranges, another type) surface here
+            for p, ticket in self._tickets.items():
+                self._readers[p] = self._open(ticket)
+        except BaseException:
+            self.close()
+            raise
+        # later attaches start where the subscription is, not at ``initial``
+        for ticket in self._tickets.values():
+            ticket["subscription"] = {**sub, "initial": None}
+        self._threads = [threading.Thread(target=self._pump, args=(p,), daemon=True,
+                                          name=f"tierstream-consumer-{self.name}-p{p}")
+                         for p in self._tickets]
         for t in self._threads:
             t.start()
 
-    def _pump(self, reader: Any) -> None:
-        pump_batches(flight_batches(self._client.url, reader), self._queue, self._stop)
+    def _open(self, ticket: dict[str, Any]) -> Any:
+        reader = self._client.consume(ticket)
+        try:
+            with translate_errors(self._client.url):
+                reader.schema  # noqa: B018 - forces the call, raising attach errors now
+        except BaseException:
+            reader.cancel()
+            raise
+        return reader
+
+    def _pump(self, partition: int) -> None:
+        """Partition ``partition``'s stream into the queue, re-attaching after a broker
+        restart (batches of the lost connection are dropped: they come again)."""
+        reader = self._readers.get(partition)
+        backoff: Backoff | None = None
+        while not self._stop.is_set():
+            try:
+                if reader is None:
+                    reader = self._readers[partition] = self._open(self._tickets[partition])
+                    self._epoch[partition] += 1
+                    self._taken[partition] = 0
+                epoch = str(self._epoch[partition]).encode()
+                for batch in flight_batches(self._client.url, reader):
+                    backoff = None
+                    tagged = batch.replace_schema_metadata({_TAG: self._id, _EPOCH: epoch})
+                    if not put(self._queue, (partition, tagged), self._stop):
+                        return
+                if self._stop.is_set():
+                    return
+                raise UnavailableError(f"the broker at {self._client.url} closed the stream")
+            except UnavailableError as exc:
+                if reader is not None:
+                    reader.cancel()
+                reader = None
+                if self._stop.is_set():
+                    return
+                if backoff is None:
+                    backoff = Backoff(reconnect_timeout_s())
+                    log.info("consumer %s partition %d: broker unavailable, reconnecting for "
+                             "up to %gs (%s)", self.name, partition, backoff.timeout_s, exc)
+                if not backoff.wait():
+                    put(self._queue, (partition, UnavailableError(
+                        f"consumer {self.name} lost the broker at {self._client.url}: it "
+                        f"stayed unavailable for {backoff.timeout_s:g}s (option "
+                        "reconnectTimeout)")), self._stop)
+                    return
+            except TierstreamError as exc:
+                put(self._queue, (partition, exc), self._stop)
+                return
 
     @property
     def buffered(self) -> int:
-        """Batches received from the broker that :meth:`receive` has not returned yet (at
-        most 64: the broker waits while the buffer is full)."""
+        """Batches received from the broker that :meth:`receive` has not returned yet."""
         return self._queue.qsize()
 
     def receive(self, timeout: float | None = None) -> pa.RecordBatch | None:
         """The next batch, or None if none arrived within ``timeout`` seconds."""
-        try:
-            item = self._queue.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        while True:
+            try:
+                partition, item = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                return None
+            if isinstance(item, BaseException):
+                raise item
+            if int(item.schema.metadata[_EPOCH]) != self._epoch[partition]:
+                continue  # from a connection that was lost: the broker sends it again
+            self._taken[partition] += item.num_rows
+            if self._taken[partition] * 2 >= self._permits:
+                self._flow(partition)
+            return item
 
-    def ack(self, batch_or_position: pa.RecordBatch | Position) -> None:
-        """Acknowledge everything up to the last message of ``batch`` (or ``position``)."""
+    def _flow(self, partition: int) -> None:
+        n, self._taken[partition] = self._taken[partition], 0
+        with contextlib.suppress(UnavailableError):  # a re-attach starts with every permit
+            self._client.action("flow", {"topic": self.topic, "subscription": self.subscription,
+                                         "partition": partition, "consumer": self.name,
+                                         "permits": n})
+
+    def _positions(self, batch: Any, what: str) -> tuple[int, dict[str, str]]:
+        if not isinstance(batch, pa.RecordBatch) or not batch.schema.equals(CONSUMER_SCHEMA):
+            raise ConfigError(f"{what} needs a batch this consumer received (a pyarrow "
+                              f"RecordBatch from receive()), got {type(batch).__name__}")
+        tag = (batch.schema.metadata or {}).get(_TAG)
+        if tag != self._id:
+            who = "another consumer" if tag else "no consumer"
+            raise ConfigError(f"{what}: this batch was not received by consumer {self.name} "
+                              f"of subscription {self.subscription!r} (it came from {who})")
+        partitions = set(batch.column("partition").to_pylist())
+        return (partitions.pop() if partitions else -1), encode_positions(batch)
+
+    def ack(self, batch: pa.RecordBatch) -> None:
+        """Acknowledge exactly the messages of ``batch`` (a received batch or a slice of one).
+        Returns once the broker has stored it: they are not delivered again, even after a
+        broker crash."""
+        partition, positions = self._positions(batch, "ack")
+        if batch.num_rows == 0:
+            return
+        body = {"topic": self.topic, "subscription": self.subscription,
+                "partition": partition, "consumer": self.name, **positions}
+        with_reconnect(lambda: self._client.action("ack", body), what=f"ack of {self.name}")
+
+    def ack_cumulative(self, batch_or_position: pa.RecordBatch | Position) -> None:
+        """Acknowledge every message up to and including the last of ``batch`` (or
+        ``position``) in its partition. For exclusive and failover subscriptions."""
+        if self.mode not in SubscriptionType.CUMULATIVE:
+            raise ConfigError(f"ack_cumulative is for exclusive and failover subscriptions; "
+                              f"this consumer is {self.mode}: acknowledge each batch with ack()")
         if isinstance(batch_or_position, Position):
             pos = batch_or_position
         else:
             b = batch_or_position
-            if b.schema != MESSAGE_SCHEMA or b.num_rows == 0:
-                raise ConfigError("ack needs a non-empty batch received from this consumer")
+            self._positions(b, "ack_cumulative")
+            if b.num_rows == 0:
+                return
             i = b.num_rows - 1
             pos = Position(b.column("partition")[i].as_py(), b.column("segment_id")[i].as_py(),
                            b.column("entry_id")[i].as_py(), b.column("batch_index")[i].as_py())
-        self._admin.action("ack", {"topic": self.topic, "subscription": self.subscription,
-                                   "partition": pos.partition, "position": pos.to_dict(),
-                                   "key_ranges": [r.to_list() for r in self.key_ranges]})
+        body = {"topic": self.topic, "subscription": self.subscription, "consumer": self.name,
+                "position": pos.to_dict()}
+        with_reconnect(lambda: self._client.action("ack-cumulative", body),
+                       what=f"ack_cumulative of {self.name}")
+
+    def nack(self, batch: pa.RecordBatch) -> None:
+        """Have the messages of ``batch`` delivered again after ``nack_delay`` (their
+        redelivery count goes up; past ``max_redeliveries`` they go to the dead letters)."""
+        partition, positions = self._positions(batch, "nack")
+        if batch.num_rows == 0:
+            return
+        self._client.action("nack", {"topic": self.topic, "subscription": self.subscription,
+                                     "partition": partition, "consumer": self.name,
+                                     "delay_s": self.nack_delay, **positions})
 
     def close(self) -> None:
-        """Detach at once, whatever the buffer holds: streams are cancelled and the pump
-        threads end (a pump waiting on a full buffer sees the stop within 0.1 s)."""
+        """Detach at once: what this consumer held unacknowledged goes to the others."""
         self._stop.set()
-        for r in self._readers:
+        for r in self._readers.values():
             r.cancel()
         for t in self._threads:
             t.join(timeout=5)
@@ -124,3 +283,12 @@ class Consumer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _seconds(value: float | str, what: str) -> float:
+    if isinstance(value, str):
+        return parse_duration_ms(value, what=what) / 1000
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ConfigError(f"invalid {what} {value!r}: expected seconds >= 0 or a duration "
+                          "such as '30s'")
+    return float(value)

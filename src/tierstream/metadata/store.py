@@ -385,33 +385,32 @@ class MetadataStore:
 
     # -- cursors ------------------------------------------------------------------------------
 
-    def get_cursor(self, topic: str, subscription: str, partition: int) -> list[Any] | None:
-        """The stored interval list of a subscription's partition, or None if it has none."""
+    def get_cursor(self, topic: str, subscription: str, partition: int) -> Any:
+        """The stored state of a subscription's partition (broker/cursor_state.py), or None."""
         with self._lock:
             row = self._conn.execute(
-                "SELECT intervals FROM cursors WHERE topic=? AND subscription=? AND partition=?",
+                "SELECT state FROM cursors WHERE topic=? AND subscription=? AND partition=?",
                 (topic, subscription, partition),
             ).fetchone()
-        return None if row is None else list(json.loads(row[0]))
+        return None if row is None else json.loads(row[0])
 
     def cursors(self, topic: str) -> list[dict[str, Any]]:
-        """Every stored cursor of ``topic``: subscription, partition, intervals, updated_at."""
+        """Every stored cursor of ``topic``: subscription, partition, state, updated_at."""
         with self._lock:
             rows = self._conn.execute(
-                "SELECT subscription, partition, intervals, updated_at FROM cursors WHERE topic=? "
+                "SELECT subscription, partition, state, updated_at FROM cursors WHERE topic=? "
                 "ORDER BY subscription, partition", (topic,)).fetchall()
-        return [{"subscription": r[0], "partition": r[1], "intervals": json.loads(r[2]),
+        return [{"subscription": r[0], "partition": r[1], "state": json.loads(r[2]),
                  "updated_at": r[3]} for r in rows]
 
-    def save_cursor(
-        self, topic: str, subscription: str, partition: int, intervals: list[Any], *, now: int
-    ) -> None:
+    def save_cursors(self, rows: Sequence[tuple[str, str, int, Any]], *, now: int) -> None:
+        """Store ``(topic, subscription, partition, state)`` rows in one transaction."""
         with self._tx() as c:
-            c.execute(
-                "INSERT INTO cursors (topic, subscription, partition, intervals, updated_at) "
+            c.executemany(
+                "INSERT INTO cursors (topic, subscription, partition, state, updated_at) "
                 "VALUES (?, ?, ?, ?, ?) ON CONFLICT (topic, subscription, partition) DO UPDATE "
-                "SET intervals=excluded.intervals, updated_at=excluded.updated_at",
-                (topic, subscription, partition, json.dumps(intervals), now),
+                "SET state=excluded.state, updated_at=excluded.updated_at",
+                [(t, sub, p, json.dumps(state), now) for t, sub, p, state in rows],
             )
 
     def delete_cursors(self, topic: str, subscription: str) -> int:

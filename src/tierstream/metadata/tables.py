@@ -11,7 +11,7 @@ import sqlite3
 
 __all__ = ["SCHEMA_VERSION", "create_and_migrate"]
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -79,7 +79,7 @@ CREATE TABLE IF NOT EXISTS cursors (
     topic TEXT NOT NULL,
     subscription TEXT NOT NULL,
     partition INTEGER NOT NULL,
-    intervals TEXT NOT NULL,
+    state TEXT NOT NULL,
     updated_at INTEGER NOT NULL,
     PRIMARY KEY (topic, subscription, partition)
 );
@@ -146,3 +146,10 @@ def _migrate(conn: sqlite3.Connection) -> None:
         if "tier_bytes" not in columns:
             conn.execute("ALTER TABLE segments ADD COLUMN tier_bytes INTEGER")
         conn.execute("UPDATE meta SET value='7' WHERE key='schema_version'")
+        version = 7
+    if version == 7:  # v8: individual acks; the cursor column holds the whole state (its
+        # JSON is read in either form: broker/cursor_state.py)
+        columns = [r[1] for r in conn.execute("PRAGMA table_info(cursors)")]
+        if "intervals" in columns:
+            conn.execute("ALTER TABLE cursors RENAME COLUMN intervals TO state")
+        conn.execute("UPDATE meta SET value='8' WHERE key='schema_version'")

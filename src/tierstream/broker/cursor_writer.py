@@ -1,0 +1,101 @@
+"""Group commit of cursors: many acks, one metadata transaction.
+
+An ack changes its dispatcher's state in memory and marks the dispatcher dirty; one writer
+thread takes every dirty dispatcher's snapshot and stores them all in one SQLite transaction
+(``synchronous=FULL``), then wakes every ack that was waiting for that write. While a write is
+on disk the next acks gather for the next one, so N concurrent acks cost about one fsync, not N.
+An ack call returns only after the write that holds it, so an acknowledged message is never
+delivered again after a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from tierstream.errors import StorageError, UnavailableError
+from tierstream.faults import crash_point
+from tierstream.metadata.store import MetadataStore
+from tierstream.timeutil import now_ms
+
+__all__ = ["CursorWriter", "Snapshotting"]
+
+log = logging.getLogger(__name__)
+
+
+class Snapshotting(Protocol):
+    topic: str
+    subscription: str
+    partition: int
+
+    def snapshot(self) -> dict[str, Any]: ...
+
+
+class CursorWriter:
+    def __init__(self, metadata: MetadataStore) -> None:
+        self._metadata = metadata
+        self._cond = threading.Condition()
+        self._dirty: dict[int, Snapshotting] = {}
+        self._requested = 0   # generation the next write will complete
+        self._written = 0     # last generation on disk
+        self._error: Exception | None = None
+        self._stop = False
+        self.writes = 0       # transactions so far (bench and stats)
+        self.snapshots = 0    # cursors stored by them
+        self._thread = threading.Thread(target=self._run, name="tierstream-cursor-writer",
+                                        daemon=True)
+        self._thread.start()
+
+    def dirty(self, cursor: Snapshotting) -> int:
+        """Mark ``cursor`` for the next write; the generation to :meth:`wait` for."""
+        with self._cond:
+            self._dirty[id(cursor)] = cursor
+            self._cond.notify_all()
+            return self._requested + 1
+
+    def wait(self, generation: int, *, stopped: Callable[[], bool] = lambda: False) -> None:
+        """Return once generation ``generation`` is on disk."""
+        with self._cond:
+            while self._written < generation:
+                if self._error is not None:
+                    raise StorageError(f"cannot store a cursor: {self._error}")
+                if self._stop or stopped():
+                    raise UnavailableError("the broker is shutting down; the ack was not "
+                                           "stored")
+                self._cond.wait(0.5)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._dirty and not self._stop:
+                    self._cond.wait()
+                if not self._dirty and self._stop:
+                    return
+                batch = list(self._dirty.values())
+                self._dirty.clear()
+                self._requested += 1
+                generation = self._requested
+            try:
+                rows = [(c.topic, c.subscription, c.partition, c.snapshot()) for c in batch]
+                self._metadata.save_cursors(rows, now=now_ms())
+                crash_point("cursor.saved")
+            except Exception as exc:
+                log.exception("storing %d cursor(s) failed", len(batch))
+                with self._cond:
+                    self._error = exc
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self.writes += 1
+                self.snapshots += len(rows)
+                self._written = generation
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """Write what is dirty, then stop."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=10)

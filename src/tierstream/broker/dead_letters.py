@@ -1,0 +1,116 @@
+"""Dead letters: messages redelivered more than a consumer's ``max_redeliveries`` go to the
+dead-letter topic (default ``<topic>-<subscription>-DLQ``, Pulsar's name) exactly once.
+
+A dispatcher records the move as an intent in its cursor (durable first), then this writer
+appends the messages to the dead-letter topic as producer
+``tierstream-dead-letters/<topic>/<partition>/<subscription>`` with the intent's sequence id,
+then the dispatcher acknowledges them. A crash between any two steps repeats the append with
+the same sequence id, which the topic's de-duplication stores once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+
+from tierstream.broker.cursor_state import DeadLetterIntent
+from tierstream.errors import AlreadyExistsError, TierstreamError
+from tierstream.message_format import PRODUCE_SCHEMA
+
+if TYPE_CHECKING:
+    from tierstream.broker.cursor_writer import CursorWriter
+    from tierstream.broker.dispatcher import Dispatcher
+    from tierstream.broker.store import Store
+
+__all__ = ["DeadLetterWriter", "dead_letter_batch"]
+
+log = logging.getLogger(__name__)
+
+_RETRY_S = 1.0
+
+
+class DeadLetterWriter:
+    def __init__(self, store: Store, writer: CursorWriter) -> None:
+        self._store = store
+        self._writer = writer
+        self._queue: queue.Queue[tuple[Dispatcher, DeadLetterIntent, pa.RecordBatch] | None] = \
+            queue.Queue()
+        self._stop = threading.Event()
+        self.written = 0
+        self._thread = threading.Thread(target=self._run, name="tierstream-dead-letters",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, dispatcher: Dispatcher, intent: DeadLetterIntent,
+               batch: pa.RecordBatch) -> None:
+        self._queue.put((dispatcher, intent, batch))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            item = self._queue.get()
+            if item is None:
+                return
+            dispatcher, intent, batch = item
+            try:
+                self._writer.wait(self._writer.dirty(dispatcher), stopped=self._stop.is_set)
+                self._append(dispatcher, intent, batch)
+            except TierstreamError as exc:
+                if self._stop.is_set():
+                    return
+                log.warning("dead letters of %s/%s to %s: %s; retrying", dispatcher.topic,
+                            dispatcher.subscription, intent.topic, exc)
+                self._stop.wait(_RETRY_S)
+                self._queue.put(item)
+                continue
+            dispatcher.dead_lettered(intent)
+            self.written += batch.num_rows
+
+    def _append(self, d: Dispatcher, intent: DeadLetterIntent, batch: pa.RecordBatch) -> None:
+        with contextlib.suppress(AlreadyExistsError):
+            self._store.create_topic(intent.topic, 1)
+        partitions = self._store.topic(intent.topic).partitions
+        out = dead_letter_batch(d.topic, d.partition, d.subscription, batch)
+        target = batch.column("key_hash").to_numpy() % partitions
+        producer = f"tierstream-dead-letters/{d.topic}/{d.partition}/{d.subscription}"
+        for p in range(partitions):
+            rows = np.flatnonzero(target == p)
+            if len(rows):
+                self._store.partition(intent.topic, p).append(
+                    out.take(pa.array(rows)), producer=producer,
+                    sequence_id=intent.sequence_id)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+
+def dead_letter_batch(topic: str, partition: int, subscription: str,
+                      batch: pa.RecordBatch) -> pa.RecordBatch:
+    """``batch`` (consumer schema) as messages for the dead-letter topic: key, value, event
+    time and properties kept; Pulsar's ``REAL_TOPIC`` and ``ORIGIN_MESSAGE_ID`` added, with
+    the subscription and the redelivery count."""
+    props = []
+    for i, original in enumerate(batch.column("properties").to_pylist()):
+        entries = dict(original or [])
+        entries.update({
+            "REAL_TOPIC": f"{topic}-partition-{partition}",
+            "ORIGIN_MESSAGE_ID": ":".join(str(batch.column(c)[i].as_py()) for c in
+                                          ("partition", "segment_id", "entry_id",
+                                           "batch_index")),
+            "tierstream.dead_letter.subscription": subscription,
+            "tierstream.dead_letter.redeliveries": str(batch.column("redelivery_count")[i]
+                                                       .as_py()),
+        })
+        props.append(list(entries.items()))
+    return pa.RecordBatch.from_arrays(
+        [batch.column("key"), batch.column("value"),
+         pa.nulls(batch.num_rows, pa.int64()), batch.column("event_time"),
+         pa.array(props, type=PRODUCE_SCHEMA.field("properties").type)],
+        schema=PRODUCE_SCHEMA)

@@ -1,0 +1,216 @@
+"""What a dispatcher has read of one partition and not yet seen acknowledged, message by message.
+
+The window starts at the cursor's mark-delete position and grows as the dispatcher reads. Each
+read batch (a contiguous slice of one entry) is a :class:`Chunk` with one state per message:
+waiting to be sent, delivered to a consumer, delayed by a nack, acknowledged, or on its way to
+the dead-letter topic. Leading chunks whose every message is acknowledged are dropped, which is
+what moves the mark-delete position. Acknowledged ranges that lie beyond what was read (from the
+stored cursor, or an ack that arrives after a broker restart for a message not read again yet)
+wait in :attr:`ReadWindow.ahead` and mark messages acknowledged as they are read.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Iterator
+
+import numpy as np
+import pyarrow as pa
+
+from tierstream.broker.cursor_state import MAX_ACKED_RANGES
+from tierstream.splits.positions import Position
+
+__all__ = ["ACKED", "DEAD", "DELAYED", "DELIVERED", "WAITING", "Chunk", "ReadWindow"]
+
+WAITING, DELIVERED, DELAYED, ACKED, DEAD = 0, 1, 2, 3, 4
+_NOTHING = np.zeros(0, dtype=np.int32)
+
+
+class Chunk:
+    """One read batch and the state of each of its messages."""
+
+    __slots__ = ("batch", "bi0", "entry_id", "n", "open", "owner", "partition", "redeliveries",
+                 "segment_id", "slots", "state", "until", "waiting")
+
+    def __init__(self, batch: pa.RecordBatch) -> None:
+        self.batch: pa.RecordBatch | None = batch
+        self.n = batch.num_rows
+        self.partition = int(batch.column("partition")[0].as_py())
+        self.segment_id = int(batch.column("segment_id")[0].as_py())
+        self.entry_id = int(batch.column("entry_id")[0].as_py())
+        self.bi0 = int(batch.column("batch_index")[0].as_py())
+        self.slots = batch.column("key_hash").to_numpy()
+        self.state = np.zeros(self.n, dtype=np.uint8)
+        self.owner = np.full(self.n, -1, dtype=np.int32)
+        self.redeliveries = np.zeros(self.n, dtype=np.int32)
+        self.until = np.zeros(self.n, dtype=np.float64)  # delivered at / ready at (monotonic)
+        self.waiting = self.n  # messages in state WAITING
+        self.open = self.n     # messages not ACKED
+
+    @property
+    def entry(self) -> tuple[int, int]:
+        return self.segment_id, self.entry_id
+
+    def position(self, row: int) -> Position:
+        return Position.known(self.partition, self.segment_id, self.entry_id, self.bi0 + row)
+
+    def after(self) -> Position:
+        """The position right after this chunk's last message."""
+        return Position.known(self.partition, self.segment_id, self.entry_id, self.bi0 + self.n)
+
+    def set_state(self, rows: np.ndarray, state: int) -> None:
+        """Move ``rows`` to ``state`` and keep the counts."""
+        old = self.state[rows]
+        self.waiting += (len(rows) if state == WAITING else 0) - \
+            int(np.count_nonzero(old == WAITING))
+        self.open += int(np.count_nonzero(old == ACKED)) - (len(rows) if state == ACKED else 0)
+        self.state[rows] = state
+        if self.open == 0:
+            self.release()
+
+    def release(self) -> None:
+        """Every message is acknowledged: keep only where the chunk lies (a window behind one
+        slow message may hold many of these)."""
+        self.batch = None
+        self.slots = self.state = self.owner = self.redeliveries = self.until = _NOTHING
+
+
+class ReadWindow:
+    """The chunks of one partition from the mark-delete position to the read position."""
+
+    def __init__(self, partition: int, mark_delete: Position,
+                 acked: list[tuple[Position, Position]]) -> None:
+        self.partition = partition
+        self.chunks: deque[Chunk] = deque()
+        self.by_entry: dict[tuple[int, int], Chunk] = {}
+        self.read_pos = mark_delete          # the next position to read
+        self.ahead: list[tuple[Position, Position]] = sorted(acked)  # acked, not read yet
+
+    def __iter__(self) -> Iterator[Chunk]:
+        return iter(self.chunks)
+
+    def add(self, batch: pa.RecordBatch) -> Chunk | None:
+        """Take a batch read at :attr:`read_pos`; the chunk, or None when every message of it
+        was acknowledged already."""
+        chunk = Chunk(batch)
+        self.read_pos = chunk.after()
+        acked = self._acked_ahead(chunk)
+        if acked is not None:
+            chunk.set_state(np.flatnonzero(acked), ACKED)
+            if chunk.open == 0 and not self.chunks:
+                return None  # nothing before it is open: the mark-delete passes it
+            # a released chunk behind open ones is kept: the acked ranges run through it
+        self.chunks.append(chunk)
+        self.by_entry[chunk.entry] = chunk
+        return chunk if chunk.open else None
+
+    def _acked_ahead(self, chunk: Chunk) -> np.ndarray | None:
+        """Which messages of ``chunk`` an ``ahead`` range covers (None: none), dropping the
+        ranges it passes."""
+        first, after = chunk.position(0), chunk.after()
+        while self.ahead and self.ahead[0][1] <= first:
+            self.ahead.pop(0)
+        if not self.ahead or self.ahead[0][0] >= after:
+            return None
+        mask = np.zeros(chunk.n, dtype=bool)
+        for lo, hi in self.ahead:
+            if lo >= after:
+                break
+            a = 0 if lo <= first else lo.batch_index - chunk.bi0
+            b = chunk.n if hi >= after else hi.batch_index - chunk.bi0
+            mask[max(0, a):max(0, b)] = True
+        return mask
+
+    def ack_ahead(self, lo: Position, hi: Position) -> None:
+        """Acknowledge ``[lo, hi)`` beyond the read position (merged into :attr:`ahead`)."""
+        lo = max(lo, self.read_pos)
+        if hi <= lo:
+            return
+        i = bisect.bisect_left(self.ahead, (lo, lo))
+        self.ahead.insert(i, (lo, hi))
+        merged: list[tuple[Position, Position]] = []
+        for a, b in self.ahead:
+            if merged and a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        self.ahead = merged
+
+    def locate(self, segment: np.ndarray, entry: np.ndarray, index: np.ndarray
+               ) -> tuple[list[tuple[Chunk, np.ndarray]], list[Position]]:
+        """The chunks and rows of the given message positions, and the positions not in the
+        window (acknowledged before it, or not read yet)."""
+        found: list[tuple[Chunk, np.ndarray]] = []
+        missing: list[Position] = []
+        if len(segment) == 0:
+            return found, missing
+        pairs = np.stack([segment, entry], axis=1)
+        keys, inverse = np.unique(pairs, axis=0, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        for k, (s, e) in enumerate(keys.tolist()):
+            rows = index[inverse == k]
+            chunk = self.by_entry.get((s, e))
+            if chunk is not None and chunk.open == 0:
+                continue  # acknowledged already
+            if chunk is not None:
+                rows = rows - chunk.bi0
+                inside = (rows >= 0) & (rows < chunk.n)
+                if inside.any():
+                    found.append((chunk, rows[inside]))
+                rows = rows[~inside] + chunk.bi0
+            missing.extend(Position(self.partition, s, e, int(b)) for b in rows.tolist())
+        return found, missing
+
+    def trim(self) -> None:
+        """Drop leading chunks whose every message is acknowledged."""
+        while self.chunks and self.chunks[0].open == 0:
+            del self.by_entry[self.chunks.popleft().entry]
+
+    def mark_delete(self) -> Position:
+        """Everything before this position is acknowledged."""
+        for chunk in self.chunks:
+            if chunk.open:
+                return chunk.position(int(np.flatnonzero(chunk.state != ACKED)[0]))
+        if self.ahead and self.ahead[0][0] <= self.read_pos:
+            return self.ahead[0][1]
+        return self.read_pos
+
+    def acked_ranges(self) -> list[tuple[Position, Position]]:
+        """The acknowledged ranges after :meth:`mark_delete` (at most MAX_ACKED_RANGES + 1)."""
+        ranges: list[tuple[Position, Position]] = []
+        start: Position | None = None  # the open run of acknowledged messages
+        seen_open = False
+        for chunk in self.chunks:
+            if chunk.open == 0:
+                if seen_open and start is None:
+                    start = chunk.position(0)
+                continue
+            acked = chunk.state == ACKED
+            edges = np.flatnonzero(np.diff(acked.astype(np.int8)))
+            bounds = [0, *(edges + 1).tolist(), chunk.n]
+            for a in bounds[:-1]:
+                if acked[a]:
+                    if seen_open and start is None:
+                        start = chunk.position(a)
+                else:
+                    if start is not None:
+                        ranges.append((start, chunk.position(a)))
+                        start = None
+                    seen_open = True
+            if len(ranges) > MAX_ACKED_RANGES:
+                return ranges
+        if start is not None:
+            ranges.append((start, self.read_pos))
+        if seen_open:
+            for lo, hi in self.ahead:
+                if ranges and ranges[-1][1] >= lo:
+                    ranges[-1] = (ranges[-1][0], max(hi, ranges[-1][1]))
+                else:
+                    ranges.append((lo, hi))
+        else:
+            ranges = [r for r in self.ahead if r[0] > self.mark_delete()]
+        return ranges
+
+    def unacknowledged(self) -> int:
+        return sum(c.open for c in self.chunks)
