@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from pathlib import Path
 
 import pytest
 
+from tierstream.broker.cursor_state import CursorState
 from tierstream.errors import ConfigError
 from tierstream.metadata.store import MetadataStore
 from tierstream.metadata.tables import SCHEMA_VERSION
 from tierstream.names import TopicName
+from tierstream.splits.positions import Position
 
 
 def test_a_version_6_store_gains_tier_sizes_and_keeps_its_segments(tmp_path: Path) -> None:
@@ -25,10 +28,31 @@ def test_a_version_6_store_gains_tier_sizes_and_keeps_its_segments(tmp_path: Pat
     c.close()
     store = MetadataStore(path)
     try:
-        assert SCHEMA_VERSION == 7
         assert store.get_segment(seg.segment_id).tier_bytes is None  # unknown: read with a HEAD
         store.flip_to_tier(seg.segment_id, "file:///t/1.parquet", offloaded_at=2, tier_bytes=99)
         assert store.get_segment(seg.segment_id).tier_bytes == 99
+    finally:
+        store.close()
+
+
+def test_a_version_7_store_keeps_its_cursors_as_mark_delete_positions(tmp_path: Path) -> None:
+    """Version 7 kept, per key range, the next position to read (cumulative acks only): the
+    lowest of them is where everything is acknowledged up to."""
+    path = tmp_path / "metadata.db"
+    MetadataStore(path).close()
+    ranges = [[0, 32768, Position(0, 4, 7, 0).to_dict()],
+              [32768, 65536, Position(0, 3, 9, 2).to_dict()]]
+    with sqlite3.connect(path) as c:  # as version 7 wrote it
+        c.execute("ALTER TABLE cursors RENAME COLUMN state TO intervals")
+        c.execute("INSERT INTO cursors (topic, subscription, partition, intervals, updated_at) "
+                  "VALUES ('a/b/c', 'billing', 0, ?, 1)", (json.dumps(ranges),))
+        c.execute("UPDATE meta SET value='7' WHERE key='schema_version'")
+    c.close()
+    store = MetadataStore(path)
+    try:
+        state = CursorState.from_json(store.get_cursor("a/b/c", "billing", 0), 0)
+        assert state.mark_delete == Position(0, 3, 9, 2)
+        assert state.acked == [] and state.type is None  # the first consumer sets the type
     finally:
         store.close()
 
@@ -61,9 +85,10 @@ def test_a_planner_on_a_store_not_yet_upgraded_is_told_how_to_upgrade_it(
     with sqlite3.connect(path) as c:
         c.execute("UPDATE meta SET value='6' WHERE key='schema_version'")
     c.close()
-    with pytest.raises(ConfigError, match=r"has schema version 6; this tierstream reads "
-                                          r"version 7: the broker upgrades it when it starts: "
-                                          r"run `tierstream broker start --data-dir "):
+    with pytest.raises(ConfigError, match=rf"has schema version 6; this tierstream reads "
+                                          rf"version {SCHEMA_VERSION}: the broker upgrades it "
+                                          r"when it starts: run `tierstream broker start "
+                                          r"--data-dir "):
         MetadataStore(path, read_only=True)
     with sqlite3.connect(path) as c:
         c.execute("UPDATE meta SET value='99' WHERE key='schema_version'")

@@ -21,14 +21,14 @@ import pyarrow as pa
 
 from tierstream.broker.cursor_state import DeadLetterIntent
 from tierstream.errors import AlreadyExistsError, TierstreamError
-from tierstream.message_format import PRODUCE_SCHEMA
+from tierstream.message_format import CONSUMER_SCHEMA, PRODUCE_SCHEMA
 
 if TYPE_CHECKING:
     from tierstream.broker.cursor_writer import CursorWriter
     from tierstream.broker.dispatcher import Dispatcher
     from tierstream.broker.store import Store
 
-__all__ = ["DeadLetterWriter", "dead_letter_batch"]
+__all__ = ["DeadLetterWriter", "IntentRecovery", "dead_letter_batch"]
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,54 @@ class DeadLetterWriter:
         self._stop.set()
         self._queue.put(None)
         self._thread.join(timeout=5)
+
+
+class IntentRecovery:
+    """Dead-letter intents stored before a restart, whose messages the dispatcher reads again:
+    each intent's rows are collected as they come, and an intent is sent once all of its rows
+    are read and every earlier intent was sent (in sequence order, so the dead-letter topic
+    de-duplicates a repeated append)."""
+
+    def __init__(self, intents: list[DeadLetterIntent]) -> None:
+        self._wanted = {i.sequence_id: {(p.segment_id, p.entry_id, p.batch_index)
+                                        for p in i.positions} for i in intents}
+        self._rows: dict[int, list[pa.RecordBatch]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._wanted)
+
+    def read(self, batch: pa.RecordBatch, intents: list[DeadLetterIntent], sent: set[int]
+             ) -> tuple[np.ndarray, list[tuple[DeadLetterIntent, pa.RecordBatch]]]:
+        """Take a batch the dispatcher read: the rows of it that belong to an intent (now
+        dead), and the intents whose rows are all read, ready to send (consumer schema)."""
+        seg = batch.column("segment_id")[0].as_py()
+        ent = batch.column("entry_id")[0].as_py()
+        indexes = batch.column("batch_index").to_pylist()
+        dead: list[int] = []
+        for intent in intents:
+            wanted = self._wanted.get(intent.sequence_id)
+            if not wanted:
+                continue
+            rows = [i for i, b in enumerate(indexes) if (seg, ent, b) in wanted]
+            if not rows:
+                continue
+            dead.extend(rows)
+            self._rows.setdefault(intent.sequence_id, []).append(batch.take(pa.array(rows)))
+            wanted.difference_update((seg, ent, indexes[i]) for i in rows)
+        ready = []
+        for intent in intents:
+            if intent.sequence_id in sent:
+                continue
+            if self._wanted.get(intent.sequence_id):
+                break
+            parts = self._rows.pop(intent.sequence_id, [])
+            self._wanted.pop(intent.sequence_id, None)
+            if parts:
+                rows = pa.Table.from_batches(parts).combine_chunks().to_batches()[0]
+                ready.append((intent, pa.RecordBatch.from_arrays(  # as never redelivered
+                    [*rows.columns, pa.array(np.zeros(rows.num_rows, dtype=np.int32))],
+                    schema=CONSUMER_SCHEMA)))
+        return np.array(dead, dtype=np.int64), ready
 
 
 def dead_letter_batch(topic: str, partition: int, subscription: str,

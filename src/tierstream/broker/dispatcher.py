@@ -19,17 +19,17 @@ from __future__ import annotations
 
 import bisect
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 
+from tierstream.broker.attached import Attached, ConsumerSettings, check_join, ranges_of
 from tierstream.broker.cursor_state import CursorState, DeadLetterIntent
+from tierstream.broker.dead_letters import IntentRecovery
 from tierstream.broker.read_window import (
     ACKED,
     DEAD,
@@ -41,8 +41,8 @@ from tierstream.broker.read_window import (
 )
 from tierstream.broker.selectors import active_for_partition, slot_owners
 from tierstream.errors import ConfigError, ConflictError, TierstreamError
-from tierstream.message_format import CONSUMER_SCHEMA, KEY_HASH_SLOTS
-from tierstream.splits.positions import KeyRange, Position
+from tierstream.message_format import KEY_HASH_SLOTS
+from tierstream.splits.positions import Position
 from tierstream.subscription_type import SubscriptionType
 
 if TYPE_CHECKING:
@@ -59,41 +59,6 @@ _MIN_LOOKAHEAD = 1000
 
 #: How long a join that conflicts with a connected consumer is retried (it may be leaving).
 _LEAVING_GRACE_S = 1.0
-
-
-@dataclass(frozen=True)
-class ConsumerSettings:
-    name: str
-    type: str
-    sticky: tuple[KeyRange, ...] | None  # key_shared ranges given by the user
-    permits: int                          # receiver queue for this partition
-    ack_timeout_s: float | None = None
-    max_redeliveries: int | None = None
-    dead_letter_topic: str | None = None
-
-
-class Attached:
-    """A consumer connected to one partition; the broker streams :attr:`outbox` to it."""
-
-    def __init__(self, idx: int, settings: ConsumerSettings, gone: Callable[[], bool]) -> None:
-        self.idx = idx
-        self.settings = settings
-        self.name = settings.name
-        self.gone = gone
-        self.permits = settings.permits
-        self.held = 0          # messages delivered (or nacked) and not acknowledged
-        self.delivered = 0
-        self.redelivered = 0   # of those, sent again
-        self.acked = 0
-        self.outbox: queue.SimpleQueue[pa.RecordBatch | None] = queue.SimpleQueue()
-        self.detached = False
-
-    def next_batch(self, timeout: float) -> pa.RecordBatch | None:
-        """The next batch to stream, or None (none within ``timeout``, or detached)."""
-        try:
-            return self.outbox.get(timeout=timeout)
-        except queue.Empty:
-            return None
 
 
 class Dispatcher:
@@ -125,9 +90,7 @@ class Dispatcher:
         self._intents = list(state.dead_letters)
         self._intents_sent: set[int] = set()
         self._dead_letter_sequence = state.dead_letter_sequence
-        self._recovering = {i.sequence_id: {(p.segment_id, p.entry_id, p.batch_index)
-                                            for p in i.positions} for i in self._intents}
-        self._recovered_rows: dict[int, list[pa.RecordBatch]] = {}
+        self._recovery = IntentRecovery(self._intents)
         self._delayed = 0
         self._reader = threading.Thread(target=self._read_loop, daemon=True,
                                         name=f"tierstream-dispatch-{self.topic}-"
@@ -152,7 +115,8 @@ class Dispatcher:
         with self._lock:
             for c in [c for c in self.consumers.values() if c.gone()]:
                 self._detach(c)
-            self._check_joins(settings)
+            check_join(self.subscription, self.topic, self.partition, self.type,
+                       self.consumers.values(), settings)
             if self.type is None:
                 self.type = settings.type  # stored by the write the attach waits for
             attached = Attached(self._next_idx, settings, gone)
@@ -165,32 +129,6 @@ class Dispatcher:
             self._dispatch()
             self._cond.notify_all()
             return attached
-
-    def _check_joins(self, s: ConsumerSettings) -> None:
-        where = f"subscription {self.subscription!r} on {self.topic!r}"
-        if self.type is not None and s.type != self.type:
-            raise ConflictError(
-                f"{where} is {self.type}; a {s.type} consumer cannot join it (a subscription "
-                "keeps the type it was created with: delete it, or use another name)")
-        for other in self.consumers.values():
-            if other.name == s.name:
-                raise ConflictError(f"{where} already has a consumer named {s.name!r} "
-                                    "connected")
-            if s.type == SubscriptionType.EXCLUSIVE:
-                raise ConflictError(f"{where} partition {self.partition} already has an "
-                                    f"exclusive consumer ({other.name})")
-            if s.type == SubscriptionType.KEY_SHARED:
-                theirs = other.settings.sticky
-                if (theirs is None) != (s.sticky is None):
-                    given = "with" if s.sticky is not None else "without"
-                    how = "by consistent hashing" if theirs is None else "by sticky key ranges"
-                    raise ConflictError(f"{where} splits keys {how}; a consumer {given} "
-                                        "key_ranges cannot join it")
-                if s.sticky and theirs and any(a.lo < b.hi and b.lo < a.hi
-                                               for a in s.sticky for b in theirs):
-                    raise ConflictError(
-                        f"key ranges {[str(r) for r in s.sticky]} overlap those of consumer "
-                        f"{other.name} on {where}")
 
     def detach(self, attached: Attached) -> None:
         with self._lock:
@@ -243,7 +181,7 @@ class Dispatcher:
                                         cancelled=self._stop.is_set):
                 with self._cond:
                     chunk = self.window.add(batch)
-                    if self._recovering:
+                    if self._recovery:
                         self._recover(batch, chunk)
                     if chunk is not None and chunk.waiting:
                         self._waiting.append(chunk)
@@ -353,17 +291,8 @@ class Dispatcher:
         c.held += n
         c.permits -= n
         c.delivered += n
-        counts = chunk.redeliveries[rows]
-        c.redelivered += int(np.count_nonzero(counts))
-        assert chunk.batch is not None
-        if n == chunk.n:
-            batch = chunk.batch
-        elif rows[-1] - rows[0] + 1 == n:
-            batch = chunk.batch.slice(int(rows[0]), n)
-        else:
-            batch = chunk.batch.take(pa.array(rows))
-        c.outbox.put(pa.RecordBatch.from_arrays(
-            [*batch.columns, pa.array(counts, type=pa.int32())], schema=CONSUMER_SCHEMA))
+        c.redelivered += int(np.count_nonzero(chunk.redeliveries[rows]))
+        c.outbox.put(chunk.take(rows))
 
     def _set(self, chunk: Chunk, rows: np.ndarray, state: int) -> None:
         """Move ``rows`` of ``chunk`` to ``state``, keeping the waiting list and counts."""
@@ -502,45 +431,19 @@ class Dispatcher:
                                   [chunk.position(int(r)) for r in rows])
         self._dead_letter_sequence += 1
         self._intents.append(intent)
-        assert chunk.batch is not None
-        rows_batch = chunk.batch.take(pa.array(rows))
-        self._send_dead_letters(intent, rows_batch, chunk.redeliveries[rows])
+        self._send_dead_letters(intent, chunk.take(rows))
 
-    def _send_dead_letters(self, intent: DeadLetterIntent, rows: pa.RecordBatch,
-                           counts: np.ndarray) -> None:
+    def _send_dead_letters(self, intent: DeadLetterIntent, batch: pa.RecordBatch) -> None:
         self._intents_sent.add(intent.sequence_id)
-        batch = pa.RecordBatch.from_arrays(
-            [*rows.columns, pa.array(counts, type=pa.int32())], schema=CONSUMER_SCHEMA)
         self._dead_letter(self, intent, batch)
 
     def _recover(self, batch: pa.RecordBatch, chunk: Chunk | None) -> None:
         """Messages of dead-letter intents stored before a restart: sent again once read."""
-        seg = batch.column("segment_id")[0].as_py()
-        ent = batch.column("entry_id")[0].as_py()
-        indexes = batch.column("batch_index").to_pylist()
-        for intent in self._intents:
-            wanted = self._recovering.get(intent.sequence_id)
-            if not wanted:
-                continue
-            rows = [i for i, b in enumerate(indexes) if (seg, ent, b) in wanted]
-            if not rows:
-                continue
-            if chunk is not None:
-                self._set(chunk, np.array(rows), DEAD)
-            self._recovered_rows.setdefault(intent.sequence_id, []).append(
-                batch.take(pa.array(rows)))
-            wanted.difference_update((seg, ent, indexes[i]) for i in rows)
-        for intent in self._intents:  # in sequence order, so the dead-letter topic dedups
-            if intent.sequence_id in self._intents_sent:
-                continue
-            if self._recovering.get(intent.sequence_id):
-                break
-            parts = self._recovered_rows.pop(intent.sequence_id, [])
-            self._recovering.pop(intent.sequence_id, None)
-            if parts:
-                table = pa.Table.from_batches(parts).combine_chunks()
-                self._send_dead_letters(intent, table.to_batches()[0],
-                                        np.zeros(table.num_rows, dtype=np.int32))
+        dead, ready = self._recovery.read(batch, self._intents, self._intents_sent)
+        if chunk is not None and len(dead):
+            self._set(chunk, dead, DEAD)
+        for intent, rows in ready:
+            self._send_dead_letters(intent, rows)
 
     def dead_lettered(self, intent: DeadLetterIntent) -> None:
         """``intent``'s messages are stored on the dead-letter topic: acknowledge them."""
@@ -570,20 +473,14 @@ class Dispatcher:
             return self.window.unacknowledged()
 
     def stats(self) -> list[dict[str, Any]]:
+        """Each consumer's share: its key ranges (key_shared), whether it is the active one
+        (failover, exclusive) or ``any`` (shared), and its counts."""
         with self._lock:
-            out = []
-            for c in self.consumers.values():
-                if self.type == SubscriptionType.KEY_SHARED and self._owners is not None:
-                    assignment = _ranges_of(self._owners == c.idx)
-                elif self.type in SubscriptionType.CUMULATIVE:
-                    assignment = "active" if c.idx == self._active else "standby"
-                else:
-                    assignment = "any"
-                out.append({"name": c.name, "partition": self.partition,
-                            "assignment": assignment, "unacked": c.held,
-                            "delivered": c.delivered, "redelivered": c.redelivered,
-                            "permits": c.permits})
-            return out
+            return [c.stats(self.partition, ranges_of(self._owners == c.idx)
+                            if self._owners is not None else
+                            ("active" if c.idx == self._active else "standby")
+                            if self.type in SubscriptionType.CUMULATIVE else "any")
+                    for c in self.consumers.values()]
 
     def close(self) -> None:
         self._stop.set()
@@ -596,13 +493,3 @@ class Dispatcher:
 
 def _after(pos: Position) -> Position:
     return Position.known(pos.partition, pos.segment_id, pos.entry_id, pos.batch_index + 1)
-
-
-def _ranges_of(mask: np.ndarray) -> str:
-    """``mask`` over the hash slots as ``lo:hi`` ranges (``-`` if none)."""
-    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
-    pairs = edges.reshape(-1, 2)
-    if not len(pairs):
-        return "-"
-    text = ", ".join(f"{a}:{b}" for a, b in pairs[:4].tolist())
-    return text + (f" (+{len(pairs) - 4} more)" if len(pairs) > 4 else "")

@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from tierstream.broker.cursor_state import MAX_ACKED_RANGES
+from tierstream.message_format import CONSUMER_SCHEMA
 from tierstream.splits.positions import Position
 
 __all__ = ["ACKED", "DEAD", "DELAYED", "DELIVERED", "WAITING", "Chunk", "ReadWindow"]
@@ -58,6 +59,20 @@ class Chunk:
     def after(self) -> Position:
         """The position right after this chunk's last message."""
         return Position.known(self.partition, self.segment_id, self.entry_id, self.bi0 + self.n)
+
+    def take(self, rows: np.ndarray) -> pa.RecordBatch:
+        """``rows`` as a consumer receives them: with their redelivery counts."""
+        assert self.batch is not None
+        n = len(rows)
+        if n == self.n:
+            batch = self.batch
+        elif rows[-1] - rows[0] + 1 == n:
+            batch = self.batch.slice(int(rows[0]), n)
+        else:
+            batch = self.batch.take(pa.array(rows))
+        return pa.RecordBatch.from_arrays(
+            [*batch.columns, pa.array(self.redeliveries[rows], type=pa.int32())],
+            schema=CONSUMER_SCHEMA)
 
     def set_state(self, rows: np.ndarray, state: int) -> None:
         """Move ``rows`` to ``state`` and keep the counts."""

@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from tierstream.broker.dispatcher import ConsumerSettings
+from tierstream.broker.attached import ConsumerSettings
 from tierstream.broker.store import Store
 from tierstream.broker.subscriptions import Subscriptions
 from tierstream.errors import (

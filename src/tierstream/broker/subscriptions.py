@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tierstream.broker.attached import Attached, ConsumerSettings
 from tierstream.broker.cursor_state import CursorState
 from tierstream.broker.cursor_writer import CursorWriter
 from tierstream.broker.dead_letters import DeadLetterWriter
-from tierstream.broker.dispatcher import Attached, ConsumerSettings, Dispatcher
+from tierstream.broker.dispatcher import Dispatcher
 from tierstream.errors import ConfigError, ConflictError, NotFoundError
 from tierstream.splits.positions import Position
 from tierstream.timeutil import now_ms

@@ -1,0 +1,97 @@
+"""A consumer attached to one subscription's partition, and who may join whom."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from tierstream.errors import ConflictError
+from tierstream.splits.positions import KeyRange
+from tierstream.subscription_type import SubscriptionType
+
+__all__ = ["Attached", "ConsumerSettings", "check_join", "ranges_of"]
+
+
+@dataclass(frozen=True)
+class ConsumerSettings:
+    name: str
+    type: str
+    sticky: tuple[KeyRange, ...] | None  # key_shared ranges given by the user
+    permits: int                          # receiver queue for this partition
+    ack_timeout_s: float | None = None
+    max_redeliveries: int | None = None
+    dead_letter_topic: str | None = None
+
+
+class Attached:
+    """A consumer connected to one partition; the broker streams :attr:`outbox` to it."""
+
+    def __init__(self, idx: int, settings: ConsumerSettings, gone: Callable[[], bool]) -> None:
+        self.idx = idx
+        self.settings = settings
+        self.name = settings.name
+        self.gone = gone
+        self.permits = settings.permits
+        self.held = 0          # messages delivered (or nacked) and not acknowledged
+        self.delivered = 0
+        self.redelivered = 0   # of those, sent again
+        self.acked = 0
+        self.outbox: queue.SimpleQueue[pa.RecordBatch | None] = queue.SimpleQueue()
+        self.detached = False
+
+    def stats(self, partition: int, assignment: str) -> dict[str, Any]:
+        return {"name": self.name, "partition": partition, "assignment": assignment,
+                "unacked": self.held, "delivered": self.delivered,
+                "redelivered": self.redelivered, "permits": self.permits}
+
+    def next_batch(self, timeout: float) -> pa.RecordBatch | None:
+        """The next batch to stream, or None (none within ``timeout``, or detached)."""
+        try:
+            return self.outbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+
+def check_join(subscription: str, topic: str, partition: int, kind: str | None,
+               consumers: Iterable[Attached], s: ConsumerSettings) -> None:
+    """ConflictError, naming both sides, if consumer ``s`` cannot join subscription
+    ``subscription`` (of type ``kind``, None before its first consumer) beside ``consumers``."""
+    where = f"subscription {subscription!r} on {topic!r}"
+    if kind is not None and s.type != kind:
+        raise ConflictError(
+            f"{where} is {kind}; a {s.type} consumer cannot join it (a subscription "
+            "keeps the type it was created with: delete it, or use another name)")
+    for other in consumers:
+        if other.name == s.name:
+            raise ConflictError(f"{where} already has a consumer named {s.name!r} "
+                                "connected")
+        if s.type == SubscriptionType.EXCLUSIVE:
+            raise ConflictError(f"{where} partition {partition} already has an "
+                                f"exclusive consumer ({other.name})")
+        if s.type == SubscriptionType.KEY_SHARED:
+            theirs = other.settings.sticky
+            if (theirs is None) != (s.sticky is None):
+                given = "with" if s.sticky is not None else "without"
+                how = "by consistent hashing" if theirs is None else "by sticky key ranges"
+                raise ConflictError(f"{where} splits keys {how}; a consumer {given} "
+                                    "key_ranges cannot join it")
+            if s.sticky and theirs and any(a.lo < b.hi and b.lo < a.hi
+                                           for a in s.sticky for b in theirs):
+                raise ConflictError(
+                    f"key ranges {[str(r) for r in s.sticky]} overlap those of consumer "
+                    f"{other.name} on {where}")
+
+
+def ranges_of(mask: np.ndarray) -> str:
+    """``mask`` over the hash slots as ``lo:hi`` ranges (``-`` if none)."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    pairs = edges.reshape(-1, 2)
+    if not len(pairs):
+        return "-"
+    text = ", ".join(f"{a}:{b}" for a, b in pairs[:4].tolist())
+    return text + (f" (+{len(pairs) - 4} more)" if len(pairs) > 4 else "")
