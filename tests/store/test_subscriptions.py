@@ -229,6 +229,20 @@ def test_what_a_closed_consumer_held_goes_to_the_others_with_its_count(broker) -
     assert set(again.values()) == {1}
 
 
+def test_a_closed_consumer_is_gone_from_the_broker_when_close_returns(broker) -> None:
+    """Pulsar's CloseConsumer: close() detaches before it returns, so the next exclusive
+    consumer never finds the last one still there (a close used to take effect when the
+    broker noticed the cancelled stream, which a busy machine delayed past the join's grace)."""
+    url = broker.url
+    _produce(url, 20, partitions=2)
+    with Admin(url) as admin:
+        for i in range(5):
+            Consumer(TOPIC, "solo", broker=url, initial=Offset.earliest(),
+                     consumer_name=f"c{i}").close()
+            attached = [c["name"] for r in admin.subscriptions(TOPIC) for c in r["consumers"]]
+            assert attached == [], f"after close() #{i}: {attached}"
+
+
 def test_nacked_messages_come_back_then_go_to_the_dead_letter_topic_once(broker) -> None:
     url = broker.url
     _produce(url, 3, batch_size=3)

@@ -285,6 +285,12 @@ class Broker(flight.FlightServerBase):
                                 str(body["consumer"]), int(body["permits"]))
         return {"ok": True}
 
+    def _close_consumer(self, body: dict[str, Any]) -> Any:
+        topic = str(self.store.topic(body["topic"]).name)
+        self.subscriptions.close_consumer(topic, str(body["subscription"]),
+                                          int(body["partition"]), str(body["consumer"]))
+        return {"ok": True}
+
     def _offload(self, body: dict[str, Any]) -> Any:
         moved = self.store.offloader.offload_topic(body["topic"],
                                                    older_than_ms=body.get("older_than_ms"))
@@ -417,6 +423,8 @@ _ACTIONS = {
                                                "(exclusive and failover only)."),
     "nack": (Broker._nack, "Redeliver the given messages after {delay_s}."),
     "flow": (Broker._flow, "Give a consumer {permits} more messages."),
+    "close-consumer": (Broker._close_consumer, "Detach {consumer} now: what it holds goes to "
+                                               "the others."),
     "producer-state": (Broker._producer_state, "Last stored sequence id of {producer}."),
     "plan-segments": (Broker._plan_segments, "Per partition: segments in a time window, "
                                              "first segment id (planning off-host)."),

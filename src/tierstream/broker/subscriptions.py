@@ -83,6 +83,14 @@ class Subscriptions:
         if d is not None:
             d.detach(attached)
 
+    def close_consumer(self, topic: str, subscription: str, partition: int, name: str) -> None:
+        """A consumer's close: detached at once, not when its stream's end reaches us."""
+        d = self._dispatchers.get((topic, subscription, partition))
+        if d is None:
+            return
+        for c in [c for c in list(d.consumers.values()) if c.name == name]:
+            d.detach(c)
+
     def ack(self, topic: str, subscription: str, partition: int, consumer: str,
             segment: np.ndarray, entry: np.ndarray, index: np.ndarray) -> None:
         d = self._dispatcher(topic, subscription, partition)

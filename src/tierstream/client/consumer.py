@@ -264,12 +264,22 @@ class Consumer:
                                      "delay_s": self.nack_delay, **positions})
 
     def close(self) -> None:
-        """Detach at once: what this consumer held unacknowledged goes to the others."""
+        """Detach at once: what this consumer held unacknowledged goes to the others, and
+        another exclusive consumer may attach as soon as this returns."""
+        if self._stop.is_set():
+            return
         self._stop.set()
-        for r in self._readers.values():
+        for p in self._readers:
+            with contextlib.suppress(TierstreamError):  # a broker that is down detached us
+                self._client.action("close-consumer", {
+                    "topic": self.topic, "subscription": self.subscription, "partition": p,
+                    "consumer": self.name})
+        for r in list(self._readers.values()):
             r.cancel()
         for t in self._threads:
             t.join(timeout=5)
+        for r in list(self._readers.values()):
+            r.cancel()  # opened by a pump while we were closing
         while True:
             try:
                 self._queue.get_nowait()
