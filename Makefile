@@ -25,6 +25,7 @@ test: lint
 # the Spark exactly-once tests with 8 killed queries each instead of the suite's 2 (~8 min).
 chaos: $(STAMP)
 	$(PY) -m tests.store.chaos --cycles 100
+	$(PY) -m tests.store.subscription_chaos --messages 400000 --rounds 6
 	TIERSTREAM_SPARK_KILLS=8 $(PY) -m pytest -p no:cacheprovider \
 		tests/spark_adapter/test_sink.py::test_a_read_process_write_query_killed_repeatedly_writes_each_row_once \
 		tests/spark_adapter/test_spark_exactly_once.py::test_sigkilled_streaming_query_restarts_exactly_once

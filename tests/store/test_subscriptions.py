@@ -128,6 +128,25 @@ def test_an_ack_of_a_slice_acknowledges_just_its_rows_even_across_a_broker_kill(
     assert set(rest.column("redelivery_count").to_pylist()) == {0}
 
 
+def test_batches_of_a_lost_connection_are_dropped_as_soon_as_it_is_lost(
+        start_broker, caplog: pytest.LogCaptureFixture) -> None:
+    """What the broker sent before it died and receive() has not returned comes again, maybe
+    to another consumer that acknowledges it before this one is back: receive() must not hand
+    it out meanwhile (it did until the re-attach, which the chaos run caught)."""
+    broker = start_broker()
+    _produce(broker.url, 100, batch_size=10)
+    c = Consumer(TOPIC, "audit", broker=broker.url, initial=Offset.earliest())
+    try:
+        wait_for(lambda: c.buffered >= 1, timeout=scaled(10), what="a batch queued")
+        caplog.set_level("INFO", logger="tierstream.client.consumer")
+        broker.kill()
+        wait_for(lambda: "reconnecting" in caplog.text, timeout=scaled(10),
+                 what="the consumer to notice the broker is gone")
+        assert c.receive(timeout=scaled(0.2)) is None
+    finally:
+        c.close()
+
+
 def test_cumulative_acks_on_exclusive_resume_after_the_acked_position(broker) -> None:
     _produce(broker.url, 100, batch_size=10)
     with Consumer(TOPIC, "billing", broker=broker.url, initial=Offset.earliest()) as c:

@@ -185,6 +185,7 @@ class Dispatcher:
                         self._recover(batch, chunk)
                     if chunk is not None and chunk.waiting:
                         self._waiting.append(chunk)
+                        chunk.queued = True
                         self._waiting_total += chunk.waiting
                         self._dispatch()
                     while self._waiting_total >= self._lookahead() and not self._stop.is_set():
@@ -211,7 +212,9 @@ class Dispatcher:
             self._dispatch_key_shared()
         elif self.type in SubscriptionType.CUMULATIVE:
             self._dispatch_in_order()
-        self._waiting = [c for c in self._waiting if c.waiting]
+        for chunk in self._waiting:
+            chunk.queued = chunk.waiting > 0
+        self._waiting = [c for c in self._waiting if c.queued]
         self._cond.notify_all()
 
     def _dispatch_in_order(self) -> None:
@@ -299,8 +302,9 @@ class Dispatcher:
         before = chunk.waiting
         chunk.set_state(rows, state)
         self._waiting_total += chunk.waiting - before
-        if chunk.waiting and not before:
+        if chunk.waiting and not chunk.queued:  # (one an ack emptied may still be listed)
             bisect.insort(self._waiting, chunk, key=lambda k: k.entry)
+            chunk.queued = True
 
     def _unhold(self, chunk: Chunk, rows: np.ndarray) -> None:
         """``rows`` (delivered or delayed) are no longer held by their consumer."""

@@ -31,8 +31,8 @@ _NOTHING = np.zeros(0, dtype=np.int32)
 class Chunk:
     """One read batch and the state of each of its messages."""
 
-    __slots__ = ("batch", "bi0", "entry_id", "n", "open", "owner", "partition", "redeliveries",
-                 "segment_id", "slots", "state", "until", "waiting")
+    __slots__ = ("batch", "bi0", "entry_id", "n", "open", "owner", "partition", "queued",
+                 "redeliveries", "segment_id", "slots", "state", "until", "waiting")
 
     def __init__(self, batch: pa.RecordBatch) -> None:
         self.batch: pa.RecordBatch | None = batch
@@ -48,6 +48,7 @@ class Chunk:
         self.until = np.zeros(self.n, dtype=np.float64)  # delivered at / ready at (monotonic)
         self.waiting = self.n  # messages in state WAITING
         self.open = self.n     # messages not ACKED
+        self.queued = False    # in its dispatcher's list of chunks with waiting messages
 
     @property
     def entry(self) -> tuple[int, int]:

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Iterable
 from typing import Any
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 
 _TAG = b"tierstream.consumer"
 _EPOCH = b"tierstream.epoch"
+#: How long an ack that raced a re-attach filters what arrives (the broker sends a re-attached
+#: consumer its share at once; an ack stuck in retries longer than this is not a race).
+_DOUBT_S = 30.0
 
 
 class Consumer:
@@ -107,7 +111,13 @@ class Consumer:
             partitions = self._admin.get_topic(self.topic).partitions
             self._permits = max(1, receiver_queue_size // partitions)
             self._epoch = dict.fromkeys(range(partitions), 0)
+            self._attaching = dict.fromkeys(range(partitions), False)
             self._taken = dict.fromkeys(range(partitions), 0)
+            # positions acknowledged while a re-attach may have had the broker send them
+            # again: dropped from later batches (position -> when the ack started)
+            self._in_doubt: dict[int, dict[tuple[int, int, int], float]] = {
+                p: {} for p in range(partitions)}
+            self._doubt_lock = threading.Lock()
             sub = {"name": subscription, "type": self.mode, "consumer": self.name,
                    "initial": (initial or Offset.latest()).to_dict(), "permits": self._permits,
                    "ack_timeout_s": self.ack_timeout, "max_redeliveries": max_redeliveries,
@@ -149,9 +159,13 @@ class Consumer:
         while not self._stop.is_set():
             try:
                 if reader is None:
-                    reader = self._readers[partition] = self._open(self._tickets[partition])
-                    self._epoch[partition] += 1
-                    self._taken[partition] = 0
+                    self._attaching[partition] = True
+                    try:
+                        reader = self._readers[partition] = self._open(
+                            self._tickets[partition])
+                        self._taken[partition] = 0
+                    finally:
+                        self._attaching[partition] = False
                 epoch = str(self._epoch[partition]).encode()
                 for batch in flight_batches(self._client.url, reader):
                     backoff = None
@@ -164,6 +178,10 @@ class Consumer:
             except UnavailableError as exc:
                 if reader is not None:
                     reader.cancel()
+                    # what the lost connection sent and receive() has not returned is
+                    # dropped now, not once we are back: the broker sends it again, maybe
+                    # to another consumer, which may acknowledge it before we re-attach
+                    self._epoch[partition] += 1
                 reader = None
                 if self._stop.is_set():
                     return
@@ -197,10 +215,27 @@ class Consumer:
                 raise item
             if int(item.schema.metadata[_EPOCH]) != self._epoch[partition]:
                 continue  # from a connection that was lost: the broker sends it again
+            if self._in_doubt[partition]:
+                item = self._drop_acknowledged(partition, item)
+                if item.num_rows == 0:
+                    continue
             self._taken[partition] += item.num_rows
             if self._taken[partition] * 2 >= self._permits:
                 self._flow(partition)
             return item
+
+    def _drop_acknowledged(self, partition: int, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """``batch`` without the messages an ack that raced a re-attach acknowledged."""
+        with self._doubt_lock:
+            doubt = self._in_doubt[partition]
+            old = time.monotonic() - _DOUBT_S
+            for pos in [p for p, t in doubt.items() if t < old]:
+                del doubt[pos]
+            keys = zip(batch.column("segment_id").to_pylist(),
+                       batch.column("entry_id").to_pylist(),
+                       batch.column("batch_index").to_pylist(), strict=True)
+            keep = [k not in doubt for k in keys]
+        return batch if all(keep) else batch.filter(pa.array(keep))
 
     def _flow(self, partition: int) -> None:
         n, self._taken[partition] = self._taken[partition], 0
@@ -230,7 +265,22 @@ class Consumer:
             return
         body = {"topic": self.topic, "subscription": self.subscription,
                 "partition": partition, "consumer": self.name, **positions}
+        # A re-attach during the ack (or since the batch came) may have the broker send these
+        # again before it applies the ack: such copies are dropped on receive.
+        epoch = self._epoch[partition]
+        keys = list(zip(batch.column("segment_id").to_pylist(),
+                        batch.column("entry_id").to_pylist(),
+                        batch.column("batch_index").to_pylist(), strict=True))
+        with self._doubt_lock:
+            self._in_doubt[partition].update(dict.fromkeys(keys, time.monotonic()))
         with_reconnect(lambda: self._client.action("ack", body), what=f"ack of {self.name}")
+        settled = int(batch.schema.metadata[_EPOCH]) == epoch == self._epoch[partition] \
+            and not self._attaching[partition]
+        if settled:
+            with self._doubt_lock:
+                doubt = self._in_doubt[partition]
+                for k in keys:
+                    doubt.pop(k, None)
 
     def ack_cumulative(self, batch_or_position: pa.RecordBatch | Position) -> None:
         """Acknowledge every message up to and including the last of ``batch`` (or

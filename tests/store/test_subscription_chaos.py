@@ -1,0 +1,16 @@
+"""The suite's short subscription chaos run; ``make chaos`` runs the long one
+(``tests/store/subscription_chaos.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from .subscription_chaos import run
+
+
+@pytest.mark.parametrize("mode", ["key_shared", "shared"])
+def test_consumers_that_join_leave_and_crash_beside_a_broker_kill_lose_and_repeat_nothing(
+        tmp_path, free_port, mode: str) -> None:
+    outcome = run(tmp_path, free_port, mode=mode, messages=100_000, rounds=1)
+    assert outcome.ok, str(outcome)
+    assert outcome.broker_kills == 1 and outcome.worker_kills == 1 and outcome.closes >= 1
