@@ -440,3 +440,40 @@ def test_an_abandoned_subscription_can_be_deleted_but_not_while_attached(
         # a consumer of that name starts afresh at its initial position
         with Consumer(TOPIC, "old-job", broker=url, initial=Offset.latest()) as again:
             assert again.receive(timeout=scaled(0.5)) is None
+
+
+def test_the_cli_consumes_through_a_subscription_and_acknowledges_what_it_printed(
+        broker: BrokerProcess) -> None:
+    import json
+    import subprocess
+    import sys
+
+    url = broker.url
+    _produce(url, 300, partitions=2)
+
+    def consume(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "tierstream", "consume", TOPIC,
+                               "--broker", url, "--idle", f"{scaled(2)}s", *args],
+                              capture_output=True, text=True, timeout=scaled(120))
+
+    first = consume("-s", "cli", "--type", "key_shared", "--limit", "100")
+    assert first.returncode == 0, first.stderr
+    rows = [json.loads(line) for line in first.stdout.splitlines()]
+    assert len(rows) == 100 and {r["redelivery_count"] for r in rows} == {0}
+    rest = consume("-s", "cli", "--type", "key_shared")
+    assert rest.returncode == 0, rest.stderr
+    rows += [json.loads(line) for line in rest.stdout.splitlines()]
+    assert sorted(r["value"] for r in rows) == sorted(f"v{i}" for i in range(300))
+    assert _backlog(url, "cli") == 0
+    for args, needle in [
+            (["-s", "cli", "--type", "shared"],
+             "subscription 'cli' on 'acme/web/orders' is key_shared; a shared consumer "
+             "cannot join it"),
+            (["-s", "x", "--type", "fanout"], "invalid --type 'fanout'"),
+            (["-s", "x", "--type", "shared", "--key-range", "0:100"],
+             "--key-range is for --type key_shared, not shared"),
+            (["-s", "x", "--to", "latest"], "--to reads the log directly"),
+            (["--type", "shared"], "--type and --consumer-name are for a subscription")]:
+        proc = consume(*args)
+        assert proc.returncode != 0 and needle in proc.stderr, (args, proc.stderr)
+        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

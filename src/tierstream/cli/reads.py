@@ -44,6 +44,7 @@ from tierstream.event_time import check_time_field, event_time_window, within_ev
 from tierstream.options import DEFAULT_BROKER_URL, DEFAULT_DATA_DIR
 from tierstream.schemas.codec import decode_batch, decoded_schema
 from tierstream.splits.positions import KeyRange, Offset, OffsetKind
+from tierstream.timeutil import parse_duration_ms
 
 
 @app.command()
@@ -62,6 +63,17 @@ def consume(
     value_format: ValueFormatOpt = "raw",
     mode: ModeOpt = "FAILFAST",
     time_field: TimeFieldOpt = "publish_time",
+    subscription: Annotated[str | None, typer.Option(
+        "--subscription", "-s", help="Consume through this durable subscription: each printed "
+        "batch is acknowledged; --from is where a new subscription starts.")] = None,
+    type_: Annotated[str | None, typer.Option(
+        "--type", help="Subscription type: exclusive (default), failover, shared or "
+                       "key_shared.")] = None,
+    consumer_name: Annotated[str | None, typer.Option(
+        help="This consumer's name in the subscription (default: random).")] = None,
+    idle: Annotated[str, typer.Option(
+        help="With --subscription and no --follow: stop once nothing arrived for this "
+             "long.")] = "2s",
     broker: BrokerOpt = DEFAULT_BROKER_URL,
     tls_ca: TlsCaOpt = None,
     auth_token: TokenOpt = None,
@@ -69,11 +81,33 @@ def consume(
     """Print messages as JSON lines (value as UTF-8, or value_b64 when it is not text; with
     --value-format auto, the value decoded by the topic's schema).
 
-    Example: tierstream consume acme/web/clicks --from 2026-11-01T00:00:00Z --limit 10
+    With --subscription, read as a consumer of that subscription (Pulsar's types: several
+    `--type shared` or `--type key_shared` processes split the messages), acknowledging what
+    is printed; each line also carries its redelivery_count.
+
+    Examples: tierstream consume acme/web/clicks --from 2026-11-01T00:00:00Z --limit 10;
+    tierstream consume acme/web/orders -s billing --type key_shared --follow
     """
     from tierstream.client import read
 
     start = Offset.parse(from_, what="--from")
+    if subscription is not None or type_ is not None or consumer_name is not None:
+        if subscription is None:
+            raise ConfigError("--type and --consumer-name are for a subscription: give "
+                              "--subscription NAME")
+        for given, flag in ((to, "--to"), (partition, "--partition")):
+            if given is not None:
+                raise ConfigError(f"{flag} reads the log directly; a subscription "
+                                  "(--subscription) reads every partition from where it is")
+        if check_time_field(time_field, "--time-field") != "publish_time":
+            raise ConfigError("--time-field event_time needs a bounded read, not a "
+                              "subscription")
+        _consume_subscription(topic, subscription, type_ or "exclusive", consumer_name,
+                              start, key_range or [], follow, limit,
+                              parse_duration_ms(idle, what="--idle") / 1000,
+                              _decoder(topic, value_format, mode, broker, auth_token),
+                              mode.upper(), broker, auth_token)
+        return
     if follow and to is not None:
         raise ConfigError("--follow and --to exclude each other: --follow reads without end")
     end = None if follow else Offset.parse(to or "latest", what="--to")
@@ -114,6 +148,47 @@ def consume(
         if dropped[0]:
             err.print(f"dropped {dropped[0]:,} message(s) whose value could not be decoded "
                       "(--mode DROPMALFORMED)", highlight=False)
+
+
+def _consume_subscription(topic: str, subscription: str, kind: str, consumer_name: str | None,
+                          initial: Offset, key_range: list[str], follow: bool,
+                          limit: int | None, idle_s: float, decoder: Any, mode: str,
+                          broker: str, auth_token: str | None) -> None:
+    """``consume --subscription``: print and acknowledge batch by batch (at least once: a
+    batch is acknowledged after it is printed)."""
+    from tierstream.client import Consumer
+    from tierstream.subscription_type import SubscriptionType
+
+    kind = SubscriptionType.parse(kind, "--type")
+    if key_range and kind != SubscriptionType.KEY_SHARED:
+        raise ConfigError(f"--key-range is for --type key_shared, not {kind}")
+    if limit is not None and limit < 0:
+        raise ConfigError(f"invalid --limit {limit}: expected >= 0")
+    if initial.kind is OffsetKind.POSITION:
+        raise ConfigError("--from with a subscription: earliest, latest or a time (a "
+                          "position names one partition)")
+    printed, dropped = 0, [0]
+    with Consumer(topic, subscription, mode=kind, consumer_name=consumer_name,
+                  key_ranges=[KeyRange.parse(r) for r in key_range] or None, initial=initial,
+                  broker=broker, auth_token=auth_token) as consumer:
+        try:
+            while limit is None or printed < limit:
+                raw = consumer.receive(timeout=None if follow else idle_s)
+                if raw is None:
+                    return
+                if limit is not None:
+                    raw = raw.slice(0, limit - printed)  # the rest goes to the others
+                batch = raw if decoder is None else decode_batch(raw, decoder, mode, topic,
+                                                                 dropped)
+                for row in _rows(batch, topic):
+                    sys.stdout.write(json.dumps(row) + "\n")
+                    printed += 1
+                sys.stdout.flush()
+                consumer.ack(raw)
+        finally:
+            if dropped[0]:
+                err.print(f"dropped {dropped[0]:,} message(s) whose value could not be "
+                          "decoded (--mode DROPMALFORMED)", highlight=False)
 
 
 def _decoder(topic: str, value_format: str, mode: str, broker: str, auth_token: str | None
