@@ -111,7 +111,7 @@ def test_an_ack_of_a_slice_acknowledges_just_its_rows_even_across_a_broker_kill(
     _produce(broker.url, 30, batch_size=10)
     with Consumer(TOPIC, "audit", broker=broker.url, initial=Offset.earliest()) as c:
         batch = c.receive(timeout=scaled(10))
-        assert batch is not None and batch.num_rows == 10
+        assert batch is not None and batch.num_rows >= 5  # one entry, or several at once
         c.ack(batch.slice(2, 3))
         assert _backlog(broker.url, "audit") == 27
         with Admin(broker.url) as admin:
@@ -126,6 +126,31 @@ def test_an_ack_of_a_slice_acknowledges_just_its_rows_even_across_a_broker_kill(
     assert rest.column("value").to_pylist() == [
         f"v{i}".encode() for i in range(30) if i not in (2, 3, 4)]
     assert set(rest.column("redelivery_count").to_pylist()) == {0}
+
+
+def test_every_other_message_acknowledged_stays_acknowledged_across_a_broker_kill(
+        start_broker) -> None:
+    """Key_Shared consumers acknowledge interleaved messages: a hole every other message, kept
+    as one bitmap per entry (not a range per message) and read back as ranges."""
+    broker = start_broker()
+    _produce(broker.url, 400, batch_size=100)
+    with Consumer(TOPIC, "audit", broker=broker.url, initial=Offset.earliest()) as c:
+        got = pa.Table.from_batches(_drain(c, 400, timeout=scaled(10)))
+        assert got.num_rows == 400
+        for batch in got.to_batches():
+            c.ack(batch.filter(pa.array([i % 2 == 0 for i in range(batch.num_rows)])))
+        assert _backlog(broker.url, "audit") == 200
+    broker.kill()
+    restarted = start_broker()
+    with Admin(restarted.url) as admin:
+        row = admin.subscriptions(TOPIC)[0]
+    assert row["backlog"] == 200 and row["acked_ranges"] >= 199
+    with Consumer(TOPIC, "audit", broker=restarted.url) as c:
+        rest = pa.Table.from_batches(_drain(c, 200, timeout=scaled(2)))
+    even = {v for b in got.to_batches()
+            for i, v in enumerate(b.column("value").to_pylist()) if i % 2 == 0}
+    assert sorted(rest.column("value").to_pylist()) == sorted(
+        set(got.column("value").to_pylist()) - even)
 
 
 def test_batches_of_a_lost_connection_are_dropped_as_soon_as_it_is_lost(

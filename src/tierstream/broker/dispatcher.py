@@ -38,6 +38,7 @@ from tierstream.broker.read_window import (
     WAITING,
     Chunk,
     ReadWindow,
+    following,
 )
 from tierstream.broker.selectors import active_for_partition, slot_owners
 from tierstream.errors import ConfigError, ConflictError, TierstreamError
@@ -82,6 +83,7 @@ class Dispatcher:
         self.consumers: dict[int, Attached] = {}
         self._next_idx = 0
         self._waiting: list[Chunk] = []   # chunks with waiting messages, in log order
+        self._outgoing: dict[int, list[pa.RecordBatch]] = {}  # batches of one dispatch pass
         self._waiting_total = 0
         self._owners: np.ndarray | None = None   # key_shared: slot -> consumer idx
         self._held_slot: np.ndarray | None = None  # key_shared: held messages per slot
@@ -212,6 +214,12 @@ class Dispatcher:
             self._dispatch_key_shared()
         elif self.type in SubscriptionType.CUMULATIVE:
             self._dispatch_in_order()
+        # one batch per consumer and pass: a consumer's keys are spread over many chunks, and
+        # each batch costs it an ack call
+        for idx, parts in self._outgoing.items():
+            self.consumers[idx].outbox.put(parts[0] if len(parts) == 1 else
+                                           pa.concat_batches(parts))
+        self._outgoing.clear()
         for chunk in self._waiting:
             chunk.queued = chunk.waiting > 0
         self._waiting = [c for c in self._waiting if c.queued]
@@ -295,7 +303,7 @@ class Dispatcher:
         c.permits -= n
         c.delivered += n
         c.redelivered += int(np.count_nonzero(chunk.redeliveries[rows]))
-        c.outbox.put(chunk.take(rows))
+        self._outgoing.setdefault(c.idx, []).append(chunk.take(rows))
 
     def _set(self, chunk: Chunk, rows: np.ndarray, state: int) -> None:
         """Move ``rows`` of ``chunk`` to ``state``, keeping the waiting list and counts."""
@@ -337,7 +345,7 @@ class Dispatcher:
                 self._ack_rows(chunk, np.unique(rows), name)
             for pos in missing:
                 if pos >= self.window.read_pos:
-                    self.window.ack_ahead(pos, _after(pos))
+                    self.window.ack_ahead(pos, following(pos))
             return self._acked()
 
     def ack_cumulative(self, name: str, position: Position) -> int:
@@ -347,7 +355,7 @@ class Dispatcher:
                 raise ConfigError(
                     f"ack_cumulative is for exclusive and failover subscriptions; "
                     f"{self.subscription!r} is {self.type}: acknowledge each batch with ack()")
-            self._ack_through(_after(position), name)
+            self._ack_through(following(position), name)
             return self._acked()
 
     def set_position(self, position: Position) -> int:
@@ -452,14 +460,8 @@ class Dispatcher:
     def dead_lettered(self, intent: DeadLetterIntent) -> None:
         """``intent``'s messages are stored on the dead-letter topic: acknowledge them."""
         with self._lock:
-            by_entry: dict[tuple[int, int], list[int]] = {}
-            for p in intent.positions:
-                by_entry.setdefault((p.segment_id, p.entry_id), []).append(p.batch_index)
-            for (s, e), indexes in by_entry.items():
-                chunk = self.window.by_entry.get((s, e))
-                if chunk is not None and chunk.open:
-                    rows = np.array(indexes) - chunk.bi0
-                    self._set(chunk, rows[chunk.state[rows] == DEAD], ACKED)
+            for chunk, rows in self.window.locate(*intent.arrays())[0]:
+                self._set(chunk, rows[chunk.state[rows] == DEAD], ACKED)
             self._intents = [i for i in self._intents if i.sequence_id != intent.sequence_id]
             self._acked()
 
@@ -467,9 +469,10 @@ class Dispatcher:
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            return CursorState(self.partition, self.window.mark_delete(),
-                               self.window.acked_ranges(), self.type, list(self._intents),
-                               self._dead_letter_sequence).to_json()
+            ranges, entries = self.window.acked_state()
+            return CursorState(self.partition, self.window.mark_delete(), ranges, self.type,
+                               list(self._intents), self._dead_letter_sequence,
+                               entries).to_json()
 
     def unacknowledged(self) -> int:
         """Messages read and not acknowledged (the backlog before the read position)."""
@@ -493,7 +496,3 @@ class Dispatcher:
                 c.outbox.put(None)
             self._cond.notify_all()
         self._reader.join(timeout=5)
-
-
-def _after(pos: Position) -> Position:
-    return Position.known(pos.partition, pos.segment_id, pos.entry_id, pos.batch_index + 1)

@@ -18,11 +18,12 @@ from collections.abc import Iterator
 import numpy as np
 import pyarrow as pa
 
-from tierstream.broker.cursor_state import MAX_ACKED_RANGES
+from tierstream.broker.cursor_state import MAX_ACKED_RANGES, AckedEntry
 from tierstream.message_format import CONSUMER_SCHEMA
 from tierstream.splits.positions import Position
 
-__all__ = ["ACKED", "DEAD", "DELAYED", "DELIVERED", "WAITING", "Chunk", "ReadWindow"]
+__all__ = ["ACKED", "DEAD", "DELAYED", "DELIVERED", "WAITING", "Chunk", "ReadWindow",
+           "following"]
 
 WAITING, DELIVERED, DELAYED, ACKED, DEAD = 0, 1, 2, 3, 4
 _NOTHING = np.zeros(0, dtype=np.int32)
@@ -192,30 +193,33 @@ class ReadWindow:
             return self.ahead[0][1]
         return self.read_pos
 
-    def acked_ranges(self) -> list[tuple[Position, Position]]:
-        """The acknowledged ranges after :meth:`mark_delete` (at most MAX_ACKED_RANGES + 1)."""
+    def acked_state(self) -> tuple[list[tuple[Position, Position]], list[AckedEntry]]:
+        """What is acknowledged after :meth:`mark_delete`, compactly: ranges over runs of fully
+        acknowledged chunks (and the ranges acknowledged ahead of the read position), and a
+        bitmap per partly acknowledged chunk, together at most ``MAX_ACKED_RANGES + 1`` items.
+
+        Key_Shared consumers acknowledge interleaved messages, which leaves a hole every few
+        messages: as ranges, a snapshot would make thousands of positions per chunk, which is
+        what made group commits the bottleneck; a chunk's bitmap is one item of ``n / 8`` bytes.
+        """
         ranges: list[tuple[Position, Position]] = []
-        start: Position | None = None  # the open run of acknowledged messages
+        entries: list[AckedEntry] = []
+        start: Position | None = None  # the open run of fully acknowledged chunks
         seen_open = False
         for chunk in self.chunks:
             if chunk.open == 0:
                 if seen_open and start is None:
                     start = chunk.position(0)
                 continue
-            acked = chunk.state == ACKED
-            edges = np.flatnonzero(np.diff(acked.astype(np.int8)))
-            bounds = [0, *(edges + 1).tolist(), chunk.n]
-            for a in bounds[:-1]:
-                if acked[a]:
-                    if seen_open and start is None:
-                        start = chunk.position(a)
-                else:
-                    if start is not None:
-                        ranges.append((start, chunk.position(a)))
-                        start = None
-                    seen_open = True
-            if len(ranges) > MAX_ACKED_RANGES:
-                return ranges
+            if start is not None:
+                ranges.append((start, chunk.position(0)))
+                start = None
+            seen_open = True
+            if chunk.open < chunk.n:
+                entries.append((chunk.segment_id, chunk.entry_id, chunk.bi0, chunk.n,
+                                np.packbits(chunk.state == ACKED).tobytes()))
+            if len(ranges) + len(entries) > MAX_ACKED_RANGES:
+                return ranges, entries
         if start is not None:
             ranges.append((start, self.read_pos))
         if seen_open:
@@ -226,7 +230,12 @@ class ReadWindow:
                     ranges.append((lo, hi))
         else:
             ranges = [r for r in self.ahead if r[0] > self.mark_delete()]
-        return ranges
+        return ranges, entries
 
     def unacknowledged(self) -> int:
         return sum(c.open for c in self.chunks)
+
+
+def following(pos: Position) -> Position:
+    """The position right after ``pos`` in its entry."""
+    return Position.known(pos.partition, pos.segment_id, pos.entry_id, pos.batch_index + 1)

@@ -258,21 +258,21 @@ class Broker(flight.FlightServerBase):
                 "dead_letters": self.subscriptions.dead_letters.written}
 
     def _ack(self, body: dict[str, Any]) -> Any:
-        topic = str(self.store.topic(body["topic"]).name)
+        topic = _topic(body)
         segment, entry, index = decode_positions(body)
         self.subscriptions.ack(topic, str(body["subscription"]), int(body["partition"]),
                                str(body.get("consumer") or ""), segment, entry, index)
         return {"ok": True}
 
     def _ack_cumulative(self, body: dict[str, Any]) -> Any:
-        topic = str(self.store.topic(body["topic"]).name)
+        topic = _topic(body)
         self.subscriptions.ack_cumulative(topic, str(body["subscription"]),
                                           str(body.get("consumer") or ""),
                                           Position.from_dict(body["position"]))
         return {"ok": True}
 
     def _nack(self, body: dict[str, Any]) -> Any:
-        topic = str(self.store.topic(body["topic"]).name)
+        topic = _topic(body)
         segment, entry, index = decode_positions(body)
         self.subscriptions.nack(topic, str(body["subscription"]), int(body["partition"]),
                                 str(body["consumer"]), segment, entry, index,
@@ -280,13 +280,13 @@ class Broker(flight.FlightServerBase):
         return {"ok": True}
 
     def _flow(self, body: dict[str, Any]) -> Any:
-        topic = str(self.store.topic(body["topic"]).name)
+        topic = _topic(body)
         self.subscriptions.flow(topic, str(body["subscription"]), int(body["partition"]),
                                 str(body["consumer"]), int(body["permits"]))
         return {"ok": True}
 
     def _close_consumer(self, body: dict[str, Any]) -> Any:
-        topic = str(self.store.topic(body["topic"]).name)
+        topic = _topic(body)
         self.subscriptions.close_consumer(topic, str(body["subscription"]),
                                           int(body["partition"]), str(body["consumer"]))
         return {"ok": True}
@@ -470,6 +470,13 @@ def _stream(batches: Iterator[pa.RecordBatch], schema: pa.Schema = MESSAGE_SCHEM
     # of what GeneratorStream does per batch (bench: python -m bench consume).
     reader = pa.RecordBatchReader.from_batches(schema, _carry_errors(batches))
     return flight.RecordBatchStream(reader)
+
+
+def _topic(body: dict[str, Any]) -> str:
+    """The topic of a consumer's action, read without the metadata store: acks and flows are
+    the hot path, and the metadata lock is held through each cursor write's fsync. An unknown
+    topic has no dispatcher, and loading one looks the topic up."""
+    return str(TopicName.parse(body["topic"]))
 
 
 def _carry_errors(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
