@@ -59,7 +59,7 @@ class Outcome:
     after_ack: list[str] = field(default_factory=list)
     out_of_order: list[str] = field(default_factory=list)
     backlog: int = -1
-    spread: float = 0.0  # the most keys a final consumer has, over an even share
+    spread: float | None = None  # key_shared: the most keys a final consumer has, over even
     worker_kills: int = 0
     closes: int = 0
     joins: int = 0
@@ -73,15 +73,15 @@ class Outcome:
     @property
     def ok(self) -> bool:
         return (self.missing == 0 and not self.after_ack and not self.out_of_order
-                and self.backlog == 0 and self.spread <= 1.5)
+                and self.backlog == 0 and (self.spread is None or self.spread <= 1.5))
 
     def __str__(self) -> str:
         return (f"{self.mode}: {self.messages:,} messages, {self.received:,} received "
                 f"({self.redelivered:,} redelivered), missing {self.missing}, received after "
                 f"their ack {len(self.after_ack)}, out of key order {len(self.out_of_order)}, "
-                f"backlog {self.backlog}, {self.in_doubt} in-doubt acks crossed by a redelivery, "
-                f"key spread {self.spread:.2f}x even; "
-                f"{self.joins} joins, {self.closes} closes, {self.worker_kills} consumer "
+                f"backlog {self.backlog}, {self.in_doubt} in-doubt acks crossed by a redelivery"
+                + (f", key spread {self.spread:.2f}x even" if self.spread is not None else "")
+                + f"; {self.joins} joins, {self.closes} closes, {self.worker_kills} consumer "
                 f"kills, {self.broker_kills} broker kills, {self.seconds:.1f}s "
                 f"({self.drain_seconds:.1f}s draining after the producer)"
                 + (f"; broker outages {[(round(a, 3), round(b, 3)) for a, b in self.outages]}"
