@@ -16,6 +16,7 @@ from bench import (
     sink_bench,
     spark_bench,
     store_bench,
+    subscription_bench,
     tier_bench,
 )
 
@@ -25,6 +26,9 @@ BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
     "tail": (store_bench.tail, "produce -> consume latency percentiles at 10,000 msg/s"),
     "consume": (store_bench.consume, "consume throughput through the broker beside the Flight "
                                      "transport serving the same batches from memory"),
+    "subscriptions": (subscription_bench.subscriptions, "4 shared / 4 key_shared consumers "
+                      "beside 1 exclusive (msg/s, acks/s); a key_shared join: first message, "
+                      "the others' longest pause"),
     "plan": (framework_bench.plan, "planning a one-hour window, binary search vs a linear scan, "
                                    "and time vs segments per partition"),
     "readers": (framework_bench.readers, "bookie-log and parquet-tier readers beside pyarrow "

@@ -46,3 +46,29 @@ def test_the_transaction_example_runs(broker) -> None:
                           timeout=scaled(120), env={**os.environ, "TIERSTREAM_BROKER": broker.url})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("ok")
+
+
+def test_the_subscriptions_example_runs(broker) -> None:
+    code = _python_block("## Subscriptions")
+    script = (  # the block consumes what is there; it ends once nothing came for a second
+        "from tierstream import Offset\n"
+        "from tierstream.client import Admin, Producer\n"
+        "with Admin() as admin:\n"
+        "    admin.create_topic('acme/web/orders', 2)\n"
+        "with Producer('acme/web/orders') as p:\n"
+        "    p.send_many({'key': f'k{i % 10}', 'value': b'o'} for i in range(500))\n"
+        "from tierstream.client import Consumer\n"
+        "Consumer('acme/web/orders', 'billing', mode='key_shared',\n"  # the subscription
+        "         initial=Offset.earliest()).close()\n"  # exists: the block resumes it
+        "handled = []\n"
+        "def handle(batch):\n"
+        "    handled.extend(batch.column('value').to_pylist())\n"
+        + code +
+        "\nassert len(handled) == 500, len(handled)\n"
+        "with Admin() as admin:\n"
+        "    assert sum(r['backlog'] for r in admin.subscriptions('acme/web/orders')) == 0\n"
+        "print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=scaled(120), env={**os.environ, "TIERSTREAM_BROKER": broker.url})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("ok")
