@@ -27,10 +27,7 @@ def test_the_python_api_example_runs(broker) -> None:
     code = code.replace("        ...                                             # one partition",
                         "        received.append(batch.num_rows)  # one partition")
     script = "received = []\n" + code + "\nassert sum(received) > 0, received\nprint('ok')\n"
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=scaled(120), env={**os.environ, "TIERSTREAM_BROKER": broker.url})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().endswith("ok")
+    _runs_ok(script, broker.url)
 
 
 def test_the_transaction_example_runs(broker) -> None:
@@ -42,10 +39,7 @@ def test_the_transaction_example_runs(broker) -> None:
         "\nn = {t: sum(b.num_rows for b in read(t, end=Offset.latest()))\n"
         "     for t in ('acme/web/orders', 'acme/web/audit')}\n"
         "assert n == {'acme/web/orders': 1001, 'acme/web/audit': 1}, n\nprint('ok')\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=scaled(120), env={**os.environ, "TIERSTREAM_BROKER": broker.url})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().endswith("ok")
+    _runs_ok(script, broker.url)
 
 
 def test_the_subscriptions_example_runs(broker) -> None:
@@ -68,7 +62,12 @@ def test_the_subscriptions_example_runs(broker) -> None:
         "with Admin() as admin:\n"
         "    assert sum(r['backlog'] for r in admin.subscriptions('acme/web/orders')) == 0\n"
         "print('ok')\n")
+    _runs_ok(script, broker.url)
+
+
+def _runs_ok(script: str, url: str) -> None:
+    """Run ``script`` as a new user would, against the broker at ``url``; it prints ok."""
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=scaled(120), env={**os.environ, "TIERSTREAM_BROKER": broker.url})
+                          timeout=scaled(120), env={**os.environ, "TIERSTREAM_BROKER": url})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("ok")
