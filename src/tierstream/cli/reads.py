@@ -79,14 +79,14 @@ def consume(
     auth_token: TokenOpt = None,
 ) -> None:
     """Print messages as JSON lines (value as UTF-8, or value_b64 when it is not text; with
-    --value-format auto, the value decoded by the topic's schema).
+    --value-format auto, the value decoded by the topic's schema). With --subscription, read
+    as a consumer of that subscription (Pulsar's types: several shared or key_shared consumers
+    split the messages), acknowledging what is printed; each line also carries its
+    redelivery_count.
 
-    With --subscription, read as a consumer of that subscription (Pulsar's types: several
-    `--type shared` or `--type key_shared` processes split the messages), acknowledging what
-    is printed; each line also carries its redelivery_count.
+    Example: tierstream consume acme/web/clicks --from 2026-11-01T00:00:00Z --limit 10
 
-    Examples: tierstream consume acme/web/clicks --from 2026-11-01T00:00:00Z --limit 10;
-    tierstream consume acme/web/orders -s billing --type key_shared --follow
+    Example: tierstream consume acme/web/orders -s billing --type key_shared --follow
     """
     from tierstream.client import read
 
