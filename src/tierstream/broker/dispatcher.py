@@ -6,13 +6,9 @@ consumers, in log order, each up to its permits (its receiver queue). What a con
 unacknowledged goes back to waiting when it leaves, when its ack timeout passes, or when it
 nacks (after the nack delay), with its redelivery count raised.
 
-Key order (``key_shared``, PIP-379): every hash slot's delivered-but-unacknowledged messages are
-held by one consumer. A message whose slot is held by another consumer than its owner waits
-until those are acknowledged (or come back to waiting, which puts them ahead of it); a message
-that cannot be sent blocks the later messages of its slot for the rest of the pass. So only the
-moved slots wait, and a stalled consumer stops only its own. ``failover`` and ``exclusive``
-keep the partition's order: a new active consumer starts once the previous one's messages are
-acknowledged or returned.
+Key order (``key_shared``, PIP-379) is kept by :class:`~tierstream.broker.key_holds.KeyHolds`.
+``failover`` and ``exclusive`` keep the partition's order: a new active consumer starts once
+the previous one's messages are acknowledged or returned.
 """
 
 from __future__ import annotations
@@ -27,9 +23,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from tierstream.broker.attached import Attached, ConsumerSettings, check_join, ranges_of
+from tierstream.broker.attached import Attached, ConsumerSettings, check_join
 from tierstream.broker.cursor_state import CursorState, DeadLetterIntent
 from tierstream.broker.dead_letters import IntentRecovery
+from tierstream.broker.key_holds import KeyHolds
 from tierstream.broker.read_window import (
     ACKED,
     DEAD,
@@ -40,9 +37,8 @@ from tierstream.broker.read_window import (
     ReadWindow,
     following,
 )
-from tierstream.broker.selectors import active_for_partition, slot_owners
+from tierstream.broker.selectors import active_for_partition
 from tierstream.errors import ConfigError, ConflictError, TierstreamError
-from tierstream.message_format import KEY_HASH_SLOTS
 from tierstream.splits.positions import Position
 from tierstream.subscription_type import SubscriptionType
 
@@ -85,9 +81,7 @@ class Dispatcher:
         self._waiting: list[Chunk] = []   # chunks with waiting messages, in log order
         self._outgoing: dict[int, list[pa.RecordBatch]] = {}  # batches of one dispatch pass
         self._waiting_total = 0
-        self._owners: np.ndarray | None = None   # key_shared: slot -> consumer idx
-        self._held_slot: np.ndarray | None = None  # key_shared: held messages per slot
-        self._holder: np.ndarray | None = None     # key_shared: consumer holding the slot
+        self._keys: KeyHolds | None = None  # key_shared: owners and holders of the slots
         self._active: int | None = None            # failover/exclusive: the active idx
         self._intents = list(state.dead_letters)
         self._intents_sent: set[int] = set()
@@ -124,9 +118,8 @@ class Dispatcher:
             attached = Attached(self._next_idx, settings, gone)
             self._next_idx += 1
             self.consumers[attached.idx] = attached
-            if self.type == SubscriptionType.KEY_SHARED and self._held_slot is None:
-                self._held_slot = np.zeros(KEY_HASH_SLOTS, dtype=np.int32)
-                self._holder = np.full(KEY_HASH_SLOTS, -1, dtype=np.int32)
+            if self.type == SubscriptionType.KEY_SHARED and self._keys is None:
+                self._keys = KeyHolds()
             self._select()
             self._dispatch()
             self._cond.notify_all()
@@ -153,14 +146,10 @@ class Dispatcher:
 
     def _select(self) -> None:
         live = list(self.consumers.values())
-        self._owners, self._active = None, None
-        if not live:
-            return
-        if self.type == SubscriptionType.KEY_SHARED:
-            ids = np.array([c.idx for c in live], dtype=np.int32)
-            owners = slot_owners([c.name for c in live], [c.settings.sticky for c in live])
-            self._owners = np.where(owners >= 0, ids[np.maximum(owners, 0)], -1)
-        elif self.type in SubscriptionType.CUMULATIVE:
+        self._active = None
+        if self._keys is not None:
+            self._keys.assign(live)
+        elif live and self.type in SubscriptionType.CUMULATIVE:
             self._active = live[active_for_partition([c.name for c in live],
                                                      self.partition)].idx
 
@@ -210,8 +199,8 @@ class Dispatcher:
             return
         if self.type == SubscriptionType.SHARED:
             self._dispatch_shared()
-        elif self.type == SubscriptionType.KEY_SHARED:
-            self._dispatch_key_shared()
+        elif self._keys is not None:
+            self._keys.dispatch(self._waiting, self.consumers, self._deliver)
         elif self.type in SubscriptionType.CUMULATIVE:
             self._dispatch_in_order()
         # one batch per consumer and pass: a consumer's keys are spread over many chunks, and
@@ -253,33 +242,6 @@ class Dispatcher:
                 self._deliver(chunk, take, c)
                 rows = rows[len(take):]
 
-    def _dispatch_key_shared(self) -> None:
-        owners, holder = self._owners, self._holder
-        assert owners is not None and holder is not None
-        blocked: np.ndarray | None = None
-        for chunk in self._waiting:
-            rows = np.flatnonzero(chunk.state == WAITING)
-            slots = chunk.slots[rows]
-            target = owners[slots]
-            held_by = holder[slots]
-            ok = (target >= 0) & ((held_by < 0) | (held_by == target))
-            if blocked is not None:
-                ok &= ~blocked[slots]
-            for t in np.unique(target[ok]).tolist():
-                c = self.consumers[t]
-                idx = np.flatnonzero(ok & (target == t))
-                if len(idx) > c.permits:
-                    ok[idx[c.permits:]] = False
-                    idx = idx[:c.permits]
-                if len(idx):
-                    self._deliver(chunk, rows[idx], c)
-            if not ok.all():
-                if blocked is None:
-                    blocked = np.zeros(KEY_HASH_SLOTS, dtype=bool)
-                blocked[slots[~ok]] = True
-            if not any(c.permits > 0 for c in self.consumers.values()):
-                return
-
     def _deliver(self, chunk: Chunk, rows: np.ndarray, c: Attached) -> None:
         if not len(rows):
             return
@@ -294,10 +256,8 @@ class Dispatcher:
         self._set(chunk, rows, DELIVERED)
         chunk.owner[rows] = c.idx
         chunk.until[rows] = time.monotonic()
-        if self._holder is not None and self._held_slot is not None:
-            slots = chunk.slots[rows]
-            np.add.at(self._held_slot, slots, 1)
-            self._holder[slots] = c.idx
+        if self._keys is not None:
+            self._keys.hold(chunk.slots[rows], c.idx)
         n = len(rows)
         c.held += n
         c.permits -= n
@@ -321,11 +281,8 @@ class Dispatcher:
             c = self.consumers.get(idx)
             if c is not None:
                 c.held -= n
-        if self._held_slot is not None and self._holder is not None:
-            slots = chunk.slots[rows]
-            np.subtract.at(self._held_slot, slots, 1)
-            free = slots[self._held_slot[slots] <= 0]
-            self._holder[free] = -1
+        if self._keys is not None:
+            self._keys.release(chunk.slots[rows])
         chunk.owner[rows] = -1
 
     def _return(self, chunk: Chunk, rows: np.ndarray) -> None:
@@ -483,8 +440,8 @@ class Dispatcher:
         """Each consumer's share: its key ranges (key_shared), whether it is the active one
         (failover, exclusive) or ``any`` (shared), and its counts."""
         with self._lock:
-            return [c.stats(self.partition, ranges_of(self._owners == c.idx)
-                            if self._owners is not None else
+            return [c.stats(self.partition, self._keys.ranges(c.idx)
+                            if self._keys is not None else
                             ("active" if c.idx == self._active else "standby")
                             if self.type in SubscriptionType.CUMULATIVE else "any")
                     for c in self.consumers.values()]
