@@ -4,6 +4,7 @@ key_shared; individual and cumulative acks, nacks, ack timeout, dead letters."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import queue
 import threading
@@ -117,6 +118,10 @@ class Consumer:
             # again: dropped from later batches (position -> when the ack started)
             self._in_doubt: dict[int, dict[tuple[int, int, int], float]] = {
                 p: {} for p in range(partitions)}
+            # acks under way (id -> batch): put in doubt only if a re-attach comes meanwhile
+            self._acking: dict[int, dict[int, pa.RecordBatch]] = {
+                p: {} for p in range(partitions)}
+            self._ack_ids = itertools.count()
             self._doubt_lock = threading.Lock()
             sub = {"name": subscription, "type": self.mode, "consumer": self.name,
                    "initial": (initial or Offset.latest()).to_dict(), "permits": self._permits,
@@ -160,6 +165,9 @@ class Consumer:
             try:
                 if reader is None:
                     self._attaching[partition] = True
+                    with self._doubt_lock:
+                        for acking in self._acking[partition].values():
+                            self._put_in_doubt(partition, acking)
                     try:
                         reader = self._readers[partition] = self._open(
                             self._tickets[partition])
@@ -266,21 +274,31 @@ class Consumer:
         body = {"topic": self.topic, "subscription": self.subscription,
                 "partition": partition, "consumer": self.name, **positions}
         # A re-attach during the ack (or since the batch came) may have the broker send these
-        # again before it applies the ack: such copies are dropped on receive.
+        # again before it applies the ack: such copies are dropped on receive. The re-attach
+        # puts the acks under way in doubt; an ack that ends unsettled puts itself there.
         epoch = self._epoch[partition]
-        keys = list(zip(batch.column("segment_id").to_pylist(),
-                        batch.column("entry_id").to_pylist(),
-                        batch.column("batch_index").to_pylist(), strict=True))
+        ack_id = next(self._ack_ids)
         with self._doubt_lock:
-            self._in_doubt[partition].update(dict.fromkeys(keys, time.monotonic()))
-        with_reconnect(lambda: self._client.action("ack", body), what=f"ack of {self.name}")
-        settled = int(batch.schema.metadata[_EPOCH]) == epoch == self._epoch[partition] \
-            and not self._attaching[partition]
-        if settled:
+            self._acking[partition][ack_id] = batch
+            if int(batch.schema.metadata[_EPOCH]) != epoch or self._attaching[partition]:
+                self._put_in_doubt(partition, batch)  # sent again already, or about to be
+        settled = False
+        try:
+            with_reconnect(lambda: self._client.action("ack", body),
+                           what=f"ack of {self.name}")
+            settled = int(batch.schema.metadata[_EPOCH]) == epoch == self._epoch[partition] \
+                and not self._attaching[partition]
+        finally:
             with self._doubt_lock:
-                doubt = self._in_doubt[partition]
-                for k in keys:
-                    doubt.pop(k, None)
+                self._acking[partition].pop(ack_id, None)
+                if not settled:
+                    self._put_in_doubt(partition, batch)
+
+    def _put_in_doubt(self, partition: int, batch: pa.RecordBatch) -> None:
+        """``batch``'s positions may come again from the broker: drop them then (lock held)."""
+        keys = zip(batch.column("segment_id").to_pylist(), batch.column("entry_id").to_pylist(),
+                   batch.column("batch_index").to_pylist(), strict=True)
+        self._in_doubt[partition].update(dict.fromkeys(keys, time.monotonic()))
 
     def ack_cumulative(self, batch_or_position: pa.RecordBatch | Position) -> None:
         """Acknowledge every message up to and including the last of ``batch`` (or
