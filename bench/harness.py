@@ -7,13 +7,14 @@ leaves a half-written result.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,24 @@ def fill_clicks(store: Any, topic: str, *, partitions: int, entries: int, per_en
                 "publish_time": [t0 + n * 10 for n in ns]})), producer=None, sequence_id=None)
     if seal:
         store.seal(topic)
+
+
+@contextlib.contextmanager
+def broker_with_topic(topic: str, partitions: int) -> Iterator[str]:
+    """A broker process on a temporary data directory, with ``topic`` created: its URL."""
+    from tierstream.broker.process import BrokerProcess
+    from tierstream.client import Admin
+
+    with tempfile.TemporaryDirectory() as tmp:
+        broker = BrokerProcess(Path(tmp) / "data").start()
+        try:
+            url = broker.url
+            assert url is not None
+            with Admin(url) as admin:
+                admin.create_topic(topic, partitions)
+            yield url
+        finally:
+            broker.stop()
 
 
 def timed(fn: Callable[[], Any]) -> float:

@@ -18,7 +18,15 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from bench.harness import Figure, console, repeat, report, save_chart, timed
+from bench.harness import (
+    Figure,
+    broker_with_topic,
+    console,
+    repeat,
+    report,
+    save_chart,
+    timed,
+)
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Producer, read
 from tierstream.message_format import as_produce_batch
@@ -95,23 +103,16 @@ def tail(quick: bool = True) -> Path:
     per_batch = 50  # 200 batches/s
     ping_ms: list[float] = []
     per_run: list[list[float]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        broker = BrokerProcess(Path(tmp) / "data").start()
-        try:
-            url = broker.url
-            assert url is not None
-            with Admin(url) as admin:
-                admin.create_topic("bench/tail/t", 1)
-                for _ in range(200):
-                    t0 = time.perf_counter()
-                    admin.ping()
-                    ping_ms.append((time.perf_counter() - t0) * 1000)
-            for run in range(runs + 1):  # the first run warms up
-                lat = _tail_run(url, rate, per_batch, seconds, offset=run * rate * seconds)
-                if run:
-                    per_run.append(sorted(lat))
-        finally:
-            broker.stop()
+    with broker_with_topic("bench/tail/t", 1) as url:
+        with Admin(url) as admin:
+            for _ in range(200):
+                t0 = time.perf_counter()
+                admin.ping()
+                ping_ms.append((time.perf_counter() - t0) * 1000)
+        for run in range(runs + 1):  # the first run warms up
+            lat = _tail_run(url, rate, per_batch, seconds, offset=run * rate * seconds)
+            if run:
+                per_run.append(sorted(lat))
 
     def pct(xs: list[float], q: float) -> float:
         return xs[min(len(xs) - 1, int(q * len(xs)))]

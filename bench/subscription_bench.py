@@ -16,7 +16,6 @@ import itertools
 import json
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -24,8 +23,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from bench.harness import Figure, console, report
-from tierstream.broker.process import BrokerProcess
+from bench.harness import Figure, broker_with_topic, console, report
 from tierstream.client import Admin, Consumer, Producer
 from tierstream.message_format import as_produce_batch
 from tierstream.splits.positions import Offset
@@ -148,38 +146,30 @@ def subscriptions(quick: bool = True) -> Path:
     messages = 400_000 if quick else 2_000_000
     runs = 3 if quick else 5
     joins = 5 if quick else 15
-    with tempfile.TemporaryDirectory() as tmp:
-        broker = BrokerProcess(Path(tmp) / "data").start()
-        try:
-            url = broker.url
-            assert url is not None
-            with Admin(url) as admin:
-                admin.create_topic(TOPIC, PARTITIONS)
-            with Producer(TOPIC, broker=url, max_in_flight=16) as producer:
-                for i in range(messages // 1000 // PARTITIONS):
-                    for p in range(PARTITIONS):
-                        producer._send(p, _batch(1000, 1000, seed=i * PARTITIONS + p))
-                producer.flush()
-            rates: dict[str, list[float]] = {"exclusive": [], "shared": [], "key_shared": []}
-            acks: list[float] = []
-            with Admin(url) as admin:
-                writes0 = admin.stats().get("cursor_writes", 0)
-            ack_calls = 0.0
-            busiest: list[float] = []  # key_shared: keys are not split evenly
-            for run in range(runs):  # interleaved, so drift hits each alike
-                for mode, n in (("exclusive", 1), ("shared", 4), ("key_shared", 4)):
-                    rate, ack_rate, most = _throughput(url, mode, n, messages, run)
-                    rates[mode].append(rate)
-                    if mode == "key_shared":
-                        busiest.append(most)
-                    if mode == "shared":
-                        acks.append(ack_rate)
-                    ack_calls += ack_rate * messages / rate
-            with Admin(url) as admin:
-                writes = admin.stats().get("cursor_writes", 0) - writes0
-            first_ms, pauses, quiet = _joins(url, joins)
-        finally:
-            broker.stop()
+    with broker_with_topic(TOPIC, PARTITIONS) as url:
+        with Producer(TOPIC, broker=url, max_in_flight=16) as producer:
+            for i in range(messages // 1000 // PARTITIONS):
+                for p in range(PARTITIONS):
+                    producer._send(p, _batch(1000, 1000, seed=i * PARTITIONS + p))
+            producer.flush()
+        rates: dict[str, list[float]] = {"exclusive": [], "shared": [], "key_shared": []}
+        acks: list[float] = []
+        with Admin(url) as admin:
+            writes0 = admin.stats().get("cursor_writes", 0)
+        ack_calls = 0.0
+        busiest: list[float] = []  # key_shared: keys are not split evenly
+        for run in range(runs):  # interleaved, so drift hits each alike
+            for mode, n in (("exclusive", 1), ("shared", 4), ("key_shared", 4)):
+                rate, ack_rate, most = _throughput(url, mode, n, messages, run)
+                rates[mode].append(rate)
+                if mode == "key_shared":
+                    busiest.append(most)
+                if mode == "shared":
+                    acks.append(ack_rate)
+                ack_calls += ack_rate * messages / rate
+        with Admin(url) as admin:
+            writes = admin.stats().get("cursor_writes", 0) - writes0
+        first_ms, pauses, quiet = _joins(url, joins)
     figures = [
         Figure("4 shared consumers", "msg/s", rates["shared"], "1 exclusive",
                rates["exclusive"], aim="ratio >= 0.8",
