@@ -8,6 +8,8 @@
     ├── AlreadyExistsError          creating something that is already there
     ├── ConflictError               an operation the object's state forbids (committing an
     │                               aborted transaction, writing to a committed one)
+    │   └── StaleRoutingError       a batch routed by a partition count the topic no longer
+    │                               has (it grew): the producer routes it again
     ├── DataLossError               data asked for is gone (retention) or was never durable
     ├── CorruptionError             every replica of an entry failed its checksum or id check
     ├── AuthError                   a missing or wrong token (never echoes the token)
@@ -30,6 +32,7 @@ __all__ = [
     "DataLossError",
     "NotFoundError",
     "ProtocolError",
+    "StaleRoutingError",
     "StorageError",
     "TierstreamError",
     "UnavailableError",
@@ -66,6 +69,18 @@ class ConflictError(TierstreamError):
     ended, a batch staged for another sink)."""
 
     code = "conflict"
+
+
+class StaleRoutingError(ConflictError):
+    """A batch was routed by a partition count the topic no longer has: it grew at a scale
+    event. Nothing of it was stored; the producer routes it by ``partitions`` and sends it
+    again."""
+
+    code = "stale_routing"
+
+    def __init__(self, message: str, *, partitions: int | None = None) -> None:
+        super().__init__(message)
+        self.partitions = partitions
 
 
 class DataLossError(TierstreamError):
@@ -112,6 +127,7 @@ ERRORS_BY_CODE: dict[str, type[TierstreamError]] = {
         NotFoundError,
         AlreadyExistsError,
         ConflictError,
+        StaleRoutingError,
         DataLossError,
         CorruptionError,
         AuthError,

@@ -21,6 +21,10 @@ The points, in the order a write passes them (``tests/store/test_crash_points.py
 ``recovery.sealed``           recovery: a crashed segment is sealed in metadata
 ``cursor.saved``              a subscription's cursor is committed; the ack has no answer yet
 ``topic.registered``          a new topic is in metadata; its partitions are not open yet
+``scale.sealed``              a scale event sealed the topic's open segments; nothing of the
+                              event is in metadata
+``scale.recorded``            a scale event (new count, event row, new open segments) is
+                              committed in metadata; no partition serves the new count yet
 ``topic.delete-marked``       a topic is marked deleted; its data is all still there
 ``topic.data-deleted``        a deleted topic's ledgers, tier files and table are gone, its
                               metadata records are not
@@ -54,6 +58,8 @@ POINTS = frozenset({
     "recovery.sealed",
     "cursor.saved",
     "topic.registered",
+    "scale.sealed",
+    "scale.recorded",
     "topic.delete-marked",
     "topic.data-deleted",
     "txn.decided",

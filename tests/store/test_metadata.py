@@ -95,3 +95,29 @@ def test_a_planner_on_a_store_not_yet_upgraded_is_told_how_to_upgrade_it(
     c.close()
     with pytest.raises(ConfigError, match="written by a newer tierstream: upgrade this one"):
         MetadataStore(path, read_only=True)
+
+
+def test_a_version_8_store_opens_without_scale_events_and_can_grow(tmp_path: Path) -> None:
+    from tierstream.metadata.scale_events import record_scale_event
+
+    path = tmp_path / "metadata.db"
+    store = MetadataStore(path)
+    store.create_topic(TopicName.parse("a/b/c"), 2, created_at=1, ensembles=[("bookie-0",)] * 2)
+    store.close()
+    with sqlite3.connect(path) as c:  # as version 8 wrote it: no scale_events table
+        c.execute("DROP TABLE scale_events")
+        c.execute("UPDATE meta SET value='8' WHERE key='schema_version'")
+    c.close()
+    store = MetadataStore(path)
+    try:
+        topic = store.get_topic("a/b/c")
+        assert topic.partitions == 2 and topic.scale_events == () and not topic.lineage
+        grown, opened = record_scale_event(store, "a/b/c", 2, 4, at=5, reason="admin",
+                                           ensembles=[("bookie-0",)] * 4)
+        assert [s.partition for s in opened] == [0, 1, 2, 3]
+        (event,) = grown.scale_events
+        assert (event.old, event.new, event.first_segment_id) == (2, 4, opened[0].segment_id)
+        assert grown.lineage.parent(3) == (1, event) and grown.lineage.root(3) == 1
+        assert store.query("SELECT value FROM meta WHERE key='schema_version'") == [("9",)]
+    finally:
+        store.close()

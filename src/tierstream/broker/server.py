@@ -86,13 +86,15 @@ class Broker(flight.FlightServerBase):
                 rows = self.store.transactions.stage(
                     str(cmd["txn"]), str(cmd["topic"]), int(cmd["partition"]),
                     self._checked(str(cmd["topic"]), _chunks(reader)), sink_id=cmd.get("sink"),
-                    batch_id=None if cmd.get("batch") is None else int(cmd["batch"]))
+                    batch_id=None if cmd.get("batch") is None else int(cmd["batch"]),
+                    routed=None if cmd.get("routed") is None else int(cmd["routed"]))
                 writer.write(pa.py_buffer(encode({"rows": rows})))
                 return
             if cmd.get("op") != "produce":
                 raise ProtocolError(f"unknown DoPut operation {cmd.get('op')!r}")
             plog = self.store.partition(cmd["topic"], int(cmd["partition"]))
             producer = cmd.get("producer")
+            routed = None if cmd.get("routed") is None else int(cmd["routed"])
             while True:
                 try:
                     chunk = reader.read_chunk()
@@ -104,7 +106,7 @@ class Broker(flight.FlightServerBase):
                 self.schemas.check_named_versions(plog.topic, named_versions(chunk.data))
                 seq = meta.get("seq")
                 ack = plog.append(chunk.data, producer=producer,
-                                  sequence_id=None if seq is None else int(seq))
+                                  sequence_id=None if seq is None else int(seq), routed=routed)
                 writer.write(pa.py_buffer(encode(ack.to_dict())))
         except TierstreamError as exc:
             raise server_error(exc) from None
@@ -153,7 +155,8 @@ class Broker(flight.FlightServerBase):
             name=str(sub.get("consumer") or uuid.uuid4().hex[:12]), type=kind,
             sticky=None if ranges is None else tuple(ranges),
             permits=max(1, int(sub.get("permits") or 1000)),
-            ack_timeout_s=_optional_float(sub.get("ack_timeout_s")),
+            ack_timeout_s=None if sub.get("ack_timeout_s") is None
+            else float(sub["ack_timeout_s"]),
             max_redeliveries=None if sub.get("max_redeliveries") is None
             else int(sub["max_redeliveries"]),
             dead_letter_topic=None if not sub.get("dead_letter_topic")
@@ -226,6 +229,9 @@ class Broker(flight.FlightServerBase):
     def _create_topic(self, body: dict[str, Any]) -> Any:
         return self.store.create_topic(body["topic"], body["partitions"],
                                        retention_ms=body.get("retention_ms")).to_dict()
+
+    def _set_partitions(self, body: dict[str, Any]) -> Any:
+        return self.store.set_partitions(body["topic"], body["partitions"]).to_dict()
 
     def _delete_topic(self, body: dict[str, Any]) -> Any:
         deleted = self.store.delete_topic(body["topic"]).to_dict()
@@ -411,6 +417,7 @@ class Broker(flight.FlightServerBase):
 _ACTIONS = {
     "ping": (Broker._ping, "Check that the broker is up."),
     "create-topic": (Broker._create_topic, "Create a topic: {topic, partitions}."),
+    "set-partitions": (Broker._set_partitions, "Grow {topic} at a scale event: {partitions}."),
     "delete-topic": (Broker._delete_topic, "Delete {topic} everywhere (crash-safe)."),
     "get-topic": (Broker._get_topic, "One topic's record: {topic}."),
     "list-topics": (Broker._list_topics, "All topics, or those of {namespace}."),
@@ -485,10 +492,6 @@ def _carry_errors(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]
         yield from batches
     except TierstreamError as exc:
         raise server_error(exc) from None
-
-
-def _optional_float(value: Any) -> float | None:
-    return None if value is None else float(value)
 
 
 def _check_partition(position: Position, plog: PartitionLog) -> Position:

@@ -6,6 +6,7 @@ at their last durable entry) and opens a fresh segment for every partition.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -21,6 +22,7 @@ from tierstream.errors import ConfigError, ConflictError, StorageError
 from tierstream.faults import crash_point
 from tierstream.managed_ledger.partition_log import PartitionLog
 from tierstream.metadata.records import SegmentRecord, TopicRecord
+from tierstream.metadata.scale_events import record_scale_event
 from tierstream.metadata.store import MetadataStore
 from tierstream.names import TopicName
 from tierstream.splits.positions import Position
@@ -88,6 +90,7 @@ class Store:
     def _open_topic(self, topic: TopicRecord, opened: list[SegmentRecord]) -> None:
         for seg in opened:
             self._logs[(topic.name, seg.partition)] = PartitionLog(
+                routing=topic.partitions,
                 topic=topic.name, partition=seg.partition, metadata=self.metadata,
                 bookies=self.bookies, choose_ensemble=self._choose_ensemble,
                 ack_quorum=self.config.ack_quorum,
@@ -125,6 +128,41 @@ class Store:
                 raise StorageError(f"cannot serve new topic {record.name!r}, so it was not "
                                    f"created: {exc}") from None
         return record
+
+    def set_partitions(self, name: str, partitions: int, *, reason: str = "admin"
+                       ) -> TopicRecord:
+        """Grow a topic to ``partitions`` at one scale event (``lineage.py``).
+
+        Under every partition's lock (appends wait): the open segments are sealed, then one
+        metadata transaction records the new count, the event and a new open segment for
+        every partition; then the partitions serve again, refusing batches routed by the old
+        count. A crash before the transaction leaves the topic as it was (its segments
+        sealed early); after it, recovery opens every partition of the new count.
+        """
+        topic = TopicName.parse(name)
+        # a commit being applied routes its rows by one count: the event waits for it
+        with self.transactions.commit_lock, self._topics_lock:
+            record = self.metadata.get_topic(topic)
+            old = record.partitions
+            _check_growth(record.name, old, partitions, self.config.max_partitions_per_topic)
+            if partitions == old:
+                return record
+            logs = [self._logs[(record.name, p)] for p in range(old)]
+            with contextlib.ExitStack() as held:
+                for plog in logs:
+                    held.enter_context(plog.lock)
+                for plog in logs:
+                    plog.seal_for_scale()
+                crash_point("scale.sealed")
+                grown, opened = record_scale_event(
+                    self.metadata, record.name, old, partitions, at=now_ms(), reason=reason,
+                    ensembles=[self._choose_ensemble() for _ in range(partitions)])
+                crash_point("scale.recorded")
+                for seg in opened[:old]:
+                    logs[seg.partition].reopen(seg, partitions)
+                self._open_topic(grown, opened[old:])
+        log.info("%s: %s", record.name, grown.scale_events[-1].describe())
+        return grown
 
     def delete_topic(self, name: str) -> TopicRecord:
         """Delete a topic everywhere: metadata, bookies, the tier and its Iceberg table.
@@ -179,12 +217,18 @@ class Store:
         name = str(TopicName.parse(topic))
         plog = self._logs.get((name, partition))
         if plog is None:
+            with self._topics_lock:  # a scale event may be opening it
+                plog = self._logs.get((name, partition))
+        if plog is None:
             record = self.metadata.get_topic(name)  # raises NotFoundError for an unknown topic
             raise ConfigError(
                 f"invalid partition {partition!r} for topic {name!r}: it has partitions "
                 f"0..{record.partitions - 1}"
             )
         return plog
+
+    def partition_count(self, topic: str) -> int:
+        return self.topic(topic).partitions
 
     def all_partitions(self) -> list[PartitionLog]:
         return list(self._logs.values())
@@ -195,7 +239,12 @@ class Store:
 
     def partitions(self, topic: str) -> list[PartitionLog]:
         record = self.topic(topic)
-        return [self._logs[(record.name, p)] for p in range(record.partitions)]
+        logs = [self._logs.get((record.name, p)) for p in range(record.partitions)]
+        if None in logs:  # a scale event is opening the new partitions: wait for it
+            with self._topics_lock:
+                record = self.topic(topic)
+                return [self._logs[(record.name, p)] for p in range(record.partitions)]
+        return logs  # type: ignore[return-value]
 
     # -- admin views --------------------------------------------------------------------------
 
@@ -300,6 +349,27 @@ class Store:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_growth(topic: str, old: int, new: int, limit: int) -> None:
+    """Refuse, in one line, a partition count a topic cannot grow to."""
+    if not isinstance(new, int) or isinstance(new, bool) or new < 1:
+        raise ConfigError(f"invalid partition count {new!r} for topic {topic!r}: expected an "
+                          "integer >= 1")
+    if new < old:
+        raise ConfigError(
+            f"cannot shrink topic {topic!r} from {old} to {new} partitions: partitions hold "
+            "data and each key's order, so they are never removed (create a new topic and "
+            "copy into it to have fewer)")
+    if new > limit:
+        raise ConfigError(
+            f"invalid partition count {new} for topic {topic!r}: this broker allows at most "
+            f"{limit} per topic (broker option --max-partitions-per-topic)")
+    if new % old:
+        raise ConfigError(
+            f"cannot grow topic {topic!r} from {old} to {new} partitions: the new count must "
+            f"be a multiple of {old} ({old * 2}, {old * 3}, ...), so that each new partition "
+            "takes its keys from exactly one old one and every reader keeps their order")
 
 
 def _prepare_data_dir(path: Path) -> None:

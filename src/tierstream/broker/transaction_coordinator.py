@@ -35,13 +35,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
 import pyarrow as pa
 
 from tierstream.durable import fsync_dir
 from tierstream.errors import ConfigError, ConflictError, NotFoundError, StorageError
 from tierstream.faults import crash_point
 from tierstream.layout import DataDir
-from tierstream.message_format import PRODUCE_SCHEMA, as_produce_batch, batches_of_about
+from tierstream.message_format import (
+    PRODUCE_SCHEMA,
+    as_produce_batch,
+    batches_of_about,
+    key_hashes,
+)
 from tierstream.metadata.transaction_records import (
     TransactionRecord,
     TransactionRecords,
@@ -67,6 +73,8 @@ class Partitions(Protocol):
 
     def partition(self, topic: str, partition: int) -> PartitionLog: ...
 
+    def partition_count(self, topic: str) -> int: ...
+
     def all_partitions(self) -> list[PartitionLog]: ...
 
 __all__ = ["PRODUCER_PREFIX", "TransactionCoordinator"]
@@ -89,14 +97,18 @@ class TransactionCoordinator:
         self.timeout_ms = timeout_ms
         self.records = TransactionRecords(store.metadata)
         self.root = DataDir.at(store.data_dir).transactions
-        self._commit_lock = threading.Lock()  # one commit applies at a time
+        # one commit applies at a time; a scale event waits for it (broker/store.py)
+        self.commit_lock = threading.Lock()
 
     # -- staging ------------------------------------------------------------------------------
 
     def stage(self, txn_id: str, topic: str, partition: int, batches: Iterable[pa.RecordBatch],
-              *, sink_id: str | None = None, batch_id: int | None = None) -> int:
+              *, sink_id: str | None = None, batch_id: int | None = None,
+              routed: int | None = None) -> int:
         """Write ``batches`` (PRODUCE_SCHEMA columns) as one staged file of ``txn_id``; returns
-        its rows once the file is durable. A stream that breaks leaves no file behind."""
+        its rows once the file is durable. A stream that breaks leaves no file behind. Rows
+        ``routed`` by a partition count are routed again at the commit if the topic has
+        another count by then (its name records the count)."""
         txn_id = check_txn_id(txn_id)
         name = TopicName.parse(topic)
         plog = self.store.partition(str(name), partition)  # the topic and partition exist
@@ -116,7 +128,8 @@ class TransactionCoordinator:
                 f.flush()
                 os.fsync(f.fileno())
             if rows:
-                os.rename(tmp, folder / f"{plog.partition}.{time.time_ns()}.{rows}.arrow")
+                count = "" if routed is None else f".{int(routed)}"
+                os.rename(tmp, folder / f"{plog.partition}.{time.time_ns()}.{rows}{count}.arrow")
                 fsync_dir(folder)
             else:
                 tmp.unlink()
@@ -178,7 +191,7 @@ class TransactionCoordinator:
             raise ConfigError("a commit names both a sink id and a batch id, or neither")
         if not txn_ids and sink_id is None:
             raise ConfigError("a commit needs at least one transaction, or a sink and batch")
-        with self._commit_lock:
+        with self.commit_lock:
             decision = self.records.decide(txn_ids, sink_id, batch_id, now_ms())
             crash_point("txn.decided")
             for fenced in decision.fenced:
@@ -207,10 +220,16 @@ class TransactionCoordinator:
                 except NotFoundError:  # deleted since: its part of the commit went with it
                     log.warning("transaction %s: %s partition %d no longer exists; its "
                                 "staged rows are dropped", r.txn_id, topic, p)
+        counts = {t: self.store.partition_count(t) for t, _ in plogs}
+        routed = {r.txn_id: _routed(self.staged(r.txn_id), counts) for r in records}
+        for r in records:
+            for key in routed[r.txn_id]:
+                if key not in plogs and key[0] in counts:  # routed again, to a grown one
+                    plogs[key] = self.store.partition(*key)
         for plog in plogs.values():
             plog.hold()
-        def apply(txn_id: str, key: tuple[str, int], paths: list[Path]) -> None:
-            for seq, batch in enumerate(_entries(paths)):
+        def apply(txn_id: str, key: tuple[str, int], tables: list[pa.Table]) -> None:
+            for seq, batch in enumerate(_entries(tables)):
                 plogs[key].append(batch, producer=PRODUCER_PREFIX + txn_id, sequence_id=seq)
             crash_point("txn.partition-applied")
 
@@ -219,7 +238,7 @@ class TransactionCoordinator:
             # (python -m bench sink: the commit of 200,000 rows over 4 partitions)
             with ThreadPoolExecutor(min(8, len(plogs)) or 1) as pool:
                 for r in records:
-                    staged = self.staged(r.txn_id)
+                    staged = routed[r.txn_id]
                     for done in [pool.submit(apply, r.txn_id, key, staged[key])
                                  for key in staged if key in plogs]:
                         done.result()
@@ -240,7 +259,7 @@ class TransactionCoordinator:
     def abort(self, txn_id: str, reason: str = "aborted by its writer") -> bool:
         """Discard an open or prepared transaction; True if it was aborted now."""
         txn_id = check_txn_id(txn_id)
-        with self._commit_lock:
+        with self.commit_lock:
             done = self.records.abort([txn_id], now_ms(), reason)
         self._remove(txn_id)
         return bool(done)
@@ -251,14 +270,14 @@ class TransactionCoordinator:
         now = now_ms() if now is None else now
         expired = self.records.expired(now - self.timeout_ms)
         for txn_id in expired:
-            with self._commit_lock:
+            with self.commit_lock:
                 aborted = self.records.abort([txn_id], now, f"timed out after "
                                              f"{self.timeout_ms / 1000:g} s without a commit")
             if aborted:
                 log.warning("transaction %s timed out after %g s without a commit: aborted",
                             txn_id, self.timeout_ms / 1000)
                 self._remove(txn_id)
-        with self._commit_lock:
+        with self.commit_lock:
             self._apply(self.records.in_states(TxnState.COMMITTED))
         self.records.forget_ended(now - KEEP_ENDED_MS)
         return len(expired)
@@ -269,7 +288,7 @@ class TransactionCoordinator:
         committed = self.records.in_states(TxnState.COMMITTED)
         if committed:
             log.info("recovery: applying %d committed transaction(s)", len(committed))
-        with self._commit_lock:
+        with self.commit_lock:
             self._apply(committed)
         live = {r.txn_id for r in self.records.in_states(TxnState.OPEN, TxnState.PREPARED)}
         for plog in self.store.all_partitions():
@@ -305,13 +324,34 @@ def _rows(path: Path) -> int:
     return int(path.name.split(".")[2])
 
 
-def _entries(paths: list[Path]) -> Iterator[pa.RecordBatch]:
+def _routed(staged: dict[tuple[str, int], list[Path]], counts: dict[str, int]
+            ) -> dict[tuple[str, int], list[pa.Table]]:
+    """The staged rows per (topic, partition) they go to: where they were staged, unless they
+    were routed by a partition count their topic no longer has (it grew at a scale event):
+    then each keyed row goes where its key routes now, in staging order. The same files and
+    counts give the same result, so a commit applied again after a crash repeats itself."""
+    out: dict[tuple[str, int], list[pa.Table]] = {}
+    for (topic, p), paths in staged.items():
+        for path in paths:
+            with pa.OSFile(str(path)) as source:
+                table = pa.ipc.open_stream(source).read_all()
+            parts = path.name.split(".")
+            count = counts.get(topic)
+            if len(parts) < 5 or count is None or int(parts[3]) == count:
+                out.setdefault((topic, p), []).append(table)
+                continue
+            keys = table.column("key").combine_chunks()
+            target = key_hashes(keys).to_numpy().astype(np.int64) % count
+            target[keys.is_null().to_numpy(zero_copy_only=False)] = p
+            for q in sorted(set(target.tolist())):
+                rows = pa.array(np.flatnonzero(target == q))
+                out.setdefault((topic, q), []).append(table.take(rows))
+    return dict(sorted(out.items()))
+
+
+def _entries(tables: list[pa.Table]) -> Iterator[pa.RecordBatch]:
     """The staged rows of one partition as entries of about :data:`ENTRY_BYTES` (the same
     boundaries every time, so a re-applied entry has the sequence id it had)."""
-    if not paths:
+    if not tables:
         return
-    tables = []
-    for path in paths:
-        with pa.OSFile(str(path)) as source:
-            tables.append(pa.ipc.open_stream(source).read_all())
     yield from batches_of_about(pa.concat_tables(tables).combine_chunks(), ENTRY_BYTES)

@@ -50,7 +50,7 @@ def segments(
     if local.is_file():
         meta = MetadataStore(local, read_only=True)
         try:
-            meta.get_topic(name)
+            record = meta.get_topic(name)
             records = meta.segments(str(name))
         finally:
             meta.close()
@@ -60,7 +60,7 @@ def segments(
 
         try:
             with Admin(broker, auth_token=auth_token) as admin:
-                admin.get_topic(str(name))
+                record = admin.get_topic(str(name))
                 records = admin.list_segments(str(name))
         except UnavailableError as exc:
             raise UnavailableError(f"no metadata store under --data-dir {str(data_dir)!r} "
@@ -75,6 +75,9 @@ def segments(
                       str(r.messages), human_bytes(r.bytes), format_ms(r.min_publish_time),
                       format_ms(r.max_publish_time), r.location)
     out.print(table)
+    for e in record.scale_events:
+        out.print(f"{format_ms(e.at)}  {e.describe()}: segments {e.first_segment_id} and "
+                  f"later were written after it", highlight=False)
 
 
 @app.command()

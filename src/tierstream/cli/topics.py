@@ -82,25 +82,42 @@ def topic_delete(
 @topic_app.command("set")
 def topic_set(
     topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
-    retention: Annotated[str, typer.Option(
+    retention: Annotated[str | None, typer.Option(
         help="Delete segments whose newest message is older than this, e.g. 30d; 'none' "
-             "keeps everything.")],
+             "keeps everything.")] = None,
+    partitions: Annotated[int | None, typer.Option(
+        help="Grow the topic to this many partitions (a multiple of its count) at one scale "
+             "event, while it is written and read; every reader keeps each key's order.",
+        show_default=False)] = None,
     broker: BrokerOpt = DEFAULT_BROKER_URL,
     tls_ca: TlsCaOpt = None,
     auth_token: TokenOpt = None,
 ) -> None:
-    """Change a topic's settings.
+    """Change a topic's settings: its retention, its partition count.
 
-    Example: tierstream topic set acme/web/clicks --retention 30d
+    Example: tierstream topic set acme/web/clicks --partitions 8
     """
     from tierstream.client import Admin
+    from tierstream.errors import ConfigError
     from tierstream.timeutil import parse_duration_ms
 
-    retention_ms = None if retention.strip().lower() == "none" else parse_duration_ms(
-        retention, what="--retention")
+    if retention is None and partitions is None:
+        raise ConfigError("nothing to set: give --retention and/or --partitions")
+    retention_ms = None if retention is None or retention.strip().lower() == "none" \
+        else parse_duration_ms(retention, what="--retention")
     with Admin(broker, auth_token=auth_token) as admin:
-        record = admin.set_retention(topic, retention_ms)
-    out.print(f"{record.name}: {_retention_words(record.retention_ms)}", highlight=False)
+        if partitions is not None:
+            before = admin.get_topic(topic).partitions
+            record = admin.set_partitions(topic, partitions)
+            if record.partitions == before:
+                out.print(f"{record.name}: already has {before} partitions", highlight=False)
+            else:
+                out.print(f"{record.name}: {record.scale_events[-1].describe()}; keys route "
+                          f"by {record.partitions} from now on", highlight=False)
+        if retention is not None:
+            record = admin.set_retention(topic, retention_ms)
+            out.print(f"{record.name}: {_retention_words(record.retention_ms)}",
+                      highlight=False)
 
 
 @topic_app.command("get")
@@ -124,8 +141,10 @@ def topic_get(
             schema = f"{info.type.value}, version {info.version}"
         except NotFoundError:
             schema = "none (values are bytes)"
+    grown = "".join(f"\n            {format_ms(e.at)}  {e.describe()}, first segment "
+                    f"{e.first_segment_id}" for e in record.scale_events)
     out.print(f"topic:      {record.name}\n"
-              f"partitions: {record.partitions}\n"
+              f"partitions: {record.partitions}{grown}\n"
               f"created:    {format_ms(record.created_at)}\n"
               f"{_retention_words(record.retention_ms).replace(': ', ':  ', 1)}\n"
               f"schema:     {schema}", highlight=False)

@@ -44,7 +44,7 @@ class Admin(BrokerClient):
         if not isinstance(partitions, int) or isinstance(partitions, bool) or partitions < 1:
             raise ConfigError(f"invalid partition count {partitions!r}: expected an integer >= 1")
         try:
-            return TopicRecord(**self.action("create-topic", {
+            return TopicRecord.from_dict(self.action("create-topic", {
                 "topic": topic, "partitions": partitions, "retention_ms": retention_ms}))
         except AlreadyExistsError:
             if not exist_ok:
@@ -58,13 +58,26 @@ class Admin(BrokerClient):
     def delete_topic(self, topic: str) -> TopicRecord:
         """Delete a topic everywhere (metadata, bookies, tier files, Iceberg table); returns
         what it was. Readers and producers of it stop with NotFoundError."""
-        return TopicRecord(**self.action("delete-topic", {"topic": str(TopicName.parse(topic))}))
+        return self._topic("delete-topic", topic)
 
     def get_topic(self, topic: str) -> TopicRecord:
-        return TopicRecord(**self.action("get-topic", {"topic": str(TopicName.parse(topic))}))
+        return self._topic("get-topic", topic)
+
+    def set_partitions(self, topic: str, partitions: int) -> TopicRecord:
+        """Grow ``topic`` to ``partitions`` (a multiple of its count) at one scale event,
+        while it is written and read; every reader keeps each key's order across it. The
+        same count again changes nothing; fewer is refused (ConfigError)."""
+        if not isinstance(partitions, int) or isinstance(partitions, bool) or partitions < 1:
+            raise ConfigError(f"invalid partition count {partitions!r}: expected an integer >= 1")
+        return self._topic("set-partitions", topic, partitions=partitions)
+
+    def _topic(self, action: str, topic: str, **body: Any) -> TopicRecord:
+        return TopicRecord.from_dict(self.action(action, {"topic": str(TopicName.parse(topic)),
+                                                          **body}))
 
     def list_topics(self, namespace: str | None = None) -> list[TopicRecord]:
-        return [TopicRecord(**t) for t in self.action("list-topics", {"namespace": namespace})]
+        return [TopicRecord.from_dict(t)
+                for t in self.action("list-topics", {"namespace": namespace})]
 
     def list_segments(self, topic: str) -> list[SegmentRecord]:
         return [segment_record(s) for s in
@@ -99,8 +112,7 @@ class Admin(BrokerClient):
         return dict(self.action("tier-pass"))
 
     def set_retention(self, topic: str, retention_ms: int | None) -> TopicRecord:
-        return TopicRecord(**self.action("set-retention", {"topic": str(TopicName.parse(topic)),
-                                                           "retention_ms": retention_ms}))
+        return self._topic("set-retention", topic, retention_ms=retention_ms)
 
     def advance(self, topic: str, start: Position, max_messages: int, bound: Position
                 ) -> tuple[Position, int]:

@@ -13,16 +13,24 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
 from tierstream.client.admin import Admin
 from tierstream.client.connection import BrokerClient
-from tierstream.errors import ConfigError, ConflictError, TierstreamError, UnavailableError
+from tierstream.errors import (
+    ConfigError,
+    ConflictError,
+    StaleRoutingError,
+    TierstreamError,
+    UnavailableError,
+)
 from tierstream.message_format import (
     PRODUCE_SCHEMA,
     as_produce_batch,
     key_hash,
+    key_hashes,
 )
 from tierstream.names import TopicName
 from tierstream.protocol import decode, encode, translate_errors
@@ -52,6 +60,7 @@ class _PartitionStream:
     reader: Any = None
     next_seq: int = 0
     unacked: deque[tuple[int, pa.RecordBatch]] = field(default_factory=deque)
+    pinned: set[int] = field(default_factory=set)  # sent to a partition the caller chose
 
 
 class Producer:
@@ -66,6 +75,12 @@ class Producer:
     name, so only its own retries are de-duplicated. When ``send_timeout`` passes without an
     ack, the UnavailableError names the sequence ids in doubt (``exc.unacknowledged``:
     partition -> ids); they stay queued, so :meth:`flush` tries again.
+
+    When the topic grows (a scale event), the first batch the broker refuses as routed by
+    the old count makes the producer read the new one and route that batch, and every batch
+    behind it, again: nothing is stored by the old routing after the event, and each key's
+    messages stay in order. Batches sent to a chosen partition (``send_batch(partition=)``)
+    stay there.
 
     Typed values: ``schema=("avro", definition)`` registers that schema as a version of the
     topic (or finds it: refused if incompatible under the topic's rule); without it the
@@ -91,12 +106,8 @@ class Producer:
         self._client = BrokerClient(broker, auth_token=auth_token, tls_ca=tls_ca)
         self._admin = Admin(self._client.url, auth_token=auth_token, tls_ca=self._client.tls_ca)
         self.partitions = self._admin.get_topic(self.topic).partitions
-        state = self._admin.action("producer-state", {"topic": self.topic, "producer": self.name})
-        # A partition where this name stored nothing yet starts at 0; note that 0 is also a
-        # stored id, so test for None, not for truth.
-        self._streams = {p: _PartitionStream(next_seq=0 if state.get(str(p)) is None
-                                             else int(state[str(p)]) + 1)
-                         for p in range(self.partitions)}
+        self._streams: dict[int, _PartitionStream] = {}
+        self._add_streams()
         self._rr = itertools.count()
         self._acks: list[dict[str, Any]] = []
         self.encoder = self._schema_encoder(schema)
@@ -104,6 +115,17 @@ class Producer:
 
     def __repr__(self) -> str:
         return f"Producer(topic={self.topic!r}, name={self.name!r}, broker={self._client.url!r})"
+
+    def _add_streams(self) -> None:
+        """A stream for every partition that has none yet, continuing after the last
+        sequence id this producer's name stored there."""
+        state = self._admin.action("producer-state", {"topic": self.topic, "producer": self.name})
+        # A partition where this name stored nothing yet starts at 0; note that 0 is also a
+        # stored id, so test for None, not for truth.
+        for p in range(self.partitions):
+            if p not in self._streams:
+                last = state.get(str(p))
+                self._streams[p] = _PartitionStream(next_seq=0 if last is None else int(last) + 1)
 
     def _schema_encoder(self, schema: tuple[str, str | None] | None) -> Encoder | None:
         """The topic's schema: ``schema`` (type, definition) registered (or found) as a
@@ -147,19 +169,30 @@ class Producer:
     def send_many(self, messages: Iterable[Message | Mapping[str, Any]]) -> list[dict[str, Any]]:
         """Send messages in batches of ``batch_size``; returns one ack per batch, once all
         are acknowledged."""
-        buffers: dict[int, list[Message]] = {p: [] for p in range(self.partitions)}
+        buffers: dict[int, list[Message]] = {}
+        routing = self.partitions
         self._acks = []
         for msg in self._encoded(messages):
             p = self._route(msg.key)
-            buffers[p].append(msg)
+            buffers.setdefault(p, []).append(msg)
             if len(buffers[p]) >= self.batch_size:
-                self._send(p, _to_batch(buffers[p]))
-                buffers[p] = []
-        for p, msgs in buffers.items():
-            if msgs:
-                self._send(p, _to_batch(msgs))
+                self._send(p, _to_batch(buffers.pop(p)))
+                if self.partitions != routing:  # the topic grew: route what waits again
+                    buffers, routing = self._rerouted(buffers), self.partitions
+        while buffers:
+            p = min(buffers)
+            self._send(p, _to_batch(buffers.pop(p)))
+            if self.partitions != routing:
+                buffers, routing = self._rerouted(buffers), self.partitions
         self.flush()
         return self._acks
+
+    def _rerouted(self, buffers: dict[int, list[Message]]) -> dict[int, list[Message]]:
+        out: dict[int, list[Message]] = {}
+        for p in sorted(buffers):
+            for msg in buffers[p]:
+                out.setdefault(p if msg.key is None else self._route(msg.key), []).append(msg)
+        return out
 
     def send_batch(self, batch: pa.RecordBatch | pa.Table, *, partition: int | None = None
                    ) -> list[dict[str, Any]]:
@@ -175,7 +208,7 @@ class Producer:
             batches = [self._encode_batch(as_produce_batch(b), i * self.batch_size)
                        for i, b in enumerate(batches)]
         for b in batches:
-            self._send(p, as_produce_batch(b))
+            self._send(p, as_produce_batch(b), pinned=partition is not None)
         self.flush()
         return self._acks
 
@@ -202,9 +235,9 @@ class Producer:
 
     def flush(self) -> None:
         """Wait until every batch sent so far is acknowledged (re-sending after failures)."""
-        for p, stream in self._streams.items():
-            while stream.unacked:
-                self._read_ack(p, stream)
+        while any(stream.unacked for stream in self._streams.values()):
+            p = next(p for p, stream in self._streams.items() if stream.unacked)
+            self._read_ack(p, self._streams[p])
 
     def close(self) -> None:
         """Flush (waiting for every ack), then release the connections."""
@@ -242,9 +275,10 @@ class Producer:
             return next(self._rr) % self.partitions
         return key_hash(key) % self.partitions
 
-    def _send(self, p: int, batch: pa.RecordBatch) -> None:
+    def _send(self, p: int, batch: pa.RecordBatch, *, pinned: bool = False) -> None:
         if self._txn is not None:  # staged: the ack says where, not at which position
-            self._txn.write(self.topic, batch, partition=p)
+            self._txn.write(self.topic, batch, partition=p,
+                            routed=None if pinned else self.partitions)
             self._acks.append({"partition": p, "messages": batch.num_rows,
                                "transaction": self._txn.txn_id, "staged": True})
             return
@@ -252,6 +286,8 @@ class Producer:
         seq = stream.next_seq
         stream.next_seq += 1
         stream.unacked.append((seq, batch))
+        if pinned:
+            stream.pinned.add(seq)
         try:
             self._ensure_stream(p, stream)
             stream.writer.write_with_metadata(batch, pa.py_buffer(encode({"seq": seq})))
@@ -263,9 +299,67 @@ class Producer:
     def _ensure_stream(self, p: int, stream: _PartitionStream) -> None:
         if stream.writer is None:
             stream.writer, stream.reader = self._client.produce({
-                "op": "produce", "topic": self.topic, "partition": p, "producer": self.name})
+                "op": "produce", "topic": self.topic, "partition": p, "producer": self.name,
+                "routed": self.partitions})
 
     def _read_ack(self, p: int, stream: _PartitionStream) -> None:
+        try:
+            self._read_one_ack(p, stream)
+        except StaleRoutingError:
+            self._follow_scale(p)
+
+    def _follow_scale(self, refusing: int) -> None:
+        """The broker refused a batch of partition ``refusing`` as routed by an old count:
+        the topic grew. Read the other partitions' acks up to their refusals, ask the broker
+        which of the unacknowledged batches it stored before refusing (the last stored
+        sequence id per partition: a stream's stored batches are always those before its
+        refusal, whatever acks were lost with the connection), read the new count, and send
+        the others again, routed by it, in their order."""
+        stale = [refusing]
+        for p, stream in self._streams.items():
+            while p != refusing and stream.unacked:
+                try:
+                    self._read_one_ack(p, stream)
+                except StaleRoutingError:
+                    stale.append(p)
+                    break
+            self._drop(stream)  # its connection names the old count: reconnect
+        stored = self._admin.action("producer-state", {"topic": self.topic,
+                                                       "producer": self.name})
+        refused: list[tuple[int, pa.RecordBatch, bool]] = []
+        for p in stale:
+            stream, last = self._streams[p], stored.get(str(p))
+            for seq, batch in stream.unacked:
+                if last is not None and seq <= int(last):
+                    self._acks.append({"partition": p, "sequence_id": seq, "duplicate": True,
+                                       "messages": batch.num_rows})
+                else:
+                    refused.append((p, batch, seq in stream.pinned))
+            stream.unacked.clear()
+            stream.pinned.clear()
+        self.partitions = self._admin.get_topic(self.topic).partitions
+        self._add_streams()
+        for p, batch, pinned in refused:
+            if pinned:
+                self._send(p, batch, pinned=True)
+            else:
+                self._send_routed(p, batch)
+
+    def _send_routed(self, p: int, batch: pa.RecordBatch) -> None:
+        """Send the rows of ``batch`` (sent to ``p`` before) by the routing in force, also
+        if the topic grows again meanwhile."""
+        pending = deque([(p, batch)])
+        while pending:
+            p, batch = pending.popleft()
+            routing = self.partitions
+            parts = _routed(batch, p, routing)
+            for i, (q, rows) in enumerate(parts):
+                if self.partitions != routing:  # it grew again while sending: route the
+                    pending.extendleft(reversed(parts[i:]))  # rest by the newer count
+                    break
+                self._send(q, rows)
+
+    def _read_one_ack(self, p: int, stream: _PartitionStream) -> None:
         if stream.reader is None:
             self._recover(p, stream)
         try:
@@ -279,6 +373,7 @@ class Producer:
             return
         ack = decode(buf.to_pybytes(), "ack")
         seq, _ = stream.unacked.popleft()
+        stream.pinned.discard(seq)
         if ack.get("sequence_id") != seq:
             raise UnavailableError(f"ack for sequence {ack.get('sequence_id')} while waiting "
                                    f"for {seq}")
@@ -295,6 +390,8 @@ class Producer:
         except (flight.FlightError, OSError, pa.ArrowException) as exc:
             try:
                 self._raise_if_rejected(exc)
+            except StaleRoutingError:
+                raise  # nothing stored from the refused batch on: it is routed again
             except TierstreamError:
                 # the broker stored nothing from the refused batch on: neither it nor what
                 # was pipelined behind it is sent again (the call that sent them fails)
@@ -323,7 +420,13 @@ class Producer:
                     stream.writer.write_with_metadata(batch, pa.py_buffer(encode({"seq": seq})))
                 return
             except (flight.FlightError, OSError, pa.ArrowException, UnavailableError) as exc:
-                self._raise_if_rejected(exc)
+                try:
+                    self._raise_if_rejected(exc)
+                except StaleRoutingError:
+                    # the broker refused a batch as routed by an old count and closed the
+                    # stream: its acks say which batches it stored before (dedup answers
+                    # those), and the refusal comes where they end (see _follow_scale)
+                    return
                 if time.monotonic() + delay > deadline:
                     raise self._gave_up(p, stream) from None
                 threading.Event().wait(delay)
@@ -348,6 +451,20 @@ class Producer:
             with contextlib.suppress(Exception):
                 stream.writer.close()
         stream.writer = stream.reader = None
+
+
+def _routed(batch: pa.RecordBatch, p: int, partitions: int
+            ) -> list[tuple[int, pa.RecordBatch]]:
+    """``batch`` (sent to ``p``) split by the key routing of ``partitions``, in row order
+    within each part; rows without a key stay in ``p``."""
+    keys = batch.column("key")
+    target = key_hashes(keys).to_numpy().astype(np.int64) % partitions
+    target[keys.is_null().to_numpy(zero_copy_only=False)] = p
+    parts = []
+    for q in np.unique(target):
+        rows = np.flatnonzero(target == q)
+        parts.append((int(q), batch.take(pa.array(rows))))
+    return parts
 
 
 def _to_batch(messages: list[Message]) -> pa.RecordBatch:

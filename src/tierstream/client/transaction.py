@@ -69,7 +69,8 @@ class Transaction:
         # (a producer's own, which it registered)
         self._encoders: dict[str, Encoder | None] = {
             str(TopicName.parse(t)): e for t, e in (encoders or {}).items()}
-        self._streams: dict[tuple[str, int], tuple[Any, Any]] = {}
+        # per (topic, partition, count routed by): a staging stream
+        self._streams: dict[tuple[str, int, int | None], tuple[Any, Any]] = {}
         self._sent: dict[tuple[str, int], int] = {}
         self._round_robin = 0
         self.state = "open"
@@ -122,10 +123,13 @@ class Transaction:
                                    pa.map_(pa.string(), pa.string()))}), None)
 
     def write(self, topic: str, data: pa.RecordBatch | pa.Table, *,
-              partition: int | None = None) -> int:
+              partition: int | None = None, routed: int | None = None) -> int:
         """Stage rows (columns of the produce schema: ``value``, optional ``key``,
         ``event_time``, ``properties``) to ``topic``: routed by key hash like a producer's
-        (unkeyed rows round-robin), or all to ``partition``. Returns the rows staged.
+        (unkeyed rows round-robin), or all to ``partition`` (``routed``: the partition count
+        the caller routed them by, if it did). Rows routed by a count the topic no longer
+        has at the commit (it grew at a scale event) are routed again by the new one.
+        Returns the rows staged.
 
         On a topic with a schema, every value is encoded and checked by its latest version
         before any row is staged (``value`` may then be a struct, as the Spark sink sends
@@ -136,19 +140,20 @@ class Transaction:
         table = data if isinstance(data, pa.Table) else pa.Table.from_batches([data])
         if table.num_rows == 0:
             return 0
-        return self._write(name, self._encoded(name, table), partition)
+        return self._write(name, self._encoded(name, table), partition, routed)
 
-    def _write(self, name: str, table: pa.Table, partition: int | None) -> int:
+    def _write(self, name: str, table: pa.Table, partition: int | None,
+               routed: int | None = None) -> int:
         """Stage ``table`` (values encoded already) to ``name``, routed or to ``partition``."""
         n = self.partitions_of(name)
         if partition is not None:
-            if not 0 <= partition < n:
+            if not 0 <= partition < max(n, routed or 0):
                 raise ConfigError(f"invalid partition {partition} for {name!r}: it has "
                                   f"0..{n - 1}")
-            self._stage(name, partition, table)
+            self._stage(name, partition, table, routed)
             return int(table.num_rows)
         for p, part in self._route(table, n):
-            self._stage(name, p, part)
+            self._stage(name, p, part, n)
         return int(table.num_rows)
 
     def _encoded(self, topic: str, table: pa.Table) -> pa.Table:
@@ -190,13 +195,13 @@ class Transaction:
         return [(p, sorted_table.slice(bounds[p], bounds[p + 1] - bounds[p]))
                 for p in range(partitions) if bounds[p + 1] > bounds[p]]
 
-    def _stage(self, topic: str, partition: int, table: pa.Table) -> None:
+    def _stage(self, topic: str, partition: int, table: pa.Table, routed: int | None) -> None:
         key = (topic, partition)
-        stream = self._streams.get(key)
+        stream = self._streams.get((topic, partition, routed))
         if stream is None:
-            stream = self._streams[key] = self._admin.produce({
+            stream = self._streams[(topic, partition, routed)] = self._admin.produce({
                 "op": "stage", "txn": self.txn_id, "topic": topic, "partition": partition,
-                "sink": self.sink, "batch": self.batch})
+                "sink": self.sink, "batch": self.batch, "routed": routed})
         try:
             with translate_errors(self._admin.url):
                 for batch in batches_of_about(table, _CHUNK_BYTES):
@@ -220,7 +225,8 @@ class Transaction:
             return {"txn": self.txn_id}
         self._check_open()
         try:
-            for key, (writer, reader) in sorted(self._streams.items()):
+            for key, (writer, reader) in sorted(self._streams.items(),
+                                                key=lambda kv: (*kv[0][:2], kv[0][2] or 0)):
                 with translate_errors(self._admin.url):
                     writer.done_writing()
                     ack = reader.read()

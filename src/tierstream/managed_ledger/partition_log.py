@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 
 from tierstream.bookie.ledger import IndexRecord
 from tierstream.bookie.storage import Bookie
-from tierstream.errors import ConfigError, NotFoundError, UnavailableError
+from tierstream.errors import ConfigError, NotFoundError, StaleRoutingError, UnavailableError
 from tierstream.faults import crash_point
 from tierstream.managed_ledger.dedup import ProducerDedup, StoredBatch
 from tierstream.managed_ledger.open_segment import InFlight, OpenSegment
@@ -78,9 +78,13 @@ class PartitionLog(PartitionPositions):
         closing: threading.Event,
         tier: TierStorage | None = None,
         open_record: SegmentRecord | None = None,
+        routing: int | None = None,
     ) -> None:
         self.topic = topic
         self.partition = partition
+        #: the topic's partition count in force: a batch routed by another is refused
+        #: (set under the lock at a scale event: broker/store.py)
+        self.routing = routing
         self._metadata = metadata
         self._bookies = bookies
         self._choose_ensemble = choose_ensemble
@@ -118,12 +122,14 @@ class PartitionLog(PartitionPositions):
     # -- appends ------------------------------------------------------------------------------
 
     def append(self, batch: pa.RecordBatch, *, producer: str | None, sequence_id: int | None,
-               requested_now: int | None = None) -> Ack:
+               requested_now: int | None = None, routed: int | None = None) -> Ack:
         """Append one batch as one entry; returns once an ack quorum has it on disk.
 
         A batch whose ``(producer, sequence_id)`` was already stored is not stored again: the
         ack repeats the original one with ``duplicate=True``. A re-send of a batch that is still
-        being written waits for that write's outcome.
+        being written waits for that write's outcome. A batch ``routed`` by a partition count
+        that is no longer the topic's (it grew meanwhile) is refused with StaleRoutingError,
+        unless it was stored before: the producer routes it again.
         """
         batch = as_produce_batch(batch)
         if batch.num_rows == 0:
@@ -135,6 +141,10 @@ class PartitionLog(PartitionPositions):
                 duplicate = self._check_sequence(producer, sequence_id)
                 if duplicate is not None:
                     return duplicate
+            if routed is not None and self.routing is not None and routed != self.routing:
+                raise StaleRoutingError(
+                    f"topic {self.topic!r} now has {self.routing} partitions: a batch routed "
+                    f"by {routed} is not stored; route it again", partitions=self.routing)
             self._roll_if_due(now_ms())
             seg = self._open
             entry_id = seg.next_entry
@@ -360,6 +370,27 @@ class PartitionLog(PartitionPositions):
         if reopen:
             self._open = self._new_open_segment()
         self._changed.notify_all()
+
+    def seal_for_scale(self) -> None:
+        """Seal the open segment for a scale event, opening none: the caller holds this
+        log's lock until :meth:`reopen` gives it the segment the event registered."""
+        with self._lock:
+            self._roll(reopen=False)
+
+    def reopen(self, record: SegmentRecord, routing: int) -> None:
+        """After a scale event: write to ``record`` (registered by the event) and refuse
+        batches routed by any count but ``routing``."""
+        with self._lock:
+            for b in record.ensemble:
+                self._bookies[b].create_ledger(record.segment_id)
+            self._open = OpenSegment(record)
+            self.routing = routing
+            self._changed.notify_all()
+
+    @property
+    def lock(self) -> Any:
+        """This log's lock: held by a scale event from sealing to reopening."""
+        return self._lock
 
     def close(self) -> None:
         """Clean shutdown: seal the open segment (an empty one is dropped)."""

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from tierstream.lineage import Lineage, ScaleEvent
 from tierstream.names import TopicName
 from tierstream.schemas.model import SchemaInfo
 
@@ -51,6 +52,11 @@ class TopicRecord:
     partitions: int
     retention_ms: int | None
     created_at: int
+    scale_events: tuple[ScaleEvent, ...] = ()  # oldest first (elastic topics: lineage.py)
+
+    @property
+    def lineage(self) -> Lineage:
+        return Lineage(self.scale_events)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -58,7 +64,15 @@ class TopicRecord:
             "partitions": self.partitions,
             "retention_ms": self.retention_ms,
             "created_at": self.created_at,
+            "scale_events": [e.to_dict() for e in self.scale_events],
         }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TopicRecord:
+        return cls(name=str(data["name"]), partitions=int(data["partitions"]),
+                   retention_ms=data.get("retention_ms"), created_at=int(data["created_at"]),
+                   scale_events=tuple(ScaleEvent.from_dict(e)
+                                      for e in data.get("scale_events") or ()))
 
 
 @dataclass(frozen=True, kw_only=True)

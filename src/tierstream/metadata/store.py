@@ -17,7 +17,13 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
-from tierstream.errors import AlreadyExistsError, ConfigError, NotFoundError, StorageError
+from tierstream.errors import (
+    AlreadyExistsError,
+    ConfigError,
+    NotFoundError,
+    StorageError,
+)
+from tierstream.lineage import ScaleEvent
 from tierstream.metadata.records import SegmentRecord, SegmentState, TopicRecord
 from tierstream.metadata.tables import SCHEMA_VERSION, create_and_migrate
 from tierstream.names import TopicName
@@ -156,14 +162,13 @@ class MetadataStore:
             rows = self._conn.execute(
                 "SELECT name, partitions, retention_ms, created_at FROM topics "
                 "WHERE deleting_at IS NOT NULL ORDER BY name").fetchall()
-        return [TopicRecord(name=r[0], partitions=r[1], retention_ms=r[2], created_at=r[3])
-                for r in rows]
+        return self._topics(rows)
 
     def purge_topic(self, name: str) -> None:
         """Remove every record of a topic, in one transaction (the last step of deleting)."""
         with self._tx() as c:
             for table in ("segments", "cursors", "deleted_segments", "dedup", "schemas",
-                          "schema_policies"):
+                          "schema_policies", "scale_events"):
                 c.execute(f"DELETE FROM {table} WHERE topic=?", (name,))
             c.execute("DELETE FROM topics WHERE name=?", (name,))
 
@@ -175,7 +180,7 @@ class MetadataStore:
             ).fetchone()
         if row is None:
             raise NotFoundError(f"topic {str(name)!r} does not exist")
-        return TopicRecord(name=row[0], partitions=row[1], retention_ms=row[2], created_at=row[3])
+        return self._topics([row])[0]
 
     def list_topics(self, namespace: str | None = None) -> list[TopicRecord]:
         with self._lock:
@@ -189,8 +194,23 @@ class MetadataStore:
                     "WHERE name LIKE ? ESCAPE '\\' AND deleting_at IS NULL ORDER BY name",
                     (namespace.replace("_", "\\_").replace("%", "\\%") + "/%",),
                 ).fetchall()
-        return [TopicRecord(name=r[0], partitions=r[1], retention_ms=r[2], created_at=r[3])
-                for r in rows]
+        return self._topics(rows)
+
+    def _topics(self, rows: Sequence[Any]) -> list[TopicRecord]:
+        """Records of ``topics`` rows (name, partitions, retention, created), each with its
+        scale events (one more read)."""
+        events: dict[str, list[ScaleEvent]] = {}
+        if rows:
+            with self._lock:
+                found = self._conn.execute(
+                    "SELECT topic, seq, old_partitions, new_partitions, first_segment_id, at, "
+                    "reason FROM scale_events WHERE topic IN (SELECT value FROM json_each(?)) "
+                    "ORDER BY topic, seq", (json.dumps([r[0] for r in rows]),)).fetchall()
+            for t, *fields in found:
+                events.setdefault(t, []).append(ScaleEvent(*fields))
+        return [TopicRecord(name=r[0], partitions=r[1], retention_ms=r[2], created_at=r[3],
+                            scale_events=tuple(events.get(r[0], ()))) for r in rows]
+
 
     # -- segments -----------------------------------------------------------------------------
 

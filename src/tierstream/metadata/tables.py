@@ -11,7 +11,7 @@ import sqlite3
 
 __all__ = ["SCHEMA_VERSION", "create_and_migrate"]
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -102,6 +102,16 @@ CREATE TABLE IF NOT EXISTS dedup (
     position TEXT NOT NULL,
     PRIMARY KEY (topic, partition, producer)
 );
+CREATE TABLE IF NOT EXISTS scale_events (
+    topic TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    old_partitions INTEGER NOT NULL,
+    new_partitions INTEGER NOT NULL,
+    first_segment_id INTEGER NOT NULL,
+    at INTEGER NOT NULL,
+    reason TEXT NOT NULL,
+    PRIMARY KEY (topic, seq)
+);
 CREATE TABLE IF NOT EXISTS bookie_endpoints (
     bookie_id TEXT PRIMARY KEY,
     address TEXT NOT NULL,
@@ -153,3 +163,7 @@ def _migrate(conn: sqlite3.Connection) -> None:
         if "intervals" in columns:
             conn.execute("ALTER TABLE cursors RENAME COLUMN intervals TO state")
         conn.execute("UPDATE meta SET value='8' WHERE key='schema_version'")
+        version = 8
+    if version == 8:  # v9: elastic topics (scale_events, created by the DDL above; a topic
+        # without events has the partitions it was created with)
+        conn.execute("UPDATE meta SET value='9' WHERE key='schema_version'")

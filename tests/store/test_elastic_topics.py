@@ -1,0 +1,178 @@
+"""Elastic topics on the store: a topic grows at a scale event while producers write, no
+message is stored by the old routing after it, and the event is crash-safe."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pyarrow as pa
+import pytest
+
+from tierstream.client import Admin, Producer
+from tierstream.errors import UnavailableError
+from tierstream.faults import ENV
+from tierstream.message_format import key_hash
+from tierstream.metadata.records import TopicRecord
+
+from ..timing import scaled
+from .helpers import read_all, wait_for
+
+TOPIC = "acme/web/elastic"
+
+
+def misrouted(table: pa.Table, record: TopicRecord) -> list[tuple[str, int, int]]:
+    """Rows stored in another partition than the routing in force when they were written
+    (the count of the last scale event whose first segment is at or below theirs)."""
+    bad = []
+    for key, partition, segment in zip(*(table.column(c).to_pylist() for c in
+                                         ("key", "partition", "segment_id")), strict=True):
+        count = record.scale_events[0].old if record.scale_events else record.partitions
+        for event in record.scale_events:
+            if segment >= event.first_segment_id:
+                count = event.new
+        if key is not None and key_hash(key) % count != partition:
+            bad.append((key, partition, segment))
+    return bad
+
+
+def test_a_topic_grows_twice_under_named_producers_and_nothing_is_misrouted(broker) -> None:
+    with Admin(broker.url) as admin:
+        admin.create_topic(TOPIC, 2)
+    sent: dict[str, int] = {}
+    errors: list[BaseException] = []
+    half = threading.Event()
+
+    def write(name: str, count: int) -> None:
+        try:
+            with Producer(TOPIC, broker=broker.url, name=name, batch_size=5) as producer:
+                for i in range(0, count, 25):
+                    producer.send_many({"key": f"{name}-k{j % 17}", "value": f"{name}/{j}"}
+                                       for j in range(i, i + 25))
+                    if i >= count // 2:
+                        half.set()
+            sent[name] = count
+        except BaseException as exc:
+            errors.append(exc)
+
+    writers = [threading.Thread(target=write, args=(f"w{n}", 1500)) for n in range(3)]
+    for w in writers:
+        w.start()
+    with Admin(broker.url) as admin:
+        assert half.wait(scaled(60))
+        admin.set_partitions(TOPIC, 4)
+        record = admin.set_partitions(TOPIC, 8)
+    for w in writers:
+        w.join(scaled(120))
+    assert not errors, errors
+    table = read_all(broker.url, TOPIC)
+    values = table.column("value").to_pylist()
+    assert len(values) == len(set(values)) == 4500  # each message once
+    assert [(e.old, e.new) for e in record.scale_events] == [(2, 4), (4, 8)]
+    assert not misrouted(table, record)
+    assert set(table.column("partition").to_pylist()) == set(range(8))
+
+
+def test_a_producer_made_before_the_event_follows_it_without_a_restart(broker) -> None:
+    with Admin(broker.url) as admin:
+        admin.create_topic(TOPIC, 1)
+    with Producer(TOPIC, broker=broker.url, name="p") as producer:
+        producer.send_many({"key": f"k{i}", "value": b"before"} for i in range(40))
+        with Admin(broker.url) as admin:
+            admin.set_partitions(TOPIC, 3)
+        acks = producer.send_many({"key": f"k{i}", "value": b"after"} for i in range(40))
+        assert producer.partitions == 3
+        pinned = producer.send_batch(pa.table({"key": ["k0"], "value": [b"pinned"]}),
+                                     partition=0)
+    assert {a["partition"] for a in acks} == {0, 1, 2}
+    assert pinned[0]["partition"] == 0  # a chosen partition is kept
+    with Admin(broker.url) as admin:
+        record = admin.get_topic(TOPIC)
+    table = read_all(broker.url, TOPIC)
+    assert table.num_rows == 81
+    assert not misrouted(table.filter(pa.compute.not_equal(table["value"], b"pinned")),
+                         record)
+
+
+def _cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tierstream", *args], capture_output=True,
+                          text=True, timeout=scaled(120),
+                          env={**os.environ, "TIERSTREAM_BROKER": url})
+
+
+def test_growth_that_the_lineage_cannot_follow_is_refused_in_one_line(broker) -> None:
+    with Admin(broker.url) as admin:
+        admin.create_topic(TOPIC, 4)
+    for count, words in [("6", "must be a multiple of 4 (8, 12, ...)"),
+                         ("2", "cannot shrink topic 'acme/web/elastic' from 4 to 2"),
+                         ("4096", "at most 1024 per topic")]:
+        proc = _cli(broker.url, "topic", "set", TOPIC, "--partitions", count)
+        assert proc.returncode == 2, proc.stderr
+        assert words in proc.stderr and "Traceback" not in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    same = _cli(broker.url, "topic", "set", TOPIC, "--partitions", "4")
+    assert same.returncode == 0 and "already has 4 partitions" in same.stdout
+    grown = _cli(broker.url, "topic", "set", TOPIC, "--partitions", "8")
+    assert grown.returncode == 0 and "scale event 1: 4 -> 8 partitions" in grown.stdout
+    shown = _cli(broker.url, "segments", TOPIC, "--data-dir", "/nonexistent")
+    assert "scale event 1: 4 -> 8 partitions (admin): segments" in shown.stdout, shown.stderr
+    with Admin(broker.url) as admin:
+        assert admin.get_topic(TOPIC).partitions == 8
+
+
+@pytest.mark.parametrize(("point", "partitions"), [("scale.sealed", 2), ("scale.recorded", 4)])
+def test_a_crash_during_a_scale_event_leaves_the_topic_before_or_after_it(
+        start_broker, free_port, point: str, partitions: int) -> None:
+    broker = start_broker(port=free_port, env={ENV: point})
+    with Admin(broker.url) as admin:
+        admin.create_topic(TOPIC, 2)
+    with Producer(TOPIC, broker=broker.url, name="p", batch_size=7) as producer:
+        producer.send_many({"key": f"k{i}", "value": f"a{i}"} for i in range(100))
+    with Admin(broker.url) as admin, pytest.raises(UnavailableError):
+        admin.set_partitions(TOPIC, 4)
+    assert broker.proc is not None
+    wait_for(lambda: broker.proc is not None and broker.proc.poll() is not None,
+             timeout=scaled(60), what=f"the broker to crash at {point}")
+    assert broker.proc.returncode == -signal.SIGKILL
+    restarted = start_broker(port=free_port)
+    with Admin(restarted.url) as admin:
+        record = admin.get_topic(TOPIC)
+        assert record.partitions == partitions
+        if partitions == 2:  # nothing of the event survived: it can be made again
+            record = admin.set_partitions(TOPIC, 4)
+    with Producer(TOPIC, broker=restarted.url, name="p", batch_size=7) as producer:
+        producer.send_many({"key": f"k{i}", "value": f"b{i}"} for i in range(100))
+    table = read_all(restarted.url, TOPIC)
+    assert sorted(table.column("value").to_pylist()) == sorted(
+        [f"a{i}".encode() for i in range(100)] + [f"b{i}".encode() for i in range(100)])
+    assert not misrouted(table, record)
+
+
+def test_a_transaction_staged_before_a_scale_event_commits_by_the_new_routing(broker) -> None:
+    from tierstream.client import Transaction
+
+    with Admin(broker.url) as admin:
+        admin.create_topic(TOPIC, 2)
+    rows = pa.table({"key": [f"k{i % 23}" for i in range(300)],
+                     "value": [f"t{i}".encode() for i in range(300)]})
+    with Producer(TOPIC, broker=broker.url, name="p") as producer:
+        with producer.transaction():
+            producer.send_many({"key": f"k{i % 23}", "value": f"p{i}"} for i in range(100))
+            with Transaction(broker=broker.url) as txn:
+                txn.write(TOPIC, rows)
+                with Admin(broker.url) as admin:
+                    record = admin.set_partitions(TOPIC, 6)  # both are staged, not committed
+    table = read_all(broker.url, TOPIC)
+    assert sorted(table.column("value").to_pylist()) == sorted(
+        [f"t{i}".encode() for i in range(300)] + [f"p{i}".encode() for i in range(100)])
+    assert not misrouted(table, record)  # written after the event: routed by 6
+    by_key: dict[str, list[bytes]] = {}
+    for key, value in zip(table.column("key").to_pylist(), table.column("value").to_pylist(),
+                          strict=True):
+        if value.startswith(b"t"):
+            by_key.setdefault(key, []).append(value)
+    for values in by_key.values():  # each key's rows of a transaction stay in order
+        assert values == sorted(values, key=lambda v: int(v[1:]))
