@@ -21,6 +21,7 @@ from tierstream.enumerator import Enumerator, Query
 from tierstream.errors import ConfigError
 from tierstream.event_time import check_time_field, event_time_window, within_event_time
 from tierstream.fanin import DONE, Cancel, drain, put
+from tierstream.follow import follow
 from tierstream.message_format import READ_SCHEMA
 from tierstream.options import parse_options
 from tierstream.read_options import ReadOptions
@@ -285,9 +286,10 @@ def _tail(topic: str, start: BoundLike | None, key_ranges: int, fail_on_data_los
                                           key_ranges=key_ranges,
                                           fail_on_data_loss=fail_on_data_loss))
                 yield from run_splits(history, auth_token=auth_token, cancel=cancel)
-        splits = [Split(topic=topic, partition=p, segment_id=pos.segment_id, start=pos,
-                        end=None, reader=ReaderKind.TAIL, key_range=r, broker=enum.broker)
-                  for p, pos in cut.positions for r in ranges]
+        follow_from = enum.broker
     if not cancel.is_set():
-        yield from run_splits(splits, parallelism=len(splits), auth_token=auth_token,
-                              cancel=cancel)
+        if follow_from is None:
+            raise ConfigError("following a tail needs the broker's address (option 'broker' "
+                              "or TIERSTREAM_BROKER)")
+        yield from follow(topic, cut, ranges, broker=follow_from, auth_token=auth_token,
+                          cancel=cancel)

@@ -76,7 +76,7 @@ def test_closing_a_consumer_with_a_full_buffer_stops_its_pumps(broker) -> None:
     consumer = Consumer(TOPIC, "leaver", initial=Offset.earliest(), broker=broker.url)
     wait_for(lambda: consumer.buffered >= 64, timeout=scaled(30),
              what="the consumer's buffer to fill")
-    assert len(_threads(f"tierstream-consumer-{consumer.name}")) == 4
+    assert len(_threads(f"tierstream-consumer-{consumer.name}-p")) == 4  # + its watcher
     consumer.close()
     assert _threads(f"tierstream-consumer-{consumer.name}") == []
     assert consumer.buffered == 0

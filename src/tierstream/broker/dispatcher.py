@@ -88,6 +88,10 @@ class Dispatcher:
         self._dead_letter_sequence = state.dead_letter_sequence
         self._recovery = IntentRecovery(self._intents)
         self._delayed = 0
+        #: a partition grown at a scale event dispatches nothing until this says its keys'
+        #: earlier messages were acknowledged (broker/subscriptions.py); then it is dropped
+        self.gate: Callable[[], bool] | None = None
+        self._gated = False
         self._reader = threading.Thread(target=self._read_loop, daemon=True,
                                         name=f"tierstream-dispatch-{self.topic}-"
                                              f"{self.partition}-{subscription}")
@@ -197,6 +201,11 @@ class Dispatcher:
         """Hand waiting messages to consumers with permits (lock held)."""
         if not self._waiting or not any(c.permits > 0 for c in self.consumers.values()):
             return
+        if self.gate is not None:
+            self._gated = not self.gate()
+            if self._gated:
+                return  # tick() asks again
+            self.gate = None  # acknowledgements only move forward: open for good
         if self.type == SubscriptionType.SHARED:
             self._dispatch_shared()
         elif self._keys is not None:
@@ -370,7 +379,11 @@ class Dispatcher:
                     self._delayed += len(rows)
 
     def tick(self, now: float) -> None:
-        """Redeliver what a nack delayed and what outlived its consumer's ack timeout."""
+        """Redeliver what a nack delayed and what outlived its consumer's ack timeout; look
+        again whether a closed gate opened."""
+        if self._gated:
+            with self._lock:
+                self._dispatch()
         timeouts = {c.idx: c.settings.ack_timeout_s for c in self.consumers.values()
                     if c.settings.ack_timeout_s}
         if not self._delayed and not timeouts:
@@ -430,6 +443,11 @@ class Dispatcher:
             return CursorState(self.partition, self.window.mark_delete(), ranges, self.type,
                                list(self._intents), self._dead_letter_sequence,
                                entries).to_json()
+
+    def acknowledged_before(self) -> Position:
+        """Every message before this position is acknowledged."""
+        with self._lock:
+            return self.window.mark_delete()
 
     def unacknowledged(self) -> int:
         """Messages read and not acknowledged (the backlog before the read position)."""

@@ -21,6 +21,7 @@ from tierstream.broker.cursor_writer import CursorWriter
 from tierstream.broker.dead_letters import DeadLetterWriter
 from tierstream.broker.dispatcher import Dispatcher
 from tierstream.errors import ConfigError, ConflictError, NotFoundError
+from tierstream.lineage import ScaleEvent
 from tierstream.splits.positions import Position
 from tierstream.timeutil import now_ms
 
@@ -66,8 +67,41 @@ class Subscriptions:
                                     f"on partition {partition}")
             d = Dispatcher(plog, subscription, state, writer=self.writer,
                            dead_letter=self.dead_letters.submit)
+            ancestors = self._store.topic(topic).lineage.ancestors(partition)
+            if ancestors:
+                d.gate = self._gate(topic, subscription, ancestors)
             self._dispatchers[key] = d
             return d
+
+    def _gate(self, topic: str, subscription: str, ancestors: list[tuple[int, ScaleEvent]]
+              ) -> Callable[[], bool]:
+        """Whether every message the subscription has in ``ancestors`` from before the
+        event their keys left them at is acknowledged: a key's messages after a scale event
+        are dispatched after its earlier ones (``lineage.py``)."""
+        ends = []
+        for a, event in ancestors:
+            before = [s for s in self._store.partition(topic, a).closed_segments()
+                      if s.segment_id < event.first_segment_id and s.entries]
+            if before:
+                ends.append(Position(a, before[-1].segment_id, before[-1].entries, 0))
+
+        def acknowledged() -> bool:
+            for end in ends:
+                d = self._dispatchers.get((topic, subscription, end.partition))
+                if d is not None:
+                    done = d.acknowledged_before()
+                else:
+                    stored = self._metadata.get_cursor(topic, subscription, end.partition)
+                    if stored is None:
+                        continue  # the subscription has nothing there
+                    done = CursorState.from_json(stored, end.partition).mark_delete
+                # an entry's end may be named (s, e, n) or (s, e + 1, 0): count what lies between
+                if done < end and self._store.partition(topic, end.partition).advance(
+                        done, 1, end)[1]:
+                    return False
+            return True
+
+        return acknowledged
 
     def attach(self, topic: str, subscription: str, partition: int,
                settings: ConsumerSettings, *, initial: Position,

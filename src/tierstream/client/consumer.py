@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 _TAG = b"tierstream.consumer"
 _EPOCH = b"tierstream.epoch"
+#: How often a consumer looks for partitions a scale event added.
+_WATCH_S = 1.0
 #: How long an ack that raced a re-attach filters what arrives (the broker sends a re-attached
 #: consumer its share at once; an ack stuck in retries longer than this is not a race).
 _DOUBT_S = 30.0
@@ -108,43 +110,68 @@ class Consumer:
         self._stop = threading.Event()
         self._readers: dict[int, Any] = {}
         self._threads: list[threading.Thread] = []
+        self._epoch: dict[int, int] = {}
+        self._attaching: dict[int, bool] = {}
+        self._taken: dict[int, int] = {}
+        # positions acknowledged while a re-attach may have had the broker send them
+        # again: dropped from later batches (position -> when the ack started)
+        self._in_doubt: dict[int, dict[tuple[int, int, int], float]] = {}
+        # acks under way (id -> batch): put in doubt only if a re-attach comes meanwhile
+        self._acking: dict[int, dict[int, pa.RecordBatch]] = {}
+        self._ack_ids = itertools.count()
+        self._doubt_lock = threading.Lock()
+        self._tickets: dict[int, dict[str, Any]] = {}
         try:
             partitions = self._admin.get_topic(self.topic).partitions
             self._permits = max(1, receiver_queue_size // partitions)
-            self._epoch = dict.fromkeys(range(partitions), 0)
-            self._attaching = dict.fromkeys(range(partitions), False)
-            self._taken = dict.fromkeys(range(partitions), 0)
-            # positions acknowledged while a re-attach may have had the broker send them
-            # again: dropped from later batches (position -> when the ack started)
-            self._in_doubt: dict[int, dict[tuple[int, int, int], float]] = {
-                p: {} for p in range(partitions)}
-            # acks under way (id -> batch): put in doubt only if a re-attach comes meanwhile
-            self._acking: dict[int, dict[int, pa.RecordBatch]] = {
-                p: {} for p in range(partitions)}
-            self._ack_ids = itertools.count()
-            self._doubt_lock = threading.Lock()
-            sub = {"name": subscription, "type": self.mode, "consumer": self.name,
-                   "initial": (initial or Offset.latest()).to_dict(), "permits": self._permits,
-                   "ack_timeout_s": self.ack_timeout, "max_redeliveries": max_redeliveries,
-                   "dead_letter_topic": dead_letter_topic}
-            self._tickets = {p: {"op": "consume", "topic": self.topic, "partition": p,
-                                 "key_ranges": ranges, "subscription": sub}
-                             for p in range(partitions)}
+            self._sub: dict[str, Any] = {
+                "name": subscription, "type": self.mode, "consumer": self.name,
+                "initial": (initial or Offset.latest()).to_dict(), "permits": self._permits,
+                "ack_timeout_s": self.ack_timeout, "max_redeliveries": max_redeliveries,
+                "dead_letter_topic": dead_letter_topic, "ranges": ranges}
             # every stream opens before this returns: attach errors (a second exclusive
             # consumer, overlapping ranges, another type) surface here
-            for p, ticket in self._tickets.items():
-                self._readers[p] = self._open(ticket)
+            self._add_partitions(range(partitions), self._sub["initial"])
         except BaseException:
             self.close()
             raise
-        # later attaches start where the subscription is, not at ``initial``
-        for ticket in self._tickets.values():
-            ticket["subscription"] = {**sub, "initial": None}
-        self._threads = [threading.Thread(target=self._pump, args=(p,), daemon=True,
-                                          name=f"tierstream-consumer-{self.name}-p{p}")
-                         for p in self._tickets]
-        for t in self._threads:
-            t.start()
+        self._watcher = threading.Thread(target=self._watch, daemon=True,
+                                         name=f"tierstream-consumer-{self.name}-watch")
+        self._watcher.start()
+
+    def _add_partitions(self, partitions: Iterable[int], initial: dict[str, Any] | None
+                        ) -> None:
+        """Attach to ``partitions`` (a cursor made there starts at ``initial``) and pump
+        each into the queue; later re-attaches start where the subscription is."""
+        sub = {k: v for k, v in self._sub.items() if k != "ranges"}
+        for p in partitions:
+            self._epoch[p], self._attaching[p], self._taken[p] = 0, False, 0
+            self._in_doubt[p], self._acking[p] = {}, {}
+            ticket = {"op": "consume", "topic": self.topic, "partition": p,
+                      "key_ranges": self._sub["ranges"], "subscription": {**sub,
+                                                                          "initial": initial}}
+            self._readers[p] = self._open(ticket)
+            self._tickets[p] = {**ticket, "subscription": {**sub, "initial": None}}
+        for p in partitions:
+            thread = threading.Thread(target=self._pump, args=(p,), daemon=True,
+                                      name=f"tierstream-consumer-{self.name}-p{p}")
+            self._threads.append(thread)
+            thread.start()
+
+    def _watch(self) -> None:
+        """Attach to the partitions a scale event adds, from their beginning (the broker
+        holds a key's messages there until its earlier ones are acknowledged)."""
+        while not self._stop.wait(_WATCH_S):
+            try:
+                partitions = self._admin.get_topic(self.topic).partitions
+                grown = [p for p in range(partitions) if p not in self._tickets]
+                if grown:
+                    self._add_partitions(grown, Offset.earliest().to_dict())
+            except UnavailableError:
+                continue  # a broker restart: the pumps ride it out, and so does this
+            except TierstreamError as exc:  # e.g. the topic was deleted
+                put(self._queue, (-1, exc), self._stop)
+                return
 
     def _open(self, ticket: dict[str, Any]) -> Any:
         reader = self._client.consume(ticket)
@@ -337,6 +364,9 @@ class Consumer:
         if self._stop.is_set():
             return
         self._stop.set()
+        watcher = getattr(self, "_watcher", None)
+        if watcher is not None:
+            watcher.join(timeout=5)
         for p in self._readers:
             with contextlib.suppress(TierstreamError):  # a broker that is down detached us
                 self._client.action("close-consumer", {

@@ -37,6 +37,7 @@ class SegmentPlan(NamedTuple):
     key_ranges: tuple[KeyRange, ...]
     max_split_bytes: int
     facts: dict[str, Any]
+    chain: int | None = None  # see Split.chain
 
     @property
     def _chunked(self) -> bool:
@@ -68,7 +69,7 @@ class SegmentPlan(NamedTuple):
                             key_range=r, start_time=self.start_time, end_time=self.end_time,
                             estimated_bytes=int(per_entry * entries * (r.hi - r.lo)
                                                 / KEY_HASH_SLOTS),
-                            **self.facts)
+                            chain=self.chain, **self.facts)
 
 
 class PartitionPlan(NamedTuple):
@@ -84,6 +85,7 @@ class PartitionPlan(NamedTuple):
     key_ranges: tuple[KeyRange, ...]
     reader: ReaderKind | None  # forced, or None: by where the data lives
     max_split_bytes: int
+    chain: int | None = None  # see Split.chain
 
     def records(self) -> Iterator[SegmentRecord]:
         """The records of the segments between ``start`` and ``end``, in log order."""

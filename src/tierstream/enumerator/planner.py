@@ -199,7 +199,7 @@ class Enumerator:
                                            lost_by_partition.get(p, []), windows[p], ranges)
             if planned is not None:
                 out.append(planned)
-        return out
+        return _chained(topic, out)
 
     def _plan_partition(self, topic: TopicRecord, p: int, query: Query,
                         window: tuple[int | None, int | None],
@@ -207,7 +207,9 @@ class Enumerator:
                         segments: list[SegmentRecord], ranges: tuple[KeyRange, ...]
                         ) -> PartitionPlan | None:
         t0, t1 = window
-        start = self._start_position(topic.name, p, query, t0, latest, segments, deleted)
+        if _grown_since(query.end, p, topic):
+            return None  # the end cut was taken before this partition existed
+        start = self._start_position(topic, p, query, t0, latest, segments, deleted)
         end: Position | None
         if query.end is None:
             end = None
@@ -233,13 +235,14 @@ class Enumerator:
                 out.append(planned)
         return out
 
-    def _start_position(self, topic: str, p: int, query: Query, t0: int | None,
+    def _start_position(self, record: TopicRecord, p: int, query: Query, t0: int | None,
                         latest: Callable[[], StreamCut], segments: list[SegmentRecord],
                         deleted: list[dict[str, Any]]) -> Position | None:
-        start = query.start
+        start, topic = query.start, record.name
         if _is_latest(start):
             return latest().get(p)
-        if isinstance(start, Offset) and start.kind is OffsetKind.EARLIEST:
+        if (isinstance(start, Offset) and start.kind is OffsetKind.EARLIEST) \
+                or _grown_since(start, p, record):  # a cut from before p: all of p
             first_id = self.metadata.first_segment_id(topic, p)
             return Position(p, first_id, 0, 0) if first_id is not None else None
         if isinstance(start, Offset) and start.kind is OffsetKind.TIME:
@@ -297,7 +300,41 @@ class Enumerator:
         # a chunk bounds what one split reads: a bookie-log split reads its whole entry range
         # whatever its key range, so chunks are sized by max_split_bytes alone
         return SegmentPlan(part.topic, seg, seg_start, seg_end, kind, part.start_time,
-                           part.end_time, part.key_ranges, part.max_split_bytes, facts)
+                           part.end_time, part.key_ranges, part.max_split_bytes, facts,
+                           part.chain)
+
+
+def _grown_since(bound: Bound | None, p: int, topic: TopicRecord) -> bool:
+    """Whether ``bound`` is a cut taken before partition ``p`` was grown (it has no position
+    for ``p``): as a start, all of ``p`` follows it; as an end, none of ``p`` precedes it."""
+    return isinstance(bound, StreamCut) and bound.get(p) is None \
+        and topic.lineage.created_by(p) is not None
+
+
+def _chained(topic: TopicRecord, plans: list[PartitionPlan]) -> list[PartitionPlan]:
+    """``plans`` with each grown partition joined to the chain of the nearest ancestor whose
+    data from before the partition's keys left it is in the read (``lineage.py``): read in
+    one chain, every key's messages come out in log order across the scale events. Without
+    such data the partition stays a chain of its own (a read after the event keeps all of
+    its parallelism)."""
+    lineage = topic.lineage
+    if not lineage or len(plans) < 2:
+        return plans
+    by_partition = {plan.start.partition: plan for plan in plans}
+    chain: dict[int, int] = {}
+    out = []
+    for plan in sorted(plans, key=lambda pl: pl.start.partition):
+        p = plan.start.partition
+        up = lineage.parent(p)
+        while up is not None:
+            parent, event = up
+            found = by_partition.get(parent)
+            if found is not None and found.start < event.boundary(parent):
+                chain[p] = chain.get(parent, parent)
+                break
+            up = lineage.parent(parent)
+        out.append(plan._replace(chain=chain.get(p)))
+    return out
 
 
 def _reader_for(seg: SegmentRecord, forced: ReaderKind | None) -> ReaderKind:

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from tierstream.client.admin import Admin
 
 __all__ = ["GUESS_BYTES_PER_MESSAGE", "advance_cuts", "bytes_per_message", "count_between",
-           "earliest_cut"]
+           "earliest_cut", "with_grown"]
 
 #: Bytes per message assumed for a byte read limit before a topic has any message to measure:
 #: the first micro-batch is then sized by it, every later one by the topic's real average.
@@ -30,8 +30,23 @@ def earliest_cut(admin: Admin, latest: StreamCut) -> StreamCut:
         p: Position(p, first[p], 0, 0) if p in first else latest[p] for p in latest.partitions})
 
 
+def with_grown(admin: Admin, begin: StreamCut, latest: StreamCut) -> StreamCut:
+    """``begin`` with a position for every partition of ``latest``: a partition grown since
+    ``begin`` was taken starts at its beginning."""
+    missing = [p for p in latest.partitions if begin.get(p) is None]
+    if not missing:
+        return begin
+    first = earliest_cut(admin, latest)
+    return StreamCut.of(begin.topic, {**{p: first[p] for p in missing},
+                                      **dict(begin.positions)})
+
+
 def advance_cuts(admin: Admin, begin: Cuts, target: Cuts, budget: int) -> Cuts:
-    """Spend ``budget`` messages fairly over the (topic, partition)s that have new data."""
+    """Spend ``budget`` messages fairly over the (topic, partition)s that have new data.
+
+    A partition grown at a scale event does not move while the end of its parent stays
+    before the event: a key's messages from after the event are never in an earlier batch
+    than its messages from before it (``lineage.py``)."""
     ends = {(t, p): begin[t][p] for t in begin for p in begin[t].partitions}
     active = [k for k in sorted(ends) if k[0] in target and ends[k] < target[k[0]][k[1]]]
     while budget > 0 and active:
@@ -50,6 +65,14 @@ def advance_cuts(admin: Admin, begin: Cuts, target: Cuts, budget: int) -> Cuts:
     out: dict[str, dict[int, Position]] = {}
     for (t, p), pos in ends.items():
         out.setdefault(t, {})[p] = pos
+    for t, positions in out.items():
+        lineage = admin.get_topic(t).lineage
+        for p in sorted(positions):  # ancestors first: a held one holds its descendants
+            # an ancestor at its target has nothing more from before the event (the event
+            # sealed that part; its end may lie before the boundary when nothing came after)
+            if any(a in positions and positions[a] < event.boundary(a)
+                   and positions[a] < target[t][a] for a, event in lineage.ancestors(p)):
+                positions[p] = begin[t][p]
     return {t: StreamCut.of(t, positions) for t, positions in out.items()}
 
 

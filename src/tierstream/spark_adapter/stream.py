@@ -37,6 +37,7 @@ from tierstream.enumerator.streaming import (
     bytes_per_message,
     count_between,
     earliest_cut,
+    with_grown,
 )
 from tierstream.errors import ConfigError
 from tierstream.spark_adapter.partitions import read_partition, spark_partitions
@@ -150,9 +151,10 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
             self._move_cursor(start, admin)
             # AvailableNow: what existed when the query started
             target = dict(self._target) if self._target is not None else self._latest(admin)
-            for topic in target:  # a topic new since the last batch starts at its beginning
-                if topic not in begin:
+            for topic in target:  # a topic (or partition) new since the last batch starts
+                if topic not in begin:  # at its beginning
                     begin[topic] = earliest_cut(admin, target[topic])
+                begin[topic] = with_grown(admin, begin[topic], target[topic])
             if self._too_few(admin, begin, target):
                 return start  # wait for minRecordsPerTrigger, up to maxTriggerDelay
             self._last_batch = time.monotonic()

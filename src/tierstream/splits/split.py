@@ -84,6 +84,11 @@ class Split:
     tier: TierLocation = field(default_factory=TierLocation)
     broker: str | None = None
     estimated_bytes: int = 0
+    #: The partition whose chain this split joins, None: its own. A partition grown at a
+    #: scale event joins the chain of the partition its keys came from when the read holds
+    #: that partition's data from before the event (``lineage.py``): read in one chain, in
+    #: partition order, every key's messages come out in log order across the event.
+    chain: int | None = None
 
     def __post_init__(self) -> None:
         if self.start.partition != self.partition or (
@@ -114,6 +119,7 @@ class Split:
             "tier_bytes": self.tier_bytes,
             "tier": {"s3_endpoint": self.tier.s3_endpoint, "s3_region": self.tier.s3_region},
             "broker": self.broker, "estimated_bytes": self.estimated_bytes,
+            "chain": self.chain,
         }
 
     def to_json(self) -> str:
@@ -137,6 +143,7 @@ class Split:
                 tier_url=data.get("tier_url"), tier_bytes=data.get("tier_bytes"),
                 tier=TierLocation(**(data.get("tier") or {})), broker=data.get("broker"),
                 estimated_bytes=int(data.get("estimated_bytes") or 0),
+                chain=None if data.get("chain") is None else int(data["chain"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"malformed split: {exc!r}") from None
@@ -168,11 +175,14 @@ def splits_from_json(text: str, *, what: str = "splits") -> list[Split]:
 def chains(splits: list[Split]) -> list[list[Split]]:
     """The splits grouped by (topic, partition, key range), each group in log order: read a
     group's splits one after another and every key's messages come out in log order (key
-    ranges never share a key). In order of first appearance."""
+    ranges never share a key). A grown partition's splits join the group of the partition
+    their keys came from (``Split.chain``), after it: parents have lower numbers. In order of
+    first appearance."""
     groups: dict[tuple[str, int, KeyRange], list[Split]] = {}
     for split in splits:
-        groups.setdefault((split.topic, split.partition, split.key_range), []).append(split)
-    return [sorted(g, key=lambda s: s.start) for g in groups.values()]
+        root = split.partition if split.chain is None else split.chain
+        groups.setdefault((split.topic, root, split.key_range), []).append(split)
+    return [sorted(g, key=lambda s: (s.partition, s.start)) for g in groups.values()]
 
 
 @dataclass(frozen=True)
