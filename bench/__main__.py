@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench import (
+    elastic_bench,
     framework_bench,
     latency_fs_bench,
     remote_bench,
@@ -51,6 +52,8 @@ BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
                               "producer on the same rows; ms per micro-batch commit"),
     "schema": (schema_bench.schema, "decoding typed values (Avro, JSON) beside the codec "
                                     "library alone; Spark valueFormat=auto beside raw"),
+    "elastic": (elastic_bench.elastic, "reading a window across a 2 -> 8 scale event beside "
+                                       "the same messages in a never-scaled topic"),
     "layout": (tier_bench.layout, "bytes a k=4 key-range read and a 10% time window fetch, "
                                   "key-bucket layout vs log order"),
 }
