@@ -258,6 +258,14 @@ OPTIONS: dict[str, Option] = {
         Option(key="tierCheckInterval", parse=_duration, default=30_000,
                kind="a duration such as 500ms or 30s",
                description="How often the broker applies offload, deletion and retention."),
+        Option(key="autoScaleRate", parse=_positive_int, default=None,
+               kind="messages per second, an integer >= 1",
+               description="Grow a topic (double its partitions, at a scale event) when every "
+                           "one of its partitions stays above this rate for autoScaleWindow; "
+                           "off by default."),
+        Option(key="autoScaleWindow", parse=_duration, default=60_000,
+               kind="a duration such as 30s or 5m",
+               description="How long every partition must stay above autoScaleRate."),
         Option(key="transactionTimeout", parse=_duration, default=15 * 60_000,
                kind="a duration such as 30s or 15m",
                description="A transaction neither committed nor written to for this long is "

@@ -158,13 +158,12 @@ def test_a_transaction_staged_before_a_scale_event_commits_by_the_new_routing(br
         admin.create_topic(TOPIC, 2)
     rows = pa.table({"key": [f"k{i % 23}" for i in range(300)],
                      "value": [f"t{i}".encode() for i in range(300)]})
-    with Producer(TOPIC, broker=broker.url, name="p") as producer:
-        with producer.transaction():
-            producer.send_many({"key": f"k{i % 23}", "value": f"p{i}"} for i in range(100))
-            with Transaction(broker=broker.url) as txn:
-                txn.write(TOPIC, rows)
-                with Admin(broker.url) as admin:
-                    record = admin.set_partitions(TOPIC, 6)  # both are staged, not committed
+    with Producer(TOPIC, broker=broker.url, name="p") as producer, producer.transaction():
+        producer.send_many({"key": f"k{i % 23}", "value": f"p{i}"} for i in range(100))
+        with Transaction(broker=broker.url) as txn:
+            txn.write(TOPIC, rows)
+            with Admin(broker.url) as admin:
+                record = admin.set_partitions(TOPIC, 6)  # both are staged, not committed
     table = read_all(broker.url, TOPIC)
     assert sorted(table.column("value").to_pylist()) == sorted(
         [f"t{i}".encode() for i in range(300)] + [f"p{i}".encode() for i in range(100)])
@@ -176,3 +175,38 @@ def test_a_transaction_staged_before_a_scale_event_commits_by_the_new_routing(br
             by_key.setdefault(key, []).append(value)
     for values in by_key.values():  # each key's rows of a transaction stay in order
         assert values == sorted(values, key=lambda v: int(v[1:]))
+
+
+def test_a_busy_topic_grows_by_itself_and_a_quiet_one_does_not(start_broker) -> None:
+    broker = start_broker("--no-fsync", "--auto-scale-rate", "100", "--auto-scale-window", "2s")
+    busy, quiet = TOPIC, "acme/web/quiet"
+    with Admin(broker.url) as admin:
+        admin.create_topic(busy, 1)
+        admin.create_topic(quiet, 1)
+    stop = threading.Event()
+
+    def write(topic: str, per_send: int, pause: float) -> None:
+        with Producer(topic, broker=broker.url) as producer:
+            while not stop.is_set():
+                producer.send_many({"key": f"k{i}", "value": b"v"} for i in range(per_send))
+                stop.wait(pause)  # a pacing interval: the quiet topic sends ~5 msg/s
+
+    writers = [threading.Thread(target=write, args=(busy, 200, 0), daemon=True),
+               threading.Thread(target=write, args=(quiet, 1, 0.2), daemon=True)]
+    for w in writers:
+        w.start()
+    try:
+        with Admin(broker.url) as admin:
+            wait_for(lambda: admin.get_topic(busy).partitions >= 2, timeout=scaled(60),
+                     what="the busy topic to grow")
+            grown, calm = admin.get_topic(busy), admin.get_topic(quiet)
+    finally:
+        stop.set()
+        for w in writers:
+            w.join(scaled(30))
+    assert calm.partitions == 1 and not calm.scale_events
+    event = grown.scale_events[0]
+    assert (event.old, event.new) == (1, 2)
+    assert event.reason.startswith("auto-scale: every partition above 100 msg/s for 2 seconds")
+    shown = _cli(broker.url, "topic", "get", busy)
+    assert "scale event 1: 1 -> 2 partitions (auto-scale: every partition" in shown.stdout

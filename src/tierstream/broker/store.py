@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tierstream.bookie.storage import Bookie
+from tierstream.broker.auto_scale import AutoScaler
 from tierstream.broker.config import StoreConfig
 from tierstream.broker.recovery import RecoveryReport, recover_open_segments
 from tierstream.broker.transaction_coordinator import TransactionCoordinator
@@ -74,6 +75,8 @@ class Store:
             self._open_topic(topic, opened)
         self.transactions = TransactionCoordinator(self, timeout_ms=config.transaction_timeout_ms)
         self.transactions.recover()  # a commit a crash interrupted is finished first
+        self._auto_scale = None if config.auto_scale_rate is None else AutoScaler(
+            self, config.auto_scale_rate, config.auto_scale_window_ms)
         self._last_txn_pass = time.monotonic()
         self._timer = threading.Thread(target=self._housekeeping, name="store-housekeeping",
                                        daemon=True)
@@ -313,6 +316,11 @@ class Store:
                 except Exception:  # keep housekeeping alive; log and go on
                     log.exception("housekeeping failed for %s/%s", plog.topic, plog.partition)
             now = time.monotonic()
+            if self._auto_scale is not None:
+                try:
+                    self._auto_scale.check(now)
+                except Exception:
+                    log.exception("auto-scaling failed; retrying at the next pass")
             if now - self._last_txn_pass >= min(10.0, self.config.transaction_timeout_ms / 4000):
                 self._last_txn_pass = now
                 try:

@@ -76,6 +76,9 @@ def broker_start(
         = None,
     transaction_timeout: Annotated[
         str | None, typer.Option(help=_help("transactionTimeout"))] = None,
+    auto_scale_rate: Annotated[int | None, typer.Option(help=_help("autoScaleRate"))] = None,
+    auto_scale_window: Annotated[str | None, typer.Option(help=_help("autoScaleWindow"))]
+        = None,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "INFO",
 ) -> None:
     """Start the broker in the foreground; SIGTERM or Ctrl-C stops it cleanly.
@@ -97,6 +100,7 @@ def broker_start(
         "catalogUri": catalog_uri, "offloadAfter": offload_after,
         "offloadThreshold": offload_threshold, "deletionLag": deletion_lag,
         "tierCheckInterval": tier_check_interval, "transactionTimeout": transaction_timeout,
+        "autoScaleRate": auto_scale_rate, "autoScaleWindow": auto_scale_window,
     })
 
     def ready(url: str) -> None:

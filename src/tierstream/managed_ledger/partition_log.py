@@ -111,6 +111,7 @@ class PartitionLog(PartitionPositions):
         self._stats_dirty = False
         self.replica_failures = 0
         self._gone = threading.Event()  # the topic was deleted: no appends, reads end
+        self.appended = 0  # messages appended since the broker started (auto-scaling)
         self._held = False  # a transaction commit is being applied: see hold()
         if open_record is None:
             self._open = self._new_open_segment()
@@ -146,6 +147,7 @@ class PartitionLog(PartitionPositions):
                     f"topic {self.topic!r} now has {self.routing} partitions: a batch routed "
                     f"by {routed} is not stored; route it again", partitions=self.routing)
             self._roll_if_due(now_ms())
+            self.appended += batch.num_rows
             seg = self._open
             entry_id = seg.next_entry
             seg.next_entry += 1

@@ -1,0 +1,63 @@
+"""Growing busy topics by themselves (Pravega's scaling policy, off by default).
+
+With ``--auto-scale-rate N`` the broker samples every partition's appended messages at each
+housekeeping pass; a topic whose every partition stayed above N messages/s over the last
+``--auto-scale-window`` doubles its partitions at a scale event (``Store.set_partitions``,
+reason ``auto-scale: ...``: visible in ``tierstream topic get`` and ``segments``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import TYPE_CHECKING
+
+from tierstream.timeutil import describe_duration
+
+if TYPE_CHECKING:
+    from tierstream.broker.store import Store
+
+__all__ = ["AutoScaler"]
+
+log = logging.getLogger(__name__)
+
+
+class AutoScaler:
+    def __init__(self, store: Store, rate: int, window_ms: int) -> None:
+        self._store = store
+        self.rate = rate
+        self.window_s = window_ms / 1000
+        # per topic: (monotonic time, messages appended per partition) samples, oldest first
+        self._samples: dict[str, deque[tuple[float, list[int]]]] = {}
+        self._capped: set[str] = set()
+
+    def check(self, now: float) -> None:
+        """Sample every topic once; grow those busy for the whole window."""
+        for topic in self._store.topics():
+            logs = self._store.partitions(topic.name)
+            counts = [plog.appended for plog in logs]
+            samples = self._samples.setdefault(topic.name, deque())
+            if samples and len(samples[-1][1]) != len(counts):
+                samples.clear()  # it grew: measure the new partitions from now on
+            samples.append((now, counts))
+            while len(samples) > 2 and samples[1][0] <= now - self.window_s:
+                samples.popleft()  # keep one sample at or before the window's start
+            start, first = samples[0]
+            if now - start < self.window_s:
+                continue
+            slowest = min((c - f) / (now - start) for c, f in zip(counts, first, strict=True))
+            if slowest <= self.rate:
+                continue
+            grow = 2 * len(counts)
+            if grow > self._store.config.max_partitions_per_topic:
+                if topic.name not in self._capped:
+                    self._capped.add(topic.name)
+                    log.warning("%s is above the auto-scale rate but cannot double its %d "
+                                "partitions (--max-partitions-per-topic)", topic.name,
+                                len(counts))
+                continue
+            reason = (f"auto-scale: every partition above {self.rate} msg/s for "
+                      f"{describe_duration(int(self.window_s * 1000))} (slowest "
+                      f"{slowest:,.0f} msg/s)")
+            self._store.set_partitions(topic.name, grow, reason=reason)
+            samples.clear()
