@@ -76,6 +76,9 @@ def test_a_read_after_the_event_keeps_its_parallelism(tmp_path: Path) -> None:
                 assert s.chain == (parent if parent in before else None), s
             else:
                 assert s.chain is None
+        roots = len({s.chain if s.chain is not None else s.partition for s in everything})
+        # key ranges still multiply the parallelism of a grown topic
+        assert len(chains(list(plan(TOPIC, key_ranges=3, **log.kw())))) == 3 * roots
         cut = {p: event.boundary(p) for p in range(event.old)}
         later = plan(TOPIC, start=StreamCut.of(TOPIC, cut), **log.kw())
         assert later and all(s.chain is None for s in later)
@@ -187,3 +190,42 @@ def test_key_shared_and_exclusive_subscriptions_keep_key_order_across_scale_even
         for kind, rows in got.items():
             keys, values = zip(*rows, strict=True)
             assert order_errors(written, keys, values) == [], kind
+
+
+def test_cuts_on_both_sides_of_an_event_split_the_log_exactly(tmp_path: Path) -> None:
+    """A cut taken before an event (without the grown partitions) and one taken after it:
+    backfill to a cut, then tail from it, is exactly the log, each key in order."""
+    from tierstream.local import latest_cut
+
+    with running_log(tmp_path / "data", maxEntriesPerSegment=4) as log:
+        written = grow_while_writing(log.url, TOPIC, 8, messages=300, events=1)
+        before = latest_cut(TOPIC, **log.kw())  # all of it so far, 1 event in
+        grow_while_writing(log.url, TOPIC, 9, messages=300, events=2, written=written,
+                           create=False)
+        after = latest_cut(TOPIC, **log.kw())
+        assert len(after.partitions) > len(before.partitions)
+        for cut in (before, after):
+            head = read(TOPIC, end=cut, **log.kw())
+            tailed = _tail_until(TOPIC, cut, written.total - head.num_rows, log)
+            both = pa.Table.from_batches([*head.select(["key", "value"]).to_batches(),
+                                          *tailed])
+            assert order_errors(written, both.column("key").to_pylist(),
+                                both.column("value").to_pylist()) == []
+
+
+def _tail_until(topic: str, cut: Any, rows: int, log: Any) -> list[pa.RecordBatch]:
+    """What ``tail(start=cut)`` hands over until it has ``rows`` rows."""
+    got: list[pa.RecordBatch] = []
+    following = tail(topic, start=cut, key_ranges=2, **log.kw())
+
+    def collect() -> None:
+        for batch in following:
+            got.append(batch.select(["key", "value"]))
+
+    threading.Thread(target=collect, daemon=True).start()
+    try:
+        wait_for(lambda: sum(b.num_rows for b in got) >= rows, timeout=scaled(60),
+                 what="the tail to catch up")
+    finally:
+        following.close()
+    return got
