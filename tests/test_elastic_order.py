@@ -44,18 +44,23 @@ def test_reads_and_tails_keep_each_keys_order_across_scale_events(tmp_path: Path
         finally:
             written_all.set()
         assert len(written.counts) >= 2
-        try:
-            wait_for(lambda: sum(b.num_rows for b in rows) >= written.total,
-                     timeout=scaled(120), what="the tail to catch up")
-        finally:
-            following.close()
-        tailed = pa.Table.from_batches(rows)
-        assert order_errors(written, tailed.column("key").to_pylist(),
-                            tailed.column("value").to_pylist()) == []
+        _check_tailed(written, rows, following)
         for key_ranges in (1, 3):
             table = read(TOPIC, key_ranges=key_ranges, **log.kw())
             assert order_errors(written, table.column("key").to_pylist(),
                                 table.column("value").to_pylist()) == []
+
+
+def _check_tailed(written: Any, rows: list[Any], following: Any) -> None:
+    """Once the tail handed over everything written: each message once, each key in order."""
+    try:
+        wait_for(lambda: sum(b.num_rows for b in rows) >= written.total,
+                 timeout=scaled(120), what="the tail to catch up")
+    finally:
+        following.close()
+    tailed = pa.Table.from_batches(rows)
+    assert order_errors(written, tailed.column("key").to_pylist(),
+                        tailed.column("value").to_pylist()) == []
 
 
 def test_a_read_after_the_event_keeps_its_parallelism(tmp_path: Path) -> None:
@@ -123,14 +128,7 @@ def test_a_lagging_tail_hands_over_a_moved_keys_messages_after_its_earlier_ones(
                 admin.set_partitions(TOPIC, 4)
             send(producer, 1501, 600)
         resume.set()
-        try:
-            wait_for(lambda: sum(b.num_rows for b in rows) >= written.total,
-                     timeout=scaled(120), what="the tail to catch up")
-        finally:
-            following.close()
-        tailed = pa.Table.from_batches(rows)
-        assert order_errors(written, tailed.column("key").to_pylist(),
-                            tailed.column("value").to_pylist()) == []
+        _check_tailed(written, rows, following)
 
 
 @pytest.mark.parametrize("seed", [4, 5])

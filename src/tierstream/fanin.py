@@ -70,12 +70,16 @@ def put(out: queue.Queue[Any], item: Any, cancel: Cancel | threading.Event) -> b
     return False
 
 
-def drain(out: queue.Queue[Any], producers: int, cancel: Cancel | None = None
-          ) -> Iterator[Any]:
+def drain(out: queue.Queue[Any], producers: int, cancel: Cancel | None = None, *,
+          tick: Callable[[], int] | None = None) -> Iterator[Any]:
     """Items from ``out`` until ``producers`` threads have each put :data:`DONE` (or until
-    ``cancel`` is set); an exception a producer put is raised here, in the consuming thread."""
+    ``cancel`` is set); an exception a producer put is raised here, in the consuming thread.
+    ``tick`` (with ``cancel``) is called at least every 0.1 s and returns how many producer
+    threads it started meanwhile."""
     finished = 0
     while finished < producers:
+        if tick is not None:
+            producers += tick()
         if cancel is None:
             item = out.get()
         else:

@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from tierstream.client.admin import Admin
 from tierstream.errors import UnavailableError
-from tierstream.fanin import DONE, Cancel, put
+from tierstream.fanin import DONE, Cancel, drain, put
 from tierstream.readers import open_reader
 from tierstream.splits.positions import KeyRange, Position
 from tierstream.splits.split import ReaderKind, Split, StreamCut
@@ -112,32 +112,23 @@ def follow(topic: str, cut: StreamCut, ranges: Sequence[KeyRange], *, broker: st
 
     try:
         with Admin(broker, auth_token=auth_token) as admin:
-            for p in sorted(starts):
-                start(p, [])
-            finished = 0
             poll = time.monotonic() + POLL_S
-            while finished < readers and not stop.is_set():
-                try:
-                    item = out.get(timeout=max(0.0, poll - time.monotonic()))
-                except queue.Empty:
-                    item = None
-                if stop.is_set():
-                    break
-                if time.monotonic() >= poll:  # a busy tail looks as often as an idle one
+
+            def look() -> int:  # a busy tail looks as often as an idle one
+                nonlocal poll
+                before = readers
+                if time.monotonic() >= poll and not stop.is_set():
                     try:
                         for p, gates in _grown(admin, topic, starts):
                             start(p, gates)
                     except UnavailableError:  # a broker restart: the readers ride it out
                         pass  # (or fail, after reconnectTimeout); look again next time
                     poll = time.monotonic() + POLL_S
-                if item is None:
-                    continue
-                if item is DONE:
-                    finished += 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
+                return readers - before
+
+            for p in sorted(starts):
+                start(p, [])
+            yield from drain(out, readers, stop, tick=look)
     finally:
         stop.set()
         unlink()
