@@ -84,3 +84,40 @@ def test_a_stream_restarted_across_scale_events_reads_once_in_key_order(
                for places in where.values() for b, _ in places)
     assert len(written.counts) == 4
     assert order_errors(written, [r.key for r in rows], [bytes(r.value) for r in rows]) == []
+
+
+def test_a_running_stream_takes_grown_partitions_at_its_next_trigger(
+        spark: Any, tmp_path: Path) -> None:
+    from pyspark.sql import functions as F
+
+    from ..store.helpers import wait_for
+    from ..timing import scaled
+
+    seen: list[Any] = []
+
+    def keep(df: Any, batch_id: int) -> None:
+        seen.extend(df.select("key", "value", F.lit(batch_id).alias("batch"),
+                              F.spark_partition_id().alias("pid"),
+                              F.monotonically_increasing_id().alias("idx")).collect())
+
+    with running_log(tmp_path / "data", maxEntriesPerSegment=5) as log:
+        register(spark)
+        with Admin(log.url) as admin:
+            admin.create_topic(TOPIC, 2)
+        query = (spark.readStream.format("tierstream")
+                 .options(topic=TOPIC, broker=log.url, dataDir=str(log.data_dir),
+                          startingPosition="earliest", maxRecordsPerTrigger="150").load()
+                 .writeStream.foreachBatch(keep)
+                 .option("checkpointLocation", str(tmp_path / "ckpt"))
+                 .trigger(processingTime="200 milliseconds").start())
+        try:
+            written = grow_while_writing(log.url, TOPIC, 31, messages=450, events=2,
+                                         create=False)
+            wait_for(lambda: len(seen) >= written.total or query.exception() is not None,
+                     timeout=scaled(120), what="the running query to read everything")
+        finally:
+            query.stop()
+        assert query.exception() is None
+    rows, _ = _in_order(seen)
+    assert len(written.counts) == 3
+    assert order_errors(written, [r.key for r in rows], [bytes(r.value) for r in rows]) == []
