@@ -12,6 +12,7 @@ import contextlib
 import queue
 import threading
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
@@ -31,9 +32,11 @@ from tierstream.security import read_pem
 from tierstream.splits.positions import KeyRange, Offset, OffsetKind
 from tierstream.splits.split import ReaderKind, Split, StreamCut, chains
 
-__all__ = ["Following", "latest_cut", "plan", "read", "scan", "tail"]
+__all__ = ["Following", "latest_cut", "phases", "plan", "read", "run_splits", "scan", "tail"]
 
 BoundLike = Offset | StreamCut | str | int | datetime
+Chain = list[Split]  # read one after another
+Phase = list[Chain]  # chains read in parallel
 
 
 def _bound(value: BoundLike | None, what: str) -> Offset | StreamCut | None:
@@ -107,53 +110,133 @@ def run_splits(splits: Sequence[Split], *, parallelism: int | None = None,
 
     Splits of one (topic, partition, key range) are read one after another in log order;
     different ones run in parallel. Key ranges never share a key, so each key's messages come
-    out in log order across the whole read; parallelism is partitions x key ranges. Memory is
-    bounded by a small queue.
+    out in log order across the whole read; parallelism is partitions x key ranges. The key
+    ranges of one bookie segment are read once, whole (see :func:`phases`). Memory is bounded
+    by a small queue.
     """
-    groups = chains(list(splits))
-    if not groups:
+    roots = phases(chains(list(splits)))
+    total = sum(len(phase) for root in roots for phase in root)
+    if not total:
         return
-    workers = max(1, min(parallelism or 8, len(groups)))
+    width = sum(max(len(phase) for phase in root) for root in roots)
+    workers = max(1, min(parallelism or 8, width))
     out: queue.Queue[Any] = queue.Queue(maxsize=4 * workers)
-    pending: queue.SimpleQueue[list[Split]] = queue.SimpleQueue()
-    for chain in groups:
-        pending.put(chain)
+    pending: queue.SimpleQueue[tuple[int, int, Chain]] = queue.SimpleQueue()
+    lock = threading.Lock()
+    left = {(r, 0): len(root[0]) for r, root in enumerate(roots)}  # chains of a phase to go
+    unstarted = [total]
+    for r, root in enumerate(roots):
+        for chain in root[0]:
+            pending.put((r, 0, chain))
     # Set when the consumer leaves, or when ``cancel`` is (by its owner, from any thread):
     # interrupts tail reads waiting on the broker and ends the iteration.
     stop = Cancel()
     unlink = cancel.register(stop.set) if cancel is not None else None
 
-    def work(chain: list[Split]) -> None:
+    def work(chain: list[Split]) -> bool:
         try:
             for split in chain:
                 for batch in open_reader(split, auth_token=auth_token, cancel=stop,
                                          tls_ca=tls_ca, stats=stats):
                     if not put(out, batch, stop):
-                        return
+                        return False
+            return True
         except BaseException as exc:  # handed to the consuming thread
             if not stop.is_set():
                 put(out, exc, stop)
+            return False
         finally:
             put(out, DONE, stop)
 
+    def finished(r: int, p: int) -> None:
+        """A chain of phase ``p`` of root ``r`` ended well: the next phase starts when the
+        last one does (each key's splits of the phase are then all delivered)."""
+        with lock:
+            left[(r, p)] -= 1
+            if left[(r, p)] or p + 1 == len(roots[r]):
+                return
+            left[(r, p + 1)] = len(roots[r][p + 1])
+        for chain in roots[r][p + 1]:
+            pending.put((r, p + 1, chain))
+
     def worker() -> None:
         while not stop.is_set():
+            with lock:
+                if not unstarted[0]:
+                    return
             try:
-                chain = pending.get_nowait()
+                r, p, chain = pending.get(timeout=0.05)
             except queue.Empty:
-                return
-            work(chain)
+                continue  # a phase still running will queue the next one
+            with lock:
+                unstarted[0] -= 1
+            if work(chain):
+                finished(r, p)
 
     # Daemon threads: a following read blocked on the broker never holds up interpreter exit
     # (a ThreadPoolExecutor joins its threads at exit), and close() interrupts it at once.
     for i in range(workers):
         threading.Thread(target=worker, name=f"tierstream-read-{i}", daemon=True).start()
     try:
-        yield from drain(out, len(groups), stop)
+        yield from drain(out, total, stop)
     finally:
         stop.set()
         if unlink is not None:
             unlink()
+
+
+def phases(groups: list[Chain]) -> list[list[Phase]]:
+    """Chains (see :func:`~tierstream.splits.split.chains`) by root, each root as phases run
+    one after another, a phase's chains in parallel.
+
+    A key-range split of a segment on the bookies must read and verify every entry of it
+    (the ledger is in log order, not by key), so k ranges read separately cost k whole reads.
+    When the k chains of a root are aligned (the same segments with the same bounds, their
+    ranges together every key), each run of bookie steps becomes one phase of a single chain
+    that reads those segments whole: the same rows, each key in log order, read once. Steps
+    of other readers stay k parallel chains (a tier file's key buckets make a range read
+    cheap). Anything else is one phase of its chains, as planned."""
+    roots: dict[tuple[str, int], list[Chain]] = {}
+    for chain in groups:
+        first = chain[0]
+        roots.setdefault((first.topic, first.partition if first.chain is None
+                          else first.chain), []).append(chain)
+    out: list[list[Phase]] = []
+    for members in roots.values():
+        steps = _aligned(members)
+        if steps is None:
+            out.append([members])
+            continue
+        root: list[Phase] = []
+        whole_before: bool | None = None
+        for step in steps:
+            whole = step[0].reader is ReaderKind.BOOKIE
+            if whole is not whole_before:
+                root.append([[]] if whole else [[] for _ in step])
+                whole_before = whole
+            if whole:
+                root[-1][0].append(replace(step[0].whole(), estimated_bytes=sum(
+                    s.estimated_bytes for s in step)))
+            else:
+                for chain, split in zip(root[-1], step, strict=True):
+                    chain.append(split)
+        out.append(root)
+    return out
+
+
+def _aligned(members: list[Chain]) -> list[list[Split]] | None:
+    """The steps (one split per chain, in order) of a root's chains when they differ only in
+    their key ranges, and those ranges cover every key; else None."""
+    if len(members) < 2 or len({len(c) for c in members}) != 1:
+        return None
+    if not KeyRange.tile([c[0].key_range for c in members]):
+        return None
+    steps = [list(step) for step in zip(*members, strict=True)]
+    for step in steps:
+        head = step[0].whole()
+        if any(s.whole() != head for s in step[1:]):
+            return None
+    return steps
 
 
 def scan(topic: str | Sequence[str] | None = None, *, parallelism: int | None = None,

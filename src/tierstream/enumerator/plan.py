@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, overload
 
 from tierstream.message_format import KEY_HASH_SLOTS
 from tierstream.metadata.records import SegmentRecord, SegmentState
-from tierstream.splits.positions import KeyRange, Position
+from tierstream.splits.positions import KeyRange, Position, cut_entries
 from tierstream.splits.split import ReaderKind, Split
 
 __all__ = ["PartitionPlan", "Plan", "SegmentPlan", "no_gc"]
@@ -177,13 +177,7 @@ def _chunk_count(seg: SegmentRecord, start: Position, end: Position, max_bytes: 
 def entry_chunks(seg: SegmentRecord, start: Position, end: Position, max_bytes: int
                  ) -> list[tuple[Position, Position | None]]:
     """``[start, end)`` of one closed segment cut into entry ranges of about ``max_bytes``."""
-    n, first, entries = _chunk_count(seg, start, end, max_bytes)
+    n, _, _ = _chunk_count(seg, start, end, max_bytes)
     if n == 1:
         return [(start, end)]
-    bounds = [first + entries * i // n for i in range(n + 1)]
-    out: list[tuple[Position, Position | None]] = []
-    for i in range(n):
-        a = start if i == 0 else Position(seg.partition, seg.segment_id, bounds[i], 0)
-        b = end if i == n - 1 else Position(seg.partition, seg.segment_id, bounds[i + 1], 0)
-        out.append((a, b))
-    return out
+    return list(cut_entries(start, end, n))

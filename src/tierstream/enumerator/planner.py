@@ -148,11 +148,11 @@ class Enumerator:
                      for part in partitions for seg in part.records()]
             on_bookies = {sid for sid, kind in kinds if kind is ReaderKind.BOOKIE}
             if query.key_ranges > 1 and on_bookies:  # key ranges over log-ordered data
-                log.info("keyRanges=%d over %d bookie-resident segment(s): each key-range split "
-                         "reads and decodes all of its entries (%dx the work of one range; "
-                         "over a bookie endpoint the bookie filters, so the wire carries ~1x); "
-                         "tiered segments are bucketed by key and are not affected",
-                         query.key_ranges, len(on_bookies), query.key_ranges)
+                log.info("keyRanges=%d over %d bookie-resident segment(s): a key-range split "
+                         "read alone reads and verifies all of its entries (the local runner "
+                         "and Spark's partitioning=splits read each entry once; Spark's "
+                         "partitioning=key-ranges cannot); tiered segments are bucketed by "
+                         "key and are not affected", query.key_ranges, len(on_bookies))
         return Plan(partitions, self._segment_plans)
 
     def _replica(self, bookie_id: str) -> Replica:

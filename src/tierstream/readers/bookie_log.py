@@ -144,19 +144,70 @@ def _local_index(split: Split) -> tuple[list[IndexRecord], list[str]] | None:
 
 def _read_local(split: Split, records: list[IndexRecord], dirs: list[str]
                 ) -> Iterator[pa.RecordBatch]:
+    return _trimmed(split, _decoded_local(split, records, dirs))
+
+
+#: a key-range read filters this many entries at a time (one concatenation, one filter)
+GROUP_ENTRIES = 16
+
+
+def _trimmed(split: Split, entries: Iterator[tuple[int, int, int, pa.RecordBatch]]
+             ) -> Iterator[pa.RecordBatch]:
+    """Each decoded entry trimmed to ``split``. A split of every key passes most entries
+    through whole (zero-copy); a key-range split keeps about 1/k of each entry's rows, and
+    filtering entries one by one costs ~60 µs each in per-column call overhead (1,000-row
+    entries), 3x the rows' copy: it filters groups of :data:`GROUP_ENTRIES` entries at once."""
+    if split.key_range.is_full:
+        for entry_id, first_pt, last_pt, batch in entries:
+            out = _trim_entry(split, entry_id, first_pt, last_pt, batch, check_keys=True)
+            if out.num_rows:
+                yield out
+        return
+    group: list[tuple[int, int, int, pa.RecordBatch]] = []
+    for item in entries:
+        group.append(item)
+        if len(group) == GROUP_ENTRIES:
+            yield from _trim_group(split, group)
+            group = []
+    if group:
+        yield from _trim_group(split, group)
+
+
+def _trim_group(split: Split, group: list[tuple[int, int, int, pa.RecordBatch]]
+                ) -> Iterator[pa.RecordBatch]:
+    batch = pa.concat_batches([b for *_, b in group]) if len(group) > 1 else group[0][3]
+    lo, hi = group[0][0], group[-1][0]
+    edge = lo <= split.start.entry_id <= hi or (split.end is not None
+                                                and lo <= split.end.entry_id <= hi)
+    in_time = (split.start_time is None or group[0][1] >= split.start_time) \
+        and (split.end_time is None or group[-1][2] < split.end_time)
+    out = trim(batch, split, check_positions=edge, check_time=not in_time, check_keys=True)
+    if out.num_rows:
+        yield with_topic(out, split.topic)
+
+
+def _decoded_local(split: Split, records: list[IndexRecord], dirs: list[str]
+                   ) -> Iterator[tuple[int, int, int, pa.RecordBatch]]:
     """A sealed ledger file is memory-mapped: a frame is verified and decoded where the page
     cache holds it, with no copy and no system call per entry. The first replica's copy is
-    read directly; only an entry that fails there goes through the per-entry fallback."""
+    read directly; only an entry that fails there goes through the per-entry fallback.
+    Yields (entry id, first and last publish time, decoded entry)."""
     first, last = entry_range(records, split.start.entry_id, split.end, split.start_time,
                               split.end_time)
+    if first >= last:
+        return
     maps: dict[str, pa.Buffer] = {}  # unmapped when the last batch over it is gone
+    # only the frames this split reads: a chunk of a large ledger faults in its own pages
+    span = records[first].frame_offset, records[last - 1].frame_offset \
+        + records[last - 1].frame_len
     try:
-        primary = memoryview(_ledger_map(split, dirs[0], maps))
-    except NotFoundError:
-        primary = memoryview(b"")
+        mapped, base = _mapped(str(ledger_paths(dirs[0], split.segment_id)[0]), *span)
+    except FileNotFoundError:
+        mapped, base = pa.py_buffer(b""), 0
+    primary = memoryview(mapped)
     segment_id, where, size = split.segment_id, dirs[0], len(primary)
     for rec in records[first:last]:
-        start, end = rec.frame_offset, rec.frame_offset + rec.frame_len
+        start, end = rec.frame_offset - base, rec.frame_offset - base + rec.frame_len
         try:
             payload = parse_frame(primary[start:end], segment_id, rec.entry_id, where) \
                 if end <= size else None
@@ -164,10 +215,8 @@ def _read_local(split: Split, records: list[IndexRecord], dirs: list[str]
             payload = None
         if payload is None:  # the fallback reads it again, says what is wrong, tries others
             payload = _read_entry(split, rec, dirs, maps)
-        out = _trim_entry(split, rec.entry_id, rec.first_publish_time, rec.last_publish_time,
-                          decode_payload(payload), check_keys=True)
-        if out.num_rows:
-            yield out
+        yield rec.entry_id, rec.first_publish_time, rec.last_publish_time, \
+            decode_payload(payload)
 
 
 def _read_entry(split: Split, rec: IndexRecord, dirs: list[str], maps: dict[str, pa.Buffer]
@@ -194,24 +243,28 @@ def _ledger_map(split: Split, d: str, maps: dict[str, pa.Buffer]) -> pa.Buffer:
     if whole is None:
         log_path, _ = ledger_paths(d, split.segment_id)
         try:
-            whole = maps[d] = _mapped(str(log_path))
+            whole = maps[d] = _mapped(str(log_path))[0]
         except FileNotFoundError:
             raise NotFoundError(f"{d}: ledger {split.segment_id} is missing") from None
     return whole
 
 
-def _mapped(path: str) -> pa.Buffer:
-    """A sealed ledger file as one zero-copy buffer over a read-only mapping, its pages
-    faulted in up front (one system call instead of one fault per page)."""
+def _mapped(path: str, lo: int = 0, hi: int | None = None) -> tuple[pa.Buffer, int]:
+    """Bytes ``[lo, hi)`` of a sealed ledger file (``hi`` None: to its end), from the page
+    boundary at or before ``lo``, as one zero-copy buffer over a read-only mapping with its
+    pages faulted in up front (one system call instead of one fault per page); and the file
+    offset where the buffer starts."""
     import mmap
 
+    base = lo - lo % mmap.ALLOCATIONGRANULARITY
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            return pa.py_buffer(b"")
+        length = (size if hi is None else min(hi, size)) - base
+        if length <= 0:
+            return pa.py_buffer(b""), base
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        mapped = mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ)
-    return pa.py_buffer(mapped)  # the buffer keeps the mapping alive
+        mapped = mmap.mmap(f.fileno(), length, flags=flags, prot=mmap.PROT_READ, offset=base)
+    return pa.py_buffer(mapped), base  # the buffer keeps the mapping alive
 
 
 def _trim_entry(split: Split, entry_id: int, first_pt: int, last_pt: int,

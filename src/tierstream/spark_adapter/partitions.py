@@ -7,6 +7,7 @@ Spark batches of about :data:`SPARK_BATCH_ROWS` rows in the declared schema.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import pyarrow as pa
@@ -16,9 +17,10 @@ from tierstream.message_format import as_output_batch
 from tierstream.read_options import ReadOptions
 from tierstream.readers.stats import ReadStats
 from tierstream.schemas.codec import Decoder, decode_batches
-from tierstream.splits.split import Split, chains, splits_from_json, splits_to_json
+from tierstream.splits.positions import KeyRange, cut_entries
+from tierstream.splits.split import ReaderKind, Split, chains, splits_from_json, splits_to_json
 
-__all__ = ["SPARK_BATCH_ROWS", "partition_splits", "read_partition", "spark_batches",
+__all__ = ["SPARK_BATCH_ROWS", "by_entries", "partition_splits", "read_partition", "spark_batches",
            "spark_partitions"]
 
 #: Rows per batch handed to Spark: readers yield what they decode (a tier row group can be
@@ -75,7 +77,35 @@ def spark_partitions(splits: list[Split], partitioning: str) -> list[InputPartit
     partition per topic partition, its messages in order; see splits.split.chains)."""
     if partitioning == "key-ranges":
         return [InputPartition(splits_to_json(chain)) for chain in chains(splits)]
-    return [InputPartition(split.to_json()) for split in splits]
+    return [InputPartition(split.to_json()) for split in by_entries(splits)]
+
+
+def by_entries(splits: list[Split]) -> list[Split]:
+    """The plan with the key ranges of each bookie chunk made entry ranges of it.
+
+    A key-range split of a bookie chunk reads and verifies every entry of it (the ledger is in
+    log order, not by key), so its k key ranges cost k whole reads. With one Spark partition
+    per split, nothing asks that a partition hold whole keys: k entry ranges of the chunk,
+    each with every key, give the same parallelism for one read of the chunk in total. Only
+    chunks whose ranges are all in the plan and together every key are cut; the rest (tier
+    files, whose key buckets make a range read cheap; the open segment) stay as planned."""
+    members: dict[Split, list[Split]] = {}
+    for split in splits:
+        if split.reader is ReaderKind.BOOKIE and split.end is not None:
+            members.setdefault(split.whole(), []).append(split)
+    out: list[Split] = []
+    for split in splits:
+        whole = split.whole()
+        group = members.get(whole)
+        if group is None or len(group) < 2 or not KeyRange.tile([s.key_range for s in group]):
+            out.append(split)
+        elif group[0] is split:  # the chunk's first range stands for all of them
+            assert whole.end is not None
+            pieces = cut_entries(whole.start, whole.end, len(group))
+            out.extend(replace(whole, start=a, end=b,
+                               estimated_bytes=sum(s.estimated_bytes for s in group)
+                               // len(pieces)) for a, b in pieces)
+    return out
 
 
 def partition_splits(value: str) -> list[Split]:

@@ -8,13 +8,14 @@ after entry ``e`` of segment ``s``, which sorts before every message of a later 
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
 from tierstream.errors import ConfigError
 from tierstream.message_format import KEY_HASH_SLOTS
 
-__all__ = ["KeyRange", "Offset", "OffsetKind", "Position"]
+__all__ = ["KeyRange", "Offset", "OffsetKind", "Position", "cut_entries"]
 
 
 @dataclass(frozen=True, order=True)
@@ -136,11 +137,31 @@ class KeyRange:
         bounds = [i * KEY_HASH_SLOTS // k for i in range(k + 1)]
         return [cls(bounds[i], bounds[i + 1]) for i in range(k)]
 
+    @staticmethod
+    def tile(ranges: list[KeyRange]) -> bool:
+        """Whether ``ranges`` together are every slot, each exactly once."""
+        ordered = sorted(ranges, key=lambda r: r.lo)
+        return bool(ordered) and ordered[0].lo == 0 and ordered[-1].hi == KEY_HASH_SLOTS \
+            and all(a.hi == b.lo for a, b in itertools.pairwise(ordered))
+
     def to_list(self) -> list[int]:
         return [self.lo, self.hi]
 
     def __str__(self) -> str:
         return f"{self.lo}:{self.hi}"
+
+
+def cut_entries(start: Position, end: Position, n: int) -> list[tuple[Position, Position]]:
+    """``[start, end)`` of one segment cut into at most ``n`` ranges of whole entries (the
+    first starts at ``start``, the last ends at ``end``, both possibly mid-entry)."""
+    first = start.entry_id
+    entries = max(1, (end.entry_id if end.batch_index == 0 else end.entry_id + 1) - first)
+    n = max(1, min(n, entries))
+    bounds = [first + entries * i // n for i in range(n + 1)]
+    return [(start if i == 0 else Position(start.partition, start.segment_id, bounds[i], 0),
+             end if i == n - 1 else Position(start.partition, start.segment_id,
+                                              bounds[i + 1], 0))
+            for i in range(n)]
 
 
 class OffsetKind(enum.Enum):

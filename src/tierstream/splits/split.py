@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tierstream.errors import ConfigError
@@ -89,6 +89,11 @@ class Split:
     #: that partition's data from before the event (``lineage.py``): read in one chain, in
     #: partition order, every key's messages come out in log order across the event.
     chain: int | None = None
+
+    def whole(self) -> Split:
+        """This split with every key (and no size estimate): what the key-range splits of
+        one chunk have in common."""
+        return replace(self, key_range=KeyRange.full(), estimated_bytes=0)
 
     def __post_init__(self) -> None:
         if self.start.partition != self.partition or (
