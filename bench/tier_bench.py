@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 from bench.harness import Figure, console, fill_clicks, report, timed
 from tierstream.broker.config import StoreConfig
 from tierstream.broker.store import Store
+from tierstream.names import TopicName
 from tierstream.readers.parquet_tier import selected_row_groups
 from tierstream.splits.positions import KeyRange, Position
 from tierstream.splits.split import ReaderKind, Split
@@ -74,7 +75,9 @@ def offload(quick: bool = True) -> Path:
                         plog = store.partition(TOPIC, 0)
                         store.seal(TOPIC)
                         (seg,) = plog.closed_segments()
-                        store.offloader  # noqa: B018 - open the catalog outside the timing
+                        # the catalog and the topic's table exist before the timing: made once
+                        # per topic, they are not what a segment's offload costs
+                        store.offloader.catalog.table(TopicName.parse(TOPIC))
                         rows = store.offloader._segment_rows(plog, seg)
                         offloader = store.offloader
                         seconds = timed(lambda: offloader.offload_segment(plog, seg))  # noqa: B023

@@ -87,7 +87,9 @@ class Offloader:
         if url is None:
             url = self.tier.segment_url(topic, seg.partition, seg.segment_id)
             metadata.set_offload_pending(seg.segment_id, url)
-        if self.tier.exists(url):  # written by an attempt that crashed after it
+        # Only an attempt that recorded the URL first can have written the file (one that
+        # crashed after it): a first attempt skips the lookup (on S3 a HEAD and a listing).
+        if retry and self.tier.exists(url):
             size = self.tier.size(url)
         else:
             size = self.tier.write_segment(url, self._segment_rows(plog, seg))
