@@ -66,6 +66,29 @@ def produce(quick: bool = True) -> Path:
 
             tput = repeat(run, runs)
             producer.close()
+            with Admin(broker.url) as admin:
+                admin.create_topic("bench/produce/four", 4)
+            fours = [Producer("bench/produce/four", broker=broker.url, name=f"bench-{p}",
+                              max_in_flight=16) for p in range(4)]
+
+            def run_four() -> float:
+                """4 producers, each on its own partition and thread, all at once."""
+                def send(p: int) -> None:
+                    for _ in range(messages // 1000):
+                        fours[p]._send(p, batch)
+                    fours[p].flush()
+                threads = [threading.Thread(target=send, args=(p,)) for p in range(4)]
+
+                def all_four() -> None:
+                    for t in threads:
+                        t.start()
+                    for t in threads:
+                        t.join()
+                return 4 * messages / timed(all_four)
+
+            tput_four = repeat(run_four, runs)
+            for producer in fours:
+                producer.close()
         finally:
             broker.stop()
 
@@ -87,9 +110,12 @@ def produce(quick: bool = True) -> Path:
     mb = [t * 100 / 1e6 for t in tput]
     figures = [
         Figure("produce msg/s (1 partition, 100 B, batch 1000, fsync)", "msg/s", tput,
-               "append+fdatasync of the same bytes", ceiling, aim=">= 500,000 msg/s",
-               aim_check=lambda v, r: v >= 500_000),
+               "append+fdatasync of the same bytes", ceiling,
+               aim=">= 500,000 msg/s, ratio >= 0.5",
+               aim_check=lambda v, r: v >= 500_000 and r is not None and r >= 0.5),
         Figure("produce value MB/s", "MB/s", mb),
+        Figure("produce msg/s, 4 partitions x 4 producers (aggregate)", "msg/s", tput_four,
+               "append+fdatasync of the same bytes", ceiling),
     ]
     return report("produce", figures, {"messages": messages, "runs": runs, "batch": 1000,
                                        "value_bytes": 100, "fsync": True})

@@ -2,7 +2,9 @@
 
 - produce: ``DoPut`` with descriptor command ``{"op": "produce", topic, partition, producer}``;
   each chunk is a batch of :data:`~tierstream.message_format.PRODUCE_SCHEMA` with app metadata
-  ``{"seq": n}``; the broker answers each chunk with one metadata message, the JSON of an ack.
+  ``{"seq": n}``; the broker answers each chunk with one metadata message, the JSON of an ack,
+  in order, or ``{"error": "[tierstream:<code>] ..."}`` when the next one could not be stored
+  (the producer closes the stream and retries on a new one; see broker/produce_stream.py).
 - consume: ``DoGet`` with a ticket ``{"op": "consume", topic, partition, start, end, ...}``; the
   stream has :data:`~tierstream.message_format.MESSAGE_SCHEMA`.
 - admin: ``DoAction`` with a JSON body; the result is one JSON document.
@@ -82,8 +84,13 @@ def server_error(exc: TierstreamError) -> Exception:
     if isinstance(exc, AuthError):
         error = flight.FlightUnauthenticatedError(str(exc))
     else:
-        error = flight.FlightServerError(f"[tierstream:{exc.code}] {exc}")
+        error = flight.FlightServerError(error_text(exc))
     return error
+
+
+def error_text(exc: TierstreamError) -> str:
+    """``exc`` tagged with its code, as a client turns it back (:func:`translate_errors`)."""
+    return f"[tierstream:{exc.code}] {exc}"
 
 
 @contextmanager

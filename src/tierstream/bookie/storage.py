@@ -154,15 +154,22 @@ class Bookie:
         return fut
 
     def _run(self) -> None:
+        carried: _Append | None = None  # the first of the next group
         while True:
-            first = self._queue.get()
+            first = carried if carried is not None else self._queue.get()
+            carried = None
             if first is None:
                 return
             group: list[_Append] = []
+            ledgers: set[int] = set()
             markers: list[Future[None]] = []
             item: _Append | Future[None] | None = first
             while item is not None:
                 if isinstance(item, _Append):
+                    if item.segment_id not in ledgers and len(ledgers) >= self.max_open:
+                        carried = item  # a group keeps at most max_open ledgers' files open
+                        break
+                    ledgers.add(item.segment_id)
                     group.append(item)
                 else:
                     markers.append(item)

@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from tierstream.broker.attached import ConsumerSettings
+from tierstream.broker.produce_stream import produce_stream
 from tierstream.broker.store import Store
 from tierstream.broker.subscriptions import Subscriptions
 from tierstream.errors import (
@@ -95,19 +96,9 @@ class Broker(flight.FlightServerBase):
             plog = self.store.partition(cmd["topic"], int(cmd["partition"]))
             producer = cmd.get("producer")
             routed = None if cmd.get("routed") is None else int(cmd["routed"])
-            while True:
-                try:
-                    chunk = reader.read_chunk()
-                except StopIteration:
-                    return
-                if chunk.data is None:
-                    continue
-                meta = decode(chunk.app_metadata, "produce chunk metadata")
-                self.schemas.check_named_versions(plog.topic, named_versions(chunk.data))
-                seq = meta.get("seq")
-                ack = plog.append(chunk.data, producer=producer,
-                                  sequence_id=None if seq is None else int(seq), routed=routed)
-                writer.write(pa.py_buffer(encode(ack.to_dict())))
+            produce_stream(plog, reader, writer, producer=producer, routed=routed,
+                           check=lambda batch: self.schemas.check_named_versions(
+                               plog.topic, named_versions(batch)))
         except TierstreamError as exc:
             raise server_error(exc) from None
         except (KeyError, ValueError, TypeError) as exc:

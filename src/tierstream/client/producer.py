@@ -372,6 +372,10 @@ class Producer:
             self._recover(p, stream)
             return
         ack = decode(buf.to_pybytes(), "ack")
+        if "error" in ack:  # the broker could not store the next batch (its error, as ever)
+            self._raise_if_rejected(flight.FlightServerError(str(ack["error"])))
+            self._recover(p, stream)
+            return
         seq, _ = stream.unacked.popleft()
         stream.pinned.discard(seq)
         if ack.get("sequence_id") != seq:

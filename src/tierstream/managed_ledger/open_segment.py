@@ -5,13 +5,39 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from tierstream.bookie.ledger import IndexRecord
 from tierstream.metadata.records import SegmentRecord
 
-__all__ = ["InFlight", "OpenSegment"]
+if TYPE_CHECKING:
+    from tierstream.managed_ledger.partition_log import PartitionLog
+
+__all__ = ["Ack", "InFlight", "OpenSegment", "PendingAppend"]
+
+
+@dataclass(frozen=True)
+class Ack:
+    """What a producer gets back for one batch. A re-sent batch that was already stored gets
+    its original ack with ``duplicate=True``; if it is older than the remembered window its
+    position is unknown (None) and ``messages`` is 0."""
+
+    partition: int
+    segment_id: int | None
+    entry_id: int | None
+    messages: int
+    first_publish_time: int
+    last_publish_time: int
+    sequence_id: int | None
+    duplicate: bool = False
+    #: messages whose requested publish time was before the partition's newest message and
+    #: were stamped later (publish_time never runs backwards within a partition)
+    restamped: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
 
 
 @dataclass
@@ -20,6 +46,7 @@ class InFlight:
     batch: pa.RecordBatch
     producer: str | None
     sequence_id: int | None
+    size: int = 0  # payload bytes: about its frame's length, before the bookies confirm it
 
 
 @dataclass
@@ -35,3 +62,23 @@ class OpenSegment:
     bytes: int = 0
     min_pt: int | None = None
     max_pt: int | None = None
+
+
+@dataclass
+class PendingAppend:
+    """An entry on its way to the bookies (``PartitionLog.submit``): :meth:`result` waits
+    for its ack quorum and gives its ack (a duplicate's original ack at once)."""
+
+    log: PartitionLog
+    ack: Ack | None = None
+    seg: OpenSegment | None = None
+    entry_id: int | None = None
+    futures: list[Future[IndexRecord]] = field(default_factory=list)
+    batch: pa.RecordBatch | None = None  # as sent (its requested publish times)
+    stored: pa.RecordBatch | None = None  # as stored
+    sequence_id: int | None = None
+
+    def result(self) -> Ack:
+        if self.ack is None:
+            self.ack = self.log._finish(self)
+        return self.ack

@@ -14,7 +14,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -25,7 +24,7 @@ from tierstream.bookie.storage import Bookie
 from tierstream.errors import ConfigError, NotFoundError, StaleRoutingError, UnavailableError
 from tierstream.faults import crash_point
 from tierstream.managed_ledger.dedup import ProducerDedup, StoredBatch
-from tierstream.managed_ledger.open_segment import InFlight, OpenSegment
+from tierstream.managed_ledger.open_segment import Ack, InFlight, OpenSegment, PendingAppend
 from tierstream.managed_ledger.partition_positions import PartitionPositions
 from tierstream.managed_ledger.partition_reads import TierSegment, filter_key_ranges
 from tierstream.message_format import MESSAGE_SCHEMA, as_produce_batch, key_hashes
@@ -36,28 +35,6 @@ from tierstream.timeutil import now_ms
 
 __all__ = ["Ack", "PartitionLog", "filter_key_ranges"]
 
-
-
-@dataclass(frozen=True)
-class Ack:
-    """What a producer gets back for one batch. A re-sent batch that was already stored gets
-    its original ack with ``duplicate=True``; if it is older than the remembered window its
-    position is unknown (None) and ``messages`` is 0."""
-
-    partition: int
-    segment_id: int | None
-    entry_id: int | None
-    messages: int
-    first_publish_time: int
-    last_publish_time: int
-    sequence_id: int | None
-    duplicate: bool = False
-    #: messages whose requested publish time was before the partition's newest message and
-    #: were stamped later (publish_time never runs backwards within a partition)
-    restamped: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 class PartitionLog(PartitionPositions):
@@ -132,6 +109,16 @@ class PartitionLog(PartitionPositions):
         that is no longer the topic's (it grew meanwhile) is refused with StaleRoutingError,
         unless it was stored before: the producer routes it again.
         """
+        return self.submit(batch, producer=producer, sequence_id=sequence_id,
+                           requested_now=requested_now, routed=routed).result()
+
+    def submit(self, batch: pa.RecordBatch, *, producer: str | None, sequence_id: int | None,
+               requested_now: int | None = None, routed: int | None = None) -> PendingAppend:
+        """:meth:`append` without the wait: the entry is on its way to the bookies when this
+        returns (in entry order), and ``result()`` waits for its quorum and gives the ack.
+        A stream of batches submitted back to back shares the bookies' group commits (one
+        fsync for what arrived meanwhile) instead of paying one each. Refusals (a deleted
+        topic, stale routing, an empty batch) are raised here."""
         batch = as_produce_batch(batch)
         if batch.num_rows == 0:
             raise ConfigError("cannot append an empty batch")
@@ -141,12 +128,13 @@ class PartitionLog(PartitionPositions):
             if producer is not None and sequence_id is not None:
                 duplicate = self._check_sequence(producer, sequence_id)
                 if duplicate is not None:
-                    return duplicate
+                    return PendingAppend(self, ack=duplicate)
             if routed is not None and self.routing is not None and routed != self.routing:
                 raise StaleRoutingError(
                     f"topic {self.topic!r} now has {self.routing} partitions: a batch routed "
                     f"by {routed} is not stored; route it again", partitions=self.routing)
             self._roll_if_due(now_ms())
+            self._roll_if_full()
             self.appended += batch.num_rows
             seg = self._open
             entry_id = seg.next_entry
@@ -165,12 +153,21 @@ class PartitionLog(PartitionPositions):
                                                        payload, message_batch.num_rows,
                                                        first_pt, last_pt))
                 crash_point("append.partial-replicas", before=futures[0].result)
-            seg.in_flight[entry_id] = InFlight(futures, message_batch, producer, sequence_id)
-        self._wait_quorum(futures)  # outside the lock: other producers keep appending
+            seg.in_flight[entry_id] = InFlight(futures, message_batch, producer, sequence_id,
+                                               payload.size)
+        return PendingAppend(self, seg=seg, entry_id=entry_id, futures=futures, batch=batch,
+                             stored=message_batch, sequence_id=sequence_id)
+
+    def _finish(self, p: PendingAppend) -> Ack:
+        """Wait for a submitted entry's quorum and confirm it: its ack."""
+        assert p.seg is not None and p.entry_id is not None and p.stored is not None
+        assert p.batch is not None
+        seg, entry_id, message_batch = p.seg, p.entry_id, p.stored
+        self._wait_quorum(p.futures)  # outside the lock: other producers keep appending
         with self._lock:
             self._advance(seg)
             if len(seg.records) + len(seg.hidden) <= entry_id:
-                errors = [str(f.exception()) for f in futures if f.exception() is not None]
+                errors = [str(f.exception()) for f in p.futures if f.exception() is not None]
                 raise UnavailableError(
                     f"entry {entry_id} of segment {seg.record.segment_id} ({self.topic} "
                     f"partition {self.partition}) did not reach an ack quorum of "
@@ -180,11 +177,12 @@ class PartitionLog(PartitionPositions):
             if seg is self._open and not self._held and (
                     len(seg.records) >= self._max_entries or seg.bytes >= self._max_bytes):
                 self._roll()
-        requested = batch.column("publish_time")
+        requested = p.batch.column("publish_time")
         restamped = 0 if requested.null_count == len(requested) else int(pc.sum(pc.less(
             requested, message_batch.column("publish_time"))).as_py() or 0)
+        pts = message_batch.column("publish_time")
         return Ack(self.partition, seg.record.segment_id, entry_id, message_batch.num_rows,
-                   first_pt, last_pt, sequence_id, restamped=restamped)
+                   pts[0].as_py(), pts[-1].as_py(), p.sequence_id, restamped=restamped)
 
     def _wait_quorum(self, futures: list[Future[IndexRecord]]) -> None:
         pending = set(futures)
@@ -326,6 +324,17 @@ class PartitionLog(PartitionPositions):
         if self._held:
             return  # a commit is being applied; the segment rolls after it
         if seg.records and now - seg.record.created_at >= self._rollover_ms:
+            self._roll()
+
+    def _roll_if_full(self) -> None:
+        """Roll before an entry the open segment has no room for, counting the entries still
+        in flight (submitted back to back, they are not confirmed yet): the roll confirms
+        them first."""
+        seg = self._open
+        if self._held or not seg.in_flight:
+            return
+        if seg.next_entry >= self._max_entries or seg.bytes + sum(
+                f.size for f in seg.in_flight.values()) >= self._max_bytes:
             self._roll()
 
     def roll_if_aged(self) -> bool:
