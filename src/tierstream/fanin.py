@@ -3,13 +3,16 @@ the cancellation that lets a consumer leave at once."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import queue
 import threading
+import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["DONE", "Cancel", "drain", "put"]
+__all__ = ["DONE", "Cancel", "drain", "put", "start_reader"]
 
 #: What a producer thread puts last, after its items (or after an exception).
 DONE = object()
@@ -95,3 +98,30 @@ def drain(out: queue.Queue[Any], producers: int, cancel: Cancel | None = None, *
             raise item
         else:
             yield item
+
+
+#: reader threads still running; joined briefly at interpreter exit
+_READERS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+#: how long exit waits, in all, for readers that were told to stop to leave their calls
+EXIT_JOIN_S = 2.0
+
+
+def start_reader(target: Callable[..., object], *args: object, name: str) -> threading.Thread:
+    """Start a daemon reader thread (it never holds up exit by itself). A program that leaves
+    a read (``break``) cancels it, but the thread may still be inside a Flight call when the
+    interpreter finalizes, which aborts the process (``PyGILState_Release``): exit waits up
+    to :data:`EXIT_JOIN_S` for such threads to return."""
+    thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+    _READERS.add(thread)
+    thread.start()
+    return thread
+
+
+@atexit.register
+def _join_readers() -> None:
+    deadline = time.monotonic() + EXIT_JOIN_S
+    for thread in list(_READERS):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        thread.join(left)

@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from tierstream.client.admin import Admin
 from tierstream.errors import UnavailableError
-from tierstream.fanin import DONE, Cancel, drain, put
+from tierstream.fanin import DONE, Cancel, drain, put, start_reader
 from tierstream.readers import open_reader
 from tierstream.splits.positions import KeyRange, Position
 from tierstream.splits.split import ReaderKind, Split, StreamCut
@@ -107,8 +107,7 @@ def follow(topic: str, cut: StreamCut, ranges: Sequence[KeyRange], *, broker: st
                           start=starts[p], end=None, reader=ReaderKind.TAIL, key_range=r,
                           broker=broker)
             readers += 1
-            threading.Thread(target=read, args=(split, gates), daemon=True,
-                             name=f"tierstream-read-tail-{p}-{r}").start()
+            start_reader(read, split, gates, name=f"tierstream-read-tail-{p}-{r}")
 
     try:
         with Admin(broker, auth_token=auth_token) as admin:

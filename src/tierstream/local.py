@@ -21,7 +21,7 @@ import pyarrow as pa
 from tierstream.enumerator import Enumerator, Query
 from tierstream.errors import ConfigError
 from tierstream.event_time import check_time_field, event_time_window, within_event_time
-from tierstream.fanin import DONE, Cancel, drain, put
+from tierstream.fanin import DONE, Cancel, drain, put, start_reader
 from tierstream.follow import follow
 from tierstream.message_format import READ_SCHEMA
 from tierstream.options import parse_options
@@ -176,7 +176,7 @@ def run_splits(splits: Sequence[Split], *, parallelism: int | None = None,
     # Daemon threads: a following read blocked on the broker never holds up interpreter exit
     # (a ThreadPoolExecutor joins its threads at exit), and close() interrupts it at once.
     for i in range(workers):
-        threading.Thread(target=worker, name=f"tierstream-read-{i}", daemon=True).start()
+        start_reader(worker, name=f"tierstream-read-{i}")
     try:
         yield from drain(out, total, stop)
     finally:
