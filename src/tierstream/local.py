@@ -198,9 +198,7 @@ def phases(groups: list[Chain]) -> list[list[Phase]]:
     cheap). Anything else is one phase of its chains, as planned."""
     roots: dict[tuple[str, int], list[Chain]] = {}
     for chain in groups:
-        first = chain[0]
-        roots.setdefault((first.topic, first.partition if first.chain is None
-                          else first.chain), []).append(chain)
+        roots.setdefault((chain[0].topic, chain[0].root), []).append(chain)
     out: list[list[Phase]] = []
     for members in roots.values():
         steps = _aligned(members)

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, overload
 
 from tierstream.message_format import KEY_HASH_SLOTS
 from tierstream.metadata.records import SegmentRecord, SegmentState
-from tierstream.splits.positions import KeyRange, Position, cut_entries
+from tierstream.splits.positions import KeyRange, Position, cut_entries, entries_between
 from tierstream.splits.split import ReaderKind, Split
 
 __all__ = ["PartitionPlan", "Plan", "SegmentPlan", "no_gc"]
@@ -56,7 +56,7 @@ class SegmentPlan(NamedTuple):
             return len(self.key_ranges)
         assert self.end is not None
         return _chunk_count(self.segment, self.start, self.end,
-                            self.max_split_bytes)[0] * len(self.key_ranges)
+                            self.max_split_bytes) * len(self.key_ranges)
 
     def splits(self) -> Iterator[Split]:
         seg = self.segment
@@ -164,20 +164,17 @@ def no_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _chunk_count(seg: SegmentRecord, start: Position, end: Position, max_bytes: int
-                 ) -> tuple[int, int, int]:
-    """(chunks, first entry, entries) of ``[start, end)`` cut by ``max_bytes``."""
-    first = start.entry_id
-    last = end.entry_id if end.batch_index == 0 else end.entry_id + 1  # exclusive entry
-    entries = max(1, last - first)
+def _chunk_count(seg: SegmentRecord, start: Position, end: Position, max_bytes: int) -> int:
+    """How many chunks ``[start, end)`` is cut into by ``max_bytes``."""
+    entries = entries_between(start, end)
     per_entry = seg.bytes / seg.entries if seg.entries else 0
-    return max(1, min(entries, math.ceil(per_entry * entries / max_bytes))), first, entries
+    return max(1, min(entries, math.ceil(per_entry * entries / max_bytes)))
 
 
 def entry_chunks(seg: SegmentRecord, start: Position, end: Position, max_bytes: int
                  ) -> list[tuple[Position, Position | None]]:
     """``[start, end)`` of one closed segment cut into entry ranges of about ``max_bytes``."""
-    n, _, _ = _chunk_count(seg, start, end, max_bytes)
+    n = _chunk_count(seg, start, end, max_bytes)
     if n == 1:
         return [(start, end)]
     return list(cut_entries(start, end, n))

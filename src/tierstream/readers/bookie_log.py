@@ -154,36 +154,22 @@ GROUP_ENTRIES = 16
 def _trimmed(split: Split, entries: Iterator[tuple[int, int, int, pa.RecordBatch]]
              ) -> Iterator[pa.RecordBatch]:
     """Each decoded entry trimmed to ``split``. A split of every key passes most entries
-    through whole (zero-copy); a key-range split keeps about 1/k of each entry's rows, and
-    filtering entries one by one costs ~60 µs each in per-column call overhead (1,000-row
-    entries), 3x the rows' copy: it filters groups of :data:`GROUP_ENTRIES` entries at once."""
-    if split.key_range.is_full:
-        for entry_id, first_pt, last_pt, batch in entries:
-            out = _trim_entry(split, entry_id, first_pt, last_pt, batch, check_keys=True)
-            if out.num_rows:
-                yield out
-        return
+    through whole (zero-copy), one by one; a key-range split keeps about 1/k of each entry's
+    rows, and filtering entries one by one costs ~60 µs each in per-column call overhead
+    (1,000-row entries), 3x the rows' copy: it filters groups of :data:`GROUP_ENTRIES`."""
+    size = 1 if split.key_range.is_full else GROUP_ENTRIES
     group: list[tuple[int, int, int, pa.RecordBatch]] = []
     for item in entries:
         group.append(item)
-        if len(group) == GROUP_ENTRIES:
-            yield from _trim_group(split, group)
+        if len(group) == size:
+            out = _trim_entries(split, group, check_keys=True)
+            if out.num_rows:
+                yield out
             group = []
     if group:
-        yield from _trim_group(split, group)
-
-
-def _trim_group(split: Split, group: list[tuple[int, int, int, pa.RecordBatch]]
-                ) -> Iterator[pa.RecordBatch]:
-    batch = pa.concat_batches([b for *_, b in group]) if len(group) > 1 else group[0][3]
-    lo, hi = group[0][0], group[-1][0]
-    edge = lo <= split.start.entry_id <= hi or (split.end is not None
-                                                and lo <= split.end.entry_id <= hi)
-    in_time = (split.start_time is None or group[0][1] >= split.start_time) \
-        and (split.end_time is None or group[-1][2] < split.end_time)
-    out = trim(batch, split, check_positions=edge, check_time=not in_time, check_keys=True)
-    if out.num_rows:
-        yield with_topic(out, split.topic)
+        out = _trim_entries(split, group, check_keys=True)
+        if out.num_rows:
+            yield out
 
 
 def _decoded_local(split: Split, records: list[IndexRecord], dirs: list[str]
@@ -267,14 +253,17 @@ def _mapped(path: str, lo: int = 0, hi: int | None = None) -> tuple[pa.Buffer, i
     return pa.py_buffer(mapped), base  # the buffer keeps the mapping alive
 
 
-def _trim_entry(split: Split, entry_id: int, first_pt: int, last_pt: int,
-                batch: pa.RecordBatch, *, check_keys: bool) -> pa.RecordBatch:
-    """One entry's rows inside the split: only the entries at its edges can hold rows of
-    positions or times outside it."""
-    edge = entry_id == split.start.entry_id or (split.end is not None
-                                                 and entry_id == split.end.entry_id)
-    in_time = (split.start_time is None or first_pt >= split.start_time) \
-        and (split.end_time is None or last_pt < split.end_time)
+def _trim_entries(split: Split, group: list[tuple[int, int, int, pa.RecordBatch]], *,
+                  check_keys: bool) -> pa.RecordBatch:
+    """The rows inside the split of consecutive entries (entry id, first and last publish
+    time, decoded rows), as one batch: only entries at its edges can hold rows of positions
+    or times outside it."""
+    batch = pa.concat_batches([b for *_, b in group]) if len(group) > 1 else group[0][3]
+    lo, hi = group[0][0], group[-1][0]
+    edge = lo <= split.start.entry_id <= hi or (split.end is not None
+                                                and lo <= split.end.entry_id <= hi)
+    in_time = (split.start_time is None or group[0][1] >= split.start_time) \
+        and (split.end_time is None or group[-1][2] < split.end_time)
     out = trim(batch, split, check_positions=edge, check_time=not in_time,
                check_keys=check_keys)
     return with_topic(out, split.topic) if out.num_rows else out
@@ -384,8 +373,8 @@ class _RemoteLedger:
                                       entry_id, where)
             except CorruptionError as exc:
                 payload = self._from_others(entry_id, source, str(exc))
-            yield _trim_entry(s, entry_id, firsts[i], lasts[i], decode_payload(payload),
-                              check_keys=False), entry_id
+            entry = (entry_id, firsts[i], lasts[i], decode_payload(payload))
+            yield _trim_entries(s, [entry], check_keys=False), entry_id
 
     def _from_others(self, entry_id: int, bad: Replica, first_error: str) -> pa.Buffer:
         """One entry that failed its check, from each other replica in turn."""

@@ -15,7 +15,7 @@ from typing import Any
 from tierstream.errors import ConfigError
 from tierstream.message_format import KEY_HASH_SLOTS
 
-__all__ = ["KeyRange", "Offset", "OffsetKind", "Position", "cut_entries"]
+__all__ = ["KeyRange", "Offset", "OffsetKind", "Position", "cut_entries", "entries_between"]
 
 
 @dataclass(frozen=True, order=True)
@@ -151,11 +151,16 @@ class KeyRange:
         return f"{self.lo}:{self.hi}"
 
 
+def entries_between(start: Position, end: Position) -> int:
+    """How many entries of one segment ``[start, end)`` touches (at least 1)."""
+    return max(1, (end.entry_id if end.batch_index == 0 else end.entry_id + 1)
+               - start.entry_id)
+
+
 def cut_entries(start: Position, end: Position, n: int) -> list[tuple[Position, Position]]:
     """``[start, end)`` of one segment cut into at most ``n`` ranges of whole entries (the
     first starts at ``start``, the last ends at ``end``, both possibly mid-entry)."""
-    first = start.entry_id
-    entries = max(1, (end.entry_id if end.batch_index == 0 else end.entry_id + 1) - first)
+    first, entries = start.entry_id, entries_between(start, end)
     n = max(1, min(n, entries))
     bounds = [first + entries * i // n for i in range(n + 1)]
     return [(start if i == 0 else Position(start.partition, start.segment_id, bounds[i], 0),

@@ -90,6 +90,11 @@ class Split:
     #: partition order, every key's messages come out in log order across the event.
     chain: int | None = None
 
+    @property
+    def root(self) -> int:
+        """The partition whose chain this split is read in (see ``chain``)."""
+        return self.partition if self.chain is None else self.chain
+
     def whole(self) -> Split:
         """This split with every key (and no size estimate): what the key-range splits of
         one chunk have in common."""
@@ -185,8 +190,7 @@ def chains(splits: list[Split]) -> list[list[Split]]:
     first appearance."""
     groups: dict[tuple[str, int, KeyRange], list[Split]] = {}
     for split in splits:
-        root = split.partition if split.chain is None else split.chain
-        groups.setdefault((split.topic, root, split.key_range), []).append(split)
+        groups.setdefault((split.topic, split.root, split.key_range), []).append(split)
     return [sorted(g, key=lambda s: (s.partition, s.start)) for g in groups.values()]
 
 
