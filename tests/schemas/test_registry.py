@@ -294,9 +294,9 @@ def test_versions_are_read_from_sliced_batches() -> None:
     props = pa.array([[("a", "1"), ("tierstream.schema.version", "3")], None,
                       [("tierstream.schema.version", "5")], [],
                       [("tierstream.schema.version", "7")]], pa.map_(pa.string(), pa.string()))
-    assert _versions(props) == [3, 0, 5, 0, 7]
-    assert _versions(props.slice(1, 3)) == [0, 5, 0]
-    assert _versions(props.slice(3)) == [0, 7]
+    assert _versions(props).tolist() == [3, 0, 5, 0, 7]
+    assert _versions(props.slice(1, 3)).tolist() == [0, 5, 0]
+    assert _versions(props.slice(3)).tolist() == [0, 7]
 
 
 def test_a_version_newer_than_the_read_says_to_restart() -> None:

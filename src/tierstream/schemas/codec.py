@@ -16,7 +16,9 @@ import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from tierstream.errors import ConfigError
 from tierstream.schemas.model import MODES, VERSION_PROPERTY, SchemaInfo, SchemaType
@@ -206,6 +208,10 @@ class Decoder:
         self.latest = self.versions[max(self.versions)]
         self.type = arrow_type(self.latest)
         self._parsed: dict[int, Any] = {}
+        #: per writer version, a column-at-a-time Avro decoder (None: value by value)
+        self._columnar: dict[int, Any] = {}
+        #: off: every value through :meth:`decode` (tests compare the two paths)
+        self.vectorised = True
 
     def _avro(self, version: int) -> Any:
         import fastavro
@@ -213,6 +219,58 @@ class Decoder:
         if version not in self._parsed:
             self._parsed[version] = fastavro.parse_schema(self.versions[version].parsed)
         return self._parsed[version]
+
+    def decode_column(self, values: pa.Array, versions: np.ndarray) -> pa.Array | None:
+        """Every value of ``values`` decoded at once into :attr:`type`, or None where this
+        leaves them to :meth:`decode` one by one: a value that does not decode, a version
+        it does not know, a schema feature the column decoders do not take. The result is
+        the same either way (``tests/schemas/test_columns.py`` compares them)."""
+        if not self.vectorised or not len(values):
+            return None
+        kind = self.latest.type
+        written = set(np.unique(versions).tolist())
+        if any(v != 0 and v not in self.versions for v in written):
+            return None  # newer than this read knows: said value by value
+        if kind is SchemaType.NONE:
+            return values
+        if kind is SchemaType.STRING:
+            try:
+                return values.cast(pa.string())
+            except pa.ArrowInvalid:  # not UTF-8: named value by value
+                return None
+        if 0 in written or any(self.versions[v].type is not kind for v in written):
+            return None
+        if kind is SchemaType.JSON:
+            return _json_column(values, self.type)
+        return self._avro_column(values, versions)
+
+    def _avro_column(self, values: pa.Array, versions: np.ndarray) -> pa.Array | None:
+        from tierstream.schemas.avro_columns import Malformed, Unsupported, compile_reader
+
+        distinct = np.unique(versions)
+        readers = []
+        for version in distinct.tolist():
+            if version not in self._columnar:
+                try:
+                    self._columnar[version] = compile_reader(
+                        self._avro(version), self._avro(self.latest.version), self.type)
+                except Unsupported as exc:
+                    log.debug("schema version %d decodes value by value: %s", version, exc)
+                    self._columnar[version] = None
+            readers.append(self._columnar[version])
+        if any(r is None for r in readers):
+            return None
+        try:
+            if len(distinct) == 1:
+                return readers[0](values)
+            rows = [np.flatnonzero(versions == v) for v in distinct]
+            parts = [read(values.take(pa.array(r))) for read, r in zip(readers, rows,
+                                                                       strict=True)]
+            order = np.empty(len(values), np.int64)
+            order[np.concatenate(rows)] = np.arange(len(values))
+            return pa.concat_arrays(parts).take(pa.array(order))
+        except Malformed:
+            return None
 
     def decode(self, value: bytes, version: int) -> Any:
         """One value as Python data of the latest schema; raises ValueError if it cannot."""
@@ -238,7 +296,11 @@ class Decoder:
         import fastavro
 
         buf = io.BytesIO(value)
-        record = fastavro.schemaless_reader(buf, self._avro(version), self._avro(latest.version))
+        try:
+            record = fastavro.schemaless_reader(buf, self._avro(version),
+                                                self._avro(latest.version))
+        except EOFError as exc:  # fastavro names the buffer object: say what it could not read
+            raise ValueError(f"the value ends early ({str(exc).split(' from ')[0]})") from None
         if buf.read(1):
             raise ValueError("bytes left after the record")
         return record
@@ -246,13 +308,17 @@ class Decoder:
 
 def _fit_json(doc: Any, type_: pa.DataType) -> Any:
     """A JSON document shaped for ``type_`` (unknown shapes kept as JSON text)."""
+    if doc is None:
+        return None
+    if pa.types.is_floating(type_) and isinstance(doc, int) and not isinstance(doc, bool):
+        return float(doc)  # a JSON number without a fraction, past int64: still a number
     if pa.types.is_struct(type_):
         if not isinstance(doc, dict):
             raise ValueError(f"expected an object, got {type(doc).__name__}")
         return {f.name: _fit_json(doc.get(f.name), f.type) for f in type_}
-    if pa.types.is_list(type_) and doc is not None:
+    if pa.types.is_list(type_) and isinstance(doc, list):
         return [_fit_json(x, type_.value_type) for x in doc]
-    if pa.types.is_string(type_) and doc is not None and not isinstance(doc, str):
+    if pa.types.is_string(type_) and not isinstance(doc, str):
         return json.dumps(doc)
     return doc
 
@@ -286,6 +352,21 @@ def decode_batch(batch: pa.RecordBatch, decoder: Decoder, mode: str, topic: str,
     schema's type. ``mode``: FAILFAST raises naming topic, partition and position;
     PERMISSIVE leaves null and puts the raw bytes in ``_corrupt_record``; DROPMALFORMED drops
     the message and counts it in ``dropped[0]``."""
+    versions = _versions(batch.column("properties"))
+    index = batch.schema.get_field_index("value")
+    column = decoder.decode_column(batch.column("value"), versions)
+    if column is not None:
+        out = batch.set_column(index, pa.field("value", decoder.type), column)
+        if mode == "PERMISSIVE":
+            out = out.append_column(pa.field(CORRUPT_COLUMN, pa.binary()),
+                                    pa.nulls(len(column), pa.binary()))
+        return out
+    return _decode_each(batch, decoder, mode, topic, versions.tolist(), dropped)
+
+
+def _decode_each(batch: pa.RecordBatch, decoder: Decoder, mode: str, topic: str,
+                 versions: list[int], dropped: list[int] | None) -> pa.RecordBatch:
+    """:func:`decode_batch` value by value: what names the value that does not decode."""
     values = batch.column("value").to_pylist()
     decoded: list[Any] = [None] * len(values)
     corrupt: list[bytes | None] = [None] * len(values)
@@ -304,7 +385,6 @@ def decode_batch(batch: pa.RecordBatch, decoder: Decoder, mode: str, topic: str,
         corrupt[i] = values[i]
         keep[i] = mode != "DROPMALFORMED"
 
-    versions = _versions(batch.column("properties"))
     for i, (value, version) in enumerate(zip(values, versions, strict=True)):
         try:
             decoded[i] = decoder.decode(value, version)
@@ -317,6 +397,7 @@ def decode_batch(batch: pa.RecordBatch, decoder: Decoder, mode: str, topic: str,
             if doc is not None:
                 try:
                     decoded[i] = _fit_json(doc, decoder.type)
+                    pa.array([decoded[i]], type=decoder.type)  # fits now, or names its value
                 except Exception as exc:
                     failed(i, versions[i], exc)
         column = pa.array(decoded, type=decoder.type)
@@ -335,8 +416,6 @@ def decode_batch(batch: pa.RecordBatch, decoder: Decoder, mode: str, topic: str,
 def named_versions(batch: pa.RecordBatch) -> set[str]:
     """The distinct values of the version property in ``batch``'s ``properties`` (what the
     broker checks against the topic's versions before storing a batch)."""
-    import pyarrow.compute as pc
-
     if "properties" not in batch.schema.names:
         return set()
     props = batch.column("properties")
@@ -348,16 +427,72 @@ def named_versions(batch: pa.RecordBatch) -> set[str]:
     return {str(v) for v in pc.unique(found.drop_null()).to_pylist()}
 
 
-def _versions(properties: pa.Array) -> list[int]:
+def _json_column(values: pa.Array, type_: pa.DataType) -> pa.Array | None:
+    """JSON objects decoded by Arrow's JSON reader into ``type_`` (a struct); None if any
+    is not one object that fits.
+
+    All values go through the reader as one document, each inside a line of its own
+    ``{"v": <value>, "i": <row>}``: the row numbers must come back as 0, 1, 2... with
+    nothing else beside them, so a value that is not exactly one JSON value (``{} {}``,
+    ``{}, "x": 1``, one that spans the next line's) cannot shift rows unnoticed: it fails
+    to parse, or leaves a row number out of place. Fields the schema does not declare are
+    typed by the reader and dropped; where their types differ between values (``[1, "x"]``)
+    the reader fails and the values are decoded one by one."""
+    import pyarrow.json as pj
+
+    if not pa.types.is_struct(type_) or values.null_count or not len(values):
+        return None
+    values = values.cast(pa.binary())
+    rows = pc.cast(pc.cast(pa.array(np.arange(len(values))), pa.string()), pa.binary())
+    lines = pc.binary_join_element_wise(pa.scalar(b'{"v":'), values, pa.scalar(b',"i":'),
+                                        rows, pa.scalar(b"}"), pa.scalar(b""))
+    offsets = pa.array([0, len(values)], pa.int32())
+    text = pc.binary_join(pa.ListArray.from_arrays(offsets, lines), b"\n")[0].as_buffer()
+    several = int(np.count_nonzero(np.frombuffer(text, np.uint8) == 10)) != len(values) - 1
+    try:
+        table = pj.read_json(
+            pa.BufferReader(text),
+            read_options=pj.ReadOptions(use_threads=False, block_size=text.size + 1),
+            parse_options=pj.ParseOptions(
+                explicit_schema=pa.schema([("v", type_), ("i", pa.int64())]),
+                unexpected_field_behavior="infer", newlines_in_values=several))
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+        return None
+    if table.column_names != ["v", "i"] or table.num_rows != len(values) or not np.array_equal(
+            table.column("i").to_numpy(), np.arange(len(values))):
+        return None
+    column = table.column("v").combine_chunks()
+    if column.null_count:
+        return None  # a value that is JSON null: not an object, said value by value
+    try:
+        return _declared(column, type_)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, KeyError):
+        return None
+
+
+def _declared(column: pa.Array, type_: pa.DataType) -> pa.Array:
+    """``column`` with only the fields ``type_`` declares (the JSON reader adds fields it
+    found beside them)."""
+    if pa.types.is_struct(type_):
+        children = [_declared(column.field(f.name), f.type) for f in type_]
+        return pa.StructArray.from_arrays(children, fields=list(type_),
+                                          mask=column.is_null() if column.null_count else None)
+    if pa.types.is_list(type_) and column.type != type_:
+        return pa.ListArray.from_arrays(column.offsets, _declared(column.values,
+                                                                  type_.value_type),
+                                        type=type_, mask=column.is_null())
+    if column.type != type_:
+        raise pa.ArrowTypeError(f"{column.type} is not {type_}")
+    return column
+
+
+def _versions(properties: pa.Array) -> np.ndarray:
     """The schema version of every row, from its properties (0 where none is recorded):
     vectorised over the map's keys, since most rows have a few properties."""
-    import numpy as np
-    import pyarrow.compute as pc
-
     n = len(properties)
     out = np.zeros(n, dtype=np.int64)
     if n == 0 or properties.null_count == n:
-        return out.tolist()
+        return out
     offsets = np.asarray(properties.offsets)
     hits = np.flatnonzero(np.asarray(pc.fill_null(pc.equal(properties.keys, VERSION_PROPERTY),
                                                   False)))
@@ -366,4 +501,4 @@ def _versions(properties: pa.Array) -> list[int]:
     if len(hits):
         rows = np.searchsorted(offsets, hits, side="right") - 1
         out[rows] = np.asarray(properties.items.take(pa.array(hits)).cast(pa.int64()))
-    return out.tolist()
+    return out
