@@ -10,6 +10,7 @@ from pathlib import Path
 from bench import (
     elastic_bench,
     framework_bench,
+    history,
     latency_fs_bench,
     remote_bench,
     remote_bookie_bench,
@@ -27,6 +28,8 @@ BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
     "tail": (store_bench.tail, "produce -> consume latency percentiles at 10,000 msg/s"),
     "consume": (store_bench.consume, "consume throughput through the broker beside the Flight "
                                      "transport serving the same batches from memory"),
+    "consume-history": (history.consume_history, "consume's ratio to its Flight ceiling, "
+                        "this tree and the first release (ce0ba6c), alternating rounds"),
     "subscriptions": (subscription_bench.subscriptions, "4 shared / 4 key_shared consumers "
                       "beside 1 exclusive (msg/s, acks/s); a key_shared join: first message, "
                       "the others' longest pause"),
@@ -59,6 +62,10 @@ BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
 }
 
 
+#: Not in ``all``: it runs another benchmark again, twice a round.
+NOT_IN_ALL = {"consume-history"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench",
@@ -71,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("name", choices=[*BENCHMARKS, "all"], help="benchmark to run, or all")
     parser.add_argument("--full", action="store_true", help="the larger profile (slower)")
     args = parser.parse_args(argv)
-    names = list(BENCHMARKS) if args.name == "all" else [args.name]
+    names = [n for n in BENCHMARKS if n not in NOT_IN_ALL] if args.name == "all" \
+        else [args.name]
     failed = []
     for name in names:
         try:
