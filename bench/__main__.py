@@ -28,8 +28,6 @@ BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
     "tail": (store_bench.tail, "produce -> consume latency percentiles at 10,000 msg/s"),
     "consume": (store_bench.consume, "consume throughput through the broker beside the Flight "
                                      "transport serving the same batches from memory"),
-    "consume-history": (history.consume_history, "consume's ratio to its Flight ceiling, "
-                        "this tree and the first release (ce0ba6c), alternating rounds"),
     "subscriptions": (subscription_bench.subscriptions, "4 shared / 4 key_shared consumers "
                       "beside 1 exclusive (msg/s, acks/s); a key_shared join: first message, "
                       "the others' longest pause"),
@@ -62,10 +60,6 @@ BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
 }
 
 
-#: Not in ``all``: it runs another benchmark again, twice a round.
-NOT_IN_ALL = {"consume-history"}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench",
@@ -77,9 +71,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("name", choices=[*BENCHMARKS, "all"], help="benchmark to run, or all")
     parser.add_argument("--full", action="store_true", help="the larger profile (slower)")
+    parser.add_argument("--against", metavar="REV", default=None,
+                        help="run the benchmark on this tree and at git revision REV in "
+                             "alternating rounds, and compare their first ratio")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds with --against (default 4, 8 with --full)")
     args = parser.parse_args(argv)
-    names = [n for n in BENCHMARKS if n not in NOT_IN_ALL] if args.name == "all" \
-        else [args.name]
+    names = list(BENCHMARKS) if args.name == "all" else [args.name]
+    if args.against is not None:
+        if args.name == "all":
+            parser.error("--against takes one benchmark, not all")
+        history.against(args.name, args.against, not args.full, args.rounds)
+        return 0
     failed = []
     for name in names:
         try:

@@ -1,4 +1,5 @@
-"""A benchmark's ratio now and at an older revision, in alternating rounds on one machine.
+"""A benchmark's ratio now and at an older revision, in alternating rounds on one machine
+(``python -m bench NAME --against REV``).
 
 Some ratios swing more between runs on 2 cores than any change moves them (``consume``: the
 Flight ceiling alone varies 5-13 M msg/s). Whether a figure really dropped since an older
@@ -23,8 +24,6 @@ from pathlib import Path
 from bench.harness import Figure, console, report
 
 ROOT = Path(__file__).resolve().parent.parent
-#: The revision that first measured consume (bench/README.md's first figures): 0.61-1.06.
-FIRST_CONSUME = "ce0ba6c"
 
 
 def _tree_at(rev: str | None, into: Path) -> Path:
@@ -61,9 +60,9 @@ def _ratio(tree: Path, name: str, quick: bool) -> float:
     return float(ratio)
 
 
-def consume_history(quick: bool = True, rev: str = FIRST_CONSUME, rounds: int | None = None
-                    ) -> Path:
-    """``consume``'s ratio to its Flight ceiling on this tree and at ``rev``, alternating."""
+def against(name: str, rev: str, quick: bool = True, rounds: int | None = None) -> Path:
+    """``name``'s first ratio (its first figure beside that figure's baseline) on this tree
+    and at ``rev``, one run each per round, alternating which goes first."""
     rounds = rounds or (4 if quick else 8)
     ours: list[float] = []
     old: list[float] = []
@@ -74,9 +73,10 @@ def consume_history(quick: bool = True, rev: str = FIRST_CONSUME, rounds: int | 
             first, second = ((now_tree, ours), (old_tree, old)) if i % 2 == 0 \
                 else ((old_tree, old), (now_tree, ours))
             for tree, into in (first, second):
-                into.append(_ratio(tree, "consume", quick))
-            console.print(f"round {i + 1}/{rounds}: now {ours[-1]:.2f}, {rev} {old[-1]:.2f}")
-    figures = [Figure("consume / Flight ceiling, this tree", "x", ours,
+                into.append(_ratio(tree, name, quick))
+            console.print(f"round {i + 1}/{rounds}: this tree {ours[-1]:.2f}, {rev} "
+                          f"{old[-1]:.2f}")
+    figures = [Figure(f"{name}: first figure / its baseline, this tree", "x", ours,
                       f"the same at {rev}, alternating rounds", old)]
-    return report("consume-history", figures, {"revision": rev, "rounds": rounds,
-                                               "quick": quick})
+    return report(f"{name}-against-{rev}", figures, {"benchmark": name, "revision": rev,
+                                                     "rounds": rounds, "quick": quick})
