@@ -56,7 +56,7 @@ def test_a_split_of_the_old_format_is_refused_with_what_to_do() -> None:
     old = {"v": 1, "topic": TOPIC, "partition": 0, "segment_id": 1,
            "start": Position(0, 1, 0, 0).to_dict(), "end": None, "reader": "bookie-log",
            "key_range": [0, 65536], "bookie_dirs": ["/data/bookies/bookie-0"]}
-    with pytest.raises(ConfigError, match=r"format version 1; this tierstream reads version 2 "
+    with pytest.raises(ConfigError, match=r"format version 1; this tierstream reads version 3 "
                                           r"\(.*plan the read again\)"):
         Split.from_dict(old)
 

@@ -270,6 +270,13 @@ OPTIONS: dict[str, Option] = {
                kind="a duration such as 30s or 15m",
                description="A transaction neither committed nor written to for this long is "
                            "aborted and its staged data removed."),
+        Option(key="transactionHoldLimit", parse=_duration, default=30_000,
+               kind="a duration such as 5s or 1m",
+               description="A partition's messages after an undecided transaction's staged "
+                           "entries are readable once it is decided (Pulsar's max read "
+                           "position); when one has waited this long, the transaction's "
+                           "entries there are set aside, to be written again at its commit, "
+                           "and the rest becomes readable."),
         # -- what to read (the Spark adapter and the Python API) --------------------------
         Option(key="topic", parse=_string, default=None, kind="tenant/namespace/topic",
                scopes=("read", "write"),

@@ -118,6 +118,41 @@ def test_a_version_8_store_opens_without_scale_events_and_can_grow(tmp_path: Pat
         (event,) = grown.scale_events
         assert (event.old, event.new, event.first_segment_id) == (2, 4, opened[0].segment_id)
         assert grown.lineage.parent(3) == (1, event) and grown.lineage.root(3) == 1
-        assert store.query("SELECT value FROM meta WHERE key='schema_version'") == [("9",)]
+        assert store.query("SELECT value FROM meta WHERE key='schema_version'") == [
+            (str(SCHEMA_VERSION),)]
+    finally:
+        store.close()
+
+
+def test_a_version_9_store_gains_skipped_entries_and_set_aside_transactions(tmp_path: Path
+                                                                             ) -> None:
+    from tierstream.metadata.records import SegmentState
+    from tierstream.metadata.transaction_records import TransactionRecords
+
+    path = tmp_path / "metadata.db"
+    store = MetadataStore(path)
+    _, (seg,) = store.create_topic(TopicName.parse("a/b/c"), 1, created_at=1,
+                                   ensembles=[("bookie-0",)])
+    store.close()
+    with sqlite3.connect(path) as c:  # as version 9 wrote it
+        c.execute("DROP TABLE txn_set_aside")
+        c.execute("ALTER TABLE segments DROP COLUMN skipped")
+        c.execute("UPDATE meta SET value='9' WHERE key='schema_version'")
+    c.close()
+    store = MetadataStore(path)
+    try:
+        (old,) = store.segments("a/b/c")
+        assert old.segment_id == seg.segment_id and old.skipped == ()
+        sealed = old.with_stats(state=SegmentState.CLOSED, entries=3, messages=5,
+                                skipped=((1, 2),))
+        store.seal_segment(sealed, {}, {"t1": [[1, 4, None]]})
+        assert store.segments("a/b/c")[0].skipped == ((1, 2),)
+        txns = TransactionRecords(store)
+        assert txns.set_aside("t1") == [("a/b/c", 0, seg.segment_id, [[1, 4, None]])]
+        assert txns.set_aside_segments() == {seg.segment_id}
+        assert txns.has_set_aside("t1", "a/b/c", 0) and not txns.has_set_aside("t1", "a/b/c", 1)
+        txns.drop_set_aside(["t1"])
+        assert txns.set_aside("t1") == [] and txns.set_aside_segments() == set()
+        assert store.query("SELECT value FROM meta WHERE key='schema_version'") == [("10",)]
     finally:
         store.close()

@@ -10,10 +10,12 @@ import contextlib
 import signal
 import threading
 from collections import Counter
+from typing import Any
 
 import pyarrow as pa
 import pytest
 
+import tierstream
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer, Producer, Transaction, read
 from tierstream.errors import ConfigError, ConflictError, NotFoundError
@@ -62,7 +64,14 @@ def test_staged_rows_are_invisible_until_commit_then_all_visible(tmp_path) -> No
                         strict=True):
             by_key.setdefault(k, set()).add(p)
         assert all(len(ps) == 1 for ps in by_key.values())
-        assert not (log.data_dir / "transactions" / txn.txn_id).exists()  # staging removed
+        # written once: the entries staged are the entries readers read, nothing else
+        segments = log.store.segments(TOPIC) + log.store.segments(OTHER)
+        assert sum(s.messages for s in segments) == 600
+        assert sum(s.entries for s in segments) == len({
+            (p, s, e) for t in (table, read_all(log.url, OTHER)) for p, s, e in zip(
+                t.column("partition").to_pylist(), t.column("segment_id").to_pylist(),
+                t.column("entry_id").to_pylist(), strict=True)})
+        assert not (log.data_dir / "transactions").exists()  # nothing staged outside the log
 
 
 def test_a_sink_batch_is_committed_once_and_other_attempts_are_fenced(tmp_path) -> None:
@@ -125,8 +134,6 @@ def test_a_re_run_s_commit_fences_every_other_attempt_of_the_committed_batch(tmp
         states = {t["txn_id"]: t["state"] for t in admin.transactions()}
         assert states[second.txn_id] == states[still_open.txn_id] == "ABORTED"
         assert states[third.txn_id] == "ABORTED" and states[first.txn_id] == "APPLIED"
-        for txn in (second, still_open, third):  # staging removed with the fence
-            assert not (log.data_dir / "transactions" / txn.txn_id).exists()
         assert sorted(_values(read_all(log.url, TOPIC))) == sorted(_values(_rows("b5", 10)))
         # an attempt of an older batch (4, below the last committed 5) is fenced the same way
         old = Transaction(broker=log.url, sink="q5", batch=4)
@@ -135,6 +142,97 @@ def test_a_re_run_s_commit_fences_every_other_attempt_of_the_committed_batch(tmp
         admin.commit_transactions([], sink="q5", batch=4)
         assert {t["txn_id"]: t["state"] for t in admin.transactions()}[old.txn_id] == \
             "ABORTED"
+
+
+_AUDITS = iter(range(1 << 30))
+
+
+def _every_path(log: Any, topic: str) -> dict[str, list[str]]:
+    """The values of ``topic`` as each read path delivers them, in each path's order: the
+    broker's consume, the planner with local ledger files and with bookie endpoints (another
+    host), and a subscription."""
+    out = {"broker": _values(read_all(log.url, topic)),
+           "local files": _values(tierstream.read(topic, **log.kw())),
+           "bookie endpoints": _values(tierstream.read(topic, broker=log.url,
+                                                       data_dir=str(log.data_dir / "x")))}
+    with Consumer(topic, f"audit-{next(_AUDITS)}", broker=log.url,
+                  initial=Offset.earliest()) as consumer:
+        got: list[str] = []
+        while len(got) < len(out["broker"]):
+            batch = consumer.receive(timeout=scaled(30))
+            assert batch is not None, f"the subscription got {got}"
+            got.extend(_values(pa.Table.from_batches([batch])))
+            consumer.ack(batch)
+        assert consumer.receive(timeout=0.3) is None
+        out["subscription"] = got
+    return out
+
+
+def test_messages_after_an_undecided_transaction_wait_for_its_decision(tmp_path) -> None:
+    """Pulsar's max read position: a partition's messages are readable in log order, so
+    those after an undecided transaction's staged entries wait for its decision; an aborted
+    transaction's entries are then skipped by every reader, also once sealed and tiered."""
+    with running_log(tmp_path / "data", bookie_endpoints=True) as log, \
+            Admin(log.url) as admin:
+        admin.create_topic(TOPIC, 1)
+        producer = Producer(TOPIC, broker=log.url)
+        producer.send(b"before")
+        txn = Transaction(broker=log.url)
+        txn.write(TOPIC, pa.table({"value": [b"t1", b"t2"]}))
+        txn.prepare()
+        producer.send(b"during")
+        assert _values(read_all(log.url, TOPIC)) == ["before"]
+        assert txn.commit()["status"] == "committed"
+        assert _values(read_all(log.url, TOPIC)) == ["before", "t1", "t2", "during"]
+        aborted = Transaction(broker=log.url)
+        aborted.write(TOPIC, pa.table({"value": [b"never"]}))
+        aborted.prepare()  # staged: on the broker before what is sent next
+        producer.send(b"after")
+        assert _values(read_all(log.url, TOPIC)) == ["before", "t1", "t2", "during"]
+        aborted.abort()
+        want = ["before", "t1", "t2", "during", "after"]
+        assert _values(read_all(log.url, TOPIC)) == want
+        (sealed,) = log.store.seal(TOPIC)
+        assert sealed.messages == 5 and sealed.entries == 5 and sealed.skipped == ((3, 4),)
+        assert set(map(tuple, _every_path(log, TOPIC).values())) == {tuple(want)}
+        log.store.offloader.offload_topic(TOPIC)
+        assert log.store.segments(TOPIC)[0].location == "tier"
+        assert set(map(tuple, _every_path(log, TOPIC).values())) == {tuple(want)}
+        producer.close()
+
+
+def test_a_transaction_that_holds_messages_up_is_set_aside_and_commits_once(tmp_path
+                                                                             ) -> None:
+    """Ordinary messages that waited behind an undecided transaction for
+    transactionHoldLimit become readable: the transaction's entries are set aside in the
+    sealed segment, and its commit writes them again, in order, once."""
+    with running_log(tmp_path / "data", transactionHoldLimit="200ms") as log, \
+            Admin(log.url) as admin:
+        admin.create_topic(TOPIC, 1)
+        producer = Producer(TOPIC, broker=log.url)
+        txn = Transaction(broker=log.url)
+        plog = log.store.partition(TOPIC, 0)
+        try:
+            txn.write(TOPIC, pa.table({"key": ["k"] * 3, "value": [b"a", b"b", b"c"]}))
+            txn.flush()
+            wait_for(lambda: plog.txn_entries(txn.txn_id)[2] == 3, timeout=scaled(30),
+                     what="the staged rows to reach the broker")
+            producer.send(b"waiting")
+            assert read_all(log.url, TOPIC).num_rows == 0  # behind the staged entry
+            wait_for(lambda: _values(read_all(log.url, TOPIC)) == ["waiting"],
+                     timeout=scaled(30), what="the waiting message to be readable")
+            set_aside = log.store.transactions.records.set_aside(txn.txn_id)
+            assert [(t, p, len(e)) for t, p, _, e in set_aside] == [(TOPIC, 0, 1)]
+            txn.write(TOPIC, pa.table({"key": ["k"], "value": [b"d"]}))  # the new segment
+            txn.commit()
+        finally:
+            with contextlib.suppress(Exception):
+                txn.abort()
+            producer.close()
+        assert _values(read_all(log.url, TOPIC)) == ["waiting", "a", "b", "c", "d"]
+        assert log.store.transactions.records.set_aside(txn.txn_id) == []
+        assert set(map(tuple, _every_path(log, TOPIC).values())) == {
+            ("waiting", "a", "b", "c", "d")}
 
 
 def test_abort_and_timeout_discard_staged_rows(tmp_path) -> None:
@@ -149,13 +247,18 @@ def test_abort_and_timeout_discard_staged_rows(tmp_path) -> None:
         idle = Transaction(broker=log.url)
         idle.write(TOPIC, _rows("y", 5))
         idle.prepare()
-        staging = log.data_dir / "transactions" / idle.txn_id
-        assert staging.exists()
+        plog = log.store.partition(TOPIC, 0)
+        assert plog.txn_entries(idle.txn_id)[2] == 5  # staged in the log, invisible
         log.store.transactions.expire(now=2**62)  # what housekeeping does after the timeout
-        assert not staging.exists()
         with pytest.raises(ConflictError, match="timed out after 1 s"):
             admin.commit_transactions([idle.txn_id])
-        assert read_all(log.url, TOPIC).num_rows == 0
+        with Producer(TOPIC, broker=log.url) as producer:  # later messages are not held up
+            producer.send(b"after")
+        assert _values(read_all(log.url, TOPIC)) == ["after"]
+        seg = log.store.seal(TOPIC)[0]  # the timed-out one's entry: skipped (the first
+        # aborted before its rows were sent: they never reached the log)
+        assert seg.entries == 2 and seg.messages == 1 and seg.skipped == ((0, 1),)
+        assert _values(read_all(log.url, TOPIC)) == ["after"]
         with pytest.raises(NotFoundError, match="no transaction"):
             admin.commit_transactions(["nope"])
         with pytest.raises(ConfigError, match="invalid transaction id"):
@@ -231,31 +334,37 @@ def test_readers_see_each_commit_whole(tmp_path) -> None:
 
 # -- crash points ---------------------------------------------------------------------------
 
-CRASH_POINTS = ["txn.decided@1", "txn.partition-applied@1", "txn.partition-applied@2",
-                "txn.applied@1"]
+# In place: the staged entries show where they are (nothing is written at the commit).
+# Set aside: more entries per partition than a segment holds, so the segments rolled while
+# the transaction was undecided and the commit writes its rows again.
+CRASH_POINTS = [("in-place", "txn.decided@1"), ("in-place", "txn.applied@1"),
+                ("set-aside", "txn.decided@1"), ("set-aside", "txn.partition-applied@1"),
+                ("set-aside", "txn.partition-applied@3"), ("set-aside", "txn.applied@1")]
 
 
-@pytest.mark.parametrize("point", CRASH_POINTS)
+@pytest.mark.parametrize(("staged", "point"), CRASH_POINTS)
 def test_a_broker_killed_in_a_commit_ends_it_committed_never_half(
-        start_broker, free_port, point) -> None:
+        start_broker, free_port, staged, point) -> None:
     args = ("--max-entries-per-segment", "2")
     broker = start_broker(*args, port=free_port, env={ENV: point})
     with Admin(broker.url) as admin:
         admin.create_topic(TOPIC, 3)
         admin.create_topic(OTHER, 1)
     txn = Transaction(broker=broker.url, sink="crash", batch=7)
-    txn.write(TOPIC, _rows("c", 3000, keys=30))
-    txn.write(OTHER, _rows("o", 500))
+    writes = 1 if staged == "in-place" else 3  # each write: one entry per partition
+    for i in range(writes):
+        txn.write(TOPIC, _rows(f"c{i}", 3000, keys=30))
+        txn.write(OTHER, _rows(f"o{i}", 500))
     txn.prepare()
     with pytest.raises(Exception):  # noqa: B017 - the broker dies while answering
         txn.commit()
     _wait_killed(broker)
     restarted = start_broker(*args, port=free_port)
     # recovery applied the decided commit exactly once, in full
-    assert Counter(_values(read_all(restarted.url, TOPIC))) == Counter(
-        _values(_rows("c", 3000, keys=30)))
+    want = [v for i in range(writes) for v in _values(_rows(f"c{i}", 3000, keys=30))]
+    assert Counter(_values(read_all(restarted.url, TOPIC))) == Counter(want)
     assert Counter(_values(read_all(restarted.url, OTHER))) == Counter(
-        _values(_rows("o", 500)))
+        v for i in range(writes) for v in _values(_rows(f"o{i}", 500)))
     with Admin(restarted.url) as admin:
         # the driver retries its commit after the restart: a no-op
         assert admin.commit_transactions([txn.txn_id], sink="crash", batch=7)["status"] == \
@@ -263,7 +372,14 @@ def test_a_broker_killed_in_a_commit_ends_it_committed_never_half(
         states = {t["txn_id"]: t["state"] for t in admin.transactions()}
         assert states[txn.txn_id] == "APPLIED"
         assert admin.action("stats")  # the broker serves
-    assert read_all(restarted.url, TOPIC).num_rows == 3000
+    table = read_all(restarted.url, TOPIC)
+    assert table.num_rows == len(want)
+    # each key's rows in the order they were written
+    for key in {f"k{i}" for i in range(30)}:
+        rows = [v for k, v in zip(table.column("key").to_pylist(), _values(table),
+                                  strict=True) if k == key]
+        assert rows == [v for v, k in zip(want, [f"k{j % 30}" for j in range(3000)] * writes,
+                                          strict=True) if k == key]
 
 
 def test_a_broker_killed_before_the_decision_keeps_the_transaction_committable(
@@ -287,3 +403,37 @@ def _wait_killed(broker: BrokerProcess) -> None:
     wait_for(lambda: broker.proc is not None and broker.proc.poll() is not None, timeout=scaled(60),
              what="the broker to die at its crash point")
     assert broker.proc.returncode == -signal.SIGKILL, "".join(broker.stderr_tail)[-2000:]
+
+
+def test_transactions_staged_by_an_older_version_are_finished_at_start(tmp_path) -> None:
+    """Before transactions were written once, rows were staged in files and appended at the
+    commit: a broker started on such a data directory appends a committed one's files and
+    aborts one that was only prepared."""
+    from tierstream.message_format import PRODUCE_SCHEMA, as_produce_batch
+    from tierstream.metadata.transaction_records import TransactionRecords
+
+    data = tmp_path / "data"
+    with running_log(data) as log, Admin(log.url) as admin:
+        admin.create_topic(TOPIC, 1)
+    records = None
+    with running_log(data) as log:  # what the old version left: records and staged files
+        records = TransactionRecords(log.store.metadata)
+        for txn_id, state in (("old-committed", "COMMITTED"), ("old-prepared", "PREPARED")):
+            records.begin(txn_id, None, None, 1)
+            records.prepare(txn_id, [(TOPIC, 0, 3)], 1)
+            if state == "COMMITTED":
+                records.decide([txn_id], None, None, 2)
+            folder = data / "transactions" / txn_id / TOPIC
+            folder.mkdir(parents=True)
+            batch = as_produce_batch(pa.record_batch({"value": [f"{txn_id}-{i}".encode()
+                                                                for i in range(3)]}))
+            with pa.OSFile(str(folder / "0.1.3.1.arrow"), "wb") as f, \
+                    pa.ipc.new_stream(f, PRODUCE_SCHEMA) as writer:
+                writer.write_batch(batch)
+    with running_log(data) as log, Admin(log.url) as admin:
+        assert _values(read_all(log.url, TOPIC)) == [f"old-committed-{i}" for i in range(3)]
+        states = {t["txn_id"]: (t["state"], t["reason"]) for t in admin.transactions()}
+        assert states["old-committed"][0] == "APPLIED"
+        assert states["old-prepared"] == ("ABORTED", "staged by an older tierstream, which "
+                                          "this one cannot commit; write it again")
+        assert not (data / "transactions").exists()

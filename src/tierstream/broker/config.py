@@ -39,6 +39,7 @@ class StoreConfig:
     deletion_lag_ms: int = 10 * 60_000
     tier_check_interval_ms: int = 30_000
     transaction_timeout_ms: int = 15 * 60_000
+    transaction_hold_limit_ms: int = 30_000
     auto_scale_rate: int | None = None
     auto_scale_window_ms: int = 60_000
 
@@ -83,6 +84,7 @@ class StoreConfig:
             deletion_lag_ms=opts["deletionLag"],
             tier_check_interval_ms=opts["tierCheckInterval"],
             transaction_timeout_ms=opts["transactionTimeout"],
+            transaction_hold_limit_ms=opts["transactionHoldLimit"],
             auto_scale_rate=opts["autoScaleRate"],
             auto_scale_window_ms=opts["autoScaleWindow"],
         )

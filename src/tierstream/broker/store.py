@@ -312,6 +312,7 @@ class Store:
             for plog in list(self._logs.values()):
                 try:
                     plog.roll_if_aged()
+                    plog.roll_if_blocked(self.config.transaction_hold_limit_ms)
                     plog.flush_stats()
                 except Exception:  # keep housekeeping alive; log and go on
                     log.exception("housekeeping failed for %s/%s", plog.topic, plog.partition)

@@ -1,47 +1,54 @@
-"""Transactions on the broker: staged writes that no reader sees until a commit shows them all.
+"""Transactions on the broker: staged entries no reader sees until a commit shows them all.
 
-A writer (a Spark task, a Python producer) stages rows under a transaction id; the broker keeps
-them outside the log, in Arrow IPC stream files::
+A writer (a Spark task, a Python producer) stages rows under a transaction id, and they are
+written **once**, as entries of the partitions they go to (``PartitionLog.submit(txn=...)``:
+the producer ``txn/<id>``, replicated and fsynced like any entry), as Pulsar's transaction
+buffer appends transactional messages to the topic. Until the transaction is decided its
+entries, and every entry confirmed after the first of them, stay invisible: a partition's
+visible entries are a prefix (Pulsar's max read position). ``prepare`` checks the staged row
+counts against the writer's and records the transaction PREPARED. ``commit`` decides in one
+metadata transaction (``metadata/transaction_records.py``: idempotent by (sink id, batch id),
+fencing the batch's other attempts), then shows the staged entries where they are, in every
+partition at once (under the store's visibility lock). An abort or the timeout makes them
+entries every reader skips (``SegmentRecord.skipped``, ``Split.skipped``).
 
-    <data dir>/transactions/<txn id>/<tenant>/<namespace>/<topic>/<partition>.<ns>.<rows>.arrow
+An entry of an undecided transaction can end up in a sealed segment: the open segment rolled
+(it was full, or ordinary messages waited behind it for ``transactionHoldLimit``), the topic
+grew at a scale event, or the broker restarted. It is then **set aside**: skipped by readers
+and listed in ``txn_set_aside``; the commit writes the transaction's entries of that partition
+again, in staging order, as the producer ``txn/<id>/moved/<p>`` (sequence ids 0, 1, 2..., routed
+by the topic's current partition count), so that a key's rows keep their order. The parts a
+commit writes again are recorded with its decision (``moved``): recovery reads that to tell
+which staged entries of an open segment to show.
 
-written to a temporary name, fsynced, then renamed, so a file with a final name is whole. No
-reader, cursor or planner looks there. ``prepare`` checks the staged row counts against the
-writer's and records the transaction PREPARED. ``commit`` decides in one metadata transaction
-(``metadata/transaction_records.py``: idempotent by (sink id, batch id), fencing the batch's other
-attempts), then applies: it holds every partition it writes (``PartitionLog.hold``), appends the
-staged rows through the ordinary write path as a producer named ``txn/<id>`` with sequence ids
-0, 1, 2... per partition, and releases the partitions together, so a reader sees the whole
-commit at once or nothing of it.
-
-Crash safety: before the decision, a crash leaves the transaction OPEN or PREPARED, which a
-later commit may still commit or the timeout aborts. After it, the transaction is COMMITTED in
-metadata and recovery applies it again when the broker starts: entries already in the log are
-recognised by their (producer, sequence id) exactly like a producer's re-sent batch
-(``managed_ledger/dedup.py``), so nothing is stored twice.
+Crash safety: before the decision, a crash leaves the transaction OPEN or PREPARED and its
+entries set aside at recovery (``broker/recovery.py``); a later commit still commits it, or
+the timeout aborts it. After the decision, recovery shows the entries committed in place and
+sets aside those of parts written again, and ``recover`` writes those again: entries already in
+the log are recognised by their (producer, sequence id) exactly like a producer's re-sent
+batch (``managed_ledger/dedup.py``), so nothing is stored twice.
 ``tests/store/test_transactions.py`` kills the broker at each step (``txn.*`` crash points).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
-import shutil
+import queue
 import threading
-import time
-import uuid
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from tierstream.durable import fsync_dir
-from tierstream.errors import ConfigError, ConflictError, NotFoundError, StorageError
+from tierstream.broker.old_staging import finish_old_staging
+from tierstream.errors import ConfigError, ConflictError, NotFoundError
 from tierstream.faults import crash_point
 from tierstream.layout import DataDir
+from tierstream.managed_ledger.open_segment import TXN_PRODUCER, PendingAppend
 from tierstream.message_format import (
     PRODUCE_SCHEMA,
     as_produce_batch,
@@ -75,16 +82,20 @@ class Partitions(Protocol):
 
     def partition_count(self, topic: str) -> int: ...
 
+    def partitions(self, topic: str) -> list[PartitionLog]: ...
+
     def all_partitions(self) -> list[PartitionLog]: ...
 
 __all__ = ["PRODUCER_PREFIX", "TransactionCoordinator"]
 
 log = logging.getLogger(__name__)
 
-#: Applied entries are written as the producer ``txn/<id>``.
-PRODUCER_PREFIX = "txn/"
-#: Rows of one applied entry are about this many bytes (fewer, larger entries: fewer fsyncs).
+#: Staged entries are written as the producer ``txn/<id>``.
+PRODUCER_PREFIX = TXN_PRODUCER
+#: Rows of one staged or re-written entry are about this many bytes.
 ENTRY_BYTES = 4 * 1024**2
+#: Staged entries on their way to the bookies at once, per staging stream.
+IN_FLIGHT = 16
 #: Records of ended transactions are kept this long (to answer a late, repeated commit).
 KEEP_ENDED_MS = 24 * 3_600_000
 
@@ -96,72 +107,97 @@ class TransactionCoordinator:
         self.store = store
         self.timeout_ms = timeout_ms
         self.records = TransactionRecords(store.metadata)
-        self.root = DataDir.at(store.data_dir).transactions
+        self.root = DataDir.at(store.data_dir).transactions  # staging of older versions
         # one commit applies at a time; a scale event waits for it (broker/store.py)
         self.commit_lock = threading.Lock()
+        self._lock = threading.Lock()
+        #: partitions each live transaction staged entries to since the broker started
+        self._touched: dict[str, set[tuple[str, int]]] = {}
 
     # -- staging ------------------------------------------------------------------------------
 
     def stage(self, txn_id: str, topic: str, partition: int, batches: Iterable[pa.RecordBatch],
               *, sink_id: str | None = None, batch_id: int | None = None,
               routed: int | None = None) -> int:
-        """Write ``batches`` (PRODUCE_SCHEMA columns) as one staged file of ``txn_id``; returns
-        its rows once the file is durable. A stream that breaks leaves no file behind. Rows
-        ``routed`` by a partition count are routed again at the commit if the topic has
-        another count by then (its name records the count)."""
+        """Append ``batches`` (PRODUCE_SCHEMA columns) to the partition as entries staged by
+        ``txn_id``; returns their rows once an ack quorum has every one. Rows ``routed`` by a
+        partition count the topic no longer has at the commit are routed again then. A stream
+        that breaks leaves its entries staged: the writer aborts (or the timeout does)."""
         txn_id = check_txn_id(txn_id)
         name = TopicName.parse(topic)
         plog = self.store.partition(str(name), partition)  # the topic and partition exist
         self.records.begin(txn_id, sink_id, batch_id, now_ms())
-        folder = self._folder(txn_id, str(name))
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".{plog.partition}.{uuid.uuid4().hex}.tmp"
+        with self._lock:
+            self._touched.setdefault(txn_id, set()).add((plog.topic, plog.partition))
         rows = 0
+        # a second thread waits for each entry's quorum as it completes (confirming it, in
+        # entry order), while this one submits the next: the stream's entries share the
+        # bookies' group commits, and each is confirmed soon after it is durable
+        waiting: queue.Queue[PendingAppend | None] = queue.Queue(maxsize=IN_FLIGHT)
+        failed: list[BaseException] = []
+
+        def confirm() -> None:
+            while (entry := waiting.get()) is not None:
+                try:
+                    entry.result()
+                except BaseException as exc:  # raised in the stream's thread
+                    failed.append(exc)
+
+        confirmer = threading.Thread(target=confirm, name="tierstream-stage", daemon=True)
+        confirmer.start()
         try:
-            with open(tmp, "wb") as f:
-                writer = pa.ipc.new_stream(f, PRODUCE_SCHEMA)
+            try:
                 for batch in batches:
                     checked = as_produce_batch(batch)
-                    writer.write_batch(checked)
-                    rows += checked.num_rows
-                writer.close()
-                f.flush()
-                os.fsync(f.fileno())
-            if rows:
-                count = "" if routed is None else f".{int(routed)}"
-                os.rename(tmp, folder / f"{plog.partition}.{time.time_ns()}.{rows}{count}.arrow")
-                fsync_dir(folder)
-            else:
-                tmp.unlink()
+                    for piece in batches_of_about(pa.Table.from_batches([checked]),
+                                                  ENTRY_BYTES):
+                        waiting.put(plog.submit(piece, producer=None, sequence_id=None,
+                                                txn=txn_id, routed=routed))
+                        rows += piece.num_rows
+                    if failed:
+                        break
+            finally:
+                waiting.put(None)
+                confirmer.join()
+            if failed:
+                raise failed[0]
         except BaseException:
-            tmp.unlink(missing_ok=True)
-            self._refuse_if_ended(txn_id)  # the abort removed the folder under the stream
+            self._refuse_if_ended(txn_id)  # aborted under the stream: say that
             raise
         self.records.touch(txn_id, now_ms())
         self._refuse_if_ended(txn_id)
         return rows
 
     def _refuse_if_ended(self, txn_id: str) -> None:
-        """Fenced or aborted while a stream was staging (a zombie task attempt): remove its
-        staging, which the abort's removal may have missed, and raise ConflictError."""
+        """Fenced or aborted while a stream was staging (a zombie task attempt): make sure
+        what it staged is skipped, and raise ConflictError."""
         record = self.records.get(txn_id)
         if record.state != TxnState.OPEN:
-            self._remove(txn_id)
+            if record.state == TxnState.ABORTED:
+                self._end(txn_id)
             raise ConflictError(f"transaction {txn_id} is {record.state.lower()}"
                                 f"{f' ({record.reason})' if record.reason else ''}: it "
                                 "takes no more writes")
 
-    def staged(self, txn_id: str) -> dict[tuple[str, int], list[Path]]:
-        """The whole staged files of ``txn_id`` per (topic, partition), in staging order."""
-        folder = self.root / txn_id
-        out: dict[tuple[str, int], list[tuple[int, Path]]] = {}
-        if not folder.is_dir():
-            return {}
-        for path in folder.rglob("*.arrow"):
-            partition, ns, _ = path.name.split(".")[:3]
-            topic = str(path.parent.relative_to(folder))
-            out.setdefault((topic, int(partition)), []).append((int(ns), path))
-        return {k: [p for _, p in sorted(v)] for k, v in sorted(out.items())}
+    def _parts_of(self, txn_id: str) -> set[tuple[str, int]]:
+        """The partitions ``txn_id`` has staged entries in: those it staged to since the
+        broker started, and those holding its set-aside entries."""
+        with self._lock:
+            parts = set(self._touched.get(txn_id, ()))
+        parts.update((t, p) for t, p, _, _ in self.records.set_aside(txn_id))
+        return parts
+
+    def staged(self, txn_id: str) -> dict[tuple[str, int], int]:
+        """The rows ``txn_id`` has staged per (topic, partition)."""
+        counts: dict[tuple[str, int], int] = {}
+        with self._lock:
+            touched = set(self._touched.get(txn_id, ()))
+        for topic, p in touched:
+            with contextlib.suppress(NotFoundError, ConfigError):  # deleted since
+                counts[(topic, p)] = self.store.partition(topic, p).txn_entries(txn_id)[2]
+        for topic, p, _, entries in self.records.set_aside(txn_id):
+            counts[(topic, p)] = counts.get((topic, p), 0) + sum(int(e[1]) for e in entries)
+        return {k: v for k, v in sorted(counts.items()) if v}
 
     def prepare(self, txn_id: str, expected: dict[tuple[str, int], int]) -> TransactionRecord:
         """The writer is done: check that the staged rows are the ``expected`` ones per
@@ -170,7 +206,7 @@ class TransactionCoordinator:
         record = self.records.get(txn_id)
         if record.state == TxnState.PREPARED:
             return record
-        staged = {k: sum(_rows(p) for p in paths) for k, paths in self.staged(txn_id).items()}
+        staged = self.staged(txn_id)
         for key in sorted(set(staged) | set(expected)):
             if staged.get(key, 0) != expected.get(key, 0):
                 raise ConflictError(
@@ -191,11 +227,15 @@ class TransactionCoordinator:
             raise ConfigError("a commit names both a sink id and a batch id, or neither")
         if not txn_ids and sink_id is None:
             raise ConfigError("a commit needs at least one transaction, or a sink and batch")
-        with self.commit_lock:
-            decision = self.records.decide(txn_ids, sink_id, batch_id, now_ms())
+        with self.commit_lock, _Held() as held:
+            # the partitions the commit shows entries in do not roll meanwhile, so where
+            # each transaction's entries are (and so the decision's "moved") stays true
+            held.add([self._plog(t, p) for txn in txn_ids for t, p in self._parts_of(txn)])
+            moved = {txn: self._moved(txn) for txn in txn_ids}
+            decision = self.records.decide(txn_ids, sink_id, batch_id, now_ms(), moved=moved)
             crash_point("txn.decided")
             for fenced in decision.fenced:
-                self._remove(fenced)
+                self._end(fenced)
             if decision.duplicate:
                 log.info("commit of batch %s of sink %r: already committed; %d transaction(s) "
                          "of the repeated batch aborted", batch_id, sink_id,
@@ -203,56 +243,98 @@ class TransactionCoordinator:
                 return {"status": "already-committed", "sink": sink_id, "batch": batch_id,
                         "messages": 0, "aborted": decision.fenced}
             pending = [r for r in decision.committed if r.state == TxnState.COMMITTED]
-            self._apply(pending)
+            self._apply(pending, held)
         return {"status": "committed", "sink": sink_id, "batch": batch_id,
                 "transactions": txn_ids, "aborted": decision.fenced,
                 "messages": sum(n for r in decision.committed for _, _, n in r.parts)}
 
-    def _apply(self, records: list[TransactionRecord]) -> None:
-        """Append committed transactions' staged rows to the log, all visible at once."""
+    def _plog(self, topic: str, partition: int) -> PartitionLog | None:
+        try:
+            return self.store.partition(topic, partition)
+        except (NotFoundError, ConfigError):  # deleted since: its part went with it
+            return None
+
+    def _moved(self, txn_id: str) -> set[tuple[str, int]]:
+        """The partitions whose entries of ``txn_id`` a commit now writes again."""
+        out = set()
+        for topic, p in self._parts_of(txn_id):
+            plog = self._plog(topic, p)
+            again = plog is not None and plog.txn_placement(txn_id) == "again"
+            if again or self.records.has_set_aside(txn_id, topic, p):
+                out.add((topic, p))
+        return out
+
+    def _apply(self, records: list[TransactionRecord], held: _Held) -> None:
+        """Show committed transactions: in place where their entries are, written again
+        where they were set aside (or routed by an older partition count), all visible at
+        once; then mark them APPLIED."""
         if not records:
             return
-        plogs = {}
-        for r in records:
-            for topic, p, _ in r.parts:
-                try:
-                    plogs[(topic, p)] = self.store.partition(topic, p)
-                except NotFoundError:  # deleted since: its part of the commit went with it
-                    log.warning("transaction %s: %s partition %d no longer exists; its "
-                                "staged rows are dropped", r.txn_id, topic, p)
-        counts = {t: self.store.partition_count(t) for t, _ in plogs}
-        routed = {r.txn_id: _routed(self.staged(r.txn_id), counts) for r in records}
-        for r in records:
-            for key in routed[r.txn_id]:
-                if key not in plogs and key[0] in counts:  # routed again, to a grown one
-                    plogs[key] = self.store.partition(*key)
-        for plog in plogs.values():
-            plog.hold()
-        def apply(txn_id: str, key: tuple[str, int], tables: list[pa.Table]) -> None:
-            for seq, batch in enumerate(_entries(tables)):
-                plogs[key].append(batch, producer=PRODUCER_PREFIX + txn_id, sequence_id=seq)
-            crash_point("txn.partition-applied")
-
-        try:
-            # partitions in parallel: their appends share the bookies' group commits
-            # (python -m bench sink: the commit of 200,000 rows over 4 partitions)
-            with ThreadPoolExecutor(min(8, len(plogs)) or 1) as pool:
-                for r in records:
-                    staged = routed[r.txn_id]
-                    for done in [pool.submit(apply, r.txn_id, key, staged[key])
-                                 for key in staged if key in plogs]:
-                        done.result()
-        finally:
+        written: set[tuple[str, str, int]] = set()
+        while True:
+            for r in records:
+                for topic, p in sorted(self._again(r)):
+                    if (r.txn_id, topic, p) not in written:
+                        self._write_again(r.txn_id, topic, p, held)
+                        written.add((r.txn_id, topic, p))
             with self.store.visibility:  # a cut sees all partitions of the commit, or none
-                for plog in plogs.values():
-                    plog.release()
+                # an entry meant to show in place may have been set aside since (an explicit
+                # seal or a failed write sealed its segment): then that part is written
+                # again first, and everything shows together
+                if all((r.txn_id, t, p) in written for r in records for t, p in self._again(r)):
+                    for r in records:
+                        for topic, p in self._parts_of(r.txn_id):
+                            plog = self._plog(topic, p)
+                            if plog is not None:
+                                plog.resolve(r.txn_id, committed=True)
+                    held.release_all()
+                    break
         self.records.applied([r.txn_id for r in records], now_ms())
         crash_point("txn.applied")
-        names = {PRODUCER_PREFIX + r.txn_id for r in records}
-        for plog in plogs.values():
-            plog.forget_producers(names)
         for r in records:
-            self._remove(r.txn_id)
+            self._forget(r.txn_id)
+
+    def _again(self, record: TransactionRecord) -> set[tuple[str, int]]:
+        """The partitions whose entries of ``record`` its commit writes again: as decided,
+        and any set aside since."""
+        return set(record.moved) | self._moved(record.txn_id)
+
+    def _write_again(self, txn_id: str, topic: str, partition: int, held: _Held) -> None:
+        """Append a transaction's staged rows of one partition again, in staging order (its
+        set-aside entries, then those in the open segment), as ``txn/<id>/moved/<p>`` with
+        sequence ids 0, 1, 2... per partition written: the same rows and boundaries every
+        time, so a commit applied again after a crash stores each entry once. Rows routed by
+        a partition count the topic no longer has go where their keys route now."""
+        plog = self._plog(topic, partition)
+        if plog is None:
+            log.warning("transaction %s: %s partition %d no longer exists; its rows are "
+                        "dropped", txn_id, topic, partition)
+            return
+        staged: list[tuple[pa.Table, int | None]] = []
+        for t, p, segment_id, entries in self.records.set_aside(txn_id):
+            if (t, p) == (topic, partition):
+                batches = plog.raw_entries(segment_id, [int(e[0]) for e in entries])
+                staged.extend((_staged_rows(b), e[2]) for b, e in zip(batches, entries,
+                                                                      strict=True))
+        segment_id, open_entries, _ = plog.txn_entries(txn_id)
+        batches = plog.raw_entries(segment_id, [e for e, _ in open_entries])
+        staged.extend((_staged_rows(b), routed) for b, (_, routed) in zip(
+            batches, open_entries, strict=True))
+        count = self.store.partition_count(topic)
+        targets: dict[int, list[pa.Table]] = {}
+        for table, routed in staged:
+            for q, rows in _route(table, partition, routed, count):
+                targets.setdefault(q, []).append(rows)
+        for q, tables in sorted(targets.items()):
+            target = self._plog(topic, q)
+            if target is None:
+                continue
+            held.add([target])
+            producer = f"{PRODUCER_PREFIX}{txn_id}/moved/{partition}"
+            rows = pa.concat_tables(tables).combine_chunks()
+            for seq, batch in enumerate(batches_of_about(rows, ENTRY_BYTES)):
+                target.append(batch, producer=producer, sequence_id=seq)
+            crash_point("txn.partition-applied")
 
     # -- abort, timeout, recovery -------------------------------------------------------------
 
@@ -261,8 +343,30 @@ class TransactionCoordinator:
         txn_id = check_txn_id(txn_id)
         with self.commit_lock:
             done = self.records.abort([txn_id], now_ms(), reason)
-        self._remove(txn_id)
+        self._end(txn_id)
         return bool(done)
+
+    def _end(self, txn_id: str) -> None:
+        """An aborted transaction's entries: skipped everywhere, set-aside ones dropped."""
+        for topic, p in self._parts_of(txn_id):
+            plog = self._plog(topic, p)
+            if plog is not None:
+                plog.resolve(txn_id, committed=False)
+        self._forget(txn_id)
+
+    def _forget(self, txn_id: str) -> None:
+        """Drop what an ended transaction left: set-aside rows, de-duplication state, the
+        partitions it touched."""
+        topics = {t for t, _ in self._parts_of(txn_id)}
+        self.records.drop_set_aside([txn_id])
+        prefix = f"{PRODUCER_PREFIX}{txn_id}"
+        for topic in sorted(topics):
+            with contextlib.suppress(NotFoundError, ConfigError):  # deleted since
+                for plog in self.store.partitions(topic):
+                    plog.forget_producers({n for n in plog.producers()
+                                           if n == prefix or n.startswith(prefix + "/")})
+        with self._lock:
+            self._touched.pop(txn_id, None)
 
     def expire(self, now: int | None = None) -> int:
         """Abort transactions idle for longer than the timeout (housekeeping); also finish
@@ -276,82 +380,80 @@ class TransactionCoordinator:
             if aborted:
                 log.warning("transaction %s timed out after %g s without a commit: aborted",
                             txn_id, self.timeout_ms / 1000)
-                self._remove(txn_id)
-        with self.commit_lock:
-            self._apply(self.records.in_states(TxnState.COMMITTED))
-        self.records.forget_ended(now - KEEP_ENDED_MS)
+                self._end(txn_id)
+        with self.commit_lock, _Held() as held:
+            self._apply(self.records.in_states(TxnState.COMMITTED), held)
+        # an ended transaction's state decides its staged entries in a segment still open
+        # (recovery reads it): it is kept while such a segment may hold them
+        oldest_open = min((p.segments()[-1].created_at for p in self.store.all_partitions()),
+                          default=now)
+        self.records.forget_ended(min(now - KEEP_ENDED_MS, oldest_open))
         return len(expired)
 
     def recover(self) -> None:
-        """At broker start: apply what was committed but not (fully) applied, forget applied
-        transactions' de-duplication state, and remove staging nobody can commit."""
+        """At broker start: write again what was committed but not applied (every staged
+        entry is in a sealed segment now: shown or set aside by recovery), finish commits
+        staged by an older version, and remove staging nobody can commit."""
         committed = self.records.in_states(TxnState.COMMITTED)
         if committed:
             log.info("recovery: applying %d committed transaction(s)", len(committed))
-        with self.commit_lock:
-            self._apply(committed)
+        finish_old_staging(self.root, self.records, self._plog, ENTRY_BYTES)
+        with self.commit_lock, _Held() as held:
+            self._apply(self.records.in_states(TxnState.COMMITTED), held)
         live = {r.txn_id for r in self.records.in_states(TxnState.OPEN, TxnState.PREPARED)}
         for plog in self.store.all_partitions():
             plog.forget_producers({n for n in plog.producers() if n.startswith(
-                PRODUCER_PREFIX) and n[len(PRODUCER_PREFIX):] not in live})
-        if self.root.is_dir():
-            for folder in self.root.iterdir():
-                if folder.name not in live:
-                    self._remove(folder.name)
-                else:  # a staging stream cut by the crash: its temporary file is not whole
-                    for tmp in folder.rglob(".*.tmp"):
-                        tmp.unlink(missing_ok=True)
+                PRODUCER_PREFIX) and n[len(PRODUCER_PREFIX):].split("/")[0] not in live})
 
     def list(self) -> list[dict[str, Any]]:
         return [r.to_dict() for r in self.records.in_states(
             TxnState.OPEN, TxnState.PREPARED, TxnState.COMMITTED, TxnState.APPLIED,
             TxnState.ABORTED)]
 
-    def _folder(self, txn_id: str, topic: str) -> Path:
-        return self.root / txn_id / topic
 
-    def _remove(self, txn_id: str) -> None:
-        try:
-            shutil.rmtree(self.root / txn_id, ignore_errors=False)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise StorageError(f"cannot remove the staging of transaction {txn_id}: "
-                               f"{exc}") from None
+class _Held:
+    """Partitions held for a commit (``PartitionLog.hold``), released together: by the
+    commit under the visibility lock, or on the way out if it fails."""
 
+    def __init__(self) -> None:
+        self.logs: dict[int, PartitionLog] = {}
 
-def _rows(path: Path) -> int:
-    return int(path.name.split(".")[2])
+    def add(self, logs: Iterable[PartitionLog | None]) -> None:
+        for plog in logs:
+            if plog is not None and id(plog) not in self.logs:
+                plog.hold()
+                self.logs[id(plog)] = plog
 
+    def release_all(self) -> None:
+        logs, self.logs = list(self.logs.values()), {}
+        for plog in logs:
+            plog.release()
 
-def _routed(staged: dict[tuple[str, int], list[Path]], counts: dict[str, int]
-            ) -> dict[tuple[str, int], list[pa.Table]]:
-    """The staged rows per (topic, partition) they go to: where they were staged, unless they
-    were routed by a partition count their topic no longer has (it grew at a scale event):
-    then each keyed row goes where its key routes now, in staging order. The same files and
-    counts give the same result, so a commit applied again after a crash repeats itself."""
-    out: dict[tuple[str, int], list[pa.Table]] = {}
-    for (topic, p), paths in staged.items():
-        for path in paths:
-            with pa.OSFile(str(path)) as source:
-                table = pa.ipc.open_stream(source).read_all()
-            parts = path.name.split(".")
-            count = counts.get(topic)
-            if len(parts) < 5 or count is None or int(parts[3]) == count:
-                out.setdefault((topic, p), []).append(table)
-                continue
-            keys = table.column("key").combine_chunks()
-            target = key_hashes(keys).to_numpy().astype(np.int64) % count
-            target[keys.is_null().to_numpy(zero_copy_only=False)] = p
-            for q in sorted(set(target.tolist())):
-                rows = pa.array(np.flatnonzero(target == q))
-                out.setdefault((topic, q), []).append(table.take(rows))
-    return dict(sorted(out.items()))
+    def __enter__(self) -> _Held:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release_all()
 
 
-def _entries(tables: list[pa.Table]) -> Iterator[pa.RecordBatch]:
-    """The staged rows of one partition as entries of about :data:`ENTRY_BYTES` (the same
-    boundaries every time, so a re-applied entry has the sequence id it had)."""
-    if not tables:
+def _staged_rows(batch: pa.RecordBatch) -> pa.Table:
+    """A stored entry's rows as they are staged again: the produce columns, the publish
+    time left to the broker (rows written at the commit are published then)."""
+    columns = [batch.column(f.name) if f.name != "publish_time"
+               else pa.nulls(batch.num_rows, pa.int64()) for f in PRODUCE_SCHEMA]
+    return pa.Table.from_arrays(columns, schema=PRODUCE_SCHEMA)
+
+
+def _route(table: pa.Table, partition: int, routed: int | None, count: int
+           ) -> Iterator[tuple[int, pa.Table]]:
+    """``table``'s rows by the partition they go to now: where they were staged, unless
+    they were routed by a count the topic no longer has (it grew at a scale event); then
+    each keyed row goes where its key routes now, in order (unkeyed rows stay)."""
+    if routed is None or routed == count:
+        yield partition, table
         return
-    yield from batches_of_about(pa.concat_tables(tables).combine_chunks(), ENTRY_BYTES)
+    keys = table.column("key").combine_chunks()
+    target = key_hashes(keys).to_numpy().astype(np.int64) % count
+    target[pc.is_null(keys).to_numpy(zero_copy_only=False)] = partition
+    for q in sorted(set(target.tolist())):
+        yield q, table.take(pa.array(np.flatnonzero(target == q)))

@@ -76,6 +76,8 @@ def broker_start(
         = None,
     transaction_timeout: Annotated[
         str | None, typer.Option(help=_help("transactionTimeout"))] = None,
+    transaction_hold_limit: Annotated[
+        str | None, typer.Option(help=_help("transactionHoldLimit"))] = None,
     auto_scale_rate: Annotated[int | None, typer.Option(help=_help("autoScaleRate"))] = None,
     auto_scale_window: Annotated[str | None, typer.Option(help=_help("autoScaleWindow"))]
         = None,
@@ -100,6 +102,7 @@ def broker_start(
         "catalogUri": catalog_uri, "offloadAfter": offload_after,
         "offloadThreshold": offload_threshold, "deletionLag": deletion_lag,
         "tierCheckInterval": tier_check_interval, "transactionTimeout": transaction_timeout,
+        "transactionHoldLimit": transaction_hold_limit,
         "autoScaleRate": auto_scale_rate, "autoScaleWindow": auto_scale_window,
     })
 

@@ -213,4 +213,5 @@ class Admin(BrokerClient):
 def segment_record(raw: dict[str, Any]) -> SegmentRecord:
     fields = {k: v for k, v in raw.items() if k != "location"}
     fields["ensemble"] = tuple(fields["ensemble"])
+    fields["skipped"] = tuple((int(lo), int(hi)) for lo, hi in fields.get("skipped") or ())
     return SegmentRecord(**fields)

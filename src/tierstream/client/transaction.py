@@ -37,6 +37,9 @@ __all__ = ["Transaction"]
 
 #: Rows per staged Flight message are capped near this many bytes.
 _CHUNK_BYTES = 8 * 1024**2
+#: Rows staged to one partition are sent once about this many bytes are gathered (each
+#: message is an entry on the broker: python -m bench sink)
+_GATHER_BYTES = 1024**2
 
 
 class Transaction:
@@ -69,8 +72,10 @@ class Transaction:
         # (a producer's own, which it registered)
         self._encoders: dict[str, Encoder | None] = {
             str(TopicName.parse(t)): e for t, e in (encoders or {}).items()}
-        # per (topic, partition, count routed by): a staging stream
+        # per (topic, partition, count routed by): a staging stream, and rows not sent yet
         self._streams: dict[tuple[str, int, int | None], tuple[Any, Any]] = {}
+        self._gathered: dict[tuple[str, int, int | None], list[pa.Table]] = {}
+        self._gathered_bytes: dict[tuple[str, int, int | None], int] = {}
         self._sent: dict[tuple[str, int], int] = {}
         self._round_robin = 0
         self.state = "open"
@@ -196,12 +201,38 @@ class Transaction:
                 for p in range(partitions) if bounds[p + 1] > bounds[p]]
 
     def _stage(self, topic: str, partition: int, table: pa.Table, routed: int | None) -> None:
-        key = (topic, partition)
-        stream = self._streams.get((topic, partition, routed))
-        if stream is None:
-            stream = self._streams[(topic, partition, routed)] = self._admin.produce({
+        """Stage ``table`` to one partition: gathered here up to :data:`_GATHER_BYTES` and
+        then sent on the partition's staging stream, so that a writer handing over small
+        batches (a Spark task's, split by partition) makes entries of a useful size."""
+        key = (topic, partition, routed)
+        if key not in self._streams:  # opened at once: the broker knows the transaction
+            self._open_stream(key)
+        self._gathered.setdefault(key, []).append(table)
+        self._gathered_bytes[key] = self._gathered_bytes.get(key, 0) + table.nbytes
+        self._sent[(topic, partition)] = self._sent.get((topic, partition), 0) + table.num_rows
+        if self._gathered_bytes[key] >= _GATHER_BYTES:
+            self._send(key)
+
+    def _open_stream(self, key: tuple[str, int, int | None]) -> tuple[Any, Any]:
+        topic, partition, routed = key
+        try:
+            stream = self._streams[key] = self._admin.produce({
                 "op": "stage", "txn": self.txn_id, "topic": topic, "partition": partition,
                 "sink": self.sink, "batch": self.batch, "routed": routed})
+        except Exception:
+            self.state = "failed"
+            raise
+        return stream
+
+    def _send(self, key: tuple[str, int, int | None]) -> None:
+        """Send what is gathered for one partition on its staging stream."""
+        tables = self._gathered.pop(key, [])
+        self._gathered_bytes.pop(key, None)
+        if not tables:
+            return
+        topic, partition, _ = key
+        table = pa.concat_tables(tables)
+        stream = self._streams.get(key) or self._open_stream(key)
         try:
             with translate_errors(self._admin.url):
                 for batch in batches_of_about(table, _CHUNK_BYTES):
@@ -214,7 +245,13 @@ class Transaction:
         except Exception:
             self.state = "failed"
             raise
-        self._sent[key] = self._sent.get(key, 0) + table.num_rows
+
+    def flush(self) -> None:
+        """Send the rows gathered so far to the broker (they are sent by themselves once a
+        partition has enough, and at :meth:`prepare`): staged, still invisible."""
+        self._check_open()
+        for key in list(self._gathered):
+            self._send(key)
 
     # -- ending -------------------------------------------------------------------------------
 
@@ -225,6 +262,8 @@ class Transaction:
             return {"txn": self.txn_id}
         self._check_open()
         try:
+            for key in list(self._gathered):
+                self._send(key)
             for key, (writer, reader) in sorted(self._streams.items(),
                                                 key=lambda kv: (*kv[0][:2], kv[0][2] or 0)):
                 with translate_errors(self._admin.url):
@@ -275,6 +314,8 @@ class Transaction:
             with contextlib.suppress(Exception):
                 writer.close()
         self._streams.clear()
+        self._gathered.clear()
+        self._gathered_bytes.clear()
         if self._sent or self.state == "failed":
             self._admin.abort_transaction(self.txn_id, reason)
         self.state = "aborted"

@@ -17,7 +17,13 @@ from typing import Any, NamedTuple, overload
 
 from tierstream.message_format import KEY_HASH_SLOTS
 from tierstream.metadata.records import SegmentRecord, SegmentState
-from tierstream.splits.positions import KeyRange, Position, cut_entries, entries_between
+from tierstream.splits.positions import (
+    KeyRange,
+    Position,
+    cut_entries,
+    entries_between,
+    ranges_within,
+)
 from tierstream.splits.split import ReaderKind, Split
 
 __all__ = ["PartitionPlan", "Plan", "SegmentPlan", "no_gc"]
@@ -63,13 +69,15 @@ class SegmentPlan(NamedTuple):
         per_entry = seg.bytes / seg.entries if seg.entries else 0
         for a, b in self.chunks():
             entries = (b.entry_id - a.entry_id + 1) if b is not None else 0
+            skipped = ranges_within(seg.skipped, a.entry_id, b.entry_id + 1) \
+                if seg.skipped and b is not None else seg.skipped
             for r in self.key_ranges:
                 yield Split(topic=self.topic, partition=seg.partition,
                             segment_id=seg.segment_id, start=a, end=b, reader=self.reader,
                             key_range=r, start_time=self.start_time, end_time=self.end_time,
                             estimated_bytes=int(per_entry * entries * (r.hi - r.lo)
                                                 / KEY_HASH_SLOTS),
-                            chain=self.chain, **self.facts)
+                            chain=self.chain, skipped=skipped, **self.facts)
 
 
 class PartitionPlan(NamedTuple):

@@ -1,5 +1,6 @@
 """The managed ledger of one partition, on the broker: appends and rollover. Reads and the
-tail are in ``partition_reads.py``, position arithmetic in ``partition_positions.py``.
+tail are in ``partition_reads.py``, position arithmetic in ``partition_positions.py``, what
+readers may see of the open segment (transactions' staged entries) in ``visibility.py``.
 
 Appends take the partition lock only to assign the entry id and hand the entry to the bookies;
 the wait for the ack quorum happens outside it, so concurrent producers of one partition share
@@ -9,7 +10,9 @@ and the last confirmed entry (LAC) only ever moves forward by one.
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -24,20 +27,34 @@ from tierstream.bookie.storage import Bookie
 from tierstream.errors import ConfigError, NotFoundError, StaleRoutingError, UnavailableError
 from tierstream.faults import crash_point
 from tierstream.managed_ledger.dedup import ProducerDedup, StoredBatch
-from tierstream.managed_ledger.open_segment import Ack, InFlight, OpenSegment, PendingAppend
-from tierstream.managed_ledger.partition_positions import PartitionPositions
+from tierstream.managed_ledger.open_segment import (
+    TXN_PRODUCER,
+    Ack,
+    InFlight,
+    OpenSegment,
+    PendingAppend,
+    TxnPart,
+)
 from tierstream.managed_ledger.partition_reads import TierSegment, filter_key_ranges
+from tierstream.managed_ledger.visibility import PartitionVisibility
 from tierstream.message_format import MESSAGE_SCHEMA, as_produce_batch, key_hashes
 from tierstream.metadata.records import SegmentRecord, SegmentState
 from tierstream.metadata.store import MetadataStore
+from tierstream.metadata.transaction_records import TransactionRecords
 from tierstream.tier.storage import TierStorage
 from tierstream.timeutil import now_ms
 
 __all__ = ["Ack", "PartitionLog", "filter_key_ranges"]
 
+log = logging.getLogger(__name__)
+
+#: Decided transactions a partition remembers after a roll (an entry of one still in flight
+#: when it ended is skipped, never taken for a new transaction's)
+_ENDED_KEPT = 10_000
 
 
-class PartitionLog(PartitionPositions):
+
+class PartitionLog(PartitionVisibility):
     """One partition's segments; owned by the broker's :class:`~tierstream.broker.store.Store`."""
 
     def __init__(
@@ -90,6 +107,9 @@ class PartitionLog(PartitionPositions):
         self._gone = threading.Event()  # the topic was deleted: no appends, reads end
         self.appended = 0  # messages appended since the broker started (auto-scaling)
         self._held = False  # a transaction commit is being applied: see hold()
+        #: transactions with staged entries in the open segment (or set aside earlier)
+        self._txns: dict[str, TxnPart] = {}
+        self._txn_records = TransactionRecords(metadata)
         if open_record is None:
             self._open = self._new_open_segment()
         else:  # registered by the caller (with its topic, or with every partition at start)
@@ -113,23 +133,34 @@ class PartitionLog(PartitionPositions):
                            requested_now=requested_now, routed=routed).result()
 
     def submit(self, batch: pa.RecordBatch, *, producer: str | None, sequence_id: int | None,
-               requested_now: int | None = None, routed: int | None = None) -> PendingAppend:
+               requested_now: int | None = None, routed: int | None = None,
+               txn: str | None = None) -> PendingAppend:
         """:meth:`append` without the wait: the entry is on its way to the bookies when this
         returns (in entry order), and ``result()`` waits for its quorum and gives the ack.
         A stream of batches submitted back to back shares the bookies' group commits (one
         fsync for what arrived meanwhile) instead of paying one each. Refusals (a deleted
-        topic, stale routing, an empty batch) are raised here."""
+        topic, stale routing, an empty batch) are raised here.
+
+        With ``txn``, the entry is staged by that transaction (as the producer ``txn/<id>``,
+        its own sequence ids): durable like any entry, invisible until the transaction is
+        decided, and so is everything confirmed after it (:meth:`resolve`). A staged entry
+        routed by a count the topic no longer has is taken: the commit routes it again."""
         batch = as_produce_batch(batch)
         if batch.num_rows == 0:
             raise ConfigError("cannot append an empty batch")
         with self._lock:
             if self._gone.is_set():
                 raise NotFoundError(f"topic {self.topic!r} was deleted")
-            if producer is not None and sequence_id is not None:
+            if txn is not None:
+                part = self._txn_part(txn)
+                producer, sequence_id = TXN_PRODUCER + txn, part.next_seq
+                part.next_seq += 1
+            elif producer is not None and sequence_id is not None:
                 duplicate = self._check_sequence(producer, sequence_id)
                 if duplicate is not None:
                     return PendingAppend(self, ack=duplicate)
-            if routed is not None and self.routing is not None and routed != self.routing:
+            if txn is None and routed is not None and self.routing is not None \
+                    and routed != self.routing:
                 raise StaleRoutingError(
                     f"topic {self.topic!r} now has {self.routing} partitions: a batch routed "
                     f"by {routed} is not stored; route it again", partitions=self.routing)
@@ -147,6 +178,8 @@ class PartitionLog(PartitionPositions):
             meta: dict[str, Any] = {}
             if producer is not None and sequence_id is not None:
                 meta = {"p": producer, "s": sequence_id}
+                if txn is not None:
+                    meta["r"] = routed  # recovery decides a staged entry's place by it
             futures: list[Future[IndexRecord]] = []
             for b in seg.record.ensemble:
                 futures.append(self._bookies[b].append(seg.record.segment_id, entry_id, meta,
@@ -154,7 +187,7 @@ class PartitionLog(PartitionPositions):
                                                        first_pt, last_pt))
                 crash_point("append.partial-replicas", before=futures[0].result)
             seg.in_flight[entry_id] = InFlight(futures, message_batch, producer, sequence_id,
-                                               payload.size)
+                                               payload.size, txn=txn, routed=routed)
         return PendingAppend(self, seg=seg, entry_id=entry_id, futures=futures, batch=batch,
                              stored=message_batch, sequence_id=sequence_id)
 
@@ -215,50 +248,31 @@ class PartitionLog(PartitionPositions):
                 self._dedup.record(pending.producer, StoredBatch(
                     pending.sequence_id, seg.record.segment_id, entry_id, record.messages,
                     record.first_publish_time, record.last_publish_time))
-            if self._held:
-                seg.hidden.append((record, pending.batch))
+            state = None
+            if pending.txn is not None:
+                part = self._txn_part(pending.txn)
+                seg.txn_of[entry_id] = (pending.txn, pending.routed)
+                part.entries.append(entry_id)
+                part.rows += record.messages
+                part.routed.add(pending.routed)
+                state = part.state
+            if self._held or seg.hidden or state == "pending":
+                # not visible yet: a commit is being applied, or an undecided transaction's
+                # entry is here or before it (visibility is a prefix: Pulsar's max read
+                # position). A staged entry's rows are not kept in memory: read when shown.
+                if state is None and not self._held and seg.blocked_since is None:
+                    seg.blocked_since = time.monotonic()
+                keep = None if (pending.txn is not None or self._held) else pending.batch
+                seg.hidden.append((record, keep))
+            elif state == "skipped":
+                self._show_skipped(seg, record)
+                advanced = True
             else:
                 self._show(seg, record, pending.batch)
                 advanced = True
         if advanced:
             self._changed.notify_all()
         if seg.failed and roll_on_failure and seg is self._open:
-            self._roll()
-
-    def _show(self, seg: OpenSegment, record: IndexRecord, batch: pa.RecordBatch) -> None:
-        """A confirmed entry becomes visible: to reads, positions and stats (lock held)."""
-        seg.records.append(record)
-        seg.messages += batch.num_rows
-        seg.bytes += record.frame_len
-        pts = batch.column("publish_time")
-        seg.min_pt = pts[0].as_py() if seg.min_pt is None else seg.min_pt
-        seg.max_pt = pts[-1].as_py()
-        self._cache_put((seg.record.segment_id, record.entry_id), batch)
-        self._stats_dirty = True
-
-    def hold(self) -> None:
-        """Entries confirmed from now on stay out of sight (reads, positions, stats) and the
-        segment does not roll, until :meth:`release`. A transaction commit holds every
-        partition it writes, so readers see all of its entries at once or none. Durability is
-        unchanged: producers are acknowledged as usual."""
-        with self._lock:
-            self._held = True
-
-    def release(self) -> None:
-        """End :meth:`hold`: the entries confirmed meanwhile become visible, in order."""
-        with self._lock:
-            self._held = False
-            self._show_hidden(self._open)
-
-    def _show_hidden(self, seg: OpenSegment) -> None:
-        if not seg.hidden:
-            return
-        for record, batch in seg.hidden:
-            self._show(seg, record, batch)
-        seg.hidden.clear()
-        self._changed.notify_all()
-        if seg is self._open and not self._held and (
-                len(seg.records) >= self._max_entries or seg.bytes >= self._max_bytes):
             self._roll()
 
     def forget_producers(self, names: set[str]) -> None:
@@ -357,9 +371,24 @@ class PartitionLog(PartitionPositions):
         wait_futures([f for p in seg.in_flight.values() for f in p.futures])
         self._advance(seg, roll_on_failure=False)
         seg.in_flight.clear()
-        # Sealing makes every confirmed entry readable from the bookies: a commit being
-        # applied here (only on a seal request, shutdown or a failed write) shows early.
-        self._show_hidden(seg)
+        # Every confirmed entry goes into the sealed segment: undecided transactions' entries
+        # are set aside (skipped by readers, written again at their commit), the rest is
+        # readable from the bookies (a commit being applied here, only on a seal request,
+        # shutdown or a failed write, shows early).
+        set_aside: dict[str, list[list[Any]]] = {}
+        for record, batch in seg.hidden:
+            staged = seg.txn_of.get(record.entry_id)
+            part = self._txns.get(staged[0]) if staged else None
+            if staged is not None and part is not None and part.state == "pending":
+                set_aside.setdefault(staged[0], []).append(
+                    [record.entry_id, record.messages, staged[1]])
+                self._show_skipped(seg, record)
+            elif part is not None and part.state == "skipped":
+                self._show_skipped(seg, record)
+            else:
+                self._show(seg, record, batch)
+        seg.hidden.clear()
+        seg.blocked_since = None
         last = seg.records[-1].entry_id if seg.records else None
         for b in seg.record.ensemble:
             self._bookies[b].seal_ledger(seg.record.segment_id, last)
@@ -368,9 +397,9 @@ class PartitionLog(PartitionPositions):
             sealed = seg.record.with_stats(
                 state=SegmentState.CLOSED, entries=len(seg.records), messages=seg.messages,
                 bytes=seg.bytes, min_publish_time=seg.min_pt, max_publish_time=seg.max_pt,
-                sealed_at=now_ms(),
+                sealed_at=now_ms(), skipped=seg.skipped_ranges(),
             )
-            self._metadata.seal_segment(sealed, self._dedup.rows())
+            self._metadata.seal_segment(sealed, self._dedup.rows(), set_aside)
             crash_point("roll.metadata-sealed")
             self._closed_segments.append(sealed)
             self._index_cache[sealed.segment_id] = seg.records
@@ -378,6 +407,15 @@ class PartitionLog(PartitionPositions):
             self._metadata.delete_segment(seg.record.segment_id)
             for b in seg.record.ensemble:
                 self._bookies[b].delete_ledger(seg.record.segment_id)
+        # the undecided transactions' entries are set aside now; decided ones are kept (a
+        # late entry of an aborted one is skipped too), the oldest dropped past a bound
+        for part in self._txns.values():
+            if part.state == "pending" and part.entries:
+                part.set_aside = True
+            part.entries, part.rows, part.routed = [], 0, set()
+        ended = [t for t, p in self._txns.items() if p.state != "pending"]
+        for txn_id in ended[:max(0, len(ended) - _ENDED_KEPT)]:
+            del self._txns[txn_id]
         if reopen:
             self._open = self._new_open_segment()
         self._changed.notify_all()
@@ -430,37 +468,6 @@ class PartitionLog(PartitionPositions):
             self._stats_dirty = False
 
     # -- views --------------------------------------------------------------------------------
-
-    def segments(self) -> list[SegmentRecord]:
-        """Every segment of the partition, the open one with its live stats."""
-        with self._lock:
-            seg = self._open
-            live = seg.record.with_stats(
-                entries=len(seg.records), messages=seg.messages, bytes=seg.bytes,
-                min_publish_time=seg.min_pt, max_publish_time=seg.max_pt)
-            return [*self._closed_segments, live]
-
-    def closed_segments(self) -> list[SegmentRecord]:
-        with self._lock:
-            return list(self._closed_segments)
-
-    def update_segment(self, record: SegmentRecord) -> None:
-        """Replace a closed segment's record (it moved to the tier, or lost its bookie copy)."""
-        with self._lock:
-            self._closed_segments = [record if s.segment_id == record.segment_id else s
-                                     for s in self._closed_segments]
-            if record.bookie_deleted_at is not None:
-                self._index_cache.pop(record.segment_id, None)
-
-    def remove_segment(self, segment_id: int) -> None:
-        """Stop serving a closed segment (retention)."""
-        with self._lock:
-            self._closed_segments = [s for s in self._closed_segments
-                                     if s.segment_id != segment_id]
-            self._index_cache.pop(segment_id, None)
-            self._tier_cache.pop(segment_id, None)
-            for key in [k for k in self._entry_cache if k[0] == segment_id]:
-                self._entry_cache_bytes -= self._entry_cache.pop(key).nbytes
 
     @property
     def stats(self) -> dict[str, Any]:

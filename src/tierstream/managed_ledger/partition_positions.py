@@ -9,7 +9,7 @@ import pyarrow.compute as pc
 from tierstream.bookie.ledger import entries_before
 from tierstream.managed_ledger.partition_reads import PartitionReads
 from tierstream.metadata.records import SegmentState
-from tierstream.splits.positions import Position
+from tierstream.splits.positions import Position, in_ranges
 
 __all__ = ["PartitionPositions"]
 
@@ -84,17 +84,21 @@ class PartitionPositions(PartitionReads):
     def advance(self, start: Position, max_messages: int, bound: Position
                 ) -> tuple[Position, int]:
         """The position ``max_messages`` messages after ``start`` (never past ``bound``), and
-        how many messages lie between: index records only, no data is read."""
+        how many messages lie between: index records only, no data is read. Skipped entries
+        (aborted or set-aside transactions') are not counted."""
         pos, counted = start, 0
         for seg in self.segments():
             if seg.segment_id < pos.segment_id or counted >= max_messages:
                 continue
             if seg.segment_id > bound.segment_id:
                 break
+            skipped = self.skipped_in(seg)
             for rec in self._segment_index(seg):
                 here = Position(self.partition, seg.segment_id, rec.entry_id, 0)
                 if here >= bound or counted >= max_messages:
                     break
+                if skipped and in_ranges(skipped, rec.entry_id):
+                    continue  # never read: not counted
                 first = pos.batch_index if (seg.segment_id, rec.entry_id) == (
                     pos.segment_id, pos.entry_id) else 0
                 if (seg.segment_id, rec.entry_id) < (pos.segment_id, pos.entry_id):

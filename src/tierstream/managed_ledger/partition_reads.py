@@ -17,7 +17,7 @@ from tierstream.errors import NotFoundError
 from tierstream.managed_ledger.open_segment import OpenSegment
 from tierstream.message_format import key_range_mask
 from tierstream.metadata.records import SegmentRecord
-from tierstream.splits.positions import KeyRange, Position
+from tierstream.splits.positions import EntryRanges, KeyRange, Position, in_ranges
 from tierstream.tier.storage import TierStorage
 
 __all__ = ["PartitionReads", "TierSegment", "filter_key_ranges"]
@@ -47,7 +47,35 @@ class PartitionReads:
     replica_failures: int
 
     def segments(self) -> list[SegmentRecord]:
-        raise NotImplementedError
+        """Every segment of the partition, the open one with its live stats."""
+        with self._lock:
+            seg = self._open
+            live = seg.record.with_stats(
+                entries=len(seg.records), messages=seg.messages, bytes=seg.bytes,
+                min_publish_time=seg.min_pt, max_publish_time=seg.max_pt)
+            return [*self._closed_segments, live]
+
+    def closed_segments(self) -> list[SegmentRecord]:
+        with self._lock:
+            return list(self._closed_segments)
+
+    def update_segment(self, record: SegmentRecord) -> None:
+        """Replace a closed segment's record (it moved to the tier, or lost its bookie copy)."""
+        with self._lock:
+            self._closed_segments = [record if s.segment_id == record.segment_id else s
+                                     for s in self._closed_segments]
+            if record.bookie_deleted_at is not None:
+                self._index_cache.pop(record.segment_id, None)
+
+    def remove_segment(self, segment_id: int) -> None:
+        """Stop serving a closed segment (retention)."""
+        with self._lock:
+            self._closed_segments = [s for s in self._closed_segments
+                                     if s.segment_id != segment_id]
+            self._index_cache.pop(segment_id, None)
+            self._tier_cache.pop(segment_id, None)
+            for key in [k for k in self._entry_cache if k[0] == segment_id]:
+                self._entry_cache_bytes -= self._entry_cache.pop(key).nbytes
 
     def read(
         self,
@@ -70,12 +98,17 @@ class PartitionReads:
         try:
             while True:
                 progressed = False
-                for seg, records in self._readable_from(pos):
+                for seg, records, skipped in self._readable_from(pos):
                     sid = seg.segment_id
                     first = pos.entry_id if sid == pos.segment_id else 0
                     for rec in records[first:]:  # entry ids are 0..n-1: slice by id
                         if end_key is not None and (sid, rec.entry_id, 0) >= end_key:
                             return
+                        if skipped and in_ranges(skipped, rec.entry_id):
+                            # an aborted or set-aside transaction's entry: never read
+                            pos = Position(self.partition, sid, rec.entry_id + 1, 0)
+                            progressed = True
+                            continue
                         batch = self._entry(seg, rec, readers)
                         lo = pos.batch_index if (sid, rec.entry_id) == (
                             pos.segment_id, pos.entry_id) else 0
@@ -127,18 +160,27 @@ class PartitionReads:
                 return True
         return False
 
-    def _readable_from(self, pos: Position) -> list[tuple[SegmentRecord, list[IndexRecord]]]:
-        """Segments at or after ``pos`` with their confirmed index records (a snapshot)."""
+    def _readable_from(self, pos: Position
+                       ) -> list[tuple[SegmentRecord, list[IndexRecord], EntryRanges]]:
+        """Segments at or after ``pos`` with their visible index records and the entries of
+        those to skip (a snapshot)."""
         with self._lock:
-            out: list[tuple[SegmentRecord, list[IndexRecord]]] = []
+            out: list[tuple[SegmentRecord, list[IndexRecord], EntryRanges]] = []
             for seg in self._closed_segments:
                 if seg.segment_id >= pos.segment_id and not (
                         seg.segment_id == pos.segment_id and pos.entry_id >= seg.entries):
-                    out.append((seg, self._segment_index(seg)))
+                    out.append((seg, self._segment_index(seg), seg.skipped))
             open_seg = self._open
             if open_seg.record.segment_id >= pos.segment_id:
-                out.append((open_seg.record, open_seg.records[:]))
+                out.append((open_seg.record, open_seg.records[:], open_seg.skipped_ranges()))
         return out
+
+    def skipped_in(self, seg: SegmentRecord) -> EntryRanges:
+        """The entries of ``seg`` readers skip (the open segment's as they are now)."""
+        with self._lock:
+            if seg.segment_id == self._open.record.segment_id:
+                return self._open.skipped_ranges()
+            return seg.skipped
 
     def _segment_index(self, seg: SegmentRecord) -> list[IndexRecord]:
         if seg.segment_id == self._open.record.segment_id:
@@ -206,7 +248,7 @@ class PartitionReads:
         if self._tier is None or seg.tier_url is None:
             raise NotFoundError(f"segment {seg.segment_id} ({self.topic} partition "
                                 f"{self.partition}) has neither a bookie copy nor a tier file")
-        loaded = TierSegment.load(self._tier.read_segment(seg.tier_url))
+        loaded = TierSegment.load(self._tier.read_segment(seg.tier_url), entries=seg.entries)
         with self._lock:
             self._tier_cache[seg.segment_id] = loaded
             while len(self._tier_cache) > 2:
@@ -231,25 +273,38 @@ class TierSegment:
         self._bounds = bounds
 
     @classmethod
-    def load(cls, rows: pa.Table) -> TierSegment:
+    def load(cls, rows: pa.Table, *, entries: int = 0) -> TierSegment:
+        """The file's rows with an index record per entry id ``0 .. max(entries, last + 1)``:
+        entries the file does not hold (skipped: aborted or set-aside transactions') get a
+        record of no messages, so records stay indexed by entry id."""
         table = rows.sort_by([("entry_id", "ascending"), ("batch_index", "ascending")])
         table = table.combine_chunks()
         entry_ids = table.column("entry_id").to_numpy()
         pts = table.column("publish_time").to_numpy()
-        records, bounds = [], {}
+        records: list[IndexRecord] = []
+        bounds = {}
         start = 0
         n = len(entry_ids)
+        last_pt = int(pts[0]) if n else 0
         while start < n:
             e = int(entry_ids[start])
             end = start
             while end < n and entry_ids[end] == e:
                 end += 1
+            while len(records) < e:  # a gap: an entry not in the file
+                records.append(IndexRecord(len(records), 0, 0, 0, last_pt, last_pt))
             bounds[e] = (start, end - start)
             records.append(IndexRecord(e, 0, 0, end - start, int(pts[start]), int(pts[end - 1])))
+            last_pt = int(pts[end - 1])
             start = end
+        while len(records) < entries:
+            records.append(IndexRecord(len(records), 0, 0, 0, last_pt, last_pt))
         return cls(table, records, bounds)
 
     def entry(self, entry_id: int) -> pa.RecordBatch:
+        if entry_id not in self._bounds:  # skipped, not in the file
+            return self.table.slice(0, 0).to_batches()[0] if self.table.num_rows else \
+                pa.RecordBatch.from_pylist([], schema=self.table.schema)
         start, count = self._bounds[entry_id]
         batches = self.table.slice(start, count).to_batches()
         return batches[0] if len(batches) == 1 else pa.concat_batches(batches)

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 from tierstream.lineage import Lineage, ScaleEvent
 from tierstream.names import TopicName
 from tierstream.schemas.model import SchemaInfo
+from tierstream.splits.positions import EntryRanges
 
 __all__ = ["MetadataReader", "SegmentRecord", "SegmentState", "TopicRecord"]
 
@@ -97,6 +98,9 @@ class SegmentRecord:
     offload_pending_url: str | None = None
     #: the tier file's size: a reader opens it without asking the object store (a HEAD)
     tier_bytes: int | None = None
+    #: entries every reader skips: of transactions aborted, or set aside to be written again
+    #: at their commit (final when the segment is sealed; ``messages`` does not count them)
+    skipped: EntryRanges = ()
 
     @property
     def location(self) -> str:
@@ -108,6 +112,7 @@ class SegmentRecord:
     def to_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
         out["ensemble"] = list(self.ensemble)
+        out["skipped"] = [list(r) for r in self.skipped]
         out["location"] = self.location
         return out
 

@@ -37,7 +37,7 @@ __all__ = ["MetadataStore"]
 _SEGMENT_COLUMNS = (
     "topic, partition, segment_id, state, entries, messages, bytes, min_publish_time, "
     "max_publish_time, created_at, sealed_at, ensemble, tier_url, offloaded_at, bookie_deleted_at, "
-    "offload_pending_url, tier_bytes"
+    "offload_pending_url, tier_bytes, skipped"
 )
 _SEGMENT_FIELDS = tuple(c.strip() for c in _SEGMENT_COLUMNS.split(","))
 
@@ -54,6 +54,9 @@ def _segment(row: sqlite3.Row | tuple[Any, ...]) -> SegmentRecord:
     fields = record.__dict__
     fields.update(zip(_SEGMENT_FIELDS, row, strict=True))
     fields["ensemble"] = _ensemble(fields["ensemble"])
+    skipped = fields["skipped"]
+    fields["skipped"] = () if skipped is None else tuple(
+        (int(lo), int(hi)) for lo, hi in json.loads(skipped))
     return record
 
 
@@ -168,7 +171,7 @@ class MetadataStore:
         """Remove every record of a topic, in one transaction (the last step of deleting)."""
         with self._tx() as c:
             for table in ("segments", "cursors", "deleted_segments", "dedup", "schemas",
-                          "schema_policies", "scale_events"):
+                          "schema_policies", "scale_events", "txn_set_aside"):
                 c.execute(f"DELETE FROM {table} WHERE topic=?", (name,))
             c.execute("DELETE FROM topics WHERE name=?", (name,))
 
@@ -231,13 +234,20 @@ class MetadataStore:
         with self._tx() as c:
             _update_stats(c, record)
 
-    def seal_segment(self, record: SegmentRecord, dedup: Mapping[str, tuple[int, Any]]) -> None:
-        """Seal a segment (``record`` with state CLOSED and its final stats) and save the
-        partition's producer de-dup state in **one** transaction: a crash leaves both or
-        neither, so the state always covers every sealed entry (see ``managed_ledger/dedup.py``)."""
+    def seal_segment(self, record: SegmentRecord, dedup: Mapping[str, tuple[int, Any]],
+                     set_aside: Mapping[str, list[list[Any]]] | None = None) -> None:
+        """Seal a segment (``record``: CLOSED, final stats, skipped entries), save the
+        partition's producer de-dup state (``managed_ledger/dedup.py``) and the entries of
+        undecided transactions ``set_aside`` here (``[entry_id, rows, routed]`` each) in
+        **one** transaction: a crash leaves all or none."""
         with self._tx() as c:
             _update_stats(c, record)
             _save_dedup(c, record.topic, record.partition, dedup)
+            c.executemany(
+                "INSERT OR REPLACE INTO txn_set_aside (txn_id, topic, partition, segment_id, "
+                "entries) VALUES (?,?,?,?,?)",
+                [(txn, record.topic, record.partition, record.segment_id, json.dumps(entries))
+                 for txn, entries in (set_aside or {}).items() if entries])
 
     def delete_segment(self, segment_id: int) -> None:
         with self._tx() as c:
@@ -472,9 +482,11 @@ def _insert_segments(c: sqlite3.Connection, topic: str,
 def _update_stats(c: sqlite3.Connection, record: SegmentRecord) -> None:
     c.execute(
         "UPDATE segments SET state=?, entries=?, messages=?, bytes=?, min_publish_time=?, "
-        "max_publish_time=?, sealed_at=? WHERE segment_id=?",
+        "max_publish_time=?, sealed_at=?, skipped=? WHERE segment_id=?",
         (record.state, record.entries, record.messages, record.bytes, record.min_publish_time,
-         record.max_publish_time, record.sealed_at, record.segment_id),
+         record.max_publish_time, record.sealed_at,
+         json.dumps([list(r) for r in record.skipped]) if record.skipped else None,
+         record.segment_id),
     )
 
 

@@ -11,7 +11,7 @@ import sqlite3
 
 __all__ = ["SCHEMA_VERSION", "create_and_migrate"]
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -39,7 +39,8 @@ CREATE TABLE IF NOT EXISTS segments (
     offloaded_at INTEGER,
     bookie_deleted_at INTEGER,
     offload_pending_url TEXT,
-    tier_bytes INTEGER
+    tier_bytes INTEGER,
+    skipped TEXT
 );
 CREATE INDEX IF NOT EXISTS segments_by_partition ON segments (topic, partition, segment_id);
 CREATE INDEX IF NOT EXISTS segments_by_max_time
@@ -57,6 +58,15 @@ CREATE TABLE IF NOT EXISTS transactions (
     reason TEXT
 );
 CREATE INDEX IF NOT EXISTS transactions_by_batch ON transactions (sink_id, batch_id);
+CREATE TABLE IF NOT EXISTS txn_set_aside (
+    txn_id TEXT NOT NULL,
+    topic TEXT NOT NULL,
+    partition INTEGER NOT NULL,
+    segment_id INTEGER NOT NULL,
+    entries TEXT NOT NULL,
+    PRIMARY KEY (txn_id, topic, partition, segment_id)
+);
+CREATE INDEX IF NOT EXISTS txn_set_aside_by_segment ON txn_set_aside (segment_id);
 CREATE TABLE IF NOT EXISTS sinks (
     sink_id TEXT PRIMARY KEY,
     last_batch INTEGER NOT NULL,
@@ -167,3 +177,10 @@ def _migrate(conn: sqlite3.Connection) -> None:
     if version == 8:  # v9: elastic topics (scale_events, created by the DDL above; a topic
         # without events has the partitions it was created with)
         conn.execute("UPDATE meta SET value='9' WHERE key='schema_version'")
+        version = 9
+    if version == 9:  # v10: transactions write once: entries readers skip, and entries of
+        # undecided transactions set aside in sealed segments (txn_set_aside, by the DDL)
+        columns = [r[1] for r in conn.execute("PRAGMA table_info(segments)")]
+        if "skipped" not in columns:
+            conn.execute("ALTER TABLE segments ADD COLUMN skipped TEXT")
+        conn.execute("UPDATE meta SET value='10' WHERE key='schema_version'")

@@ -36,6 +36,9 @@ class TransactionRecord:
     updated_at: int
     parts: list[tuple[str, int, int]]  # (topic, partition, rows)
     reason: str | None
+    #: (topic, partition) whose staged entries the commit writes again rather than shows
+    #: where they are (recorded with the decision: recovery reads it)
+    moved: frozenset[tuple[str, int]] = frozenset()
 
     def to_dict(self) -> dict[str, Any]:
         return {"txn_id": self.txn_id, "sink_id": self.sink_id, "batch_id": self.batch_id,
@@ -60,8 +63,11 @@ _COLUMNS = "txn_id, sink_id, batch_id, state, created_at, updated_at, parts, rea
 
 def _record(row: Any) -> TransactionRecord:
     txn_id, sink_id, batch_id, state, created, updated, parts, reason = row
+    items = json.loads(parts)  # [topic, partition, rows] or [..., "moved"]
     return TransactionRecord(txn_id, sink_id, batch_id, state, created, updated,
-                             [(str(t), int(p), int(n)) for t, p, n in json.loads(parts)], reason)
+                             [(str(i[0]), int(i[1]), int(i[2])) for i in items], reason,
+                             frozenset((str(i[0]), int(i[1])) for i in items
+                                       if len(i) > 3 and i[3] == "moved"))
 
 
 class TransactionRecords:
@@ -110,13 +116,14 @@ class TransactionRecords:
                                 f"{_why(record)}: it cannot be prepared")
         return record
 
-    def decide(self, txn_ids: list[str], sink_id: str | None, batch_id: int | None, now: int
-               ) -> Decision:
+    def decide(self, txn_ids: list[str], sink_id: str | None, batch_id: int | None, now: int,
+               moved: dict[str, set[tuple[str, int]]] | None = None) -> Decision:
         """The commit decision, in one metadata transaction: every listed transaction
-        PREPARED -> COMMITTED and the sink's last batch set; the batch's other open or
-        prepared transactions (failed or speculative task attempts) aborted. A batch at or
-        below the sink's last committed one changes nothing but aborting the listed ones.
-        Listing a transaction already committed is fine (a retried commit)."""
+        PREPARED -> COMMITTED, with the parts its commit writes again (``moved``), and the
+        sink's last batch set; the batch's other open or prepared transactions (failed or
+        speculative task attempts) aborted. A batch at or below the sink's last committed one
+        changes nothing but aborting the listed ones. Listing a transaction already committed
+        is fine (a retried commit)."""
         with self._meta.atomic() as c:
             if sink_id is not None:
                 row = c.execute("SELECT last_batch FROM sinks WHERE sink_id=?",
@@ -146,9 +153,10 @@ class TransactionRecords:
                         f"{record.sink_id!r} batch {record.batch_id}, not {sink_id!r} batch "
                         f"{batch_id}")
                 records.append(record)
-            c.executemany("UPDATE transactions SET state=?, updated_at=? WHERE txn_id=? "
-                          "AND state=?", [(TxnState.COMMITTED, now, r.txn_id, TxnState.PREPARED)
-                                          for r in records])
+            c.executemany(
+                "UPDATE transactions SET state=?, updated_at=?, parts=? WHERE txn_id=? "
+                "AND state=?", [(TxnState.COMMITTED, now, _parts(r, (moved or {}).get(
+                    r.txn_id, set())), r.txn_id, TxnState.PREPARED) for r in records])
             fenced: list[str] = []
             if sink_id is not None:
                 c.execute("INSERT INTO sinks (sink_id, last_batch, committed_at) VALUES (?,?,?) "
@@ -219,6 +227,35 @@ class TransactionRecords:
     def last_batch(self, sink_id: str) -> int | None:
         rows = self._meta.query("SELECT last_batch FROM sinks WHERE sink_id=?", (sink_id,))
         return None if not rows else int(rows[0][0])
+
+    # -- entries set aside in sealed segments (written by MetadataStore.seal_segment) -------
+
+    def set_aside(self, txn_id: str) -> list[tuple[str, int, int, list[list[Any]]]]:
+        """The entries of ``txn_id`` set aside in sealed segments: (topic, partition,
+        segment id, ``[[entry_id, rows, routed], ...]``), in log order."""
+        rows = self._meta.query(
+            "SELECT topic, partition, segment_id, entries FROM txn_set_aside WHERE txn_id=? "
+            "ORDER BY topic, partition, segment_id", (txn_id,))
+        return [(t, p, s, json.loads(e)) for t, p, s, e in rows]
+
+    def has_set_aside(self, txn_id: str, topic: str, partition: int) -> bool:
+        return bool(self._meta.query(
+            "SELECT 1 FROM txn_set_aside WHERE txn_id=? AND topic=? AND partition=? LIMIT 1",
+            (txn_id, topic, partition)))
+
+    def drop_set_aside(self, txn_ids: list[str]) -> None:
+        with self._meta.atomic() as c:
+            c.executemany("DELETE FROM txn_set_aside WHERE txn_id=?", [(t,) for t in txn_ids])
+
+    def set_aside_segments(self) -> set[int]:
+        """Segments holding set-aside entries that a commit may still need (their bookie
+        copies are kept until the transaction ends)."""
+        return {r[0] for r in self._meta.query("SELECT DISTINCT segment_id FROM txn_set_aside")}
+
+
+def _parts(record: TransactionRecord, moved: set[tuple[str, int]]) -> str:
+    return json.dumps([[t, p, n, *(["moved"] if (t, p) in moved else [])]
+                       for t, p, n in record.parts])
 
 
 def _why(record: TransactionRecord) -> str:

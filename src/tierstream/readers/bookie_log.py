@@ -44,12 +44,12 @@ from tierstream.errors import (
     TierstreamError,
     UnavailableError,
 )
-from tierstream.message_format import with_topic
+from tierstream.message_format import MESSAGE_SCHEMA, with_topic
 from tierstream.protocol import encode, translate_errors
 from tierstream.readers.stats import BROKER_FALLBACK, ENDPOINT, LOCAL, ReadStats, counted
 from tierstream.readers.trim import trim
 from tierstream.security import call_headers, client_for
-from tierstream.splits.positions import Position
+from tierstream.splits.positions import Position, in_ranges
 from tierstream.splits.split import Replica, Split
 
 __all__ = ["read_bookie_split"]
@@ -57,6 +57,7 @@ __all__ = ["read_bookie_split"]
 log = logging.getLogger(__name__)
 
 READER = "bookie-log"
+_EMPTY = pa.RecordBatch.from_pylist([], schema=MESSAGE_SCHEMA)
 
 
 def read_bookie_split(split: Split, *, auth_token: str | None = None,
@@ -192,7 +193,10 @@ def _decoded_local(split: Split, records: list[IndexRecord], dirs: list[str]
         mapped, base = pa.py_buffer(b""), 0
     primary = memoryview(mapped)
     segment_id, where, size = split.segment_id, dirs[0], len(primary)
+    skipped = split.skipped
     for rec in records[first:last]:
+        if skipped and in_ranges(skipped, rec.entry_id):
+            continue  # an aborted or set-aside transaction's entry
         start, end = rec.frame_offset - base, rec.frame_offset - base + rec.frame_len
         try:
             payload = parse_frame(primary[start:end], segment_id, rec.entry_id, where) \
@@ -365,6 +369,9 @@ class _RemoteLedger:
         frames = wire.column("frame")
         errors = wire.column("error")
         for i, entry_id in enumerate(ids):
+            if s.skipped and in_ranges(s.skipped, entry_id):
+                yield _EMPTY, entry_id  # an aborted or set-aside transaction's entry
+                continue
             try:
                 if not frames[i].is_valid:
                     raise CorruptionError(f"{where}: {errors[i].as_py()}")

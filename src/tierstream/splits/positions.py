@@ -7,6 +7,7 @@ after entry ``e`` of segment ``s``, which sorts before every message of a later 
 
 from __future__ import annotations
 
+import bisect
 import enum
 import itertools
 from dataclasses import dataclass
@@ -15,7 +16,13 @@ from typing import Any
 from tierstream.errors import ConfigError
 from tierstream.message_format import KEY_HASH_SLOTS
 
-__all__ = ["KeyRange", "Offset", "OffsetKind", "Position", "cut_entries", "entries_between"]
+__all__ = ["EntryRanges", "KeyRange", "Offset", "OffsetKind", "Position", "cut_entries",
+           "entries_between", "entry_ranges", "in_ranges", "ranges_within"]
+
+#: Entry ids of one segment as sorted, disjoint half-open ranges ``((lo, hi), ...)``: the
+#: entries readers skip (aborted or set-aside transaction entries: see
+#: ``broker/transaction_coordinator.py``). Small: one range per run of such entries.
+EntryRanges = tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True, order=True)
@@ -149,6 +156,30 @@ class KeyRange:
 
     def __str__(self) -> str:
         return f"{self.lo}:{self.hi}"
+
+
+def entry_ranges(ids: Any) -> EntryRanges:
+    """``ids`` (entry ids, any order, repeats allowed) as :data:`EntryRanges`."""
+    out: list[list[int]] = []
+    for i in sorted(set(int(x) for x in ids)):
+        if out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        else:
+            out.append([i, i + 1])
+    return tuple((lo, hi) for lo, hi in out)
+
+
+def in_ranges(ranges: EntryRanges, entry_id: int) -> bool:
+    """Whether ``entry_id`` lies in one of ``ranges``."""
+    if not ranges:
+        return False
+    i = bisect.bisect_right(ranges, (entry_id, 1 << 62)) - 1
+    return i >= 0 and ranges[i][0] <= entry_id < ranges[i][1]
+
+
+def ranges_within(ranges: EntryRanges, lo: int, hi: int) -> EntryRanges:
+    """The part of ``ranges`` inside entries ``[lo, hi)``."""
+    return tuple((max(a, lo), min(b, hi)) for a, b in ranges if a < hi and b > lo)
 
 
 def entries_between(start: Position, end: Position) -> int:

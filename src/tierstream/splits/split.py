@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tierstream.errors import ConfigError
-from tierstream.splits.positions import KeyRange, Position
+from tierstream.splits.positions import EntryRanges, KeyRange, Position
 
 __all__ = ["CUT_FORMAT_VERSION", "SPLIT_FORMAT_VERSION", "Cuts", "ReaderKind", "Replica", "Split",
            "StreamCut", "TierLocation", "chains", "cuts_from_dict", "cuts_to_dict",
@@ -21,7 +21,9 @@ __all__ = ["CUT_FORMAT_VERSION", "SPLIT_FORMAT_VERSION", "Cuts", "ReaderKind", "
 
 #: Version 2: a bookie-log split names its replicas by bookie id and network endpoint (a
 #: reader on any host can use them), with the directory on the store's host only as a hint.
-SPLIT_FORMAT_VERSION = 2
+#: Version 3: a split of a sealed segment lists the entries it skips (``skipped``): a reader
+#: that did not know them would show aborted transactions' rows, so older ones refuse it.
+SPLIT_FORMAT_VERSION = 3
 #: Stream cuts (in checkpoints and files users keep) have their own version: still 1.
 CUT_FORMAT_VERSION = 1
 
@@ -89,6 +91,9 @@ class Split:
     #: that partition's data from before the event (``lineage.py``): read in one chain, in
     #: partition order, every key's messages come out in log order across the event.
     chain: int | None = None
+    #: entries inside the split every reader skips (a sealed segment's aborted or set-aside
+    #: transaction entries: SegmentRecord.skipped)
+    skipped: EntryRanges = ()
 
     @property
     def root(self) -> int:
@@ -129,7 +134,7 @@ class Split:
             "tier_bytes": self.tier_bytes,
             "tier": {"s3_endpoint": self.tier.s3_endpoint, "s3_region": self.tier.s3_region},
             "broker": self.broker, "estimated_bytes": self.estimated_bytes,
-            "chain": self.chain,
+            "chain": self.chain, "skipped": [list(r) for r in self.skipped],
         }
 
     def to_json(self) -> str:
@@ -154,6 +159,7 @@ class Split:
                 tier=TierLocation(**(data.get("tier") or {})), broker=data.get("broker"),
                 estimated_bytes=int(data.get("estimated_bytes") or 0),
                 chain=None if data.get("chain") is None else int(data["chain"]),
+                skipped=tuple((int(lo), int(hi)) for lo, hi in data.get("skipped") or ()),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"malformed split: {exc!r}") from None

@@ -26,6 +26,7 @@ from tierstream.errors import ConfigError, CorruptionError
 from tierstream.message_format import MESSAGE_SCHEMA
 from tierstream.metadata.records import SegmentRecord, SegmentState, TopicRecord
 from tierstream.metadata.store import MetadataStore
+from tierstream.metadata.transaction_records import TransactionRecords
 from tierstream.names import TopicName
 from tierstream.splits.positions import Position
 from tierstream.tier.catalog import TierCatalog
@@ -154,10 +155,13 @@ class Offloader:
 
     def _delete_due_bookie_copies(self, topic: str, now: int) -> int:
         deleted = 0
+        # a segment holding an undecided transaction's set-aside entries keeps its bookie
+        # copy: the tier file does not have them, and the commit writes them again from it
+        needed = TransactionRecords(self.store.metadata).set_aside_segments()
         for plog in self.store.partitions(topic):
             for seg in plog.closed_segments():
                 if seg.tier_url is not None and seg.bookie_deleted_at is None and \
-                        seg.offloaded_at is not None and \
+                        seg.offloaded_at is not None and seg.segment_id not in needed and \
                         now - seg.offloaded_at >= self.deletion_lag_ms:
                     self.delete_bookie_copy(plog, seg)
                     deleted += 1
@@ -172,11 +176,17 @@ class Offloader:
             return []
         removed = []
         name = TopicName.parse(topic)
+        needed = TransactionRecords(self.store.metadata).set_aside_segments()
         with self._lock:
             for plog in self.store.partitions(topic):
                 for seg in plog.closed_segments():
                     if (seg.max_publish_time or 0) >= now - record.retention_ms:
                         break  # max publish time never decreases along the segments
+                    if seg.segment_id in needed:
+                        log.info("retention keeps segment %s of %s/%s until the transactions "
+                                 "with entries set aside there end", seg.segment_id, topic,
+                                 seg.partition)
+                        break
                     plog.remove_segment(seg.segment_id)  # stop serving it first
                     if seg.tier_url is not None:
                         self.catalog.unregister(name, seg.tier_url, seg.segment_id)
