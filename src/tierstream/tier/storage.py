@@ -58,6 +58,10 @@ def arrange(table: pa.Table, layout: str = "key-buckets") -> Iterator[tuple[pa.T
         return
     if layout != "key-buckets":
         raise ConfigError(f"invalid tier layout {layout!r}: expected one of {LAYOUTS}")
+    # one chunk per column first: a take over a column of ~100 chunks (one per entry read)
+    # gathers a chunk at a time, ~10x slower for the value column than over one chunk
+    # (505,000 rows: 0.22 s against 0.02 s, python -m bench offload --full)
+    table = table.combine_chunks()
     hashes = table.column("key_hash").to_numpy()
     bucket = (hashes // _BUCKET_SLOTS).astype(np.int8)
     # A stable sort by bucket keeps log order within each bucket (numpy's is a radix sort
