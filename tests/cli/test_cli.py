@@ -20,7 +20,8 @@ COMMANDS = [["broker", "start"], ["topic", "create"], ["topic", "list"], ["topic
             ["topic", "set"], ["topic", "delete"], ["produce"],
             ["consume"], ["segments"], ["seal"], ["offload"], ["plan"], ["read"], ["backfill"],
             ["tail"], ["subscriptions"], ["demo"], ["bookie", "serve"], ["schema", "set"],
-            ["schema", "get"], ["schema", "list"], ["schema", "check"], ["transactions"]]
+            ["schema", "get"], ["schema", "list"], ["schema", "check"], ["transactions"],
+            ["topic", "stats"], ["broker", "stats"]]
 
 
 def run(*args: str, stdin: str | None = None, env: dict[str, str] | None = None

@@ -454,6 +454,14 @@ class Dispatcher:
         with self._lock:
             return self.window.unacknowledged()
 
+    def oldest_delivered_s(self) -> float | None:
+        """Seconds since the oldest message delivered and not acknowledged yet was sent
+        (None: none is out)."""
+        with self._lock:
+            sent = [float(c.until[c.state == DELIVERED].min()) for c in self.window
+                    if c.open and (c.state == DELIVERED).any()]
+        return None if not sent else max(0.0, time.monotonic() - min(sent))
+
     def stats(self) -> list[dict[str, Any]]:
         """Each consumer's share: its key ranges (key_shared), whether it is the active one
         (failover, exclusive) or ``any`` (shared), and its counts."""

@@ -26,14 +26,16 @@ log = logging.getLogger(__name__)
 def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
                auth_token: str | None = None, ready: Any = None, tls_cert: str | None = None,
                tls_key: str | None = None, bookie_endpoints: bool = True,
-               advertised_address: str | None = None, bookie_port_base: int = 0) -> None:
+               advertised_address: str | None = None, bookie_port_base: int = 0,
+               metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> None:
     """Open the store, serve until SIGTERM/SIGINT, then shut down cleanly (main thread only).
 
     With ``bookie_endpoints`` (the default) every bookie also serves its sealed ledgers on an
     endpoint of its own (port ``bookie_port_base + i`` for bookie i, or any free port when it
     is 0; same host, token and TLS), registered in metadata under ``advertised_address`` (the
-    host readers on other machines use) or ``host``. ``ready`` is called with the broker URL
-    once it accepts calls.
+    host readers on other machines use) or ``host``. With ``metrics_port``, Prometheus
+    metrics are served there (``broker/metrics.py``; 0: any free port). ``ready`` is called
+    with the broker URL (and the metrics URL, or None) once it accepts calls.
     """
     # checked before anything opens; the servers check (and warn) again as they bind
     server_tls(tls_cert, tls_key)  # both or neither, readable
@@ -51,15 +53,28 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
     for p in bookie_ports:
         if p:
             _check_port_free(host, p)
+    if metrics_port is not None:
+        if isinstance(metrics_port, bool) or not 0 <= metrics_port <= 65535:
+            raise ConfigError(f"invalid --metrics-port {metrics_port!r}: expected 0..65535 "
+                              "(0: any free port)")
+        if metrics_port:
+            _check_port_free(metrics_host, metrics_port)
     _raise_file_limit()
     store = Store(config)
     endpoints: list[Any] = []
+    metrics = None
     try:
         broker = Broker(store, host=host, port=port, auth_token=auth_token,
                         tls_cert=tls_cert, tls_key=tls_key)
         if bookie_endpoints:
             endpoints = serve_bookies(store, host, auth_token, tls_cert, tls_key,
                                        advertised_address, bookie_ports)
+        if metrics_port is not None:
+            from tierstream.broker.metrics import MetricsServer
+
+            metrics = MetricsServer(store, broker.subscriptions, broker.streams, broker.lags,
+                                    host=metrics_host, port=metrics_port, tls_cert=tls_cert,
+                                    tls_key=tls_key)
     except BaseException:
         for endpoint in endpoints:
             endpoint.shutdown()
@@ -68,13 +83,15 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
     with stop_requested() as stop:
         try:
             if ready is not None:
-                ready(broker.url)
+                ready(broker.url, None if metrics is None else metrics.url)
             while not stop.wait(0.5):
                 pass
         finally:
             log.info("broker shutting down")
             store.closing.set()  # ends tail streams so that shutdown does not wait on them
             broker.shutdown()
+            if metrics is not None:
+                metrics.shutdown()
             for endpoint in endpoints:
                 endpoint.shutdown()
             store.close()

@@ -7,25 +7,23 @@ every call; a call without the right token is denied before any handler runs.
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from tierstream.broker.attached import ConsumerSettings
+from tierstream.broker.consume_streams import ConsumeStreams, check_partition
 from tierstream.broker.produce_stream import produce_stream
 from tierstream.broker.store import Store
 from tierstream.broker.subscriptions import Subscriptions
+from tierstream.broker.topic_stats import QueryLags, Streams, broker_stats, topic_stats
 from tierstream.errors import (
     ConfigError,
     NotFoundError,
     ProtocolError,
     TierstreamError,
 )
-from tierstream.managed_ledger.partition_log import PartitionLog
-from tierstream.message_format import CONSUMER_SCHEMA, MESSAGE_SCHEMA
 from tierstream.metadata.schema_registry import SchemaRegistry
 from tierstream.names import TopicName
 from tierstream.options import DEFAULT_PORT
@@ -39,15 +37,14 @@ from tierstream.security import (
     server_tls,
     url_host,
 )
-from tierstream.splits.positions import KeyRange, Offset, OffsetKind, Position
-from tierstream.subscription_type import SubscriptionType
+from tierstream.splits.positions import Position
 
 __all__ = ["Broker", "is_loopback"]
 
 log = logging.getLogger(__name__)
 
 
-class Broker(flight.FlightServerBase):
+class Broker(ConsumeStreams, flight.FlightServerBase):
     """Serves produce (DoPut), consume (DoGet) and admin actions (DoAction) for one store."""
 
     def __init__(self, store: Store, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
@@ -66,6 +63,8 @@ class Broker(flight.FlightServerBase):
         self.host = host
         self.subscriptions = Subscriptions(store)
         self.schemas = SchemaRegistry(store.metadata)
+        self.streams = Streams()
+        self.lags = QueryLags()
 
     def shutdown(self) -> None:
         """Stop serving, then store every subscription's last acks."""
@@ -96,9 +95,15 @@ class Broker(flight.FlightServerBase):
             plog = self.store.partition(cmd["topic"], int(cmd["partition"]))
             producer = cmd.get("producer")
             routed = None if cmd.get("routed") is None else int(cmd["routed"])
-            produce_stream(plog, reader, writer, producer=producer, routed=routed,
-                           check=lambda batch: self.schemas.check_named_versions(
-                               plog.topic, named_versions(batch)))
+            with self.streams.serving("producer", plog.topic, plog.partition,
+                                      producer) as stream:
+                def check(batch: pa.RecordBatch) -> None:
+                    self.schemas.check_named_versions(plog.topic, named_versions(batch))
+                    stream["messages"] += batch.num_rows
+                    stream["bytes"] += batch.nbytes
+
+                produce_stream(plog, reader, writer, producer=producer, routed=routed,
+                               check=check)
         except TierstreamError as exc:
             raise server_error(exc) from None
         except (KeyError, ValueError, TypeError) as exc:
@@ -111,89 +116,6 @@ class Broker(flight.FlightServerBase):
         for batch in batches:
             self.schemas.check_named_versions(name, named_versions(batch))
             yield batch
-
-    # -- consume ------------------------------------------------------------------------------
-
-    def do_get(self, context: Any, ticket: flight.Ticket) -> flight.FlightDataStream:
-        try:
-            req = decode(ticket.ticket, "consume ticket")
-            if req.get("op") != "consume":
-                raise ProtocolError(f"unknown DoGet operation {req.get('op')!r}")
-            plog = self.store.partition(req["topic"], int(req["partition"]))
-            ranges = [KeyRange(int(lo), int(hi)) for lo, hi in req.get("key_ranges") or []]
-            end, end_time = self._resolve_end(plog, req.get("end"))
-            sub = req.get("subscription")
-            if sub:
-                return self._subscribe(context, plog, sub, ranges or None)
-            start = self._resolve_start(plog, Offset.from_dict(req.get("start")
-                                                               or {"kind": "earliest"}))
-            follow = end is None and end_time is None
-            batches = plog.read(start, end=end, end_time=end_time, key_ranges=ranges,
-                                follow=follow, cancelled=context.is_cancelled)
-            return _stream(batches)
-        except TierstreamError as exc:
-            raise server_error(exc) from None
-        except (KeyError, ValueError, TypeError) as exc:
-            raise server_error(ProtocolError(f"malformed consume request: {exc!r}")) from None
-
-    def _subscribe(self, context: Any, plog: PartitionLog, sub: dict[str, Any],
-                   ranges: list[KeyRange] | None) -> flight.FlightDataStream:
-        name = str(sub["name"])
-        kind = SubscriptionType.parse(str(sub.get("type") or SubscriptionType.EXCLUSIVE))
-        if ranges is not None and kind != SubscriptionType.KEY_SHARED:
-            raise ConfigError(f"key_ranges are for key_shared subscriptions, not {kind}")
-        settings = ConsumerSettings(
-            name=str(sub.get("consumer") or uuid.uuid4().hex[:12]), type=kind,
-            sticky=None if ranges is None else tuple(ranges),
-            permits=max(1, int(sub.get("permits") or 1000)),
-            ack_timeout_s=None if sub.get("ack_timeout_s") is None
-            else float(sub["ack_timeout_s"]),
-            max_redeliveries=None if sub.get("max_redeliveries") is None
-            else int(sub["max_redeliveries"]),
-            dead_letter_topic=None if not sub.get("dead_letter_topic")
-            else str(TopicName.parse(sub["dead_letter_topic"])))
-        initial = self._resolve_start(plog, Offset.from_dict(sub.get("initial")
-                                                             or {"kind": "latest"}))
-        attached = self.subscriptions.attach(plog.topic, name, plog.partition, settings,
-                                             initial=initial, gone=context.is_cancelled)
-        closing = self.store.closing
-
-        def stream() -> Iterator[pa.RecordBatch]:
-            try:
-                while not attached.detached:
-                    batch = attached.next_batch(0.2)
-                    if batch is not None:
-                        yield batch
-                    elif context.is_cancelled() or closing.is_set():
-                        return
-            finally:
-                self.subscriptions.detach(plog.topic, name, plog.partition, attached)
-
-        return _stream(stream(), CONSUMER_SCHEMA)
-
-    def _resolve_start(self, plog: PartitionLog, offset: Offset) -> Position:
-        if offset.kind is OffsetKind.EARLIEST:
-            return plog.earliest()
-        if offset.kind is OffsetKind.LATEST:
-            return plog.last_confirmed()[1]
-        if offset.kind is OffsetKind.TIME:
-            assert offset.time_ms is not None
-            return plog.position_at_time(offset.time_ms)
-        assert offset.position is not None
-        return _check_partition(offset.position, plog)
-
-    def _resolve_end(self, plog: PartitionLog, raw: Any) -> tuple[Position | None, int | None]:
-        if raw is None:
-            return None, None
-        offset = Offset.from_dict(raw)
-        if offset.kind is OffsetKind.LATEST:
-            return plog.last_confirmed()[1], None
-        if offset.kind is OffsetKind.TIME:
-            return None, offset.time_ms
-        if offset.kind is OffsetKind.EARLIEST:
-            return plog.earliest(), None
-        assert offset.position is not None
-        return _check_partition(offset.position, plog), None
 
     # -- admin --------------------------------------------------------------------------------
 
@@ -250,9 +172,34 @@ class Broker(flight.FlightServerBase):
 
     def _stats(self, body: dict[str, Any]) -> Any:
         writer = self.subscriptions.writer
-        return {**self.store.stats(), "cursor_writes": writer.writes,
-                "cursor_snapshots": writer.snapshots,
+        return {**self.store.stats(), **broker_stats(self.store, self.streams),
+                "cursor_writes": writer.writes, "cursor_snapshots": writer.snapshots,
                 "dead_letters": self.subscriptions.dead_letters.written}
+
+    def _lag(self, body: dict[str, Any]) -> Any:
+        """Per partition: messages from the given position (a partition not given: from its
+        beginning) to the last confirmed one."""
+        topic = self.store.topic(body["topic"]).name
+        given = {int(p): Position.from_dict(v) for p, v in (body.get("positions") or {}).items()}
+        out = {}
+        for p, (_, end) in self.store.last_confirmed(topic).items():
+            plog = self.store.partition(topic, p)
+            start = given.get(p) or plog.earliest()
+            out[str(p)] = plog.backlog(check_partition(start, plog), end) if start < end else 0
+        return out
+
+    def _query_lag(self, body: dict[str, Any]) -> Any:
+        if body.get("forget"):
+            self.lags.forget(str(body["query_id"]))
+        else:
+            self.lags.report(str(body["query_id"]), body.get("name"), {
+                str(TopicName.parse(t)): {str(p): int(n) for p, n in parts.items()}
+                for t, parts in (body.get("lags") or {}).items()})
+        return {"ok": True}
+
+    def _topic_stats(self, body: dict[str, Any]) -> Any:
+        return topic_stats(self.store, self.subscriptions, self.streams, body["topic"],
+                           per_partition=bool(body.get("per_partition")))
 
     def _ack(self, body: dict[str, Any]) -> Any:
         topic = _topic(body)
@@ -289,8 +236,10 @@ class Broker(flight.FlightServerBase):
         return {"ok": True}
 
     def _offload(self, body: dict[str, Any]) -> Any:
-        moved = self.store.offloader.offload_topic(body["topic"],
-                                                   older_than_ms=body.get("older_than_ms"))
+        ids = body.get("segment_ids")
+        moved = self.store.offloader.offload_topic(
+            body["topic"], older_than_ms=body.get("older_than_ms"),
+            segment_ids=None if ids is None else {int(i) for i in ids})
         return [s.to_dict() for s in moved]
 
     def _tier_pass(self, body: dict[str, Any]) -> Any:
@@ -305,8 +254,8 @@ class Broker(flight.FlightServerBase):
 
     def _advance(self, body: dict[str, Any]) -> Any:
         plog = self.store.partition(body["topic"], int(body["partition"]))
-        start = _check_partition(Position.from_dict(body["start"]), plog)
-        bound = _check_partition(Position.from_dict(body["bound"]), plog)
+        start = check_partition(Position.from_dict(body["start"]), plog)
+        bound = check_partition(Position.from_dict(body["bound"]), plog)
         end, counted = plog.advance(start, int(body["max_messages"]), bound)
         return {"end": end.to_dict(), "messages": counted}
 
@@ -415,7 +364,13 @@ _ACTIONS = {
     "list-segments": (Broker._list_segments, "Segment records of {topic}, live stats."),
     "last-confirmed": (Broker._last_confirmed, "Last confirmed position per partition."),
     "seal": (Broker._seal, "Seal the open segment(s) of {topic[, partition]}."),
-    "stats": (Broker._stats, "Broker and store counters."),
+    "stats": (Broker._stats, "Broker and store counters: streams, offload lag, "
+                             "transactions by state, open files."),
+    "topic-stats": (Broker._topic_stats, "Rates, storage by location, producers and "
+                                         "subscriptions of {topic} [per_partition]."),
+    "lag": (Broker._lag, "Per partition of {topic}: messages after {positions}."),
+    "query-lag": (Broker._query_lag, "A Spark query's lag {query_id, name, lags} for the "
+                                     "metrics ({forget}: it ended)."),
     "ack": (Broker._ack, "Acknowledge the given messages of a subscription (individually)."),
     "ack-cumulative": (Broker._ack_cumulative, "Acknowledge up to and including {position} "
                                                "(exclusive and failover only)."),
@@ -428,7 +383,8 @@ _ACTIONS = {
                                              "first segment id (planning off-host)."),
     "bookie-endpoints": (Broker._bookie_endpoints, "Advertised address of each bookie."),
     "register-bookie": (Broker._register_bookie, "Record {bookie, address} (bookie serve)."),
-    "offload": (Broker._offload, "Offload closed segments of {topic[, older_than_ms]}."),
+    "offload": (Broker._offload, "Offload closed segments of {topic[, older_than_ms, "
+                                 "segment_ids]}."),
     "tier-pass": (Broker._tier_pass, "Apply offload, bookie deletion and retention now."),
     "set-retention": (Broker._set_retention, "Set {topic, retention_ms} (null: keep all)."),
     "deleted-segments": (Broker._deleted_segments, "Segments removed by retention."),
@@ -462,30 +418,8 @@ def _chunks(reader: flight.MetadataRecordBatchReader) -> Iterator[pa.RecordBatch
             yield chunk.data
 
 
-def _stream(batches: Iterator[pa.RecordBatch], schema: pa.Schema = MESSAGE_SCHEMA
-            ) -> flight.FlightDataStream:
-    # A RecordBatchReader is pulled by Flight's C++ writer directly, which costs about half
-    # of what GeneratorStream does per batch (bench: python -m bench consume).
-    reader = pa.RecordBatchReader.from_batches(schema, _carry_errors(batches))
-    return flight.RecordBatchStream(reader)
-
-
 def _topic(body: dict[str, Any]) -> str:
     """The topic of a consumer's action, read without the metadata store: acks and flows are
     the hot path, and the metadata lock is held through each cursor write's fsync. An unknown
     topic has no dispatcher, and loading one looks the topic up."""
     return str(TopicName.parse(body["topic"]))
-
-
-def _carry_errors(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    """Errors raised while streaming reach the client as the same tierstream error."""
-    try:
-        yield from batches
-    except TierstreamError as exc:
-        raise server_error(exc) from None
-
-
-def _check_partition(position: Position, plog: PartitionLog) -> Position:
-    if position.partition != plog.partition:
-        raise ConfigError(f"position {position} is not in partition {plog.partition}")
-    return position

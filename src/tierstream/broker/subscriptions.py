@@ -206,19 +206,22 @@ class Subscriptions:
                     if read_pos < ends[p] else d.unacknowledged()
                 ahead = [(max(a, read_pos), b) for a, b in state.acked if b > read_pos]
                 consumers = d.stats()
+                oldest = d.oldest_delivered_s()
             else:
                 state = CursorState.from_json(row["state"], p)
                 backlog = plog.backlog(state.mark_delete, ends[p]) \
                     if state.mark_delete < ends[p] else 0
                 ahead = state.acked
                 consumers = []
+                oldest = None
             for a, b in ahead:
                 if a < ends[p]:
                     backlog -= plog.backlog(a, min(b, ends[p]))
             out.append({"subscription": row["subscription"], "partition": p,
                         "type": state.type, "position": state.mark_delete.to_dict(),
                         "acked_ranges": len(state.acked), "backlog": max(0, backlog),
-                        "updated_at": row["updated_at"], "consumers": consumers})
+                        "updated_at": row["updated_at"], "consumers": consumers,
+                        "oldest_unacked_s": oldest})
         return out
 
     def _tick(self) -> None:

@@ -23,6 +23,7 @@ from tierstream.cli import (  # noqa: F401 - registers them
     reads,
     schemas,
     spark_jobs,
+    stats,
     topics,
 )
 from tierstream.cli.common import app, err, out

@@ -42,6 +42,12 @@ def broker_start(
     bookie_port_base: Annotated[int, typer.Option(
         help="Bookie i's endpoint listens on this port + i (0: any free port, chosen at each "
              "start).")] = 0,
+    metrics_port: Annotated[int | None, typer.Option(
+        help="Serve Prometheus metrics on this port (0: any free port) [default: off].",
+        show_default=False)] = None,
+    metrics_host: Annotated[str, typer.Option(
+        help="Address the metrics are served on (loopback by default; they are served "
+             "without a token).")] = "127.0.0.1",
     bookies: Annotated[int, typer.Option(help=_help("bookies"), show_default=False)]
         = OPTIONS["bookies"].default,
     write_quorum: Annotated[int | None, typer.Option(help=_help("writeQuorum"))] = None,
@@ -106,15 +112,18 @@ def broker_start(
         "autoScaleRate": auto_scale_rate, "autoScaleWindow": auto_scale_window,
     })
 
-    def ready(url: str) -> None:
+    def ready(url: str, metrics_url: str | None) -> None:
         policy = _offload_policy(config)
         if policy:  # before the line that says it is ready: all of the banner is out then
             print(policy, flush=True)
+        if metrics_url:
+            print(f"metrics: {metrics_url}", flush=True)
         print(f"tierstream broker listening on {url} (data dir {config.data_dir})", flush=True)
 
     run_broker(config, host=host, port=port, auth_token=auth_token, ready=ready,
                tls_cert=tls_cert, tls_key=tls_key, bookie_endpoints=bookie_endpoints,
-               advertised_address=advertised_address, bookie_port_base=bookie_port_base)
+               advertised_address=advertised_address, bookie_port_base=bookie_port_base,
+               metrics_port=metrics_port, metrics_host=metrics_host)
 
 
 @bookie_app.command("serve")

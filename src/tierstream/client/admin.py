@@ -99,12 +99,38 @@ class Admin(BrokerClient):
         return [segment_record(s) for s in raw]
 
     def stats(self) -> dict[str, Any]:
+        """The broker-wide view: topics, streams, offload and deletion lag, transactions by
+        state, open files, and store counters (``tierstream broker stats``)."""
         return dict(self.action("stats"))
 
-    def offload(self, topic: str, *, older_than_ms: int | None = None) -> list[SegmentRecord]:
-        """Move closed segments to the tier now (those older than ``older_than_ms``)."""
+    def lag(self, topic: str, positions: dict[int, Position]) -> dict[int, int]:
+        """Per partition of ``topic``: messages after ``positions`` (a partition not given
+        counts from its beginning) up to the last confirmed one."""
+        raw = self.action("lag", {"topic": str(TopicName.parse(topic)), "positions": {
+            str(p): pos.to_dict() for p, pos in positions.items()}})
+        return {int(p): int(n) for p, n in raw.items()}
+
+    def report_query_lag(self, query_id: str, name: str | None,
+                         lags: dict[str, dict[int, int]] | None) -> None:
+        """Give the broker a Spark query's lag for its metrics (None: the query ended)."""
+        self.action("query-lag", {"query_id": query_id, "name": name, "forget": lags is None,
+                                  "lags": {t: {str(p): n for p, n in parts.items()}
+                                           for t, parts in (lags or {}).items()}})
+
+    def topic_stats(self, topic: str, *, per_partition: bool = False) -> dict[str, Any]:
+        """A topic's rates in and out (last minute), storage by location, producers and
+        subscriptions (backlog, consumers, unacknowledged messages, the oldest one's age),
+        as ``pulsar-admin topics stats`` shows them (``tierstream topic stats``)."""
+        return dict(self.action("topic-stats", {"topic": str(TopicName.parse(topic)),
+                                                "per_partition": per_partition}))
+
+    def offload(self, topic: str, *, older_than_ms: int | None = None,
+                segment_ids: list[int] | None = None) -> list[SegmentRecord]:
+        """Move closed segments to the tier now (those older than ``older_than_ms``; only
+        ``segment_ids``, if given)."""
         raw = self.action("offload", {"topic": str(TopicName.parse(topic)),
-                                      "older_than_ms": older_than_ms})
+                                      "older_than_ms": older_than_ms,
+                                      "segment_ids": segment_ids})
         return [segment_record(s) for s in raw]
 
     def tier_pass(self) -> dict[str, int]:

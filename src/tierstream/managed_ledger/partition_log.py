@@ -36,6 +36,7 @@ from tierstream.managed_ledger.open_segment import (
     TxnPart,
 )
 from tierstream.managed_ledger.partition_reads import TierSegment, filter_key_ranges
+from tierstream.managed_ledger.rates import RateMeter
 from tierstream.managed_ledger.visibility import PartitionVisibility
 from tierstream.message_format import MESSAGE_SCHEMA, as_produce_batch, key_hashes
 from tierstream.metadata.records import SegmentRecord, SegmentState
@@ -106,6 +107,8 @@ class PartitionLog(PartitionVisibility):
         self.replica_failures = 0
         self._gone = threading.Event()  # the topic was deleted: no appends, reads end
         self.appended = 0  # messages appended since the broker started (auto-scaling)
+        self.rate_in = RateMeter()   # confirmed entries (topic stats, metrics)
+        self.rate_out = RateMeter()  # what the broker streamed to readers and consumers
         self._held = False  # a transaction commit is being applied: see hold()
         #: transactions with staged entries in the open segment (or set aside earlier)
         self._txns: dict[str, TxnPart] = {}
@@ -244,6 +247,7 @@ class PartitionLog(PartitionVisibility):
                 break
             del seg.in_flight[entry_id]
             record = ok[0].result()
+            self.rate_in.add(record.messages, record.frame_len)
             if pending.producer is not None and pending.sequence_id is not None:
                 self._dedup.record(pending.producer, StoredBatch(
                     pending.sequence_id, seg.record.segment_id, entry_id, record.messages,

@@ -224,6 +224,13 @@ class TransactionRecords:
         with self._meta.atomic() as c:
             c.execute("UPDATE transactions SET updated_at=? WHERE txn_id=?", (now, txn_id))
 
+    def counts(self) -> dict[str, int]:
+        """How many transactions are in each state (ended ones until they are forgotten)."""
+        found = dict(self._meta.query("SELECT state, COUNT(*) FROM transactions GROUP BY state"))
+        return {state: int(found.get(state, 0)) for state in (
+            TxnState.OPEN, TxnState.PREPARED, TxnState.COMMITTED, TxnState.APPLIED,
+            TxnState.ABORTED)}
+
     def last_batch(self, sink_id: str) -> int | None:
         rows = self._meta.query("SELECT last_batch FROM sinks WHERE sink_id=?", (sink_id,))
         return None if not rows else int(rows[0][0])

@@ -134,16 +134,19 @@ class Offloader:
     # -- passes over topics -------------------------------------------------------------------
 
     def offload_topic(self, topic: str, *, older_than_ms: int | None = None,
-                      now: int | None = None) -> list[SegmentRecord]:
+                      now: int | None = None, segment_ids: set[int] | None = None
+                      ) -> list[SegmentRecord]:
         """Offload every CLOSED bookie-resident segment of ``topic`` (whose newest message is
-        older than ``older_than_ms``, if given), then finish due bookie deletions."""
+        older than ``older_than_ms``, if given; only ``segment_ids``, if given), then finish
+        due bookie deletions."""
         explicit_now = now
         now = now_ms() if now is None else now
         moved = []
         with self._lock:
             for plog in self.store.partitions(topic):
                 for seg in plog.closed_segments():
-                    if seg.tier_url is not None:
+                    if seg.tier_url is not None or (segment_ids is not None
+                                                    and seg.segment_id not in segment_ids):
                         continue
                     if older_than_ms is not None and (seg.max_publish_time or 0) >= \
                             now - older_than_ms:

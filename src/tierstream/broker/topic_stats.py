@@ -1,0 +1,203 @@
+"""What the broker is doing, as ``pulsar-admin topics stats`` and ``broker-stats`` show it:
+rates in and out, storage by location, producers, subscriptions with their backlog and
+unacknowledged messages; and broker-wide counts (streams, offload and deletion lag,
+transactions by state, open files). The metrics endpoint (``metrics.py``) exports the same
+figures.
+
+Rates are over the last minute (``managed_ledger/rates.py``). *In* counts every confirmed
+entry; *out* counts what the broker streamed to readers and consumers: reads straight from
+bookie files or the tier do not pass through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from tierstream.metadata.records import SegmentRecord, SegmentState
+from tierstream.metadata.transaction_records import TransactionRecords
+from tierstream.timeutil import now_ms
+
+if TYPE_CHECKING:
+    from tierstream.broker.store import Store
+    from tierstream.broker.subscriptions import Subscriptions
+    from tierstream.managed_ledger.partition_log import PartitionLog
+
+__all__ = ["LOCATIONS", "QueryLags", "Streams", "broker_stats", "storage_of", "topic_stats"]
+
+#: Where a segment's data is: the open segment, bookies (sealed), the tier (offloaded).
+LOCATIONS = ("open", "bookies", "tier")
+
+
+class Streams:
+    """The streams the broker serves now: producers (per partition, with their names) and
+    readers (bounded reads, tails and subscription consumers)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._open: dict[int, dict[str, Any]] = {}
+        self.started = time.monotonic()
+
+    @contextlib.contextmanager
+    def serving(self, kind: str, topic: str, partition: int, name: str | None = None
+                ) -> Iterator[dict[str, Any]]:
+        """Register a stream while it runs: ``kind`` is ``producer``, ``reader`` or
+        ``consumer``. The entry's ``messages`` and ``bytes`` may be added to as it goes."""
+        entry = {"kind": kind, "topic": topic, "partition": partition, "name": name,
+                 "since": now_ms(), "messages": 0, "bytes": 0}
+        key = next(self._ids)
+        with self._lock:
+            self._open[key] = entry
+        try:
+            yield entry
+        finally:
+            with self._lock:
+                self._open.pop(key, None)
+
+    def current(self, topic: str | None = None) -> list[dict[str, Any]]:
+        with self._lock:
+            return [dict(e) for e in self._open.values() if topic is None or e["topic"] == topic]
+
+
+class QueryLags:
+    """What Spark queries last reported of their lag (``spark_adapter/lag.py``): messages
+    between each query's last committed offsets and the latest positions, per topic and
+    partition; a report not renewed for :attr:`KEEP_S` is dropped."""
+
+    KEEP_S = 600.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reports: dict[str, tuple[float, dict[str, Any]]] = {}
+
+    def report(self, query_id: str, name: str | None, lags: dict[str, dict[str, int]]) -> None:
+        with self._lock:
+            self._reports[query_id] = (time.monotonic(), {"name": name, "lags": lags})
+
+    def forget(self, query_id: str) -> None:
+        with self._lock:
+            self._reports.pop(query_id, None)
+
+    def current(self) -> dict[str, dict[str, Any]]:
+        """Per query id: its name and ``{topic: {partition: messages}}``."""
+        now = time.monotonic()
+        with self._lock:
+            for query_id in [q for q, (t, _) in self._reports.items() if now - t > self.KEEP_S]:
+                del self._reports[query_id]
+            return {q: dict(r) for q, (_, r) in self._reports.items()}
+
+
+def storage_of(segments: list[SegmentRecord]) -> dict[str, dict[str, int]]:
+    """Messages, bytes and segments by location. A tiered segment counts its Parquet
+    file's bytes where they are known, else its bookie bytes."""
+    out = {loc: {"messages": 0, "bytes": 0, "segments": 0} for loc in LOCATIONS}
+    for seg in segments:
+        loc = seg.location
+        out[loc]["messages"] += seg.messages
+        out[loc]["bytes"] += seg.tier_bytes if loc == "tier" and seg.tier_bytes else seg.bytes
+        out[loc]["segments"] += 1
+    return out
+
+
+def _rates(plogs: list[PartitionLog]) -> dict[str, float]:
+    rin = [p.rate_in.rate() for p in plogs]
+    rout = [p.rate_out.rate() for p in plogs]
+    return {"msg_rate_in": sum(r[0] for r in rin), "byte_rate_in": sum(r[1] for r in rin),
+            "msg_rate_out": sum(r[0] for r in rout), "byte_rate_out": sum(r[1] for r in rout)}
+
+
+def _subscriptions(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per subscription, over the given rows (one per subscription and partition)."""
+    out: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        sub = out.setdefault(row["subscription"], {
+            "type": row["type"], "backlog": 0, "unacked": 0, "consumers": set(),
+            "oldest_unacked_s": None})
+        sub["backlog"] += row["backlog"]
+        sub["unacked"] += sum(c["unacked"] for c in row["consumers"])
+        sub["consumers"].update(c["name"] for c in row["consumers"])
+        oldest = row.get("oldest_unacked_s")
+        if oldest is not None and (sub["oldest_unacked_s"] is None
+                                   or oldest > sub["oldest_unacked_s"]):
+            sub["oldest_unacked_s"] = oldest
+    for sub in out.values():
+        sub["consumers"] = sorted(sub["consumers"])
+    return dict(sorted(out.items()))
+
+
+def _producers(streams: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"name": s["name"], "partition": s["partition"], "since": s["since"],
+             "messages": s["messages"], "bytes": s["bytes"]}
+            for s in sorted(streams, key=lambda s: (s["partition"], s["name"] or ""))
+            if s["kind"] == "producer"]
+
+
+def topic_stats(store: Store, subscriptions: Subscriptions, streams: Streams, topic: str, *,
+                per_partition: bool = False) -> dict[str, Any]:
+    """One topic's stats (``Admin.topic_stats``); with ``per_partition``, each partition's
+    too, under ``partitions``."""
+    name = store.topic(topic).name
+    plogs = store.partitions(name)
+    segments = {p.partition: p.segments() for p in plogs}
+    rows = subscriptions.listing(name)
+    live = streams.current(name)
+    out: dict[str, Any] = {
+        "topic": name, "partition_count": len(plogs), **_rates(plogs),
+        "storage": storage_of([s for segs in segments.values() for s in segs]),
+        "producers": _producers(live),
+        "readers": sum(1 for s in live if s["kind"] != "producer"),
+        "subscriptions": _subscriptions(rows),
+    }
+    if per_partition:
+        out["partitions"] = [{
+            "partition": p.partition, **_rates([p]), "storage": storage_of(segments[p.partition]),
+            "producers": _producers([s for s in live if s["partition"] == p.partition]),
+            "subscriptions": _subscriptions([r for r in rows if r["partition"] == p.partition]),
+        } for p in plogs]
+    return out
+
+
+def broker_stats(store: Store, streams: Streams) -> dict[str, Any]:
+    """The broker-wide view: topics and partitions, streams by kind, offload and deletion
+    lag, transactions by state, open file descriptors, uptime."""
+    now = now_ms()
+    live = streams.current()
+    closed = [s for p in store.all_partitions() for s in p.closed_segments()]
+    to_offload = [s for s in closed if s.tier_url is None and s.state == SegmentState.CLOSED]
+    to_delete = [s for s in closed if s.tier_url is not None and s.bookie_deleted_at is None]
+    policy = store.config.offload_after_ms is not None or \
+        store.config.offload_threshold_bytes is not None
+    return {
+        "topics": len(store.topics()), "partitions": len(store.all_partitions()),
+        "streams": {kind: sum(1 for s in live if s["kind"] == kind)
+                    for kind in ("producer", "reader", "consumer")},
+        "offload": {
+            "policy": policy,
+            "segments_waiting": len(to_offload) if policy else 0,
+            "oldest_waiting_s": _age(now, [s.sealed_at for s in to_offload]) if policy else None,
+            "bookie_copies_to_delete": len(to_delete),
+            "oldest_to_delete_s": _age(now, [s.offloaded_at for s in to_delete]),
+            "deletion_lag_s": store.config.deletion_lag_ms / 1000,
+        },
+        "transactions": TransactionRecords(store.metadata).counts(),
+        "open_files": _open_files(),
+        "uptime_s": time.monotonic() - streams.started,
+    }
+
+
+def _age(now: int, times: list[int | None]) -> float | None:
+    known = [t for t in times if t is not None]
+    return None if not known else max(0.0, (now - min(known)) / 1000)
+
+
+def _open_files() -> int | None:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:  # not Linux
+        return None

@@ -1,0 +1,183 @@
+"""``tierstream topic stats`` and ``tierstream broker stats``: what the broker is doing, as
+``pulsar-admin topics stats`` and ``broker-stats`` show it (``broker/topic_stats.py``)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated, Any
+
+import typer
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from tierstream.cli.common import (
+    BrokerOpt,
+    TlsCaOpt,
+    TokenOpt,
+    broker_app,
+    human_bytes,
+    out,
+    topic_app,
+)
+from tierstream.errors import ConfigError
+from tierstream.options import DEFAULT_BROKER_URL
+from tierstream.timeutil import format_ms, parse_duration_ms
+
+__all__ = ["render_broker_stats", "render_topic_stats"]
+
+
+@topic_app.command("stats")
+def topic_stats_cmd(
+    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the stats as JSON.")] = False,
+    per_partition: Annotated[bool, typer.Option(
+        "--per-partition", help="Each partition's stats too.")] = False,
+    watch: Annotated[bool, typer.Option(
+        "--watch", help="Refresh in place until Ctrl-C.")] = False,
+    interval: Annotated[str, typer.Option(help="--watch: how often to refresh.")] = "2s",
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    tls_ca: TlsCaOpt = None,
+    auth_token: TokenOpt = None,
+) -> None:
+    """A topic's rates in and out (last minute), storage by location (open segment,
+    bookies, tier), producers, and per subscription its type, backlog, consumers and
+    unacknowledged messages (with the oldest one's age).
+
+    Example: tierstream topic stats acme/web/clicks --per-partition --watch
+    """
+    from tierstream.client import Admin
+
+    every_s = parse_duration_ms(interval, what="--interval") / 1000
+    if watch and as_json:
+        raise ConfigError("--watch refreshes a table; --json prints once: give one of them")
+    if every_s <= 0:
+        raise ConfigError(f"invalid --interval {interval!r}: expected a duration > 0")
+    with Admin(broker, auth_token=auth_token) as admin:
+        stats = admin.topic_stats(topic, per_partition=per_partition)
+        if as_json:
+            out.print_json(json.dumps(stats))
+            return
+        if not watch:
+            out.print(render_topic_stats(stats))
+            return
+        from rich.live import Live
+
+        with Live(render_topic_stats(stats), console=out, auto_refresh=False) as live:
+            try:
+                while True:
+                    time.sleep(every_s)  # the refresh period, not synchronisation
+                    stats = admin.topic_stats(topic, per_partition=per_partition)
+                    live.update(render_topic_stats(stats), refresh=True)
+            except KeyboardInterrupt:
+                return
+
+
+@broker_app.command("stats")
+def broker_stats_cmd(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the stats as JSON.")] = False,
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    tls_ca: TlsCaOpt = None,
+    auth_token: TokenOpt = None,
+) -> None:
+    """The broker-wide view: topics, streams (producers, readers, consumers), offload and
+    bookie-deletion lag, transactions by state, open files, recovery and checksum counters.
+
+    Example: tierstream broker stats --json
+    """
+    from tierstream.client import Admin
+
+    with Admin(broker, auth_token=auth_token) as admin:
+        stats = admin.stats()
+    if as_json:
+        out.print_json(json.dumps(stats))
+    else:
+        out.print(render_broker_stats(stats))
+
+
+def _rate(messages: float, nbytes: float) -> str:
+    return f"{messages:,.1f} msg/s, {human_bytes(int(nbytes))}/s"
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.1f}s"
+    return f"{seconds / 60:.1f}m" if seconds < 7200 else f"{seconds / 3600:.1f}h"
+
+
+def _storage_table(storage: dict[str, dict[str, int]]) -> Table:
+    table = Table("stored in", "messages", "bytes", "segments", box=None, pad_edge=False)
+    for where, s in storage.items():
+        table.add_row(where, f"{s['messages']:,}", human_bytes(s["bytes"]), str(s["segments"]))
+    return table
+
+
+def _subscriptions_table(subs: dict[str, dict[str, Any]]) -> Table | Text:
+    if not subs:
+        return Text("subscriptions: none")
+    table = Table("subscription", "type", "backlog", "consumers", "unacked",
+                  "oldest unacked", box=None, pad_edge=False)
+    for name, s in subs.items():
+        table.add_row(name, s["type"], f"{s['backlog']:,}",
+                      ", ".join(s["consumers"]) or "-", f"{s['unacked']:,}",
+                      _age(s["oldest_unacked_s"]))
+    return table
+
+
+def _producers_line(producers: list[dict[str, Any]]) -> Text:
+    if not producers:
+        return Text("producers: none")
+    names = ", ".join(f"{p['name'] or '(unnamed)'} p{p['partition']} since "
+                      f"{format_ms(p['since'])}" for p in producers)
+    return Text(f"producers: {len(producers)}: {names}")
+
+
+def render_topic_stats(stats: dict[str, Any]) -> Group:
+    """``Admin.topic_stats`` as tables (``topic stats`` and its ``--watch``)."""
+    parts: list[Any] = [
+        Text(f"{stats['topic']} ({stats['partition_count']} partition(s)), last minute: in "
+             f"{_rate(stats['msg_rate_in'], stats['byte_rate_in'])}; out "
+             f"{_rate(stats['msg_rate_out'], stats['byte_rate_out'])}; "
+             f"{stats['readers']} partition stream(s) to readers and consumers"),
+        _storage_table(stats["storage"]), _producers_line(stats["producers"]),
+        _subscriptions_table(stats["subscriptions"])]
+    for p in stats.get("partitions") or []:
+        parts += [Text(""), Text(f"partition {p['partition']}: in "
+                                 f"{_rate(p['msg_rate_in'], p['byte_rate_in'])}; out "
+                                 f"{_rate(p['msg_rate_out'], p['byte_rate_out'])}"),
+                  _storage_table(p["storage"]), _producers_line(p["producers"]),
+                  _subscriptions_table(p["subscriptions"])]
+    return Group(*parts)
+
+
+def render_broker_stats(stats: dict[str, Any]) -> Table:
+    """``Admin.stats`` as one table (``broker stats``)."""
+    table = Table("", "", box=None, pad_edge=False, show_header=False)
+    streams = stats.get("streams", {})
+    offload = stats.get("offload", {})
+    txns = stats.get("transactions", {})
+    rows = [
+        ("topics, partitions", f"{stats.get('topics')}, {stats.get('partitions')}"),
+        ("streams", ", ".join(f"{v} {k}(s)" for k, v in streams.items())),
+        ("offload", "no policy (tierstream offload moves segments)"
+         if not offload.get("policy") else
+         f"{offload.get('segments_waiting')} segment(s) waiting, oldest sealed "
+         f"{_age(offload.get('oldest_waiting_s'))} ago"),
+        ("bookie copies to delete", f"{offload.get('bookie_copies_to_delete')}, oldest "
+         f"offloaded {_age(offload.get('oldest_to_delete_s'))} ago (lag "
+         f"{_age(offload.get('deletion_lag_s'))})"),
+        ("transactions", ", ".join(f"{v} {k.lower()}" for k, v in txns.items())),
+        ("open files", str(stats.get("open_files"))),
+        ("uptime", _age(stats.get("uptime_s"))),
+        ("recovered segments", str(len(stats.get("recovered_segments") or []))),
+        ("replica failures", str(stats.get("replica_failures"))),
+        ("checksum failures", ", ".join(f"{b}: {n}" for b, n in
+                                        (stats.get("checksum_failures") or {}).items())),
+        ("cursor writes", str(stats.get("cursor_writes"))),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
