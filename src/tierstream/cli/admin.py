@@ -14,12 +14,14 @@ from rich.table import Table
 from tierstream.cli.common import (
     BrokerOpt,
     DataDirOpt,
+    QuietOpt,
     TlsCaOpt,
     TokenOpt,
     app,
     human_bytes,
     human_duration,
     out,
+    progress_bar,
 )
 from tierstream.errors import ConfigError
 from tierstream.options import DEFAULT_BROKER_URL, DEFAULT_DATA_DIR
@@ -208,6 +210,7 @@ def offload(
     topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
     older_than: Annotated[str | None, typer.Option(
         help="Only segments whose newest message is older than this, e.g. 2d.")] = None,
+    quiet: QuietOpt = False,
     broker: BrokerOpt = DEFAULT_BROKER_URL,
     tls_ca: TlsCaOpt = None,
     auth_token: TokenOpt = None,
@@ -222,7 +225,17 @@ def offload(
     older_ms = None if older_than is None else parse_duration_ms(older_than, what="--older-than")
     with Admin(broker, auth_token=auth_token) as admin:
         before = admin.list_segments(topic)
-        moved = admin.offload(topic, older_than_ms=older_ms)
+        due = [s for s in before if s.state == "CLOSED" and s.tier_url is None and (
+            older_ms is None or (s.max_publish_time or 0) < now_ms() - older_ms)]
+        # one segment at a time: the bar moves as each reaches the tier (with none due, one
+        # pass still finishes due bookie deletions)
+        moved = [] if due else admin.offload(topic, older_than_ms=older_ms)
+        with progress_bar(not quiet and bool(due)) as progress:
+            task = progress.add_task("offloading (bookie bytes)", total=sum(s.bytes for s in due))
+            for seg in due:
+                moved += admin.offload(topic, older_than_ms=older_ms,
+                                       segment_ids=[seg.segment_id])
+                progress.advance(task, seg.bytes)
     total = sum(s.bytes for s in moved)
     scope = "" if older_ms is None else \
         f" whose newest message is older than {describe_duration(older_ms)}"

@@ -15,10 +15,10 @@ from tierstream.bounds import write_cut
 from tierstream.units import human_bytes
 
 __all__ = ["BrokerOpt", "CutOutOpt", "DataDirOpt", "FromOpt", "KeyRangesOpt", "LossOpt",
-           "ModeOpt", "ReaderOpt", "SplitBytesOpt", "TimeFieldOpt", "TlsCaOpt", "TlsCertOpt",
-           "TlsKeyOpt", "ToOpt", "TokenOpt", "ValueFormatOpt", "app", "bookie_app", "broker_app",
-           "err", "human_bytes", "human_duration", "out", "progress_bar", "report_cut",
-           "schema_app", "topic_app", "use_tls_ca"]
+           "ModeOpt", "QuietOpt", "ReaderOpt", "SplitBytesOpt", "TimeFieldOpt", "TlsCaOpt",
+           "TlsCertOpt", "TlsKeyOpt", "ToOpt", "TokenOpt", "ValueFormatOpt", "app", "bookie_app",
+           "broker_app", "err", "human_bytes", "human_duration", "out", "progress_bar",
+           "report_cut", "schema_app", "topic_app", "use_tls_ca"]
 
 def _no_placeholder_on_flags() -> None:
     """typer shows ``<bool>`` beside on/off flags (``--yes <bool>``, ``--help <bool>``), as if
@@ -79,10 +79,17 @@ TlsCaOpt = Annotated[str | None, typer.Option(
     help="PEM CA that grpc+tls:// endpoints are checked against (default: the system's).")]
 
 
+QuietOpt = Annotated[bool, typer.Option(
+    "--quiet", "-q", help="No progress bar (there is none when stderr is not a terminal).")]
+
+
 def progress_bar(show: bool) -> Progress:
+    """A bar on stderr, drawn only when ``show`` and stderr is a terminal. What the command
+    writes to stdout meanwhile stays on stdout (rich would otherwise print it above the bar,
+    on stderr)."""
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TimeRemainingColumn(), console=err, disable=not show or not err.is_terminal,
-                    transient=True)
+                    transient=True, redirect_stdout=False, redirect_stderr=False)
 
 
 def human_duration(ms: int) -> str:

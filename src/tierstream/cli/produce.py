@@ -14,6 +14,7 @@ import typer
 
 from tierstream.cli.common import (
     BrokerOpt,
+    QuietOpt,
     TlsCaOpt,
     TokenOpt,
     app,
@@ -42,6 +43,7 @@ def produce(
     batch_size: Annotated[int, typer.Option(help="Messages per batch (entry).")] = 1000,
     producer_name: Annotated[str | None, typer.Option("--name", help="Producer name (for "
                                                                      "de-duplication).")] = None,
+    quiet: QuietOpt = False,
     broker: BrokerOpt = DEFAULT_BROKER_URL,
     tls_ca: TlsCaOpt = None,
     auth_token: TokenOpt = None,
@@ -84,7 +86,7 @@ def produce(
     sent = 0
     with Producer(topic, broker=broker, auth_token=auth_token, name=producer_name,
                   batch_size=batch_size) as producer, \
-            progress_bar(total is not None and total > 50_000) as progress:
+            progress_bar(total is not None and not quiet) as progress:
         task = progress.add_task("producing", total=total)
         restamped = 0
         try:

@@ -24,6 +24,7 @@ from tierstream.cli.common import (
     KeyRangesOpt,
     LossOpt,
     ModeOpt,
+    QuietOpt,
     ReaderOpt,
     SplitBytesOpt,
     TimeFieldOpt,
@@ -74,6 +75,7 @@ def consume(
     idle: Annotated[str, typer.Option(
         help="With --subscription and no --follow: stop once nothing arrived for this "
              "long.")] = "2s",
+    quiet: QuietOpt = False,
     broker: BrokerOpt = DEFAULT_BROKER_URL,
     tls_ca: TlsCaOpt = None,
     auth_token: TokenOpt = None,
@@ -131,18 +133,24 @@ def consume(
     dropped = [0]
     batches = read(name, partition=partition, start=start, end=end, key_ranges=ranges,
                    broker=broker, auth_token=auth_token)
+    # a bounded read into a file or a pipe shows how far it is on the terminal (when the
+    # lines themselves go to the terminal, they show it)
+    bar = progress_bar(end is not None and not quiet and not sys.stdout.isatty())
+    task = bar.add_task("consuming (messages)", total=None)
     try:
-        for raw in batches if window is None else within_event_time(batches, *window):
-            batch = raw if decoder is None else decode_batch(raw, decoder, mode.upper(), name,
-                                                             dropped)
-            for row in _rows(batch, name):
+        with bar:
+            for raw in batches if window is None else within_event_time(batches, *window):
+                batch = raw if decoder is None else decode_batch(raw, decoder, mode.upper(),
+                                                                 name, dropped)
+                for row in _rows(batch, name):
+                    if limit is not None and printed >= limit:
+                        return
+                    sys.stdout.write(json.dumps(row) + "\n")
+                    printed += 1
+                sys.stdout.flush()
+                bar.update(task, completed=printed)
                 if limit is not None and printed >= limit:
                     return
-                sys.stdout.write(json.dumps(row) + "\n")
-                printed += 1
-            sys.stdout.flush()
-            if limit is not None and printed >= limit:
-                return
     finally:
         batches.close()
         if dropped[0]:
@@ -340,6 +348,7 @@ def read_cmd(
     mode: ModeOpt = "FAILFAST",
     time_field: TimeFieldOpt = "publish_time",
     data_dir: DataDirOpt = Path(DEFAULT_DATA_DIR),
+    quiet: QuietOpt = False,
     broker: BrokerOpt = DEFAULT_BROKER_URL,
     auth_token: TokenOpt = None,
     tls_ca: TlsCaOpt = None,
@@ -389,7 +398,7 @@ def read_cmd(
     tmp = out_path.with_name(f".{out_path.name}.partial")
     try:
         with pq.ParquetWriter(tmp, schema, compression="zstd") as writer, \
-                progress_bar(True) as progress:
+                progress_bar(not quiet) as progress:
             task = progress.add_task("reading", total=sum(s.estimated_bytes for s in splits))
             batches = run_splits(splits, auth_token=auth_token, tls_ca=ca, stats=stats)
             if window is not None:

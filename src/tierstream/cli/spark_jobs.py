@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -17,6 +17,7 @@ from tierstream.cli.common import (
     KeyRangesOpt,
     LossOpt,
     ModeOpt,
+    QuietOpt,
     ReaderOpt,
     SplitBytesOpt,
     TlsCaOpt,
@@ -31,7 +32,6 @@ from tierstream.cli.common import (
     report_cut,
     use_tls_ca,
 )
-from tierstream.errors import TierstreamError
 from tierstream.options import DEFAULT_BROKER_URL, DEFAULT_DATA_DIR
 
 
@@ -57,6 +57,7 @@ def backfill(
     value_format: ValueFormatOpt = "raw",
     mode: ModeOpt = "FAILFAST",
     data_dir: DataDirOpt = Path(DEFAULT_DATA_DIR),
+    quiet: QuietOpt = False,
     broker: BrokerOpt = DEFAULT_BROKER_URL,
     auth_token: TokenOpt = None,
     tls_ca: TlsCaOpt = None,
@@ -99,7 +100,7 @@ def backfill(
     check_target(out_path, format=format_, table=table, catalog_uri=catalog_uri)
     spark = local_spark("tierstream-backfill")
     try:
-        with progress_bar(True) as progress:
+        with progress_bar(not quiet) as progress:
             task = progress.add_task("spark tasks", total=None)
             result = run_backfill(spark, options, out_path, format=format_, table=table,
                                   catalog_uri=catalog_uri,
@@ -173,31 +174,23 @@ def tail_cmd(
         options["authToken"] = auth_token
     if use_tls_ca(tls_ca) is not None:
         options["tlsCa"] = str(tls_ca)
-    from tierstream.client import Admin
+    from tierstream.spark_adapter.lag import QueryLag, watch_lag
 
-    def on_batch(batch_id: int, rows: int, progress: dict[str, Any]) -> None:
-        err.print(f"micro-batch {batch_id}: {rows:,} rows; {_lag(admin, topic, sub)}",
-                  highlight=False)
+    def on_lag(lag: QueryLag) -> None:
+        if lag.rows:
+            err.print(f"micro-batch {lag.batch_id}: {lag.rows:,} rows; {lag.describe()}",
+                      highlight=False)
 
-    sub = options["subscription"]
     spark = local_spark("tierstream-tail")
+    # the query's lag after each micro-batch: on this console, in the log, and in the
+    # broker's metrics (tierstream_query_lag_messages)
+    listener = watch_lag(spark, broker=broker, auth_token=auth_token,
+                         tls_ca=use_tls_ca(tls_ca), on_lag=on_lag)
     try:
-        with Admin(broker, auth_token=auth_token) as admin:
-            batches = run_tail(spark, options, out_path, checkpoint,
-                               available_now=available_now, on_batch=on_batch,
-                               format=format_, table=table, catalog_uri=catalog_uri)
+        batches = run_tail(spark, options, out_path, checkpoint, available_now=available_now,
+                           format=format_, table=table, catalog_uri=catalog_uri)
     finally:
+        listener.close()
         spark.stop()
     out.print(f"tail of {topic}: {batches} micro-batch(es) with rows -> {out_path}",
               highlight=False)
-
-
-def _lag(admin: Any, topic: str, subscription: str) -> str:
-    """How far the stream's cursor is behind the log, per partition (from the broker)."""
-    try:
-        rows = [r for r in admin.subscriptions(topic) if r["subscription"] == subscription]
-    except TierstreamError as exc:
-        return f"lag unknown ({exc})"
-    behind = sum(r["backlog"] for r in rows)
-    parts = ", ".join(f"p{r['partition']} {r['backlog']:,}" for r in rows)
-    return f"behind: {behind:,} message(s) ({parts or 'no cursor yet'})"
