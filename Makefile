@@ -17,9 +17,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m tierstream demo
 
-# What CI runs (.ci/run): the linters, then the whole suite.
+# What CI runs (.ci/run): the linters, then the whole suite in two workers, a test file per
+# worker at a time (its module fixtures and the worker's one SparkSession shared): on 2 cores
+# the suite waits more than it computes (JVM starts, restarts, deadlines).
 test: lint
-	$(PY) -m pytest --durations=15
+	$(PY) -m pytest -n 2 --dist loadfile --durations=15
 
 # Not in CI: >= 100 SIGKILL/restart cycles per store configuration (about 6 minutes), then
 # the Spark exactly-once tests with 8 killed queries each instead of the suite's 2 (~8 min).
