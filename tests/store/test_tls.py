@@ -151,3 +151,37 @@ def test_producer_consumer_and_read_take_the_ca(tmp_path: Path) -> None:
                     seen += batch.num_rows
         finally:
             broker.shutdown()
+
+
+def test_metrics_are_served_over_https_with_the_broker_s_certificate(tmp_path: Path) -> None:
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tierstream.broker.metrics import MetricsServer
+
+    cert, key = make_cert(tmp_path)
+    with running_log(tmp_path / "data") as log:
+        fill(log, partitions=1, batches=2)
+        broker = log.broker
+        metrics = MetricsServer(log.store, broker.subscriptions, broker.streams, broker.lags,
+                                host="127.0.0.1", port=0, tls_cert=str(cert),
+                                tls_key=str(key))
+        try:
+            assert metrics.url.startswith("https://127.0.0.1:")
+            trusted = ssl.create_default_context(cafile=str(cert))
+            with urllib.request.urlopen(metrics.url, timeout=scaled(10),
+                                        context=trusted) as response:
+                names = {f.name for f in text_string_to_metric_families(
+                    response.read().decode())}
+            assert {"tierstream_rate_in", "tierstream_storage_size"} <= names
+            with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+                urllib.request.urlopen(metrics.url, timeout=scaled(10),
+                                       context=ssl.create_default_context())
+            plain = metrics.url.replace("https://", "http://")
+            with pytest.raises((urllib.error.URLError, ConnectionError)):
+                urllib.request.urlopen(plain, timeout=scaled(10))
+        finally:
+            metrics.shutdown()
