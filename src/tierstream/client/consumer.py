@@ -250,13 +250,16 @@ class Consumer:
                 raise item
             if int(item.schema.metadata[_EPOCH]) != self._epoch[partition]:
                 continue  # from a connection that was lost: the broker sends it again
+            # every message this stream sent used one of its permits, also the copies
+            # dropped below: counted before dropping, or the broker runs out of permits
+            # while this side thinks it has not used half, and the stream stops for good
+            self._taken[partition] += item.num_rows
+            if self._taken[partition] * 2 >= self._permits:
+                self._flow(partition)
             if self._in_doubt[partition]:
                 item = self._drop_acknowledged(partition, item)
                 if item.num_rows == 0:
                     continue
-            self._taken[partition] += item.num_rows
-            if self._taken[partition] * 2 >= self._permits:
-                self._flow(partition)
             return item
 
     def _drop_acknowledged(self, partition: int, batch: pa.RecordBatch) -> pa.RecordBatch:
