@@ -29,7 +29,13 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from tierstream.broker.topic_stats import QueryLags, Streams, broker_stats, storage_of
+from tierstream.broker.topic_stats import (
+    QueryLags,
+    Streams,
+    broker_stats,
+    storage_of,
+    subscription_stats,
+)
 from tierstream.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -100,19 +106,14 @@ class _Collector:
                 stored.add_metric([topic.name, location], figures["messages"])
             producers.add_metric([topic.name], sum(
                 1 for s in live if s["topic"] == topic.name and s["kind"] == "producer"))
-            rows = self.subscriptions.listing(topic.name)
-            names = sorted({r["subscription"] for r in rows})
-            subs_count.add_metric([topic.name], len(names))
-            for name in names:
-                mine = [r for r in rows if r["subscription"] == name]
+            subs = subscription_stats(self.subscriptions.listing(topic.name))
+            subs_count.add_metric([topic.name], len(subs))
+            for name, sub in subs.items():
                 labels = [topic.name, name]
-                backlog.add_metric(labels, sum(r["backlog"] for r in mine))
-                unacked.add_metric(labels, sum(c["unacked"] for r in mine
-                                               for c in r["consumers"]))
-                consumers.add_metric(labels, len({c["name"] for r in mine
-                                                  for c in r["consumers"]}))
-                ages = [r["oldest_unacked_s"] for r in mine if r["oldest_unacked_s"] is not None]
-                oldest.add_metric(labels, max(ages, default=0.0))
+                backlog.add_metric(labels, sub["backlog"])
+                unacked.add_metric(labels, sub["unacked"])
+                consumers.add_metric(labels, len(sub["consumers"]))
+                oldest.add_metric(labels, sub["oldest_unacked_s"] or 0.0)
         yield from (rate_in, rate_out, thr_in, thr_out, in_total, out_total, in_bytes,
                     out_bytes, size, stored, producers, subs_count, backlog, unacked,
                     consumers, oldest)

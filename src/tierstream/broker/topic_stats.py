@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from tierstream.broker.subscriptions import Subscriptions
     from tierstream.managed_ledger.partition_log import PartitionLog
 
-__all__ = ["LOCATIONS", "QueryLags", "Streams", "broker_stats", "storage_of", "topic_stats"]
+__all__ = ["LOCATIONS", "QueryLags", "Streams", "broker_stats", "storage_of",
+           "subscription_stats", "topic_stats"]
 
 #: Where a segment's data is: the open segment, bookies (sealed), the tier (offloaded).
 LOCATIONS = ("open", "bookies", "tier")
@@ -112,8 +113,9 @@ def _rates(plogs: list[PartitionLog]) -> dict[str, float]:
             "msg_rate_out": sum(r[0] for r in rout), "byte_rate_out": sum(r[1] for r in rout)}
 
 
-def _subscriptions(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per subscription, over the given rows (one per subscription and partition)."""
+def subscription_stats(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per subscription, over ``Subscriptions.listing`` rows (one per subscription and
+    partition): type, backlog, unacked messages, consumer names, the oldest unacked age."""
     out: dict[str, dict[str, Any]] = {}
     for row in rows:
         sub = out.setdefault(row["subscription"], {
@@ -152,13 +154,13 @@ def topic_stats(store: Store, subscriptions: Subscriptions, streams: Streams, to
         "storage": storage_of([s for segs in segments.values() for s in segs]),
         "producers": _producers(live),
         "readers": sum(1 for s in live if s["kind"] != "producer"),
-        "subscriptions": _subscriptions(rows),
+        "subscriptions": subscription_stats(rows),
     }
     if per_partition:
         out["partitions"] = [{
             "partition": p.partition, **_rates([p]), "storage": storage_of(segments[p.partition]),
             "producers": _producers([s for s in live if s["partition"] == p.partition]),
-            "subscriptions": _subscriptions([r for r in rows if r["partition"] == p.partition]),
+            "subscriptions": subscription_stats([r for r in rows if r["partition"] == p.partition]),
         } for p in plogs]
     return out
 
