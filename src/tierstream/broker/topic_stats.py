@@ -170,13 +170,14 @@ def broker_stats(store: Store, streams: Streams) -> dict[str, Any]:
     lag, transactions by state, open file descriptors, uptime."""
     now = now_ms()
     live = streams.current()
-    closed = [s for p in store.all_partitions() for s in p.closed_segments()]
+    plogs = store.all_partitions()
+    closed = [s for p in plogs for s in p.closed_segments()]
     to_offload = [s for s in closed if s.tier_url is None and s.state == SegmentState.CLOSED]
     to_delete = [s for s in closed if s.tier_url is not None and s.bookie_deleted_at is None]
     policy = store.config.offload_after_ms is not None or \
         store.config.offload_threshold_bytes is not None
     return {
-        "topics": len(store.topics()), "partitions": len(store.all_partitions()),
+        "topics": len(store.topics()), "partitions": len(plogs),
         "streams": {kind: sum(1 for s in live if s["kind"] == kind)
                     for kind in ("producer", "reader", "consumer")},
         "offload": {
