@@ -311,7 +311,7 @@ def query_error(exc: BaseException) -> TierstreamError:
 
 
 def tail(spark: Any, options: dict[str, str], out: str, checkpoint: str, *,
-         available_now: bool, on_batch: Any = None, format: str = "parquet",
+         available_now: bool, format: str = "parquet",
          table: str | None = None, catalog_uri: str | None = None) -> int:
     """Run the streaming read into ``out`` until stopped (Ctrl-C / SIGTERM) or, with
     ``available_now``, until what was there at the start is written. Returns the number of
@@ -351,7 +351,6 @@ def tail(spark: Any, options: dict[str, str], out: str, checkpoint: str, *,
         else writer.trigger(processingTime="1 second")
     with _conf(spark, _PARQUET_CONF):
         query = writer.start() if format == "iceberg" else writer.start(out)
-        seen = 0
         with stop_requested() as stop:
             while query.isActive and not stop.is_set():
                 try:
@@ -360,11 +359,6 @@ def tail(spark: Any, options: dict[str, str], out: str, checkpoint: str, *,
                     if os.environ.get("TIERSTREAM_DEBUG"):
                         raise
                     raise query_error(exc) from None
-                progress = [p for p in query.recentProgress if p.get("numInputRows")]
-                if on_batch is not None and len(progress) > seen:
-                    for p in progress[seen:]:
-                        on_batch(p["batchId"], p["numInputRows"], p)
-                    seen = len(progress)
             if query.isActive:
                 query.stop()
             failure = query.exception()
