@@ -116,7 +116,7 @@ def test_a_read_process_write_query_killed_repeatedly_writes_each_row_once(tmp_p
             with Admin(log.url) as admin:  # the broker has one batch more than Spark's log
                 assert admin.last_committed_batch(query_id) == max(
                     int(f.name) for f in (checkpoint / "commits").iterdir()
-                    if f.name.isdigit()) + 1
+                    if f.name.isdigit()) + 1, err[-3000:]
         finally:
             stop.set()
             writer.join()
