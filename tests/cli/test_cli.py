@@ -150,6 +150,32 @@ def test_produce_sends_stdin_lines_as_they_arrive(broker: BrokerProcess) -> None
     assert stored() == ["first", "second"]
 
 
+def test_ctrl_c_stops_a_following_consume_of_a_quiet_partition(broker: BrokerProcess) -> None:
+    # Regression: with one partition, the following read waited inside the Flight stream's
+    # read, which a signal does not interrupt: Ctrl-C did nothing until the next message.
+    import signal
+    import threading
+
+    env = {"TIERSTREAM_BROKER": broker.url or ""}
+    run("topic", "create", "a/b/quiet", env=env)
+    run("produce", "a/b/quiet", stdin='{"value": "only"}\n', env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "tierstream", "consume", "a/b/quiet",
+                             "--follow"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, **env})
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True).start()
+    try:
+        wait_for(lambda: len(lines) == 1, timeout=scaled(30), what="the one message")
+        proc.send_signal(signal.SIGINT)  # the partition is quiet from now on
+        try:
+            code = proc.wait(timeout=scaled(15))
+        except subprocess.TimeoutExpired:
+            pytest.fail("consume --follow did not stop on Ctrl-C")
+    finally:
+        proc.kill()
+    assert code == 130 and "Traceback" not in (proc.stderr.read() if proc.stderr else "")
+
+
 def test_unreachable_broker_exit_status_1() -> None:
     proc = run("topic", "list", env={"TIERSTREAM_BROKER": "grpc://127.0.0.1:1"})
     assert proc.returncode == 1

@@ -83,8 +83,9 @@ class TopicReader:
             streams = [consume_stream(self._client, {**ticket, "partition": p}, first=r,
                                       cancel=self._cancel)
                        for p, r in zip(parts, self._readers, strict=True)]
-            self._iter = (_merge(streams, self._cancel) if len(streams) > 1
-                          else iter(streams[0]))
+            # always through threads, even for one partition: the caller then waits on a
+            # queue, which Ctrl-C interrupts, not inside a Flight read, which it cannot
+            self._iter = _merge(streams, self._cancel)
         else:
             self._iter = _chain(self._client.url, self._readers)
 
@@ -192,7 +193,7 @@ def pump_batches(batches: Iterable[pa.RecordBatch], out: queue.Queue[Any],
 
 
 def _merge(streams: list[Iterator[pa.RecordBatch]], stop: Cancel) -> Iterator[pa.RecordBatch]:
-    """Several unbounded partition streams, merged as batches arrive (per-partition order)."""
+    """Unbounded partition streams, merged as batches arrive (per-partition order)."""
     out: queue.Queue[Any] = queue.Queue(maxsize=64)
 
     def pump(stream: Iterator[pa.RecordBatch]) -> None:
