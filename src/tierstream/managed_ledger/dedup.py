@@ -10,6 +10,9 @@ kills it at every step that could break it):
 
 - An id is recorded only when its entry is *confirmed* (on the ack quorum), never when it is
   submitted: a batch whose write fails is not mistaken for a stored one when it is re-sent.
+- Nothing of a producer is stored past a batch whose write failed until that batch is sent
+  again (:meth:`ProducerDedup.cut_off`): a later batch already on the wire would otherwise move
+  the last stored id past it, and its re-send would be taken for a duplicate.
 - Every confirmed entry is either in a segment that is OPEN in metadata, whose frames carry
   ``(producer, sequence id)`` and are re-read by recovery, or in a CLOSED one, whose seal was
   committed **in the same metadata transaction** as the state covering it. So the state after
@@ -53,6 +56,9 @@ class ProducerDedup:
         self._recent: dict[str, list[StoredBatch]] = {
             p: sorted(batches, key=lambda b: b.sequence_id)[-WINDOW:]
             for p, batches in (recent or {}).items()}
+        #: per producer, the first sequence id a failed write cut off (in memory: after a
+        #: crash, nothing was stored past it)
+        self._cut: dict[str, int] = {}
 
     def last(self, producer: str) -> int | None:
         """The producer's last stored sequence id, or None if it stored nothing here."""
@@ -77,6 +83,20 @@ class ProducerDedup:
         if len(recent) > WINDOW:
             del recent[:len(recent) - WINDOW]
 
+    def cut_off(self, producer: str, sequence_id: int) -> None:
+        """A write of this batch failed, and with it those after it in its segment."""
+        self._cut[producer] = min(sequence_id, self._cut.get(producer, sequence_id))
+
+    def refused_after_cut(self, producer: str, sequence_id: int) -> int | None:
+        """For a batch that is not a duplicate: the sequence id cut off before it, which must
+        be sent again first (refuse this one), or None (store it). The re-send of the cut-off
+        batch itself, or of an earlier one, ends the cut."""
+        cut = self._cut.get(producer)
+        if cut is not None and sequence_id > cut:
+            return cut
+        self._cut.pop(producer, None)
+        return None
+
     def producers(self) -> list[str]:
         return list(self._recent)
 
@@ -84,6 +104,7 @@ class ProducerDedup:
         """Drop these producers' state (they will never send again)."""
         for p in producers:
             self._recent.pop(p, None)
+            self._cut.pop(p, None)
 
     def rows(self) -> dict[str, tuple[int, Any]]:
         """What the metadata store keeps: per producer, (last id, the recent acks as JSON)."""

@@ -54,7 +54,6 @@ log = logging.getLogger(__name__)
 _ENDED_KEPT = 10_000
 
 
-
 class PartitionLog(PartitionVisibility):
     """One partition's segments; owned by the broker's :class:`~tierstream.broker.store.Store`."""
 
@@ -96,9 +95,6 @@ class PartitionLog(PartitionVisibility):
             s for s in metadata.segments(topic, partition) if s.state == SegmentState.CLOSED
         ]
         self._dedup = ProducerDedup.from_rows(metadata.load_dedup(topic, partition))
-        #: per producer, the first sequence id that a failed write cut off: its later batches
-        #: are refused until it is sent again (see :meth:`_check_cut_off`)
-        self._cut_off: dict[str, int] = {}
         self._last_pt = max(
             (s.max_publish_time for s in self._closed_segments if s.max_publish_time is not None),
             default=0,
@@ -165,7 +161,11 @@ class PartitionLog(PartitionVisibility):
                 duplicate = self._check_sequence(producer, sequence_id)
                 if duplicate is not None:
                     return PendingAppend(self, ack=duplicate)
-                self._check_cut_off(producer, sequence_id)
+                if (cut := self._dedup.refused_after_cut(producer, sequence_id)) is not None:
+                    raise UnavailableError(  # on the wire behind a failed write (dedup.py)
+                        f"batch {sequence_id} of producer {producer!r} is not stored: the write"
+                        f" of its sequence id {cut} failed ({self.topic} partition "
+                        f"{self.partition}); send again from sequence id {cut}")
             if txn is None and routed is not None and self.routing is not None \
                     and routed != self.routing:
                 raise StaleRoutingError(
@@ -288,8 +288,6 @@ class PartitionLog(PartitionVisibility):
         transactions): it is saved with every seal, so it must not grow without end."""
         with self._lock:
             self._dedup.forget(names)
-            for name in names:
-                self._cut_off.pop(name, None)
 
     def _check_sequence(self, producer: str, sequence_id: int) -> Ack | None:
         """The original ack if this batch is stored already, else None (lock held).
@@ -311,25 +309,6 @@ class PartitionLog(PartitionVisibility):
                        and f.sequence_id >= sequence_id for f in self._open.in_flight.values()):
                 return None
             self._changed.wait(timeout=1.0)
-
-    def _check_cut_off(self, producer: str, sequence_id: int) -> None:
-        """Refuse a batch that follows one of its producer's batches cut off by a failed
-        write, until that one is sent again (lock held).
-
-        A producer's stream keeps batches on the wire; those it sent after a batch whose write
-        failed can reach the broker after the failure sealed the segment. Storing one would
-        move the producer's last stored sequence id past the failed batch, and its re-send
-        would then be acknowledged as a duplicate without being stored. Pulsar fails the
-        writes queued behind a failed one the same way."""
-        cut = self._cut_off.get(producer)
-        if cut is None:
-            return
-        if sequence_id > cut:
-            raise UnavailableError(
-                f"batch {sequence_id} of producer {producer!r} is not stored: the write of its "
-                f"sequence id {cut} failed ({self.topic} partition {self.partition}); send "
-                f"again from sequence id {cut}")
-        del self._cut_off[producer]
 
     def _build_entry(self, batch: pa.RecordBatch, segment_id: int, entry_id: int, now: int
                      ) -> tuple[pa.RecordBatch, int, int]:
@@ -401,8 +380,7 @@ class PartitionLog(PartitionVisibility):
         self._advance(seg, roll_on_failure=False)
         for cut in seg.in_flight.values():  # not confirmed: after a failed write
             if cut.producer is not None and cut.sequence_id is not None and cut.txn is None:
-                self._cut_off[cut.producer] = min(cut.sequence_id,
-                                                  self._cut_off.get(cut.producer, cut.sequence_id))
+                self._dedup.cut_off(cut.producer, cut.sequence_id)
         seg.in_flight.clear()
         # Every confirmed entry goes into the sealed segment: undecided transactions' entries
         # are set aside (skipped by readers, written again at their commit), the rest is
