@@ -2,12 +2,56 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import faulthandler
+import os
+import sys
+import threading
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
 import pytest
 
 from tierstream.broker.process import BrokerProcess
+
+from .timing import scaled
+
+#: Each test's limit (pytest-timeout, unless ``--timeout`` says otherwise); derived from the
+#: suite's scale so that a loaded machine stretches it with every other deadline.
+TEST_LIMIT_S = scaled(300)
+#: After this, a test still running is hung where pytest-timeout's signal cannot reach it (the
+#: main thread blocked in C, e.g. reading a Flight stream): the watchdog prints every thread's
+#: stack and ends the worker, so the run fails with the place instead of hanging CI.
+HANG_S = TEST_LIMIT_S + scaled(60)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("timeout", None) is None:
+        config.option.timeout = TEST_LIMIT_S
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None
+                            ) -> Generator[None, None, None]:
+    watchdog = threading.Timer(HANG_S, _hung, args=(item,))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        yield
+    finally:
+        watchdog.cancel()
+
+
+def _hung(item: pytest.Item) -> None:
+    capture = item.config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+        capture.suspend_global_capture(in_=True)
+    sys.stderr.write(f"\n{item.nodeid}: still running after {HANG_S:g}s, beyond the "
+                     f"{TEST_LIMIT_S:g}s limit; the stacks of its threads:\n")
+    sys.stderr.flush()
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
+    os._exit(3)
 
 
 @pytest.fixture
