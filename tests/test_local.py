@@ -13,12 +13,13 @@ import pytest
 
 import tierstream as ts
 from tierstream.client import Producer
-from tierstream.errors import ConfigError, DataLossError, NotFoundError
+from tierstream.errors import ConfigError, DataLossError, NotFoundError, UnavailableError
 from tierstream.readers import open_reader
 from tierstream.splits.positions import KeyRange, Offset, Position
 from tierstream.splits.split import ReaderKind, Replica, Split, StreamCut
 
 from .logs import BASE, TOPIC, fill, running_log
+from .timing import scaled
 
 
 def _fill(log, partitions: int = 2, batches: int = 13) -> None:  # type: ignore[no-untyped-def]
@@ -94,6 +95,28 @@ def test_batch_read_then_tail_from_its_end_cut_is_exactly_the_log(tmp_path: Path
         stream.close()
         assert sum(seen.values()) == total
         assert set(seen) == set(sent) and max(seen.values()) == 1, "gap or duplicate at the cut"
+
+
+def test_tail_from_latest_follows_from_the_call_not_from_the_first_next(tmp_path: Path
+                                                                          ) -> None:
+    # Regression: "latest" was resolved when the iterator was first advanced, so a message
+    # produced between tail() and the first next() was skipped.
+    with running_log(tmp_path / "data") as log:
+        _fill(log, partitions=1, batches=1)
+        with ts.tail(TOPIC, start="latest", **log.kw()) as stream:
+            with Producer(TOPIC, broker=log.url) as producer:
+                producer.send("after the call")
+            got: list[str] = []
+            reader = threading.Thread(target=lambda: got.extend(
+                v.decode() for v in next(stream).column("value").to_pylist()), daemon=True)
+            reader.start()
+            reader.join(timeout=scaled(30))
+        assert got == ["after the call"]
+
+
+def test_tail_says_at_the_call_that_the_broker_is_unreachable() -> None:
+    with pytest.raises(UnavailableError, match="cannot reach the broker"):
+        ts.tail(TOPIC, broker="grpc://127.0.0.1:1")
 
 
 def test_tail_from_a_time_reads_history_then_follows(tmp_path: Path) -> None:
