@@ -30,6 +30,14 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.timeout = TEST_LIMIT_S
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with ``slow`` tests first: under ``--dist loadfile`` (``make test``) a file of
+    minutes that happens to come last would run alone at the end while the other worker idles.
+    The sort is stable, so every file keeps its own order."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None
                             ) -> Generator[None, None, None]:
