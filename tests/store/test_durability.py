@@ -309,6 +309,44 @@ def test_no_batch_is_stored_past_a_failed_one_of_its_producer(data_dir) -> None:
         assert stored.column("value").to_pylist() == [f"m{i}".encode() for i in range(5)]
 
 
+def test_a_broker_that_stops_answering_is_given_up_on_after_the_send_timeout(start_broker
+                                                                              ) -> None:
+    # Regression: the producer waited for acks inside a Flight read with no deadline, which
+    # no signal interrupts: a broker alive but stuck (here: stopped) held send() forever,
+    # past its send_timeout and deaf to Ctrl-C.
+    import os
+    import signal
+
+    broker = start_broker()
+    with Admin(broker.url) as admin:
+        admin.create_topic(TOPIC, 1)
+    producer = Producer(TOPIC, broker=broker.url, name="patient", send_timeout=scaled(2))
+    producer.send("before")
+    os.kill(broker.proc.pid, signal.SIGSTOP)
+    try:
+        outcome: list[BaseException | None] = []
+
+        def send() -> None:
+            try:
+                producer.send("during")
+                outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        sender.join(timeout=scaled(30))
+        assert outcome, "send() still waits for a stopped broker, past its send_timeout"
+        assert isinstance(outcome[0], UnavailableError), outcome
+        assert "connected but sent no ack" in str(outcome[0])
+        assert outcome[0].unacknowledged == {0: [1]}  # type: ignore[attr-defined]
+    finally:
+        os.kill(broker.proc.pid, signal.SIGCONT)
+    producer.send_timeout = scaled(30)
+    producer.close()  # flushes: the batch in doubt is sent again, and stored once
+    assert read_all(broker.url, TOPIC).column("value").to_pylist() == [b"before", b"during"]
+
+
 def test_a_producer_that_gives_up_names_the_sequence_ids_in_doubt(start_broker,
                                                                   free_port) -> None:
     broker = start_broker(port=free_port)

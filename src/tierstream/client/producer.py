@@ -19,6 +19,7 @@ import pyarrow.flight as flight
 
 from tierstream.client.admin import Admin
 from tierstream.client.connection import BrokerClient
+from tierstream.client.stream_io import StalledError, StreamIO
 from tierstream.errors import (
     ConfigError,
     ConflictError,
@@ -56,8 +57,7 @@ class Message:
 
 @dataclass
 class _PartitionStream:
-    writer: Any = None
-    reader: Any = None
+    io: StreamIO | None = None  # the open produce stream, if any
     next_seq: int = 0
     unacked: deque[tuple[int, pa.RecordBatch]] = field(default_factory=deque)
     pinned: set[int] = field(default_factory=set)  # sent to a partition the caller chose
@@ -289,18 +289,19 @@ class Producer:
         if pinned:
             stream.pinned.add(seq)
         try:
-            self._ensure_stream(p, stream)
-            stream.writer.write_with_metadata(batch, pa.py_buffer(encode({"seq": seq})))
-        except (flight.FlightError, OSError, pa.ArrowException):
+            self._ensure_stream(p, stream).write(batch, pa.py_buffer(encode({"seq": seq})),
+                                                 self.send_timeout)
+        except (flight.FlightError, OSError, pa.ArrowException, UnavailableError):
             self._recover(p, stream)
         while len(stream.unacked) >= self.max_in_flight:
             self._read_ack(p, stream)
 
-    def _ensure_stream(self, p: int, stream: _PartitionStream) -> None:
-        if stream.writer is None:
-            stream.writer, stream.reader = self._client.produce({
+    def _ensure_stream(self, p: int, stream: _PartitionStream) -> StreamIO:
+        if stream.io is None:
+            stream.io = StreamIO(self._client, {
                 "op": "produce", "topic": self.topic, "partition": p, "producer": self.name,
                 "routed": self.partitions})
+        return stream.io
 
     def _read_ack(self, p: int, stream: _PartitionStream) -> None:
         try:
@@ -360,13 +361,17 @@ class Producer:
                 self._send(q, rows)
 
     def _read_one_ack(self, p: int, stream: _PartitionStream) -> None:
-        if stream.reader is None:
+        if stream.io is None:
             self._recover(p, stream)
         try:
-            buf = stream.reader.read()
+            buf = self._ensure_stream(p, stream).read(self.send_timeout)
             if buf is None:
                 self._raise_if_refused(stream)
                 raise UnavailableError("broker closed the produce stream")
+        except StalledError:  # connected, but no ack within send_timeout
+            self._drop(stream)
+            raise self._gave_up(p, stream, f"broker {self._client.url} connected but sent "
+                                "no ack") from None
         except (flight.FlightError, OSError, pa.ArrowException, UnavailableError) as exc:
             self._raise_if_rejected(exc)
             self._recover(p, stream)
@@ -386,11 +391,11 @@ class Producer:
     def _raise_if_refused(self, stream: _PartitionStream) -> None:
         """The ack stream ended early: a broker that refused the batch (a tierstream error)
         says why when the stream is closed; raise that rather than retry."""
-        writer, stream.writer, stream.reader = stream.writer, None, None
-        if writer is None:
+        io, stream.io = stream.io, None
+        if io is None:
             return
         try:
-            writer.close()
+            io.close(self.send_timeout)
         except (flight.FlightError, OSError, pa.ArrowException) as exc:
             try:
                 self._raise_if_rejected(exc)
@@ -419,9 +424,10 @@ class Producer:
         while True:
             self._drop(stream)
             try:
-                self._ensure_stream(p, stream)
+                io = self._ensure_stream(p, stream)
                 for seq, batch in stream.unacked:
-                    stream.writer.write_with_metadata(batch, pa.py_buffer(encode({"seq": seq})))
+                    io.write(batch, pa.py_buffer(encode({"seq": seq})),
+                             deadline - time.monotonic())
                 return
             except (flight.FlightError, OSError, pa.ArrowException, UnavailableError) as exc:
                 try:
@@ -432,18 +438,19 @@ class Producer:
                     # those), and the refusal comes where they end (see _follow_scale)
                     return
                 if time.monotonic() + delay > deadline:
-                    raise self._gave_up(p, stream) from None
+                    raise self._gave_up(p, stream, f"broker {self._client.url} unreachable"
+                                        ) from None
                 threading.Event().wait(delay)
                 delay = min(delay * 2, 1.0)
 
-    def _gave_up(self, p: int, stream: _PartitionStream) -> UnavailableError:
+    def _gave_up(self, p: int, stream: _PartitionStream, why: str) -> UnavailableError:
         """The error for a send timeout: it names the batches whose fate is unknown."""
         seqs = [seq for seq, _ in stream.unacked]
         ids = str(seqs[0]) if len(seqs) == 1 else f"{seqs[0]}..{seqs[-1]}"
         messages = sum(b.num_rows for _, b in stream.unacked)
         exc = UnavailableError(
             f"producer {self.name!r} gave up on {self.topic!r} partition {p} after "
-            f"{self.send_timeout}s (broker {self._client.url} unreachable): sequence id(s) "
+            f"{self.send_timeout}s ({why}): sequence id(s) "
             f"{ids} ({messages} message(s)) were sent but never acknowledged, so they may or "
             f"may not be stored; flush() re-sends them, and a producer named {self.name!r} "
             "stores each at most once")
@@ -451,10 +458,10 @@ class Producer:
         return exc
 
     def _drop(self, stream: _PartitionStream) -> None:
-        if stream.writer is not None:
+        if stream.io is not None:
             with contextlib.suppress(Exception):
-                stream.writer.close()
-        stream.writer = stream.reader = None
+                stream.io.close(self.send_timeout)
+        stream.io = None
 
 
 def _routed(batch: pa.RecordBatch, p: int, partitions: int

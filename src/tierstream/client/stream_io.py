@@ -1,0 +1,103 @@
+"""A produce stream's Flight calls, made on a thread of their own.
+
+pyarrow's Flight calls on a DoPut stream (opening it, writing a batch, reading an ack, closing
+it) block inside C++ with no deadline, and a signal does not interrupt them: a broker that is
+alive but stuck (a hung disk, a stopped process) would hold the producer's caller there
+forever, past ``send_timeout`` and deaf to Ctrl-C. Here each call runs, in order, on one daemon
+thread per stream while the caller waits for it with a deadline; a call that misses it leaves
+the stream stuck (:class:`StalledError`), and the producer gives up on it as on an unreachable
+broker. The thread alone holds the stream's objects: pyarrow's writer blocks in its destructor
+too, so a stuck stream is released by its own thread if the broker ever answers, never by the
+caller.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import pyarrow as pa
+
+from tierstream.client.connection import BrokerClient
+from tierstream.errors import UnavailableError
+
+__all__ = ["StalledError", "StreamIO"]
+
+
+class StalledError(UnavailableError):
+    """The broker accepted the stream but did not answer a call in time."""
+
+
+class StreamIO:
+    """One DoPut stream (``command`` as :meth:`BrokerClient.produce` takes it), opened on its
+    thread before the first call runs; an error opening it is raised by that call."""
+
+    def __init__(self, client: BrokerClient, command: Mapping[str, Any]) -> None:
+        self._url = client.url
+        self._calls: queue.SimpleQueue[tuple[Future[Any], str, tuple[Any, ...]] | None] = \
+            queue.SimpleQueue()
+        self.stalled = False
+        threading.Thread(target=_serve, args=(self._calls, client, dict(command)), daemon=True,
+                         name="tierstream-produce-io").start()
+
+    def write(self, batch: pa.RecordBatch, metadata: pa.Buffer, timeout: float) -> None:
+        self._call("write", (batch, metadata), timeout)
+
+    def read(self, timeout: float) -> pa.Buffer | None:
+        """The next ack (None when the broker ended the stream)."""
+        result: pa.Buffer | None = self._call("read", (), timeout)
+        return result
+
+    def close(self, timeout: float) -> None:
+        """Close the stream: the broker's error, if it refused something, is raised. A stalled
+        stream is not waited for (its thread is still in the call that stalled)."""
+        if self.stalled:
+            self._calls.put(None)
+            return
+        try:
+            self._call("close", (), timeout)
+        finally:
+            self._calls.put(None)
+
+    def _call(self, name: str, args: tuple[Any, ...], timeout: float) -> Any:
+        if self.stalled:
+            raise StalledError(f"the broker at {self._url} stopped answering this stream")
+        future: Future[Any] = Future()
+        self._calls.put((future, name, args))
+        try:
+            return future.result(max(timeout, 0.0))
+        except FutureTimeout:
+            self.stalled = True
+            raise StalledError(f"the broker at {self._url} did not answer in {timeout:g}s "
+                               f"(a {name} on its produce stream)") from None
+
+
+def _serve(calls: queue.SimpleQueue[tuple[Future[Any], str, tuple[Any, ...]] | None],
+           client: BrokerClient, command: dict[str, Any]) -> None:
+    writer = reader = None
+    opening: BaseException | None = None
+    try:
+        writer, reader = client.produce(command)
+    except BaseException as exc:  # raised by the first call
+        opening = exc
+    while (item := calls.get()) is not None:
+        future, name, args = item
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            if opening is not None:
+                raise opening
+            if name == "write":
+                writer.write_with_metadata(*args)  # type: ignore[union-attr]
+                future.set_result(None)
+            elif name == "read":
+                future.set_result(reader.read())  # type: ignore[union-attr]
+            else:
+                writer.close()  # type: ignore[union-attr]
+                future.set_result(None)
+        except BaseException as exc:
+            future.set_exception(exc)
