@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from collections import Counter
 from typing import Any
@@ -233,6 +234,48 @@ def test_a_transaction_that_holds_messages_up_is_set_aside_and_commits_once(tmp_
         assert log.store.transactions.records.set_aside(txn.txn_id) == []
         assert set(map(tuple, _every_path(log, TOPIC).values())) == {
             ("waiting", "a", "b", "c", "d")}
+
+
+def test_staged_rows_are_counted_once_when_a_seal_sets_them_aside_meanwhile(tmp_path
+                                                                          ) -> None:
+    # Regression: prepare counted a transaction's rows in the open segment, then (a second
+    # read) those set aside in sealed segments; a seal between the two reads counted the
+    # rows it set aside twice, and prepare refused the whole transaction as "incomplete: ...
+    # has 151 staged rows, the writer sent 89" (seen once in the Spark sink's kill test, whose
+    # segments roll every 8 entries). Here the counting thread is held, by a trace function,
+    # right where it reads the set-aside rows, and a seal is given the time to run.
+    with running_log(tmp_path / "data") as log:
+        log.store.create_topic(TOPIC, 1)
+        coordinator = log.store.transactions
+        txn_id = "a" * 32
+        plog = log.store.partition(TOPIC, 0)
+        plog.append(_rows("plain", 1).to_batches()[0], producer=None, sequence_id=None)
+        coordinator.stage(txn_id, TOPIC, 0, [_rows("r", 5).to_batches()[0]])
+        at_second_read, go_on = threading.Event(), threading.Event()
+        counted: dict[tuple[str, int], int] = {}
+
+        def hold_at_second_read(frame: Any, event: str, arg: Any) -> None:
+            if event == "call" and frame.f_code.co_name == "set_aside":
+                at_second_read.set()
+                go_on.wait(scaled(30))
+
+        def count() -> None:
+            sys.settrace(hold_at_second_read)
+            counted.update(coordinator.staged(txn_id))
+
+        counter = threading.Thread(target=count)
+        counter.start()
+        try:
+            assert at_second_read.wait(scaled(30)), "the count never read the set-aside rows"
+            seal = threading.Thread(target=plog.seal)
+            seal.start()
+            seal.join(timeout=scaled(1))  # done at once, unless the count keeps it waiting
+        finally:
+            go_on.set()
+        counter.join()
+        seal.join()
+        assert log.store.transactions.records.set_aside(txn_id)  # the seal set them aside
+        assert counted == {(TOPIC, 0): 5}
 
 
 def test_abort_and_timeout_discard_staged_rows(tmp_path) -> None:

@@ -190,14 +190,29 @@ class TransactionCoordinator:
     def staged(self, txn_id: str) -> dict[tuple[str, int], int]:
         """The rows ``txn_id`` has staged per (topic, partition)."""
         counts: dict[tuple[str, int], int] = {}
-        with self._lock:
-            touched = set(self._touched.get(txn_id, ()))
-        for topic, p in touched:
-            with contextlib.suppress(NotFoundError, ConfigError):  # deleted since
-                counts[(topic, p)] = self.store.partition(topic, p).txn_entries(txn_id)[2]
-        for topic, p, _, entries in self.records.set_aside(txn_id):
-            counts[(topic, p)] = counts.get((topic, p), 0) + sum(int(e[1]) for e in entries)
-        return {k: v for k, v in sorted(counts.items()) if v}
+        for topic, p in sorted(self._parts_of(txn_id)):
+            _, _, open_rows, aside = self._snapshot(txn_id, topic, p)
+            counts[(topic, p)] = open_rows + sum(int(e[1]) for _, entries in aside
+                                                 for e in entries)
+        return {k: v for k, v in counts.items() if v}
+
+    def _snapshot(self, txn_id: str, topic: str, partition: int
+                  ) -> tuple[int, list[tuple[int, int | None]], int, list[tuple[int, Any]]]:
+        """``txn_id``'s entries in one partition as one snapshot: those in its open segment
+        (``PartitionLog.txn_entries``) and those set aside, ``[(segment id, entries)]``.
+        A seal moves entries from the first to the second under the partition's lock, so
+        both are read under it; read apart, a seal in between counted its rows twice."""
+        plog = self._plog(topic, partition)
+        if plog is None:  # deleted since: nothing in an open segment
+            return 0, [], 0, self._set_aside(txn_id, topic, partition)
+        with plog.lock:
+            segment_id, open_entries, open_rows = plog.txn_entries(txn_id)
+            return segment_id, open_entries, open_rows, self._set_aside(txn_id, topic,
+                                                                         partition)
+
+    def _set_aside(self, txn_id: str, topic: str, partition: int) -> list[tuple[int, Any]]:
+        return [(s, entries) for t, p, s, entries in self.records.set_aside(txn_id)
+                if (t, p) == (topic, partition)]
 
     def prepare(self, txn_id: str, expected: dict[tuple[str, int], int]) -> TransactionRecord:
         """The writer is done: check that the staged rows are the ``expected`` ones per
@@ -311,12 +326,11 @@ class TransactionCoordinator:
                         "dropped", txn_id, topic, partition)
             return
         staged: list[tuple[pa.Table, int | None]] = []
-        for t, p, segment_id, entries in self.records.set_aside(txn_id):
-            if (t, p) == (topic, partition):
-                batches = plog.raw_entries(segment_id, [int(e[0]) for e in entries])
-                staged.extend((_staged_rows(b), e[2]) for b, e in zip(batches, entries,
-                                                                      strict=True))
-        segment_id, open_entries, _ = plog.txn_entries(txn_id)
+        segment_id, open_entries, _, aside = self._snapshot(txn_id, topic, partition)
+        for aside_segment, entries in aside:
+            batches = plog.raw_entries(aside_segment, [int(e[0]) for e in entries])
+            staged.extend((_staged_rows(b), e[2]) for b, e in zip(batches, entries,
+                                                                  strict=True))
         batches = plog.raw_entries(segment_id, [e for e, _ in open_entries])
         staged.extend((_staged_rows(b), routed) for b, (_, routed) in zip(
             batches, open_entries, strict=True))
