@@ -19,7 +19,7 @@ import pytest
 import tierstream
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer, Producer, Transaction, read
-from tierstream.errors import ConfigError, ConflictError, NotFoundError
+from tierstream.errors import ConfigError, ConflictError, NotFoundError, UnavailableError
 from tierstream.faults import ENV
 from tierstream.splits.positions import Offset
 
@@ -276,6 +276,40 @@ def test_staged_rows_are_counted_once_when_a_seal_sets_them_aside_meanwhile(tmp_
         seal.join()
         assert log.store.transactions.records.set_aside(txn_id)  # the seal set them aside
         assert counted == {(TOPIC, 0): 5}
+
+
+def test_a_transaction_gives_up_on_a_broker_that_stops_answering(start_broker) -> None:
+    # Regression: staging streams were written and read in the caller's thread, inside
+    # Flight calls with no deadline: a broker alive but stuck (here: stopped) held a
+    # transaction's prepare (a Spark sink task) forever.
+    import os
+
+    broker = start_broker()
+    with Admin(broker.url) as admin:
+        admin.create_topic(TOPIC, 1)
+    txn = Transaction(broker=broker.url, send_timeout=scaled(2))
+    txn.write(TOPIC, _rows("a", 3))
+    os.kill(broker.proc.pid, signal.SIGSTOP)
+    outcome: list[BaseException | None] = []
+
+    def prepare() -> None:
+        try:
+            txn.prepare()
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    try:
+        preparing = threading.Thread(target=prepare, daemon=True)
+        preparing.start()
+        preparing.join(timeout=scaled(30))
+        assert outcome, "prepare() still waits for a stopped broker"
+        assert isinstance(outcome[0], UnavailableError), outcome
+        assert txn.state == "failed"
+    finally:
+        os.kill(broker.proc.pid, signal.SIGCONT)
+    txn.abort()
+    assert read_all(broker.url, TOPIC).num_rows == 0
 
 
 def test_abort_and_timeout_discard_staged_rows(tmp_path) -> None:

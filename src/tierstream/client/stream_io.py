@@ -1,4 +1,4 @@
-"""A produce stream's Flight calls, made on a thread of their own.
+"""A produce (or transaction staging) stream's Flight calls, made on a thread of their own.
 
 pyarrow's Flight calls on a DoPut stream (opening it, writing a batch, reading an ack, closing
 it) block inside C++ with no deadline, and a signal does not interrupt them: a broker that is
@@ -44,8 +44,12 @@ class StreamIO:
         threading.Thread(target=_serve, args=(self._calls, client, dict(command)), daemon=True,
                          name="tierstream-produce-io").start()
 
-    def write(self, batch: pa.RecordBatch, metadata: pa.Buffer, timeout: float) -> None:
+    def write(self, batch: pa.RecordBatch, metadata: pa.Buffer | None, timeout: float) -> None:
         self._call("write", (batch, metadata), timeout)
+
+    def done_writing(self, timeout: float) -> None:
+        """Say that no batch follows (the broker then sends its last ack)."""
+        self._call("done", (), timeout)
 
     def read(self, timeout: float) -> pa.Buffer | None:
         """The next ack (None when the broker ended the stream)."""
@@ -92,7 +96,14 @@ def _serve(calls: queue.SimpleQueue[tuple[Future[Any], str, tuple[Any, ...]] | N
             if opening is not None:
                 raise opening
             if name == "write":
-                writer.write_with_metadata(*args)  # type: ignore[union-attr]
+                batch, metadata = args
+                if metadata is None:
+                    writer.write_batch(batch)  # type: ignore[union-attr]
+                else:
+                    writer.write_with_metadata(batch, metadata)  # type: ignore[union-attr]
+                future.set_result(None)
+            elif name == "done":
+                writer.done_writing()  # type: ignore[union-attr]
                 future.set_result(None)
             elif name == "read":
                 future.set_result(reader.read())  # type: ignore[union-attr]

@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.flight as flight
 
 from tierstream.client.admin import Admin
+from tierstream.client.stream_io import StreamIO
 from tierstream.errors import ConfigError, ConflictError, NotFoundError, UnavailableError
 from tierstream.message_format import as_produce_batch, batches_of_about, key_hashes
 from tierstream.names import TopicName
@@ -58,12 +59,15 @@ class Transaction:
     def __init__(self, *, broker: str | None = None, auth_token: str | None = None,
                  tls_ca: bytes | str | None = None, sink: str | None = None,
                  batch: int | None = None, txn_id: str | None = None,
-                 encoders: Mapping[str, Encoder] | None = None) -> None:
+                 encoders: Mapping[str, Encoder] | None = None,
+                 send_timeout: float = 30.0) -> None:
         if (sink is None) != (batch is None):
             raise ConfigError("a transaction names both a sink and a batch id, or neither")
         if batch is not None and (not isinstance(batch, int) or batch < 0):
             raise ConfigError(f"invalid batch id {batch!r}: expected an integer >= 0")
         self.txn_id = txn_id or uuid.uuid4().hex
+        #: how long a staging stream may take to take a batch or answer, as a producer's
+        self.send_timeout = send_timeout
         self.sink = sink
         self.batch = batch
         self._admin = Admin(broker, auth_token=auth_token, tls_ca=tls_ca)
@@ -73,7 +77,7 @@ class Transaction:
         self._encoders: dict[str, Encoder | None] = {
             str(TopicName.parse(t)): e for t, e in (encoders or {}).items()}
         # per (topic, partition, count routed by): a staging stream, and rows not sent yet
-        self._streams: dict[tuple[str, int, int | None], tuple[Any, Any]] = {}
+        self._streams: dict[tuple[str, int, int | None], StreamIO] = {}
         self._gathered: dict[tuple[str, int, int | None], list[pa.Table]] = {}
         self._gathered_bytes: dict[tuple[str, int, int | None], int] = {}
         self._sent: dict[tuple[str, int], int] = {}
@@ -213,15 +217,11 @@ class Transaction:
         if self._gathered_bytes[key] >= _GATHER_BYTES:
             self._send(key)
 
-    def _open_stream(self, key: tuple[str, int, int | None]) -> tuple[Any, Any]:
+    def _open_stream(self, key: tuple[str, int, int | None]) -> StreamIO:
         topic, partition, routed = key
-        try:
-            stream = self._streams[key] = self._admin.produce({
-                "op": "stage", "txn": self.txn_id, "topic": topic, "partition": partition,
-                "sink": self.sink, "batch": self.batch, "routed": routed})
-        except Exception:
-            self.state = "failed"
-            raise
+        stream = self._streams[key] = StreamIO(self._admin, {
+            "op": "stage", "txn": self.txn_id, "topic": topic, "partition": partition,
+            "sink": self.sink, "batch": self.batch, "routed": routed})
         return stream
 
     def _send(self, key: tuple[str, int, int | None]) -> None:
@@ -236,7 +236,7 @@ class Transaction:
         try:
             with translate_errors(self._admin.url):
                 for batch in batches_of_about(table, _CHUNK_BYTES):
-                    stream[0].write_batch(as_produce_batch(batch))
+                    stream.write(as_produce_batch(batch), None, self.send_timeout)
         except (flight.FlightError, OSError, pa.ArrowException) as exc:
             self.state = "failed"
             raise UnavailableError(f"staging transaction {self.txn_id} on {topic} partition "
@@ -264,12 +264,12 @@ class Transaction:
         try:
             for key in list(self._gathered):
                 self._send(key)
-            for key, (writer, reader) in sorted(self._streams.items(),
-                                                key=lambda kv: (*kv[0][:2], kv[0][2] or 0)):
+            for key, stream in sorted(self._streams.items(),
+                                      key=lambda kv: (*kv[0][:2], kv[0][2] or 0)):
                 with translate_errors(self._admin.url):
-                    writer.done_writing()
-                    ack = reader.read()
-                    writer.close()
+                    stream.done_writing(self.send_timeout)
+                    ack = stream.read(self.send_timeout)
+                    stream.close(self.send_timeout)
                 if ack is None:
                     raise UnavailableError(f"the broker closed transaction {self.txn_id}'s "
                                            f"staging stream for {key[0]} partition {key[1]}")
@@ -310,9 +310,9 @@ class Transaction:
                 raise ConflictError(f"transaction {self.txn_id} is committed: it cannot be "
                                     "aborted")
             return
-        for writer, _ in self._streams.values():
+        for stream in self._streams.values():
             with contextlib.suppress(Exception):
-                writer.close()
+                stream.close(self.send_timeout)
         self._streams.clear()
         self._gathered.clear()
         self._gathered_bytes.clear()
