@@ -312,6 +312,31 @@ def test_a_transaction_gives_up_on_a_broker_that_stops_answering(start_broker) -
     assert read_all(broker.url, TOPIC).num_rows == 0
 
 
+def test_an_explicit_seal_sets_an_undecided_transaction_aside(tmp_path) -> None:
+    # Regression: seal() did nothing when the open segment held only hidden entries (an
+    # undecided transaction's, and messages waiting behind it): `tierstream seal` sealed
+    # nothing, and the waiting message stayed unreadable.
+    with running_log(tmp_path / "data") as log, Admin(log.url) as admin:
+        admin.create_topic(TOPIC, 1)
+        txn = Transaction(broker=log.url)
+        plog = log.store.partition(TOPIC, 0)
+        try:
+            txn.write(TOPIC, _rows("t", 2))
+            txn.flush()
+            wait_for(lambda: plog.txn_entries(txn.txn_id)[2] == 2, timeout=scaled(30),
+                     what="the staged rows to reach the broker")
+            with Producer(TOPIC, broker=log.url) as producer:
+                producer.send(b"waiting")
+            assert read_all(log.url, TOPIC).num_rows == 0  # behind the staged entry
+            assert [s.state for s in admin.seal(TOPIC)] == ["CLOSED"]
+            assert _values(read_all(log.url, TOPIC)) == ["waiting"]
+            txn.commit()
+        finally:
+            with contextlib.suppress(Exception):
+                txn.abort()
+        assert _values(read_all(log.url, TOPIC)) == ["waiting", "t-0", "t-1"]
+
+
 def test_abort_and_timeout_discard_staged_rows(tmp_path) -> None:
     with running_log(tmp_path / "data", transactionTimeout="1s") as log, \
             Admin(log.url) as admin:

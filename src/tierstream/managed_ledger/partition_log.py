@@ -367,9 +367,9 @@ class PartitionLog(PartitionVisibility):
             return self._open is not before
 
     def seal(self) -> SegmentRecord | None:
-        """Seal the open segment now (if it has entries) and open a new one."""
+        """Seal the open segment now if it has entries (hidden ones too) and open a new one."""
         with self._lock:
-            if not self._open.records and not self._open.in_flight:
+            if not (self._open.records or self._open.in_flight or self._open.hidden):
                 return None
             self._roll()
             return self._closed_segments[-1] if self._closed_segments else None
