@@ -117,7 +117,8 @@ def test_a_re_run_s_commit_fences_every_other_attempt_of_the_committed_batch(tmp
         second = Transaction(broker=log.url, sink="q5", batch=5)
         second.write(TOPIC, _rows("again", 10))
         second.prepare()
-        still_open = Transaction(broker=log.url, sink="q5", batch=5)
+        still_open = Transaction(broker=log.url, sink="q5", batch=5,
+                                 send_timeout=scaled(60))
         still_open.write(TOPIC, _rows("open", 3))
         third = Transaction(broker=log.url, sink="q5", batch=5)
         third.write(TOPIC, _rows("third", 10))
@@ -126,6 +127,12 @@ def test_a_re_run_s_commit_fences_every_other_attempt_of_the_committed_batch(tmp
             # the attempt still staging finishes after the fence: refused, not kept
             with pytest.raises(ConflictError, match="aborted"):
                 still_open.prepare()
+            # and its abort does not wait on the stream the refusal closed (it waited for
+            # the whole send_timeout once)
+            aborting = threading.Thread(target=still_open.abort, daemon=True)
+            aborting.start()
+            aborting.join(timeout=scaled(10))
+            assert not aborting.is_alive(), "abort() waits on a closed staging stream"
         finally:  # its stream must not stay open (the broker's shutdown would wait on it)
             with contextlib.suppress(Exception):
                 still_open.abort()

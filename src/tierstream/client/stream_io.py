@@ -41,6 +41,7 @@ class StreamIO:
         self._calls: queue.SimpleQueue[tuple[Future[Any], str, tuple[Any, ...]] | None] = \
             queue.SimpleQueue()
         self.stalled = False
+        self._closed = False
         threading.Thread(target=_serve, args=(self._calls, client, dict(command)), daemon=True,
                          name="tierstream-produce-io").start()
 
@@ -58,16 +59,25 @@ class StreamIO:
 
     def close(self, timeout: float) -> None:
         """Close the stream: the broker's error, if it refused something, is raised. A stalled
-        stream is not waited for (its thread is still in the call that stalled)."""
+        stream is not waited for (its thread is still in the call that stalled); closing a
+        closed one does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         if self.stalled:
             self._calls.put(None)
             return
         try:
-            self._call("close", (), timeout)
+            self._run("close", (), timeout)
         finally:
             self._calls.put(None)
 
     def _call(self, name: str, args: tuple[Any, ...], timeout: float) -> Any:
+        if self._closed:
+            raise UnavailableError(f"the stream to the broker at {self._url} is closed")
+        return self._run(name, args, timeout)
+
+    def _run(self, name: str, args: tuple[Any, ...], timeout: float) -> Any:
         if self.stalled:
             raise StalledError(f"the broker at {self._url} stopped answering this stream")
         future: Future[Any] = Future()
