@@ -342,36 +342,35 @@ def tail(topic: str, *, start: BoundLike | None = "latest", key_ranges: int = 1,
          broker: str | None = None, auth_token: str | None = None) -> Following:
     """Follow ``topic`` from a cut, a time, ``earliest`` or ``latest``, forever.
 
-    The latest cut is taken when this is called, so ``latest`` means "what is produced from
-    now on", however late the iterator is first advanced. History (if the start lies in the
-    past) is read with the bounded readers up to that cut, then one tail split per partition
+    The latest cut is taken, and the history before it planned, when this is called, so
+    ``latest`` means "what is produced from now on", however late the iterator is first
+    advanced. History (if the start lies in the past) is read with the bounded readers up to
+    that cut, then one tail split per partition
     and key range follows from exactly there: no gap and no duplicate at the hand-off. A
     broker restart is ridden out (option ``reconnectTimeout``). Close the iterator to stop.
     """
     bound = _bound(start, "start") or Offset.latest()
     ranges = KeyRange.split(key_ranges)
+    history: Sequence[Split] = ()
     with _enumerator(data_dir, broker, auth_token) as enum:
         cut = bound if isinstance(bound, StreamCut) else enum.latest_cut(topic)
         follow_from = enum.broker
+        if not isinstance(bound, StreamCut) and bound.kind is not OffsetKind.LATEST:
+            history = enum.plan(Query(topics=(topic,), start=bound, end=cut,
+                                      key_ranges=key_ranges,
+                                      fail_on_data_loss=fail_on_data_loss))
     if follow_from is None:
         raise ConfigError("following a tail needs the broker's address (option 'broker' or "
                           "TIERSTREAM_BROKER)")
-    history = None
-    if not isinstance(bound, StreamCut) and bound.kind is not OffsetKind.LATEST:
-        history = Query(topics=(topic,), start=bound, end=cut, key_ranges=key_ranges,
-                        fail_on_data_loss=fail_on_data_loss)
     cancel = Cancel()
-    return Following(_tail(topic, cut, history, ranges, data_dir, follow_from, auth_token,
-                           cancel), cancel)
+    return Following(_tail(topic, cut, history, ranges, follow_from, auth_token, cancel),
+                     cancel)
 
 
-def _tail(topic: str, cut: StreamCut, history: Query | None, ranges: list[KeyRange],
-          data_dir: str | None, broker: str, auth_token: str | None, cancel: Cancel
-          ) -> Iterator[pa.RecordBatch]:
-    if history is not None:
-        with _enumerator(data_dir, broker, auth_token) as enum:
-            splits = enum.plan(history)
-        yield from run_splits(splits, auth_token=auth_token, cancel=cancel)
+def _tail(topic: str, cut: StreamCut, history: Sequence[Split], ranges: list[KeyRange],
+          broker: str, auth_token: str | None, cancel: Cancel) -> Iterator[pa.RecordBatch]:
+    if history:
+        yield from run_splits(history, auth_token=auth_token, cancel=cancel)
     if not cancel.is_set():
         yield from follow(topic, cut, ranges, broker=broker, auth_token=auth_token,
                           cancel=cancel)
