@@ -211,8 +211,8 @@ class TransactionCoordinator:
                                                                          partition)
 
     def _set_aside(self, txn_id: str, topic: str, partition: int) -> list[tuple[int, Any]]:
-        return [(s, entries) for t, p, s, entries in self.records.set_aside(txn_id)
-                if (t, p) == (topic, partition)]
+        return [(s, entries) for _, _, s, entries in self.records.set_aside(txn_id, topic,
+                                                                             partition)]
 
     def prepare(self, txn_id: str, expected: dict[tuple[str, int], int]) -> TransactionRecord:
         """The writer is done: check that the staged rows are the ``expected`` ones per

@@ -237,12 +237,18 @@ class TransactionRecords:
 
     # -- entries set aside in sealed segments (written by MetadataStore.seal_segment) -------
 
-    def set_aside(self, txn_id: str) -> list[tuple[str, int, int, list[list[Any]]]]:
-        """The entries of ``txn_id`` set aside in sealed segments: (topic, partition,
-        segment id, ``[[entry_id, rows, routed], ...]``), in log order."""
+    def set_aside(self, txn_id: str, topic: str | None = None, partition: int | None = None
+                  ) -> list[tuple[str, int, int, list[list[Any]]]]:
+        """The entries of ``txn_id`` set aside in sealed segments (of one ``topic`` and
+        ``partition``, if given): (topic, partition, segment id,
+        ``[[entry_id, rows, routed], ...]``), in log order."""
+        args: tuple[Any, ...] = (txn_id,)
+        where = "txn_id=?"
+        if topic is not None and partition is not None:
+            where, args = "txn_id=? AND topic=? AND partition=?", (txn_id, topic, partition)
         rows = self._meta.query(
-            "SELECT topic, partition, segment_id, entries FROM txn_set_aside WHERE txn_id=? "
-            "ORDER BY topic, partition, segment_id", (txn_id,))
+            f"SELECT topic, partition, segment_id, entries FROM txn_set_aside WHERE {where} "
+            "ORDER BY topic, partition, segment_id", args)
         return [(t, p, s, json.loads(e)) for t, p, s, e in rows]
 
     def has_set_aside(self, txn_id: str, topic: str, partition: int) -> bool:
