@@ -20,7 +20,7 @@ from tierstream.client.connection import BrokerClient
 from tierstream.client.reading import check_ranges, flight_batches
 from tierstream.client.retry import Backoff, reconnect_timeout_s, with_reconnect
 from tierstream.errors import ConfigError, TierstreamError, UnavailableError
-from tierstream.fanin import put
+from tierstream.fanin import put, start_reader
 from tierstream.message_format import CONSUMER_SCHEMA
 from tierstream.names import TopicName
 from tierstream.protocol import encode_positions, translate_errors
@@ -153,10 +153,8 @@ class Consumer:
             self._readers[p] = self._open(ticket)
             self._tickets[p] = {**ticket, "subscription": {**sub, "initial": None}}
         for p in partitions:
-            thread = threading.Thread(target=self._pump, args=(p,), daemon=True,
-                                      name=f"tierstream-consumer-{self.name}-p{p}")
-            self._threads.append(thread)
-            thread.start()
+            self._threads.append(start_reader(self._pump, p,
+                                              name=f"tierstream-consumer-{self.name}-p{p}"))
 
     def _watch(self) -> None:
         """Attach to the partitions a scale event adds, from their beginning (the broker

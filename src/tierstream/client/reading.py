@@ -15,7 +15,7 @@ from tierstream.client.admin import Admin
 from tierstream.client.connection import BrokerClient
 from tierstream.client.retry import Backoff, reconnect_timeout_s
 from tierstream.errors import ConfigError, UnavailableError
-from tierstream.fanin import DONE, Cancel, drain, put
+from tierstream.fanin import DONE, Cancel, drain, put, start_reader
 from tierstream.names import TopicName
 from tierstream.protocol import translate_errors
 from tierstream.splits.positions import KeyRange, Offset, Position
@@ -202,11 +202,9 @@ def _merge(streams: list[Iterator[pa.RecordBatch]], stop: Cancel) -> Iterator[pa
         finally:
             put(out, DONE, stop)
 
-    threads = [threading.Thread(target=pump, args=(st,), name=f"tierstream-merge-{i}",
-                                daemon=True) for i, st in enumerate(streams)]
-    for t in threads:
-        t.start()
+    for i, st in enumerate(streams):
+        start_reader(pump, st, name=f"tierstream-merge-{i}")
     try:
-        yield from drain(out, len(threads))
+        yield from drain(out, len(streams))
     finally:
         stop.set()

@@ -13,8 +13,8 @@ caller.
 
 from __future__ import annotations
 
+import atexit
 import queue
-import threading
 from collections.abc import Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -24,8 +24,22 @@ import pyarrow as pa
 
 from tierstream.client.connection import BrokerClient
 from tierstream.errors import UnavailableError
+from tierstream.fanin import start_reader
 
 __all__ = ["StalledError", "StreamIO"]
+
+_Calls = queue.SimpleQueue[tuple[Future[Any], str, tuple[Any, ...]] | None]
+
+#: the call queues of stream threads still serving: at exit each is told to end, so that its
+#: thread releases its stream before the interpreter finalizes (``fanin.start_reader``'s exit
+#: join waits for it: a thread still inside Flight then would abort the process)
+_SERVING: set[_Calls] = set()
+
+
+@atexit.register  # registered after fanin's join, so it runs before it
+def _end_streams() -> None:
+    for calls in list(_SERVING):
+        calls.put(None)
 
 
 class StalledError(UnavailableError):
@@ -38,12 +52,11 @@ class StreamIO:
 
     def __init__(self, client: BrokerClient, command: Mapping[str, Any]) -> None:
         self._url = client.url
-        self._calls: queue.SimpleQueue[tuple[Future[Any], str, tuple[Any, ...]] | None] = \
-            queue.SimpleQueue()
+        self._calls: _Calls = queue.SimpleQueue()
         self.stalled = False
         self._closed = False
-        threading.Thread(target=_serve, args=(self._calls, client, dict(command)), daemon=True,
-                         name="tierstream-produce-io").start()
+        _SERVING.add(self._calls)
+        start_reader(_serve, self._calls, client, dict(command), name="tierstream-produce-io")
 
     def write(self, batch: pa.RecordBatch, metadata: pa.Buffer | None, timeout: float) -> None:
         self._call("write", (batch, metadata), timeout)
@@ -90,8 +103,14 @@ class StreamIO:
                                f"(a {name} on its produce stream)") from None
 
 
-def _serve(calls: queue.SimpleQueue[tuple[Future[Any], str, tuple[Any, ...]] | None],
-           client: BrokerClient, command: dict[str, Any]) -> None:
+def _serve(calls: _Calls, client: BrokerClient, command: dict[str, Any]) -> None:
+    try:
+        _run_calls(calls, client, command)
+    finally:
+        _SERVING.discard(calls)
+
+
+def _run_calls(calls: _Calls, client: BrokerClient, command: dict[str, Any]) -> None:
     writer = reader = None
     opening: BaseException | None = None
     try:
