@@ -634,3 +634,47 @@ def test_the_readme_schema_example_runs_with_the_shipped_files(broker: BrokerPro
     decoded = json.loads(run("consume", "acme/shop/orders", "--value-format", "auto",
                              env=env).stdout)
     assert decoded["value"]["customer"] == "c"
+
+
+def test_consume_of_a_window_retention_cut_into_fails_or_says_what_it_skipped(
+        broker: BrokerProcess) -> None:
+    # Regression: consume printed what survived of such a window, exit 0 and not a word,
+    # while read over the same window failed with DataLossError.
+    import time
+
+    from tierstream.client import Admin
+
+    env = {"TIERSTREAM_BROKER": broker.url or ""}
+    run("topic", "create", "a/b/kept", "--partitions", "2", env=env)
+    now = int(time.time() * 1000)
+    old = "\n".join(json.dumps({"key": f"k{i}", "value": f"old{i}",
+                                "publish_time": now - 10 * 86_400_000}) for i in range(20))
+    assert run("produce", "a/b/kept", stdin=old, env=env).returncode == 0
+    run("seal", "a/b/kept", env=env)
+    new = "\n".join(json.dumps({"key": f"k{i}", "value": f"new{i}"}) for i in range(20))
+    assert run("produce", "a/b/kept", stdin=new, env=env).returncode == 0
+    assert run("topic", "set", "a/b/kept", "--retention", "7d", env=env).returncode == 0
+    with Admin(broker.url) as admin:
+        admin.tier_pass()
+        assert {d["partition"] for d in admin.deleted_segments("a/b/kept")} == {0, 1}
+    window = ("--from", f"{now - 11 * 86_400_000}", "--to", f"{now + 3_600_000}")
+    failed = run("consume", "a/b/kept", *window, env=env)
+    assert failed.returncode == 1 and failed.stdout == ""
+    assert "data loss in 'a/b/kept' partition 0" in failed.stderr
+    assert "--skip-data-loss" in failed.stderr and "Traceback" not in failed.stderr
+    skipped = run("consume", "a/b/kept", *window, "--skip-data-loss", env=env)
+    assert skipped.returncode == 0, skipped.stderr
+    values = sorted(json.loads(line)["value"] for line in skipped.stdout.splitlines())
+    assert values == sorted(f"new{i}" for i in range(20))
+    assert "partition 0" in skipped.stderr and "partition 1" in skipped.stderr
+    assert "skipping them" in skipped.stderr
+    # from earliest, nothing is lost: what is there is the window
+    assert run("consume", "a/b/kept", env=env).stdout.count("\n") == 20
+    # a position names its partition: that partition is read (it said "not in partition 0")
+    rows = [json.loads(line) for line in skipped.stdout.splitlines()]
+    first = min((r["segment_id"], r["entry_id"]) for r in rows if r["partition"] == 1)
+    from_position = run("consume", "a/b/kept", "--from", f"1:{first[0]}:{first[1]}", env=env)
+    assert from_position.returncode == 0, from_position.stderr
+    assert {json.loads(line)["partition"] for line in from_position.stdout.splitlines()} == {1}
+    assert run("consume", "a/b/kept", "--from", "latest", "--to", "earliest",
+               env=env).stderr.count("is before --from") == 1

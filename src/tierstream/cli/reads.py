@@ -64,6 +64,7 @@ def consume(
     value_format: ValueFormatOpt = "raw",
     mode: ModeOpt = "FAILFAST",
     time_field: TimeFieldOpt = "publish_time",
+    fail_on_data_loss: LossOpt = True,
     subscription: Annotated[str | None, typer.Option(
         "--subscription", "-s", help="Consume through this durable subscription: each printed "
         "batch is acknowledged; --from is where a new subscription starts.")] = None,
@@ -89,6 +90,10 @@ def consume(
     Example: tierstream consume acme/web/clicks --from 2026-11-01T00:00:00Z --limit 10
 
     Example: tierstream consume acme/web/orders -s billing --type key_shared --follow
+
+    A window that retention cut into fails naming what is gone (--skip-data-loss: print what
+    survives and say on stderr what was skipped). A position in --from or --to names its
+    partition, which is then the one read.
     """
     from tierstream.client import read
 
@@ -113,10 +118,8 @@ def consume(
     if follow and to is not None:
         raise ConfigError("--follow and --to exclude each other: --follow reads without end")
     end = None if follow else Offset.parse(to or "latest", what="--to")
-    if start.kind is OffsetKind.TIME and end is not None and end.kind is OffsetKind.TIME \
-            and end.time_ms is not None and start.time_ms is not None \
-            and end.time_ms < start.time_ms:
-        raise ConfigError(f"--to {to!r} is before --from {from_!r}")
+    if end is not None and _ends_before_start(start, end):
+        raise ConfigError(f"--to {to!r} is before --from {from_!r}: the window is empty")
     window = None
     if check_time_field(time_field, "--time-field") == "event_time":
         if follow:
@@ -132,7 +135,7 @@ def consume(
     decoder = _decoder(topic, value_format, mode, broker, auth_token)
     dropped = [0]
     batches = read(name, partition=partition, start=start, end=end, key_ranges=ranges,
-                   broker=broker, auth_token=auth_token)
+                   broker=broker, auth_token=auth_token, fail_on_data_loss=fail_on_data_loss)
     # a bounded read into a file or a pipe shows how far it is on the terminal (when the
     # lines themselves go to the terminal, they show it)
     bar = progress_bar(end is not None and not quiet and not sys.stdout.isatty())
@@ -156,6 +159,26 @@ def consume(
         if dropped[0]:
             err.print(f"dropped {dropped[0]:,} message(s) whose value could not be decoded "
                       "(--mode DROPMALFORMED)", highlight=False)
+
+
+def _ends_before_start(start: Offset, end: Offset) -> bool:
+    """Whether ``[start, end)`` is empty whatever the log holds (a user's mix-up, refused
+    rather than answered with nothing)."""
+    import time
+
+    if end.kind is OffsetKind.EARLIEST:
+        return True  # nothing lies before the first message
+    if start.kind is OffsetKind.TIME and end.kind is OffsetKind.TIME:
+        assert start.time_ms is not None and end.time_ms is not None
+        return end.time_ms < start.time_ms
+    if start.kind is OffsetKind.LATEST and end.kind is OffsetKind.TIME:
+        assert end.time_ms is not None
+        return end.time_ms <= time.time() * 1000  # everything before now is before latest
+    if start.kind is OffsetKind.POSITION and end.kind is OffsetKind.POSITION:
+        assert start.position is not None and end.position is not None
+        return start.position.partition == end.position.partition \
+            and end.position < start.position
+    return False
 
 
 def _consume_subscription(topic: str, subscription: str, kind: str, consumer_name: str | None,

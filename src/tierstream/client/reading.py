@@ -14,11 +14,12 @@ import pyarrow as pa
 from tierstream.client.admin import Admin
 from tierstream.client.connection import BrokerClient
 from tierstream.client.retry import Backoff, reconnect_timeout_s
+from tierstream.data_loss import lost_segments, report_data_loss
 from tierstream.errors import ConfigError, UnavailableError
 from tierstream.fanin import DONE, Cancel, drain, put, start_reader
 from tierstream.names import TopicName
 from tierstream.protocol import translate_errors
-from tierstream.splits.positions import KeyRange, Offset, Position
+from tierstream.splits.positions import KeyRange, Offset, OffsetKind, Position
 
 __all__ = ["TopicReader", "check_ranges", "consume_stream", "pump_batches", "read"]
 
@@ -36,16 +37,22 @@ def check_ranges(key_ranges: Iterable[KeyRange] | None) -> list[list[int]]:
 def read(topic: str, *, partition: int | None = None, start: Offset | None = None,
          end: Offset | None = None, key_ranges: Iterable[KeyRange] | None = None,
          broker: str | None = None, auth_token: str | None = None,
-         tls_ca: bytes | str | None = None) -> TopicReader:
-    """Read a topic through the broker (every partition, or one ``partition``).
+         tls_ca: bytes | str | None = None, fail_on_data_loss: bool = True) -> TopicReader:
+    """Read a topic through the broker (every partition, or one ``partition``; a position as
+    ``start`` or ``end`` names its partition, so it is the partition read).
 
     The partition streams are opened before this returns, so ``latest`` (as start or end) is
     pinned at call time for all partitions. ``end=None`` follows the tail until the reader is
     closed; a bounded ``end`` finishes. Batches have
     :data:`~tierstream.message_format.MESSAGE_SCHEMA` and keep each partition's order.
+
+    Raises DataLossError when retention deleted data from the window (a time or position
+    start), as every bounded reader does; ``fail_on_data_loss=False`` reads what survives and
+    logs what was skipped.
     """
     return TopicReader(topic, partition=partition, start=start, end=end, key_ranges=key_ranges,
-                       broker=broker, auth_token=auth_token, tls_ca=tls_ca)
+                       broker=broker, auth_token=auth_token, tls_ca=tls_ca,
+                       fail_on_data_loss=fail_on_data_loss)
 
 
 class TopicReader:
@@ -54,8 +61,9 @@ class TopicReader:
     def __init__(self, topic: str, *, partition: int | None, start: Offset | None,
                  end: Offset | None, key_ranges: Iterable[KeyRange] | None,
                  broker: str | None, auth_token: str | None,
-                 tls_ca: bytes | str | None = None) -> None:
+                 tls_ca: bytes | str | None = None, fail_on_data_loss: bool = True) -> None:
         name = str(TopicName.parse(topic))
+        partition = _partition_of(partition, start, end)
         ranges = check_ranges(key_ranges)
         self._client = BrokerClient(broker, auth_token=auth_token, tls_ca=tls_ca)
         self._readers: list[Any] = []
@@ -64,10 +72,11 @@ class TopicReader:
             with Admin(self._client.url, auth_token=auth_token,
                        tls_ca=self._client.tls_ca) as admin:
                 count = admin.get_topic(name).partitions
-            if partition is not None and not 0 <= partition < count:
-                raise ConfigError(f"invalid partition {partition} for {name!r}: it has "
-                                  f"0..{count - 1}")
-            parts = [partition] if partition is not None else list(range(count))
+                if partition is not None and not 0 <= partition < count:
+                    raise ConfigError(f"invalid partition {partition} for {name!r}: it has "
+                                      f"0..{count - 1}")
+                parts = [partition] if partition is not None else list(range(count))
+                _check_data_loss(admin, name, parts, start, end, fail=fail_on_data_loss)
             ticket = {"op": "consume", "topic": name, "key_ranges": ranges,
                       "start": (start or Offset.earliest()).to_dict(),
                       "end": None if end is None else end.to_dict()}
@@ -109,6 +118,38 @@ class TopicReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _partition_of(partition: int | None, *bounds: Offset | None) -> int | None:
+    """The partition a read is about: ``partition``, or the one its position bounds name."""
+    named = {b.position.partition for b in bounds
+             if b is not None and b.kind is OffsetKind.POSITION and b.position is not None}
+    if partition is not None:
+        named.add(partition)
+    if len(named) > 1:
+        raise ConfigError(f"the read names partitions {sorted(named)}: a position is in one "
+                          "partition, so --from, --to and --partition must agree")
+    return named.pop() if named else None
+
+
+def _check_data_loss(admin: Admin, topic: str, parts: list[int], start: Offset | None,
+                     end: Offset | None, *, fail: bool) -> None:
+    """The planner's data-loss rule (data_loss.py) for a read through the broker: a window
+    starting at a time or a position that retention cut into fails, or says what it skips."""
+    if start is None or start.kind not in (OffsetKind.TIME, OffsetKind.POSITION):
+        return  # earliest and latest mean what is there now: nothing of them is lost
+    deleted = admin.deleted_segments(topic)
+    if not deleted:
+        return
+    t1 = end.time_ms if end is not None and end.kind is OffsetKind.TIME else None
+    for p in parts:
+        mine = [d for d in deleted if d["partition"] == p]
+        if start.kind is OffsetKind.TIME:
+            lost = lost_segments(mine, t0=start.time_ms, t1=t1)
+        else:
+            assert start.position is not None
+            lost = lost_segments(mine, from_segment=start.position.segment_id, t1=t1)
+        report_data_loss(topic, p, lost, fail=fail)
 
 
 def _chain(url: str, readers: list[Any]) -> Iterator[pa.RecordBatch]:

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tierstream.data_loss import lost_segments, report_data_loss
 from tierstream.enumerator.plan import PartitionPlan, Plan, SegmentPlan, no_gc
-from tierstream.errors import ConfigError, DataLossError, NotFoundError
+from tierstream.errors import ConfigError, NotFoundError
 from tierstream.layout import DataDir
 from tierstream.metadata.records import MetadataReader, SegmentRecord, SegmentState, TopicRecord
 from tierstream.metadata.store import MetadataStore
@@ -209,7 +210,7 @@ class Enumerator:
         t0, t1 = window
         if _grown_since(query.end, p, topic):
             return None  # the end cut was taken before this partition existed
-        start = self._start_position(topic, p, query, t0, latest, segments, deleted)
+        start = self._start_position(topic, p, query, window, latest, segments, deleted)
         end: Position | None
         if query.end is None:
             end = None
@@ -235,7 +236,8 @@ class Enumerator:
                 out.append(planned)
         return out
 
-    def _start_position(self, record: TopicRecord, p: int, query: Query, t0: int | None,
+    def _start_position(self, record: TopicRecord, p: int, query: Query,
+                        window: tuple[int | None, int | None],
                         latest: Callable[[], StreamCut], segments: list[SegmentRecord],
                         deleted: list[dict[str, Any]]) -> Position | None:
         start, topic = query.start, record.name
@@ -245,35 +247,21 @@ class Enumerator:
                 or _grown_since(start, p, record):  # a cut from before p: all of p
             first_id = self.metadata.first_segment_id(topic, p)
             return Position(p, first_id, 0, 0) if first_id is not None else None
+        t0, t1 = window
         if isinstance(start, Offset) and start.kind is OffsetKind.TIME:
             assert t0 is not None
-            lost = [d for d in deleted if (d["max_publish_time"] or 0) >= t0]
-            if lost:
-                self._data_loss(query, topic, p, lost)
+            report_data_loss(topic, p, lost_segments(deleted, t0=t0, t1=t1),
+                             fail=query.fail_on_data_loss)
             return Position(p, segments[0].segment_id, 0, 0) if segments else None
         pos = _position_of(start, p, topic)
         if pos is None:
             return None
-        lost = [d for d in deleted if d["segment_id"] >= pos.segment_id
-                and (t0 is None or (d["max_publish_time"] or 0) >= t0)]
+        lost = lost_segments(deleted, from_segment=pos.segment_id, t0=t0, t1=t1)
         if lost:
-            self._data_loss(query, topic, p, lost)
+            report_data_loss(topic, p, lost, fail=query.fail_on_data_loss)
             first_id = self.metadata.first_segment_id(topic, p)
             return Position(p, first_id, 0, 0) if first_id is not None else None
         return pos
-
-    def _data_loss(self, query: Query, topic: str, p: int, lost: list[dict[str, Any]]) -> None:
-        ids = f"{lost[0]['segment_id']}..{lost[-1]['segment_id']}"
-        window = (f"{format_ms(lost[0]['min_publish_time'])} .. "
-                  f"{format_ms(lost[-1]['max_publish_time'])}")
-        messages = sum(d["messages"] for d in lost)
-        text = (f"data loss in {topic!r} partition {p}: segments {ids} ({messages} messages, "
-                f"publish times {window}) were deleted by {lost[-1]['reason']}")
-        if query.fail_on_data_loss:
-            raise DataLossError(text + "; to read what survives, set failOnDataLoss=false "
-                                "(Spark option; fail_on_data_loss=False in Python; "
-                                "--skip-data-loss on the command line)")
-        log.warning("%s; skipping them (failOnDataLoss=false)", text)
 
     def _segment_plan(self, part: PartitionPlan, seg: SegmentRecord) -> SegmentPlan | None:
         p, start, end = seg.partition, part.start, part.end
