@@ -89,8 +89,62 @@ def test_consume_follow_rides_out_a_restart_and_fails_clearly_when_it_stays_down
     assert values == sorted(f"v{i}" for i in range(20))
     stderr = (proc.stderr.read() if proc.stderr else "").strip()
     assert code == 1, stderr
-    assert f"stayed unavailable for {GIVE_UP}" in stderr and "Traceback" not in stderr
+    assert f"option reconnectTimeout {GIVE_UP}" in stderr and "Traceback" not in stderr
+    assert "it stayed unavailable for" in stderr
     assert len(stderr.splitlines()) == 1, stderr
+
+
+def _readers(url: str, topic: str) -> int:
+    with Admin(url) as admin:
+        return int(admin.topic_stats(topic)["readers"])
+
+
+def test_a_follower_that_delivered_nothing_resumes_where_it_started_after_a_kill(
+        start_broker, free_port) -> None:
+    # Regression: `consume --from latest --follow`, broker SIGKILLed and restarted, then two
+    # messages: the follower printed only the second. It reconnected at a "latest" taken
+    # again, after the first. And a follower of a quiet topic, in a second outage more than
+    # reconnectTimeout after the first, gave up at once: "stayed unavailable for 60s".
+    quiet = TOPIC + "-quiet"
+    broker: BrokerProcess = start_broker(port=free_port)
+    with Admin(broker.url) as admin:
+        admin.create_topic(TOPIC, 1)
+        admin.create_topic(quiet, 1)
+    _send(broker.url, 0, 3)  # before the follower: not for it
+    env = {"TIERSTREAM_RECONNECT_TIMEOUT": GIVE_UP}
+    follower = _cli("consume", TOPIC, "--from", "latest", "--follow", "--broker",
+                    broker.url or "", env=env)
+    idle = _cli("consume", quiet, "--from", "latest", "--follow", "--broker", broker.url or "",
+                env=env)
+    lines: list[str] = []
+    idle_lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(follower.stdout or []), daemon=True).start()
+    threading.Thread(target=lambda: idle_lines.extend(idle.stdout or []), daemon=True).start()
+    try:
+        wait_for(lambda: _readers(broker.url or "", TOPIC) == 1
+                 and _readers(broker.url or "", quiet) == 1, what="the followers' streams")
+        broker.kill()
+        restarted = start_broker(port=free_port)
+        _send(restarted.url, 3, 1)  # while the follower is still backing off
+        wait_for(lambda: _readers(restarted.url or "", TOPIC) == 1
+                 and _readers(restarted.url or "", quiet) == 1,
+                 what="the followers to reconnect")
+        _send(restarted.url, 4, 1)
+        wait_for(lambda: len(lines) == 2, what="both messages after the kill")
+        # a second outage, longer after the first than reconnectTimeout: ridden out again
+        threading.Event().wait(scaled(3) + 1)
+        restarted.kill()
+        again = start_broker(port=free_port)
+        with Producer(quiet, broker=again.url) as producer:
+            producer.send(b"w0")
+        wait_for(lambda: len(idle_lines) == 1 or idle.poll() is not None,
+                 what="the quiet topic's message after the second kill")
+    finally:
+        follower.kill()
+        idle.kill()
+    assert [json.loads(line)["value"] for line in lines] == ["v3", "v4"]
+    assert [json.loads(line)["value"] for line in idle_lines] == ["w0"], \
+        idle.stderr.read() if idle.stderr else ""
 
 
 def test_reconnect_timeout_is_an_option() -> None:

@@ -77,11 +77,13 @@ class TopicReader:
                                       f"0..{count - 1}")
                 parts = [partition] if partition is not None else list(range(count))
                 _check_data_loss(admin, name, parts, start, end, fail=fail_on_data_loss)
+                starts = _pinned_starts(admin, name, parts, start or Offset.earliest(),
+                                        following=end is None)
             ticket = {"op": "consume", "topic": name, "key_ranges": ranges,
-                      "start": (start or Offset.earliest()).to_dict(),
                       "end": None if end is None else end.to_dict()}
-            for p in parts:
-                reader = self._client.consume({**ticket, "partition": p})
+            tickets = [{**ticket, "partition": p, "start": starts[p]} for p in parts]
+            for t in tickets:
+                reader = self._client.consume(t)
                 with translate_errors(self._client.url):
                     reader.schema  # noqa: B018 - waits for the broker to resolve the offsets
                 self._readers.append(reader)
@@ -89,9 +91,8 @@ class TopicReader:
             self.close()
             raise
         if end is None:  # following: each partition rides out broker restarts
-            streams = [consume_stream(self._client, {**ticket, "partition": p}, first=r,
-                                      cancel=self._cancel)
-                       for p, r in zip(parts, self._readers, strict=True)]
+            streams = [consume_stream(self._client, t, first=r, cancel=self._cancel)
+                       for t, r in zip(tickets, self._readers, strict=True)]
             # always through threads, even for one partition: the caller then waits on a
             # queue, which Ctrl-C interrupts, not inside a Flight read, which it cannot
             self._iter = _merge(streams, self._cancel)
@@ -130,6 +131,17 @@ def _partition_of(partition: int | None, *bounds: Offset | None) -> int | None:
         raise ConfigError(f"the read names partitions {sorted(named)}: a position is in one "
                           "partition, so --from, --to and --partition must agree")
     return named.pop() if named else None
+
+
+def _pinned_starts(admin: Admin, topic: str, parts: list[int], start: Offset, *,
+                   following: bool) -> dict[int, dict[str, Any]]:
+    """Each partition's start as the ticket carries it. A following read pins ``latest`` to
+    the positions of now: after a broker restart it resumes there, not at a "latest" taken
+    again on reconnect (which skipped what was produced while it reconnected)."""
+    if following and start.kind is OffsetKind.LATEST:
+        confirmed = admin.last_confirmed(topic)
+        return {p: Offset.at_position(confirmed[p][1]).to_dict() for p in parts}
+    return {p: start.to_dict() for p in parts}
 
 
 def _check_data_loss(admin: Admin, topic: str, parts: list[int], start: Offset | None,
@@ -182,10 +194,15 @@ def consume_stream(client: BrokerClient, ticket: dict[str, Any], *, first: Any =
         try:
             if reader is None:
                 reader = client.consume(ticket)
+                with translate_errors(client.url):
+                    reader.schema  # noqa: B018 - the broker answered: the outage is over
+                if backoff is not None:
+                    log.info("%s partition %s: reconnected after %d attempt(s)",
+                             ticket.get("topic"), ticket.get("partition"), backoff.attempts)
+                backoff = None  # a later outage gets its own reconnectTimeout
             if cancel is not None:
                 unregister = cancel.register(reader.cancel)
             for batch in flight_batches(client.url, reader):
-                backoff = None
                 i = batch.num_rows - 1
                 ticket["start"] = Offset.at_position(Position(
                     batch.column("partition")[i].as_py(), batch.column("segment_id")[i].as_py(),
@@ -210,7 +227,8 @@ def consume_stream(client: BrokerClient, ticket: dict[str, Any], *, first: Any =
                 raise UnavailableError(
                     f"lost the broker at {client.url} while reading {ticket.get('topic')!r} "
                     f"partition {ticket.get('partition')}: it stayed unavailable for "
-                    f"{backoff.timeout_s:g}s (option reconnectTimeout); resume from "
+                    f"{backoff.elapsed_s():.0f}s ({backoff.attempts} reconnects; option "
+                    f"reconnectTimeout {backoff.timeout_s:g}s); resume from "
                     f"{Offset.from_dict(ticket['start'])}") from None
         finally:
             if unregister is not None:

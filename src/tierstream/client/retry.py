@@ -38,10 +38,15 @@ class Backoff:
 
     def __init__(self, timeout_s: float, *, cancel: Cancel | None = None) -> None:
         self.timeout_s = timeout_s
-        self._deadline = time.monotonic() + timeout_s
+        self._started = time.monotonic()
+        self._deadline = self._started + timeout_s
         self._delay = 0.1
         self._cancel = cancel
         self.attempts = 0
+
+    def elapsed_s(self) -> float:
+        """Seconds since the first failure."""
+        return time.monotonic() - self._started
 
     def wait(self) -> bool:
         left = self._deadline - time.monotonic()
