@@ -678,3 +678,36 @@ def test_consume_of_a_window_retention_cut_into_fails_or_says_what_it_skipped(
     assert {json.loads(line)["partition"] for line in from_position.stdout.splitlines()} == {1}
     assert run("consume", "a/b/kept", "--from", "latest", "--to", "earliest",
                env=env).stderr.count("is before --from") == 1
+
+
+def test_a_named_produce_replayed_stores_nothing_twice(broker: BrokerProcess) -> None:
+    # Regression: `produce --name imp < three.jsonl` twice stored 6 messages.
+    env = {"TIERSTREAM_BROKER": broker.url or ""}
+    run("topic", "create", "a/b/dedup", "--partitions", "2", env=env)
+    three = "".join(json.dumps({"value": f"m{i}", **({"key": f"k{i}"} if i % 2 else {})})
+                    + "\n" for i in range(3))
+    first = run("produce", "a/b/dedup", "--name", "imp", stdin=three, env=env)
+    assert first.returncode == 0, first.stderr
+    again = run("produce", "a/b/dedup", "--name", "imp", stdin=three, env=env)
+    assert again.returncode == 0, again.stderr
+    assert "produced 0 message(s)" in again.stderr and "skipped 3 message(s)" in again.stderr
+    # a longer replay (an input that grew, or one cut short by a crash) adds only what is new
+    five = three + "".join(json.dumps({"value": f"m{i}"}) + "\n" for i in range(3, 5))
+    grown = run("produce", "a/b/dedup", "--name", "imp", stdin=five, env=env)
+    assert "produced 2 message(s)" in grown.stderr, grown.stderr
+    # explicit ids, as a source that numbers its records would give them
+    numbered = "".join(json.dumps({"value": f"n{i}", "sequence_id": 100 + 10 * i}) + "\n"
+                       for i in range(2))
+    for _ in range(2):
+        assert run("produce", "a/b/dedup", "--name", "ids", stdin=numbered,
+                   env=env).returncode == 0
+    values = sorted(json.loads(line)["value"]
+                    for line in run("consume", "a/b/dedup", env=env).stdout.splitlines())
+    assert values == ["m0", "m1", "m2", "m3", "m4", "n0", "n1"]
+    # an id that goes back, or one without --name, is one line naming the value
+    bad = run("produce", "a/b/dedup", "--name", "ids",
+              stdin=numbered + json.dumps({"value": "x", "sequence_id": 5}) + "\n", env=env)
+    assert bad.returncode == 2, bad.stderr
+    assert "stdin line 3: sequence_id 5 does not increase" in bad.stderr, bad.stderr
+    unnamed = run("produce", "a/b/dedup", stdin=numbered, env=env)
+    assert unnamed.returncode == 2 and "give --name" in unnamed.stderr

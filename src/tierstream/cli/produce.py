@@ -41,8 +41,10 @@ def produce(
                                               "messages.")] = 0,
     value_size: Annotated[int, typer.Option(help="Approximate bytes per generated value.")] = 100,
     batch_size: Annotated[int, typer.Option(help="Messages per batch (entry).")] = 1000,
-    producer_name: Annotated[str | None, typer.Option("--name", help="Producer name (for "
-                                                                     "de-duplication).")] = None,
+    producer_name: Annotated[str | None, typer.Option("--name", help=(
+        "Producer name: a replay of the same input under the same name stores nothing "
+        "new (each message's sequence id is its stdin line number, or its 'sequence_id' "
+        "field; with --generate, its index)."))] = None,
     quiet: QuietOpt = False,
     broker: BrokerOpt = DEFAULT_BROKER_URL,
     tls_ca: TlsCaOpt = None,
@@ -58,6 +60,11 @@ def produce(
     nothing after it is, and the error names the line. publish_time never runs backwards in a
     partition: a time before the partition's newest message is stamped with that newer time,
     and the command warns how many were (event_time keeps what was asked).
+
+    With --name, the input is replayable: message N of it (its line number, or a
+    "sequence_id" field whose values increase) is stored at most once under that name, so
+    running the same command on the same input again, or after a crash, stores only what
+    is missing, and says how many it skipped.
 
     Example: tierstream produce acme/web/clicks --generate 100000 --keys 50
     --start-time 2026-11-01T00:00:00Z --step-ms 60
@@ -76,14 +83,15 @@ def produce(
     total: int | None
     if generate is None:
         total = None
-        stdin = _stdin_batches(batch_size, linger_s=0.05)
+        stdin = _stdin_batches(batch_size, linger_s=0.05, numbered=producer_name is not None)
         first = next(stdin, None)  # the first lines are read and checked before connecting
         chunks: Iterator[list[dict[str, Any]]] = itertools.chain(
             [first] if first is not None else [], stdin)
     else:
         total = generate
-        chunks = _chunked(_generated(generate, keys, t0, step_ms, value_size), batch_size * 8)
-    sent = 0
+        chunks = _chunked(_generated(generate, keys, t0, step_ms, value_size,
+                                     numbered=producer_name is not None), batch_size * 8)
+    sent = replayed = 0
     with Producer(topic, broker=broker, auth_token=auth_token, name=producer_name,
                   batch_size=batch_size) as producer, \
             progress_bar(total is not None and not quiet) as progress:
@@ -93,7 +101,9 @@ def produce(
             for chunk in chunks:
                 acks = producer.send_many(chunk)
                 restamped += sum(int(a.get("restamped") or 0) for a in acks)
-                sent += len(chunk)
+                skipped = sum(int(a.get("messages") or 0) for a in acks if a.get("duplicate"))
+                sent += len(chunk) - skipped
+                replayed += skipped
                 progress.update(task, completed=sent)
         except ConfigError as exc:
             if generate is None:
@@ -101,6 +111,9 @@ def produce(
                                   f"{topic}, none after it") from None
             raise
     err.print(f"produced {sent} message(s) to {topic}", highlight=False)
+    if replayed:
+        err.print(f"skipped {replayed:,} message(s) that producer {producer_name!r} had stored "
+                  "already (by sequence id: a replay stores nothing twice)", highlight=False)
     if restamped:
         err.print(f"[yellow]warning:[/yellow] {restamped:,} of {sent:,} message(s) asked for a "
                   "publish time before the newest message already in their partition and were "
@@ -110,7 +123,8 @@ def produce(
                   "times, produce it into a new topic.", markup=True, highlight=False)
 
 
-def _stdin_batches(batch_size: int, *, linger_s: float) -> Iterator[list[dict[str, Any]]]:
+def _stdin_batches(batch_size: int, *, linger_s: float, numbered: bool = False
+                   ) -> Iterator[list[dict[str, Any]]]:
     """Checked messages from stdin lines as they arrive: a batch goes out when it has
     ``batch_size`` lines or its first line waited ``linger_s``. A bad line ends it, after the
     lines before it were handed out."""
@@ -130,6 +144,7 @@ def _stdin_batches(batch_size: int, *, linger_s: float) -> Iterator[list[dict[st
     threading.Thread(target=read, name="tierstream-stdin", daemon=True).start()
     batch: list[dict[str, Any]] = []
     deadline = 0.0
+    last_seq: int | None = None
     while True:
         try:
             item = lines.get(timeout=max(0.0, deadline - time.monotonic()) if batch else None)
@@ -142,13 +157,21 @@ def _stdin_batches(batch_size: int, *, linger_s: float) -> Iterator[list[dict[st
                 yield batch
             return
         try:
-            message = _stdin_message(*item)
+            message = _stdin_message(*item, numbered=numbered)
         except ConfigError:
             if batch:
                 yield batch
             raise
         if message is None:
             continue
+        seq = message.get("sequence_id")
+        if seq is not None:
+            if last_seq is not None and seq <= last_seq:
+                if batch:
+                    yield batch
+                raise ConfigError(f"stdin line {item[0]}: sequence_id {seq} does not increase "
+                                  f"(the line before has {last_seq})")
+            last_seq = seq
         if not batch:
             deadline = time.monotonic() + linger_s
         batch.append(message)
@@ -157,8 +180,11 @@ def _stdin_batches(batch_size: int, *, linger_s: float) -> Iterator[list[dict[st
             batch = []
 
 
-def _stdin_message(lineno: int, line: str) -> dict[str, Any] | None:
-    """One stdin line as a message (None for a blank line); ConfigError naming the line."""
+def _stdin_message(lineno: int, line: str, *, numbered: bool = False
+                   ) -> dict[str, Any] | None:
+    """One stdin line as a message (None for a blank line); ConfigError naming the line.
+    ``numbered`` (a named producer): the message's sequence id is its ``sequence_id`` field,
+    else the line number."""
     if not line.strip():
         return None
     try:
@@ -168,9 +194,17 @@ def _stdin_message(lineno: int, line: str) -> dict[str, Any] | None:
     if not isinstance(obj, dict):
         raise ConfigError(f"stdin line {lineno}: expected a JSON object, got {line[:80]!r}")
     unknown = set(obj) - {"value", "value_b64", "key", "event_time", "properties",
-                          "publish_time"}
+                          "publish_time", "sequence_id"}
     if unknown:
         raise ConfigError(f"stdin line {lineno}: unknown field(s) {sorted(unknown)}")
+    seq = obj.get("sequence_id", lineno if numbered else None)
+    if seq is not None:
+        if not numbered:
+            raise ConfigError(f"stdin line {lineno}: sequence_id is for a named producer: "
+                              "give --name")
+        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+            raise ConfigError(f"stdin line {lineno}: sequence_id must be an integer >= 0, "
+                              f"got {seq!r}")
     if "value_b64" in obj:
         try:
             value = base64.b64decode(obj["value_b64"], validate=True)
@@ -194,11 +228,12 @@ def _stdin_message(lineno: int, line: str) -> dict[str, Any] | None:
     for f in ("event_time", "publish_time"):
         if obj.get(f) is not None:
             times[f] = parse_time_ms(obj[f], what=f"{f} on stdin line {lineno}")
-    return {"value": value, "key": key, "properties": props, **times}
+    return {"value": value, "key": key, "properties": props, **times,
+            **({"sequence_id": seq} if seq is not None else {})}
 
 
-def _generated(n: int, keys: int, t0: int | None, step_ms: int, value_size: int
-               ) -> Iterator[dict[str, Any]]:
+def _generated(n: int, keys: int, t0: int | None, step_ms: int, value_size: int, *,
+               numbered: bool = False) -> Iterator[dict[str, Any]]:
     pages = ["/", "/search", "/product", "/cart", "/checkout", "/help"]
     pad = "x" * max(0, value_size - 60)
     for i in range(n):
@@ -206,7 +241,8 @@ def _generated(n: int, keys: int, t0: int | None, step_ms: int, value_size: int
         user = f"user-{(i * 7919) % keys:05d}"
         value = json.dumps({"user": user, "page": pages[i % len(pages)], "n": i, "pad": pad})
         yield {"value": value.encode(), "key": user, "publish_time": t, "event_time": t,
-               "properties": {"source": "generator"}}
+               "properties": {"source": "generator"},
+               **({"sequence_id": i} if numbered else {})}
 
 
 def _chunked(it: Iterator[Any], n: int) -> Iterator[list[Any]]:

@@ -53,6 +53,9 @@ class Message:
     event_time: int | None = None
     properties: Mapping[str, str] | None = None
     publish_time: int | None = None  # requested; the broker never lets time run backwards
+    #: the caller's own id for this message (increasing), as Pulsar clients give one: a
+    #: named producer sends nothing whose id its name already stored (see Producer)
+    sequence_id: int | None = None
 
 
 @dataclass
@@ -153,7 +156,7 @@ class Producer:
             return out
         props = self.encoder.properties
         return [Message(self.encoder.encode(m.value, i), m.key, m.event_time,
-                        {**(m.properties or {}), **props}, m.publish_time)
+                        {**(m.properties or {}), **props}, m.publish_time, m.sequence_id)
                 for i, m in enumerate(out)]
 
     # -- public API ---------------------------------------------------------------------------
@@ -168,30 +171,48 @@ class Producer:
 
     def send_many(self, messages: Iterable[Message | Mapping[str, Any]]) -> list[dict[str, Any]]:
         """Send messages in batches of ``batch_size``; returns one ack per batch, once all
-        are acknowledged."""
+        are acknowledged.
+
+        Messages may carry their own increasing ``sequence_id`` (all of a call, or none), as
+        a replayable input numbers them (``tierstream produce --name`` uses line numbers):
+        a message whose id this producer's name already stored in its partition is not sent
+        again (an ack with ``duplicate=True`` counts it), and a batch's id is its last
+        message's. Messages without a key then go to partition ``sequence_id % partitions``,
+        so a replay routes them as the first run did."""
         buffers: dict[int, list[Message]] = {}
         routing = self.partitions
         self._acks = []
-        for msg in self._encoded(messages):
-            p = self._route(msg.key)
+        encoded = self._encoded(messages)
+        own_ids = _check_sequence_ids(encoded)
+        for msg in encoded:
+            p = self._route(msg.key, msg.sequence_id)
+            if own_ids and msg.sequence_id is not None \
+                    and msg.sequence_id < self._streams[p].next_seq:
+                self._acks.append({"partition": p, "sequence_id": msg.sequence_id,
+                                   "duplicate": True, "messages": 1})
+                continue
             buffers.setdefault(p, []).append(msg)
             if len(buffers[p]) >= self.batch_size:
-                self._send(p, _to_batch(buffers.pop(p)))
+                self._send_messages(p, buffers.pop(p))
                 if self.partitions != routing:  # the topic grew: route what waits again
                     buffers, routing = self._rerouted(buffers), self.partitions
         while buffers:
             p = min(buffers)
-            self._send(p, _to_batch(buffers.pop(p)))
+            self._send_messages(p, buffers.pop(p))
             if self.partitions != routing:
                 buffers, routing = self._rerouted(buffers), self.partitions
         self.flush()
         return self._acks
 
+    def _send_messages(self, p: int, messages: list[Message]) -> None:
+        self._send(p, _to_batch(messages), seq=messages[-1].sequence_id)
+
     def _rerouted(self, buffers: dict[int, list[Message]]) -> dict[int, list[Message]]:
         out: dict[int, list[Message]] = {}
         for p in sorted(buffers):
             for msg in buffers[p]:
-                out.setdefault(p if msg.key is None else self._route(msg.key), []).append(msg)
+                out.setdefault(p if msg.key is None else self._route(msg.key, None),
+                               []).append(msg)
         return out
 
     def send_batch(self, batch: pa.RecordBatch | pa.Table, *, partition: int | None = None
@@ -270,12 +291,16 @@ class Producer:
         out = batch.set_column(batch.schema.get_field_index("value"), "value", values)
         return out.set_column(out.schema.get_field_index("properties"), "properties", props)
 
-    def _route(self, key: str | None) -> int:
-        if key is None:
-            return next(self._rr) % self.partitions
-        return key_hash(key) % self.partitions
+    def _route(self, key: str | None, sequence_id: int | None) -> int:
+        if key is not None:
+            return key_hash(key) % self.partitions
+        if sequence_id is not None:
+            return sequence_id % self.partitions
+        return next(self._rr) % self.partitions
 
-    def _send(self, p: int, batch: pa.RecordBatch, *, pinned: bool = False) -> None:
+    def _send(self, p: int, batch: pa.RecordBatch, *, pinned: bool = False,
+              seq: int | None = None) -> None:
+        """Send one batch to partition ``p`` as sequence id ``seq`` (default: the next)."""
         if self._txn is not None:  # staged: the ack says where, not at which position
             self._txn.write(self.topic, batch, partition=p,
                             routed=None if pinned else self.partitions)
@@ -283,8 +308,8 @@ class Producer:
                                "transaction": self._txn.txn_id, "staged": True})
             return
         stream = self._streams[p]
-        seq = stream.next_seq
-        stream.next_seq += 1
+        seq = stream.next_seq if seq is None else seq
+        stream.next_seq = seq + 1
         stream.unacked.append((seq, batch))
         if pinned:
             stream.pinned.add(seq)
@@ -476,6 +501,23 @@ def _routed(batch: pa.RecordBatch, p: int, partitions: int
         rows = np.flatnonzero(target == q)
         parts.append((int(q), batch.take(pa.array(rows))))
     return parts
+
+
+def _check_sequence_ids(messages: list[Message]) -> bool:
+    """Whether the caller numbered the messages; ConfigError unless all or none are, with
+    ids that increase."""
+    given = [m.sequence_id for m in messages if m.sequence_id is not None]
+    if not given:
+        return False
+    if len(given) != len(messages):
+        raise ConfigError("give every message of a send a sequence_id, or none")
+    for i, (a, b) in enumerate(itertools.pairwise(given), 1):
+        if not isinstance(b, int) or b < 0 or b <= a:
+            raise ConfigError(f"message {i}: sequence_id {b!r} does not increase (the one "
+                              f"before is {a!r}): ids must be increasing integers >= 0")
+    if not isinstance(given[0], int) or given[0] < 0:
+        raise ConfigError(f"message 0: sequence_id {given[0]!r} must be an integer >= 0")
+    return True
 
 
 def _to_batch(messages: list[Message]) -> pa.RecordBatch:
