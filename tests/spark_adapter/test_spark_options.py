@@ -56,3 +56,48 @@ def test_the_cli_starts_local_spark_on_loopback() -> None:
     assert proc.stdout.split() == ["127.0.0.1", "127.0.0.1"]
     # the JVM itself was pinned before it looked for a routable address of its own
     assert "resolves to a loopback address" not in proc.stderr, proc.stderr[-2000:]
+
+
+JOB = """
+import sys
+from pyspark.sql import SparkSession
+from tierstream.spark_adapter import register
+
+spark = (SparkSession.builder.master("local[1]").config("spark.ui.enabled", "false")
+         .config("spark.driver.bindAddress", "127.0.0.1").getOrCreate())
+register(spark)  # the session was made first, as in most jobs
+print("rows", spark.read.format("tierstream").option("topic", sys.argv[1])
+      .option("broker", sys.argv[2]).option("dataDir", sys.argv[3]).load().count())
+print("workers ran", spark.sparkContext.pythonExec)
+"""
+
+
+def test_a_job_run_by_the_venvs_interpreter_unactivated_reads_on_spark(tmp_path: Path) -> None:
+    # Regression: `.venv/bin/python job.py` (venv not activated, PYSPARK_PYTHON unset, as cron
+    # and schedulers run jobs): register() set PYSPARK_PYTHON after the SparkContext was made,
+    # the workers ran `python3` from PATH and failed: No module named 'tierstream'.
+    import os
+    import shutil
+
+    elsewhere = tmp_path / "bin"  # PATH's python3: an interpreter without tierstream
+    elsewhere.mkdir()
+    (elsewhere / "python3").symlink_to(Path(sys.base_prefix) / "bin" / "python3")
+    java = shutil.which("java")
+    assert java is not None
+    path = os.pathsep.join([str(elsewhere), str(Path(java).parent), "/usr/bin", "/bin"])
+    probe = subprocess.run(["python3", "-c", "import tierstream"], capture_output=True,
+                           env={"PATH": path}, timeout=scaled(60))
+    assert probe.returncode != 0, "PATH's python3 must not have tierstream for this test"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "VIRTUAL_ENV")}
+    job = tmp_path / "job.py"
+    job.write_text(JOB)
+    with running_log(tmp_path / "data") as log:
+        fill(log, partitions=2, batches=3, keys=5)
+        expected = log.everything().num_rows
+        proc = subprocess.run([sys.executable, str(job), TOPIC, log.url, str(log.data_dir)],
+                              capture_output=True, text=True, cwd=tmp_path,
+                              env={**env, "PATH": path}, timeout=scaled(240))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"rows {expected}" in proc.stdout
+    assert f"workers ran {sys.executable}" in proc.stdout

@@ -231,15 +231,27 @@ _COUNTED = itertools.count(1)
 
 
 def register(spark: Any) -> None:
-    """Register format ``"tierstream"`` on ``spark`` (and make sure Spark's Python workers run
-    this interpreter when nothing else was configured).
+    """Register format ``"tierstream"`` on ``spark`` (driver side), and make Spark's Python
+    workers run this interpreter when nothing else was configured.
+
+    The interpreter is fixed where it matters: a classic SparkContext took ``PYSPARK_PYTHON``
+    (default ``python3`` from PATH) when it was created, and Spark's workers run what the data
+    source's registration carries, so this sets the context's interpreter too, also for a
+    session created before this call (a job run as ``.venv/bin/python job.py``, unactivated).
+    A set ``PYSPARK_PYTHON`` or ``spark.pyspark.python`` is left alone. On Spark Connect the
+    server's workers run the server's Python: tierstream must be installed there.
 
     With ``spark.sql.python.filterPushdown.enabled=true`` set before this call, batch reads push
     publish_time, partition and topic filters into planning; call it again after changing
     that setting.
     """
     if not os.environ.get("PYSPARK_PYTHON") and not spark.conf.get("spark.pyspark.python", None):
-        os.environ["PYSPARK_PYTHON"] = sys.executable
+        os.environ["PYSPARK_PYTHON"] = sys.executable  # contexts created from now on
+        context = _classic_context(spark)
+        if context is not None and context.pythonExec != sys.executable:
+            log.info("Spark's Python workers will run %s (was %s; set PYSPARK_PYTHON to "
+                     "choose another)", sys.executable, context.pythonExec)
+            context.pythonExec = sys.executable  # carried by every registration from now on
     pushdown = str(spark.conf.get(PUSHDOWN_CONF, "false")).strip().lower() == "true"
     if pushdown and _PUSHDOWN_LEAKS:
         log.warning(
@@ -248,3 +260,12 @@ def register(spark: Any) -> None:
             "query (apache/spark#57752)", _PYSPARK_VERSION)
     spark.dataSource.register(TierstreamPushdownDataSource if pushdown else TierstreamDataSource)
 
+
+def _classic_context(spark: Any) -> Any:
+    """The SparkContext of a classic session, None on Spark Connect (which has none)."""
+    if type(spark).__module__.startswith("pyspark.sql.connect"):
+        return None
+    try:
+        return spark.sparkContext
+    except Exception:  # a session type without a local context
+        return None
