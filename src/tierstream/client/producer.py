@@ -13,12 +13,12 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
 from tierstream.client.admin import Admin
 from tierstream.client.connection import BrokerClient
+from tierstream.client.messages import Message, check_sequence_ids, routed, to_batch
 from tierstream.client.stream_io import StalledError, StreamIO
 from tierstream.errors import (
     ConfigError,
@@ -28,10 +28,8 @@ from tierstream.errors import (
     UnavailableError,
 )
 from tierstream.message_format import (
-    PRODUCE_SCHEMA,
     as_produce_batch,
     key_hash,
-    key_hashes,
 )
 from tierstream.names import TopicName
 from tierstream.protocol import decode, encode, translate_errors
@@ -41,21 +39,6 @@ if TYPE_CHECKING:
     from tierstream.schemas.codec import Encoder
 
 __all__ = ["Message", "Producer"]
-
-
-
-@dataclass(frozen=True)
-class Message:
-    """One message as a producer sends it."""
-
-    value: Any  # bytes; with a schema, what it encodes (a dict for AVRO and JSON, a str)
-    key: str | None = None
-    event_time: int | None = None
-    properties: Mapping[str, str] | None = None
-    publish_time: int | None = None  # requested; the broker never lets time run backwards
-    #: the caller's own id for this message (increasing), as Pulsar clients give one: a
-    #: named producer sends nothing whose id its name already stored (see Producer)
-    sequence_id: int | None = None
 
 
 @dataclass
@@ -183,7 +166,7 @@ class Producer:
         routing = self.partitions
         self._acks = []
         encoded = self._encoded(messages)
-        own_ids = _check_sequence_ids(encoded)
+        own_ids = check_sequence_ids(encoded)
         for msg in encoded:
             p = self._route(msg.key, msg.sequence_id)
             if own_ids and msg.sequence_id is not None \
@@ -205,7 +188,7 @@ class Producer:
         return self._acks
 
     def _send_messages(self, p: int, messages: list[Message]) -> None:
-        self._send(p, _to_batch(messages), seq=messages[-1].sequence_id)
+        self._send(p, to_batch(messages), seq=messages[-1].sequence_id)
 
     def _rerouted(self, buffers: dict[int, list[Message]]) -> dict[int, list[Message]]:
         out: dict[int, list[Message]] = {}
@@ -378,7 +361,7 @@ class Producer:
         while pending:
             p, batch = pending.popleft()
             routing = self.partitions
-            parts = _routed(batch, p, routing)
+            parts = routed(batch, p, routing)
             for i, (q, rows) in enumerate(parts):
                 if self.partitions != routing:  # it grew again while sending: route the
                     pending.extendleft(reversed(parts[i:]))  # rest by the newer count
@@ -487,45 +470,3 @@ class Producer:
             with contextlib.suppress(Exception):
                 stream.io.close(self.send_timeout)
         stream.io = None
-
-
-def _routed(batch: pa.RecordBatch, p: int, partitions: int
-            ) -> list[tuple[int, pa.RecordBatch]]:
-    """``batch`` (sent to ``p``) split by the key routing of ``partitions``, in row order
-    within each part; rows without a key stay in ``p``."""
-    keys = batch.column("key")
-    target = key_hashes(keys).to_numpy().astype(np.int64) % partitions
-    target[keys.is_null().to_numpy(zero_copy_only=False)] = p
-    parts = []
-    for q in np.unique(target):
-        rows = np.flatnonzero(target == q)
-        parts.append((int(q), batch.take(pa.array(rows))))
-    return parts
-
-
-def _check_sequence_ids(messages: list[Message]) -> bool:
-    """Whether the caller numbered the messages; ConfigError unless all or none are, with
-    ids that increase."""
-    given = [m.sequence_id for m in messages if m.sequence_id is not None]
-    if not given:
-        return False
-    if len(given) != len(messages):
-        raise ConfigError("give every message of a send a sequence_id, or none")
-    for i, (a, b) in enumerate(itertools.pairwise(given), 1):
-        if not isinstance(b, int) or b < 0 or b <= a:
-            raise ConfigError(f"message {i}: sequence_id {b!r} does not increase (the one "
-                              f"before is {a!r}): ids must be increasing integers >= 0")
-    if not isinstance(given[0], int) or given[0] < 0:
-        raise ConfigError(f"message 0: sequence_id {given[0]!r} must be an integer >= 0")
-    return True
-
-
-def _to_batch(messages: list[Message]) -> pa.RecordBatch:
-    return pa.RecordBatch.from_pydict({
-        "key": [m.key for m in messages],
-        "value": [m.value for m in messages],
-        "publish_time": [m.publish_time for m in messages],
-        "event_time": [m.event_time for m in messages],
-        "properties": [None if m.properties is None else list(m.properties.items())
-                       for m in messages],
-    }, schema=PRODUCE_SCHEMA)

@@ -1,0 +1,73 @@
+"""What a producer sends: messages, their sequence ids, the batches they travel in, and the
+key routing of a batch across partitions."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from tierstream.errors import ConfigError
+from tierstream.message_format import PRODUCE_SCHEMA, key_hashes
+
+__all__ = ["Message", "check_sequence_ids", "routed", "to_batch"]
+
+
+@dataclass(frozen=True)
+class Message:
+    """One message as a producer sends it."""
+
+    value: Any  # bytes; with a schema, what it encodes (a dict for AVRO and JSON, a str)
+    key: str | None = None
+    event_time: int | None = None
+    properties: Mapping[str, str] | None = None
+    publish_time: int | None = None  # requested; the broker never lets time run backwards
+    #: the caller's own id for this message (increasing), as Pulsar clients give one: a
+    #: named producer sends nothing whose id its name already stored (see Producer)
+    sequence_id: int | None = None
+
+
+def routed(batch: pa.RecordBatch, p: int, partitions: int
+            ) -> list[tuple[int, pa.RecordBatch]]:
+    """``batch`` (sent to ``p``) split by the key routing of ``partitions``, in row order
+    within each part; rows without a key stay in ``p``."""
+    keys = batch.column("key")
+    target = key_hashes(keys).to_numpy().astype(np.int64) % partitions
+    target[keys.is_null().to_numpy(zero_copy_only=False)] = p
+    parts = []
+    for q in np.unique(target):
+        rows = np.flatnonzero(target == q)
+        parts.append((int(q), batch.take(pa.array(rows))))
+    return parts
+
+
+def check_sequence_ids(messages: list[Message]) -> bool:
+    """Whether the caller numbered the messages; ConfigError unless all or none are, with
+    ids that increase."""
+    given = [m.sequence_id for m in messages if m.sequence_id is not None]
+    if not given:
+        return False
+    if len(given) != len(messages):
+        raise ConfigError("give every message of a send a sequence_id, or none")
+    for i, (a, b) in enumerate(itertools.pairwise(given), 1):
+        if not isinstance(b, int) or b < 0 or b <= a:
+            raise ConfigError(f"message {i}: sequence_id {b!r} does not increase (the one "
+                              f"before is {a!r}): ids must be increasing integers >= 0")
+    if not isinstance(given[0], int) or given[0] < 0:
+        raise ConfigError(f"message 0: sequence_id {given[0]!r} must be an integer >= 0")
+    return True
+
+
+def to_batch(messages: list[Message]) -> pa.RecordBatch:
+    return pa.RecordBatch.from_pydict({
+        "key": [m.key for m in messages],
+        "value": [m.value for m in messages],
+        "publish_time": [m.publish_time for m in messages],
+        "event_time": [m.event_time for m in messages],
+        "properties": [None if m.properties is None else list(m.properties.items())
+                       for m in messages],
+    }, schema=PRODUCE_SCHEMA)
