@@ -13,6 +13,7 @@ import pytest
 
 from tierstream.broker.process import BrokerProcess
 
+from ..signals import sigint_ignored
 from ..store.helpers import wait_for
 from ..timing import scaled
 
@@ -161,7 +162,7 @@ def test_ctrl_c_stops_a_following_consume_of_a_quiet_partition(broker: BrokerPro
     run("produce", "a/b/quiet", stdin='{"value": "only"}\n', env=env)
     proc = subprocess.Popen([sys.executable, "-m", "tierstream", "consume", "a/b/quiet",
                              "--follow"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, **env})
+                            text=True, env={**os.environ, **env}, preexec_fn=sigint_ignored)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True).start()
     try:
@@ -711,3 +712,40 @@ def test_a_named_produce_replayed_stores_nothing_twice(broker: BrokerProcess) ->
     assert "stdin line 3: sequence_id 5 does not increase" in bad.stderr, bad.stderr
     unnamed = run("produce", "a/b/dedup", stdin=numbered, env=env)
     assert unnamed.returncode == 2 and "give --name" in unnamed.stderr
+
+
+def test_ctrl_c_on_a_long_produce_says_how_many_were_stored(broker: BrokerProcess) -> None:
+    """Regression: ``produce --generate`` stopped by Ctrl-C exited 130 without a word, though
+    hundreds of thousands of messages had been stored."""
+    import re
+    import signal
+
+    from tierstream.client import Admin
+
+    env = {"TIERSTREAM_BROKER": broker.url or ""}
+    run("topic", "create", "a/b/long", "--partitions", "2", env=env)
+
+    def stored() -> int:
+        with Admin(broker.url) as admin:
+            storage = admin.topic_stats("a/b/long")["storage"]
+        return sum(int(s["messages"]) for s in storage.values())
+
+    proc = subprocess.Popen([sys.executable, "-m", "tierstream", "produce", "a/b/long",
+                             "--generate", "5000000", "--batch-size", "500"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **env}, preexec_fn=sigint_ignored)
+    try:
+        wait_for(lambda: stored() >= 10_000, timeout=scaled(60), what="some messages stored")
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=scaled(30))
+    finally:
+        proc.kill()
+    stderr = proc.stderr.read() if proc.stderr else ""
+    assert code == 130, stderr
+    said = re.search(r"interrupted: ([\d,]+) message\(s\) were stored in a/b/long"
+                     r"(?:, and up to ([\d,]+) more)?", stderr)
+    assert said, stderr
+    low = int(said.group(1).replace(",", ""))
+    high = low + int((said.group(2) or "0").replace(",", ""))
+    assert 0 < low <= stored() <= high
+    assert "Traceback" not in stderr

@@ -170,3 +170,47 @@ def test_stats_flush_makes_open_segment_visible_in_metadata(broker: BrokerProces
                  what="open segment stats in metadata.db")
     finally:
         meta.close()
+
+
+def test_a_producer_whose_send_was_interrupted_sends_on_without_losing_an_ack(
+        broker: BrokerProcess) -> None:
+    """Regression: Ctrl-C while ``send_many`` waited for an ack left that read queued on the
+    stream's thread; the ack went to it, and the next flush waited ``send_timeout`` for an ack
+    the broker had already sent, then gave up."""
+    import _thread
+    import threading
+
+    url = broker.url
+    assert url is not None
+    with Admin(url) as admin:
+        admin.create_topic("a/b/interrupted", 2)
+    messages = [{"key": f"k{i % 17}", "value": f"v{i}".encode(), "sequence_id": i}
+                for i in range(60_000)]
+    chunks = [messages[i:i + 2_000] for i in range(0, len(messages), 2_000)]
+    stop = threading.Event()
+
+    def interrupt_as_they_are_stored() -> None:  # five times, as a user's Ctrl-C would
+        thresholds = [6_000, 15_000, 24_000, 33_000, 42_000]
+        with Admin(url) as admin:
+            while thresholds and not stop.is_set():
+                stored = admin.topic_stats("a/b/interrupted")["storage"]["open"]["messages"]
+                if stored >= thresholds[0]:
+                    thresholds.pop(0)
+                    _thread.interrupt_main()
+                stop.wait(0.01)
+
+    threading.Thread(target=interrupt_as_they_are_stored, daemon=True).start()
+    interrupted = 0
+    with Producer("a/b/interrupted", broker=url, name="importer", batch_size=250) as producer:
+        pending = list(chunks)
+        while pending:
+            try:
+                producer.send_many(pending[0])
+            except KeyboardInterrupt:  # the application goes on: it sends the chunk again
+                interrupted += 1
+                continue
+            pending.pop(0)
+        stop.set()
+    assert interrupted == 5
+    values = read_all(url, "a/b/interrupted").column("value").to_pylist()
+    assert sorted(values) == sorted(m["value"] for m in messages)  # each exactly once

@@ -11,6 +11,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pyarrow as pa
@@ -21,6 +22,7 @@ from tierstream.splits.positions import Offset
 
 from ..cli.test_cli import run
 from ..logs import running_log
+from ..signals import sigint_ignored
 from ..timing import scaled
 from .helpers import wait_for
 
@@ -181,7 +183,7 @@ def test_topic_stats_watch_refreshes_in_place_until_interrupted(broker) -> None:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "tierstream", "topic", "stats", topic, "--watch",
                  "--interval", "100ms"], stdout=slave, stderr=subprocess.PIPE,
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL, preexec_fn=sigint_ignored,
                 env={**os.environ, **env, "TERM": "xterm-256color", "COLUMNS": "150"})
             os.close(slave)
             drawn = [b""]
@@ -202,3 +204,23 @@ def test_topic_stats_watch_refreshes_in_place_until_interrupted(broker) -> None:
                 proc.kill()
                 os.close(master)
     assert drawn[0].count(b"stored in") >= 2
+
+
+def test_topic_stats_watch_into_a_pipe_prints_a_frame_per_interval(broker) -> None:
+    """Regression: into a pipe, ``--watch`` printed one frame and then ran silently."""
+    env = {"TIERSTREAM_BROKER": broker.url or ""}
+    topic = "acme/stats/piped"
+    assert run("topic", "create", topic, env=env).returncode == 0
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tierstream", "topic", "stats", topic, "--watch", "--interval",
+         "100ms"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+        preexec_fn=sigint_ignored, env={**os.environ, **env})
+    frames: list[str] = []
+    threading.Thread(target=lambda: frames.extend(
+        line for line in proc.stdout or [] if b"stored in" in line), daemon=True).start()
+    try:
+        wait_for(lambda: len(frames) >= 3, timeout=scaled(30), what="three frames")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=scaled(30)) == 0, proc.stderr.read()  # type: ignore
+    finally:
+        proc.kill()

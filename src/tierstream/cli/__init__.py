@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from typing import Annotated, Any
 
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     traceback appears only with ``--debug`` (anywhere on the command line) or
     ``TIERSTREAM_DEBUG=1``."""
     args = list(sys.argv[1:] if argv is None else argv)
+    _take_sigint()
     debug = "--debug" in args or os.environ.get("TIERSTREAM_DEBUG", "") not in ("", "0")
     args = [a for a in args if a != "--debug"]
     if debug:
@@ -75,6 +77,15 @@ def main(argv: list[str] | None = None) -> None:
                     "traceback, and please report it)")
         code = 1
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _take_sigint() -> None:
+    """Ctrl-C stops every command, as it stops ``broker start`` and ``tail`` (which handle it
+    themselves). A process whose parent ignored SIGINT (a non-interactive shell's background
+    job, a CI runner, some test workers) gets no KeyboardInterrupt from Python: without this,
+    ``consume --follow`` and ``topic stats --watch`` would run on after SIGINT."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _error_line(message: str) -> None:

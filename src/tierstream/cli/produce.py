@@ -92,24 +92,38 @@ def produce(
         chunks = _chunked(_generated(generate, keys, t0, step_ms, value_size,
                                      numbered=producer_name is not None), batch_size * 8)
     sent = replayed = 0
-    with Producer(topic, broker=broker, auth_token=auth_token, name=producer_name,
-                  batch_size=batch_size) as producer, \
-            progress_bar(total is not None and not quiet) as progress:
-        task = progress.add_task("producing", total=total)
-        restamped = 0
-        try:
+    sending = 0  # messages in the send under way
+    in_flight: int | None = None  # set when Ctrl-C stopped the run: how many were being sent
+    restamped = 0
+    try:
+        with Producer(topic, broker=broker, auth_token=auth_token, name=producer_name,
+                      batch_size=batch_size) as producer, \
+                progress_bar(total is not None and not quiet) as progress:
+            task = progress.add_task("producing", total=total)
             for chunk in chunks:
+                sending = len(chunk)
                 acks = producer.send_many(chunk)
+                sending = 0
                 restamped += sum(int(a.get("restamped") or 0) for a in acks)
                 skipped = sum(int(a.get("messages") or 0) for a in acks if a.get("duplicate"))
                 sent += len(chunk) - skipped
                 replayed += skipped
                 progress.update(task, completed=sent)
-        except ConfigError as exc:
-            if generate is None:
-                raise ConfigError(f"{exc}; the {sent} message(s) before it were sent to "
-                                  f"{topic}, none after it") from None
-            raise
+    except ConfigError as exc:
+        if generate is None:
+            raise ConfigError(f"{exc}; the {sent} message(s) before it were sent to "
+                              f"{topic}, none after it") from None
+        raise
+    except KeyboardInterrupt:  # out of the producer first: it does not wait for acks then
+        in_flight = sending
+    if in_flight is not None:
+        again = (f"; producing the same input again as --name {producer_name} stores only "
+                 "what is missing") if producer_name else ""
+        maybe = f", and up to {in_flight:,} more may have been as Ctrl-C came" \
+            if in_flight else ""
+        err.print(f"interrupted: {sent:,} message(s) were stored in {topic}{maybe}{again}",
+                  highlight=False)
+        raise typer.Exit(130)
     err.print(f"produced {sent} message(s) to {topic}", highlight=False)
     if replayed:
         err.print(f"skipped {replayed:,} message(s) that producer {producer_name!r} had stored "

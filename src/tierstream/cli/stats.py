@@ -23,7 +23,7 @@ from tierstream.cli.common import (
 )
 from tierstream.errors import ConfigError
 from tierstream.options import DEFAULT_BROKER_URL
-from tierstream.timeutil import format_ms, parse_duration_ms
+from tierstream.timeutil import format_ms, now_ms, parse_duration_ms
 
 __all__ = ["render_broker_stats", "render_topic_stats"]
 
@@ -35,7 +35,8 @@ def topic_stats_cmd(
     per_partition: Annotated[bool, typer.Option(
         "--per-partition", help="Each partition's stats too.")] = False,
     watch: Annotated[bool, typer.Option(
-        "--watch", help="Refresh in place until Ctrl-C.")] = False,
+        "--watch", help="Refresh until Ctrl-C: in place on a terminal, one frame "
+        "per interval into a file or a pipe.")] = False,
     interval: Annotated[str, typer.Option(help="--watch: how often to refresh.")] = "2s",
     broker: BrokerOpt = DEFAULT_BROKER_URL,
     tls_ca: TlsCaOpt = None,
@@ -62,16 +63,28 @@ def topic_stats_cmd(
         if not watch:
             out.print(render_topic_stats(stats))
             return
-        from rich.live import Live
+        _watch(lambda: render_topic_stats(admin.topic_stats(topic, per_partition=per_partition)),
+               render_topic_stats(stats), every_s)
 
-        with Live(render_topic_stats(stats), console=out, auto_refresh=False) as live:
-            try:
-                while True:
-                    time.sleep(every_s)  # the refresh period, not synchronisation
-                    stats = admin.topic_stats(topic, per_partition=per_partition)
-                    live.update(render_topic_stats(stats), refresh=True)
-            except KeyboardInterrupt:
-                return
+
+def _watch(frame: Any, first: Any, every_s: float) -> None:
+    """Redraw ``frame()`` every ``every_s`` until Ctrl-C: in place on a terminal; into a file
+    or a pipe, one frame after another, each under the time it was taken."""
+    from rich.live import Live
+
+    try:
+        if not out.is_terminal:
+            while True:
+                out.print(Text(f"-- {format_ms(now_ms())}"), first)
+                out.file.flush()
+                time.sleep(every_s)  # the refresh period, not synchronisation
+                first = frame()
+        with Live(first, console=out, auto_refresh=False) as live:
+            while True:
+                time.sleep(every_s)  # the refresh period, not synchronisation
+                live.update(frame(), refresh=True)
+    except KeyboardInterrupt:
+        return
 
 
 @broker_app.command("stats")

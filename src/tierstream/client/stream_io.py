@@ -54,6 +54,7 @@ class StreamIO:
         self._url = client.url
         self._calls: _Calls = queue.SimpleQueue()
         self.stalled = False
+        self.interrupted = False  # a caller left a call that its thread still runs
         self._closed = False
         _SERVING.add(self._calls)
         start_reader(_serve, self._calls, client, dict(command), name="tierstream-produce-io")
@@ -77,7 +78,7 @@ class StreamIO:
         if self._closed:
             return
         self._closed = True
-        if self.stalled:
+        if self.stalled or self.interrupted:
             self._calls.put(None)
             return
         try:
@@ -93,6 +94,9 @@ class StreamIO:
     def _run(self, name: str, args: tuple[Any, ...], timeout: float) -> Any:
         if self.stalled:
             raise StalledError(f"the broker at {self._url} stopped answering this stream")
+        if self.interrupted:
+            raise UnavailableError(f"a call on this stream to the broker at {self._url} was "
+                                   "interrupted: its answer is not known")
         future: Future[Any] = Future()
         self._calls.put((future, name, args))
         try:
@@ -101,6 +105,13 @@ class StreamIO:
             self.stalled = True
             raise StalledError(f"the broker at {self._url} did not answer in {timeout:g}s "
                                f"(a {name} on its produce stream)") from None
+        except BaseException:
+            # the wait was interrupted (Ctrl-C): the call may still run and take its answer
+            # (an ack that a later read would wait for in vain), so the stream is not used
+            # again; the producer reconnects and re-sends what is unacknowledged
+            if not future.cancel():
+                self.interrupted = True
+            raise
 
 
 def _serve(calls: _Calls, client: BrokerClient, command: dict[str, Any]) -> None:
