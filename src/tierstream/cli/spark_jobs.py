@@ -154,15 +154,16 @@ def tail_cmd(
 ) -> None:
     """Run a Structured Streaming read of the topic into Parquet or Iceberg until stopped.
 
-    With --format parquet, only readers that honour Spark's _spark_metadata log (Spark)
-    see each message once: a batch killed mid-write leaves files that pyarrow or DuckDB
-    count. --format iceberg commits each micro-batch to the table once, so every Iceberg
-    reader sees each message once.
+    Ctrl-C stops it after the last committed micro-batch (exit 130) and removes what a batch
+    it cut short had written. With --format parquet, only readers that honour Spark's
+    _spark_metadata log (Spark) see each message once after a crash: a batch killed
+    mid-write leaves files that pyarrow or DuckDB count. --format iceberg commits each
+    micro-batch to the table once, so every Iceberg reader sees each message once.
 
     Example: tierstream tail acme/web/clicks --out ./clicks-live --checkpoint ./ckpt
     """
     from tierstream.spark_adapter.jobs import checkpoint_subscription, local_spark
-    from tierstream.spark_adapter.jobs import tail as run_tail
+    from tierstream.spark_adapter.tail import tail as run_tail
 
     options = {"topic": topic, "dataDir": str(data_dir), "broker": broker,
                "keyRanges": str(key_ranges),
@@ -187,10 +188,17 @@ def tail_cmd(
     listener = watch_lag(spark, broker=broker, auth_token=auth_token,
                          tls_ca=use_tls_ca(tls_ca), on_lag=on_lag)
     try:
-        batches = run_tail(spark, options, out_path, checkpoint, available_now=available_now,
-                           format=format_, table=table, catalog_uri=catalog_uri)
+        result = run_tail(spark, options, out_path, checkpoint, available_now=available_now,
+                          format=format_, table=table, catalog_uri=catalog_uri)
     finally:
         listener.close()
         spark.stop()
-    out.print(f"tail of {topic}: {batches} micro-batch(es) with rows -> {out_path}",
+    out.print(f"tail of {topic}: {result.batches} micro-batch(es) with rows -> {out_path}",
               highlight=False)
+    if result.interrupted:
+        cut = f"; removed what the micro-batch it cut short had written ({result.removed} " \
+            "file(s))" if result.removed else ""
+        err.print(f"interrupted: stopped after the last committed micro-batch{cut}; the same "
+                  f"command with --checkpoint {checkpoint} continues from there",
+                  highlight=False)
+        raise typer.Exit(130)

@@ -1,5 +1,5 @@
 """Spark jobs the CLI runs: the backfill (a bounded read written as Parquet or as an Iceberg
-table) and the tail (a streaming read into a Parquet sink)."""
+table), and what the tail (``tail.py``) shares with it."""
 
 from __future__ import annotations
 
@@ -23,8 +23,7 @@ from tierstream.errors import ERRORS_BY_CODE, ConfigError, TierstreamError
 from tierstream.splits.positions import Offset, OffsetKind
 from tierstream.splits.split import cuts_to_dict
 
-__all__ = ["BackfillResult", "backfill", "checkpoint_subscription", "local_spark", "query_error",
-           "tail"]
+__all__ = ["BackfillResult", "backfill", "checkpoint_subscription", "local_spark", "query_error"]
 
 
 FORMATS = ("parquet", "iceberg")
@@ -308,118 +307,3 @@ def query_error(exc: BaseException) -> TierstreamError:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     return TierstreamError(f"the Spark query failed: {lines[0] if lines else type(exc).__name__}"
                            " (run with --debug for Spark's trace)")
-
-
-def tail(spark: Any, options: dict[str, str], out: str, checkpoint: str, *,
-         available_now: bool, format: str = "parquet",
-         table: str | None = None, catalog_uri: str | None = None) -> int:
-    """Run the streaming read into ``out`` until stopped (Ctrl-C / SIGTERM) or, with
-    ``available_now``, until what was there at the start is written. Returns the number of
-    micro-batches that read rows. Restarting with the same checkpoint continues exactly
-    where the last committed micro-batch ended.
-
-    ``format="parquet"``: Spark's file sink (its ``_spark_metadata`` log says which files
-    count; a reader that ignores it may count a killed batch's files twice).
-    ``format="iceberg"``: an Iceberg table at ``out`` (catalog ``catalog_uri``, default a
-    SQLite catalog in ``out/catalog.db``; ``table``, default ``tail.<topic>``) with one
-    catalog commit per micro-batch, idempotent by batch id: any Iceberg reader sees each
-    message once."""
-    from tierstream.read_options import ReadOptions
-    from tierstream.signals import stop_requested
-    from tierstream.spark_adapter import register
-
-    if format not in FORMATS:
-        raise ConfigError(f"invalid format {format!r}: expected one of {', '.join(FORMATS)}")
-    if format == "parquet" and (table is not None or catalog_uri is not None):
-        raise ConfigError("a table and a catalog are for --format iceberg only")
-    settings = ReadOptions.parse(options)  # bad options fail here, before Spark starts
-    register(spark)
-    stream = spark.readStream.format("tierstream").options(**options).load()
-    if format == "iceberg":
-        if table is None:
-            if len(settings.topics) != 1:
-                raise ConfigError("--format iceberg over several topics needs a table name")
-            table = "tail." + _table_name(settings.topics[0])
-        location = os.path.abspath(out)
-        sink = _IcebergTail(catalog_uri or "sqlite:///" + os.path.join(location, "catalog.db"),
-                            table, location, checkpoint_subscription(checkpoint))
-        writer = stream.writeStream.foreachBatch(sink.write_batch) \
-            .option("checkpointLocation", checkpoint)
-    else:
-        writer = stream.writeStream.format("parquet").option("checkpointLocation", checkpoint)
-    writer = writer.trigger(availableNow=True) if available_now \
-        else writer.trigger(processingTime="1 second")
-    with _conf(spark, _PARQUET_CONF):
-        query = writer.start() if format == "iceberg" else writer.start(out)
-        with stop_requested() as stop:
-            while query.isActive and not stop.is_set():
-                try:
-                    query.awaitTermination(0.5)
-                except Exception as exc:  # the query failed: its error, not Spark's trace
-                    if os.environ.get("TIERSTREAM_DEBUG"):
-                        raise
-                    raise query_error(exc) from None
-            if query.isActive:
-                query.stop()
-            failure = query.exception()
-            if failure is not None:
-                raise query_error(failure)
-    return len([p for p in query.recentProgress if p.get("numInputRows")])
-
-
-class _IcebergTail(_IcebergSink):
-    """A stream's micro-batches appended to an Iceberg table: each batch's files in one
-    catalog commit that also records the batch id (table property ``tierstream.batch.<query>``),
-    so a batch Spark runs again after a crash is not added twice. Files of a batch that was
-    written but never committed are removed when the tail starts again."""
-
-    def __init__(self, catalog_uri: str, table: str, location: str, query: str) -> None:
-        self._open_catalog(catalog_uri, table, location, example="tail.clicks")
-        self.query = query
-        self.property = f"tierstream.batch.{query}"
-        os.makedirs(location, exist_ok=True)
-        self._table = self._open()
-        last = self.last_batch()
-        data = os.path.join(location, "data")
-        for name in os.listdir(data) if os.path.isdir(data) else []:
-            batch = name[len(query) + 1:].split("-")[0]
-            if name.startswith(f"{query}-") and batch.isdigit() and int(batch) > last:
-                shutil.rmtree(os.path.join(data, name), ignore_errors=True)  # never committed
-
-    def _open(self) -> Any:
-        import warnings
-
-        from tierstream.spark_adapter.source import SPARK_ARROW_SCHEMA
-
-        catalog = self.catalog()
-        if catalog.table_exists(self.ident):
-            return catalog.load_table(self.ident)
-        catalog.create_namespace_if_not_exists(self.ident[:-1])
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return catalog.create_table(self.ident, schema=SPARK_ARROW_SCHEMA,
-                                        location="file://" + self.location)
-
-    def last_batch(self) -> int:
-        self._table = self.catalog().load_table(self.ident)
-        return int(self._table.properties.get(self.property, "-1"))
-
-    def write_batch(self, df: Any, batch_id: int) -> None:
-        """foreachBatch: write the batch's files, then add them and the batch id in one
-        commit; a batch at or below the recorded one was committed already."""
-        import uuid
-        import warnings
-
-        if batch_id <= self.last_batch():
-            return
-        folder = os.path.join(self.location, "data", f"{self.query}-{batch_id}-{uuid.uuid4().hex}")
-        df.write.parquet(folder)
-        files = sorted(glob.glob(os.path.join(glob.escape(folder), "*.parquet")))
-        _tidy(folder)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            tx = self._table.transaction()
-            if files:
-                tx.add_files(["file://" + f for f in files])
-            tx.set_properties({self.property: str(batch_id)})
-            tx.commit_transaction()
