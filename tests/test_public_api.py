@@ -9,7 +9,8 @@ from .timing import scaled
 
 def test_public_names_are_pinned() -> None:
     assert sorted(tierstream.__all__) == sorted([
-        "MESSAGE_SCHEMA", "READ_SCHEMA", "AlreadyExistsError", "AuthError", "ConfigError",
+        "MESSAGE_SCHEMA", "READ_SCHEMA", "AckInDoubtError", "AlreadyExistsError", "AuthError",
+        "ConfigError",
         "ConflictError", "CorruptionError", "DataLossError", "KeyRange", "NotFoundError",
         "Offset", "Position",
         "ProtocolError", "ReadOptions", "ReaderKind", "Split", "StorageError", "StreamCut",

@@ -1,6 +1,7 @@
 """tierstream: one source API for batch and stream over a tiered, Pulsar-shaped event log."""
 
 from tierstream.errors import (
+    AckInDoubtError,
     AlreadyExistsError,
     AuthError,
     ConfigError,
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "MESSAGE_SCHEMA",
     "READ_SCHEMA",
+    "AckInDoubtError",
     "AlreadyExistsError",
     "AuthError",
     "ConfigError",

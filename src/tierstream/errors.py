@@ -14,6 +14,8 @@
     ├── CorruptionError             every replica of an entry failed its checksum or id check
     ├── AuthError                   a missing or wrong token (never echoes the token)
     ├── UnavailableError            the broker (or another service) cannot be reached
+    │   └── AckInDoubtError         an ack resent across a broker outage was stored, but the
+    │                               new broker may have delivered its messages again first
     ├── StorageError                the data directory cannot be used (not a directory,
     │                               read-only, out of space or file descriptors)
     └── ProtocolError               the two ends of a connection disagree about the wire format
@@ -24,6 +26,7 @@ Messages say which value was wrong and what would have been valid.
 from __future__ import annotations
 
 __all__ = [
+    "AckInDoubtError",
     "AlreadyExistsError",
     "AuthError",
     "ConfigError",
@@ -107,6 +110,19 @@ class UnavailableError(TierstreamError, ConnectionError):
     code = "unavailable"
 
 
+class AckInDoubtError(UnavailableError):
+    """An ack that the broker's crash made resend was stored, but before it arrived the
+    restarted broker may have delivered some of its messages to another consumer (or that
+    consumer acknowledged them): they may be processed twice. They are acknowledged now and
+    not delivered again after this; ``messages`` says how many were in doubt."""
+
+    code = "ack_in_doubt"
+
+    def __init__(self, message: str, messages: int = 0) -> None:
+        super().__init__(message)
+        self.messages = messages
+
+
 class StorageError(TierstreamError):
     """The store's files cannot be created, written or opened (an environment problem)."""
 
@@ -132,6 +148,7 @@ ERRORS_BY_CODE: dict[str, type[TierstreamError]] = {
         CorruptionError,
         AuthError,
         UnavailableError,
+        AckInDoubtError,
         StorageError,
         ProtocolError,
     )

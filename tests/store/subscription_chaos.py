@@ -6,8 +6,9 @@ Each message's value is ``key|i`` (the i-th message of its key). Workers
 every ack's start and end. At the end the logs are checked:
 
 - every message was received, and the subscription's backlog is 0;
-- no message was received after an ack of it had returned (but by another consumer while
-  that ack was retried across a broker outage: at least once there, as in Pulsar);
+- no message was received after an ack of it had returned; an ack that a broker outage made
+  resend either returns (then nothing of it comes again) or raises AckInDoubtError, after
+  which another consumer may receive its messages once more (at least once, as in Pulsar);
 - ``key_shared``: per-key order across every rebalance (PIP-379) — a consumer receives message
   i of a key only once every earlier message of the key was acknowledged (its ack had started)
   or is held by that same consumer;
@@ -65,7 +66,8 @@ class Outcome:
     joins: int = 0
     broker_kills: int = 0
     redelivered: int = 0
-    in_doubt: int = 0  # received elsewhere while an ack of it was in flight over an outage
+    in_doubt: int = 0  # received elsewhere after an ack of it raised AckInDoubtError
+    doubtful_acks: int = 0  # acks that raised AckInDoubtError
     outages: list[tuple[float, float]] = field(default_factory=list)
     seconds: float = 0.0
     drain_seconds: float = 0.0  # from the producer's end until the backlog was 0
@@ -79,7 +81,8 @@ class Outcome:
         return (f"{self.mode}: {self.messages:,} messages, {self.received:,} received "
                 f"({self.redelivered:,} redelivered), missing {self.missing}, received after "
                 f"their ack {len(self.after_ack)}, out of key order {len(self.out_of_order)}, "
-                f"backlog {self.backlog}, {self.in_doubt} in-doubt acks crossed by a redelivery"
+                f"backlog {self.backlog}, {self.doubtful_acks} acks in doubt "
+                f"({self.in_doubt} of their messages received again)"
                 + (f", key spread {self.spread:.2f}x even" if self.spread is not None else "")
                 + f"; {self.joins} joins, {self.closes} closes, {self.worker_kills} consumer "
                 f"kills, {self.broker_kills} broker kills, {self.seconds:.1f}s "
@@ -125,8 +128,12 @@ class _Workers:
             self.close(name)
 
 
+#: one round of what happens to the consumers and the broker while the producer writes
+ROUND = ["join", "join", "close", "kill", "broker", "join"]
+
+
 def run(data_dir: Path, port: int, *, mode: str, messages: int, rounds: int = 1,
-        keys: int = 200, seed: int = 0) -> Outcome:
+        keys: int = 200, seed: int = 0, steps: list[str] | None = None) -> Outcome:
     rng = random.Random(seed)
     outcome = Outcome(mode, messages)
     started = time.monotonic()
@@ -157,7 +164,7 @@ def run(data_dir: Path, port: int, *, mode: str, messages: int, rounds: int = 1,
             workers.start()
         writer = threading.Thread(target=produce, daemon=True)
         writer.start()
-        steps = ["join", "join", "close", "kill", "broker", "join"] * rounds
+        steps = (steps or ROUND) * rounds
         for i, step in enumerate(steps):
             mark = messages * (i + 1) // (len(steps) + 2)
             wait_for(lambda m=mark: produced[0] >= m or bool(error), timeout=scaled(300),
@@ -216,10 +223,10 @@ def run(data_dir: Path, port: int, *, mode: str, messages: int, rounds: int = 1,
 def _check(outcome: Outcome, logs: Path, keys: int) -> None:
     # t, consumer, key, i, redelivery count, position
     receives: list[tuple[float, str, str, int, int, str]] = []
-    # who had an ack of the message in flight while the broker was down
-    in_flight: dict[tuple[str, int], set[str]] = defaultdict(set)
+    # who acknowledged the message with an ack that raised AckInDoubtError, and when
+    doubted: dict[tuple[str, int], float] = {}
     ack_start: dict[tuple[str, int], float] = {}
-    ack_end: dict[tuple[str, int], float] = {}
+    ack_end: dict[tuple[str, int], float] = {}  # acks that returned
     for path in logs.glob("*.jsonl"):
         for line in path.read_text().splitlines():
             try:
@@ -236,13 +243,13 @@ def _check(outcome: Outcome, logs: Path, keys: int) -> None:
                     k = (key, int(i))
                     ack_start[k] = min(ack_start.get(k, rec["t"]), rec["t"])
             else:
+                outcome.doubtful_acks += rec["e"] == "d"
                 for value in rec["m"]:
                     key, i = value.rsplit("|", 1)
                     k = (key, int(i))
                     ack_start[k] = min(ack_start.get(k, rec["t0"]), rec["t0"])
-                    ack_end[k] = min(ack_end.get(k, rec["t1"]), rec["t1"])
-                    if any(rec["t0"] < up and rec["t1"] > down for down, up in outcome.outages):
-                        in_flight[k].add(rec["c"])
+                    ends = ack_end if rec["e"] == "a" else doubted
+                    ends[k] = min(ends.get(k, rec["t1"]), rec["t1"])
     receives.sort()
     seen = {(key, i) for _, _, key, i, _, _ in receives}
     outcome.received = len(receives)
@@ -253,16 +260,16 @@ def _check(outcome: Outcome, logs: Path, keys: int) -> None:
     floor: dict[str, int] = defaultdict(int)
     first: dict[tuple[str, int], tuple[float, str, str]] = {}
     for t, consumer, key, i, count, where in receives:
-        if ack_end.get((key, i), float("inf")) < t and in_flight[(key, i)] - {consumer}:
-            # the new broker sent it to this consumer before another's retried ack reached
-            # it: at least once, as Pulsar; the acking consumer itself drops such copies
-            outcome.in_doubt += 1
-        elif ack_end.get((key, i), float("inf")) < t:
+        if ack_end.get((key, i), float("inf")) < t:
             ft, fc, fw = first[(key, i)]
             outcome.after_ack.append(f"{key}|{i} (at {where}, redelivery {count}) received by "
                                      f"{consumer} at {t:.3f} after its ack returned at "
                                      f"{ack_end[(key, i)]:.3f} (first received by {fc} at "
                                      f"{ft:.3f}, at {fw})")
+        elif doubted.get((key, i), float("inf")) < t:
+            # the new broker sent it to this consumer before another's resent ack reached
+            # it, and that ack said so (AckInDoubtError): at least once, as Pulsar
+            outcome.in_doubt += 1
         if outcome.mode == "key_shared":
             while ack_start.get((key, floor[key]), float("inf")) < t:
                 floor[key] += 1

@@ -4,7 +4,9 @@
 
 Receives batches, writes each to ``LOG`` (one JSON line: receive time and the messages'
 ``key|index`` values with their redelivery counts and positions) *before* acknowledging it,
-then writes that the ack starts, acks, and writes its start and end times. SIGTERM closes the
+then writes that the ack starts, acks, and writes its start and end times: as ``a`` when
+the ack returned, as ``d`` when it raised AckInDoubtError (stored, but a broker restart may
+have had the messages sent to another consumer first). SIGTERM closes the
 consumer (what it holds goes to the others); SIGKILL is the crash. The monotonic clock is the
 machine's, so the lines of all workers can be merged in time.
 """
@@ -18,6 +20,7 @@ import threading
 import time
 
 from tierstream.client import Consumer
+from tierstream.errors import AckInDoubtError
 from tierstream.splits.positions import Offset
 
 
@@ -46,8 +49,12 @@ def main() -> None:
             start = time.monotonic()  # logged first: a kill may end the ack midway
             log.write(json.dumps({"e": "s", "t": start, "c": name, "m": values}) + "\n")
             log.flush()
-            consumer.ack(batch)
-            log.write(json.dumps({"e": "a", "t0": start, "t1": time.monotonic(), "c": name,
+            event = "a"
+            try:
+                consumer.ack(batch)
+            except AckInDoubtError:  # stored, but others may have been sent these meanwhile
+                event = "d"
+            log.write(json.dumps({"e": event, "t0": start, "t1": time.monotonic(), "c": name,
                                   "m": values}) + "\n")
             log.flush()
     consumer.close()

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+from typing import Any
 
 import pytest
 
@@ -154,3 +155,83 @@ def test_reconnect_timeout_is_an_option() -> None:
     assert parse_options({"reconnectTimeout": "5s"}, scope="read")["reconnectTimeout"] == 5000
     with pytest.raises(ConfigError, match="reconnectTimeout"):
         parse_options({"reconnectTimeout": "soon"}, scope="client")
+
+
+def _held_then_crash(start_broker, free_port) -> tuple[BrokerProcess, Any, list[Any]]:
+    """A broker, a key_shared consumer ``a`` holding all 200 messages of a one-partition
+    topic unacknowledged, and then a broker SIGKILL and restart: (the new broker, a, batches)."""
+    from tierstream.client import Consumer
+    from tierstream.splits.positions import Offset
+
+    broker = start_broker(port=free_port)
+    with Admin(broker.url) as admin:
+        admin.create_topic("acme/web/acks", 1)
+    with Producer("acme/web/acks", broker=broker.url, batch_size=20) as producer:
+        producer.send_many({"key": f"k{i}", "value": f"v{i}".encode()} for i in range(200))
+    a = Consumer("acme/web/acks", "billing", mode="key_shared", consumer_name="a",
+                 initial=Offset.earliest(), broker=broker.url)
+    held: list[Any] = []
+
+    def holds_all() -> bool:
+        batch = a.receive(timeout=0.1)
+        if batch is not None:
+            held.append(batch)
+        return sum(b.num_rows for b in held) == 200
+
+    wait_for(holds_all, timeout=scaled(30), what="consumer a to hold every message")
+    broker.kill()
+    return start_broker(port=free_port), a, held
+
+
+def test_an_ack_whose_messages_the_restarted_broker_gave_another_consumer_says_so(
+        start_broker, free_port) -> None:
+    """Regression: an ack of messages received before a broker crash returned normally,
+    though the restarted broker had given them to another consumer already, which then
+    received them after the ack returned. Now the ack is stored and raises AckInDoubtError
+    naming exactly those messages."""
+    from tierstream.client import Consumer
+
+    broker, a, held = _held_then_crash(start_broker, free_port)
+    b = Consumer("acme/web/acks", "billing", mode="key_shared", consumer_name="b",
+                 broker=broker.url)
+    try:
+        got_b: list[str] = []
+
+        def receive_b(timeout: float) -> bool:
+            batch = b.receive(timeout=timeout)
+            if batch is not None:
+                got_b.extend(v.decode() for v in batch.column("value").to_pylist())
+            return batch is not None
+
+        wait_for(lambda: receive_b(0.1), timeout=scaled(30),
+                 what="consumer b to get some of a's messages")
+        doubted = 0
+        for batch in held:
+            try:
+                a.ack(batch)
+            except tierstream.AckInDoubtError as exc:
+                doubted += exc.messages
+        while receive_b(scaled(1)):  # what b was sent before the acks came
+            pass
+        assert doubted == len(set(got_b)) > 0
+        with Admin(broker.url) as admin:
+            wait_for(lambda: sum(r["backlog"] for r in admin.subscriptions("acme/web/acks"))
+                     == 0, timeout=scaled(30), what="a backlog of 0")
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_ack_after_a_crash_that_nobody_else_could_see_returns(start_broker,
+                                                                 free_port) -> None:
+    """The other side: alone on its subscription, the consumer's acks of what it received
+    before the crash return normally, and nothing of it comes again."""
+    broker, a, held = _held_then_crash(start_broker, free_port)
+    try:
+        for batch in held:
+            a.ack(batch)
+        assert a.receive(timeout=scaled(1)) is None
+        with Admin(broker.url) as admin:
+            assert sum(r["backlog"] for r in admin.subscriptions("acme/web/acks")) == 0
+    finally:
+        a.close()

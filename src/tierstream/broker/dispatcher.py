@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
+from tierstream.broker.ack_doubt import LoadedCursor, in_doubt
 from tierstream.broker.attached import Attached, ConsumerSettings, check_join
 from tierstream.broker.cursor_state import CursorState, DeadLetterIntent
 from tierstream.broker.dead_letters import IntentRecovery
@@ -76,6 +77,7 @@ class Dispatcher:
         self._cond = threading.Condition(self._lock)
         self._stop = threading.Event()
         self.window = ReadWindow(plog.partition, state.mark_delete, state.acked)
+        self._loaded = LoadedCursor(state)  # what was acknowledged before this broker
         self.consumers: dict[int, Attached] = {}
         self._next_idx = 0
         self._waiting: list[Chunk] = []   # chunks with waiting messages, in log order
@@ -303,16 +305,23 @@ class Dispatcher:
 
     # -- acknowledgements ---------------------------------------------------------------------
 
-    def ack(self, name: str, segment: np.ndarray, entry: np.ndarray, index: np.ndarray) -> int:
-        """Acknowledge the given messages; the write generation that stores it."""
+    def ack(self, name: str, segment: np.ndarray, entry: np.ndarray, index: np.ndarray, *,
+            retry: bool = False) -> tuple[int, int]:
+        """Acknowledge the given messages: the write generation that stores it, and, for a
+        ``retry`` (an ack resent across an outage, or of messages received on a connection
+        since lost), how many of them may have been delivered to another consumer meanwhile
+        (``ack_doubt.in_doubt``)."""
         with self._lock:
             found, missing = self.window.locate(segment, entry, index)
+            mine = {c.idx for c in self.consumers.values() if c.name == name}
+            doubt = in_doubt(self.window, self._loaded, mine, segment, entry, index) \
+                if retry else 0
             for chunk, rows in found:
                 self._ack_rows(chunk, np.unique(rows), name)
             for pos in missing:
                 if pos >= self.window.read_pos:
                     self.window.ack_ahead(pos, following(pos))
-            return self._acked()
+            return self._acked(), doubt
 
     def ack_cumulative(self, name: str, position: Position) -> int:
         """Acknowledge every message up to and including ``position``."""

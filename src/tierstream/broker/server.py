@@ -204,9 +204,10 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
     def _ack(self, body: dict[str, Any]) -> Any:
         topic = _topic(body)
         segment, entry, index = decode_positions(body)
-        self.subscriptions.ack(topic, str(body["subscription"]), int(body["partition"]),
-                               str(body.get("consumer") or ""), segment, entry, index)
-        return {"ok": True}
+        doubt = self.subscriptions.ack(topic, str(body["subscription"]), int(body["partition"]),
+                                       str(body.get("consumer") or ""), segment, entry, index,
+                                       retry=bool(body.get("retry")))
+        return {"ok": True, "in_doubt": doubt}
 
     def _ack_cumulative(self, body: dict[str, Any]) -> Any:
         topic = _topic(body)
@@ -371,7 +372,8 @@ _ACTIONS = {
     "lag": (Broker._lag, "Per partition of {topic}: messages after {positions}."),
     "query-lag": (Broker._query_lag, "A Spark query's lag {query_id, name, lags} for the "
                                      "metrics ({forget}: it ended)."),
-    "ack": (Broker._ack, "Acknowledge the given messages of a subscription (individually)."),
+    "ack": (Broker._ack, "Acknowledge the given messages of a subscription (individually); "
+                         "with {retry}, say how many may have been delivered again."),
     "ack-cumulative": (Broker._ack_cumulative, "Acknowledge up to and including {position} "
                                                "(exclusive and failover only)."),
     "nack": (Broker._nack, "Redeliver the given messages after {delay_s}."),

@@ -126,9 +126,14 @@ class Subscriptions:
             d.detach(c)
 
     def ack(self, topic: str, subscription: str, partition: int, consumer: str,
-            segment: np.ndarray, entry: np.ndarray, index: np.ndarray) -> None:
+            segment: np.ndarray, entry: np.ndarray, index: np.ndarray, *, retry: bool = False
+            ) -> int:
+        """Store the ack; for a ``retry``, how many of its messages may have been delivered
+        again before it came (``Dispatcher.ack``)."""
         d = self._dispatcher(topic, subscription, partition)
-        self.writer.wait(d.ack(consumer, segment, entry, index))
+        generation, doubt = d.ack(consumer, segment, entry, index, retry=retry)
+        self.writer.wait(generation)
+        return doubt
 
     def ack_cumulative(self, topic: str, subscription: str, consumer: str,
                        position: Position) -> None:

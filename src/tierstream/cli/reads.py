@@ -40,7 +40,7 @@ from tierstream.cli.common import (
     report_cut,
     use_tls_ca,
 )
-from tierstream.errors import ConfigError
+from tierstream.errors import AckInDoubtError, ConfigError
 from tierstream.event_time import check_time_field, event_time_window, within_event_time
 from tierstream.options import DEFAULT_BROKER_URL, DEFAULT_DATA_DIR
 from tierstream.schemas.codec import decode_batch, decoded_schema
@@ -215,7 +215,10 @@ def _consume_subscription(topic: str, subscription: str, kind: str, consumer_nam
                     sys.stdout.write(json.dumps(row) + "\n")
                     printed += 1
                 sys.stdout.flush()
-                consumer.ack(raw)
+                try:
+                    consumer.ack(raw)
+                except AckInDoubtError as exc:  # stored; another consumer may have them too
+                    err.print(f"[yellow]warning:[/yellow] {exc}", markup=True, highlight=False)
         finally:
             if dropped[0]:
                 err.print(f"dropped {dropped[0]:,} message(s) whose value could not be "

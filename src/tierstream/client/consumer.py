@@ -19,7 +19,7 @@ from tierstream.client.admin import Admin
 from tierstream.client.connection import BrokerClient
 from tierstream.client.reading import check_ranges, flight_batches
 from tierstream.client.retry import Backoff, reconnect_timeout_s, with_reconnect
-from tierstream.errors import ConfigError, TierstreamError, UnavailableError
+from tierstream.errors import AckInDoubtError, ConfigError, TierstreamError, UnavailableError
 from tierstream.fanin import put, start_reader
 from tierstream.message_format import CONSUMER_SCHEMA
 from tierstream.names import TopicName
@@ -295,7 +295,10 @@ class Consumer:
     def ack(self, batch: pa.RecordBatch) -> None:
         """Acknowledge exactly the messages of ``batch`` (a received batch or a slice of one).
         Returns once the broker has stored it: they are not delivered again, even after a
-        broker crash."""
+        broker crash. An ack that a broker outage made resend is stored too, but if the
+        restarted broker may have delivered some of its messages to another consumer before
+        it came, :class:`~tierstream.errors.AckInDoubtError` says so (they may be processed
+        twice; they are not delivered again after it)."""
         partition, positions = self._positions(batch, "ack")
         if batch.num_rows == 0:
             return
@@ -311,9 +314,18 @@ class Consumer:
             if int(batch.schema.metadata[_EPOCH]) != epoch or self._attaching[partition]:
                 self._put_in_doubt(partition, batch)  # sent again already, or about to be
         settled = False
+        attempts = [0]
+
+        def send() -> Any:
+            # a resent ack, or one of messages from a connection lost since (the broker
+            # may have sent them to another consumer), asks which messages are in doubt
+            attempts[0] += 1
+            late = attempts[0] > 1 or self._attaching[partition] \
+                or int(batch.schema.metadata[_EPOCH]) != self._epoch[partition]
+            return self._client.action("ack", {**body, "retry": late})
+
         try:
-            with_reconnect(lambda: self._client.action("ack", body),
-                           what=f"ack of {self.name}")
+            answer = with_reconnect(send, what=f"ack of {self.name}")
             settled = int(batch.schema.metadata[_EPOCH]) == epoch == self._epoch[partition] \
                 and not self._attaching[partition]
         finally:
@@ -321,6 +333,14 @@ class Consumer:
                 self._acking[partition].pop(ack_id, None)
                 if not settled:
                     self._put_in_doubt(partition, batch)
+        doubt = int((answer or {}).get("in_doubt") or 0)
+        if doubt:
+            raise AckInDoubtError(
+                f"consumer {self.name}: its connection to the broker was lost before this ack "
+                f"of {batch.num_rows} message(s) of {self.topic!r} partition {partition} was "
+                f"stored; it is stored now, but {doubt} of them may have been delivered to "
+                f"another consumer of {self.subscription!r} meanwhile (they may be processed "
+                "twice)", messages=doubt)
 
     def _put_in_doubt(self, partition: int, batch: pa.RecordBatch) -> None:
         """``batch``'s positions may come again from the broker: drop them then (lock held)."""

@@ -1,0 +1,64 @@
+"""Whether an ack came too late: the messages of a resent ack that the broker may have
+delivered to another consumer before it arrived.
+
+A consumer's ack that a broker crash interrupted is sent again to the restarted broker, which
+knows nothing of who held those messages before: it may have handed them to another consumer
+of the subscription already (Key_Shared gives a consumer that re-attaches first every key).
+The same holds for an ack of messages received on a connection that was lost since. Such an
+ack is sent as a retry, and the dispatcher answers how many of its messages are in doubt, so
+that the consumer raises :class:`~tierstream.errors.AckInDoubtError` instead of returning as
+if nobody else could have seen them.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Collection
+
+import numpy as np
+
+from tierstream.broker.cursor_state import CursorState
+from tierstream.broker.read_window import DELAYED, DELIVERED, WAITING, ReadWindow
+from tierstream.splits.positions import Position
+
+__all__ = ["LoadedCursor", "in_doubt"]
+
+
+class LoadedCursor:
+    """What a subscription's stored cursor said was acknowledged when this broker loaded it:
+    acknowledged before the outage, so by the ack's own first attempt or long before."""
+
+    def __init__(self, state: CursorState) -> None:
+        self.mark_delete = state.mark_delete
+        self.acked = sorted(state.acked)
+
+    def covers(self, pos: Position) -> bool:
+        if pos < self.mark_delete:
+            return True
+        i = bisect.bisect_right(self.acked, pos, key=lambda r: r[0]) - 1
+        return i >= 0 and self.acked[i][0] <= pos < self.acked[i][1]
+
+
+def in_doubt(window: ReadWindow, loaded: LoadedCursor, mine: Collection[int],
+             segment: np.ndarray, entry: np.ndarray, index: np.ndarray) -> int:
+    """How many of the named messages (before the ack is applied) another consumer may have
+    been sent: held by another consumer, or acknowledged since the cursor was loaded (by
+    another). Safe are those acknowledged in the loaded cursor, those not read yet or waiting
+    (never sent by this broker), and those that ``mine`` (the acking consumer's attachments)
+    hold: the consumer drops its own copies."""
+    doubt = 0
+    for s, e, b in set(zip(segment.tolist(), entry.tolist(), index.tolist(), strict=True)):
+        pos = Position(window.partition, s, e, b)
+        if loaded.covers(pos):
+            continue
+        chunk = window.by_entry.get((s, e))
+        row = -1 if chunk is None else b - chunk.bi0
+        if chunk is None or not 0 <= row < chunk.n:
+            doubt += pos < window.read_pos  # read, and acknowledged since
+        elif chunk.open == 0:
+            doubt += 1  # the entry's every message was acknowledged since
+        else:
+            state = int(chunk.state[row])
+            held = state in (DELIVERED, DELAYED) and int(chunk.owner[row]) in mine
+            doubt += not (state == WAITING or held)
+    return doubt
