@@ -89,6 +89,8 @@ def spark(quick: bool = True) -> Path:
                 _fill(store, topic, partitions, backfill_entries, per_entry,
                       segment_entries=None if quick else backfill_entries // 5)
             _fill(store, "bench/spark/one", 1, entries * 2, per_entry)
+            # many small segments: 16 partitions x 1,250 messages in 40-entry segments
+            _fill(store, "bench/spark/small", 16, 125, 10, segment_entries=40)
             _fill(store, "bench/spark/window", partitions, entries, per_entry,
                   segment_entries=entries // 10)  # 10 segments per partition
             moved = store.offloader.offload_topic("bench/spark/tiered")
@@ -99,7 +101,7 @@ def spark(quick: bool = True) -> Path:
             cuts = {t: StreamCut.of(t, {p.partition: p.last_confirmed()[1]
                                         for p in store.partitions(t)}).to_json()
                     for t in ("bench/spark/tiered", "bench/spark/bookies", "bench/spark/one",
-                              "bench/spark/window")}
+                              "bench/spark/window", "bench/spark/small")}
             data_dir = str(store.config.data_dir)
         finally:
             store.close()
@@ -175,6 +177,26 @@ def spark(quick: bool = True) -> Path:
                 pushed.append(windowed())
                 session.conf.unset(PUSHDOWN_CONF)
                 register(session)
+            # small splits packed into Spark tasks (the default) or one task per split
+            def small(**extra: str) -> tuple[float, int]:
+                reader = session.read.format("tierstream").option("topic", "bench/spark/small") \
+                    .option("dataDir", data_dir).option("keyRanges", "4") \
+                    .option("endingPosition", cuts["bench/spark/small"])
+                for k, v in extra.items():
+                    reader = reader.option(k, v)
+                df = reader.load()
+                tasks = int(df.rdd.getNumPartitions())
+                return 16 * 1250 / timed(lambda: df.write.format("noop").mode("overwrite")
+                                         .save()), tasks
+
+            unpacked_opt = {"minPartitions": "1000000"}
+            small(), small(**unpacked_opt)  # warm-up
+            packed_rates, unpacked_rates = [], []
+            for _ in range(runs):
+                rate, packed_tasks = small()
+                packed_rates.append(rate)
+                rate, unpacked_tasks = small(**unpacked_opt)
+                unpacked_rates.append(rate)
             one: dict[int, list[float]] = {1: [], 2: [], 4: []}
             messages = entries * 2 * per_entry
             for _ in range(5):  # interleaved: drift hits every k alike
@@ -202,6 +224,11 @@ def spark(quick: bool = True) -> Path:
                "rows/s", pushed,
                "pushdown off (Spark filters)", filtered),
     ]
+    figures.append(Figure(
+        f"20,000 rows in 40-entry segments, 16 partitions, keyRanges=4: splits packed into "
+        f"{packed_tasks} Spark tasks", "rows/s", packed_rates,
+        f"one task per split ({unpacked_tasks} tasks)", unpacked_rates, aim="ratio >= 2",
+        aim_check=lambda v, r: r is not None and r >= 2))
     for k, rates in one.items():
         figures.append(Figure(f"one partition, keyRanges={k} (bookie-resident)", "rows/s",
                               rates, "keyRanges=1", one[1],

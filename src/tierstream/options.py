@@ -331,10 +331,16 @@ OPTIONS: dict[str, Option] = {
                            "tail derives it from the checkpoint)."),
         Option(key="partitioning", parse=_string, default=None,
                kind="splits or key-ranges", scopes=("read",),
-               description="Spark partitions: one per split (splits: most parallel; batch "
-                           "default) or one per topic partition and key range reading its "
-                           "segments in log order (key-ranges: each key in one Spark partition, "
-                           "in order; streaming default)."),
+               description="Spark partitions: splits packed up to maxSplitBytes, each counted "
+                           "4 MiB more for opening it, into at least minPartitions (splits: "
+                           "most parallel; batch default), or one per topic partition and key "
+                           "range reading its segments in log order (key-ranges: each key in "
+                           "one Spark partition, in order; streaming default)."),
+        Option(key="minPartitions", parse=_positive_int, default=None,
+               kind="an integer >= 1", scopes=("read",),
+               description="partitioning=splits: pack small splits into no fewer Spark "
+                           "partitions than this (default: the session's default parallelism "
+                           "for tierstream's jobs, else the planning host's cores)."),
         Option(key="tierReader", parse=_string, default="auto", kind="auto, native or source",
                scopes=("read",),
                description="Batch reads through tierstream.spark_adapter.read: tier splits on "

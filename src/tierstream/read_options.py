@@ -63,6 +63,7 @@ class ReadOptions:
     tls_ca: bytes | None = field(default=None, repr=False)  # PEM, read where the read started
     splits: tuple[Split, ...] | None = field(default=None, repr=False)  # planned already
     partitioning: str | None = None  # "splits" or "key-ranges"; None: the mode's default
+    min_partitions: int | None = None  # partitioning=splits: pack into at least this many
     tier_reader: str = "auto"  # spark_adapter.read: "auto", "native" or "source"
     value_format: str = "raw"  # "raw" or "auto" (decode by the topic's schema)
     mode: str = "FAILFAST"  # valueFormat=auto: FAILFAST, PERMISSIVE or DROPMALFORMED
@@ -139,7 +140,8 @@ class ReadOptions:
             tls_ca=read_pem(opts["tlsCa"], "option 'tlsCa'"),
             splits=None if opts["splits"] is None else tuple(
                 splits_from_json(opts["splits"], what="option 'splits'")),
-            partitioning=opts["partitioning"], tier_reader=opts["tierReader"],
+            partitioning=opts["partitioning"], min_partitions=opts["minPartitions"],
+            tier_reader=opts["tierReader"],
             value_format=value_format, mode=mode)
 
     def decoder(self) -> Decoder | None:

@@ -72,8 +72,17 @@ def plan_read(spark: Any, options: dict[str, str], *, stats: Any = None) -> Hybr
     """:func:`read`, with the plan. ``stats``: a Spark accumulator of ReadStats that the
     data source's splits add to (readers/stats.py)."""
     from tierstream.read_options import ReadOptions
-    from tierstream.spark_adapter.source import _BatchReader, counting_format, register
+    from tierstream.spark_adapter.source import (
+        _BatchReader,
+        _classic_context,
+        counting_format,
+        register,
+    )
 
+    context = _classic_context(spark)
+    if "minPartitions" not in options and context is not None:
+        # small splits are packed into Spark tasks, but never into fewer than the cores
+        options = {**options, "minPartitions": str(context.defaultParallelism)}
     settings = ReadOptions.parse(options)
     splits = _BatchReader(settings).plan()
     tier = [s for s in splits if s.reader is ReaderKind.TIER]

@@ -6,6 +6,7 @@ Spark batches of about :data:`SPARK_BATCH_ROWS` rows in the declared schema.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -20,8 +21,8 @@ from tierstream.schemas.codec import Decoder, decode_batches
 from tierstream.splits.positions import KeyRange, cut_entries
 from tierstream.splits.split import ReaderKind, Split, chains, splits_from_json, splits_to_json
 
-__all__ = ["SPARK_BATCH_ROWS", "by_entries", "partition_splits", "read_partition", "spark_batches",
-           "spark_partitions"]
+__all__ = ["SPARK_BATCH_ROWS", "SPLIT_OPEN_COST", "by_entries", "packed", "partition_splits",
+           "read_partition", "spark_batches", "spark_partitions"]
 
 #: Rows per batch handed to Spark: readers yield what they decode (a tier row group can be
 #: 1,024 rows), and Spark pays per batch, so small ones are joined up to this.
@@ -71,13 +72,45 @@ def read_partition(options: ReadOptions, partition: InputPartition, stats: Any =
         stats.add(counts)
 
 
-def spark_partitions(splits: list[Split], partitioning: str) -> list[InputPartition]:
-    """Spark partitions of a plan: one per split (``splits``), or one per chain of splits of
-    a (topic, partition, key range) in log order (``key-ranges``: every key in one Spark
-    partition per topic partition, its messages in order; see splits.split.chains)."""
+def spark_partitions(splits: list[Split], partitioning: str, *,
+                     max_bytes: int = 128 * 1024**2, min_partitions: int | None = None
+                     ) -> list[InputPartition]:
+    """Spark partitions of a plan: its splits packed into partitions of up to ``max_bytes``
+    (``splits``, see :func:`packed`), or one per chain of splits of a (topic, partition, key
+    range) in log order (``key-ranges``: every key in one Spark partition per topic partition,
+    its messages in order; see splits.split.chains)."""
     if partitioning == "key-ranges":
         return [InputPartition(splits_to_json(chain)) for chain in chains(splits)]
-    return [InputPartition(split.to_json()) for split in by_entries(splits)]
+    bins = packed(by_entries(splits), max_bytes, min_partitions or os.cpu_count() or 1)
+    return [InputPartition(b[0].to_json() if len(b) == 1 else splits_to_json(b))
+            for b in bins]
+
+
+#: what opening a split costs, counted in bytes read (Spark's spark.sql.files.openCostInBytes)
+SPLIT_OPEN_COST = 4 * 1024**2
+
+
+def packed(splits: list[Split], max_bytes: int, min_partitions: int) -> list[list[Split]]:
+    """The splits in groups that one Spark task reads in turn, as Spark packs small files:
+    largest first, each group filled up to a target size counting every split
+    :data:`SPLIT_OPEN_COST` more. The target is ``max_bytes``, or less when that would give
+    fewer than ``min_partitions`` groups (the cores: a small read stays parallel). Each split
+    keeps its reader; a group's splits are in log order."""
+    if not splits:
+        return []
+    total = sum(s.estimated_bytes + SPLIT_OPEN_COST for s in splits)
+    target = min(max_bytes, max(SPLIT_OPEN_COST, total // min_partitions))
+    bins: list[list[Split]] = []
+    current: list[Split] = []
+    size = 0
+    for split in sorted(splits, key=lambda s: s.estimated_bytes, reverse=True):
+        if current and size + split.estimated_bytes > target:
+            bins.append(current)
+            current, size = [], 0
+        current.append(split)
+        size += split.estimated_bytes + SPLIT_OPEN_COST
+    bins.append(current)
+    return [sorted(b, key=lambda s: (s.topic, s.partition, s.start)) for b in bins]
 
 
 def by_entries(splits: list[Split]) -> list[Split]:

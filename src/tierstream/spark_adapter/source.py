@@ -145,7 +145,9 @@ class _BatchReader(DataSourceReader):
         self.pushed = Pushed()
 
     def partitions(self) -> Sequence[InputPartition]:
-        return spark_partitions(self.plan(), self.settings.partitioning or "splits")
+        s = self.settings
+        return spark_partitions(self.plan(), s.partitioning or "splits",
+                                max_bytes=s.max_split_bytes, min_partitions=s.min_partitions)
 
     def plan(self) -> list[Split]:
         from tierstream.enumerator import Query

@@ -200,7 +200,8 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
                     end=finish[topic], key_ranges=s.key_ranges,
                     max_split_bytes=s.max_split_bytes, reader=s.reader,
                     fail_on_data_loss=s.fail_on_data_loss, time_from=time_from)))
-        return spark_partitions(splits, s.partitioning or "key-ranges")
+        return spark_partitions(splits, s.partitioning or "key-ranges",
+                                max_bytes=s.max_split_bytes, min_partitions=s.min_partitions)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         return read_partition(self.settings, partition, decoder=self.decoder)
