@@ -24,7 +24,7 @@ test: lint
 	$(PY) -m pytest -n 2 --dist loadfile --durations=15
 
 # Not in CI: >= 100 SIGKILL/restart cycles per store configuration (about 6 minutes), then
-# the Spark exactly-once tests with 8 killed queries each instead of the suite's 2 (~8 min).
+# the Spark exactly-once tests with 8 killed queries each instead of the suite's 1 (~8 min).
 chaos: $(STAMP)
 	$(PY) -m tests.store.chaos --cycles 100
 	$(PY) -m tests.store.subscription_chaos --messages 400000 --rounds 6

@@ -22,7 +22,7 @@ BASE = 1_793_491_200_000
 
 #: SIGKILL cycles of the Spark chaos tests (a query killed mid-batch, then restarted): a few
 #: in the suite, more under ``make chaos`` (TIERSTREAM_SPARK_KILLS)
-SPARK_KILLS = int(os.environ.get("TIERSTREAM_SPARK_KILLS", "2"))
+SPARK_KILLS = int(os.environ.get("TIERSTREAM_SPARK_KILLS", "1"))
 
 
 @dataclass
