@@ -65,9 +65,31 @@ def test_the_subscriptions_example_runs(broker) -> None:
     _runs_ok(script, broker.url)
 
 
-def _runs_ok(script: str, url: str) -> None:
+def test_the_python_sections_run_in_the_readmes_order(broker, data_dir) -> None:
+    """As a reader goes on after the tour (which deletes acme/web/clicks): the Python API
+    example (twice: a re-run must not fail), then the Subscriptions example, then One source
+    API, whose week-long window finds the Python API example's clicks."""
+    env = {"TIERSTREAM_HOME": str(data_dir)}
+    api = _python_block("## Python API")
+    for _ in range(2):
+        _runs_ok(api + "\nprint('ok')\n", broker.url, env)
+    subscriptions = _python_block("## Subscriptions")
+    _runs_ok("def handle(batch):\n    pass\n" + subscriptions + "\nprint('ok')\n", broker.url,
+             env)
+    source = _python_block("## One source API for batch and stream")
+    tail_loop = 'for batch in ts.tail("acme/web/clicks", start=cut):'
+    assert tail_loop in source
+    head, rest = source.split(tail_loop)
+    after = rest.split("\n", 2)[2]  # the tail waits for what comes next: left out here
+    _runs_ok(head + after
+             + "\nassert splits and table.num_rows == 10_000, (len(splits), table.num_rows)"
+             "\nassert week.num_rows == 10_000\nprint('ok')\n", broker.url, env)
+
+
+def _runs_ok(script: str, url: str, env: dict[str, str] | None = None) -> None:
     """Run ``script`` as a new user would, against the broker at ``url``; it prints ok."""
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=scaled(120), env={**os.environ, "TIERSTREAM_BROKER": url})
+                          timeout=scaled(120),
+                          env={**os.environ, "TIERSTREAM_BROKER": url, **(env or {})})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("ok")
