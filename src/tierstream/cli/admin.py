@@ -23,6 +23,7 @@ from tierstream.cli.common import (
     out,
     progress_bar,
 )
+from tierstream.cli.tables import fitted_table, hidden_note
 from tierstream.errors import ConfigError
 from tierstream.options import DEFAULT_BROKER_URL, DEFAULT_DATA_DIR
 from tierstream.timeutil import format_ms
@@ -70,13 +71,16 @@ def segments(
     if as_json:
         sys.stdout.write(json.dumps([r.to_dict() for r in records], indent=2) + "\n")
         return
-    table = Table("partition", "segment", "state", "entries", "messages", "bytes",
-                  "min publish time", "max publish time", "lives in", title=str(name))
-    for r in records:
-        table.add_row(str(r.partition), str(r.segment_id), r.state, str(r.entries),
-                      str(r.messages), human_bytes(r.bytes), format_ms(r.min_publish_time),
-                      format_ms(r.max_publish_time), r.location)
+    table, hidden = fitted_table(
+        out, ("partition", "segment", "state", "entries", "messages", "bytes",
+              "min publish time", "max publish time", "lives in"),
+        [(str(r.partition), str(r.segment_id), r.state, str(r.entries), str(r.messages),
+          human_bytes(r.bytes), format_ms(r.min_publish_time), format_ms(r.max_publish_time),
+          r.location) for r in records],
+        drop_first=("entries", "min publish time", "bytes"), title=str(name))
     out.print(table)
+    if (note := hidden_note(hidden)) is not None:
+        out.print(note)
     for e in record.scale_events:
         out.print(f"{format_ms(e.at)}  {e.describe()}: segments {e.first_segment_id} and "
                   f"later were written after it", highlight=False)
@@ -114,17 +118,32 @@ def subscriptions(
         sys.stdout.write(json.dumps([{**r, "position": str(r["position"])} for r in rows],
                                     indent=2) + "\n")
         return
-    table = Table("subscription", "type", "partition", "position", "acked ranges", "backlog",
-                  "consumers (keys/role: unacked, redelivered, permits)", "updated",
-                  title=str(topic))
+    if not rows:
+        out.print(f"{topic} has no subscriptions")
+        return
+    cells = []
     for r in rows:
         consumers = "\n".join(
             f"{c['name']} [{c['assignment']}]: {c['unacked']:,}, {c['redelivered']:,}, "
             f"{c['permits']:,}" for c in r["consumers"]) or "-"
-        table.add_row(r["subscription"], r["type"] or "(stream cursor)", str(r["partition"]),
+        cells.append((r["subscription"], r["type"] or "stream", str(r["partition"]),
                       str(r["position"]), f"{r['acked_ranges']:,}", f"{r['backlog']:,}",
-                      consumers, format_ms(r["updated_at"]))
-    out.print(table if rows else f"{topic} has no subscriptions")
+                      consumers, format_ms(r["updated_at"])))
+    table, hidden = fitted_table(
+        out, ("subscription", "type", "partition", "position", "acked ranges", "backlog",
+              "consumers (keys/role: unacked, redelivered, permits)", "updated"), cells,
+        drop_first=("updated", "acked ranges", "position"), title=str(topic))
+    out.print(table)
+    if (note := hidden_note(hidden)) is not None:
+        out.print(note)
+    streams = sorted({r["subscription"] for r in rows if not r["type"]})
+    if streams:
+        out.print(f"type stream: the cursor a Spark stream commits to ({', '.join(streams)}): "
+                  "tierstream tail names it spark-<hash of its --checkpoint path>, a Spark "
+                  "query by its option subscription (default: derived from what it reads). "
+                  "A query that is gone for good leaves its backlog growing: tierstream "
+                  "subscriptions "
+                  f"{topic} --delete {streams[0]}", highlight=False)
 
 
 @app.command()
