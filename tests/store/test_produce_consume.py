@@ -178,6 +178,7 @@ def test_a_producer_whose_send_was_interrupted_sends_on_without_losing_an_ack(
     stream's thread; the ack went to it, and the next flush waited ``send_timeout`` for an ack
     the broker had already sent, then gave up."""
     import _thread
+    import signal
     import threading
 
     url = broker.url
@@ -199,18 +200,25 @@ def test_a_producer_whose_send_was_interrupted_sends_on_without_losing_an_ack(
                     _thread.interrupt_main()
                 stop.wait(0.01)
 
+    # interrupt_main() does nothing where SIGINT is ignored (a worker started in the
+    # background): Ctrl-C is taken as an interactive program takes it
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=interrupt_as_they_are_stored, daemon=True).start()
     interrupted = 0
-    with Producer("a/b/interrupted", broker=url, name="importer", batch_size=250) as producer:
-        pending = list(chunks)
-        while pending:
-            try:
-                producer.send_many(pending[0])
-            except KeyboardInterrupt:  # the application goes on: it sends the chunk again
-                interrupted += 1
-                continue
-            pending.pop(0)
+    try:
+        with Producer("a/b/interrupted", broker=url, name="importer",
+                      batch_size=250) as producer:
+            pending = list(chunks)
+            while pending:
+                try:
+                    producer.send_many(pending[0])
+                except KeyboardInterrupt:  # the application goes on: it sends it again
+                    interrupted += 1
+                    continue
+                pending.pop(0)
+    finally:
         stop.set()
+        signal.signal(signal.SIGINT, previous)
     assert interrupted == 5
     values = read_all(url, "a/b/interrupted").column("value").to_pylist()
     assert sorted(values) == sorted(m["value"] for m in messages)  # each exactly once
