@@ -336,6 +336,11 @@ OPTIONS: dict[str, Option] = {
                            "most parallel; batch default), or one per topic partition and key "
                            "range reading its segments in log order (key-ranges: each key in "
                            "one Spark partition, in order; streaming default)."),
+        Option(key="cursorLabel", parse=_string, default=None,
+               kind="text", scopes=("read",),
+               description="Streaming: what tierstream subscriptions says of this query's "
+                           "cursor (default 'a Spark stream'; tierstream tail gives its "
+                           "checkpoint)."),
         Option(key="minPartitions", parse=_positive_int, default=None,
                kind="an integer >= 1", scopes=("read",),
                description="partitioning=splits: pack small splits into no fewer Spark "

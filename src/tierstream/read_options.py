@@ -64,6 +64,7 @@ class ReadOptions:
     splits: tuple[Split, ...] | None = field(default=None, repr=False)  # planned already
     partitioning: str | None = None  # "splits" or "key-ranges"; None: the mode's default
     min_partitions: int | None = None  # partitioning=splits: pack into at least this many
+    cursor_label: str | None = None  # streams: whose cursor, in `tierstream subscriptions`
     tier_reader: str = "auto"  # spark_adapter.read: "auto", "native" or "source"
     value_format: str = "raw"  # "raw" or "auto" (decode by the topic's schema)
     mode: str = "FAILFAST"  # valueFormat=auto: FAILFAST, PERMISSIVE or DROPMALFORMED
@@ -141,6 +142,7 @@ class ReadOptions:
             splits=None if opts["splits"] is None else tuple(
                 splits_from_json(opts["splits"], what="option 'splits'")),
             partitioning=opts["partitioning"], min_partitions=opts["minPartitions"],
+            cursor_label=opts["cursorLabel"],
             tier_reader=opts["tierReader"],
             value_format=value_format, mode=mode)
 

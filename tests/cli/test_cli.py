@@ -545,6 +545,11 @@ def test_tail_rides_out_a_broker_restart_and_reports_its_lag(start_broker, free_
     subs = run("subscriptions", "acme/web/clicks", "--json", env=env)
     names = {r["subscription"] for r in json.loads(subs.stdout)}
     assert names == {checkpoint_subscription(str(ckpt))}
+    # the table says whose cursor it is and how to remove it once the query is gone
+    shown = run("subscriptions", "acme/web/clicks", env=env).stdout
+    name = checkpoint_subscription(str(ckpt))
+    assert f"{name}: the cursor of tierstream tail --checkpoint {ckpt}" in shown, shown
+    assert f"--delete {name}" in shown, shown
 
 
 def test_offload_says_why_each_segment_stayed(broker: BrokerProcess) -> None:

@@ -70,6 +70,9 @@ class CursorState:
     dead_letters: list[DeadLetterIntent] = field(default_factory=list)
     dead_letter_sequence: int = 0
     acked_entries: list[AckedEntry] = field(default_factory=list)
+    #: whose cursor this is, for a person reading ``tierstream subscriptions`` (a Spark
+    #: stream's query and checkpoint); None for consumers' subscriptions
+    label: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"type": self.type, "mark_delete": _pos(self.mark_delete),
@@ -77,7 +80,8 @@ class CursorState:
                 "acked_entries": [[s, e, b, n, base64.b64encode(bits).decode("ascii")]
                                   for s, e, b, n, bits in self.acked_entries],
                 "dead_letters": [d.to_json() for d in self.dead_letters],
-                "dead_letter_sequence": self.dead_letter_sequence}
+                "dead_letter_sequence": self.dead_letter_sequence,
+                **({"label": self.label} if self.label else {})}
 
     @classmethod
     def from_json(cls, data: Any, partition: int) -> CursorState:
@@ -102,7 +106,8 @@ class CursorState:
                    data.get("type"),
                    [DeadLetterIntent.from_json(d, partition)
                     for d in data.get("dead_letters") or []],
-                   int(data.get("dead_letter_sequence") or 0))
+                   int(data.get("dead_letter_sequence") or 0),
+                   label=data.get("label"))
 
 
 def _entry_ranges(partition: int, segment: int, entry: int, bi0: int, n: int, bits: bytes

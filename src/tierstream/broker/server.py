@@ -269,7 +269,7 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
         topic = self.store.topic(body["topic"]).name
         for p, raw in dict(body["positions"]).items():
             self.subscriptions.set_position(topic, str(body["subscription"]), int(p),
-                                            Position.from_dict(raw))
+                                            Position.from_dict(raw), label=body.get("label"))
         return {"ok": True}
 
     def _delete_subscription(self, body: dict[str, Any]) -> Any:

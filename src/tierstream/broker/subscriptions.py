@@ -149,10 +149,11 @@ class Subscriptions:
              permits: int) -> None:
         self._dispatcher(topic, subscription, partition).flow(consumer, permits)
 
-    def set_position(self, topic: str, subscription: str, partition: int, position: Position
-                     ) -> None:
+    def set_position(self, topic: str, subscription: str, partition: int, position: Position,
+                     *, label: str | None = None) -> None:
         """Everything before ``position`` is acknowledged (forward only): a Spark stream's
-        commit. Stored directly unless a consumer has the subscription loaded."""
+        commit, with ``label`` saying whose. Stored directly unless a consumer has the
+        subscription loaded."""
         if position.partition != partition:
             raise ConfigError(f"position {position} is not in partition {partition}")
         key = (topic, subscription, partition)
@@ -167,6 +168,7 @@ class Subscriptions:
                     state.acked = [(a, b) for a, b in state.acked if b > position]
                     if state.acked and state.acked[0][0] <= position:
                         state.mark_delete = state.acked.pop(0)[1]
+                state.label = label or state.label
                 self._metadata.save_cursors([(*key, state.to_json())], now=now_ms())
                 return
         self.writer.wait(d.set_position(position))
@@ -223,7 +225,9 @@ class Subscriptions:
                 if a < ends[p]:
                     backlog -= plog.backlog(a, min(b, ends[p]))
             out.append({"subscription": row["subscription"], "partition": p,
-                        "type": state.type, "position": state.mark_delete.to_dict(),
+                        "type": state.type,
+                        "label": CursorState.from_json(row["state"], p).label,
+                        "position": state.mark_delete.to_dict(),
                         "acked_ranges": len(state.acked), "backlog": max(0, backlog),
                         "updated_at": row["updated_at"], "consumers": consumers,
                         "oldest_unacked_s": oldest})

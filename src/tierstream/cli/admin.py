@@ -136,14 +136,13 @@ def subscriptions(
     out.print(table)
     if (note := hidden_note(hidden)) is not None:
         out.print(note)
-    streams = sorted({r["subscription"] for r in rows if not r["type"]})
+    streams = {r["subscription"]: r.get("label") for r in rows if not r["type"]}
+    for name, label in sorted(streams.items()):
+        out.print(f"{name}: the cursor of {label or 'a Spark stream'}", highlight=False)
     if streams:
-        out.print(f"type stream: the cursor a Spark stream commits to ({', '.join(streams)}): "
-                  "tierstream tail names it spark-<hash of its --checkpoint path>, a Spark "
-                  "query by its option subscription (default: derived from what it reads). "
-                  "A query that is gone for good leaves its backlog growing: tierstream "
-                  "subscriptions "
-                  f"{topic} --delete {streams[0]}", highlight=False)
+        out.print("A stream's cursor outlives its query: once the query is gone for good, "
+                  "its backlog grows until tierstream subscriptions "
+                  f"{topic} --delete {min(streams)} removes it.", highlight=False)
 
 
 @app.command()

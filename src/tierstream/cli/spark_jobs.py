@@ -168,6 +168,7 @@ def tail_cmd(
     options = {"topic": topic, "dataDir": str(data_dir), "broker": broker,
                "keyRanges": str(key_ranges),
                "subscription": subscription or checkpoint_subscription(checkpoint),
+               "cursorLabel": f"tierstream tail --checkpoint {Path(checkpoint).absolute()}",
                **spark_bound(parse_bound(from_, "--from", topic), "--from", "starting", "tail")}
     if max_records_per_trigger is not None:
         options["maxRecordsPerTrigger"] = str(max_records_per_trigger)

@@ -152,10 +152,14 @@ class Admin(BrokerClient):
         return Position.from_dict(self.action("position-at-time", {
             "topic": topic, "partition": partition, "time_ms": time_ms}))
 
-    def set_cursor(self, topic: str, subscription: str, positions: dict[int, Position]) -> None:
+    def set_cursor(self, topic: str, subscription: str, positions: dict[int, Position], *,
+                   label: str | None = None) -> None:
+        """Store a subscription's positions (a stream's commit); ``label`` says whose it is
+        in ``subscriptions``."""
         self.action("set-cursor", {"topic": topic, "subscription": subscription,
                                    "positions": {str(p): pos.to_dict()
-                                                 for p, pos in positions.items()}})
+                                                 for p, pos in positions.items()},
+                                   **({"label": label} if label else {})})
 
     def subscriptions(self, topic: str) -> list[dict[str, Any]]:
         """Per subscription and partition: ``type`` (None for a Spark stream's cursor),

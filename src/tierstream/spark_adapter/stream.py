@@ -219,7 +219,8 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
             return  # an idle stream asks every trigger: write only what is new
         for topic, cut in cuts_from_dict(done).items():
             admin.set_cursor(topic, self.settings.subscription,
-                             {p: cut[p] for p in cut.partitions})
+                             {p: cut[p] for p in cut.partitions},
+                             label=self.settings.cursor_label or "a Spark stream")
         self._cursor = done
 
     def stop(self) -> None:
