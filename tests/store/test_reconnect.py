@@ -157,9 +157,11 @@ def test_reconnect_timeout_is_an_option() -> None:
         parse_options({"reconnectTimeout": "soon"}, scope="client")
 
 
-def _held_then_crash(start_broker, free_port) -> tuple[BrokerProcess, Any, list[Any]]:
-    """A broker, a key_shared consumer ``a`` holding all 200 messages of a one-partition
-    topic unacknowledged, and then a broker SIGKILL and restart: (the new broker, a, batches)."""
+def _held_then_crash(start_broker, free_port, mode: str = "key_shared", name: str = "a"
+                     ) -> tuple[BrokerProcess, Any, list[Any]]:
+    """A broker, a consumer ``name`` of ``mode`` holding all 200 messages of a one-partition
+    topic unacknowledged, and then a broker SIGKILL and restart: (the new broker, the
+    consumer, its batches)."""
     from tierstream.client import Consumer
     from tierstream.splits.positions import Offset
 
@@ -168,7 +170,7 @@ def _held_then_crash(start_broker, free_port) -> tuple[BrokerProcess, Any, list[
         admin.create_topic("acme/web/acks", 1)
     with Producer("acme/web/acks", broker=broker.url, batch_size=20) as producer:
         producer.send_many({"key": f"k{i}", "value": f"v{i}".encode()} for i in range(200))
-    a = Consumer("acme/web/acks", "billing", mode="key_shared", consumer_name="a",
+    a = Consumer("acme/web/acks", "billing", mode=mode, consumer_name=name,
                  initial=Offset.earliest(), broker=broker.url)
     held: list[Any] = []
 
@@ -234,4 +236,35 @@ def test_an_ack_after_a_crash_that_nobody_else_could_see_returns(start_broker,
         with Admin(broker.url) as admin:
             assert sum(r["backlog"] for r in admin.subscriptions("acme/web/acks")) == 0
     finally:
+        a.close()
+
+
+def test_a_cumulative_ack_whose_messages_a_failover_standby_got_after_a_crash_says_so(
+        start_broker, free_port) -> None:
+    """The same for ack_cumulative: failover consumer z held everything when the broker was
+    killed; after the restart consumer a (first by name, so active once both are back) was
+    sent some of it before z's cumulative ack came."""
+    from tierstream.client import Consumer
+
+    broker, z, held = _held_then_crash(start_broker, free_port, mode="failover", name="z")
+    a = Consumer("acme/web/acks", "billing", mode="failover", consumer_name="a",
+                 broker=broker.url)
+    try:
+        got_a: list[str] = []
+
+        def receive_a(timeout: float) -> bool:
+            batch = a.receive(timeout=timeout)
+            if batch is not None:
+                got_a.extend(v.decode() for v in batch.column("value").to_pylist())
+            return batch is not None
+
+        wait_for(lambda: receive_a(0.1), timeout=scaled(30),
+                 what="consumer a to get some of z's messages")
+        with pytest.raises(tierstream.AckInDoubtError) as raised:
+            z.ack_cumulative(held[-1])
+        while receive_a(scaled(1)):  # what a was sent before the ack came
+            pass
+        assert raised.value.messages == len(set(got_a)) > 0
+    finally:
+        z.close()
         a.close()

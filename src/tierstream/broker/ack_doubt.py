@@ -13,7 +13,7 @@ if nobody else could have seen them.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from tierstream.broker.cursor_state import CursorState
 from tierstream.broker.read_window import DELAYED, DELIVERED, WAITING, ReadWindow
 from tierstream.splits.positions import Position
 
-__all__ = ["LoadedCursor", "in_doubt"]
+__all__ = ["LoadedCursor", "cumulative_in_doubt", "in_doubt"]
 
 
 class LoadedCursor:
@@ -58,6 +58,34 @@ def in_doubt(window: ReadWindow, loaded: LoadedCursor, mine: Collection[int],
         elif chunk.open == 0:
             doubt += 1  # the entry's every message was acknowledged since
         else:
+            state = int(chunk.state[row])
+            held = state in (DELIVERED, DELAYED) and int(chunk.owner[row]) in mine
+            doubt += not (state == WAITING or held)
+    return doubt
+
+
+def cumulative_in_doubt(window: ReadWindow, loaded: LoadedCursor, mine: Collection[int],
+                        end: Position, backlog: Callable[[Position, Position], int]) -> int:
+    """:func:`in_doubt` for a resent cumulative ack of everything before ``end``: the same
+    rule over the window's messages before ``end``, and the messages acknowledged since the
+    load that have left the window already (counted with ``backlog``, the partition's
+    message count between two positions, less the ranges the loaded cursor held)."""
+    doubt = 0
+    first = window.chunks[0].position(0) if window.chunks else window.read_pos
+    lo, hi = loaded.mark_delete, min(first, end)
+    if lo < hi:
+        doubt += backlog(lo, hi) - sum(backlog(max(a, lo), min(b, hi))
+                                       for a, b in loaded.acked if a < hi and b > lo)
+    for chunk in window.chunks:
+        if chunk.position(0) >= end:
+            break
+        upto = chunk.n if chunk.after() <= end else max(0, end.batch_index - chunk.bi0)
+        for row in range(upto):
+            if loaded.covers(chunk.position(row)):
+                continue
+            if chunk.open == 0:
+                doubt += 1  # acknowledged since the load, the entry's every message
+                continue
             state = int(chunk.state[row])
             held = state in (DELIVERED, DELAYED) and int(chunk.owner[row]) in mine
             doubt += not (state == WAITING or held)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from tierstream.broker.ack_doubt import LoadedCursor, in_doubt
+from tierstream.broker.ack_doubt import LoadedCursor, cumulative_in_doubt, in_doubt
 from tierstream.broker.attached import Attached, ConsumerSettings, check_join
 from tierstream.broker.cursor_state import CursorState, DeadLetterIntent
 from tierstream.broker.dead_letters import IntentRecovery
@@ -323,15 +323,20 @@ class Dispatcher:
                     self.window.ack_ahead(pos, following(pos))
             return self._acked(), doubt
 
-    def ack_cumulative(self, name: str, position: Position) -> int:
-        """Acknowledge every message up to and including ``position``."""
+    def ack_cumulative(self, name: str, position: Position, *, retry: bool = False
+                       ) -> tuple[int, int]:
+        """Acknowledge every message up to and including ``position``: the write generation,
+        and for a ``retry`` how many may have gone to another consumer meanwhile."""
         with self._lock:
             if self.type not in SubscriptionType.CUMULATIVE:
                 raise ConfigError(
                     f"ack_cumulative is for exclusive and failover subscriptions; "
                     f"{self.subscription!r} is {self.type}: acknowledge each batch with ack()")
+            mine = {c.idx for c in self.consumers.values() if c.name == name}
+            doubt = cumulative_in_doubt(self.window, self._loaded, mine, following(position),
+                                        self.plog.backlog) if retry else 0
             self._ack_through(following(position), name)
-            return self._acked()
+            return self._acked(), doubt
 
     def set_position(self, position: Position) -> int:
         """Everything before ``position`` is acknowledged (a Spark stream's commit)."""

@@ -211,10 +211,11 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
 
     def _ack_cumulative(self, body: dict[str, Any]) -> Any:
         topic = _topic(body)
-        self.subscriptions.ack_cumulative(topic, str(body["subscription"]),
-                                          str(body.get("consumer") or ""),
-                                          Position.from_dict(body["position"]))
-        return {"ok": True}
+        doubt = self.subscriptions.ack_cumulative(topic, str(body["subscription"]),
+                                                  str(body.get("consumer") or ""),
+                                                  Position.from_dict(body["position"]),
+                                                  retry=bool(body.get("retry")))
+        return {"ok": True, "in_doubt": doubt}
 
     def _nack(self, body: dict[str, Any]) -> Any:
         topic = _topic(body)

@@ -136,9 +136,13 @@ class Subscriptions:
         return doubt
 
     def ack_cumulative(self, topic: str, subscription: str, consumer: str,
-                       position: Position) -> None:
+                       position: Position, *, retry: bool = False) -> int:
+        """Store the cumulative ack; for a ``retry``, how many of its messages may have been
+        delivered to another consumer before it came."""
         d = self._dispatcher(topic, subscription, position.partition)
-        self.writer.wait(d.ack_cumulative(consumer, position))
+        generation, doubt = d.ack_cumulative(consumer, position, retry=retry)
+        self.writer.wait(generation)
+        return doubt
 
     def nack(self, topic: str, subscription: str, partition: int, consumer: str,
              segment: np.ndarray, entry: np.ndarray, index: np.ndarray, delay_s: float) -> None:

@@ -366,8 +366,25 @@ class Consumer:
                            b.column("entry_id")[i].as_py(), b.column("batch_index")[i].as_py())
         body = {"topic": self.topic, "subscription": self.subscription, "consumer": self.name,
                 "position": pos.to_dict()}
-        with_reconnect(lambda: self._client.action("ack-cumulative", body),
-                       what=f"ack_cumulative of {self.name}")
+        late = isinstance(batch_or_position, pa.RecordBatch) and (
+            self._attaching.get(pos.partition, False)
+            or int(batch_or_position.schema.metadata[_EPOCH]) != self._epoch[pos.partition])
+        attempts = [0]
+
+        def send() -> Any:  # as ack(): a resent ack asks what is in doubt
+            attempts[0] += 1
+            return self._client.action("ack-cumulative",
+                                       {**body, "retry": late or attempts[0] > 1})
+
+        answer = with_reconnect(send, what=f"ack_cumulative of {self.name}")
+        doubt = int((answer or {}).get("in_doubt") or 0)
+        if doubt:
+            raise AckInDoubtError(
+                f"consumer {self.name}: its connection to the broker was lost before this "
+                f"cumulative ack up to {pos} of {self.topic!r} was stored; it is stored now, "
+                f"but {doubt} message(s) before it may have been delivered to another "
+                f"consumer of {self.subscription!r} meanwhile (they may be processed twice)",
+                messages=doubt)
 
     def nack(self, batch: pa.RecordBatch) -> None:
         """Have the messages of ``batch`` delivered again after ``nack_delay`` (their
