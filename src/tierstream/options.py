@@ -25,6 +25,7 @@ __all__ = [
     "DEFAULT_BROKER_URL",
     "DEFAULT_DATA_DIR",
     "DEFAULT_PORT",
+    "DEFAULT_PULSAR_PORT",
     "OPTIONS",
     "SPARK_OPTIONS",
     "Option",
@@ -34,6 +35,8 @@ __all__ = [
 ]
 
 DEFAULT_PORT = 6651
+#: where ``broker start`` serves Pulsar's binary protocol (Pulsar's own default port)
+DEFAULT_PULSAR_PORT = 6650
 DEFAULT_BROKER_URL = f"grpc://127.0.0.1:{DEFAULT_PORT}"
 DEFAULT_DATA_DIR = "./tierstream-data"
 

@@ -23,6 +23,7 @@ from tierstream.errors import UnavailableError
 __all__ = ["BrokerProcess"]
 
 _READY = re.compile(r"listening on (\S+)")
+_PULSAR = re.compile(r"pulsar clients: (\S+)")
 
 
 class BrokerProcess:
@@ -38,6 +39,7 @@ class BrokerProcess:
         self.env = env
         self.open_files = open_files  # a hard limit of open files for the child (tests)
         self.url: str | None = None
+        self.pulsar_url: str | None = None  # pulsar://host:port, with --pulsar-port
         self.proc: subprocess.Popen[str] | None = None
         self.stderr_tail: deque[str] = deque(maxlen=200)
         self.stdout_lines: list[str] = []  # what the broker printed (its start banner)
@@ -46,8 +48,13 @@ class BrokerProcess:
         return f"BrokerProcess(data_dir={str(self.data_dir)!r}, url={self.url!r})"
 
     def start(self, timeout: float = 60.0) -> Self:
+        # the Pulsar listener only where asked for (--pulsar-port): a fixed default port
+        # would collide between brokers started side by side
+        pulsar = [] if any(a.startswith("--pulsar-port") for a in self.args) \
+            else ["--pulsar-port", "0"]
         cmd = [sys.executable, "-m", "tierstream", "broker", "start", "--data-dir",
-               str(self.data_dir), "--host", self.host, "--port", str(self.port), *self.args]
+               str(self.data_dir), "--host", self.host, "--port", str(self.port), *pulsar,
+               *self.args]
         env = {**os.environ, **(self.env or {})}
         limit = self.open_files
 
@@ -66,6 +73,9 @@ class BrokerProcess:
             assert self.proc is not None and self.proc.stdout is not None
             for line in self.proc.stdout:
                 self.stdout_lines.append(line)
+                p = _PULSAR.search(line)
+                if p:
+                    self.pulsar_url = p.group(1)
                 m = _READY.search(line)
                 if m and not ready.is_set():
                     self.url = m.group(1)

@@ -27,15 +27,18 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
                auth_token: str | None = None, ready: Any = None, tls_cert: str | None = None,
                tls_key: str | None = None, bookie_endpoints: bool = True,
                advertised_address: str | None = None, bookie_port_base: int = 0,
-               metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> None:
+               metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
+               pulsar_port: int = 0) -> None:
     """Open the store, serve until SIGTERM/SIGINT, then shut down cleanly (main thread only).
 
     With ``bookie_endpoints`` (the default) every bookie also serves its sealed ledgers on an
     endpoint of its own (port ``bookie_port_base + i`` for bookie i, or any free port when it
     is 0; same host, token and TLS), registered in metadata under ``advertised_address`` (the
     host readers on other machines use) or ``host``. With ``metrics_port``, Prometheus
-    metrics are served there (``broker/metrics.py``; 0: any free port). ``ready`` is called
-    with the broker URL (and the metrics URL, or None) once it accepts calls.
+    metrics are served there (``broker/metrics.py``; 0: any free port). With ``pulsar_port``
+    (0: off), Pulsar clients are served there (``pulsar_protocol/server.py``). ``ready`` is
+    called with the broker URL, the metrics URL (or None) and the Pulsar URL (or None) once
+    it accepts calls.
     """
     # checked before anything opens; the servers check (and warn) again as they bind
     server_tls(tls_cert, tls_key)  # both or neither, readable
@@ -44,6 +47,13 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
         raise ConfigError(f"invalid port {port!r}: expected 0..65535 (0: any free port)")
     if port != 0:
         _check_port_free(host, port)
+    if isinstance(pulsar_port, bool) or not 0 <= pulsar_port <= 65535:
+        raise ConfigError(f"invalid --pulsar-port {pulsar_port!r}: expected 0..65535 (0: off)")
+    if pulsar_port and tls_cert is not None:
+        log.warning("the Pulsar listener does not speak TLS yet: it stays off with --tls-cert")
+        pulsar_port = 0
+    if pulsar_port:
+        _check_port_free(host, pulsar_port)
     bookie_ports = [bookie_port_base + i if bookie_port_base else 0
                     for i in range(config.bookies)] if bookie_endpoints else []
     if bookie_ports and bookie_port_base and not (bookie_port_base > 0
@@ -62,7 +72,7 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
     _raise_file_limit()
     store = Store(config)
     endpoints: list[Any] = []
-    metrics = None
+    metrics = pulsar = None
     try:
         broker = Broker(store, host=host, port=port, auth_token=auth_token,
                         tls_cert=tls_cert, tls_key=tls_key)
@@ -75,7 +85,14 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
             metrics = MetricsServer(store, broker.subscriptions, broker.streams, broker.lags,
                                     host=metrics_host, port=metrics_port, tls_cert=tls_cert,
                                     tls_key=tls_key)
+        if pulsar_port:
+            from tierstream.pulsar_protocol.server import PulsarServer
+
+            pulsar = PulsarServer(store, host=host, port=pulsar_port,
+                                  advertised=advertised_address, auth_token=auth_token)
     except BaseException:
+        if metrics is not None:
+            metrics.shutdown()
         for endpoint in endpoints:
             endpoint.shutdown()
         store.close()
@@ -83,12 +100,15 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
     with stop_requested() as stop:
         try:
             if ready is not None:
-                ready(broker.url, None if metrics is None else metrics.url)
+                ready(broker.url, None if metrics is None else metrics.url,
+                      None if pulsar is None else pulsar.url)
             while not stop.wait(0.5):
                 pass
         finally:
             log.info("broker shutting down")
             store.closing.set()  # ends tail streams so that shutdown does not wait on them
+            if pulsar is not None:
+                pulsar.shutdown()
             broker.shutdown()
             if metrics is not None:
                 metrics.shutdown()

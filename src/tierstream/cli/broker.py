@@ -18,7 +18,7 @@ from tierstream.cli.common import (
     bookie_app,
     broker_app,
 )
-from tierstream.options import DEFAULT_DATA_DIR, DEFAULT_PORT, OPTIONS
+from tierstream.options import DEFAULT_DATA_DIR, DEFAULT_PORT, DEFAULT_PULSAR_PORT, OPTIONS
 
 
 def _help(key: str) -> str:
@@ -42,6 +42,10 @@ def broker_start(
     bookie_port_base: Annotated[int, typer.Option(
         help="Bookie i's endpoint listens on this port + i (0: any free port, chosen at each "
              "start).")] = 0,
+    pulsar_port: Annotated[int, typer.Option(
+        help="Serve Pulsar's binary protocol here, for Pulsar clients (pulsar://HOST:PORT; "
+             "0: off; off with --tls-cert, which it does not speak yet).")]
+        = DEFAULT_PULSAR_PORT,
     metrics_port: Annotated[int | None, typer.Option(
         help="Serve Prometheus metrics on this port (0: any free port) [default: off].",
         show_default=False)] = None,
@@ -112,18 +116,20 @@ def broker_start(
         "autoScaleRate": auto_scale_rate, "autoScaleWindow": auto_scale_window,
     })
 
-    def ready(url: str, metrics_url: str | None) -> None:
+    def ready(url: str, metrics_url: str | None, pulsar_url: str | None) -> None:
         policy = _offload_policy(config)
         if policy:  # before the line that says it is ready: all of the banner is out then
             print(policy, flush=True)
         if metrics_url:
             print(f"metrics: {metrics_url}", flush=True)
+        if pulsar_url:
+            print(f"pulsar clients: {pulsar_url}", flush=True)
         print(f"tierstream broker listening on {url} (data dir {config.data_dir})", flush=True)
 
     run_broker(config, host=host, port=port, auth_token=auth_token, ready=ready,
                tls_cert=tls_cert, tls_key=tls_key, bookie_endpoints=bookie_endpoints,
                advertised_address=advertised_address, bookie_port_base=bookie_port_base,
-               metrics_port=metrics_port, metrics_host=metrics_host)
+               metrics_port=metrics_port, metrics_host=metrics_host, pulsar_port=pulsar_port)
 
 
 @bookie_app.command("serve")

@@ -1,0 +1,266 @@
+"""Pulsar's wire protocol, part 1, with the real pulsar-client wheel as the oracle: connect,
+look up, produce; what Pulsar clients write is what tierstream's readers read."""
+
+from __future__ import annotations
+
+import random
+import socket
+import struct
+from typing import Any
+
+import pulsar
+import pytest
+
+from tierstream.broker.process import BrokerProcess
+from tierstream.client import Admin, read
+from tierstream.pulsar_protocol import key_router
+from tierstream.pulsar_protocol import pulsar_api_pb2 as api
+from tierstream.pulsar_protocol.frames import command_frame
+from tierstream.splits.positions import Offset
+
+from ..timing import scaled
+
+COMPRESSIONS = [pulsar.CompressionType.NONE, pulsar.CompressionType.LZ4,
+                pulsar.CompressionType.ZLib, pulsar.CompressionType.ZSTD,
+                pulsar.CompressionType.SNAPPY]
+
+
+@pytest.fixture
+def pulsar_broker(start_broker, free_port) -> BrokerProcess:
+    broker: BrokerProcess = start_broker("--pulsar-port", str(free_port))
+    assert broker.pulsar_url == f"pulsar://127.0.0.1:{free_port}"
+    return broker
+
+
+def _client(broker: BrokerProcess) -> Any:
+    return pulsar.Client(broker.pulsar_url, operation_timeout_seconds=int(scaled(15)),
+                         logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Warn))
+
+
+def _rows(broker: BrokerProcess, topic: str) -> list[dict[str, Any]]:
+    return [r for b in read(topic, broker=broker.url, end=Offset.latest())
+            for r in b.to_pylist()]
+
+
+def test_batched_and_single_sends_with_every_compression_are_read_as_sent(
+        pulsar_broker: BrokerProcess) -> None:
+    topic = "acme/web/pulsar"
+    with Admin(pulsar_broker.url) as admin:
+        admin.create_topic(topic, 4)
+    client = _client(pulsar_broker)
+    sent: dict[str, tuple[str, dict[str, str], int]] = {}
+    ids: dict[str, Any] = {}
+    try:
+        for c, compression in enumerate(COMPRESSIONS):
+            for batching in (True, False):
+                producer = client.create_producer(
+                    f"persistent://{topic}", compression_type=compression,
+                    batching_enabled=batching, message_router=key_router)
+                for i in range(120 if batching else 12):
+                    value = f"{c}-{batching}-{i}-" + "x" * (i % 50)
+                    key, props, event = f"user-{i % 13}", {"i": str(i)}, 1_000 + i
+                    sent[value] = (key, props, event)
+
+                    def done(result: Any, message_id: Any, value: str = value) -> None:
+                        ids[value] = (result, message_id)
+
+                    producer.send_async(value.encode(), done, partition_key=key,
+                                        properties=props, event_timestamp=event)
+                producer.flush()
+                producer.close()
+    finally:
+        client.close()
+    assert {str(r) for r, _ in ids.values()} == {"Result.Ok"} and len(ids) == len(sent)
+    rows = _rows(pulsar_broker, topic)
+    assert sorted(r["value"].decode() for r in rows) == sorted(sent)  # each exactly once
+    for r in rows:
+        value = r["value"].decode()
+        key, props, event = sent[value]
+        assert (r["key"], dict(r["properties"]), r["event_time"]) == (key, props, event)
+        mid = ids[value][1]  # the receipt's id is tierstream's position
+        assert (mid.ledger_id(), mid.entry_id(), mid.partition()) == (
+            r["segment_id"], r["entry_id"], r["partition"])
+        assert mid.batch_index() in (r["batch_index"], -1)
+
+
+def test_short_names_are_created_in_public_default_and_non_persistent_is_refused(
+        pulsar_broker: BrokerProcess) -> None:
+    client = _client(pulsar_broker)
+    try:
+        producer = client.create_producer("orders")
+        message_id = producer.send(b"hello", partition_key="k")
+        with pytest.raises(Exception, match="NotAllowed"):
+            client.create_producer("non-persistent://public/default/orders")
+    finally:
+        client.close()
+    rows = _rows(pulsar_broker, "public/default/orders")
+    assert [(r["value"], r["key"]) for r in rows] == [(b"hello", "k")]
+    assert (message_id.ledger_id(), message_id.entry_id(), message_id.partition()) == (
+        rows[0]["segment_id"], rows[0]["entry_id"], -1)
+
+
+def test_a_named_producer_resumes_after_its_last_stored_sequence_id(
+        pulsar_broker: BrokerProcess) -> None:
+    client = _client(pulsar_broker)
+    try:
+        first = client.create_producer("public/default/named", producer_name="importer")
+        for i in range(10):
+            first.send(f"m{i}".encode())
+        first.close()
+        again = client.create_producer("public/default/named", producer_name="importer")
+        assert again.last_sequence_id() == 9  # PRODUCER_SUCCESS says where it stopped
+        again.send(b"m3", sequence_id=3)  # a replay of a stored one: not stored again
+        again.send(b"m10")
+        again.close()
+    finally:
+        client.close()
+    values = [r["value"] for r in _rows(pulsar_broker, "public/default/named")]
+    assert values == [f"m{i}".encode() for i in range(11)]
+
+
+def test_a_key_routed_elsewhere_than_tierstream_routes_it_is_refused(
+        pulsar_broker: BrokerProcess) -> None:
+    """Each key lives in one partition for every tierstream reader: a Pulsar producer whose
+    router puts a key elsewhere is refused, and nothing of it is stored."""
+    with Admin(pulsar_broker.url) as admin:
+        admin.create_topic("acme/web/routed", 4)
+    client = _client(pulsar_broker)
+    try:
+        producer = client.create_producer("persistent://acme/web/routed",
+                                          batching_enabled=False,
+                                          message_router=lambda m, n: 0)
+        refused = 0
+        for i in range(50):  # some of these keys belong to another partition than 0
+            try:
+                producer.send(b"v", partition_key=f"k{i}")
+            except Exception as exc:  # answered at once, the connection kept
+                assert "Checksum" in str(exc), exc
+                refused += 1
+        assert 0 < refused < 50
+    finally:
+        client.close()
+    stored = _rows(pulsar_broker, "acme/web/routed")
+    assert all(r["partition"] == 0 for r in stored)
+    from tierstream.message_format import key_hash
+
+    assert all(key_hash(r["key"]) % 4 == 0 for r in stored)
+
+
+def _frame_with_payload(command: api.BaseCommand, payload: bytes, *, checksum: int) -> bytes:
+    data = command.SerializeToString()
+    meta = api.MessageMetadata(producer_name="p", sequence_id=0, publish_time=1)
+    meta_bytes = meta.SerializeToString()
+    rest = struct.pack(">I", len(meta_bytes)) + meta_bytes + payload
+    body = struct.pack(">I", len(data)) + data + struct.pack(">HI", 0x0E01, checksum) + rest
+    return struct.pack(">I", len(body)) + body
+
+
+def test_malformed_frames_are_answered_or_dropped_and_the_broker_serves_on(
+        pulsar_broker: BrokerProcess) -> None:
+    host, port = pulsar_broker.pulsar_url.removeprefix("pulsar://").rsplit(":", 1)
+    rng = random.Random(7)
+    connect = command_frame(api.BaseCommand(type=api.BaseCommand.CONNECT,
+                                            connect=api.CommandConnect(client_version="t",
+                                                                       protocol_version=20)))
+    producer = command_frame(api.BaseCommand(
+        type=api.BaseCommand.PRODUCER, producer=api.CommandProducer(
+            topic="public/default/fuzz", producer_id=1, request_id=1)))
+    bad_checksum = _frame_with_payload(api.BaseCommand(
+        type=api.BaseCommand.SEND, send=api.CommandSend(producer_id=1, sequence_id=0)),
+        b"payload", checksum=12345)
+    cases = [bad_checksum, struct.pack(">I", 10) + b"\x00" * 3,  # truncated
+             struct.pack(">I", 64 * 1024 * 1024),  # over the maximum
+             command_frame(api.BaseCommand(type=api.BaseCommand.SUBSCRIBE))]  # not yet
+    cases += [bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 200)))
+              for _ in range(30)]
+    answers = []
+    for case in cases:
+        with socket.create_connection((host, int(port)), timeout=scaled(5)) as sock:
+            sock.sendall(connect + producer + case)
+            sock.shutdown(socket.SHUT_WR)
+            data = b""
+            try:
+                while chunk := sock.recv(65536):
+                    data += chunk
+            except OSError:
+                pass
+            answers.append(data)
+    assert b"checksum mismatch" in answers[0]  # SEND_ERROR ChecksumError, nothing stored
+    assert all(b"tierstream-" in a for a in answers)  # each got CONNECTED at least
+    assert pulsar_broker.proc is not None and pulsar_broker.proc.poll() is None
+    client = _client(pulsar_broker)  # the broker is unharmed
+    try:
+        client.create_producer("public/default/fuzz").send(b"after")
+    finally:
+        client.close()
+    assert [r["value"] for r in _rows(pulsar_broker, "public/default/fuzz")] == [b"after"]
+
+
+def test_a_producer_across_a_broker_sigkill_stores_every_acknowledged_message_once(
+        start_broker, free_port, tmp_path) -> None:
+    """10,000 messages from a named, batching Pulsar producer while the broker is SIGKILLed
+    and restarted: the client resends what was not acknowledged (same sequence ids), the
+    broker de-duplicates by producer name and sequence id, so everything acknowledged is
+    stored exactly once."""
+    import threading
+
+    broker: BrokerProcess = start_broker("--pulsar-port", str(free_port))
+    client = _client(broker)
+    acked: list[str] = []
+    failed: list[str] = []
+    try:
+        producer = client.create_producer("public/default/kill", producer_name="importer",
+                                          batching_enabled=True,
+                                          batching_max_publish_delay_ms=5,
+                                          block_if_queue_full=True,
+                                          send_timeout_millis=int(scaled(60) * 1000))
+        lock = threading.Lock()
+
+        def done(result: Any, _: Any, value: str) -> None:
+            with lock:
+                (acked if str(result) == "Result.Ok" else failed).append(value)
+
+        for i in range(10_000):
+            producer.send_async(f"m{i}".encode(), lambda r, m, v=f"m{i}": done(r, m, v))
+            if i == 4_000:
+                broker.kill()
+                broker = start_broker("--pulsar-port", str(free_port))
+        producer.flush()
+    finally:
+        client.close()
+    assert not failed and len(acked) == 10_000
+    values = [r["value"].decode() for r in _rows(broker, "public/default/kill")]
+    assert sorted(values) == sorted(acked)  # every acknowledged message, each once
+
+
+def test_a_token_is_checked_and_a_wrong_one_refused(start_broker, free_port) -> None:
+    broker: BrokerProcess = start_broker("--pulsar-port", str(free_port),
+                                         "--auth-token", "s3cret")
+    good = pulsar.Client(broker.pulsar_url, authentication=pulsar.AuthenticationToken("s3cret"),
+                         operation_timeout_seconds=int(scaled(15)))
+    try:
+        good.create_producer("public/default/secured").send(b"in")
+    finally:
+        good.close()
+    bad = pulsar.Client(broker.pulsar_url, authentication=pulsar.AuthenticationToken("nope"),
+                        operation_timeout_seconds=int(scaled(5)))
+    try:
+        with pytest.raises(Exception, match=r"Authentication|Connect|TimeOut"):
+            bad.create_producer("public/default/secured")
+    finally:
+        bad.close()
+
+
+def test_the_readme_example_runs(pulsar_broker: BrokerProcess) -> None:
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text[text.index("## Pulsar clients"):]
+    block = re.search(r"```python\n(.*?)```", section, re.S)
+    assert block
+    exec(block.group(1).replace("pulsar://127.0.0.1:6650", pulsar_broker.pulsar_url or ""),
+         {})
+    rows = _rows(pulsar_broker, "acme/web/clicks")
+    assert [(r["value"], r["key"], dict(r["properties"])) for r in rows] == [
+        (b"click", "user-1", {"page": "/"})]
