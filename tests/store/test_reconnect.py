@@ -157,6 +157,18 @@ def test_reconnect_timeout_is_an_option() -> None:
         parse_options({"reconnectTimeout": "soon"}, scope="client")
 
 
+def _receiver(consumer: Any, into: list[str]) -> Any:
+    """``receive(timeout)`` of ``consumer`` that adds the values it got to ``into`` and says
+    whether anything came."""
+    def receive(timeout: float) -> bool:
+        batch = consumer.receive(timeout=timeout)
+        if batch is not None:
+            into.extend(v.decode() for v in batch.column("value").to_pylist())
+        return batch is not None
+
+    return receive
+
+
 def _held_then_crash(start_broker, free_port, mode: str = "key_shared", name: str = "a"
                      ) -> tuple[BrokerProcess, Any, list[Any]]:
     """A broker, a consumer ``name`` of ``mode`` holding all 200 messages of a one-partition
@@ -198,13 +210,7 @@ def test_an_ack_whose_messages_the_restarted_broker_gave_another_consumer_says_s
                  broker=broker.url)
     try:
         got_b: list[str] = []
-
-        def receive_b(timeout: float) -> bool:
-            batch = b.receive(timeout=timeout)
-            if batch is not None:
-                got_b.extend(v.decode() for v in batch.column("value").to_pylist())
-            return batch is not None
-
+        receive_b = _receiver(b, got_b)
         wait_for(lambda: receive_b(0.1), timeout=scaled(30),
                  what="consumer b to get some of a's messages")
         doubted = 0
@@ -251,13 +257,7 @@ def test_a_cumulative_ack_whose_messages_a_failover_standby_got_after_a_crash_sa
                  broker=broker.url)
     try:
         got_a: list[str] = []
-
-        def receive_a(timeout: float) -> bool:
-            batch = a.receive(timeout=timeout)
-            if batch is not None:
-                got_a.extend(v.decode() for v in batch.column("value").to_pylist())
-            return batch is not None
-
+        receive_a = _receiver(a, got_a)
         wait_for(lambda: receive_a(0.1), timeout=scaled(30),
                  what="consumer a to get some of z's messages")
         with pytest.raises(tierstream.AckInDoubtError) as raised:

@@ -333,14 +333,8 @@ class Consumer:
                 self._acking[partition].pop(ack_id, None)
                 if not settled:
                     self._put_in_doubt(partition, batch)
-        doubt = int((answer or {}).get("in_doubt") or 0)
-        if doubt:
-            raise AckInDoubtError(
-                f"consumer {self.name}: its connection to the broker was lost before this ack "
-                f"of {batch.num_rows} message(s) of {self.topic!r} partition {partition} was "
-                f"stored; it is stored now, but {doubt} of them may have been delivered to "
-                f"another consumer of {self.subscription!r} meanwhile (they may be processed "
-                "twice)", messages=doubt)
+        self._raise_if_in_doubt(answer, f"this ack of {batch.num_rows} message(s) of "
+                                        f"{self.topic!r} partition {partition}")
 
     def _put_in_doubt(self, partition: int, batch: pa.RecordBatch) -> None:
         """``batch``'s positions may come again from the broker: drop them then (lock held)."""
@@ -377,14 +371,17 @@ class Consumer:
                                        {**body, "retry": late or attempts[0] > 1})
 
         answer = with_reconnect(send, what=f"ack_cumulative of {self.name}")
+        self._raise_if_in_doubt(answer, f"this cumulative ack up to {pos} of {self.topic!r}")
+
+    def _raise_if_in_doubt(self, answer: Any, what: str) -> None:
+        """AckInDoubtError if the broker says the ack's messages may have gone elsewhere."""
         doubt = int((answer or {}).get("in_doubt") or 0)
         if doubt:
             raise AckInDoubtError(
-                f"consumer {self.name}: its connection to the broker was lost before this "
-                f"cumulative ack up to {pos} of {self.topic!r} was stored; it is stored now, "
-                f"but {doubt} message(s) before it may have been delivered to another "
-                f"consumer of {self.subscription!r} meanwhile (they may be processed twice)",
-                messages=doubt)
+                f"consumer {self.name}: its connection to the broker was lost before {what} "
+                f"was stored; it is stored now, but {doubt} of its message(s) may have been "
+                f"delivered to another consumer of {self.subscription!r} meanwhile (they may "
+                "be processed twice)", messages=doubt)
 
     def nack(self, batch: pa.RecordBatch) -> None:
         """Have the messages of ``batch`` delivered again after ``nack_delay`` (their
