@@ -264,3 +264,21 @@ def test_the_readme_example_runs(pulsar_broker: BrokerProcess) -> None:
     rows = _rows(pulsar_broker, "acme/web/clicks")
     assert [(r["value"], r["key"], dict(r["properties"])) for r in rows] == [
         (b"click", "user-1", {"page": "/"})]
+
+
+def test_a_pulsar_port_in_use_is_one_line_naming_the_option(tmp_path, free_port) -> None:
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", free_port))
+        taken.listen()
+        proc = subprocess.run([sys.executable, "-m", "tierstream", "broker", "start",
+                               "--data-dir", str(tmp_path / "d"), "--port", "0",
+                               "--pulsar-port", str(free_port)],
+                              capture_output=True, text=True, timeout=scaled(60))
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        f"error: cannot listen on 127.0.0.1:{free_port}")
+    assert "--pulsar-port" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "d").exists()  # nothing half-created

@@ -53,7 +53,11 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
         log.warning("the Pulsar listener does not speak TLS yet: it stays off with --tls-cert")
         pulsar_port = 0
     if pulsar_port:
-        _check_port_free(host, pulsar_port)
+        try:
+            _check_port_free(host, pulsar_port)
+        except (ConflictError, ConfigError) as exc:
+            raise type(exc)(f"{exc} (the Pulsar listener: give --pulsar-port another port, "
+                            "or 0 for none)") from None
     bookie_ports = [bookie_port_base + i if bookie_port_base else 0
                     for i in range(config.bookies)] if bookie_endpoints else []
     if bookie_ports and bookie_port_base and not (bookie_port_base > 0
