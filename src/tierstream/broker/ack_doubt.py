@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection
 import numpy as np
 
 from tierstream.broker.cursor_state import CursorState
-from tierstream.broker.read_window import DELAYED, DELIVERED, WAITING, ReadWindow
+from tierstream.broker.read_window import DELAYED, DELIVERED, WAITING, Chunk, ReadWindow
 from tierstream.splits.positions import Position
 
 __all__ = ["LoadedCursor", "cumulative_in_doubt", "in_doubt"]
@@ -55,12 +55,8 @@ def in_doubt(window: ReadWindow, loaded: LoadedCursor, mine: Collection[int],
         row = -1 if chunk is None else b - chunk.bi0
         if chunk is None or not 0 <= row < chunk.n:
             doubt += pos < window.read_pos  # read, and acknowledged since
-        elif chunk.open == 0:
-            doubt += 1  # the entry's every message was acknowledged since
         else:
-            state = int(chunk.state[row])
-            held = state in (DELIVERED, DELAYED) and int(chunk.owner[row]) in mine
-            doubt += not (state == WAITING or held)
+            doubt += _sent_elsewhere(chunk, row, mine)
     return doubt
 
 
@@ -79,14 +75,18 @@ def cumulative_in_doubt(window: ReadWindow, loaded: LoadedCursor, mine: Collecti
     for chunk in window.chunks:
         if chunk.position(0) >= end:
             break
-        upto = chunk.n if chunk.after() <= end else max(0, end.batch_index - chunk.bi0)
-        for row in range(upto):
-            if loaded.covers(chunk.position(row)):
-                continue
-            if chunk.open == 0:
-                doubt += 1  # acknowledged since the load, the entry's every message
-                continue
-            state = int(chunk.state[row])
-            held = state in (DELIVERED, DELAYED) and int(chunk.owner[row]) in mine
-            doubt += not (state == WAITING or held)
+        for row in range(chunk.count_before(end)):
+            if not loaded.covers(chunk.position(row)):
+                doubt += _sent_elsewhere(chunk, row, mine)
     return doubt
+
+
+def _sent_elsewhere(chunk: Chunk, row: int, mine: Collection[int]) -> bool:
+    """Whether a message in the window, not acknowledged in the loaded cursor, may have gone
+    to another consumer: acknowledged since the load (its whole entry, or it alone), or held
+    by another; not when waiting or held by the acking consumer."""
+    if chunk.open == 0:
+        return True  # the entry's every message was acknowledged since
+    state = int(chunk.state[row])
+    held = state in (DELIVERED, DELAYED) and int(chunk.owner[row]) in mine
+    return not (state == WAITING or held)

@@ -350,8 +350,7 @@ class Dispatcher:
                 break
             if not chunk.open:
                 continue
-            upto = chunk.n if chunk.after() <= end else max(0, end.batch_index - chunk.bi0)
-            rows = np.flatnonzero(chunk.state[:upto] != ACKED)
+            rows = np.flatnonzero(chunk.state[:chunk.count_before(end)] != ACKED)
             self._ack_rows(chunk, rows, name)
         if end > self.window.read_pos:
             self.window.ack_ahead(self.window.read_pos, end)

@@ -62,6 +62,11 @@ class Chunk:
         """The position right after this chunk's last message."""
         return Position.known(self.partition, self.segment_id, self.entry_id, self.bi0 + self.n)
 
+    def count_before(self, end: Position) -> int:
+        """How many of this chunk's messages lie before ``end`` (a position at or after its
+        first)."""
+        return self.n if self.after() <= end else max(0, end.batch_index - self.bi0)
+
     def take(self, rows: np.ndarray) -> pa.RecordBatch:
         """``rows`` as a consumer receives them: with their redelivery counts."""
         assert self.batch is not None

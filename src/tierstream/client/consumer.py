@@ -320,8 +320,7 @@ class Consumer:
             # a resent ack, or one of messages from a connection lost since (the broker
             # may have sent them to another consumer), asks which messages are in doubt
             attempts[0] += 1
-            late = attempts[0] > 1 or self._attaching[partition] \
-                or int(batch.schema.metadata[_EPOCH]) != self._epoch[partition]
+            late = attempts[0] > 1 or self._from_lost_connection(batch, partition)
             return self._client.action("ack", {**body, "retry": late})
 
         try:
@@ -360,9 +359,8 @@ class Consumer:
                            b.column("entry_id")[i].as_py(), b.column("batch_index")[i].as_py())
         body = {"topic": self.topic, "subscription": self.subscription, "consumer": self.name,
                 "position": pos.to_dict()}
-        late = isinstance(batch_or_position, pa.RecordBatch) and (
-            self._attaching.get(pos.partition, False)
-            or int(batch_or_position.schema.metadata[_EPOCH]) != self._epoch[pos.partition])
+        late = isinstance(batch_or_position, pa.RecordBatch) \
+            and self._from_lost_connection(batch_or_position, pos.partition)
         attempts = [0]
 
         def send() -> Any:  # as ack(): a resent ack asks what is in doubt
@@ -372,6 +370,11 @@ class Consumer:
 
         answer = with_reconnect(send, what=f"ack_cumulative of {self.name}")
         self._raise_if_in_doubt(answer, f"this cumulative ack up to {pos} of {self.topic!r}")
+
+    def _from_lost_connection(self, batch: pa.RecordBatch, partition: int) -> bool:
+        """Whether ``batch`` came on a connection to ``partition`` that is gone (or going)."""
+        return self._attaching.get(partition, False) \
+            or int(batch.schema.metadata[_EPOCH]) != self._epoch[partition]
 
     def _raise_if_in_doubt(self, answer: Any, what: str) -> None:
         """AckInDoubtError if the broker says the ack's messages may have gone elsewhere."""
