@@ -13,8 +13,8 @@ import crc32c
 from tierstream.errors import ProtocolError
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 
-__all__ = ["MAX_FRAME_SIZE", "MAX_MESSAGE_SIZE", "Frame", "command_frame", "parse_frame",
-           "read_frame_size"]
+__all__ = ["MAX_FRAME_SIZE", "MAX_MESSAGE_SIZE", "BadPayload", "Frame", "command_frame",
+           "parse_frame", "read_frame_size"]
 
 #: what CONNECTED advertises as max_message_size (Pulsar's default, 5 MiB)
 MAX_MESSAGE_SIZE = 5 * 1024 * 1024
@@ -23,6 +23,14 @@ MAX_FRAME_SIZE = MAX_MESSAGE_SIZE + 10 * 1024
 
 _CHECKSUM_MAGIC = 0x0E01
 _ENTRY_METADATA_MAGIC = 0x0E02
+
+
+class BadPayload(ProtocolError):
+    """A frame whose command was read but whose payload was not (``command`` says whose)."""
+
+    def __init__(self, message: str, command: api.BaseCommand) -> None:
+        super().__init__(message)
+        self.command = command
 
 
 @dataclass
@@ -54,6 +62,13 @@ def parse_frame(body: bytes) -> Frame:
     rest = memoryview(body)[4 + cmd_size:]
     if not rest:
         return Frame(command)
+    try:
+        return _with_payload(command, rest)
+    except ProtocolError as exc:
+        raise BadPayload(str(exc), command) from None
+
+
+def _with_payload(command: api.BaseCommand, rest: memoryview) -> Frame:
     at = 0
     if len(rest) >= 2 and struct.unpack_from(">H", rest, 0)[0] == _ENTRY_METADATA_MAGIC:
         (size,) = struct.unpack_from(">I", rest, 2)

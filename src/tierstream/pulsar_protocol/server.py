@@ -20,7 +20,6 @@ import logging
 import queue
 import socket
 import socketserver
-import struct
 import threading
 from typing import Any
 
@@ -39,6 +38,7 @@ from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.pulsar_protocol.frames import (
     MAX_FRAME_SIZE,
     MAX_MESSAGE_SIZE,
+    BadPayload,
     command_frame,
     parse_frame,
     read_frame_size,
@@ -140,8 +140,13 @@ class _Connection:
                     return
                 try:
                     frame = parse_frame(body)
+                except BadPayload as exc:  # answered where it names a producer
+                    log.warning("pulsar client %s: %s", self.peer, exc)
+                    if exc.command.type == _Cmd.SEND and exc.command.HasField("send"):
+                        self._send_error(exc.command.send, api.ChecksumError, str(exc))
+                    continue
                 except ProtocolError as exc:
-                    self._malformed(body, exc)
+                    log.warning("pulsar client %s: %s", self.peer, exc)
                     continue
                 self._dispatch(frame)
         except OSError as exc:
@@ -166,19 +171,6 @@ class _Connection:
         data = command_frame(command)
         with self._send_lock:
             self.sock.sendall(data)
-
-    def _malformed(self, body: bytes, exc: ProtocolError) -> None:
-        """A frame that could not be read: answered where it names a producer (SEND with a
-        bad checksum), logged always."""
-        log.warning("pulsar client %s: %s", self.peer, exc)
-        command = api.BaseCommand()
-        try:
-            (size,) = struct.unpack_from(">I", body, 0)
-            command.ParseFromString(body[4:4 + size])
-        except Exception:
-            return
-        if command.type == _Cmd.SEND and command.HasField("send"):
-            self._send_error(command.send, api.ChecksumError, str(exc))
 
     # -- commands -----------------------------------------------------------------------------
 
