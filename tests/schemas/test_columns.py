@@ -57,7 +57,8 @@ def _both(batch: pa.RecordBatch, versions: list[SchemaInfo], mode: str) -> None:
     assert kind == ref_kind, (fast, ref)
     if kind == "ok":
         assert fast.schema == ref.schema
-        assert fast.to_pylist() == ref.to_pylist()
+        # a corrupted double may decode to NaN, which is not equal to itself: compare the text
+        assert repr(fast.to_pylist()) == repr(ref.to_pylist())
         assert fast_dropped == ref_dropped
     else:
         assert fast == ref
