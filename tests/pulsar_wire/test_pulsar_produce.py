@@ -13,34 +13,17 @@ import pulsar
 import pytest
 
 from tierstream.broker.process import BrokerProcess
-from tierstream.client import Admin, read
+from tierstream.client import Admin
 from tierstream.pulsar_protocol import key_router
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.pulsar_protocol.frames import command_frame
-from tierstream.splits.positions import Offset
 
 from ..timing import scaled
+from .helpers import client_of, own_properties, rows_of
 
 COMPRESSIONS = [pulsar.CompressionType.NONE, pulsar.CompressionType.LZ4,
                 pulsar.CompressionType.ZLib, pulsar.CompressionType.ZSTD,
                 pulsar.CompressionType.SNAPPY]
-
-
-@pytest.fixture
-def pulsar_broker(start_broker, free_port) -> BrokerProcess:
-    broker: BrokerProcess = start_broker("--pulsar-port", str(free_port))
-    assert broker.pulsar_url == f"pulsar://127.0.0.1:{free_port}"
-    return broker
-
-
-def _client(broker: BrokerProcess) -> Any:
-    return pulsar.Client(broker.pulsar_url, operation_timeout_seconds=int(scaled(15)),
-                         logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Warn))
-
-
-def _rows(broker: BrokerProcess, topic: str) -> list[dict[str, Any]]:
-    return [r for b in read(topic, broker=broker.url, end=Offset.latest())
-            for r in b.to_pylist()]
 
 
 def test_batched_and_single_sends_with_every_compression_are_read_as_sent(
@@ -48,7 +31,7 @@ def test_batched_and_single_sends_with_every_compression_are_read_as_sent(
     topic = "acme/web/pulsar"
     with Admin(pulsar_broker.url) as admin:
         admin.create_topic(topic, 4)
-    client = _client(pulsar_broker)
+    client = client_of(pulsar_broker)
     sent: dict[str, tuple[str, dict[str, str], int]] = {}
     ids: dict[str, Any] = {}
     try:
@@ -72,12 +55,12 @@ def test_batched_and_single_sends_with_every_compression_are_read_as_sent(
     finally:
         client.close()
     assert {str(r) for r, _ in ids.values()} == {"Result.Ok"} and len(ids) == len(sent)
-    rows = _rows(pulsar_broker, topic)
+    rows = rows_of(pulsar_broker, topic)
     assert sorted(r["value"].decode() for r in rows) == sorted(sent)  # each exactly once
     for r in rows:
         value = r["value"].decode()
         key, props, event = sent[value]
-        assert (r["key"], dict(r["properties"]), r["event_time"]) == (key, props, event)
+        assert (r["key"], own_properties(r), r["event_time"]) == (key, props, event)
         mid = ids[value][1]  # the receipt's id is tierstream's position
         assert (mid.ledger_id(), mid.entry_id(), mid.partition()) == (
             r["segment_id"], r["entry_id"], r["partition"])
@@ -86,7 +69,7 @@ def test_batched_and_single_sends_with_every_compression_are_read_as_sent(
 
 def test_short_names_are_created_in_public_default_and_non_persistent_is_refused(
         pulsar_broker: BrokerProcess) -> None:
-    client = _client(pulsar_broker)
+    client = client_of(pulsar_broker)
     try:
         producer = client.create_producer("orders")
         message_id = producer.send(b"hello", partition_key="k")
@@ -94,7 +77,7 @@ def test_short_names_are_created_in_public_default_and_non_persistent_is_refused
             client.create_producer("non-persistent://public/default/orders")
     finally:
         client.close()
-    rows = _rows(pulsar_broker, "public/default/orders")
+    rows = rows_of(pulsar_broker, "public/default/orders")
     assert [(r["value"], r["key"]) for r in rows] == [(b"hello", "k")]
     assert (message_id.ledger_id(), message_id.entry_id(), message_id.partition()) == (
         rows[0]["segment_id"], rows[0]["entry_id"], -1)
@@ -102,7 +85,7 @@ def test_short_names_are_created_in_public_default_and_non_persistent_is_refused
 
 def test_a_named_producer_resumes_after_its_last_stored_sequence_id(
         pulsar_broker: BrokerProcess) -> None:
-    client = _client(pulsar_broker)
+    client = client_of(pulsar_broker)
     try:
         first = client.create_producer("public/default/named", producer_name="importer")
         for i in range(10):
@@ -115,7 +98,7 @@ def test_a_named_producer_resumes_after_its_last_stored_sequence_id(
         again.close()
     finally:
         client.close()
-    values = [r["value"] for r in _rows(pulsar_broker, "public/default/named")]
+    values = [r["value"] for r in rows_of(pulsar_broker, "public/default/named")]
     assert values == [f"m{i}".encode() for i in range(11)]
 
 
@@ -125,7 +108,7 @@ def test_a_key_routed_elsewhere_than_tierstream_routes_it_is_refused(
     router puts a key elsewhere is refused, and nothing of it is stored."""
     with Admin(pulsar_broker.url) as admin:
         admin.create_topic("acme/web/routed", 4)
-    client = _client(pulsar_broker)
+    client = client_of(pulsar_broker)
     try:
         producer = client.create_producer("persistent://acme/web/routed",
                                           batching_enabled=False,
@@ -140,7 +123,7 @@ def test_a_key_routed_elsewhere_than_tierstream_routes_it_is_refused(
         assert 0 < refused < 50
     finally:
         client.close()
-    stored = _rows(pulsar_broker, "acme/web/routed")
+    stored = rows_of(pulsar_broker, "acme/web/routed")
     assert all(r["partition"] == 0 for r in stored)
     from tierstream.message_format import key_hash
 
@@ -190,12 +173,12 @@ def test_malformed_frames_are_answered_or_dropped_and_the_broker_serves_on(
     assert b"checksum mismatch" in answers[0]  # SEND_ERROR ChecksumError, nothing stored
     assert all(b"tierstream-" in a for a in answers)  # each got CONNECTED at least
     assert pulsar_broker.proc is not None and pulsar_broker.proc.poll() is None
-    client = _client(pulsar_broker)  # the broker is unharmed
+    client = client_of(pulsar_broker)  # the broker is unharmed
     try:
         client.create_producer("public/default/fuzz").send(b"after")
     finally:
         client.close()
-    assert [r["value"] for r in _rows(pulsar_broker, "public/default/fuzz")] == [b"after"]
+    assert [r["value"] for r in rows_of(pulsar_broker, "public/default/fuzz")] == [b"after"]
 
 
 def test_a_producer_across_a_broker_sigkill_stores_every_acknowledged_message_once(
@@ -207,7 +190,7 @@ def test_a_producer_across_a_broker_sigkill_stores_every_acknowledged_message_on
     import threading
 
     broker: BrokerProcess = start_broker("--pulsar-port", str(free_port))
-    client = _client(broker)
+    client = client_of(broker)
     acked: list[str] = []
     failed: list[str] = []
     try:
@@ -231,7 +214,7 @@ def test_a_producer_across_a_broker_sigkill_stores_every_acknowledged_message_on
     finally:
         client.close()
     assert not failed and len(acked) == 10_000
-    values = [r["value"].decode() for r in _rows(broker, "public/default/kill")]
+    values = [r["value"].decode() for r in rows_of(broker, "public/default/kill")]
     assert sorted(values) == sorted(acked)  # every acknowledged message, each once
 
 
@@ -263,8 +246,8 @@ def test_the_readme_example_runs(pulsar_broker: BrokerProcess) -> None:
     assert block
     exec(block.group(1).replace("pulsar://127.0.0.1:6650", pulsar_broker.pulsar_url or ""),
          {})
-    rows = _rows(pulsar_broker, "acme/web/clicks")
-    assert [(r["value"], r["key"], dict(r["properties"])) for r in rows] == [
+    rows = rows_of(pulsar_broker, "acme/web/clicks")
+    assert [(r["value"], r["key"], own_properties(r)) for r in rows] == [
         (b"click", "user-1", {"page": "/"})]
 
 

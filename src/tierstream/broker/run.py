@@ -93,7 +93,8 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
             from tierstream.pulsar_protocol.server import PulsarServer
 
             pulsar = PulsarServer(store, host=host, port=pulsar_port,
-                                  advertised=advertised_address, auth_token=auth_token)
+                                  advertised=advertised_address, auth_token=auth_token,
+                                  schemas=broker.schemas)
     except BaseException:
         if metrics is not None:
             metrics.shutdown()

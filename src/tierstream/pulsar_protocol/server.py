@@ -21,6 +21,7 @@ import queue
 import socket
 import socketserver
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 from tierstream import __version__
@@ -45,6 +46,12 @@ from tierstream.pulsar_protocol.frames import (
 )
 from tierstream.pulsar_protocol.messages import refused_feature, to_rows
 from tierstream.pulsar_protocol.names import parse_pulsar_topic
+from tierstream.pulsar_protocol.schemas import (
+    SchemaRefused,
+    registered_version,
+    schema_version_bytes,
+    version_of,
+)
 
 __all__ = ["PulsarServer"]
 
@@ -65,8 +72,11 @@ class PulsarServer:
 
     def __init__(self, store: Any, *, host: str = "127.0.0.1", port: int = DEFAULT_PULSAR_PORT,
                  advertised: str | None = None, auth_token: str | None = None,
-                 auto_create: bool = True) -> None:
+                 auto_create: bool = True, schemas: Any = None) -> None:
+        from tierstream.metadata.schema_registry import SchemaRegistry
+
         self.store = store
+        self.schemas = schemas if schemas is not None else SchemaRegistry(store.metadata)
         self.auth_token = auth_token
         self.auto_create = auto_create
         server = self
@@ -101,8 +111,7 @@ class _Connection:
         self.store = server.store
         self._send_lock = threading.Lock()
         self.connected = False
-        # id -> topic, partition, producer name, the topic's partition count
-        self.producers: dict[int, tuple[str, int, str, int]] = {}
+        self.producers: dict[int, _Producer] = {}
         self._receipts: queue.Queue[Any] = queue.Queue(maxsize=1000)
         self._names = itertools.count()
 
@@ -288,19 +297,22 @@ class _Connection:
                 raise _Refused("encryption is not supported by this tierstream broker")
             if req.producer_access_mode != 0:
                 raise _Refused("only the Shared producer access mode is supported")
-            if req.HasField("schema") and req.schema.type != api.Schema.Bytes:
-                raise _Refused(f"{api.Schema.Type.Name(req.schema.type)} schemas over the "
-                               "Pulsar protocol are not supported yet: produce bytes")
+            version = registered_version(self.server.schemas, topic, req.schema) \
+                if req.HasField("schema") else None
             name = req.producer_name if req.HasField("producer_name") and req.producer_name \
                 else f"pulsar-{socket.gethostname()}-{id(self):x}-{next(self._names)}"
             plog = self.store.partition(topic, partition)
             last = plog.producer_state(name)
-            self.producers[req.producer_id] = (topic, partition, name, count)
-            self._write(_Cmd(type=_Cmd.PRODUCER_SUCCESS,
-                             producer_success=api.CommandProducerSuccess(
-                                 request_id=req.request_id, producer_name=name,
-                                 last_sequence_id=-1 if last is None else int(last))))
+            self.producers[req.producer_id] = _Producer(topic, partition, name, count, version)
+            success = api.CommandProducerSuccess(
+                request_id=req.request_id, producer_name=name,
+                last_sequence_id=-1 if last is None else int(last))
+            if version is not None:
+                success.schema_version = schema_version_bytes(version)
+            self._write(_Cmd(type=_Cmd.PRODUCER_SUCCESS, producer_success=success))
         except TierstreamError as exc:
+            log.warning("pulsar client %s: producer on %s refused: %s", self.peer, req.topic,
+                        exc)
             self._error(req.request_id, _code(exc), str(exc))
 
     def _send(self, send: api.CommandSend, metadata: Any, payload: bytes) -> None:
@@ -318,9 +330,15 @@ class _Connection:
                              f"{feature} are not supported by this tierstream broker: "
                              "nothing was stored")
             return
-        topic, partition, name, count = producer
+        topic, partition, name, count = (producer.topic, producer.partition, producer.name,
+                                          producer.partitions)
         try:
-            rows = to_rows(metadata, payload)
+            version = version_of(metadata.schema_version) \
+                if metadata.HasField("schema_version") else producer.schema_version
+            rows = to_rows(metadata, payload, sequence_id=int(send.sequence_id),
+                           schema_version=version)
+            if version is not None:
+                self.server.schemas.check_named_versions(topic, {str(version)})
             if count > 1:
                 _check_routing(rows, topic, partition, count)
             plog = self.store.partition(topic, partition)
@@ -390,11 +408,22 @@ def _check_routing(rows: Any, topic: str, partition: int, count: int) -> None:
             "was stored")
 
 
+@dataclass(frozen=True)
+class _Producer:
+    topic: str
+    partition: int
+    name: str
+    partitions: int  # the topic's count when the producer was made: how the client routes
+    schema_version: int | None  # of the producer's schema; None: bytes
+
+
 class _Refused(TierstreamError):
     """A request for a feature this listener does not offer (Pulsar's NotAllowedError)."""
 
 
 def _code(exc: BaseException) -> Any:  # an api.ServerError value
+    if isinstance(exc, SchemaRefused):
+        return api.IncompatibleSchema
     if isinstance(exc, NotFoundError):
         return api.TopicNotFound
     if isinstance(exc, AuthError):
