@@ -26,6 +26,7 @@ __all__ = [
     "DEFAULT_DATA_DIR",
     "DEFAULT_PORT",
     "DEFAULT_PULSAR_PORT",
+    "DEFAULT_PULSAR_TLS_PORT",
     "OPTIONS",
     "SPARK_OPTIONS",
     "Option",
@@ -37,6 +38,8 @@ __all__ = [
 DEFAULT_PORT = 6651
 #: where ``broker start`` serves Pulsar's binary protocol (Pulsar's own default port)
 DEFAULT_PULSAR_PORT = 6650
+#: pulsar+ssl (with --tls-cert): Pulsar's own 6651 is tierstream's Flight port
+DEFAULT_PULSAR_TLS_PORT = 6652
 DEFAULT_BROKER_URL = f"grpc://127.0.0.1:{DEFAULT_PORT}"
 DEFAULT_DATA_DIR = "./tierstream-data"
 

@@ -15,8 +15,8 @@ from ..timing import scaled
 
 
 def client_of(broker: BrokerProcess, **kwargs: Any) -> Any:
+    kwargs.setdefault("operation_timeout_seconds", int(scaled(15)))
     return pulsar.Client(kwargs.pop("url", broker.pulsar_url),
-                         operation_timeout_seconds=int(scaled(15)),
                          logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Warn), **kwargs)
 
 

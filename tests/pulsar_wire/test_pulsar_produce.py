@@ -13,10 +13,11 @@ import pulsar
 import pytest
 
 from tierstream.broker.process import BrokerProcess
-from tierstream.client import Admin
+from tierstream.client import Admin, read
 from tierstream.pulsar_protocol import key_router
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.pulsar_protocol.frames import command_frame
+from tierstream.splits.positions import Offset
 
 from ..timing import scaled
 from .helpers import client_of, own_properties, rows_of
@@ -236,6 +237,41 @@ def test_a_token_is_checked_and_a_wrong_one_refused(start_broker, free_port) -> 
         bad.close()
 
 
+def test_pulsar_ssl_with_the_brokers_certificate_checked_against_its_ca(
+        start_broker, free_port, tmp_path) -> None:
+    """``--tls-cert``: Pulsar clients are served pulsar+ssl on --pulsar-tls-port; a client
+    that trusts the CA produces (with the token), one that trusts another CA or speaks plain
+    TCP is refused; the plain port stays closed."""
+    from ..store.test_tls import make_cert
+
+    cert, key = make_cert(tmp_path)
+    other, _ = make_cert(tmp_path, "someone-else")
+    broker: BrokerProcess = start_broker("--tls-cert", str(cert), "--tls-key", str(key),
+                                         "--pulsar-tls-port", str(free_port),
+                                         "--auth-token", "s3cret")
+    assert broker.pulsar_url == f"pulsar+ssl://127.0.0.1:{free_port}"
+    token = pulsar.AuthenticationToken("s3cret")
+    good = client_of(broker, authentication=token, tls_trust_certs_file_path=str(cert),
+                     tls_validate_hostname=True)
+    try:
+        message_id = good.create_producer("public/default/sealed").send(b"over tls")
+    finally:
+        good.close()
+    for kwargs in ({"tls_trust_certs_file_path": str(other)},  # another CA
+                   {"url": broker.pulsar_url.replace("pulsar+ssl://", "pulsar://")}):  # plain
+        bad = client_of(broker, authentication=token, operation_timeout_seconds=int(scaled(5)),
+                        **kwargs)
+        try:
+            with pytest.raises(Exception, match=r"Connect|TimeOut"):
+                bad.create_producer("public/default/sealed")
+        finally:
+            bad.close()
+    rows = [r for b in read("public/default/sealed", broker=broker.url, auth_token="s3cret",
+                            tls_ca=str(cert), end=Offset.latest()) for r in b.to_pylist()]
+    assert [(r["value"], r["segment_id"], r["entry_id"]) for r in rows] == [
+        (b"over tls", message_id.ledger_id(), message_id.entry_id())]
+
+
 def test_the_readme_example_runs(pulsar_broker: BrokerProcess) -> None:
     import re
     from pathlib import Path
@@ -267,3 +303,9 @@ def test_a_pulsar_port_in_use_is_one_line_naming_the_option(tmp_path, free_port)
         f"error: cannot listen on 127.0.0.1:{free_port}")
     assert "--pulsar-port" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "d").exists()  # nothing half-created
+    proc = subprocess.run([sys.executable, "-m", "tierstream", "broker", "start",
+                           "--data-dir", str(tmp_path / "d"), "--pulsar-tls-port", "6652"],
+                          capture_output=True, text=True, timeout=scaled(60))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "--pulsar-tls-port 6652 needs --tls-cert" in proc.stderr
+    assert not (tmp_path / "d").exists()

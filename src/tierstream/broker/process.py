@@ -52,6 +52,9 @@ class BrokerProcess:
         # would collide between brokers started side by side
         pulsar = [] if any(a.startswith("--pulsar-port") for a in self.args) \
             else ["--pulsar-port", "0"]
+        if any(a.startswith("--tls-cert") for a in self.args) and not any(
+                a.startswith("--pulsar-tls-port") for a in self.args):
+            pulsar += ["--pulsar-tls-port", "0"]
         cmd = [sys.executable, "-m", "tierstream", "broker", "start", "--data-dir",
                str(self.data_dir), "--host", self.host, "--port", str(self.port), *pulsar,
                *self.args]

@@ -14,7 +14,7 @@ from tierstream.broker.config import StoreConfig
 from tierstream.broker.server import Broker
 from tierstream.broker.store import Store
 from tierstream.errors import ConfigError, ConflictError
-from tierstream.options import DEFAULT_PORT
+from tierstream.options import DEFAULT_PORT, DEFAULT_PULSAR_TLS_PORT
 from tierstream.security import require_token, server_tls
 from tierstream.signals import stop_requested
 
@@ -28,7 +28,7 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
                tls_key: str | None = None, bookie_endpoints: bool = True,
                advertised_address: str | None = None, bookie_port_base: int = 0,
                metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
-               pulsar_port: int = 0) -> None:
+               pulsar_port: int = 0, pulsar_tls_port: int | None = None) -> None:
     """Open the store, serve until SIGTERM/SIGINT, then shut down cleanly (main thread only).
 
     With ``bookie_endpoints`` (the default) every bookie also serves its sealed ledgers on an
@@ -36,7 +36,9 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
     is 0; same host, token and TLS), registered in metadata under ``advertised_address`` (the
     host readers on other machines use) or ``host``. With ``metrics_port``, Prometheus
     metrics are served there (``broker/metrics.py``; 0: any free port). With ``pulsar_port``
-    (0: off), Pulsar clients are served there (``pulsar_protocol/server.py``). ``ready`` is
+    (0: off), Pulsar clients are served there (``pulsar_protocol/server.py``); with TLS
+    (``tls_cert``), on ``pulsar_tls_port`` instead (None: 6652; 0: off), as pulsar+ssl, and
+    the plain port stays closed, as Flight has no plain port then. ``ready`` is
     called with the broker URL, the metrics URL (or None) and the Pulsar URL (or None) once
     it accepts calls.
     """
@@ -49,14 +51,21 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
         _check_port_free(host, port)
     if isinstance(pulsar_port, bool) or not 0 <= pulsar_port <= 65535:
         raise ConfigError(f"invalid --pulsar-port {pulsar_port!r}: expected 0..65535 (0: off)")
-    if pulsar_port and tls_cert is not None:
-        log.warning("the Pulsar listener does not speak TLS yet: it stays off with --tls-cert")
-        pulsar_port = 0
+    option = "--pulsar-port"
+    if tls_cert is not None:
+        option = "--pulsar-tls-port"
+        pulsar_port = DEFAULT_PULSAR_TLS_PORT if pulsar_tls_port is None else pulsar_tls_port
+        if isinstance(pulsar_port, bool) or not 0 <= pulsar_port <= 65535:
+            raise ConfigError(f"invalid --pulsar-tls-port {pulsar_port!r}: expected 0..65535 "
+                              "(0: off)")
+    elif pulsar_tls_port:
+        raise ConfigError(f"--pulsar-tls-port {pulsar_tls_port} needs --tls-cert and "
+                          "--tls-key (pulsar+ssl is served with the broker's certificate)")
     if pulsar_port:
         try:
             _check_port_free(host, pulsar_port)
         except (ConflictError, ConfigError) as exc:
-            raise type(exc)(f"{exc} (the Pulsar listener: give --pulsar-port another port, "
+            raise type(exc)(f"{exc} (the Pulsar listener: give {option} another port, "
                             "or 0 for none)") from None
     bookie_ports = [bookie_port_base + i if bookie_port_base else 0
                     for i in range(config.bookies)] if bookie_endpoints else []
@@ -94,7 +103,8 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
 
             pulsar = PulsarServer(store, host=host, port=pulsar_port,
                                   advertised=advertised_address, auth_token=auth_token,
-                                  schemas=broker.schemas)
+                                  schemas=broker.schemas, tls_cert=tls_cert,
+                                  tls_key=tls_key)
     except BaseException:
         if metrics is not None:
             metrics.shutdown()

@@ -18,7 +18,13 @@ from tierstream.cli.common import (
     bookie_app,
     broker_app,
 )
-from tierstream.options import DEFAULT_DATA_DIR, DEFAULT_PORT, DEFAULT_PULSAR_PORT, OPTIONS
+from tierstream.options import (
+    DEFAULT_DATA_DIR,
+    DEFAULT_PORT,
+    DEFAULT_PULSAR_PORT,
+    DEFAULT_PULSAR_TLS_PORT,
+    OPTIONS,
+)
 
 
 def _help(key: str) -> str:
@@ -44,8 +50,11 @@ def broker_start(
              "start).")] = 0,
     pulsar_port: Annotated[int, typer.Option(
         help="Serve Pulsar's binary protocol here, for Pulsar clients (pulsar://HOST:PORT; "
-             "0: off; off with --tls-cert, which it does not speak yet).")]
+             "0: off; closed with --tls-cert, see --pulsar-tls-port).")]
         = DEFAULT_PULSAR_PORT,
+    pulsar_tls_port: Annotated[int | None, typer.Option(
+        help="With --tls-cert: serve Pulsar clients here over TLS (pulsar+ssl://HOST:PORT; "
+             f"0: off) [default: {DEFAULT_PULSAR_TLS_PORT}].", show_default=False)] = None,
     metrics_port: Annotated[int | None, typer.Option(
         help="Serve Prometheus metrics on this port (0: any free port) [default: off].",
         show_default=False)] = None,
@@ -129,7 +138,8 @@ def broker_start(
     run_broker(config, host=host, port=port, auth_token=auth_token, ready=ready,
                tls_cert=tls_cert, tls_key=tls_key, bookie_endpoints=bookie_endpoints,
                advertised_address=advertised_address, bookie_port_base=bookie_port_base,
-               metrics_port=metrics_port, metrics_host=metrics_host, pulsar_port=pulsar_port)
+               metrics_port=metrics_port, metrics_host=metrics_host, pulsar_port=pulsar_port,
+               pulsar_tls_port=pulsar_tls_port)
 
 
 @bookie_app.command("serve")

@@ -20,6 +20,7 @@ import logging
 import queue
 import socket
 import socketserver
+import ssl
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -68,11 +69,13 @@ _Cmd = api.BaseCommand
 class PulsarServer:
     """Serves Pulsar clients on ``host:port`` (0: any free port) for ``store``; ``advertised``
     is the host name LOOKUP answers (default ``host``). With ``auth_token``, a client must
-    connect with that token (Pulsar's AuthenticationToken)."""
+    connect with that token (Pulsar's AuthenticationToken); with ``tls_cert`` and ``tls_key``
+    (PEM files) every connection is TLS (``pulsar+ssl://``)."""
 
     def __init__(self, store: Any, *, host: str = "127.0.0.1", port: int = DEFAULT_PULSAR_PORT,
                  advertised: str | None = None, auth_token: str | None = None,
-                 auto_create: bool = True, schemas: Any = None) -> None:
+                 auto_create: bool = True, schemas: Any = None, tls_cert: str | None = None,
+                 tls_key: str | None = None) -> None:
         from tierstream.metadata.schema_registry import SchemaRegistry
 
         self.store = store
@@ -80,10 +83,24 @@ class PulsarServer:
         self.auth_token = auth_token
         self.auto_create = auto_create
         server = self
+        context = None
+        if tls_cert is not None and tls_key is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.minimum_version = ssl.TLSVersion.TLSv1_2
+            context.load_cert_chain(tls_cert, tls_key)
 
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
-                _Connection(server, self.request, self.client_address).serve()
+                sock = self.request
+                if context is not None:
+                    sock.settimeout(KEEPALIVE_S)  # a client that never finishes is dropped
+                    try:
+                        sock = context.wrap_socket(sock, server_side=True)
+                    except (ssl.SSLError, OSError) as exc:
+                        log.warning("pulsar client %s: TLS handshake failed: %s",
+                                    self.client_address, exc)
+                        return
+                _Connection(server, sock, self.client_address).serve()
 
         class Server(socketserver.ThreadingTCPServer):
             daemon_threads = True
@@ -93,7 +110,9 @@ class PulsarServer:
         self._server = Server((host, port), Handler)
         self.port = int(self._server.server_address[1])
         name = advertised or host
-        self.url = f"pulsar://{'[' + name + ']' if ':' in name else name}:{self.port}"
+        scheme = "pulsar+ssl" if context is not None else "pulsar"
+        self.url = f"{scheme}://{'[' + name + ']' if ':' in name else name}:{self.port}"
+        self.tls = context is not None
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
                                         name="tierstream-pulsar-listener")
         self._thread.start()
@@ -268,6 +287,8 @@ class _Connection:
             self._topic_partitions(req.topic, create=True)
             reply.response, reply.authoritative = reply.Connect, True
             reply.brokerServiceUrl = self.server.url
+            if self.server.tls:
+                reply.brokerServiceUrlTls = self.server.url
         except TierstreamError as exc:
             reply.response, reply.error, reply.message = reply.Failed, _code(exc), str(exc)
         self._write(_Cmd(type=_Cmd.LOOKUP_RESPONSE, lookupTopicResponse=reply))
