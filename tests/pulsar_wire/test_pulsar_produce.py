@@ -9,6 +9,7 @@ import socket
 import struct
 from typing import Any
 
+import crc32c
 import pulsar
 import pytest
 
@@ -131,13 +132,77 @@ def test_a_key_routed_elsewhere_than_tierstream_routes_it_is_refused(
     assert all(key_hash(r["key"]) % 4 == 0 for r in stored)
 
 
-def _frame_with_payload(command: api.BaseCommand, payload: bytes, *, checksum: int) -> bytes:
+def _frame_with_payload(command: api.BaseCommand, payload: bytes, *,
+                        checksum: int | None = None, **metadata: Any) -> bytes:
     data = command.SerializeToString()
-    meta = api.MessageMetadata(producer_name="p", sequence_id=0, publish_time=1)
+    meta = api.MessageMetadata(**{"producer_name": "p", "sequence_id": 0, "publish_time": 1,
+                                  **metadata})
     meta_bytes = meta.SerializeToString()
     rest = struct.pack(">I", len(meta_bytes)) + meta_bytes + payload
+    if checksum is None:
+        checksum = crc32c.crc32c(rest)
     body = struct.pack(">I", len(data)) + data + struct.pack(">HI", 0x0E01, checksum) + rest
     return struct.pack(">I", len(body)) + body
+
+
+def _commands(sock: socket.socket, until: Any) -> list[api.BaseCommand]:
+    """Commands read from ``sock`` until ``until(commands)`` holds."""
+    got: list[api.BaseCommand] = []
+    buffer = b""
+    while not until(got):
+        chunk = sock.recv(65536)
+        assert chunk, f"the broker closed the connection after {got}"
+        buffer += chunk
+        while len(buffer) >= 4 and len(buffer) >= 4 + struct.unpack(">I", buffer[:4])[0]:
+            size = struct.unpack(">I", buffer[:4])[0]
+            body, buffer = buffer[4:4 + size], buffer[4 + size:]
+            (cmd_size,) = struct.unpack(">I", body[:4])
+            command = api.BaseCommand()
+            command.ParseFromString(body[4:4 + cmd_size])
+            got.append(command)
+    return got
+
+
+def test_send_answers_keep_the_order_of_the_sends_and_an_oversized_one_keeps_the_connection(
+        pulsar_broker: BrokerProcess) -> None:
+    """Regression: a refused send was answered at once while the receipts of the sends before
+    it waited for their quorum; clients fail the message at the head of their queue on
+    SEND_ERROR, so it failed the wrong one (the C++ core crashed on it). And a frame over
+    max_message_size is refused, the connection kept."""
+    host, port = pulsar_broker.pulsar_url.removeprefix("pulsar://").rsplit(":", 1)
+    frames = [command_frame(api.BaseCommand(
+        type=api.BaseCommand.CONNECT, connect=api.CommandConnect(client_version="t",
+                                                                 protocol_version=20))),
+              command_frame(api.BaseCommand(type=api.BaseCommand.PRODUCER,
+                                            producer=api.CommandProducer(
+                                                topic="public/default/ordered",
+                                                producer_id=1, request_id=1)))]
+    expected = []
+    for seq in range(40):
+        send = api.BaseCommand(type=api.BaseCommand.SEND,
+                               send=api.CommandSend(producer_id=1, sequence_id=seq))
+        if seq == 30:  # 6 MB: over the 5 MB a message may have
+            frames.append(_frame_with_payload(send, b"x" * (6 << 20), sequence_id=seq))
+            expected.append((api.BaseCommand.SEND_ERROR, seq))
+        elif seq % 3 == 1:  # delayed delivery: refused by name
+            frames.append(_frame_with_payload(send, b"later", sequence_id=seq,
+                                              deliver_at_time=1))
+            expected.append((api.BaseCommand.SEND_ERROR, seq))
+        else:
+            frames.append(_frame_with_payload(send, f"m{seq}".encode(), sequence_id=seq))
+            expected.append((api.BaseCommand.SEND_RECEIPT, seq))
+    kinds = (api.BaseCommand.SEND_RECEIPT, api.BaseCommand.SEND_ERROR)
+    with socket.create_connection((host, int(port)), timeout=scaled(30)) as sock:
+        sock.sendall(b"".join(frames))  # all at once: nothing waits for an answer
+        got = _commands(sock, lambda cs: sum(c.type in kinds for c in cs) == len(expected))
+    answers = [(c.type, (c.send_receipt if c.type == api.BaseCommand.SEND_RECEIPT
+                         else c.send_error).sequence_id) for c in got if c.type in kinds]
+    assert answers == expected
+    oversized = next(c.send_error for c in got if c.type == api.BaseCommand.SEND_ERROR
+                     and c.send_error.sequence_id == 30)
+    assert "over the 5,242,880 bytes" in oversized.message
+    stored = [r["value"] for r in rows_of(pulsar_broker, "public/default/ordered")]
+    assert stored == [f"m{s}".encode() for _, s in expected if _ == api.BaseCommand.SEND_RECEIPT]
 
 
 def test_malformed_frames_are_answered_or_dropped_and_the_broker_serves_on(

@@ -31,6 +31,7 @@ from tierstream.errors import (
     ConfigError,
     NotFoundError,
     ProtocolError,
+    StaleRoutingError,
     StorageError,
     TierstreamError,
     UnavailableError,
@@ -60,6 +61,9 @@ log = logging.getLogger(__name__)
 
 #: the newest protocol version whose commands this listener answers (v20: topic migration)
 PROTOCOL_VERSION = 20
+#: a frame over the maximum but under this is read past and refused, the connection kept;
+#: a larger one (or garbage that reads as a size) closes the connection
+DISCARD_LIMIT = 256 * 1024 * 1024
 #: a connection that sends nothing for this long is sent a PING; twice as long, dropped
 KEEPALIVE_S = 30.0
 
@@ -159,6 +163,8 @@ class _Connection:
                     return
                 size = read_frame_size(header)
                 if size > MAX_FRAME_SIZE:
+                    if self._skip_oversized(size):
+                        continue
                     log.warning("pulsar client %s sent a frame of %d bytes (at most %d): "
                                 "connection closed", self.peer, size, MAX_FRAME_SIZE)
                     return
@@ -171,7 +177,7 @@ class _Connection:
                 except BadPayload as exc:  # answered where it names a producer
                     log.warning("pulsar client %s: %s", self.peer, exc)
                     if exc.command.type == _Cmd.SEND and exc.command.HasField("send"):
-                        self._send_error(exc.command.send, api.ChecksumError, str(exc))
+                        self._refuse(exc.command.send, api.ChecksumError, str(exc))
                     continue
                 except ProtocolError as exc:
                     log.warning("pulsar client %s: %s", self.peer, exc)
@@ -184,6 +190,39 @@ class _Connection:
             receipts.join(timeout=KEEPALIVE_S)
             with contextlib.suppress(OSError):
                 self.sock.close()
+
+    def _skip_oversized(self, size: int) -> bool:
+        """Answer a frame over the advertised maximum without taking it: its command is read,
+        the rest streamed past, and a SEND refused (a request answered ERROR); False if the
+        frame is too large or too garbled to pass over (the connection is then closed)."""
+        if size > DISCARD_LIMIT:
+            return False
+        head = self._read(4)
+        if head is None:
+            return False
+        cmd_size = read_frame_size(head)
+        if cmd_size > min(size - 4, 64 * 1024):
+            return False
+        data = self._read(cmd_size)
+        command = api.BaseCommand()
+        try:
+            command.ParseFromString(data or b"")
+        except Exception:  # protobuf's DecodeError and friends: not a frame we can answer
+            return False
+        left = size - 4 - cmd_size
+        while left:
+            chunk = self.sock.recv(min(left, 1 << 20))
+            if not chunk:
+                return False
+            left -= len(chunk)
+        reason = (f"a frame of {size:,} bytes is over the {MAX_MESSAGE_SIZE:,} bytes a message "
+                  "may have here (max_message_size): nothing was stored")
+        log.warning("pulsar client %s: %s", self.peer, reason)
+        if command.type == _Cmd.SEND and command.HasField("send"):
+            self._refuse(command.send, api.ChecksumError, reason)
+        elif (request_id := _request_id(command)) is not None:
+            self._error(request_id, api.NotAllowedError, reason)
+        return True
 
     def _read(self, n: int) -> bytes | None:
         chunks, got = [], 0
@@ -339,16 +378,16 @@ class _Connection:
     def _send(self, send: api.CommandSend, metadata: Any, payload: bytes) -> None:
         producer = self.producers.get(send.producer_id)
         if producer is None:
-            self._send_error(send, api.ChecksumError,
-                             f"no producer {send.producer_id} on this connection")
+            self._refuse(send, api.ChecksumError,
+                         f"no producer {send.producer_id} on this connection")
             return
         if metadata is None:
-            self._send_error(send, api.ChecksumError, "SEND without a message")
+            self._refuse(send, api.ChecksumError, "SEND without a message")
             return
         feature = refused_feature(send, metadata)
         if feature is not None:
-            self._send_error(send, api.ChecksumError,
-                             f"{feature} are not supported by this tierstream broker: "
+            self._refuse(send, api.ChecksumError,
+                         f"{feature} are not supported by this tierstream broker: "
                              "nothing was stored")
             return
         topic, partition, name, count = (producer.topic, producer.partition, producer.name,
@@ -360,27 +399,44 @@ class _Connection:
                            schema_version=version)
             if version is not None:
                 self.server.schemas.check_named_versions(topic, {str(version)})
-            if count > 1:
-                _check_routing(rows, topic, partition, count)
             plog = self.store.partition(topic, partition)
             seq = send.highest_sequence_id or send.sequence_id
-            # routed by the count the producer was created under: a topic that grew since
-            # refuses it (StaleRoutingError) rather than store a key in a second partition
-            pending = plog.submit(rows, producer=name, sequence_id=int(seq),
-                                  routed=count if count > 1 else None)
+            for attempt in range(2):
+                # each key where tierstream routes it under the topic's count now (which
+                # may be more than the client routed by, if the topic grew since it looked);
+                # submitted as routed by that count, so a scale event in between refuses
+                # it (StaleRoutingError) and it is checked again against the new count
+                now = plog.routing or count
+                _check_routing(rows, topic, partition, now, count)
+                try:
+                    pending = plog.submit(rows, producer=name, sequence_id=int(seq),
+                                          routed=now)
+                    break
+                except StaleRoutingError:
+                    if attempt:
+                        raise
         except TierstreamError as exc:
-            self._send_error(send, _send_code(exc), str(exc))
+            self._refuse(send, _send_code(exc), str(exc))
             return
         self._receipts.put((send, partition if count > 1 else -1, pending))
+
+    def _refuse(self, send: api.CommandSend, error: Any, message: str) -> None:
+        """Answer SEND_ERROR in turn: after the receipts of the sends before it. A client
+        fails the message at the head of its queue, so an answer that overtook an earlier
+        send's receipt would fail the wrong message (the C++ core crashes on it)."""
+        self._receipts.put((send, None, (error, message)))
 
     def _send_receipts(self) -> None:
         while (item := self._receipts.get()) is not None:
             send, partition, pending = item
+            if isinstance(pending, tuple):
+                error, message = pending
+                self._quietly(self._send_error, send, error, message)
+                continue
             try:
                 ack = pending.result()
             except TierstreamError as exc:
-                self._quietly(lambda s=send, e=exc: self._send_error(s, _send_code(e),
-                                                                     str(e)))
+                self._quietly(self._send_error, send, _send_code(exc), str(exc))
                 continue
             message_id = api.MessageIdData(
                 ledgerId=(2**64 - 1) if ack.segment_id is None else ack.segment_id,
@@ -390,12 +446,11 @@ class _Connection:
                                              sequence_id=send.sequence_id,
                                              message_id=message_id,
                                              highest_sequence_id=send.highest_sequence_id)
-            self._quietly(lambda r=receipt: self._write(
-                _Cmd(type=_Cmd.SEND_RECEIPT, send_receipt=r)))
+            self._quietly(self._write, _Cmd(type=_Cmd.SEND_RECEIPT, send_receipt=receipt))
 
-    def _quietly(self, write: Any) -> None:
+    def _quietly(self, write: Any, *args: Any) -> None:
         with contextlib.suppress(OSError):  # the client went away; what is stored stays
-            write()
+            write(*args)
 
     def _send_error(self, send: api.CommandSend, error: Any, message: str) -> None:
         self._write(_Cmd(type=_Cmd.SEND_ERROR, send_error=api.CommandSendError(
@@ -407,9 +462,10 @@ class _Connection:
             request_id=request_id, error=error, message=message)))
 
 
-def _check_routing(rows: Any, topic: str, partition: int, count: int) -> None:
-    """Refuse keyed messages sent to another partition than tierstream routes their key to
-    (each key in one partition is what keeps its order for every reader)."""
+def _check_routing(rows: Any, topic: str, partition: int, count: int, client: int) -> None:
+    """Refuse keyed messages that tierstream routes to another partition than this one under
+    the topic's ``count`` (each key in one partition is what keeps its order for every
+    reader); ``client`` is the count the client routed by."""
     from tierstream.message_format import key_hashes
 
     keys = rows.column("key")
@@ -418,15 +474,22 @@ def _check_routing(rows: Any, topic: str, partition: int, count: int) -> None:
     slots = key_hashes(keys).to_numpy()
     wrong = [i for i, (k, s) in enumerate(zip(keys.to_pylist(), slots.tolist(), strict=True))
              if k is not None and s % count != partition]
-    if wrong:
-        key = keys[wrong[0]].as_py()
+    if not wrong:
+        return
+    key, home = keys[wrong[0]].as_py(), int(slots[wrong[0]]) % count
+    if client != count:
         raise _Refused(
-            f"key {key!r} belongs to partition {int(slots[wrong[0]]) % count} of {topic} "
-            f"({count} partitions), not {partition}: tierstream routes a key by "
-            "murmur3_32 % 65536 % partitions: give the producer that routing (Python: "
-            "message_router=tierstream.pulsar_protocol.key_router; Java: hashingScheme "
-            "Murmur3_32Hash, which agrees when the partition count divides 65,536); nothing "
-            "was stored")
+            f"{topic} grew from {client} to {count} partitions: key {key!r} now belongs to "
+            f"partition {home}, not {partition}; nothing was stored. The client routes it "
+            "there once it refreshes the topic's partitions (Java autoUpdatePartitionsInterval"
+            ", Go PartitionsAutoDiscoveryInterval, C++ partitionsUpdateInterval: 60 s by "
+            "default), or when the producer is made again")
+    raise _Refused(
+        f"key {key!r} belongs to partition {home} of {topic} ({count} partitions), not "
+        f"{partition}: tierstream routes a key by murmur3_32 % 65536 % partitions: give the "
+        "producer that routing (Python: message_router=tierstream.pulsar_protocol.key_router"
+        "; Java: hashingScheme Murmur3_32Hash, which agrees when the partition count divides "
+        "65,536); nothing was stored")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,96 @@
+"""A keyed Pulsar producer across a scale event: every key's order kept for tierstream's
+readers, though the client learns the new partition count only when it looks again."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+import pulsar
+import pyarrow as pa
+
+from tierstream import read, tail
+from tierstream.broker.process import BrokerProcess
+from tierstream.client import Admin
+from tierstream.pulsar_protocol import key_router
+
+from ..elastic import Written, order_errors
+from ..store.helpers import wait_for
+from ..timing import scaled
+from .helpers import client_of
+
+TOPIC = "acme/web/pulsar-grows"
+
+
+def test_a_keyed_pulsar_producer_across_a_scale_event_keeps_each_keys_order(
+        pulsar_broker: BrokerProcess) -> None:
+    """Before the event every message is stored; after it, the producer (still routing by 2)
+    has a message stored where its key still belongs and refused (nothing stored) where the
+    key moved; a producer made again routes by 4 and all of its messages are stored. Every
+    key's acknowledged messages come back in send order from a read and a tail."""
+    with Admin(pulsar_broker.url) as admin:
+        admin.create_topic(TOPIC, 2)
+    keys = [f"user-{i}" for i in range(24)]
+    written = Written(counts=[2, 4])
+    outcome: dict[str, str] = {}
+    lock = threading.Lock()
+    client = client_of(pulsar_broker)
+
+    def send_all(producer: Any, phase: str, n: int) -> None:
+        for i in range(n):
+            key = keys[i % len(keys)]
+            value = f"{key}|{phase}-{i:05d}"
+
+            def done(result: Any, _id: Any, value: str = value) -> None:
+                with lock:
+                    outcome[value] = str(result)
+
+            producer.send_async(value.encode(), done, partition_key=key)
+        with contextlib.suppress(pulsar.ChecksumError):  # flush says a refusal again
+            producer.flush()
+
+    try:
+        # one message a send: a batch is refused whole if one of its keys moved
+        old = client.create_producer(f"persistent://{TOPIC}", batching_enabled=False,
+                                     message_router=key_router)
+        send_all(old, "a", 600)
+        with Admin(pulsar_broker.url) as admin:
+            admin.set_partitions(TOPIC, 4)
+        send_all(old, "b", 600)  # routed by 2: a moved key is refused
+        old.close()
+        again = client.create_producer(f"persistent://{TOPIC}", batching_enabled=True,
+                                       batching_max_messages=16, message_router=key_router)
+        send_all(again, "c", 600)  # routed by 4
+        again.close()
+    finally:
+        client.close()
+    assert len(outcome) == 1800
+    for value in sorted(outcome, key=lambda v: v.split("|")[1]):  # send order
+        if outcome[value] == "Result.Ok":
+            written.by_key[value.split("|")[0]].append(value)
+    refused = {v for v, r in outcome.items() if r != "Result.Ok"}
+    assert {outcome[v] for v in refused} <= {"Result.ChecksumError"}
+    assert refused and all("|b-" in v for v in refused)  # only the old producer's, after
+    assert any("|b-" in v and outcome[v] == "Result.Ok" for v in outcome)  # not all of it
+
+    for key_ranges in (1, 3):
+        table = read(TOPIC, broker=pulsar_broker.url, key_ranges=key_ranges)
+        assert order_errors(written, table.column("key").to_pylist(),
+                            table.column("value").to_pylist()) == []
+    rows: list[pa.RecordBatch] = []
+    following = tail(TOPIC, start="earliest", broker=pulsar_broker.url, key_ranges=2)
+
+    def collect() -> None:
+        for batch in following:
+            rows.append(batch.select(["key", "value"]))
+
+    threading.Thread(target=collect, daemon=True).start()
+    try:
+        wait_for(lambda: sum(b.num_rows for b in rows) >= written.total,
+                 timeout=scaled(60), what="the tail to catch up")
+    finally:
+        following.close()
+    tailed = pa.Table.from_batches(rows)
+    assert order_errors(written, tailed.column("key").to_pylist(),
+                        tailed.column("value").to_pylist()) == []
