@@ -31,6 +31,7 @@ chaos: $(STAMP)
 	TIERSTREAM_SPARK_KILLS=8 $(PY) -m pytest -p no:cacheprovider \
 		tests/spark_adapter/test_sink.py::test_a_read_process_write_query_killed_repeatedly_writes_each_row_once \
 		tests/spark_adapter/test_spark_exactly_once.py::test_sigkilled_streaming_query_restarts_exactly_once
+	TIERSTREAM_FUZZ_SECONDS=120 $(PY) -m pytest -p no:cacheprovider tests/pulsar_wire/test_pulsar_fuzz.py
 
 bench: $(STAMP)
 	$(PY) -m bench all

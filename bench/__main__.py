@@ -12,6 +12,7 @@ from bench import (
     framework_bench,
     history,
     latency_fs_bench,
+    pulsar_bench,
     remote_bench,
     remote_bookie_bench,
     schema_bench,
@@ -55,6 +56,9 @@ BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
                                     "library alone; Spark valueFormat=auto beside raw"),
     "elastic": (elastic_bench.elastic, "reading a window across a 2 -> 8 scale event beside "
                                        "the same messages in a never-scaled topic"),
+    "pulsar-produce": (pulsar_bench.pulsar_produce, "the real pulsar-client's async batched "
+                       "produce (1 and 4 partitions) beside tierstream's own Producer; the "
+                       "broker's decode of Pulsar batches alone"),
     "layout": (tier_bench.layout, "bytes a k=4 key-range read and a 10% time window fetch, "
                                   "key-bucket layout vs log order"),
 }

@@ -43,6 +43,7 @@ class BrokerProcess:
         self.proc: subprocess.Popen[str] | None = None
         self.stderr_tail: deque[str] = deque(maxlen=200)
         self.stdout_lines: list[str] = []  # what the broker printed (its start banner)
+        self.tracebacks: list[str] = []  # the line after each traceback the broker printed
 
     def __repr__(self) -> str:
         return f"BrokerProcess(data_dir={str(self.data_dir)!r}, url={self.url!r})"
@@ -86,8 +87,14 @@ class BrokerProcess:
 
         def read_stderr() -> None:
             assert self.proc is not None and self.proc.stderr is not None
+            in_traceback = False
             for line in self.proc.stderr:
                 self.stderr_tail.append(line)
+                if line.startswith("Traceback"):
+                    in_traceback = True
+                elif in_traceback and not line.startswith(" "):  # the exception's line
+                    self.tracebacks.append(line.strip())
+                    in_traceback = False
 
         threading.Thread(target=read_stdout, daemon=True).start()
         threading.Thread(target=read_stderr, daemon=True).start()

@@ -24,6 +24,8 @@ class PulsarTopic:
 def parse_pulsar_topic(name: str) -> PulsarTopic:
     """The tierstream topic (and partition) a Pulsar client means; ConfigError naming what
     is wrong (a non-persistent topic, an old four-part name, an invalid name)."""
+    if not isinstance(name, str):  # protobuf hands a string field that is not UTF-8 as bytes
+        raise ConfigError(f"invalid topic {name!r}: not UTF-8 text")
     rest = name
     if "://" in name:
         scheme, rest = name.split("://", 1)

@@ -182,7 +182,12 @@ class _Connection:
                 except ProtocolError as exc:
                     log.warning("pulsar client %s: %s", self.peer, exc)
                     continue
-                self._dispatch(frame)
+                try:
+                    self._dispatch(frame)
+                except (OSError, ssl.SSLError):
+                    raise
+                except Exception as exc:  # a request we did not foresee: answered, logged
+                    self._unforeseen(frame.command, exc)
         except OSError as exc:
             log.debug("pulsar client %s: %s", self.peer, exc)
         finally:
@@ -190,6 +195,18 @@ class _Connection:
             receipts.join(timeout=KEEPALIVE_S)
             with contextlib.suppress(OSError):
                 self.sock.close()
+
+    def _unforeseen(self, command: api.BaseCommand, exc: Exception) -> None:
+        """A request that failed in a way no check foresaw: logged with its stack (a bug to
+        fix), answered with Pulsar's UnknownError where it can be, the connection kept."""
+        name = _Cmd.Type.Name(command.type) if command.type in _Cmd.Type.values() \
+            else str(command.type)
+        log.warning("pulsar client %s: %s failed: %r", self.peer, name, exc, exc_info=True)
+        reason = f"{name} failed in the broker: {exc!r}"
+        if command.type == _Cmd.SEND and command.HasField("send"):
+            self._refuse(command.send, api.ChecksumError, reason)
+        elif (request_id := _request_id(command)) is not None:
+            self._error(request_id, api.UnknownError, reason)
 
     def _skip_oversized(self, size: int) -> bool:
         """Answer a frame over the advertised maximum without taking it: its command is read,
