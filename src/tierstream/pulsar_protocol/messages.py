@@ -5,10 +5,10 @@ per message a ``SingleMessageMetadata`` and its bytes), decompressed with pyarro
 from __future__ import annotations
 
 import base64
-import struct
 import zlib
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from tierstream.errors import ConfigError, ProtocolError
@@ -50,59 +50,118 @@ def to_rows(metadata: api.MessageMetadata, payload: bytes, *, sequence_id: int,
     """The messages of one SEND as a batch of PRODUCE_SCHEMA: key, value, event time and
     properties in tierstream's columns; the sequence id, the client's publish time, a null
     value, an ordering key and a base64 key in ``pulsar.*`` properties; the schema version
-    in ``tierstream.schema.version``."""
+    in ``tierstream.schema.version``.
+
+    One Python step per message is unavoidable (a batch is a chain of size-prefixed
+    protobufs); everything else is built column-wise: the properties of messages that carry
+    nothing of their own beside the broker's (the common case) as one map array."""
     data = _uncompressed(metadata, payload)
+    if not metadata.HasField("num_messages_in_batch"):
+        messages = _Messages(1)
+        messages.add(metadata, data, sequence_id, metadata.event_time)
+    else:
+        messages = _split_batch(metadata.num_messages_in_batch, data, sequence_id,
+                                metadata.event_time)
     shared = [(PUBLISH_TIME, str(metadata.publish_time))]
     if schema_version is not None:
         shared.append((VERSION_PROPERTY, str(schema_version)))
-    keys: list[str | None] = []
-    values: list[bytes] = []
-    events: list[int | None] = []
-    props: list[list[tuple[str, str]]] = []
-    if not metadata.HasField("num_messages_in_batch"):
-        singles: Any = [(metadata, data)]
+    n = len(messages.values)
+    if messages.own:  # some message has properties or flags of its own: message by message
+        properties = pa.array(
+            [(messages.own.get(i) or []) + [(SEQUENCE_ID, str(seq))] + shared
+             for i, seq in enumerate(messages.sequence_ids)], _PROPERTIES)
     else:
-        singles = _split_batch(metadata.num_messages_in_batch, data)
-    for i, (single, value) in enumerate(singles):
-        keys.append(None if single.null_partition_key or not single.HasField("partition_key")
-                    else single.partition_key)
-        values.append(b"" if single.null_value else value)
-        events.append(single.event_time or metadata.event_time or None)
-        seq = single.sequence_id if single.HasField("sequence_id") else sequence_id + i
+        # each message's sequence id and then the shared ones, taken from one array of the
+        # shared values followed by the ids (no Python string per message)
+        width = 1 + len(shared)
+        ids = pa.array(messages.sequence_ids, pa.uint64()).cast(pa.string())
+        items = pa.concat_arrays([pa.array([v for _, v in shared], pa.string()), ids])
+        at = np.empty(n * width, dtype=np.int64)
+        at[0::width] = np.arange(width - 1, width - 1 + n)
+        for j in range(1, width):
+            at[j::width] = j - 1
+        names = pa.array([SEQUENCE_ID] + [k for k, _ in shared], pa.string())
+        properties = pa.MapArray.from_arrays(
+            pa.array(np.arange(0, n * width + 1, width, dtype=np.int32)),
+            names.take(pa.array(np.tile(np.arange(width), n))), items.take(pa.array(at)))
+    events = messages.events
+    return pa.RecordBatch.from_arrays([
+        pa.array(messages.keys, pa.string()),
+        pa.array(messages.values, pa.binary()),
+        pa.nulls(n, pa.int64()),
+        pa.array(events, pa.int64()) if any(events) else pa.nulls(n, pa.int64()),
+        properties], schema=PRODUCE_SCHEMA)
+
+
+_PROPERTIES = PRODUCE_SCHEMA.field("properties").type
+
+
+class _Messages:
+    """The columns of a SEND's messages, filled one message at a time."""
+
+    def __init__(self, count: int) -> None:
+        self.keys: list[str | None] = []
+        self.values: list[bytes] = []
+        self.events: list[int | None] = []
+        self.sequence_ids: list[int] = []
+        self.own: dict[int, list[tuple[str, str]]] = {}  # message -> its own properties
+
+    def add(self, single: Any, value: bytes, sequence_id: int, event_time: int) -> None:
+        """One message (a SingleMessageMetadata, or the MessageMetadata of a lone one)."""
+        i = len(self.values)
+        self.sequence_ids.append(single.sequence_id if single.HasField("sequence_id")
+                                 else sequence_id)
+        self.keys.append(single.partition_key if single.HasField("partition_key")
+                         and not single.null_partition_key else None)
+        self.values.append(b"" if single.null_value else value)
+        self.events.append(single.event_time or event_time or None)
         own = [(p.key, p.value) for p in single.properties]
-        own.append((SEQUENCE_ID, str(seq)))
         if single.null_value:
             own.append((NULL_VALUE, "true"))
         if single.HasField("ordering_key"):
             own.append((ORDERING_KEY, base64.b64encode(single.ordering_key).decode()))
         if single.partition_key_b64_encoded:
             own.append((KEY_BASE64, "true"))
-        props.append(own + shared)
-    return pa.RecordBatch.from_pydict({"key": keys, "value": values,
-                                       "publish_time": [None] * len(keys),
-                                       "event_time": events, "properties": props},
-                                      schema=PRODUCE_SCHEMA)
+        if own:
+            self.own[i] = own
 
 
-def _split_batch(count: int, data: bytes) -> list[tuple[api.SingleMessageMetadata, bytes]]:
-    out = []
-    at = 0
-    for _ in range(count):
-        if at + 4 > len(data):
+def _split_batch(count: int, data: bytes, sequence_id: int, event_time: int) -> _Messages:
+    """A batch's messages: the plain ones (a payload size and a sequence id, nothing else:
+    what clients send for a message without key or properties) are taken on a short path."""
+    messages = _Messages(count)
+    parse = api.SingleMessageMetadata.FromString
+    keys, values, events, ids = (messages.keys, messages.values, messages.events,
+                                 messages.sequence_ids)
+    event = event_time or None
+    at, end = 0, len(data)
+    for i in range(count):
+        if at + 4 > end:
             raise ProtocolError("truncated batch: a message's metadata size is missing")
-        (size,) = struct.unpack_from(">I", data, at)
-        single = api.SingleMessageMetadata()
+        size = int.from_bytes(data[at:at + 4], "big")
+        raw = data[at + 4:at + 4 + size]
         try:
-            single.ParseFromString(data[at + 4:at + 4 + size])
+            single = parse(raw)
         except Exception as exc:
             raise ProtocolError(f"undecodable message metadata in a batch: {exc}") from None
         at += 4 + size
-        value = data[at:at + single.payload_size]
-        if len(value) != single.payload_size:
+        n = single.payload_size
+        value = data[at:at + n]
+        if len(value) != n:
             raise ProtocolError("truncated batch: a message is shorter than its size")
-        at += single.payload_size
-        out.append((single, value))
-    return out
+        at += n
+        # a plain message's metadata is payload_size and sequence_id, one tag byte and a
+        # varint each: if that is all its bytes hold, it has nothing else
+        seq = single.sequence_id
+        if size == 2 + (n.bit_length() + 6) // 7 + ((seq.bit_length() + 6) // 7 or 1) \
+                and n and single.HasField("sequence_id"):
+            keys.append(None)
+            values.append(value)
+            events.append(event)
+            ids.append(seq)
+        else:
+            messages.add(single, value, sequence_id + i, event_time)
+    return messages
 
 
 def _uncompressed(metadata: api.MessageMetadata, payload: bytes) -> bytes:
