@@ -247,6 +247,66 @@ def test_malformed_frames_are_answered_or_dropped_and_the_broker_serves_on(
     assert [r["value"] for r in rows_of(pulsar_broker, "public/default/fuzz")] == [b"after"]
 
 
+def test_without_auto_creation_a_missing_topic_is_not_found_and_bad_names_are_named(
+        start_broker, free_port) -> None:
+    broker: BrokerProcess = start_broker("--pulsar-port", str(free_port),
+                                         "--no-allow-auto-topic-creation")
+    client = client_of(broker, operation_timeout_seconds=int(scaled(5)))
+    try:
+        with pytest.raises(pulsar.TopicNotFound):
+            client.create_producer("public/default/missing")
+        with Admin(broker.url) as admin:
+            assert [t.name for t in admin.list_topics("public/default")] == []
+            admin.create_topic("public/default/missing", 1)
+        client.create_producer("public/default/missing").send(b"now it exists")
+    finally:
+        client.close()
+    host, port = broker.pulsar_url.removeprefix("pulsar://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=scaled(30)) as sock:
+        sock.sendall(command_frame(api.BaseCommand(
+            type=api.BaseCommand.CONNECT, connect=api.CommandConnect(
+                client_version="t", protocol_version=20))) + command_frame(api.BaseCommand(
+                    type=api.BaseCommand.PARTITIONED_METADATA,
+                    partitionMetadata=api.CommandPartitionedTopicMetadata(
+                        topic="persistent://acme//bad", request_id=7))))
+        got = _commands(sock, lambda cs: len(cs) == 2)
+    answer = got[1].partitionMetadataResponse
+    assert (answer.request_id, answer.error) == (7, api.InvalidTopicName), answer
+    assert "acme//bad" in answer.message
+
+
+def test_a_broker_that_stops_tells_its_producers_to_go(start_broker, free_port) -> None:
+    """CLOSE_PRODUCER from the broker: a client then looks the topic up again and reconnects
+    (here: the broker is back on the same port, and the producer goes on)."""
+    broker: BrokerProcess = start_broker("--pulsar-port", str(free_port))
+    host, port = broker.pulsar_url.removeprefix("pulsar://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=scaled(30)) as sock:
+        sock.sendall(command_frame(api.BaseCommand(
+            type=api.BaseCommand.CONNECT, connect=api.CommandConnect(
+                client_version="t", protocol_version=20))) + command_frame(api.BaseCommand(
+                    type=api.BaseCommand.PRODUCER, producer=api.CommandProducer(
+                        topic="public/default/going", producer_id=5, request_id=1))))
+        _commands(sock, lambda cs: any(c.type == api.BaseCommand.PRODUCER_SUCCESS
+                                       for c in cs))
+        assert broker.stop() == 0
+        got = _commands(sock, lambda cs: any(c.type == api.BaseCommand.CLOSE_PRODUCER
+                                             for c in cs))
+    assert [c.close_producer.producer_id for c in got
+            if c.type == api.BaseCommand.CLOSE_PRODUCER] == [5]
+    broker = start_broker("--pulsar-port", str(free_port))
+    client = client_of(broker)
+    try:
+        producer = client.create_producer("public/default/going")
+        producer.send(b"before")
+        broker.stop()
+        broker = start_broker("--pulsar-port", str(free_port))
+        producer.send(b"after")  # reconnected by itself
+    finally:
+        client.close()
+    assert [r["value"] for r in rows_of(broker, "public/default/going")] == [b"before",
+                                                                              b"after"]
+
+
 def test_a_producer_across_a_broker_sigkill_stores_every_acknowledged_message_once(
         start_broker, free_port, tmp_path) -> None:
     """10,000 messages from a named, batching Pulsar producer while the broker is SIGKILLed

@@ -28,7 +28,8 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
                tls_key: str | None = None, bookie_endpoints: bool = True,
                advertised_address: str | None = None, bookie_port_base: int = 0,
                metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
-               pulsar_port: int = 0, pulsar_tls_port: int | None = None) -> None:
+               pulsar_port: int = 0, pulsar_tls_port: int | None = None,
+               pulsar_auto_create: bool = True) -> None:
     """Open the store, serve until SIGTERM/SIGINT, then shut down cleanly (main thread only).
 
     With ``bookie_endpoints`` (the default) every bookie also serves its sealed ledgers on an
@@ -38,7 +39,8 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
     metrics are served there (``broker/metrics.py``; 0: any free port). With ``pulsar_port``
     (0: off), Pulsar clients are served there (``pulsar_protocol/server.py``); with TLS
     (``tls_cert``), on ``pulsar_tls_port`` instead (None: 6652; 0: off), as pulsar+ssl, and
-    the plain port stays closed, as Flight has no plain port then. ``ready`` is
+    the plain port stays closed, as Flight has no plain port then; ``pulsar_auto_create``:
+    a topic a Pulsar client names is created if missing. ``ready`` is
     called with the broker URL, the metrics URL (or None) and the Pulsar URL (or None) once
     it accepts calls.
     """
@@ -104,7 +106,7 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
             pulsar = PulsarServer(store, host=host, port=pulsar_port,
                                   advertised=advertised_address, auth_token=auth_token,
                                   schemas=broker.schemas, tls_cert=tls_cert,
-                                  tls_key=tls_key)
+                                  tls_key=tls_key, auto_create=pulsar_auto_create)
     except BaseException:
         if metrics is not None:
             metrics.shutdown()

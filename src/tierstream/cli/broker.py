@@ -55,6 +55,9 @@ def broker_start(
     pulsar_tls_port: Annotated[int | None, typer.Option(
         help="With --tls-cert: serve Pulsar clients here over TLS (pulsar+ssl://HOST:PORT; "
              f"0: off) [default: {DEFAULT_PULSAR_TLS_PORT}].", show_default=False)] = None,
+    allow_auto_topic_creation: Annotated[bool, typer.Option(
+        help="Create a topic (one partition) that a Pulsar client names and that does not "
+             "exist, as Pulsar's broker does by default.")] = True,
     metrics_port: Annotated[int | None, typer.Option(
         help="Serve Prometheus metrics on this port (0: any free port) [default: off].",
         show_default=False)] = None,
@@ -139,7 +142,7 @@ def broker_start(
                tls_cert=tls_cert, tls_key=tls_key, bookie_endpoints=bookie_endpoints,
                advertised_address=advertised_address, bookie_port_base=bookie_port_base,
                metrics_port=metrics_port, metrics_host=metrics_host, pulsar_port=pulsar_port,
-               pulsar_tls_port=pulsar_tls_port)
+               pulsar_tls_port=pulsar_tls_port, pulsar_auto_create=allow_auto_topic_creation)
 
 
 @bookie_app.command("serve")

@@ -10,9 +10,13 @@ from dataclasses import dataclass
 from tierstream.errors import ConfigError
 from tierstream.names import TopicName
 
-__all__ = ["PulsarTopic", "parse_pulsar_topic"]
+__all__ = ["InvalidTopicName", "PulsarTopic", "parse_pulsar_topic"]
 
 _PARTITION = re.compile(r"^(.*)-partition-(\d+)$")
+
+
+class InvalidTopicName(ConfigError):
+    """A name no topic can have (Pulsar's InvalidTopicName)."""
 
 
 @dataclass(frozen=True)
@@ -25,7 +29,7 @@ def parse_pulsar_topic(name: str) -> PulsarTopic:
     """The tierstream topic (and partition) a Pulsar client means; ConfigError naming what
     is wrong (a non-persistent topic, an old four-part name, an invalid name)."""
     if not isinstance(name, str):  # protobuf hands a string field that is not UTF-8 as bytes
-        raise ConfigError(f"invalid topic {name!r}: not UTF-8 text")
+        raise InvalidTopicName(f"invalid topic {name!r}: not UTF-8 text")
     rest = name
     if "://" in name:
         scheme, rest = name.split("://", 1)
@@ -33,16 +37,19 @@ def parse_pulsar_topic(name: str) -> PulsarTopic:
             raise ConfigError(f"non-persistent topics are not supported ({name!r}): tierstream "
                               "stores every message; use persistent://")
         if scheme != "persistent":
-            raise ConfigError(f"invalid topic {name!r}: expected persistent://tenant/"
+            raise InvalidTopicName(f"invalid topic {name!r}: expected persistent://tenant/"
                               "namespace/topic")
     parts = rest.split("/")
     if len(parts) == 1:
         rest = f"public/default/{rest}"
     elif len(parts) != 3:
-        raise ConfigError(f"invalid topic {name!r}: expected tenant/namespace/topic (or a "
+        raise InvalidTopicName(f"invalid topic {name!r}: expected tenant/namespace/topic (or a "
                           "short name in public/default)")
     partition = None
     match = _PARTITION.match(rest)
     if match:
         rest, partition = match.group(1), int(match.group(2))
-    return PulsarTopic(str(TopicName.parse(rest)), partition)
+    try:
+        return PulsarTopic(str(TopicName.parse(rest)), partition)
+    except ConfigError as exc:
+        raise InvalidTopicName(str(exc)) from None

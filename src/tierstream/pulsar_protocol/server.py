@@ -47,7 +47,7 @@ from tierstream.pulsar_protocol.frames import (
     read_frame_size,
 )
 from tierstream.pulsar_protocol.messages import refused_feature, to_rows
-from tierstream.pulsar_protocol.names import parse_pulsar_topic
+from tierstream.pulsar_protocol.names import InvalidTopicName, parse_pulsar_topic
 from tierstream.pulsar_protocol.schemas import (
     SchemaRefused,
     registered_version,
@@ -83,6 +83,8 @@ class PulsarServer:
         from tierstream.metadata.schema_registry import SchemaRegistry
 
         self.store = store
+        self._lock = threading.Lock()
+        self._connections: set[_Connection] = set()
         self.schemas = schemas if schemas is not None else SchemaRegistry(store.metadata)
         self.auth_token = auth_token
         self.auto_create = auto_create
@@ -122,8 +124,14 @@ class PulsarServer:
         self._thread.start()
 
     def shutdown(self) -> None:
+        """Stop accepting, tell every connected producer to go (CLOSE_PRODUCER: its client
+        looks the topic up again and reconnects when a broker serves it), close."""
         self._server.shutdown()
         self._server.server_close()
+        with self._lock:
+            connections = list(self._connections)
+        for connection in connections:
+            connection.close_producers()
 
 
 class _Connection:
@@ -137,10 +145,30 @@ class _Connection:
         self.producers: dict[int, _Producer] = {}
         self._receipts: queue.Queue[Any] = queue.Queue(maxsize=1000)
         self._names = itertools.count()
+        self._closes = itertools.count(1 << 62)  # request ids of the broker's own requests
 
     # -- the loop ---------------------------------------------------------------------------
 
+    def close_producers(self) -> None:
+        """CLOSE_PRODUCER for each producer of this connection (the broker is going), then
+        the connection closed."""
+        for producer_id in list(self.producers):
+            self._quietly(self._write, _Cmd(
+                type=_Cmd.CLOSE_PRODUCER, close_producer=api.CommandCloseProducer(
+                    producer_id=producer_id, request_id=next(self._closes))))
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
     def serve(self) -> None:
+        with self.server._lock:
+            self.server._connections.add(self)
+        try:
+            self._serve()
+        finally:
+            with self.server._lock:
+                self.server._connections.discard(self)
+
+    def _serve(self) -> None:
         self.sock.settimeout(KEEPALIVE_S)
         receipts = threading.Thread(target=self._send_receipts, daemon=True,
                                     name="tierstream-pulsar-receipts")
@@ -529,7 +557,7 @@ def _code(exc: BaseException) -> Any:  # an api.ServerError value
         return api.TopicNotFound
     if isinstance(exc, AuthError):
         return api.AuthorizationError
-    if isinstance(exc, ConfigError) and "invalid topic" in str(exc):
+    if isinstance(exc, InvalidTopicName):
         return api.InvalidTopicName
     if isinstance(exc, (ConfigError, _Refused)):
         return api.NotAllowedError
