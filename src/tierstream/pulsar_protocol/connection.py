@@ -1,0 +1,297 @@
+"""One Pulsar client connection: its frames in order, the handshake and housekeeping
+(CONNECT, PING/PONG, lookups, partitioned metadata, the topics of a namespace) and its
+producers (``produce.py``).
+
+One thread per connection reads frames in order. A bad request gets Pulsar's error answer
+(``replies.py``); a frame over the advertised maximum is read past and refused; a frame that
+cannot be read at all (a truncated stream, garbage that reads as a huge size) ends the
+connection, logged. A request that fails in a way no check foresaw is answered
+``UnknownError`` and logged with its stack, the connection kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import socket
+import ssl
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from tierstream import __version__
+from tierstream.errors import NotFoundError, ProtocolError, TierstreamError
+from tierstream.pulsar_protocol import pulsar_api_pb2 as api
+from tierstream.pulsar_protocol.frames import (
+    MAX_FRAME_SIZE,
+    MAX_MESSAGE_SIZE,
+    BadPayload,
+    command_frame,
+    parse_frame,
+    read_frame_size,
+)
+from tierstream.pulsar_protocol.names import parse_pulsar_topic
+from tierstream.pulsar_protocol.produce import ProducePath
+from tierstream.pulsar_protocol.replies import error_code, request_id
+
+__all__ = ["Connection", "Listener"]
+
+log = logging.getLogger(__name__)
+
+#: the newest protocol version whose commands this listener answers (v20: topic migration)
+PROTOCOL_VERSION = 20
+#: a frame over the maximum but under this is read past and refused, the connection kept;
+#: a larger one (or garbage that reads as a size) closes the connection
+DISCARD_LIMIT = 256 * 1024 * 1024
+#: a connection that sends nothing for this long is sent a PING; twice as long, dropped
+KEEPALIVE_S = 30.0
+
+_Cmd = api.BaseCommand
+
+
+@dataclass(frozen=True)
+class Listener:
+    """What every connection of a listener shares."""
+
+    store: Any
+    schemas: Any  # the broker's SchemaRegistry
+    url: str  # what LOOKUP answers: pulsar://host:port or pulsar+ssl://
+    tls: bool
+    auth_token: str | None
+    auto_create: bool
+
+
+class Connection:
+    """One client connection."""
+
+    def __init__(self, listener: Listener, sock: socket.socket, peer: Any) -> None:
+        self.listener, self.sock, self.peer = listener, sock, peer
+        self.store = listener.store
+        self._send_lock = threading.Lock()
+        self.connected = False
+        self.produce = ProducePath(self, listener.store, listener.schemas)
+
+    def go_away(self) -> None:
+        """The broker is going: CLOSE_PRODUCER for each producer, then the connection closed
+        (its clients look their topics up again and reconnect when a broker serves them)."""
+        self.produce.close_all()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def serve(self) -> None:
+        self.sock.settimeout(KEEPALIVE_S)
+        idle = 0
+        try:
+            while True:
+                try:
+                    header = self._read(4)
+                except TimeoutError:
+                    idle += 1
+                    if idle >= 2:
+                        log.info("pulsar client %s sent nothing for %gs: dropped", self.peer,
+                                 2 * KEEPALIVE_S)
+                        return
+                    self.write(_Cmd(type=_Cmd.PING, ping=api.CommandPing()))
+                    continue
+                idle = 0
+                if header is None:
+                    return
+                size = read_frame_size(header)
+                if size > MAX_FRAME_SIZE:
+                    if self._skip_oversized(size):
+                        continue
+                    log.warning("pulsar client %s sent a frame of %d bytes (at most %d): "
+                                "connection closed", self.peer, size, MAX_FRAME_SIZE)
+                    return
+                body = self._read(size)
+                if body is None:
+                    log.warning("pulsar client %s: truncated frame", self.peer)
+                    return
+                try:
+                    frame = parse_frame(body)
+                except BadPayload as exc:  # answered where it names a producer
+                    log.warning("pulsar client %s: %s", self.peer, exc)
+                    if exc.command.type == _Cmd.SEND and exc.command.HasField("send"):
+                        self.produce.refuse(exc.command.send, api.ChecksumError, str(exc))
+                    continue
+                except ProtocolError as exc:
+                    log.warning("pulsar client %s: %s", self.peer, exc)
+                    continue
+                try:
+                    self._dispatch(frame)
+                except (OSError, ssl.SSLError):
+                    raise
+                except Exception as exc:  # a request we did not foresee: answered, logged
+                    self._unforeseen(frame.command, exc)
+        except OSError as exc:
+            log.debug("pulsar client %s: %s", self.peer, exc)
+        finally:
+            self.produce.stop(timeout=KEEPALIVE_S)
+            with contextlib.suppress(OSError):
+                self.sock.close()
+
+    def _unforeseen(self, command: api.BaseCommand, exc: Exception) -> None:
+        """A request that failed in a way no check foresaw: logged with its stack (a bug to
+        fix), answered with Pulsar's UnknownError where it can be, the connection kept."""
+        name = _Cmd.Type.Name(command.type) if command.type in _Cmd.Type.values() \
+            else str(command.type)
+        log.warning("pulsar client %s: %s failed: %r", self.peer, name, exc, exc_info=True)
+        reason = f"{name} failed in the broker: {exc!r}"
+        if command.type == _Cmd.SEND and command.HasField("send"):
+            self.produce.refuse(command.send, api.ChecksumError, reason)
+        elif (rid := request_id(command)) is not None:
+            self.error(rid, api.UnknownError, reason)
+
+    def _skip_oversized(self, size: int) -> bool:
+        """Answer a frame over the advertised maximum without taking it: its command is read,
+        the rest streamed past, and a SEND refused (a request answered ERROR); False if the
+        frame is too large or too garbled to pass over (the connection is then closed)."""
+        if size > DISCARD_LIMIT:
+            return False
+        head = self._read(4)
+        if head is None:
+            return False
+        cmd_size = read_frame_size(head)
+        if cmd_size > min(size - 4, 64 * 1024):
+            return False
+        data = self._read(cmd_size)
+        command = api.BaseCommand()
+        try:
+            command.ParseFromString(data or b"")
+        except Exception:  # protobuf's DecodeError and friends: not a frame we can answer
+            return False
+        left = size - 4 - cmd_size
+        while left:
+            chunk = self.sock.recv(min(left, 1 << 20))
+            if not chunk:
+                return False
+            left -= len(chunk)
+        reason = (f"a frame of {size:,} bytes is over the {MAX_MESSAGE_SIZE:,} bytes a message "
+                  "may have here (max_message_size): nothing was stored")
+        log.warning("pulsar client %s: %s", self.peer, reason)
+        if command.type == _Cmd.SEND and command.HasField("send"):
+            self.produce.refuse(command.send, api.ChecksumError, reason)
+        elif (rid := request_id(command)) is not None:
+            self.error(rid, api.NotAllowedError, reason)
+        return True
+
+    def _read(self, n: int) -> bytes | None:
+        chunks, got = [], 0
+        while got < n:
+            chunk = self.sock.recv(min(n - got, 1 << 20))
+            if not chunk:
+                return None
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
+
+    def write(self, command: api.BaseCommand) -> None:
+        data = command_frame(command)
+        with self._send_lock:
+            self.sock.sendall(data)
+
+    # -- commands -----------------------------------------------------------------------------
+
+    def _dispatch(self, frame: Any) -> None:
+        cmd = frame.command
+        kind = cmd.type
+        if kind == _Cmd.CONNECT:
+            self._connect(cmd.connect)
+        elif not self.connected:
+            log.warning("pulsar client %s sent %s before CONNECT", self.peer,
+                        _Cmd.Type.Name(kind) if kind in _Cmd.Type.values() else kind)
+            raise OSError("command before CONNECT")
+        elif kind == _Cmd.PING:
+            self.write(_Cmd(type=_Cmd.PONG, pong=api.CommandPong()))
+        elif kind == _Cmd.PONG:
+            pass
+        elif kind == _Cmd.PARTITIONED_METADATA:
+            self._partitioned_metadata(cmd.partitionMetadata)
+        elif kind == _Cmd.LOOKUP:
+            self._lookup(cmd.lookupTopic)
+        elif kind == _Cmd.GET_TOPICS_OF_NAMESPACE:
+            self._topics_of_namespace(cmd.getTopicsOfNamespace)
+        elif kind == _Cmd.PRODUCER:
+            self.produce.create(cmd.producer)
+        elif kind == _Cmd.SEND:
+            self.produce.send(cmd.send, frame.metadata, frame.payload)
+        elif kind == _Cmd.CLOSE_PRODUCER:
+            self.produce.close(cmd.close_producer)
+        else:
+            name = _Cmd.Type.Name(kind) if kind in _Cmd.Type.values() else str(kind)
+            rid = request_id(cmd)
+            log.info("pulsar client %s: %s is not supported yet", self.peer, name)
+            if rid is not None:
+                self.error(rid, api.NotAllowedError,
+                            f"{name} is not supported by this tierstream broker yet")
+
+    def _connect(self, connect: api.CommandConnect) -> None:
+        token = self.listener.auth_token
+        if token is not None:
+            given = connect.auth_data if connect.auth_method_name == "token" else b""
+            if not hmac.compare_digest(given, token.encode()):
+                self.error(0, api.AuthenticationError, "a valid token is required "
+                            "(AuthenticationToken)")
+                raise OSError("authentication failed")
+        version = min(connect.protocol_version, PROTOCOL_VERSION)
+        self.connected = True
+        self.write(_Cmd(type=_Cmd.CONNECTED, connected=api.CommandConnected(
+            server_version=f"tierstream-{__version__}", protocol_version=version,
+            max_message_size=MAX_MESSAGE_SIZE)))
+
+    def topic_partitions(self, name: str, *, create: bool) -> tuple[str, int, int | None]:
+        """(tierstream topic, its partition count, the partition named) — created with one
+        partition if it does not exist and ``create``."""
+        named = parse_pulsar_topic(name)
+        try:
+            record = self.store.topic(named.topic)
+        except NotFoundError:
+            if not (create and self.listener.auto_create and named.partition is None):
+                raise
+            log.info("pulsar client %s: topic %s created (auto-creation)", self.peer,
+                     named.topic)
+            try:
+                record = self.store.create_topic(named.topic, 1)
+            except TierstreamError:  # another connection made it meanwhile
+                record = self.store.topic(named.topic)
+        return named.topic, int(record.partitions), named.partition
+
+    def _partitioned_metadata(self, req: api.CommandPartitionedTopicMetadata) -> None:
+        reply = api.CommandPartitionedTopicMetadataResponse(request_id=req.request_id)
+        try:
+            _, count, _ = self.topic_partitions(
+                req.topic, create=req.metadata_auto_creation_enabled)
+            # one partition is Pulsar's non-partitioned topic: the client uses the bare name
+            reply.partitions = count if count > 1 else 0
+            reply.response = reply.Success
+        except TierstreamError as exc:
+            reply.response, reply.error, reply.message = reply.Failed, error_code(exc), str(exc)
+        self.write(_Cmd(type=_Cmd.PARTITIONED_METADATA_RESPONSE,
+                         partitionMetadataResponse=reply))
+
+    def _lookup(self, req: api.CommandLookupTopic) -> None:
+        reply = api.CommandLookupTopicResponse(request_id=req.request_id)
+        try:
+            self.topic_partitions(req.topic, create=True)
+            reply.response, reply.authoritative = reply.Connect, True
+            reply.brokerServiceUrl = self.listener.url
+            if self.listener.tls:
+                reply.brokerServiceUrlTls = self.listener.url
+        except TierstreamError as exc:
+            reply.response, reply.error, reply.message = reply.Failed, error_code(exc), str(exc)
+        self.write(_Cmd(type=_Cmd.LOOKUP_RESPONSE, lookupTopicResponse=reply))
+
+    def _topics_of_namespace(self, req: api.CommandGetTopicsOfNamespace) -> None:
+        names = []
+        for record in self.store.topics(req.namespace):
+            base = f"persistent://{record.name}"
+            names.extend([base] if record.partitions == 1 else
+                         [f"{base}-partition-{p}" for p in range(record.partitions)])
+        self.write(_Cmd(type=_Cmd.GET_TOPICS_OF_NAMESPACE_RESPONSE,
+                         getTopicsOfNamespaceResponse=api.CommandGetTopicsOfNamespaceResponse(
+                             request_id=req.request_id, topics=names)))
+
+    def error(self, rid: int, error: Any, message: str) -> None:
+        self.write(_Cmd(type=_Cmd.ERROR, error=api.CommandError(
+            request_id=rid, error=error, message=message)))

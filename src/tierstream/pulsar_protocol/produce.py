@@ -1,0 +1,236 @@
+"""The produce half of a Pulsar connection: PRODUCER, SEND, CLOSE_PRODUCER.
+
+A SEND is decoded (``messages.py``), submitted to the partition's log at once
+(``PartitionLog.submit``: the store, de-duplication by producer name and sequence id, and
+group commit that tierstream's own producers use) and handed to the connection's receipt
+thread, which waits for each entry's quorum in order and answers SEND_RECEIPT with
+tierstream's position as the message id: ledgerId = segment id, entryId = entry id, the
+partition (-1 for a topic of one partition) and, per message of a batch, its batch index. A
+refused SEND is answered in the same queue, so answers keep the order of the sends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import queue
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tierstream.errors import ConfigError, NotFoundError, StaleRoutingError, TierstreamError
+from tierstream.pulsar_protocol import pulsar_api_pb2 as api
+from tierstream.pulsar_protocol.messages import refused_feature, to_rows
+from tierstream.pulsar_protocol.replies import Refused, error_code, send_error_code
+from tierstream.pulsar_protocol.schemas import (
+    registered_version,
+    schema_version_bytes,
+    version_of,
+)
+
+__all__ = ["Link", "ProducePath", "check_routing"]
+
+log = logging.getLogger(__name__)
+
+_Cmd = api.BaseCommand
+
+
+class Link(Protocol):
+    """What the produce path needs of its connection."""
+
+    peer: Any
+
+    def write(self, command: api.BaseCommand) -> None: ...
+
+    def error(self, request_id: int, error: Any, message: str) -> None: ...
+
+    def topic_partitions(self, name: str, *, create: bool) -> tuple[str, int, int | None]: ...
+
+
+class ProducePath:
+    """The producers of one connection and the thread that answers their sends in order."""
+
+    def __init__(self, link: Link, store: Any, schemas: Any) -> None:
+        self.link, self.store, self.schemas = link, store, schemas
+        self.producers: dict[int, _Producer] = {}
+        self._receipts: queue.Queue[Any] = queue.Queue(maxsize=1000)
+        self._names = itertools.count()
+        self._closes = itertools.count(1 << 62)  # request ids of the broker's own requests
+        self._thread = threading.Thread(target=self._send_receipts, daemon=True,
+                                        name="tierstream-pulsar-receipts")
+        self._thread.start()
+
+    def stop(self, timeout: float) -> None:
+        """Answer what is queued, then end the receipt thread."""
+        self._receipts.put(None)
+        self._thread.join(timeout=timeout)
+
+    def close_all(self) -> None:
+        """CLOSE_PRODUCER to the client for each producer (the broker is going)."""
+        for producer_id in list(self.producers):
+            self._quietly(self.link.write, _Cmd(
+                type=_Cmd.CLOSE_PRODUCER, close_producer=api.CommandCloseProducer(
+                    producer_id=producer_id, request_id=next(self._closes))))
+
+    def close(self, req: api.CommandCloseProducer) -> None:
+        """The client closes a producer."""
+        self.producers.pop(req.producer_id, None)
+        self.link.write(_Cmd(type=_Cmd.SUCCESS, success=api.CommandSuccess(
+            request_id=req.request_id)))
+
+    def create(self, req: api.CommandProducer) -> None:
+        """PRODUCER: PRODUCER_SUCCESS with the name's last stored sequence id, or ERROR."""
+        try:
+            topic, count, partition = self.link.topic_partitions(req.topic, create=True)
+            if partition is None:
+                if count > 1:
+                    raise ConfigError(f"{req.topic!r} has {count} partitions: produce to its "
+                                      "partitions (the client does so after partitioned "
+                                      "metadata)")
+                partition = 0
+            elif partition >= count:
+                raise NotFoundError(f"{req.topic!r}: {topic} has partitions 0..{count - 1}")
+            if req.encrypted:
+                raise Refused("encryption is not supported by this tierstream broker")
+            if req.producer_access_mode != 0:
+                raise Refused("only the Shared producer access mode is supported")
+            version = registered_version(self.schemas, topic, req.schema) \
+                if req.HasField("schema") else None
+            name = req.producer_name if req.HasField("producer_name") and req.producer_name \
+                else f"pulsar-{socket.gethostname()}-{id(self):x}-{next(self._names)}"
+            plog = self.store.partition(topic, partition)
+            last = plog.producer_state(name)
+            self.producers[req.producer_id] = _Producer(topic, partition, name, count, version)
+            success = api.CommandProducerSuccess(
+                request_id=req.request_id, producer_name=name,
+                last_sequence_id=-1 if last is None else int(last))
+            if version is not None:
+                success.schema_version = schema_version_bytes(version)
+            self.link.write(_Cmd(type=_Cmd.PRODUCER_SUCCESS, producer_success=success))
+        except TierstreamError as exc:
+            log.warning("pulsar client %s: producer on %s refused: %s", self.link.peer, req.topic,
+                        exc)
+            self.link.error(req.request_id, error_code(exc), str(exc))
+
+    def send(self, send: api.CommandSend, metadata: Any, payload: bytes) -> None:
+        producer = self.producers.get(send.producer_id)
+        if producer is None:
+            self.refuse(send, api.ChecksumError,
+                         f"no producer {send.producer_id} on this connection")
+            return
+        if metadata is None:
+            self.refuse(send, api.ChecksumError, "SEND without a message")
+            return
+        feature = refused_feature(send, metadata)
+        if feature is not None:
+            self.refuse(send, api.ChecksumError,
+                         f"{feature} are not supported by this tierstream broker: "
+                             "nothing was stored")
+            return
+        topic, partition, name, count = (producer.topic, producer.partition, producer.name,
+                                          producer.partitions)
+        try:
+            version = version_of(metadata.schema_version) \
+                if metadata.HasField("schema_version") else producer.schema_version
+            rows = to_rows(metadata, payload, sequence_id=int(send.sequence_id),
+                           schema_version=version)
+            if version is not None:
+                self.schemas.check_named_versions(topic, {str(version)})
+            plog = self.store.partition(topic, partition)
+            seq = send.highest_sequence_id or send.sequence_id
+            for attempt in range(2):
+                # each key where tierstream routes it under the topic's count now (which
+                # may be more than the client routed by, if the topic grew since it looked);
+                # submitted as routed by that count, so a scale event in between refuses
+                # it (StaleRoutingError) and it is checked again against the new count
+                now = plog.routing or count
+                check_routing(rows, topic, partition, now, count)
+                try:
+                    pending = plog.submit(rows, producer=name, sequence_id=int(seq),
+                                          routed=now)
+                    break
+                except StaleRoutingError:
+                    if attempt:
+                        raise
+        except TierstreamError as exc:
+            self.refuse(send, send_error_code(exc), str(exc))
+            return
+        self._receipts.put((send, partition if count > 1 else -1, pending))
+
+    def refuse(self, send: api.CommandSend, error: Any, message: str) -> None:
+        """Answer SEND_ERROR in turn: after the receipts of the sends before it. A client
+        fails the message at the head of its queue, so an answer that overtook an earlier
+        send's receipt would fail the wrong message (the C++ core crashes on it)."""
+        self._receipts.put((send, None, (error, message)))
+
+    def _send_receipts(self) -> None:
+        while (item := self._receipts.get()) is not None:
+            send, partition, pending = item
+            if isinstance(pending, tuple):
+                error, message = pending
+                self._quietly(self._send_error, send, error, message)
+                continue
+            try:
+                ack = pending.result()
+            except TierstreamError as exc:
+                self._quietly(self._send_error, send, send_error_code(exc), str(exc))
+                continue
+            message_id = api.MessageIdData(
+                ledgerId=(2**64 - 1) if ack.segment_id is None else ack.segment_id,
+                entryId=(2**64 - 1) if ack.entry_id is None else ack.entry_id,
+                partition=partition)
+            receipt = api.CommandSendReceipt(producer_id=send.producer_id,
+                                             sequence_id=send.sequence_id,
+                                             message_id=message_id,
+                                             highest_sequence_id=send.highest_sequence_id)
+            self._quietly(self.link.write, _Cmd(type=_Cmd.SEND_RECEIPT, send_receipt=receipt))
+
+    def _quietly(self, write: Any, *args: Any) -> None:
+        with contextlib.suppress(OSError):  # the client went away; what is stored stays
+            write(*args)
+
+    def _send_error(self, send: api.CommandSend, error: Any, message: str) -> None:
+        self.link.write(_Cmd(type=_Cmd.SEND_ERROR, send_error=api.CommandSendError(
+            producer_id=send.producer_id, sequence_id=send.sequence_id, error=error,
+            message=message)))
+
+
+def check_routing(rows: Any, topic: str, partition: int, count: int, client: int) -> None:
+    """Refuse keyed messages that tierstream routes to another partition than this one under
+    the topic's ``count`` (each key in one partition is what keeps its order for every
+    reader); ``client`` is the count the client routed by."""
+    from tierstream.message_format import key_hashes
+
+    keys = rows.column("key")
+    if keys.null_count == len(keys):
+        return
+    slots = key_hashes(keys).to_numpy()
+    wrong = [i for i, (k, s) in enumerate(zip(keys.to_pylist(), slots.tolist(), strict=True))
+             if k is not None and s % count != partition]
+    if not wrong:
+        return
+    key, home = keys[wrong[0]].as_py(), int(slots[wrong[0]]) % count
+    if client != count:
+        raise Refused(
+            f"{topic} grew from {client} to {count} partitions: key {key!r} now belongs to "
+            f"partition {home}, not {partition}; nothing was stored. The client routes it "
+            "there once it refreshes the topic's partitions (Java autoUpdatePartitionsInterval"
+            ", Go PartitionsAutoDiscoveryInterval, C++ partitionsUpdateInterval: 60 s by "
+            "default), or when the producer is made again")
+    raise Refused(
+        f"key {key!r} belongs to partition {home} of {topic} ({count} partitions), not "
+        f"{partition}: tierstream routes a key by murmur3_32 % 65536 % partitions: give the "
+        "producer that routing (Python: message_router=tierstream.pulsar_protocol.key_router"
+        "; Java: hashingScheme Murmur3_32Hash, which agrees when the partition count divides "
+        "65,536); nothing was stored")
+
+
+@dataclass(frozen=True)
+class _Producer:
+    topic: str
+    partition: int
+    name: str
+    partitions: int  # the topic's count when the producer was made: how the client routes
+    schema_version: int | None  # of the producer's schema; None: bytes
