@@ -10,21 +10,33 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
+from tierstream.managed_ledger.partition_log import PartitionLog
+from tierstream.metadata.records import TopicRecord
 from tierstream.timeutil import describe_duration
 
-if TYPE_CHECKING:
-    from tierstream.broker.store import Store
-
-__all__ = ["AutoScaler"]
+__all__ = ["AutoScaler", "ScalableTopics"]
 
 log = logging.getLogger(__name__)
 
 
+class ScalableTopics(Protocol):
+    """What the scaler needs of the store (``broker/store.py``, which owns the scaler)."""
+
+    def topics(self) -> Sequence[TopicRecord]: ...
+
+    def partitions(self, topic: str) -> Sequence[PartitionLog]: ...
+
+    def set_partitions(self, name: str, partitions: int, *, reason: str) -> TopicRecord: ...
+
+
 class AutoScaler:
-    def __init__(self, store: Store, rate: int, window_ms: int) -> None:
+    def __init__(self, store: ScalableTopics, rate: int, window_ms: int, *,
+                 max_partitions: int) -> None:
         self._store = store
+        self.max_partitions = max_partitions
         self.rate = rate
         self.window_s = window_ms / 1000
         # per topic: (monotonic time, messages appended per partition) samples, oldest first
@@ -49,7 +61,7 @@ class AutoScaler:
             if slowest <= self.rate:
                 continue
             grow = 2 * len(counts)
-            if grow > self._store.config.max_partitions_per_topic:
+            if grow > self.max_partitions:
                 if topic.name not in self._capped:
                     self._capped.add(topic.name)
                     log.warning("%s is above the auto-scale rate but cannot double its %d "

@@ -14,32 +14,37 @@ import contextlib
 import logging
 import queue
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import pyarrow as pa
 
 from tierstream.broker.cursor_state import DeadLetterIntent
+from tierstream.broker.cursor_writer import CursorWriter, Snapshotting
 from tierstream.errors import AlreadyExistsError, TierstreamError
 from tierstream.message_format import CONSUMER_SCHEMA, PRODUCE_SCHEMA
 
 if TYPE_CHECKING:
-    from tierstream.broker.cursor_writer import CursorWriter
-    from tierstream.broker.dispatcher import Dispatcher
     from tierstream.broker.store import Store
 
-__all__ = ["DeadLetterWriter", "IntentRecovery", "dead_letter_batch"]
+__all__ = ["DeadLetterWriter", "DeadLettering", "IntentRecovery", "dead_letter_batch"]
 
 log = logging.getLogger(__name__)
 
 _RETRY_S = 1.0
 
 
+class DeadLettering(Snapshotting, Protocol):
+    """A subscription's cursor whose messages go to a dead-letter topic (the dispatcher)."""
+
+    def dead_lettered(self, intent: DeadLetterIntent) -> None: ...
+
+
 class DeadLetterWriter:
     def __init__(self, store: Store, writer: CursorWriter) -> None:
         self._store = store
         self._writer = writer
-        self._queue: queue.Queue[tuple[Dispatcher, DeadLetterIntent, pa.RecordBatch] | None] = \
+        self._queue: queue.Queue[tuple[DeadLettering, DeadLetterIntent, pa.RecordBatch] | None] = \
             queue.Queue()
         self._stop = threading.Event()
         self.written = 0
@@ -47,7 +52,7 @@ class DeadLetterWriter:
                                         daemon=True)
         self._thread.start()
 
-    def submit(self, dispatcher: Dispatcher, intent: DeadLetterIntent,
+    def submit(self, dispatcher: DeadLettering, intent: DeadLetterIntent,
                batch: pa.RecordBatch) -> None:
         self._queue.put((dispatcher, intent, batch))
 
@@ -71,7 +76,7 @@ class DeadLetterWriter:
             dispatcher.dead_lettered(intent)
             self.written += batch.num_rows
 
-    def _append(self, d: Dispatcher, intent: DeadLetterIntent, batch: pa.RecordBatch) -> None:
+    def _append(self, d: DeadLettering, intent: DeadLetterIntent, batch: pa.RecordBatch) -> None:
         with contextlib.suppress(AlreadyExistsError):
             self._store.create_topic(intent.topic, 1)
         partitions = self._store.topic(intent.topic).partitions

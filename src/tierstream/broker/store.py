@@ -76,7 +76,8 @@ class Store:
         self.transactions = TransactionCoordinator(self, timeout_ms=config.transaction_timeout_ms)
         self.transactions.recover()  # a commit a crash interrupted is finished first
         self._auto_scale = None if config.auto_scale_rate is None else AutoScaler(
-            self, config.auto_scale_rate, config.auto_scale_window_ms)
+            self, config.auto_scale_rate, config.auto_scale_window_ms,
+            max_partitions=config.max_partitions_per_topic)
         self._last_txn_pass = time.monotonic()
         self._timer = threading.Thread(target=self._housekeeping, name="store-housekeeping",
                                        daemon=True)

@@ -3,18 +3,16 @@ flight to the bookies, and live stats. Shared by the write, read and position co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 
 from tierstream.bookie.ledger import IndexRecord
 from tierstream.metadata.records import SegmentRecord
 from tierstream.splits.positions import EntryRanges, entry_ranges
-
-if TYPE_CHECKING:
-    from tierstream.managed_ledger.partition_log import PartitionLog
 
 __all__ = ["TXN_PRODUCER", "Ack", "InFlight", "OpenSegment", "PendingAppend", "TxnPart",
            "txn_of_producer"]
@@ -116,9 +114,10 @@ class OpenSegment:
 @dataclass
 class PendingAppend:
     """An entry on its way to the bookies (``PartitionLog.submit``): :meth:`result` waits
-    for its ack quorum and gives its ack (a duplicate's original ack at once)."""
+    for its ack quorum and gives its ack (a duplicate's original ack at once). ``finish`` is
+    the log's wait for the quorum (a callable, so that this module needs no log)."""
 
-    log: PartitionLog
+    finish: Callable[[PendingAppend], Ack]
     ack: Ack | None = None
     seg: OpenSegment | None = None
     entry_id: int | None = None
@@ -129,5 +128,5 @@ class PendingAppend:
 
     def result(self) -> Ack:
         if self.ack is None:
-            self.ack = self.log._finish(self)
+            self.ack = self.finish(self)
         return self.ack

@@ -160,7 +160,7 @@ class PartitionLog(PartitionVisibility):
             elif producer is not None and sequence_id is not None:
                 duplicate = self._check_sequence(producer, sequence_id)
                 if duplicate is not None:
-                    return PendingAppend(self, ack=duplicate)
+                    return PendingAppend(self._finish, ack=duplicate)
                 if (cut := self._dedup.refused_after_cut(producer, sequence_id)) is not None:
                     raise UnavailableError(  # on the wire behind a failed write (dedup.py)
                         f"batch {sequence_id} of producer {producer!r} is not stored: the write"
@@ -195,7 +195,7 @@ class PartitionLog(PartitionVisibility):
                 crash_point("append.partial-replicas", before=futures[0].result)
             seg.in_flight[entry_id] = InFlight(futures, message_batch, producer, sequence_id,
                                                payload.size, txn=txn, routed=routed)
-        return PendingAppend(self, seg=seg, entry_id=entry_id, futures=futures, batch=batch,
+        return PendingAppend(self._finish, seg=seg, entry_id=entry_id, futures=futures, batch=batch,
                              stored=message_batch, sequence_id=sequence_id)
 
     def _finish(self, p: PendingAppend) -> Ack:
