@@ -91,6 +91,11 @@ def test_the_tree_shows_what_runs_where() -> None:
     for package in ("client", "broker", "managed_ledger", "bookie", "metadata", "tier"):
         assert (SRC / package / "__init__.py").is_file(), package
     assert not (SRC / "store").exists()
+    # the subscription machinery is one room of the broker, which the protocols plug into
+    for part in ("registry", "dispatcher", "attached", "selectors", "key_holds", "cursor_state",
+                 "cursor_writer", "dead_letters", "ack_doubt"):
+        assert (SRC / "broker" / "subscriptions" / f"{part}.py").is_file(), part
+        assert not (SRC / "broker" / f"{part}.py").exists(), part
     modules = _modules()
     server_side = ("tierstream.broker", "tierstream.managed_ledger", "tierstream.bookie.storage",
                    "tierstream.metadata.store", "tierstream.tier.offload")

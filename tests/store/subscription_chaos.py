@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from tierstream.broker.process import BrokerProcess
-from tierstream.broker.selectors import slot_owners
+from tierstream.broker.subscriptions.selectors import slot_owners
 from tierstream.client import Admin, Producer
 from tierstream.message_format import key_hash
 

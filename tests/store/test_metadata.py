@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tierstream.broker.cursor_state import CursorState
+from tierstream.broker.subscriptions.cursor_state import CursorState
 from tierstream.errors import ConfigError
 from tierstream.metadata.store import MetadataStore
 from tierstream.metadata.tables import SCHEMA_VERSION

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from tierstream.broker.attached import ConsumerSettings
+from tierstream.broker.subscriptions.attached import ConsumerSettings
 from tierstream.errors import ConfigError, ProtocolError, TierstreamError
 from tierstream.message_format import CONSUMER_SCHEMA, MESSAGE_SCHEMA
 from tierstream.names import TopicName
@@ -21,7 +21,7 @@ from tierstream.subscription_type import SubscriptionType
 
 if TYPE_CHECKING:
     from tierstream.broker.store import Store
-    from tierstream.broker.subscriptions import Subscriptions
+    from tierstream.broker.subscriptions.registry import Subscriptions
     from tierstream.broker.topic_stats import Streams
     from tierstream.managed_ledger.partition_log import PartitionLog
 

@@ -40,7 +40,7 @@ from tierstream.errors import ConfigError
 
 if TYPE_CHECKING:
     from tierstream.broker.store import Store
-    from tierstream.broker.subscriptions import Subscriptions
+    from tierstream.broker.subscriptions.registry import Subscriptions
 
 __all__ = ["MetricsServer"]
 

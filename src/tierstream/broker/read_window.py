@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import numpy as np
 import pyarrow as pa
 
-from tierstream.broker.cursor_state import MAX_ACKED_RANGES, AckedEntry
+from tierstream.broker.subscriptions.cursor_state import MAX_ACKED_RANGES, AckedEntry
 from tierstream.message_format import CONSUMER_SCHEMA
 from tierstream.splits.positions import Position
 

@@ -16,7 +16,7 @@ import pyarrow.flight as flight
 from tierstream.broker.consume_streams import ConsumeStreams, check_partition
 from tierstream.broker.produce_stream import produce_stream
 from tierstream.broker.store import Store
-from tierstream.broker.subscriptions import Subscriptions
+from tierstream.broker.subscriptions.registry import Subscriptions
 from tierstream.broker.topic_stats import QueryLags, Streams, broker_stats, topic_stats
 from tierstream.errors import (
     ConfigError,

@@ -25,7 +25,7 @@ from tierstream.timeutil import now_ms
 
 if TYPE_CHECKING:
     from tierstream.broker.store import Store
-    from tierstream.broker.subscriptions import Subscriptions
+    from tierstream.broker.subscriptions.registry import Subscriptions
     from tierstream.managed_ledger.partition_log import PartitionLog
 
 __all__ = ["LOCATIONS", "QueryLags", "Streams", "broker_stats", "storage_of",

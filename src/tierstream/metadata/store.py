@@ -416,7 +416,7 @@ class MetadataStore:
     # -- cursors ------------------------------------------------------------------------------
 
     def get_cursor(self, topic: str, subscription: str, partition: int) -> Any:
-        """The stored state of a subscription's partition (broker/cursor_state.py), or None."""
+        """A subscription's stored partition state (subscriptions/cursor_state.py), or None."""
         with self._lock:
             row = self._conn.execute(
                 "SELECT state FROM cursors WHERE topic=? AND subscription=? AND partition=?",

@@ -168,7 +168,7 @@ def _migrate(conn: sqlite3.Connection) -> None:
         conn.execute("UPDATE meta SET value='7' WHERE key='schema_version'")
         version = 7
     if version == 7:  # v8: individual acks; the cursor column holds the whole state (its
-        # JSON is read in either form: broker/cursor_state.py)
+        # JSON is read in either form: broker/subscriptions/cursor_state.py)
         columns = [r[1] for r in conn.execute("PRAGMA table_info(cursors)")]
         if "intervals" in columns:
             conn.execute("ALTER TABLE cursors RENAME COLUMN intervals TO state")

@@ -6,7 +6,8 @@ consumers, in log order, each up to its permits (its receiver queue). What a con
 unacknowledged goes back to waiting when it leaves, when its ack timeout passes, or when it
 nacks (after the nack delay), with its redelivery count raised.
 
-Key order (``key_shared``, PIP-379) is kept by :class:`~tierstream.broker.key_holds.KeyHolds`.
+Key order (``key_shared``, PIP-379) is kept by
+:class:`~tierstream.broker.subscriptions.key_holds.KeyHolds`.
 ``failover`` and ``exclusive`` keep the partition's order: a new active consumer starts once
 the previous one's messages are acknowledged or returned.
 """
@@ -23,11 +24,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from tierstream.broker.ack_doubt import LoadedCursor, cumulative_in_doubt, in_doubt
-from tierstream.broker.attached import Attached, ConsumerSettings, check_join
-from tierstream.broker.cursor_state import CursorState, DeadLetterIntent
-from tierstream.broker.dead_letters import IntentRecovery
-from tierstream.broker.key_holds import KeyHolds
 from tierstream.broker.read_window import (
     ACKED,
     DEAD,
@@ -38,13 +34,18 @@ from tierstream.broker.read_window import (
     ReadWindow,
     following,
 )
-from tierstream.broker.selectors import active_for_partition
+from tierstream.broker.subscriptions.ack_doubt import LoadedCursor, cumulative_in_doubt, in_doubt
+from tierstream.broker.subscriptions.attached import Attached, ConsumerSettings, check_join
+from tierstream.broker.subscriptions.cursor_state import CursorState, DeadLetterIntent
+from tierstream.broker.subscriptions.dead_letters import IntentRecovery
+from tierstream.broker.subscriptions.key_holds import KeyHolds
+from tierstream.broker.subscriptions.selectors import active_for_partition
 from tierstream.errors import ConfigError, ConflictError, TierstreamError
 from tierstream.splits.positions import Position
 from tierstream.subscription_type import SubscriptionType
 
 if TYPE_CHECKING:
-    from tierstream.broker.cursor_writer import CursorWriter
+    from tierstream.broker.subscriptions.cursor_writer import CursorWriter
     from tierstream.managed_ledger.partition_log import PartitionLog
 
 __all__ = ["Attached", "ConsumerSettings", "Dispatcher"]
@@ -91,7 +92,7 @@ class Dispatcher:
         self._recovery = IntentRecovery(self._intents)
         self._delayed = 0
         #: a partition grown at a scale event dispatches nothing until this says its keys'
-        #: earlier messages were acknowledged (broker/subscriptions.py); then it is dropped
+        #: earlier messages were acknowledged (broker/subscriptions/registry.py); then it is dropped
         self.gate: Callable[[], bool] | None = None
         self._gated = False
         self._reader = threading.Thread(target=self._read_loop, daemon=True,

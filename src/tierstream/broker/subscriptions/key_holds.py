@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
-from tierstream.broker.attached import Attached, ranges_of
 from tierstream.broker.read_window import WAITING, Chunk
-from tierstream.broker.selectors import slot_owners
+from tierstream.broker.subscriptions.attached import Attached, ranges_of
+from tierstream.broker.subscriptions.selectors import slot_owners
 from tierstream.message_format import KEY_HASH_SLOTS
 
 __all__ = ["KeyHolds"]

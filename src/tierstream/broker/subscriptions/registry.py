@@ -1,9 +1,10 @@
 """Durable subscriptions, as Pulsar's: four types, individual acks, redelivery, dead letters.
 
-One :class:`~tierstream.broker.dispatcher.Dispatcher` per (topic, subscription, partition),
-loaded when a consumer attaches or an ack arrives; its state is stored by the
-:class:`~tierstream.broker.cursor_writer.CursorWriter` (grouped commits). A cursor a Spark stream
-keeps (``set-cursor``) is stored directly and has no type until a consumer attaches to it.
+One :class:`~tierstream.broker.subscriptions.dispatcher.Dispatcher` per (topic,
+subscription, partition), loaded when a consumer attaches or an ack arrives; its state is
+stored by the :class:`~tierstream.broker.subscriptions.cursor_writer.CursorWriter` (grouped
+commits). A cursor a Spark stream keeps (``set-cursor``) is stored directly and has no type
+until a consumer attaches to it.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tierstream.broker.attached import Attached, ConsumerSettings
-from tierstream.broker.cursor_state import CursorState
-from tierstream.broker.cursor_writer import CursorWriter
-from tierstream.broker.dead_letters import DeadLetterWriter
-from tierstream.broker.dispatcher import Dispatcher
+from tierstream.broker.subscriptions.attached import Attached, ConsumerSettings
+from tierstream.broker.subscriptions.cursor_state import CursorState
+from tierstream.broker.subscriptions.cursor_writer import CursorWriter
+from tierstream.broker.subscriptions.dead_letters import DeadLetterWriter
+from tierstream.broker.subscriptions.dispatcher import Dispatcher
 from tierstream.errors import ConfigError, ConflictError, NotFoundError
 from tierstream.lineage import ScaleEvent
 from tierstream.splits.positions import Position

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import pyarrow as pa
 
-from tierstream.broker.cursor_state import DeadLetterIntent
-from tierstream.broker.cursor_writer import CursorWriter, Snapshotting
+from tierstream.broker.subscriptions.cursor_state import DeadLetterIntent
+from tierstream.broker.subscriptions.cursor_writer import CursorWriter, Snapshotting
 from tierstream.errors import AlreadyExistsError, TierstreamError
 from tierstream.message_format import CONSUMER_SCHEMA, PRODUCE_SCHEMA
 
