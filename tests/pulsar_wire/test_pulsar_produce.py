@@ -410,6 +410,10 @@ def test_the_readme_example_runs(pulsar_broker: BrokerProcess) -> None:
     rows = rows_of(pulsar_broker, "acme/web/clicks")
     assert [(r["value"], r["key"], own_properties(r)) for r in rows] == [
         (b"click", "user-1", {"page": "/"})]
+    with Admin(pulsar_broker.url) as admin:  # the example's consumer acknowledged it
+        audit = [r for r in admin.subscriptions("acme/web/clicks")
+                 if r["subscription"] == "audit"]
+    assert [r["type"] for r in audit] == ["key_shared"]
 
 
 def test_a_pulsar_port_in_use_is_one_line_naming_the_option(tmp_path, free_port) -> None:

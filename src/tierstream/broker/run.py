@@ -105,7 +105,8 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
 
             pulsar = PulsarServer(store, host=host, port=pulsar_port,
                                   advertised=advertised_address, auth_token=auth_token,
-                                  schemas=broker.schemas, tls_cert=tls_cert,
+                                  schemas=broker.schemas, subscriptions=broker.subscriptions,
+                                  tls_cert=tls_cert,
                                   tls_key=tls_key, auto_create=pulsar_auto_create)
     except BaseException:
         if metrics is not None:

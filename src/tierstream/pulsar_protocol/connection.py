@@ -23,6 +23,7 @@ from typing import Any
 from tierstream import __version__
 from tierstream.errors import NotFoundError, ProtocolError, TierstreamError
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
+from tierstream.pulsar_protocol.consume import ConsumePath
 from tierstream.pulsar_protocol.frames import (
     MAX_FRAME_SIZE,
     MAX_MESSAGE_SIZE,
@@ -56,6 +57,7 @@ class Listener:
 
     store: Any
     schemas: Any  # the broker's SchemaRegistry
+    subscriptions: Any  # the broker's Subscriptions (None: consumers are refused)
     url: str  # what LOOKUP answers: pulsar://host:port or pulsar+ssl://
     tls: bool
     auth_token: str | None
@@ -71,11 +73,13 @@ class Connection:
         self._send_lock = threading.Lock()
         self.connected = False
         self.produce = ProducePath(self, listener.store, listener.schemas)
+        self.consume = ConsumePath(self, listener.store, listener.subscriptions)
 
     def go_away(self) -> None:
         """The broker is going: CLOSE_PRODUCER for each producer, then the connection closed
         (its clients look their topics up again and reconnect when a broker serves them)."""
         self.produce.close_all()
+        self.consume.go_away()
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
 
@@ -127,6 +131,7 @@ class Connection:
         except OSError as exc:
             log.debug("pulsar client %s: %s", self.peer, exc)
         finally:
+            self.consume.close_all()
             self.produce.stop(timeout=KEEPALIVE_S)
             with contextlib.suppress(OSError):
                 self.sock.close()
@@ -186,6 +191,11 @@ class Connection:
             got += len(chunk)
         return b"".join(chunks)
 
+    def write_frames(self, frames: list[bytes]) -> None:
+        data = b"".join(frames)
+        with self._send_lock:
+            self.sock.sendall(data)
+
     def write(self, command: api.BaseCommand) -> None:
         data = command_frame(command)
         with self._send_lock:
@@ -218,6 +228,18 @@ class Connection:
             self.produce.send(cmd.send, frame.metadata, frame.payload)
         elif kind == _Cmd.CLOSE_PRODUCER:
             self.produce.close(cmd.close_producer)
+        elif kind == _Cmd.SUBSCRIBE:
+            self.consume.subscribe(cmd.subscribe)
+        elif kind == _Cmd.FLOW:
+            self.consume.flow(cmd.flow)
+        elif kind == _Cmd.ACK:
+            self.consume.ack(cmd.ack)
+        elif kind == _Cmd.REDELIVER_UNACKNOWLEDGED_MESSAGES:
+            self.consume.redeliver(cmd.redeliverUnacknowledgedMessages)
+        elif kind == _Cmd.CLOSE_CONSUMER:
+            self.consume.close(cmd.close_consumer)
+        elif kind == _Cmd.UNSUBSCRIBE:
+            self.consume.unsubscribe(cmd.unsubscribe)
         else:
             name = _Cmd.Type.Name(kind) if kind in _Cmd.Type.values() else str(kind)
             rid = request_id(cmd)

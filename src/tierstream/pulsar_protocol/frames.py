@@ -14,7 +14,7 @@ from tierstream.errors import ProtocolError
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 
 __all__ = ["MAX_FRAME_SIZE", "MAX_MESSAGE_SIZE", "BadPayload", "Frame", "command_frame",
-           "parse_frame", "read_frame_size"]
+           "parse_frame", "payload_frame", "read_frame_size"]
 
 #: what CONNECTED advertises as max_message_size (Pulsar's default, 5 MiB)
 MAX_MESSAGE_SIZE = 5 * 1024 * 1024
@@ -94,3 +94,14 @@ def command_frame(command: api.BaseCommand) -> bytes:
     """A frame of ``command`` alone."""
     data: bytes = command.SerializeToString()
     return struct.pack(">II", len(data) + 4, len(data)) + data
+
+
+def payload_frame(command: api.BaseCommand, metadata: api.MessageMetadata,
+                  payload: bytes) -> bytes:
+    """A frame of ``command`` with a message: the checksum magic, CRC32-C, metadata, payload."""
+    data: bytes = command.SerializeToString()
+    meta: bytes = metadata.SerializeToString()
+    checked = struct.pack(">I", len(meta)) + meta + payload
+    head = struct.pack(">I", len(data)) + data + struct.pack(">HI", _CHECKSUM_MAGIC,
+                                                            crc32c.crc32c(checked))
+    return struct.pack(">I", len(head) + len(checked)) + head + checked

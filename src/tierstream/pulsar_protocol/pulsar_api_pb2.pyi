@@ -32,6 +32,11 @@ class ServerError(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     InvalidTopicName: _ClassVar[ServerError]
     IncompatibleSchema: _ClassVar[ServerError]
     NotAllowedError: _ClassVar[ServerError]
+
+class KeySharedMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    AUTO_SPLIT: _ClassVar[KeySharedMode]
+    STICKY: _ClassVar[KeySharedMode]
 NONE: CompressionType
 LZ4: CompressionType
 ZLIB: CompressionType
@@ -52,6 +57,8 @@ ProducerBusy: ServerError
 InvalidTopicName: ServerError
 IncompatibleSchema: ServerError
 NotAllowedError: ServerError
+AUTO_SPLIT: KeySharedMode
+STICKY: KeySharedMode
 
 class KeyValue(_message.Message):
     __slots__ = ("key", "value")
@@ -475,8 +482,244 @@ class CommandGetTopicsOfNamespaceResponse(_message.Message):
     changed: bool
     def __init__(self, request_id: _Optional[int] = ..., topics: _Optional[_Iterable[str]] = ..., filtered: _Optional[bool] = ..., changed: _Optional[bool] = ...) -> None: ...
 
+class KeyLongValue(_message.Message):
+    __slots__ = ("key", "value")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    value: int
+    def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+
+class IntRange(_message.Message):
+    __slots__ = ("start", "end")
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    end: int
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+
+class KeySharedMeta(_message.Message):
+    __slots__ = ("keySharedMode", "hashRanges", "allowOutOfOrderDelivery")
+    KEYSHAREDMODE_FIELD_NUMBER: _ClassVar[int]
+    HASHRANGES_FIELD_NUMBER: _ClassVar[int]
+    ALLOWOUTOFORDERDELIVERY_FIELD_NUMBER: _ClassVar[int]
+    keySharedMode: KeySharedMode
+    hashRanges: _containers.RepeatedCompositeFieldContainer[IntRange]
+    allowOutOfOrderDelivery: bool
+    def __init__(self, keySharedMode: _Optional[_Union[KeySharedMode, str]] = ..., hashRanges: _Optional[_Iterable[_Union[IntRange, _Mapping]]] = ..., allowOutOfOrderDelivery: _Optional[bool] = ...) -> None: ...
+
+class CommandSubscribe(_message.Message):
+    __slots__ = ("topic", "subscription", "subType", "consumer_id", "request_id", "consumer_name", "priority_level", "durable", "start_message_id", "metadata", "read_compacted", "schema", "initialPosition", "replicate_subscription_state", "force_topic_creation", "start_message_rollback_duration_sec", "keySharedMeta", "subscription_properties", "consumer_epoch")
+    class SubType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        Exclusive: _ClassVar[CommandSubscribe.SubType]
+        Shared: _ClassVar[CommandSubscribe.SubType]
+        Failover: _ClassVar[CommandSubscribe.SubType]
+        Key_Shared: _ClassVar[CommandSubscribe.SubType]
+    Exclusive: CommandSubscribe.SubType
+    Shared: CommandSubscribe.SubType
+    Failover: CommandSubscribe.SubType
+    Key_Shared: CommandSubscribe.SubType
+    class InitialPosition(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        Latest: _ClassVar[CommandSubscribe.InitialPosition]
+        Earliest: _ClassVar[CommandSubscribe.InitialPosition]
+    Latest: CommandSubscribe.InitialPosition
+    Earliest: CommandSubscribe.InitialPosition
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    SUBTYPE_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_NAME_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
+    START_MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    READ_COMPACTED_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    INITIALPOSITION_FIELD_NUMBER: _ClassVar[int]
+    REPLICATE_SUBSCRIPTION_STATE_FIELD_NUMBER: _ClassVar[int]
+    FORCE_TOPIC_CREATION_FIELD_NUMBER: _ClassVar[int]
+    START_MESSAGE_ROLLBACK_DURATION_SEC_FIELD_NUMBER: _ClassVar[int]
+    KEYSHAREDMETA_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIPTION_PROPERTIES_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    topic: str
+    subscription: str
+    subType: CommandSubscribe.SubType
+    consumer_id: int
+    request_id: int
+    consumer_name: str
+    priority_level: int
+    durable: bool
+    start_message_id: MessageIdData
+    metadata: _containers.RepeatedCompositeFieldContainer[KeyValue]
+    read_compacted: bool
+    schema: Schema
+    initialPosition: CommandSubscribe.InitialPosition
+    replicate_subscription_state: bool
+    force_topic_creation: bool
+    start_message_rollback_duration_sec: int
+    keySharedMeta: KeySharedMeta
+    subscription_properties: _containers.RepeatedCompositeFieldContainer[KeyValue]
+    consumer_epoch: int
+    def __init__(self, topic: _Optional[str] = ..., subscription: _Optional[str] = ..., subType: _Optional[_Union[CommandSubscribe.SubType, str]] = ..., consumer_id: _Optional[int] = ..., request_id: _Optional[int] = ..., consumer_name: _Optional[str] = ..., priority_level: _Optional[int] = ..., durable: _Optional[bool] = ..., start_message_id: _Optional[_Union[MessageIdData, _Mapping]] = ..., metadata: _Optional[_Iterable[_Union[KeyValue, _Mapping]]] = ..., read_compacted: _Optional[bool] = ..., schema: _Optional[_Union[Schema, _Mapping]] = ..., initialPosition: _Optional[_Union[CommandSubscribe.InitialPosition, str]] = ..., replicate_subscription_state: _Optional[bool] = ..., force_topic_creation: _Optional[bool] = ..., start_message_rollback_duration_sec: _Optional[int] = ..., keySharedMeta: _Optional[_Union[KeySharedMeta, _Mapping]] = ..., subscription_properties: _Optional[_Iterable[_Union[KeyValue, _Mapping]]] = ..., consumer_epoch: _Optional[int] = ...) -> None: ...
+
+class CommandFlow(_message.Message):
+    __slots__ = ("consumer_id", "messagePermits")
+    CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGEPERMITS_FIELD_NUMBER: _ClassVar[int]
+    consumer_id: int
+    messagePermits: int
+    def __init__(self, consumer_id: _Optional[int] = ..., messagePermits: _Optional[int] = ...) -> None: ...
+
+class CommandMessage(_message.Message):
+    __slots__ = ("consumer_id", "message_id", "redelivery_count", "ack_set", "consumer_epoch")
+    CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    REDELIVERY_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ACK_SET_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    consumer_id: int
+    message_id: MessageIdData
+    redelivery_count: int
+    ack_set: _containers.RepeatedScalarFieldContainer[int]
+    consumer_epoch: int
+    def __init__(self, consumer_id: _Optional[int] = ..., message_id: _Optional[_Union[MessageIdData, _Mapping]] = ..., redelivery_count: _Optional[int] = ..., ack_set: _Optional[_Iterable[int]] = ..., consumer_epoch: _Optional[int] = ...) -> None: ...
+
+class CommandAck(_message.Message):
+    __slots__ = ("consumer_id", "ack_type", "message_id", "validation_error", "properties", "txnid_least_bits", "txnid_most_bits", "request_id")
+    class AckType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        Individual: _ClassVar[CommandAck.AckType]
+        Cumulative: _ClassVar[CommandAck.AckType]
+    Individual: CommandAck.AckType
+    Cumulative: CommandAck.AckType
+    class ValidationError(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        UncompressedSizeCorruption: _ClassVar[CommandAck.ValidationError]
+        DecompressionError: _ClassVar[CommandAck.ValidationError]
+        ChecksumMismatch: _ClassVar[CommandAck.ValidationError]
+        BatchDeSerializeError: _ClassVar[CommandAck.ValidationError]
+        DecryptionError: _ClassVar[CommandAck.ValidationError]
+    UncompressedSizeCorruption: CommandAck.ValidationError
+    DecompressionError: CommandAck.ValidationError
+    ChecksumMismatch: CommandAck.ValidationError
+    BatchDeSerializeError: CommandAck.ValidationError
+    DecryptionError: CommandAck.ValidationError
+    CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
+    ACK_TYPE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    VALIDATION_ERROR_FIELD_NUMBER: _ClassVar[int]
+    PROPERTIES_FIELD_NUMBER: _ClassVar[int]
+    TXNID_LEAST_BITS_FIELD_NUMBER: _ClassVar[int]
+    TXNID_MOST_BITS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    consumer_id: int
+    ack_type: CommandAck.AckType
+    message_id: _containers.RepeatedCompositeFieldContainer[MessageIdData]
+    validation_error: CommandAck.ValidationError
+    properties: _containers.RepeatedCompositeFieldContainer[KeyLongValue]
+    txnid_least_bits: int
+    txnid_most_bits: int
+    request_id: int
+    def __init__(self, consumer_id: _Optional[int] = ..., ack_type: _Optional[_Union[CommandAck.AckType, str]] = ..., message_id: _Optional[_Iterable[_Union[MessageIdData, _Mapping]]] = ..., validation_error: _Optional[_Union[CommandAck.ValidationError, str]] = ..., properties: _Optional[_Iterable[_Union[KeyLongValue, _Mapping]]] = ..., txnid_least_bits: _Optional[int] = ..., txnid_most_bits: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class CommandAckResponse(_message.Message):
+    __slots__ = ("consumer_id", "txnid_least_bits", "txnid_most_bits", "error", "message", "request_id")
+    CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
+    TXNID_LEAST_BITS_FIELD_NUMBER: _ClassVar[int]
+    TXNID_MOST_BITS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    consumer_id: int
+    txnid_least_bits: int
+    txnid_most_bits: int
+    error: ServerError
+    message: str
+    request_id: int
+    def __init__(self, consumer_id: _Optional[int] = ..., txnid_least_bits: _Optional[int] = ..., txnid_most_bits: _Optional[int] = ..., error: _Optional[_Union[ServerError, str]] = ..., message: _Optional[str] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class CommandCloseConsumer(_message.Message):
+    __slots__ = ("consumer_id", "request_id", "assignedBrokerServiceUrl", "assignedBrokerServiceUrlTls")
+    CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNEDBROKERSERVICEURL_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNEDBROKERSERVICEURLTLS_FIELD_NUMBER: _ClassVar[int]
+    consumer_id: int
+    request_id: int
+    assignedBrokerServiceUrl: str
+    assignedBrokerServiceUrlTls: str
+    def __init__(self, consumer_id: _Optional[int] = ..., request_id: _Optional[int] = ..., assignedBrokerServiceUrl: _Optional[str] = ..., assignedBrokerServiceUrlTls: _Optional[str] = ...) -> None: ...
+
+class CommandRedeliverUnacknowledgedMessages(_message.Message):
+    __slots__ = ("consumer_id", "message_ids", "consumer_epoch")
+    CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    consumer_id: int
+    message_ids: _containers.RepeatedCompositeFieldContainer[MessageIdData]
+    consumer_epoch: int
+    def __init__(self, consumer_id: _Optional[int] = ..., message_ids: _Optional[_Iterable[_Union[MessageIdData, _Mapping]]] = ..., consumer_epoch: _Optional[int] = ...) -> None: ...
+
+class CommandUnsubscribe(_message.Message):
+    __slots__ = ("consumer_id", "request_id", "force")
+    CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    consumer_id: int
+    request_id: int
+    force: bool
+    def __init__(self, consumer_id: _Optional[int] = ..., request_id: _Optional[int] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class CommandActiveConsumerChange(_message.Message):
+    __slots__ = ("consumer_id", "is_active")
+    CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
+    IS_ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    consumer_id: int
+    is_active: bool
+    def __init__(self, consumer_id: _Optional[int] = ..., is_active: _Optional[bool] = ...) -> None: ...
+
+class CommandGetLastMessageId(_message.Message):
+    __slots__ = ("consumer_id", "request_id")
+    CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    consumer_id: int
+    request_id: int
+    def __init__(self, consumer_id: _Optional[int] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class CommandGetLastMessageIdResponse(_message.Message):
+    __slots__ = ("last_message_id", "request_id", "consumer_mark_delete_position")
+    LAST_MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_MARK_DELETE_POSITION_FIELD_NUMBER: _ClassVar[int]
+    last_message_id: MessageIdData
+    request_id: int
+    consumer_mark_delete_position: MessageIdData
+    def __init__(self, last_message_id: _Optional[_Union[MessageIdData, _Mapping]] = ..., request_id: _Optional[int] = ..., consumer_mark_delete_position: _Optional[_Union[MessageIdData, _Mapping]] = ...) -> None: ...
+
+class CommandSeek(_message.Message):
+    __slots__ = ("consumer_id", "request_id", "message_id", "message_publish_time")
+    CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_PUBLISH_TIME_FIELD_NUMBER: _ClassVar[int]
+    consumer_id: int
+    request_id: int
+    message_id: MessageIdData
+    message_publish_time: int
+    def __init__(self, consumer_id: _Optional[int] = ..., request_id: _Optional[int] = ..., message_id: _Optional[_Union[MessageIdData, _Mapping]] = ..., message_publish_time: _Optional[int] = ...) -> None: ...
+
+class CommandReachedEndOfTopic(_message.Message):
+    __slots__ = ("consumer_id",)
+    CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
+    consumer_id: int
+    def __init__(self, consumer_id: _Optional[int] = ...) -> None: ...
+
 class BaseCommand(_message.Message):
-    __slots__ = ("type", "connect", "connected", "producer", "send", "send_receipt", "send_error", "success", "error", "close_producer", "producer_success", "ping", "pong", "partitionMetadata", "partitionMetadataResponse", "lookupTopic", "lookupTopicResponse", "getTopicsOfNamespace", "getTopicsOfNamespaceResponse")
+    __slots__ = ("type", "connect", "connected", "subscribe", "producer", "send", "send_receipt", "send_error", "message", "ack", "flow", "unsubscribe", "success", "error", "close_producer", "close_consumer", "producer_success", "ping", "pong", "redeliverUnacknowledgedMessages", "partitionMetadata", "partitionMetadataResponse", "lookupTopic", "lookupTopicResponse", "reachedEndOfTopic", "seek", "getLastMessageId", "getLastMessageIdResponse", "active_consumer_change", "getTopicsOfNamespace", "getTopicsOfNamespaceResponse", "ackResponse")
     class Type(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         CONNECT: _ClassVar[BaseCommand.Type]
@@ -502,8 +745,14 @@ class BaseCommand(_message.Message):
         PARTITIONED_METADATA_RESPONSE: _ClassVar[BaseCommand.Type]
         LOOKUP: _ClassVar[BaseCommand.Type]
         LOOKUP_RESPONSE: _ClassVar[BaseCommand.Type]
+        REACHED_END_OF_TOPIC: _ClassVar[BaseCommand.Type]
+        SEEK: _ClassVar[BaseCommand.Type]
+        GET_LAST_MESSAGE_ID: _ClassVar[BaseCommand.Type]
+        GET_LAST_MESSAGE_ID_RESPONSE: _ClassVar[BaseCommand.Type]
+        ACTIVE_CONSUMER_CHANGE: _ClassVar[BaseCommand.Type]
         GET_TOPICS_OF_NAMESPACE: _ClassVar[BaseCommand.Type]
         GET_TOPICS_OF_NAMESPACE_RESPONSE: _ClassVar[BaseCommand.Type]
+        ACK_RESPONSE: _ClassVar[BaseCommand.Type]
     CONNECT: BaseCommand.Type
     CONNECTED: BaseCommand.Type
     SUBSCRIBE: BaseCommand.Type
@@ -527,44 +776,76 @@ class BaseCommand(_message.Message):
     PARTITIONED_METADATA_RESPONSE: BaseCommand.Type
     LOOKUP: BaseCommand.Type
     LOOKUP_RESPONSE: BaseCommand.Type
+    REACHED_END_OF_TOPIC: BaseCommand.Type
+    SEEK: BaseCommand.Type
+    GET_LAST_MESSAGE_ID: BaseCommand.Type
+    GET_LAST_MESSAGE_ID_RESPONSE: BaseCommand.Type
+    ACTIVE_CONSUMER_CHANGE: BaseCommand.Type
     GET_TOPICS_OF_NAMESPACE: BaseCommand.Type
     GET_TOPICS_OF_NAMESPACE_RESPONSE: BaseCommand.Type
+    ACK_RESPONSE: BaseCommand.Type
     TYPE_FIELD_NUMBER: _ClassVar[int]
     CONNECT_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIBE_FIELD_NUMBER: _ClassVar[int]
     PRODUCER_FIELD_NUMBER: _ClassVar[int]
     SEND_FIELD_NUMBER: _ClassVar[int]
     SEND_RECEIPT_FIELD_NUMBER: _ClassVar[int]
     SEND_ERROR_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    FLOW_FIELD_NUMBER: _ClassVar[int]
+    UNSUBSCRIBE_FIELD_NUMBER: _ClassVar[int]
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     CLOSE_PRODUCER_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_CONSUMER_FIELD_NUMBER: _ClassVar[int]
     PRODUCER_SUCCESS_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
     PONG_FIELD_NUMBER: _ClassVar[int]
+    REDELIVERUNACKNOWLEDGEDMESSAGES_FIELD_NUMBER: _ClassVar[int]
     PARTITIONMETADATA_FIELD_NUMBER: _ClassVar[int]
     PARTITIONMETADATARESPONSE_FIELD_NUMBER: _ClassVar[int]
     LOOKUPTOPIC_FIELD_NUMBER: _ClassVar[int]
     LOOKUPTOPICRESPONSE_FIELD_NUMBER: _ClassVar[int]
+    REACHEDENDOFTOPIC_FIELD_NUMBER: _ClassVar[int]
+    SEEK_FIELD_NUMBER: _ClassVar[int]
+    GETLASTMESSAGEID_FIELD_NUMBER: _ClassVar[int]
+    GETLASTMESSAGEIDRESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_CONSUMER_CHANGE_FIELD_NUMBER: _ClassVar[int]
     GETTOPICSOFNAMESPACE_FIELD_NUMBER: _ClassVar[int]
     GETTOPICSOFNAMESPACERESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ACKRESPONSE_FIELD_NUMBER: _ClassVar[int]
     type: BaseCommand.Type
     connect: CommandConnect
     connected: CommandConnected
+    subscribe: CommandSubscribe
     producer: CommandProducer
     send: CommandSend
     send_receipt: CommandSendReceipt
     send_error: CommandSendError
+    message: CommandMessage
+    ack: CommandAck
+    flow: CommandFlow
+    unsubscribe: CommandUnsubscribe
     success: CommandSuccess
     error: CommandError
     close_producer: CommandCloseProducer
+    close_consumer: CommandCloseConsumer
     producer_success: CommandProducerSuccess
     ping: CommandPing
     pong: CommandPong
+    redeliverUnacknowledgedMessages: CommandRedeliverUnacknowledgedMessages
     partitionMetadata: CommandPartitionedTopicMetadata
     partitionMetadataResponse: CommandPartitionedTopicMetadataResponse
     lookupTopic: CommandLookupTopic
     lookupTopicResponse: CommandLookupTopicResponse
+    reachedEndOfTopic: CommandReachedEndOfTopic
+    seek: CommandSeek
+    getLastMessageId: CommandGetLastMessageId
+    getLastMessageIdResponse: CommandGetLastMessageIdResponse
+    active_consumer_change: CommandActiveConsumerChange
     getTopicsOfNamespace: CommandGetTopicsOfNamespace
     getTopicsOfNamespaceResponse: CommandGetTopicsOfNamespaceResponse
-    def __init__(self, type: _Optional[_Union[BaseCommand.Type, str]] = ..., connect: _Optional[_Union[CommandConnect, _Mapping]] = ..., connected: _Optional[_Union[CommandConnected, _Mapping]] = ..., producer: _Optional[_Union[CommandProducer, _Mapping]] = ..., send: _Optional[_Union[CommandSend, _Mapping]] = ..., send_receipt: _Optional[_Union[CommandSendReceipt, _Mapping]] = ..., send_error: _Optional[_Union[CommandSendError, _Mapping]] = ..., success: _Optional[_Union[CommandSuccess, _Mapping]] = ..., error: _Optional[_Union[CommandError, _Mapping]] = ..., close_producer: _Optional[_Union[CommandCloseProducer, _Mapping]] = ..., producer_success: _Optional[_Union[CommandProducerSuccess, _Mapping]] = ..., ping: _Optional[_Union[CommandPing, _Mapping]] = ..., pong: _Optional[_Union[CommandPong, _Mapping]] = ..., partitionMetadata: _Optional[_Union[CommandPartitionedTopicMetadata, _Mapping]] = ..., partitionMetadataResponse: _Optional[_Union[CommandPartitionedTopicMetadataResponse, _Mapping]] = ..., lookupTopic: _Optional[_Union[CommandLookupTopic, _Mapping]] = ..., lookupTopicResponse: _Optional[_Union[CommandLookupTopicResponse, _Mapping]] = ..., getTopicsOfNamespace: _Optional[_Union[CommandGetTopicsOfNamespace, _Mapping]] = ..., getTopicsOfNamespaceResponse: _Optional[_Union[CommandGetTopicsOfNamespaceResponse, _Mapping]] = ...) -> None: ...
+    ackResponse: CommandAckResponse
+    def __init__(self, type: _Optional[_Union[BaseCommand.Type, str]] = ..., connect: _Optional[_Union[CommandConnect, _Mapping]] = ..., connected: _Optional[_Union[CommandConnected, _Mapping]] = ..., subscribe: _Optional[_Union[CommandSubscribe, _Mapping]] = ..., producer: _Optional[_Union[CommandProducer, _Mapping]] = ..., send: _Optional[_Union[CommandSend, _Mapping]] = ..., send_receipt: _Optional[_Union[CommandSendReceipt, _Mapping]] = ..., send_error: _Optional[_Union[CommandSendError, _Mapping]] = ..., message: _Optional[_Union[CommandMessage, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., flow: _Optional[_Union[CommandFlow, _Mapping]] = ..., unsubscribe: _Optional[_Union[CommandUnsubscribe, _Mapping]] = ..., success: _Optional[_Union[CommandSuccess, _Mapping]] = ..., error: _Optional[_Union[CommandError, _Mapping]] = ..., close_producer: _Optional[_Union[CommandCloseProducer, _Mapping]] = ..., close_consumer: _Optional[_Union[CommandCloseConsumer, _Mapping]] = ..., producer_success: _Optional[_Union[CommandProducerSuccess, _Mapping]] = ..., ping: _Optional[_Union[CommandPing, _Mapping]] = ..., pong: _Optional[_Union[CommandPong, _Mapping]] = ..., redeliverUnacknowledgedMessages: _Optional[_Union[CommandRedeliverUnacknowledgedMessages, _Mapping]] = ..., partitionMetadata: _Optional[_Union[CommandPartitionedTopicMetadata, _Mapping]] = ..., partitionMetadataResponse: _Optional[_Union[CommandPartitionedTopicMetadataResponse, _Mapping]] = ..., lookupTopic: _Optional[_Union[CommandLookupTopic, _Mapping]] = ..., lookupTopicResponse: _Optional[_Union[CommandLookupTopicResponse, _Mapping]] = ..., reachedEndOfTopic: _Optional[_Union[CommandReachedEndOfTopic, _Mapping]] = ..., seek: _Optional[_Union[CommandSeek, _Mapping]] = ..., getLastMessageId: _Optional[_Union[CommandGetLastMessageId, _Mapping]] = ..., getLastMessageIdResponse: _Optional[_Union[CommandGetLastMessageIdResponse, _Mapping]] = ..., active_consumer_change: _Optional[_Union[CommandActiveConsumerChange, _Mapping]] = ..., getTopicsOfNamespace: _Optional[_Union[CommandGetTopicsOfNamespace, _Mapping]] = ..., getTopicsOfNamespaceResponse: _Optional[_Union[CommandGetTopicsOfNamespaceResponse, _Mapping]] = ..., ackResponse: _Optional[_Union[CommandAckResponse, _Mapping]] = ...) -> None: ...

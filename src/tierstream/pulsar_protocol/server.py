@@ -26,8 +26,8 @@ class PulsarServer:
 
     def __init__(self, store: Any, *, host: str = "127.0.0.1", port: int = DEFAULT_PULSAR_PORT,
                  advertised: str | None = None, auth_token: str | None = None,
-                 auto_create: bool = True, schemas: Any = None, tls_cert: str | None = None,
-                 tls_key: str | None = None) -> None:
+                 auto_create: bool = True, schemas: Any = None, subscriptions: Any = None,
+                 tls_cert: str | None = None, tls_key: str | None = None) -> None:
         from tierstream.metadata.schema_registry import SchemaRegistry
 
         self._lock = threading.Lock()
@@ -64,8 +64,8 @@ class PulsarServer:
         self.url = f"{scheme}://{'[' + name + ']' if ':' in name else name}:{self.port}"
         self.listener = Listener(
             store=store, schemas=schemas if schemas is not None else SchemaRegistry(
-                store.metadata), url=self.url, tls=context is not None, auth_token=auth_token,
-            auto_create=auto_create)
+                store.metadata), subscriptions=subscriptions, url=self.url,
+            tls=context is not None, auth_token=auth_token, auto_create=auto_create)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
                                         name="tierstream-pulsar-listener")
         self._thread.start()

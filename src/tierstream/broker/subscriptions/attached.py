@@ -26,6 +26,7 @@ class ConsumerSettings:
     ack_timeout_s: float | None = None
     max_redeliveries: int | None = None
     dead_letter_topic: str | None = None
+    initial_permits: int | None = None    # None: ``permits`` (a Pulsar client sends FLOW first)
 
 
 class Attached:
@@ -36,7 +37,8 @@ class Attached:
         self.settings = settings
         self.name = settings.name
         self.gone = gone
-        self.permits = settings.permits
+        self.permits = settings.permits if settings.initial_permits is None \
+            else settings.initial_permits
         self.held = 0          # messages delivered (or nacked) and not acknowledged
         self.delivered = 0
         self.redelivered = 0   # of those, sent again

@@ -1,0 +1,344 @@
+"""The consume half of a Pulsar connection: SUBSCRIBE, FLOW, MESSAGE, ACK, redelivery.
+
+A Pulsar consumer is a consumer of the broker's own subscriptions (``broker/subscriptions/``):
+the same dispatcher, cursors, key holds, redelivery counts and dead letters as tierstream's
+``Consumer``, so the two share a subscription.
+
+**Ids.** tierstream hands the rows of one entry to different consumers of a Shared or
+Key_Shared subscription, and a Pulsar client acknowledges a batch only when every message of
+it is acknowledged (and never clears the messages an ``ack_set`` masks out unless batch-index
+acks are on). So every message goes out as a message of its own, and its id names exactly
+that message: ledgerId = segment id, entryId = 2^62 + entry id * 2^20 + batch index, the
+partition (-1 for a topic of one partition). An ack, a negative ack or a redelivery request
+of an id is then one message of the log, whatever the subscription type; the high bit tells
+these ids from a producer's receipts (whose entryId is the entry id).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import pyarrow as pa
+
+from tierstream.broker.subscriptions.attached import Attached, ConsumerSettings
+from tierstream.errors import ConfigError, TierstreamError
+from tierstream.pulsar_protocol import pulsar_api_pb2 as api
+from tierstream.pulsar_protocol.frames import payload_frame
+from tierstream.pulsar_protocol.messages import (
+    KEY_BASE64,
+    NULL_VALUE,
+    ORDERING_KEY,
+    PUBLISH_TIME,
+    SEQUENCE_ID,
+)
+from tierstream.pulsar_protocol.produce import Link
+from tierstream.pulsar_protocol.replies import Refused, error_code
+from tierstream.pulsar_protocol.schemas import schema_version_bytes
+from tierstream.schemas.model import VERSION_PROPERTY
+from tierstream.splits.positions import KeyRange, Position
+from tierstream.subscription_type import SubscriptionType
+
+__all__ = ["ConsumePath", "ConsumerLink", "message_id", "position_of"]
+
+log = logging.getLogger(__name__)
+
+_Cmd = api.BaseCommand
+_TYPES = {api.CommandSubscribe.Exclusive: SubscriptionType.EXCLUSIVE,
+          api.CommandSubscribe.Shared: SubscriptionType.SHARED,
+          api.CommandSubscribe.Failover: SubscriptionType.FAILOVER,
+          api.CommandSubscribe.Key_Shared: SubscriptionType.KEY_SHARED}
+#: the most messages a consumer may have on its way: Pulsar's permits come from the client's
+#: receiver queue (FLOW); this caps what a client may ask for
+MAX_PERMITS = 10_000
+_OWN = 1 << 62
+_INDEX_BITS = 20
+
+
+def message_id(segment: int, entry: int, index: int, partition: int) -> api.MessageIdData:
+    """The id a consumer sees for one message (see the module's docstring)."""
+    if not 0 <= index < 1 << _INDEX_BITS or not 0 <= entry < 1 << (62 - _INDEX_BITS):
+        raise ConfigError(f"message ({segment}, {entry}, {index}) has no Pulsar id")
+    return api.MessageIdData(ledgerId=segment, entryId=_OWN | entry << _INDEX_BITS | index,
+                             partition=partition)
+
+
+def position_of(mid: api.MessageIdData, partition: int) -> Position:
+    """The log position a consumer's message id names: its own message's, or for a receipt's
+    id (a producer's) the entry's first message (a batch index, where given)."""
+    entry = int(mid.entryId)
+    if entry & _OWN:
+        return Position(partition, int(mid.ledgerId), (entry & (_OWN - 1)) >> _INDEX_BITS,
+                        entry & ((1 << _INDEX_BITS) - 1))
+    return Position(partition, int(mid.ledgerId), entry, max(0, int(mid.batch_index)))
+
+
+class ConsumerLink(Link, Protocol):
+    """What the consume path needs of its connection beside what the produce path does."""
+
+    def write_frames(self, frames: list[bytes]) -> None: ...
+
+
+@dataclass
+class _Consumer:
+    id: int
+    topic: str
+    partition: int
+    subscription: str
+    name: str
+    type: str
+    partitioned: bool  # the client named a partition of a partitioned topic
+    attached: Attached
+    unacked: set[tuple[int, int, int]] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    thread: threading.Thread | None = None
+
+
+class ConsumePath:
+    """The consumers of one connection, a delivery thread each."""
+
+    def __init__(self, link: ConsumerLink, store: Any, subscriptions: Any) -> None:
+        self.link, self.store, self.subscriptions = link, store, subscriptions
+        self.consumers: dict[int, _Consumer] = {}
+        self._closing = threading.Event()
+
+    # -- subscribing --------------------------------------------------------------------------
+
+    def subscribe(self, req: api.CommandSubscribe) -> None:
+        try:
+            self._subscribe(req)
+        except TierstreamError as exc:
+            log.warning("pulsar client %s: subscription %r on %s refused: %s", self.link.peer,
+                        req.subscription, req.topic, exc)
+            self.link.error(req.request_id, _subscribe_code(exc), str(exc))
+
+    def _subscribe(self, req: api.CommandSubscribe) -> None:
+        if self.subscriptions is None:
+            raise Refused("this listener serves no subscriptions")
+        if req.consumer_id in self.consumers:
+            raise Refused(f"consumer id {req.consumer_id} is already in use on this connection")
+        if not req.durable:
+            raise Refused("readers (non-durable subscriptions) are not supported by this "
+                          "tierstream broker yet: use a consumer")
+        kind = _TYPES[req.subType]
+        topic, count, partition = self.link.topic_partitions(
+            req.topic, create=req.force_topic_creation)
+        if partition is None:
+            if count > 1:
+                raise ConfigError(f"{req.topic!r} has {count} partitions: subscribe to its "
+                                  "partitions (the client does so after partitioned metadata)")
+            partition = 0
+        sticky = None
+        if kind == SubscriptionType.KEY_SHARED and req.HasField("keySharedMeta") \
+                and req.keySharedMeta.keySharedMode == api.STICKY:
+            # Pulsar's ranges end inclusive; tierstream's exclusive
+            sticky = tuple(KeyRange(r.start, r.end + 1) for r in req.keySharedMeta.hashRanges)
+        name = req.consumer_name or f"pulsar-{id(self):x}-{req.consumer_id}"
+        settings = ConsumerSettings(name=name, type=kind, sticky=sticky, permits=MAX_PERMITS,
+                                    initial_permits=0)
+        plog = self.store.partition(topic, partition)
+        initial = plog.earliest() \
+            if req.initialPosition == api.CommandSubscribe.Earliest \
+            else plog.last_confirmed()[1]
+        gone = self._closing.is_set
+        attached = self.subscriptions.attach(topic, req.subscription, partition, settings,
+                                             initial=initial, gone=gone)
+        consumer = _Consumer(req.consumer_id, topic, partition, req.subscription, name, kind,
+                             count > 1, attached)
+        self.consumers[req.consumer_id] = consumer
+        self.link.write(_Cmd(type=_Cmd.SUCCESS, success=api.CommandSuccess(
+            request_id=req.request_id)))
+        consumer.thread = threading.Thread(target=self._deliver, args=(consumer,), daemon=True,
+                                           name="tierstream-pulsar-consumer")
+        consumer.thread.start()
+
+    # -- delivery -----------------------------------------------------------------------------
+
+    def _deliver(self, c: _Consumer) -> None:
+        plog = self.store.partition(c.topic, c.partition)
+        try:
+            while not c.attached.detached and not self._closing.is_set():
+                batch = c.attached.next_batch(0.2)
+                if batch is None:
+                    continue
+                frames = self._frames(c, batch)
+                self.link.write_frames(frames)
+                plog.rate_out.add(batch.num_rows, batch.nbytes)
+        except OSError:
+            pass  # the connection is gone: its close detaches the consumer
+        except TierstreamError as exc:
+            log.warning("pulsar client %s: delivery to consumer %s stopped: %s",
+                        self.link.peer, c.name, exc)
+
+    def _frames(self, c: _Consumer, batch: pa.RecordBatch) -> list[bytes]:
+        partition = c.partition if c.partitioned else -1
+        cols = {name: batch.column(name).to_pylist() for name in (
+            "key", "value", "publish_time", "event_time", "properties", "segment_id",
+            "entry_id", "batch_index", "redelivery_count")}
+        out = []
+        with c.lock:
+            for i in range(batch.num_rows):
+                seg, ent, idx = cols["segment_id"][i], cols["entry_id"][i], cols["batch_index"][i]
+                c.unacked.add((seg, ent, idx))
+                meta = _metadata(cols["key"][i], cols["publish_time"][i], cols["event_time"][i],
+                                 cols["properties"][i])
+                value = b"" if meta.null_value else cols["value"][i]
+                command = _Cmd(type=_Cmd.MESSAGE, message=api.CommandMessage(
+                    consumer_id=c.id, message_id=message_id(seg, ent, idx, partition),
+                    redelivery_count=cols["redelivery_count"][i]))
+                out.append(payload_frame(command, meta, value))
+        return out
+
+    # -- flow and acks --------------------------------------------------------------------------
+
+    def flow(self, req: api.CommandFlow) -> None:
+        c = self.consumers.get(req.consumer_id)
+        if c is not None:
+            self.subscriptions.flow(c.topic, c.subscription, c.partition, c.name,
+                                    int(req.messagePermits))
+
+    def ack(self, req: api.CommandAck) -> None:
+        c = self.consumers.get(req.consumer_id)
+        error: TierstreamError | None = None
+        if c is None:
+            error = Refused(f"no consumer {req.consumer_id} on this connection")
+        else:
+            try:
+                self._ack(c, req)
+            except TierstreamError as exc:
+                log.warning("pulsar client %s: ack of %s refused: %s", self.link.peer, c.name,
+                            exc)
+                error = exc
+        if req.HasField("request_id"):  # the client asked for a receipt
+            reply = api.CommandAckResponse(consumer_id=req.consumer_id,
+                                           request_id=req.request_id)
+            if error is not None:
+                reply.error, reply.message = error_code(error), str(error)
+            self.link.write(_Cmd(type=_Cmd.ACK_RESPONSE, ackResponse=reply))
+
+    def _ack(self, c: _Consumer, req: api.CommandAck) -> None:
+        positions = [position_of(m, c.partition) for m in req.message_id]
+        if not positions:
+            return
+        if req.ack_type == api.CommandAck.Cumulative:
+            if c.type not in SubscriptionType.CUMULATIVE:
+                raise Refused(f"a {c.type} subscription takes no cumulative acks")
+            last = max(positions)
+            self.subscriptions.ack_cumulative(c.topic, c.subscription, c.name, last)
+            with c.lock:
+                c.unacked = {k for k in c.unacked
+                             if Position(c.partition, *k) > last}
+            return
+        segment, entry, index = _arrays(positions)
+        self.subscriptions.ack(c.topic, c.subscription, c.partition, c.name, segment, entry,
+                               index)
+        with c.lock:
+            c.unacked.difference_update((p.segment_id, p.entry_id, p.batch_index)
+                                        for p in positions)
+
+    def redeliver(self, req: api.CommandRedeliverUnacknowledgedMessages) -> None:
+        """The client's negative acks and ack timeouts (ids), or a reset (no ids: everything
+        it holds): those messages are delivered again, their redelivery count raised."""
+        c = self.consumers.get(req.consumer_id)
+        if c is None:
+            return
+        with c.lock:
+            if req.message_ids:
+                keys = {(p.segment_id, p.entry_id, p.batch_index) for p in (
+                    position_of(m, c.partition) for m in req.message_ids)} & c.unacked
+            else:
+                keys = set(c.unacked)
+            c.unacked.difference_update(keys)
+        if keys:
+            segment, entry, index = _arrays([Position(c.partition, *k) for k in sorted(keys)])
+            self.subscriptions.nack(c.topic, c.subscription, c.partition, c.name, segment,
+                                    entry, index, 0.0)
+
+    # -- closing ------------------------------------------------------------------------------
+
+    def close(self, req: api.CommandCloseConsumer) -> None:
+        c = self.consumers.pop(req.consumer_id, None)
+        if c is not None:
+            self._detach(c)
+        self.link.write(_Cmd(type=_Cmd.SUCCESS, success=api.CommandSuccess(
+            request_id=req.request_id)))
+
+    def unsubscribe(self, req: api.CommandUnsubscribe) -> None:
+        c = self.consumers.pop(req.consumer_id, None)
+        try:
+            if c is None:
+                raise Refused(f"no consumer {req.consumer_id} on this connection")
+            self._detach(c)
+            self.subscriptions.delete(c.topic, c.subscription)
+        except TierstreamError as exc:
+            self.link.error(req.request_id, error_code(exc), str(exc))
+            return
+        self.link.write(_Cmd(type=_Cmd.SUCCESS, success=api.CommandSuccess(
+            request_id=req.request_id)))
+
+    def go_away(self) -> None:
+        """CLOSE_CONSUMER to the client for each consumer (the broker is going)."""
+        for c in list(self.consumers.values()):
+            with contextlib.suppress(OSError):
+                self.link.write(_Cmd(type=_Cmd.CLOSE_CONSUMER, close_consumer=(
+                    api.CommandCloseConsumer(consumer_id=c.id, request_id=0))))
+
+    def close_all(self) -> None:
+        """The connection ended: every consumer detached (what they held goes to others)."""
+        self._closing.set()
+        for c in list(self.consumers.values()):
+            self._detach(c)
+        self.consumers.clear()
+
+    def _detach(self, c: _Consumer) -> None:
+        with contextlib.suppress(TierstreamError):
+            self.subscriptions.detach(c.topic, c.subscription, c.partition, c.attached)
+        if c.thread is not None and c.thread is not threading.current_thread():
+            c.thread.join(timeout=5)
+
+
+def _metadata(key: str | None, publish_time: int, event_time: int | None,
+              properties: list[tuple[str, str]] | None) -> api.MessageMetadata:
+    """A stored message's Pulsar metadata: what tierstream's columns and the ``pulsar.*``
+    properties (``messages.py``) keep."""
+    meta = api.MessageMetadata(producer_name="tierstream", sequence_id=0,
+                               publish_time=publish_time)
+    if key is not None:
+        meta.partition_key = key
+    if event_time:
+        meta.event_time = event_time
+    for k, v in properties or []:
+        if k == SEQUENCE_ID:
+            meta.sequence_id = int(v)
+        elif k == PUBLISH_TIME:
+            continue  # the client's; the message's publish time is the log's
+        elif k == NULL_VALUE:
+            meta.null_value = v == "true"
+        elif k == ORDERING_KEY:
+            meta.ordering_key = base64.b64decode(v)
+        elif k == KEY_BASE64:
+            meta.partition_key_b64_encoded = v == "true"
+        elif k == VERSION_PROPERTY:
+            meta.schema_version = schema_version_bytes(int(v))
+        else:
+            meta.properties.add(key=k, value=v)
+    return meta
+
+
+def _arrays(positions: list[Position]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return (np.array([p.segment_id for p in positions], dtype=np.int64),
+            np.array([p.entry_id for p in positions], dtype=np.int64),
+            np.array([p.batch_index for p in positions], dtype=np.int64))
+
+
+def _subscribe_code(exc: BaseException) -> Any:
+    from tierstream.errors import ConflictError
+
+    if isinstance(exc, ConflictError):
+        return api.ConsumerBusy
+    return error_code(exc)

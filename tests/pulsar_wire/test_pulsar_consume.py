@@ -1,0 +1,180 @@
+"""Pulsar's wire protocol, part 2: real pulsar-client consumers on the broker's own
+subscriptions — every type, acks to a backlog of zero, negative acks, a subscription shared
+with tierstream's Consumer."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from typing import Any
+
+import pulsar
+import pytest
+
+from tierstream.broker.process import BrokerProcess
+from tierstream.client import Admin, Consumer, Producer
+from tierstream.pulsar_protocol import key_router
+from tierstream.splits.positions import Offset
+
+from ..store.helpers import wait_for
+from ..timing import scaled
+from .helpers import client_of
+
+TYPES = {"exclusive": pulsar.ConsumerType.Exclusive, "failover": pulsar.ConsumerType.Failover,
+         "shared": pulsar.ConsumerType.Shared, "key_shared": pulsar.ConsumerType.KeyShared}
+
+
+def _backlog(broker: BrokerProcess, topic: str, subscription: str) -> int:
+    with Admin(broker.url) as admin:
+        rows = [r for r in admin.subscriptions(topic) if r["subscription"] == subscription]
+    return sum(int(r["backlog"]) for r in rows)
+
+
+def _drain(consumer: Any, until: Any, got: list[Any]) -> None:
+    """Receive and acknowledge until ``until()`` holds (or the deadline passes)."""
+    while not until():
+        try:
+            msg = consumer.receive(timeout_millis=int(scaled(0.5) * 1000))
+        except pulsar.Timeout:
+            continue
+        got.append(msg)
+        consumer.acknowledge(msg)
+
+
+def test_an_exclusive_consumer_reads_what_tierstream_wrote_and_acks_it_to_zero(
+        pulsar_broker: BrokerProcess) -> None:
+    topic = "acme/web/consumed"
+    with Admin(pulsar_broker.url) as admin:
+        admin.create_topic(topic, 2)
+    with Producer(topic, broker=pulsar_broker.url) as producer:
+        producer.send_many({"key": f"k{i % 7}", "value": f"v{i}".encode(),
+                            "properties": {"i": str(i)}, "event_time": 1000 + i}
+                           for i in range(300))
+    client = client_of(pulsar_broker)
+    got: list[Any] = []
+    try:
+        consumer = client.subscribe(f"persistent://{topic}", "audit",
+                                    consumer_type=pulsar.ConsumerType.Exclusive,
+                                    initial_position=pulsar.InitialPosition.Earliest)
+        deadline = threading.Event()
+        threading.Timer(scaled(60), deadline.set).start()
+        _drain(consumer, lambda: len(got) >= 300 or deadline.is_set(), got)
+        consumer.close()  # sends the acks the client still groups
+    finally:
+        client.close()
+    assert sorted(m.data() for m in got) == sorted(f"v{i}".encode() for i in range(300))
+    for m in got:
+        i = int(m.properties()["i"])
+        assert (m.partition_key(), m.event_timestamp()) == (f"k{i % 7}", 1000 + i)
+        assert m.redelivery_count() == 0
+    by_key: dict[str, list[int]] = defaultdict(list)
+    for m in got:
+        by_key[m.partition_key()].append(int(m.properties()["i"]))
+    assert all(v == sorted(v) for v in by_key.values())  # each key in order
+    wait_for(lambda: _backlog(pulsar_broker, topic, "audit") == 0, timeout=scaled(30),
+             what="the backlog to reach 0")
+
+
+@pytest.mark.parametrize("kind", ["shared", "key_shared"])
+def test_three_consumers_on_batched_keyed_data_ack_everything_to_a_backlog_of_zero(
+        pulsar_broker: BrokerProcess, kind: str) -> None:
+    """The risk the design answers: a batch's messages go to different consumers; each is
+    acknowledged on its own, nothing is delivered twice, the backlog reaches 0."""
+    topic = f"acme/web/split-{kind}"
+    with Admin(pulsar_broker.url) as admin:
+        admin.create_topic(topic, 2)
+    client = client_of(pulsar_broker)
+    total = 1200
+    received: dict[int, list[Any]] = {0: [], 1: [], 2: []}
+    try:
+        consumers = [client.subscribe(f"persistent://{topic}", "workers",
+                                      consumer_type=TYPES[kind], consumer_name=f"w{n}",
+                                      initial_position=pulsar.InitialPosition.Earliest)
+                     for n in range(3)]
+        producer = client.create_producer(f"persistent://{topic}", batching_enabled=True,
+                                          batching_max_messages=50, message_router=key_router)
+        for i in range(total):
+            producer.send_async(f"{i}".encode(), None, partition_key=f"key-{i % 40}")
+        producer.flush()
+        stop = threading.Event()
+        threading.Timer(scaled(90), stop.set).start()
+        count = lambda: sum(len(v) for v in received.values())  # noqa: E731
+        threads = [threading.Thread(target=_drain, args=(
+            c, lambda: count() >= total or stop.is_set(), received[n]))
+            for n, c in enumerate(consumers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for c in consumers:
+            c.close()
+    finally:
+        client.close()
+    values = [int(m.data()) for ms in received.values() for m in ms]
+    assert sorted(values) == list(range(total))  # each once
+    assert sum(1 for ms in received.values() if ms) >= 2  # the work was shared
+    if kind == "key_shared":
+        for ms in received.values():
+            seen: dict[str, list[int]] = defaultdict(list)
+            for m in ms:
+                seen[m.partition_key()].append(int(m.data()))
+            assert all(v == sorted(v) for v in seen.values())
+    wait_for(lambda: _backlog(pulsar_broker, topic, "workers") == 0, timeout=scaled(30),
+             what="the backlog to reach 0")
+
+
+def test_a_negative_ack_is_delivered_again_and_a_tierstream_consumer_shares_the_subscription(
+        pulsar_broker: BrokerProcess) -> None:
+    topic = "public/default/nacked"
+    with Admin(pulsar_broker.url) as admin:
+        admin.create_topic(topic, 1)
+    client = client_of(pulsar_broker)
+    try:
+        consumer = client.subscribe(topic, "jobs", consumer_type=pulsar.ConsumerType.Shared,
+                                    negative_ack_redelivery_delay_ms=100)
+        with Producer(topic, broker=pulsar_broker.url) as producer:
+            producer.send(b"poison")
+        first = consumer.receive(timeout_millis=int(scaled(15) * 1000))
+        assert (first.data(), first.redelivery_count()) == (b"poison", 0)
+        consumer.negative_acknowledge(first)
+        again = consumer.receive(timeout_millis=int(scaled(15) * 1000))
+        assert (again.data(), again.redelivery_count()) == (b"poison", 1)
+        consumer.acknowledge(again)
+        with Consumer(topic, "jobs", mode="shared", broker=pulsar_broker.url,
+                      initial=Offset.earliest()) as ours:
+            with Producer(topic, broker=pulsar_broker.url, batch_size=10) as producer:
+                producer.send_many({"value": f"m{i}".encode()} for i in range(200))
+            seen: list[bytes] = []
+            done = threading.Event()
+
+            def pulsar_side() -> None:
+                while not done.is_set():
+                    try:
+                        m = consumer.receive(timeout_millis=200)
+                    except pulsar.Timeout:
+                        continue
+                    seen.append(m.data())
+                    consumer.acknowledge(m)
+
+            t = threading.Thread(target=pulsar_side, daemon=True)
+            t.start()
+            ours_seen: list[bytes] = []
+            try:
+                wait_for(lambda: _take(ours, ours_seen) or len(seen) + len(ours_seen) >= 200,
+                         timeout=scaled(60), what="both consumers to share 200 messages")
+            finally:
+                done.set()
+                t.join()
+        consumer.close()
+    finally:
+        client.close()
+    assert sorted(seen + ours_seen) == sorted(f"m{i}".encode() for i in range(200))
+    assert seen and ours_seen  # both took a share
+
+
+def _take(consumer: Consumer, into: list[bytes]) -> bool:
+    batch = consumer.receive(timeout=0.1)
+    if batch is not None and batch.num_rows:
+        into.extend(batch.column("value").to_pylist())
+        consumer.ack(batch)
+    return False
