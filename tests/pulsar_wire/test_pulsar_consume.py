@@ -178,3 +178,42 @@ def _take(consumer: Consumer, into: list[bytes]) -> bool:
         into.extend(batch.column("value").to_pylist())
         consumer.ack(batch)
     return False
+
+
+def test_readers_start_where_they_are_told_and_know_when_nothing_is_left(
+        pulsar_broker: BrokerProcess) -> None:
+    topic = "public/default/read"
+    with Admin(pulsar_broker.url) as admin:
+        admin.create_topic(topic, 1)
+    client = client_of(pulsar_broker)
+    timeout = int(scaled(15) * 1000)
+    try:
+        empty = client.create_reader(topic, pulsar.MessageId.earliest)
+        assert not empty.has_message_available()  # an empty topic
+        at_end = client.create_reader(topic, pulsar.MessageId.latest)
+        with Producer(topic, broker=pulsar_broker.url, batch_size=7) as producer:
+            producer.send_many({"value": f"m{i}".encode()} for i in range(30))
+        reader = client.create_reader(topic, pulsar.MessageId.earliest)
+        got = []
+        while reader.has_message_available():
+            got.append(reader.read_next(timeout))
+        assert [m.data() for m in got] == [f"m{i}".encode() for i in range(30)]
+        assert [m.data() for m in (empty.read_next(timeout), empty.read_next(timeout))] == [
+            b"m0", b"m1"]
+        assert at_end.has_message_available()  # written after it started at the end
+        assert at_end.read_next(timeout).data() == b"m0"
+        middle = got[9].message_id()  # m9: a reader from it starts after it, or at it
+        after = client.create_reader(topic, middle)
+        assert after.read_next(timeout).data() == b"m10"
+        at = client.create_reader(topic, middle, start_message_id_inclusive=True)
+        assert at.read_next(timeout).data() == b"m9"
+        with Admin(pulsar_broker.url) as admin:
+            readers = {r["subscription"] for r in admin.subscriptions(topic)}
+        assert len(readers) == 5
+        for r in (empty, at_end, reader, after, at):
+            r.close()
+    finally:
+        client.close()
+    with Admin(pulsar_broker.url) as admin:  # a reader's cursor lives as long as the reader
+        wait_for(lambda: admin.subscriptions(topic) == [], timeout=scaled(15),
+                 what="the readers' cursors to go")

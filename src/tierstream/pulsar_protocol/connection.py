@@ -240,6 +240,8 @@ class Connection:
             self.consume.close(cmd.close_consumer)
         elif kind == _Cmd.UNSUBSCRIBE:
             self.consume.unsubscribe(cmd.unsubscribe)
+        elif kind == _Cmd.GET_LAST_MESSAGE_ID:
+            self.consume.last_message_id(cmd.getLastMessageId)
         else:
             name = _Cmd.Type.Name(kind) if kind in _Cmd.Type.values() else str(kind)
             rid = request_id(cmd)

@@ -94,6 +94,7 @@ class _Consumer:
     type: str
     partitioned: bool  # the client named a partition of a partitioned topic
     attached: Attached
+    durable: bool = True  # False: a reader's, deleted when it leaves
     unacked: set[tuple[int, int, int]] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
     thread: threading.Thread | None = None
@@ -122,10 +123,9 @@ class ConsumePath:
             raise Refused("this listener serves no subscriptions")
         if req.consumer_id in self.consumers:
             raise Refused(f"consumer id {req.consumer_id} is already in use on this connection")
-        if not req.durable:
-            raise Refused("readers (non-durable subscriptions) are not supported by this "
-                          "tierstream broker yet: use a consumer")
         kind = _TYPES[req.subType]
+        if not req.durable and kind != SubscriptionType.EXCLUSIVE:
+            raise Refused("a non-durable subscription (a reader) is exclusive")
         topic, count, partition = self.link.topic_partitions(
             req.topic, create=req.force_topic_creation)
         if partition is None:
@@ -142,14 +142,17 @@ class ConsumePath:
         settings = ConsumerSettings(name=name, type=kind, sticky=sticky, permits=MAX_PERMITS,
                                     initial_permits=0)
         plog = self.store.partition(topic, partition)
-        initial = plog.earliest() \
-            if req.initialPosition == api.CommandSubscribe.Earliest \
-            else plog.last_confirmed()[1]
+        if req.HasField("start_message_id"):
+            initial = _start(req.start_message_id, plog)
+        elif req.initialPosition == api.CommandSubscribe.Earliest:
+            initial = plog.earliest()
+        else:
+            initial = plog.last_confirmed()[1]
         gone = self._closing.is_set
         attached = self.subscriptions.attach(topic, req.subscription, partition, settings,
                                              initial=initial, gone=gone)
         consumer = _Consumer(req.consumer_id, topic, partition, req.subscription, name, kind,
-                             count > 1, attached)
+                             count > 1, attached, durable=req.durable)
         self.consumers[req.consumer_id] = consumer
         self.link.write(_Cmd(type=_Cmd.SUCCESS, success=api.CommandSuccess(
             request_id=req.request_id)))
@@ -259,6 +262,29 @@ class ConsumePath:
             self.subscriptions.nack(c.topic, c.subscription, c.partition, c.name, segment,
                                     entry, index, 0.0)
 
+    def last_message_id(self, req: api.CommandGetLastMessageId) -> None:
+        """The id of the partition's last message (ledger and entry -1 when it has none) and
+        the subscription's mark-delete position: what ``has_message_available`` compares."""
+        c = self.consumers.get(req.consumer_id)
+        if c is None:
+            self.link.error(req.request_id, api.ConsumerNotFound,
+                            f"no consumer {req.consumer_id} on this connection")
+            return
+        partition = c.partition if c.partitioned else -1
+        last = self.store.partition(c.topic, c.partition).last_confirmed()[0]
+        reply = api.CommandGetLastMessageIdResponse(request_id=req.request_id)
+        if last is None:
+            reply.last_message_id.CopyFrom(api.MessageIdData(
+                ledgerId=_NONE, entryId=_NONE, partition=partition))
+        else:
+            reply.last_message_id.CopyFrom(message_id(last.segment_id, last.entry_id,
+                                                      last.batch_index, partition))
+        done = self.subscriptions.acknowledged_before(c.topic, c.subscription, c.partition)
+        if done is not None:
+            reply.consumer_mark_delete_position.CopyFrom(_before(done, partition))
+        self.link.write(_Cmd(type=_Cmd.GET_LAST_MESSAGE_ID_RESPONSE,
+                             getLastMessageIdResponse=reply))
+
     # -- closing ------------------------------------------------------------------------------
 
     def close(self, req: api.CommandCloseConsumer) -> None:
@@ -298,6 +324,8 @@ class ConsumePath:
     def _detach(self, c: _Consumer) -> None:
         with contextlib.suppress(TierstreamError):
             self.subscriptions.detach(c.topic, c.subscription, c.partition, c.attached)
+            if not c.durable:  # a reader's cursor lives as long as the reader
+                self.subscriptions.delete(c.topic, c.subscription)
         if c.thread is not None and c.thread is not threading.current_thread():
             c.thread.join(timeout=5)
 
@@ -328,6 +356,42 @@ def _metadata(key: str | None, publish_time: int, event_time: int | None,
         else:
             meta.properties.add(key=k, value=v)
     return meta
+
+
+#: -1 as Pulsar's clients write it in an unsigned field: "no ledger", "no entry"
+_NONE = 2**64 - 1
+#: MessageId::latest(): INT64_MAX
+_LATEST = 2**63 - 1
+
+
+def _start(mid: api.MessageIdData, plog: Any) -> Position:
+    """Where a reader that starts at ``mid`` is served from. At one of this broker's own
+    message ids: that message (the client drops it unless its start is inclusive: it skips a
+    message whose entry id is not after the start's). At a producer's receipt id: the message
+    after it (a receipt's entry id cannot be compared with delivered ids by the client)."""
+    if mid.ledgerId == _NONE:
+        return plog.earliest()  # type: ignore[no-any-return]
+    if mid.ledgerId == _LATEST:
+        return plog.last_confirmed()[1]  # type: ignore[no-any-return]
+    at = position_of(mid, plog.partition)
+    if int(mid.entryId) & _OWN:
+        return at
+    if mid.batch_index < 0:  # a message sent alone: its entry is all of it
+        return Position(at.partition, at.segment_id, at.entry_id + 1, 0)
+    return Position(at.partition, at.segment_id, at.entry_id, at.batch_index + 1)
+
+
+def _before(position: Position, partition: int) -> api.MessageIdData:
+    """An id that sorts after every message before ``position`` and before every message at
+    or after it (the mark-delete position: everything before ``position`` is acknowledged)."""
+    if position.batch_index > 0:
+        return message_id(position.segment_id, position.entry_id, position.batch_index - 1,
+                          partition)
+    if position.entry_id > 0:
+        return message_id(position.segment_id, position.entry_id - 1, (1 << _INDEX_BITS) - 1,
+                          partition)
+    return api.MessageIdData(ledgerId=position.segment_id, entryId=_OWN - 1,
+                             partition=partition)
 
 
 def _arrays(positions: list[Position]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -24,14 +24,25 @@ class ServerError(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     AuthorizationError: _ClassVar[ServerError]
     ConsumerBusy: _ClassVar[ServerError]
     ServiceNotReady: _ClassVar[ServerError]
+    ProducerBlockedQuotaExceededError: _ClassVar[ServerError]
+    ProducerBlockedQuotaExceededException: _ClassVar[ServerError]
     ChecksumError: _ClassVar[ServerError]
     UnsupportedVersionError: _ClassVar[ServerError]
     TopicNotFound: _ClassVar[ServerError]
+    SubscriptionNotFound: _ClassVar[ServerError]
+    ConsumerNotFound: _ClassVar[ServerError]
     TooManyRequests: _ClassVar[ServerError]
+    TopicTerminatedError: _ClassVar[ServerError]
     ProducerBusy: _ClassVar[ServerError]
     InvalidTopicName: _ClassVar[ServerError]
     IncompatibleSchema: _ClassVar[ServerError]
+    ConsumerAssignError: _ClassVar[ServerError]
+    TransactionCoordinatorNotFound: _ClassVar[ServerError]
+    InvalidTxnStatus: _ClassVar[ServerError]
     NotAllowedError: _ClassVar[ServerError]
+    TransactionConflict: _ClassVar[ServerError]
+    TransactionNotFound: _ClassVar[ServerError]
+    ProducerFenced: _ClassVar[ServerError]
 
 class KeySharedMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -49,14 +60,25 @@ AuthenticationError: ServerError
 AuthorizationError: ServerError
 ConsumerBusy: ServerError
 ServiceNotReady: ServerError
+ProducerBlockedQuotaExceededError: ServerError
+ProducerBlockedQuotaExceededException: ServerError
 ChecksumError: ServerError
 UnsupportedVersionError: ServerError
 TopicNotFound: ServerError
+SubscriptionNotFound: ServerError
+ConsumerNotFound: ServerError
 TooManyRequests: ServerError
+TopicTerminatedError: ServerError
 ProducerBusy: ServerError
 InvalidTopicName: ServerError
 IncompatibleSchema: ServerError
+ConsumerAssignError: ServerError
+TransactionCoordinatorNotFound: ServerError
+InvalidTxnStatus: ServerError
 NotAllowedError: ServerError
+TransactionConflict: ServerError
+TransactionNotFound: ServerError
+ProducerFenced: ServerError
 AUTO_SPLIT: KeySharedMode
 STICKY: KeySharedMode
 

@@ -154,6 +154,15 @@ class Subscriptions:
              permits: int) -> None:
         self._dispatcher(topic, subscription, partition).flow(consumer, permits)
 
+    def acknowledged_before(self, topic: str, subscription: str, partition: int
+                            ) -> Position | None:
+        """Everything before this position is acknowledged (None: no such subscription)."""
+        d = self._dispatchers.get((topic, subscription, partition))
+        if d is not None:
+            return d.acknowledged_before()
+        stored = self._metadata.get_cursor(topic, subscription, partition)
+        return None if stored is None else CursorState.from_json(stored, partition).mark_delete
+
     def set_position(self, topic: str, subscription: str, partition: int, position: Position,
                      *, label: str | None = None) -> None:
         """Everything before ``position`` is acknowledged (forward only): a Spark stream's
