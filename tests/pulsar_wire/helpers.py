@@ -3,12 +3,15 @@ tierstream's reader sees."""
 
 from __future__ import annotations
 
+import socket
+import struct
 from typing import Any
 
 import pulsar
 
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import read
+from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.splits.positions import Offset
 
 from ..timing import scaled
@@ -29,3 +32,21 @@ def own_properties(row: dict[str, Any]) -> dict[str, str]:
     """A row's properties without the ones the broker adds (``pulsar.*``, the schema's)."""
     return {k: v for k, v in row["properties"] or []
             if not k.startswith(("pulsar.", "tierstream."))}
+
+
+def commands_until(sock: socket.socket, until: Any) -> list[api.BaseCommand]:
+    """Commands read from ``sock`` until ``until(commands)`` holds."""
+    got: list[api.BaseCommand] = []
+    buffer = b""
+    while not until(got):
+        chunk = sock.recv(65536)
+        assert chunk, f"the broker closed the connection after {got}"
+        buffer += chunk
+        while len(buffer) >= 4 and len(buffer) >= 4 + struct.unpack(">I", buffer[:4])[0]:
+            size = struct.unpack(">I", buffer[:4])[0]
+            body, buffer = buffer[4:4 + size], buffer[4 + size:]
+            (cmd_size,) = struct.unpack(">I", body[:4])
+            command = api.BaseCommand()
+            command.ParseFromString(body[4:4 + cmd_size])
+            got.append(command)
+    return got

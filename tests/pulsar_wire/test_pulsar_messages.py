@@ -5,6 +5,7 @@ pulsar-client wheel writes every message."""
 from __future__ import annotations
 
 import json
+import socket
 import time
 from typing import Any
 
@@ -16,6 +17,8 @@ from pulsar.schema import AvroSchema, Integer, JsonSchema, Record, String, Strin
 import tierstream
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin
+from tierstream.pulsar_protocol import pulsar_api_pb2 as api
+from tierstream.pulsar_protocol.frames import command_frame
 from tierstream.pulsar_protocol.messages import (
     NULL_VALUE,
     ORDERING_KEY,
@@ -24,7 +27,8 @@ from tierstream.pulsar_protocol.messages import (
 )
 from tierstream.pulsar_protocol.schemas import json_schema_of
 
-from .helpers import client_of, own_properties, rows_of
+from ..timing import scaled
+from .helpers import client_of, commands_until, own_properties, rows_of
 
 
 class Click(Record):
@@ -146,3 +150,46 @@ def test_null_values_ordering_keys_sequence_ids_and_publish_times_are_kept(
     one = [("k1", b"v1", None, "bzE=", "100", {}), ("k2", b"", "true", None, "101", {}),
            (None, b"v3", None, None, "105", {})]
     assert got == one + one  # one producer sends each, the other batches them
+
+
+def test_an_avro_consumer_decodes_what_tierstream_and_pulsar_producers_wrote(
+        pulsar_broker: BrokerProcess) -> None:
+    """The consume side of schemas: values written by a tierstream producer and by a Pulsar
+    producer under the topic's Avro schema decode in a Pulsar AvroSchema consumer; GET_SCHEMA
+    answers the version a message names."""
+    from tierstream.client import Producer
+
+    topic = "acme/schemas/clicks"
+    with Admin(pulsar_broker.url) as admin:
+        admin.create_topic(topic, 1)
+    definition = AvroSchema(Click).schema_info().schema()
+    with Producer(topic, broker=pulsar_broker.url, schema=("avro", definition)) as ours:
+        ours.send({"user": "from-tierstream", "n": 1})
+    client = client_of(pulsar_broker)
+    try:
+        client.create_producer(f"persistent://{topic}", schema=AvroSchema(Click)).send(
+            Click(user="from-pulsar", n=2))
+        consumer = client.subscribe(f"persistent://{topic}", "decode",
+                                    schema=AvroSchema(Click),
+                                    initial_position=pulsar.InitialPosition.Earliest)
+        got = [consumer.receive(timeout_millis=int(scaled(15) * 1000)) for _ in range(2)]
+        assert [(m.value().user, m.value().n) for m in got] == [("from-tierstream", 1),
+                                                               ("from-pulsar", 2)]
+    finally:
+        client.close()
+    host, port = pulsar_broker.pulsar_url.removeprefix("pulsar://").rsplit(":", 1)
+    request = api.BaseCommand(type=api.BaseCommand.GET_SCHEMA, getSchema=api.CommandGetSchema(
+        request_id=3, topic=f"persistent://{topic}", schema_version=(1).to_bytes(8, "big")))
+    missing = api.BaseCommand(type=api.BaseCommand.GET_SCHEMA, getSchema=api.CommandGetSchema(
+        request_id=4, topic="persistent://acme/schemas/none"))
+    with socket.create_connection((host, int(port)), timeout=scaled(30)) as sock:
+        sock.sendall(command_frame(api.BaseCommand(
+            type=api.BaseCommand.CONNECT, connect=api.CommandConnect(
+                client_version="t", protocol_version=20))) + command_frame(request)
+            + command_frame(missing))
+        answers = commands_until(sock, lambda cs: len(cs) == 3)
+    found, absent = answers[1].getSchemaResponse, answers[2].getSchemaResponse
+    assert (found.request_id, found.schema.type, found.schema_version) == (
+        3, api.Schema.Avro, (1).to_bytes(8, "big"))
+    assert json.loads(found.schema.schema_data)["name"] == "Click"
+    assert (absent.request_id, absent.error_code) == (4, api.TopicNotFound)

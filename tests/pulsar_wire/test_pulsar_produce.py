@@ -21,7 +21,7 @@ from tierstream.pulsar_protocol.frames import command_frame
 from tierstream.splits.positions import Offset
 
 from ..timing import scaled
-from .helpers import client_of, own_properties, rows_of
+from .helpers import client_of, commands_until, own_properties, rows_of
 
 COMPRESSIONS = [pulsar.CompressionType.NONE, pulsar.CompressionType.LZ4,
                 pulsar.CompressionType.ZLib, pulsar.CompressionType.ZSTD,
@@ -145,24 +145,6 @@ def _frame_with_payload(command: api.BaseCommand, payload: bytes, *,
     return struct.pack(">I", len(body)) + body
 
 
-def _commands(sock: socket.socket, until: Any) -> list[api.BaseCommand]:
-    """Commands read from ``sock`` until ``until(commands)`` holds."""
-    got: list[api.BaseCommand] = []
-    buffer = b""
-    while not until(got):
-        chunk = sock.recv(65536)
-        assert chunk, f"the broker closed the connection after {got}"
-        buffer += chunk
-        while len(buffer) >= 4 and len(buffer) >= 4 + struct.unpack(">I", buffer[:4])[0]:
-            size = struct.unpack(">I", buffer[:4])[0]
-            body, buffer = buffer[4:4 + size], buffer[4 + size:]
-            (cmd_size,) = struct.unpack(">I", body[:4])
-            command = api.BaseCommand()
-            command.ParseFromString(body[4:4 + cmd_size])
-            got.append(command)
-    return got
-
-
 def test_send_answers_keep_the_order_of_the_sends_and_an_oversized_one_keeps_the_connection(
         pulsar_broker: BrokerProcess) -> None:
     """Regression: a refused send was answered at once while the receipts of the sends before
@@ -194,7 +176,7 @@ def test_send_answers_keep_the_order_of_the_sends_and_an_oversized_one_keeps_the
     kinds = (api.BaseCommand.SEND_RECEIPT, api.BaseCommand.SEND_ERROR)
     with socket.create_connection((host, int(port)), timeout=scaled(30)) as sock:
         sock.sendall(b"".join(frames))  # all at once: nothing waits for an answer
-        got = _commands(sock, lambda cs: sum(c.type in kinds for c in cs) == len(expected))
+        got = commands_until(sock, lambda cs: sum(c.type in kinds for c in cs) == len(expected))
     answers = [(c.type, (c.send_receipt if c.type == api.BaseCommand.SEND_RECEIPT
                          else c.send_error).sequence_id) for c in got if c.type in kinds]
     assert answers == expected
@@ -269,7 +251,7 @@ def test_without_auto_creation_a_missing_topic_is_not_found_and_bad_names_are_na
                     type=api.BaseCommand.PARTITIONED_METADATA,
                     partitionMetadata=api.CommandPartitionedTopicMetadata(
                         topic="persistent://acme//bad", request_id=7))))
-        got = _commands(sock, lambda cs: len(cs) == 2)
+        got = commands_until(sock, lambda cs: len(cs) == 2)
     answer = got[1].partitionMetadataResponse
     assert (answer.request_id, answer.error) == (7, api.InvalidTopicName), answer
     assert "acme//bad" in answer.message
@@ -286,10 +268,10 @@ def test_a_broker_that_stops_tells_its_producers_to_go(start_broker, free_port) 
                 client_version="t", protocol_version=20))) + command_frame(api.BaseCommand(
                     type=api.BaseCommand.PRODUCER, producer=api.CommandProducer(
                         topic="public/default/going", producer_id=5, request_id=1))))
-        _commands(sock, lambda cs: any(c.type == api.BaseCommand.PRODUCER_SUCCESS
+        commands_until(sock, lambda cs: any(c.type == api.BaseCommand.PRODUCER_SUCCESS
                                        for c in cs))
         assert broker.stop() == 0
-        got = _commands(sock, lambda cs: any(c.type == api.BaseCommand.CLOSE_PRODUCER
+        got = commands_until(sock, lambda cs: any(c.type == api.BaseCommand.CLOSE_PRODUCER
                                              for c in cs))
     assert [c.close_producer.producer_id for c in got
             if c.type == api.BaseCommand.CLOSE_PRODUCER] == [5]

@@ -35,6 +35,7 @@ from tierstream.pulsar_protocol.frames import (
 from tierstream.pulsar_protocol.names import parse_pulsar_topic
 from tierstream.pulsar_protocol.produce import ProducePath
 from tierstream.pulsar_protocol.replies import error_code, request_id
+from tierstream.pulsar_protocol.schemas import pulsar_schema, schema_version_bytes, version_of
 
 __all__ = ["Connection", "Listener"]
 
@@ -240,6 +241,8 @@ class Connection:
             self.consume.close(cmd.close_consumer)
         elif kind == _Cmd.UNSUBSCRIBE:
             self.consume.unsubscribe(cmd.unsubscribe)
+        elif kind == _Cmd.GET_SCHEMA:
+            self._schema(cmd.getSchema)
         elif kind == _Cmd.GET_LAST_MESSAGE_ID:
             self.consume.last_message_id(cmd.getLastMessageId)
         else:
@@ -315,6 +318,19 @@ class Connection:
         self.write(_Cmd(type=_Cmd.GET_TOPICS_OF_NAMESPACE_RESPONSE,
                          getTopicsOfNamespaceResponse=api.CommandGetTopicsOfNamespaceResponse(
                              request_id=req.request_id, topics=names)))
+
+    def _schema(self, req: api.CommandGetSchema) -> None:
+        """A version of the topic's schema (the latest without one), or TopicNotFound."""
+        reply = api.CommandGetSchemaResponse(request_id=req.request_id)
+        try:
+            topic = parse_pulsar_topic(req.topic).topic
+            version = version_of(req.schema_version) if req.schema_version else None
+            info = self.listener.schemas.get(topic, version)
+            reply.schema.CopyFrom(pulsar_schema(info))
+            reply.schema_version = schema_version_bytes(info.version)
+        except TierstreamError as exc:
+            reply.error_code, reply.error_message = api.TopicNotFound, str(exc)
+        self.write(_Cmd(type=_Cmd.GET_SCHEMA_RESPONSE, getSchemaResponse=reply))
 
     def error(self, rid: int, error: Any, message: str) -> None:
         self.write(_Cmd(type=_Cmd.ERROR, error=api.CommandError(

@@ -23,8 +23,8 @@ from tierstream.errors import ConfigError
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.schemas.model import SchemaType
 
-__all__ = ["SchemaRefused", "json_schema_of", "registered_version", "schema_version_bytes",
-           "version_of"]
+__all__ = ["SchemaRefused", "json_schema_of", "pulsar_schema", "registered_version",
+           "schema_version_bytes", "version_of"]
 
 _TYPES = {api.Schema.String: SchemaType.STRING, api.Schema.Avro: SchemaType.AVRO,
           api.Schema.Json: SchemaType.JSON}
@@ -63,6 +63,15 @@ def registered_version(registry: Any, topic: str, schema: api.Schema) -> int | N
         return int(registry.register(topic, kind, text).version)
     except ConfigError as exc:
         raise SchemaRefused(str(exc)) from None
+
+
+def pulsar_schema(info: Any) -> api.Schema:
+    """A version of a topic's schema (``SchemaInfo``) as Pulsar's Schema: STRING, AVRO with
+    its definition, JSON with the JSON Schema it is checked against."""
+    kind = {SchemaType.STRING: api.Schema.String, SchemaType.AVRO: api.Schema.Avro,
+            SchemaType.JSON: api.Schema.Json}.get(info.type, api.Schema.Bytes)
+    return api.Schema(name=info.topic, type=kind,
+                      schema_data=(info.definition or "").encode())
 
 
 def _pulsar_name(kind: int) -> str:
