@@ -59,6 +59,9 @@ BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
     "pulsar-produce": (pulsar_bench.pulsar_produce, "the real pulsar-client's async batched "
                        "produce (1 and 4 partitions) beside tierstream's own Producer; the "
                        "broker's decode of Pulsar batches alone"),
+    "pulsar-consume": (pulsar_bench.pulsar_consume, "real pulsar-client consumers (1 exclusive, "
+                       "4 shared, 4 key_shared; processes) receive + ack beside tierstream's "
+                       "own Consumer"),
     "layout": (tier_bench.layout, "bytes a k=4 key-range read and a 10% time window fetch, "
                                   "key-bucket layout vs log order"),
 }

@@ -11,10 +11,14 @@ the broker's decode of Pulsar batches into Arrow columns is also measured on its
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import resource
 import socket
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +26,10 @@ import pulsar
 
 from bench.harness import Figure, repeat, report, timed
 from tierstream.broker.process import BrokerProcess
-from tierstream.client import Admin, Producer
+from tierstream.client import Admin, Consumer, Producer
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.pulsar_protocol.messages import to_rows
+from tierstream.splits.positions import Offset
 
 VALUE = b"v" * 100
 BATCH = 1000
@@ -160,3 +165,127 @@ def pulsar_produce(quick: bool = True) -> Path:
     return report("pulsar-produce", figures, {"messages": messages, "runs": runs,
                                               "batch": BATCH, "value_bytes": len(VALUE),
                                               "fsync": True})
+
+
+# -- consume ---------------------------------------------------------------------------------
+
+CONSUME_TOPIC = "bench/pulsar/orders"
+CONSUME_PARTITIONS = 4
+_PULSAR_TYPES = {"exclusive": "Exclusive", "shared": "Shared", "key_shared": "KeyShared"}
+
+
+class _ConsumerProcess:
+    """One consumer in a process of its own (``python -m bench.pulsar_bench worker ...``): it
+    attaches when told ``go``, receives and acknowledges until nothing came for a second, and
+    prints one JSON line: messages, when it was told to go, when its last ack returned."""
+
+    def __init__(self, kind: str, url: str, subscription: str, mode: str, name: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.pulsar_bench", "worker", kind, url, subscription,
+             mode, name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            cwd=Path(__file__).parent.parent)
+        assert self.proc.stdout is not None
+        if self.proc.stdout.readline().strip() != "ready":
+            self.proc.kill()
+            raise RuntimeError(f"consumer {name} did not start")
+
+    def go(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def result(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        self.proc.wait(timeout=300)
+        if not line:
+            raise RuntimeError(f"a consumer exited {self.proc.returncode}")
+        return dict(json.loads(line))
+
+
+def _drain_rate(kind: str, urls: tuple[str, str], mode: str, n: int, messages: int,
+                run: int) -> float:
+    subscription = f"{kind}-{mode}-{run}"
+    url = urls[0] if kind == "own" else urls[1]
+    workers = [_ConsumerProcess(kind, url, subscription, mode, f"{subscription}-{i}")
+               for i in range(n)]
+    for w in workers:
+        w.go()
+    results = [w.result() for w in workers]
+    got = sum(r["messages"] for r in results)
+    if got != messages:
+        raise RuntimeError(f"{kind} {mode}: {got} of {messages} messages received")
+    seconds = max(r["last"] for r in results if r["last"]) - min(r["go"] for r in results)
+    return messages / seconds
+
+
+def pulsar_consume(quick: bool = True) -> Path:
+    """Real-client consumers (1 exclusive; 4 shared; 4 key_shared, each a process) receive
+    and acknowledge every message, beside tierstream's own Consumer on the same messages."""
+    messages = 100_000 if quick else 400_000
+    runs = 3 if quick else 5
+    rates: dict[tuple[str, str], list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        broker = BrokerProcess(Path(tmp) / "data", args=["--pulsar-port", str(port)]).start()
+        try:
+            assert broker.url is not None and broker.pulsar_url is not None
+            with Admin(broker.url) as admin:
+                admin.create_topic(CONSUME_TOPIC, CONSUME_PARTITIONS)
+            with Producer(CONSUME_TOPIC, broker=broker.url, max_in_flight=16) as producer:
+                producer.send_many({"key": f"user-{i * 7919 % 1000}", "value": VALUE}
+                                   for i in range(messages))
+            for run in range(runs):  # interleaved, so drift hits each alike
+                for mode, n in (("exclusive", 1), ("shared", 4), ("key_shared", 4)):
+                    for kind in ("pulsar", "own"):
+                        rates.setdefault((kind, mode), []).append(_drain_rate(
+                            kind, (broker.url, broker.pulsar_url), mode, n, messages, run))
+        finally:
+            broker.stop()
+    figures = [Figure(f"Pulsar client: {'1 exclusive' if mode == 'exclusive' else '4 ' + mode}"
+                      " consumer(s), receive + ack", "msg/s", rates[("pulsar", mode)],
+                      "tierstream Consumer, same", rates[("own", mode)],
+                      aim=">= 0.8 of tierstream's own consumer",
+                      aim_check=lambda v, r: r is not None and r >= 0.8)
+               for mode in ("exclusive", "shared", "key_shared")]
+    return report("pulsar-consume", figures, {"messages": messages, "runs": runs,
+                                              "partitions": CONSUME_PARTITIONS,
+                                              "value_bytes": len(VALUE)})
+
+
+def _worker(kind: str, url: str, subscription: str, mode: str, name: str) -> None:
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        return
+    go = time.monotonic()
+    n, last = 0, None
+    if kind == "pulsar":
+        client = pulsar.Client(url, logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
+        consumer = client.subscribe(
+            f"persistent://{CONSUME_TOPIC}", subscription, consumer_name=name,
+            consumer_type=getattr(pulsar.ConsumerType, _PULSAR_TYPES[mode]),
+            initial_position=pulsar.InitialPosition.Earliest, receiver_queue_size=1000)
+        while True:
+            try:
+                msg = consumer.receive(timeout_millis=1000 if n else 30_000)
+            except pulsar.Timeout:
+                break
+            consumer.acknowledge(msg)
+            n += 1
+            last = time.monotonic()
+        consumer.close()  # sends the acks still grouped
+        client.close()
+    else:
+        with Consumer(CONSUME_TOPIC, subscription, mode=mode, consumer_name=name, broker=url,
+                      initial=Offset.earliest()) as ours:
+            while (batch := ours.receive(timeout=1.0 if n else 30.0)) is not None:
+                ours.ack(batch)
+                n += batch.num_rows
+                last = time.monotonic()
+    print(json.dumps({"messages": n, "go": go, "last": last}), flush=True)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
+    _worker(*sys.argv[2:7])
