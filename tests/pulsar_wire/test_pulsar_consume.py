@@ -18,7 +18,7 @@ from tierstream.splits.positions import Offset
 
 from ..store.helpers import wait_for
 from ..timing import scaled
-from .helpers import client_of
+from .helpers import client_of, rows_of
 
 TYPES = {"exclusive": pulsar.ConsumerType.Exclusive, "failover": pulsar.ConsumerType.Failover,
          "shared": pulsar.ConsumerType.Shared, "key_shared": pulsar.ConsumerType.KeyShared}
@@ -217,3 +217,53 @@ def test_readers_start_where_they_are_told_and_know_when_nothing_is_left(
     with Admin(pulsar_broker.url) as admin:  # a reader's cursor lives as long as the reader
         wait_for(lambda: admin.subscriptions(topic) == [], timeout=scaled(15),
                  what="the readers' cursors to go")
+
+
+def test_acks_survive_a_broker_sigkill_and_a_poison_message_lands_in_the_dead_letter_topic(
+        start_broker, free_port) -> None:
+    broker: BrokerProcess = start_broker("--pulsar-port", str(free_port))
+    topic = "public/default/durable"
+    with Admin(broker.url) as admin:
+        admin.create_topic(topic, 1)
+    with Producer(topic, broker=broker.url, batch_size=25) as producer:
+        producer.send_many({"value": f"m{i}".encode()} for i in range(100))
+    client = client_of(broker)
+    try:
+        consumer = client.subscribe(topic, "kept", initial_position=pulsar.InitialPosition.Earliest)
+        for _ in range(60):
+            consumer.acknowledge(consumer.receive(timeout_millis=int(scaled(15) * 1000)))
+        consumer.close()  # its acks are answered before its close is
+    finally:
+        client.close()
+    broker.kill()
+    broker = start_broker("--pulsar-port", str(free_port))
+    client = client_of(broker)
+    try:
+        again = client.subscribe(topic, "kept")
+        rest = [again.receive(timeout_millis=int(scaled(15) * 1000)).data() for _ in range(40)]
+        assert rest == [f"m{i}".encode() for i in range(60, 100)]
+        with pytest.raises(pulsar.Timeout):  # and nothing acknowledged comes back
+            again.receive(timeout_millis=int(scaled(1) * 1000))
+        policy = pulsar.ConsumerDeadLetterPolicy(max_redeliver_count=2,
+                                                 dead_letter_topic="public/default/poison-dlq")
+        jobs = client.subscribe(topic, "jobs", consumer_type=pulsar.ConsumerType.Shared,
+                                negative_ack_redelivery_delay_ms=100,
+                                dead_letter_policy=policy)
+        with Producer(topic, broker=broker.url) as producer:
+            producer.send(b"poison")
+        nacks = 0
+        while True:  # nacked until the client sends it to the dead-letter topic
+            try:
+                msg = jobs.receive(timeout_millis=int(scaled(3) * 1000))
+            except pulsar.Timeout:
+                break
+            assert msg.data() == b"poison"
+            jobs.negative_acknowledge(msg)
+            nacks += 1
+        assert nacks == 3  # delivered, then redelivered twice
+    finally:
+        client.close()
+    dead = [r["value"] for r in rows_of(broker, "public/default/poison-dlq")]
+    assert dead == [b"poison"]  # exactly once
+    wait_for(lambda: _backlog(broker, topic, "jobs") == 0, timeout=scaled(30),
+             what="the poison message to be acknowledged")
