@@ -4,6 +4,7 @@ with tierstream's Consumer."""
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections import defaultdict
 from typing import Any
@@ -14,11 +15,13 @@ import pytest
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer, Producer
 from tierstream.pulsar_protocol import key_router
+from tierstream.pulsar_protocol import pulsar_api_pb2 as api
+from tierstream.pulsar_protocol.frames import command_frame
 from tierstream.splits.positions import Offset
 
 from ..store.helpers import wait_for
 from ..timing import scaled
-from .helpers import client_of, rows_of
+from .helpers import client_of, commands_until, rows_of
 
 TYPES = {"exclusive": pulsar.ConsumerType.Exclusive, "failover": pulsar.ConsumerType.Failover,
          "shared": pulsar.ConsumerType.Shared, "key_shared": pulsar.ConsumerType.KeyShared}
@@ -267,3 +270,35 @@ def test_acks_survive_a_broker_sigkill_and_a_poison_message_lands_in_the_dead_le
     assert dead == [b"poison"]  # exactly once
     wait_for(lambda: _backlog(broker, topic, "jobs") == 0, timeout=scaled(30),
              what="the poison message to be acknowledged")
+
+
+def test_failover_consumers_are_told_which_one_is_active(pulsar_broker: BrokerProcess) -> None:
+    """ACTIVE_CONSUMER_CHANGE as the dispatcher's active consumer changes (the Python client
+    has no listener for it, so the frames are read off the wire)."""
+    cmd = api.BaseCommand
+    host, port = pulsar_broker.pulsar_url.removeprefix("pulsar://").rsplit(":", 1)
+
+    def subscribe(consumer_id: int, name: str) -> bytes:
+        return command_frame(cmd(type=cmd.SUBSCRIBE, subscribe=api.CommandSubscribe(
+            topic="public/default/failing-over", subscription="standby", consumer_id=consumer_id,
+            request_id=consumer_id, consumer_name=name, subType=api.CommandSubscribe.Failover)))
+
+    def changes(got: list[Any]) -> dict[int, bool]:
+        out: dict[int, bool] = {}
+        for c in got:
+            if c.type == cmd.ACTIVE_CONSUMER_CHANGE:
+                out[c.active_consumer_change.consumer_id] = c.active_consumer_change.is_active
+        return out
+
+    with socket.create_connection((host, int(port)), timeout=scaled(30)) as sock:
+        sock.sendall(command_frame(cmd(type=cmd.CONNECT, connect=api.CommandConnect(
+            client_version="t", protocol_version=20))) + subscribe(1, "a") + subscribe(2, "b"))
+        got = commands_until(sock, lambda cs: len(changes(cs)) == 2
+                             and sorted(changes(cs).values()) == [False, True])
+        first = changes(got)
+        active = next(i for i, on in first.items() if on)
+        standby = 3 - active
+        sock.sendall(command_frame(cmd(type=cmd.CLOSE_CONSUMER, close_consumer=(
+            api.CommandCloseConsumer(consumer_id=active, request_id=9)))))
+        later = commands_until(sock, lambda cs: changes(cs).get(standby) is True)
+    assert changes(later) == {standby: True}

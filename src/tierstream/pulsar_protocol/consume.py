@@ -164,8 +164,16 @@ class ConsumePath:
 
     def _deliver(self, c: _Consumer) -> None:
         plog = self.store.partition(c.topic, c.partition)
+        told: bool | None = None  # what the client was last told of its being active
         try:
             while not c.attached.detached and not self._closing.is_set():
+                active = c.attached.active
+                if active is not None and active != told:  # failover: ACTIVE_CONSUMER_CHANGE
+                    self.link.write(_Cmd(
+                        type=_Cmd.ACTIVE_CONSUMER_CHANGE, active_consumer_change=(
+                            api.CommandActiveConsumerChange(consumer_id=c.id,
+                                                            is_active=active))))
+                    told = active
                 batch = c.attached.next_batch(0.2)
                 if batch is None:
                     continue

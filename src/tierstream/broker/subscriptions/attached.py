@@ -45,6 +45,9 @@ class Attached:
         self.acked = 0
         self.outbox: queue.SimpleQueue[pa.RecordBatch | None] = queue.SimpleQueue()
         self.detached = False
+        #: failover: whether the dispatcher serves this consumer now (None: not failover);
+        #: set by the dispatcher as consumers come and go, read by the Pulsar listener
+        self.active: bool | None = None
 
     def stats(self, partition: int, assignment: str) -> dict[str, Any]:
         return {"name": self.name, "partition": partition, "assignment": assignment,

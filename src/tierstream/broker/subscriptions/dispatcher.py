@@ -159,6 +159,9 @@ class Dispatcher:
         elif live and self.type in SubscriptionType.CUMULATIVE:
             self._active = live[active_for_partition([c.name for c in live],
                                                      self.partition)].idx
+            if self.type == SubscriptionType.FAILOVER:
+                for c in live:
+                    c.active = c.idx == self._active
 
     def flow(self, name: str, permits: int) -> None:
         with self._lock:
