@@ -302,3 +302,48 @@ def test_failover_consumers_are_told_which_one_is_active(pulsar_broker: BrokerPr
             api.CommandCloseConsumer(consumer_id=active, request_id=9)))))
         later = commands_until(sock, lambda cs: changes(cs).get(standby) is True)
     assert changes(later) == {standby: True}
+
+
+def test_seek_by_message_id_and_by_publish_time_under_a_producer(
+        pulsar_broker: BrokerProcess) -> None:
+    """After a seek's success nothing from before the seek point arrives, though a producer
+    goes on writing; by id the consumer resumes after the message (the client drops the
+    message itself, as Pulsar's non-inclusive seek does), by time at the first message
+    published at or after it."""
+    topic = "public/default/seeking"
+    with Admin(pulsar_broker.url) as admin:
+        admin.create_topic(topic, 1)
+    with Producer(topic, broker=pulsar_broker.url, batch_size=10) as producer:
+        producer.send_many({"value": f"m{i:04d}".encode()} for i in range(100))
+    client = client_of(pulsar_broker)
+    timeout = int(scaled(15) * 1000)
+    stop = threading.Event()
+
+    def keep_writing() -> None:
+        with Producer(topic, broker=pulsar_broker.url) as producer:
+            i = 100
+            while not stop.is_set():
+                producer.send(f"m{i:04d}".encode())
+                i += 1
+
+    writer = threading.Thread(target=keep_writing, daemon=True)
+    try:
+        consumer = client.subscribe(topic, "rewind",
+                                    initial_position=pulsar.InitialPosition.Earliest)
+        first = [consumer.receive(timeout) for _ in range(50)]
+        for m in first:
+            consumer.acknowledge(m)
+        writer.start()
+        consumer.seek(first[9].message_id())  # back, past acknowledged messages
+        after = [consumer.receive(timeout).data() for _ in range(30)]
+        assert after == [f"m{i:04d}".encode() for i in range(10, 40)], after[:5]
+        consumer.seek(first[20].publish_timestamp())
+        again = consumer.receive(timeout)
+        assert again.publish_timestamp() >= first[20].publish_timestamp()
+        assert again.data() <= b"m0020"  # at or before m20: several may share its time
+        consumer.close()
+    finally:
+        stop.set()
+        if writer.is_alive():
+            writer.join()
+        client.close()

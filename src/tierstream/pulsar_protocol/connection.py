@@ -243,6 +243,8 @@ class Connection:
             self.consume.unsubscribe(cmd.unsubscribe)
         elif kind == _Cmd.GET_SCHEMA:
             self._schema(cmd.getSchema)
+        elif kind == _Cmd.SEEK:
+            self.consume.seek(cmd.seek)
         elif kind == _Cmd.GET_LAST_MESSAGE_ID:
             self.consume.last_message_id(cmd.getLastMessageId)
         else:

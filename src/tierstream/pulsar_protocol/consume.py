@@ -180,6 +180,12 @@ class ConsumePath:
                 frames = self._frames(c, batch)
                 self.link.write_frames(frames)
                 plog.rate_out.add(batch.num_rows, batch.nbytes)
+            if c.attached.detached and not self._closing.is_set() \
+                    and self.consumers.get(c.id) is c:
+                # the broker let it go (a seek elsewhere, the subscription deleted): the
+                # client is told, and subscribes again if it still wants to
+                del self.consumers[c.id]
+                self._tell_closed(c.id)
         except OSError:
             pass  # the connection is gone: its close detaches the consumer
         except TierstreamError as exc:
@@ -270,6 +276,41 @@ class ConsumePath:
             self.subscriptions.nack(c.topic, c.subscription, c.partition, c.name, segment,
                                     entry, index, 0.0)
 
+    def seek(self, req: api.CommandSeek) -> None:
+        """Move the consumer's subscription to a message id or a publish time. As Pulsar's
+        broker does, its consumers here are closed first (CLOSE_CONSUMER: the client
+        completes the seek once it has subscribed again, so no message from before the seek
+        reaches it after), then the cursor is reset, then the seek answered."""
+        c = self.consumers.get(req.consumer_id)
+        try:
+            if c is None:
+                raise Refused(f"no consumer {req.consumer_id} on this connection")
+            plog = self.store.partition(c.topic, c.partition)
+            if req.HasField("message_id"):
+                position = _start(req.message_id, plog)
+            elif req.HasField("message_publish_time"):
+                position = plog.position_at_time(int(req.message_publish_time))
+            else:
+                raise Refused("a seek names a message id or a publish time")
+            where = (c.topic, c.subscription, c.partition)
+            for other in [x for x in self.consumers.values()
+                          if (x.topic, x.subscription, x.partition) == where]:
+                del self.consumers[other.id]
+                self._detach(other, forget=False)
+                self._tell_closed(other.id)
+            self.subscriptions.reset(c.topic, c.subscription, c.partition, position)
+        except TierstreamError as exc:
+            log.warning("pulsar client %s: seek refused: %s", self.link.peer, exc)
+            self.link.error(req.request_id, error_code(exc), str(exc))
+            return
+        self.link.write(_Cmd(type=_Cmd.SUCCESS, success=api.CommandSuccess(
+            request_id=req.request_id)))
+
+    def _tell_closed(self, consumer_id: int) -> None:
+        with contextlib.suppress(OSError):
+            self.link.write(_Cmd(type=_Cmd.CLOSE_CONSUMER, close_consumer=(
+                api.CommandCloseConsumer(consumer_id=consumer_id, request_id=0))))
+
     def last_message_id(self, req: api.CommandGetLastMessageId) -> None:
         """The id of the partition's last message (ledger and entry -1 when it has none) and
         the subscription's mark-delete position: what ``has_message_available`` compares."""
@@ -318,9 +359,7 @@ class ConsumePath:
     def go_away(self) -> None:
         """CLOSE_CONSUMER to the client for each consumer (the broker is going)."""
         for c in list(self.consumers.values()):
-            with contextlib.suppress(OSError):
-                self.link.write(_Cmd(type=_Cmd.CLOSE_CONSUMER, close_consumer=(
-                    api.CommandCloseConsumer(consumer_id=c.id, request_id=0))))
+            self._tell_closed(c.id)
 
     def close_all(self) -> None:
         """The connection ended: every consumer detached (what they held goes to others)."""
@@ -329,10 +368,10 @@ class ConsumePath:
             self._detach(c)
         self.consumers.clear()
 
-    def _detach(self, c: _Consumer) -> None:
+    def _detach(self, c: _Consumer, *, forget: bool = True) -> None:
         with contextlib.suppress(TierstreamError):
             self.subscriptions.detach(c.topic, c.subscription, c.partition, c.attached)
-            if not c.durable:  # a reader's cursor lives as long as the reader
+            if forget and not c.durable:  # a reader's cursor lives as long as the reader
                 self.subscriptions.delete(c.topic, c.subscription)
         if c.thread is not None and c.thread is not threading.current_thread():
             c.thread.join(timeout=5)

@@ -187,6 +187,31 @@ class Subscriptions:
                 return
         self.writer.wait(d.set_position(position))
 
+    def reset(self, topic: str, subscription: str, partition: int, position: Position) -> None:
+        """Seek: the cursor moves to ``position``, back or forward: every message before it is
+        acknowledged, every message from it on is not (redelivery counts start again). The
+        consumers attached are detached (they attach again and are served from there)."""
+        key = (topic, subscription, partition)
+        if position.partition != partition:
+            raise ConfigError(f"position {position} is not in partition {partition}")
+        with self._lock:
+            d = self._dispatchers.pop(key, None)
+            if d is not None:
+                for c in list(d.consumers.values()):
+                    d.detach(c)
+                d.close()
+                self.writer.wait(self.writer.dirty(d))  # nothing of it is written after this
+                stored: Any = d.snapshot()
+            else:
+                stored = self._metadata.get_cursor(*key)
+            if stored is None:
+                raise NotFoundError(f"topic {topic!r} has no subscription {subscription!r} "
+                                    f"on partition {partition}")
+            old = CursorState.from_json(stored, partition)
+            state = CursorState(partition, position, type=old.type, label=old.label,
+                                dead_letter_sequence=old.dead_letter_sequence)
+            self._metadata.save_cursors([(*key, state.to_json())], now=now_ms())
+
     def delete(self, topic: str, subscription: str) -> int:
         """Remove an abandoned subscription: its stored cursors on every partition (how
         many). ConflictError while a consumer is attached; NotFoundError if there is none."""
