@@ -366,7 +366,7 @@ def test_pulsar_ssl_with_the_brokers_certificate_checked_against_its_ca(
         good.close()
     for kwargs in ({"tls_trust_certs_file_path": str(other)},  # another CA
                    {"url": broker.pulsar_url.replace("pulsar+ssl://", "pulsar://")}):  # plain
-        bad = client_of(broker, authentication=token, operation_timeout_seconds=int(scaled(5)),
+        bad = client_of(broker, authentication=token, operation_timeout_seconds=int(scaled(2)),
                         **kwargs)
         try:
             with pytest.raises(Exception, match=r"Connect|TimeOut"):

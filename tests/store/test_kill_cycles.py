@@ -9,9 +9,10 @@ from .chaos import CONFIGS, run_cycles
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_twenty_kill_cycles_under_three_named_producers_lose_and_duplicate_nothing(
+def test_twelve_kill_cycles_under_three_named_producers_lose_and_duplicate_nothing(
         tmp_path, config) -> None:
-    outcome = run_cycles(tmp_path, config=config, cycles=20, seed=20261122, extra_uptime=0.8)
-    assert outcome.cycles == 20, outcome.line()  # every cycle killed a live broker
+    # 12 per configuration keeps the suite near its 12 minutes; make chaos runs 100
+    outcome = run_cycles(tmp_path, config=config, cycles=12, seed=20261122, extra_uptime=0.8)
+    assert outcome.cycles == 12, outcome.line()  # every cycle killed a live broker
     assert outcome.report.ok, f"{outcome.line()}\n{outcome.report}"
     assert outcome.report.acknowledged > 1000, outcome.line()
