@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierstream import __version__
-from tierstream.errors import NotFoundError, ProtocolError, TierstreamError
+from tierstream.errors import ConfigError, NotFoundError, ProtocolError, TierstreamError
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.pulsar_protocol.consume import ConsumePath
 from tierstream.pulsar_protocol.frames import (
@@ -285,6 +285,20 @@ class Connection:
             except TierstreamError:  # another connection made it meanwhile
                 record = self.store.topic(named.topic)
         return named.topic, int(record.partitions), named.partition
+
+    def partition_of(self, name: str, *, create: bool, verb: str) -> tuple[str, int, int]:
+        """(tierstream topic, its partition count, the partition) a producer or consumer
+        names: a topic's base name is its partition 0 if it has one partition; a partitioned
+        topic is produced to or subscribed by partition, as the clients do."""
+        topic, count, partition = self.topic_partitions(name, create=create)
+        if partition is None:
+            if count > 1:
+                raise ConfigError(f"{name!r} has {count} partitions: {verb} to its partitions "
+                                  "(the client does so after partitioned metadata)")
+            return topic, count, 0
+        if partition >= count:
+            raise NotFoundError(f"{name!r}: {topic} has partitions 0..{count - 1}")
+        return topic, count, partition
 
     def _partitioned_metadata(self, req: api.CommandPartitionedTopicMetadata) -> None:
         reply = api.CommandPartitionedTopicMetadataResponse(request_id=req.request_id)

@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 
 from tierstream.broker.subscriptions.attached import Attached, ConsumerSettings
-from tierstream.errors import ConfigError, TierstreamError
+from tierstream.errors import ConfigError, ConflictError, TierstreamError
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.pulsar_protocol.frames import payload_frame
 from tierstream.pulsar_protocol.messages import (
@@ -99,6 +99,11 @@ class _Consumer:
     lock: threading.Lock = field(default_factory=threading.Lock)
     thread: threading.Thread | None = None
 
+    @property
+    def wire_partition(self) -> int:
+        """The partition in its message ids: -1 for a topic of one partition, as Pulsar's."""
+        return self.partition if self.partitioned else -1
+
 
 class ConsumePath:
     """The consumers of one connection, a delivery thread each."""
@@ -126,13 +131,8 @@ class ConsumePath:
         kind = _TYPES[req.subType]
         if not req.durable and kind != SubscriptionType.EXCLUSIVE:
             raise Refused("a non-durable subscription (a reader) is exclusive")
-        topic, count, partition = self.link.topic_partitions(
-            req.topic, create=req.force_topic_creation)
-        if partition is None:
-            if count > 1:
-                raise ConfigError(f"{req.topic!r} has {count} partitions: subscribe to its "
-                                  "partitions (the client does so after partitioned metadata)")
-            partition = 0
+        topic, count, partition = self.link.partition_of(
+            req.topic, create=req.force_topic_creation, verb="subscribe")
         sticky = None
         if kind == SubscriptionType.KEY_SHARED and req.HasField("keySharedMeta") \
                 and req.keySharedMeta.keySharedMode == api.STICKY:
@@ -193,7 +193,7 @@ class ConsumePath:
                         self.link.peer, c.name, exc)
 
     def _frames(self, c: _Consumer, batch: pa.RecordBatch) -> list[bytes]:
-        partition = c.partition if c.partitioned else -1
+        partition = c.wire_partition
         cols = {name: batch.column(name).to_pylist() for name in (
             "key", "value", "publish_time", "event_time", "properties", "segment_id",
             "entry_id", "batch_index", "redelivery_count")}
@@ -204,11 +204,10 @@ class ConsumePath:
                 c.unacked.add((seg, ent, idx))
                 meta = _metadata(cols["key"][i], cols["publish_time"][i], cols["event_time"][i],
                                  cols["properties"][i])
-                value = b"" if meta.null_value else cols["value"][i]
                 command = _Cmd(type=_Cmd.MESSAGE, message=api.CommandMessage(
                     consumer_id=c.id, message_id=message_id(seg, ent, idx, partition),
                     redelivery_count=cols["redelivery_count"][i]))
-                out.append(payload_frame(command, meta, value))
+                out.append(payload_frame(command, meta, cols["value"][i]))  # null: b""
         return out
 
     # -- flow and acks --------------------------------------------------------------------------
@@ -319,7 +318,7 @@ class ConsumePath:
             self.link.error(req.request_id, api.ConsumerNotFound,
                             f"no consumer {req.consumer_id} on this connection")
             return
-        partition = c.partition if c.partitioned else -1
+        partition = c.wire_partition
         last = self.store.partition(c.topic, c.partition).last_confirmed()[0]
         reply = api.CommandGetLastMessageIdResponse(request_id=req.request_id)
         if last is None:
@@ -448,8 +447,6 @@ def _arrays(positions: list[Position]) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 
 def _subscribe_code(exc: BaseException) -> Any:
-    from tierstream.errors import ConflictError
-
     if isinstance(exc, ConflictError):
         return api.ConsumerBusy
     return error_code(exc)

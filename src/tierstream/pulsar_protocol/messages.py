@@ -57,7 +57,7 @@ def to_rows(metadata: api.MessageMetadata, payload: bytes, *, sequence_id: int,
     nothing of their own beside the broker's (the common case) as one map array."""
     data = _uncompressed(metadata, payload)
     if not metadata.HasField("num_messages_in_batch"):
-        messages = _Messages(1)
+        messages = _Messages()
         messages.add(metadata, data, sequence_id, metadata.event_time)
     else:
         messages = _split_batch(metadata.num_messages_in_batch, data, sequence_id,
@@ -99,7 +99,7 @@ _PROPERTIES = PRODUCE_SCHEMA.field("properties").type
 class _Messages:
     """The columns of a SEND's messages, filled one message at a time."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self) -> None:
         self.keys: list[str | None] = []
         self.values: list[bytes] = []
         self.events: list[int | None] = []
@@ -129,7 +129,7 @@ class _Messages:
 def _split_batch(count: int, data: bytes, sequence_id: int, event_time: int) -> _Messages:
     """A batch's messages: the plain ones (a payload size and a sequence id, nothing else:
     what clients send for a message without key or properties) are taken on a short path."""
-    messages = _Messages(count)
+    messages = _Messages()
     parse = api.SingleMessageMetadata.FromString
     keys, values, events, ids = (messages.keys, messages.values, messages.events,
                                  messages.sequence_ids)

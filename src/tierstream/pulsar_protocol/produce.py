@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from tierstream.errors import ConfigError, NotFoundError, StaleRoutingError, TierstreamError
+from tierstream.errors import StaleRoutingError, TierstreamError
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.pulsar_protocol.messages import refused_feature, to_rows
 from tierstream.pulsar_protocol.replies import Refused, error_code, send_error_code
@@ -46,7 +46,7 @@ class Link(Protocol):
 
     def error(self, request_id: int, error: Any, message: str) -> None: ...
 
-    def topic_partitions(self, name: str, *, create: bool) -> tuple[str, int, int | None]: ...
+    def partition_of(self, name: str, *, create: bool, verb: str) -> tuple[str, int, int]: ...
 
 
 class ProducePath:
@@ -83,15 +83,8 @@ class ProducePath:
     def create(self, req: api.CommandProducer) -> None:
         """PRODUCER: PRODUCER_SUCCESS with the name's last stored sequence id, or ERROR."""
         try:
-            topic, count, partition = self.link.topic_partitions(req.topic, create=True)
-            if partition is None:
-                if count > 1:
-                    raise ConfigError(f"{req.topic!r} has {count} partitions: produce to its "
-                                      "partitions (the client does so after partitioned "
-                                      "metadata)")
-                partition = 0
-            elif partition >= count:
-                raise NotFoundError(f"{req.topic!r}: {topic} has partitions 0..{count - 1}")
+            topic, count, partition = self.link.partition_of(req.topic, create=True,
+                                                             verb="produce")
             if req.encrypted:
                 raise Refused("encryption is not supported by this tierstream broker")
             if req.producer_access_mode != 0:
