@@ -12,6 +12,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -114,6 +116,37 @@ def broker_with_topic(topic: str, partitions: int) -> Iterator[str]:
             yield url
         finally:
             broker.stop()
+
+
+class WorkerProcess:
+    """A benchmark's worker in a process of its own (``python -m MODULE worker ARGS...``): it
+    prints ``ready``, acts on the words it is told on stdin (``go``, ``stop``...) and prints
+    one JSON line of results before it exits."""
+
+    def __init__(self, module: str, args: list[str], name: str, *,
+                 timeout: float = 120.0) -> None:
+        self.name, self.timeout = name, timeout
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module, "worker", *args], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if line.strip() != "ready":
+            self.proc.kill()
+            raise RuntimeError(f"consumer {name} did not start: {line!r}")
+
+    def tell(self, word: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(word + "\n")
+        self.proc.stdin.flush()
+
+    def result(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        self.proc.wait(timeout=self.timeout)
+        if not line:
+            raise RuntimeError(f"consumer {self.name} exited {self.proc.returncode}")
+        return dict(json.loads(line))
 
 
 def timed(fn: Callable[[], Any]) -> float:

@@ -15,7 +15,6 @@ import json
 import os
 import resource
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,7 +23,7 @@ from typing import Any
 
 import pulsar
 
-from bench.harness import Figure, repeat, report, timed
+from bench.harness import Figure, WorkerProcess, repeat, report, timed
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer, Producer
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
@@ -174,43 +173,17 @@ CONSUME_PARTITIONS = 4
 _PULSAR_TYPES = {"exclusive": "Exclusive", "shared": "Shared", "key_shared": "KeyShared"}
 
 
-class _ConsumerProcess:
-    """One consumer in a process of its own (``python -m bench.pulsar_bench worker ...``): it
-    attaches when told ``go``, receives and acknowledges until nothing came for a second, and
-    prints one JSON line: messages, when it was told to go, when its last ack returned."""
-
-    def __init__(self, kind: str, url: str, subscription: str, mode: str, name: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.pulsar_bench", "worker", kind, url, subscription,
-             mode, name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            cwd=Path(__file__).parent.parent)
-        assert self.proc.stdout is not None
-        if self.proc.stdout.readline().strip() != "ready":
-            self.proc.kill()
-            raise RuntimeError(f"consumer {name} did not start")
-
-    def go(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("go\n")
-        self.proc.stdin.flush()
-
-    def result(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        self.proc.wait(timeout=300)
-        if not line:
-            raise RuntimeError(f"a consumer exited {self.proc.returncode}")
-        return dict(json.loads(line))
-
-
 def _drain_rate(kind: str, urls: tuple[str, str], mode: str, n: int, messages: int,
                 run: int) -> float:
     subscription = f"{kind}-{mode}-{run}"
     url = urls[0] if kind == "own" else urls[1]
-    workers = [_ConsumerProcess(kind, url, subscription, mode, f"{subscription}-{i}")
-               for i in range(n)]
+    # each consumer a process: it attaches when told go, receives and acknowledges until
+    # nothing came for a second, then says how many and when its last ack returned
+    workers = [WorkerProcess("bench.pulsar_bench", [kind, url, subscription, mode,
+                                                    f"{subscription}-{i}"],
+                             f"{subscription}-{i}", timeout=300) for i in range(n)]
     for w in workers:
-        w.go()
+        w.tell("go")
     results = [w.result() for w in workers]
     got = sum(r["messages"] for r in results)
     if got != messages:

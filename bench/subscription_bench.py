@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 
-from bench.harness import Figure, broker_with_topic, console, report
+from bench.harness import Figure, WorkerProcess, broker_with_topic, console, report
 from tierstream.client import Admin, Consumer, Producer
 from tierstream.message_format import as_produce_batch
 from tierstream.splits.positions import Offset
@@ -39,32 +37,10 @@ def _batch(n: int, keys: int, seed: int) -> pa.RecordBatch:
         "value": [VALUE] * n}))
 
 
-class _Worker:
-    def __init__(self, url: str, subscription: str, mode: str, name: str, *,
-                 drain: bool) -> None:
-        self.name = name
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.subscription_bench", "worker", url, subscription, mode,
-             name, "1" if drain else "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True, cwd=Path(__file__).parent.parent)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if line.strip() != "ready":
-            self.proc.kill()
-            raise RuntimeError(f"consumer {name} did not start: {line!r}")
-
-    def tell(self, word: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(word + "\n")
-        self.proc.stdin.flush()
-
-    def result(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        self.proc.wait(timeout=120)
-        if not line:
-            raise RuntimeError(f"consumer {self.name} exited {self.proc.returncode}")
-        return dict(json.loads(line))
+def _worker_process(url: str, subscription: str, mode: str, name: str, *,
+                    drain: bool) -> WorkerProcess:
+    return WorkerProcess("bench.subscription_bench",
+                         [url, subscription, mode, name, "1" if drain else "0"], name)
 
 
 def _throughput(url: str, mode: str, n: int, messages: int, run: int
@@ -72,7 +48,7 @@ def _throughput(url: str, mode: str, n: int, messages: int, run: int
     """Messages/s and ack calls/s of ``n`` consumers of a new ``mode`` subscription draining
     ``messages``, and the busiest consumer's messages over an even share."""
     subscription = f"{mode}-{run}"
-    workers = [_Worker(url, subscription, mode, f"{mode}-{run}-{i}", drain=True)
+    workers = [_worker_process(url, subscription, mode, f"{mode}-{run}-{i}", drain=True)
                for i in range(n)]
     for w in workers:
         w.tell("go")
@@ -102,7 +78,8 @@ def _joins(url: str, joins: int) -> tuple[list[float], list[float], list[float]]
                 producer.flush()
                 time.sleep(0.05)
 
-    stayers = [_Worker(url, "joins", "key_shared", f"stay-{i}", drain=False) for i in range(3)]
+    stayers = [_worker_process(url, "joins", "key_shared", f"stay-{i}", drain=False)
+               for i in range(3)]
     for w in stayers:
         w.tell("go")
     writer = threading.Thread(target=write, daemon=True)
@@ -112,7 +89,7 @@ def _joins(url: str, joins: int) -> tuple[list[float], list[float], list[float]]
     windows = []
     try:
         for j in range(joins):
-            joiner = _Worker(url, "joins", "key_shared", f"join-{j}", drain=False)
+            joiner = _worker_process(url, "joins", "key_shared", f"join-{j}", drain=False)
             time.sleep(2)  # the 'before' window
             t0 = time.monotonic()
             joiner.tell("go")
