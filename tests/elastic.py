@@ -8,6 +8,9 @@ import threading
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
 
 from tierstream.client import Admin, Producer
 
@@ -103,3 +106,15 @@ def order_errors(written: Written, keys: Iterable[str | None], values: Iterable[
             problems.append(f"{key}: {what}")
     problems.extend(f"{key}: never written" for key in got)
     return problems
+
+
+def check_tailed(written: Written, rows: list[pa.RecordBatch], following: Any) -> None:
+    """Once the tail handed over everything written: each message once, each key in order."""
+    try:
+        wait_for(lambda: sum(b.num_rows for b in rows) >= written.total,
+                 timeout=scaled(120), what="the tail to catch up")
+    finally:
+        following.close()
+    tailed = pa.Table.from_batches(rows)
+    assert order_errors(written, tailed.column("key").to_pylist(),
+                        tailed.column("value").to_pylist()) == []

@@ -14,7 +14,7 @@ import pytest
 from tierstream.client import Admin
 from tierstream.local import plan, read, tail
 
-from .elastic import grow_while_writing, order_errors
+from .elastic import check_tailed, grow_while_writing, order_errors
 from .logs import running_log
 from .store.helpers import wait_for
 from .timing import scaled
@@ -44,23 +44,11 @@ def test_reads_and_tails_keep_each_keys_order_across_scale_events(tmp_path: Path
         finally:
             written_all.set()
         assert len(written.counts) >= 2
-        _check_tailed(written, rows, following)
+        check_tailed(written, rows, following)
         for key_ranges in (1, 3):
             table = read(TOPIC, key_ranges=key_ranges, **log.kw())
             assert order_errors(written, table.column("key").to_pylist(),
                                 table.column("value").to_pylist()) == []
-
-
-def _check_tailed(written: Any, rows: list[Any], following: Any) -> None:
-    """Once the tail handed over everything written: each message once, each key in order."""
-    try:
-        wait_for(lambda: sum(b.num_rows for b in rows) >= written.total,
-                 timeout=scaled(120), what="the tail to catch up")
-    finally:
-        following.close()
-    tailed = pa.Table.from_batches(rows)
-    assert order_errors(written, tailed.column("key").to_pylist(),
-                        tailed.column("value").to_pylist()) == []
 
 
 def test_a_read_after_the_event_keeps_its_parallelism(tmp_path: Path) -> None:
@@ -128,7 +116,7 @@ def test_a_lagging_tail_hands_over_a_moved_keys_messages_after_its_earlier_ones(
                 admin.set_partitions(TOPIC, 4)
             send(producer, 1501, 600)
         resume.set()
-        _check_tailed(written, rows, following)
+        check_tailed(written, rows, following)
 
 
 @pytest.mark.parametrize("seed", [4, 5])

@@ -15,9 +15,7 @@ from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin
 from tierstream.pulsar_protocol import key_router
 
-from ..elastic import Written, order_errors
-from ..store.helpers import wait_for
-from ..timing import scaled
+from ..elastic import Written, check_tailed, order_errors
 from .helpers import client_of
 
 TOPIC = "acme/web/pulsar-grows"
@@ -86,11 +84,4 @@ def test_a_keyed_pulsar_producer_across_a_scale_event_keeps_each_keys_order(
             rows.append(batch.select(["key", "value"]))
 
     threading.Thread(target=collect, daemon=True).start()
-    try:
-        wait_for(lambda: sum(b.num_rows for b in rows) >= written.total,
-                 timeout=scaled(60), what="the tail to catch up")
-    finally:
-        following.close()
-    tailed = pa.Table.from_batches(rows)
-    assert order_errors(written, tailed.column("key").to_pylist(),
-                        tailed.column("value").to_pylist()) == []
+    check_tailed(written, rows, following)
