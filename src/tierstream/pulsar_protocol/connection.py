@@ -117,8 +117,7 @@ class Connection:
                     frame = parse_frame(body)
                 except BadPayload as exc:  # answered where it names a producer
                     log.warning("pulsar client %s: %s", self.peer, exc)
-                    if exc.command.type == _Cmd.SEND and exc.command.HasField("send"):
-                        self.produce.refuse(exc.command.send, api.ChecksumError, str(exc))
+                    self._refuse_command(exc.command, api.NotAllowedError, str(exc))
                     continue
                 except ProtocolError as exc:
                     log.warning("pulsar client %s: %s", self.peer, exc)
@@ -140,14 +139,9 @@ class Connection:
     def _unforeseen(self, command: api.BaseCommand, exc: Exception) -> None:
         """A request that failed in a way no check foresaw: logged with its stack (a bug to
         fix), answered with Pulsar's UnknownError where it can be, the connection kept."""
-        name = _Cmd.Type.Name(command.type) if command.type in _Cmd.Type.values() \
-            else str(command.type)
+        name = _command_name(command.type)
         log.warning("pulsar client %s: %s failed: %r", self.peer, name, exc, exc_info=True)
-        reason = f"{name} failed in the broker: {exc!r}"
-        if command.type == _Cmd.SEND and command.HasField("send"):
-            self.produce.refuse(command.send, api.ChecksumError, reason)
-        elif (rid := request_id(command)) is not None:
-            self.error(rid, api.UnknownError, reason)
+        self._refuse_command(command, api.UnknownError, f"{name} failed in the broker: {exc!r}")
 
     def _skip_oversized(self, size: int) -> bool:
         """Answer a frame over the advertised maximum without taking it: its command is read,
@@ -176,11 +170,17 @@ class Connection:
         reason = (f"a frame of {size:,} bytes is over the {MAX_MESSAGE_SIZE:,} bytes a message "
                   "may have here (max_message_size): nothing was stored")
         log.warning("pulsar client %s: %s", self.peer, reason)
+        self._refuse_command(command, api.NotAllowedError, reason)
+        return True
+
+    def _refuse_command(self, command: api.BaseCommand, error: Any, reason: str) -> None:
+        """Answer a command that is not carried out: a SEND with SEND_ERROR (in turn with the
+        sends before it; ChecksumError, the one code clients fail a message with), a request
+        with ERROR ``error``; anything else is only logged."""
         if command.type == _Cmd.SEND and command.HasField("send"):
             self.produce.refuse(command.send, api.ChecksumError, reason)
         elif (rid := request_id(command)) is not None:
-            self.error(rid, api.NotAllowedError, reason)
-        return True
+            self.error(rid, error, reason)
 
     def _read(self, n: int) -> bytes | None:
         chunks, got = [], 0
@@ -211,7 +211,7 @@ class Connection:
             self._connect(cmd.connect)
         elif not self.connected:
             log.warning("pulsar client %s sent %s before CONNECT", self.peer,
-                        _Cmd.Type.Name(kind) if kind in _Cmd.Type.values() else kind)
+                        _command_name(kind))
             raise OSError("command before CONNECT")
         elif kind == _Cmd.PING:
             self.write(_Cmd(type=_Cmd.PONG, pong=api.CommandPong()))
@@ -248,12 +248,10 @@ class Connection:
         elif kind == _Cmd.GET_LAST_MESSAGE_ID:
             self.consume.last_message_id(cmd.getLastMessageId)
         else:
-            name = _Cmd.Type.Name(kind) if kind in _Cmd.Type.values() else str(kind)
-            rid = request_id(cmd)
+            name = _command_name(kind)
             log.info("pulsar client %s: %s is not supported yet", self.peer, name)
-            if rid is not None:
-                self.error(rid, api.NotAllowedError,
-                            f"{name} is not supported by this tierstream broker yet")
+            self._refuse_command(cmd, api.NotAllowedError,
+                                 f"{name} is not supported by this tierstream broker yet")
 
     def _connect(self, connect: api.CommandConnect) -> None:
         token = self.listener.auth_token
@@ -351,3 +349,7 @@ class Connection:
     def error(self, rid: int, error: Any, message: str) -> None:
         self.write(_Cmd(type=_Cmd.ERROR, error=api.CommandError(
             request_id=rid, error=error, message=message)))
+
+
+def _command_name(kind: int) -> str:
+    return _Cmd.Type.Name(kind) if kind in _Cmd.Type.values() else str(kind)
