@@ -88,14 +88,9 @@ class Subscriptions:
 
         def acknowledged() -> bool:
             for end in ends:
-                d = self._dispatchers.get((topic, subscription, end.partition))
-                if d is not None:
-                    done = d.acknowledged_before()
-                else:
-                    stored = self._metadata.get_cursor(topic, subscription, end.partition)
-                    if stored is None:
-                        continue  # the subscription has nothing there
-                    done = CursorState.from_json(stored, end.partition).mark_delete
+                done = self.acknowledged_before(topic, subscription, end.partition)
+                if done is None:
+                    continue  # the subscription has nothing there
                 # an entry's end may be named (s, e, n) or (s, e + 1, 0): count what lies between
                 if done < end and self._store.partition(topic, end.partition).advance(
                         done, 1, end)[1]:
