@@ -20,7 +20,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
+
 from tierstream.errors import StaleRoutingError, TierstreamError
+from tierstream.message_format import key_hashes
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.pulsar_protocol.messages import refused_feature, to_rows
 from tierstream.pulsar_protocol.replies import Refused, error_code, send_error_code
@@ -194,17 +197,15 @@ def check_routing(rows: Any, topic: str, partition: int, count: int, client: int
     """Refuse keyed messages that tierstream routes to another partition than this one under
     the topic's ``count`` (each key in one partition is what keeps its order for every
     reader); ``client`` is the count the client routed by."""
-    from tierstream.message_format import key_hashes
-
     keys = rows.column("key")
     if keys.null_count == len(keys):
         return
     slots = key_hashes(keys).to_numpy()
-    wrong = [i for i, (k, s) in enumerate(zip(keys.to_pylist(), slots.tolist(), strict=True))
-             if k is not None and s % count != partition]
-    if not wrong:
+    keyed = keys.is_valid().to_numpy(zero_copy_only=False)
+    wrong = np.flatnonzero(keyed & (slots % count != partition))
+    if not len(wrong):
         return
-    key, home = keys[wrong[0]].as_py(), int(slots[wrong[0]]) % count
+    key, home = keys[int(wrong[0])].as_py(), int(slots[wrong[0]]) % count
     if client != count:
         raise Refused(
             f"{topic} grew from {client} to {count} partitions: key {key!r} now belongs to "
