@@ -175,6 +175,11 @@ def test_a_negative_ack_is_delivered_again_and_a_tierstream_consumer_shares_the_
     assert seen and ours_seen  # both took a share
 
 
+def _exists(broker: BrokerProcess, topic: str) -> bool:
+    with Admin(broker.url) as admin:
+        return topic in {t.name for t in admin.list_topics(topic.rsplit("/", 1)[0])}
+
+
 def _take(consumer: Consumer, into: list[bytes]) -> bool:
     batch = consumer.receive(timeout=0.1)
     if batch is not None and batch.num_rows:
@@ -254,16 +259,15 @@ def test_acks_survive_a_broker_sigkill_and_a_poison_message_lands_in_the_dead_le
                                 dead_letter_policy=policy)
         with Producer(topic, broker=broker.url) as producer:
             producer.send(b"poison")
-        nacks = 0
-        while True:  # nacked until the client sends it to the dead-letter topic
-            try:
-                msg = jobs.receive(timeout_millis=int(scaled(3) * 1000))
-            except pulsar.Timeout:
-                break
-            assert msg.data() == b"poison"
+        for count in range(3):  # delivered, then redelivered twice: each time nacked
+            msg = jobs.receive(timeout_millis=int(scaled(15) * 1000))
+            assert (msg.data(), msg.redelivery_count()) == (b"poison", count)
             jobs.negative_acknowledge(msg)
-            nacks += 1
-        assert nacks == 3  # delivered, then redelivered twice
+        # past max_redeliver_count the client sends it to the dead-letter topic instead
+        wait_for(lambda: _exists(broker, "public/default/poison-dlq") and rows_of(
+            broker, "public/default/poison-dlq"), timeout=scaled(30), what="the dead letter")
+        with pytest.raises(pulsar.Timeout):
+            jobs.receive(timeout_millis=int(scaled(1) * 1000))
     finally:
         client.close()
     dead = [r["value"] for r in rows_of(broker, "public/default/poison-dlq")]
