@@ -85,3 +85,37 @@ def test_a_keyed_pulsar_producer_across_a_scale_event_keeps_each_keys_order(
 
     threading.Thread(target=collect, daemon=True).start()
     check_tailed(written, rows, following)
+
+
+def test_a_producer_of_a_one_partition_topic_that_grew_keeps_keys_where_they_now_live(
+        pulsar_broker: BrokerProcess) -> None:
+    """Regression: a producer of a one-partition topic (Pulsar's non-partitioned: it never
+    polls the partition count) went on storing every key in partition 0 after the topic grew,
+    so a key's later messages sat in the partition it had left."""
+    from tierstream.message_format import key_hash
+
+    topic = "acme/web/grew-from-one"
+    with Admin(pulsar_broker.url) as admin:
+        admin.create_topic(topic, 1)
+    client = client_of(pulsar_broker)
+    outcome: dict[str, str] = {}
+    try:
+        producer = client.create_producer(f"persistent://{topic}", batching_enabled=False)
+        with Admin(pulsar_broker.url) as admin:
+            admin.set_partitions(topic, 2)
+        for i in range(40):
+            key = f"user-{i}"
+            try:
+                producer.send(key.encode(), partition_key=key)
+                outcome[key] = "stored"
+            except pulsar.ChecksumError:
+                outcome[key] = "refused"
+    finally:
+        client.close()
+    moved = {k for k in outcome if key_hash(k) % 2 == 1}
+    assert moved and {outcome[k] for k in moved} == {"refused"}
+    assert {outcome[k] for k in set(outcome) - moved} == {"stored"}
+    rows = read(topic, broker=pulsar_broker.url)
+    assert all(key_hash(k) % 2 == p for k, p in zip(rows.column("key").to_pylist(),
+                                                    rows.column("partition").to_pylist(),
+                                                    strict=True))
