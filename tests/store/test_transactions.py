@@ -444,8 +444,9 @@ def test_readers_see_each_commit_whole(tmp_path) -> None:
 # -- crash points ---------------------------------------------------------------------------
 
 # In place: the staged entries show where they are (nothing is written at the commit).
-# Set aside: more entries per partition than a segment holds, so the segments rolled while
-# the transaction was undecided and the commit writes its rows again.
+# Set aside: more entries per partition than a segment holds, and every partition sealed
+# while the transaction is undecided, so the commit writes the rows of all four partitions
+# again (``partition-applied@3`` needs three: a roll by count alone depends on timing).
 CRASH_POINTS = [("in-place", "txn.decided@1"), ("in-place", "txn.applied@1"),
                 ("set-aside", "txn.decided@1"), ("set-aside", "txn.partition-applied@1"),
                 ("set-aside", "txn.partition-applied@3"), ("set-aside", "txn.applied@1")]
@@ -464,6 +465,10 @@ def test_a_broker_killed_in_a_commit_ends_it_committed_never_half(
     for i in range(writes):
         txn.write(TOPIC, _rows(f"c{i}", 3000, keys=30))
         txn.write(OTHER, _rows(f"o{i}", 500))
+    if staged == "set-aside":
+        with Admin(broker.url) as admin:
+            admin.seal(TOPIC)
+            admin.seal(OTHER)
     txn.prepare()
     with pytest.raises(Exception):  # noqa: B017 - the broker dies while answering
         txn.commit()
