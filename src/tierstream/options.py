@@ -22,6 +22,8 @@ from tierstream.names import check_txn_id
 from tierstream.timeutil import parse_duration_ms
 
 __all__ = [
+    "DEFAULT_ADMIN_PORT",
+    "DEFAULT_ADMIN_TLS_PORT",
     "DEFAULT_BROKER_URL",
     "DEFAULT_DATA_DIR",
     "DEFAULT_PORT",
@@ -40,6 +42,9 @@ DEFAULT_PORT = 6651
 DEFAULT_PULSAR_PORT = 6650
 #: pulsar+ssl (with --tls-cert): Pulsar's own 6651 is tierstream's Flight port
 DEFAULT_PULSAR_TLS_PORT = 6652
+#: Pulsar's admin REST subset (Pulsar's webServicePort; webServicePortTls with --tls-cert)
+DEFAULT_ADMIN_PORT = 8080
+DEFAULT_ADMIN_TLS_PORT = 8443
 DEFAULT_BROKER_URL = f"grpc://127.0.0.1:{DEFAULT_PORT}"
 DEFAULT_DATA_DIR = "./tierstream-data"
 

@@ -24,6 +24,7 @@ __all__ = ["BrokerProcess"]
 
 _READY = re.compile(r"listening on (\S+)")
 _PULSAR = re.compile(r"pulsar clients: (\S+)")
+_ADMIN = re.compile(r"pulsar admin: (\S+)")
 
 
 class BrokerProcess:
@@ -40,6 +41,7 @@ class BrokerProcess:
         self.open_files = open_files  # a hard limit of open files for the child (tests)
         self.url: str | None = None
         self.pulsar_url: str | None = None  # pulsar://host:port, with --pulsar-port
+        self.admin_url: str | None = None  # http(s)://host:port, Pulsar's admin REST subset
         self.proc: subprocess.Popen[str] | None = None
         self.stderr_tail: deque[str] = deque(maxlen=200)
         self.stdout_lines: list[str] = []  # what the broker printed (its start banner)
@@ -49,10 +51,12 @@ class BrokerProcess:
         return f"BrokerProcess(data_dir={str(self.data_dir)!r}, url={self.url!r})"
 
     def start(self, timeout: float = 60.0) -> Self:
-        # the Pulsar listener only where asked for (--pulsar-port): a fixed default port
-        # would collide between brokers started side by side
+        # the Pulsar listeners (--pulsar-port, --admin-port) only where asked for: a fixed
+        # default port would collide between brokers started side by side
         pulsar = [] if any(a.startswith("--pulsar-port") for a in self.args) \
             else ["--pulsar-port", "0"]
+        if not any(a.startswith("--admin-port") for a in self.args):
+            pulsar += ["--admin-port", "0"]
         if any(a.startswith("--tls-cert") for a in self.args) and not any(
                 a.startswith("--pulsar-tls-port") for a in self.args):
             pulsar += ["--pulsar-tls-port", "0"]
@@ -80,6 +84,9 @@ class BrokerProcess:
                 p = _PULSAR.search(line)
                 if p:
                     self.pulsar_url = p.group(1)
+                a = _ADMIN.search(line)
+                if a:
+                    self.admin_url = a.group(1)
                 m = _READY.search(line)
                 if m and not ready.is_set():
                     self.url = m.group(1)

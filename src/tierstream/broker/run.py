@@ -14,7 +14,12 @@ from tierstream.broker.config import StoreConfig
 from tierstream.broker.server import Broker
 from tierstream.broker.store import Store
 from tierstream.errors import ConfigError, ConflictError
-from tierstream.options import DEFAULT_PORT, DEFAULT_PULSAR_TLS_PORT
+from tierstream.options import (
+    DEFAULT_ADMIN_PORT,
+    DEFAULT_ADMIN_TLS_PORT,
+    DEFAULT_PORT,
+    DEFAULT_PULSAR_TLS_PORT,
+)
 from tierstream.security import require_token, server_tls
 from tierstream.signals import stop_requested
 
@@ -29,7 +34,7 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
                advertised_address: str | None = None, bookie_port_base: int = 0,
                metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
                pulsar_port: int = 0, pulsar_tls_port: int | None = None,
-               pulsar_auto_create: bool = True) -> None:
+               pulsar_auto_create: bool = True, admin_port: int | None = None) -> None:
     """Open the store, serve until SIGTERM/SIGINT, then shut down cleanly (main thread only).
 
     With ``bookie_endpoints`` (the default) every bookie also serves its sealed ledgers on an
@@ -40,9 +45,11 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
     (0: off), Pulsar clients are served there (``pulsar_protocol/server.py``); with TLS
     (``tls_cert``), on ``pulsar_tls_port`` instead (None: 6652; 0: off), as pulsar+ssl, and
     the plain port stays closed, as Flight has no plain port then; ``pulsar_auto_create``:
-    a topic a Pulsar client names is created if missing. ``ready`` is
-    called with the broker URL, the metrics URL (or None) and the Pulsar URL (or None) once
-    it accepts calls.
+    a topic a Pulsar client names is created if missing. With ``admin_port`` (None: 8080, or
+    8443 as HTTPS with TLS; 0: off), Pulsar's admin REST subset is served there
+    (``pulsar_protocol/admin_http.py``). ``ready`` is called with the broker URL and
+    ``{what: URL}`` of the other listeners (metrics, pulsar clients, pulsar admin) once it
+    accepts calls.
     """
     # checked before anything opens; the servers check (and warn) again as they bind
     server_tls(tls_cert, tls_key)  # both or neither, readable
@@ -69,6 +76,16 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
         except (ConflictError, ConfigError) as exc:
             raise type(exc)(f"{exc} (the Pulsar listener: give {option} another port, "
                             "or 0 for none)") from None
+    if admin_port is None:
+        admin_port = DEFAULT_ADMIN_PORT if tls_cert is None else DEFAULT_ADMIN_TLS_PORT
+    if isinstance(admin_port, bool) or not 0 <= admin_port <= 65535:
+        raise ConfigError(f"invalid --admin-port {admin_port!r}: expected 0..65535 (0: off)")
+    if admin_port:
+        try:
+            _check_port_free(host, admin_port)
+        except (ConflictError, ConfigError) as exc:
+            raise type(exc)(f"{exc} (the Pulsar admin listener: give --admin-port another "
+                            "port, or 0 for none)") from None
     bookie_ports = [bookie_port_base + i if bookie_port_base else 0
                     for i in range(config.bookies)] if bookie_endpoints else []
     if bookie_ports and bookie_port_base and not (bookie_port_base > 0
@@ -87,7 +104,7 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
     _raise_file_limit()
     store = Store(config)
     endpoints: list[Any] = []
-    metrics = pulsar = None
+    metrics = pulsar = admin = None
     try:
         broker = Broker(store, host=host, port=port, auth_token=auth_token,
                         tls_cert=tls_cert, tls_key=tls_key)
@@ -106,9 +123,18 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
             pulsar = PulsarServer(store, host=host, port=pulsar_port,
                                   advertised=advertised_address, auth_token=auth_token,
                                   schemas=broker.schemas, subscriptions=broker.subscriptions,
+                                  streams=broker.streams,
                                   tls_cert=tls_cert,
                                   tls_key=tls_key, auto_create=pulsar_auto_create)
+        if admin_port:
+            from tierstream.pulsar_protocol.admin_http import AdminServer
+
+            admin = AdminServer(broker, host=host, port=admin_port, auth_token=auth_token,
+                                advertised=advertised_address, tls_cert=tls_cert,
+                                tls_key=tls_key)
     except BaseException:
+        if pulsar is not None:
+            pulsar.shutdown()
         if metrics is not None:
             metrics.shutdown()
         for endpoint in endpoints:
@@ -118,13 +144,17 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
     with stop_requested() as stop:
         try:
             if ready is not None:
-                ready(broker.url, None if metrics is None else metrics.url,
-                      None if pulsar is None else pulsar.url)
+                served = {"metrics": metrics and metrics.url,
+                          "pulsar clients": pulsar and pulsar.url,
+                          "pulsar admin": admin and admin.url}
+                ready(broker.url, {k: v for k, v in served.items() if v})
             while not stop.wait(0.5):
                 pass
         finally:
             log.info("broker shutting down")
             store.closing.set()  # ends tail streams so that shutdown does not wait on them
+            if admin is not None:
+                admin.shutdown()
             if pulsar is not None:
                 pulsar.shutdown()
             broker.shutdown()

@@ -124,17 +124,25 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
 
     def do_action(self, context: Any, action: flight.Action) -> Iterator[bytes]:
         try:
-            entry = _ACTIONS.get(action.type)
-            if entry is None:
-                raise ProtocolError(f"unknown action {action.type!r}; known: {sorted(_ACTIONS)}")
             body = decode(action.body.to_pybytes() if action.body else b"{}", "action body")
-            result = entry[0](self, body)
+            result = self.call(action.type, body)
         except TierstreamError as exc:
             raise server_error(exc) from None
-        except (KeyError, ValueError, TypeError) as exc:
-            raise server_error(ProtocolError(f"malformed {action.type} request: {exc!r}")) \
-                from None
         return iter([encode({"result": result})])
+
+    def call(self, action: str, body: dict[str, Any]) -> Any:
+        """Run one admin action (``_ACTIONS``) on ``body``: what Flight's ``do_action`` and
+        the Pulsar admin REST endpoint (``pulsar_protocol/admin_http.py``) both call.
+        TierstreamError on failure; a malformed body is a ProtocolError."""
+        entry = _ACTIONS.get(action)
+        if entry is None:
+            raise ProtocolError(f"unknown action {action!r}; known: {sorted(_ACTIONS)}")
+        try:
+            return entry[0](self, body)
+        except TierstreamError:
+            raise
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ProtocolError(f"malformed {action} request: {exc!r}") from None
 
     def _ping(self, body: dict[str, Any]) -> Any:
         return {"ok": True}

@@ -50,16 +50,26 @@ class Streams:
                 ) -> Iterator[dict[str, Any]]:
         """Register a stream while it runs: ``kind`` is ``producer``, ``reader`` or
         ``consumer``. The entry's ``messages`` and ``bytes`` may be added to as it goes."""
+        key, entry = self.open(kind, topic, partition, name)
+        try:
+            yield entry
+        finally:
+            self.close(key)
+
+    def open(self, kind: str, topic: str, partition: int, name: str | None = None
+             ) -> tuple[int, dict[str, Any]]:
+        """Register a stream that outlives one call (a Pulsar client's producer or consumer):
+        its key for :meth:`close`, and its entry to add ``messages`` and ``bytes`` to."""
         entry = {"kind": kind, "topic": topic, "partition": partition, "name": name,
                  "since": now_ms(), "messages": 0, "bytes": 0}
         key = next(self._ids)
         with self._lock:
             self._open[key] = entry
-        try:
-            yield entry
-        finally:
-            with self._lock:
-                self._open.pop(key, None)
+        return key, entry
+
+    def close(self, key: int) -> None:
+        with self._lock:
+            self._open.pop(key, None)
 
     def current(self, topic: str | None = None) -> list[dict[str, Any]]:
         with self._lock:

@@ -19,6 +19,8 @@ from tierstream.cli.common import (
     broker_app,
 )
 from tierstream.options import (
+    DEFAULT_ADMIN_PORT,
+    DEFAULT_ADMIN_TLS_PORT,
     DEFAULT_DATA_DIR,
     DEFAULT_PORT,
     DEFAULT_PULSAR_PORT,
@@ -58,6 +60,11 @@ def broker_start(
     allow_auto_topic_creation: Annotated[bool, typer.Option(
         help="Create a topic (one partition) that a Pulsar client names and that does not "
              "exist, as Pulsar's broker does by default.")] = True,
+    admin_port: Annotated[int | None, typer.Option(
+        help="Serve the Pulsar admin REST subset (/admin/v2: create, grow and delete topics, "
+             "stats, subscriptions) here, for curl and Pulsar tooling (0: off) [default: "
+             f"{DEFAULT_ADMIN_PORT}; {DEFAULT_ADMIN_TLS_PORT}, as HTTPS, with --tls-cert].",
+        show_default=False)] = None,
     metrics_port: Annotated[int | None, typer.Option(
         help="Serve Prometheus metrics on this port (0: any free port) [default: off].",
         show_default=False)] = None,
@@ -128,21 +135,20 @@ def broker_start(
         "autoScaleRate": auto_scale_rate, "autoScaleWindow": auto_scale_window,
     })
 
-    def ready(url: str, metrics_url: str | None, pulsar_url: str | None) -> None:
+    def ready(url: str, served: dict[str, str]) -> None:
         policy = _offload_policy(config)
         if policy:  # before the line that says it is ready: all of the banner is out then
             print(policy, flush=True)
-        if metrics_url:
-            print(f"metrics: {metrics_url}", flush=True)
-        if pulsar_url:
-            print(f"pulsar clients: {pulsar_url}", flush=True)
+        for what, where in served.items():  # metrics, pulsar clients, pulsar admin
+            print(f"{what}: {where}", flush=True)
         print(f"tierstream broker listening on {url} (data dir {config.data_dir})", flush=True)
 
     run_broker(config, host=host, port=port, auth_token=auth_token, ready=ready,
                tls_cert=tls_cert, tls_key=tls_key, bookie_endpoints=bookie_endpoints,
                advertised_address=advertised_address, bookie_port_base=bookie_port_base,
                metrics_port=metrics_port, metrics_host=metrics_host, pulsar_port=pulsar_port,
-               pulsar_tls_port=pulsar_tls_port, pulsar_auto_create=allow_auto_topic_creation)
+               pulsar_tls_port=pulsar_tls_port, pulsar_auto_create=allow_auto_topic_creation,
+               admin_port=admin_port)
 
 
 @bookie_app.command("serve")

@@ -59,6 +59,7 @@ class Listener:
     store: Any
     schemas: Any  # the broker's SchemaRegistry
     subscriptions: Any  # the broker's Subscriptions (None: consumers are refused)
+    streams: Any  # the broker's Streams: producers and consumers show in its stats
     url: str  # what LOOKUP answers: pulsar://host:port or pulsar+ssl://
     tls: bool
     auth_token: str | None
@@ -73,8 +74,9 @@ class Connection:
         self.store = listener.store
         self._send_lock = threading.Lock()
         self.connected = False
-        self.produce = ProducePath(self, listener.store, listener.schemas)
-        self.consume = ConsumePath(self, listener.store, listener.subscriptions)
+        self.produce = ProducePath(self, listener.store, listener.schemas, listener.streams)
+        self.consume = ConsumePath(self, listener.store, listener.subscriptions,
+                                   listener.streams)
 
     def go_away(self) -> None:
         """The broker is going: CLOSE_PRODUCER for each producer, then the connection closed

@@ -98,6 +98,8 @@ class _Consumer:
     unacked: set[tuple[int, int, int]] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
     thread: threading.Thread | None = None
+    stream: int = -1  # its key in the broker's Streams
+    counts: dict[str, Any] = field(default_factory=dict)  # its Streams entry
 
     @property
     def wire_partition(self) -> int:
@@ -108,8 +110,10 @@ class _Consumer:
 class ConsumePath:
     """The consumers of one connection, a delivery thread each."""
 
-    def __init__(self, link: ConsumerLink, store: Any, subscriptions: Any) -> None:
+    def __init__(self, link: ConsumerLink, store: Any, subscriptions: Any, streams: Any
+                 ) -> None:
         self.link, self.store, self.subscriptions = link, store, subscriptions
+        self.streams = streams
         self.consumers: dict[int, _Consumer] = {}
         self._closing = threading.Event()
 
@@ -153,6 +157,7 @@ class ConsumePath:
                                              initial=initial, gone=gone)
         consumer = _Consumer(req.consumer_id, topic, partition, req.subscription, name, kind,
                              count > 1, attached, durable=req.durable)
+        consumer.stream, consumer.counts = self.streams.open("consumer", topic, partition, name)
         self.consumers[req.consumer_id] = consumer
         self.link.write(_Cmd(type=_Cmd.SUCCESS, success=api.CommandSuccess(
             request_id=req.request_id)))
@@ -180,11 +185,14 @@ class ConsumePath:
                 frames = self._frames(c, batch)
                 self.link.write_frames(frames)
                 plog.rate_out.add(batch.num_rows, batch.nbytes)
+                c.counts["messages"] += batch.num_rows
+                c.counts["bytes"] += batch.nbytes
             if c.attached.detached and not self._closing.is_set() \
                     and self.consumers.get(c.id) is c:
                 # the broker let it go (a seek elsewhere, the subscription deleted): the
                 # client is told, and subscribes again if it still wants to
                 del self.consumers[c.id]
+                self.streams.close(c.stream)
                 self._tell_closed(c.id)
         except OSError:
             pass  # the connection is gone: its close detaches the consumer
@@ -368,6 +376,7 @@ class ConsumePath:
         self.consumers.clear()
 
     def _detach(self, c: _Consumer, *, forget: bool = True) -> None:
+        self.streams.close(c.stream)
         with contextlib.suppress(TierstreamError):
             self.subscriptions.detach(c.topic, c.subscription, c.partition, c.attached)
             if forget and not c.durable:  # a reader's cursor lives as long as the reader

@@ -55,8 +55,8 @@ class Link(Protocol):
 class ProducePath:
     """The producers of one connection and the thread that answers their sends in order."""
 
-    def __init__(self, link: Link, store: Any, schemas: Any) -> None:
-        self.link, self.store, self.schemas = link, store, schemas
+    def __init__(self, link: Link, store: Any, schemas: Any, streams: Any) -> None:
+        self.link, self.store, self.schemas, self.streams = link, store, schemas, streams
         self.producers: dict[int, _Producer] = {}
         self._receipts: queue.Queue[Any] = queue.Queue(maxsize=1000)
         self._names = itertools.count()
@@ -69,6 +69,9 @@ class ProducePath:
         """Answer what is queued, then end the receipt thread."""
         self._receipts.put(None)
         self._thread.join(timeout=timeout)
+        for producer in self.producers.values():
+            self.streams.close(producer.stream)
+        self.producers.clear()
 
     def close_all(self) -> None:
         """CLOSE_PRODUCER to the client for each producer (the broker is going)."""
@@ -79,7 +82,9 @@ class ProducePath:
 
     def close(self, req: api.CommandCloseProducer) -> None:
         """The client closes a producer."""
-        self.producers.pop(req.producer_id, None)
+        producer = self.producers.pop(req.producer_id, None)
+        if producer is not None:
+            self.streams.close(producer.stream)
         self.link.write(_Cmd(type=_Cmd.SUCCESS, success=api.CommandSuccess(
             request_id=req.request_id)))
 
@@ -98,7 +103,12 @@ class ProducePath:
                 else f"pulsar-{socket.gethostname()}-{id(self):x}-{next(self._names)}"
             plog = self.store.partition(topic, partition)
             last = plog.producer_state(name)
-            self.producers[req.producer_id] = _Producer(topic, partition, name, count, version)
+            old = self.producers.get(req.producer_id)
+            if old is not None:  # the client reuses the id: the old one is gone
+                self.streams.close(old.stream)
+            stream, counts = self.streams.open("producer", topic, partition, name)
+            self.producers[req.producer_id] = _Producer(topic, partition, name, count, version,
+                                                        stream, counts)
             success = api.CommandProducerSuccess(
                 request_id=req.request_id, producer_name=name,
                 last_sequence_id=-1 if last is None else int(last))
@@ -153,6 +163,8 @@ class ProducePath:
         except TierstreamError as exc:
             self.refuse(send, send_error_code(exc), str(exc))
             return
+        producer.counts["messages"] += rows.num_rows
+        producer.counts["bytes"] += rows.nbytes
         self._receipts.put((send, partition if count > 1 else -1, pending))
 
     def refuse(self, send: api.CommandSend, error: Any, message: str) -> None:
@@ -228,3 +240,5 @@ class _Producer:
     name: str
     partitions: int  # the topic's count when the producer was made: how the client routes
     schema_version: int | None  # of the producer's schema; None: bytes
+    stream: int  # its key in the broker's Streams
+    counts: dict[str, Any]  # its Streams entry: messages and bytes sent

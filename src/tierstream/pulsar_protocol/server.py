@@ -27,7 +27,9 @@ class PulsarServer:
     def __init__(self, store: Any, *, host: str = "127.0.0.1", port: int = DEFAULT_PULSAR_PORT,
                  advertised: str | None = None, auth_token: str | None = None,
                  auto_create: bool = True, schemas: Any = None, subscriptions: Any = None,
-                 tls_cert: str | None = None, tls_key: str | None = None) -> None:
+                 streams: Any = None, tls_cert: str | None = None,
+                 tls_key: str | None = None) -> None:
+        from tierstream.broker.topic_stats import Streams
         from tierstream.metadata.schema_registry import SchemaRegistry
 
         self._lock = threading.Lock()
@@ -64,7 +66,8 @@ class PulsarServer:
         self.url = f"{scheme}://{'[' + name + ']' if ':' in name else name}:{self.port}"
         self.listener = Listener(
             store=store, schemas=schemas if schemas is not None else SchemaRegistry(
-                store.metadata), subscriptions=subscriptions, url=self.url,
+                store.metadata), subscriptions=subscriptions,
+            streams=streams if streams is not None else Streams(), url=self.url,
             tls=context is not None, auth_token=auth_token, auto_create=auto_create)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
                                         name="tierstream-pulsar-listener")

@@ -1,0 +1,173 @@
+"""Pulsar's admin REST subset (``--admin-port``), driven as curl scripts drive it, with the
+real Pulsar client producing to and consuming from the topics it creates."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pulsar
+import pytest
+
+from tierstream.broker.process import BrokerProcess
+from tierstream.pulsar_protocol import key_router
+
+from ..store.helpers import wait_for
+from ..timing import scaled
+from .helpers import client_of
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _call(broker: BrokerProcess, method: str, path: str, body: Any = None,
+          token: str | None = None) -> tuple[int, Any]:
+    """(HTTP status, decoded JSON answer or None) of one admin call."""
+    data = None if body is None else (body if isinstance(body, bytes)
+                                      else json.dumps(body).encode())
+    request = urllib.request.Request(f"{broker.admin_url}/admin/v2/{path}", data=data,
+                                     method=method)
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=scaled(30)) as answer:
+            raw = answer.read()
+            return answer.status, json.loads(raw) if raw else None
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        return exc.code, json.loads(raw) if raw else None
+
+
+@pytest.fixture
+def admin_broker(start_broker) -> BrokerProcess:
+    broker: BrokerProcess = start_broker("--pulsar-port", str(_port()),
+                                         "--admin-port", str(_port()))
+    assert broker.admin_url and broker.admin_url.startswith("http://127.0.0.1:")
+    return broker
+
+
+def test_a_partitioned_topic_made_over_rest_is_produced_consumed_and_described(
+        admin_broker) -> None:
+    b = admin_broker
+    topic = "persistent/public/default/clicks"
+    assert _call(b, "PUT", f"{topic}/partitions", 3) == (204, None)
+    assert _call(b, "GET", f"{topic}/partitions") == (200, {"partitions": 3})
+    status, answer = _call(b, "PUT", f"{topic}/partitions", 3)
+    assert status == 409 and "already exists" in answer["reason"]
+    for bad in (0, "three", b"not json", -2):
+        status, answer = _call(b, "PUT", "persistent/public/default/other/partitions", bad)
+        assert status == 406 and "invalid partition count" in answer["reason"], answer
+    assert _call(b, "GET", "persistent/public/default/other/partitions")[0] == 404
+    assert _call(b, "PUT", "persistent/public/default/single") == (204, None)
+    assert _call(b, "GET", "persistent/public/default/single/partitions") == (
+        200, {"partitions": 0})  # non-partitioned, as the binary protocol says
+    assert _call(b, "GET", "persistent/public/default") == (200, [
+        *(f"persistent://public/default/clicks-partition-{i}" for i in range(3)),
+        "persistent://public/default/single"])
+    assert _call(b, "GET", "persistent/public/default/partitioned") == (
+        200, ["persistent://public/default/clicks"])
+
+    client = client_of(b)
+    try:
+        producer = client.create_producer("persistent://public/default/clicks",
+                                          batching_enabled=True, message_router=key_router)
+        for i in range(300):
+            producer.send_async(f"m{i}".encode(), None, partition_key=f"k{i % 20}")
+        producer.flush()
+        consumer = client.subscribe("persistent://public/default/clicks", "audit",
+                                    consumer_type=pulsar.ConsumerType.Shared,
+                                    consumer_name="auditor",
+                                    initial_position=pulsar.InitialPosition.Earliest)
+        for _ in range(100):
+            consumer.acknowledge(consumer.receive(timeout_millis=int(scaled(30) * 1000)))
+        path = f"{topic}/partitioned-stats?perPartition=true"
+        # the client sends its acks grouped (every 100 ms): the backlog falls soon after
+        wait_for(lambda: _call(b, "GET", path)[1]["subscriptions"]["audit"]["msgBacklog"]
+                 == 200, timeout=scaled(30), what="the backlog to reach 200")
+        status, stats = _call(b, "GET", path)
+        assert status == 200 and stats["metadata"] == {"partitions": 3}
+        assert stats["msgInCounter"] == 300 and stats["storageSize"] > 0
+        # one per partition, each named by the broker (the client gave no name)
+        names = [p["producerName"] for p in stats["publishers"]]
+        assert len(set(names)) == 3 and producer.producer_name() in names
+        audit = stats["subscriptions"]["audit"]
+        assert audit["type"] == "Shared" and audit["msgBacklog"] == 200
+        assert [c["consumerName"] for c in audit["consumers"]] == ["auditor"]
+        assert sorted(stats["partitions"]) == [
+            f"persistent://public/default/clicks-partition-{i}" for i in range(3)]
+        assert sum(p["msgInCounter"] for p in stats["partitions"].values()) == 300
+        assert sum(p["subscriptions"]["audit"]["msgBacklog"]
+                   for p in stats["partitions"].values()) == 200
+        status, one = _call(b, "GET", f"{topic}-partition-1/stats")
+        assert status == 200 and one == stats["partitions"][
+            "persistent://public/default/clicks-partition-1"] | {
+            k: one[k] for k in ("publishers", "msgRateIn", "msgThroughputIn", "msgRateOut",
+                                "msgThroughputOut", "averageMsgSize")}
+        assert _call(b, "GET", f"{topic}-partition-7/stats")[0] == 404
+        assert _call(b, "GET", f"{topic}/subscriptions") == (200, ["audit"])
+
+        status, answer = _call(b, "DELETE", f"{topic}/subscription/audit")
+        assert status == 412 and "auditor" in answer["reason"]
+        consumer.close()
+        assert _call(b, "DELETE", f"{topic}/subscription/audit") == (204, None)
+        assert _call(b, "GET", f"{topic}/subscriptions") == (200, [])
+        assert _call(b, "DELETE", f"{topic}/subscription/audit")[0] == 404
+
+        # grown over REST: a scale event, which the producer sees at its next poll
+        assert _call(b, "POST", f"{topic}/partitions", 6) == (204, None)
+        assert _call(b, "GET", f"{topic}/partitions") == (200, {"partitions": 6})
+        status, answer = _call(b, "POST", f"{topic}/partitions", 2)
+        assert status == 400 and "2" in answer["reason"], answer
+        producer.close()
+    finally:
+        client.close()
+    assert _call(b, "DELETE", f"{topic}/partitions") == (204, None)
+    assert _call(b, "GET", f"{topic}/partitions")[0] == 404
+    assert b.tracebacks == []
+
+
+def test_bad_requests_are_answered_with_pulsars_status_and_a_reason(admin_broker) -> None:
+    b = admin_broker
+    for method, path, status, needle in [
+            ("GET", "persistent/public", 404, "expected"),
+            ("GET", "clusters", 404, "/admin/v2/persistent/"),
+            ("GET", "non-persistent/public/default/t/stats", 501, "non-persistent"),
+            ("GET", "persistent/public/default/a%20b/stats", 412, "a b"),
+            ("GET", "persistent/public/default/nope/stats", 404, "nope"),
+            ("PUT", "persistent/public/default/t/stats", 405, "not part"),
+            ("PUT", "persistent/public/default/t-partition-2/partitions", 412, "one partition")]:
+        got, answer = _call(b, method, path, b"2" if method == "PUT" else None)
+        assert got == status and needle in answer["reason"], (path, got, answer)
+    assert b.tracebacks == []
+
+
+def test_with_a_token_every_admin_call_needs_it(start_broker) -> None:
+    b = start_broker("--admin-port", str(_port()), "--auth-token", "s3cret")
+    status, answer = _call(b, "GET", "persistent/public/default")
+    assert status == 401 and "Bearer" in answer["reason"]
+    assert _call(b, "GET", "persistent/public/default", token="wrong")[0] == 401
+    assert _call(b, "GET", "persistent/public/default", token="s3cret") == (200, [])
+
+
+def test_an_admin_port_in_use_is_one_line_naming_the_option(tmp_path) -> None:
+    port = _port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        proc = subprocess.run([sys.executable, "-m", "tierstream", "broker", "start",
+                               "--data-dir", str(tmp_path / "d"), "--port", "0",
+                               "--pulsar-port", "0", "--admin-port", str(port)],
+                              capture_output=True, text=True, timeout=scaled(60))
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr and "--admin-port" in proc.stderr
+    assert not (tmp_path / "d").exists()  # nothing half-created
