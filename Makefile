@@ -28,6 +28,8 @@ test: lint
 chaos: $(STAMP)
 	$(PY) -m tests.store.chaos --cycles 100
 	$(PY) -m tests.store.subscription_chaos --messages 400000 --rounds 6
+	$(PY) -m tests.store.subscription_chaos --client pulsar --messages 200000 --rounds 6
+	$(PY) -m tests.pulsar_wire.scale_follow
 	TIERSTREAM_SPARK_KILLS=8 $(PY) -m pytest -p no:cacheprovider \
 		tests/spark_adapter/test_sink.py::test_a_read_process_write_query_killed_repeatedly_writes_each_row_once \
 		tests/spark_adapter/test_spark_exactly_once.py::test_sigkilled_streaming_query_restarts_exactly_once

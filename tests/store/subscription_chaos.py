@@ -14,9 +14,19 @@ every ack's start and end. At the end the logs are checked:
   or is held by that same consumer;
 - ``key_shared``: the keys of the last four consumers are within 1.5x of an even split.
 
-The suite runs a short version (``test_subscription_chaos.py``); ``make chaos`` the long one::
+With ``--client pulsar`` the producer and the consumers are the real Pulsar client
+(``pulsar-client``, through the broker's Pulsar listener; consumers are
+``tests/pulsar_wire/pulsar_worker.py``). Its ``acknowledge`` returns once the ack is queued
+(acks are grouped and sent within 100 ms, without receipts), so an ack that returned less
+than :data:`LOST_ACK_S` before a SIGKILL of the broker or of its consumer, or during a
+broker outage, may be lost, and its message delivered again: counted as ``lost_acks``, not
+as a failure (at least once, as with Pulsar's own broker). Every other check is the same.
+
+The suite runs short versions (``test_subscription_chaos.py``,
+``tests/pulsar_wire/test_pulsar_chaos.py``); ``make chaos`` the long ones::
 
     python -m tests.store.subscription_chaos --messages 400000 --rounds 6
+    python -m tests.store.subscription_chaos --client pulsar --messages 200000 --rounds 6
 
 It prints the outcome per type and exits 1 on any failure.
 """
@@ -49,6 +59,12 @@ from .helpers import wait_for
 
 TOPIC = "acme/chaos/orders"
 SUBSCRIPTION = "billing"
+#: how long before a crash an ack of the Pulsar client that returned may still be unsent
+#: (its 100 ms grouping, plus the time to reach the broker and be stored on a busy machine)
+LOST_ACK_S = 0.1 + scaled(1.0)
+#: per client: the consumer process's module
+WORKERS = {"tierstream": "tests.store.subscription_worker",
+           "pulsar": "tests.pulsar_wire.pulsar_worker"}
 
 
 @dataclass
@@ -68,6 +84,8 @@ class Outcome:
     redelivered: int = 0
     in_doubt: int = 0  # received elsewhere after an ack of it raised AckInDoubtError
     doubtful_acks: int = 0  # acks that raised AckInDoubtError
+    lost_acks: int = 0  # Pulsar client: received again after an ack a crash may have lost
+    client: str = "tierstream"
     outages: list[tuple[float, float]] = field(default_factory=list)
     seconds: float = 0.0
     drain_seconds: float = 0.0  # from the producer's end until the backlog was 0
@@ -78,11 +96,14 @@ class Outcome:
                 and self.backlog == 0 and (self.spread is None or self.spread <= 1.5))
 
     def __str__(self) -> str:
-        return (f"{self.mode}: {self.messages:,} messages, {self.received:,} received "
-                f"({self.redelivered:,} redelivered), missing {self.missing}, received after "
+        return (f"{self.mode} ({self.client} client): {self.messages:,} messages, "
+                f"{self.received:,} received ({self.redelivered:,} redelivered), missing "
+                f"{self.missing}, received after "
                 f"their ack {len(self.after_ack)}, out of key order {len(self.out_of_order)}, "
                 f"backlog {self.backlog}, {self.doubtful_acks} acks in doubt "
                 f"({self.in_doubt} of their messages received again)"
+                + (f", {self.lost_acks} received again after an ack a crash lost"
+                   if self.client == "pulsar" else "")
                 + (f", key spread {self.spread:.2f}x even" if self.spread is not None else "")
                 + f"; {self.joins} joins, {self.closes} closes, {self.worker_kills} consumer "
                 f"kills, {self.broker_kills} broker kills, {self.seconds:.1f}s "
@@ -93,16 +114,17 @@ class Outcome:
 
 
 class _Workers:
-    def __init__(self, url: str, mode: str, logs: Path) -> None:
-        self.url, self.mode, self.logs = url, mode, logs
+    def __init__(self, url: str, mode: str, logs: Path, module: str) -> None:
+        self.url, self.mode, self.logs, self.module = url, mode, logs, module
         self.live: dict[str, subprocess.Popen[str]] = {}
         self.count = 0
+        self.killed: dict[str, float] = {}  # consumer name: when it was SIGKILLed
 
     def start(self) -> str:
         self.count += 1
         name = f"w{self.count}"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.store.subscription_worker", self.url, TOPIC,
+            [sys.executable, "-m", self.module, self.url, TOPIC,
              SUBSCRIPTION, self.mode, name, str(self.logs / f"{name}.jsonl")],
             stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
         assert proc.stdout is not None
@@ -120,6 +142,7 @@ class _Workers:
 
     def kill(self, name: str) -> None:
         proc = self.live.pop(name)
+        self.killed[name] = time.monotonic()
         proc.kill()
         proc.wait(timeout=scaled(60))
 
@@ -133,18 +156,44 @@ ROUND = ["join", "join", "close", "kill", "broker", "join"]
 
 
 def run(data_dir: Path, port: int, *, mode: str, messages: int, rounds: int = 1,
-        keys: int = 200, seed: int = 0, steps: list[str] | None = None) -> Outcome:
+        keys: int = 200, seed: int = 0, steps: list[str] | None = None,
+        client: str = "tierstream") -> Outcome:
     rng = random.Random(seed)
-    outcome = Outcome(mode, messages)
+    outcome = Outcome(mode, messages, client=client)
     started = time.monotonic()
     logs = data_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    broker = BrokerProcess(data_dir / "store", port=port).start()
+    args = [] if client == "tierstream" else ["--pulsar-port", str(_free_port())]
+    broker = BrokerProcess(data_dir / "store", port=port, args=args).start()
     with Admin(broker.url) as admin:
         admin.create_topic(TOPIC, 4, exist_ok=True)
-    workers = _Workers(broker.url, mode, logs)
+    workers = _Workers(broker.url if client == "tierstream" else str(broker.pulsar_url), mode,
+                       logs, WORKERS[client])
     produced = [0]
     error: list[BaseException] = []
+
+    def produce_pulsar() -> None:
+        import pulsar
+
+        from tierstream.pulsar_protocol import key_router
+
+        pulsar_client = pulsar.Client(str(broker.pulsar_url), operation_timeout_seconds=120,
+                                      logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
+        try:
+            producer = pulsar_client.create_producer(
+                f"persistent://{TOPIC}", producer_name="chaos-writer", batching_enabled=True,
+                message_router=key_router, send_timeout_millis=0)  # resent until stored
+            for start in range(0, messages, 1000):
+                for n in range(start, min(messages, start + 1000)):
+                    key = f"key-{n % keys}"
+                    producer.send_async(f"{key}|{n // keys}".encode(), None, partition_key=key)
+                producer.flush()  # raises on any failure
+                produced[0] = min(messages, start + 1000)
+            producer.close()
+        except BaseException as exc:
+            error.append(exc)
+        finally:
+            pulsar_client.close()
 
     def produce() -> None:
         def messages_() -> Any:
@@ -162,7 +211,8 @@ def run(data_dir: Path, port: int, *, mode: str, messages: int, rounds: int = 1,
     try:
         for _ in range(2):
             workers.start()
-        writer = threading.Thread(target=produce, daemon=True)
+        writer = threading.Thread(target=produce if client == "tierstream" else produce_pulsar,
+                                  daemon=True)
         writer.start()
         steps = (steps or ROUND) * rounds
         for i, step in enumerate(steps):
@@ -182,7 +232,7 @@ def run(data_dir: Path, port: int, *, mode: str, messages: int, rounds: int = 1,
                 down = time.monotonic()
                 broker.kill()
                 time.sleep(rng.uniform(0.1, 1.0))
-                broker = BrokerProcess(data_dir / "store", port=port).start()
+                broker = BrokerProcess(data_dir / "store", port=port, args=args).start()
                 outcome.outages.append((down, time.monotonic()))
                 outcome.broker_kills += 1
         while len(workers.live) > 4:
@@ -209,7 +259,12 @@ def run(data_dir: Path, port: int, *, mode: str, messages: int, rounds: int = 1,
         for proc in workers.live.values():
             proc.kill()
         broker.kill()
-    _check(outcome, logs, keys)
+    lossy: dict[str | None, list[tuple[float, float]]] = defaultdict(list)
+    if client == "pulsar":  # when a returned ack of the Pulsar client may have been lost
+        lossy[None] = [(a - LOST_ACK_S, b) for a, b in outcome.outages]
+        for name, at in workers.killed.items():
+            lossy[name].append((at - LOST_ACK_S, at))
+    _check(outcome, logs, keys, lossy)
     if mode == "key_shared":
         owners = slot_owners(final, [None] * len(final))
         per = defaultdict(int)
@@ -220,13 +275,23 @@ def run(data_dir: Path, port: int, *, mode: str, messages: int, rounds: int = 1,
     return outcome
 
 
-def _check(outcome: Outcome, logs: Path, keys: int) -> None:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _check(outcome: Outcome, logs: Path, keys: int,
+           lossy: dict[str | None, list[tuple[float, float]]] | None = None) -> None:
+    """``lossy``: per consumer name (None: any), the times in which an ack that returned may
+    have been lost (the Pulsar client's)."""
     # t, consumer, key, i, redelivery count, position
     receives: list[tuple[float, str, str, int, int, str]] = []
     # who acknowledged the message with an ack that raised AckInDoubtError, and when
     doubted: dict[tuple[str, int], float] = {}
     ack_start: dict[tuple[str, int], float] = {}
-    ack_end: dict[tuple[str, int], float] = {}  # acks that returned
+    ack_end: dict[tuple[str, int], float] = {}  # acks that returned: the first one's end
+    returned: dict[tuple[str, int], list[tuple[float, str]]] = defaultdict(list)  # all
     for path in logs.glob("*.jsonl"):
         for line in path.read_text().splitlines():
             try:
@@ -250,6 +315,8 @@ def _check(outcome: Outcome, logs: Path, keys: int) -> None:
                     ack_start[k] = min(ack_start.get(k, rec["t0"]), rec["t0"])
                     ends = ack_end if rec["e"] == "a" else doubted
                     ends[k] = min(ends.get(k, rec["t1"]), rec["t1"])
+                    if rec["e"] == "a":
+                        returned[k].append((rec["t1"], rec["c"]))
     receives.sort()
     seen = {(key, i) for _, _, key, i, _, _ in receives}
     outcome.received = len(receives)
@@ -259,8 +326,22 @@ def _check(outcome: Outcome, logs: Path, keys: int) -> None:
     last: dict[str, dict[int, str]] = defaultdict(dict)
     floor: dict[str, int] = defaultdict(int)
     first: dict[tuple[str, int], tuple[float, str, str]] = {}
+    windows = lossy or {}
+
+    def kept(k: tuple[str, int], t: float) -> float | None:
+        """The end of the first ack of ``k`` that returned before ``t`` and that no crash
+        may have lost (None: there is none)."""
+        for at, who in sorted(returned.get(k, [])):
+            if at < t and not any(a <= at <= b for w in (windows.get(None, []),
+                                                         windows.get(who, []))
+                                  for a, b in w):
+                return at
+        return None
+
     for t, consumer, key, i, count, where in receives:
-        if ack_end.get((key, i), float("inf")) < t:
+        if ack_end.get((key, i), float("inf")) < t and kept((key, i), t) is None:
+            outcome.lost_acks += 1  # at least once, as the Pulsar client's acks are
+        elif ack_end.get((key, i), float("inf")) < t:
             ft, fc, fw = first[(key, i)]
             outcome.after_ack.append(f"{key}|{i} (at {where}, redelivery {count}) received by "
                                      f"{consumer} at {t:.3f} after its ack returned at "
@@ -289,6 +370,7 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=400_000)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--modes", default="key_shared,shared")
+    parser.add_argument("--client", choices=sorted(WORKERS), default="tierstream")
     args = parser.parse_args()
     failed = False
     for mode in args.modes.split(","):
@@ -296,7 +378,8 @@ def main() -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        outcome = run(tmp, port, mode=mode, messages=args.messages, rounds=args.rounds)
+        outcome = run(tmp, port, mode=mode, messages=args.messages, rounds=args.rounds,
+                      client=args.client)
         print(outcome, flush=True)
         if outcome.ok:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -116,6 +116,15 @@ class ConsumePath:
         self.streams = streams
         self.consumers: dict[int, _Consumer] = {}
         self._closing = threading.Event()
+        self._unstored = 0  # the write generation that stores this connection's acks so far
+
+    def _stored(self) -> TierstreamError | None:
+        """Wait until this connection's acks so far are on disk (None), or say why not."""
+        try:
+            self.subscriptions.stored(self._unstored)
+        except TierstreamError as exc:
+            return exc
+        return None
 
     # -- subscribing --------------------------------------------------------------------------
 
@@ -238,14 +247,19 @@ class ConsumePath:
                 log.warning("pulsar client %s: ack of %s refused: %s", self.link.peer, c.name,
                             exc)
                 error = exc
-        if req.HasField("request_id"):  # the client asked for a receipt
+        if req.HasField("request_id"):  # the client asked for a receipt: once it is stored
             reply = api.CommandAckResponse(consumer_id=req.consumer_id,
                                            request_id=req.request_id)
+            if error is None:
+                error = self._stored()
             if error is not None:
                 reply.error, reply.message = error_code(error), str(error)
             self.link.write(_Cmd(type=_Cmd.ACK_RESPONSE, ackResponse=reply))
 
     def _ack(self, c: _Consumer, req: api.CommandAck) -> None:
+        """Take the ack at once and store it with the next group commit (``_unstored``): the
+        frames after it are not held up by a commit each. What answers the client waits for
+        it: a receipt, a close, a seek, an unsubscribe (``_stored``)."""
         positions = [position_of(m, c.partition) for m in req.message_id]
         if not positions:
             return
@@ -253,14 +267,15 @@ class ConsumePath:
             if c.type not in SubscriptionType.CUMULATIVE:
                 raise Refused(f"a {c.type} subscription takes no cumulative acks")
             last = max(positions)
-            self.subscriptions.ack_cumulative(c.topic, c.subscription, c.name, last)
+            self._unstored = max(self._unstored, self.subscriptions.ack_cumulative(
+                c.topic, c.subscription, c.name, last, wait=False))
             with c.lock:
                 c.unacked = {k for k in c.unacked
                              if Position(c.partition, *k) > last}
             return
         segment, entry, index = _arrays(positions)
-        self.subscriptions.ack(c.topic, c.subscription, c.partition, c.name, segment, entry,
-                               index)
+        self._unstored = max(self._unstored, self.subscriptions.ack_later(
+            c.topic, c.subscription, c.partition, c.name, segment, entry, index))
         with c.lock:
             c.unacked.difference_update((p.segment_id, p.entry_id, p.batch_index)
                                         for p in positions)
@@ -344,9 +359,15 @@ class ConsumePath:
     # -- closing ------------------------------------------------------------------------------
 
     def close(self, req: api.CommandCloseConsumer) -> None:
+        """The client closes a consumer (after sending its pending acks): answered once they
+        are stored."""
         c = self.consumers.pop(req.consumer_id, None)
         if c is not None:
             self._detach(c)
+        error = self._stored()
+        if error is not None:
+            self.link.error(req.request_id, error_code(error), str(error))
+            return
         self.link.write(_Cmd(type=_Cmd.SUCCESS, success=api.CommandSuccess(
             request_id=req.request_id)))
 
@@ -369,11 +390,14 @@ class ConsumePath:
             self._tell_closed(c.id)
 
     def close_all(self) -> None:
-        """The connection ended: every consumer detached (what they held goes to others)."""
+        """The connection ended: every consumer detached (what they held goes to others),
+        its acks stored."""
         self._closing.set()
         for c in list(self.consumers.values()):
             self._detach(c)
         self.consumers.clear()
+        if self._unstored and self.subscriptions is not None:
+            self._stored()
 
     def _detach(self, c: _Consumer, *, forget: bool = True) -> None:
         self.streams.close(c.stream)

@@ -131,14 +131,30 @@ class Subscriptions:
         self.writer.wait(generation)
         return doubt
 
+    def ack_later(self, topic: str, subscription: str, partition: int, consumer: str,
+                  segment: np.ndarray, entry: np.ndarray, index: np.ndarray) -> int:
+        """Take the ack now (nothing of it is delivered again while the broker runs) and
+        store it with the next group commit: the write generation to :meth:`stored` on. For
+        acks nobody waits on (a Pulsar client's without a receipt): the caller goes on at
+        once instead of one commit per ack."""
+        return self._dispatcher(topic, subscription, partition).ack(consumer, segment, entry,
+                                                                    index)[0]
+
     def ack_cumulative(self, topic: str, subscription: str, consumer: str,
-                       position: Position, *, retry: bool = False) -> int:
+                       position: Position, *, retry: bool = False, wait: bool = True) -> int:
         """Store the cumulative ack; for a ``retry``, how many of its messages may have been
-        delivered to another consumer before it came."""
+        delivered to another consumer before it came. Without ``wait``, as :meth:`ack_later`:
+        the write generation that stores it."""
         d = self._dispatcher(topic, subscription, position.partition)
         generation, doubt = d.ack_cumulative(consumer, position, retry=retry)
+        if not wait:
+            return generation
         self.writer.wait(generation)
         return doubt
+
+    def stored(self, generation: int) -> None:
+        """Return once the acks taken up to write ``generation`` are on disk."""
+        self.writer.wait(generation)
 
     def nack(self, topic: str, subscription: str, partition: int, consumer: str,
              segment: np.ndarray, entry: np.ndarray, index: np.ndarray, delay_s: float) -> None:
@@ -220,6 +236,8 @@ class Subscriptions:
             for k, d in mine.items():
                 d.close()
                 del self._dispatchers[k]
+                # an ack taken for a later commit (ack_later) must not write it back after
+                self.writer.wait(self.writer.dirty(d))
             removed = self._metadata.delete_cursors(topic, subscription)
         if not removed:
             raise NotFoundError(f"topic {topic!r} has no subscription {subscription!r}")
