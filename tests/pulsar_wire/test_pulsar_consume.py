@@ -5,6 +5,8 @@ with tierstream's Consumer."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 from collections import defaultdict
 from typing import Any
@@ -225,6 +227,39 @@ def test_readers_start_where_they_are_told_and_know_when_nothing_is_left(
     with Admin(pulsar_broker.url) as admin:  # a reader's cursor lives as long as the reader
         wait_for(lambda: admin.subscriptions(topic) == [], timeout=scaled(15),
                  what="the readers' cursors to go")
+
+
+def test_a_readers_cursor_does_not_outlive_a_broker_killed_while_it_was_open(
+        start_broker, free_port) -> None:
+    """A reader's subscription is non-durable: deleted when the reader closes and, if the
+    broker died first, when it starts again; a durable one beside it is kept. (The reader
+    and the consumer are in a process killed with the broker, so that no client subscribes
+    again after the restart.)"""
+    broker: BrokerProcess = start_broker("--pulsar-port", str(free_port))
+    topic = "public/default/read-crash"
+    with Admin(broker.url) as admin:
+        admin.create_topic(topic, 1)
+    script = (
+        "import pulsar, sys\n"
+        f"c = pulsar.Client({broker.pulsar_url!r}, logger=pulsar.ConsoleLogger("
+        "pulsar.LoggerLevel.Error))\n"
+        f"r = c.create_reader({topic!r}, pulsar.MessageId.earliest)\n"
+        f"k = c.subscribe({topic!r}, 'kept')\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.read()\n")
+    holder = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
+        with Admin(broker.url) as admin:
+            assert len(admin.subscriptions(topic)) == 2
+        broker.kill()
+    finally:
+        holder.kill()
+        holder.wait()
+    broker = start_broker("--pulsar-port", str(free_port))
+    with Admin(broker.url) as admin:
+        assert [r["subscription"] for r in admin.subscriptions(topic)] == ["kept"]
 
 
 def test_acks_survive_a_broker_sigkill_and_a_poison_message_lands_in_the_dead_letter_topic(

@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 
 from tierstream.broker.subscriptions.attached import Attached, ConsumerSettings
+from tierstream.broker.subscriptions.cursor_state import NON_DURABLE
 from tierstream.errors import ConfigError, ConflictError, TierstreamError
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.pulsar_protocol.frames import payload_frame
@@ -163,7 +164,8 @@ class ConsumePath:
             initial = plog.last_confirmed()[1]
         gone = self._closing.is_set
         attached = self.subscriptions.attach(topic, req.subscription, partition, settings,
-                                             initial=initial, gone=gone)
+                                             initial=initial, gone=gone,
+                                             label=None if req.durable else NON_DURABLE)
         consumer = _Consumer(req.consumer_id, topic, partition, req.subscription, name, kind,
                              count > 1, attached, durable=req.durable)
         consumer.stream, consumer.counts = self.streams.open("consumer", topic, partition, name)

@@ -61,6 +61,11 @@ class DeadLetterIntent:
                    [Position(partition, int(s), int(e), int(b)) for s, e, b in data["positions"]])
 
 
+#: the label of a non-durable subscription's cursor (a Pulsar reader's): deleted when its
+#: reader leaves, and by the next broker start if the broker stopped first
+NON_DURABLE = "non-durable (a Pulsar reader's)"
+
+
 @dataclass
 class CursorState:
     partition: int

@@ -72,6 +72,7 @@ class Dispatcher:
         self.partition = plog.partition
         self.subscription = subscription
         self.type = state.type
+        self.label = state.label
         self._writer = writer
         self._dead_letter = dead_letter
         self._lock = threading.RLock()
@@ -459,7 +460,7 @@ class Dispatcher:
             ranges, entries = self.window.acked_state()
             return CursorState(self.partition, self.window.mark_delete(), ranges, self.type,
                                list(self._intents), self._dead_letter_sequence,
-                               entries).to_json()
+                               entries, label=self.label).to_json()
 
     def acknowledged_before(self) -> Position:
         """Every message before this position is acknowledged."""

@@ -9,6 +9,7 @@ until a consumer attaches to it.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tierstream.broker.subscriptions.attached import Attached, ConsumerSettings
-from tierstream.broker.subscriptions.cursor_state import CursorState
+from tierstream.broker.subscriptions.cursor_state import NON_DURABLE, CursorState
 from tierstream.broker.subscriptions.cursor_writer import CursorWriter
 from tierstream.broker.subscriptions.dead_letters import DeadLetterWriter
 from tierstream.broker.subscriptions.dispatcher import Dispatcher
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from tierstream.broker.store import Store
 
 __all__ = ["Subscriptions"]
+
+log = logging.getLogger(__name__)
 
 #: How often nack delays and ack timeouts are checked.
 _TICK_S = 0.05
@@ -47,11 +50,23 @@ class Subscriptions:
         self._ticker = threading.Thread(target=self._tick, name="tierstream-subscription-timer",
                                         daemon=True)
         self._ticker.start()
+        self._drop_non_durable()
+
+    def _drop_non_durable(self) -> None:
+        """Cursors of non-durable subscriptions (Pulsar readers) left by a broker that
+        stopped while they were open: their readers are gone with it."""
+        for topic in self._store.topics():
+            for row in self._metadata.cursors(topic.name):
+                state = row["state"]
+                if isinstance(state, dict) and state.get("label") == NON_DURABLE:
+                    self._metadata.delete_cursors(topic.name, row["subscription"])
+                    log.info("%s: the cursor of reader %r, gone with the broker, is deleted",
+                             topic.name, row["subscription"])
 
     def _dispatcher(self, topic: str, subscription: str, partition: int,
-                    initial: Position | None = None) -> Dispatcher:
+                    initial: Position | None = None, label: str | None = None) -> Dispatcher:
         """The loaded dispatcher; loaded from its stored state, or created at ``initial``
-        (NotFoundError without one)."""
+        with ``label`` (NotFoundError without one)."""
         key = (topic, subscription, partition)
         with self._lock:
             d = self._dispatchers.get(key)
@@ -62,7 +77,7 @@ class Subscriptions:
             if stored is not None:
                 state = CursorState.from_json(stored, partition)
             elif initial is not None:
-                state = CursorState(partition, initial)
+                state = CursorState(partition, initial, label=label)
             else:
                 raise NotFoundError(f"topic {topic!r} has no subscription {subscription!r} "
                                     f"on partition {partition}")
@@ -101,8 +116,10 @@ class Subscriptions:
 
     def attach(self, topic: str, subscription: str, partition: int,
                settings: ConsumerSettings, *, initial: Position,
-               gone: Callable[[], bool]) -> Attached:
-        d = self._dispatcher(topic, subscription, partition, initial)
+               gone: Callable[[], bool], label: str | None = None) -> Attached:
+        """Attach a consumer; a new subscription starts at ``initial``, its cursor labelled
+        ``label`` (``NON_DURABLE``: deleted at the next broker start)."""
+        d = self._dispatcher(topic, subscription, partition, initial, label)
         attached = d.attach(settings, gone)
         self.writer.wait(self.writer.dirty(d))  # the subscription exists once attached
         return attached
