@@ -120,6 +120,31 @@ def test_an_incompatible_or_unknown_schema_is_refused_and_bytes_still_go(
     assert "PROTOBUF schemas are not supported" in log, log[-2000:]
 
 
+def test_a_consumer_whose_schema_cannot_read_the_topic_is_refused(
+        pulsar_broker: BrokerProcess) -> None:
+    """As Pulsar's broker does: a consumer's schema must be one the topic's rule would take
+    (BACKWARD here: v2 adds a field without a default, so it cannot read v1's data); the
+    same schema, a STRING one on a bytes topic and a BYTES consumer subscribe."""
+    topic = "persistent://acme/schemas/consumed"
+    client = client_of(pulsar_broker)
+    try:
+        client.create_producer(topic, schema=AvroSchema(Click)).send(Click(user="u", n=1))
+        with pytest.raises(pulsar.IncompatibleSchema):
+            client.subscribe(topic, "v2", schema=AvroSchema(_click_v2()))
+        with pytest.raises(pulsar.IncompatibleSchema):
+            client.subscribe(topic, "proto", schema=ProtobufSchema())
+        client.subscribe(topic, "same", schema=AvroSchema(Click))
+        client.subscribe(topic, "raw")
+        client.subscribe("persistent://acme/schemas/untyped", "s", schema=StringSchema())
+    finally:
+        client.close()
+    with Admin(pulsar_broker.url) as admin:  # a consumer registers nothing
+        assert [v.version for v in admin.list_schemas("acme/schemas/consumed")[1]] == [1]
+        assert {r["subscription"] for r in admin.subscriptions("acme/schemas/consumed")} == {
+            "same", "raw"}
+    assert "the consumer's schema cannot read" in "".join(pulsar_broker.stderr_tail)
+
+
 def test_null_values_ordering_keys_sequence_ids_and_publish_times_are_kept(
         pulsar_broker: BrokerProcess) -> None:
     topic = "persistent://public/default/fields"

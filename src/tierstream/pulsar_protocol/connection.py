@@ -76,7 +76,7 @@ class Connection:
         self.connected = False
         self.produce = ProducePath(self, listener.store, listener.schemas, listener.streams)
         self.consume = ConsumePath(self, listener.store, listener.subscriptions,
-                                   listener.streams)
+                                   listener.streams, listener.schemas)
 
     def go_away(self) -> None:
         """The broker is going: CLOSE_PRODUCER for each producer, then the connection closed

@@ -40,7 +40,7 @@ from tierstream.pulsar_protocol.messages import (
 )
 from tierstream.pulsar_protocol.produce import Link
 from tierstream.pulsar_protocol.replies import Refused, error_code
-from tierstream.pulsar_protocol.schemas import schema_version_bytes
+from tierstream.pulsar_protocol.schemas import check_consumer_schema, schema_version_bytes
 from tierstream.schemas.model import VERSION_PROPERTY
 from tierstream.splits.positions import KeyRange, Position
 from tierstream.subscription_type import SubscriptionType
@@ -111,10 +111,10 @@ class _Consumer:
 class ConsumePath:
     """The consumers of one connection, a delivery thread each."""
 
-    def __init__(self, link: ConsumerLink, store: Any, subscriptions: Any, streams: Any
-                 ) -> None:
+    def __init__(self, link: ConsumerLink, store: Any, subscriptions: Any, streams: Any,
+                 schemas: Any) -> None:
         self.link, self.store, self.subscriptions = link, store, subscriptions
-        self.streams = streams
+        self.streams, self.schemas = streams, schemas
         self.consumers: dict[int, _Consumer] = {}
         self._closing = threading.Event()
         self._unstored = 0  # the write generation that stores this connection's acks so far
@@ -147,6 +147,8 @@ class ConsumePath:
             raise Refused("a non-durable subscription (a reader) is exclusive")
         topic, count, partition = self.link.partition_of(
             req.topic, create=req.force_topic_creation, verb="subscribe")
+        if req.HasField("schema"):
+            check_consumer_schema(self.schemas, topic, req.schema)
         sticky = None
         if kind == SubscriptionType.KEY_SHARED and req.HasField("keySharedMeta") \
                 and req.keySharedMeta.keySharedMode == api.STICKY:

@@ -44,6 +44,31 @@ def registered_version(registry: Any, topic: str, schema: api.Schema) -> int | N
     SchemaRefused naming the reason otherwise."""
     if schema.type == api.Schema.Bytes:
         return None
+    kind, text = _definition(schema)
+    try:
+        return int(registry.register(topic, kind, text).version)
+    except ConfigError as exc:
+        raise SchemaRefused(str(exc)) from None
+
+
+def check_consumer_schema(registry: Any, topic: str, schema: api.Schema) -> None:
+    """A consumer's schema, as Pulsar's broker checks it: one the topic's rule would take as
+    its next version (or one it has) reads the topic; BYTES reads any. SchemaRefused naming
+    the reason otherwise. Nothing is registered: only producers add versions."""
+    if schema.type == api.Schema.Bytes:
+        return
+    kind, text = _definition(schema)
+    try:
+        why = registry.check(topic, kind, text)
+    except ConfigError as exc:
+        raise SchemaRefused(str(exc)) from None
+    if why is not None:
+        raise SchemaRefused(f"the consumer's schema cannot read {topic!r}: {why}")
+
+
+def _definition(schema: api.Schema) -> tuple[SchemaType, str | None]:
+    """``schema`` as tierstream's schema type and definition; SchemaRefused for a type
+    tierstream does not keep."""
     kind = _TYPES.get(schema.type)
     if kind is None:
         name = _pulsar_name(schema.type)
@@ -59,10 +84,7 @@ def registered_version(registry: Any, topic: str, schema: api.Schema) -> int | N
             raise SchemaRefused(f"invalid JSON schema: its definition is not an Avro record "
                                 f"({exc})") from None
         text = json.dumps(json_schema_of(record))
-    try:
-        return int(registry.register(topic, kind, text).version)
-    except ConfigError as exc:
-        raise SchemaRefused(str(exc)) from None
+    return kind, text
 
 
 def pulsar_schema(info: Any) -> api.Schema:
