@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import itertools
 import logging
 import socket
 import ssl
@@ -73,6 +74,7 @@ class Connection:
         self.listener, self.sock, self.peer = listener, sock, peer
         self.store = listener.store
         self._send_lock = threading.Lock()
+        self._request_ids = itertools.count(1 << 62)  # of the broker's own requests
         self.connected = False
         self.produce = ProducePath(self, listener.store, listener.schemas, listener.streams)
         self.consume = ConsumePath(self, listener.store, listener.subscriptions,
@@ -285,6 +287,11 @@ class Connection:
             except TierstreamError:  # another connection made it meanwhile
                 record = self.store.topic(named.topic)
         return named.topic, int(record.partitions), named.partition
+
+    def broker_request_id(self) -> int:
+        """A request id for a command the broker sends (CLOSE_PRODUCER, CLOSE_CONSUMER): from
+        one counter per connection, far above the ids a client draws."""
+        return next(self._request_ids)
 
     def partition_of(self, name: str, *, create: bool, verb: str) -> tuple[str, int, int]:
         """(tierstream topic, its partition count, the partition) a producer or consumer

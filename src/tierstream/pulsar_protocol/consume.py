@@ -335,7 +335,8 @@ class ConsumePath:
     def _tell_closed(self, consumer_id: int) -> None:
         with contextlib.suppress(OSError):
             self.link.write(_Cmd(type=_Cmd.CLOSE_CONSUMER, close_consumer=(
-                api.CommandCloseConsumer(consumer_id=consumer_id, request_id=0))))
+                api.CommandCloseConsumer(consumer_id=consumer_id,
+                                         request_id=self.link.broker_request_id()))))
 
     def last_message_id(self, req: api.CommandGetLastMessageId) -> None:
         """The id of the partition's last message (ledger and entry -1 when it has none) and

@@ -51,6 +51,8 @@ class Link(Protocol):
 
     def partition_of(self, name: str, *, create: bool, verb: str) -> tuple[str, int, int]: ...
 
+    def broker_request_id(self) -> int: ...
+
 
 class ProducePath:
     """The producers of one connection and the thread that answers their sends in order."""
@@ -60,7 +62,6 @@ class ProducePath:
         self.producers: dict[int, _Producer] = {}
         self._receipts: queue.Queue[Any] = queue.Queue(maxsize=1000)
         self._names = itertools.count()
-        self._closes = itertools.count(1 << 62)  # request ids of the broker's own requests
         self._thread = threading.Thread(target=self._send_receipts, daemon=True,
                                         name="tierstream-pulsar-receipts")
         self._thread.start()
@@ -78,7 +79,7 @@ class ProducePath:
         for producer_id in list(self.producers):
             self._quietly(self.link.write, _Cmd(
                 type=_Cmd.CLOSE_PRODUCER, close_producer=api.CommandCloseProducer(
-                    producer_id=producer_id, request_id=next(self._closes))))
+                    producer_id=producer_id, request_id=self.link.broker_request_id())))
 
     def close(self, req: api.CommandCloseProducer) -> None:
         """The client closes a producer."""
