@@ -30,7 +30,7 @@ from tierstream.broker.subscriptions.attached import Attached, ConsumerSettings
 from tierstream.broker.subscriptions.cursor_state import NON_DURABLE
 from tierstream.errors import ConfigError, ConflictError, TierstreamError
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
-from tierstream.pulsar_protocol.frames import payload_frame
+from tierstream.pulsar_protocol.frames import serialized_payload_frame
 from tierstream.pulsar_protocol.messages import (
     KEY_BASE64,
     NULL_VALUE,
@@ -77,6 +77,20 @@ def position_of(mid: api.MessageIdData, partition: int) -> Position:
         return Position(partition, int(mid.ledgerId), (entry & (_OWN - 1)) >> _INDEX_BITS,
                         entry & ((1 << _INDEX_BITS) - 1))
     return Position(partition, int(mid.ledgerId), entry, max(0, int(mid.batch_index)))
+
+
+def positions_of(ids: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`position_of` of many message ids at once (an ACK's), as segment, entry and batch
+    index arrays."""
+    n = len(ids)
+    segment = np.fromiter((m.ledgerId for m in ids), np.uint64, n).astype(np.int64)
+    wire = np.fromiter((m.entryId for m in ids), np.uint64, n)
+    given = np.fromiter((m.batch_index for m in ids), np.int64, n)
+    own = (wire & np.uint64(_OWN)) != 0
+    low = np.uint64((1 << _INDEX_BITS) - 1)
+    entry = np.where(own, (wire & np.uint64(_OWN - 1)) >> np.uint64(_INDEX_BITS), wire)
+    index = np.where(own, (wire & low).astype(np.int64), np.maximum(given, 0))
+    return segment, entry.astype(np.int64), index.astype(np.int64)
 
 
 class ConsumerLink(Link, Protocol):
@@ -214,21 +228,42 @@ class ConsumePath:
                         self.link.peer, c.name, exc)
 
     def _frames(self, c: _Consumer, batch: pa.RecordBatch) -> list[bytes]:
-        partition = c.wire_partition
+        """One MESSAGE frame per row. The per-message work is kept small: the ids are computed
+        column-wise, one command object is refilled and serialized per message, and rows that
+        share their metadata (key, times, properties: often a whole entry's) share its bytes."""
         cols = {name: batch.column(name).to_pylist() for name in (
             "key", "value", "publish_time", "event_time", "properties", "segment_id",
-            "entry_id", "batch_index", "redelivery_count")}
+            "redelivery_count")}
+        entries = batch.column("entry_id").to_numpy(zero_copy_only=False).astype(np.uint64)
+        indexes = batch.column("batch_index").to_numpy(zero_copy_only=False).astype(np.uint64)
+        if len(entries) and (int(indexes.max()) >= 1 << _INDEX_BITS
+                             or int(entries.max()) >= 1 << (62 - _INDEX_BITS)):
+            raise ConfigError(f"a message of entry {int(entries.max())} has no Pulsar id")
+        wire_ids = (np.uint64(_OWN) | entries << np.uint64(_INDEX_BITS) | indexes).tolist()
+        entry_list, index_list = entries.tolist(), indexes.tolist()
+        command = _Cmd(type=_Cmd.MESSAGE)
+        message = command.message
+        message.consumer_id = c.id
+        mid = message.message_id
+        mid.partition = c.wire_partition
+        metas: dict[Any, bytes] = {}
+        keys, publish, event, props = (cols["key"], cols["publish_time"], cols["event_time"],
+                                       cols["properties"])
         out = []
         with c.lock:
-            for i in range(batch.num_rows):
-                seg, ent, idx = cols["segment_id"][i], cols["entry_id"][i], cols["batch_index"][i]
-                c.unacked.add((seg, ent, idx))
-                meta = _metadata(cols["key"][i], cols["publish_time"][i], cols["event_time"][i],
-                                 cols["properties"][i])
-                command = _Cmd(type=_Cmd.MESSAGE, message=api.CommandMessage(
-                    consumer_id=c.id, message_id=message_id(seg, ent, idx, partition),
-                    redelivery_count=cols["redelivery_count"][i]))
-                out.append(payload_frame(command, meta, cols["value"][i]))  # null: b""
+            for i, seg in enumerate(cols["segment_id"]):
+                c.unacked.add((seg, entry_list[i], index_list[i]))
+                shared = (keys[i], publish[i], event[i],
+                          tuple(props[i]) if props[i] else None)
+                meta = metas.get(shared)
+                if meta is None:
+                    meta = metas[shared] = _metadata(keys[i], publish[i], event[i],
+                                                     props[i]).SerializeToString()
+                mid.ledgerId = seg
+                mid.entryId = wire_ids[i]
+                message.redelivery_count = cols["redelivery_count"][i]
+                out.append(serialized_payload_frame(command.SerializeToString(), meta,
+                                                    cols["value"][i]))  # null: b""
         return out
 
     # -- flow and acks --------------------------------------------------------------------------
@@ -264,25 +299,24 @@ class ConsumePath:
         """Take the ack at once and store it with the next group commit (``_unstored``): the
         frames after it are not held up by a commit each. What answers the client waits for
         it: a receipt, a close, a seek, an unsubscribe (``_stored``)."""
-        positions = [position_of(m, c.partition) for m in req.message_id]
-        if not positions:
+        if not req.message_id:
             return
         if req.ack_type == api.CommandAck.Cumulative:
             if c.type not in SubscriptionType.CUMULATIVE:
                 raise Refused(f"a {c.type} subscription takes no cumulative acks")
-            last = max(positions)
+            last = max(position_of(m, c.partition) for m in req.message_id)
             self._unstored = max(self._unstored, self.subscriptions.ack_cumulative(
                 c.topic, c.subscription, c.name, last, wait=False))
             with c.lock:
                 c.unacked = {k for k in c.unacked
                              if Position(c.partition, *k) > last}
             return
-        segment, entry, index = _arrays(positions)
+        segment, entry, index = positions_of(req.message_id)
         self._unstored = max(self._unstored, self.subscriptions.ack_later(
             c.topic, c.subscription, c.partition, c.name, segment, entry, index))
         with c.lock:
-            c.unacked.difference_update((p.segment_id, p.entry_id, p.batch_index)
-                                        for p in positions)
+            c.unacked.difference_update(zip(segment.tolist(), entry.tolist(), index.tolist(),
+                                            strict=True))
 
     def redeliver(self, req: api.CommandRedeliverUnacknowledgedMessages) -> None:
         """The client's negative acks and ack timeouts (ids), or a reset (no ids: everything

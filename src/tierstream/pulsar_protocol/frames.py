@@ -99,8 +99,12 @@ def command_frame(command: api.BaseCommand) -> bytes:
 def payload_frame(command: api.BaseCommand, metadata: api.MessageMetadata,
                   payload: bytes) -> bytes:
     """A frame of ``command`` with a message: the checksum magic, CRC32-C, metadata, payload."""
-    data: bytes = command.SerializeToString()
-    meta: bytes = metadata.SerializeToString()
+    return serialized_payload_frame(command.SerializeToString(), metadata.SerializeToString(),
+                                    payload)
+
+
+def serialized_payload_frame(data: bytes, meta: bytes, payload: bytes) -> bytes:
+    """:func:`payload_frame` of a command and metadata already serialized."""
     checked = struct.pack(">I", len(meta)) + meta + payload
     head = struct.pack(">I", len(data)) + data + struct.pack(">HI", _CHECKSUM_MAGIC,
                                                             crc32c.crc32c(checked))
