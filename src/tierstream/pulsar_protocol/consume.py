@@ -4,19 +4,11 @@ A Pulsar consumer is a consumer of the broker's own subscriptions (``broker/subs
 the same dispatcher, cursors, key holds, redelivery counts and dead letters as tierstream's
 ``Consumer``, so the two share a subscription.
 
-**Ids.** tierstream hands the rows of one entry to different consumers of a Shared or
-Key_Shared subscription, and a Pulsar client acknowledges a batch only when every message of
-it is acknowledged (and never clears the messages an ``ack_set`` masks out unless batch-index
-acks are on). So every message goes out as a message of its own, and its id names exactly
-that message: ledgerId = segment id, entryId = 2^62 + entry id * 2^20 + batch index, the
-partition (-1 for a topic of one partition). An ack, a negative ack or a redelivery request
-of an id is then one message of the log, whatever the subscription type; the high bit tells
-these ids from a producer's receipts (whose entryId is the entry id).
+Message ids: ``message_ids.py``.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import logging
 import threading
@@ -28,24 +20,28 @@ import pyarrow as pa
 
 from tierstream.broker.subscriptions.attached import Attached, ConsumerSettings
 from tierstream.broker.subscriptions.cursor_state import NON_DURABLE
-from tierstream.errors import ConfigError, ConflictError, TierstreamError
+from tierstream.errors import ConflictError, TierstreamError
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.pulsar_protocol.frames import serialized_payload_frame
+from tierstream.pulsar_protocol.message_ids import (
+    id_before,
+    message_id,
+    no_message,
+    position_of,
+    positions_of,
+    start_position,
+    wire_entry_ids,
+)
 from tierstream.pulsar_protocol.messages import (
-    KEY_BASE64,
-    NULL_VALUE,
-    ORDERING_KEY,
-    PUBLISH_TIME,
-    SEQUENCE_ID,
+    metadata_of,
 )
 from tierstream.pulsar_protocol.produce import Link
 from tierstream.pulsar_protocol.replies import Refused, error_code
-from tierstream.pulsar_protocol.schemas import check_consumer_schema, schema_version_bytes
-from tierstream.schemas.model import VERSION_PROPERTY
+from tierstream.pulsar_protocol.schemas import check_consumer_schema
 from tierstream.splits.positions import KeyRange, Position
 from tierstream.subscription_type import SubscriptionType
 
-__all__ = ["ConsumePath", "ConsumerLink", "message_id", "position_of"]
+__all__ = ["ConsumePath", "ConsumerLink"]
 
 log = logging.getLogger(__name__)
 
@@ -57,42 +53,6 @@ _TYPES = {api.CommandSubscribe.Exclusive: SubscriptionType.EXCLUSIVE,
 #: the most messages a consumer may have on its way: Pulsar's permits come from the client's
 #: receiver queue (FLOW); this caps what a client may ask for
 MAX_PERMITS = 10_000
-_OWN = 1 << 62
-_INDEX_BITS = 20
-
-
-def message_id(segment: int, entry: int, index: int, partition: int) -> api.MessageIdData:
-    """The id a consumer sees for one message (see the module's docstring)."""
-    if not 0 <= index < 1 << _INDEX_BITS or not 0 <= entry < 1 << (62 - _INDEX_BITS):
-        raise ConfigError(f"message ({segment}, {entry}, {index}) has no Pulsar id")
-    return api.MessageIdData(ledgerId=segment, entryId=_OWN | entry << _INDEX_BITS | index,
-                             partition=partition)
-
-
-def position_of(mid: api.MessageIdData, partition: int) -> Position:
-    """The log position a consumer's message id names: its own message's, or for a receipt's
-    id (a producer's) the entry's first message (a batch index, where given)."""
-    entry = int(mid.entryId)
-    if entry & _OWN:
-        return Position(partition, int(mid.ledgerId), (entry & (_OWN - 1)) >> _INDEX_BITS,
-                        entry & ((1 << _INDEX_BITS) - 1))
-    return Position(partition, int(mid.ledgerId), entry, max(0, int(mid.batch_index)))
-
-
-def positions_of(ids: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`position_of` of many message ids at once (an ACK's), as segment, entry and batch
-    index arrays."""
-    n = len(ids)
-    segment = np.fromiter((m.ledgerId for m in ids), np.uint64, n).astype(np.int64)
-    wire = np.fromiter((m.entryId for m in ids), np.uint64, n)
-    given = np.fromiter((m.batch_index for m in ids), np.int64, n)
-    own = (wire & np.uint64(_OWN)) != 0
-    low = np.uint64((1 << _INDEX_BITS) - 1)
-    entry = np.where(own, (wire & np.uint64(_OWN - 1)) >> np.uint64(_INDEX_BITS), wire)
-    index = np.where(own, (wire & low).astype(np.int64), np.maximum(given, 0))
-    return segment, entry.astype(np.int64), index.astype(np.int64)
-
-
 class ConsumerLink(Link, Protocol):
     """What the consume path needs of its connection beside what the produce path does."""
 
@@ -173,7 +133,7 @@ class ConsumePath:
                                     initial_permits=0)
         plog = self.store.partition(topic, partition)
         if req.HasField("start_message_id"):
-            initial = _start(req.start_message_id, plog)
+            initial = start_position(req.start_message_id, plog)
         elif req.initialPosition == api.CommandSubscribe.Earliest:
             initial = plog.earliest()
         else:
@@ -234,12 +194,9 @@ class ConsumePath:
         cols = {name: batch.column(name).to_pylist() for name in (
             "key", "value", "publish_time", "event_time", "properties", "segment_id",
             "redelivery_count")}
-        entries = batch.column("entry_id").to_numpy(zero_copy_only=False).astype(np.uint64)
-        indexes = batch.column("batch_index").to_numpy(zero_copy_only=False).astype(np.uint64)
-        if len(entries) and (int(indexes.max()) >= 1 << _INDEX_BITS
-                             or int(entries.max()) >= 1 << (62 - _INDEX_BITS)):
-            raise ConfigError(f"a message of entry {int(entries.max())} has no Pulsar id")
-        wire_ids = (np.uint64(_OWN) | entries << np.uint64(_INDEX_BITS) | indexes).tolist()
+        entries = batch.column("entry_id").to_numpy(zero_copy_only=False)
+        indexes = batch.column("batch_index").to_numpy(zero_copy_only=False)
+        wire_ids = wire_entry_ids(entries, indexes).tolist()
         entry_list, index_list = entries.tolist(), indexes.tolist()
         command = _Cmd(type=_Cmd.MESSAGE)
         message = command.message
@@ -257,7 +214,7 @@ class ConsumePath:
                           tuple(props[i]) if props[i] else None)
                 meta = metas.get(shared)
                 if meta is None:
-                    meta = metas[shared] = _metadata(keys[i], publish[i], event[i],
+                    meta = metas[shared] = metadata_of(keys[i], publish[i], event[i],
                                                      props[i]).SerializeToString()
                 mid.ledgerId = seg
                 mid.entryId = wire_ids[i]
@@ -347,7 +304,7 @@ class ConsumePath:
                 raise Refused(f"no consumer {req.consumer_id} on this connection")
             plog = self.store.partition(c.topic, c.partition)
             if req.HasField("message_id"):
-                position = _start(req.message_id, plog)
+                position = start_position(req.message_id, plog)
             elif req.HasField("message_publish_time"):
                 position = plog.position_at_time(int(req.message_publish_time))
             else:
@@ -384,14 +341,13 @@ class ConsumePath:
         last = self.store.partition(c.topic, c.partition).last_confirmed()[0]
         reply = api.CommandGetLastMessageIdResponse(request_id=req.request_id)
         if last is None:
-            reply.last_message_id.CopyFrom(api.MessageIdData(
-                ledgerId=_NONE, entryId=_NONE, partition=partition))
+            reply.last_message_id.CopyFrom(no_message(partition))
         else:
             reply.last_message_id.CopyFrom(message_id(last.segment_id, last.entry_id,
                                                       last.batch_index, partition))
         done = self.subscriptions.acknowledged_before(c.topic, c.subscription, c.partition)
         if done is not None:
-            reply.consumer_mark_delete_position.CopyFrom(_before(done, partition))
+            reply.consumer_mark_delete_position.CopyFrom(id_before(done, partition))
         self.link.write(_Cmd(type=_Cmd.GET_LAST_MESSAGE_ID_RESPONSE,
                              getLastMessageIdResponse=reply))
 
@@ -446,70 +402,6 @@ class ConsumePath:
                 self.subscriptions.delete(c.topic, c.subscription)
         if c.thread is not None and c.thread is not threading.current_thread():
             c.thread.join(timeout=5)
-
-
-def _metadata(key: str | None, publish_time: int, event_time: int | None,
-              properties: list[tuple[str, str]] | None) -> api.MessageMetadata:
-    """A stored message's Pulsar metadata: what tierstream's columns and the ``pulsar.*``
-    properties (``messages.py``) keep."""
-    meta = api.MessageMetadata(producer_name="tierstream", sequence_id=0,
-                               publish_time=publish_time)
-    if key is not None:
-        meta.partition_key = key
-    if event_time:
-        meta.event_time = event_time
-    for k, v in properties or []:
-        if k == SEQUENCE_ID:
-            meta.sequence_id = int(v)
-        elif k == PUBLISH_TIME:
-            continue  # the client's; the message's publish time is the log's
-        elif k == NULL_VALUE:
-            meta.null_value = v == "true"
-        elif k == ORDERING_KEY:
-            meta.ordering_key = base64.b64decode(v)
-        elif k == KEY_BASE64:
-            meta.partition_key_b64_encoded = v == "true"
-        elif k == VERSION_PROPERTY:
-            meta.schema_version = schema_version_bytes(int(v))
-        else:
-            meta.properties.add(key=k, value=v)
-    return meta
-
-
-#: -1 as Pulsar's clients write it in an unsigned field: "no ledger", "no entry"
-_NONE = 2**64 - 1
-#: MessageId::latest(): INT64_MAX
-_LATEST = 2**63 - 1
-
-
-def _start(mid: api.MessageIdData, plog: Any) -> Position:
-    """Where a reader that starts at ``mid`` is served from. At one of this broker's own
-    message ids: that message (the client drops it unless its start is inclusive: it skips a
-    message whose entry id is not after the start's). At a producer's receipt id: the message
-    after it (a receipt's entry id cannot be compared with delivered ids by the client)."""
-    if mid.ledgerId == _NONE:
-        return plog.earliest()  # type: ignore[no-any-return]
-    if mid.ledgerId == _LATEST:
-        return plog.last_confirmed()[1]  # type: ignore[no-any-return]
-    at = position_of(mid, plog.partition)
-    if int(mid.entryId) & _OWN:
-        return at
-    if mid.batch_index < 0:  # a message sent alone: its entry is all of it
-        return Position(at.partition, at.segment_id, at.entry_id + 1, 0)
-    return Position(at.partition, at.segment_id, at.entry_id, at.batch_index + 1)
-
-
-def _before(position: Position, partition: int) -> api.MessageIdData:
-    """An id that sorts after every message before ``position`` and before every message at
-    or after it (the mark-delete position: everything before ``position`` is acknowledged)."""
-    if position.batch_index > 0:
-        return message_id(position.segment_id, position.entry_id, position.batch_index - 1,
-                          partition)
-    if position.entry_id > 0:
-        return message_id(position.segment_id, position.entry_id - 1, (1 << _INDEX_BITS) - 1,
-                          partition)
-    return api.MessageIdData(ledgerId=position.segment_id, entryId=_OWN - 1,
-                             partition=partition)
 
 
 def _arrays(positions: list[Position]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

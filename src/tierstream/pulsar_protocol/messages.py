@@ -14,10 +14,11 @@ import pyarrow as pa
 from tierstream.errors import ConfigError, ProtocolError
 from tierstream.message_format import PRODUCE_SCHEMA
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
+from tierstream.pulsar_protocol.schemas import schema_version_bytes
 from tierstream.schemas.model import VERSION_PROPERTY
 
 __all__ = ["KEY_BASE64", "NULL_VALUE", "ORDERING_KEY", "PUBLISH_TIME", "SEQUENCE_ID",
-           "refused_feature", "to_rows"]
+           "metadata_of", "refused_feature", "to_rows"]
 
 _CODECS = {api.LZ4: "lz4_raw", api.ZSTD: "zstd", api.SNAPPY: "snappy"}
 
@@ -188,3 +189,31 @@ def _uncompressed(metadata: api.MessageMetadata, payload: bytes) -> bytes:
         raise ProtocolError(f"payload decompressed to {len(out)} bytes, the metadata says "
                             f"{size}")
     return out
+
+
+def metadata_of(key: str | None, publish_time: int, event_time: int | None,
+              properties: list[tuple[str, str]] | None) -> api.MessageMetadata:
+    """A stored message's Pulsar metadata: what tierstream's columns and the ``pulsar.*``
+    properties (``messages.py``) keep."""
+    meta = api.MessageMetadata(producer_name="tierstream", sequence_id=0,
+                               publish_time=publish_time)
+    if key is not None:
+        meta.partition_key = key
+    if event_time:
+        meta.event_time = event_time
+    for k, v in properties or []:
+        if k == SEQUENCE_ID:
+            meta.sequence_id = int(v)
+        elif k == PUBLISH_TIME:
+            continue  # the client's; the message's publish time is the log's
+        elif k == NULL_VALUE:
+            meta.null_value = v == "true"
+        elif k == ORDERING_KEY:
+            meta.ordering_key = base64.b64decode(v)
+        elif k == KEY_BASE64:
+            meta.partition_key_b64_encoded = v == "true"
+        elif k == VERSION_PROPERTY:
+            meta.schema_version = schema_version_bytes(int(v))
+        else:
+            meta.properties.add(key=k, value=v)
+    return meta
