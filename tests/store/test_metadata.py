@@ -66,11 +66,11 @@ def test_planning_reads_a_window_by_index_never_by_scanning_the_topic(tmp_path: 
         store.create_topic(TopicName.parse("a/b/c"), 3, created_at=1,
                            ensembles=[("bookie-0",)] * 3)
         statements: list[str] = []
-        store._conn.set_trace_callback(statements.append)
+        store.backend._conn.set_trace_callback(statements.append)
         store.segments_in_windows("a/b/c", [0, 1, 2], 10, 20)
-        store._conn.set_trace_callback(None)
+        store.backend._conn.set_trace_callback(None)
         (sql,) = [s for s in statements if "json_each" in s]
-        plan = [row[3] for row in store._conn.execute("EXPLAIN QUERY PLAN " + sql)]
+        plan = [row[3] for row in store.backend._conn.execute("EXPLAIN QUERY PLAN " + sql)]
         assert not [step for step in plan if step.startswith("SCAN s")
                     or step.startswith("SCAN segments")], plan
         assert any("segments_by_partition" in step for step in plan), plan

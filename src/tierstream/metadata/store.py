@@ -10,10 +10,8 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-import sqlite3
-import threading
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +19,15 @@ from tierstream.errors import (
     AlreadyExistsError,
     ConfigError,
     NotFoundError,
-    StorageError,
 )
 from tierstream.lineage import ScaleEvent
+from tierstream.metadata.backend import (
+    POSTGRES_SCHEMES,
+    Backend,
+    SqliteBackend,
+    Tx,
+    UniqueViolation,
+)
 from tierstream.metadata.records import SegmentRecord, SegmentState, TopicRecord
 from tierstream.metadata.tables import SCHEMA_VERSION, create_and_migrate
 from tierstream.names import TopicName
@@ -47,7 +51,7 @@ def _ensemble(text: str) -> tuple[str, ...]:
     return tuple(json.loads(text))  # few distinct ensembles, many segments: decode each once
 
 
-def _segment(row: sqlite3.Row | tuple[Any, ...]) -> SegmentRecord:
+def _segment(row: tuple[Any, ...]) -> SegmentRecord:
     """The record of a row of ``_SEGMENT_COLUMNS``. The columns are the record's fields and
     were checked when written, so the record is filled in directly (a plan reads thousands)."""
     record = object.__new__(SegmentRecord)
@@ -60,71 +64,68 @@ def _segment(row: sqlite3.Row | tuple[Any, ...]) -> SegmentRecord:
     return record
 
 
-class MetadataStore:
-    """SQLite-backed metadata. Thread-safe; one connection per store object.
+def open_backend(where: str | Path, *, read_only: bool = False) -> Backend:
+    """The backend ``where`` names: a ``postgresql://`` URL, or the path of a SQLite file."""
+    if str(where).startswith(POSTGRES_SCHEMES):
+        from tierstream.metadata.postgres import PostgresBackend
 
-    ``read_only=True`` is for planners and the CLI: it never creates or migrates the file.
+        backend: Backend = PostgresBackend(str(where), read_only=read_only)
+        return backend
+    return SqliteBackend(where, read_only=read_only)
+
+
+class MetadataStore:
+    """The metadata: topics, segments, cursors, de-duplication, schemas, transactions, scale
+    events, on a :class:`~tierstream.metadata.backend.Backend` (``where``: the SQLite file,
+    default; or a ``postgresql://`` URL, ``postgres.py``). Thread-safe.
+
+    ``read_only=True`` is for planners and the CLI: it never creates or migrates anything.
     """
 
-    def __init__(self, path: str | Path, *, read_only: bool = False) -> None:
-        self.path = Path(path)
+    def __init__(self, where: str | Path, *, read_only: bool = False) -> None:
+        self.backend: Backend = open_backend(where, read_only=read_only)
+        self.path = where if isinstance(where, Path) else Path(where) \
+            if not str(where).startswith(POSTGRES_SCHEMES) else None
         try:
-            self._open(read_only)
-        except sqlite3.Error as exc:
-            raise StorageError(f"cannot open metadata store {str(self.path)!r}: {exc}") from None
-        self._lock = threading.RLock()
-        self._check_version()
-
-    def _open(self, read_only: bool) -> None:
-        if read_only:
-            if not self.path.exists():
-                raise NotFoundError(
-                    f"no metadata store at {str(self.path)!r}: is the data directory right? "
-                    "(--data-dir / TIERSTREAM_HOME)"
-                )
-            uri = f"file:{self.path}?mode=ro"
-            self._conn = sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=30)
-        else:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._conn = sqlite3.connect(self.path, check_same_thread=False, timeout=30)
-            self._conn.execute("PRAGMA journal_mode=WAL")
-            # Seals, cursors and de-dup snapshots must survive power loss, and they are rare.
-            self._conn.execute("PRAGMA synchronous=FULL")
-            with self._conn:
-                create_and_migrate(self._conn)
+            if not read_only:
+                with self.backend.transaction() as c:
+                    create_and_migrate(c, self.backend)
+            self._check_version()
+        except BaseException:
+            self.backend.close()
+            raise
 
     def _check_version(self) -> None:
-        row = self._conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        row = self._one("SELECT value FROM meta WHERE key='schema_version'")
         if row is None or int(row[0]) != SCHEMA_VERSION:
             found = None if row is None else int(row[0])
             if found is not None and found < SCHEMA_VERSION:
+                on = f"--data-dir {self.path.parent}" if self.path is not None \
+                    else f"--metadata {self.backend.name}"
                 advice = ("the broker upgrades it when it starts: run `tierstream broker start "
-                          f"--data-dir {self.path.parent}` once")
+                          f"{on}` once")
             else:
                 advice = "it was written by a newer tierstream: upgrade this one"
             raise ConfigError(
-                f"metadata store {str(self.path)!r} has schema version {found!r}; this "
+                f"metadata store {self.backend.name!r} has schema version {found!r}; this "
                 f"tierstream reads version {SCHEMA_VERSION}: {advice}"
             )
 
     def close(self) -> None:
-        with self._lock:
-            self._conn.close()
+        self.backend.close()
 
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        with self._lock, self._conn:
-            yield self._conn
-
-    def atomic(self) -> AbstractContextManager[sqlite3.Connection]:
-        """One write transaction, for the tables another module keeps (``transactions`` and
-        ``sinks``: metadata/transaction_records.py; ``schemas``: metadata/schema_registry.py)."""
-        return self._tx()
+    def atomic(self) -> AbstractContextManager[Tx]:
+        """One write transaction (here, and for the tables another module keeps:
+        ``transactions`` and ``sinks``, ``schemas``, ``scale_events``)."""
+        return self.backend.transaction()  # type: ignore[no-any-return]
 
     def query(self, sql: str, args: Sequence[Any] | Mapping[str, Any] = ()) -> list[Any]:
-        """Rows of one read statement (for the same modules)."""
-        with self._lock:
-            return self._conn.execute(sql, args).fetchall()
+        """Rows of one read statement (here, and for the same modules)."""
+        return self.backend.read(sql, args)
+
+    def _one(self, sql: str, args: Sequence[Any] | Mapping[str, Any] = ()) -> Any:
+        rows = self.query(sql, args)
+        return rows[0] if rows else None
 
     # -- topics -------------------------------------------------------------------------------
 
@@ -140,7 +141,7 @@ class MetadataStore:
                 "integer >= 1"
             )
         try:
-            with self._tx() as c:
+            with self.atomic() as c:
                 c.execute(
                     "INSERT INTO topics (name, partitions, retention_ms, created_at) "
                     "VALUES (?, ?, ?, ?)",
@@ -148,7 +149,7 @@ class MetadataStore:
                 )
                 segments = _insert_segments(c, str(name), list(enumerate(ensembles or [])),
                                             created_at)
-        except sqlite3.IntegrityError:
+        except UniqueViolation:
             raise AlreadyExistsError(f"topic {str(name)!r} already exists") from None
         return TopicRecord(
             name=str(name), partitions=partitions, retention_ms=retention_ms, created_at=created_at
@@ -156,47 +157,42 @@ class MetadataStore:
 
     def mark_topic_deleting(self, name: str, *, now: int) -> None:
         """From now on the topic is gone for everyone; its data is purged next."""
-        with self._tx() as c:
+        with self.atomic() as c:
             c.execute("UPDATE topics SET deleting_at=? WHERE name=? AND deleting_at IS NULL",
                       (now, name))
 
     def topics_being_deleted(self) -> list[TopicRecord]:
-        with self._lock:
-            rows = self._conn.execute(
+        rows = self.query(
                 "SELECT name, partitions, retention_ms, created_at FROM topics "
-                "WHERE deleting_at IS NOT NULL ORDER BY name").fetchall()
+                "WHERE deleting_at IS NOT NULL ORDER BY name")
         return self._topics(rows)
 
     def purge_topic(self, name: str) -> None:
         """Remove every record of a topic, in one transaction (the last step of deleting)."""
-        with self._tx() as c:
+        with self.atomic() as c:
             for table in ("segments", "cursors", "deleted_segments", "dedup", "schemas",
                           "schema_policies", "scale_events", "txn_set_aside"):
                 c.execute(f"DELETE FROM {table} WHERE topic=?", (name,))
             c.execute("DELETE FROM topics WHERE name=?", (name,))
 
     def get_topic(self, name: TopicName | str) -> TopicRecord:
-        with self._lock:
-            row = self._conn.execute(
+        row = self._one(
                 "SELECT name, partitions, retention_ms, created_at FROM topics WHERE name = ? "
                 "AND deleting_at IS NULL", (str(name),),
-            ).fetchone()
+            )
         if row is None:
             raise NotFoundError(f"topic {str(name)!r} does not exist")
         return self._topics([row])[0]
 
     def list_topics(self, namespace: str | None = None) -> list[TopicRecord]:
-        with self._lock:
-            if namespace is None:
-                rows = self._conn.execute(
-                    "SELECT name, partitions, retention_ms, created_at FROM topics "
-                    "WHERE deleting_at IS NULL ORDER BY name").fetchall()
-            else:
-                rows = self._conn.execute(
-                    "SELECT name, partitions, retention_ms, created_at FROM topics "
-                    "WHERE name LIKE ? ESCAPE '\\' AND deleting_at IS NULL ORDER BY name",
-                    (namespace.replace("_", "\\_").replace("%", "\\%") + "/%",),
-                ).fetchall()
+        if namespace is None:
+            rows = self.query("SELECT name, partitions, retention_ms, created_at FROM topics "
+                              "WHERE deleting_at IS NULL ORDER BY name")
+        else:
+            rows = self.query(
+                "SELECT name, partitions, retention_ms, created_at FROM topics "
+                "WHERE name LIKE ? ESCAPE '\\' AND deleting_at IS NULL ORDER BY name",
+                (namespace.replace("_", "\\_").replace("%", "\\%") + "/%",))
         return self._topics(rows)
 
     def _topics(self, rows: Sequence[Any]) -> list[TopicRecord]:
@@ -204,11 +200,11 @@ class MetadataStore:
         scale events (one more read)."""
         events: dict[str, list[ScaleEvent]] = {}
         if rows:
-            with self._lock:
-                found = self._conn.execute(
-                    "SELECT topic, seq, old_partitions, new_partitions, first_segment_id, at, "
-                    "reason FROM scale_events WHERE topic IN (SELECT value FROM json_each(?)) "
-                    "ORDER BY topic, seq", (json.dumps([r[0] for r in rows]),)).fetchall()
+            names = [r[0] for r in rows]
+            found = self.query(
+                "SELECT topic, seq, old_partitions, new_partitions, first_segment_id, at, "
+                f"reason FROM scale_events WHERE topic IN ({', '.join('?' * len(names))}) "
+                "ORDER BY topic, seq", names)
             for t, *fields in found:
                 events.setdefault(t, []).append(ScaleEvent(*fields))
         return [TopicRecord(name=r[0], partitions=r[1], retention_ms=r[2], created_at=r[3],
@@ -226,12 +222,12 @@ class MetadataStore:
     def new_segments(self, topic: str, partitions: list[tuple[int, tuple[str, ...]]], *,
                      created_at: int) -> list[SegmentRecord]:
         """A new open segment for each ``(partition, ensemble)``, in one transaction."""
-        with self._tx() as c:
+        with self.atomic() as c:
             return _insert_segments(c, topic, partitions, created_at)
 
     def update_segment_stats(self, record: SegmentRecord) -> None:
         """Write entries/messages/bytes/min/max/state/sealed_at of ``record``."""
-        with self._tx() as c:
+        with self.atomic() as c:
             _update_stats(c, record)
 
     def seal_segment(self, record: SegmentRecord, dedup: Mapping[str, tuple[int, Any]],
@@ -240,17 +236,18 @@ class MetadataStore:
         partition's producer de-dup state (``managed_ledger/dedup.py``) and the entries of
         undecided transactions ``set_aside`` here (``[entry_id, rows, routed]`` each) in
         **one** transaction: a crash leaves all or none."""
-        with self._tx() as c:
+        with self.atomic() as c:
             _update_stats(c, record)
             _save_dedup(c, record.topic, record.partition, dedup)
             c.executemany(
-                "INSERT OR REPLACE INTO txn_set_aside (txn_id, topic, partition, segment_id, "
-                "entries) VALUES (?,?,?,?,?)",
+                "INSERT INTO txn_set_aside (txn_id, topic, partition, segment_id, entries) "
+                "VALUES (?,?,?,?,?) ON CONFLICT (txn_id, topic, partition, segment_id) "
+                "DO UPDATE SET entries=excluded.entries",
                 [(txn, record.topic, record.partition, record.segment_id, json.dumps(entries))
                  for txn, entries in (set_aside or {}).items() if entries])
 
     def delete_segment(self, segment_id: int) -> None:
-        with self._tx() as c:
+        with self.atomic() as c:
             c.execute("DELETE FROM segments WHERE segment_id=?", (segment_id,))
 
     def segments(self, topic: str, partition: int | None = None) -> list[SegmentRecord]:
@@ -265,8 +262,7 @@ class MetadataStore:
         if partition is not None:
             sql += " AND partition=?"
             args += (partition,)
-        with self._lock:
-            return self._conn.execute(sql + " ORDER BY partition, segment_id", args).fetchall()
+        return self.query(sql + " ORDER BY partition, segment_id", args)
 
     def segments_in_window(self, topic: str, partition: int, start_time: int | None,
                            end_time: int | None) -> list[SegmentRecord]:
@@ -296,18 +292,23 @@ class MetadataStore:
         # the bounds are index lookups, the range read walks only the window; the open
         # segment, if any, is the partition's last one. CROSS JOIN fixes the join order
         # (SQLite's planner otherwise may scan every segment of the topic: seconds, not ms)
-        sql = (f"WITH parts(p) AS (SELECT value FROM json_each(:parts)), "
+        parts = [int(p) for p in partitions]
+        given: Any
+        if self.backend.dialect == "sqlite":
+            source, join, given = "SELECT value FROM json_each(:parts)", "CROSS JOIN", \
+                json.dumps(parts)
+        else:  # PostgreSQL: an array; its planner needs no fixed join order
+            source, join, given = "SELECT unnest(CAST(:parts AS bigint[]))", "JOIN", parts
+        sql = (f"WITH parts(p) AS ({source}), "
                f"bounds(p, lo, hi) AS MATERIALIZED (SELECT p, {lo_sql}, {hi_sql} FROM parts) "
-               f"SELECT {columns} FROM bounds CROSS JOIN segments s ON s.topic=:t AND "
+               f"SELECT {columns} FROM bounds {join} segments s ON s.topic=:t AND "
                "s.partition=bounds.p AND s.segment_id BETWEEN bounds.lo AND bounds.hi AND "
-               f"s.state='CLOSED' UNION ALL SELECT {columns} FROM parts CROSS JOIN segments s "
+               f"s.state='CLOSED' UNION ALL SELECT {columns} FROM parts {join} segments s "
                "ON s.segment_id=(SELECT MAX(segment_id) FROM segments WHERE topic=:t AND "
-               "partition=parts.p) WHERE s.state='OPEN' AND (:t1 IS NULL OR "
+               "partition=parts.p) WHERE s.state='OPEN' AND (CAST(:t1 AS bigint) IS NULL OR "
                "s.min_publish_time IS NULL OR s.min_publish_time < :t1)")
-        args = {"t": topic, "parts": json.dumps([int(p) for p in partitions]),
-                "t0": start_time, "t1": end_time}
-        with self._lock:
-            rows = self._conn.execute(sql, args).fetchall()
+        args = {"t": topic, "parts": given, "t0": start_time, "t1": end_time}
+        rows = self.query(sql, args)
         out: dict[int, list[SegmentRecord]] = {int(p): [] for p in partitions}
         for r in rows:  # closed segments, then each partition's open one (its last)
             out[r[1]].append(_segment(r))
@@ -317,28 +318,25 @@ class MetadataStore:
         return out
 
     def first_segment_id(self, topic: str, partition: int) -> int | None:
-        with self._lock:
-            row = self._conn.execute(
+        row = self._one(
                 "SELECT MIN(segment_id) FROM segments WHERE topic=? AND partition=?",
-                (topic, partition)).fetchone()
+                (topic, partition))
         return None if row is None else row[0]
 
     def get_segment(self, segment_id: int) -> SegmentRecord:
-        with self._lock:
-            row = self._conn.execute(
+        row = self._one(
                 f"SELECT {_SEGMENT_COLUMNS} FROM segments WHERE segment_id=?", (segment_id,)
-            ).fetchone()
+            )
         if row is None:
             raise NotFoundError(f"segment {segment_id} does not exist")
         return _segment(row)
 
     def open_segments(self) -> list[SegmentRecord]:
-        with self._lock:
-            rows = self._conn.execute(
+        rows = self.query(
                 f"SELECT {_SEGMENT_COLUMNS} FROM segments WHERE state=? "
                 "ORDER BY topic, partition, segment_id",
                 (SegmentState.OPEN,),
-            ).fetchall()
+            )
         return [_segment(r) for r in rows]
 
     # -- tiering ------------------------------------------------------------------------------
@@ -346,30 +344,34 @@ class MetadataStore:
     def set_offload_pending(self, segment_id: int, url: str) -> None:
         """Record where the offloader writes this segment, before it writes anything, so a
         retry after a crash reuses the same file instead of leaving an orphan."""
-        with self._tx() as c:
+        with self.atomic() as c:
             c.execute("UPDATE segments SET offload_pending_url=? WHERE segment_id=?",
                       (url, segment_id))
 
     def flip_to_tier(self, segment_id: int, url: str, *, offloaded_at: int,
                      tier_bytes: int | None = None) -> None:
         """From now on readers read this segment from ``url`` (a file of ``tier_bytes``)."""
-        with self._tx() as c:
+        with self.atomic() as c:
             c.execute("UPDATE segments SET tier_url=?, offloaded_at=?, tier_bytes=?, "
                       "offload_pending_url=NULL WHERE segment_id=?",
                       (url, offloaded_at, tier_bytes, segment_id))
 
     def mark_bookie_deleted(self, segment_id: int, *, deleted_at: int) -> None:
-        with self._tx() as c:
+        with self.atomic() as c:
             c.execute("UPDATE segments SET bookie_deleted_at=? WHERE segment_id=?",
                       (deleted_at, segment_id))
 
     def record_deletion(self, record: SegmentRecord, *, deleted_at: int, reason: str) -> None:
         """Remove a segment record and remember what was removed and why, in one step."""
-        with self._tx() as c:
+        with self.atomic() as c:
             c.execute(
-                "INSERT OR REPLACE INTO deleted_segments (segment_id, topic, partition, entries, "
+                "INSERT INTO deleted_segments (segment_id, topic, partition, entries, "
                 "messages, min_publish_time, max_publish_time, deleted_at, reason) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (segment_id) DO UPDATE SET "
+                "topic=excluded.topic, partition=excluded.partition, entries=excluded.entries, "
+                "messages=excluded.messages, min_publish_time=excluded.min_publish_time, "
+                "max_publish_time=excluded.max_publish_time, deleted_at=excluded.deleted_at, "
+                "reason=excluded.reason",
                 (record.segment_id, record.topic, record.partition, record.entries,
                  record.messages, record.min_publish_time, record.max_publish_time, deleted_at,
                  reason),
@@ -389,7 +391,7 @@ class MetadataStore:
 
     def set_bookie_endpoint(self, bookie_id: str, address: str) -> None:
         """Record where readers on other hosts reach ``bookie_id`` (its advertised address)."""
-        with self._tx() as c:
+        with self.atomic() as c:
             c.execute("INSERT INTO bookie_endpoints (bookie_id, address, updated_at) "
                       "VALUES (?, ?, ?) ON CONFLICT(bookie_id) DO UPDATE SET "
                       "address=excluded.address, updated_at=excluded.updated_at",
@@ -405,37 +407,34 @@ class MetadataStore:
 
     def bookie_endpoints(self) -> dict[str, str]:
         """bookie id -> advertised address, for every bookie that has one."""
-        with self._lock:
-            return dict(self._conn.execute(
-                "SELECT bookie_id, address FROM bookie_endpoints").fetchall())
+        return dict(self.query(
+                "SELECT bookie_id, address FROM bookie_endpoints"))
 
     def set_retention(self, topic: str, retention_ms: int | None) -> None:
-        with self._tx() as c:
+        with self.atomic() as c:
             c.execute("UPDATE topics SET retention_ms=? WHERE name=?", (retention_ms, topic))
 
     # -- cursors ------------------------------------------------------------------------------
 
     def get_cursor(self, topic: str, subscription: str, partition: int) -> Any:
         """A subscription's stored partition state (subscriptions/cursor_state.py), or None."""
-        with self._lock:
-            row = self._conn.execute(
+        row = self._one(
                 "SELECT state FROM cursors WHERE topic=? AND subscription=? AND partition=?",
                 (topic, subscription, partition),
-            ).fetchone()
+            )
         return None if row is None else json.loads(row[0])
 
     def cursors(self, topic: str) -> list[dict[str, Any]]:
         """Every stored cursor of ``topic``: subscription, partition, state, updated_at."""
-        with self._lock:
-            rows = self._conn.execute(
+        rows = self.query(
                 "SELECT subscription, partition, state, updated_at FROM cursors WHERE topic=? "
-                "ORDER BY subscription, partition", (topic,)).fetchall()
+                "ORDER BY subscription, partition", (topic,))
         return [{"subscription": r[0], "partition": r[1], "state": json.loads(r[2]),
                  "updated_at": r[3]} for r in rows]
 
     def save_cursors(self, rows: Sequence[tuple[str, str, int, Any]], *, now: int) -> None:
         """Store ``(topic, subscription, partition, state)`` rows in one transaction."""
-        with self._tx() as c:
+        with self.atomic() as c:
             c.executemany(
                 "INSERT INTO cursors (topic, subscription, partition, state, updated_at) "
                 "VALUES (?, ?, ?, ?, ?) ON CONFLICT (topic, subscription, partition) DO UPDATE "
@@ -445,7 +444,7 @@ class MetadataStore:
 
     def delete_cursors(self, topic: str, subscription: str) -> int:
         """Forget a subscription of ``topic`` (every partition's cursor); how many went."""
-        with self._tx() as c:
+        with self.atomic() as c:
             return int(c.execute("DELETE FROM cursors WHERE topic=? AND subscription=?",
                                  (topic, subscription)).rowcount)
 
@@ -454,32 +453,30 @@ class MetadataStore:
     def load_dedup(self, topic: str, partition: int) -> dict[str, tuple[int, Any]]:
         """Per producer: (last stored sequence id, its saved acks); see
         ``managed_ledger/dedup.py``."""
-        with self._lock:
-            rows = self._conn.execute(
+        rows = self.query(
                 "SELECT producer, sequence_id, position FROM dedup WHERE topic=? AND partition=?",
                 (topic, partition),
-            ).fetchall()
+            )
         return {r[0]: (r[1], json.loads(r[2])) for r in rows}
 
 
-def _insert_segments(c: sqlite3.Connection, topic: str,
-                     partitions: list[tuple[int, tuple[str, ...]]], created_at: int
-                     ) -> list[SegmentRecord]:
+def _insert_segments(c: Tx, topic: str, partitions: list[tuple[int, tuple[str, ...]]],
+                     created_at: int) -> list[SegmentRecord]:
     out = []
     for partition, ensemble in partitions:
-        cur = c.execute(
+        (segment_id,) = c.execute(
             "INSERT INTO segments (topic, partition, state, created_at, ensemble) "
-            "VALUES (?, ?, ?, ?, ?)",
-            (topic, partition, SegmentState.OPEN, created_at, json.dumps(list(ensemble))))
-        assert cur.lastrowid is not None
+            "VALUES (?, ?, ?, ?, ?) RETURNING segment_id",
+            (topic, partition, SegmentState.OPEN, created_at, json.dumps(list(ensemble)))
+        ).fetchone()
         out.append(SegmentRecord(
-            topic=topic, partition=partition, segment_id=cur.lastrowid, state=SegmentState.OPEN,
+            topic=topic, partition=partition, segment_id=segment_id, state=SegmentState.OPEN,
             entries=0, messages=0, bytes=0, min_publish_time=None, max_publish_time=None,
             created_at=created_at, sealed_at=None, ensemble=ensemble))
     return out
 
 
-def _update_stats(c: sqlite3.Connection, record: SegmentRecord) -> None:
+def _update_stats(c: Tx, record: SegmentRecord) -> None:
     c.execute(
         "UPDATE segments SET state=?, entries=?, messages=?, bytes=?, min_publish_time=?, "
         "max_publish_time=?, sealed_at=?, skipped=? WHERE segment_id=?",
@@ -490,7 +487,7 @@ def _update_stats(c: sqlite3.Connection, record: SegmentRecord) -> None:
     )
 
 
-def _save_dedup(c: sqlite3.Connection, topic: str, partition: int,
+def _save_dedup(c: Tx, topic: str, partition: int,
                 state: Mapping[str, tuple[int, Any]]) -> None:
     c.executemany(
         "INSERT INTO dedup (topic, partition, producer, sequence_id, position) "

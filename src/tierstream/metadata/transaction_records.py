@@ -80,8 +80,9 @@ class TransactionRecords:
               ) -> TransactionRecord:
         """Register ``txn_id`` as OPEN (idempotent); a transaction that ended is refused."""
         with self._meta.atomic() as c:
-            c.execute("INSERT OR IGNORE INTO transactions (txn_id, sink_id, batch_id, state, "
-                      "created_at, updated_at) VALUES (?,?,?,?,?,?)",
+            c.execute("INSERT INTO transactions (txn_id, sink_id, batch_id, state, "
+                      "created_at, updated_at) VALUES (?,?,?,?,?,?) "
+                      "ON CONFLICT (txn_id) DO NOTHING",
                       (txn_id, sink_id, batch_id, TxnState.OPEN, now, now))
         record = self.get(txn_id)
         if record.state != TxnState.OPEN:
