@@ -27,6 +27,7 @@ test: lint
 # the Spark exactly-once tests with 8 killed queries each instead of the suite's 1 (~8 min).
 chaos: $(STAMP)
 	$(PY) -m tests.store.chaos --cycles 100
+	$(PY) -m tests.store.chaos --cycles 100 --postgres
 	$(PY) -m tests.store.subscription_chaos --messages 400000 --rounds 6
 	$(PY) -m tests.store.subscription_chaos --client pulsar --messages 200000 --rounds 6
 	$(PY) -m tests.pulsar_wire.scale_follow

@@ -12,6 +12,7 @@ from bench import (
     framework_bench,
     history,
     latency_fs_bench,
+    metadata_bench,
     pulsar_bench,
     remote_bench,
     remote_bookie_bench,
@@ -62,6 +63,8 @@ BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
     "pulsar-consume": (pulsar_bench.pulsar_consume, "real pulsar-client consumers (1 exclusive, "
                        "4 shared, 4 key_shared; processes) receive + ack beside tierstream's "
                        "own Consumer"),
+    "metadata": (metadata_bench.metadata, "metadata hot paths (roll, ack flush, de-dup save, "
+                 "plan) and produce / consume through a broker, PostgreSQL beside SQLite"),
     "layout": (tier_bench.layout, "bytes a k=4 key-range read and a 10% time window fetch, "
                                   "key-bucket layout vs log order"),
 }

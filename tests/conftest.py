@@ -13,6 +13,7 @@ import pytest
 
 from tierstream.broker.process import BrokerProcess
 
+from .postgres import PostgresServer, postgres_server
 from .timing import scaled
 
 #: Each test's limit (pytest-timeout, unless ``--timeout`` says otherwise); derived from the
@@ -150,3 +151,9 @@ def spark() -> Iterator[object]:
                .getOrCreate())
     yield session
     session.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    """A PostgreSQL server for this session (``tests/postgres.py``), started on first use."""
+    yield from postgres_server()

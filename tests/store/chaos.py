@@ -9,6 +9,7 @@ stop (each flushes what it has in flight), the whole topic is read back, and
 The suite runs a short version (``test_kill_cycles.py``); ``make chaos`` runs the long one::
 
     python -m tests.store.chaos --cycles 100
+    python -m tests.store.chaos --cycles 100 --postgres   # metadata on PostgreSQL
 
 and prints cycles, acknowledged, missing, duplicated and order violations per configuration;
 it exits 1 if any is non-zero.
@@ -79,8 +80,10 @@ def _sends(out: Path) -> list[dict[str, Any]]:
 
 def run_cycles(work: Path, *, config: str, cycles: int, producers: int = 3,
                partitions: int = 2, seed: int = 0, extra_uptime: float = 1.5,
-               log: Callable[[str], None] = lambda _: None) -> Outcome:
-    """Run ``cycles`` SIGKILL/restart cycles on a fresh data directory under ``work``."""
+               log: Callable[[str], None] = lambda _: None,
+               metadata: str | None = None) -> Outcome:
+    """Run ``cycles`` SIGKILL/restart cycles on a fresh data directory under ``work``
+    (``metadata``: a PostgreSQL URL for the broker's metadata; None: SQLite)."""
     rng = random.Random(seed)
     started = time.monotonic()
     data = work / f"data-{config}"
@@ -88,7 +91,8 @@ def run_cycles(work: Path, *, config: str, cycles: int, producers: int = 3,
 
     def start_broker() -> BrokerProcess:
         args = [*CONFIGS[config], "--max-entries-per-segment", str(rng.randint(2, 40)),
-                "--segment-rollover-time", f"{rng.randint(1000, 3000)}ms"]
+                "--segment-rollover-time", f"{rng.randint(1000, 3000)}ms",
+                *(["--metadata", metadata] if metadata else [])]
         return BrokerProcess(data, port=port, args=args).start()
 
     broker = start_broker()
@@ -131,7 +135,8 @@ def run_cycles(work: Path, *, config: str, cycles: int, producers: int = 3,
                 raise AssertionError(f"producer exited {p.returncode}: {stderr[-2000:]}")
         table = read_all(broker.url, TOPIC)
         report = check(table, [s for o in outs for s in _sends(o)])
-        return Outcome(config, kills, report, time.monotonic() - started)
+        return Outcome(config + (" (PostgreSQL metadata)" if metadata else ""), kills, report,
+                       time.monotonic() - started)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -186,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cycles", type=int, default=100)
     parser.add_argument("--seed", type=int, default=int(time.time()))
     parser.add_argument("--config", choices=[*CONFIGS, "all"], default="all")
+    parser.add_argument("--postgres", action="store_true",
+                        help="keep the broker's metadata on a PostgreSQL started for the run")
     args = parser.parse_args(argv)
     if args.command == "produce":
         _produce(args)
@@ -193,14 +200,22 @@ def main(argv: list[str] | None = None) -> int:
     configs = list(CONFIGS) if args.config == "all" else [args.config]
     failed = False
     print(f"chaos: {args.cycles} kill cycles per configuration, seed {args.seed}", flush=True)
+    server = None
+    if args.postgres:
+        from ..postgres import PostgresServer
+
+        server = PostgresServer()
     with tempfile.TemporaryDirectory(prefix="tierstream-chaos-") as tmp:
         for config in configs:
             outcome = run_cycles(Path(tmp), config=config, cycles=args.cycles, seed=args.seed,
-                                 log=lambda m: print(m, file=sys.stderr, flush=True))
+                                 log=lambda m: print(m, file=sys.stderr, flush=True),
+                                 metadata=server.new_database() if server else None)
             print(outcome.line(), flush=True)
             if not outcome.report.ok:
                 failed = True
                 print(f"  {outcome.report}", flush=True)
+    if server is not None:
+        server.stop()
     return 1 if failed else 0
 
 

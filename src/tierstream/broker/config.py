@@ -42,8 +42,18 @@ class StoreConfig:
     transaction_hold_limit_ms: int = 30_000
     auto_scale_rate: int | None = None
     auto_scale_window_ms: int = 60_000
+    #: ``postgresql://user@host/db``: the metadata on PostgreSQL (``metadata/postgres.py``);
+    #: None: the SQLite file in the data directory
+    metadata_url: str | None = None
 
     def __post_init__(self) -> None:
+        from tierstream.metadata.backend import POSTGRES_SCHEMES
+
+        if self.metadata_url is not None and not self.metadata_url.startswith(
+                POSTGRES_SCHEMES):
+            raise ConfigError(f"invalid --metadata {self.metadata_url!r}: expected "
+                              "postgresql://user@host[:port]/database (or nothing: SQLite in "
+                              "the data directory)")
         if not 1 <= self.write_quorum <= self.bookies:
             raise ConfigError(
                 f"invalid writeQuorum {self.write_quorum}: must be between 1 and the number of "
@@ -98,6 +108,11 @@ class StoreConfig:
     @property
     def metadata_path(self) -> Path:
         return self.layout.metadata
+
+    @property
+    def metadata_where(self) -> str | Path:
+        """Where the metadata is: the PostgreSQL URL, or the SQLite file."""
+        return self.metadata_url or self.metadata_path
 
     def bookie_dir(self, bookie_id: str) -> Path:
         return self.layout.bookie(bookie_id)

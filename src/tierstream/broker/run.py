@@ -13,7 +13,7 @@ from typing import Any
 from tierstream.broker.config import StoreConfig
 from tierstream.broker.server import Broker
 from tierstream.broker.store import Store
-from tierstream.errors import ConfigError, ConflictError
+from tierstream.errors import ConfigError, ConflictError, TierstreamError, UnavailableError
 from tierstream.options import (
     DEFAULT_ADMIN_PORT,
     DEFAULT_ADMIN_TLS_PORT,
@@ -141,6 +141,7 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
             endpoint.shutdown()
         store.close()
         raise
+    lost = store.metadata.backend.lost
     with stop_requested() as stop:
         try:
             if ready is not None:
@@ -149,7 +150,9 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
                           "pulsar admin": admin and admin.url}
                 ready(broker.url, {k: v for k, v in served.items() if v})
             while not stop.wait(0.5):
-                pass
+                if lost.is_set():  # the metadata's server stayed away: stop, cleanly
+                    log.error("%s: the broker stops", store.metadata.backend.lost_reason)
+                    break
         finally:
             log.info("broker shutting down")
             store.closing.set()  # ends tail streams so that shutdown does not wait on them
@@ -162,7 +165,14 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
                 metrics.shutdown()
             for endpoint in endpoints:
                 endpoint.shutdown()
-            store.close()
+            try:
+                store.close()
+            except TierstreamError:
+                if not lost.is_set():
+                    raise  # with the metadata lost, what close could not record is
+                    # recovered at the next start, as after a crash
+    if lost.is_set():
+        raise UnavailableError(f"{store.metadata.backend.lost_reason}: the broker stopped")
 
 
 def serve_bookies(store: Store, host: str, auth_token: str | None, tls_cert: str | None,

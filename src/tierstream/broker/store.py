@@ -19,7 +19,7 @@ from tierstream.broker.auto_scale import AutoScaler
 from tierstream.broker.config import StoreConfig
 from tierstream.broker.recovery import RecoveryReport, recover_open_segments
 from tierstream.broker.transaction_coordinator import TransactionCoordinator
-from tierstream.errors import ConfigError, ConflictError, StorageError
+from tierstream.errors import ConfigError, ConflictError, StorageError, UnavailableError
 from tierstream.faults import crash_point
 from tierstream.managed_ledger.partition_log import PartitionLog
 from tierstream.metadata.records import SegmentRecord, TopicRecord
@@ -41,19 +41,31 @@ class Store:
 
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
-        _prepare_data_dir(config.data_dir)
-        self._lock_file = _lock_data_dir(config)
+        # metadata on PostgreSQL is checked (reachable, this version, not held by another
+        # broker) before anything is created here
+        remote = MetadataStore(config.metadata_url) if config.metadata_url else None
         try:
-            self.metadata = MetadataStore(config.metadata_path)
+            _prepare_data_dir(config.data_dir)
+            self._lock_file = _lock_data_dir(config)
+        except BaseException:
+            if remote is not None:
+                remote.close()
+            raise
+        try:
+            self.metadata = remote or MetadataStore(config.metadata_path)
             self.bookies = {
                 f"bookie-{i}": Bookie(f"bookie-{i}", config.bookie_dir(f"bookie-{i}"),
                                       fsync=config.fsync, max_open=config.max_open_ledgers)
                 for i in range(config.bookies)
             }
-        except OSError as exc:
+        except BaseException as exc:
             _unlock_data_dir(self._lock_file)
-            raise StorageError(f"cannot open the store in {str(config.data_dir)!r}: "
-                               f"{exc.strerror or exc}") from None
+            if remote is not None:
+                remote.close()
+            if isinstance(exc, OSError):
+                raise StorageError(f"cannot open the store in {str(config.data_dir)!r}: "
+                                   f"{exc.strerror or exc}") from None
+            raise
         self.closing = threading.Event()  # set: tail reads end, housekeeping stops
         self._closed = False
         self.tier = config.tier()
@@ -192,8 +204,8 @@ class Store:
         for record in self.metadata.topics_being_deleted():
             try:
                 self._purge(record)
-            except Exception:  # e.g. the tier is unreachable: the next pass finishes it
-                log.exception("could not finish deleting topic %s; will retry", record.name)
+            except Exception as exc:  # e.g. the tier is unreachable: the next pass finishes it
+                _failed(exc, "could not finish deleting topic %s; will retry", record.name)
 
     def _purge(self, record: TopicRecord) -> None:
         segments = self.metadata.segments(record.name)
@@ -315,20 +327,20 @@ class Store:
                     plog.roll_if_aged()
                     plog.roll_if_blocked(self.config.transaction_hold_limit_ms)
                     plog.flush_stats()
-                except Exception:  # keep housekeeping alive; log and go on
-                    log.exception("housekeeping failed for %s/%s", plog.topic, plog.partition)
+                except Exception as exc:  # keep housekeeping alive; log and go on
+                    _failed(exc, "housekeeping failed for %s/%s", plog.topic, plog.partition)
             now = time.monotonic()
             if self._auto_scale is not None:
                 try:
                     self._auto_scale.check(now)
-                except Exception:
-                    log.exception("auto-scaling failed; retrying at the next pass")
+                except Exception as exc:
+                    _failed(exc, "auto-scaling failed; retrying at the next pass")
             if now - self._last_txn_pass >= min(10.0, self.config.transaction_timeout_ms / 4000):
                 self._last_txn_pass = now
                 try:
                     self.transactions.expire()
-                except Exception:
-                    log.exception("transaction housekeeping failed; retrying later")
+                except Exception as exc:
+                    _failed(exc, "transaction housekeeping failed; retrying later")
             if now - self._last_tier_pass >= self.config.tier_check_interval_ms / 1000:
                 self._last_tier_pass = now
                 self.purge_deleted_topics()
@@ -337,8 +349,8 @@ class Store:
                         counts = self.tier_pass()
                         if any(counts.values()):
                             log.info("tier pass: %s", counts)
-                except Exception:  # a tier outage must not stop the broker; say so and retry
-                    log.exception("tier pass failed; segments stay readable from bookies")
+                except Exception as exc:  # a tier outage must not stop the broker; say so and retry
+                    _failed(exc, "tier pass failed; segments stay readable from bookies")
 
     def close(self) -> None:
         """Clean shutdown: seal every open segment, stop the bookies, close the metadata."""
@@ -416,3 +428,12 @@ def _unlock_data_dir(f: Any) -> None:
 
     fcntl.flock(f, fcntl.LOCK_UN)
     f.close()
+
+
+def _failed(exc: Exception, message: str, *args: Any) -> None:
+    """A background step failed: one line when the metadata's server is unreachable (an
+    outage, said once more by the backend), the stack for anything else (a bug to report)."""
+    if isinstance(exc, UnavailableError):
+        log.warning(message + ": %s", *args, exc)
+    else:
+        log.exception(message, *args)

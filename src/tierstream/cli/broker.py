@@ -110,6 +110,11 @@ def broker_start(
     auto_scale_rate: Annotated[int | None, typer.Option(help=_help("autoScaleRate"))] = None,
     auto_scale_window: Annotated[str | None, typer.Option(help=_help("autoScaleWindow"))]
         = None,
+    metadata: Annotated[str | None, typer.Option(
+        envvar="TIERSTREAM_METADATA", show_envvar=False,
+        help="Keep the metadata on PostgreSQL: postgresql://user[:password]@host[:port]/db "
+             "(env TIERSTREAM_METADATA) [default: SQLite in the data directory].",
+        show_default=False)] = None,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "INFO",
 ) -> None:
     """Start the broker in the foreground; SIGTERM or Ctrl-C stops it cleanly.
@@ -121,7 +126,7 @@ def broker_start(
 
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = StoreConfig.from_options({
+    config = StoreConfig.from_options(metadata_url=metadata or None, raw={
         "dataDir": str(data_dir), "bookies": bookies, "writeQuorum": write_quorum,
         "ackQuorum": ack_quorum, "maxEntriesPerSegment": max_entries_per_segment,
         "maxSegmentBytes": max_segment_bytes, "segmentRolloverTime": segment_rollover_time,

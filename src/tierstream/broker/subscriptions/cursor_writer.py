@@ -82,7 +82,10 @@ class CursorWriter:
                 self._metadata.save_cursors(rows, now=now_ms())
                 crash_point("cursor.saved")
             except Exception as exc:
-                log.exception("storing %d cursor(s) failed", len(batch))
+                if isinstance(exc, UnavailableError):  # the metadata's server is gone for good
+                    log.warning("storing %d cursor(s) failed: %s", len(batch), exc)
+                else:
+                    log.exception("storing %d cursor(s) failed", len(batch))
                 with self._cond:
                     self._error = exc
                     self._cond.notify_all()

@@ -1,0 +1,255 @@
+"""The metadata store on PostgreSQL (``broker start --metadata postgresql://user@host/db``,
+``TIERSTREAM_METADATA``), through psycopg 3.
+
+**Transactions.** Every metadata transaction that is one SQLite transaction is one PostgreSQL
+transaction (``Backend.transaction``), at READ COMMITTED. That is enough because two writers
+never interleave: a broker holds the database with a session advisory lock for as long as it
+runs (a second broker is refused, as the data directory's flock refuses one for SQLite), and
+its own statements go through one connection under one lock, as with SQLite; readers (the
+CLI, planners) only read, and every write they could see is a committed whole.
+
+**Failures.** While PostgreSQL cannot be reached, every metadata statement waits, trying
+again with backoff (0.2 s doubling to 5 s): the acks that need a metadata write (cursor
+commits, segment rolls) stop, everything else goes on, and all resume when the server is
+back. After :func:`outage_limit_s` (60 s; ``TIERSTREAM_METADATA_OUTAGE_S``) the backend gives
+up: the statement raises ``UnavailableError`` and :attr:`PostgresBackend.lost` is set, which
+stops the broker cleanly with one line (``broker/run.py``). A connection that breaks in the
+middle of a transaction fails that transaction (``UnavailableError``): nothing that depends on
+it is acknowledged.
+
+Statements are written once for both engines (``backend.py``); here ``?`` and ``:name``
+become psycopg's ``%s`` and ``%(name)s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from functools import lru_cache
+from typing import Any
+
+from tierstream.errors import ConfigError, ConflictError, UnavailableError
+from tierstream.metadata.backend import Args, Cursor, Tx, UniqueViolation
+
+__all__ = ["PostgresBackend", "outage_limit_s", "safe_url"]
+
+log = logging.getLogger(__name__)
+
+#: the first pause before trying an unreachable server again, and the longest
+FIRST_PAUSE_S = 0.2
+MAX_PAUSE_S = 5.0
+
+
+def outage_limit_s() -> float:
+    """How long statements wait for an unreachable server before the backend gives up."""
+    raw = os.environ.get("TIERSTREAM_METADATA_OUTAGE_S", "60")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"invalid TIERSTREAM_METADATA_OUTAGE_S {raw!r}: expected seconds") \
+            from None
+    if value <= 0:
+        raise ConfigError(f"invalid TIERSTREAM_METADATA_OUTAGE_S {raw!r}: expected seconds > 0")
+    return value
+#: the advisory lock a broker holds its metadata database with
+LOCK_KEY = 0x7469_6572_7374  # "tierst"
+
+_PLACEHOLDER = re.compile(r"'[^']*'|::|\?|:(\w+)|%")
+
+
+@lru_cache(maxsize=512)
+def _translate(sql: str) -> str:
+    """``?`` -> ``%s``, ``:name`` -> ``%(name)s``, ``%`` -> ``%%``; string literals and
+    ``::`` casts kept as they are."""
+    def one(m: re.Match[str]) -> str:
+        text = m.group(0)
+        if text.startswith("'") or text == "::":
+            return text.replace("%", "%%")
+        if text == "?":
+            return "%s"
+        if text == "%":
+            return "%%"
+        return f"%({m.group(1)})s"
+
+    return _PLACEHOLDER.sub(one, sql)
+
+
+def safe_url(url: str) -> str:
+    """``url`` without its password, for messages."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+class _PgTx:
+    def __init__(self, cur: Any) -> None:
+        self._cur = cur
+
+    def execute(self, sql: str, args: Args = ()) -> Cursor:
+        import psycopg
+
+        try:
+            self._cur.execute(_translate(sql), args or None)
+        except psycopg.errors.UniqueViolation as exc:
+            raise UniqueViolation(str(exc).splitlines()[0]) from None
+        cursor: Cursor = self._cur
+        return cursor
+
+    def executemany(self, sql: str, rows: Sequence[Args]) -> None:
+        import psycopg
+
+        if not rows:
+            return
+        try:
+            self._cur.executemany(_translate(sql), rows)
+        except psycopg.errors.UniqueViolation as exc:
+            raise UniqueViolation(str(exc).splitlines()[0]) from None
+
+
+class PostgresBackend:
+    """One PostgreSQL database. A writer (``read_only=False``: the broker) holds it with an
+    advisory lock until :meth:`close`."""
+
+    dialect = "postgresql"
+
+    def __init__(self, url: str, *, read_only: bool = False) -> None:
+        self.url = url
+        self.name = safe_url(url)
+        self.read_only = read_only
+        self._lock = threading.RLock()
+        self._conn: Any = None
+        self._holder: Any = None  # the session holding the advisory lock
+        self.outage_limit_s = outage_limit_s()
+        #: set once the server stayed unreachable past the limit, with the reason
+        self.lost = threading.Event()
+        self.lost_reason = ""
+        self._connect()
+        if not read_only:
+            self._hold()
+
+    # -- connections --------------------------------------------------------------------------
+
+    def _open(self) -> Any:
+        try:
+            import psycopg
+        except ImportError:  # pragma: no cover - a dependency of tierstream
+            raise ConfigError("PostgreSQL metadata needs psycopg: pip install "
+                              "'psycopg[binary]'") from None
+        try:
+            return psycopg.connect(self.url, autocommit=True, connect_timeout=10,
+                                   application_name="tierstream")
+        except psycopg.ProgrammingError as exc:  # a malformed URL
+            raise ConfigError(f"invalid metadata URL {self.name!r}: {_first_line(exc)}") \
+                from None
+        except psycopg.OperationalError as exc:
+            raise UnavailableError(f"cannot connect to the metadata store {self.name}: "
+                                   f"{_first_line(exc)}") from None
+
+    def _connect(self) -> None:
+        self._conn = self._open()
+        if self.read_only:
+            self._conn.read_only = True
+
+    def _hold(self) -> None:
+        self._holder = self._open()
+        (got,) = self._holder.execute("SELECT pg_try_advisory_lock(%s)", (LOCK_KEY,)).fetchone()
+        if not got:
+            row = self._holder.execute(
+                "SELECT a.application_name, a.client_addr, a.backend_start FROM pg_locks l "
+                "JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' AND "
+                "l.objid = %s AND l.granted", (LOCK_KEY & 0xFFFF_FFFF,)).fetchone()
+            self._holder.close()
+            self._conn.close()
+            since = f" (connected {row[2]:%Y-%m-%d %H:%M:%S})" if row else ""
+            raise ConflictError(f"the metadata store {self.name} is held by another running "
+                                f"broker{since}: stop it first, or give this one its own "
+                                "database")
+
+    def _retrying(self, work: Any) -> Any:
+        """``work(connection)``, opening the connection again while it is broken, with
+        backoff, for up to the outage limit; then (or at once, once the backend was lost)
+        UnavailableError naming the cause."""
+        import psycopg
+
+        pause, started = FIRST_PAUSE_S, time.monotonic()
+        while True:
+            if self.lost.is_set():
+                raise UnavailableError(self.lost_reason)
+            try:
+                if self._conn is None or self._conn.closed or self._conn.broken:
+                    self._connect()
+                    if pause > FIRST_PAUSE_S:
+                        log.warning("the metadata store %s is reachable again after %.1f s",
+                                    self.name, time.monotonic() - started)
+                return work(self._conn)
+            except (psycopg.OperationalError, UnavailableError) as exc:
+                conn = self._conn
+                if isinstance(exc, psycopg.OperationalError) and conn is not None \
+                        and not conn.closed and not conn.broken:
+                    raise  # the statement failed, not the connection
+                if conn is not None and not conn.closed:
+                    conn.close()
+                self._conn = None
+                waited = time.monotonic() - started
+                if waited >= self.outage_limit_s:
+                    self.lost_reason = (f"the metadata store {self.name} was unreachable for "
+                                        f"{waited:.0f} s: {_first_line(exc)}")
+                    self.lost.set()
+                    raise UnavailableError(self.lost_reason) from None
+                if pause == FIRST_PAUSE_S:
+                    log.warning("the metadata store %s is unreachable (%s): metadata writes "
+                                "wait for it, for up to %.0f s", self.name, _first_line(exc),
+                                self.outage_limit_s)
+                time.sleep(min(pause, max(0.0, self.outage_limit_s - waited)))
+                pause = min(pause * 2, MAX_PAUSE_S)
+
+    # -- the Backend interface ----------------------------------------------------------------
+
+    @contextmanager
+    def transaction(self) -> Iterator[Tx]:
+        import psycopg
+
+        with self._lock:
+            conn = self._retrying(lambda c: c)
+            try:
+                with conn.transaction(), conn.cursor() as cur:
+                    yield _PgTx(cur)
+            except psycopg.OperationalError as exc:
+                # the commit may not have reached the server: whatever depends on it fails
+                if not conn.closed:
+                    conn.close()
+                self._conn = None
+                raise UnavailableError(f"a metadata transaction on {self.name} did not "
+                                       f"complete: {_first_line(exc)}") from None
+
+    def read(self, sql: str, args: Args = ()) -> list[Any]:
+        text = _translate(sql)
+        with self._lock:
+            rows: list[Any] = self._retrying(
+                lambda c: c.execute(text, args or None).fetchall())
+            return rows
+
+    def columns(self, table: str) -> list[str]:
+        return [r[0] for r in self.read(
+            "SELECT column_name FROM information_schema.columns WHERE table_name = ? AND "
+            "table_schema = current_schema()", (table,))]
+
+    def close(self) -> None:
+        with self._lock:
+            for conn in (self._conn, self._holder):
+                if conn is not None and not conn.closed:
+                    conn.close()
+            self._conn = self._holder = None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -1,0 +1,258 @@
+"""The metadata store on both backends, SQLite (the embedded default) and PostgreSQL: the same
+operations give the same answers; and what can go wrong with a PostgreSQL URL is one line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tierstream.client import Admin, Consumer, Producer, read
+from tierstream.errors import (
+    AlreadyExistsError,
+    ConfigError,
+    ConflictError,
+    NotFoundError,
+    UnavailableError,
+)
+from tierstream.metadata.records import SegmentState
+from tierstream.metadata.schema_registry import SchemaRegistry
+from tierstream.metadata.store import MetadataStore
+from tierstream.metadata.tables import SCHEMA_VERSION
+from tierstream.metadata.transaction_records import TransactionRecords
+from tierstream.names import TopicName
+from tierstream.schemas.model import SchemaType
+from tierstream.splits.positions import Offset
+
+from ..postgres import PostgresServer, started
+from ..timing import scaled
+from .helpers import wait_for
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request, tmp_path) -> Iterator[MetadataStore]:
+    where: str | Path = tmp_path / "metadata.db" if request.param == "sqlite" else \
+        request.getfixturevalue("postgres").new_database()
+    opened = MetadataStore(where)
+    try:
+        yield opened
+    finally:
+        opened.close()
+
+
+def test_topics_segments_windows_and_deletions_read_back_alike(store) -> None:
+    topic, created = store.create_topic(TopicName.parse("acme/web/clicks"), 3, created_at=5,
+                                        ensembles=[("bookie-0",)] * 3)
+    assert topic.partitions == 3 and [s.partition for s in created] == [0, 1, 2]
+    assert len({s.segment_id for s in created}) == 3
+    with pytest.raises(AlreadyExistsError):
+        store.create_topic(TopicName.parse("acme/web/clicks"), 1, created_at=6, ensembles=[()])
+    store.create_topic(TopicName.parse("acme/web_x/other"), 1, created_at=7,
+                       ensembles=[("bookie-0",)])
+    assert [t.name for t in store.list_topics("acme/web")] == ["acme/web/clicks"]
+    first = created[0]
+    sealed = first.with_stats(state=SegmentState.CLOSED, entries=4, messages=40, bytes=400,
+                              min_publish_time=100, max_publish_time=200, sealed_at=210,
+                              skipped=((1, 2),))
+    store.seal_segment(sealed, {"writer": (7, {"at": [1, 2]})},
+                       {"txn-1": [[3, 10, None]]})
+    later = store.new_segment("acme/web/clicks", 0, ensemble=("bookie-0",), created_at=220)
+    assert later.segment_id > first.segment_id
+    store.update_segment_stats(later.with_stats(entries=1, messages=1, bytes=10,
+                                                min_publish_time=300, max_publish_time=300))
+    windows = store.segments_in_windows("acme/web/clicks", [0, 1], 150, 250)
+    assert [s.segment_id for s in windows[0]] == [first.segment_id]
+    assert windows[0][0].skipped == ((1, 2),)
+    assert [s.segment_id for s in windows[1]] == [created[1].segment_id]  # open, no time yet
+    everything = store.segments_in_windows("acme/web/clicks", [0], None, None)[0]
+    assert [s.segment_id for s in everything] == [first.segment_id, later.segment_id]
+    assert store.load_dedup("acme/web/clicks", 0) == {"writer": (7, {"at": [1, 2]})}
+    store.record_deletion(sealed, deleted_at=500, reason="retention")
+    store.record_deletion(sealed, deleted_at=501, reason="retention again")  # upsert
+    (gone,) = store.deleted_segments("acme/web/clicks")
+    assert (gone["segment_id"], gone["deleted_at"], gone["reason"]) == (
+        first.segment_id, 501, "retention again")
+    assert store.first_segment_id("acme/web/clicks", 0) == later.segment_id
+    with pytest.raises(NotFoundError):
+        store.get_segment(first.segment_id)
+
+
+def test_cursors_transactions_schemas_and_scale_events_read_back_alike(store) -> None:
+    from tierstream.metadata.scale_events import record_scale_event
+
+    store.create_topic(TopicName.parse("a/b/c"), 2, created_at=1, ensembles=[("b",)] * 2)
+    store.save_cursors([("a/b/c", "s", 0, {"mark": [1, 2, 3]}),
+                        ("a/b/c", "s", 1, {"mark": [4]})], now=10)
+    store.save_cursors([("a/b/c", "s", 0, {"mark": [9]})], now=11)
+    assert store.get_cursor("a/b/c", "s", 0) == {"mark": [9]}
+    assert [(r["partition"], r["updated_at"]) for r in store.cursors("a/b/c")] == [(0, 11),
+                                                                                  (1, 10)]
+    assert store.delete_cursors("a/b/c", "s") == 2 and store.cursors("a/b/c") == []
+    records = TransactionRecords(store)
+    records.begin("t1", "sink", 0, 5)
+    records.begin("t1", "sink", 0, 6)  # idempotent
+    assert records.get("t1").state == "OPEN"
+    registry = SchemaRegistry(store)
+    v1 = registry.register("a/b/c", SchemaType.STRING, None)
+    assert v1.version == 1 and registry.register("a/b/c", SchemaType.STRING, None) == v1
+    grown, opened = record_scale_event(store, "a/b/c", 2, 4, at=20, reason="test",
+                                       ensembles=[("b",)] * 4)
+    assert grown.partitions == 4 and len(opened) == 4
+    assert [e.new for e in store.get_topic("a/b/c").scale_events] == [4]
+
+
+def test_a_postgresql_url_that_cannot_serve_is_one_clear_error(postgres: PostgresServer,
+                                                               free_port: int) -> None:
+    with pytest.raises(UnavailableError, match=rf"cannot connect to the metadata store "
+                                               rf"postgresql://postgres@127.0.0.1:{free_port}"):
+        MetadataStore(postgres.url().replace(str(postgres.port), str(free_port)))
+    bad_password = postgres.url(user="secured:wrong")
+    with pytest.raises(UnavailableError, match="password authentication failed") as info:
+        MetadataStore(bad_password)
+    assert "wrong" not in str(info.value)  # the password is not repeated
+    with pytest.raises(UnavailableError, match='database "nothere" does not exist'):
+        MetadataStore(postgres.url("nothere"))
+    url = postgres.new_database()
+    MetadataStore(url).close()
+    postgres.sql(url, "UPDATE meta SET value='99' WHERE key='schema_version'")
+    with pytest.raises(ConfigError, match=r"version 99; .* written by a newer tierstream"):
+        MetadataStore(url)
+    postgres.sql(url, f"UPDATE meta SET value='{SCHEMA_VERSION}' WHERE key='schema_version'")
+    holder = MetadataStore(url)
+    try:
+        with pytest.raises(ConflictError, match="held by another running broker"):
+            MetadataStore(url)
+        MetadataStore(url, read_only=True).close()  # readers are welcome
+    finally:
+        holder.close()
+    MetadataStore(url).close()  # free again once the first let go
+
+
+def test_a_broker_on_postgresql_metadata_serves_survives_a_sigkill_and_refuses_a_second(
+        postgres: PostgresServer, start_broker, tmp_path) -> None:
+    url = postgres.new_database()
+    broker = start_broker("--metadata", url)
+    assert not (broker.data_dir / "metadata.db").exists()
+    with Admin(broker.url) as admin:
+        admin.create_topic("acme/pg/orders", 2)
+    with Producer("acme/pg/orders", broker=broker.url, name="pg-writer") as producer:
+        producer.send_many({"key": f"k{i % 7}", "value": f"{i}".encode()} for i in range(500))
+    consumer = Consumer("acme/pg/orders", "audit", broker=broker.url, initial=Offset.earliest())
+    got = 0
+    while got < 200:
+        batch = consumer.receive(timeout=scaled(30))
+        assert batch is not None
+        consumer.ack(batch)
+        got += batch.num_rows
+    broker.kill()
+    # the killed broker's session, and with it its hold on the database, ended with it
+    broker = start_broker("--metadata", url)
+    values = [v for b in read("acme/pg/orders", broker=broker.url, end=Offset.latest())
+              for v in b.column("value").to_pylist()]
+    assert sorted(int(v) for v in values) == list(range(500))
+    with Admin(broker.url) as admin:  # the acks were stored in PostgreSQL
+        assert sum(r["backlog"] for r in admin.subscriptions("acme/pg/orders")) == 500 - got
+    second = subprocess.run(
+        [sys.executable, "-m", "tierstream", "broker", "start", "--data-dir",
+         str(tmp_path / "second"), "--port", "0", "--pulsar-port", "0", "--admin-port", "0",
+         "--metadata", url], capture_output=True, text=True, timeout=scaled(60))
+    assert second.returncode == 1 and second.stderr.count("\n") == 1, second.stderr
+    assert "held by another running broker" in second.stderr
+    assert not (tmp_path / "second").exists()  # nothing half-created
+
+
+def test_bad_metadata_urls_are_one_line_naming_the_value(tmp_path, free_port) -> None:
+    for url, code, needle in [
+            ("mysql://db/x", 2, "invalid --metadata 'mysql://db/x'"),
+            (f"postgresql://u@127.0.0.1:{free_port}/x", 1, "cannot connect to the metadata "
+                                                             "store")]:
+        done = subprocess.run(
+            [sys.executable, "-m", "tierstream", "broker", "start", "--data-dir",
+             str(tmp_path / "d"), "--port", "0", "--pulsar-port", "0", "--admin-port", "0"],
+            capture_output=True, text=True, timeout=scaled(120),
+            env={**__import__("os").environ, "TIERSTREAM_METADATA": url})
+        assert done.returncode == code and done.stderr.count("\n") == 1, done.stderr
+        assert needle in done.stderr and "Traceback" not in done.stderr
+        assert not (tmp_path / "d").exists()
+
+
+def test_postgresql_stopped_under_load_holds_acks_until_it_returns(start_broker) -> None:
+    """PostgreSQL stopped while a producer and a consumer run: the broker keeps its process
+    and its data, the acks that need a metadata write wait (a consumer's ack, a segment
+    roll's), and everything resumes when the server is back: every message read back once.
+    Past the outage limit, a broker stops cleanly with one line."""
+    import threading
+
+    server = started()  # its own: this test stops it
+    try:
+        url = server.new_database()
+        broker = start_broker("--metadata", url, "--max-entries-per-segment", "20",
+                              env={"TIERSTREAM_METADATA_OUTAGE_S": str(scaled(120))})
+        topic = "acme/pg/outage"
+        with Admin(broker.url) as admin:
+            admin.create_topic(topic, 1)
+        consumer = Consumer(topic, "c", broker=broker.url, initial=Offset.earliest())
+        acked: list[int] = []
+        errors: list[BaseException] = []
+
+        def produce() -> None:
+            try:
+                with Producer(topic, broker=broker.url, name="steady", batch_size=10,
+                              send_timeout=scaled(180)) as producer:
+                    producer.send_many({"value": f"{i}".encode()} for i in range(1000))
+            except BaseException as exc:
+                errors.append(exc)
+
+        def consume() -> None:
+            try:
+                while len(acked) < 1000:
+                    batch = consumer.receive(timeout=scaled(180))
+                    if batch is None:
+                        raise AssertionError(f"nothing to receive after {len(acked)}")
+                    consumer.ack(batch)
+                    acked.extend(int(v) for v in batch.column("value").to_pylist())
+            except BaseException as exc:
+                errors.append(exc)
+
+        server.halt()
+        threads = [threading.Thread(target=produce), threading.Thread(target=consume)]
+        for t in threads:
+            t.start()
+        # rolls and cursor commits wait for the server: the acks stop short of the end
+        wait_for(lambda: broker.proc is not None and broker.proc.poll() is None
+                 and len(acked) < 1000 and "unreachable" in "".join(broker.stderr_tail),
+                 timeout=scaled(60), what="the broker to wait for PostgreSQL")
+        held = len(acked)
+        threads[1].join(timeout=2)
+        assert len(acked) == held < 1000 and broker.proc.poll() is None
+        server.resume()
+        for t in threads:
+            t.join(timeout=scaled(240))
+        assert not errors, errors
+        assert sorted(acked) == list(range(1000))
+        values = [int(v) for b in read(topic, broker=broker.url, end=Offset.latest())
+                  for v in b.column("value").to_pylist()]
+        assert values == list(range(1000))  # once each, in order
+        consumer.close()
+
+        # past the limit: one line, a clean stop, and a restart recovers
+        other = server.new_database()
+        quick = start_broker("--metadata", other, data=broker.data_dir.parent / "quick",
+                             env={"TIERSTREAM_METADATA_OUTAGE_S": str(scaled(2))})
+        server.halt()
+        with pytest.raises(Exception), Admin(quick.url) as admin:  # noqa: B017 - it gives up
+            admin.create_topic("acme/pg/late", 1)
+        assert quick.proc is not None
+        assert quick.proc.wait(timeout=scaled(60)) == 1
+        last = [line for line in quick.stderr_tail if line.strip()][-1]
+        assert last.startswith("error: the metadata store") and "the broker stopped" in last
+        assert "Traceback" not in "".join(quick.stderr_tail)
+        server.resume()
+        again = start_broker("--metadata", other, data=broker.data_dir.parent / "quick")
+        with Admin(again.url) as admin:
+            admin.create_topic("acme/pg/late", 1)
+    finally:
+        server.stop()
