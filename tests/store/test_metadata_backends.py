@@ -104,6 +104,28 @@ def test_cursors_transactions_schemas_and_scale_events_read_back_alike(store) ->
     assert [e.new for e in store.get_topic("a/b/c").scale_events] == [4]
 
 
+def test_a_store_of_an_older_version_is_migrated_when_a_broker_opens_it(
+        store) -> None:
+    """Version 9 had no ``segments.skipped``: opened to write, the store gains the column and
+    says version 10, on either engine (the same migration, through ``Backend.columns``)."""
+    where = store.backend.name if store.backend.dialect == "sqlite" else store.backend.url
+    store.create_topic(TopicName.parse("a/b/old"), 1, created_at=1, ensembles=[("b",)])
+    with store.atomic() as c:
+        c.execute("ALTER TABLE segments DROP COLUMN skipped")
+        c.execute("UPDATE meta SET value='9' WHERE key='schema_version'")
+    store.close()
+    with pytest.raises(ConfigError, match=r"has schema version 9; .* upgrades it"):
+        MetadataStore(where, read_only=True)
+    upgraded = MetadataStore(where)
+    try:
+        assert "skipped" in upgraded.backend.columns("segments")
+        assert upgraded.query("SELECT value FROM meta WHERE key='schema_version'") == [
+            (str(SCHEMA_VERSION),)]
+        assert [s.skipped for s in upgraded.segments("a/b/old")] == [()]
+    finally:
+        upgraded.close()
+
+
 def test_a_postgresql_url_that_cannot_serve_is_one_clear_error(postgres: PostgresServer,
                                                                free_port: int) -> None:
     with pytest.raises(UnavailableError, match=rf"cannot connect to the metadata store "
