@@ -23,6 +23,16 @@ def client_of(broker: BrokerProcess, **kwargs: Any) -> Any:
                          logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Warn), **kwargs)
 
 
+def each_message(consumer: Any, stop: Any, handle: Any, timeout_ms: int = 100) -> None:
+    """``handle(message)`` for each message ``consumer`` receives, until ``stop`` is set."""
+    while not stop.is_set():
+        try:
+            msg = consumer.receive(timeout_millis=timeout_ms)
+        except pulsar.Timeout:
+            continue
+        handle(msg)
+
+
 def rows_of(broker: BrokerProcess, topic: str) -> list[dict[str, Any]]:
     return [r for b in read(topic, broker=broker.url, end=Offset.latest())
             for r in b.to_pylist()]

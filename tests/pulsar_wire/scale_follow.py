@@ -38,6 +38,7 @@ from tierstream.client import Admin, Producer
 
 from ..store.helpers import wait_for
 from ..timing import scaled
+from .helpers import each_message
 
 TOPIC = "acme/web/pulsar-follows"
 SUBSCRIPTION = "follow"
@@ -70,17 +71,16 @@ def run(data_dir: Path, *, messages: int = 30_000, keys: int = 100) -> list[str]
                 f"persistent://{TOPIC}", SUBSCRIPTION, consumer_name=f"c{n}",
                 consumer_type=pulsar.ConsumerType.KeyShared, receiver_queue_size=200,
                 initial_position=pulsar.InitialPosition.Earliest)
-            while not stop.is_set():
-                try:
-                    msg = consumer.receive(timeout_millis=100)
-                except pulsar.Timeout:
-                    continue
+
+            def keep(msg: Any) -> None:
                 key, i = msg.data().decode().rsplit("|", 1)
                 with lock:
                     received.append((time.monotonic(), f"c{n}", key, int(i),
                                      msg.message_id().partition()))
                 consumer.acknowledge(msg)
                 time.sleep(PER_MESSAGE_S)
+
+            each_message(consumer, stop, keep)
             consumer.close()
 
         threads += [threading.Thread(target=consume, args=(n,), daemon=True) for n in range(2)]

@@ -13,6 +13,6 @@ from ..store.subscription_chaos import run
 @pytest.mark.parametrize("mode", ["key_shared", "shared"])
 def test_pulsar_consumers_that_join_leave_and_crash_beside_a_broker_kill_lose_nothing(
         tmp_path, free_port, mode: str) -> None:
-    outcome = run(tmp_path, free_port, mode=mode, messages=40_000, rounds=1, client="pulsar")
+    outcome = run(tmp_path, free_port, mode=mode, messages=20_000, rounds=1, client="pulsar")
     assert outcome.ok, str(outcome)
     assert outcome.broker_kills == 1 and outcome.worker_kills == 1 and outcome.closes >= 1

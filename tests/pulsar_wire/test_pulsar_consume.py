@@ -23,7 +23,7 @@ from tierstream.splits.positions import Offset
 
 from ..store.helpers import wait_for
 from ..timing import scaled
-from .helpers import client_of, commands_until, rows_of
+from .helpers import client_of, commands_until, each_message, rows_of
 
 TYPES = {"exclusive": pulsar.ConsumerType.Exclusive, "failover": pulsar.ConsumerType.Failover,
          "shared": pulsar.ConsumerType.Shared, "key_shared": pulsar.ConsumerType.KeyShared}
@@ -411,13 +411,12 @@ def test_key_shared_consumers_ride_out_a_broker_sigkill(start_broker, free_port)
                                         consumer_type=pulsar.ConsumerType.KeyShared,
                                         consumer_name=f"c{n}",
                                         initial_position=pulsar.InitialPosition.Earliest)
-        while not stop.is_set():
-            try:
-                msg = consumer.receive(timeout_millis=200)
-            except pulsar.Timeout:
-                continue
+
+        def keep(msg: Any) -> None:
             received[n].append(msg)
             consumer.acknowledge(msg)
+
+        each_message(consumer, stop, keep, timeout_ms=200)
         consumer.close()
 
     threads = [threading.Thread(target=consume, args=(n,), daemon=True) for n in range(2)]

@@ -121,8 +121,7 @@ def test_a_crash_at_each_write_point_loses_and_duplicates_nothing(
     _restart_and_check(start_broker, free_port, args, writer)
 
 
-@pytest.mark.parametrize("point", ["append.before-ack@9", "roll.metadata-sealed@2",
-                                   "roll.next-registered@3"])
+@pytest.mark.parametrize("point", ["roll.metadata-sealed@2", "roll.next-registered@3"])
 def test_a_crash_at_a_write_point_with_postgresql_metadata_loses_and_duplicates_nothing(
         start_broker, free_port, postgres, point) -> None:
     args = (*ONE, "--metadata", postgres.new_database())

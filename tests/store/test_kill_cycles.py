@@ -22,7 +22,7 @@ def test_twelve_kill_cycles_under_three_named_producers_lose_and_duplicate_nothi
 def test_kill_cycles_with_postgresql_metadata_lose_and_duplicate_nothing(tmp_path,
                                                                         postgres) -> None:
     # the representative PostgreSQL run; make chaos runs 100 cycles of each configuration
-    outcome = run_cycles(tmp_path, config="3-bookies-wq3-aq2", cycles=6, seed=20261126,
+    outcome = run_cycles(tmp_path, config="3-bookies-wq3-aq2", cycles=4, seed=20261126,
                          extra_uptime=0.8, metadata=postgres.new_database())
-    assert outcome.cycles == 6, outcome.line()
+    assert outcome.cycles == 4, outcome.line()
     assert outcome.report.ok, f"{outcome.line()}\n{outcome.report}"

@@ -58,34 +58,17 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
         raise ConfigError(f"invalid port {port!r}: expected 0..65535 (0: any free port)")
     if port != 0:
         _check_port_free(host, port)
-    if isinstance(pulsar_port, bool) or not 0 <= pulsar_port <= 65535:
-        raise ConfigError(f"invalid --pulsar-port {pulsar_port!r}: expected 0..65535 (0: off)")
     option = "--pulsar-port"
     if tls_cert is not None:
         option = "--pulsar-tls-port"
         pulsar_port = DEFAULT_PULSAR_TLS_PORT if pulsar_tls_port is None else pulsar_tls_port
-        if isinstance(pulsar_port, bool) or not 0 <= pulsar_port <= 65535:
-            raise ConfigError(f"invalid --pulsar-tls-port {pulsar_port!r}: expected 0..65535 "
-                              "(0: off)")
     elif pulsar_tls_port:
         raise ConfigError(f"--pulsar-tls-port {pulsar_tls_port} needs --tls-cert and "
                           "--tls-key (pulsar+ssl is served with the broker's certificate)")
-    if pulsar_port:
-        try:
-            _check_port_free(host, pulsar_port)
-        except (ConflictError, ConfigError) as exc:
-            raise type(exc)(f"{exc} (the Pulsar listener: give {option} another port, "
-                            "or 0 for none)") from None
+    _check_listener(host, pulsar_port, option, "the Pulsar listener")
     if admin_port is None:
         admin_port = DEFAULT_ADMIN_PORT if tls_cert is None else DEFAULT_ADMIN_TLS_PORT
-    if isinstance(admin_port, bool) or not 0 <= admin_port <= 65535:
-        raise ConfigError(f"invalid --admin-port {admin_port!r}: expected 0..65535 (0: off)")
-    if admin_port:
-        try:
-            _check_port_free(host, admin_port)
-        except (ConflictError, ConfigError) as exc:
-            raise type(exc)(f"{exc} (the Pulsar admin listener: give --admin-port another "
-                            "port, or 0 for none)") from None
+    _check_listener(host, admin_port, "--admin-port", "the Pulsar admin listener")
     bookie_ports = [bookie_port_base + i if bookie_port_base else 0
                     for i in range(config.bookies)] if bookie_endpoints else []
     if bookie_ports and bookie_port_base and not (bookie_port_base > 0
@@ -210,6 +193,19 @@ def _raise_file_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         except (ValueError, OSError):
             log.warning("could not raise the open-file limit from %s to %s", soft, hard)
+
+
+def _check_listener(host: str, port: int, option: str, what: str) -> None:
+    """A listener that ``0`` turns off: its port in range and, if on, free (the error says
+    which option to change)."""
+    if isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ConfigError(f"invalid {option} {port!r}: expected 0..65535 (0: off)")
+    if port:
+        try:
+            _check_port_free(host, port)
+        except (ConflictError, ConfigError) as exc:
+            raise type(exc)(f"{exc} ({what}: give {option} another port, or 0 for "
+                            "none)") from None
 
 
 def _check_port_free(host: str, port: int) -> None:
