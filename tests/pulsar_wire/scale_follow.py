@@ -9,7 +9,7 @@ find the new partitions, the old ones still hold earlier messages of the keys th
 the broker must hold those keys in the new partitions until their earlier messages are
 acknowledged (the scale-event gate tierstream's own consumers get). The Python client looks
 for new partitions every 60 s (C++ ``partitionsUpdateInterval``; the Python wrapper cannot
-shorten it), so this runs for about 2 minutes and belongs in ``make chaos``::
+shorten it), so this runs for about 3 minutes and belongs in ``make chaos``::
 
     python -m tests.pulsar_wire.scale_follow [--messages N]
 
@@ -44,8 +44,9 @@ TOPIC = "acme/web/pulsar-follows"
 SUBSCRIPTION = "follow"
 #: the Python client's partition poll (C++ ClientConfiguration's default)
 POLL_S = 60.0
-#: each consumer's pause per message: both together take ~2 minutes for 30,000 messages
-PER_MESSAGE_S = 0.004
+#: each consumer's pause per message: both together take ~3 minutes for 30,000 messages, so
+#: a third of the old partitions' messages are still there when the new ones are found
+PER_MESSAGE_S = 0.010
 
 
 def run(data_dir: Path, *, messages: int = 30_000, keys: int = 100) -> list[str]:
@@ -122,6 +123,10 @@ def run(data_dir: Path, *, messages: int = 30_000, keys: int = 100) -> list[str]
         for c in clients:
             c.close()
         broker.kill()
+    first_new = min((t for t, *_, p in received if p >= 2), default=None)
+    if first_new is None or not any(p < 2 and t > first_new for t, *_, p in received):
+        problems.append("the old partitions were drained before the new ones were found: "
+                        "the scale-event gate was not exercised (slow the consumers down)")
     if sorted({p for *_, p in received}) != [0, 1, 2, 3]:
         problems.append(f"received from partitions {sorted({p for *_, p in received})} only")
     seen: dict[str, int] = defaultdict(lambda: -1)
