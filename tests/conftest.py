@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import sys
 import threading
+from collections import Counter
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
@@ -61,6 +63,31 @@ def _hung(item: pytest.Item) -> None:
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     sys.stderr.flush()
     os._exit(3)
+
+
+#: A worker holding more descriptors than this after a test fails that test: past 1,024, the
+#: py4j callback server of the worker's SparkSession (select()) stops answering and the next
+#: foreachBatch query hangs instead of failing where the descriptors were leaked.
+DESCRIPTOR_LIMIT = 512
+
+
+def _descriptors() -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _no_descriptor_leak() -> Iterator[None]:
+    before = len(_descriptors())
+    yield
+    after = _descriptors()
+    if len(after) > DESCRIPTOR_LIMIT and len(after) > before:
+        kinds = Counter(Path(t).suffix or t.split(":")[0] for t in after).most_common(3)
+        pytest.fail(f"this worker holds {len(after)} open descriptors ({before} before this "
+                    f"test; the most: {kinds}): a leak", pytrace=False)
 
 
 @pytest.fixture

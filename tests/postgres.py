@@ -92,14 +92,15 @@ class PostgresServer:
         import psycopg
 
         name = f"t{os.getpid()}_{next(self._names)}"
-        with psycopg.connect(self.url(), autocommit=True) as conn:
+        with psycopg.connect(self.url(), autocommit=True,
+                             connect_timeout=int(scaled(30))) as conn:
             conn.execute(f"CREATE DATABASE {name}")
         return self.url(name)
 
     def sql(self, url: str, statement: str) -> None:
         import psycopg
 
-        with psycopg.connect(url, autocommit=True) as conn:
+        with psycopg.connect(url, autocommit=True, connect_timeout=int(scaled(30))) as conn:
             conn.execute(statement)
 
     def stop(self) -> None:

@@ -217,12 +217,18 @@ class PartitionReads:
             return cached
         if seg.bookie_deleted_at is not None:
             return self._tier_segment(seg).entry(rec.entry_id)
+        # a caller reading many entries passes its readers (and closes them); one entry read
+        # alone opens and closes its own
         open_readers = readers or _Readers()
 
         def read(bookie: str) -> Callable[[], pa.Buffer]:
             return lambda: open_readers.get(self._bookies[bookie], seg.segment_id).read(rec)
 
-        payload, errors = first_good_replica((b, read(b)) for b in seg.ensemble)
+        try:
+            payload, errors = first_good_replica((b, read(b)) for b in seg.ensemble)
+        finally:
+            if readers is None:
+                open_readers.close()
         self.replica_failures += len(errors)
         if payload is not None:
             return decode_payload(payload)
