@@ -33,6 +33,7 @@ __all__ = [
     "ConflictError",
     "CorruptionError",
     "DataLossError",
+    "FencedError",
     "NotFoundError",
     "ProtocolError",
     "StaleRoutingError",
@@ -110,6 +111,14 @@ class UnavailableError(TierstreamError, ConnectionError):
     code = "unavailable"
 
 
+class FencedError(UnavailableError):
+    """A write to a broker that is no longer the store's writer: another broker took the
+    store over (a higher epoch) and fenced the ledgers this one had open. Nothing of it was
+    stored; the client reconnects, to the broker that serves the store now."""
+
+    code = "fenced"
+
+
 class AckInDoubtError(UnavailableError):
     """An ack that the broker's crash made resend was stored, but before it arrived the
     restarted broker may have delivered some of its messages to another consumer (or that
@@ -144,6 +153,7 @@ ERRORS_BY_CODE: dict[str, type[TierstreamError]] = {
         AlreadyExistsError,
         ConflictError,
         StaleRoutingError,
+        FencedError,
         DataLossError,
         CorruptionError,
         AuthError,

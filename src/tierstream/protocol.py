@@ -35,6 +35,7 @@ from tierstream.errors import (
 )
 
 __all__ = ["PROTOCOL_VERSION", "decode", "decode_positions", "encode", "encode_positions",
+           "error_from_text", "error_text",
            "server_error", "translate_errors"]
 
 PROTOCOL_VERSION = 1
@@ -91,6 +92,14 @@ def server_error(exc: TierstreamError) -> Exception:
 def error_text(exc: TierstreamError) -> str:
     """``exc`` tagged with its code, as a client turns it back (:func:`translate_errors`)."""
     return f"[tierstream:{exc.code}] {exc}"
+
+
+def error_from_text(text: str) -> TierstreamError:
+    """The error :func:`error_text` tagged (a plain text: UnavailableError with it)."""
+    match = _TAGGED.search(text)
+    if match is None:
+        return UnavailableError(text)
+    return ERRORS_BY_CODE.get(match.group(1), TierstreamError)(match.group(2).strip())
 
 
 @contextmanager

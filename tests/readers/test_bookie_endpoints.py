@@ -22,6 +22,7 @@ from tierstream.bookie.server import BookieServer
 from tierstream.bookie.storage import ledger_paths
 from tierstream.enumerator import Enumerator, Query
 from tierstream.errors import AuthError, CorruptionError
+from tierstream.metadata.bookie_registry import set_bookie_endpoint
 from tierstream.readers import ReadStats, open_reader
 from tierstream.readers.stats import BROKER_FALLBACK, ENDPOINT, LOCAL
 from tierstream.splits.split import ReaderKind, Split
@@ -162,7 +163,7 @@ def test_bookie_endpoints_take_the_token_like_the_broker(tmp_path: Path) -> None
                               auth_token="s3cret")
         threading.Thread(target=server.serve, daemon=True).start()
         try:
-            log.store.metadata.set_bookie_endpoint("bookie-0", server.url)
+            set_bookie_endpoint(log.store.metadata, "bookie-0", server.url)
             splits = [_elsewhere(s) for s in _bookie_splits(log)]
             with pytest.raises(AuthError, match=r"bookie endpoint of bookie-0 .* denied"):
                 _read(splits)

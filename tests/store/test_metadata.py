@@ -137,6 +137,8 @@ def test_a_version_9_store_gains_skipped_entries_and_set_aside_transactions(tmp_
     with sqlite3.connect(path) as c:  # as version 9 wrote it
         c.execute("DROP TABLE txn_set_aside")
         c.execute("ALTER TABLE segments DROP COLUMN skipped")
+        c.execute("ALTER TABLE bookie_endpoints DROP COLUMN host")
+        c.execute("ALTER TABLE bookie_endpoints DROP COLUMN writable")
         c.execute("UPDATE meta SET value='9' WHERE key='schema_version'")
     c.close()
     store = MetadataStore(path)
@@ -153,6 +155,9 @@ def test_a_version_9_store_gains_skipped_entries_and_set_aside_transactions(tmp_
         assert txns.has_set_aside("t1", "a/b/c", 0) and not txns.has_set_aside("t1", "a/b/c", 1)
         txns.drop_set_aside(["t1"])
         assert txns.set_aside("t1") == [] and txns.set_aside_segments() == set()
-        assert store.query("SELECT value FROM meta WHERE key='schema_version'") == [("10",)]
+        assert store.query("SELECT value FROM meta WHERE key='schema_version'") == [
+            (str(SCHEMA_VERSION),)]
+        # v11: network bookies say which host they are on and that they take writes
+        assert {"host", "writable"} <= set(store.backend.columns("bookie_endpoints"))
     finally:
         store.close()

@@ -16,6 +16,7 @@ from tierstream.broker.server import Broker
 from tierstream.client import Admin
 from tierstream.enumerator import Enumerator, Query
 from tierstream.errors import AuthError, ConfigError, UnavailableError
+from tierstream.metadata.bookie_registry import set_bookie_endpoint
 from tierstream.readers import ReadStats, open_reader
 from tierstream.readers.stats import ENDPOINT
 from tierstream.security import check_bind
@@ -84,7 +85,7 @@ def test_bookie_endpoints_serve_tls_to_readers_given_the_ca(tmp_path: Path) -> N
                               tls_cert=str(cert), tls_key=str(key))
         threading.Thread(target=server.serve, daemon=True).start()
         try:
-            log.store.metadata.set_bookie_endpoint("bookie-0", server.url)
+            set_bookie_endpoint(log.store.metadata, "bookie-0", server.url)
             with Enumerator(data_dir=log.data_dir, broker=log.url) as enum:
                 splits = [replace(s, replicas=tuple(replace(r, local_dir=None)
                                                     for r in s.replicas))

@@ -42,15 +42,17 @@ from tierstream.bookie.ledger import (
     read_index,
 )
 from tierstream.bookie.storage import ledger_paths
+from tierstream.bookie.writes import BookieWrites, result_bytes
 from tierstream.errors import (
     ConfigError,
     CorruptionError,
     NotFoundError,
     ProtocolError,
     TierstreamError,
+    UnavailableError,
 )
 from tierstream.message_format import key_range_mask
-from tierstream.protocol import decode, encode, server_error
+from tierstream.protocol import decode, server_error
 from tierstream.security import (
     TokenMiddlewareFactory,
     check_bind,
@@ -81,7 +83,8 @@ class BookieServer(flight.FlightServerBase):
 
     def __init__(self, root: str | Path, *, bookie_id: str | None = None,
                  host: str = "127.0.0.1", port: int = 0, auth_token: str | None = None,
-                 tls_cert: str | None = None, tls_key: str | None = None) -> None:
+                 tls_cert: str | None = None, tls_key: str | None = None,
+                 writable: bool = False, fsync: bool = True) -> None:
         self.root = Path(root)
         if not (self.root / "ledgers").is_dir() and not self.root.is_dir():
             raise ConfigError(f"invalid bookie directory {str(root)!r}: it does not exist")
@@ -99,6 +102,10 @@ class BookieServer(flight.FlightServerBase):
         self.frames_served = 0
         self.bytes_served = 0
         self._lock = threading.Lock()
+        #: the write side (``bookie serve``); None for the broker's own read endpoints, whose
+        #: directories the broker writes itself
+        self.writes = BookieWrites(self.bookie_id, self.root, fsync=fsync) if writable \
+            else None
 
     def __repr__(self) -> str:
         return f"BookieServer(id={self.bookie_id!r}, url={self.url!r})"
@@ -110,11 +117,21 @@ class BookieServer(flight.FlightServerBase):
     def do_get(self, context: Any, ticket: flight.Ticket) -> flight.FlightDataStream:
         try:
             req = decode(ticket.ticket, "bookie ticket")
+            if req.get("op") == "range":
+                batch = self._writes().byte_range(int(req["segment_id"]), int(req["offset"]),
+                                                  int(req["length"]))
+                return flight.RecordBatchStream(pa.Table.from_batches([batch]))
             if req.get("op") != "entries":
                 raise ProtocolError(f"unknown bookie DoGet operation {req.get('op')!r}")
             segment_id = int(req["segment_id"])
             records = self._index(segment_id)
             end = None if req.get("end") is None else Position.from_dict(req["end"])
+            if end is not None and end.segment_id == segment_id and \
+                    len(records) < end.entry_id + (1 if end.batch_index else 0):
+                raise UnavailableError(  # the reader goes on with another replica
+                    f"ledger {segment_id} on bookie {self.bookie_id} holds {len(records)} "
+                    f"entries, fewer than the read needs (a copy that missed writes while "
+                    "its bookie was away)")
             i, j = entry_range(records, int(req.get("first") or 0), end,
                                req.get("start_time"), req.get("end_time"))
             lo, hi = req.get("key_range") or (0, 65536)
@@ -128,9 +145,57 @@ class BookieServer(flight.FlightServerBase):
             raise server_error(ProtocolError(f"malformed bookie request: {exc!r}")) from None
 
     def do_action(self, context: Any, action: flight.Action) -> Iterator[bytes]:
-        if action.type != "ping":
-            raise server_error(ProtocolError(f"unknown bookie action {action.type!r}"))
-        return iter([encode({"result": {"bookie": self.bookie_id}})])
+        try:
+            if action.type == "ping":
+                return result_bytes({"bookie": self.bookie_id,
+                                     "writable": self.writes is not None})
+            if action.type == "stats":
+                return result_bytes({"frames_served": self.frames_served,
+                                     "bytes_served": self.bytes_served,
+                                     **(self.writes.stats() if self.writes else {})})
+            body = decode(action.body.to_pybytes(), "bookie action") if action.body else {}
+            return result_bytes(self._writes().action(action.type, body))
+        except TierstreamError as exc:
+            raise server_error(exc) from None
+        except (KeyError, ValueError, TypeError) as exc:
+            raise server_error(ProtocolError(f"malformed bookie action: {exc!r}")) from None
+
+    def do_exchange(self, context: Any, descriptor: flight.FlightDescriptor, reader: Any,
+                    writer: Any) -> None:
+        try:
+            command = decode(descriptor.command, "bookie exchange")
+            if command.get("op") != "append":
+                raise ProtocolError(f"unknown bookie exchange {command.get('op')!r}")
+            self._writes().exchange(command, reader, writer)
+        except TierstreamError as exc:
+            raise server_error(exc) from None
+        except (KeyError, ValueError, TypeError) as exc:
+            raise server_error(ProtocolError(f"malformed bookie exchange: {exc!r}")) from None
+
+    def do_put(self, context: Any, descriptor: flight.FlightDescriptor, reader: Any,
+               writer: Any) -> None:
+        try:
+            command = decode(descriptor.command, "bookie put")
+            if command.get("op") != "rewrite":
+                raise ProtocolError(f"unknown bookie put {command.get('op')!r}")
+            self._writes().rewrite(int(command["segment_id"]), reader)
+        except TierstreamError as exc:
+            raise server_error(exc) from None
+        except (KeyError, ValueError, TypeError) as exc:
+            raise server_error(ProtocolError(f"malformed bookie put: {exc!r}")) from None
+
+    def _writes(self) -> BookieWrites:
+        if self.writes is None:
+            raise ProtocolError(f"bookie endpoint {self.bookie_id} is read-only (the broker "
+                                "writes its directory itself)")
+        return self.writes
+
+    def shutdown(self) -> None:
+        if self.writes is not None:
+            self.writes.closing = True  # open append streams end, so shutdown can finish
+        super().shutdown()
+        if self.writes is not None:
+            self.writes.close()
 
     def _index(self, segment_id: int) -> list[IndexRecord]:
         _, idx = ledger_paths(self.root, segment_id)
@@ -227,16 +292,30 @@ def serve_bookie(root: str | Path, *, host: str, port: int, bookie_id: str | Non
                  auth_token: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, broker: str | None = None,
                  advertised_address: str | None = None, tls_ca: bytes | None = None,
-                 ready: Any = None) -> None:
-    """Run one bookie endpoint until SIGTERM/SIGINT (main thread). With ``broker``, its
-    address (``advertised_address`` or the bound one) is registered in the store's metadata,
-    so planners hand it to readers."""
+                 metadata: str | None = None, host_label: str | None = None,
+                 fsync: bool = True, ready: Any = None) -> None:
+    """Run one bookie endpoint until SIGTERM/SIGINT (main thread). With ``metadata`` (a
+    ``postgresql://`` URL) it takes writes and registers there as a network bookie (its
+    address, and ``host_label`` or the address's host), where brokers started with
+    ``--network-bookies`` find it; with ``broker``, its address is registered with that
+    broker as the read endpoint of one of its own bookies."""
+    from tierstream.metadata.backend import POSTGRES_SCHEMES
     from tierstream.signals import stop_requested
 
+    if metadata is not None and not metadata.startswith(POSTGRES_SCHEMES):
+        raise ConfigError(f"invalid --metadata {metadata!r}: expected postgresql://user@host"
+                          "[:port]/database (network bookies register where every broker "
+                          "finds them)")
+    root = Path(root)
+    if metadata is not None:
+        root.mkdir(parents=True, exist_ok=True)
     server = BookieServer(root, bookie_id=bookie_id, host=host, port=port,
-                          auth_token=auth_token, tls_cert=tls_cert, tls_key=tls_key)
+                          auth_token=auth_token, tls_cert=tls_cert, tls_key=tls_key,
+                          writable=metadata is not None, fsync=fsync)
     address = advertised_url(server, advertised_address)
     try:
+        if metadata is not None:
+            _register(metadata, server.bookie_id, address, host_label)
         if broker is not None:
             from tierstream.client.admin import Admin
 
@@ -249,6 +328,20 @@ def serve_bookie(root: str | Path, *, host: str, port: int, bookie_id: str | Non
                 pass
     finally:
         server.shutdown()
+
+
+def _register(url: str, bookie_id: str, address: str, host_label: str | None) -> None:
+    from urllib.parse import urlparse
+
+    from tierstream.metadata.bookie_registry import set_bookie_endpoint
+    from tierstream.metadata.store import MetadataStore
+
+    store = MetadataStore(url, hold=False)
+    try:
+        set_bookie_endpoint(store, bookie_id, address, writable=True,
+                            host=host_label or urlparse(address).hostname or address)
+    finally:
+        store.close()
 
 
 def advertised_url(server: BookieServer, advertised: str | None) -> str:

@@ -33,7 +33,7 @@ from tierstream.bookie.ledger import (
     scan_frames,
 )
 from tierstream.durable import fsync_dir
-from tierstream.errors import CorruptionError, NotFoundError
+from tierstream.errors import ConflictError, CorruptionError, FencedError, NotFoundError
 
 __all__ = ["Bookie", "RecoveredLedger", "ledger_paths"]
 
@@ -67,6 +67,7 @@ class _Append:
     first_pt: int
     last_pt: int
     future: Future[IndexRecord]
+    epoch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,8 @@ class Bookie:
         )
         self._closed = False
         self.checksum_failures = 0
+        #: ledger -> the lowest writer epoch it accepts appends from (fence())
+        self._fences: dict[int, int] = {}
         self._thread.start()
 
     def __repr__(self) -> str:
@@ -111,6 +114,20 @@ class Bookie:
         its first append: a broker with many idle partitions holds no files for them."""
         with self._lock:
             self._open.setdefault(segment_id, _OpenLedger(segment_id))
+
+    def open_for_appends(self, segment_id: int, epoch: int) -> None:
+        """A network writer's first append to a ledger opens it here, unless a newer writer
+        fenced it (FencedError) or it was closed before on this bookie (sealed, fenced, or
+        open when this bookie restarted): its copy here stays as it is, and the writer
+        places its next segment elsewhere."""
+        with self._lock:
+            self._check_epoch(segment_id, epoch)
+            if segment_id in self._open:
+                return
+            if ledger_paths(self.root, segment_id)[0].exists():
+                raise ConflictError(f"ledger {segment_id} is closed on bookie "
+                                    f"{self.bookie_id}: it takes no more appends")
+            self._open[segment_id] = _OpenLedger(segment_id)
 
     def _fds(self, ledger: _OpenLedger, busy: set[int]) -> tuple[int, int]:
         """The ledger's descriptors, opened (and its files created) if needed; the least
@@ -143,14 +160,17 @@ class Bookie:
         messages: int,
         first_pt: int,
         last_pt: int,
+        epoch: int | None = None,
     ) -> Future[IndexRecord]:
-        """Queue an entry; the future completes once it is written (and fsync'd)."""
+        """Queue an entry; the future completes once it is written (and fsync'd). With
+        ``epoch`` (the writing broker's, over the network), an append to a ledger fenced at a
+        higher epoch fails with FencedError."""
         fut: Future[IndexRecord] = Future()
         if self._closed:
             fut.set_exception(NotFoundError(f"bookie {self.bookie_id} is closed"))
             return fut
         self._queue.put(_Append(segment_id, entry_id, meta, payload, messages, first_pt, last_pt,
-                                fut))
+                                fut, epoch))
         return fut
 
     def _run(self) -> None:
@@ -191,6 +211,7 @@ class Bookie:
         for req in group:
             try:
                 with self._lock:
+                    self._check_epoch(req.segment_id, req.epoch)
                     ledger = self._open.get(req.segment_id)
                     if ledger is None:
                         raise NotFoundError(f"ledger {req.segment_id} is not open on "
@@ -223,6 +244,57 @@ class Bookie:
                 if ledger is not None:
                     ledger.records.append(rec)
             req.future.set_result(rec)
+
+    # -- fencing ------------------------------------------------------------------------------
+
+    def _fence_path(self, segment_id: int) -> Path:
+        return ledger_paths(self.root, segment_id)[0].with_suffix(".fence")
+
+    def fenced_at(self, segment_id: int) -> int | None:
+        """The epoch ``segment_id`` is fenced at (lock held or not), or None."""
+        epoch = self._fences.get(segment_id)
+        if epoch is None:  # read once (0: not fenced); only this process fences it
+            path = self._fence_path(segment_id)
+            epoch = self._fences[segment_id] = int(path.read_text()) if path.exists() else 0
+        return epoch or None
+
+    def _check_epoch(self, segment_id: int, epoch: int | None) -> None:
+        fenced = self.fenced_at(segment_id) if epoch is not None else None
+        if fenced is not None and epoch is not None and epoch < fenced:
+            raise FencedError(f"ledger {segment_id} on bookie {self.bookie_id} is fenced: "
+                              f"a broker of epoch {fenced} took it over (this write is of "
+                              f"epoch {epoch})")
+
+    def fence(self, segment_id: int, epoch: int) -> RecoveredLedger:
+        """BookKeeper's fence: from now on appends of writers below ``epoch`` are refused
+        (kept on disk, so also after a restart of this bookie); what was written before is
+        flushed and returned as recovery sees it. A fence below the current one is refused:
+        a newer writer took the ledger over."""
+        self.flush()
+        with self._lock:
+            current = self.fenced_at(segment_id)
+            if current is not None and epoch < current:
+                raise FencedError(f"ledger {segment_id} on bookie {self.bookie_id} is fenced "
+                                  f"at epoch {current}, above {epoch}")
+            path = self._fence_path(segment_id)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".fence.tmp")
+            tmp.write_text(str(epoch))
+            if self.fsync:
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            os.replace(tmp, path)
+            if self.fsync:
+                fsync_dir(path.parent)
+            self._fences[segment_id] = epoch
+            ledger = self._open.pop(segment_id, None)
+            self._with_fds.pop(segment_id, None)
+        if ledger is not None:
+            _close_fds(ledger)
+        return self.recover_ledger(segment_id)
 
     def seal_ledger(self, segment_id: int, last_entry_id: int | None) -> None:
         """Make the ledger read-only at ``last_entry_id`` (None: empty) and fsync both files.
@@ -353,6 +425,8 @@ class Bookie:
     def delete_ledger(self, segment_id: int) -> None:
         for path in ledger_paths(self.root, segment_id):
             path.unlink(missing_ok=True)
+        self._fence_path(segment_id).unlink(missing_ok=True)
+        self._fences.pop(segment_id, None)
 
 
 class LedgerReader:

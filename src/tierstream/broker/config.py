@@ -45,6 +45,18 @@ class StoreConfig:
     #: ``postgresql://user@host/db``: the metadata on PostgreSQL (``metadata/postgres.py``);
     #: None: the SQLite file in the data directory
     metadata_url: str | None = None
+    #: write to the bookies registered in the metadata as network services (``tierstream
+    #: bookie serve``) instead of directories here; a write/ack quorum of 0 is resolved from
+    #: how many there are (3 of them, 2; at most 3 copies)
+    network_bookies: bool = False
+    #: the token and CA the broker presents to / trusts of network bookies
+    bookie_token: str | None = None
+    bookie_tls_ca: bytes | None = None
+    #: a network bookie that leaves an entry unanswered this long is taken for gone
+    bookie_timeout_s: float = 10.0
+    #: a standby: wait for the metadata database held by another broker, and take it over
+    #: once that broker was silent this long (PostgreSQL metadata only)
+    takeover_after_s: float | None = None
 
     def __post_init__(self) -> None:
         from tierstream.metadata.backend import POSTGRES_SCHEMES
@@ -54,6 +66,17 @@ class StoreConfig:
             raise ConfigError(f"invalid --metadata {self.metadata_url!r}: expected "
                               "postgresql://user@host[:port]/database (or nothing: SQLite in "
                               "the data directory)")
+        if self.takeover_after_s is not None and self.metadata_url is None:
+            raise ConfigError("--standby needs --metadata postgresql://...: a broker on "
+                              "another host takes over a store whose metadata it can reach")
+        if self.network_bookies:
+            if self.metadata_url is None:
+                raise ConfigError("--network-bookies needs --metadata postgresql://...: "
+                                  "the bookies register there, where every broker finds them")
+            if self.write_quorum and self.ack_quorum and self.ack_quorum > self.write_quorum:
+                raise ConfigError(f"invalid ackQuorum {self.ack_quorum}: must be between 1 "
+                                  f"and writeQuorum ({self.write_quorum})")
+            return
         if not 1 <= self.write_quorum <= self.bookies:
             raise ConfigError(
                 f"invalid writeQuorum {self.write_quorum}: must be between 1 and the number of "
@@ -71,8 +94,12 @@ class StoreConfig:
         opts = parse_options({k: v for k, v in (raw or {}).items() if v is not None},
                              scope="store")
         bookies = opts["bookies"]
-        write_quorum = opts["writeQuorum"] or bookies
-        ack_quorum = opts["ackQuorum"] or (write_quorum // 2 + 1)
+        if overrides.get("network_bookies"):  # resolved by the store from those registered
+            write_quorum = opts["writeQuorum"] or 0
+            ack_quorum = opts["ackQuorum"] or (write_quorum // 2 + 1 if write_quorum else 0)
+        else:
+            write_quorum = opts["writeQuorum"] or bookies
+            ack_quorum = opts["ackQuorum"] or (write_quorum // 2 + 1)
         values: dict[str, Any] = dict(
             data_dir=Path(opts["dataDir"]),
             bookies=bookies,

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierstream.bookie.ledger import IndexRecord
-from tierstream.bookie.storage import Bookie
-from tierstream.errors import NotFoundError
+from tierstream.bookie.network import AnyBookie
+from tierstream.bookie.remote import RemoteBookie
+from tierstream.bookie.storage import RecoveredLedger
+from tierstream.errors import FencedError, NotFoundError, UnavailableError
 from tierstream.faults import crash_point
 from tierstream.managed_ledger.dedup import ProducerDedup, StoredBatch
 from tierstream.managed_ledger.open_segment import txn_of_producer
@@ -48,11 +50,11 @@ class RecoveryReport:
     repaired_replicas: int
 
 
-def recover_open_segments(metadata: MetadataStore, bookies: dict[str, Bookie]
-                          ) -> list[RecoveryReport]:
+def recover_open_segments(metadata: MetadataStore, bookies: dict[str, AnyBookie], *,
+                          ack_quorum: int = 1) -> list[RecoveryReport]:
     reports = []
     for seg in metadata.open_segments():
-        reports.append(_recover(seg, metadata, bookies))
+        reports.append(_recover(seg, metadata, bookies, ack_quorum))
     return reports
 
 
@@ -106,21 +108,56 @@ def _placement(txns: TransactionRecords, txn_id: str, topic: str, partition: int
     return _SHOWN
 
 
-def _recover(seg: SegmentRecord, metadata: MetadataStore, bookies: dict[str, Bookie]
-             ) -> RecoveryReport:
-    replicas = [bookies[b].recover_ledger(seg.segment_id) for b in seg.ensemble if b in bookies]
+def _replicas(seg: SegmentRecord, bookies: dict[str, AnyBookie], ack_quorum: int
+              ) -> list[RecoveredLedger]:
+    """What each bookie of the segment's ensemble has of it; a network bookie is fenced at
+    this broker's epoch first (its earlier writer's appends are refused from then on).
+    Recovery needs all but ack-quorum-minus-one of them to answer: then every acknowledged
+    entry (on an ack quorum) is on one that did."""
+    replicas, missing = [], []
+    for b in seg.ensemble:
+        if b not in bookies:
+            missing.append(f"{b}: not a bookie of this broker")
+            continue
+        try:
+            replicas.append(bookies[b].recover_ledger(seg.segment_id))
+        except FencedError:
+            raise  # a newer broker fenced it: this one is not the writer
+        except UnavailableError as exc:
+            missing.append(f"{b}: {exc}")
+    need = len(seg.ensemble) - ack_quorum + 1
+    if missing and len(replicas) < need:
+        raise UnavailableError(
+            f"cannot recover segment {seg.segment_id} ({seg.topic} partition "
+            f"{seg.partition}): {len(replicas)} of its {len(seg.ensemble)} bookies answered, "
+            f"{need} are needed to be sure no acknowledged entry is missed "
+            f"({'; '.join(missing)})")
+    if missing:
+        log.warning("recovery of segment %s without %d of its bookies: %s", seg.segment_id,
+                    len(missing), "; ".join(missing))
+    return replicas
+
+
+def _raw_frames(bookie: AnyBookie, segment_id: int, records: list[IndexRecord]
+                ) -> list[tuple[IndexRecord, bytes]]:
+    if isinstance(bookie, RemoteBookie):
+        return list(bookie.read_raw_frames(segment_id, records))
+    return [(rec, bookie.read_raw_frame(segment_id, rec)) for rec in records]
+
+
+def _recover(seg: SegmentRecord, metadata: MetadataStore, bookies: dict[str, AnyBookie],
+             ack_quorum: int) -> RecoveryReport:
+    replicas = _replicas(seg, bookies, ack_quorum)
     best = max(replicas, key=lambda r: len(r.records), default=None)
     if best is None or not best.records:
-        for b in seg.ensemble:
-            if b in bookies:
-                bookies[b].delete_ledger(seg.segment_id)
+        for r in replicas:
+            bookies[r.bookie_id].delete_ledger(seg.segment_id)
         metadata.delete_segment(seg.segment_id)
         log.info("recovery: dropped empty segment %s (%s/%s)", seg.segment_id, seg.topic,
                  seg.partition)
         return RecoveryReport(seg.segment_id, seg.topic, seg.partition, 0,
                               sum(r.cut_bytes for r in replicas), 0)
-    source = bookies[best.bookie_id]
-    frames = [(rec, source.read_raw_frame(seg.segment_id, rec)) for rec in best.records]
+    frames = _raw_frames(bookies[best.bookie_id], seg.segment_id, best.records)
     repaired = 0
     for replica in replicas:
         if len(replica.records) != len(best.records) or replica.cut_bytes:

@@ -13,7 +13,14 @@ from typing import Any
 from tierstream.broker.config import StoreConfig
 from tierstream.broker.server import Broker
 from tierstream.broker.store import Store
-from tierstream.errors import ConfigError, ConflictError, TierstreamError, UnavailableError
+from tierstream.errors import (
+    ConfigError,
+    ConflictError,
+    FencedError,
+    TierstreamError,
+    UnavailableError,
+)
+from tierstream.metadata.bookie_registry import set_bookie_endpoint
 from tierstream.options import (
     DEFAULT_ADMIN_PORT,
     DEFAULT_ADMIN_TLS_PORT,
@@ -69,6 +76,8 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
     if admin_port is None:
         admin_port = DEFAULT_ADMIN_PORT if tls_cert is None else DEFAULT_ADMIN_TLS_PORT
     _check_listener(host, admin_port, "--admin-port", "the Pulsar admin listener")
+    if config.network_bookies:
+        bookie_endpoints = False  # each network bookie is its own endpoint
     bookie_ports = [bookie_port_base + i if bookie_port_base else 0
                     for i in range(config.bookies)] if bookie_endpoints else []
     if bookie_ports and bookie_port_base and not (bookie_port_base > 0
@@ -136,6 +145,8 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
                 if lost.is_set():  # the metadata's server stayed away: stop, cleanly
                     log.error("%s: the broker stops", store.metadata.backend.lost_reason)
                     break
+                if store.fenced.is_set():  # a newer broker took the store over
+                    break
         finally:
             log.info("broker shutting down")
             store.closing.set()  # ends tail streams so that shutdown does not wait on them
@@ -151,11 +162,14 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
             try:
                 store.close()
             except TierstreamError:
-                if not lost.is_set():
+                if not (lost.is_set() or store.fenced.is_set()):
                     raise  # with the metadata lost, what close could not record is
                     # recovered at the next start, as after a crash
     if lost.is_set():
         raise UnavailableError(f"{store.metadata.backend.lost_reason}: the broker stopped")
+    if store.fenced.is_set():
+        raise FencedError(f"{store.fenced_reason}: the broker stopped (another broker "
+                          "serves the store now)")
 
 
 def serve_bookies(store: Store, host: str, auth_token: str | None, tls_cert: str | None,
@@ -168,12 +182,14 @@ def serve_bookies(store: Store, host: str, auth_token: str | None, tls_cert: str
     servers = []
     try:
         for i, (bookie_id, bookie) in enumerate(store.bookies.items()):
+            if bookie.root is None:
+                continue  # a network bookie serves itself
             port = ports[i] if ports else 0
             server = BookieServer(bookie.root, bookie_id=bookie_id, host=host, port=port,
                                   auth_token=auth_token, tls_cert=tls_cert, tls_key=tls_key)
             servers.append(server)
             address = advertised_url(server, advertised)
-            store.metadata.set_bookie_endpoint(bookie_id, address)
+            set_bookie_endpoint(store.metadata, bookie_id, address)
             log.info("bookie %s serves its ledgers at %s", bookie_id, address)
     except BaseException:
         for server in servers:

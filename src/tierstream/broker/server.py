@@ -24,6 +24,7 @@ from tierstream.errors import (
     ProtocolError,
     TierstreamError,
 )
+from tierstream.metadata.bookie_registry import set_bookie_endpoint
 from tierstream.metadata.schema_registry import SchemaRegistry
 from tierstream.names import TopicName
 from tierstream.options import DEFAULT_PORT
@@ -312,7 +313,7 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
         if not address.startswith(("grpc://", "grpc+tcp://", "grpc+tls://")):
             raise ConfigError(f"invalid bookie address {address!r}: expected grpc://HOST:PORT "
                               "or grpc+tls://HOST:PORT")
-        self.store.metadata.set_bookie_endpoint(bookie, address)
+        set_bookie_endpoint(self.store.metadata, bookie, address)
         return {"bookie": bookie, "address": address}
 
     def _txn_prepare(self, body: dict[str, Any]) -> Any:

@@ -14,6 +14,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tierstream.bookie.network import (
+    AnyBookie,
+    bookie_state,
+    choose_ensemble,
+    connect_network_bookies,
+    resolve_quorums,
+)
 from tierstream.bookie.storage import Bookie
 from tierstream.broker.auto_scale import AutoScaler
 from tierstream.broker.config import StoreConfig
@@ -22,6 +29,7 @@ from tierstream.broker.transaction_coordinator import TransactionCoordinator
 from tierstream.errors import ConfigError, ConflictError, StorageError, UnavailableError
 from tierstream.faults import crash_point
 from tierstream.managed_ledger.partition_log import PartitionLog
+from tierstream.metadata.bookie_registry import take_writer_epoch
 from tierstream.metadata.records import SegmentRecord, TopicRecord
 from tierstream.metadata.scale_events import record_scale_event
 from tierstream.metadata.store import MetadataStore
@@ -43,7 +51,8 @@ class Store:
         self.config = config
         # metadata on PostgreSQL is checked (reachable, this version, not held by another
         # broker) before anything is created here
-        remote = MetadataStore(config.metadata_url) if config.metadata_url else None
+        remote = MetadataStore(config.metadata_url, takeover_after_s=config.takeover_after_s) \
+            if config.metadata_url else None
         try:
             _prepare_data_dir(config.data_dir)
             self._lock_file = _lock_data_dir(config)
@@ -53,11 +62,16 @@ class Store:
             raise
         try:
             self.metadata = remote or MetadataStore(config.metadata_path)
-            self.bookies = {
+            #: this broker's writer epoch: bookies refuse writes of lower epochs to a ledger
+            #: once a newer broker fenced it (bookie/storage.py)
+            self.epoch = take_writer_epoch(self.metadata)
+            self.bookies: dict[str, AnyBookie] = connect_network_bookies(
+                config, self.metadata, self.epoch) if config.network_bookies else {
                 f"bookie-{i}": Bookie(f"bookie-{i}", config.bookie_dir(f"bookie-{i}"),
                                       fsync=config.fsync, max_open=config.max_open_ledgers)
                 for i in range(config.bookies)
             }
+            self.write_quorum, self.ack_quorum = resolve_quorums(config, len(self.bookies))
         except BaseException as exc:
             _unlock_data_dir(self._lock_file)
             if remote is not None:
@@ -67,6 +81,10 @@ class Store:
                                    f"{exc.strerror or exc}") from None
             raise
         self.closing = threading.Event()  # set: tail reads end, housekeeping stops
+        #: set (with the reason) when a bookie refused this broker's writes as fenced: a
+        #: newer broker took the store over; this one stops (broker/run.py)
+        self.fenced = threading.Event()
+        self.fenced_reason = ""
         self._closed = False
         self.tier = config.tier()
         self._offloader: Offloader | None = None
@@ -78,7 +96,8 @@ class Store:
         # confirmed positions of a topic are read under it: a cut has all of a commit or none.
         self.visibility = threading.Lock()
         self.purge_deleted_topics()  # a deletion a crash interrupted is finished first
-        self.recovery: list[RecoveryReport] = recover_open_segments(self.metadata, self.bookies)
+        self.recovery: list[RecoveryReport] = recover_open_segments(
+            self.metadata, self.bookies, ack_quorum=self.ack_quorum)
         for topic in self.metadata.list_topics():
             # every partition's new open segment in one metadata transaction
             opened = self.metadata.new_segments(
@@ -99,9 +118,14 @@ class Store:
         return f"Store(data_dir={str(self.config.data_dir)!r}, topics={len(self.topics())})"
 
     def _choose_ensemble(self) -> tuple[str, ...]:
-        ids = list(self.bookies)
-        start = next(self._rr) % len(ids)
-        return tuple(ids[(start + i) % len(ids)] for i in range(self.config.write_quorum))
+        return choose_ensemble(self.bookies, self.write_quorum, self.ack_quorum,
+                               next(self._rr))
+
+    def _on_fenced(self, reason: str) -> None:
+        if not self.fenced.is_set():
+            self.fenced_reason = reason
+            self.fenced.set()
+            log.error("%s: this broker stops writing", reason)
 
     def _open_topic(self, topic: TopicRecord, opened: list[SegmentRecord]) -> None:
         for seg in opened:
@@ -109,7 +133,7 @@ class Store:
                 routing=topic.partitions,
                 topic=topic.name, partition=seg.partition, metadata=self.metadata,
                 bookies=self.bookies, choose_ensemble=self._choose_ensemble,
-                ack_quorum=self.config.ack_quorum,
+                ack_quorum=self.ack_quorum, on_fenced=self._on_fenced,
                 max_entries=self.config.max_entries_per_segment,
                 max_bytes=self.config.max_segment_bytes,
                 rollover_ms=self.config.segment_rollover_ms, closing=self.closing,
@@ -283,6 +307,8 @@ class Store:
             "replica_failures": sum(p.replica_failures for p in self._logs.values()),
             "checksum_failures": {b.bookie_id: b.checksum_failures for b in self.bookies.values()},
             "recovered_segments": [r.__dict__ for r in self.recovery],
+            "writer_epoch": self.epoch,
+            "bookies": {b.bookie_id: bookie_state(b) for b in self.bookies.values()},
         }
 
     # -- tier -------------------------------------------------------------------------------
@@ -359,12 +385,15 @@ class Store:
         self._closed = True
         self.closing.set()
         self._timer.join()
-        for plog in self._logs.values():
-            plog.close()
-        for bookie in self.bookies.values():
-            bookie.close()
-        self.metadata.close()
-        _unlock_data_dir(self._lock_file)
+        try:
+            if not self.fenced.is_set():  # fenced: what it could still seal is the new one's
+                for plog in self._logs.values():
+                    plog.close()
+        finally:
+            for bookie in self.bookies.values():
+                bookie.close()
+            self.metadata.close()
+            _unlock_data_dir(self._lock_file)
 
     def __enter__(self) -> Store:
         return self

@@ -115,6 +115,22 @@ def broker_start(
         help="Keep the metadata on PostgreSQL: postgresql://user[:password]@host[:port]/db "
              "(env TIERSTREAM_METADATA) [default: SQLite in the data directory].",
         show_default=False)] = None,
+    network_bookies: Annotated[bool, typer.Option(
+        "--network-bookies", help="Write to the bookies registered in the metadata store "
+        "(tierstream bookie serve --metadata ...) instead of directories in DATA_DIR; "
+        "needs --metadata. Write quorum: as many as there are up to 3.")] = False,
+    standby: Annotated[bool, typer.Option(
+        "--standby", help="If another broker holds the metadata store, wait, and take the "
+        "store over once it is silent for --takeover-after (needs --metadata).")] = False,
+    takeover_after: Annotated[str, typer.Option(
+        help="With --standby: how long the serving broker must be silent before this one "
+             "takes over.")] = "10s",
+    bookie_tls_ca: Annotated[str | None, typer.Option(
+        help="PEM file of the CA that signed the network bookies' certificates (they serve "
+             "grpc+tls://) [default: the system's].")] = None,
+    bookie_timeout: Annotated[str, typer.Option(
+        help="A network bookie that leaves an entry unanswered this long is taken for gone: "
+             "the entry's ack quorum is decided by the others.")] = "10s",
     log_level: Annotated[str, typer.Option(help="Log level.")] = "INFO",
 ) -> None:
     """Start the broker in the foreground; SIGTERM or Ctrl-C stops it cleanly.
@@ -126,7 +142,16 @@ def broker_start(
 
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = StoreConfig.from_options(metadata_url=metadata or None, raw={
+    from tierstream.security import read_pem
+    from tierstream.timeutil import parse_duration_ms
+
+    takeover_ms = parse_duration_ms(takeover_after, what="--takeover-after")
+    timeout_ms = parse_duration_ms(bookie_timeout, what="--bookie-timeout")
+    config = StoreConfig.from_options(
+        metadata_url=metadata or None, network_bookies=network_bookies,
+        takeover_after_s=takeover_ms / 1000 if standby else None,
+        bookie_timeout_s=timeout_ms / 1000, bookie_token=auth_token,
+        bookie_tls_ca=read_pem(bookie_tls_ca, "--bookie-tls-ca"), raw={
         "dataDir": str(data_dir), "bookies": bookies, "writeQuorum": write_quorum,
         "ackQuorum": ack_quorum, "maxEntriesPerSegment": max_entries_per_segment,
         "maxSegmentBytes": max_segment_bytes, "segmentRolloverTime": segment_rollover_time,
@@ -158,39 +183,53 @@ def broker_start(
 
 @bookie_app.command("serve")
 def bookie_serve(
-    dir_: Annotated[Path, typer.Option("--dir", help="The bookie's directory, e.g. "
-                                       "DATA_DIR/bookies/bookie-0.")],
+    dir_: Annotated[Path, typer.Option("--data-dir", "--dir", help="The bookie's directory, "
+                                       "e.g. DATA_DIR/bookies/bookie-0 (created for a "
+                                       "network bookie).")],
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).")] = 0,
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")]
         = "127.0.0.1",
     bookie_id: Annotated[str | None, typer.Option(
         help="The bookie's id [default: the directory's name].")] = None,
     advertised_address: Annotated[str | None, typer.Option(
-        help="Address readers reach this endpoint at: host, host:port or URL "
+        help="Address readers and brokers reach this endpoint at: host, host:port or URL "
              "[default: the bound one].")] = None,
+    metadata: Annotated[str | None, typer.Option(
+        envvar="TIERSTREAM_METADATA", show_envvar=False,
+        help="Take writes, as a network bookie registered in this metadata store "
+             "(postgresql://...), where brokers started with --network-bookies find it "
+             "(env TIERSTREAM_METADATA).", show_default=False)] = None,
+    host_label: Annotated[str | None, typer.Option(
+        help="The machine (or rack) this bookie runs on: a segment's copies go to distinct "
+             "ones [default: the advertised address's host].")] = None,
+    fsync: Annotated[bool, typer.Option(help="fsync every group of writes before "
+                                        "acknowledging it.")] = True,
     broker: Annotated[str | None, typer.Option(
-        "--broker", help="Register the address with this broker (else readers are not told "
-                         "of it).")] = None,
+        "--broker", help="Register the address with this broker as the read endpoint of one "
+                         "of its own bookies (else readers are not told of it).")] = None,
     auth_token: TokenOpt = None,
     tls_cert: TlsCertOpt = None,
     tls_key: TlsKeyOpt = None,
     tls_ca: TlsCaOpt = None,
 ) -> None:
-    """Serve one bookie directory's sealed ledgers read-only, in the foreground.
+    """Serve one bookie directory in the foreground: its sealed ledgers to readers, and with
+    --metadata, writes from brokers (a network bookie).
 
-    Example: tierstream bookie serve --dir ./tierstream-data/bookies/bookie-0 --port 6660
-    --broker grpc://127.0.0.1:6651
+    Example: tierstream bookie serve --data-dir /srv/bookie-1 --port 3181 --host 0.0.0.0
+    --advertised-address bookie1.example:3181 --metadata postgresql://tierstream@db/tierstream
+    --auth-token ...
     """
     from tierstream.bookie.server import serve_bookie
     from tierstream.security import read_pem
 
     def ready(server: object, address: str) -> None:
-        print(f"tierstream bookie endpoint listening on {address} (dir {dir_})", flush=True)
+        role = "network bookie" if metadata else "bookie endpoint"
+        print(f"tierstream {role} listening on {address} (dir {dir_})", flush=True)
 
     serve_bookie(dir_, host=host, port=port, bookie_id=bookie_id, auth_token=auth_token,
                  tls_cert=tls_cert, tls_key=tls_key, broker=broker,
                  advertised_address=advertised_address, tls_ca=read_pem(tls_ca, "--tls-ca"),
-                 ready=ready)
+                 metadata=metadata, host_label=host_label, fsync=fsync, ready=ready)
 
 
 def _offload_policy(config: Any) -> str | None:

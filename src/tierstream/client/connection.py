@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Self
 
 import pyarrow.flight as flight
 
-from tierstream.errors import ConfigError
+from tierstream.errors import ConfigError, UnavailableError
 from tierstream.message_format import PRODUCE_SCHEMA
 from tierstream.options import parse_options
 from tierstream.protocol import decode, encode, translate_errors
@@ -17,52 +17,87 @@ __all__ = ["BrokerClient"]
 
 
 class BrokerClient:
-    """A connection to one broker. ``broker``/``auth_token`` default to the option table
-    (``TIERSTREAM_BROKER``, ``TIERSTREAM_AUTH_TOKEN``)."""
+    """A connection to a broker. ``broker``/``auth_token`` default to the option table
+    (``TIERSTREAM_BROKER``, ``TIERSTREAM_AUTH_TOKEN``). ``broker`` may name several
+    brokers, ``grpc://a:6651,grpc://b:6651`` (or a list): a broker that cannot be reached,
+    or no longer serves the store (another took it over), is left for the next; calls and
+    new streams go to the first that answers (Pulsar's multi-host service URL)."""
 
-    def __init__(self, broker: str | None = None, *, auth_token: str | None = None,
-                 tls_ca: bytes | str | None = None, timeout: float = 30.0) -> None:
+    def __init__(self, broker: str | Sequence[str] | None = None, *,
+                 auth_token: str | None = None, tls_ca: bytes | str | None = None,
+                 timeout: float = 30.0) -> None:
+        if broker is not None and not isinstance(broker, str):
+            broker = ",".join(broker)
         opts = parse_options({"broker": broker, "authToken": auth_token,
                               "tlsCa": tls_ca if isinstance(tls_ca, str) else None},
                              scope="client")
-        self.url: str = opts["broker"]
-        if not self.url.startswith(("grpc://", "grpc+tcp://", "grpc+tls://")):
-            raise ConfigError(f"invalid broker URL {self.url!r}: expected grpc://HOST:PORT "
-                              "or grpc+tls://HOST:PORT")
+        #: every broker named, as given (what other clients of this one are given)
+        self.broker: str = opts["broker"]
+        self.urls = [u.strip() for u in self.broker.split(",") if u.strip()]
+        for url in self.urls or [self.broker]:
+            if not url.startswith(("grpc://", "grpc+tcp://", "grpc+tls://")):
+                raise ConfigError(f"invalid broker URL {url!r}: expected grpc://HOST:PORT "
+                                  "or grpc+tls://HOST:PORT (several: separated by commas)")
+        self.url: str = self.urls[0]  # the one in use
         self.auth_token: str | None = opts["authToken"]
         self.tls_ca = tls_ca if isinstance(tls_ca, bytes) else read_pem(opts["tlsCa"], "tlsCa")
         headers = call_headers(self.auth_token)
         self._options = flight.FlightCallOptions(headers=headers, timeout=timeout)
         self._stream_options = flight.FlightCallOptions(headers=headers)
+        self._clients: dict[str, Any] = {}
         with translate_errors(self.url):
-            self._flight = client_for(self.url, tls_ca=self.tls_ca)
+            self._flight = self._client_of(self.url)
+
+    def _client_of(self, url: str) -> Any:
+        client = self._clients.get(url)
+        if client is None:
+            client = self._clients[url] = client_for(url, tls_ca=self.tls_ca)
+        return client
+
+    def _call(self, work: Callable[[Any], Any]) -> Any:
+        """``work(flight client)`` on the broker in use; if it cannot be reached (or was
+        fenced), on the next one named, once round."""
+        for turn in range(len(self.urls)):
+            try:
+                with translate_errors(self.url):
+                    return work(self._flight)
+            except UnavailableError:
+                if turn == len(self.urls) - 1:
+                    raise
+                self.next_broker()
+        raise AssertionError("unreachable")
+
+    def next_broker(self) -> str:
+        """Use the next broker named (one that answers, but not in time, is left too)."""
+        self.url = self.urls[(self.urls.index(self.url) + 1) % len(self.urls)]
+        with translate_errors(self.url):
+            self._flight = self._client_of(self.url)
+        return self.url
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(broker={self.url!r})"
 
     def action(self, name: str, body: Mapping[str, Any] | None = None) -> Any:
-        with translate_errors(self.url):
-            results = list(self._flight.do_action(
-                flight.Action(name, encode(dict(body or {}))), self._options))
+        results = self._call(lambda f: list(f.do_action(
+            flight.Action(name, encode(dict(body or {}))), self._options)))
         return decode(results[0].body.to_pybytes(), f"{name} result")["result"]
 
     def consume(self, ticket: Mapping[str, Any]) -> Any:
         """Open a consume stream (DoGet) for ``ticket``: a Flight reader of record batches,
         with no call timeout (a following read lasts as long as it is read)."""
-        with translate_errors(self.url):
-            return self._flight.do_get(flight.Ticket(encode(dict(ticket))),
-                                       self._stream_options)
+        return self._call(lambda f: f.do_get(flight.Ticket(encode(dict(ticket))),
+                                             self._stream_options))
 
     def produce(self, command: Mapping[str, Any]) -> tuple[Any, Any]:
         """Open a produce stream (DoPut) for ``command``: (writer, ack reader)."""
         descriptor = flight.FlightDescriptor.for_command(encode(dict(command)))
-        with translate_errors(self.url):
-            writer, reader = self._flight.do_put(descriptor, PRODUCE_SCHEMA,
-                                                 self._stream_options)
+        writer, reader = self._call(lambda f: f.do_put(descriptor, PRODUCE_SCHEMA,
+                                                       self._stream_options))
         return writer, reader
 
     def close(self) -> None:
-        self._flight.close()
+        for client in self._clients.values():
+            client.close()
 
     def __enter__(self) -> Self:
         return self

@@ -105,7 +105,7 @@ class Consumer:
         self.name = consumer_name or f"consumer-{uuid.uuid4().hex[:12]}"
         self._id = f"{self.name}/{uuid.uuid4().hex}".encode()
         self._client = BrokerClient(broker, auth_token=auth_token, tls_ca=tls_ca)
-        self._admin = Admin(self._client.url, auth_token=auth_token, tls_ca=self._client.tls_ca)
+        self._admin = Admin(self._client.broker, auth_token=auth_token, tls_ca=self._client.tls_ca)
         self._queue: queue.Queue[Any] = queue.Queue()
         self._stop = threading.Event()
         self._readers: dict[int, Any] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import threading
 import time
 import uuid
@@ -19,6 +20,7 @@ import pyarrow.flight as flight
 from tierstream.client.admin import Admin
 from tierstream.client.connection import BrokerClient
 from tierstream.client.messages import Message, check_sequence_ids, routed, to_batch
+from tierstream.client.retry import reconnect_timeout_s
 from tierstream.client.stream_io import StalledError, StreamIO
 from tierstream.errors import (
     ConfigError,
@@ -40,6 +42,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Message", "Producer"]
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class _PartitionStream:
@@ -47,6 +51,8 @@ class _PartitionStream:
     next_seq: int = 0
     unacked: deque[tuple[int, pa.RecordBatch]] = field(default_factory=deque)
     pinned: set[int] = field(default_factory=set)  # sent to a partition the caller chose
+    #: since when brokers connected but sent no ack in time (monotonic s; None: acks flow)
+    stalled_since: float | None = None
 
 
 class Producer:
@@ -90,7 +96,7 @@ class Producer:
         self.max_in_flight = max_in_flight
         self.send_timeout = send_timeout
         self._client = BrokerClient(broker, auth_token=auth_token, tls_ca=tls_ca)
-        self._admin = Admin(self._client.url, auth_token=auth_token, tls_ca=self._client.tls_ca)
+        self._admin = Admin(self._client.broker, auth_token=auth_token, tls_ca=self._client.tls_ca)
         self.partitions = self._admin.get_topic(self.topic).partitions
         self._streams: dict[int, _PartitionStream] = {}
         self._add_streams()
@@ -227,7 +233,7 @@ class Producer:
         if self._txn is not None:
             raise ConflictError("this producer is already in a transaction")
         self.flush()  # what was sent before the transaction is not part of it
-        self._txn = Transaction(broker=self._client.url, auth_token=self._client.auth_token,
+        self._txn = Transaction(broker=self._client.broker, auth_token=self._client.auth_token,
                                 tls_ca=self._client.tls_ca,
                                 encoders=None if self.encoder is None else
                                 {self.topic: self.encoder})
@@ -378,6 +384,17 @@ class Producer:
                 raise UnavailableError("broker closed the produce stream")
         except StalledError:  # connected, but no ack within send_timeout
             self._drop(stream)
+            now = time.monotonic()
+            stream.stalled_since = stream.stalled_since or now - self.send_timeout
+            if len(self._client.urls) > 1 and \
+                    now - stream.stalled_since < reconnect_timeout_s():
+                # a hung broker, and others named: one of them may have taken over
+                log.warning("producer %s: broker %s connected but sent no ack in %gs; "
+                            "trying %s", self.name, self._client.url, self.send_timeout,
+                            self._client.next_broker())
+                self._recover(p, stream)
+                return
+            stream.stalled_since = None
             raise self._gave_up(p, stream, f"broker {self._client.url} connected but sent "
                                 "no ack") from None
         except (flight.FlightError, OSError, pa.ArrowException, UnavailableError) as exc:
@@ -391,6 +408,7 @@ class Producer:
             return
         seq, _ = stream.unacked.popleft()
         stream.pinned.discard(seq)
+        stream.stalled_since = None
         if ack.get("sequence_id") != seq:
             raise UnavailableError(f"ack for sequence {ack.get('sequence_id')} while waiting "
                                    f"for {seq}")

@@ -23,8 +23,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from tierstream.bookie.ledger import IndexRecord
-from tierstream.bookie.storage import Bookie
-from tierstream.errors import ConfigError, NotFoundError, StaleRoutingError, UnavailableError
+from tierstream.bookie.network import AnyBookie
+from tierstream.errors import (
+    ConfigError,
+    FencedError,
+    NotFoundError,
+    StaleRoutingError,
+    UnavailableError,
+)
 from tierstream.faults import crash_point
 from tierstream.managed_ledger.dedup import ProducerDedup, StoredBatch
 from tierstream.managed_ledger.open_segment import (
@@ -37,7 +43,7 @@ from tierstream.managed_ledger.open_segment import (
 )
 from tierstream.managed_ledger.partition_reads import TierSegment, filter_key_ranges
 from tierstream.managed_ledger.rates import RateMeter
-from tierstream.managed_ledger.visibility import PartitionVisibility
+from tierstream.managed_ledger.rollover import PartitionRollover
 from tierstream.message_format import MESSAGE_SCHEMA, as_produce_batch, key_hashes
 from tierstream.metadata.records import SegmentRecord, SegmentState
 from tierstream.metadata.store import MetadataStore
@@ -49,12 +55,7 @@ __all__ = ["Ack", "PartitionLog", "filter_key_ranges"]
 
 log = logging.getLogger(__name__)
 
-#: Decided transactions a partition remembers after a roll (an entry of one still in flight
-#: when it ended is skipped, never taken for a new transaction's)
-_ENDED_KEPT = 10_000
-
-
-class PartitionLog(PartitionVisibility):
+class PartitionLog(PartitionRollover):
     """One partition's segments; owned by the broker's :class:`~tierstream.broker.store.Store`."""
 
     def __init__(
@@ -63,7 +64,7 @@ class PartitionLog(PartitionVisibility):
         topic: str,
         partition: int,
         metadata: MetadataStore,
-        bookies: dict[str, Bookie],
+        bookies: dict[str, AnyBookie],
         choose_ensemble: Callable[[], tuple[str, ...]],
         ack_quorum: int,
         max_entries: int,
@@ -73,6 +74,7 @@ class PartitionLog(PartitionVisibility):
         tier: TierStorage | None = None,
         open_record: SegmentRecord | None = None,
         routing: int | None = None,
+        on_fenced: Callable[[str], None] | None = None,
     ) -> None:
         self.topic = topic
         self.partition = partition
@@ -83,6 +85,8 @@ class PartitionLog(PartitionVisibility):
         self._bookies = bookies
         self._choose_ensemble = choose_ensemble
         self._ack_quorum = ack_quorum
+        #: told when a bookie refused a write as fenced (a newer broker took over)
+        self._on_fenced = on_fenced
         self._max_entries = max_entries
         self._max_bytes = max_bytes
         self._rollover_ms = rollover_ms
@@ -207,6 +211,14 @@ class PartitionLog(PartitionVisibility):
         with self._lock:
             self._advance(seg)
             if len(seg.records) + len(seg.hidden) <= entry_id:
+                fenced = [f.exception() for f in p.futures
+                          if isinstance(f.exception(), FencedError)]
+                if fenced:
+                    self._fenced(str(fenced[0]))
+                    raise FencedError(
+                        f"entry {entry_id} of {self.topic} partition {self.partition} is not "
+                        f"stored: {fenced[0]}; reconnect to the broker that serves the store "
+                        "now")
                 errors = [str(f.exception()) for f in p.futures if f.exception() is not None]
                 raise UnavailableError(
                     f"entry {entry_id} of segment {seg.record.segment_id} ({self.topic} "
@@ -250,6 +262,10 @@ class PartitionLog(PartitionVisibility):
                 seg.failed = True
                 break
             del seg.in_flight[entry_id]
+            if any(f.done() and f.exception() is not None for f in pending.futures):
+                # stored on an ack quorum, but the ensemble lost a member: the segment is
+                # sealed after what is confirmed, and the next one placed on others
+                seg.failed = True
             record = ok[0].result()
             self.rate_in.add(record.messages, record.frame_len)
             if pending.producer is not None and pending.sequence_id is not None:
@@ -330,122 +346,6 @@ class PartitionLog(PartitionVisibility):
         ]
         out = pa.RecordBatch.from_arrays(columns, schema=MESSAGE_SCHEMA)
         return out, publish_time[0].as_py(), publish_time[-1].as_py()
-
-    # -- rollover -----------------------------------------------------------------------------
-
-    def _new_open_segment(self) -> OpenSegment:
-        record = self._metadata.new_segment(self.topic, self.partition,
-                                            ensemble=self._choose_ensemble(), created_at=now_ms())
-        crash_point("roll.next-registered")
-        for b in record.ensemble:
-            self._bookies[b].create_ledger(record.segment_id)
-        return OpenSegment(record)
-
-    def _roll_if_due(self, now: int) -> None:
-        seg = self._open
-        if self._held:
-            return  # a commit is being applied; the segment rolls after it
-        if seg.records and now - seg.record.created_at >= self._rollover_ms:
-            self._roll()
-
-    def _roll_if_full(self) -> None:
-        """Roll before an entry the open segment has no room for, counting the entries still
-        in flight (submitted back to back, they are not confirmed yet): the roll confirms
-        them first."""
-        seg = self._open
-        if self._held or not seg.in_flight:
-            return
-        if seg.next_entry >= self._max_entries or seg.bytes + sum(
-                f.size for f in seg.in_flight.values()) >= self._max_bytes:
-            self._roll()
-
-    def roll_if_aged(self) -> bool:
-        """Seal the open segment if it is non-empty and older than the rollover time."""
-        with self._lock:
-            before = self._open
-            self._roll_if_due(now_ms())
-            return self._open is not before
-
-    def seal(self) -> SegmentRecord | None:
-        """Seal the open segment now if it has entries (hidden ones too) and open a new one."""
-        with self._lock:
-            if not (self._open.records or self._open.in_flight or self._open.hidden):
-                return None
-            self._roll()
-            return self._closed_segments[-1] if self._closed_segments else None
-
-    def _roll(self, *, reopen: bool = True) -> None:
-        seg = self._open
-        wait_futures([f for p in seg.in_flight.values() for f in p.futures])
-        self._advance(seg, roll_on_failure=False)
-        for cut in seg.in_flight.values():  # not confirmed: after a failed write
-            if cut.producer is not None and cut.sequence_id is not None and cut.txn is None:
-                self._dedup.cut_off(cut.producer, cut.sequence_id)
-        seg.in_flight.clear()
-        # Every confirmed entry goes into the sealed segment: undecided transactions' entries
-        # are set aside (skipped by readers, written again at their commit), the rest is
-        # readable from the bookies (a commit being applied here, only on a seal request,
-        # shutdown or a failed write, shows early).
-        set_aside: dict[str, list[list[Any]]] = {}
-        for record, batch in seg.hidden:
-            staged = seg.txn_of.get(record.entry_id)
-            part = self._txns.get(staged[0]) if staged else None
-            if staged is not None and part is not None and part.state == "pending":
-                set_aside.setdefault(staged[0], []).append(
-                    [record.entry_id, record.messages, staged[1]])
-                self._show_skipped(seg, record)
-            elif part is not None and part.state == "skipped":
-                self._show_skipped(seg, record)
-            else:
-                self._show(seg, record, batch)
-        seg.hidden.clear()
-        seg.blocked_since = None
-        last = seg.records[-1].entry_id if seg.records else None
-        for b in seg.record.ensemble:
-            self._bookies[b].seal_ledger(seg.record.segment_id, last)
-        crash_point("roll.bookies-sealed")
-        if seg.records:
-            sealed = seg.record.with_stats(
-                state=SegmentState.CLOSED, entries=len(seg.records), messages=seg.messages,
-                bytes=seg.bytes, min_publish_time=seg.min_pt, max_publish_time=seg.max_pt,
-                sealed_at=now_ms(), skipped=seg.skipped_ranges(),
-            )
-            self._metadata.seal_segment(sealed, self._dedup.rows(), set_aside)
-            crash_point("roll.metadata-sealed")
-            self._closed_segments.append(sealed)
-            self._index_cache[sealed.segment_id] = seg.records
-        else:
-            self._metadata.delete_segment(seg.record.segment_id)
-            for b in seg.record.ensemble:
-                self._bookies[b].delete_ledger(seg.record.segment_id)
-        # the undecided transactions' entries are set aside now; decided ones are kept (a
-        # late entry of an aborted one is skipped too), the oldest dropped past a bound
-        for part in self._txns.values():
-            if part.state == "pending" and part.entries:
-                part.set_aside = True
-            part.entries, part.rows, part.routed = [], 0, set()
-        ended = [t for t, p in self._txns.items() if p.state != "pending"]
-        for txn_id in ended[:max(0, len(ended) - _ENDED_KEPT)]:
-            del self._txns[txn_id]
-        if reopen:
-            self._open = self._new_open_segment()
-        self._changed.notify_all()
-
-    def seal_for_scale(self) -> None:
-        """Seal the open segment for a scale event, opening none: the caller holds this
-        log's lock until :meth:`reopen` gives it the segment the event registered."""
-        with self._lock:
-            self._roll(reopen=False)
-
-    def reopen(self, record: SegmentRecord, routing: int) -> None:
-        """After a scale event: write to ``record`` (registered by the event) and refuse
-        batches routed by any count but ``routing``."""
-        with self._lock:
-            for b in record.ensemble:
-                self._bookies[b].create_ledger(record.segment_id)
-            self._open = OpenSegment(record)
-            self.routing = routing
-            self._changed.notify_all()
 
     @property
     def lock(self) -> Any:

@@ -12,7 +12,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from tierstream.bookie.ledger import IndexRecord, decode_payload, first_good_replica, unreadable
-from tierstream.bookie.storage import Bookie, LedgerReader
+from tierstream.bookie.network import AnyBookie
+from tierstream.bookie.remote import RemoteLedgerReader
+from tierstream.bookie.storage import LedgerReader
 from tierstream.errors import NotFoundError
 from tierstream.managed_ledger.open_segment import OpenSegment
 from tierstream.message_format import key_range_mask
@@ -38,7 +40,7 @@ class PartitionReads:
     _gone: threading.Event
     _open: OpenSegment
     _closed_segments: list[SegmentRecord]
-    _bookies: dict[str, Bookie]
+    _bookies: dict[str, AnyBookie]
     _tier: TierStorage | None
     _tier_cache: OrderedDict[int, TierSegment]
     _index_cache: OrderedDict[int, list[IndexRecord]]
@@ -194,9 +196,15 @@ class PartitionReads:
         last_error: Exception | None = None
         for b in seg.ensemble:
             try:
-                records = self._bookies[b].index(seg.segment_id)
+                # a copy whose seal was missed (its bookie was away) may run past the entries
+                # the segment's record holds: those were never acknowledged
+                records = self._bookies[b].index(seg.segment_id)[:seg.entries]
             except (NotFoundError, OSError) as exc:
                 last_error = exc
+                continue
+            if len(records) < seg.entries:  # missed writes while its bookie was away
+                last_error = NotFoundError(f"bookie {b} holds {len(records)} of the "
+                                           f"{seg.entries} entries")
                 continue
             self._index_cache[seg.segment_id] = records
             while len(self._index_cache) > 256:
@@ -320,9 +328,9 @@ class _Readers:
     """Open ledger files of one read call, at most one per (bookie, segment)."""
 
     def __init__(self) -> None:
-        self._open: dict[tuple[str, int], LedgerReader] = {}
+        self._open: dict[tuple[str, int], LedgerReader | RemoteLedgerReader] = {}
 
-    def get(self, bookie: Bookie, segment_id: int) -> LedgerReader:
+    def get(self, bookie: AnyBookie, segment_id: int) -> LedgerReader | RemoteLedgerReader:
         key = (bookie.bookie_id, segment_id)
         reader = self._open.get(key)
         if reader is None:

@@ -30,7 +30,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from functools import lru_cache
 from typing import Any
 
@@ -59,6 +59,10 @@ def outage_limit_s() -> float:
     return value
 #: the advisory lock a broker holds its metadata database with
 LOCK_KEY = 0x7469_6572_7374  # "tierst"
+#: the application name of a broker's sessions (a standby taking over ends them)
+BROKER_APPLICATION = "tierstream-broker"
+#: how often a broker says it is alive, on its lock's session
+HEARTBEAT_S = 1.0
 
 _PLACEHOLDER = re.compile(r"'[^']*'|::|\?|:(\w+)|%")
 
@@ -121,24 +125,30 @@ class PostgresBackend:
 
     dialect = "postgresql"
 
-    def __init__(self, url: str, *, read_only: bool = False) -> None:
+    def __init__(self, url: str, *, read_only: bool = False,
+                 takeover_after_s: float | None = None, hold: bool = True) -> None:
         self.url = url
+        self.hold = hold
         self.name = safe_url(url)
         self.read_only = read_only
         self._lock = threading.RLock()
         self._conn: Any = None
         self._holder: Any = None  # the session holding the advisory lock
+        self._holder_lock = threading.Lock()
         self.outage_limit_s = outage_limit_s()
-        #: set once the server stayed unreachable past the limit, with the reason
+        #: set once the server stayed unreachable past the limit, or another broker took the
+        #: database over, with the reason
         self.lost = threading.Event()
         self.lost_reason = ""
+        self._stop = threading.Event()
         self._connect()
-        if not read_only:
-            self._hold()
+        if not read_only and hold:  # hold=False: a bookie registering itself
+            self._hold(takeover_after_s)
+            threading.Thread(target=self._beat, name="metadata-heartbeat", daemon=True).start()
 
     # -- connections --------------------------------------------------------------------------
 
-    def _open(self) -> Any:
+    def _open(self, application: str = "tierstream") -> Any:
         try:
             import psycopg
         except ImportError:  # pragma: no cover - a dependency of tierstream
@@ -146,7 +156,7 @@ class PostgresBackend:
                               "'psycopg[binary]'") from None
         try:
             return psycopg.connect(self.url, autocommit=True, connect_timeout=10,
-                                   application_name="tierstream")
+                                   application_name=application)
         except psycopg.ProgrammingError as exc:  # a malformed URL
             raise ConfigError(f"invalid metadata URL {self.name!r}: {_first_line(exc)}") \
                 from None
@@ -155,24 +165,127 @@ class PostgresBackend:
                                    f"{_first_line(exc)}") from None
 
     def _connect(self) -> None:
-        self._conn = self._open()
+        self._conn = self._open(BROKER_APPLICATION if self.hold and not self.read_only
+                                else "tierstream")
         if self.read_only:
             self._conn.read_only = True
 
-    def _hold(self) -> None:
-        self._holder = self._open()
-        (got,) = self._holder.execute("SELECT pg_try_advisory_lock(%s)", (LOCK_KEY,)).fetchone()
-        if not got:
-            row = self._holder.execute(
+    def _hold(self, takeover_after_s: float | None) -> None:
+        """Take the database's advisory lock. Held by another broker: refused (ConflictError),
+        or with ``takeover_after_s`` (a standby) waited for; a holder whose heartbeat stopped
+        for that long (its host died, or its process hangs) has its sessions ended, and the
+        lock is taken: the old broker cannot write metadata any more (its sessions are gone,
+        and it cannot take the lock back: :meth:`_check_holder`)."""
+        told = False
+        while True:
+            holder = self._open(BROKER_APPLICATION)
+            (got,) = holder.execute("SELECT pg_try_advisory_lock(%s)", (LOCK_KEY,)).fetchone()
+            if got:
+                with self._holder_lock:
+                    self._holder = holder
+                self._heartbeat()
+                return
+            row = holder.execute(
                 "SELECT a.application_name, a.client_addr, a.backend_start FROM pg_locks l "
                 "JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' AND "
                 "l.objid = %s AND l.granted", (LOCK_KEY & 0xFFFF_FFFF,)).fetchone()
-            self._holder.close()
-            self._conn.close()
-            since = f" (connected {row[2]:%Y-%m-%d %H:%M:%S})" if row else ""
-            raise ConflictError(f"the metadata store {self.name} is held by another running "
-                                f"broker{since}: stop it first, or give this one its own "
-                                "database")
+            silent = self._silent_for(holder)
+            holder.close()
+            if takeover_after_s is None:
+                self._conn.close()
+                since = f" (connected {row[2]:%Y-%m-%d %H:%M:%S})" if row else ""
+                raise ConflictError(f"the metadata store {self.name} is held by another "
+                                    f"running broker{since}: stop it first, give this one "
+                                    "its own database, or start it with --standby to take "
+                                    "over when that broker stops")
+            if silent is not None and silent >= takeover_after_s:
+                log.warning("taking over the metadata store %s: the broker holding it was "
+                            "last heard from %.1f s ago", self.name, silent)
+                self._end_other_brokers()
+                continue
+            if not told:
+                log.info("standing by: the metadata store %s is held by another broker; "
+                         "this one takes over once that one is silent for %g s", self.name,
+                         takeover_after_s)
+                told = True
+            time.sleep(min(1.0, takeover_after_s / 4))
+
+    def _silent_for(self, conn: Any) -> float | None:
+        """Seconds since the holder's last heartbeat, by the server's clock (None: it has
+        none yet)."""
+        import psycopg
+
+        try:
+            row = conn.execute(
+                "SELECT extract(epoch from clock_timestamp()) * 1000 - value::bigint FROM meta "
+                "WHERE key = 'writer_heartbeat'").fetchone()
+        except psycopg.errors.UndefinedTable:
+            return None
+        return None if row is None else float(row[0]) / 1000
+
+    def _end_other_brokers(self) -> None:
+        """End every other broker's session on this database (the lock holder's too)."""
+        mine = [self._conn.info.backend_pid]
+        self._conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = "
+            "%s AND datname = current_database() AND pid <> ALL(%s)",
+            (BROKER_APPLICATION, mine))
+
+    def _heartbeat(self) -> None:
+        """Say on the lock's session that this broker is alive (a standby takes over when
+        it stops); nothing before the tables exist."""
+        import psycopg
+
+        with self._holder_lock:
+            holder = self._holder
+            if holder is None:
+                return
+            with suppress(psycopg.errors.UndefinedTable):
+                holder.execute(
+                    "INSERT INTO meta (key, value) VALUES ('writer_heartbeat', "
+                    "(extract(epoch from clock_timestamp()) * 1000)::bigint::text) "
+                    "ON CONFLICT (key) DO UPDATE SET value = excluded.value")
+
+    def _beat(self) -> None:
+        import psycopg
+
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self._heartbeat()
+            except (psycopg.OperationalError, UnavailableError):
+                # the statements wait for the server (or say it was lost)
+                with suppress(UnavailableError):
+                    self._check_holder()
+
+    def _check_holder(self) -> None:
+        """Before a writer uses a new session: its lock session must still be alive, or the
+        lock taken again. Another broker holding it took the database over: lost."""
+        import psycopg
+
+        if self.read_only or not self.hold:
+            return
+        with self._holder_lock:
+            if self.lost.is_set():
+                raise UnavailableError(self.lost_reason)
+            holder = self._holder
+            if holder is not None:
+                try:
+                    holder.execute("SELECT 1")
+                    return
+                except psycopg.OperationalError:
+                    holder.close()
+                    self._holder = None
+            holder = self._open(BROKER_APPLICATION)
+            (got,) = holder.execute("SELECT pg_try_advisory_lock(%s)",
+                                    (LOCK_KEY,)).fetchone()
+            if got:
+                self._holder = holder
+                return
+            holder.close()
+            self.lost_reason = (f"another broker took the metadata store {self.name} over "
+                                "while this one was not heard from")
+            self.lost.set()
+            raise UnavailableError(self.lost_reason)
 
     def _retrying(self, work: Any) -> Any:
         """``work(connection)``, opening the connection again while it is broken, with
@@ -187,6 +300,7 @@ class PostgresBackend:
             try:
                 if self._conn is None or self._conn.closed or self._conn.broken:
                     self._connect()
+                    self._check_holder()  # no write through a new session without the lock
                     if pause > FIRST_PAUSE_S:
                         log.warning("the metadata store %s is reachable again after %.1f s",
                                     self.name, time.monotonic() - started)
@@ -244,7 +358,8 @@ class PostgresBackend:
             "table_schema = current_schema()", (table,))]
 
     def close(self) -> None:
-        with self._lock:
+        self._stop.set()
+        with self._lock, self._holder_lock:
             for conn in (self._conn, self._holder):
                 if conn is not None and not conn.closed:
                     conn.close()

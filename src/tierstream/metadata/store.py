@@ -32,7 +32,6 @@ from tierstream.metadata.records import SegmentRecord, SegmentState, TopicRecord
 from tierstream.metadata.tables import SCHEMA_VERSION, create_and_migrate
 from tierstream.names import TopicName
 from tierstream.schemas.model import SchemaInfo, SchemaType
-from tierstream.timeutil import now_ms
 
 __all__ = ["MetadataStore"]
 
@@ -64,12 +63,16 @@ def _segment(row: tuple[Any, ...]) -> SegmentRecord:
     return record
 
 
-def open_backend(where: str | Path, *, read_only: bool = False) -> Backend:
-    """The backend ``where`` names: a ``postgresql://`` URL, or the path of a SQLite file."""
+def open_backend(where: str | Path, *, read_only: bool = False,
+                 takeover_after_s: float | None = None, hold: bool = True) -> Backend:
+    """The backend ``where`` names: a ``postgresql://`` URL, or the path of a SQLite file.
+    ``takeover_after_s``: a broker standing by for the database; ``hold=False``: a writer
+    that is not the broker (a bookie registering itself) (PostgreSQL only)."""
     if str(where).startswith(POSTGRES_SCHEMES):
         from tierstream.metadata.postgres import PostgresBackend
 
-        backend: Backend = PostgresBackend(str(where), read_only=read_only)
+        backend: Backend = PostgresBackend(str(where), read_only=read_only,
+                                           takeover_after_s=takeover_after_s, hold=hold)
         return backend
     return SqliteBackend(where, read_only=read_only)
 
@@ -82,8 +85,10 @@ class MetadataStore:
     ``read_only=True`` is for planners and the CLI: it never creates or migrates anything.
     """
 
-    def __init__(self, where: str | Path, *, read_only: bool = False) -> None:
-        self.backend: Backend = open_backend(where, read_only=read_only)
+    def __init__(self, where: str | Path, *, read_only: bool = False,
+                 takeover_after_s: float | None = None, hold: bool = True) -> None:
+        self.backend: Backend = open_backend(where, read_only=read_only,
+                                             takeover_after_s=takeover_after_s, hold=hold)
         self.path = where if isinstance(where, Path) else Path(where) \
             if not str(where).startswith(POSTGRES_SCHEMES) else None
         try:
@@ -388,14 +393,6 @@ class MetadataStore:
         return [dict(zip(keys, r, strict=True)) for r in rows]
 
     # -- bookie endpoints ---------------------------------------------------------------------
-
-    def set_bookie_endpoint(self, bookie_id: str, address: str) -> None:
-        """Record where readers on other hosts reach ``bookie_id`` (its advertised address)."""
-        with self.atomic() as c:
-            c.execute("INSERT INTO bookie_endpoints (bookie_id, address, updated_at) "
-                      "VALUES (?, ?, ?) ON CONFLICT(bookie_id) DO UPDATE SET "
-                      "address=excluded.address, updated_at=excluded.updated_at",
-                      (bookie_id, address, now_ms()))
 
     def schema_versions(self, topic: str) -> list[SchemaInfo]:
         """Every schema version of ``topic``, in order (NotFoundError for an unknown topic;

@@ -11,7 +11,7 @@ from tierstream.metadata.backend import Backend, Tx
 
 __all__ = ["SCHEMA_VERSION", "create_and_migrate", "ddl"]
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 
 DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -125,7 +125,9 @@ CREATE TABLE IF NOT EXISTS scale_events (
 CREATE TABLE IF NOT EXISTS bookie_endpoints (
     bookie_id TEXT PRIMARY KEY,
     address TEXT NOT NULL,
-    updated_at INTEGER NOT NULL
+    updated_at INTEGER NOT NULL,
+    host TEXT,
+    writable INTEGER NOT NULL DEFAULT 0
 );
 """
 
@@ -196,3 +198,13 @@ def _migrate(conn: Tx, backend: Backend) -> None:
         if "skipped" not in columns:
             conn.execute("ALTER TABLE segments ADD COLUMN skipped TEXT")
         conn.execute("UPDATE meta SET value='10' WHERE key='schema_version'")
+        version = 10
+    if version == 10:  # v11: bookies as network services: the host a bookie runs on (the
+        # placement spreads a segment's copies over hosts) and whether it takes writes
+        columns = backend.columns("bookie_endpoints")
+        if "host" not in columns:
+            conn.execute("ALTER TABLE bookie_endpoints ADD COLUMN host TEXT")
+        if "writable" not in columns:
+            conn.execute("ALTER TABLE bookie_endpoints ADD COLUMN writable INTEGER NOT NULL "
+                         "DEFAULT 0")
+        conn.execute("UPDATE meta SET value='11' WHERE key='schema_version'")

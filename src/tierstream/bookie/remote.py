@@ -1,0 +1,400 @@
+"""A bookie on another host, as the broker's write path sees it: the same operations as a
+local :class:`~tierstream.bookie.storage.Bookie` (``append`` returns a future completed once
+the entry is on that bookie's disk), over the bookie endpoint's Flight service
+(``bookie/writes.py`` has the wire).
+
+Appends of every ledger the broker writes there share one ``DoExchange`` stream: a sender
+thread writes what producers queued meanwhile as one batch (the bookie's group commit then
+takes it whole), a receiver thread completes the futures in order as the bookie's answers
+arrive. A bookie that fails, breaks the stream or leaves an entry unanswered for
+``timeout_s`` fails every entry in flight (the ack quorum of the others decides) and is
+marked unavailable: the broker seals the segments written there and places the next ones
+on other bookies; appends are tried again after ``retry_s``.
+
+Every append carries the broker's writer epoch: once a newer broker fenced a ledger, the
+bookie refuses them (``FencedError``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from array import array
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from tierstream.bookie.ledger import IndexRecord, parse_frame
+from tierstream.bookie.storage import RecoveredLedger
+from tierstream.bookie.writes import APPEND_SCHEMA, FRAME_SCHEMA, recovered_from
+from tierstream.errors import CorruptionError, UnavailableError
+from tierstream.protocol import decode, encode, error_from_text, translate_errors
+from tierstream.security import call_headers, client_for
+
+__all__ = ["RemoteBookie"]
+
+log = logging.getLogger(__name__)
+
+#: rows and payload bytes per batch on the append stream
+_BATCH_ROWS = 512
+_BATCH_BYTES = 8 * 1024**2
+#: bytes a reader of an open ledger fetches at a time
+_READ_WINDOW = 4 * 1024**2
+#: an idle append stream sends an empty batch this often
+KEEPALIVE_S = 0.5
+_EMPTY = pa.RecordBatch.from_pylist([], schema=APPEND_SCHEMA)
+
+
+class RemoteBookie:
+    """A bookie endpoint (``tierstream bookie serve``) at ``address``, written under
+    ``epoch``."""
+
+    def __init__(self, bookie_id: str, address: str, *, host: str, epoch: int,
+                 auth_token: str | None = None, tls_ca: bytes | None = None,
+                 timeout_s: float = 10.0, retry_s: float = 1.0) -> None:
+        self.bookie_id, self.address, self.host, self.epoch = bookie_id, address, host, epoch
+        self.timeout_s, self.retry_s = timeout_s, retry_s
+        self.root = None  # no directory on this host
+        self.checksum_failures = 0
+        self._client = client_for(address, tls_ca=tls_ca)
+        headers = call_headers(auth_token)
+        self._options = flight.FlightCallOptions(headers=headers, timeout=timeout_s)
+        self._stream_options = flight.FlightCallOptions(headers=headers)
+        self._ping_options = flight.FlightCallOptions(headers=headers,
+                                                      timeout=min(1.0, timeout_s))
+        self._lock = threading.Condition()
+        self._outbox: list[tuple[list[Any], Future[IndexRecord]]] = []
+        self._pending: deque[tuple[int, int, Future[IndexRecord], float]] = deque()
+        self._stream: tuple[Any, Any] | None = None
+        self._generation = 0  # of the stream: a broken one's threads stop
+        self.down_since: float | None = None
+        self.down_reason = ""
+        self.failures = 0
+        self._closed = False
+        self._sender = threading.Thread(target=self._send_loop, daemon=True,
+                                         name=f"remote-bookie-{bookie_id}-send")
+        self._sender.start()
+        self._watchdog = threading.Thread(target=self._watch, daemon=True,
+                                          name=f"remote-bookie-{bookie_id}-watch")
+        self._watchdog.start()
+
+    def __repr__(self) -> str:
+        return f"RemoteBookie(id={self.bookie_id!r}, address={self.address!r})"
+
+    @property
+    def available(self) -> bool:
+        return self.down_since is None
+
+    # -- appends ------------------------------------------------------------------------------
+
+    def create_ledger(self, segment_id: int) -> None:
+        """Nothing to do here: the bookie opens a ledger at its first append."""
+
+    def append(self, segment_id: int, entry_id: int, meta: dict[str, Any], payload: pa.Buffer,
+               messages: int, first_pt: int, last_pt: int) -> Future[IndexRecord]:
+        fut: Future[IndexRecord] = Future()
+        row = [segment_id, entry_id, json.dumps(meta).encode() if meta else b"", payload,
+               messages, first_pt, last_pt]
+        with self._lock:
+            if self._closed:
+                fut.set_exception(UnavailableError(f"bookie {self.bookie_id}: closed"))
+            elif self.down_since is not None and \
+                    time.monotonic() - self.down_since < self.retry_s:
+                fut.set_exception(UnavailableError(
+                    f"bookie {self.bookie_id} at {self.address} is unavailable: "
+                    f"{self.down_reason}"))
+            else:
+                self._outbox.append((row, fut))
+                self._lock.notify_all()
+        return fut
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._lock:
+                if not self._outbox and not self._closed:
+                    self._lock.wait(KEEPALIVE_S)
+                if self._closed:
+                    return
+                if not self._outbox:
+                    self._keepalive()
+                    continue
+                take: list[tuple[list[Any], Future[IndexRecord]]] = []
+                size = 0
+                while self._outbox and len(take) < _BATCH_ROWS and size < _BATCH_BYTES:
+                    item = self._outbox.pop(0)
+                    take.append(item)
+                    size += item[0][3].size
+                stream, generation = self._stream, self._generation
+            if stream is None:
+                try:
+                    stream = self._open_stream()
+                except Exception as exc:
+                    self._fail([f for _, f in take], f"cannot open a write stream: {exc}")
+                    continue
+                with self._lock:
+                    self._stream, generation = stream, self._generation
+                threading.Thread(target=self._receive_loop, args=(stream[1], generation),
+                                 daemon=True, name=f"remote-bookie-{self.bookie_id}-recv"
+                                 ).start()
+            batch = _append_batch([row for row, _ in take])
+            now = time.monotonic()
+            with self._lock:
+                if generation != self._generation:  # broke meanwhile
+                    self._fail_locked([f for _, f in take], self.down_reason)
+                    continue
+                self._pending.extend((row[0], row[1], fut, now) for row, fut in take)
+            try:
+                stream[0].write_batch(batch)
+            except Exception as exc:
+                self._broken(generation, f"write failed: {exc}")
+
+    def _keepalive(self) -> None:
+        """An empty batch on an idle stream (lock held): the bookie's handler wakes up to see
+        whether it is shutting down, and a connection that died is noticed."""
+        if self._stream is None:
+            return
+        try:
+            self._stream[0].write_batch(_EMPTY)
+        except Exception as exc:
+            generation = self._generation
+            threading.Thread(target=self._broken, args=(generation, f"write failed: {exc}"),
+                             daemon=True).start()
+
+    def _open_stream(self) -> tuple[Any, Any]:
+        descriptor = flight.FlightDescriptor.for_command(encode(
+            {"op": "append", "epoch": self.epoch}))
+        with translate_errors(self.address, "bookie"):
+            writer, reader = self._client.do_exchange(descriptor, self._stream_options)
+            writer.begin(APPEND_SCHEMA)
+        with self._lock:
+            if self.down_since is not None:
+                log.info("bookie %s at %s takes writes again", self.bookie_id, self.address)
+            self.down_since = None
+        return writer, reader
+
+    def _receive_loop(self, reader: Any, generation: int) -> None:
+        try:
+            while True:
+                chunk = reader.read_chunk()
+                acks = chunk.data.to_pylist()
+                with self._lock:
+                    if generation != self._generation:
+                        return
+                    for ack in acks:
+                        if not self._pending:
+                            raise UnavailableError("an answer for an entry never sent")
+                        seg, entry_id, fut, _ = self._pending.popleft()
+                        if (seg, entry_id) != (ack["segment_id"], ack["entry_id"]):
+                            raise UnavailableError(f"answer for entry {ack['entry_id']} of "
+                                                   f"ledger {ack['segment_id']} out of order")
+                        if ack["error"] is None:
+                            fut.set_result(IndexRecord(
+                                entry_id, ack["frame_offset"], ack["frame_len"],
+                                ack["messages"], ack["first_publish_time"],
+                                ack["last_publish_time"]))
+                        else:
+                            fut.set_exception(error_from_text(ack["error"]))
+        except StopIteration:
+            self._broken(generation, "the bookie ended the write stream")
+        except Exception as exc:
+            self._broken(generation, f"{type(exc).__name__}: {exc}")
+
+    def _watch(self) -> None:
+        """Break the stream when its oldest entry waited ``timeout_s``: a bookie whose host
+        vanished answers nothing, and the segment must not wait for it."""
+        while True:
+            time.sleep(min(1.0, self.timeout_s / 4))
+            with self._lock:
+                if self._closed:
+                    return
+                oldest = self._pending[0][3] if self._pending else None
+                generation = self._generation
+            if oldest is not None and time.monotonic() - oldest > self.timeout_s:
+                self._broken(generation, f"no answer in {self.timeout_s:g} s")
+
+    def _broken(self, generation: int, reason: str) -> None:
+        with self._lock:
+            if generation != self._generation:
+                return
+            self._generation += 1
+            stream, self._stream = self._stream, None
+            pending = [fut for *_, fut, _ in self._pending]
+            self._pending.clear()
+            if self.down_since is None:
+                log.warning("bookie %s at %s is unavailable: %s", self.bookie_id,
+                            self.address, reason)
+            self._fail_locked(pending, reason)
+        if stream is not None:  # ending a broken stream: its errors say nothing new
+            with contextlib.suppress(Exception):
+                stream[1].cancel()
+
+    def _fail(self, futures: list[Future[IndexRecord]], reason: str) -> None:
+        with self._lock:
+            self._fail_locked(futures, reason)
+
+    def _fail_locked(self, futures: list[Future[IndexRecord]], reason: str) -> None:
+        self.down_since = self.down_since or time.monotonic()
+        self.down_reason = reason
+        self.failures += 1
+        for fut in futures:
+            if not fut.done():
+                fut.set_exception(UnavailableError(
+                    f"bookie {self.bookie_id} at {self.address}: {reason}"))
+
+    def flush(self) -> None:
+        """Wait until every append queued so far is answered (or failed)."""
+        with self._lock:
+            futures = [f for _, f in self._outbox] + [f for _, _, f, _ in self._pending]
+        for fut in futures:
+            fut.exception()
+
+    # -- control ------------------------------------------------------------------------------
+
+    def _action(self, kind: str, body: dict[str, Any]) -> Any:
+        with translate_errors(self.address, "bookie"):
+            results = list(self._client.do_action(
+                flight.Action(kind, encode(body)), self._options))
+        return decode(results[0].body.to_pybytes(), "bookie answer")["result"]
+
+    def seal_ledger(self, segment_id: int, last_entry_id: int | None) -> None:
+        self.flush()
+        self._action("seal", {"segment_id": segment_id, "last_entry_id": last_entry_id,
+                              "epoch": self.epoch})
+
+    def discard_ledger(self, segment_id: int) -> None:
+        self.flush()
+        self._action("discard", {"segment_id": segment_id, "epoch": self.epoch})
+
+    def delete_ledger(self, segment_id: int) -> None:
+        self._action("delete", {"segment_id": segment_id, "epoch": self.epoch})
+
+    def index(self, segment_id: int) -> list[IndexRecord]:
+        return [IndexRecord(*map(int, r)) for r in
+                self._action("index", {"segment_id": segment_id})]
+
+    def recover_ledger(self, segment_id: int) -> RecoveredLedger:
+        """Fence the ledger at this broker's epoch and read what the bookie has of it."""
+        return recovered_from(self._action("fence", {"segment_id": segment_id,
+                                                     "epoch": self.epoch}), self.bookie_id)
+
+    def byte_range(self, segment_id: int, offset: int, length: int) -> bytes:
+        ticket = flight.Ticket(encode({"op": "range", "segment_id": segment_id,
+                                       "offset": offset, "length": length}))
+        with translate_errors(self.address, "bookie"):
+            table = self._client.do_get(ticket, self._options).read_all()
+        return bytes(table.column("data")[0].as_py())
+
+    def read_raw_frame(self, segment_id: int, rec: IndexRecord) -> bytes:
+        return self.byte_range(segment_id, rec.frame_offset, rec.frame_len)
+
+    def read_raw_frames(self, segment_id: int, records: list[IndexRecord]
+                        ) -> Iterator[tuple[IndexRecord, bytes]]:
+        """The raw frames of consecutive ``records``, a window of bytes per call."""
+        reader = RemoteLedgerReader(self, segment_id)
+        for rec in records:
+            yield rec, reader.raw(rec)
+
+    def rewrite_ledger(self, segment_id: int, frames: list[tuple[IndexRecord, bytes]]) -> None:
+        descriptor = flight.FlightDescriptor.for_command(encode(
+            {"op": "rewrite", "segment_id": segment_id}))
+        with translate_errors(self.address, "bookie"):
+            writer, _ = self._client.do_put(descriptor, FRAME_SCHEMA, self._options)
+            for i in range(0, len(frames), 256):
+                part = frames[i:i + 256]
+                writer.write_batch(pa.RecordBatch.from_pydict({
+                    "entry_id": [r.entry_id for r, _ in part],
+                    "messages": [r.messages for r, _ in part],
+                    "first_publish_time": [r.first_publish_time for r, _ in part],
+                    "last_publish_time": [r.last_publish_time for r, _ in part],
+                    "frame": [f for _, f in part]}, schema=FRAME_SCHEMA))
+            writer.close()
+
+    def open_reader(self, segment_id: int) -> RemoteLedgerReader:
+        return RemoteLedgerReader(self, segment_id)
+
+    def ping(self) -> bool:
+        """Whether the bookie answers (at most once per ``retry_s`` while it is down)."""
+        with self._lock:
+            if self.down_since is not None and \
+                    time.monotonic() - self.down_since < self.retry_s:
+                return False
+        try:
+            list(self._client.do_action(flight.Action("ping", b""), self._ping_options))
+        except Exception:
+            with self._lock:
+                self.down_since = time.monotonic()
+            return False
+        with self._lock:
+            self.down_since = None
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._generation += 1
+            stream, self._stream = self._stream, None
+            self._fail_locked([f for _, f in self._outbox] +
+                              [f for _, _, f, _ in self._pending], "closed")
+            self._outbox.clear()
+            self._pending.clear()
+            self._lock.notify_all()
+        if stream is not None:  # no Finish: it would wait on the receiver's read
+            with contextlib.suppress(Exception):
+                stream[0].done_writing()
+            with contextlib.suppress(Exception):
+                stream[1].cancel()
+        self._client.close()
+
+
+def _append_batch(rows: list[list[Any]]) -> pa.RecordBatch:
+    """Queued appends as one :data:`APPEND_SCHEMA` batch (the payloads copied once, into one
+    buffer)."""
+    columns = list(zip(*rows, strict=True))
+    payloads = columns[3]
+    offsets = array("i", [0])
+    for p in payloads:
+        offsets.append(offsets[-1] + p.size)
+    data = pa.py_buffer(b"".join(memoryview(p) for p in payloads))
+    arrays = [pa.array(col, type=f.type) if i != 3 else pa.Array.from_buffers(
+        pa.binary(), len(rows), [None, pa.py_buffer(offsets), data])
+        for i, (col, f) in enumerate(zip(columns, APPEND_SCHEMA, strict=True))]
+    return pa.RecordBatch.from_arrays(arrays, schema=APPEND_SCHEMA)
+
+
+class RemoteLedgerReader:
+    """Verified frames of one ledger on a remote bookie, fetched a window of bytes at a
+    time (consecutive entries are contiguous in the file)."""
+
+    def __init__(self, bookie: RemoteBookie, segment_id: int) -> None:
+        self._bookie, self.segment_id = bookie, segment_id
+        self._start, self._data = 0, b""
+
+    def raw(self, rec: IndexRecord) -> bytes:
+        lo, hi = rec.frame_offset, rec.frame_offset + rec.frame_len
+        if not (self._start <= lo and hi <= self._start + len(self._data)):
+            self._start = lo
+            self._data = self._bookie.byte_range(self.segment_id, lo,
+                                                 max(rec.frame_len, _READ_WINDOW))
+            if len(self._data) < rec.frame_len:
+                raise CorruptionError(f"bookie {self._bookie.bookie_id}: ledger "
+                                      f"{self.segment_id} is shorter than its index says "
+                                      f"(entry {rec.entry_id})")
+        return self._data[lo - self._start:hi - self._start]
+
+    def read(self, rec: IndexRecord) -> pa.Buffer:
+        try:
+            return parse_frame(memoryview(self.raw(rec)), self.segment_id, rec.entry_id,
+                               f"bookie {self._bookie.bookie_id}")
+        except CorruptionError:
+            self._bookie.checksum_failures += 1
+            raise
+
+    def close(self) -> None:
+        self._data = b""

@@ -1,0 +1,274 @@
+"""The write side of a bookie endpoint (``tierstream bookie serve``): what a broker on another
+host needs to keep its ledgers there, as BookKeeper's bookies take a writer's entries.
+
+Wire, on the same Flight service as the reads (``bookie/server.py``):
+
+- ``DoExchange`` ``{"op": "append", "epoch": E}``: the broker streams :data:`APPEND_SCHEMA`
+  batches (entries of any of its ledgers, in the order it wants them written); the bookie
+  writes them through its group-commit journal (``storage.py``: written, fsync'd) and answers
+  with one :data:`ACK_SCHEMA` batch per batch received, in the same order, each entry with
+  its index record or the error that kept it from disk. Entries of a ledger fenced above
+  ``E`` are refused (``fenced``): another broker took the ledger over.
+- ``DoAction``: ``fence`` (``{segment_id, epoch}``: refuse lower epochs from now on; answers
+  what recovery reads: the valid entries and their frames' metadata), ``seal``
+  (``{segment_id, last_entry_id, epoch}``), ``discard``, ``delete`` and ``index``
+  (``{segment_id}``).
+- ``DoGet`` ``{"op": "range", segment_id, offset, length}``: raw bytes of a ledger file (the
+  caller verifies each frame's checksum), for reads of open segments and recovery;
+  ``DoPut`` ``{"op": "rewrite", segment_id}``: :data:`FRAME_SCHEMA` rows replace the ledger
+  (recovery's re-replication).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import pyarrow as pa
+
+from tierstream.bookie.ledger import IndexRecord
+from tierstream.bookie.storage import Bookie, RecoveredLedger, ledger_paths
+from tierstream.errors import FencedError, NotFoundError, ProtocolError, TierstreamError
+from tierstream.protocol import encode, error_text
+
+__all__ = ["ACK_SCHEMA", "APPEND_SCHEMA", "FRAME_SCHEMA", "BookieWrites",
+           "flight_reader_chunks", "record_of", "recovered_from", "recovered_to",
+           "result_bytes"]
+
+APPEND_SCHEMA = pa.schema([
+    pa.field("segment_id", pa.int64(), nullable=False),
+    pa.field("entry_id", pa.int64(), nullable=False),
+    pa.field("meta", pa.binary(), nullable=False),
+    pa.field("payload", pa.binary(), nullable=False),
+    pa.field("messages", pa.int64(), nullable=False),
+    pa.field("first_publish_time", pa.int64(), nullable=False),
+    pa.field("last_publish_time", pa.int64(), nullable=False),
+])
+
+ACK_SCHEMA = pa.schema([
+    pa.field("segment_id", pa.int64(), nullable=False),
+    pa.field("entry_id", pa.int64(), nullable=False),
+    pa.field("frame_offset", pa.int64(), nullable=False),
+    pa.field("frame_len", pa.int64(), nullable=False),
+    pa.field("messages", pa.int64(), nullable=False),
+    pa.field("first_publish_time", pa.int64(), nullable=False),
+    pa.field("last_publish_time", pa.int64(), nullable=False),
+    pa.field("error", pa.string(), nullable=True),  # tagged as protocol.error_text
+])
+
+FRAME_SCHEMA = pa.schema([
+    pa.field("entry_id", pa.int64(), nullable=False),
+    pa.field("messages", pa.int64(), nullable=False),
+    pa.field("first_publish_time", pa.int64(), nullable=False),
+    pa.field("last_publish_time", pa.int64(), nullable=False),
+    pa.field("frame", pa.binary(), nullable=False),
+])
+
+_RECORD_FIELDS = ("entry_id", "frame_offset", "frame_len", "messages", "first_publish_time",
+                  "last_publish_time")
+
+
+def record_of(row: dict[str, Any]) -> IndexRecord:
+    return IndexRecord(*(int(row[f]) for f in _RECORD_FIELDS))
+
+
+def recovered_to(found: RecoveredLedger) -> dict[str, Any]:
+    return {"bookie": found.bookie_id, "cut_bytes": found.cut_bytes, "metas": found.metas,
+            "records": [[getattr(r, f) for f in _RECORD_FIELDS] for r in found.records]}
+
+
+def recovered_from(body: dict[str, Any], bookie_id: str) -> RecoveredLedger:
+    return RecoveredLedger(bookie_id, [IndexRecord(*map(int, r)) for r in body["records"]],
+                           list(body["metas"]), int(body["cut_bytes"]))
+
+
+class BookieWrites:
+    """The write operations of one bookie directory, served over the network. The storage
+    (its journal thread) is opened on the first write request: an endpoint that only serves
+    reads holds nothing open for writing."""
+
+    def __init__(self, bookie_id: str, root: Any, *, fsync: bool = True) -> None:
+        self.bookie_id, self.root, self.fsync = bookie_id, root, fsync
+        self._bookie: Bookie | None = None
+        self._lock = threading.Lock()
+        self.entries_written = 0
+        self.bytes_written = 0
+        self.fenced_refusals = 0
+        #: set when the endpoint shuts down: append streams end at their next batch (an idle
+        #: broker sends an empty one every remote.KEEPALIVE_S)
+        self.closing = False
+
+    @property
+    def bookie(self) -> Bookie:
+        with self._lock:
+            if self._bookie is None:
+                self._bookie = Bookie(self.bookie_id, self.root, fsync=self.fsync)
+            return self._bookie
+
+    def close(self) -> None:
+        self.closing = True
+        with self._lock:
+            if self._bookie is not None:
+                self._bookie.close()
+
+    # -- appends ------------------------------------------------------------------------------
+
+    def exchange(self, command: dict[str, Any], reader: Any, writer: Any) -> None:
+        """Take appends from ``reader`` until it ends; answer each batch in order on
+        ``writer`` once every entry of it is on disk (or failed). Reading goes on while
+        earlier batches are still being written: the broker pipelines."""
+        epoch = int(command["epoch"])
+        bookie = self.bookie
+        replies: queue.SimpleQueue[list[tuple[int, int, Future[IndexRecord]]] | None] = \
+            queue.SimpleQueue()
+        failed: list[BaseException] = []
+
+        def answer() -> None:
+            try:
+                while (item := replies.get()) is not None:
+                    writer.write_batch(self._acks(item))
+            except BaseException as exc:  # the stream broke: the broker retries elsewhere
+                failed.append(exc)
+
+        writer.begin(ACK_SCHEMA)
+        thread = threading.Thread(target=answer, name=f"bookie-{self.bookie_id}-acks",
+                                  daemon=True)
+        thread.start()
+        try:
+            for chunk in flight_reader_chunks(reader):
+                if failed or self.closing:  # ends the call: the broker moves on
+                    break
+                batch = chunk.data
+                if batch is not None and batch.num_rows:
+                    replies.put(self._submit(bookie, batch, epoch))
+        finally:
+            replies.put(None)
+            thread.join()
+
+    def _submit(self, bookie: Bookie, batch: pa.RecordBatch, epoch: int
+                ) -> list[tuple[int, int, Future[IndexRecord]]]:
+        segs = batch.column("segment_id").to_pylist()
+        entries = batch.column("entry_id").to_pylist()
+        metas = batch.column("meta")
+        payloads = batch.column("payload")
+        counts = batch.column("messages").to_pylist()
+        firsts = batch.column("first_publish_time").to_pylist()
+        lasts = batch.column("last_publish_time").to_pylist()
+        out: list[tuple[int, int, Future[IndexRecord]]] = []
+        for i, seg in enumerate(segs):
+            try:
+                bookie.open_for_appends(seg, epoch)  # by its first append (a no-op after)
+            except TierstreamError as exc:
+                refused: Future[IndexRecord] = Future()
+                refused.set_exception(exc)
+                out.append((seg, entries[i], refused))
+                continue
+            meta = json.loads(metas[i].as_py()) if len(metas[i].as_buffer()) else {}
+            out.append((seg, entries[i], bookie.append(
+                seg, entries[i], meta, payloads[i].as_buffer(), counts[i], firsts[i],
+                lasts[i], epoch=epoch)))
+        return out
+
+    def _acks(self, item: list[tuple[int, int, Future[IndexRecord]]]) -> pa.RecordBatch:
+        rows: dict[str, list[Any]] = {f.name: [] for f in ACK_SCHEMA}
+        for seg, entry_id, fut in item:
+            exc = fut.exception()
+            rec = fut.result() if exc is None else IndexRecord(entry_id, 0, 0, 0, 0, 0)
+            for f in _RECORD_FIELDS:
+                rows[f].append(getattr(rec, f))
+            rows["segment_id"].append(seg)
+            if exc is None:
+                rows["error"].append(None)
+                with self._lock:
+                    self.entries_written += 1
+                    self.bytes_written += rec.frame_len
+            else:
+                if isinstance(exc, FencedError):
+                    with self._lock:
+                        self.fenced_refusals += 1
+                err = exc if isinstance(exc, TierstreamError) else NotFoundError(str(exc))
+                rows["error"].append(error_text(err))
+        return pa.RecordBatch.from_pydict(rows, schema=ACK_SCHEMA)
+
+    # -- control ------------------------------------------------------------------------------
+
+    def action(self, kind: str, body: dict[str, Any]) -> Any:
+        bookie = self.bookie
+        segment_id = int(body["segment_id"])
+        if kind == "fence":
+            return recovered_to(bookie.fence(segment_id, int(body["epoch"])))
+        if kind == "seal":
+            epoch = body.get("epoch")
+            fenced = bookie.fenced_at(segment_id)
+            if epoch is not None and fenced is not None and int(epoch) < fenced:
+                raise FencedError(f"ledger {segment_id} on bookie {self.bookie_id} is fenced "
+                                  f"at epoch {fenced}: a seal of epoch {epoch} is refused")
+            last = body.get("last_entry_id")
+            bookie.seal_ledger(segment_id, None if last is None else int(last))
+            return {}
+        if kind in ("discard", "delete"):
+            epoch = body.get("epoch")
+            fenced = bookie.fenced_at(segment_id)
+            if epoch is not None and fenced is not None and int(epoch) < fenced:
+                raise FencedError(f"ledger {segment_id} on bookie {self.bookie_id} is fenced "
+                                  f"at epoch {fenced}: a {kind} of epoch {epoch} is refused")
+            if kind == "discard":
+                bookie.discard_ledger(segment_id)
+            else:
+                bookie.delete_ledger(segment_id)
+            return {}
+        if kind == "index":
+            return [[getattr(r, f) for f in _RECORD_FIELDS] for r in bookie.index(segment_id)]
+        raise ProtocolError(f"unknown bookie action {kind!r}")
+
+    def byte_range(self, segment_id: int, offset: int, length: int) -> pa.RecordBatch:
+        """Raw bytes of a ledger file (fewer at its end), as one row."""
+        log_path, _ = ledger_paths(self.root, segment_id)
+        try:
+            fd = os.open(log_path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise NotFoundError(f"ledger {segment_id} is not on bookie {self.bookie_id}") \
+                from None
+        try:
+            data = os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
+        return pa.RecordBatch.from_pydict({"data": [data]},
+                                          schema=pa.schema([("data", pa.binary())]))
+
+    def rewrite(self, segment_id: int, reader: Any) -> None:
+        frames = []
+        for chunk in flight_reader_chunks(reader):
+            batch = chunk.data
+            for row in batch.to_pylist():
+                rec = IndexRecord(int(row["entry_id"]), 0, len(row["frame"]),
+                                  int(row["messages"]), int(row["first_publish_time"]),
+                                  int(row["last_publish_time"]))
+                frames.append((rec, row["frame"]))
+        bookie = self.bookie
+        bookie.discard_ledger(segment_id)
+        bookie.rewrite_ledger(segment_id, frames)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"entries_written": self.entries_written,
+                    "bytes_written": self.bytes_written,
+                    "fenced_refusals": self.fenced_refusals}
+
+
+def result_bytes(value: Any) -> Iterator[bytes]:
+    return iter([encode({"result": value})])
+
+
+def flight_reader_chunks(reader: Any) -> Iterator[Any]:
+    """The chunks of a Flight reader until it ends (an exchange's or a put's)."""
+    while True:
+        try:
+            yield reader.read_chunk()
+        except StopIteration:
+            return

@@ -1,0 +1,167 @@
+"""A store spread over processes, as on several hosts: PostgreSQL metadata, network bookies
+(``tierstream bookie serve --metadata ...``) and brokers with ``--network-bookies``. Each
+process can be put in a network namespace of its own (``Hosts``), so that "a host" can lose
+its network (``ip link set down``) while its processes keep running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from tierstream.broker.process import BrokerProcess
+
+from .timing import scaled
+
+__all__ = ["BookieProcess", "Hosts", "broker_args"]
+
+ROOT = Path(__file__).resolve().parents[1]
+_READY = re.compile(r"listening on (\S+)")
+
+
+class BookieProcess:
+    """A ``tierstream bookie serve --metadata URL`` child: a network bookie."""
+
+    def __init__(self, data_dir: Path, metadata: str, *, host_label: str,
+                 bind: str = "127.0.0.1", port: int = 0, netns: str | None = None) -> None:
+        self.data_dir, self.metadata, self.host_label = data_dir, metadata, host_label
+        self.bind, self.port, self.netns = bind, port, netns
+        self.url: str | None = None
+        self.proc: subprocess.Popen[str] | None = None
+        self.stderr_tail: deque[str] = deque(maxlen=100)
+
+    def start(self) -> BookieProcess:
+        cmd = [sys.executable, "-m", "tierstream", "bookie", "serve", "--data-dir",
+               str(self.data_dir), "--host", self.bind, "--port", str(self.port),
+               "--metadata", self.metadata, "--host-label", self.host_label, "--no-fsync"]
+        if self.netns is not None:
+            cmd = ["ip", "netns", "exec", self.netns, *cmd]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        ready = threading.Event()
+
+        def read(stream: Any, sink: Any) -> None:
+            for line in stream:
+                sink(line)
+
+        def out(line: str) -> None:
+            m = _READY.search(line)
+            if m and self.url is None:
+                self.url = m.group(1)
+                self.port = int(self.url.rsplit(":", 1)[1])
+                ready.set()
+
+        threading.Thread(target=read, args=(self.proc.stdout, out), daemon=True).start()
+        threading.Thread(target=read, args=(self.proc.stderr, self.stderr_tail.append),
+                         daemon=True).start()
+        deadline = scaled(60)
+        while not ready.wait(0.1):
+            deadline -= 0.1
+            if self.proc.poll() is not None or deadline <= 0:
+                self.kill()
+                raise RuntimeError(f"the bookie did not start: {''.join(self.stderr_tail)}")
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def restart(self) -> BookieProcess:
+        self.kill()
+        self.url = None
+        return self.start()  # on the same port: the address registered stays right
+
+
+def broker_args(metadata: str, *extra: str) -> list[str]:
+    return ["--metadata", metadata, "--network-bookies", "--no-fsync",
+            "--bookie-timeout", f"{scaled(3):g}s", *extra]
+
+
+class Hosts:
+    """Network namespaces standing in for hosts, on one bridge: host ``i`` is reached at
+    ``10.78.0.<i+2>``, this (the root) namespace at ``10.78.0.1``."""
+
+    BRIDGE, PREFIX = "tsbr78", "10.78.0"
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.tag = f"ts{os.getpid() % 10000}"
+
+    def address(self, name: str) -> str:
+        return f"{self.PREFIX}.{self.names.index(name) + 2}"
+
+    @property
+    def gateway(self) -> str:
+        return f"{self.PREFIX}.1"
+
+    def ns(self, name: str) -> str:
+        return f"{self.tag}-{name}"
+
+    def _veth(self, name: str) -> str:
+        return f"{self.tag}{self.names.index(name)}"
+
+    def __enter__(self) -> Hosts:
+        _ip("link", "add", self.BRIDGE, "type", "bridge")
+        _ip("addr", "add", f"{self.gateway}/24", "dev", self.BRIDGE)
+        _ip("link", "set", self.BRIDGE, "up")
+        for name in self.names:
+            ns, veth = self.ns(name), self._veth(name)
+            _ip("netns", "add", ns)
+            _ip("link", "add", veth, "type", "veth", "peer", "name", f"{veth}p")
+            _ip("link", "set", f"{veth}p", "netns", ns)
+            _ip("link", "set", veth, "master", self.BRIDGE)
+            _ip("link", "set", veth, "up")
+            _ip("netns", "exec", ns, "ip", "addr", "add", f"{self.address(name)}/24", "dev",
+                f"{veth}p")
+            _ip("netns", "exec", ns, "ip", "link", "set", f"{veth}p", "up")
+            _ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        return self
+
+    def cut(self, name: str) -> None:
+        """The host loses its network; its processes keep running."""
+        _ip("netns", "exec", self.ns(name), "ip", "link", "set", f"{self._veth(name)}p", "down")
+
+    def mend(self, name: str) -> None:
+        _ip("netns", "exec", self.ns(name), "ip", "link", "set", f"{self._veth(name)}p", "up")
+
+    def __exit__(self, *exc: object) -> None:
+        for name in self.names:
+            with contextlib.suppress(subprocess.CalledProcessError):
+                _ip("netns", "del", self.ns(name))
+        with contextlib.suppress(subprocess.CalledProcessError):
+            _ip("link", "del", self.BRIDGE)
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def network_namespaces_unavailable() -> str | None:
+    """Why network namespaces cannot be used here (None: they can)."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    probe = f"tsprobe{os.getpid() % 10000}"
+    done = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if done.returncode != 0:
+        return f"ip netns add is not permitted here: {done.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def stop(proc: subprocess.Popen[Any] | None) -> None:
+    if proc is not None and proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+__all__ += ["BrokerProcess", "network_namespaces_unavailable", "stop"]

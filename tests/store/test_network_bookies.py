@@ -1,0 +1,264 @@
+"""Bookies as network services (issue 42): quorum writes over the network, fencing, a broker
+on another data directory taking the store over.
+
+Real processes throughout: PostgreSQL (``tests/postgres.py``), ``tierstream bookie serve
+--metadata`` bookies and ``tierstream broker start --network-bookies`` brokers on loopback;
+``test_network_hosts.py`` puts them in network namespaces and cuts a host's network.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+import tierstream
+from tierstream.bookie.remote import RemoteBookie
+from tierstream.bookie.server import BookieServer
+from tierstream.broker.process import BrokerProcess
+from tierstream.client import Admin, Producer
+from tierstream.errors import FencedError, UnavailableError
+from tierstream.message_format import MESSAGE_SCHEMA
+from tierstream.spark_adapter.source import register
+
+from ..network_store import BookieProcess, broker_args
+from ..timing import scaled
+from .helpers import wait_for
+
+TOPIC = "acme/net/orders"
+KEYS = 7
+
+
+def _payload(entry_id: int) -> pa.Buffer:
+    row: dict[str, Any] = {f.name: None for f in MESSAGE_SCHEMA}
+    row.update(key="k", key_hash=1, value=f"v{entry_id}".encode(), publish_time=entry_id,
+               partition=0, segment_id=7, entry_id=entry_id, batch_index=0, properties=[])
+    return pa.RecordBatch.from_pylist([row], schema=MESSAGE_SCHEMA).serialize()
+
+
+def test_a_network_bookie_stores_appends_and_refuses_a_fenced_writer(tmp_path) -> None:
+    root = tmp_path / "b0"
+    root.mkdir()
+    server = BookieServer(root, bookie_id="b0", writable=True, fsync=False)
+    old = RemoteBookie("b0", server.url, host="h0", epoch=1)
+    new = RemoteBookie("b0", server.url, host="h0", epoch=2)
+    try:
+        futures = [old.append(7, i, {"p": "w", "s": i}, _payload(i), 1, i, i)
+                   for i in range(500)]
+        records = [f.result(timeout=scaled(30)) for f in futures]
+        assert [r.entry_id for r in records] == list(range(500))
+        assert old.open_reader(7).read(records[42]).size == _payload(42).size
+        found = new.recover_ledger(7)  # fences at epoch 2
+        assert len(found.records) == 500 and found.metas[-1] == {"p": "w", "s": 499}
+        with pytest.raises(FencedError, match="fenced"):
+            old.append(7, 500, {}, _payload(500), 1, 0, 0).result(timeout=scaled(30))
+        with pytest.raises(FencedError, match="fenced"):
+            old.seal_ledger(7, 499)
+        with pytest.raises(FencedError, match="above 1"):
+            old.recover_ledger(7)  # a fence below the current one
+    finally:
+        old.close()
+        new.close()
+        server.shutdown()
+    # the fence is on disk: a restarted bookie still refuses the old writer
+    server = BookieServer(root, bookie_id="b0", writable=True, fsync=False)
+    old = RemoteBookie("b0", server.url, host="h0", epoch=1)
+    try:
+        with pytest.raises(FencedError):
+            old.append(7, 500, {}, _payload(500), 1, 0, 0).result(timeout=scaled(30))
+    finally:
+        old.close()
+        server.shutdown()
+
+
+def test_a_bookie_that_does_not_answer_fails_its_entries_in_bounded_time(tmp_path) -> None:
+    root = tmp_path / "b0"
+    root.mkdir()
+    server = BookieServer(root, bookie_id="b0", writable=True, fsync=False)
+    bookie = RemoteBookie("b0", server.url, host="h0", epoch=1, timeout_s=scaled(1))
+    try:
+        bookie.append(7, 0, {}, _payload(0), 1, 0, 0).result(timeout=scaled(30))
+        server.shutdown()
+        with pytest.raises(UnavailableError, match="b0"):
+            bookie.append(7, 1, {}, _payload(1), 1, 1, 1).result(timeout=scaled(30))
+        assert not bookie.available
+    finally:
+        bookie.close()
+
+
+class _Writer:
+    """One named producer sending ``k<i % 7>:<i>`` in order, through reconnects, counting
+    what was acknowledged."""
+
+    def __init__(self, broker: str, *, batch: int = 50) -> None:
+        # a broker that hangs is left for the next one named after this long without acks
+        self.broker, self.batch = broker, batch
+        self.acked = 0
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            with Producer(TOPIC, broker=self.broker, name="writer", batch_size=self.batch,
+                          send_timeout=scaled(5)) as producer:
+                i = 0
+                while not self._stop.is_set():
+                    producer.send_many({"key": f"k{(i + j) % KEYS}",
+                                        "value": f"k{(i + j) % KEYS}:{i + j}".encode()}
+                                       for j in range(self.batch))
+                    producer.flush()
+                    i += self.batch
+                    self.acked = i
+        except BaseException as exc:
+            self.error = exc
+
+    def wait_for_more(self, n: int) -> None:
+        target = self.acked + n
+        wait_for(lambda: self.acked >= target or self.error is not None, timeout=scaled(120),
+                 what=f"{n} more messages acknowledged")
+        assert self.error is None, f"the producer failed: {self.error!r}"
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join(timeout=scaled(120))
+        assert not self._thread.is_alive(), "the producer did not stop"
+        assert self.error is None, f"the producer failed: {self.error!r}"
+        return self.acked
+
+
+def check_exactly_once_in_order(values: list[str], acked: int) -> None:
+    """Every acknowledged message once, nothing unacknowledged but the tail's, per-key order."""
+    numbers = [int(v.split(":")[1]) for v in values]
+    assert len(numbers) == len(set(numbers)), "a message was stored twice"
+    assert set(range(acked)) <= set(numbers), \
+        f"{len(set(range(acked)) - set(numbers))} acknowledged message(s) missing"
+    per_key: dict[str, list[int]] = defaultdict(list)
+    for v in values:
+        key, n = v.split(":")
+        per_key[key].append(int(n))
+    for key, ns in per_key.items():
+        assert ns == sorted(ns), f"key {key} out of order"
+
+
+def _values(table: pa.Table) -> list[str]:
+    return [bytes(v).decode() for v in table.column("value").to_pylist()]
+
+
+def _read(broker: str) -> list[str]:
+    return _values(tierstream.read(TOPIC, broker=broker))
+
+
+@pytest.fixture
+def network_store(tmp_path: Path, postgres: Any) -> Any:
+    url = postgres.new_database()
+    bookies = [BookieProcess(tmp_path / f"bookie-{i}", url, host_label=f"host-{i}").start()
+               for i in range(3)]
+    brokers: list[BrokerProcess] = []
+
+    def broker(name: str, *extra: str, port: int = 0) -> BrokerProcess:
+        proc = BrokerProcess(tmp_path / name, args=broker_args(url, *extra), port=port)
+        brokers.append(proc)
+        return proc
+
+    yield url, bookies, broker
+    for proc in brokers:
+        proc.kill()
+    for bookie in bookies:
+        bookie.kill()
+
+
+def test_a_bookie_sigkilled_under_load_costs_no_acknowledged_message(network_store) -> None:
+    _, bookies, broker = network_store
+    first = broker("broker-a", "--write-quorum", "3", "--ack-quorum", "2").start()
+    with Admin(first.url) as admin:
+        admin.create_topic(TOPIC, 2)
+    writer = _Writer(first.url)
+    try:
+        writer.wait_for_more(2_000)
+        bookies[1].kill()  # SIGKILL, mid-load
+        writer.wait_for_more(2_000)  # acks go on: two of three copies are a quorum
+        with Admin(first.url) as admin:
+            states = admin.stats()["bookies"]
+        assert states["bookie-1"]["available"] is False
+        assert states["bookie-0"]["available"] and states["bookie-2"]["available"]
+        bookies[1].restart()
+        writer.wait_for_more(2_000)
+    finally:
+        acked = writer.stop()
+    check_exactly_once_in_order(_read(first.url), acked)
+    with Admin(first.url) as admin:  # segments after the kill were placed without it
+        ensembles = {tuple(s.ensemble) for s in admin.list_segments(TOPIC)}
+    assert any("bookie-1" not in e and len(e) == 2 for e in ensembles), ensembles
+
+
+def test_a_standby_takes_over_a_stopped_broker_which_is_then_fenced(network_store, spark,
+                                                                     free_port) -> None:
+    _, _, broker = network_store
+    first = broker("broker-a").start()
+    with Admin(first.url) as admin:
+        admin.create_topic(TOPIC, 2)
+    # the standby waits while the first one is alive; clients are given both addresses
+    standby = broker("broker-b", "--standby", "--takeover-after", f"{scaled(2):g}s",
+                     port=free_port)
+    both = f"{first.url},grpc://127.0.0.1:{free_port}"
+    start = threading.Thread(target=lambda: standby.start(timeout=scaled(120)))
+    start.start()
+    writer = _Writer(both)
+    try:
+        writer.wait_for_more(1_000)
+        assert standby.url is None, "the standby took over a broker that was alive"
+        assert first.proc is not None
+        first.proc.send_signal(signal.SIGSTOP)  # its host hangs
+        start.join(timeout=scaled(120))
+        assert standby.url is not None, "the standby did not take over"
+        writer.wait_for_more(1_000)  # the producer left the hung broker for the new one
+    finally:
+        acked = writer.stop()
+    # the old broker wakes up: its writes are refused as fenced and it stops, saying why
+    first.proc.send_signal(signal.SIGCONT)
+    # (FencedError is an UnavailableError: a client reconnects, here to no other broker)
+    with pytest.raises(UnavailableError), Producer(
+            TOPIC, broker=first.url, name="late", batch_size=10,
+            send_timeout=scaled(5)) as late:
+        for _ in range(50):
+            late.send_many([{"key": "k0", "value": b"late:0"}])
+    assert first.proc.wait(timeout=scaled(60)) != 0
+    assert "fenced" in "".join(first.stderr_tail) or "took the metadata store" in "".join(
+        first.stderr_tail), "".join(first.stderr_tail)[-2000:]
+    values = _read(standby.url)
+    assert not [v for v in values if v.startswith("late")], "the fenced broker stored a write"
+    check_exactly_once_in_order(values, acked)
+    register(spark)
+    frame = (spark.read.format("tierstream")
+             .options(topic=TOPIC, broker=standby.url).load().select("value"))
+    spark_values = sorted(bytes(r.value).decode() for r in frame.collect())
+    assert spark_values == sorted(_read(standby.url))
+
+
+def test_bad_network_bookie_settings_are_one_line_each(tmp_path, postgres) -> None:
+    def start(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "tierstream", *args],
+                              capture_output=True, text=True, timeout=scaled(60))
+
+    done = start("broker", "start", "--data-dir", str(tmp_path / "a"), "--network-bookies")
+    assert done.returncode != 0 and "needs --metadata" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    url = postgres.new_database()
+    done = start("broker", "start", "--data-dir", str(tmp_path / "b"), "--network-bookies",
+                 "--metadata", url, "--port", "0", "--pulsar-port", "0", "--admin-port", "0")
+    assert done.returncode != 0 and "no bookie is registered" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    done = start("bookie", "serve", "--data-dir", str(tmp_path / "c"), "--metadata",
+                 "mysql://x/y")
+    assert done.returncode != 0 and "invalid --metadata 'mysql://x/y'" in done.stderr, \
+        done.stderr
+    assert not (tmp_path / "c").exists()
