@@ -16,6 +16,7 @@ from bench import (
     pulsar_bench,
     remote_bench,
     remote_bookie_bench,
+    remote_write_bench,
     schema_bench,
     sink_bench,
     spark_bench,
@@ -47,6 +48,8 @@ BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
                   "modelled network (0/10/50 ms + 100 MB/s per request), beside local files"),
     "remote-bookie": (remote_bookie_bench.remote_bookie, "bookie-log reader over a bookie "
                       "endpoint beside local files; key-range wire amplification"),
+    "remote-write": (remote_write_bench.remote_write, "produce msg/s with 3 network bookies "
+                     "(wq3/aq2, processes) beside 3 local bookie directories, same run"),
     "offload": (tier_bench.offload, "offload MB/s to file:// and moto S3 beside a plain "
                                     "Parquet write; Parquet vs bookie bytes"),
     "catalog": (tier_bench.catalog, "ms to register one more tier file in Iceberg, early and "

@@ -31,9 +31,10 @@ class BookieProcess:
     """A ``tierstream bookie serve --metadata URL`` child: a network bookie."""
 
     def __init__(self, data_dir: Path, metadata: str, *, host_label: str,
-                 bind: str = "127.0.0.1", port: int = 0, netns: str | None = None) -> None:
+                 bind: str = "127.0.0.1", port: int = 0, netns: str | None = None,
+                 fsync: bool = False) -> None:
         self.data_dir, self.metadata, self.host_label = data_dir, metadata, host_label
-        self.bind, self.port, self.netns = bind, port, netns
+        self.bind, self.port, self.netns, self.fsync = bind, port, netns, fsync
         self.url: str | None = None
         self.proc: subprocess.Popen[str] | None = None
         self.stderr_tail: deque[str] = deque(maxlen=100)
@@ -41,7 +42,8 @@ class BookieProcess:
     def start(self) -> BookieProcess:
         cmd = [sys.executable, "-m", "tierstream", "bookie", "serve", "--data-dir",
                str(self.data_dir), "--host", self.bind, "--port", str(self.port),
-               "--metadata", self.metadata, "--host-label", self.host_label, "--no-fsync"]
+               "--metadata", self.metadata, "--host-label", self.host_label,
+               "--fsync" if self.fsync else "--no-fsync"]
         if self.netns is not None:
             cmd = ["ip", "netns", "exec", self.netns, *cmd]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
@@ -110,6 +112,8 @@ class Hosts:
         return f"{self.tag}{self.names.index(name)}"
 
     def __enter__(self) -> Hosts:
+        with contextlib.suppress(subprocess.CalledProcessError):  # left by a killed run
+            _ip("link", "del", self.BRIDGE)
         _ip("link", "add", self.BRIDGE, "type", "bridge")
         _ip("addr", "add", f"{self.gateway}/24", "dev", self.BRIDGE)
         _ip("link", "set", self.BRIDGE, "up")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .timing import scaled
 
-__all__ = ["PostgresServer", "PostgresUnavailable", "postgres_server", "started"]
+__all__ = ["PostgresServer", "PostgresUnavailable", "postgres_server", "started", "started_on"]
 
 
 class PostgresUnavailable(Exception):
@@ -29,10 +29,12 @@ class PostgresUnavailable(Exception):
 
 
 class PostgresServer:
-    def __init__(self, *, fsync: bool = False) -> None:
+    def __init__(self, *, fsync: bool = False, also_on: str | None = None) -> None:
         """``fsync``: off for tests (nothing here survives a power cut anyway); on for the
-        benchmark, where the engine's real cost is the figure."""
+        benchmark, where the engine's real cost is the figure. ``also_on``: another address
+        to listen on (a bridge to network namespaces), trusted as loopback is."""
         self.fsync = fsync
+        self.also_on = also_on
         initdb, pg_ctl = shutil.which("initdb"), shutil.which("pg_ctl")
         if initdb is None or pg_ctl is None:
             raise PostgresUnavailable("PostgreSQL's initdb and pg_ctl are not on PATH: install "
@@ -56,7 +58,9 @@ class PostgresServer:
                    "--no-sync", "-E", "UTF8"], "initdb")
         # one role checks its password (the rest is trusted: loopback, test data only)
         hba = self.data / "pg_hba.conf"
-        hba.write_text("host all secured 127.0.0.1/32 scram-sha-256\n" + hba.read_text())
+        extra = f"host all all {also_on}/24 trust\n" if also_on else ""
+        hba.write_text("host all secured 127.0.0.1/32 scram-sha-256\n" + hba.read_text()
+                       + extra)
         self.resume()
         self._names = itertools.count()
         self.sql(self.url(), "CREATE ROLE secured LOGIN SUPERUSER PASSWORD 's3cret'")
@@ -65,7 +69,8 @@ class PostgresServer:
         """Start the server (again, after :meth:`halt`), on the same port and data."""
         self._run([self.pg_ctl, "-D", str(self.data), "-l", str(self.root / "log"), "-w",
                    "-t", str(int(scaled(60))), "-o",
-                   f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 "
+                   f"-p {self.port} -k {self.root} -c listen_addresses="
+                   f"127.0.0.1{',' + self.also_on if self.also_on else ''} "
                    f"-c fsync={'on' if self.fsync else 'off'} -c max_connections=200",
                    "start"], "pg_ctl start")
 
@@ -84,8 +89,9 @@ class PostgresServer:
                 f"cannot start PostgreSQL ({what} exited {done.returncode}): "
                 f"{(done.stderr or done.stdout).strip()[-800:]} {tail}")
 
-    def url(self, database: str = "postgres", user: str = "postgres") -> str:
-        return f"postgresql://{user}@127.0.0.1:{self.port}/{database}"
+    def url(self, database: str = "postgres", user: str = "postgres",
+            host: str = "127.0.0.1") -> str:
+        return f"postgresql://{user}@{host}:{self.port}/{database}"
 
     def new_database(self) -> str:
         """The URL of a new, empty database."""
@@ -115,6 +121,16 @@ def started() -> PostgresServer:
 
     try:
         return PostgresServer()
+    except PostgresUnavailable as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+def started_on(address: str) -> PostgresServer:
+    """A new server also listening on ``address`` (network namespaces reach it there)."""
+    import pytest
+
+    try:
+        return PostgresServer(also_on=address)
     except PostgresUnavailable as exc:
         pytest.fail(str(exc), pytrace=False)
 

@@ -70,7 +70,7 @@ class RemoteBookie:
         self._ping_options = flight.FlightCallOptions(headers=headers,
                                                       timeout=min(1.0, timeout_s))
         self._lock = threading.Condition()
-        self._outbox: list[tuple[list[Any], Future[IndexRecord]]] = []
+        self._outbox: list[tuple[list[Any], Future[IndexRecord], float]] = []
         self._pending: deque[tuple[int, int, Future[IndexRecord], float]] = deque()
         self._stream: tuple[Any, Any] | None = None
         self._generation = 0  # of the stream: a broken one's threads stop
@@ -111,61 +111,57 @@ class RemoteBookie:
                     f"bookie {self.bookie_id} at {self.address} is unavailable: "
                     f"{self.down_reason}"))
             else:
-                self._outbox.append((row, fut))
+                self._outbox.append((row, fut, time.monotonic()))
                 self._lock.notify_all()
         return fut
 
     def _send_loop(self) -> None:
+        """Open the stream when there is something to send, then send what is queued, a
+        batch at a time (an empty one when idle). Writes happen outside the lock: one that
+        blocks (a host that vanished) is broken by the watchdog, not waited for."""
         while True:
             with self._lock:
                 if not self._outbox and not self._closed:
                     self._lock.wait(KEEPALIVE_S)
                 if self._closed:
                     return
-                if not self._outbox:
-                    self._keepalive()
-                    continue
-                take: list[tuple[list[Any], Future[IndexRecord]]] = []
+                stream, generation, idle = self._stream, self._generation, not self._outbox
+            if stream is None:
+                if not idle:
+                    self._connect_stream()
+                continue
+            with self._lock:
+                if generation != self._generation:
+                    continue  # broke meanwhile: its entries failed with it
+                take: list[tuple[list[Any], Future[IndexRecord], float]] = []
                 size = 0
                 while self._outbox and len(take) < _BATCH_ROWS and size < _BATCH_BYTES:
                     item = self._outbox.pop(0)
                     take.append(item)
                     size += item[0][3].size
-                stream, generation = self._stream, self._generation
-            if stream is None:
-                try:
-                    stream = self._open_stream()
-                except Exception as exc:
-                    self._fail([f for _, f in take], f"cannot open a write stream: {exc}")
-                    continue
-                with self._lock:
-                    self._stream, generation = stream, self._generation
-                threading.Thread(target=self._receive_loop, args=(stream[1], generation),
-                                 daemon=True, name=f"remote-bookie-{self.bookie_id}-recv"
-                                 ).start()
-            batch = _append_batch([row for row, _ in take])
-            now = time.monotonic()
-            with self._lock:
-                if generation != self._generation:  # broke meanwhile
-                    self._fail_locked([f for _, f in take], self.down_reason)
-                    continue
-                self._pending.extend((row[0], row[1], fut, now) for row, fut in take)
+                self._pending.extend((row[0], row[1], fut, t) for row, fut, t in take)
             try:
-                stream[0].write_batch(batch)
+                stream[0].write_batch(_append_batch([row for row, _, _ in take]) if take
+                                      else _EMPTY)
             except Exception as exc:
                 self._broken(generation, f"write failed: {exc}")
 
-    def _keepalive(self) -> None:
-        """An empty batch on an idle stream (lock held): the bookie's handler wakes up to see
-        whether it is shutting down, and a connection that died is noticed."""
-        if self._stream is None:
-            return
+    def _connect_stream(self) -> None:
         try:
-            self._stream[0].write_batch(_EMPTY)
+            stream = self._open_stream()
         except Exception as exc:
-            generation = self._generation
-            threading.Thread(target=self._broken, args=(generation, f"write failed: {exc}"),
-                             daemon=True).start()
+            with self._lock:
+                queued, self._outbox = self._outbox, []
+                self._fail_locked([f for _, f, _ in queued],
+                                  f"cannot open a write stream: {exc}")
+            return
+        with self._lock:
+            if self._closed:
+                return
+            self._stream, generation = stream, self._generation
+            self.down_since = None
+        threading.Thread(target=self._receive_loop, args=(stream[1], generation),
+                         daemon=True, name=f"remote-bookie-{self.bookie_id}-recv").start()
 
     def _open_stream(self) -> tuple[Any, Any]:
         descriptor = flight.FlightDescriptor.for_command(encode(
@@ -173,10 +169,8 @@ class RemoteBookie:
         with translate_errors(self.address, "bookie"):
             writer, reader = self._client.do_exchange(descriptor, self._stream_options)
             writer.begin(APPEND_SCHEMA)
-        with self._lock:
-            if self.down_since is not None:
-                log.info("bookie %s at %s takes writes again", self.bookie_id, self.address)
-            self.down_since = None
+        if self.down_since is not None:
+            log.info("bookie %s at %s takes writes again", self.bookie_id, self.address)
         return writer, reader
 
     def _receive_loop(self, reader: Any, generation: int) -> None:
@@ -214,7 +208,9 @@ class RemoteBookie:
             with self._lock:
                 if self._closed:
                     return
-                oldest = self._pending[0][3] if self._pending else None
+                waiting = [p[3] for p in list(self._pending)[:1]] + \
+                    [o[2] for o in self._outbox[:1]]
+                oldest = min(waiting) if waiting else None
                 generation = self._generation
             if oldest is not None and time.monotonic() - oldest > self.timeout_s:
                 self._broken(generation, f"no answer in {self.timeout_s:g} s")
@@ -225,8 +221,9 @@ class RemoteBookie:
                 return
             self._generation += 1
             stream, self._stream = self._stream, None
-            pending = [fut for *_, fut, _ in self._pending]
+            pending = [fut for *_, fut, _ in self._pending] + [f for _, f, _ in self._outbox]
             self._pending.clear()
+            self._outbox.clear()
             if self.down_since is None:
                 log.warning("bookie %s at %s is unavailable: %s", self.bookie_id,
                             self.address, reason)
@@ -234,10 +231,6 @@ class RemoteBookie:
         if stream is not None:  # ending a broken stream: its errors say nothing new
             with contextlib.suppress(Exception):
                 stream[1].cancel()
-
-    def _fail(self, futures: list[Future[IndexRecord]], reason: str) -> None:
-        with self._lock:
-            self._fail_locked(futures, reason)
 
     def _fail_locked(self, futures: list[Future[IndexRecord]], reason: str) -> None:
         self.down_since = self.down_since or time.monotonic()
@@ -251,7 +244,7 @@ class RemoteBookie:
     def flush(self) -> None:
         """Wait until every append queued so far is answered (or failed)."""
         with self._lock:
-            futures = [f for _, f in self._outbox] + [f for _, _, f, _ in self._pending]
+            futures = [f for _, f, _ in self._outbox] + [f for _, _, f, _ in self._pending]
         for fut in futures:
             fut.exception()
 
@@ -263,13 +256,22 @@ class RemoteBookie:
                 flight.Action(kind, encode(body)), self._options))
         return decode(results[0].body.to_pybytes(), "bookie answer")["result"]
 
+    def _require_available(self) -> None:
+        """A control call to a bookie taken for gone fails at once, not after its timeout
+        (the caller holds a partition's lock)."""
+        if not self.available and not self.ping():
+            raise UnavailableError(f"bookie {self.bookie_id} at {self.address} is "
+                                   f"unavailable: {self.down_reason}")
+
     def seal_ledger(self, segment_id: int, last_entry_id: int | None) -> None:
         self.flush()
+        self._require_available()
         self._action("seal", {"segment_id": segment_id, "last_entry_id": last_entry_id,
                               "epoch": self.epoch})
 
     def discard_ledger(self, segment_id: int) -> None:
         self.flush()
+        self._require_available()
         self._action("discard", {"segment_id": segment_id, "epoch": self.epoch})
 
     def delete_ledger(self, segment_id: int) -> None:
@@ -340,7 +342,7 @@ class RemoteBookie:
             self._closed = True
             self._generation += 1
             stream, self._stream = self._stream, None
-            self._fail_locked([f for _, f in self._outbox] +
+            self._fail_locked([f for _, f, _ in self._outbox] +
                               [f for _, _, f, _ in self._pending], "closed")
             self._outbox.clear()
             self._pending.clear()

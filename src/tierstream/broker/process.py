@@ -32,8 +32,10 @@ class BrokerProcess:
 
     def __init__(self, data_dir: str | Path, *, port: int = 0, host: str = "127.0.0.1",
                  args: list[str] | None = None, env: dict[str, str] | None = None,
-                 open_files: int | None = None) -> None:
+                 open_files: int | None = None, prefix: list[str] | None = None) -> None:
         self.data_dir = Path(data_dir)
+        #: a command the broker runs under (``ip netns exec NS`` in the tests: another host)
+        self.prefix = list(prefix or [])
         self.port = port
         self.host = host
         self.args = list(args or [])
@@ -60,7 +62,7 @@ class BrokerProcess:
         if any(a.startswith("--tls-cert") for a in self.args) and not any(
                 a.startswith("--pulsar-tls-port") for a in self.args):
             pulsar += ["--pulsar-tls-port", "0"]
-        cmd = [sys.executable, "-m", "tierstream", "broker", "start", "--data-dir",
+        cmd = [*self.prefix, sys.executable, "-m", "tierstream", "broker", "start", "--data-dir",
                str(self.data_dir), "--host", self.host, "--port", str(self.port), *pulsar,
                *self.args]
         env = {**os.environ, **(self.env or {})}

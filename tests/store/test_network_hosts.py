@@ -1,0 +1,98 @@
+"""A store on five "hosts" (network namespaces on one bridge): three network bookies, two
+brokers, PostgreSQL beside the tests. A bookie host loses its network under load, then the
+serving broker's host dies and the other broker takes over: every acknowledged message is
+read back once, in per-key order, by ``tierstream.read`` and by Spark (issue 42).
+
+The long version (more faults) is ``python -m tests.store.network_chaos`` in ``make chaos``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tierstream.broker.process import BrokerProcess
+from tierstream.client import Admin
+from tierstream.spark_adapter.source import register
+
+from ..network_store import BookieProcess, Hosts, broker_args, network_namespaces_unavailable
+from ..postgres import started_on
+from ..timing import scaled
+from .helpers import wait_for
+from .test_network_bookies import TOPIC, _read, _Writer, check_exactly_once_in_order
+
+pytestmark = pytest.mark.slow
+
+BOOKIE_PORT, BROKER_PORT = 3181, 6651
+TOKEN = "network-hosts-test-token"
+
+
+@pytest.fixture
+def hosts() -> Any:
+    why = network_namespaces_unavailable()
+    if why is not None:
+        pytest.fail(f"this test needs network namespaces: {why}", pytrace=False)
+    with Hosts(["bookie-0", "bookie-1", "bookie-2", "broker-a", "broker-b"]) as h:
+        yield h
+
+
+def test_a_bookie_host_cut_off_and_a_broker_host_lost_cost_no_acknowledged_message(
+        tmp_path: Path, hosts: Hosts, spark: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # off loopback every endpoint needs a token: the processes and this one's clients
+    monkeypatch.setenv("TIERSTREAM_AUTH_TOKEN", TOKEN)
+    server = started_on(hosts.gateway)
+    procs: list[Any] = []
+    try:
+        url = server.new_database().replace("127.0.0.1", hosts.gateway)
+        bookies = []
+        for i in range(3):
+            name = f"bookie-{i}"
+            bookies.append(BookieProcess(tmp_path / name, url, host_label=name,
+                                         bind=hosts.address(name), port=BOOKIE_PORT,
+                                         netns=hosts.ns(name)).start())
+            procs.append(bookies[-1])
+
+        def broker(name: str) -> BrokerProcess:
+            proc = BrokerProcess(tmp_path / name, host=hosts.address(name), port=BROKER_PORT,
+                                 args=broker_args(url), prefix=["ip", "netns", "exec",
+                                                                hosts.ns(name)])
+            procs.append(proc)
+            return proc.start(timeout=scaled(120))
+
+        first = broker("broker-a")
+        both = f"grpc://{hosts.address('broker-a')}:{BROKER_PORT}," \
+               f"grpc://{hosts.address('broker-b')}:{BROKER_PORT}"
+        with Admin(first.url) as admin:
+            admin.create_topic(TOPIC, 2)
+        writer = _Writer(both)
+        try:
+            writer.wait_for_more(1_000)
+            hosts.cut("bookie-1")  # its process runs on; nothing reaches it
+            writer.wait_for_more(1_000)  # acks go on: two copies of three are a quorum
+
+            def gone() -> bool:  # unanswered past --bookie-timeout: its segments sealed
+                with Admin(first.url) as admin:
+                    return admin.stats()["bookies"]["bookie-1"]["available"] is False
+
+            wait_for(gone, timeout=scaled(60), what="bookie-1 to be taken for gone")
+            writer.wait_for_more(1_000)  # on segments placed on the other two
+            hosts.mend("bookie-1")
+            first.kill()  # the broker's host dies
+            broker("broker-b")  # a broker on another host serves the store
+            writer.wait_for_more(1_000)  # the producer reconnected to it
+        finally:
+            acked = writer.stop()
+        second = f"grpc://{hosts.address('broker-b')}:{BROKER_PORT}"
+        values = _read(second)
+        check_exactly_once_in_order(values, acked)
+        register(spark)
+        frame = spark.read.format("tierstream").options(topic=TOPIC, broker=second,
+                                                             authToken=TOKEN).load()
+        assert sorted(bytes(r.value).decode() for r in frame.select("value").collect()) == \
+            sorted(values)
+    finally:
+        for proc in procs:
+            proc.kill()
+        server.stop()
