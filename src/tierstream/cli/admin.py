@@ -73,11 +73,12 @@ def segments(
         return
     table, hidden = fitted_table(
         out, ("partition", "segment", "state", "entries", "messages", "bytes",
-              "min publish time", "max publish time", "lives in"),
+              "min publish time", "max publish time", "lives in", "bookies"),
         [(str(r.partition), str(r.segment_id), r.state, str(r.entries), str(r.messages),
           human_bytes(r.bytes), format_ms(r.min_publish_time), format_ms(r.max_publish_time),
-          r.location) for r in records],
-        drop_first=("entries", "min publish time", "bytes"), title=str(name))
+          r.location, ",".join(r.ensemble) if r.bookie_deleted_at is None else "-")
+         for r in records],
+        drop_first=("bookies", "entries", "min publish time", "bytes"), title=str(name))
     out.print(table)
     if (note := hidden_note(hidden)) is not None:
         out.print(note)
