@@ -188,16 +188,37 @@ def test_a_bookie_sigkilled_under_load_costs_no_acknowledged_message(network_sto
         writer.wait_for_more(2_000)  # acks go on: two of three copies are a quorum
         with Admin(first.url) as admin:
             states = admin.stats()["bookies"]
+            ensembles = {tuple(s.ensemble) for s in admin.list_segments(TOPIC)}
         assert states["bookie-1"]["available"] is False
         assert states["bookie-0"]["available"] and states["bookie-2"]["available"]
+        # segments after the kill were placed without it
+        assert any("bookie-1" not in e and len(e) == 2 for e in ensembles), ensembles
         bookies[1].restart()
         writer.wait_for_more(2_000)
     finally:
         acked = writer.stop()
     check_exactly_once_in_order(_read(first.url), acked)
-    with Admin(first.url) as admin:  # segments after the kill were placed without it
-        ensembles = {tuple(s.ensemble) for s in admin.list_segments(TOPIC)}
-    assert any("bookie-1" not in e and len(e) == 2 for e in ensembles), ensembles
+
+    # in the background, every closed segment gets its three whole copies back
+    def replicated() -> bool:
+        with Admin(first.url) as admin:
+            left = admin.stats()["replication"]["under_replicated"]
+            closed = [s for s in admin.list_segments(TOPIC) if s.state == "CLOSED"]
+        return left == 0 and bool(closed) and all(len(s.ensemble) == 3 for s in closed)
+
+    wait_for(replicated, timeout=scaled(60), what="the closed segments re-replicated")
+    with Admin(first.url) as admin:
+        assert admin.stats()["replication"]["re_replicated"] > 0
+        closed = [s for s in admin.list_segments(TOPIC) if s.state == "CLOSED"]
+    clients = {f"bookie-{i}": RemoteBookie(f"bookie-{i}", b.url, host="-", epoch=0)
+               for i, b in enumerate(bookies)}
+    try:
+        for seg in closed:
+            for b in seg.ensemble:
+                assert len(clients[b].index(seg.segment_id)) >= seg.entries, (seg, b)
+    finally:
+        for c in clients.values():
+            c.close()
 
 
 def test_a_standby_takes_over_a_stopped_broker_which_is_then_fenced(network_store, spark,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from tierstream.bookie.ledger import IndexRecord
 from tierstream.bookie.remote import RemoteBookie
 from tierstream.bookie.storage import Bookie
 from tierstream.errors import ConfigError, UnavailableError
@@ -18,8 +19,8 @@ if TYPE_CHECKING:  # the config is the broker's; a bookie module does not import
     from tierstream.broker.config import StoreConfig
     from tierstream.metadata.store import MetadataStore
 
-__all__ = ["AnyBookie", "bookie_state", "choose_ensemble", "connect_network_bookies",
-           "resolve_quorums"]
+__all__ = ["AnyBookie", "available", "bookie_state", "choose_ensemble",
+           "connect_network_bookies", "host_of", "raw_frames", "resolve_quorums"]
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,8 @@ def resolve_quorums(config: StoreConfig, bookies: int) -> tuple[int, int]:
     return write_quorum, ack_quorum
 
 
-def _available(bookie: AnyBookie) -> bool:
+def available(bookie: AnyBookie) -> bool:
+    """Whether a bookie takes writes now (a network one that was down is pinged)."""
     return not isinstance(bookie, RemoteBookie) or bookie.available or bookie.ping()
 
 
@@ -75,11 +77,11 @@ def choose_ensemble(bookies: dict[str, AnyBookie], write_quorum: int, ack_quorum
     gets those (under-replicated, said in the log); fewer: UnavailableError."""
     ids = list(bookies)
     order = [ids[(turn + i) % len(ids)] for i in range(len(ids))]
-    up = [b for b in order if _available(bookies[b])]
+    up = [b for b in order if available(bookies[b])]
     chosen: list[str] = []
     hosts: set[str] = set()
     for b in up:  # one per host first
-        host = _host(bookies[b])
+        host = host_of(bookies[b])
         if host not in hosts and len(chosen) < write_quorum:
             chosen.append(b)
             hosts.add(host)
@@ -98,8 +100,17 @@ def choose_ensemble(bookies: dict[str, AnyBookie], write_quorum: int, ack_quorum
     return tuple(chosen)
 
 
-def _host(bookie: AnyBookie) -> str:
+def host_of(bookie: AnyBookie) -> str:
     return bookie.host if isinstance(bookie, RemoteBookie) else "local"
+
+
+def raw_frames(bookie: AnyBookie, segment_id: int, records: list[IndexRecord]
+               ) -> list[tuple[IndexRecord, bytes]]:
+    """The stored frames of ``records``, as they are (recovery and re-replication copy
+    them to other bookies)."""
+    if isinstance(bookie, RemoteBookie):
+        return list(bookie.read_raw_frames(segment_id, records))
+    return [(rec, bookie.read_raw_frame(segment_id, rec)) for rec in records]
 
 
 def bookie_state(bookie: AnyBookie) -> dict[str, Any]:

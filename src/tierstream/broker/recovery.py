@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierstream.bookie.ledger import IndexRecord
-from tierstream.bookie.network import AnyBookie
-from tierstream.bookie.remote import RemoteBookie
+from tierstream.bookie.network import AnyBookie, raw_frames
 from tierstream.bookie.storage import RecoveredLedger
 from tierstream.errors import FencedError, NotFoundError, UnavailableError
 from tierstream.faults import crash_point
@@ -48,6 +47,8 @@ class RecoveryReport:
     entries: int
     cut_bytes: int
     repaired_replicas: int
+    #: bookies of its ensemble that did not answer: their copies are re-replicated later
+    missing_replicas: int = 0
 
 
 def recover_open_segments(metadata: MetadataStore, bookies: dict[str, AnyBookie], *,
@@ -138,16 +139,10 @@ def _replicas(seg: SegmentRecord, bookies: dict[str, AnyBookie], ack_quorum: int
     return replicas
 
 
-def _raw_frames(bookie: AnyBookie, segment_id: int, records: list[IndexRecord]
-                ) -> list[tuple[IndexRecord, bytes]]:
-    if isinstance(bookie, RemoteBookie):
-        return list(bookie.read_raw_frames(segment_id, records))
-    return [(rec, bookie.read_raw_frame(segment_id, rec)) for rec in records]
-
-
 def _recover(seg: SegmentRecord, metadata: MetadataStore, bookies: dict[str, AnyBookie],
              ack_quorum: int) -> RecoveryReport:
     replicas = _replicas(seg, bookies, ack_quorum)
+    missing = len(seg.ensemble) - len(replicas)
     best = max(replicas, key=lambda r: len(r.records), default=None)
     if best is None or not best.records:
         for r in replicas:
@@ -157,7 +152,7 @@ def _recover(seg: SegmentRecord, metadata: MetadataStore, bookies: dict[str, Any
                  seg.partition)
         return RecoveryReport(seg.segment_id, seg.topic, seg.partition, 0,
                               sum(r.cut_bytes for r in replicas), 0)
-    frames = _raw_frames(bookies[best.bookie_id], seg.segment_id, best.records)
+    frames = raw_frames(bookies[best.bookie_id], seg.segment_id, best.records)
     repaired = 0
     for replica in replicas:
         if len(replica.records) != len(best.records) or replica.cut_bytes:
@@ -191,4 +186,5 @@ def _recover(seg: SegmentRecord, metadata: MetadataStore, bookies: dict[str, Any
              "repaired %d replica(s)%s", seg.segment_id, seg.topic, seg.partition, len(records),
              cut, repaired, f", {len(skipped)} staged entries skipped, of which "
              f"{sum(len(v) for v in set_aside.values())} set aside" if skipped else "")
-    return RecoveryReport(seg.segment_id, seg.topic, seg.partition, len(records), cut, repaired)
+    return RecoveryReport(seg.segment_id, seg.topic, seg.partition, len(records), cut, repaired,
+                          missing)

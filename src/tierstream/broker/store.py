@@ -21,6 +21,7 @@ from tierstream.bookie.network import (
     connect_network_bookies,
     resolve_quorums,
 )
+from tierstream.bookie.repair import Repairer
 from tierstream.bookie.storage import Bookie
 from tierstream.broker.auto_scale import AutoScaler
 from tierstream.broker.config import StoreConfig
@@ -98,6 +99,11 @@ class Store:
         self.purge_deleted_topics()  # a deletion a crash interrupted is finished first
         self.recovery: list[RecoveryReport] = recover_open_segments(
             self.metadata, self.bookies, ack_quorum=self.ack_quorum)
+        self.repairer = Repairer(self.metadata, self.bookies, self.write_quorum,
+                                 self._segment_updated)
+        for report in self.recovery:
+            if report.missing_replicas:
+                self.repairer.suspect(report.segment_id)
         for topic in self.metadata.list_topics():
             # every partition's new open segment in one metadata transaction
             opened = self.metadata.new_segments(
@@ -121,6 +127,15 @@ class Store:
         return choose_ensemble(self.bookies, self.write_quorum, self.ack_quorum,
                                next(self._rr))
 
+    def _on_sealed(self, record: SegmentRecord, degraded: bool) -> None:
+        if degraded or len(record.ensemble) < self.write_quorum:
+            self.repairer.suspect(record.segment_id)
+
+    def _segment_updated(self, record: SegmentRecord) -> None:
+        plog = self._logs.get((record.topic, record.partition))
+        if plog is not None:
+            plog.update_segment(record)
+
     def _on_fenced(self, reason: str) -> None:
         if not self.fenced.is_set():
             self.fenced_reason = reason
@@ -134,6 +149,7 @@ class Store:
                 topic=topic.name, partition=seg.partition, metadata=self.metadata,
                 bookies=self.bookies, choose_ensemble=self._choose_ensemble,
                 ack_quorum=self.ack_quorum, on_fenced=self._on_fenced,
+                on_sealed=self._on_sealed,
                 max_entries=self.config.max_entries_per_segment,
                 max_bytes=self.config.max_segment_bytes,
                 rollover_ms=self.config.segment_rollover_ms, closing=self.closing,
@@ -308,6 +324,7 @@ class Store:
             "checksum_failures": {b.bookie_id: b.checksum_failures for b in self.bookies.values()},
             "recovered_segments": [r.__dict__ for r in self.recovery],
             "writer_epoch": self.epoch,
+            "replication": self.repairer.stats(),
             "bookies": {b.bookie_id: bookie_state(b) for b in self.bookies.values()},
         }
 
@@ -355,6 +372,10 @@ class Store:
                     plog.flush_stats()
                 except Exception as exc:  # keep housekeeping alive; log and go on
                     _failed(exc, "housekeeping failed for %s/%s", plog.topic, plog.partition)
+            try:
+                self.repairer.run_once()
+            except Exception as exc:
+                _failed(exc, "re-replication failed; retrying at the next pass")
             now = time.monotonic()
             if self._auto_scale is not None:
                 try:

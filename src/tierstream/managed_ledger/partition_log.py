@@ -75,6 +75,7 @@ class PartitionLog(PartitionRollover):
         open_record: SegmentRecord | None = None,
         routing: int | None = None,
         on_fenced: Callable[[str], None] | None = None,
+        on_sealed: Callable[[SegmentRecord, bool], None] | None = None,
     ) -> None:
         self.topic = topic
         self.partition = partition
@@ -87,6 +88,8 @@ class PartitionLog(PartitionRollover):
         self._ack_quorum = ack_quorum
         #: told when a bookie refused a write as fenced (a newer broker took over)
         self._on_fenced = on_fenced
+        #: told of each sealed segment, and whether a bookie of it missed writes or the seal
+        self._on_sealed = on_sealed
         self._max_entries = max_entries
         self._max_bytes = max_bytes
         self._rollover_ms = rollover_ms

@@ -42,6 +42,7 @@ class PartitionRollover(PartitionVisibility):
     _choose_ensemble: Callable[[], tuple[str, ...]]
     _rollover_ms: int
     _on_fenced: Callable[[str], None] | None
+    _on_sealed: Callable[[SegmentRecord, bool], None] | None
     _index_cache: OrderedDict[int, list[IndexRecord]]
     _lock: threading.RLock
 
@@ -116,7 +117,7 @@ class PartitionRollover(PartitionVisibility):
         seg.hidden.clear()
         seg.blocked_since = None
         last = seg.records[-1].entry_id if seg.records else None
-        self._seal_on_bookies(seg.record, last)
+        degraded = not self._seal_on_bookies(seg.record, last) or seg.failed
         crash_point("roll.bookies-sealed")
         if seg.records:
             sealed = seg.record.with_stats(
@@ -126,6 +127,8 @@ class PartitionRollover(PartitionVisibility):
             )
             self._metadata.seal_segment(sealed, self._dedup.rows(), set_aside)
             crash_point("roll.metadata-sealed")
+            if self._on_sealed is not None:
+                self._on_sealed(sealed, degraded)
             self._closed_segments.append(sealed)
             self._index_cache[sealed.segment_id] = seg.records
         else:
@@ -145,7 +148,7 @@ class PartitionRollover(PartitionVisibility):
             self._open = self._new_open_segment()
         self._changed.notify_all()
 
-    def _seal_on_bookies(self, record: SegmentRecord, last: int | None) -> None:
+    def _seal_on_bookies(self, record: SegmentRecord, last: int | None) -> bool:
         """Seal the ledger on every bookie of its ensemble that answers. One that does not
         keeps a copy that may run past ``last`` (readers stop at the entries metadata
         records); a refusal as fenced means this broker is no longer the writer."""
@@ -162,6 +165,7 @@ class PartitionRollover(PartitionVisibility):
             log.warning("segment %d (%s partition %d) sealed without %d of its bookies: %s",
                         record.segment_id, self.topic, self.partition, len(missed),
                         "; ".join(missed))
+        return not missed
 
     def _fenced(self, reason: str) -> None:
         if self._on_fenced is not None:

@@ -7,10 +7,14 @@ when it opens the store (bookies fence ledgers by it).
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
+from tierstream.metadata.records import SegmentRecord
 from tierstream.metadata.store import MetadataStore
 from tierstream.timeutil import now_ms
 
-__all__ = ["network_bookies", "set_bookie_endpoint", "take_writer_epoch"]
+__all__ = ["network_bookies", "set_bookie_endpoint", "set_ensemble", "take_writer_epoch"]
 
 
 def set_bookie_endpoint(metadata: MetadataStore, bookie_id: str, address: str, *,
@@ -43,3 +47,12 @@ def take_writer_epoch(metadata: MetadataStore) -> int:
         epoch = int(value) + 1
         c.execute("UPDATE meta SET value=? WHERE key='writer_epoch'", (str(epoch),))
     return epoch
+
+
+def set_ensemble(metadata: MetadataStore, seg: SegmentRecord, ensemble: tuple[str, ...]
+                 ) -> SegmentRecord:
+    """Record that a closed segment's copies are now on ``ensemble`` (re-replication)."""
+    with metadata.atomic() as c:
+        c.execute("UPDATE segments SET ensemble=? WHERE segment_id=?",
+                  (json.dumps(list(ensemble)), seg.segment_id))
+    return replace(seg, ensemble=ensemble)
