@@ -27,6 +27,7 @@ import os
 import threading
 from array import array
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -145,7 +146,7 @@ class BookieServer(flight.FlightServerBase):
             raise server_error(ProtocolError(f"malformed bookie request: {exc!r}")) from None
 
     def do_action(self, context: Any, action: flight.Action) -> Iterator[bytes]:
-        try:
+        with _served("bookie action"):
             if action.type == "ping":
                 return result_bytes({"bookie": self.bookie_id,
                                      "writable": self.writes is not None})
@@ -155,34 +156,22 @@ class BookieServer(flight.FlightServerBase):
                                      **(self.writes.stats() if self.writes else {})})
             body = decode(action.body.to_pybytes(), "bookie action") if action.body else {}
             return result_bytes(self._writes().action(action.type, body))
-        except TierstreamError as exc:
-            raise server_error(exc) from None
-        except (KeyError, ValueError, TypeError) as exc:
-            raise server_error(ProtocolError(f"malformed bookie action: {exc!r}")) from None
 
     def do_exchange(self, context: Any, descriptor: flight.FlightDescriptor, reader: Any,
                     writer: Any) -> None:
-        try:
+        with _served("bookie exchange"):
             command = decode(descriptor.command, "bookie exchange")
             if command.get("op") != "append":
                 raise ProtocolError(f"unknown bookie exchange {command.get('op')!r}")
             self._writes().exchange(command, reader, writer)
-        except TierstreamError as exc:
-            raise server_error(exc) from None
-        except (KeyError, ValueError, TypeError) as exc:
-            raise server_error(ProtocolError(f"malformed bookie exchange: {exc!r}")) from None
 
     def do_put(self, context: Any, descriptor: flight.FlightDescriptor, reader: Any,
                writer: Any) -> None:
-        try:
+        with _served("bookie put"):
             command = decode(descriptor.command, "bookie put")
             if command.get("op") != "rewrite":
                 raise ProtocolError(f"unknown bookie put {command.get('op')!r}")
             self._writes().rewrite(int(command["segment_id"]), reader)
-        except TierstreamError as exc:
-            raise server_error(exc) from None
-        except (KeyError, ValueError, TypeError) as exc:
-            raise server_error(ProtocolError(f"malformed bookie put: {exc!r}")) from None
 
     def _writes(self) -> BookieWrites:
         if self.writes is None:
@@ -245,6 +234,18 @@ class BookieServer(flight.FlightServerBase):
             pa.array([r.first_publish_time for r in group], pa.int64()),
             pa.array([r.last_publish_time for r in group], pa.int64()),
             frames, pa.array(errors, pa.string())], schema=ENTRY_WIRE_SCHEMA)
+
+
+@contextmanager
+def _served(what: str) -> Iterator[None]:
+    """Errors of a call as the client turns them back: ours tagged, a malformed request a
+    ProtocolError naming it."""
+    try:
+        yield
+    except TierstreamError as exc:
+        raise server_error(exc) from None
+    except (KeyError, ValueError, TypeError) as exc:
+        raise server_error(ProtocolError(f"malformed {what}: {exc!r}")) from None
 
 
 def _groups(records: list[IndexRecord]) -> Iterator[list[IndexRecord]]:
