@@ -55,7 +55,11 @@ def run(faults: int, seed: int) -> dict[str, Any]:
                                      port=BROKER_PORT, args=broker_args(url),
                                      prefix=["ip", "netns", "exec", hosts.ns(name)])
                 procs.append(proc)
-                return proc.start(timeout=scaled(120))
+                began = time.monotonic()
+                proc.start(timeout=scaled(120))
+                print(f"broker on {name} serving after {time.monotonic() - began:.1f} s",
+                      flush=True)
+                return proc
 
             serving, spare = "broker-a", "broker-b"
             current = broker(serving)
@@ -64,6 +68,7 @@ def run(faults: int, seed: int) -> dict[str, Any]:
             addresses = ",".join(f"grpc://{hosts.address(n)}:{BROKER_PORT}"
                                  for n in ("broker-a", "broker-b"))
             writer = _Writer(addresses)
+            faults_done = [0]
             try:
                 writer.wait_for_more(500)
                 for n in range(faults):
@@ -86,8 +91,13 @@ def run(faults: int, seed: int) -> dict[str, Any]:
                     writer.wait_for_more(300)
                     print(f"fault {n + 1}/{faults}: {kind}; {writer.acked:,} acknowledged",
                           flush=True)
+                    faults_done[0] = n + 1
             finally:
-                acked = writer.stop()
+                try:
+                    acked = writer.stop()
+                except AssertionError:
+                    print("serving broker said:", "".join(list(current.stderr_tail)[-30:]))
+                    raise
             values = _read(f"grpc://{hosts.address(serving)}:{BROKER_PORT}")
             check_exactly_once_in_order(values, acked)
         finally:
@@ -103,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--faults", type=int, default=100)
     parser.add_argument("--seed", type=int, default=20261126)
     args = parser.parse_args(argv)
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     outcome = run(args.faults, args.seed)
     print(f"network chaos passed: {outcome}")
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Self
 
@@ -45,33 +46,38 @@ class BrokerClient:
         self._options = flight.FlightCallOptions(headers=headers, timeout=timeout)
         self._stream_options = flight.FlightCallOptions(headers=headers)
         self._clients: dict[str, Any] = {}
+        self._clients_lock = threading.Lock()
         with translate_errors(self.url):
-            self._flight = self._client_of(self.url)
+            self._client_of(self.url)
 
     def _client_of(self, url: str) -> Any:
-        client = self._clients.get(url)
-        if client is None:
-            client = self._clients[url] = client_for(url, tls_ca=self.tls_ca)
-        return client
+        with self._clients_lock:
+            client = self._clients.get(url)
+            if client is None:
+                client = self._clients[url] = client_for(url, tls_ca=self.tls_ca)
+            return client
 
     def _call(self, work: Callable[[Any], Any]) -> Any:
         """``work(flight client)`` on the broker in use; if it cannot be reached (or was
-        fenced), on the next one named, once round."""
+        fenced), on the next ones named, once round. The brokers are tried in a local order
+        (threads of one producer share this client), and the one that answers is kept."""
+        start = self.urls.index(self.url) if self.url in self.urls else 0
         for turn in range(len(self.urls)):
+            url = self.urls[(start + turn) % len(self.urls)]
             try:
-                with translate_errors(self.url):
-                    return work(self._flight)
+                with translate_errors(url):
+                    result = work(self._client_of(url))
             except UnavailableError:
                 if turn == len(self.urls) - 1:
                     raise
-                self.next_broker()
+                continue
+            self.url = url
+            return result
         raise AssertionError("unreachable")
 
     def next_broker(self) -> str:
         """Use the next broker named (one that answers, but not in time, is left too)."""
         self.url = self.urls[(self.urls.index(self.url) + 1) % len(self.urls)]
-        with translate_errors(self.url):
-            self._flight = self._client_of(self.url)
         return self.url
 
     def __repr__(self) -> str:
