@@ -31,6 +31,7 @@ from tierstream.spark_adapter.source import register
 from ..network_store import BookieProcess, broker_args
 from ..timing import scaled
 from .helpers import wait_for
+from .test_tls import make_cert
 
 TOPIC = "acme/net/orders"
 KEYS = 7
@@ -75,6 +76,29 @@ def test_a_network_bookie_stores_appends_and_refuses_a_fenced_writer(tmp_path) -
             old.append(7, 500, {}, _payload(500), 1, 0, 0).result(timeout=scaled(30))
     finally:
         old.close()
+        server.shutdown()
+
+
+def test_a_network_bookie_takes_writes_over_tls_with_a_token_only(tmp_path) -> None:
+    cert, key = make_cert(tmp_path)
+    root = tmp_path / "b0"
+    root.mkdir()
+    server = BookieServer(root, bookie_id="b0", writable=True, fsync=False,
+                          auth_token="s3cret", tls_cert=str(cert), tls_key=str(key))
+    assert server.url.startswith("grpc+tls://")
+    good = RemoteBookie("b0", server.url, host="h0", epoch=1, auth_token="s3cret",
+                        tls_ca=cert.read_bytes())
+    tokenless = RemoteBookie("b0", server.url, host="h0", epoch=1, tls_ca=cert.read_bytes(),
+                             timeout_s=scaled(2))
+    try:
+        record = good.append(7, 0, {}, _payload(0), 1, 0, 0).result(timeout=scaled(30))
+        assert good.open_reader(7).read(record).size == _payload(0).size
+        with pytest.raises(UnavailableError):
+            tokenless.append(7, 1, {}, _payload(1), 1, 1, 1).result(timeout=scaled(30))
+        assert len(good.index(7)) == 1  # nothing of the refused writer was stored
+    finally:
+        good.close()
+        tokenless.close()
         server.shutdown()
 
 
