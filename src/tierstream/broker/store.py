@@ -390,8 +390,8 @@ class Store:
                     _failed(exc, "transaction housekeeping failed; retrying later")
             if now - self._last_tier_pass >= self.config.tier_check_interval_ms / 1000:
                 self._last_tier_pass = now
-                self.purge_deleted_topics()
                 try:
+                    self.purge_deleted_topics()
                     if self._tier_policies_active():
                         counts = self.tier_pass()
                         if any(counts.values()):

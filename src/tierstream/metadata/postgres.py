@@ -306,6 +306,8 @@ class PostgresBackend:
                                     self.name, time.monotonic() - started)
                 return work(self._conn)
             except (psycopg.OperationalError, UnavailableError) as exc:
+                if self.lost.is_set():  # taken over, or given up on: no waiting
+                    raise UnavailableError(self.lost_reason) from None
                 conn = self._conn
                 if isinstance(exc, psycopg.OperationalError) and conn is not None \
                         and not conn.closed and not conn.broken:
