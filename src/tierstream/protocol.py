@@ -34,9 +34,18 @@ from tierstream.errors import (
     UnavailableError,
 )
 
-__all__ = ["PROTOCOL_VERSION", "decode", "decode_positions", "encode", "encode_positions",
-           "error_from_text", "error_text",
-           "server_error", "translate_errors"]
+__all__ = [
+    "PROTOCOL_VERSION",
+    "action_result",
+    "decode",
+    "decode_positions",
+    "encode",
+    "encode_positions",
+    "error_from_text",
+    "error_text",
+    "server_error",
+    "translate_errors",
+]
 
 PROTOCOL_VERSION = 1
 _TAGGED = re.compile(r"\[tierstream:(\w+)\] (.*?)(?:\. Detail:|\. gRPC client debug context|$)",
@@ -92,6 +101,11 @@ def server_error(exc: TierstreamError) -> Exception:
 def error_text(exc: TierstreamError) -> str:
     """``exc`` tagged with its code, as a client turns it back (:func:`translate_errors`)."""
     return f"[tierstream:{exc.code}] {exc}"
+
+
+def action_result(value: Any) -> Iterator[bytes]:
+    """What a DoAction answers: ``{"result": value}`` (a client reads ``["result"]``)."""
+    return iter([encode({"result": value})])
 
 
 def error_from_text(text: str) -> TierstreamError:

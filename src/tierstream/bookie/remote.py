@@ -70,7 +70,7 @@ class RemoteBookie:
         self._ping_options = flight.FlightCallOptions(headers=headers,
                                                       timeout=min(1.0, timeout_s))
         self._lock = threading.Condition()
-        self._outbox: list[tuple[list[Any], Future[IndexRecord], float]] = []
+        self._outbox: deque[tuple[list[Any], Future[IndexRecord], float]] = deque()
         self._pending: deque[tuple[int, int, Future[IndexRecord], float]] = deque()
         self._stream: tuple[Any, Any] | None = None
         self._generation = 0  # of the stream: a broken one's threads stop
@@ -136,7 +136,7 @@ class RemoteBookie:
                 take: list[tuple[list[Any], Future[IndexRecord], float]] = []
                 size = 0
                 while self._outbox and len(take) < _BATCH_ROWS and size < _BATCH_BYTES:
-                    item = self._outbox.pop(0)
+                    item = self._outbox.popleft()
                     take.append(item)
                     size += item[0][3].size
                 self._pending.extend((row[0], row[1], fut, t) for row, fut, t in take)
@@ -151,7 +151,7 @@ class RemoteBookie:
             stream = self._open_stream()
         except Exception as exc:
             with self._lock:
-                queued, self._outbox = self._outbox, []
+                queued, self._outbox = self._outbox, deque()
                 self._fail_locked([f for _, f, _ in queued],
                                   f"cannot open a write stream: {exc}")
             return
@@ -208,8 +208,7 @@ class RemoteBookie:
             with self._lock:
                 if self._closed:
                     return
-                waiting = [p[3] for p in list(self._pending)[:1]] + \
-                    [o[2] for o in self._outbox[:1]]
+                waiting = [q[0][-1] for q in (self._pending, self._outbox) if q]
                 oldest = min(waiting) if waiting else None
                 generation = self._generation
             if oldest is not None and time.monotonic() - oldest > self.timeout_s:

@@ -43,7 +43,7 @@ from tierstream.bookie.ledger import (
     read_index,
 )
 from tierstream.bookie.storage import ledger_paths
-from tierstream.bookie.writes import BookieWrites, result_bytes
+from tierstream.bookie.writes import BookieWrites
 from tierstream.errors import (
     ConfigError,
     CorruptionError,
@@ -53,7 +53,7 @@ from tierstream.errors import (
     UnavailableError,
 )
 from tierstream.message_format import key_range_mask
-from tierstream.protocol import decode, server_error
+from tierstream.protocol import action_result, decode, server_error
 from tierstream.security import (
     TokenMiddlewareFactory,
     check_bind,
@@ -148,14 +148,14 @@ class BookieServer(flight.FlightServerBase):
     def do_action(self, context: Any, action: flight.Action) -> Iterator[bytes]:
         with _served("bookie action"):
             if action.type == "ping":
-                return result_bytes({"bookie": self.bookie_id,
+                return action_result({"bookie": self.bookie_id,
                                      "writable": self.writes is not None})
             if action.type == "stats":
-                return result_bytes({"frames_served": self.frames_served,
+                return action_result({"frames_served": self.frames_served,
                                      "bytes_served": self.bytes_served,
                                      **(self.writes.stats() if self.writes else {})})
             body = decode(action.body.to_pybytes(), "bookie action") if action.body else {}
-            return result_bytes(self._writes().action(action.type, body))
+            return action_result(self._writes().action(action.type, body))
 
     def do_exchange(self, context: Any, descriptor: flight.FlightDescriptor, reader: Any,
                     writer: Any) -> None:

@@ -25,7 +25,6 @@ import json
 import os
 import queue
 import threading
-from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -34,11 +33,10 @@ import pyarrow as pa
 from tierstream.bookie.ledger import IndexRecord
 from tierstream.bookie.storage import Bookie, RecoveredLedger, ledger_paths
 from tierstream.errors import FencedError, NotFoundError, ProtocolError, TierstreamError
-from tierstream.protocol import encode, error_text
+from tierstream.protocol import error_text
 
-__all__ = ["ACK_SCHEMA", "APPEND_SCHEMA", "FRAME_SCHEMA", "BookieWrites",
-           "flight_reader_chunks", "record_of", "recovered_from", "recovered_to",
-           "result_bytes"]
+__all__ = ["ACK_SCHEMA", "APPEND_SCHEMA", "FRAME_SCHEMA", "BookieWrites", "recovered_from",
+           "recovered_to"]
 
 APPEND_SCHEMA = pa.schema([
     pa.field("segment_id", pa.int64(), nullable=False),
@@ -71,10 +69,6 @@ FRAME_SCHEMA = pa.schema([
 
 _RECORD_FIELDS = ("entry_id", "frame_offset", "frame_len", "messages", "first_publish_time",
                   "last_publish_time")
-
-
-def record_of(row: dict[str, Any]) -> IndexRecord:
-    return IndexRecord(*(int(row[f]) for f in _RECORD_FIELDS))
 
 
 def recovered_to(found: RecoveredLedger) -> dict[str, Any]:
@@ -140,7 +134,7 @@ class BookieWrites:
                                   daemon=True)
         thread.start()
         try:
-            for chunk in flight_reader_chunks(reader):
+            for chunk in reader:
                 if failed or self.closing:  # ends the call: the broker moves on
                     break
                 batch = chunk.data
@@ -243,7 +237,7 @@ class BookieWrites:
 
     def rewrite(self, segment_id: int, reader: Any) -> None:
         frames = []
-        for chunk in flight_reader_chunks(reader):
+        for chunk in reader:
             batch = chunk.data
             for row in batch.to_pylist():
                 rec = IndexRecord(int(row["entry_id"]), 0, len(row["frame"]),
@@ -259,16 +253,3 @@ class BookieWrites:
             return {"entries_written": self.entries_written,
                     "bytes_written": self.bytes_written,
                     "fenced_refusals": self.fenced_refusals}
-
-
-def result_bytes(value: Any) -> Iterator[bytes]:
-    return iter([encode({"result": value})])
-
-
-def flight_reader_chunks(reader: Any) -> Iterator[Any]:
-    """The chunks of a Flight reader until it ends (an exchange's or a put's)."""
-    while True:
-        try:
-            yield reader.read_chunk()
-        except StopIteration:
-            return

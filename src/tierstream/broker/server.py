@@ -28,7 +28,7 @@ from tierstream.metadata.bookie_registry import set_bookie_endpoint
 from tierstream.metadata.schema_registry import SchemaRegistry
 from tierstream.names import TopicName
 from tierstream.options import DEFAULT_PORT
-from tierstream.protocol import decode, decode_positions, encode, server_error
+from tierstream.protocol import action_result, decode, decode_positions, encode, server_error
 from tierstream.schemas.codec import named_versions
 from tierstream.schemas.model import Compatibility, SchemaType
 from tierstream.security import (
@@ -129,7 +129,7 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
             result = self.call(action.type, body)
         except TierstreamError as exc:
             raise server_error(exc) from None
-        return iter([encode({"result": result})])
+        return action_result(result)
 
     def call(self, action: str, body: dict[str, Any]) -> Any:
         """Run one admin action (``_ACTIONS``) on ``body``: what Flight's ``do_action`` and
