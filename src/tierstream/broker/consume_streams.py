@@ -4,9 +4,10 @@ subscription consumers, each counted in the partition's rate out and the broker'
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -75,12 +76,18 @@ class ConsumeStreams:
             else str(TopicName.parse(sub["dead_letter_topic"])))
         initial = self._resolve_start(plog, Offset.from_dict(sub.get("initial")
                                                              or {"kind": "latest"}))
+        # Other threads (the dispatcher, a consumer attaching beside this one) learn that this
+        # consumer left from ``ended``, never from ``context``: a Flight call's context is
+        # freed when the call ends, and asking a freed one crashed the broker (SIGSEGV under
+        # consumer churn). Only this stream, which runs inside the call, looks at it.
+        ended = threading.Event()
         attached = self.subscriptions.attach(plog.topic, name, plog.partition, settings,
-                                             initial=initial, gone=context.is_cancelled)
+                                             initial=initial, gone=ended.is_set)
         closing = self.store.closing
 
-        def stream() -> Iterator[pa.RecordBatch]:
+        def stream() -> Iterator[pa.RecordBatch | None]:
             try:
+                yield None  # primed below: from here on, dropping the stream detaches
                 while not attached.detached:
                     batch = attached.next_batch(0.2)
                     if batch is not None:
@@ -88,9 +95,17 @@ class ConsumeStreams:
                     elif context.is_cancelled() or closing.is_set():
                         return
             finally:
+                ended.set()
                 self.subscriptions.detach(plog.topic, name, plog.partition, attached)
 
-        return stream_of(self._counted(plog, "consumer", settings.name, stream()),
+        # A client gone before its first batch (killed, or past its deadline while this
+        # attached) makes Flight drop the stream unread: a generator never started would
+        # skip its ``finally`` and leave the consumer attached for good, holding what it was
+        # sent (and an exclusive subscription). Started, closing it runs the ``finally``.
+        batches = stream()
+        next(batches)
+        return stream_of(self._counted(plog, "consumer", settings.name,
+                                       cast(Iterator[pa.RecordBatch], batches)),
                          CONSUMER_SCHEMA)
 
     def _counted(self, plog: PartitionLog, kind: str, name: str | None,

@@ -20,11 +20,13 @@ from typing import Self
 
 from tierstream.errors import UnavailableError
 
-__all__ = ["BrokerProcess"]
+__all__ = ["FATAL_SIGNAL", "BrokerProcess"]
 
 _READY = re.compile(r"listening on (\S+)")
 _PULSAR = re.compile(r"pulsar clients: (\S+)")
 _ADMIN = re.compile(r"pulsar admin: (\S+)")
+#: how faulthandler's report of a fatal signal begins
+FATAL_SIGNAL = "Fatal Python error"
 
 
 class BrokerProcess:
@@ -48,6 +50,9 @@ class BrokerProcess:
         self.stderr_tail: deque[str] = deque(maxlen=200)
         self.stdout_lines: list[str] = []  # what the broker printed (its start banner)
         self.tracebacks: list[str] = []  # the line after each traceback the broker printed
+        #: the first lines of a fatal-signal report (faulthandler: the CLI turns it on), with
+        #: the stack of the thread that crashed: kept whole, the tail may scroll past them
+        self.fatal: list[str] = []
 
     def __repr__(self) -> str:
         return f"BrokerProcess(data_dir={str(self.data_dir)!r}, url={self.url!r})"
@@ -99,6 +104,8 @@ class BrokerProcess:
             in_traceback = False
             for line in self.proc.stderr:
                 self.stderr_tail.append(line)
+                if line.startswith(FATAL_SIGNAL) or 0 < len(self.fatal) < 40:
+                    self.fatal.append(line)
                 if line.startswith("Traceback"):
                     in_traceback = True
                 elif in_traceback and not line.startswith(" "):  # the exception's line

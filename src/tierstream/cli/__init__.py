@@ -9,6 +9,7 @@ topic that does not exist, or already does), 1 for a broker, storage or environm
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -44,6 +45,9 @@ def main(argv: list[str] | None = None) -> None:
     traceback appears only with ``--debug`` (anywhere on the command line) or
     ``TIERSTREAM_DEBUG=1``."""
     args = list(sys.argv[1:] if argv is None else argv)
+    # a fatal signal (a segfault in a native library, an abort) leaves the Python stack of
+    # every thread on stderr, the broker's log, instead of a process that just vanished
+    faulthandler.enable(all_threads=True)
     _take_sigint()
     debug = "--debug" in args or os.environ.get("TIERSTREAM_DEBUG", "") not in ("", "0")
     args = [a for a in args if a != "--debug"]
