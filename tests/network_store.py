@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,18 +33,27 @@ class BookieProcess:
 
     def __init__(self, data_dir: Path, metadata: str, *, host_label: str,
                  bind: str = "127.0.0.1", port: int = 0, netns: str | None = None,
-                 fsync: bool = False) -> None:
+                 fsync: bool = False, bookie_id: str | None = None) -> None:
         self.data_dir, self.metadata, self.host_label = data_dir, metadata, host_label
+        self.bookie_id = bookie_id
         self.bind, self.port, self.netns, self.fsync = bind, port, netns, fsync
         self.url: str | None = None
         self.proc: subprocess.Popen[str] | None = None
         self.stderr_tail: deque[str] = deque(maxlen=100)
 
-    def start(self) -> BookieProcess:
+    def command(self, *extra: str) -> list[str]:
         cmd = [sys.executable, "-m", "tierstream", "bookie", "serve", "--data-dir",
                str(self.data_dir), "--host", self.bind, "--port", str(self.port),
                "--metadata", self.metadata, "--host-label", self.host_label,
-               "--fsync" if self.fsync else "--no-fsync"]
+               "--fsync" if self.fsync else "--no-fsync", *extra]
+        if self.bookie_id is not None:
+            cmd += ["--bookie-id", self.bookie_id]
+        return cmd
+
+    def start(self, *extra: str) -> BookieProcess:
+        """Start it (``extra``: more ``bookie serve`` flags, e.g. ``--replace``)."""
+        cmd = self.command(*extra)
+        self.url = None
         if self.netns is not None:
             cmd = ["ip", "netns", "exec", self.netns, *cmd]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
@@ -77,10 +87,16 @@ class BookieProcess:
             self.proc.kill()
             self.proc.wait()
 
-    def restart(self) -> BookieProcess:
+    def restart(self, *extra: str) -> BookieProcess:
         self.kill()
         self.url = None
-        return self.start()  # on the same port: the address registered stays right
+        return self.start(*extra)  # on the same port: the address registered stays right
+
+    def wipe(self) -> None:
+        """SIGKILL, and its disk is lost: the directory is empty."""
+        self.kill()
+        shutil.rmtree(self.data_dir)
+        self.data_dir.mkdir()
 
 
 def broker_args(metadata: str, *extra: str) -> list[str]:

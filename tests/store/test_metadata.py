@@ -137,6 +137,8 @@ def test_a_version_9_store_gains_skipped_entries_and_set_aside_transactions(tmp_
     with sqlite3.connect(path) as c:  # as version 9 wrote it
         c.execute("DROP TABLE txn_set_aside")
         c.execute("ALTER TABLE segments DROP COLUMN skipped")
+        c.execute("ALTER TABLE bookie_endpoints DROP COLUMN instance")
+        c.execute("DROP TABLE under_replicated")
         c.execute("ALTER TABLE bookie_endpoints DROP COLUMN host")
         c.execute("ALTER TABLE bookie_endpoints DROP COLUMN writable")
         c.execute("UPDATE meta SET value='9' WHERE key='schema_version'")
@@ -159,5 +161,8 @@ def test_a_version_9_store_gains_skipped_entries_and_set_aside_transactions(tmp_
             (str(SCHEMA_VERSION),)]
         # v11: network bookies say which host they are on and that they take writes
         assert {"host", "writable"} <= set(store.backend.columns("bookie_endpoints"))
+        # v12: a bookie's identity (its cookie's instance), and which segments lack a copy
+        assert "instance" in store.backend.columns("bookie_endpoints")
+        assert store.query("SELECT COUNT(*) FROM under_replicated") == [(0,)]
     finally:
         store.close()

@@ -22,13 +22,11 @@ import pytest
 import tierstream
 from tierstream.bookie.remote import RemoteBookie
 from tierstream.bookie.server import BookieServer
-from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Producer
 from tierstream.errors import FencedError, UnavailableError
 from tierstream.message_format import MESSAGE_SCHEMA
 from tierstream.spark_adapter.source import register
 
-from ..network_store import BookieProcess, broker_args
 from ..timing import scaled
 from .helpers import wait_for
 from .test_tls import make_cert
@@ -44,10 +42,19 @@ def _payload(entry_id: int) -> pa.Buffer:
     return pa.RecordBatch.from_pylist([row], schema=MESSAGE_SCHEMA).serialize()
 
 
+def _writable(root: Path, **kwargs: Any) -> BookieServer:
+    """A bookie endpoint that takes writes at once (``serve_bookie`` first matches its
+    directory's cookie with its registration: cookie.py)."""
+    server = BookieServer(root, bookie_id="b0", writable=True, fsync=False, **kwargs)
+    assert server.writes is not None
+    server.writes.claimed("test-instance", 0)
+    return server
+
+
 def test_a_network_bookie_stores_appends_and_refuses_a_fenced_writer(tmp_path) -> None:
     root = tmp_path / "b0"
     root.mkdir()
-    server = BookieServer(root, bookie_id="b0", writable=True, fsync=False)
+    server = _writable(root)
     old = RemoteBookie("b0", server.url, host="h0", epoch=1)
     new = RemoteBookie("b0", server.url, host="h0", epoch=2)
     try:
@@ -69,7 +76,7 @@ def test_a_network_bookie_stores_appends_and_refuses_a_fenced_writer(tmp_path) -
         new.close()
         server.shutdown()
     # the fence is on disk: a restarted bookie still refuses the old writer
-    server = BookieServer(root, bookie_id="b0", writable=True, fsync=False)
+    server = _writable(root)
     old = RemoteBookie("b0", server.url, host="h0", epoch=1)
     try:
         with pytest.raises(FencedError):
@@ -83,8 +90,7 @@ def test_a_network_bookie_takes_writes_over_tls_with_a_token_only(tmp_path) -> N
     cert, key = make_cert(tmp_path)
     root = tmp_path / "b0"
     root.mkdir()
-    server = BookieServer(root, bookie_id="b0", writable=True, fsync=False,
-                          auth_token="s3cret", tls_cert=str(cert), tls_key=str(key))
+    server = _writable(root, auth_token="s3cret", tls_cert=str(cert), tls_key=str(key))
     assert server.url.startswith("grpc+tls://")
     good = RemoteBookie("b0", server.url, host="h0", epoch=1, auth_token="s3cret",
                         tls_ca=cert.read_bytes())
@@ -105,7 +111,7 @@ def test_a_network_bookie_takes_writes_over_tls_with_a_token_only(tmp_path) -> N
 def test_a_bookie_that_does_not_answer_fails_its_entries_in_bounded_time(tmp_path) -> None:
     root = tmp_path / "b0"
     root.mkdir()
-    server = BookieServer(root, bookie_id="b0", writable=True, fsync=False)
+    server = _writable(root)
     bookie = RemoteBookie("b0", server.url, host="h0", epoch=1, timeout_s=scaled(1))
     try:
         bookie.append(7, 0, {}, _payload(0), 1, 0, 0).result(timeout=scaled(30))
@@ -179,25 +185,6 @@ def _values(table: pa.Table) -> list[str]:
 
 def _read(broker: str) -> list[str]:
     return _values(tierstream.read(TOPIC, broker=broker))
-
-
-@pytest.fixture
-def network_store(tmp_path: Path, postgres: Any) -> Any:
-    url = postgres.new_database()
-    bookies = [BookieProcess(tmp_path / f"bookie-{i}", url, host_label=f"host-{i}").start()
-               for i in range(3)]
-    brokers: list[BrokerProcess] = []
-
-    def broker(name: str, *extra: str, port: int = 0) -> BrokerProcess:
-        proc = BrokerProcess(tmp_path / name, args=broker_args(url, *extra), port=port)
-        brokers.append(proc)
-        return proc
-
-    yield url, bookies, broker
-    for proc in brokers:
-        proc.kill()
-    for bookie in bookies:
-        bookie.kill()
 
 
 def test_a_bookie_sigkilled_under_load_costs_no_acknowledged_message(network_store) -> None:

@@ -129,6 +129,9 @@ def test_the_cli_prints_topic_and_broker_stats(broker) -> None:
     assert missing.stderr.count("\n") == 1
     brk = run("broker", "stats", env=env)
     assert brk.returncode == 0 and "open files" in brk.stdout
+    # the bookies and the replication state are in the table, not only in --json
+    assert "bookie bookie-0" in brk.stdout and "available" in brk.stdout, brk.stdout
+    assert "0 segment(s) lacking a copy" in brk.stdout, brk.stdout
     assert json.loads(run("broker", "stats", "--json", env=env).stdout)["topics"] == 1
 
 
@@ -162,6 +165,9 @@ def test_the_broker_serves_prometheus_metrics_when_asked(start_broker, free_port
     assert {s.labels["location"] for s in samples["tierstream_storage_size"]} == {
         "open", "bookies", "tier"}
     assert samples["tierstream_offload_segments_waiting"][0].value == 0
+    assert samples["tierstream_under_replicated_segments"][0].value == 0
+    assert {s.labels["bookie"]: s.value for s in samples["tierstream_bookie_available"]} == {
+        "bookie-0": 1.0}
     assert samples["process_open_fds"][0].value > 0
     # a port in use is one line, naming it
     taken = run("broker", "start", "--data-dir", str(broker.data_dir) + "-2", "--port", "0",

@@ -75,6 +75,8 @@ class RemoteBookie:
         self._stream: tuple[Any, Any] | None = None
         self._generation = 0  # of the stream: a broken one's threads stop
         self.down_since: float | None = None
+        self._down_at: float | None = None  # when the current outage began (not retries)
+        self._failures_at_down = 0
         self.down_reason = ""
         self.failures = 0
         self._closed = False
@@ -232,6 +234,9 @@ class RemoteBookie:
                 stream[1].cancel()
 
     def _fail_locked(self, futures: list[Future[IndexRecord]], reason: str) -> None:
+        if self._down_at is None:  # the start of an outage: summed up when it ends (ping)
+            self._down_at = time.monotonic()
+            self._failures_at_down = self.failures
         self.down_since = self.down_since or time.monotonic()
         self.down_reason = reason
         self.failures += 1
@@ -279,6 +284,10 @@ class RemoteBookie:
     def index(self, segment_id: int) -> list[IndexRecord]:
         return [IndexRecord(*map(int, r)) for r in
                 self._action("index", {"segment_id": segment_id})]
+
+    def ledger_entries(self) -> dict[int, int]:
+        """Every ledger on the bookie with the entries its index holds (one call)."""
+        return {int(s): int(n) for s, n in self._action("ledgers", {}).items()}
 
     def recover_ledger(self, segment_id: int) -> RecoveredLedger:
         """Fence the ledger at this broker's epoch and read what the bookie has of it."""
@@ -331,9 +340,16 @@ class RemoteBookie:
         except Exception:
             with self._lock:
                 self.down_since = time.monotonic()
+                if self._down_at is None:
+                    self._down_at, self._failures_at_down = self.down_since, self.failures
             return False
         with self._lock:
-            self.down_since = None
+            if self.down_since is not None and self._down_at is not None:
+                log.warning("bookie %s at %s answers again after %.1f s (%d failure(s) "
+                            "meanwhile; what it missed is re-replicated)", self.bookie_id,
+                            self.address, time.monotonic() - self._down_at,
+                            self.failures - self._failures_at_down)
+            self.down_since = self._down_at = None
         return True
 
     def close(self) -> None:

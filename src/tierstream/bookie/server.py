@@ -17,7 +17,9 @@ key_range}``): the endpoint binary-searches the ledger's index for the entry ran
   reads that entry from another replica.
 
 A ledger this bookie does not have (never had, or deleted after offload) is a NotFoundError
-before any row is sent. ``DoAction("ping")`` answers ``{"bookie": id}``.
+before any row is sent. ``DoAction("ping")`` answers ``{"bookie": id, "writable": ...,
+"instance": ...}`` (a network bookie's instance: ``cookie.py``; until it claimed it, a ping
+is refused as unavailable).
 """
 
 from __future__ import annotations
@@ -148,8 +150,11 @@ class BookieServer(flight.FlightServerBase):
     def do_action(self, context: Any, action: flight.Action) -> Iterator[bytes]:
         with _served("bookie action"):
             if action.type == "ping":
+                # a network bookie answers once it takes writes (its identity claimed)
+                instance = self.writes.claimed_instance() if self.writes is not None else None
                 return action_result({"bookie": self.bookie_id,
-                                     "writable": self.writes is not None})
+                                      "writable": self.writes is not None,
+                                      "instance": instance})
             if action.type == "stats":
                 return action_result({"frames_served": self.frames_served,
                                      "bytes_served": self.bytes_served,
@@ -294,12 +299,14 @@ def serve_bookie(root: str | Path, *, host: str, port: int, bookie_id: str | Non
                  tls_key: str | None = None, broker: str | None = None,
                  advertised_address: str | None = None, tls_ca: bytes | None = None,
                  metadata: str | None = None, host_label: str | None = None,
-                 fsync: bool = True, ready: Any = None) -> None:
+                 fsync: bool = True, ready: Any = None, replace: bool = False) -> None:
     """Run one bookie endpoint until SIGTERM/SIGINT (main thread). With ``metadata`` (a
     ``postgresql://`` URL) it takes writes and registers there as a network bookie (its
     address, and ``host_label`` or the address's host), where brokers started with
-    ``--network-bookies`` find it; with ``broker``, its address is registered with that
-    broker as the read endpoint of one of its own bookies."""
+    ``--network-bookies`` find it, once its disk's cookie matches its registration
+    (``cookie.py``; ``replace``: an empty directory takes the place of a lost disk); with
+    ``broker``, its address is registered with that broker as the read endpoint of one of
+    its own bookies."""
     from tierstream.metadata.backend import POSTGRES_SCHEMES
     from tierstream.signals import stop_requested
 
@@ -307,16 +314,20 @@ def serve_bookie(root: str | Path, *, host: str, port: int, bookie_id: str | Non
         raise ConfigError(f"invalid --metadata {metadata!r}: expected postgresql://user@host"
                           "[:port]/database (network bookies register where every broker "
                           "finds them)")
+    if replace and metadata is None:
+        raise ConfigError("--replace is for a network bookie (--metadata postgresql://...): "
+                          "it takes a lost bookie's place in the metadata store")
     root = Path(root)
     if metadata is not None:
         root.mkdir(parents=True, exist_ok=True)
+        _check(root, bookie_id or root.name, metadata, replace)  # before anything binds
     server = BookieServer(root, bookie_id=bookie_id, host=host, port=port,
                           auth_token=auth_token, tls_cert=tls_cert, tls_key=tls_key,
                           writable=metadata is not None, fsync=fsync)
     address = advertised_url(server, advertised_address)
     try:
         if metadata is not None:
-            _register(metadata, server.bookie_id, address, host_label)
+            _claim(server, metadata, address, host_label, replace)
         if broker is not None:
             from tierstream.client.admin import Admin
 
@@ -331,18 +342,40 @@ def serve_bookie(root: str | Path, *, host: str, port: int, bookie_id: str | Non
         server.shutdown()
 
 
-def _register(url: str, bookie_id: str, address: str, host_label: str | None) -> None:
-    from urllib.parse import urlparse
-
-    from tierstream.metadata.bookie_registry import set_bookie_endpoint
+def _check(root: Path, bookie_id: str, url: str, replace: bool) -> None:
+    from tierstream.bookie.cookie import check_identity
     from tierstream.metadata.store import MetadataStore
 
     store = MetadataStore(url, hold=False)
     try:
-        set_bookie_endpoint(store, bookie_id, address, writable=True,
-                            host=host_label or urlparse(address).hostname or address)
+        check_identity(root, bookie_id, store, replace=replace)
     finally:
         store.close()
+
+
+def _claim(server: BookieServer, url: str, address: str, host_label: str | None,
+           replace: bool) -> None:
+    """Match the disk's cookie with the bookie's registration (``cookie.py``), then take
+    writes: until then a broker that reconnects at once is refused as if the bookie were
+    still down."""
+    from urllib.parse import urlparse
+
+    from tierstream.bookie.cookie import claim_identity
+    from tierstream.metadata.store import MetadataStore
+
+    assert server.writes is not None
+    store = MetadataStore(url, hold=False)
+    try:
+        cookie, lost = claim_identity(server.root, server.bookie_id, store, address=address,
+                                      host=host_label or urlparse(address).hostname or address,
+                                      replace=replace)
+    finally:
+        store.close()
+    if lost:
+        log.warning("bookie %s takes the place of its lost disk (instance %s): %d segment(s) "
+                    "it held a copy of are listed as under-replicated; the brokers copy them "
+                    "back", server.bookie_id, cookie.instance, len(lost))
+    server.writes.claimed(cookie.instance, cookie.min_epoch)
 
 
 def advertised_url(server: BookieServer, advertised: str | None) -> str:

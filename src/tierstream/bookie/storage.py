@@ -84,8 +84,11 @@ class Bookie:
     """A storage node rooted at ``root``. ``fsync=False`` is for tests and benchmarks only."""
 
     def __init__(self, bookie_id: str, root: str | Path, *, fsync: bool = True,
-                 max_open: int = 512) -> None:
+                 max_open: int = 512, min_epoch: int = 0) -> None:
         self.bookie_id = bookie_id
+        #: every ledger refuses writers below this epoch (a disk that replaced a lost one,
+        #: whose fences are gone with it: cookie.py)
+        self.min_epoch = min_epoch
         self.root = Path(root)
         self.fsync = fsync
         self.max_open = max_open
@@ -115,11 +118,12 @@ class Bookie:
         with self._lock:
             self._open.setdefault(segment_id, _OpenLedger(segment_id))
 
-    def open_for_appends(self, segment_id: int, epoch: int) -> None:
-        """A network writer's first append to a ledger opens it here, unless a newer writer
-        fenced it (FencedError) or it was closed before on this bookie (sealed, fenced, or
-        open when this bookie restarted): its copy here stays as it is, and the writer
-        places its next segment elsewhere."""
+    def open_for_appends(self, segment_id: int, epoch: int, entry_id: int = 0) -> None:
+        """A network writer's first append to a ledger (its entry 0) opens it here, unless a
+        newer writer fenced it (FencedError) or it was closed before on this bookie (sealed,
+        fenced, or open when this bookie restarted), or this bookie never had its earlier
+        entries (a disk that replaced a lost one): its copy here stays as it is, and the
+        writer places its next segment elsewhere."""
         with self._lock:
             self._check_epoch(segment_id, epoch)
             if segment_id in self._open:
@@ -127,6 +131,10 @@ class Bookie:
             if ledger_paths(self.root, segment_id)[0].exists():
                 raise ConflictError(f"ledger {segment_id} is closed on bookie "
                                     f"{self.bookie_id}: it takes no more appends")
+            if entry_id != 0:
+                raise ConflictError(f"ledger {segment_id} is not on bookie {self.bookie_id}, "
+                                    f"which was asked for its entry {entry_id}: its earlier "
+                                    "entries were lost with its disk")
             self._open[segment_id] = _OpenLedger(segment_id)
 
     def _fds(self, ledger: _OpenLedger, busy: set[int]) -> tuple[int, int]:
@@ -256,7 +264,7 @@ class Bookie:
         if epoch is None:  # read once (0: not fenced); only this process fences it
             path = self._fence_path(segment_id)
             epoch = self._fences[segment_id] = int(path.read_text()) if path.exists() else 0
-        return epoch or None
+        return max(epoch, self.min_epoch) or None
 
     def _check_epoch(self, segment_id: int, epoch: int | None) -> None:
         fenced = self.fenced_at(segment_id) if epoch is not None else None
@@ -421,6 +429,22 @@ class Bookie:
         with open(log_path, "rb") as f:
             f.seek(rec.frame_offset)
             return f.read(rec.frame_len)
+
+    def ledger_entries(self) -> dict[int, int]:
+        """Every ledger here with the entries its index holds (an audit compares them with
+        the segments' records)."""
+        found: dict[int, int] = {}
+        base = self.root / "ledgers"
+        if base.is_dir():
+            for group in os.scandir(base):
+                if group.is_dir():
+                    for f in os.scandir(group.path):
+                        if f.name.endswith(".idx"):
+                            found[int(f.name[:-4])] = f.stat().st_size // INDEX_RECORD.size
+        with self._lock:
+            for segment_id, ledger in self._open.items():
+                found[segment_id] = len(ledger.records)
+        return found
 
     def delete_ledger(self, segment_id: int) -> None:
         for path in ledger_paths(self.root, segment_id):

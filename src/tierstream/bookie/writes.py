@@ -32,7 +32,13 @@ import pyarrow as pa
 
 from tierstream.bookie.ledger import IndexRecord
 from tierstream.bookie.storage import Bookie, RecoveredLedger, ledger_paths
-from tierstream.errors import FencedError, NotFoundError, ProtocolError, TierstreamError
+from tierstream.errors import (
+    FencedError,
+    NotFoundError,
+    ProtocolError,
+    TierstreamError,
+    UnavailableError,
+)
 from tierstream.protocol import error_text
 
 __all__ = ["ACK_SCHEMA", "APPEND_SCHEMA", "FRAME_SCHEMA", "BookieWrites", "recovered_from",
@@ -96,12 +102,33 @@ class BookieWrites:
         #: set when the endpoint shuts down: append streams end at their next batch (an idle
         #: broker sends an empty one every remote.KEEPALIVE_S)
         self.closing = False
+        #: the disk's cookie instance, once the bookie claimed its identity (``cookie.py``):
+        #: nothing is written before, and writers below ``min_epoch`` never are
+        self.instance: str | None = None
+        self.min_epoch = 0
+
+    def claimed(self, instance: str, min_epoch: int) -> None:
+        """The directory is this bookie's (its cookie matches its registration): take writes,
+        refusing writers below ``min_epoch``."""
+        with self._lock:
+            self.min_epoch = min_epoch
+            self.instance = instance
+
+    def claimed_instance(self) -> str:
+        """The instance this bookie claimed; UnavailableError before it did."""
+        instance = self.instance
+        if instance is None:
+            raise UnavailableError(f"bookie {self.bookie_id} is starting: it takes writes "
+                                   "once its disk's cookie matched its registration")
+        return instance
 
     @property
     def bookie(self) -> Bookie:
+        self.claimed_instance()
         with self._lock:
             if self._bookie is None:
-                self._bookie = Bookie(self.bookie_id, self.root, fsync=self.fsync)
+                self._bookie = Bookie(self.bookie_id, self.root, fsync=self.fsync,
+                                      min_epoch=self.min_epoch)
             return self._bookie
 
     def close(self) -> None:
@@ -156,7 +183,7 @@ class BookieWrites:
         out: list[tuple[int, int, Future[IndexRecord]]] = []
         for i, seg in enumerate(segs):
             try:
-                bookie.open_for_appends(seg, epoch)  # by its first append (a no-op after)
+                bookie.open_for_appends(seg, epoch, entries[i])  # by its first append
             except TierstreamError as exc:
                 refused: Future[IndexRecord] = Future()
                 refused.set_exception(exc)
@@ -193,6 +220,8 @@ class BookieWrites:
 
     def action(self, kind: str, body: dict[str, Any]) -> Any:
         bookie = self.bookie
+        if kind == "ledgers":  # what an audit compares with the metadata
+            return {str(s): n for s, n in bookie.ledger_entries().items()}
         segment_id = int(body["segment_id"])
         if kind == "fence":
             return recovered_to(bookie.fence(segment_id, int(body["epoch"])))

@@ -54,6 +54,8 @@ class StoreConfig:
     bookie_tls_ca: bytes | None = None
     #: a network bookie that leaves an entry unanswered this long is taken for gone
     bookie_timeout_s: float = 10.0
+    #: how often every closed segment's copies on the bookies are checked (bookie/repair.py)
+    bookie_audit_interval_s: float = 60.0
     #: a standby: wait for the metadata database held by another broker, and take it over
     #: once that broker was silent this long (PostgreSQL metadata only)
     takeover_after_s: float | None = None

@@ -17,7 +17,10 @@ what ``topic_stats.py`` reads, so an idle broker does no work for them:
   ``tierstream_offload_oldest_waiting_seconds``, ``tierstream_bookie_copies_to_delete``,
   ``tierstream_transactions{state}``,
   ``tierstream_recovered_segments``, ``tierstream_replica_failures_total``,
-  ``tierstream_checksum_failures_total{bookie}``, ``tierstream_streams{kind}``;
+  ``tierstream_checksum_failures_total{bookie}``, ``tierstream_streams{kind}``,
+  ``tierstream_under_replicated_segments`` (``bookie/repair.py``), ``..._one_copy_segments``,
+  ``..._no_copy_segments``, ``tierstream_re_replicated_segments_total``,
+  ``tierstream_bookie_available{bookie}``;
 - Spark queries that report their lag (``spark_adapter.watch_lag``):
   ``tierstream_query_lag_messages{query, query_id, topic, partition}``;
 - the process: ``process_open_fds``, CPU and memory (``prometheus_client``'s own).
@@ -150,6 +153,23 @@ class _Collector:
         yield CounterMetricFamily("tierstream_replica_failures",
                                   "Entry reads that fell back to another replica",
                                   value=stats["replica_failures"])
+        replication = stats["replication"]
+        for name, key, text in (
+                ("under_replicated_segments", "under_replicated",
+                 "Closed segments lacking a whole copy on a bookie of their ensemble"),
+                ("one_copy_segments", "one_copy",
+                 "Segments down to one whole copy on the bookies that answer"),
+                ("no_copy_segments", "no_copy",
+                 "Segments with no whole copy on a bookie that answers")):
+            yield GaugeMetricFamily(f"tierstream_{name}", text, value=replication[key])
+        yield CounterMetricFamily("tierstream_re_replicated_segments",
+                                  "Segments re-replicated since the broker started",
+                                  value=replication["re_replicated"])
+        available = GaugeMetricFamily("tierstream_bookie_available",
+                                      "1 while a bookie takes writes", labels=["bookie"])
+        for bookie, state in stats["bookies"].items():
+            available.add_metric([bookie], 1 if state["available"] else 0)
+        yield available
         checksums = CounterMetricFamily("tierstream_checksum_failures",
                                         "Frames that failed their checksum", labels=["bookie"])
         for bookie, n in stats["checksum_failures"].items():

@@ -100,10 +100,12 @@ class Store:
         self.recovery: list[RecoveryReport] = recover_open_segments(
             self.metadata, self.bookies, ack_quorum=self.ack_quorum)
         self.repairer = Repairer(self.metadata, self.bookies, self.write_quorum,
-                                 self._segment_updated)
+                                 self._segment_updated, seal=self._seal_lost,
+                                 audit_interval_s=config.bookie_audit_interval_s)
         for report in self.recovery:
             if report.missing_replicas:
-                self.repairer.suspect(report.segment_id)
+                self.repairer.suspect(report.segment_id, f"recovered without "
+                                      f"{report.missing_replicas} of its bookies")
         for topic in self.metadata.list_topics():
             # every partition's new open segment in one metadata transaction
             opened = self.metadata.new_segments(
@@ -128,8 +130,19 @@ class Store:
                                next(self._rr))
 
     def _on_sealed(self, record: SegmentRecord, degraded: bool) -> None:
-        if degraded or len(record.ensemble) < self.write_quorum:
-            self.repairer.suspect(record.segment_id)
+        if degraded:
+            self.repairer.suspect(record.segment_id, "sealed while a bookie of it did not "
+                                                     "answer")
+        elif len(record.ensemble) < self.write_quorum:
+            self.repairer.suspect(record.segment_id, f"placed on {len(record.ensemble)} "
+                                  f"bookies, below the write quorum {self.write_quorum}")
+
+    def _seal_lost(self, record: SegmentRecord) -> None:
+        plog = self._logs.get((record.topic, record.partition))
+        if plog is not None and plog.seal_if_open(record.segment_id):
+            log.warning("segment %d (%s partition %d) sealed early: a bookie of it lost its "
+                        "copy; it is re-replicated", record.segment_id, record.topic,
+                        record.partition)
 
     def _segment_updated(self, record: SegmentRecord) -> None:
         plog = self._logs.get((record.topic, record.partition))

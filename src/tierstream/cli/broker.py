@@ -131,6 +131,9 @@ def broker_start(
     bookie_timeout: Annotated[str, typer.Option(
         help="A network bookie that leaves an entry unanswered this long is taken for gone: "
              "the entry's ack quorum is decided by the others.")] = "10s",
+    bookie_audit_interval: Annotated[str, typer.Option(
+        help="How often every closed segment's copies are checked on the bookies (also "
+             "whenever a bookie answers again); short ones are re-replicated.")] = "60s",
     log_level: Annotated[str, typer.Option(help="Log level.")] = "INFO",
 ) -> None:
     """Start the broker in the foreground; SIGTERM or Ctrl-C stops it cleanly.
@@ -147,10 +150,12 @@ def broker_start(
 
     takeover_ms = parse_duration_ms(takeover_after, what="--takeover-after")
     timeout_ms = parse_duration_ms(bookie_timeout, what="--bookie-timeout")
+    audit_ms = parse_duration_ms(bookie_audit_interval, what="--bookie-audit-interval")
     config = StoreConfig.from_options(
         metadata_url=metadata or None, network_bookies=network_bookies,
         takeover_after_s=takeover_ms / 1000 if standby else None,
-        bookie_timeout_s=timeout_ms / 1000, bookie_token=auth_token,
+        bookie_timeout_s=timeout_ms / 1000, bookie_audit_interval_s=audit_ms / 1000,
+        bookie_token=auth_token,
         bookie_tls_ca=read_pem(bookie_tls_ca, "--bookie-tls-ca"), raw={
         "dataDir": str(data_dir), "bookies": bookies, "writeQuorum": write_quorum,
         "ackQuorum": ack_quorum, "maxEntriesPerSegment": max_entries_per_segment,
@@ -204,6 +209,11 @@ def bookie_serve(
              "ones [default: the advertised address's host].")] = None,
     fsync: Annotated[bool, typer.Option(help="fsync every group of writes before "
                                         "acknowledging it.")] = True,
+    replace: Annotated[bool, typer.Option(
+        "--replace", help="With --metadata: this empty directory takes the place of the "
+                          "bookie's lost disk; the copies it held are re-replicated onto "
+                          "it and others. Without it, a bookie whose disk lost its copies "
+                          "refuses to start.")] = False,
     broker: Annotated[str | None, typer.Option(
         "--broker", help="Register the address with this broker as the read endpoint of one "
                          "of its own bookies (else readers are not told of it).")] = None,
@@ -213,7 +223,9 @@ def bookie_serve(
     tls_ca: TlsCaOpt = None,
 ) -> None:
     """Serve one bookie directory in the foreground: its sealed ledgers to readers, and with
-    --metadata, writes from brokers (a network bookie).
+    --metadata, writes from brokers (a network bookie). A network bookie's directory carries
+    a cookie that must match its registration: an empty or foreign disk is never taken for
+    the bookie's own (see --replace).
 
     Example: tierstream bookie serve --data-dir /srv/bookie-1 --port 3181 --host 0.0.0.0
     --advertised-address bookie1.example:3181 --metadata postgresql://tierstream@db/tierstream
@@ -229,7 +241,8 @@ def bookie_serve(
     serve_bookie(dir_, host=host, port=port, bookie_id=bookie_id, auth_token=auth_token,
                  tls_cert=tls_cert, tls_key=tls_key, broker=broker,
                  advertised_address=advertised_address, tls_ca=read_pem(tls_ca, "--tls-ca"),
-                 metadata=metadata, host_label=host_label, fsync=fsync, ready=ready)
+                 metadata=metadata, host_label=host_label, fsync=fsync, ready=ready,
+                 replace=replace)
 
 
 def _offload_policy(config: Any) -> str | None:

@@ -191,6 +191,25 @@ def render_broker_stats(stats: dict[str, Any]) -> Table:
                                         (stats.get("checksum_failures") or {}).items())),
         ("cursor writes", str(stats.get("cursor_writes"))),
     ]
+    replication = stats.get("replication") or {}
+    if replication:
+        audit = replication.get("last_audit") or {}
+        rows.append(("replication", f"{replication.get('under_replicated')} segment(s) "
+                     f"lacking a copy ({replication.get('one_copy', 0)} down to one, "
+                     f"{replication.get('no_copy', 0)} to none), "
+                     f"{replication.get('re_replicated')} re-replicated"
+                     + (f"; last audit: {audit.get('segments')} segment(s), "
+                        f"{audit.get('found')} found short ({audit.get('why')})"
+                        if audit else "")))
+    for bookie, state in (stats.get("bookies") or {}).items():
+        where = state.get("where", "")
+        host = state.get("host")
+        up = "available" if state.get("available") else \
+            f"UNAVAILABLE ({state.get('unavailable_because', '')})"
+        failures = state.get("failures")
+        rows.append((f"bookie {bookie}", f"{where}" + (f" on {host}" if host and host != "local"
+                                                        else "") + f", {up}"
+                     + (f", {failures} failure(s)" if failures else "")))
     for name, value in rows:
         table.add_row(name, value)
     return table

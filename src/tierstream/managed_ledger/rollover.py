@@ -90,6 +90,17 @@ class PartitionRollover(PartitionVisibility):
             self._roll()
             return self._closed_segments[-1] if self._closed_segments else None
 
+    def seal_if_open(self, segment_id: int) -> bool:
+        """Seal the open segment now if it is ``segment_id`` and has entries: a bookie of it
+        lost its copy (a replaced disk), and the copy is re-replicated once it is closed."""
+        with self._lock:
+            if self._open.record.segment_id != segment_id:
+                return False
+            if not (self._open.records or self._open.in_flight or self._open.hidden):
+                return False
+            self._roll()
+            return True
+
     def _roll(self, *, reopen: bool = True) -> None:
         seg = self._open
         wait_futures([f for p in seg.in_flight.values() for f in p.futures])

@@ -1,33 +1,63 @@
 """What the metadata keeps for bookies as network services and for the brokers writing to
 them: the writable bookies (``tierstream bookie serve --metadata ...`` registers itself
 through :func:`set_bookie_endpoint`, as a broker does for the read endpoints of its own
-bookies), and the writer epoch each broker takes
-when it opens the store (bookies fence ledgers by it).
+bookies) with the instance their disk's cookie names (``bookie/cookie.py``), and the writer
+epoch each broker takes when it opens the store (bookies fence ledgers by it).
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import replace
-
-from tierstream.metadata.records import SegmentRecord
+from tierstream.metadata.backend import Tx
+from tierstream.metadata.replication import mark_under_replicated, segments_with_bookie
 from tierstream.metadata.store import MetadataStore
 from tierstream.timeutil import now_ms
 
-__all__ = ["network_bookies", "set_bookie_endpoint", "set_ensemble", "take_writer_epoch"]
+__all__ = ["network_bookies", "registered_instance", "replace_bookie", "set_bookie_endpoint",
+           "take_writer_epoch"]
 
 
 def set_bookie_endpoint(metadata: MetadataStore, bookie_id: str, address: str, *,
-                        host: str | None = None, writable: bool = False) -> None:
+                        host: str | None = None, writable: bool = False,
+                        instance: str | None = None) -> None:
     """Record where readers on other hosts reach ``bookie_id`` (its advertised address); a
-    ``writable`` one (``tierstream bookie serve``) also takes a broker's writes, and ``host``
-    names the machine it runs on (copies of a segment go to distinct hosts)."""
+    ``writable`` one (``tierstream bookie serve``) also takes a broker's writes, ``host``
+    names the machine it runs on (copies of a segment go to distinct hosts), and
+    ``instance`` the cookie on its disk (kept when None)."""
     with metadata.atomic() as c:
-        c.execute("INSERT INTO bookie_endpoints (bookie_id, address, updated_at, host, "
-                  "writable) VALUES (?, ?, ?, ?, ?) ON CONFLICT(bookie_id) DO UPDATE SET "
-                  "address=excluded.address, updated_at=excluded.updated_at, "
-                  "host=excluded.host, writable=excluded.writable",
-                  (bookie_id, address, now_ms(), host, int(writable)))
+        _register(c, bookie_id, address, host, writable, instance)
+
+
+def _register(c: Tx, bookie_id: str, address: str, host: str | None, writable: bool,
+              instance: str | None) -> None:
+    c.execute("INSERT INTO bookie_endpoints (bookie_id, address, updated_at, host, "
+              "writable, instance) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(bookie_id) DO UPDATE "
+              "SET address=excluded.address, updated_at=excluded.updated_at, "
+              "host=excluded.host, writable=excluded.writable, "
+              "instance=COALESCE(excluded.instance, bookie_endpoints.instance)",
+              (bookie_id, address, now_ms(), host, int(writable), instance))
+
+
+def registered_instance(metadata: MetadataStore, bookie_id: str) -> tuple[bool, str | None]:
+    """(whether ``bookie_id`` is registered, the instance its registration names: None for
+    one registered before bookies had cookies)."""
+    rows = metadata.query("SELECT instance FROM bookie_endpoints WHERE bookie_id=?",
+                          (bookie_id,))
+    return (bool(rows), rows[0][0] if rows else None)
+
+
+def replace_bookie(metadata: MetadataStore, bookie_id: str, address: str, *, host: str,
+                   instance: str) -> tuple[list[int], int]:
+    """A new disk takes the place of ``bookie_id``'s lost one: in one transaction, the
+    registration names the new ``instance``, and every segment the lost instance held a copy
+    of is listed as under-replicated (its copies there are gone). Returns those segments and
+    the newest writer epoch: the new disk refuses older writers, whose fences it lost."""
+    with metadata.atomic() as c:
+        _register(c, bookie_id, address, host, True, instance)
+        lost = segments_with_bookie(metadata, bookie_id, tx=c)
+        mark_under_replicated(metadata, [(s, f"bookie {bookie_id} was replaced: its disk "
+                                          "and the copies on it were lost") for s in lost], tx=c)
+        row = c.execute("SELECT value FROM meta WHERE key='writer_epoch'").fetchone()
+    return lost, int(row[0]) if row else 0
 
 
 def network_bookies(metadata: MetadataStore) -> list[tuple[str, str, str]]:
@@ -47,12 +77,3 @@ def take_writer_epoch(metadata: MetadataStore) -> int:
         epoch = int(value) + 1
         c.execute("UPDATE meta SET value=? WHERE key='writer_epoch'", (str(epoch),))
     return epoch
-
-
-def set_ensemble(metadata: MetadataStore, seg: SegmentRecord, ensemble: tuple[str, ...]
-                 ) -> SegmentRecord:
-    """Record that a closed segment's copies are now on ``ensemble`` (re-replication)."""
-    with metadata.atomic() as c:
-        c.execute("UPDATE segments SET ensemble=? WHERE segment_id=?",
-                  (json.dumps(list(ensemble)), seg.segment_id))
-    return replace(seg, ensemble=ensemble)

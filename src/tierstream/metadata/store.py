@@ -33,16 +33,16 @@ from tierstream.metadata.tables import SCHEMA_VERSION, create_and_migrate
 from tierstream.names import TopicName
 from tierstream.schemas.model import SchemaInfo, SchemaType
 
-__all__ = ["MetadataStore"]
+__all__ = ["SEGMENT_COLUMNS", "MetadataStore", "segment_of_row"]
 
 
 
-_SEGMENT_COLUMNS = (
+SEGMENT_COLUMNS = (
     "topic, partition, segment_id, state, entries, messages, bytes, min_publish_time, "
     "max_publish_time, created_at, sealed_at, ensemble, tier_url, offloaded_at, bookie_deleted_at, "
     "offload_pending_url, tier_bytes, skipped"
 )
-_SEGMENT_FIELDS = tuple(c.strip() for c in _SEGMENT_COLUMNS.split(","))
+SEGMENT_FIELDS = tuple(c.strip() for c in SEGMENT_COLUMNS.split(","))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -50,12 +50,12 @@ def _ensemble(text: str) -> tuple[str, ...]:
     return tuple(json.loads(text))  # few distinct ensembles, many segments: decode each once
 
 
-def _segment(row: tuple[Any, ...]) -> SegmentRecord:
-    """The record of a row of ``_SEGMENT_COLUMNS``. The columns are the record's fields and
+def segment_of_row(row: tuple[Any, ...]) -> SegmentRecord:
+    """The record of a row of ``SEGMENT_COLUMNS``. The columns are the record's fields and
     were checked when written, so the record is filled in directly (a plan reads thousands)."""
     record = object.__new__(SegmentRecord)
     fields = record.__dict__
-    fields.update(zip(_SEGMENT_FIELDS, row, strict=True))
+    fields.update(zip(SEGMENT_FIELDS, row, strict=True))
     fields["ensemble"] = _ensemble(fields["ensemble"])
     skipped = fields["skipped"]
     fields["skipped"] = () if skipped is None else tuple(
@@ -257,8 +257,8 @@ class MetadataStore:
 
     def segments(self, topic: str, partition: int | None = None) -> list[SegmentRecord]:
         """Segment records of ``topic`` sorted by (partition, segment_id)."""
-        rows = self._by_topic(f"SELECT {_SEGMENT_COLUMNS} FROM segments", topic, partition)
-        return [_segment(r) for r in rows]
+        rows = self._by_topic(f"SELECT {SEGMENT_COLUMNS} FROM segments", topic, partition)
+        return [segment_of_row(r) for r in rows]
 
     def _by_topic(self, select: str, topic: str, partition: int | None) -> list[Any]:
         """Rows of ``select`` for a topic (and partition), ordered by partition and segment."""
@@ -293,7 +293,7 @@ class MetadataStore:
         hi_sql = str(1 << 62) if end_time is None else (
             "(SELECT segment_id FROM segments WHERE topic=:t AND partition=parts.p AND "
             "min_publish_time < :t1 ORDER BY min_publish_time DESC, segment_id DESC LIMIT 1)")
-        columns = ", ".join(f"s.{c}" for c in _SEGMENT_FIELDS)
+        columns = ", ".join(f"s.{c}" for c in SEGMENT_FIELDS)
         # the bounds are index lookups, the range read walks only the window; the open
         # segment, if any, is the partition's last one. CROSS JOIN fixes the join order
         # (SQLite's planner otherwise may scan every segment of the topic: seconds, not ms)
@@ -316,7 +316,7 @@ class MetadataStore:
         rows = self.query(sql, args)
         out: dict[int, list[SegmentRecord]] = {int(p): [] for p in partitions}
         for r in rows:  # closed segments, then each partition's open one (its last)
-            out[r[1]].append(_segment(r))
+            out[r[1]].append(segment_of_row(r))
         for segs in out.values():  # in log order: a sort only if the engine did not keep it
             if any(a.segment_id > b.segment_id for a, b in itertools.pairwise(segs)):
                 segs.sort(key=lambda seg: seg.segment_id)
@@ -330,19 +330,19 @@ class MetadataStore:
 
     def get_segment(self, segment_id: int) -> SegmentRecord:
         row = self._one(
-                f"SELECT {_SEGMENT_COLUMNS} FROM segments WHERE segment_id=?", (segment_id,)
+                f"SELECT {SEGMENT_COLUMNS} FROM segments WHERE segment_id=?", (segment_id,)
             )
         if row is None:
             raise NotFoundError(f"segment {segment_id} does not exist")
-        return _segment(row)
+        return segment_of_row(row)
 
     def open_segments(self) -> list[SegmentRecord]:
         rows = self.query(
-                f"SELECT {_SEGMENT_COLUMNS} FROM segments WHERE state=? "
+                f"SELECT {SEGMENT_COLUMNS} FROM segments WHERE state=? "
                 "ORDER BY topic, partition, segment_id",
                 (SegmentState.OPEN,),
             )
-        return [_segment(r) for r in rows]
+        return [segment_of_row(r) for r in rows]
 
     # -- tiering ------------------------------------------------------------------------------
 

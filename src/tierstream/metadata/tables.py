@@ -11,7 +11,7 @@ from tierstream.metadata.backend import Backend, Tx
 
 __all__ = ["SCHEMA_VERSION", "create_and_migrate", "ddl"]
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 
 DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -127,7 +127,13 @@ CREATE TABLE IF NOT EXISTS bookie_endpoints (
     address TEXT NOT NULL,
     updated_at INTEGER NOT NULL,
     host TEXT,
-    writable INTEGER NOT NULL DEFAULT 0
+    writable INTEGER NOT NULL DEFAULT 0,
+    instance TEXT
+);
+CREATE TABLE IF NOT EXISTS under_replicated (
+    segment_id INTEGER PRIMARY KEY,
+    reason TEXT NOT NULL,
+    since INTEGER NOT NULL
 );
 """
 
@@ -208,3 +214,10 @@ def _migrate(conn: Tx, backend: Backend) -> None:
             conn.execute("ALTER TABLE bookie_endpoints ADD COLUMN writable INTEGER NOT NULL "
                          "DEFAULT 0")
         conn.execute("UPDATE meta SET value='11' WHERE key='schema_version'")
+        version = 11
+    if version == 11:  # v12: a network bookie's identity (the instance its disk's cookie
+        # names) and the segments lacking a whole copy (under_replicated, by the DDL above),
+        # kept here so that any broker resumes their repair
+        if "instance" not in backend.columns("bookie_endpoints"):
+            conn.execute("ALTER TABLE bookie_endpoints ADD COLUMN instance TEXT")
+        conn.execute("UPDATE meta SET value='12' WHERE key='schema_version'")

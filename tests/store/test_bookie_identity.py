@@ -1,0 +1,156 @@
+"""A network bookie knows who it is (its disk's cookie), which segments lack a copy is kept in
+the metadata store, and an audit finds short copies (issue 47): real PostgreSQL, bookie and
+broker processes on loopback."""
+
+from __future__ import annotations
+
+import subprocess
+from typing import Any
+
+from tierstream.bookie.remote import RemoteBookie
+from tierstream.client import Admin
+
+from ..network_store import BookieProcess
+from ..postgres import PostgresServer
+from ..timing import scaled
+from .helpers import wait_for
+from .test_network_bookies import TOPIC, _read, _Writer, check_exactly_once_in_order
+
+#: small segments: many of them, so every bookie holds copies of several closed ones
+SMALL = ("--max-entries-per-segment", "10")
+
+
+def _stats(url: str) -> dict[str, Any]:
+    with Admin(url) as admin:
+        return admin.stats()["replication"]  # type: ignore[no-any-return]
+
+
+def _closed(url: str) -> list[Any]:
+    with Admin(url) as admin:
+        return [s for s in admin.list_segments(TOPIC) if s.state == "CLOSED"]
+
+
+def _listed(postgres: PostgresServer, url: str) -> int:
+    import psycopg
+
+    with psycopg.connect(url, connect_timeout=int(scaled(30))) as conn:
+        return int(conn.execute("SELECT COUNT(*) FROM under_replicated").fetchone()[0])
+
+
+def _whole_everywhere(bookies: list[BookieProcess], url: str) -> None:
+    """Every closed segment has a whole copy on each bookie of its ensemble."""
+    clients = {f"bookie-{i}": RemoteBookie(f"bookie-{i}", str(b.url), host="-", epoch=0)
+               for i, b in enumerate(bookies)}
+    try:
+        for seg in _closed(url):
+            for b in seg.ensemble:
+                assert len(clients[b].index(seg.segment_id)) >= seg.entries, (seg, b)
+    finally:
+        for c in clients.values():
+            c.close()
+
+
+def _refused(cmd: list[str]) -> str:
+    """The one line a bookie that must not start prints (exit status 2, no traceback)."""
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=scaled(60))
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    return lines[0]
+
+
+def test_a_bookie_whose_disk_was_lost_is_never_taken_for_itself_and_gets_its_copies_back(
+        network_store, postgres) -> None:
+    url, bookies, broker = network_store
+    serving = broker("broker-a", *SMALL).start()
+    with Admin(serving.url) as admin:
+        admin.create_topic(TOPIC, 2)
+    writer = _Writer(serving.url)
+    try:
+        writer.wait_for_more(3_000)
+        with Admin(serving.url) as admin:
+            admin.seal(TOPIC)
+    finally:
+        acked = writer.stop()
+    held = [s for s in _closed(serving.url) if "bookie-1" in s.ensemble]
+    assert len(held) >= 4, held
+
+    bookies[1].wipe()  # its disk is lost
+    line = _refused(bookies[1].command())
+    assert "bookie-1" in line and "--replace" in line and "lost" in line, line
+    # another bookie's disk is not taken for this one's either
+    other = BookieProcess(bookies[2].data_dir, url, host_label="x", bookie_id="bookie-1")
+    line = _refused(other.command())
+    assert "bookie-2" in line and "--bookie-id bookie-2" in line, line
+    assert _stats(serving.url)["under_replicated"] == 0  # nothing judged while it is away
+
+    bookies[1].start("--replace")
+    # listed at once, in the metadata store, before the bookie took a write
+    assert _listed(postgres, url) >= len(held)
+    wait_for(lambda: _stats(serving.url)["under_replicated"] == 0 and
+             _listed(postgres, url) == 0, timeout=scaled(120),
+             what="every copy the lost disk held to be whole again")
+    assert _stats(serving.url)["re_replicated"] >= len(held)
+    _whole_everywhere(bookies, serving.url)
+    check_exactly_once_in_order(_read(serving.url), acked)
+    # the replacement is the bookie now: restarted, it is itself without --replace
+    bookies[1].restart()
+    line = _refused(bookies[1].command("--replace"))
+    assert "without --replace" in line, line
+
+
+def test_which_segments_lack_a_copy_outlives_the_broker_that_learnt_it(network_store,
+                                                                       postgres) -> None:
+    """Regression: the list lived in the serving broker's memory; a broker that took over
+    reported under_replicated 0 and repaired nothing of it."""
+    url, bookies, broker = network_store
+    # no periodic audit: what the second broker knows, it knows from the list
+    first = broker("broker-a", *SMALL, "--bookie-audit-interval", "1h").start()
+    with Admin(first.url) as admin:
+        admin.create_topic(TOPIC, 2)
+    writer = _Writer(first.url)
+    try:
+        writer.wait_for_more(1_000)
+        bookies[1].kill()
+        writer.wait_for_more(2_000)  # segments sealed without it, more placed on two
+        with Admin(first.url) as admin:
+            admin.seal(TOPIC)
+    finally:
+        acked = writer.stop()
+    wait_for(lambda: _stats(first.url)["under_replicated"] > 0, timeout=scaled(30),
+             what="segments listed as lacking a copy")
+    before = _listed(postgres, url)
+    first.kill()
+    second = broker("broker-b", *SMALL, "--bookie-audit-interval", "1h").start()
+    wait_for(lambda: _stats(second.url)["under_replicated"] >= before, timeout=scaled(30),
+             what="the new broker to report what the old one listed")
+    bookies[1].restart()
+    wait_for(lambda: _stats(second.url)["under_replicated"] == 0, timeout=scaled(120),
+             what="the new broker to repair what the old one listed")
+    _whole_everywhere(bookies, second.url)
+    check_exactly_once_in_order(_read(second.url), acked)
+
+
+def test_an_audit_finds_a_copy_lost_behind_the_broker_s_back(network_store) -> None:
+    _, bookies, broker = network_store
+    serving = broker("broker-a", *SMALL, "--bookie-audit-interval", "1s").start()
+    with Admin(serving.url) as admin:
+        admin.create_topic(TOPIC, 1)
+    writer = _Writer(serving.url)
+    try:
+        writer.wait_for_more(1_000)
+        with Admin(serving.url) as admin:
+            admin.seal(TOPIC)
+    finally:
+        acked = writer.stop()
+    victim = next(s for s in _closed(serving.url) if "bookie-2" in s.ensemble)
+    repaired = _stats(serving.url)["re_replicated"]
+    for path in (bookies[2].data_dir / "ledgers").rglob(f"{victim.segment_id}.*"):
+        path.unlink()  # the bookie answers, but its copy is gone
+    wait_for(lambda: _stats(serving.url)["re_replicated"] > repaired, timeout=scaled(60),
+             what="the audit to find the lost copy and re-replicate it")
+    wait_for(lambda: _stats(serving.url)["under_replicated"] == 0, timeout=scaled(60),
+             what="nothing left to repair")
+    assert _stats(serving.url)["last_audit"]["found"] >= 0
+    _whole_everywhere(bookies, serving.url)
+    check_exactly_once_in_order(_read(serving.url), acked)
