@@ -5,6 +5,7 @@ broker processes on loopback."""
 from __future__ import annotations
 
 import subprocess
+import time
 from typing import Any
 
 from tierstream.bookie.remote import RemoteBookie
@@ -154,3 +155,66 @@ def test_an_audit_finds_a_copy_lost_behind_the_broker_s_back(network_store) -> N
     assert _stats(serving.url)["last_audit"]["found"] >= 0
     _whole_everywhere(bookies, serving.url)
     check_exactly_once_in_order(_read(serving.url), acked)
+
+
+def test_a_standby_rides_out_postgresql_restarts_and_then_takes_over(tmp_path) -> None:
+    """Regression: a standby reused its start-up session after a PostgreSQL restart and died
+    taking over (``unexpected OperationalError``), and exited on a short outage or restart
+    that the serving broker waits out. Here PostgreSQL restarts twice (once while it is
+    down for seconds) with a standby waiting; neither broker exits, the serving one keeps
+    the store (a restart frees the lock: the standby leaves it to the live holder), and
+    when the serving broker is SIGKILLed the standby takes over."""
+    from ..postgres import started
+
+    server = started()  # its own: this test stops it
+    bookies: list[BookieProcess] = []
+    brokers: list[Any] = []
+    try:
+        url = server.new_database()
+        bookies += [BookieProcess(tmp_path / f"bookie-{i}", url,
+                                  host_label=f"host-{i}").start() for i in range(3)]
+        from tierstream.broker.process import BrokerProcess
+
+        from ..network_store import broker_args
+
+        def broker(name: str, *extra: str) -> BrokerProcess:
+            proc = BrokerProcess(tmp_path / name, args=broker_args(url, *extra))
+            brokers.append(proc)
+            return proc
+
+        serving = broker("broker-a").start()
+        with Admin(serving.url) as admin:
+            admin.create_topic(TOPIC, 2)
+        standby = broker("broker-b", "--standby", "--takeover-after", f"{scaled(3):g}s")
+        import threading
+
+        start = threading.Thread(target=lambda: standby.start(timeout=scaled(240)))
+        start.start()
+        wait_for(lambda: "standing by" in "".join(standby.stderr_tail), timeout=scaled(60),
+                 what="the standby to stand by")
+        writer = _Writer(serving.url)
+        try:
+            writer.wait_for_more(500)
+            for outage in (0.0, scaled(3)):
+                server.halt()
+                time.sleep(outage)  # a server away for a while, not only restarted
+                server.resume()
+                writer.wait_for_more(500)  # the serving broker goes on after it
+            assert standby.url is None, "the standby took a live broker's store over"
+            assert serving.proc is not None and serving.proc.poll() is None
+            assert standby.proc is not None and standby.proc.poll() is None, \
+                "".join(standby.stderr_tail)
+        finally:
+            acked = writer.stop()
+        serving.kill()
+        start.join(timeout=scaled(240))
+        assert standby.url is not None, "".join(standby.stderr_tail)
+        said = "".join(standby.stderr_tail)
+        assert "Traceback" not in said and "unexpected" not in said, said
+        check_exactly_once_in_order(_read(standby.url), acked)
+    finally:
+        for proc in brokers:
+            proc.kill()
+        for bookie in bookies:
+            bookie.kill()
+        server.stop()

@@ -135,6 +135,7 @@ class PostgresBackend:
         self._conn: Any = None
         self._holder: Any = None  # the session holding the advisory lock
         self._holder_lock = threading.Lock()
+        self._reached_at: float | None = None  # a standby: since when it reaches the server
         self.outage_limit_s = outage_limit_s()
         #: set once the server stayed unreachable past the limit, or another broker took the
         #: database over, with the reason
@@ -175,23 +176,79 @@ class PostgresBackend:
         or with ``takeover_after_s`` (a standby) waited for; a holder whose heartbeat stopped
         for that long (its host died, or its process hangs) has its sessions ended, and the
         lock is taken: the old broker cannot write metadata any more (its sessions are gone,
-        and it cannot take the lock back: :meth:`_check_holder`)."""
+        and it cannot take the lock back: :meth:`_check_holder`).
+
+        A standby rides out the server's restarts and outages as the serving broker does:
+        each try opens a new session, an unreachable server is waited for up to the outage
+        limit, and a takeover it interrupted is tried again from the start. While the
+        holder's heartbeat is fresh the standby leaves a free lock alone (a server restart
+        frees it): the serving broker takes it back, rather than losing the store."""
+        import psycopg
+
         told = False
+        unreachable: float | None = None  # since when the server could not be reached
         while True:
-            holder = self._open(BROKER_APPLICATION)
+            try:
+                if self._try_hold(takeover_after_s):
+                    if unreachable is not None:
+                        log.warning("the metadata store %s is reachable again after %.1f s",
+                                    self.name, time.monotonic() - unreachable)
+                    return
+                if unreachable is not None:
+                    log.warning("the metadata store %s is reachable again after %.1f s; "
+                                "standing by", self.name, time.monotonic() - unreachable)
+                    unreachable = None
+            except (psycopg.OperationalError, UnavailableError) as exc:
+                self._reached_at = None
+                if takeover_after_s is None:  # a broker starting: it says so and stops
+                    if isinstance(exc, UnavailableError):
+                        raise
+                    raise UnavailableError(f"cannot use the metadata store {self.name}: "
+                                           f"{_first_line(exc)}") from None
+                now = time.monotonic()
+                if unreachable is None:
+                    unreachable = now
+                    log.warning("standing by: the metadata store %s is unreachable (%s); "
+                                "waiting for it for up to %.0f s", self.name,
+                                _first_line(exc), self.outage_limit_s)
+                elif now - unreachable >= self.outage_limit_s:
+                    raise UnavailableError(
+                        f"the metadata store {self.name} was unreachable for "
+                        f"{now - unreachable:.0f} s while this broker stood by: "
+                        f"{_first_line(exc)}") from None
+            if not told and takeover_after_s is not None:
+                log.info("standing by: the metadata store %s is held by another broker; "
+                         "this one takes over once that one is silent for %g s", self.name,
+                         takeover_after_s)
+                told = True
+            time.sleep(min(1.0, (takeover_after_s or 4.0) / 4))
+
+    def _try_hold(self, takeover_after_s: float | None) -> bool:
+        """One try at the lock, on a session of its own; True once held. A standby ends the
+        sessions of a holder silent for ``takeover_after_s`` — counted from when this one
+        last reached the server, as nobody can write a heartbeat while it is away — and the
+        next try takes the lock."""
+        holder = self._open(BROKER_APPLICATION)
+        try:
+            if self._reached_at is None:
+                self._reached_at = time.monotonic()
+            silent = self._silent_for(holder)
+            if silent is not None:
+                silent = min(silent, time.monotonic() - self._reached_at)
+            if takeover_after_s is not None and silent is not None and \
+                    silent < takeover_after_s:
+                return False  # the holder is alive (a lock a server restart freed is its)
             (got,) = holder.execute("SELECT pg_try_advisory_lock(%s)", (LOCK_KEY,)).fetchone()
             if got:
                 with self._holder_lock:
-                    self._holder = holder
+                    self._holder, holder = holder, None
                 self._heartbeat()
-                return
-            row = holder.execute(
-                "SELECT a.application_name, a.client_addr, a.backend_start FROM pg_locks l "
-                "JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' AND "
-                "l.objid = %s AND l.granted", (LOCK_KEY & 0xFFFF_FFFF,)).fetchone()
-            silent = self._silent_for(holder)
-            holder.close()
+                return True
             if takeover_after_s is None:
+                row = holder.execute(
+                    "SELECT a.application_name, a.client_addr, a.backend_start FROM pg_locks l "
+                    "JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' "
+                    "AND l.objid = %s AND l.granted", (LOCK_KEY & 0xFFFF_FFFF,)).fetchone()
                 self._conn.close()
                 since = f" (connected {row[2]:%Y-%m-%d %H:%M:%S})" if row else ""
                 raise ConflictError(f"the metadata store {self.name} is held by another "
@@ -201,14 +258,11 @@ class PostgresBackend:
             if silent is not None and silent >= takeover_after_s:
                 log.warning("taking over the metadata store %s: the broker holding it was "
                             "last heard from %.1f s ago", self.name, silent)
-                self._end_other_brokers()
-                continue
-            if not told:
-                log.info("standing by: the metadata store %s is held by another broker; "
-                         "this one takes over once that one is silent for %g s", self.name,
-                         takeover_after_s)
-                told = True
-            time.sleep(min(1.0, takeover_after_s / 4))
+                self._end_other_brokers(holder)
+            return False
+        finally:
+            if holder is not None:
+                holder.close()
 
     def _silent_for(self, conn: Any) -> float | None:
         """Seconds since the holder's last heartbeat, by the server's clock (None: it has
@@ -223,10 +277,14 @@ class PostgresBackend:
             return None
         return None if row is None else float(row[0]) / 1000
 
-    def _end_other_brokers(self) -> None:
-        """End every other broker's session on this database (the lock holder's too)."""
-        mine = [self._conn.info.backend_pid]
-        self._conn.execute(
+    def _end_other_brokers(self, session: Any) -> None:
+        """End every other broker's session on this database (the lock holder's too), from
+        ``session`` (a new one: the standby's first connection may not outlive a server
+        restart); this process's own sessions are spared."""
+        mine = [session.info.backend_pid]
+        if self._conn is not None and not self._conn.closed and not self._conn.broken:
+            mine.append(self._conn.info.backend_pid)
+        session.execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = "
             "%s AND datname = current_database() AND pid <> ALL(%s)",
             (BROKER_APPLICATION, mine))
@@ -294,6 +352,7 @@ class PostgresBackend:
         import psycopg
 
         pause, started = FIRST_PAUSE_S, time.monotonic()
+        stale = True  # the first failure may be a session ended while idle: no pause, no word
         while True:
             if self.lost.is_set():
                 raise UnavailableError(self.lost_reason)
@@ -315,6 +374,9 @@ class PostgresBackend:
                 if conn is not None and not conn.closed:
                     conn.close()
                 self._conn = None
+                if stale and conn is not None:  # a new session at once, said only if it fails
+                    stale = False
+                    continue
                 waited = time.monotonic() - started
                 if waited >= self.outage_limit_s:
                     self.lost_reason = (f"the metadata store {self.name} was unreachable for "
@@ -334,11 +396,22 @@ class PostgresBackend:
     def transaction(self) -> Iterator[Tx]:
         import psycopg
 
+        def begin(c: Any) -> Any:
+            # a session the server ended while idle (a restart) fails here, where nothing
+            # was sent yet: _retrying opens a new one and begins again
+            c.execute("BEGIN")
+            return c
+
         with self._lock:
-            conn = self._retrying(lambda c: c)
+            conn = self._retrying(begin)
             try:
-                with conn.transaction(), conn.cursor() as cur:
-                    yield _PgTx(cur)
+                with conn.cursor() as cur:
+                    try:
+                        yield _PgTx(cur)
+                    except BaseException:
+                        conn.execute("ROLLBACK")
+                        raise
+                conn.execute("COMMIT")
             except psycopg.OperationalError as exc:
                 # the commit may not have reached the server: whatever depends on it fails
                 if not conn.closed:
