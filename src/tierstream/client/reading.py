@@ -69,7 +69,8 @@ class TopicReader:
         self._readers: list[Any] = []
         self._cancel = Cancel()
         try:
-            with Admin(self._client.url, auth_token=auth_token,
+            # the whole list: the first broker named may be the one that is down
+            with Admin(self._client.broker, auth_token=auth_token,
                        tls_ca=self._client.tls_ca) as admin:
                 count = admin.get_topic(name).partitions
                 if partition is not None and not 0 <= partition < count:
