@@ -218,3 +218,57 @@ def test_a_standby_rides_out_postgresql_restarts_and_then_takes_over(tmp_path) -
         for bookie in bookies:
             bookie.kill()
         server.stop()
+
+
+def test_two_bookies_down_are_told_once_not_at_every_retry(network_store) -> None:
+    """Regression: with two of three bookies down, a producer's every retry sealed the
+    same segment again (a metadata write, and 'sealed without 2 of its bookies' ~140 times
+    a second); now the partition waits for bookies without touching the sealed segment,
+    each bookie's outage is one line, and its end one line with what it missed."""
+    import threading
+
+    from tierstream.client import Producer
+
+    _, bookies, broker = network_store
+    serving = broker("broker-a").start()
+    with Admin(serving.url) as admin:
+        admin.create_topic(TOPIC, 1)
+    acked = [0]
+    stop = threading.Event()
+
+    def produce() -> None:
+        with Producer(TOPIC, broker=serving.url, name="patient", batch_size=20,
+                      send_timeout=scaled(120)) as producer:
+            while not stop.is_set():
+                producer.send_many({"key": "k0", "value": b"k0:0"} for _ in range(20))
+                acked[0] += 20
+
+    writer = threading.Thread(target=produce, daemon=True)
+    writer.start()
+    try:
+        wait_for(lambda: acked[0] >= 200, what="acks")
+        bookies[1].kill()
+        bookies[2].kill()
+        with Admin(serving.url) as admin:
+            wait_for(lambda: not any(admin.stats()["bookies"][f"bookie-{i}"]["available"]
+                                     for i in (1, 2)), what="both bookies taken for gone")
+        time.sleep(scaled(3))  # a window of retries to count lines in, not a wait on a state
+        stalled = acked[0]
+        bookies[1].restart()
+        bookies[2].restart()
+        wait_for(lambda: acked[0] >= stalled + 200, timeout=scaled(120),
+                 what="acks after the bookies came back")
+        with Admin(serving.url) as admin:
+            wait_for(lambda: all(b["available"] for b in admin.stats()["bookies"].values()),
+                     timeout=scaled(60), what="both bookies to answer again")
+    finally:
+        stop.set()
+        writer.join(timeout=scaled(120))
+    said = "".join(serving.stderr_tail)
+    lines = said.splitlines()
+    assert sum("sealed without" in line for line in lines) <= 2, said[-3000:]
+    gone = [line for line in lines
+            if "tierstream.bookie.remote: bookie" in line and "is unavailable:" in line]
+    assert len(gone) <= 2 and said.count("answers again") == 2, said[-3000:]
+    # and nothing told at every pass of the repair or every retry of the producer
+    assert len(lines) < 40, said[-3000:]

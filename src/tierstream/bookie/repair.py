@@ -65,6 +65,7 @@ class Repairer:
         self._listed = 0  # segments on the metadata's list at the last pass
         self._copies: dict[int, int] = {}  # segments with fewer than two whole copies: how many
         self._told: dict[int, int] = {}  # the copies last logged for a segment (logged once)
+        self._waits: dict[int, str] = {}  # why a segment's repair waits, as last logged
         self._answered: dict[str, bool] = {}  # whether each bookie answered at the last pass
         self._next_audit = 0.0  # monotonic: the first pass audits
         self.last_audit: dict[str, Any] | None = None
@@ -97,9 +98,10 @@ class Repairer:
             try:
                 done = self._repair(segment_id)
             except TierstreamError as exc:  # a bookie went away meanwhile: next pass
-                log.info("re-replication of segment %d waits: %s", segment_id, exc)
+                self._tell_wait(segment_id, str(exc))
                 continue
             if done:
+                self._waits.pop(segment_id, None)
                 with self._lock:
                     self._listed -= 1
                     self._copies.pop(segment_id, None)
@@ -145,6 +147,12 @@ class Repairer:
                                "seconds": round(time.monotonic() - started, 3)}
         self._tell_copies(copies, segments)
         return dict(self.last_audit)
+
+    def _tell_wait(self, segment_id: int, why: str) -> None:
+        """Say why a segment's repair waits, once per reason (not at every pass)."""
+        if self._waits.get(segment_id) != why:
+            self._waits[segment_id] = why
+            log.info("re-replication of segment %d waits: %s", segment_id, why)
 
     def _tell_copies(self, copies: dict[int, int], segments: list[SegmentRecord]) -> None:
         """Log a segment left with one whole copy (a warning) or none (an error), once per

@@ -89,6 +89,9 @@ class OpenSegment:
     next_entry: int = 0
     in_flight: dict[int, InFlight] = field(default_factory=dict)
     failed: bool = False
+    #: sealed in the metadata, and no next segment could be opened yet (too few bookies
+    #: answered): appends try to open one first, and nothing seals this one again
+    sealed: bool = False
     messages: int = 0
     bytes: int = 0
     min_pt: int | None = None

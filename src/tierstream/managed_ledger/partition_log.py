@@ -178,6 +178,7 @@ class PartitionLog(PartitionRollover):
                 raise StaleRoutingError(
                     f"topic {self.topic!r} now has {self.routing} partitions: a batch routed "
                     f"by {routed} is not stored; route it again", partitions=self.routing)
+            self._reopen_if_sealed()
             self._roll_if_due(now_ms())
             self._roll_if_full()
             self.appended += batch.num_rows
@@ -373,7 +374,7 @@ class PartitionLog(PartitionRollover):
     def flush_stats(self) -> None:
         """Write the open segment's live stats to the metadata store (planners read them)."""
         with self._lock:
-            if not self._stats_dirty:
+            if not self._stats_dirty or self._open.sealed:
                 return
             seg = self._open
             self._metadata.update_segment_stats(seg.record.with_stats(

@@ -57,9 +57,16 @@ class PartitionRollover(PartitionVisibility):
             self._bookies[b].create_ledger(record.segment_id)
         return OpenSegment(record)
 
+    def _reopen_if_sealed(self) -> None:
+        """The open segment was sealed but no next one could be opened (too few bookies):
+        open it now, or raise UnavailableError again at once. Lock held."""
+        if self._open.sealed:
+            self._open = self._new_open_segment()
+            self._changed.notify_all()
+
     def _roll_if_due(self, now: int) -> None:
         seg = self._open
-        if self._held:
+        if self._held or seg.sealed:
             return  # a commit is being applied; the segment rolls after it
         if seg.records and now - seg.record.created_at >= self._rollover_ms:
             self._roll()
@@ -69,7 +76,7 @@ class PartitionRollover(PartitionVisibility):
         in flight (submitted back to back, they are not confirmed yet): the roll confirms
         them first."""
         seg = self._open
-        if self._held or not seg.in_flight:
+        if self._held or not seg.in_flight or seg.sealed:
             return
         if seg.next_entry >= self._max_entries or seg.bytes + sum(
                 f.size for f in seg.in_flight.values()) >= self._max_bytes:
@@ -103,6 +110,10 @@ class PartitionRollover(PartitionVisibility):
 
     def _roll(self, *, reopen: bool = True) -> None:
         seg = self._open
+        if seg.sealed:  # sealed already: only the next segment is missing
+            if reopen:
+                self._reopen_if_sealed()
+            return
         wait_futures([f for p in seg.in_flight.values() for f in p.futures])
         self._advance(seg, roll_on_failure=False)
         for cut in seg.in_flight.values():  # not confirmed: after a failed write
@@ -155,6 +166,7 @@ class PartitionRollover(PartitionVisibility):
         ended = [t for t, p in self._txns.items() if p.state != "pending"]
         for txn_id in ended[:max(0, len(ended) - _ENDED_KEPT)]:
             del self._txns[txn_id]
+        seg.sealed = True  # if no next one can be opened now, appends try again: no reseal
         if reopen:
             self._open = self._new_open_segment()
         self._changed.notify_all()

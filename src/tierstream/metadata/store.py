@@ -231,9 +231,10 @@ class MetadataStore:
             return _insert_segments(c, topic, partitions, created_at)
 
     def update_segment_stats(self, record: SegmentRecord) -> None:
-        """Write entries/messages/bytes/min/max/state/sealed_at of ``record``."""
+        """Write an open segment's live entries/messages/bytes/min/max; never to a sealed
+        one (its final record is the seal's)."""
         with self.atomic() as c:
-            _update_stats(c, record)
+            _update_stats(c, record, only_open=True)
 
     def seal_segment(self, record: SegmentRecord, dedup: Mapping[str, tuple[int, Any]],
                      set_aside: Mapping[str, list[list[Any]]] | None = None) -> None:
@@ -473,10 +474,11 @@ def _insert_segments(c: Tx, topic: str, partitions: list[tuple[int, tuple[str, .
     return out
 
 
-def _update_stats(c: Tx, record: SegmentRecord) -> None:
+def _update_stats(c: Tx, record: SegmentRecord, *, only_open: bool = False) -> None:
     c.execute(
         "UPDATE segments SET state=?, entries=?, messages=?, bytes=?, min_publish_time=?, "
-        "max_publish_time=?, sealed_at=?, skipped=? WHERE segment_id=?",
+        "max_publish_time=?, sealed_at=?, skipped=? WHERE segment_id=?"
+        + (" AND state='OPEN'" if only_open else ""),
         (record.state, record.entries, record.messages, record.bytes, record.min_publish_time,
          record.max_publish_time, record.sealed_at,
          json.dumps([list(r) for r in record.skipped]) if record.skipped else None,
