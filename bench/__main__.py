@@ -50,6 +50,9 @@ BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
                       "endpoint beside local files; key-range wire amplification"),
     "remote-write": (remote_write_bench.remote_write, "produce msg/s with 3 network bookies "
                      "(wq3/aq2, processes) beside 3 local bookie directories, same run"),
+    "re-replication": (remote_write_bench.re_replication, "MB/s (and s per GB) until a lost "
+                       "bookie's copies are whole again (3 network bookies, --replace) beside "
+                       "an fsync'd copy of the same files"),
     "offload": (tier_bench.offload, "offload MB/s to file:// and moto S3 beside a plain "
                                     "Parquet write; Parquet vs bookie bytes"),
     "catalog": (tier_bench.catalog, "ms to register one more tier file in Iceberg, early and "

@@ -13,6 +13,7 @@ hosts would not. Bookies on other hosts add their round trip to each group commi
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -91,3 +92,91 @@ def _produce(data: Path, args: list[str], topic: str, messages: int) -> float:
             return messages / (time.perf_counter() - start)
     finally:
         broker.kill()
+
+
+def re_replication(quick: bool = True) -> Path:
+    """``python -m bench re-replication``: how long a lost bookie's copies take to be whole
+    again. Three network bookies (processes, fsync, wq3/aq2) hold ``size`` MB; one is SIGKILLed,
+    its disk emptied, and started with ``--replace``; the figure is MB/s from that start until
+    the broker reports nothing under-replicated and every copy whole, beside the baseline of
+    copying the same ledger files on the same disk with fsync (the floor of any copy)."""
+    import shutil
+
+    from tests.network_store import BookieProcess
+    from tests.postgres import PostgresServer
+
+    size_mb, rounds = (128, 2) if quick else (1024, 3)
+    value = b"y" * 10_000  # 10 kB messages, 100 per entry: ~1 MB entries
+    runs: list[float] = []
+    baseline: list[float] = []
+    server = PostgresServer(fsync=True)
+    bookies: list[Any] = []
+    try:
+        for r in range(rounds):
+            with tempfile.TemporaryDirectory() as tmp:
+                url = server.new_database()
+                bookies = [BookieProcess(Path(tmp) / f"bookie-{i}", url,
+                                         host_label=f"host-{i}", fsync=True).start()
+                           for i in range(3)]
+                broker = BrokerProcess(Path(tmp) / "broker", args=[
+                    "--metadata", url, "--network-bookies", "--write-quorum", "3",
+                    "--ack-quorum", "2", "--max-segment-bytes", "64MB"]).start(timeout=120)
+                try:
+                    topic = f"bench/repair/r{r}"
+                    with Admin(broker.url) as admin:
+                        admin.create_topic(topic, 4)
+                    with Producer(topic, broker=broker.url, batch_size=100) as producer:
+                        producer.send_many({"value": value, "key": f"k{i % 64}"}
+                                           for i in range(size_mb * 100))
+                        producer.flush()
+                    with Admin(broker.url) as admin:
+                        admin.seal(topic)
+                    held = _bytes(bookies[1].data_dir)
+                    start = time.perf_counter()  # the floor: the same files copied, fsync'd
+                    _copy_synced(bookies[1].data_dir / "ledgers", Path(tmp) / "copy")
+                    baseline.append(held / 1e6 / (time.perf_counter() - start))
+                    shutil.rmtree(Path(tmp) / "copy")
+                    bookies[1].wipe()
+                    start = time.perf_counter()
+                    bookies[1].start("--replace")
+                    with Admin(broker.url) as admin:
+                        while admin.stats()["replication"]["under_replicated"]:
+                            time.sleep(0.05)  # polling the figure being measured
+                    seconds = time.perf_counter() - start
+                    runs.append(held / 1e6 / seconds)
+                    console.print(f"round {r + 1}: {held / 1e6:,.0f} MB whole again in "
+                                  f"{seconds:.1f} s ({runs[-1]:,.1f} MB/s; a plain copy "
+                                  f"{baseline[-1]:,.1f} MB/s)")
+                finally:
+                    broker.kill()
+                    for b in bookies:
+                        b.kill()
+    finally:
+        server.stop()
+    figures = [Figure("re-replication of a lost bookie's copies", "MB/s", runs,
+                      "copying the same ledger files with fsync", baseline)]
+    seconds_per_gb = 1000 / statistics.median(runs)
+    console.print(f"time to full replication: {seconds_per_gb:,.0f} s per GB")
+    return report("re-replication", figures, {"size_mb": size_mb, "rounds": rounds,
+                                              "entry_bytes": len(value) * 100},
+                  {"seconds_per_gb": seconds_per_gb})
+
+
+def _bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def _copy_synced(src: Path, dst: Path) -> None:
+    import os
+    import shutil
+
+    for path in src.rglob("*"):
+        if path.is_file():
+            target = dst / path.relative_to(src)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
+            fd = os.open(target, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)

@@ -1,10 +1,23 @@
 """``python -m tests.store.network_chaos [--faults N]``: the long version of
 ``test_network_hosts.py`` (``make chaos``): a store on five network namespaces (three bookie
 hosts, two broker hosts, PostgreSQL on the bridge) under a named producer, with N faults
-drawn at random: a bookie SIGKILLed and restarted, a bookie host cut off and mended, the
-serving broker SIGKILLed and the other host's broker started. After each fault the producer
-must get more acknowledgements; at the end every acknowledged message is read once, in
-per-key order, through the broker.
+drawn at random:
+
+- ``bookie-kill``: a bookie SIGKILLed and restarted;
+- ``bookie-cut``: a bookie host cut off and mended;
+- ``bookie-wipe``: a bookie SIGKILLed, its disk lost, and started on an empty one with
+  ``--replace`` (first the broker must have re-replicated what earlier faults left short:
+  the time between faults is at least the repair time, which is measured and printed);
+- ``broker-kill``: the serving broker SIGKILLed and a broker started on the other host;
+- ``broker-hang``: the serving broker SIGSTOPped, a standby on the other host takes over,
+  and the old one, continued, finds itself fenced and stops;
+- ``postgres-restart``: PostgreSQL stopped for a moment and started again.
+
+After each fault the producer must get more acknowledgements; at the end every acknowledged
+message is read once, in per-key order, through the broker, and the broker's replication
+stats match the bookies' disks: nothing listed, every closed segment whole on each bookie of
+its ensemble. ``--sequence`` replays a fixed list of faults instead (issue 47's:
+``bookie-cut,broker-hang,bookie-wipe,bookie-wipe``).
 """
 
 from __future__ import annotations
@@ -12,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -24,18 +38,32 @@ from tierstream.client import Admin
 from ..network_store import BookieProcess, Hosts, broker_args, network_namespaces_unavailable
 from ..postgres import PostgresServer
 from ..timing import scaled
+from .helpers import wait_for
 from .test_network_bookies import TOPIC, _read, _Writer, check_exactly_once_in_order
 
 BOOKIE_PORT, BROKER_PORT, TOKEN = 3181, 6651, "network-chaos-token"
 
 
-def run(faults: int, seed: int) -> dict[str, Any]:
+KINDS = ("bookie-kill", "bookie-cut", "bookie-wipe", "broker-kill", "broker-hang",
+         "postgres-restart")
+
+
+def run(faults: int, seed: int, sequence: list[str] | None = None, *,
+        between: int = 300) -> dict[str, Any]:
+    """``faults`` drawn at random (or ``sequence``), ``between`` more acknowledgements after
+    each."""
     why = network_namespaces_unavailable()
     if why is not None:
         raise SystemExit(f"network chaos needs network namespaces: {why}")
+    for kind in sequence or []:
+        if kind not in KINDS:
+            raise SystemExit(f"unknown fault {kind!r}: expected one of {', '.join(KINDS)}")
     os.environ["TIERSTREAM_AUTH_TOKEN"] = TOKEN
     rng = random.Random(seed)
-    counts = {"bookie-kill": 0, "bookie-cut": 0, "broker-kill": 0}
+    counts = dict.fromkeys(KINDS, 0)
+    repairs: list[float] = []  # seconds from a wipe to nothing left to re-replicate
+    plan = list(sequence) if sequence is not None else [rng.choice(KINDS)
+                                                         for _ in range(faults)]
     started = time.monotonic()
     names = ["bookie-0", "bookie-1", "bookie-2", "broker-a", "broker-b"]
     with Hosts(names) as hosts, tempfile.TemporaryDirectory() as tmp:
@@ -49,14 +77,14 @@ def run(faults: int, seed: int) -> dict[str, Any]:
             procs += bookies
             run_no = [0]
 
-            def broker(name: str) -> BrokerProcess:
+            def broker(name: str, *extra: str) -> BrokerProcess:
                 run_no[0] += 1
                 proc = BrokerProcess(Path(tmp) / f"{name}-{run_no[0]}", host=hosts.address(name),
-                                     port=BROKER_PORT, args=broker_args(url),
+                                     port=BROKER_PORT, args=broker_args(url, *extra),
                                      prefix=["ip", "netns", "exec", hosts.ns(name)])
                 procs.append(proc)
                 began = time.monotonic()
-                proc.start(timeout=scaled(120))
+                proc.start(timeout=scaled(180))
                 print(f"broker on {name} serving after {time.monotonic() - began:.1f} s",
                       flush=True)
                 return proc
@@ -69,27 +97,69 @@ def run(faults: int, seed: int) -> dict[str, Any]:
                                  for n in ("broker-a", "broker-b"))
             writer = _Writer(addresses)
             faults_done = [0]
+
+            def replication() -> dict[str, Any]:
+                with Admin(current.url) as admin:
+                    return admin.stats()["replication"]  # type: ignore[no-any-return]
+
+            def taken_for_gone(name: str) -> bool:
+                with Admin(current.url) as admin:
+                    return admin.stats()["bookies"][name]["available"] is False
+
+            def repaired(what: str) -> float:
+                began = time.monotonic()
+                wait_for(lambda: replication()["under_replicated"] == 0,
+                         timeout=scaled(300), what=what)
+                return time.monotonic() - began
+
             try:
                 writer.wait_for_more(500)
-                for n in range(faults):
-                    kind = rng.choice(list(counts))
+                for n, kind in enumerate(plan):
                     counts[kind] += 1
                     if kind == "bookie-kill":
                         victim = rng.choice(bookies)
                         victim.kill()
-                        writer.wait_for_more(300)
+                        writer.wait_for_more(between)
                         victim.restart()
                     elif kind == "bookie-cut":
                         name = f"bookie-{rng.randrange(3)}"
                         hosts.cut(name)
-                        writer.wait_for_more(300)
+                        # past --bookie-timeout: the broker takes it for gone, writes on
+                        writer.wait_for_more(between)
+                        wait_for(lambda n=name: taken_for_gone(n), timeout=scaled(60),
+                                 what=f"{name} to be taken for gone")
+                        writer.wait_for_more(between)
                         hosts.mend(name)
-                    else:
+                    elif kind == "bookie-wipe":
+                        # the time between faults is at least the repair time
+                        waited = repaired("what earlier faults left short to be repaired")
+                        victim = rng.choice(bookies)
+                        victim.wipe()
+                        victim.start("--replace")
+                        repairs.append(repaired(f"what {victim.data_dir.name}'s lost disk "
+                                                "held to be re-replicated"))
+                        print(f"  waited {waited:.1f} s for earlier repairs; the wiped disk's "
+                              f"copies were whole again after {repairs[-1]:.1f} s", flush=True)
+                    elif kind == "broker-kill":
                         current.kill()
                         serving, spare = spare, serving
                         current = broker(serving)
-                    writer.wait_for_more(300)
-                    print(f"fault {n + 1}/{faults}: {kind}; {writer.acked:,} acknowledged",
+                    elif kind == "broker-hang":
+                        hung = current
+                        assert hung.proc is not None
+                        hung.proc.send_signal(signal.SIGSTOP)
+                        serving, spare = spare, serving
+                        current = broker(serving, "--standby", "--takeover-after",
+                                         f"{scaled(3):g}s")
+                        hung.proc.send_signal(signal.SIGCONT)  # it finds itself fenced
+                        if hung.proc.wait(timeout=scaled(120)) == 0:
+                            raise AssertionError("a broker taken over exited 0")
+                    else:
+                        server.halt()
+                        time.sleep(rng.uniform(0.1, 2.0))  # how long the server is away
+                        server.resume()
+                    writer.wait_for_more(between)
+                    print(f"fault {n + 1}/{len(plan)}: {kind}; {writer.acked:,} acknowledged",
                           flush=True)
                     faults_done[0] = n + 1
             finally:
@@ -98,25 +168,51 @@ def run(faults: int, seed: int) -> dict[str, Any]:
                 except AssertionError:
                     print("serving broker said:", "".join(list(current.stderr_tail)[-30:]))
                     raise
+            repaired("every segment to be whole again at the end")
+            _check_disks(current.url, bookies)
             values = _read(f"grpc://{hosts.address(serving)}:{BROKER_PORT}")
             check_exactly_once_in_order(values, acked)
         finally:
             for proc in procs:
                 proc.kill()
             server.stop()
-    return {"faults": faults, **counts, "acknowledged": acked, "read": len(values),
+    return {"faults": len(plan), **counts, "acknowledged": acked, "read": len(values),
+            "repair_seconds": [round(r, 1) for r in repairs],
             "seconds": round(time.monotonic() - started)}
+
+
+def _check_disks(url: str, bookies: list[BookieProcess]) -> None:
+    """The stats match the bookies' disks: nothing listed, and every closed segment whole
+    on each bookie of its ensemble (its index holds the segment's entries)."""
+    from tierstream.bookie.remote import RemoteBookie
+
+    with Admin(url) as admin:
+        assert admin.stats()["replication"]["under_replicated"] == 0
+        closed = [s for s in admin.list_segments(TOPIC) if s.state == "CLOSED"]
+    clients = {f"bookie-{i}": RemoteBookie(f"bookie-{i}", str(b.url), host="-", epoch=0,
+                                           auth_token=TOKEN) for i, b in enumerate(bookies)}
+    try:
+        held = {b: c.ledger_entries() for b, c in clients.items()}
+        short = [(s.segment_id, b) for s in closed for b in s.ensemble
+                 if held[b].get(s.segment_id, 0) < s.entries]
+        assert not short, f"copies short or missing though the stats say none: {short}"
+    finally:
+        for c in clients.values():
+            c.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.store.network_chaos")
     parser.add_argument("--faults", type=int, default=100)
     parser.add_argument("--seed", type=int, default=20261126)
+    parser.add_argument("--sequence", help="comma-separated faults to replay instead: "
+                        + ", ".join(KINDS))
     args = parser.parse_args(argv)
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    outcome = run(args.faults, args.seed)
+    outcome = run(args.faults, args.seed,
+                  args.sequence.split(",") if args.sequence else None)
     print(f"network chaos passed: {outcome}")
     return 0
 

@@ -278,3 +278,20 @@ def test_postgresql_stopped_under_load_holds_acks_until_it_returns(start_broker)
             admin.create_topic("acme/pg/late", 1)
     finally:
         server.stop()
+
+
+def test_processes_opening_a_new_database_at_once_create_its_tables_once(postgres) -> None:
+    """Regression: three ``bookie serve`` started together on a new database raced creating
+    its tables, and one exited with ``unexpected UniqueViolation`` (2 of 3 tries): creation
+    is now serialised under an advisory lock."""
+    import subprocess
+    import sys
+
+    for _ in range(3):
+        url = postgres.new_database()
+        opener = ("from tierstream.metadata.store import MetadataStore; "
+                  f"MetadataStore({url!r}, hold=False).close()")
+        procs = [subprocess.Popen([sys.executable, "-c", opener], stderr=subprocess.PIPE,
+                                  text=True) for _ in range(4)]
+        errors = [p.communicate(timeout=scaled(60))[1] for p in procs]
+        assert all(p.returncode == 0 for p in procs), errors

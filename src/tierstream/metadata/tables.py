@@ -149,9 +149,17 @@ def ddl(dialect: str) -> list[str]:
     return [stmt.strip() for stmt in text.split(";") if stmt.strip()]
 
 
+#: PostgreSQL: the transaction-scoped advisory lock that creates and migrates the tables, so
+#: processes starting together on a new database (three ``bookie serve`` and a broker) do it
+#: one at a time: CREATE TABLE IF NOT EXISTS is not safe against a concurrent twin
+SCHEMA_LOCK_KEY = 0x7469_6572_7363  # "tiersc"
+
+
 def create_and_migrate(c: Tx, backend: Backend) -> None:
     """Create what is missing and migrate an older store to :data:`SCHEMA_VERSION` (inside
-    the caller's transaction)."""
+    the caller's transaction; on PostgreSQL under :data:`SCHEMA_LOCK_KEY`)."""
+    if backend.dialect == "postgresql":
+        c.execute("SELECT pg_advisory_xact_lock(?)", (SCHEMA_LOCK_KEY,))
     for stmt in ddl(backend.dialect):
         c.execute(stmt)
     c.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?) "
