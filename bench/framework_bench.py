@@ -38,7 +38,7 @@ def _synthetic_metadata(path: Path, partitions: int, segments: int) -> None:
     span = WEEK // segments
     rows = [(TOPIC, p, "CLOSED", 100, 100_000, 1 << 24, T0 + s * span, T0 + (s + 1) * span - 1,
              0, 0, '["bookie-0"]') for p in range(partitions) for s in range(segments)]
-    with meta._tx() as c:
+    with meta.atomic() as c:
         c.executemany(
             "INSERT INTO segments (topic, partition, state, entries, messages, bytes, "
             "min_publish_time, max_publish_time, created_at, sealed_at, ensemble) "

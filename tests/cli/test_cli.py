@@ -842,3 +842,13 @@ def test_tables_fit_an_80_column_terminal(broker: BrokerProcess) -> None:
         assert table and all(len(ln) <= 80 for ln in table), text
         assert "…" not in text and "hidden at this width:" in text, text
         assert "billing" in text if command[0] == "subscriptions" else "OPEN" in text
+
+
+def test_help_shows_the_defaults_its_text_names() -> None:
+    """Regression: a default written in a help text as ``[default: ...]`` was taken for
+    rich markup and vanished, leaving ``(0: off) .``; and --broker said only "Broker URL"."""
+    shown = run("broker", "start", "--help", env={"COLUMNS": "200"}).stdout
+    assert "[default: 8080" in shown and "[default: 6652]" in shown, shown
+    assert not re.search(r"\S \.(\s|$)", shown), shown  # a sentence's end left alone
+    listed = run("consume", "--help", env={"COLUMNS": "200"}).stdout
+    assert "comma-separated" in listed, listed

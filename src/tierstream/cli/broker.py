@@ -46,7 +46,7 @@ def broker_start(
              "other hosts read them directly.")] = True,
     advertised_address: Annotated[str | None, typer.Option(
         help="Host that readers on other machines reach the bookie endpoints at "
-             "[default: --host].")] = None,
+             "\\[default: --host].")] = None,
     bookie_port_base: Annotated[int, typer.Option(
         help="Bookie i's endpoint listens on this port + i (0: any free port, chosen at each "
              "start).")] = 0,
@@ -56,17 +56,17 @@ def broker_start(
         = DEFAULT_PULSAR_PORT,
     pulsar_tls_port: Annotated[int | None, typer.Option(
         help="With --tls-cert: serve Pulsar clients here over TLS (pulsar+ssl://HOST:PORT; "
-             f"0: off) [default: {DEFAULT_PULSAR_TLS_PORT}].", show_default=False)] = None,
+             f"0: off) \\[default: {DEFAULT_PULSAR_TLS_PORT}].", show_default=False)] = None,
     allow_auto_topic_creation: Annotated[bool, typer.Option(
         help="Create a topic (one partition) that a Pulsar client names and that does not "
              "exist, as Pulsar's broker does by default.")] = True,
     admin_port: Annotated[int | None, typer.Option(
         help="Serve the Pulsar admin REST subset (/admin/v2: create, grow and delete topics, "
-             "stats, subscriptions) here, for curl and Pulsar tooling (0: off) [default: "
+             "stats, subscriptions) here, for curl and Pulsar tooling (0: off) \\[default: "
              f"{DEFAULT_ADMIN_PORT}; {DEFAULT_ADMIN_TLS_PORT}, as HTTPS, with --tls-cert].",
         show_default=False)] = None,
     metrics_port: Annotated[int | None, typer.Option(
-        help="Serve Prometheus metrics on this port (0: any free port) [default: off].",
+        help="Serve Prometheus metrics on this port (0: any free port) \\[default: off].",
         show_default=False)] = None,
     metrics_host: Annotated[str, typer.Option(
         help="Address the metrics are served on (loopback by default; they are served "
@@ -113,7 +113,7 @@ def broker_start(
     metadata: Annotated[str | None, typer.Option(
         envvar="TIERSTREAM_METADATA", show_envvar=False,
         help="Keep the metadata on PostgreSQL: postgresql://user[:password]@host[:port]/db "
-             "(env TIERSTREAM_METADATA) [default: SQLite in the data directory].",
+             "(env TIERSTREAM_METADATA) \\[default: SQLite in the data directory].",
         show_default=False)] = None,
     network_bookies: Annotated[bool, typer.Option(
         "--network-bookies", help="Write to the bookies registered in the metadata store "
@@ -127,7 +127,7 @@ def broker_start(
              "takes over.")] = "10s",
     bookie_tls_ca: Annotated[str | None, typer.Option(
         help="PEM file of the CA that signed the network bookies' certificates (they serve "
-             "grpc+tls://) [default: the system's].")] = None,
+             "grpc+tls://) \\[default: the system's].")] = None,
     bookie_timeout: Annotated[str, typer.Option(
         help="A network bookie that leaves an entry unanswered this long is taken for gone: "
              "the entry's ack quorum is decided by the others.")] = "10s",
@@ -195,10 +195,10 @@ def bookie_serve(
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default).")]
         = "127.0.0.1",
     bookie_id: Annotated[str | None, typer.Option(
-        help="The bookie's id [default: the directory's name].")] = None,
+        help="The bookie's id \\[default: the directory's name].")] = None,
     advertised_address: Annotated[str | None, typer.Option(
         help="Address readers and brokers reach this endpoint at: host, host:port or URL "
-             "[default: the bound one].")] = None,
+             "\\[default: the bound one].")] = None,
     metadata: Annotated[str | None, typer.Option(
         envvar="TIERSTREAM_METADATA", show_envvar=False,
         help="Take writes, as a network bookie registered in this metadata store "
@@ -206,7 +206,7 @@ def bookie_serve(
              "(env TIERSTREAM_METADATA).", show_default=False)] = None,
     host_label: Annotated[str | None, typer.Option(
         help="The machine (or rack) this bookie runs on: a segment's copies go to distinct "
-             "ones [default: the advertised address's host].")] = None,
+             "ones \\[default: the advertised address's host].")] = None,
     fsync: Annotated[bool, typer.Option(help="fsync every group of writes before "
                                         "acknowledging it.")] = True,
     replace: Annotated[bool, typer.Option(

@@ -44,7 +44,8 @@ app = typer.Typer(
 )
 broker_app = typer.Typer(help="Run the embedded broker.", no_args_is_help=True)
 topic_app = typer.Typer(help="Create, list, change and delete topics.", no_args_is_help=True)
-bookie_app = typer.Typer(help="Serve a bookie's ledgers to readers on other hosts.",
+bookie_app = typer.Typer(help="Serve a bookie: its ledgers to readers on other hosts, and "
+                              "with --metadata, writes from brokers (a network bookie).",
                          no_args_is_help=True)
 schema_app = typer.Typer(help="Topic schemas: versions, compatibility, checks.",
                          no_args_is_help=True)
@@ -58,12 +59,14 @@ out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, soft_wrap=True)
 
 BrokerOpt = Annotated[str, typer.Option(
-    "--broker", envvar="TIERSTREAM_BROKER", help="Broker URL.", show_default=True)]
+    "--broker", envvar="TIERSTREAM_BROKER",
+    help="Broker URL, grpc://HOST:PORT (grpc+tls:// with TLS); several, comma-separated, are "
+         "tried in turn until one answers.", show_default=True)]
 DataDirOpt = Annotated[Path, typer.Option(
     "--data-dir", envvar="TIERSTREAM_HOME", help="Data directory of the embedded store.")]
 TokenOpt = Annotated[str | None, typer.Option(
     "--auth-token", envvar="TIERSTREAM_AUTH_TOKEN", show_envvar=True,
-    help="Bearer token (required when the broker binds a non-loopback address).")]
+    help="Bearer token (required when a broker or bookie binds a non-loopback address).")]
 
 TlsCertOpt = Annotated[str | None, typer.Option(
     "--tls-cert", help="PEM certificate: serve grpc+tls:// (with --tls-key).")]

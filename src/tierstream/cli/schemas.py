@@ -60,7 +60,7 @@ def schema_set(
 @schema_app.command("get")
 def schema_get(
     topic: Annotated[str, typer.Argument(help="tenant/namespace/topic")],
-    version: Annotated[int | None, typer.Option(help="A version [default: the latest].")]
+    version: Annotated[int | None, typer.Option(help="A version \\[default: the latest].")]
         = None,
     broker: BrokerOpt = DEFAULT_BROKER_URL,
     tls_ca: TlsCaOpt = None,

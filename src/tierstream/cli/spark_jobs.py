@@ -45,9 +45,9 @@ def backfill(
         "--format", help="parquet (files in --out) or iceberg (a table at --out).")]
         = "parquet",
     table: Annotated[str | None, typer.Option(
-        help="Iceberg table name, namespace.name [default: backfill.<topic>].")] = None,
+        help="Iceberg table name, namespace.name \\[default: backfill.<topic>].")] = None,
     catalog_uri: Annotated[str | None, typer.Option(
-        help="Iceberg catalog (SQLAlchemy URI) [default: sqlite in --out/catalog.db].")]
+        help="Iceberg catalog (SQLAlchemy URI) \\[default: sqlite in --out/catalog.db].")]
         = None,
     key_ranges: KeyRangesOpt = 1,
     max_split_bytes: SplitBytesOpt = None,
@@ -133,9 +133,9 @@ def tail_cmd(
         "--format", help="parquet (Spark's file sink) or iceberg (one table commit per "
                          "micro-batch, idempotent by batch id).")] = "parquet",
     table: Annotated[str | None, typer.Option(
-        help="Iceberg table name, namespace.name [default: tail.<topic>].")] = None,
+        help="Iceberg table name, namespace.name \\[default: tail.<topic>].")] = None,
     catalog_uri: Annotated[str | None, typer.Option(
-        help="Iceberg catalog (SQLAlchemy URI) [default: sqlite in --out/catalog.db].")]
+        help="Iceberg catalog (SQLAlchemy URI) \\[default: sqlite in --out/catalog.db].")]
         = None,
     from_: FromOpt = "latest",
     available_now: Annotated[bool, typer.Option(
@@ -144,7 +144,7 @@ def tail_cmd(
     max_records_per_trigger: Annotated[int | None, typer.Option(
         help="At most this many messages per micro-batch.")] = None,
     subscription: Annotated[str | None, typer.Option(
-        help="Durable cursor the stream advances [default: derived from --checkpoint, so "
+        help="Durable cursor the stream advances \\[default: derived from --checkpoint, so "
              "each query has its own].")] = None,
     key_ranges: KeyRangesOpt = 1,
     data_dir: DataDirOpt = Path(DEFAULT_DATA_DIR),

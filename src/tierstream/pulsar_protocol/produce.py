@@ -133,7 +133,7 @@ class ProducePath:
         feature = refused_feature(send, metadata)
         if feature is not None:
             self.refuse(send, api.ChecksumError,
-                         f"{feature} are not supported by this tierstream broker: "
+                         f"{feature}: not supported by this tierstream broker; "
                              "nothing was stored")
             return
         topic, partition, name, count = (producer.topic, producer.partition, producer.name,
