@@ -46,7 +46,8 @@ def remote_write(quick: bool = True) -> Path:
                     db = server.new_database()  # a fresh store per run, on the same server
                     if kind == "network":  # the running bookies, registered there too
                         _register(db, bookies)
-                        args = ["--metadata", db, "--network-bookies", *quorum]
+                        args = ["--metadata", db, "--network-bookies", *quorum,
+                                "--tier-url", str(Path(tmp) / f"tier-{r}"), "--tier-shared"]
                     else:
                         args = ["--metadata", db, "--bookies", "3", *quorum]
                     rate = _produce(data, args, f"bench/remote/r{r}", messages)
@@ -120,7 +121,8 @@ def re_replication(quick: bool = True) -> Path:
                            for i in range(3)]
                 broker = BrokerProcess(Path(tmp) / "broker", args=[
                     "--metadata", url, "--network-bookies", "--write-quorum", "3",
-                    "--ack-quorum", "2", "--max-segment-bytes", "64MB"]).start(timeout=120)
+                    "--ack-quorum", "2", "--max-segment-bytes", "64MB", "--tier-url",
+                    str(Path(tmp) / "tier"), "--tier-shared"]).start(timeout=120)
                 try:
                     topic = f"bench/repair/r{r}"
                     with Admin(broker.url) as admin:

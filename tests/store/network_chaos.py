@@ -95,7 +95,9 @@ def run(faults: int, seed: int, sequence: list[str] | None = None, *,
                 admin.create_topic(TOPIC, 2)
             addresses = ",".join(f"grpc://{hosts.address(n)}:{BROKER_PORT}"
                                  for n in ("broker-a", "broker-b"))
-            writer = _Writer(addresses)
+            # longer than a takeover of a hung broker (--takeover-after, recovery, reconnect),
+            # as Pulsar's 30 s default is
+            writer = _Writer(addresses, send_timeout=scaled(15))
             faults_done = [0]
 
             def replication() -> dict[str, Any]:

@@ -127,9 +127,11 @@ class _Writer:
     """One named producer sending ``k<i % 7>:<i>`` in order, through reconnects, counting
     what was acknowledged."""
 
-    def __init__(self, broker: str, *, batch: int = 50) -> None:
+    def __init__(self, broker: str, *, batch: int = 50, send_timeout: float | None = None
+                 ) -> None:
         # a broker that hangs is left for the next one named after this long without acks
         self.broker, self.batch = broker, batch
+        self.send_timeout = scaled(5) if send_timeout is None else send_timeout
         self.acked = 0
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -139,7 +141,7 @@ class _Writer:
     def _run(self) -> None:
         try:
             with Producer(TOPIC, broker=self.broker, name="writer", batch_size=self.batch,
-                          send_timeout=scaled(5)) as producer:
+                          send_timeout=self.send_timeout) as producer:
                 i = 0
                 while not self._stop.is_set():
                     producer.send_many({"key": f"k{(i + j) % KEYS}",
@@ -288,8 +290,17 @@ def test_bad_network_bookie_settings_are_one_line_each(tmp_path, postgres) -> No
     assert done.returncode != 0 and "needs --metadata" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
     url = postgres.new_database()
+    # a tier on this host only: a broker taking over on another host could not read it
+    for flags in (["--network-bookies"], ["--standby"]):
+        done = start("broker", "start", "--data-dir", str(tmp_path / "b"), *flags,
+                     "--metadata", url, "--port", "0", "--pulsar-port", "0", "--admin-port",
+                     "0")
+        assert done.returncode == 2 and "--tier-shared" in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not (tmp_path / "b").exists()
     done = start("broker", "start", "--data-dir", str(tmp_path / "b"), "--network-bookies",
-                 "--metadata", url, "--port", "0", "--pulsar-port", "0", "--admin-port", "0")
+                 "--metadata", url, "--port", "0", "--pulsar-port", "0", "--admin-port", "0",
+                 "--tier-url", str(tmp_path / "tier"), "--tier-shared")
     assert done.returncode != 0 and "no bookie is registered" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
     done = start("bookie", "serve", "--data-dir", str(tmp_path / "c"), "--metadata",

@@ -56,6 +56,9 @@ class StoreConfig:
     bookie_timeout_s: float = 10.0
     #: how often every closed segment's copies on the bookies are checked (bookie/repair.py)
     bookie_audit_interval_s: float = 60.0
+    #: the tier URL is a path that every broker host mounts (with --network-bookies or
+    #: --standby a host-local tier is refused: a broker on another host could not read it)
+    tier_shared: bool = False
     #: a standby: wait for the metadata database held by another broker, and take it over
     #: once that broker was silent this long (PostgreSQL metadata only)
     takeover_after_s: float | None = None
@@ -71,6 +74,16 @@ class StoreConfig:
         if self.takeover_after_s is not None and self.metadata_url is None:
             raise ConfigError("--standby needs --metadata postgresql://...: a broker on "
                               "another host takes over a store whose metadata it can reach")
+        if (self.network_bookies or self.takeover_after_s is not None) and \
+                self.metadata_url is not None and not self.tier_shared and \
+                _host_local(self.tier_url):
+            flag = "--network-bookies" if self.network_bookies else "--standby"
+            where = self.tier_url or "the default, DATA_DIR/tier"
+            raise ConfigError(
+                f"{flag}: the tier ({where}) is on this host only, and a broker that takes "
+                "the store over on another host could not read what this one offloads: give "
+                "--tier-url s3://bucket/prefix (with --catalog-uri on a shared database), or a "
+                "path every broker host mounts with --tier-shared")
         if self.network_bookies:
             if self.metadata_url is None:
                 raise ConfigError("--network-bookies needs --metadata postgresql://...: "
@@ -154,3 +167,11 @@ class StoreConfig:
     @property
     def catalog(self) -> str:
         return self.catalog_uri or self.layout.catalog_uri
+
+
+def _host_local(tier_url: str | None) -> bool:
+    """Whether the tier lives on this host's file system (no URL: the data directory's)."""
+    if tier_url is None:
+        return True
+    scheme = tier_url.split("://", 1)[0] if "://" in tier_url else ""
+    return scheme in ("", "file", "local")

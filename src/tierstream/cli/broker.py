@@ -90,6 +90,9 @@ def broker_start(
     tier_url: Annotated[str | None, typer.Option(
         envvar="TIERSTREAM_TIER_URL", help="Tier for offloaded segments: a path, file:// or "
         "s3://bucket/prefix (default: DATA_DIR/tier).")] = None,
+    tier_shared: Annotated[bool, typer.Option(
+        "--tier-shared", help="The --tier-url path is mounted on every broker host (needed "
+        "for a path with --network-bookies or --standby).")] = False,
     s3_endpoint: Annotated[str | None, typer.Option(
         envvar="TIERSTREAM_S3_ENDPOINT", help="S3 endpoint (MinIO, moto); default AWS.")] = None,
     s3_region: Annotated[str | None, typer.Option(envvar="AWS_REGION", help="S3 region.")]
@@ -155,6 +158,7 @@ def broker_start(
         metadata_url=metadata or None, network_bookies=network_bookies,
         takeover_after_s=takeover_ms / 1000 if standby else None,
         bookie_timeout_s=timeout_ms / 1000, bookie_audit_interval_s=audit_ms / 1000,
+        tier_shared=tier_shared,
         bookie_token=auth_token,
         bookie_tls_ca=read_pem(bookie_tls_ca, "--bookie-tls-ca"), raw={
         "dataDir": str(data_dir), "bookies": bookies, "writeQuorum": write_quorum,
