@@ -86,3 +86,30 @@ def test_a_data_directory_serves_one_broker_at_a_time(start_broker, data_dir) ->
     start_broker()
     with pytest.raises(UnavailableError, match="already in use"):
         BrokerProcess(data_dir).start(timeout=scaled(30))
+
+
+def test_every_port_taken_is_named_in_one_line_with_its_option(tmp_path) -> None:
+    """Regression: a taken Flight port said only "cannot listen on ...", and several taken
+    ports were reported one per try."""
+    import socket
+
+    held = []
+    try:
+        for _ in range(3):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            held.append(s)
+        flight, pulsar, admin = (str(s.getsockname()[1]) for s in held)
+        done = subprocess.run(
+            [sys.executable, "-m", "tierstream", "broker", "start", "--data-dir",
+             str(tmp_path / "d"), "--port", flight, "--pulsar-port", pulsar, "--admin-port",
+             admin], capture_output=True, text=True, timeout=scaled(60))
+    finally:
+        for s in held:
+            s.close()
+    assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    for port, option in ((flight, "--port"), (pulsar, "--pulsar-port"),
+                         (admin, "--admin-port")):
+        assert f"{port} ({option}" in done.stderr, done.stderr
+    assert not (tmp_path / "d").exists()

@@ -63,8 +63,8 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
     require_token(host, auth_token=auth_token, what="broker")
     if isinstance(port, bool) or not 0 <= port <= 65535:
         raise ConfigError(f"invalid port {port!r}: expected 0..65535 (0: any free port)")
-    if port != 0:
-        _check_port_free(host, port)
+    # every listener's port, checked together: all the ports taken are said in one line
+    wanted: list[tuple[str, int, str, str]] = [(host, port, "--port", "the broker")]
     option = "--pulsar-port"
     if tls_cert is not None:
         option = "--pulsar-tls-port"
@@ -72,10 +72,12 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
     elif pulsar_tls_port:
         raise ConfigError(f"--pulsar-tls-port {pulsar_tls_port} needs --tls-cert and "
                           "--tls-key (pulsar+ssl is served with the broker's certificate)")
-    _check_listener(host, pulsar_port, option, "the Pulsar listener")
+    _check_range(pulsar_port, option)
+    wanted.append((host, pulsar_port, option, "the Pulsar listener; 0: off"))
     if admin_port is None:
         admin_port = DEFAULT_ADMIN_PORT if tls_cert is None else DEFAULT_ADMIN_TLS_PORT
-    _check_listener(host, admin_port, "--admin-port", "the Pulsar admin listener")
+    _check_range(admin_port, "--admin-port")
+    wanted.append((host, admin_port, "--admin-port", "the Pulsar admin listener; 0: off"))
     if config.network_bookies:
         bookie_endpoints = False  # each network bookie is its own endpoint
     bookie_ports = [bookie_port_base + i if bookie_port_base else 0
@@ -84,15 +86,14 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
                                                   and bookie_ports[-1] <= 65535):
         raise ConfigError(f"invalid --bookie-port-base {bookie_port_base}: its {config.bookies} "
                           "bookie port(s) must lie in 1..65535")
-    for p in bookie_ports:
-        if p:
-            _check_port_free(host, p)
+    wanted += [(host, p, "--bookie-port-base", f"bookie {i}'s endpoint")
+               for i, p in enumerate(bookie_ports)]
     if metrics_port is not None:
         if isinstance(metrics_port, bool) or not 0 <= metrics_port <= 65535:
             raise ConfigError(f"invalid --metrics-port {metrics_port!r}: expected 0..65535 "
                               "(0: any free port)")
-        if metrics_port:
-            _check_port_free(metrics_host, metrics_port)
+        wanted.append((metrics_host, metrics_port, "--metrics-port", "Prometheus metrics"))
+    _check_ports_free(wanted)
     _raise_file_limit()
     store = Store(config)
     endpoints: list[Any] = []
@@ -211,17 +212,29 @@ def _raise_file_limit() -> None:
             log.warning("could not raise the open-file limit from %s to %s", soft, hard)
 
 
-def _check_listener(host: str, port: int, option: str, what: str) -> None:
-    """A listener that ``0`` turns off: its port in range and, if on, free (the error says
-    which option to change)."""
+def _check_range(port: int, option: str) -> None:
+    """A listener that ``0`` turns off: its port in range."""
     if isinstance(port, bool) or not 0 <= port <= 65535:
         raise ConfigError(f"invalid {option} {port!r}: expected 0..65535 (0: off)")
-    if port:
+
+
+def _check_ports_free(wanted: list[tuple[str, int, str, str]]) -> None:
+    """Every ``(host, port, option, what)`` with a port free, or one error naming each one
+    taken and the option that sets it (0: off, or any free port)."""
+    taken: list[str] = []
+    for host, port, option, what in wanted:
+        if not port:
+            continue
         try:
             _check_port_free(host, port)
-        except (ConflictError, ConfigError) as exc:
-            raise type(exc)(f"{exc} ({what}: give {option} another port, or 0 for "
-                            "none)") from None
+        except ConflictError:
+            taken.append(f"{port} ({option}: {what})")
+        except ConfigError as exc:  # an address that cannot be bound here: bad input
+            raise ConfigError(f"{exc} ({option}: {what})") from None
+    if taken:
+        raise ConflictError(f"port{'s' if len(taken) > 1 else ''} already in use on this "
+                            f"host: {', '.join(taken)}; give {'them' if len(taken) > 1 else 'it'}"
+                            " another port, or stop what listens there")
 
 
 def _check_port_free(host: str, port: int) -> None:
