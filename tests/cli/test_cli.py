@@ -852,3 +852,28 @@ def test_help_shows_the_defaults_its_text_names() -> None:
     assert not re.search(r"\S \.(\s|$)", shown), shown  # a sentence's end left alone
     listed = run("consume", "--help", env={"COLUMNS": "200"}).stdout
     assert "comma-separated" in listed, listed
+
+
+def test_broker_start_detach_returns_once_serving_and_broker_stop_stops_it(tmp_path: Path
+                                                                           ) -> None:
+    """``broker start --detach`` returns when the broker serves (or with its error and a
+    non-zero exit, nothing left running), and ``broker stop`` stops it cleanly: the tour's
+    way to run a broker in the background, so a failure cannot scroll by while the next
+    commands talk to whatever else listens on the port."""
+    data = tmp_path / "store"
+    ports = ["--port", "0", "--pulsar-port", "0", "--admin-port", "0"]
+    started = run("broker", "start", "--data-dir", str(data), *ports, "--detach")
+    try:
+        assert started.returncode == 0, started.stderr
+        assert "listening on grpc://127.0.0.1:" in started.stdout, started.stdout
+        url = re.search(r"listening on (\S+)", started.stdout).group(1)  # type: ignore[union-attr]
+        assert run("topic", "create", "acme/detach/t", "--broker", url).returncode == 0
+        # a second one on the same directory: its error, and a non-zero exit
+        again = run("broker", "start", "--data-dir", str(data), *ports, "--detach")
+        assert again.returncode == 1 and "already in use" in again.stderr, again.stderr
+    finally:
+        stopped = run("broker", "stop", "--data-dir", str(data))
+    assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped.stderr
+    assert "broker shutting down" in (tmp_path / "store.log").read_text()
+    none = run("broker", "stop", "--data-dir", str(data))
+    assert none.returncode == 2 and "no broker serves" in none.stderr, none.stderr

@@ -483,6 +483,12 @@ def _lock_data_dir(config: StoreConfig) -> Any:
         raise ConflictError(
             f"data directory {str(config.data_dir)!r} is already in use by another broker"
         ) from None
+    import os
+
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))  # whom `tierstream broker stop` signals
+    f.flush()
     return f
 
 

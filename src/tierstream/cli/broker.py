@@ -138,11 +138,24 @@ def broker_start(
         help="How often every closed segment's copies are checked on the bookies (also "
              "whenever a bookie answers again); short ones are re-replicated.")] = "60s",
     log_level: Annotated[str, typer.Option(help="Log level.")] = "INFO",
+    detach: Annotated[bool, typer.Option(
+        "--detach", help="Run in the background: return once the broker serves (its address "
+        "and pid printed), or with its error and a non-zero exit; its log goes to "
+        "--log-file.")] = False,
+    log_file: Annotated[Path | None, typer.Option(
+        help="With --detach: the broker's log \\[default: DATA_DIR.log, beside the data "
+             "directory].", show_default=False)] = None,
 ) -> None:
-    """Start the broker in the foreground; SIGTERM or Ctrl-C stops it cleanly.
+    """Start the broker in the foreground (or with --detach, in the background once it
+    serves); SIGTERM or Ctrl-C stops it cleanly.
 
     Example: tierstream broker start --data-dir ./tierstream-data --port 6651
     """
+    if detach:
+        _detach(log_file or data_dir.with_name(data_dir.name + ".log"), data_dir)
+    elif log_file is not None:
+        raise typer.BadParameter("--log-file is for --detach (in the foreground the log is "
+                                 "stderr)", param_hint="--log-file")
     from tierstream.broker.config import StoreConfig
     from tierstream.broker.run import run_broker
 
@@ -188,6 +201,57 @@ def broker_start(
                metrics_port=metrics_port, metrics_host=metrics_host, pulsar_port=pulsar_port,
                pulsar_tls_port=pulsar_tls_port, pulsar_auto_create=allow_auto_topic_creation,
                admin_port=admin_port)
+
+
+@broker_app.command("stop")
+def broker_stop(
+    data_dir: DataDirOpt = Path(DEFAULT_DATA_DIR),
+    timeout: Annotated[str, typer.Option(help="How long to wait for a clean stop.")] = "60s",
+) -> None:
+    """Stop the broker serving DATA_DIR on this host (SIGTERM: it seals its open segments and
+    exits cleanly), and wait until it did.
+
+    Example: tierstream broker stop --data-dir ./tierstream-data
+    """
+    import fcntl
+    import os
+    import signal
+    import time
+
+    from tierstream.errors import NotFoundError, UnavailableError
+    from tierstream.layout import DataDir
+    from tierstream.timeutil import parse_duration_ms
+
+    wait_s = parse_duration_ms(timeout, what="--timeout") / 1000
+    lock = DataDir(data_dir).lock
+
+    def running() -> int | None:
+        """The pid holding the data directory's lock (None: no broker serves it)."""
+        try:
+            with open(lock) as f:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    f.seek(0)
+                    text = f.read().strip()
+                    return int(text) if text.isdigit() else -1
+                return None
+        except FileNotFoundError:
+            return None
+
+    pid = running()
+    if pid is None:
+        raise NotFoundError(f"no broker serves {str(data_dir)!r} on this host")
+    if pid < 0:
+        raise UnavailableError(f"a broker holds {str(data_dir)!r} but did not say its pid (an "
+                               "older tierstream): stop it with SIGTERM")
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + wait_s
+    while running() is not None:
+        if time.monotonic() > deadline:
+            raise UnavailableError(f"the broker (pid {pid}) did not stop within {timeout}")
+        time.sleep(0.1)  # polling the lock the broker lets go of as it exits
+    print(f"stopped the broker serving {data_dir} (pid {pid})")
 
 
 @bookie_app.command("serve")
@@ -247,6 +311,56 @@ def bookie_serve(
                  advertised_address=advertised_address, tls_ca=read_pem(tls_ca, "--tls-ca"),
                  metadata=metadata, host_label=host_label, fsync=fsync, ready=ready,
                  replace=replace)
+
+
+def _detach(log_file: Path, data_dir: Path) -> None:
+    """Start this same command without --detach in a session of its own, its output to
+    ``log_file``; return (exit 0) once it serves, printing what it printed, or exit with its
+    error and status (Pulsar's ``pulsar-daemon start``)."""
+    import os
+    import subprocess
+    import time
+
+    args, skip = [], False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+            continue
+        if a == "--detach":
+            continue
+        if a == "--log-file":
+            skip = True
+            continue
+        if not a.startswith("--log-file="):
+            args.append(a)
+    try:
+        log = open(log_file, "a")  # noqa: SIM115 - handed to the child
+    except OSError as exc:
+        raise typer.BadParameter(f"cannot write {str(log_file)!r}: {exc.strerror}",
+                                 param_hint="--log-file") from None
+    start = log.tell()
+    child = subprocess.Popen([sys.executable, "-m", "tierstream", *args], stdout=log,
+                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    log.close()
+    while True:
+        with open(log_file) as f:
+            f.seek(start)
+            said = f.read()
+        if "tierstream broker listening on" in said:
+            for line in said.splitlines():
+                if not line[:4].isdigit():  # the banner, not the log's timestamped lines
+                    print(line)
+            print(f"broker running in the background: pid {child.pid}, log {log_file} "
+                  f"(stop it with: tierstream broker stop --data-dir {data_dir})", flush=True)
+            raise typer.Exit(0)
+        code = child.poll()
+        if code is not None:
+            errors = [line for line in said.splitlines() if line.startswith("error:")]
+            for line in errors or said.splitlines()[-5:]:
+                print(line, file=sys.stderr)
+            raise typer.Exit(code or 1)
+        time.sleep(0.1)  # polling the child's log for its first line
 
 
 def _offload_policy(config: Any) -> str | None:
