@@ -31,6 +31,21 @@ def _closed(url: str) -> list[Any]:
         return [s for s in admin.list_segments(TOPIC) if s.state == "CLOSED"]
 
 
+def _written_and_sealed(url: str, partitions: int, messages: int) -> int:
+    """A topic of ``partitions`` written under load until ``messages`` more were
+    acknowledged, then sealed: how many were acknowledged."""
+    with Admin(url) as admin:
+        admin.create_topic(TOPIC, partitions)
+    writer = _Writer(url)
+    try:
+        writer.wait_for_more(messages)
+        with Admin(url) as admin:
+            admin.seal(TOPIC)
+    finally:
+        acked = writer.stop()
+    return acked
+
+
 def _listed(postgres: PostgresServer, url: str) -> int:
     import psycopg
 
@@ -64,15 +79,7 @@ def test_a_bookie_whose_disk_was_lost_is_never_taken_for_itself_and_gets_its_cop
         network_store, postgres) -> None:
     url, bookies, broker = network_store
     serving = broker("broker-a", *SMALL).start()
-    with Admin(serving.url) as admin:
-        admin.create_topic(TOPIC, 2)
-    writer = _Writer(serving.url)
-    try:
-        writer.wait_for_more(3_000)
-        with Admin(serving.url) as admin:
-            admin.seal(TOPIC)
-    finally:
-        acked = writer.stop()
+    acked = _written_and_sealed(serving.url, 2, 3_000)
     held = [s for s in _closed(serving.url) if "bookie-1" in s.ensemble]
     assert len(held) >= 4, held
 
@@ -135,15 +142,7 @@ def test_which_segments_lack_a_copy_outlives_the_broker_that_learnt_it(network_s
 def test_an_audit_finds_a_copy_lost_behind_the_broker_s_back(network_store) -> None:
     _, bookies, broker = network_store
     serving = broker("broker-a", *SMALL, "--bookie-audit-interval", "1s").start()
-    with Admin(serving.url) as admin:
-        admin.create_topic(TOPIC, 1)
-    writer = _Writer(serving.url)
-    try:
-        writer.wait_for_more(1_000)
-        with Admin(serving.url) as admin:
-            admin.seal(TOPIC)
-    finally:
-        acked = writer.stop()
+    acked = _written_and_sealed(serving.url, 1, 1_000)
     victim = next(s for s in _closed(serving.url) if "bookie-2" in s.ensemble)
     repaired = _stats(serving.url)["re_replicated"]
     for path in (bookies[2].data_dir / "ledgers").rglob(f"{victim.segment_id}.*"):
