@@ -137,6 +137,8 @@ def _fill(store: MetadataStore, name: str, partitions: int, segments: int) -> No
             "VALUES (?, ?, 'CLOSED', 10, 1000, 100000, ?, ?, 1, 2, ?)",
             [(name, p, s * 1000, s * 1000 + 999, ensemble)
              for p in range(partitions) for s in range(segments)])
+    # as autovacuum (or the broker, when it opens the store) would before these rows count
+    store.backend.refresh_statistics()
 
 
 def _through_broker(data: Path, url: str | None, messages: int) -> dict[str, list[float]]:

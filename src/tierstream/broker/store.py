@@ -63,6 +63,7 @@ class Store:
             raise
         try:
             self.metadata = remote or MetadataStore(config.metadata_path)
+            self.metadata.backend.refresh_statistics()  # plans need them (postgres.py)
             #: this broker's writer epoch: bookies refuse writes of lower epochs to a ledger
             #: once a newer broker fenced it (bookie/storage.py)
             self.epoch = take_writer_epoch(self.metadata)

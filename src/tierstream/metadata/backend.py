@@ -67,6 +67,9 @@ class Backend(Protocol):
 
     def columns(self, table: str) -> list[str]: ...
 
+    def refresh_statistics(self) -> None:
+        """Let the engine's planner see the tables as they are now (after bulk changes)."""
+
     def close(self) -> None: ...
 
 
@@ -130,6 +133,10 @@ class SqliteBackend:
     def columns(self, table: str) -> list[str]:
         with self._lock:
             return [r[1] for r in self._conn.execute(f"PRAGMA table_info({table})")]
+
+    def refresh_statistics(self) -> None:
+        """Nothing: the planning query's plan does not depend on SQLite's statistics (it
+        fixes its join order; ``store.py``)."""
 
     def close(self) -> None:
         with self._lock:
