@@ -74,6 +74,9 @@ class RemoteBookie:
         self._pending: deque[tuple[int, int, Future[IndexRecord], float]] = deque()
         self._stream: tuple[Any, Any] | None = None
         self._generation = 0  # of the stream: a broken one's threads stop
+        #: broken streams for the send loop to close (the one thread that writes them):
+        #: collected unclosed, Arrow prints "Close() failed: Cancelled" to stderr
+        self._retired: list[tuple[Any, Any]] = []
         self.down_since: float | None = None
         self._down_at: float | None = None  # when the current outage began (not retries)
         self._failures_at_down = 0
@@ -123,11 +126,16 @@ class RemoteBookie:
         blocks (a host that vanished) is broken by the watchdog, not waited for."""
         while True:
             with self._lock:
-                if not self._outbox and not self._closed:
+                if not self._outbox and not self._closed and not self._retired:
                     self._lock.wait(KEEPALIVE_S)
-                if self._closed:
-                    return
+                retired, self._retired = self._retired, []
+                closed = self._closed
                 stream, generation, idle = self._stream, self._generation, not self._outbox
+            for old in retired:  # its errors say nothing new: the stream was given up
+                with contextlib.suppress(Exception):
+                    old[0].close()
+            if closed:
+                return
             if stream is None:
                 if not idle:
                     self._connect_stream()
@@ -232,6 +240,9 @@ class RemoteBookie:
         if stream is not None:  # ending a broken stream: its errors say nothing new
             with contextlib.suppress(Exception):
                 stream[1].cancel()
+            with self._lock:
+                self._retired.append(stream)  # closed by the send loop
+                self._lock.notify_all()
 
     def _fail_locked(self, futures: list[Future[IndexRecord]], reason: str) -> None:
         if self._down_at is None:  # the start of an outage: summed up when it ends (ping)
@@ -367,6 +378,10 @@ class RemoteBookie:
                 stream[0].done_writing()
             with contextlib.suppress(Exception):
                 stream[1].cancel()
+            with self._lock:
+                self._retired.append(stream)  # closed by the send loop as it ends
+                self._lock.notify_all()
+        self._sender.join(timeout=self.timeout_s)
         self._client.close()
 
 
