@@ -38,6 +38,7 @@ class ConsumeStreams:
 
     def do_get(self, context: Any, ticket: flight.Ticket) -> flight.FlightDataStream:
         try:
+            self.store.check_serving()
             req = decode(ticket.ticket, "consume ticket")
             if req.get("op") != "consume":
                 raise ProtocolError(f"unknown DoGet operation {req.get('op')!r}")

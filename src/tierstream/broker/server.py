@@ -82,6 +82,7 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
                reader: flight.MetadataRecordBatchReader,
                writer: flight.FlightMetadataWriter) -> None:
         try:
+            self.store.check_serving()
             cmd = decode(descriptor.command, "produce command")
             if cmd.get("op") == "stage":
                 rows = self.store.transactions.stage(
@@ -125,6 +126,7 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
 
     def do_action(self, context: Any, action: flight.Action) -> Iterator[bytes]:
         try:
+            self.store.check_serving()
             body = decode(action.body.to_pybytes() if action.body else b"{}", "action body")
             result = self.call(action.type, body)
         except TierstreamError as exc:

@@ -25,9 +25,15 @@ from tierstream.bookie.repair import Repairer
 from tierstream.bookie.storage import Bookie
 from tierstream.broker.auto_scale import AutoScaler
 from tierstream.broker.config import StoreConfig
+from tierstream.broker.data_dir import lock_data_dir, prepare_data_dir, unlock_data_dir
 from tierstream.broker.recovery import RecoveryReport, recover_open_segments
 from tierstream.broker.transaction_coordinator import TransactionCoordinator
-from tierstream.errors import ConfigError, ConflictError, StorageError, UnavailableError
+from tierstream.errors import (
+    ConfigError,
+    FencedError,
+    StorageError,
+    UnavailableError,
+)
 from tierstream.faults import crash_point
 from tierstream.managed_ledger.partition_log import PartitionLog
 from tierstream.metadata.bookie_registry import take_writer_epoch
@@ -55,8 +61,8 @@ class Store:
         remote = MetadataStore(config.metadata_url, takeover_after_s=config.takeover_after_s) \
             if config.metadata_url else None
         try:
-            _prepare_data_dir(config.data_dir)
-            self._lock_file = _lock_data_dir(config)
+            prepare_data_dir(config.data_dir)
+            self._lock_file = lock_data_dir(config.data_dir, config.layout.lock)
         except BaseException:
             if remote is not None:
                 remote.close()
@@ -75,7 +81,7 @@ class Store:
             }
             self.write_quorum, self.ack_quorum = resolve_quorums(config, len(self.bookies))
         except BaseException as exc:
-            _unlock_data_dir(self._lock_file)
+            unlock_data_dir(self._lock_file)
             if remote is not None:
                 remote.close()
             if isinstance(exc, OSError):
@@ -149,6 +155,16 @@ class Store:
         plog = self._logs.get((record.topic, record.partition))
         if plog is not None:
             plog.update_segment(record)
+
+    def check_serving(self) -> None:
+        """FencedError (an UnavailableError: clients go to the next broker named) once this
+        broker no longer serves the store: fenced by a newer one, or its metadata taken over
+        or lost. A broker in that state stops within a second; until then it takes no call."""
+        if self.fenced.is_set():
+            raise FencedError(f"{self.fenced_reason}: this broker no longer serves the store")
+        backend = self.metadata.backend
+        if backend.lost.is_set():
+            raise FencedError(f"{backend.lost_reason}: this broker no longer serves the store")
 
     def _on_fenced(self, reason: str) -> None:
         if not self.fenced.is_set():
@@ -428,7 +444,7 @@ class Store:
             for bookie in self.bookies.values():
                 bookie.close()
             self.metadata.close()
-            _unlock_data_dir(self._lock_file)
+            unlock_data_dir(self._lock_file)
 
     def __enter__(self) -> Store:
         return self
@@ -456,48 +472,6 @@ def _check_growth(topic: str, old: int, new: int, limit: int) -> None:
             f"cannot grow topic {topic!r} from {old} to {new} partitions: the new count must "
             f"be a multiple of {old} ({old * 2}, {old * 3}, ...), so that each new partition "
             "takes its keys from exactly one old one and every reader keeps their order")
-
-
-def _prepare_data_dir(path: Path) -> None:
-    """Create the data directory, or say in one line why it cannot be used."""
-    if path.exists() and not path.is_dir():
-        raise StorageError(f"data directory {str(path)!r} exists but is not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise StorageError(f"cannot create data directory {str(path)!r}: "
-                           f"{exc.strerror or exc}") from None
-
-
-def _lock_data_dir(config: StoreConfig) -> Any:
-    import fcntl
-
-    try:
-        f = open(config.layout.lock, "a+")  # noqa: SIM115 - held until close()
-    except OSError as exc:
-        raise StorageError(f"data directory {str(config.data_dir)!r} is not writable: "
-                           f"{exc.strerror or exc}") from None
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        raise ConflictError(
-            f"data directory {str(config.data_dir)!r} is already in use by another broker"
-        ) from None
-    import os
-
-    f.seek(0)
-    f.truncate()
-    f.write(str(os.getpid()))  # whom `tierstream broker stop` signals
-    f.flush()
-    return f
-
-
-def _unlock_data_dir(f: Any) -> None:
-    import fcntl
-
-    fcntl.flock(f, fcntl.LOCK_UN)
-    f.close()
 
 
 def _failed(exc: Exception, message: str, *args: Any) -> None:

@@ -213,11 +213,11 @@ def broker_stop(
 
     Example: tierstream broker stop --data-dir ./tierstream-data
     """
-    import fcntl
     import os
     import signal
     import time
 
+    from tierstream.broker.data_dir import holder_pid
     from tierstream.errors import NotFoundError, UnavailableError
     from tierstream.layout import DataDir
     from tierstream.timeutil import parse_duration_ms
@@ -226,18 +226,7 @@ def broker_stop(
     lock = DataDir(data_dir).lock
 
     def running() -> int | None:
-        """The pid holding the data directory's lock (None: no broker serves it)."""
-        try:
-            with open(lock) as f:
-                try:
-                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    f.seek(0)
-                    text = f.read().strip()
-                    return int(text) if text.isdigit() else -1
-                return None
-        except FileNotFoundError:
-            return None
+        return holder_pid(lock)
 
     pid = running()
     if pid is None:

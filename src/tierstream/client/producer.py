@@ -25,6 +25,7 @@ from tierstream.client.stream_io import StalledError, StreamIO
 from tierstream.errors import (
     ConfigError,
     ConflictError,
+    FencedError,
     StaleRoutingError,
     TierstreamError,
     UnavailableError,
@@ -434,10 +435,18 @@ class Producer:
                 raise
 
     def _raise_if_rejected(self, exc: BaseException) -> None:
-        """A broker that answers with a tierstream error rejected the batch: do not retry."""
+        """A broker that answers with a tierstream error rejected the batch: do not retry.
+        One that refused it as fenced no longer serves the store (another took it over): the
+        retry goes to the next broker named first, not back to it."""
         try:
             with translate_errors(self._client.url):
                 raise exc
+        except FencedError:
+            if len(self._client.urls) > 1:
+                left = self._client.url
+                log.warning("producer %s: broker %s no longer serves the store (fenced); "
+                            "trying %s", self.name, left, self._client.next_broker())
+            return
         except UnavailableError:
             return
         except TierstreamError:
