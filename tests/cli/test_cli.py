@@ -599,7 +599,8 @@ def test_a_port_in_use_is_an_environment_problem_exit_1(broker: BrokerProcess,
                                                         tmp_path: Path) -> None:
     port = (broker.url or "").rsplit(":", 1)[1]
     proc = run("broker", "start", "--data-dir", str(tmp_path / "other"), "--port", port)
-    assert proc.returncode == 1 and "cannot listen on" in proc.stderr, proc.stderr
+    assert proc.returncode == 1 and f"in use on this host: {port} (--port" in proc.stderr, \
+        proc.stderr
     assert proc.stderr.count("\n") == 1
 
 

@@ -411,8 +411,8 @@ def test_a_pulsar_port_in_use_is_one_line_naming_the_option(tmp_path, free_port)
                               capture_output=True, text=True, timeout=scaled(60))
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(
-        f"error: cannot listen on 127.0.0.1:{free_port}")
-    assert "--pulsar-port" in proc.stderr and "Traceback" not in proc.stderr
+        f"error: port already in use on this host: {free_port} (--pulsar-port")
+    assert "Traceback" not in proc.stderr
     assert not (tmp_path / "d").exists()  # nothing half-created
     proc = subprocess.run([sys.executable, "-m", "tierstream", "broker", "start",
                            "--data-dir", str(tmp_path / "d"), "--pulsar-tls-port", "6652"],
