@@ -51,14 +51,28 @@ KINDS = ("bookie-kill", "bookie-cut", "bookie-wipe", "broker-kill", "broker-hang
 def run(faults: int, seed: int, sequence: list[str] | None = None, *,
         between: int = 300) -> dict[str, Any]:
     """``faults`` drawn at random (or ``sequence``), ``between`` more acknowledgements after
-    each."""
+    each. The processes and this one's clients use a token (off loopback every endpoint
+    needs one), set in the environment for the run only: a test worker that runs this goes
+    on to start brokers that must not inherit it."""
+    previous = os.environ.get("TIERSTREAM_AUTH_TOKEN")
+    os.environ["TIERSTREAM_AUTH_TOKEN"] = TOKEN
+    try:
+        return _run(faults, seed, sequence, between)
+    finally:
+        if previous is None:
+            os.environ.pop("TIERSTREAM_AUTH_TOKEN", None)
+        else:
+            os.environ["TIERSTREAM_AUTH_TOKEN"] = previous
+
+
+def _run(faults: int, seed: int, sequence: list[str] | None, between: int
+         ) -> dict[str, Any]:
     why = network_namespaces_unavailable()
     if why is not None:
         raise SystemExit(f"network chaos needs network namespaces: {why}")
     for kind in sequence or []:
         if kind not in KINDS:
             raise SystemExit(f"unknown fault {kind!r}: expected one of {', '.join(KINDS)}")
-    os.environ["TIERSTREAM_AUTH_TOKEN"] = TOKEN
     rng = random.Random(seed)
     counts = dict.fromkeys(KINDS, 0)
     repairs: list[float] = []  # seconds from a wipe to nothing left to re-replicate
