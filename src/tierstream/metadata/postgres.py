@@ -230,14 +230,15 @@ class PostgresBackend:
         next try takes the lock."""
         holder = self._open(BROKER_APPLICATION)
         try:
-            if self._reached_at is None:
-                self._reached_at = time.monotonic()
-            silent = self._silent_for(holder)
-            if silent is not None:
-                silent = min(silent, time.monotonic() - self._reached_at)
-            if takeover_after_s is not None and silent is not None and \
-                    silent < takeover_after_s:
-                return False  # the holder is alive (a lock a server restart freed is its)
+            silent = None  # a broker that is not a standby takes a free lock at once
+            if takeover_after_s is not None:
+                if self._reached_at is None:
+                    self._reached_at = time.monotonic()
+                silent = self._silent_for(holder)
+                if silent is not None:
+                    silent = min(silent, time.monotonic() - self._reached_at)
+                    if silent < takeover_after_s:
+                        return False  # the holder is alive (a lock a restart freed is its)
             (got,) = holder.execute("SELECT pg_try_advisory_lock(%s)", (LOCK_KEY,)).fetchone()
             if got:
                 with self._holder_lock:
@@ -255,7 +256,7 @@ class PostgresBackend:
                                     f"running broker{since}: stop it first, give this one "
                                     "its own database, or start it with --standby to take "
                                     "over when that broker stops")
-            if silent is not None and silent >= takeover_after_s:
+            if silent is not None:  # silent for takeover_after_s at least
                 log.warning("taking over the metadata store %s: the broker holding it was "
                             "last heard from %.1f s ago", self.name, silent)
                 self._end_other_brokers(holder)
