@@ -97,14 +97,14 @@ def claim_identity(root: Path, bookie_id: str, metadata: MetadataStore, *, addre
     """Match the directory's cookie with ``bookie_id``'s registration and register the
     bookie at ``address``: (its cookie, the segments listed under-replicated because it
     replaced a lost disk). ConfigError, naming the fix, where the table above refuses."""
-    cookie = check_identity(root, bookie_id, metadata, replace=replace)
+    cookie, lost_copies = _inspect(root, bookie_id, metadata, replace)
     if cookie is not None:
         set_bookie_endpoint(metadata, bookie_id, address, host=host, writable=True,
                             instance=cookie.instance)
         return cookie, []
     fresh = Cookie(bookie_id, uuid.uuid4().hex, now_ms())
     lost: list[int] = []
-    if replace and _lost_copies(metadata, bookie_id):
+    if lost_copies:  # with --replace: _inspect refuses it otherwise
         lost, epoch = replace_bookie(metadata, bookie_id, address, host=host,
                                      instance=fresh.instance)
         fresh = Cookie(bookie_id, fresh.instance, fresh.created_at, min_epoch=epoch)
@@ -120,6 +120,13 @@ def check_identity(root: Path, bookie_id: str, metadata: MetadataStore, *,
     """What :func:`claim_identity` would do, writing nothing (checked before the bookie
     binds its port): the directory's cookie if it is this bookie's, None if a new one is
     to be made; ConfigError, naming the fix, if the bookie must not start."""
+    return _inspect(root, bookie_id, metadata, replace)[0]
+
+
+def _inspect(root: Path, bookie_id: str, metadata: MetadataStore, replace: bool
+             ) -> tuple[Cookie | None, bool]:
+    """(the directory's cookie if it is this bookie's, whether a registered instance of the
+    bookie held copies that an empty directory lost); ConfigError where the table refuses."""
     cookie = read_cookie(root)
     known, instance = registered_instance(metadata, bookie_id)
     where = f"the bookie directory {str(root)!r}"
@@ -143,22 +150,17 @@ def check_identity(root: Path, bookie_id: str, metadata: MetadataStore, *,
             raise ConfigError(f"{where} holds bookie {bookie_id} (instance {cookie.instance}) "
                               f"of another store: {metadata.backend.name} has no bookie "
                               f"{bookie_id}; give an empty directory")
-        return cookie
+        return cookie, False
     if _holds_ledgers(root) and (not known or instance is not None):
         raise ConfigError(f"{where} holds ledgers but no cookie ({COOKIE}): it is not the "
                           f"disk the metadata store knows as bookie {bookie_id}; give its "
                           "own directory, or an empty one (with --replace if its disk was "
                           "lost)")
-    if not replace and _lost_copies(metadata, bookie_id):
+    lost = instance is not None and bool(segments_with_bookie(metadata, bookie_id))
+    if lost and not replace:
         raise ConfigError(
             f"{where} is empty, but bookie {bookie_id} (instance {instance}) held copies "
             "of segments: its disk was lost, or this is the wrong directory. If the disk "
             f"is lost, start with --replace: this one takes {bookie_id}'s place and the "
             "brokers copy what it held back onto it; else give its directory")
-    return None
-
-
-def _lost_copies(metadata: MetadataStore, bookie_id: str) -> bool:
-    """Whether a registered instance of ``bookie_id`` held copies (gone without its disk)."""
-    known, instance = registered_instance(metadata, bookie_id)
-    return known and instance is not None and bool(segments_with_bookie(metadata, bookie_id))
+    return None, lost
