@@ -90,7 +90,7 @@ class Repairer:
         self._answered = answered
         if back or time.monotonic() >= self._next_audit:
             self.audit(why="bookie(s) " + ", ".join(back) + " answer again" if back
-                       else "periodic")
+                       else "periodic", answering=[b for b, up in answered.items() if up])
         listed = under_replicated(self._metadata)
         with self._lock:
             self._listed = len(listed)
@@ -106,18 +106,21 @@ class Repairer:
                     self._listed -= 1
                     self._copies.pop(segment_id, None)
 
-    def audit(self, why: str = "asked") -> dict[str, Any]:
-        """Check every closed segment's copies on its answering bookies; list the short ones.
-        Returns what it found (also ``last_audit`` in stats)."""
+    def audit(self, why: str = "asked", answering: list[str] | None = None
+              ) -> dict[str, Any]:
+        """Check every closed segment's copies on its answering bookies (``answering``, as
+        the caller just found them; None: asked now); list the short ones. Returns what it
+        found (also ``last_audit`` in stats)."""
         started = time.monotonic()
         self._next_audit = started + self._audit_interval_s
+        if answering is None:
+            answering = [b for b, bookie in self._bookies.items() if available(bookie)]
         held: dict[str, dict[int, int]] = {}
-        for b, bookie in self._bookies.items():
-            if available(bookie):
-                try:
-                    held[b] = bookie.ledger_entries()
-                except (TierstreamError, OSError) as exc:
-                    log.info("audit: bookie %s did not list its ledgers: %s", b, exc)
+        for b in answering:
+            try:
+                held[b] = self._bookies[b].ledger_entries()
+            except (TierstreamError, OSError) as exc:
+                log.info("audit: bookie %s did not list its ledgers: %s", b, exc)
         listed = under_replicated(self._metadata)
         found: list[tuple[int, str]] = []
         copies: dict[int, int] = {}
