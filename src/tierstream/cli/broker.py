@@ -224,11 +224,7 @@ def broker_stop(
 
     wait_s = parse_duration_ms(timeout, what="--timeout") / 1000
     lock = DataDir(data_dir).lock
-
-    def running() -> int | None:
-        return holder_pid(lock)
-
-    pid = running()
+    pid = holder_pid(lock)
     if pid is None:
         raise NotFoundError(f"no broker serves {str(data_dir)!r} on this host")
     if pid < 0:
@@ -236,7 +232,7 @@ def broker_stop(
                                "older tierstream): stop it with SIGTERM")
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + wait_s
-    while running() is not None:
+    while holder_pid(lock) is not None:
         if time.monotonic() > deadline:
             raise UnavailableError(f"the broker (pid {pid}) did not stop within {timeout}")
         time.sleep(0.1)  # polling the lock the broker lets go of as it exits
