@@ -17,6 +17,7 @@ from tierstream.broker.process import BrokerProcess
 from ..signals import sigint_ignored
 from ..store.helpers import wait_for
 from ..timing import scaled
+from .terminal import in_terminal
 
 COMMANDS = [["broker", "start"], ["topic", "create"], ["topic", "list"], ["topic", "get"],
             ["topic", "set"], ["topic", "delete"], ["produce"],
@@ -805,12 +806,6 @@ def test_ctrl_c_on_a_long_produce_says_how_many_were_stored(broker: BrokerProces
 def test_tables_fit_an_80_column_terminal(broker: BrokerProcess) -> None:
     """Regression: at 80 columns, subscriptions and segments cut every column to a few
     characters and an ellipsis. Now the least important columns are left out (and named)."""
-    import fcntl
-    import pty
-    import select
-    import struct
-    import termios
-
     from tierstream.client import Consumer
     from tierstream.splits.positions import Offset
 
@@ -820,25 +815,8 @@ def test_tables_fit_an_80_column_terminal(broker: BrokerProcess) -> None:
     Consumer("acme/web/narrow", "billing", mode="key_shared", initial=Offset.earliest(),
              broker=broker.url).close()
     for command in (["subscriptions", "acme/web/narrow"], ["segments", "acme/web/narrow"]):
-        master, slave = pty.openpty()
-        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
-        proc = subprocess.Popen([sys.executable, "-m", "tierstream", *command], stdout=slave,
-                                stderr=subprocess.PIPE, env={**os.environ, **env,
-                                                             "TERM": "xterm"})
-        os.close(slave)
-        shown = b""
-        while True:
-            try:
-                ready = select.select([master], [], [], scaled(30))[0]
-                chunk = os.read(master, 65536) if ready else b""
-            except OSError:  # the command exited and closed the terminal
-                chunk = b""
-            if not chunk:
-                break
-            shown += chunk
-        os.close(master)
-        assert proc.wait(timeout=scaled(30)) == 0
-        text = re.sub(r"\x1b\[[0-9;]*m", "", shown.decode())
+        code, text = in_terminal([sys.executable, "-m", "tierstream", *command], env)
+        assert code == 0, text
         table = [ln for ln in text.splitlines() if ln[:1] in "┏┃┡│└"]
         assert table and all(len(ln) <= 80 for ln in table), text
         assert "…" not in text and "hidden at this width:" in text, text

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from tierstream.bounds import write_cut
+from tierstream.cli import help_panel
 from tierstream.units import human_bytes
 
 __all__ = ["BrokerOpt", "CutOutOpt", "DataDirOpt", "FromOpt", "KeyRangesOpt", "LossOpt",
@@ -34,6 +35,7 @@ def _no_placeholder_on_flags() -> None:
 
 
 _no_placeholder_on_flags()
+help_panel.install()
 
 app = typer.Typer(
     name="tierstream",
