@@ -1,15 +1,19 @@
-"""``python -m bench [NAME|all] [--full]``: run benchmarks, print tables, write results."""
+"""``python -m bench NAME... | all [--full | --tiny]``: run benchmarks, print tables, write
+results."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 from bench import (
     elastic_bench,
     framework_bench,
+    harness,
     history,
     latency_fs_bench,
     metadata_bench,
@@ -85,26 +89,38 @@ def main(argv: list[str] | None = None) -> int:
                                           BENCHMARKS.items()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("name", choices=[*BENCHMARKS, "all"], help="benchmark to run, or all")
+    parser.add_argument("name", nargs="+", choices=[*BENCHMARKS, "all"],
+                        help="benchmarks to run, or all")
     parser.add_argument("--full", action="store_true", help="the larger profile (slower)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="tiny inputs, one run each: check that the benchmarks run (their "
+                             "figures mean nothing; results go to a temporary directory)")
     parser.add_argument("--against", metavar="REV", default=None,
                         help="run the benchmark on this tree and at git revision REV in "
                              "alternating rounds, and compare their first ratio")
     parser.add_argument("--rounds", type=int, default=None,
                         help="rounds with --against (default 4, 8 with --full)")
     args = parser.parse_args(argv)
-    names = list(BENCHMARKS) if args.name == "all" else [args.name]
+    names = list(BENCHMARKS) if "all" in args.name else list(dict.fromkeys(args.name))
+    if args.tiny:
+        if args.full or args.against is not None:
+            parser.error("--tiny takes neither --full nor --against")
+        print(f"tiny profile: results in {harness.use_tiny_profile()}", file=sys.stderr)
     if args.against is not None:
-        if args.name == "all":
-            parser.error("--against takes one benchmark, not all")
-        history.against(args.name, args.against, not args.full, args.rounds)
+        if len(names) != 1:
+            parser.error("--against takes one benchmark, not several")
+        history.against(names[0], args.against, not args.full, args.rounds)
         return 0
     failed = []
     for name in names:
+        began = time.monotonic()
         try:
             BENCHMARKS[name][0](not args.full)
+            print(f"benchmark {name}: {time.monotonic() - began:,.0f} s", file=sys.stderr)
         except Exception as exc:  # report and go on with the others
             print(f"benchmark {name} failed: {exc}", file=sys.stderr)
+            if harness.TINY:  # a check of the benchmarks themselves: show where
+                traceback.print_exc()
             failed.append(name)
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from bench.harness import Figure, repeat, report, timed
+from bench.harness import Figure, repeat, report, sized, timed
 from tierstream.broker.config import StoreConfig
 from tierstream.broker.store import Store
 from tierstream.enumerator import Enumerator, Query
@@ -43,7 +43,7 @@ def _write(store: Store, topic: str, first: int, count: int, per_entry: int, t0:
 def elastic(quick: bool = True) -> Path:
     """Read throughput (local runner) of a window spanning a 2 -> 8 scale event, beside the
     same messages in a topic created with 8 partitions, for keyRanges 1 and 4."""
-    messages, per_entry = (400_000, 500) if quick else (1_600_000, 1000)
+    messages, per_entry = sized((400_000, 500) if quick else (1_600_000, 1000), (4_000, 100))
     t0 = 1_793_491_200_000
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(StoreConfig.from_options({"dataDir": str(Path(tmp) / "data"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ import crc32c
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bench.harness import Figure, console, fill_clicks, repeat, report, save_chart, timed
+from bench.harness import Figure, console, fill_clicks, repeat, report, save_chart, sized, timed
 from tierstream.bookie.ledger import FRAME_HEADER, read_index
 from tierstream.bookie.storage import ledger_paths
 from tierstream.broker.config import StoreConfig
@@ -59,7 +60,7 @@ def _linear_plan(meta: MetadataStore, partitions: int, t0: int, t1: int) -> int:
 def plan(quick: bool = True) -> Path:
     """Plan a one-hour window over 1,000 partitions x 1,000 segments: binary search vs scan;
     then planning time vs S (segments per partition) for 10 partitions."""
-    partitions, segments = 1000, 1000
+    partitions, segments = sized((1000, 1000), (20, 50))
     t0 = T0 + 3 * 86_400_000
     t1 = t0 + 3_600_000
     query = Query(topics=(TOPIC,), start=Offset.at_time(t0), end=Offset.at_time(t1))
@@ -77,7 +78,7 @@ def plan(quick: bool = True) -> Path:
                         3, warmup=0)
         assert _linear_plan(meta, partitions, t0, t1) == len(splits)
         growth: dict[int, tuple[float, float]] = {}
-        for s in ([100, 1000, 10_000] if quick else [100, 1000, 10_000, 100_000]):
+        for s in sized([100, 1000, 10_000] if quick else [100, 1000, 10_000, 100_000], [100]):
             d = Path(tmp) / f"s{s}"
             d.mkdir()
             _synthetic_metadata(d / "metadata.db", 10, s)
@@ -129,7 +130,7 @@ def _segment(root: Path, entries: int, per_entry: int) -> tuple[Store, Any]:
 def readers(quick: bool = True) -> Path:
     """Each reader's throughput beside its ceiling: bookie-log vs reading the same Arrow IPC
     frames with pyarrow directly, parquet-tier vs pyarrow.parquet on the same file."""
-    entries, per_entry, runs = (200, 1000, 5) if quick else (500, 2000, 7)
+    entries, per_entry, runs = sized((200, 1000, 5) if quick else (500, 2000, 7), (10, 100, 1))
     with tempfile.TemporaryDirectory() as tmp:
         store, seg = _segment(Path(tmp) / "data", entries, per_entry)
         try:
@@ -203,7 +204,7 @@ def readers(quick: bool = True) -> Path:
 def keyranges(quick: bool = True) -> Path:
     """Read amplification of k key-range splits and read time vs k, over the tier copy and
     over the bookie copy of one segment, side by side."""
-    entries, per_entry = (200, 1000) if quick else (500, 2000)
+    entries, per_entry = sized((200, 1000) if quick else (500, 2000), (10, 100))
     ks = [1, 2, 4, 8]
     with tempfile.TemporaryDirectory() as tmp:
         store, seg = _segment(Path(tmp) / "data", entries, per_entry)
@@ -227,7 +228,7 @@ def keyranges(quick: bool = True) -> Path:
             amp[k] = sum(size(i) for s in splits for i in selected_row_groups(meta, s)) / total
             runs_k[k] = repeat(lambda s=splits, k=k: timed(
                 lambda: sum(b.num_rows for b in run_splits(s, parallelism=k))), 3)
-            seconds[k] = sorted(runs_k[k])[1]  # the median of 3
+            seconds[k] = statistics.median(runs_k[k])
         # the same segment from its bookie copy: a split reads its whole entry range from disk
         # whatever its key range (filtering happens after decoding)
         records = read_index(ledger_paths(store.config.bookie_dir("bookie-0"),
@@ -244,7 +245,7 @@ def keyranges(quick: bool = True) -> Path:
                            and (s.end is None or r.entry_id < s.end.entry_id)) / frame_bytes
             b_runs[k] = repeat(lambda s=splits: timed(
                 lambda: sum(b.num_rows for b in run_splits(s, parallelism=len(s)))), 5)
-            b_seconds[k] = sorted(b_runs[k])[2]
+            b_seconds[k] = statistics.median(b_runs[k])
             if k == 4:  # each range alone, one after another: what k Spark tasks do
                 alone = repeat(lambda s=splits: timed(
                     lambda: sum(b.num_rows for x in s for b in open_reader(x))), 5)

@@ -19,13 +19,32 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pyarrow as pa
 from rich.console import Console
 from rich.table import Table
 
 RESULTS = Path(__file__).parent / "results"
+#: ``python -m bench --tiny``: every benchmark on tiny inputs, one run each, to show that it
+#: still runs end to end (the test suite does this for all of them); its figures mean nothing,
+#: so its results go to a temporary directory, never to bench/results/.
+TINY = False
+
+
+def use_tiny_profile() -> Path:
+    """Switch to the tiny profile; returns the directory its results go to."""
+    global RESULTS, TINY
+    TINY = True
+    RESULTS = Path(tempfile.mkdtemp(prefix="tierstream-bench-tiny-"))
+    return RESULTS
+
+
+def sized(normal: T, tiny: T) -> T:
+    """A benchmark's inputs (sizes, runs): ``normal`` (its quick or full profile), or
+    ``tiny`` under ``--tiny``."""
+    return tiny if TINY else normal
+T = TypeVar("T")
 console = Console(width=None if os.isatty(1) else 140)
 
 
@@ -70,7 +89,10 @@ def _spread(runs: list[float]) -> list[float] | None:
 
 
 def repeat(fn: Callable[[], float], runs: int, warmup: int = 1) -> list[float]:
-    """Call ``fn`` ``warmup`` times unmeasured, then ``runs`` times; returns its results."""
+    """Call ``fn`` ``warmup`` times unmeasured, then ``runs`` times (once, no warm-up, under
+    ``--tiny``); returns its results."""
+    if TINY:
+        runs, warmup = 1, 0
     for _ in range(warmup):
         fn()
     return [fn() for _ in range(runs)]

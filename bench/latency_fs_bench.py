@@ -20,7 +20,7 @@ from typing import Any
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.spec import AbstractBufferedFile
 
-from bench.harness import Figure, console, report, timed
+from bench.harness import Figure, console, report, sized, timed
 from bench.spark_bench import _fill
 from tierstream.broker.config import StoreConfig
 from tierstream.broker.store import Store
@@ -40,10 +40,10 @@ class LatencyFS(LocalFileSystem):
     latency_s = 0.0
     requests = 0
     fetched = 0
-    _lock = threading.Lock()
+    lock = threading.Lock()  # guards the request counters
 
     def info(self, path: str, **kwargs: Any) -> Any:  # a HEAD request
-        with LatencyFS._lock:
+        with LatencyFS.lock:
             LatencyFS.requests += 1
         time.sleep(LatencyFS.latency_s)
         return super().info(path, **kwargs)
@@ -64,7 +64,7 @@ class LatencyFS(LocalFileSystem):
 
 
 def _request(nbytes: int) -> None:
-    with LatencyFS._lock:
+    with LatencyFS.lock:
         LatencyFS.requests += 1
         LatencyFS.fetched += nbytes
     time.sleep(LatencyFS.latency_s + nbytes / BANDWIDTH)  # the modelled network
@@ -120,7 +120,7 @@ def _measure(split: Split, messages: int, size: int, latencies: tuple[int, ...],
 def remote_fs(quick: bool = True) -> Path:
     """A small tier file (one read: latency-bound) at 0, 10 and 50 ms, and a file above
     SMALL_FILE (read as footer, then row groups, 8 requests in flight) at 10 ms."""
-    entries, per_entry = (100, 2000) if quick else (300, 2000)
+    entries, per_entry = sized((100, 2000) if quick else (300, 2000), (10, 100))
     large_entries = 3000  # ~21 MB of Parquet: above the reader's 16 MiB whole-file limit
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(StoreConfig.from_options({

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.harness import Figure, report
+from bench.harness import Figure, report, sized
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer, Producer
 from tierstream.metadata.records import SegmentState
@@ -38,8 +38,8 @@ VALUE = b"x" * 100
 def metadata(quick: bool) -> Path:
     from tests.postgres import PostgresServer
 
-    partitions, segments = (100, 1000) if quick else (1000, 1000)
-    ops, messages = (200, 100_000) if quick else (400, 200_000)
+    partitions, segments = sized((100, 1000) if quick else (1000, 1000), (5, 50))
+    ops, messages = sized((200, 100_000) if quick else (400, 200_000), (10, 1_000))
     server = PostgresServer(fsync=True)
     results: dict[str, dict[str, list[float]]] = {}
     try:

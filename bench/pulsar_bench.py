@@ -23,7 +23,7 @@ from typing import Any
 
 import pulsar
 
-from bench.harness import Figure, WorkerProcess, repeat, report, timed
+from bench.harness import Figure, WorkerProcess, repeat, report, sized, timed
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer, Producer
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
@@ -109,8 +109,7 @@ def _decode_rate(messages: int) -> float:
 
 
 def pulsar_produce(quick: bool = True) -> Path:
-    messages = 200_000 if quick else 1_000_000
-    runs = 3 if quick else 5
+    messages, runs = sized((200_000, 3) if quick else (1_000_000, 5), (2_000, 1))
     figures = []
     with tempfile.TemporaryDirectory() as tmp:
         with socket.socket() as s:  # a free port for the Pulsar listener
@@ -195,8 +194,7 @@ def _drain_rate(kind: str, urls: tuple[str, str], mode: str, n: int, messages: i
 def pulsar_consume(quick: bool = True) -> Path:
     """Real-client consumers (1 exclusive; 4 shared; 4 key_shared, each a process) receive
     and acknowledge every message, beside tierstream's own Consumer on the same messages."""
-    messages = 100_000 if quick else 400_000
-    runs = 3 if quick else 5
+    messages, runs = sized((100_000, 3) if quick else (400_000, 5), (2_000, 1))
     rates: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         with socket.socket() as s:
@@ -211,7 +209,8 @@ def pulsar_consume(quick: bool = True) -> Path:
                 producer.send_many({"key": f"user-{i * 7919 % 1000}", "value": VALUE}
                                    for i in range(messages))
             for run in range(runs):  # interleaved, so drift hits each alike
-                for mode, n in (("exclusive", 1), ("shared", 4), ("key_shared", 4)):
+                for mode, n in (("exclusive", 1), ("shared", sized(4, 2)),
+                                ("key_shared", sized(4, 2))):
                     for kind in ("pulsar", "own"):
                         rates.setdefault((kind, mode), []).append(_drain_rate(
                             kind, (broker.url, broker.pulsar_url), mode, n, messages, run))

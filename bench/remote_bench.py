@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import Figure, console, report, timed
+from bench.harness import Figure, console, report, sized, timed
 from bench.spark_bench import _fill
 from tierstream.broker.config import StoreConfig
 from tierstream.broker.store import Store
@@ -52,7 +52,8 @@ def _moto(delay: _Delay) -> tuple[Any, str]:
 
 def remote(quick: bool = True) -> Path:
     """Tier reader rows/s over S3 at 0/10/50 ms per request, beside local files."""
-    partitions, entries, per_entry = (1, 100, 2000) if quick else (1, 300, 2000)
+    partitions, entries, per_entry = sized((1, 100, 2000) if quick else (1, 300, 2000),
+                                            (1, 10, 100))
     delay = _Delay(None)
     server, endpoint = _moto(delay)
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")

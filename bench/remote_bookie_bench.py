@@ -20,7 +20,7 @@ from typing import Any
 import pyarrow.flight as flight
 
 from bench.framework_bench import _segment
-from bench.harness import Figure, console, report, timed
+from bench.harness import Figure, console, report, sized, timed
 from tierstream.bookie.server import BookieServer
 from tierstream.protocol import encode
 from tierstream.readers import open_reader
@@ -29,7 +29,7 @@ from tierstream.splits.split import ReaderKind, Replica, Split
 
 
 def remote_bookie(quick: bool = True) -> Path:
-    entries, per_entry, runs = (200, 1000, 5) if quick else (500, 2000, 7)
+    entries, per_entry, runs = sized((200, 1000, 5) if quick else (500, 2000, 7), (10, 100, 1))
     with tempfile.TemporaryDirectory() as tmp:
         store, seg = _segment(Path(tmp) / "data", entries, per_entry)
         bookie_dir = store.config.bookie_dir("bookie-0").resolve()

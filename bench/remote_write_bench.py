@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import Figure, console, report
+from bench.harness import Figure, console, report, sized
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Producer
 
@@ -30,7 +30,7 @@ def remote_write(quick: bool = True) -> Path:
     from tests.network_store import BookieProcess
     from tests.postgres import PostgresServer
 
-    messages, rounds = (100_000, 3) if quick else (300_000, 5)
+    messages, rounds = sized((100_000, 3) if quick else (300_000, 5), (2_000, 1))
     runs: dict[str, list[float]] = {"network": [], "local": []}
     server = PostgresServer(fsync=True)
     bookies: list[Any] = []
@@ -106,7 +106,7 @@ def re_replication(quick: bool = True) -> Path:
     from tests.network_store import BookieProcess
     from tests.postgres import PostgresServer
 
-    size_mb, rounds = (128, 2) if quick else (1024, 3)
+    size_mb, rounds = sized((128, 2) if quick else (1024, 3), (2, 1))
     value = b"y" * 10_000  # 10 kB messages, 100 per entry: ~1 MB entries
     runs: list[float] = []
     baseline: list[float] = []

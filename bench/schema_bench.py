@@ -11,7 +11,7 @@ from pathlib import Path
 import fastavro
 import pyarrow as pa
 
-from bench.harness import Figure, console, report, timed
+from bench.harness import Figure, console, report, sized, timed
 from tierstream.message_format import MESSAGE_SCHEMA
 from tierstream.schemas.codec import Decoder, Encoder, decode_batch
 from tierstream.schemas.model import VERSION_PROPERTY, SchemaInfo, SchemaType, canonical
@@ -50,7 +50,7 @@ def schema(quick: bool = True) -> Path:
     the value-by-value path it replaced (values to Python, resolved, an Arrow column from
     them) and that beside the codec library alone on the same bytes (fastavro, json.loads);
     then Spark reads with valueFormat=auto beside raw on the same topic, Avro and JSON."""
-    n, runs = (100_000, 3) if quick else (500_000, 5)
+    n, runs = sized((100_000, 3) if quick else (500_000, 5), (2_000, 1))
     records = [{"user": f"u{i % 500}", "page": f"/p/{i % 70}", "ms": 1_700_000_000_000 + i,
                 "score": i / 7, "tags": ["a", "b"] if i % 2 else []} for i in range(n)]
     figures = []
@@ -97,7 +97,7 @@ def _spark(quick: bool) -> list[Figure]:
     from tierstream.spark_adapter import register
     from tierstream.spark_adapter.jobs import local_spark
 
-    n = 100_000 if quick else 500_000
+    n = sized(100_000 if quick else 500_000, 2_000)
     figures = []
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from bench.harness import Figure, console, report, timed
+from bench.harness import Figure, console, report, sized, timed
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Producer, Transaction
 from tierstream.message_format import key_hashes
@@ -71,7 +71,8 @@ def sink(quick: bool = True) -> Path:
     """Rows/s of ``df.write.format("tierstream")`` (stage, prepare, commit) beside the
     Python producer on the same rows, same broker (fsync on); and ms per micro-batch commit
     (two task transactions of 5,000 rows over 4 partitions)."""
-    rows, runs, commits = (200_000, 3, 10) if quick else (1_000_000, 3, 30)
+    rows, runs, commits = sized((200_000, 3, 10) if quick else (1_000_000, 3, 30),
+                                 (2_000, 1, 2))
     from tierstream.spark_adapter import register
     from tierstream.spark_adapter.jobs import local_spark
 

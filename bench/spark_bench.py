@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.harness import Figure, console, fill_clicks, report, timed
+from bench.harness import Figure, console, fill_clicks, report, sized, timed
 from tierstream.broker.config import StoreConfig
 from tierstream.broker.store import Store
 from tierstream.splits.split import StreamCut
@@ -70,10 +70,12 @@ def _handover_source(batch_file: str, partitions: int, batches: int) -> Any:
 def spark(quick: bool = True) -> Path:
     """Backfill rows/s (noop sink) over tiered and bookie-resident data, beside
     spark.read.parquet of the same tier files; and keyRanges on one partition."""
-    partitions, entries, per_entry, runs = (4, 50, 2000, 3) if quick else (4, 150, 2000, 5)
+    partitions, entries, per_entry, runs = sized(
+        (4, 50, 2000, 3) if quick else (4, 150, 2000, 5), (2, 5, 100, 1))
     # the backfill figures at >= 10 M rows in the full profile (5 segments per partition),
     # the window and key-range figures at the smaller size
     backfill_entries = entries if quick else 1250
+    warmups = sized(1, 0)
     from tierstream.spark_adapter import read as hybrid_read
     from tierstream.spark_adapter import register
     from tierstream.spark_adapter.jobs import local_spark
@@ -144,8 +146,9 @@ def spark(quick: bool = True) -> Path:
                 return messages / timed(lambda: df.write.format("noop").mode("overwrite")
                                         .save())
 
-            ours("bench/spark/tiered"), native()  # warm-up: JVM, Python workers
-            hybrid("bench/spark/tiered"), handover()
+            for _ in range(warmups):  # JVM, Python workers
+                ours("bench/spark/tiered"), native()
+                hybrid("bench/spark/tiered"), handover()
             tiered, bookies, parquet, tiered_hybrid, ceiling = [], [], [], [], []
             for _ in range(runs):  # interleaved
                 tiered_hybrid.append(hybrid("bench/spark/tiered"))
@@ -169,7 +172,8 @@ def spark(quick: bool = True) -> Path:
 
             messages = partitions * entries * per_entry
             pushed, filtered = [], []
-            windowed()  # warm-up
+            for _ in range(warmups):
+                windowed()
             for _ in range(runs):
                 filtered.append(windowed())
                 session.conf.set(PUSHDOWN_CONF, "true")
@@ -190,7 +194,8 @@ def spark(quick: bool = True) -> Path:
                                          .save()), tasks
 
             unpacked_opt = {"minPartitions": "1000000"}
-            small(), small(**unpacked_opt)  # warm-up
+            for _ in range(warmups):
+                small(), small(**unpacked_opt)
             packed_rates, unpacked_rates = [], []
             for _ in range(runs):
                 rate, packed_tasks = small()
@@ -199,7 +204,7 @@ def spark(quick: bool = True) -> Path:
                 unpacked_rates.append(rate)
             one: dict[int, list[float]] = {1: [], 2: [], 4: []}
             messages = entries * 2 * per_entry
-            for _ in range(5):  # interleaved: drift hits every k alike
+            for _ in range(sized(5, 1)):  # interleaved: drift hits every k alike
                 for k in one:
                     one[k].append(ours("bench/spark/one", keyRanges=str(k)))
         finally:

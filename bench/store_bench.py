@@ -25,6 +25,7 @@ from bench.harness import (
     repeat,
     report,
     save_chart,
+    sized,
     timed,
 )
 from tierstream.broker.process import BrokerProcess
@@ -44,8 +45,7 @@ def _batch(n: int, keys: int = 100, seed: int = 0) -> pa.RecordBatch:
 
 def produce(quick: bool = True) -> Path:
     """Messages/s into one partition: 100-byte values, batches of 1,000, fsync on."""
-    messages = 300_000 if quick else 2_000_000
-    runs = 3 if quick else 5
+    messages, runs = sized((300_000, 3) if quick else (2_000_000, 5), (2_000, 1))
     batch = _batch(1000)
     payload = pa.RecordBatch.from_arrays(batch.columns, schema=batch.schema).serialize()
     with tempfile.TemporaryDirectory() as tmp:
@@ -57,12 +57,12 @@ def produce(quick: bool = True) -> Path:
             producer = Producer("bench/produce/t", broker=broker.url, name="bench",
                                 max_in_flight=16)
 
+            # one table of `messages` rows in batches of 1,000: send_batch pipelines them
+            # (up to max_in_flight unacknowledged) and waits for the last ack
+            table = pa.Table.from_batches([batch] * (messages // 1000))
+
             def run() -> float:
-                def send() -> None:
-                    for _ in range(messages // 1000):
-                        producer._send(0, batch)
-                    producer.flush()
-                return messages / timed(send)
+                return messages / timed(lambda: producer.send_batch(table, partition=0))
 
             tput = repeat(run, runs)
             producer.close()
@@ -74,9 +74,7 @@ def produce(quick: bool = True) -> Path:
             def run_four() -> float:
                 """4 producers, each on its own partition and thread, all at once."""
                 def send(p: int) -> None:
-                    for _ in range(messages // 1000):
-                        fours[p]._send(p, batch)
-                    fours[p].flush()
+                    fours[p].send_batch(table, partition=p)
                 threads = [threading.Thread(target=send, args=(p,)) for p in range(4)]
 
                 def all_four() -> None:
@@ -123,8 +121,7 @@ def produce(quick: bool = True) -> Path:
 
 def tail(quick: bool = True) -> Path:
     """Produce -> consumer latency at a steady 10,000 msg/s: p50 and p99 (3 runs)."""
-    seconds = 3 if quick else 20
-    runs = 3
+    seconds, runs = sized((3 if quick else 20, 3), (1, 1))
     rate = 10_000
     per_batch = 50  # 200 batches/s
     ping_ms: list[float] = []
@@ -201,8 +198,7 @@ def _tail_run(url: str, rate: int, per_batch: int, seconds: int, offset: int) ->
             now = time.perf_counter()
             for j in ids:
                 sent_at[j] = now
-            producer._send(0, as_produce_batch(batch))
-        producer.flush()
+            producer.send_batch(batch, partition=0)
     if not done.wait(60):
         raise RuntimeError("tail consumer did not receive every message within 60 s")
     stream.close()
@@ -212,8 +208,8 @@ def _tail_run(url: str, rate: int, per_batch: int, seconds: int, offset: int) ->
 def consume(quick: bool = True) -> Path:
     """Consume msg/s through the broker beside the Flight transport serving the same batches
     from memory (its ceiling), as a ratio."""
-    messages = 1_000_000 if quick else 5_000_000
-    runs = 7 if quick else 11  # the transport ceiling is noisy on 2 cores: more runs
+    # the transport ceiling is noisy on 2 cores: more runs
+    messages, runs = sized((1_000_000, 7) if quick else (5_000_000, 11), (2_000, 1))
     with tempfile.TemporaryDirectory() as tmp:
         broker = BrokerProcess(Path(tmp) / "data").start()
         ceiling_proc = None
@@ -223,9 +219,8 @@ def consume(quick: bool = True) -> Path:
             with Admin(url) as admin:
                 admin.create_topic("bench/consume/t", 1)
             with Producer("bench/consume/t", broker=url, max_in_flight=16) as producer:
-                for i in range(messages // 1000):
-                    producer._send(0, _batch(1000, seed=i))
-                producer.flush()
+                producer.send_batch(pa.Table.from_batches(
+                    [_batch(1000, seed=i) for i in range(messages // 1000)]), partition=0)
             ceiling_proc = subprocess.Popen(
                 [sys.executable, "-m", "bench.flight_ceiling", "--broker", url, "--topic",
                  "bench/consume/t"], stdout=subprocess.PIPE, text=True,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from bench.harness import Figure, WorkerProcess, broker_with_topic, console, report
+from bench.harness import Figure, WorkerProcess, broker_with_topic, console, report, sized
 from tierstream.client import Admin, Consumer, Producer
 from tierstream.message_format import as_produce_batch
 from tierstream.splits.positions import Offset
@@ -72,10 +72,9 @@ def _joins(url: str, joins: int) -> tuple[list[float], list[float], list[float]]
         with Producer(TOPIC, broker=url, max_in_flight=8) as producer:
             seq = 0
             while not stop.is_set():
-                for p in range(PARTITIONS):
-                    producer._send(p, _batch(250, 1000, seed=seq))  # 20,000 msg/s in all
+                for p in range(PARTITIONS):  # 20,000 msg/s in all
+                    producer.send_batch(_batch(250, 1000, seed=seq), partition=p)
                     seq += 1
-                producer.flush()
                 time.sleep(0.05)
 
     stayers = [_worker_process(url, "joins", "key_shared", f"stay-{i}", drain=False)
@@ -120,15 +119,14 @@ def _longest_gap(times: list[float], lo: float, hi: float) -> float:
 
 
 def subscriptions(quick: bool = True) -> Path:
-    messages = 400_000 if quick else 2_000_000
-    runs = 3 if quick else 5
-    joins = 5 if quick else 15
+    messages, runs, joins = sized((400_000, 3, 5) if quick else (2_000_000, 5, 15),
+                                  (4_000, 1, 1))
     with broker_with_topic(TOPIC, PARTITIONS) as url:
         with Producer(TOPIC, broker=url, max_in_flight=16) as producer:
-            for i in range(messages // 1000 // PARTITIONS):
-                for p in range(PARTITIONS):
-                    producer._send(p, _batch(1000, 1000, seed=i * PARTITIONS + p))
-            producer.flush()
+            for p in range(PARTITIONS):  # each partition's batches pipelined, one wait
+                producer.send_batch(pa.Table.from_batches(
+                    [_batch(1000, 1000, seed=i * PARTITIONS + p)
+                     for i in range(messages // 1000 // PARTITIONS)]), partition=p)
         rates: dict[str, list[float]] = {"exclusive": [], "shared": [], "key_shared": []}
         acks: list[float] = []
         with Admin(url) as admin:

@@ -16,7 +16,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bench.harness import Figure, console, fill_clicks, report, timed
+from bench.harness import Figure, console, fill_clicks, report, sized, timed
 from tierstream.broker.config import StoreConfig
 from tierstream.broker.store import Store
 from tierstream.names import TopicName
@@ -45,7 +45,7 @@ def _store(root: Path, entries: int, per_entry: int, keys: int, **options: Any) 
 
 def offload(quick: bool = True) -> Path:
     """MB/s of segment (bookie) bytes offloaded, to file:// and to a moto S3 server."""
-    entries, per_entry, runs = (50, 2000, 3) if quick else (100, 5000, 5)
+    entries, per_entry, runs = sized((50, 2000, 3) if quick else (100, 5000, 5), (5, 100, 1))
     figures: list[Figure] = []
     sizes: dict[str, Any] = {}
     import logging
@@ -55,7 +55,7 @@ def offload(quick: bool = True) -> Path:
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     moto.start()
-    host, port = moto._server.server_address  # type: ignore[attr-defined]
+    host, port = moto.get_host_and_port()
     endpoint = f"http://{host}:{port}"
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
@@ -78,7 +78,7 @@ def offload(quick: bool = True) -> Path:
                         # the catalog and the topic's table exist before the timing: made once
                         # per topic, they are not what a segment's offload costs
                         store.offloader.catalog.table(TopicName.parse(TOPIC))
-                        rows = store.offloader._segment_rows(plog, seg)
+                        rows = store.offloader.segment_rows(plog, seg)
                         offloader = store.offloader
                         seconds = timed(lambda: offloader.offload_segment(plog, seg))  # noqa: B023
                         moved = plog.closed_segments()[0]
@@ -137,7 +137,7 @@ def _fetched_fraction(path: str, *, key_range: KeyRange | None = None,
 
 def layout(quick: bool = True) -> Path:
     """Bytes a k=4 key-range read and a 10% time-window read fetch, for each layout."""
-    entries, per_entry = (50, 2000) if quick else (100, 5000)
+    entries, per_entry = sized((50, 2000) if quick else (100, 5000), (5, 100))
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         store = _store(Path(tmp) / "data", entries + 1, per_entry, 1000)
@@ -145,7 +145,7 @@ def layout(quick: bool = True) -> Path:
             store.seal(TOPIC)
             plog = store.partition(TOPIC, 0)
             (seg,) = plog.closed_segments()
-            rows = store.offloader._segment_rows(plog, seg)
+            rows = store.offloader.segment_rows(plog, seg)
         finally:
             store.close()
         lo_t = rows.column("publish_time")[0].as_py()
@@ -191,22 +191,26 @@ def catalog(quick: bool = True) -> Path:
     beside pyiceberg's add_files with its defaults on a plain table."""
     import warnings
 
+    from pyiceberg.catalog.sql import SqlCatalog
+
     from tierstream.message_format import MESSAGE_SCHEMA
     from tierstream.names import TopicName
     from tierstream.tier.catalog import TierCatalog
 
-    n = 200 if quick else 1000
+    n = sized(200 if quick else 1000, 20)
     window = 10
     topic = TopicName.parse(TOPIC)
     with tempfile.TemporaryDirectory() as tmp:
         tier = TierStorage.from_location(str(Path(tmp) / "tier"))
         empty = pa.Table.from_pylist([], MESSAGE_SCHEMA)
         ours_cat = TierCatalog("sqlite:///" + str(Path(tmp) / "ours.db"), tier)
-        plain_cat = TierCatalog("sqlite:///" + str(Path(tmp) / "plain.db"), tier)
-        plain_cat._catalog.create_namespace_if_not_exists(("plain",))
+        # the baseline: pyiceberg's own catalog and add_files, as a user would call them
+        plain_cat = SqlCatalog("plain", uri="sqlite:///" + str(Path(tmp) / "plain.db"),
+                               warehouse=tier.warehouse_url(), **tier.iceberg_properties())
+        plain_cat.create_namespace_if_not_exists(("plain",))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            plain = plain_cat._catalog.create_table(("plain", "t"), schema=MESSAGE_SCHEMA)
+            plain = plain_cat.create_table(("plain", "t"), schema=MESSAGE_SCHEMA)
         ours_ms: list[float] = []
         plain_ms: list[float] = []
         for i in range(n):

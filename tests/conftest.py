@@ -137,7 +137,7 @@ def moto_endpoint() -> Iterator[str]:
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
-    host, port = server._server.server_address  # type: ignore[attr-defined]
+    host, port = server.get_host_and_port()
     yield f"http://{host}:{port}"
     server.stop()
 

@@ -93,7 +93,7 @@ class Offloader:
         if retry and self.tier.exists(url):
             size = self.tier.size(url)
         else:
-            size = self.tier.write_segment(url, self._segment_rows(plog, seg))
+            size = self.tier.write_segment(url, self.segment_rows(plog, seg))
         self._fault("after_parquet")
         self.catalog.register(topic, url, retry=retry)
         self._fault("after_iceberg")
@@ -105,7 +105,9 @@ class Offloader:
                  seg.partition, url)
         return moved
 
-    def _segment_rows(self, plog: PartitionLog, seg: SegmentRecord) -> pa.Table:
+    def segment_rows(self, plog: PartitionLog, seg: SegmentRecord) -> pa.Table:
+        """The rows that offloading ``seg`` writes to the tier, read from its bookies (and
+        checked against its record's count)."""
         start = Position(seg.partition, seg.segment_id, 0, 0)
         end = Position(seg.partition, seg.segment_id, seg.entries, 0)
         batches = list(plog.read(start, end=end))

@@ -1,0 +1,39 @@
+"""Every benchmark runs: ``python -m bench ... --tiny`` on tiny inputs, so that none can rot
+unseen (``python -m bench plan`` once failed for weeks on a private method that moved)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.__main__ import BENCHMARKS
+
+from .timing import scaled
+
+ROOT = Path(__file__).parent.parent
+#: three groups run side by side: most of a tiny run is process and JVM start-up and waiting
+#: for consumers to go idle, not CPU
+GROUPS = [["spark"], ["pulsar-consume", "subscriptions", "metadata"],
+          [n for n in BENCHMARKS if n not in ("spark", "pulsar-consume", "subscriptions",
+                                              "metadata")]]
+
+
+def test_every_benchmark_runs_on_tiny_inputs(tmp_path: Path) -> None:
+    assert sorted(n for g in GROUPS for n in g) == sorted(BENCHMARKS)
+    results = ROOT / "bench" / "results"
+    kept = {p: p.stat().st_mtime_ns for p in results.glob("*")}  # a user's real figures
+    logs = [tmp_path / f"group-{i}.log" for i in range(len(GROUPS))]
+    procs = []
+    for names, log in zip(GROUPS, logs, strict=True):
+        with log.open("w") as out:
+            procs.append(subprocess.Popen([sys.executable, "-m", "bench", *names, "--tiny"],
+                                          cwd=ROOT, stdout=out, stderr=subprocess.STDOUT))
+    codes = [p.wait(timeout=scaled(600)) for p in procs]
+    for names, code, log in zip(GROUPS, codes, logs, strict=True):
+        text = log.read_text()
+        assert code == 0, f"{names}:\n{text[-6000:]}"
+        for name in names:
+            assert f"benchmark {name}: " in text, (name, text[-3000:])
+    assert {p: p.stat().st_mtime_ns for p in results.glob("*")} == kept, \
+        "a tiny run wrote into bench/results/"
