@@ -47,7 +47,8 @@ def remote_write(quick: bool = True) -> Path:
                     if kind == "network":  # the running bookies, registered there too
                         _register(db, bookies)
                         args = ["--metadata", db, "--network-bookies", *quorum,
-                                "--tier-url", str(Path(tmp) / f"tier-{r}"), "--tier-shared"]
+                                "--tier-url", str(Path(tmp) / f"tier-{r}"), "--tier-shared",
+                                "--catalog-uri", f"sqlite:///{Path(tmp) / f'catalog-{r}.db'}"]
                     else:
                         args = ["--metadata", db, "--bookies", "3", *quorum]
                     rate = _produce(data, args, f"bench/remote/r{r}", messages)
@@ -122,7 +123,8 @@ def re_replication(quick: bool = True) -> Path:
                 broker = BrokerProcess(Path(tmp) / "broker", args=[
                     "--metadata", url, "--network-bookies", "--write-quorum", "3",
                     "--ack-quorum", "2", "--max-segment-bytes", "64MB", "--tier-url",
-                    str(Path(tmp) / "tier"), "--tier-shared"]).start(timeout=120)
+                    str(Path(tmp) / "tier"), "--tier-shared", "--catalog-uri",
+                    f"sqlite:///{Path(tmp) / 'catalog.db'}"]).start(timeout=120)
                 try:
                     topic = f"bench/repair/r{r}"
                     with Admin(broker.url) as admin:

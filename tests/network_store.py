@@ -100,14 +100,15 @@ class BookieProcess:
 
 
 def broker_args(metadata: str, *extra: str) -> list[str]:
-    """A broker of the store whose metadata is ``metadata``: network bookies, and a tier
-    every broker of the store shares (one per metadata database, as segment ids are)."""
+    """A broker of the store whose metadata is ``metadata``: network bookies, and a tier and
+    an Iceberg catalog every broker of the store shares (one per metadata database, as
+    segment ids are)."""
     import tempfile
 
     tier = Path(tempfile.gettempdir()) / "tierstream-shared-tiers" / metadata.rsplit("/", 1)[1]
     return ["--metadata", metadata, "--network-bookies", "--no-fsync",
             "--bookie-timeout", f"{scaled(3):g}s", "--tier-url", str(tier), "--tier-shared",
-            *extra]
+            "--catalog-uri", f"sqlite:///{tier}-catalog.db", *extra]
 
 
 class Hosts:

@@ -298,9 +298,18 @@ def test_bad_network_bookie_settings_are_one_line_each(tmp_path, postgres) -> No
         assert done.returncode == 2 and "--tier-shared" in done.stderr, done.stderr
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert not (tmp_path / "b").exists()
+    # a shared tier, but the Iceberg catalog on this host only: the same refusal for it
+    shared = ["--tier-url", str(tmp_path / "tier"), "--tier-shared"]
+    for flags in (["--network-bookies"], ["--standby"]):
+        done = start("broker", "start", "--data-dir", str(tmp_path / "b"), *flags,
+                     "--metadata", url, "--port", "0", "--pulsar-port", "0", "--admin-port",
+                     "0", *shared)
+        assert done.returncode == 2 and "--catalog-uri" in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not (tmp_path / "b").exists()
     done = start("broker", "start", "--data-dir", str(tmp_path / "b"), "--network-bookies",
                  "--metadata", url, "--port", "0", "--pulsar-port", "0", "--admin-port", "0",
-                 "--tier-url", str(tmp_path / "tier"), "--tier-shared")
+                 *shared, "--catalog-uri", url.replace("postgresql://", "postgresql+psycopg://"))
     assert done.returncode != 0 and "no bookie is registered" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
     done = start("bookie", "serve", "--data-dir", str(tmp_path / "c"), "--metadata",

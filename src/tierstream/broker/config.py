@@ -84,6 +84,15 @@ class StoreConfig:
                 "the store over on another host could not read what this one offloads: give "
                 "--tier-url s3://bucket/prefix (with --catalog-uri on a shared database), or a "
                 "path every broker host mounts with --tier-shared")
+        if (self.network_bookies or self.takeover_after_s is not None) and \
+                self.metadata_url is not None and self.catalog_uri is None:
+            flag = "--network-bookies" if self.network_bookies else "--standby"
+            raise ConfigError(
+                f"{flag}: the Iceberg catalog (the default, DATA_DIR/catalog.db) is on this "
+                "host only, and a broker that takes the store over on another host would "
+                "register its offloads in a catalog of its own: give --catalog-uri on a "
+                "database every broker host reaches (e.g. the metadata database: "
+                "postgresql+psycopg://user@host/database)")
         if self.network_bookies:
             if self.metadata_url is None:
                 raise ConfigError("--network-bookies needs --metadata postgresql://...: "

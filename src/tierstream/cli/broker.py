@@ -98,8 +98,9 @@ def broker_start(
     s3_region: Annotated[str | None, typer.Option(envvar="AWS_REGION", help="S3 region.")]
         = None,
     catalog_uri: Annotated[str | None, typer.Option(
-        envvar="TIERSTREAM_CATALOG_URI", help="Iceberg SQL catalog URL (default: "
-        "sqlite:///DATA_DIR/catalog.db).")] = None,
+        envvar="TIERSTREAM_CATALOG_URI", help="Iceberg SQL catalog URL, a SQLAlchemy URL "
+        "(default: sqlite:///DATA_DIR/catalog.db; with --network-bookies or --standby, one "
+        "every broker host reaches, e.g. postgresql+psycopg://user@host/database).")] = None,
     offload_after: Annotated[str | None, typer.Option(help=_help("offloadAfter"))] = None,
     offload_threshold: Annotated[str | None, typer.Option(help=_help("offloadThreshold"))]
         = None,
