@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -857,3 +858,28 @@ def test_broker_start_detach_returns_once_serving_and_broker_stop_stops_it(tmp_p
     assert "broker shutting down" in (tmp_path / "store.log").read_text()
     none = run("broker", "stop", "--data-dir", str(data))
     assert none.returncode == 2 and "no broker serves" in none.stderr, none.stderr
+
+
+def test_a_standby_started_with_detach_returns_once_it_stands_by_and_stops(
+        tmp_path: Path, start_broker: Any, postgres: Any) -> None:
+    """Regression: ``broker start --standby --detach`` never returned (it waited for a
+    "listening" line that a standby prints only when it takes over), and ``broker stop``
+    said no broker serves its directory (a standby took its directory's lock only after the
+    takeover, so a second broker could start on it too)."""
+    url = postgres.new_database()
+    start_broker("--metadata", url)  # the serving broker
+    data = tmp_path / "standby"
+    args = ["broker", "start", "--data-dir", str(data), "--port", "0", "--pulsar-port", "0",
+            "--admin-port", "0", "--metadata", url, "--standby", "--takeover-after", "60s",
+            "--tier-url", str(tmp_path / "tier"), "--tier-shared",
+            "--catalog-uri", f"sqlite:///{tmp_path / 'catalog.db'}", "--detach"]
+    started = run(*args)
+    try:
+        assert started.returncode == 0, started.stderr
+        assert "standby running in the background" in started.stdout, started.stdout
+        again = run(*args)  # its directory is held while it stands by
+        assert again.returncode == 1 and "already in use" in again.stderr, again.stderr
+    finally:
+        stopped = run("broker", "stop", "--data-dir", str(data))
+    assert stopped.returncode == 0 and "stopped the broker of" in stopped.stdout, \
+        stopped.stderr

@@ -73,3 +73,42 @@ def test_every_cli_command_goes_on_with_the_next_broker(brokers: str, command: l
                stdin='{"key": "k", "value": "x"}\n')
     assert done.returncode == 0, done.stderr
     assert "cannot reach" not in done.stderr, done.stderr
+
+
+def test_a_client_naming_several_brokers_waits_for_one_while_none_answers(
+        start_broker: Any, data_dir: Any, free_port: int) -> None:
+    """Regression: during a takeover neither broker answers for a while (the old one is
+    dead, the standby not yet serving), and every ``produce`` in that window failed at once
+    with ``cannot reach the broker``. A client that names several brokers now waits for one
+    (round after round, with backoff, up to FAILOVER_WAIT_S), as Pulsar's clients do."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    first = start_broker(port=free_port)
+    with Admin(first.url) as admin:
+        admin.create_topic(TOPIC, 1)
+    first.stop()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    brokers = f"grpc://127.0.0.1:{dead},grpc://127.0.0.1:{free_port}"
+    message = data_dir.parent / "message.json"
+    message.write_text('{"value": "during the takeover"}\n')
+    with message.open() as stdin:
+        producing = subprocess.Popen(
+            [sys.executable, "-m", "tierstream", "produce", TOPIC, "--broker", brokers],
+            stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert producing.stderr is not None
+    deadline = time.monotonic() + scaled(30)
+    said = producing.stderr.readline()  # the one line that says it waits
+    assert "waiting up to" in said and time.monotonic() < deadline, said
+    start_broker(port=free_port)  # the standby serves
+    out, err = producing.communicate(timeout=scaled(60))
+    assert producing.returncode == 0, said + err
+    assert "produced 1 message(s)" in err, err
+    with Admin(f"grpc://127.0.0.1:{free_port}") as admin:
+        assert admin.get_topic(TOPIC).partitions == 1
+    assert _count(read(TOPIC, broker=f"grpc://127.0.0.1:{free_port}",
+                       end=Offset.latest())) == 1

@@ -56,13 +56,26 @@ class Store:
 
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
-        # metadata on PostgreSQL is checked (reachable, this version, not held by another
-        # broker) before anything is created here
-        remote = MetadataStore(config.metadata_url, takeover_after_s=config.takeover_after_s) \
-            if config.metadata_url else None
+        self._lock_file: Any = None
+
+        def hold_data_dir() -> None:
+            if self._lock_file is None:
+                prepare_data_dir(config.data_dir)
+                self._lock_file = lock_data_dir(config.data_dir, config.layout.lock)
+
+        # metadata on PostgreSQL is checked (reachable, not held by another broker) before
+        # anything is created here; a standby holds its data directory while it waits, so
+        # that `broker stop` finds it and a second broker on the directory is refused
         try:
-            prepare_data_dir(config.data_dir)
-            self._lock_file = lock_data_dir(config.data_dir, config.layout.lock)
+            remote = MetadataStore(config.metadata_url,
+                                   takeover_after_s=config.takeover_after_s,
+                                   on_standby=hold_data_dir) if config.metadata_url else None
+        except BaseException:  # a standby that stood by, then failed (or was stopped)
+            if self._lock_file is not None:
+                unlock_data_dir(self._lock_file)
+            raise
+        try:
+            hold_data_dir()
         except BaseException:
             if remote is not None:
                 remote.close()

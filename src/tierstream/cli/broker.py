@@ -209,8 +209,8 @@ def broker_stop(
     data_dir: DataDirOpt = Path(DEFAULT_DATA_DIR),
     timeout: Annotated[str, typer.Option(help="How long to wait for a clean stop.")] = "60s",
 ) -> None:
-    """Stop the broker serving DATA_DIR on this host (SIGTERM: it seals its open segments and
-    exits cleanly), and wait until it did.
+    """Stop the broker of DATA_DIR on this host, serving or standing by (SIGTERM: it seals
+    its open segments and exits cleanly), and wait until it did.
 
     Example: tierstream broker stop --data-dir ./tierstream-data
     """
@@ -237,7 +237,7 @@ def broker_stop(
         if time.monotonic() > deadline:
             raise UnavailableError(f"the broker (pid {pid}) did not stop within {timeout}")
         time.sleep(0.1)  # polling the lock the broker lets go of as it exits
-    print(f"stopped the broker serving {data_dir} (pid {pid})")
+    print(f"stopped the broker of {data_dir} (pid {pid})")
 
 
 @bookie_app.command("serve")
@@ -301,11 +301,14 @@ def bookie_serve(
 
 def _detach(log_file: Path, data_dir: Path) -> None:
     """Start this same command without --detach in a session of its own, its output to
-    ``log_file``; return (exit 0) once it serves, printing what it printed, or exit with its
-    error and status (Pulsar's ``pulsar-daemon start``)."""
+    ``log_file``; return (exit 0) once it serves (a standby: once it stands by for the
+    serving broker), printing what it printed, or exit with its error and status (Pulsar's
+    ``pulsar-daemon start``)."""
     import os
     import subprocess
     import time
+
+    from tierstream.metadata.postgres import STANDING_BY
 
     args, skip = [], False
     for a in sys.argv[1:]:
@@ -339,6 +342,11 @@ def _detach(log_file: Path, data_dir: Path) -> None:
                     print(line)
             print(f"broker running in the background: pid {child.pid}, log {log_file} "
                   f"(stop it with: tierstream broker stop --data-dir {data_dir})", flush=True)
+            raise typer.Exit(0)
+        if STANDING_BY in said:  # a standby is ready once it waits for the serving broker
+            print(f"standby running in the background: pid {child.pid}; it takes over once "
+                  f"the serving broker is silent (log {log_file}; stop it with: tierstream "
+                  f"broker stop --data-dir {data_dir})", flush=True)
             raise typer.Exit(0)
         code = child.poll()
         if code is not None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Self
 
@@ -14,7 +16,14 @@ from tierstream.options import parse_options
 from tierstream.protocol import decode, encode, translate_errors
 from tierstream.security import call_headers, client_for, read_pem
 
-__all__ = ["BrokerClient"]
+__all__ = ["FAILOVER_WAIT_S", "BrokerClient"]
+
+log = logging.getLogger(__name__)
+
+#: how long a client that names several brokers waits for one of them to answer when none
+#: does — a standby taking over needs its --takeover-after and its recovery — as Pulsar's
+#: clients wait out their operation timeout (30 s)
+FAILOVER_WAIT_S = 30.0
 
 
 class BrokerClient:
@@ -59,21 +68,36 @@ class BrokerClient:
 
     def _call(self, work: Callable[[Any], Any]) -> Any:
         """``work(flight client)`` on the broker in use; if it cannot be reached (or was
-        fenced), on the next ones named, once round. The brokers are tried in a local order
-        (threads of one producer share this client), and the one that answers is kept."""
-        start = self.urls.index(self.url) if self.url in self.urls else 0
-        for turn in range(len(self.urls)):
-            url = self.urls[(start + turn) % len(self.urls)]
-            try:
-                with translate_errors(url):
-                    result = work(self._client_of(url))
-            except UnavailableError:
-                if turn == len(self.urls) - 1:
-                    raise
-                continue
-            self.url = url
-            return result
-        raise AssertionError("unreachable")
+        fenced), on the next ones named. The brokers are tried in a local order (threads of
+        one producer share this client), and the one that answers is kept. One broker named:
+        its error at once. Several: while none answers (a standby taking over), round after
+        round with backoff for up to :data:`FAILOVER_WAIT_S`, then one error naming them."""
+        deadline: float | None = None
+        pause = 0.1
+        while True:
+            start = self.urls.index(self.url) if self.url in self.urls else 0
+            for turn in range(len(self.urls)):
+                url = self.urls[(start + turn) % len(self.urls)]
+                try:
+                    with translate_errors(url):
+                        result = work(self._client_of(url))
+                except UnavailableError as exc:
+                    last = exc
+                    continue
+                self.url = url
+                return result
+            if len(self.urls) < 2:
+                raise last
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + FAILOVER_WAIT_S
+                log.warning("no broker of %s answers (%s); waiting up to %g s for one",
+                            ", ".join(self.urls), last, FAILOVER_WAIT_S)
+            if now >= deadline:
+                raise UnavailableError(f"no broker of {', '.join(self.urls)} answered in "
+                                       f"{FAILOVER_WAIT_S:g} s; the last said: {last}")
+            time.sleep(min(pause, deadline - now))  # backoff between rounds of tries
+            pause = min(2 * pause, 1.0)
 
     def next_broker(self) -> str:
         """Use the next broker named (one that answers, but not in time, is left too)."""

@@ -29,7 +29,7 @@ import re
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from functools import lru_cache
 from typing import Any
@@ -37,9 +37,12 @@ from typing import Any
 from tierstream.errors import ConfigError, ConflictError, UnavailableError
 from tierstream.metadata.backend import Args, Cursor, Tx, UniqueViolation
 
-__all__ = ["PostgresBackend", "outage_limit_s", "safe_url"]
+__all__ = ["STANDING_BY", "PostgresBackend", "outage_limit_s", "safe_url"]
 
 log = logging.getLogger(__name__)
+#: what a standby logs once it waits for the broker holding the store (``broker start
+#: --detach`` returns when it reads this)
+STANDING_BY = "is held by another broker; this one takes over"
 
 #: the first pause before trying an unreachable server again, and the longest
 FIRST_PAUSE_S = 0.2
@@ -126,8 +129,10 @@ class PostgresBackend:
     dialect = "postgresql"
 
     def __init__(self, url: str, *, read_only: bool = False,
-                 takeover_after_s: float | None = None, hold: bool = True) -> None:
+                 takeover_after_s: float | None = None, hold: bool = True,
+                 on_standby: Callable[[], None] | None = None) -> None:
         self.url = url
+        self._on_standby = on_standby  # called once a standby starts waiting
         self.hold = hold
         self.name = safe_url(url)
         self.read_only = read_only
@@ -217,9 +222,10 @@ class PostgresBackend:
                         f"{now - unreachable:.0f} s while this broker stood by: "
                         f"{_first_line(exc)}") from None
             if not told and takeover_after_s is not None:
-                log.info("standing by: the metadata store %s is held by another broker; "
-                         "this one takes over once that one is silent for %g s", self.name,
-                         takeover_after_s)
+                if self._on_standby is not None:
+                    self._on_standby()
+                log.info("standing by: the metadata store %s %s once that one is silent "
+                         "for %g s", self.name, STANDING_BY, takeover_after_s)
                 told = True
             time.sleep(min(1.0, (takeover_after_s or 4.0) / 4))
 

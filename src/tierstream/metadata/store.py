@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -64,15 +64,18 @@ def segment_of_row(row: tuple[Any, ...]) -> SegmentRecord:
 
 
 def open_backend(where: str | Path, *, read_only: bool = False,
-                 takeover_after_s: float | None = None, hold: bool = True) -> Backend:
+                 takeover_after_s: float | None = None, hold: bool = True,
+                 on_standby: Callable[[], None] | None = None) -> Backend:
     """The backend ``where`` names: a ``postgresql://`` URL, or the path of a SQLite file.
-    ``takeover_after_s``: a broker standing by for the database; ``hold=False``: a writer
-    that is not the broker (a bookie registering itself) (PostgreSQL only)."""
+    ``takeover_after_s``: a broker standing by for the database (``on_standby`` is called
+    once it starts waiting); ``hold=False``: a writer that is not the broker (a bookie
+    registering itself) (PostgreSQL only)."""
     if str(where).startswith(POSTGRES_SCHEMES):
         from tierstream.metadata.postgres import PostgresBackend
 
         backend: Backend = PostgresBackend(str(where), read_only=read_only,
-                                           takeover_after_s=takeover_after_s, hold=hold)
+                                           takeover_after_s=takeover_after_s, hold=hold,
+                                           on_standby=on_standby)
         return backend
     return SqliteBackend(where, read_only=read_only)
 
@@ -86,9 +89,11 @@ class MetadataStore:
     """
 
     def __init__(self, where: str | Path, *, read_only: bool = False,
-                 takeover_after_s: float | None = None, hold: bool = True) -> None:
+                 takeover_after_s: float | None = None, hold: bool = True,
+                 on_standby: Callable[[], None] | None = None) -> None:
         self.backend: Backend = open_backend(where, read_only=read_only,
-                                             takeover_after_s=takeover_after_s, hold=hold)
+                                             takeover_after_s=takeover_after_s, hold=hold,
+                                             on_standby=on_standby)
         self.path = where if isinstance(where, Path) else Path(where) \
             if not str(where).startswith(POSTGRES_SCHEMES) else None
         try:
