@@ -103,3 +103,23 @@ def test_the_tree_shows_what_runs_where() -> None:
         if name.startswith("tierstream.client"):
             leaks = sorted(m for m in _imports(path, modules) if m.startswith(server_side))
             assert leaks == [], f"{name} (client side) imports the server side: {leaks}"
+
+
+def test_the_pulsar_wire_knows_nothing_of_the_broker() -> None:
+    """Pulsar's protocol is two layers: the wire (``pulsar_protocol``: frames, commands,
+    message ids, message metadata, names, error codes) and the broker's handlers that call
+    its services (``broker.pulsar``: listener, connection, produce, consume, admin REST).
+    The wire imports no service; only the broker's entry point (``broker.run``) and the
+    handlers themselves import the handlers."""
+    modules = _modules()
+    services = ("tierstream.broker", "tierstream.bookie", "tierstream.metadata",
+                "tierstream.client", "tierstream.cli", "tierstream.spark_adapter",
+                "tierstream.tier", "tierstream.readers")
+    for name, path in modules.items():
+        imported = _imports(path, modules)
+        if name.startswith("tierstream.pulsar_protocol"):
+            upward = sorted(m for m in imported if m.startswith(services))
+            assert not upward, f"{name} (the wire) imports {upward}"
+        if not name.startswith(("tierstream.broker.pulsar", "tierstream.broker.run")):
+            handlers = sorted(m for m in imported if m.startswith("tierstream.broker.pulsar"))
+            assert not handlers, f"{name} imports the Pulsar handlers {handlers}"

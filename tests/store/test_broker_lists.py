@@ -105,7 +105,7 @@ def test_a_client_naming_several_brokers_waits_for_one_while_none_answers(
     said = producing.stderr.readline()  # the one line that says it waits
     assert "waiting up to" in said and time.monotonic() < deadline, said
     start_broker(port=free_port)  # the standby serves
-    out, err = producing.communicate(timeout=scaled(60))
+    _, err = producing.communicate(timeout=scaled(60))
     assert producing.returncode == 0, said + err
     assert "produced 1 message(s)" in err, err
     with Admin(f"grpc://127.0.0.1:{free_port}") as admin:

@@ -49,12 +49,12 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
     is 0; same host, token and TLS), registered in metadata under ``advertised_address`` (the
     host readers on other machines use) or ``host``. With ``metrics_port``, Prometheus
     metrics are served there (``broker/metrics.py``; 0: any free port). With ``pulsar_port``
-    (0: off), Pulsar clients are served there (``pulsar_protocol/server.py``); with TLS
+    (0: off), Pulsar clients are served there (``broker/pulsar/server.py``); with TLS
     (``tls_cert``), on ``pulsar_tls_port`` instead (None: 6652; 0: off), as pulsar+ssl, and
     the plain port stays closed, as Flight has no plain port then; ``pulsar_auto_create``:
     a topic a Pulsar client names is created if missing. With ``admin_port`` (None: 8080, or
     8443 as HTTPS with TLS; 0: off), Pulsar's admin REST subset is served there
-    (``pulsar_protocol/admin_http.py``). ``ready`` is called with the broker URL and
+    (``broker/pulsar/admin_http.py``). ``ready`` is called with the broker URL and
     ``{what: URL}`` of the other listeners (metrics, pulsar clients, pulsar admin) once it
     accepts calls.
     """
@@ -111,7 +111,7 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
                                     host=metrics_host, port=metrics_port, tls_cert=tls_cert,
                                     tls_key=tls_key)
         if pulsar_port:
-            from tierstream.pulsar_protocol.server import PulsarServer
+            from tierstream.broker.pulsar.server import PulsarServer
 
             pulsar = PulsarServer(store, host=host, port=pulsar_port,
                                   advertised=advertised_address, auth_token=auth_token,
@@ -120,7 +120,7 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
                                   tls_cert=tls_cert,
                                   tls_key=tls_key, auto_create=pulsar_auto_create)
         if admin_port:
-            from tierstream.pulsar_protocol.admin_http import AdminServer
+            from tierstream.broker.pulsar.admin_http import AdminServer
 
             admin = AdminServer(broker, host=host, port=admin_port, auth_token=auth_token,
                                 advertised=advertised_address, tls_cert=tls_cert,

@@ -135,7 +135,7 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
 
     def call(self, action: str, body: dict[str, Any]) -> Any:
         """Run one admin action (``_ACTIONS``) on ``body``: what Flight's ``do_action`` and
-        the Pulsar admin REST endpoint (``pulsar_protocol/admin_http.py``) both call.
+        the Pulsar admin REST endpoint (``broker/pulsar/admin_http.py``) both call.
         TierstreamError on failure; a malformed body is a ProtocolError."""
         entry = _ACTIONS.get(action)
         if entry is None:

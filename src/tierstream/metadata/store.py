@@ -67,9 +67,8 @@ def open_backend(where: str | Path, *, read_only: bool = False,
                  takeover_after_s: float | None = None, hold: bool = True,
                  on_standby: Callable[[], None] | None = None) -> Backend:
     """The backend ``where`` names: a ``postgresql://`` URL, or the path of a SQLite file.
-    ``takeover_after_s``: a broker standing by for the database (``on_standby`` is called
-    once it starts waiting); ``hold=False``: a writer that is not the broker (a bookie
-    registering itself) (PostgreSQL only)."""
+    PostgreSQL only: ``takeover_after_s``, a standby (``on_standby()`` once it waits);
+    ``hold=False``, a writer that is not the broker (a bookie registering itself)."""
     if str(where).startswith(POSTGRES_SCHEMES):
         from tierstream.metadata.postgres import PostgresBackend
 

@@ -8,10 +8,16 @@ import socket
 import socketserver
 import ssl
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from tierstream.broker.pulsar.connection import KEEPALIVE_S, Connection, Listener
 from tierstream.options import DEFAULT_PULSAR_PORT
-from tierstream.pulsar_protocol.connection import KEEPALIVE_S, Connection, Listener
+
+if TYPE_CHECKING:
+    from tierstream.broker.store import Store
+    from tierstream.broker.subscriptions.registry import Subscriptions
+    from tierstream.broker.topic_stats import Streams
+    from tierstream.metadata.schema_registry import SchemaRegistry
 
 __all__ = ["PulsarServer"]
 
@@ -24,14 +30,12 @@ class PulsarServer:
     connect with that token (Pulsar's AuthenticationToken); with ``tls_cert`` and ``tls_key``
     (PEM files) every connection is TLS (``pulsar+ssl://``)."""
 
-    def __init__(self, store: Any, *, host: str = "127.0.0.1", port: int = DEFAULT_PULSAR_PORT,
-                 advertised: str | None = None, auth_token: str | None = None,
-                 auto_create: bool = True, schemas: Any = None, subscriptions: Any = None,
-                 streams: Any = None, tls_cert: str | None = None,
+    def __init__(self, store: Store, *, host: str = "127.0.0.1",
+                 port: int = DEFAULT_PULSAR_PORT, advertised: str | None = None,
+                 auth_token: str | None = None, auto_create: bool = True,
+                 schemas: SchemaRegistry, subscriptions: Subscriptions, streams: Streams,
+                 tls_cert: str | None = None,
                  tls_key: str | None = None) -> None:
-        from tierstream.broker.topic_stats import Streams
-        from tierstream.metadata.schema_registry import SchemaRegistry
-
         self._lock = threading.Lock()
         self._connections: set[Connection] = set()
         server = self
@@ -65,10 +69,9 @@ class PulsarServer:
         scheme = "pulsar+ssl" if context is not None else "pulsar"
         self.url = f"{scheme}://{'[' + name + ']' if ':' in name else name}:{self.port}"
         self.listener = Listener(
-            store=store, schemas=schemas if schemas is not None else SchemaRegistry(
-                store.metadata), subscriptions=subscriptions,
-            streams=streams if streams is not None else Streams(), url=self.url,
-            tls=context is not None, auth_token=auth_token, auto_create=auto_create)
+            store=store, schemas=schemas, subscriptions=subscriptions, streams=streams,
+            url=self.url, tls=context is not None, auth_token=auth_token,
+            auto_create=auto_create)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
                                         name="tierstream-pulsar-listener")
         self._thread.start()

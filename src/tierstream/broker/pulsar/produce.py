@@ -18,7 +18,7 @@ import queue
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -32,6 +32,11 @@ from tierstream.pulsar_protocol.schemas import (
     schema_version_bytes,
     version_of,
 )
+
+if TYPE_CHECKING:
+    from tierstream.broker.store import Store
+    from tierstream.broker.topic_stats import Streams
+    from tierstream.metadata.schema_registry import SchemaRegistry
 
 __all__ = ["Link", "ProducePath", "check_routing"]
 
@@ -57,7 +62,8 @@ class Link(Protocol):
 class ProducePath:
     """The producers of one connection and the thread that answers their sends in order."""
 
-    def __init__(self, link: Link, store: Any, schemas: Any, streams: Any) -> None:
+    def __init__(self, link: Link, store: Store, schemas: SchemaRegistry, streams: Streams
+                 ) -> None:
         self.link, self.store, self.schemas, self.streams = link, store, schemas, streams
         self.producers: dict[int, _Producer] = {}
         self._receipts: queue.Queue[Any] = queue.Queue(maxsize=1000)

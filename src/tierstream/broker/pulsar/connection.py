@@ -19,12 +19,13 @@ import socket
 import ssl
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierstream import __version__
+from tierstream.broker.pulsar.consume import ConsumePath
+from tierstream.broker.pulsar.produce import ProducePath
 from tierstream.errors import ConfigError, NotFoundError, ProtocolError, TierstreamError
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
-from tierstream.pulsar_protocol.consume import ConsumePath
 from tierstream.pulsar_protocol.frames import (
     MAX_FRAME_SIZE,
     MAX_MESSAGE_SIZE,
@@ -34,9 +35,14 @@ from tierstream.pulsar_protocol.frames import (
     read_frame_size,
 )
 from tierstream.pulsar_protocol.names import parse_pulsar_topic
-from tierstream.pulsar_protocol.produce import ProducePath
 from tierstream.pulsar_protocol.replies import error_code, request_id
 from tierstream.pulsar_protocol.schemas import pulsar_schema, schema_version_bytes, version_of
+
+if TYPE_CHECKING:
+    from tierstream.broker.store import Store
+    from tierstream.broker.subscriptions.registry import Subscriptions
+    from tierstream.broker.topic_stats import Streams
+    from tierstream.metadata.schema_registry import SchemaRegistry
 
 __all__ = ["Connection", "Listener"]
 
@@ -57,10 +63,10 @@ _Cmd = api.BaseCommand
 class Listener:
     """What every connection of a listener shares."""
 
-    store: Any
-    schemas: Any  # the broker's SchemaRegistry
-    subscriptions: Any  # the broker's Subscriptions (None: consumers are refused)
-    streams: Any  # the broker's Streams: producers and consumers show in its stats
+    store: Store
+    schemas: SchemaRegistry
+    subscriptions: Subscriptions
+    streams: Streams  # producers and consumers show in its stats
     url: str  # what LOOKUP answers: pulsar://host:port or pulsar+ssl://
     tls: bool
     auth_token: str | None

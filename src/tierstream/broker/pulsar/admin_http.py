@@ -41,7 +41,7 @@ import threading
 import urllib.parse
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierstream.errors import (
     AlreadyExistsError,
@@ -55,6 +55,9 @@ from tierstream.errors import (
 )
 from tierstream.pulsar_protocol.names import InvalidTopicName, parse_pulsar_topic
 from tierstream.timeutil import now_ms
+
+if TYPE_CHECKING:
+    from tierstream.broker.server import Broker
 
 __all__ = ["AdminServer", "pulsar_stats"]
 
@@ -100,7 +103,7 @@ class AdminServer:
     """Pulsar's admin REST subset for ``broker`` (a ``Broker``) on ``host:port`` (0: any free
     port), on a thread of its own; HTTPS with ``tls_cert``/``tls_key``."""
 
-    def __init__(self, broker: Any, *, host: str, port: int, auth_token: str | None = None,
+    def __init__(self, broker: Broker, *, host: str, port: int, auth_token: str | None = None,
                  advertised: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None) -> None:
         context = None
@@ -205,7 +208,7 @@ class AdminServer:
 class _Routes:
     """Paths to broker actions."""
 
-    def __init__(self, broker: Any) -> None:
+    def __init__(self, broker: Broker) -> None:
         self.broker = broker
 
     def handle(self, method: str, path: str, query: dict[str, list[str]], body: bytes

@@ -13,11 +13,12 @@ import contextlib
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import pyarrow as pa
 
+from tierstream.broker.pulsar.produce import Link
 from tierstream.broker.subscriptions.attached import Attached, ConsumerSettings
 from tierstream.broker.subscriptions.cursor_state import NON_DURABLE
 from tierstream.errors import ConflictError, TierstreamError
@@ -35,11 +36,16 @@ from tierstream.pulsar_protocol.message_ids import (
 from tierstream.pulsar_protocol.messages import (
     metadata_of,
 )
-from tierstream.pulsar_protocol.produce import Link
 from tierstream.pulsar_protocol.replies import Refused, error_code
 from tierstream.pulsar_protocol.schemas import check_consumer_schema
 from tierstream.splits.positions import KeyRange, Position
 from tierstream.subscription_type import SubscriptionType
+
+if TYPE_CHECKING:
+    from tierstream.broker.store import Store
+    from tierstream.broker.subscriptions.registry import Subscriptions
+    from tierstream.broker.topic_stats import Streams
+    from tierstream.metadata.schema_registry import SchemaRegistry
 
 __all__ = ["ConsumePath", "ConsumerLink"]
 
@@ -85,8 +91,8 @@ class _Consumer:
 class ConsumePath:
     """The consumers of one connection, a delivery thread each."""
 
-    def __init__(self, link: ConsumerLink, store: Any, subscriptions: Any, streams: Any,
-                 schemas: Any) -> None:
+    def __init__(self, link: ConsumerLink, store: Store, subscriptions: Subscriptions,
+                 streams: Streams, schemas: SchemaRegistry) -> None:
         self.link, self.store, self.subscriptions = link, store, subscriptions
         self.streams, self.schemas = streams, schemas
         self.consumers: dict[int, _Consumer] = {}
@@ -112,8 +118,6 @@ class ConsumePath:
             self.link.error(req.request_id, _subscribe_code(exc), str(exc))
 
     def _subscribe(self, req: api.CommandSubscribe) -> None:
-        if self.subscriptions is None:
-            raise Refused("this listener serves no subscriptions")
         if req.consumer_id in self.consumers:
             raise Refused(f"consumer id {req.consumer_id} is already in use on this connection")
         kind = _TYPES[req.subType]
