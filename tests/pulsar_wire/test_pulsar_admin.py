@@ -171,3 +171,52 @@ def test_an_admin_port_in_use_is_one_line_naming_the_option(tmp_path) -> None:
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
     assert f"in use on this host: {port} (--admin-port" in proc.stderr, proc.stderr
     assert not (tmp_path / "d").exists()  # nothing half-created
+
+
+def test_one_partition_by_its_name_is_a_topic_of_its_own_to_a_pulsar_client(
+        admin_broker) -> None:
+    """Regression: a consumer, reader or producer of ``...-partition-1`` (what Pulsar's
+    Flink and Spark connectors and Pulsar IO use) failed with TopicNotFound: partitioned
+    metadata for a partition's name answered the parent's count, so the client looked up
+    ``...-partition-1-partition-0``. Pulsar answers 0: the partition is a topic of its own."""
+    assert _call(admin_broker, "PUT", "persistent/acme/named/orders/partitions", 3)[0] == 204
+    one = "persistent://acme/named/orders-partition-1"
+    client = client_of(admin_broker)
+    try:
+        assert client.get_topic_partitions(one) == [one]
+        producer = client.create_producer(one, batching_enabled=False)
+        for i in range(5):
+            producer.send(f"m{i}".encode())
+        producer.flush()
+        consumer = client.subscribe(one, "by-name", consumer_type=pulsar.ConsumerType.Shared,
+                                    initial_position=pulsar.InitialPosition.Earliest)
+        got = [consumer.receive(timeout_millis=int(scaled(15) * 1000)) for _ in range(5)]
+        assert [m.data() for m in got] == [f"m{i}".encode() for i in range(5)]
+        for m in got:
+            consumer.acknowledge(m)
+        assert consumer.get_last_message_id() == got[-1].message_id()
+        consumer.seek(pulsar.MessageId.earliest)  # everything again
+        again = consumer.receive(timeout_millis=int(scaled(15) * 1000))
+        assert again.data() == b"m0"
+        reader = client.create_reader(one, pulsar.MessageId.earliest)
+        read = [reader.read_next(timeout_millis=int(scaled(15) * 1000)).data()
+                for _ in range(5)]
+        assert read == [f"m{i}".encode() for i in range(5)]
+        assert not reader.has_message_available()
+        # only partition 1 got them: the others are empty
+        with pytest.raises(pulsar.Timeout):
+            client.create_reader("persistent://acme/named/orders-partition-0",
+                                 pulsar.MessageId.earliest).read_next(timeout_millis=500)
+        # past the last partition: not found, as Pulsar's
+        with pytest.raises(pulsar.TopicNotFound):
+            client.create_producer("persistent://acme/named/orders-partition-3")
+    finally:
+        client.close()
+    # the admin REST calls take a partition's name too
+    assert _call(admin_broker, "GET", "persistent/acme/named/orders-partition-1/partitions") \
+        == (200, {"partitions": 0})
+    status, subs = _call(admin_broker, "GET",
+                         "persistent/acme/named/orders-partition-1/subscriptions")
+    assert status == 200 and "by-name" in subs, subs
+    assert _call(admin_broker, "GET",
+                 "persistent/acme/named/orders-partition-3/partitions")[0] == 404

@@ -242,8 +242,11 @@ class _Routes:
                                                     "partitions": _count(body)})
                 return HTTPStatus.NO_CONTENT, None
             case ("GET", [topic, "partitions"]):
-                count = self._record(self._whole(namespace, topic))["partitions"]
-                return HTTPStatus.OK, {"partitions": count if count > 1 else 0}
+                name, partition = self._partition(namespace, topic)
+                count = self._record(name)["partitions"]
+                # one partition, or one partition named: Pulsar's non-partitioned answer
+                return HTTPStatus.OK, {"partitions": count if count > 1 and partition is None
+                                       else 0}
             case ("DELETE", [topic]) | ("DELETE", [topic, "partitions"]):
                 self.broker.call("delete-topic", {"topic": self._whole(namespace, topic)})
                 return HTTPStatus.NO_CONTENT, None
@@ -252,7 +255,7 @@ class _Routes:
             case ("GET", [topic, "partitioned-stats"]):
                 return HTTPStatus.OK, self._partitioned_stats(namespace, topic, flag)
             case ("GET", [topic, "subscriptions"]):
-                name = self._whole(namespace, topic)
+                name, _ = self._partition(namespace, topic)  # every partition has them all
                 rows = self.broker.call("subscriptions", {"topic": name})
                 return HTTPStatus.OK, sorted({r["subscription"] for r in rows})
             case ("DELETE", [topic, "subscription", subscription]):
@@ -268,6 +271,17 @@ class _Routes:
     def _name(self, namespace: str, topic: str) -> tuple[str, int | None]:
         parsed = parse_pulsar_topic(f"persistent://{namespace}/{topic}")
         return parsed.topic, parsed.partition
+
+    def _partition(self, namespace: str, topic: str) -> tuple[str, int | None]:
+        """The topic and the partition a name means; a partition past the last one is
+        404, as Pulsar's "Topic not found"."""
+        name, partition = self._name(namespace, topic)
+        if partition is not None:
+            count = self._record(name)["partitions"]
+            if partition >= count:
+                raise _Answer(HTTPStatus.NOT_FOUND, f"Topic not found: {name} has partitions "
+                              f"0..{count - 1}")
+        return name, partition
 
     def _whole(self, namespace: str, topic: str) -> str:
         name, partition = self._name(namespace, topic)

@@ -303,23 +303,30 @@ class Connection:
         """(tierstream topic, its partition count, the partition) a producer or consumer
         names: a topic's base name is its partition 0 if it has one partition; a partitioned
         topic is produced to or subscribed by partition, as the clients do."""
-        topic, count, partition = self.topic_partitions(name, create=create)
+        topic, count, partition = self.named_partition(name, create=create)
         if partition is None:
             if count > 1:
                 raise ConfigError(f"{name!r} has {count} partitions: {verb} to its partitions "
                                   "(the client does so after partitioned metadata)")
             return topic, count, 0
-        if partition >= count:
+        return topic, count, partition
+
+    def named_partition(self, name: str, *, create: bool) -> tuple[str, int, int | None]:
+        """:meth:`topic_partitions`, and a partition named past the last one is not found
+        (Pulsar's TopicNotFound)."""
+        topic, count, partition = self.topic_partitions(name, create=create)
+        if partition is not None and partition >= count:
             raise NotFoundError(f"{name!r}: {topic} has partitions 0..{count - 1}")
         return topic, count, partition
 
     def _partitioned_metadata(self, req: api.CommandPartitionedTopicMetadata) -> None:
         reply = api.CommandPartitionedTopicMetadataResponse(request_id=req.request_id)
         try:
-            _, count, _ = self.topic_partitions(
+            _, count, partition = self.named_partition(
                 req.topic, create=req.metadata_auto_creation_enabled)
-            # one partition is Pulsar's non-partitioned topic: the client uses the bare name
-            reply.partitions = count if count > 1 else 0
+            # one partition is Pulsar's non-partitioned topic: the client uses the bare name;
+            # so is one partition named (``...-partition-i``), as Pulsar's broker answers
+            reply.partitions = count if count > 1 and partition is None else 0
             reply.response = reply.Success
         except TierstreamError as exc:
             reply.response, reply.error, reply.message = reply.Failed, error_code(exc), str(exc)
@@ -329,7 +336,7 @@ class Connection:
     def _lookup(self, req: api.CommandLookupTopic) -> None:
         reply = api.CommandLookupTopicResponse(request_id=req.request_id)
         try:
-            self.topic_partitions(req.topic, create=True)
+            self.named_partition(req.topic, create=True)
             reply.response, reply.authoritative = reply.Connect, True
             reply.brokerServiceUrl = self.listener.url
             if self.listener.tls:
