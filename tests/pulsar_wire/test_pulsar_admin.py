@@ -220,3 +220,27 @@ def test_one_partition_by_its_name_is_a_topic_of_its_own_to_a_pulsar_client(
     assert status == 200 and "by-name" in subs, subs
     assert _call(admin_broker, "GET",
                  "persistent/acme/named/orders-partition-3/partitions")[0] == 404
+
+
+def test_deleting_a_topic_with_clients_attached_is_refused_412(admin_broker) -> None:
+    """Regression: a DELETE over REST answered 204 and deleted the topic under a connected
+    consumer; Pulsar refuses it with 412 while producers or consumers are attached (and
+    tierstream does not serve force=true: 501, the topic left alone)."""
+    assert _call(admin_broker, "PUT", "persistent/acme/gone/t/partitions", 2)[0] == 204
+    client = client_of(admin_broker)
+    try:
+        consumer = client.subscribe("persistent://acme/gone/t", "s")
+        status, answer = _call(admin_broker, "DELETE", "persistent/acme/gone/t/partitions")
+        assert status == 412 and "active" in answer["reason"], answer
+        status, answer = _call(admin_broker, "DELETE",
+                               "persistent/acme/gone/t/partitions?force=true")
+        assert status == 501 and "force" in answer["reason"], answer
+        assert _call(admin_broker, "GET", "persistent/acme/gone/t/partitions") \
+            == (200, {"partitions": 2})
+        consumer.close()
+        wait_for(lambda: _call(admin_broker, "DELETE",
+                               "persistent/acme/gone/t/partitions")[0] == 204,
+                 timeout=scaled(30), what="the topic deleted once its consumer left")
+    finally:
+        client.close()
+    assert _call(admin_broker, "GET", "persistent/acme/gone/t/partitions")[0] == 404

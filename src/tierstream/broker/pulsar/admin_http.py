@@ -248,7 +248,7 @@ class _Routes:
                 return HTTPStatus.OK, {"partitions": count if count > 1 and partition is None
                                        else 0}
             case ("DELETE", [topic]) | ("DELETE", [topic, "partitions"]):
-                self.broker.call("delete-topic", {"topic": self._whole(namespace, topic)})
+                self._delete_topic(namespace, topic, query)
                 return HTTPStatus.NO_CONTENT, None
             case ("GET", [topic, "stats"]):
                 return HTTPStatus.OK, self._stats(namespace, topic)
@@ -312,6 +312,21 @@ class _Routes:
             else:
                 out.append(pulsar_name(record["name"]))
         return out
+
+    def _delete_topic(self, namespace: str, topic: str, query: dict[str, list[str]]
+                      ) -> None:
+        """Delete a topic that no client is attached to (Pulsar's 412 otherwise)."""
+        name = self._whole(namespace, topic)
+        if (query.get("force") or ["false"])[0].lower() == "true":
+            raise _Answer(HTTPStatus.NOT_IMPLEMENTED, "force=true is not supported: close the "
+                          "topic's producers and consumers, then delete it")
+        attached = self.broker.streams.current(name)
+        if attached:
+            kinds = sorted({e["kind"] for e in attached})
+            raise _Answer(HTTPStatus.PRECONDITION_FAILED, "Topic has active producers/"
+                          f"subscriptions: {len(attached)} {'/'.join(kinds)} stream(s) "
+                          f"attached to {name}; close them, then delete it")
+        self.broker.call("delete-topic", {"topic": name})
 
     # -- stats --------------------------------------------------------------------------------
 
