@@ -104,12 +104,15 @@ def test_a_named_producer_resumes_after_its_last_stored_sequence_id(
     assert values == [f"m{i}".encode() for i in range(11)]
 
 
-def test_a_key_routed_elsewhere_than_tierstream_routes_it_is_refused(
+def test_on_a_topic_that_grew_a_key_routed_elsewhere_than_tierstream_routes_it_is_refused(
         pulsar_broker: BrokerProcess) -> None:
-    """Each key lives in one partition for every tierstream reader: a Pulsar producer whose
-    router puts a key elsewhere is refused, and nothing of it is stored."""
+    """Across a topic's scale events readers find a key where tierstream's hash puts it: on
+    a topic that grew, a Pulsar producer whose router puts a key elsewhere is refused, and
+    nothing of it is stored (on one that never grew it is stored where the client routes
+    it: test_pulsar_routing.py)."""
     with Admin(pulsar_broker.url) as admin:
-        admin.create_topic("acme/web/routed", 4)
+        admin.create_topic("acme/web/routed", 2)
+        admin.set_partitions("acme/web/routed", 4)
     client = client_of(pulsar_broker)
     try:
         producer = client.create_producer("persistent://acme/web/routed",
@@ -130,6 +133,8 @@ def test_a_key_routed_elsewhere_than_tierstream_routes_it_is_refused(
     from tierstream.message_format import key_hash
 
     assert all(key_hash(r["key"]) % 4 == 0 for r in stored)
+    with Admin(pulsar_broker.url) as admin:
+        assert admin.get_topic("acme/web/routed").key_routing == "tierstream"
 
 
 def _frame_with_payload(command: api.BaseCommand, payload: bytes, *,

@@ -15,6 +15,7 @@ from typing import Protocol
 
 from tierstream.managed_ledger.partition_log import PartitionLog
 from tierstream.metadata.records import TopicRecord
+from tierstream.metadata.scale_events import growth_refused
 from tierstream.timeutil import describe_duration
 
 __all__ = ["AutoScaler", "ScalableTopics"]
@@ -61,6 +62,13 @@ class AutoScaler:
             if slowest <= self.rate:
                 continue
             grow = 2 * len(counts)
+            refused = growth_refused(topic)
+            if refused is not None:  # its Pulsar clients route its keys
+                if topic.name not in self._capped:
+                    self._capped.add(topic.name)
+                    log.warning("%s is above the auto-scale rate but %s", topic.name,
+                                str(refused).split(": ", 1)[1])
+                continue
             if grow > self.max_partitions:
                 if topic.name not in self._capped:
                     self._capped.add(topic.name)

@@ -26,6 +26,7 @@ from tierstream.bookie.storage import Bookie
 from tierstream.broker.auto_scale import AutoScaler
 from tierstream.broker.config import StoreConfig
 from tierstream.broker.data_dir import lock_data_dir, prepare_data_dir, unlock_data_dir
+from tierstream.broker.key_routing import KeyRouting
 from tierstream.broker.recovery import RecoveryReport, recover_open_segments
 from tierstream.broker.transaction_coordinator import TransactionCoordinator
 from tierstream.errors import (
@@ -113,6 +114,7 @@ class Store:
         self._rr = itertools.count()
         self._logs: dict[tuple[str, int], PartitionLog] = {}
         self._topics_lock = threading.Lock()
+        self.key_routing = KeyRouting(self.metadata, self._topics_lock)  # key_routing.py
         # A commit shows its entries in every partition under this lock, and the last
         # confirmed positions of a topic are read under it: a cut has all of a commit or none.
         self.visibility = threading.Lock()
@@ -186,6 +188,7 @@ class Store:
             log.error("%s: this broker stops writing", reason)
 
     def _open_topic(self, topic: TopicRecord, opened: list[SegmentRecord]) -> None:
+        self.key_routing.opened(topic)
         for seg in opened:
             self._logs[(topic.name, seg.partition)] = PartitionLog(
                 routing=topic.partitions,
@@ -233,10 +236,9 @@ class Store:
         """Grow a topic to ``partitions`` at one scale event (``lineage.py``).
 
         Under every partition's lock (appends wait): the open segments are sealed, then one
-        metadata transaction records the new count, the event and a new open segment for
-        every partition; then the partitions serve again, refusing batches routed by the old
-        count. A crash before the transaction leaves the topic as it was (its segments
-        sealed early); after it, recovery opens every partition of the new count.
+        metadata transaction records the new count, the event and a new open segment for every
+        partition; then the partitions serve again, refusing batches routed by the old count.
+        A crash before that leaves the topic as it was; after it, recovery opens all partitions.
         """
         topic = TopicName.parse(name)
         # a commit being applied routes its rows by one count: the event waits for it
@@ -244,6 +246,7 @@ class Store:
             record = self.metadata.get_topic(topic)
             old = record.partitions
             _check_growth(record.name, old, partitions, self.config.max_partitions_per_topic)
+            KeyRouting.check_growth(record)  # before anything is sealed
             if partitions == old:
                 return record
             logs = [self._logs[(record.name, p)] for p in range(old)]
@@ -274,6 +277,7 @@ class Store:
         with self._topics_lock:
             record = self.metadata.get_topic(topic)  # NotFoundError for an unknown topic
             self.metadata.mark_topic_deleting(record.name, now=now_ms())
+            self.key_routing.forget(record.name)
             crash_point("topic.delete-marked")
             for p in range(record.partitions):
                 plog = self._logs.pop((record.name, p), None)

@@ -127,7 +127,7 @@ def topic_get(
     tls_ca: TlsCaOpt = None,
     auth_token: TokenOpt = None,
 ) -> None:
-    """Show a topic's settings: partitions, retention, creation time, schema.
+    """Show a topic's settings: partitions, retention, creation time, schema, key routing.
 
     Example: tierstream topic get acme/web/clicks
     """
@@ -147,7 +147,15 @@ def topic_get(
               f"partitions: {record.partitions}{grown}\n"
               f"created:    {format_ms(record.created_at)}\n"
               f"{_retention_words(record.retention_ms).replace(': ', ':  ', 1)}\n"
-              f"schema:     {schema}", highlight=False)
+              f"schema:     {schema}\n"
+              f"keys:       {_routing_words(record.key_routing)}", highlight=False)
+
+
+def _routing_words(routing: str) -> str:
+    if routing == "client":
+        return ("where its Pulsar clients route them (a producer stored a key elsewhere than "
+                "tierstream's hash): it cannot grow")
+    return "by tierstream's hash (murmur3_32 % 65536 % partitions)"
 
 
 @topic_app.command("list")

@@ -54,6 +54,9 @@ class TopicRecord:
     retention_ms: int | None
     created_at: int
     scale_events: tuple[ScaleEvent, ...] = ()  # oldest first (elastic topics: lineage.py)
+    #: who puts a key in its partition: ``tierstream`` (key_hash % partitions), or
+    #: ``client`` (its Pulsar clients' routing, which the broker cannot compute)
+    key_routing: str = "tierstream"
 
     @property
     def lineage(self) -> Lineage:
@@ -66,6 +69,7 @@ class TopicRecord:
             "retention_ms": self.retention_ms,
             "created_at": self.created_at,
             "scale_events": [e.to_dict() for e in self.scale_events],
+            "key_routing": self.key_routing,
         }
 
     @classmethod
@@ -73,7 +77,8 @@ class TopicRecord:
         return cls(name=str(data["name"]), partitions=int(data["partitions"]),
                    retention_ms=data.get("retention_ms"), created_at=int(data["created_at"]),
                    scale_events=tuple(ScaleEvent.from_dict(e)
-                                      for e in data.get("scale_events") or ()))
+                                      for e in data.get("scale_events") or ()),
+                   key_routing=str(data.get("key_routing") or "tierstream"))
 
 
 @dataclass(frozen=True, kw_only=True)

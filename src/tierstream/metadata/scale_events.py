@@ -7,11 +7,37 @@ old open segments before it (``broker/store.py``), so the event row is the exact
 
 from __future__ import annotations
 
-from tierstream.errors import ConflictError, NotFoundError
+from tierstream.errors import ConfigError, ConflictError, NotFoundError
 from tierstream.metadata.records import SegmentRecord, TopicRecord
 from tierstream.metadata.store import MetadataStore, _insert_segments
 
-__all__ = ["record_scale_event"]
+__all__ = ["CLIENT_ROUTING", "growth_refused", "record_scale_event", "route_keys_by_client"]
+
+#: a topic whose keys its Pulsar clients put in partitions (TopicRecord.key_routing)
+CLIENT_ROUTING = "client"
+
+
+def route_keys_by_client(store: MetadataStore, name: str) -> bool:
+    """Record that ``name``'s keys are where its Pulsar clients route them (one transaction);
+    False, nothing changed, if the topic grew before: its readers rely on tierstream's
+    routing across those scale events (``lineage.py``)."""
+    with store.atomic() as c:
+        if c.execute("SELECT 1 FROM scale_events WHERE topic=?", (name,)).fetchone():
+            return False
+        c.execute("UPDATE topics SET key_routing=? WHERE name=?", (CLIENT_ROUTING, name))
+    return True
+
+
+def growth_refused(record: TopicRecord) -> ConfigError | None:
+    """Why ``record`` cannot grow (None: it can): a topic whose keys its clients route."""
+    if record.key_routing != CLIENT_ROUTING:
+        return None
+    return ConfigError(
+        f"{record.name} cannot grow: its keys are where its Pulsar clients routed them (not "
+        "by tierstream's hash), so after a scale event tierstream's readers could not tell "
+        "which partition a key left and per-key order would break; make a new topic with "
+        "more partitions, or route keys with tierstream's hash from the start (see README, "
+        "'Pulsar clients')")
 
 
 def record_scale_event(store: MetadataStore, name: str, old: int, new: int, *, at: int,
@@ -26,6 +52,10 @@ def record_scale_event(store: MetadataStore, name: str, old: int, new: int, *, a
             raise NotFoundError(f"topic {name!r} does not exist")
         if row[0] != old:
             raise ConflictError(f"topic {name!r} has {row[0]} partitions, not {old}")
+        routing = c.execute("SELECT key_routing FROM topics WHERE name=?", (name,)).fetchone()
+        if routing[0] == CLIENT_ROUTING:  # the broker checks before sealing: a second guard
+            raise ConfigError(f"{name} cannot grow: its keys are where its Pulsar clients "
+                              "routed them")
         c.execute("UPDATE topics SET partitions=? WHERE name=?", (new, name))
         segments = _insert_segments(c, name, list(enumerate(ensembles)), at)
         seq = c.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM scale_events WHERE topic=?",

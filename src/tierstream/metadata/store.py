@@ -34,6 +34,7 @@ from tierstream.names import TopicName
 from tierstream.schemas.model import SchemaInfo, SchemaType
 
 __all__ = ["SEGMENT_COLUMNS", "MetadataStore", "segment_of_row"]
+_TOPIC = "name, partitions, retention_ms, created_at, key_routing"  # a TopicRecord's columns
 
 
 
@@ -171,10 +172,8 @@ class MetadataStore:
                       (now, name))
 
     def topics_being_deleted(self) -> list[TopicRecord]:
-        rows = self.query(
-                "SELECT name, partitions, retention_ms, created_at FROM topics "
-                "WHERE deleting_at IS NOT NULL ORDER BY name")
-        return self._topics(rows)
+        return self._topics(self.query(f"SELECT {_TOPIC} FROM topics WHERE deleting_at IS NOT "
+                                       "NULL ORDER BY name"))
 
     def purge_topic(self, name: str) -> None:
         """Remove every record of a topic, in one transaction (the last step of deleting)."""
@@ -185,28 +184,26 @@ class MetadataStore:
             c.execute("DELETE FROM topics WHERE name=?", (name,))
 
     def get_topic(self, name: TopicName | str) -> TopicRecord:
-        row = self._one(
-                "SELECT name, partitions, retention_ms, created_at FROM topics WHERE name = ? "
-                "AND deleting_at IS NULL", (str(name),),
-            )
+        row = self._one(f"SELECT {_TOPIC} FROM topics WHERE name = ? AND deleting_at IS NULL",
+                        (str(name),))
         if row is None:
             raise NotFoundError(f"topic {str(name)!r} does not exist")
         return self._topics([row])[0]
 
     def list_topics(self, namespace: str | None = None) -> list[TopicRecord]:
         if namespace is None:
-            rows = self.query("SELECT name, partitions, retention_ms, created_at FROM topics "
-                              "WHERE deleting_at IS NULL ORDER BY name")
+            rows = self.query(f"SELECT {_TOPIC} FROM topics WHERE deleting_at IS NULL "
+                              "ORDER BY name")
         else:
             rows = self.query(
-                "SELECT name, partitions, retention_ms, created_at FROM topics "
-                "WHERE name LIKE ? ESCAPE '\\' AND deleting_at IS NULL ORDER BY name",
+                f"SELECT {_TOPIC} FROM topics WHERE name LIKE ? ESCAPE '\\' AND deleting_at "
+                "IS NULL ORDER BY name",
                 (namespace.replace("_", "\\_").replace("%", "\\%") + "/%",))
         return self._topics(rows)
 
     def _topics(self, rows: Sequence[Any]) -> list[TopicRecord]:
-        """Records of ``topics`` rows (name, partitions, retention, created), each with its
-        scale events (one more read)."""
+        """Records of ``topics`` rows (name, partitions, retention, created, key routing),
+        each with its scale events (one more read)."""
         events: dict[str, list[ScaleEvent]] = {}
         if rows:
             names = [r[0] for r in rows]
@@ -217,7 +214,8 @@ class MetadataStore:
             for t, *fields in found:
                 events.setdefault(t, []).append(ScaleEvent(*fields))
         return [TopicRecord(name=r[0], partitions=r[1], retention_ms=r[2], created_at=r[3],
-                            scale_events=tuple(events.get(r[0], ()))) for r in rows]
+                            scale_events=tuple(events.get(r[0], ())),
+                            key_routing=r[4] or "tierstream") for r in rows]
 
 
     # -- segments -----------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from tierstream.metadata.backend import Backend, Tx
 
 __all__ = ["SCHEMA_VERSION", "create_and_migrate", "ddl"]
 
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 
 DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -20,7 +20,8 @@ CREATE TABLE IF NOT EXISTS topics (
     partitions INTEGER NOT NULL,
     retention_ms INTEGER,
     created_at INTEGER NOT NULL,
-    deleting_at INTEGER
+    deleting_at INTEGER,
+    key_routing TEXT
 );
 CREATE TABLE IF NOT EXISTS segments (
     segment_id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -229,3 +230,9 @@ def _migrate(conn: Tx, backend: Backend) -> None:
         if "instance" not in backend.columns("bookie_endpoints"):
             conn.execute("ALTER TABLE bookie_endpoints ADD COLUMN instance TEXT")
         conn.execute("UPDATE meta SET value='12' WHERE key='schema_version'")
+        version = 12
+    if version == 12:  # v13: who routes a topic's keys (NULL: tierstream's hash; 'client':
+        # its Pulsar clients, set when one stores a key elsewhere: pulsar_protocol)
+        if "key_routing" not in backend.columns("topics"):
+            conn.execute("ALTER TABLE topics ADD COLUMN key_routing TEXT")
+        conn.execute("UPDATE meta SET value='13' WHERE key='schema_version'")

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from tierstream.broker.topic_stats import Streams
     from tierstream.metadata.schema_registry import SchemaRegistry
 
-__all__ = ["Link", "ProducePath", "check_routing"]
+__all__ = ["Link", "ProducePath", "off_hash", "refuse_routing"]
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,8 @@ class ProducePath:
                 # submitted as routed by that count, so a scale event in between refuses
                 # it (StaleRoutingError) and it is checked again against the new count
                 now = plog.routing or count
-                check_routing(rows, topic, partition, now, count)
+                if not self.store.key_routing.by_client(topic):
+                    self._check_routing(rows, topic, partition, now, count)
                 try:
                     pending = plog.submit(rows, producer=name, sequence_id=int(seq),
                                           routed=now)
@@ -173,6 +174,17 @@ class ProducePath:
         producer.counts["messages"] += rows.num_rows
         producer.counts["bytes"] += rows.nbytes
         self._receipts.put((send, partition if count > 1 else -1, pending))
+
+    def _check_routing(self, rows: Any, topic: str, partition: int, count: int,
+                       client: int) -> None:
+        """A key where tierstream's hash would not put it makes the topic client-routed
+        (``broker/key_routing.py``); refused if the topic grew, or the client routed by an
+        older count."""
+        found = off_hash(rows, partition, count)
+        if found is None:
+            return
+        if client != count or not self.store.key_routing.accept_client_routing(topic):
+            refuse_routing(*found, topic, partition, count, client)
 
     def refuse(self, send: api.CommandSend, error: Any, message: str) -> None:
         """Answer SEND_ERROR in turn: after the receipts of the sends before it. A client
@@ -212,19 +224,25 @@ class ProducePath:
             message=message)))
 
 
-def check_routing(rows: Any, topic: str, partition: int, count: int, client: int) -> None:
-    """Refuse keyed messages that tierstream routes to another partition than this one under
-    the topic's ``count`` (each key in one partition is what keeps its order for every
-    reader); ``client`` is the count the client routed by."""
+def off_hash(rows: Any, partition: int, count: int) -> tuple[str, int] | None:
+    """The first key of ``rows`` that tierstream's hash puts in another partition than
+    ``partition`` of ``count``, with that partition (None: every key is where it would)."""
     keys = rows.column("key")
     if keys.null_count == len(keys):
-        return
+        return None
     slots = key_hashes(keys).to_numpy()
     keyed = keys.is_valid().to_numpy(zero_copy_only=False)
     wrong = np.flatnonzero(keyed & (slots % count != partition))
     if not len(wrong):
-        return
-    key, home = keys[int(wrong[0])].as_py(), int(slots[wrong[0]]) % count
+        return None
+    return keys[int(wrong[0])].as_py(), int(slots[wrong[0]]) % count
+
+
+def refuse_routing(key: str, home: int, topic: str, partition: int, count: int, client: int
+                   ) -> None:
+    """Refuse a key stored elsewhere than tierstream's hash puts it, on a topic whose keys
+    must stay there: one that grew (its readers follow keys across scale events by that
+    hash), or one the client routed by an older partition count."""
     if client != count:
         raise Refused(
             f"{topic} grew from {client} to {count} partitions: key {key!r} now belongs to "
@@ -234,9 +252,10 @@ def check_routing(rows: Any, topic: str, partition: int, count: int, client: int
             "default), or when the producer is made again")
     raise Refused(
         f"key {key!r} belongs to partition {home} of {topic} ({count} partitions), not "
-        f"{partition}: tierstream routes a key by murmur3_32 % 65536 % partitions: give the "
-        "producer that routing (Python: message_router=tierstream.pulsar_protocol.key_router"
-        "; Java: hashingScheme Murmur3_32Hash, which agrees when the partition count divides "
+        f"{partition}: the topic grew, and across its scale events readers find a key where "
+        "tierstream's hash puts it (murmur3_32 % 65536 % partitions): give the producer that "
+        "routing (Python: message_router=tierstream.pulsar_protocol.key_router; Java: "
+        "hashingScheme Murmur3_32Hash, which agrees when the partition count divides "
         "65,536); nothing was stored")
 
 
