@@ -17,6 +17,7 @@ from tierstream.errors import ConfigError
 
 __all__ = [
     "CONSUMER_SCHEMA",
+    "DELIVER_AT",
     "KEY_HASH_SLOTS",
     "MESSAGE_SCHEMA",
     "NONE_KEY",
@@ -40,6 +41,11 @@ KEY_HASH_SLOTS = 65536
 
 #: What Pulsar hashes for a message without a key.
 NONE_KEY = "NONE_KEY"
+
+#: A message property: not delivered to shared and key_shared consumers before this time (ms
+#: since epoch; Pulsar's deliver_at / deliver_after). Readers see the message at its stored
+#: position, with this property.
+DELIVER_AT = "tierstream.deliver_at"
 
 _PROPERTIES = pa.map_(pa.string(), pa.string())
 

@@ -171,9 +171,9 @@ def test_send_answers_keep_the_order_of_the_sends_and_an_oversized_one_keeps_the
         if seq == 30:  # 6 MB: over the 5 MB a message may have
             frames.append(_frame_with_payload(send, b"x" * (6 << 20), sequence_id=seq))
             expected.append((api.BaseCommand.SEND_ERROR, seq))
-        elif seq % 3 == 1:  # delayed delivery: refused by name
-            frames.append(_frame_with_payload(send, b"later", sequence_id=seq,
-                                              deliver_at_time=1))
+        elif seq % 3 == 1:  # encryption: refused by name
+            frames.append(_frame_with_payload(send, b"secret", sequence_id=seq,
+                                              encryption_algo="RSA"))
             expected.append((api.BaseCommand.SEND_ERROR, seq))
         else:
             frames.append(_frame_with_payload(send, f"m{seq}".encode(), sequence_id=seq))

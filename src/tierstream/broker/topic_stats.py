@@ -130,8 +130,9 @@ def subscription_stats(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for row in rows:
         sub = out.setdefault(row["subscription"], {
             "type": row["type"], "backlog": 0, "unacked": 0, "consumers": set(),
-            "oldest_unacked_s": None})
+            "oldest_unacked_s": None, "delayed": 0})
         sub["backlog"] += row["backlog"]
+        sub["delayed"] += row.get("delayed", 0)  # held until their delivery time
         sub["unacked"] += sum(c["unacked"] for c in row["consumers"])
         sub["consumers"].update(c["name"] for c in row["consumers"])
         oldest = row.get("oldest_unacked_s")

@@ -131,10 +131,10 @@ def _storage_table(storage: dict[str, dict[str, int]]) -> Table:
 def _subscriptions_table(subs: dict[str, dict[str, Any]]) -> Table | Text:
     if not subs:
         return Text("subscriptions: none")
-    table = Table("subscription", "type", "backlog", "consumers", "unacked",
+    table = Table("subscription", "type", "backlog", "delayed", "consumers", "unacked",
                   "oldest unacked", box=None, pad_edge=False)
     for name, s in subs.items():
-        table.add_row(name, s["type"], f"{s['backlog']:,}",
+        table.add_row(name, s["type"], f"{s['backlog']:,}", f"{s.get('delayed', 0):,}",
                       ", ".join(s["consumers"]) or "-", f"{s['unacked']:,}",
                       _age(s["oldest_unacked_s"]))
     return table

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from tierstream.errors import ConfigError, ProtocolError
-from tierstream.message_format import PRODUCE_SCHEMA
+from tierstream.message_format import DELIVER_AT, PRODUCE_SCHEMA
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.pulsar_protocol.schemas import schema_version_bytes
 from tierstream.schemas.model import VERSION_PROPERTY
@@ -31,8 +31,6 @@ def refused_feature(send: api.CommandSend, metadata: api.MessageMetadata) -> str
         return "chunked messages"
     if metadata.HasField("encryption_algo") or metadata.HasField("encryption_param"):
         return "encryption"
-    if metadata.HasField("deliver_at_time"):
-        return "delayed delivery (deliver_at_time)"
     if send.marker or metadata.HasField("marker_type"):
         return "marker messages"
     return None
@@ -64,6 +62,8 @@ def to_rows(metadata: api.MessageMetadata, payload: bytes, *, sequence_id: int,
         messages = _split_batch(metadata.num_messages_in_batch, data, sequence_id,
                                 metadata.event_time)
     shared = [(PUBLISH_TIME, str(metadata.publish_time))]
+    if metadata.HasField("deliver_at_time"):  # delayed delivery: a SEND's messages share it
+        shared.append((DELIVER_AT, str(metadata.deliver_at_time)))
     if schema_version is not None:
         shared.append((VERSION_PROPERTY, str(schema_version)))
     n = len(messages.values)
@@ -214,6 +214,8 @@ def metadata_of(key: str | None, publish_time: int, event_time: int | None,
             meta.partition_key_b64_encoded = v == "true"
         elif k == VERSION_PROPERTY:
             meta.schema_version = schema_version_bytes(int(v))
+        elif k == DELIVER_AT:
+            meta.deliver_at_time = int(v)
         else:
             meta.properties.add(key=k, value=v)
     return meta

@@ -431,7 +431,8 @@ def pulsar_stats(raw: dict[str, Any], plogs: list[Any], rows: list[dict[str, Any
         subscriptions[name] = {
             "type": _PULSAR_TYPES.get(sub["type"], sub["type"]),
             "msgBacklog": sub["backlog"], "backlogSize": int(sub["backlog"] * per_message),
-            "unackedMessages": sub["unacked"], "msgRateExpired": 0.0,
+            "unackedMessages": sub["unacked"], "msgDelayed": sub.get("delayed", 0),
+            "msgRateExpired": 0.0,
             "isReplicated": False, "consumers": _consumers(
                 [c for r in rows if r["subscription"] == name for c in r["consumers"]]),
         }

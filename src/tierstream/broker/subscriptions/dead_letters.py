@@ -14,11 +14,14 @@ import contextlib
 import logging
 import queue
 import threading
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import pyarrow as pa
 
+from tierstream.broker.read_window import ACKED, DEAD, Chunk, ReadWindow
+from tierstream.broker.subscriptions.attached import ConsumerSettings
 from tierstream.broker.subscriptions.cursor_state import DeadLetterIntent
 from tierstream.broker.subscriptions.cursor_writer import CursorWriter, Snapshotting
 from tierstream.errors import AlreadyExistsError, TierstreamError
@@ -27,7 +30,8 @@ from tierstream.message_format import CONSUMER_SCHEMA, PRODUCE_SCHEMA
 if TYPE_CHECKING:
     from tierstream.broker.store import Store
 
-__all__ = ["DeadLetterWriter", "DeadLettering", "IntentRecovery", "dead_letter_batch"]
+__all__ = ["DeadLetterSide", "DeadLetterWriter", "DeadLettering", "IntentRecovery",
+           "dead_letter_batch"]
 
 log = logging.getLogger(__name__)
 
@@ -167,3 +171,54 @@ def dead_letter_batch(topic: str, partition: int, subscription: str,
          pa.nulls(batch.num_rows, pa.int64()), batch.column("event_time"),
          pa.array(props, type=PRODUCE_SCHEMA.field("properties").type)],
         schema=PRODUCE_SCHEMA)
+
+
+class DeadLetterSide:
+    """The dispatcher's side of dead letters (a mixin of ``Dispatcher``): a message over its
+    consumer's ``max_redeliveries`` is recorded as an intent and sent; sent intents found
+    again after a restart are sent again; a stored one is acknowledged."""
+
+    topic: str
+    subscription: str
+    window: ReadWindow
+    _lock: threading.RLock
+    _intents: list[DeadLetterIntent]
+    _intents_sent: set[int]
+    _dead_letter_sequence: int
+    _recovery: IntentRecovery
+    _dead_letter: Callable[[Any, DeadLetterIntent, pa.RecordBatch], None]
+
+    def _set(self, chunk: Chunk, rows: np.ndarray, state: int) -> None:
+        raise NotImplementedError  # the dispatcher's
+
+    def _acked(self) -> int:
+        raise NotImplementedError  # the dispatcher's
+
+    def _to_dead_letters(self, chunk: Chunk, rows: np.ndarray, s: ConsumerSettings) -> None:
+        topic = s.dead_letter_topic or f"{self.topic}-{self.subscription}-DLQ"
+        self._set(chunk, rows, DEAD)
+        intent = DeadLetterIntent(self._dead_letter_sequence, topic,
+                                  [chunk.position(int(r)) for r in rows])
+        self._dead_letter_sequence += 1
+        self._intents.append(intent)
+        self._send_dead_letters(intent, chunk.take(rows))
+
+    def _send_dead_letters(self, intent: DeadLetterIntent, batch: pa.RecordBatch) -> None:
+        self._intents_sent.add(intent.sequence_id)
+        self._dead_letter(self, intent, batch)
+
+    def _recover(self, batch: pa.RecordBatch, chunk: Chunk | None) -> None:
+        """Messages of dead-letter intents stored before a restart: sent again once read."""
+        dead, ready = self._recovery.read(batch, self._intents, self._intents_sent)
+        if chunk is not None and len(dead):
+            self._set(chunk, dead, DEAD)
+        for intent, rows in ready:
+            self._send_dead_letters(intent, rows)
+
+    def dead_lettered(self, intent: DeadLetterIntent) -> None:
+        """``intent``'s messages are stored on the dead-letter topic: acknowledge them."""
+        with self._lock:
+            for chunk, rows in self.window.locate(*intent.arrays())[0]:
+                self._set(chunk, rows[chunk.state[rows] == DEAD], ACKED)
+            self._intents = [i for i in self._intents if i.sequence_id != intent.sequence_id]
+            self._acked()

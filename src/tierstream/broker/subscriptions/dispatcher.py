@@ -37,7 +37,8 @@ from tierstream.broker.read_window import (
 from tierstream.broker.subscriptions.ack_doubt import LoadedCursor, cumulative_in_doubt, in_doubt
 from tierstream.broker.subscriptions.attached import Attached, ConsumerSettings, check_join
 from tierstream.broker.subscriptions.cursor_state import CursorState, DeadLetterIntent
-from tierstream.broker.subscriptions.dead_letters import IntentRecovery
+from tierstream.broker.subscriptions.dead_letters import DeadLetterSide, IntentRecovery
+from tierstream.broker.subscriptions.delivery_time import TIMED, DeliveryTimes
 from tierstream.broker.subscriptions.key_holds import KeyHolds
 from tierstream.broker.subscriptions.selectors import active_for_partition
 from tierstream.errors import ConfigError, ConflictError, TierstreamError
@@ -60,8 +61,9 @@ _MIN_LOOKAHEAD = 1000
 _LEAVING_GRACE_S = 1.0
 
 
-class Dispatcher:
-    """Dispatch and acknowledgement state of one subscription on one partition."""
+class Dispatcher(DeliveryTimes, DeadLetterSide):
+    """Dispatch and acknowledgement state of one subscription on one partition (delayed
+    delivery: ``delivery_time.py``; dead letters: ``dead_letters.py``)."""
 
     def __init__(self, plog: PartitionLog, subscription: str, state: CursorState, *,
                  writer: CursorWriter,
@@ -91,7 +93,8 @@ class Dispatcher:
         self._intents_sent: set[int] = set()
         self._dead_letter_sequence = state.dead_letter_sequence
         self._recovery = IntentRecovery(self._intents)
-        self._delayed = 0
+        self._delayed = 0  # DELAYED messages: nacked, or held for their time (_timed)
+        self._timed = 0
         #: a partition grown at a scale event dispatches nothing until this says its keys'
         #: earlier messages were acknowledged (broker/subscriptions/registry.py); then it is dropped
         self.gate: Callable[[], bool] | None = None
@@ -123,6 +126,8 @@ class Dispatcher:
                        self.consumers.values(), settings)
             if self.type is None:
                 self.type = settings.type  # stored by the write the attach waits for
+            if self.type in SubscriptionType.CUMULATIVE:
+                self._release_all_timed()
             attached = Attached(self._next_idx, settings, gone)
             self._next_idx += 1
             self.consumers[attached.idx] = attached
@@ -183,6 +188,8 @@ class Dispatcher:
                                         cancelled=self._stop.is_set):
                 with self._cond:
                     chunk = self.window.add(batch)
+                    if chunk is not None:
+                        self._hold_for_time(chunk)
                     if self._recovery:
                         self._recover(batch, chunk)
                     if chunk is not None and chunk.waiting:
@@ -292,13 +299,14 @@ class Dispatcher:
 
     def _unhold(self, chunk: Chunk, rows: np.ndarray) -> None:
         """``rows`` (delivered or delayed) are no longer held by their consumer."""
-        owners, counts = np.unique(chunk.owner[rows], return_counts=True)
+        mine = rows[chunk.owner[rows] >= 0]  # not the ones held for their time
+        owners, counts = np.unique(chunk.owner[mine], return_counts=True)
         for idx, n in zip(owners.tolist(), counts.tolist(), strict=True):
             c = self.consumers.get(idx)
             if c is not None:
                 c.held -= n
         if self._keys is not None:
-            self._keys.release(chunk.slots[rows])
+            self._keys.release(chunk.slots[mine])
         chunk.owner[rows] = -1
 
     def _return(self, chunk: Chunk, rows: np.ndarray) -> None:
@@ -364,6 +372,7 @@ class Dispatcher:
         state = chunk.state[rows]
         held = rows[(state == DELIVERED) | (state == DELAYED)]
         self._delayed -= int(np.count_nonzero(state == DELAYED))
+        self._timed -= int(np.count_nonzero(chunk.owner[held] == TIMED))
         if len(held):
             for c in self.consumers.values():
                 if c.name == name:
@@ -415,43 +424,12 @@ class Dispatcher:
                 for idx, timeout in timeouts.items():
                     due |= (chunk.state == DELIVERED) & (chunk.owner == idx) & \
                         (chunk.until <= now - timeout)
-                rows = np.flatnonzero(due)
+                rows = self._release_timed(chunk, np.flatnonzero(due))
+                changed |= bool(due.any())
                 if len(rows):
                     self._return(chunk, rows)
-                    changed = True
             if changed:
                 self._dispatch()
-
-    # -- dead letters -------------------------------------------------------------------------
-
-    def _to_dead_letters(self, chunk: Chunk, rows: np.ndarray, s: ConsumerSettings) -> None:
-        topic = s.dead_letter_topic or f"{self.topic}-{self.subscription}-DLQ"
-        self._set(chunk, rows, DEAD)
-        intent = DeadLetterIntent(self._dead_letter_sequence, topic,
-                                  [chunk.position(int(r)) for r in rows])
-        self._dead_letter_sequence += 1
-        self._intents.append(intent)
-        self._send_dead_letters(intent, chunk.take(rows))
-
-    def _send_dead_letters(self, intent: DeadLetterIntent, batch: pa.RecordBatch) -> None:
-        self._intents_sent.add(intent.sequence_id)
-        self._dead_letter(self, intent, batch)
-
-    def _recover(self, batch: pa.RecordBatch, chunk: Chunk | None) -> None:
-        """Messages of dead-letter intents stored before a restart: sent again once read."""
-        dead, ready = self._recovery.read(batch, self._intents, self._intents_sent)
-        if chunk is not None and len(dead):
-            self._set(chunk, dead, DEAD)
-        for intent, rows in ready:
-            self._send_dead_letters(intent, rows)
-
-    def dead_lettered(self, intent: DeadLetterIntent) -> None:
-        """``intent``'s messages are stored on the dead-letter topic: acknowledge them."""
-        with self._lock:
-            for chunk, rows in self.window.locate(*intent.arrays())[0]:
-                self._set(chunk, rows[chunk.state[rows] == DEAD], ACKED)
-            self._intents = [i for i in self._intents if i.sequence_id != intent.sequence_id]
-            self._acked()
 
     # -- state --------------------------------------------------------------------------------
 

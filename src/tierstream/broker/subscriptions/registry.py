@@ -283,6 +283,7 @@ class Subscriptions:
                 ahead = [(max(a, read_pos), b) for a, b in state.acked if b > read_pos]
                 consumers = d.stats()
                 oldest = d.oldest_delivered_s()
+                delayed = d.held_for_time()
             else:
                 state = CursorState.from_json(row["state"], p)
                 backlog = plog.backlog(state.mark_delete, ends[p]) \
@@ -290,6 +291,7 @@ class Subscriptions:
                 ahead = state.acked
                 consumers = []
                 oldest = None
+                delayed = 0  # nothing read yet: what is held is known once it is read
             for a, b in ahead:
                 if a < ends[p]:
                     backlog -= plog.backlog(a, min(b, ends[p]))
@@ -299,7 +301,7 @@ class Subscriptions:
                         "position": state.mark_delete.to_dict(),
                         "acked_ranges": len(state.acked), "backlog": max(0, backlog),
                         "updated_at": row["updated_at"], "consumers": consumers,
-                        "oldest_unacked_s": oldest})
+                        "oldest_unacked_s": oldest, "delayed": delayed})
         return out
 
     def _tick(self) -> None:
