@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench import (
+    delayed_bench,
     elastic_bench,
     framework_bench,
     harness,
@@ -75,6 +76,9 @@ BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
                        "own Consumer"),
     "metadata": (metadata_bench.metadata, "metadata hot paths (roll, ack flush, de-dup save, "
                  "plan) and produce / consume through a broker, PostgreSQL beside SQLite"),
+    "delayed": (delayed_bench.delayed, "delayed delivery: lateness of messages due at random "
+                "over 10 s (p50/p99), and the drain rate of held messages once due beside "
+                "unheld ones (2 shared consumers)"),
     "layout": (tier_bench.layout, "bytes a k=4 key-range read and a 10% time window fetch, "
                                   "key-bucket layout vs log order"),
 }
