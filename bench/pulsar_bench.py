@@ -25,8 +25,10 @@ import pulsar
 
 from bench.harness import Figure, WorkerProcess, repeat, report, sized, timed
 from tierstream.broker.process import BrokerProcess
+from tierstream.broker.pulsar.produce import off_hash
 from tierstream.client import Admin, Consumer, Producer
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
+from tierstream.pulsar_protocol.frames import parse_frame, payload_frame
 from tierstream.pulsar_protocol.messages import to_rows
 from tierstream.splits.positions import Offset
 
@@ -108,6 +110,35 @@ def _decode_rate(messages: int) -> float:
     return messages / timed(decode)
 
 
+def _step_us(messages: int) -> dict[str, float]:
+    """CPU per message (us) of the broker's steps on a keyed SEND of a batch of 1,000
+    100-byte messages, each alone in this process: the frame's parse with its checksum, the
+    batch's decode into rows, the check of where tierstream's hash puts each key."""
+    single = api.SingleMessageMetadata(payload_size=len(VALUE), sequence_id=0,
+                                       partition_key="user-123")
+    data = b"".join(len(m := single.SerializeToString()).to_bytes(4, "big") + m + VALUE
+                    for _ in range(BATCH))
+    metadata = api.MessageMetadata(producer_name="bench", sequence_id=0, publish_time=1,
+                                   num_messages_in_batch=BATCH)
+    send = api.BaseCommand(type=api.BaseCommand.SEND,
+                           send=api.CommandSend(producer_id=1, sequence_id=0,
+                                                num_messages=BATCH))
+    body = payload_frame(send, metadata, data)[4:]  # what follows the frame's size
+    rows = to_rows(metadata, data, sequence_id=0)
+    batches = max(1, messages // BATCH)
+
+    def per_message(step: Any) -> float:
+        start = time.process_time()
+        for _ in range(batches):
+            step()
+        return (time.process_time() - start) / (batches * BATCH) * 1e6
+
+    return {"frame parse + checksum": per_message(lambda: parse_frame(body)),
+            "batch decode into rows (to_rows)": per_message(
+                lambda: to_rows(metadata, data, sequence_id=0)),
+            "key routing check (key hashes)": per_message(lambda: off_hash(rows, 0, 4))}
+
+
 def pulsar_produce(quick: bool = True) -> Path:
     messages, runs = sized((200_000, 3) if quick else (1_000_000, 5), (2_000, 1))
     figures = []
@@ -160,6 +191,10 @@ def pulsar_produce(quick: bool = True) -> Path:
     decode = repeat(lambda: _decode_rate(messages), runs)
     figures.append(Figure("broker decode of Pulsar batches into Arrow rows (to_rows)",
                           "msg/s", decode))
+    steps = [_step_us(messages) for _ in range(runs)]
+    for name in steps[0]:
+        figures.append(Figure(f"  broker step alone: {name}, keyed batches of 1,000", "us",
+                              [st[name] for st in steps], higher_is_better=False))
     return report("pulsar-produce", figures, {"messages": messages, "runs": runs,
                                               "batch": BATCH, "value_bytes": len(VALUE),
                                               "fsync": True})
