@@ -16,7 +16,7 @@ import logging
 import threading
 
 from tierstream.metadata.records import TopicRecord
-from tierstream.metadata.scale_events import CLIENT_ROUTING, growth_refused, route_keys_by_client
+from tierstream.metadata.scale_events import CLIENT_ROUTING, route_keys_by_client
 from tierstream.metadata.store import MetadataStore
 
 __all__ = ["KeyRouting"]
@@ -57,9 +57,3 @@ class KeyRouting:
                          "not; its keys are routed by its clients from now on, and it cannot "
                          "grow", topic)
         return True
-
-    @staticmethod
-    def check_growth(record: TopicRecord) -> None:
-        refused = growth_refused(record)
-        if refused is not None:
-            raise refused

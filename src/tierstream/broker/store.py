@@ -29,17 +29,12 @@ from tierstream.broker.data_dir import lock_data_dir, prepare_data_dir, unlock_d
 from tierstream.broker.key_routing import KeyRouting
 from tierstream.broker.recovery import RecoveryReport, recover_open_segments
 from tierstream.broker.transaction_coordinator import TransactionCoordinator
-from tierstream.errors import (
-    ConfigError,
-    FencedError,
-    StorageError,
-    UnavailableError,
-)
+from tierstream.errors import ConfigError, FencedError, StorageError, UnavailableError
 from tierstream.faults import crash_point
 from tierstream.managed_ledger.partition_log import PartitionLog
 from tierstream.metadata.bookie_registry import take_writer_epoch
 from tierstream.metadata.records import SegmentRecord, TopicRecord
-from tierstream.metadata.scale_events import record_scale_event
+from tierstream.metadata.scale_events import growth_refused, record_scale_event
 from tierstream.metadata.store import MetadataStore
 from tierstream.names import TopicName
 from tierstream.splits.positions import Position
@@ -246,7 +241,8 @@ class Store:
             record = self.metadata.get_topic(topic)
             old = record.partitions
             _check_growth(record.name, old, partitions, self.config.max_partitions_per_topic)
-            KeyRouting.check_growth(record)  # before anything is sealed
+            if (refused := growth_refused(record.name, record.key_routing)) is not None:
+                raise refused  # before anything is sealed
             if partitions == old:
                 return record
             logs = [self._logs[(record.name, p)] for p in range(old)]

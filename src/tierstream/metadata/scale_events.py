@@ -28,12 +28,12 @@ def route_keys_by_client(store: MetadataStore, name: str) -> bool:
     return True
 
 
-def growth_refused(record: TopicRecord) -> ConfigError | None:
-    """Why ``record`` cannot grow (None: it can): a topic whose keys its clients route."""
-    if record.key_routing != CLIENT_ROUTING:
+def growth_refused(name: str, key_routing: str | None) -> ConfigError | None:
+    """Why topic ``name`` cannot grow (None: it can): its keys are routed by its clients."""
+    if key_routing != CLIENT_ROUTING:
         return None
     return ConfigError(
-        f"{record.name} cannot grow: its keys are where its Pulsar clients routed them (not "
+        f"{name} cannot grow: its keys are where its Pulsar clients routed them (not "
         "by tierstream's hash), so after a scale event tierstream's readers could not tell "
         "which partition a key left and per-key order would break; make a new topic with "
         "more partitions, or route keys with tierstream's hash from the start (see README, "
@@ -53,9 +53,9 @@ def record_scale_event(store: MetadataStore, name: str, old: int, new: int, *, a
         if row[0] != old:
             raise ConflictError(f"topic {name!r} has {row[0]} partitions, not {old}")
         routing = c.execute("SELECT key_routing FROM topics WHERE name=?", (name,)).fetchone()
-        if routing[0] == CLIENT_ROUTING:  # the broker checks before sealing: a second guard
-            raise ConfigError(f"{name} cannot grow: its keys are where its Pulsar clients "
-                              "routed them")
+        refused = growth_refused(name, routing[0])  # the broker checks before sealing too
+        if refused is not None:
+            raise refused
         c.execute("UPDATE topics SET partitions=? WHERE name=?", (new, name))
         segments = _insert_segments(c, name, list(enumerate(ensembles)), at)
         seq = c.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM scale_events WHERE topic=?",
