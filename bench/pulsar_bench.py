@@ -96,13 +96,21 @@ def _per_message_us(cpu: list[_Cpu], messages: int, side: str, runs: int) -> lis
     return [getattr(c, side) / messages * 1e6 for c in cpu[-runs:]]  # not the warm-up
 
 
-def _decode_rate(messages: int) -> float:
-    """The broker's decode of Pulsar batches alone: ``to_rows`` over batches of 1,000."""
+def _batch(key: str | None = None) -> tuple[api.MessageMetadata, bytes]:
+    """A Pulsar batch of BATCH messages of VALUE (each with ``key``), as a client sends it:
+    its metadata and payload."""
     single = api.SingleMessageMetadata(payload_size=len(VALUE), sequence_id=0)
+    if key is not None:
+        single.partition_key = key
     data = b"".join(len(m := single.SerializeToString()).to_bytes(4, "big") + m + VALUE
                     for _ in range(BATCH))
-    metadata = api.MessageMetadata(producer_name="bench", sequence_id=0, publish_time=1,
-                                   num_messages_in_batch=BATCH)
+    return api.MessageMetadata(producer_name="bench", sequence_id=0, publish_time=1,
+                               num_messages_in_batch=BATCH), data
+
+
+def _decode_rate(messages: int) -> float:
+    """The broker's decode of Pulsar batches alone: ``to_rows`` over batches of 1,000."""
+    metadata, data = _batch()
 
     def decode() -> None:
         for i in range(messages // BATCH):
@@ -114,12 +122,7 @@ def _step_us(messages: int) -> dict[str, float]:
     """CPU per message (us) of the broker's steps on a keyed SEND of a batch of 1,000
     100-byte messages, each alone in this process: the frame's parse with its checksum, the
     batch's decode into rows, the check of where tierstream's hash puts each key."""
-    single = api.SingleMessageMetadata(payload_size=len(VALUE), sequence_id=0,
-                                       partition_key="user-123")
-    data = b"".join(len(m := single.SerializeToString()).to_bytes(4, "big") + m + VALUE
-                    for _ in range(BATCH))
-    metadata = api.MessageMetadata(producer_name="bench", sequence_id=0, publish_time=1,
-                                   num_messages_in_batch=BATCH)
+    metadata, data = _batch(key="user-123")
     send = api.BaseCommand(type=api.BaseCommand.SEND,
                            send=api.CommandSend(producer_id=1, sequence_id=0,
                                                 num_messages=BATCH))
