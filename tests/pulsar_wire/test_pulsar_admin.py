@@ -86,9 +86,9 @@ def test_a_partitioned_topic_made_over_rest_is_produced_consumed_and_described(
         producer.flush()
         consumer = client.subscribe("persistent://public/default/clicks", "audit",
                                     consumer_type=pulsar.ConsumerType.Shared,
-                                    consumer_name="auditor",
+                                    consumer_name="auditor", batch_index_ack_enabled=True,
                                     initial_position=pulsar.InitialPosition.Earliest)
-        for _ in range(100):
+        for _ in range(100):  # (batch-index acks: batches acknowledged in part count)
             consumer.acknowledge(consumer.receive(timeout_millis=int(scaled(30) * 1000)))
         path = f"{topic}/partitioned-stats?perPartition=true"
         # the client sends its acks grouped (every 100 ms): the backlog falls soon after

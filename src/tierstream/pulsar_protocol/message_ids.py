@@ -1,13 +1,18 @@
 """Pulsar message ids for what the broker delivers, and back.
 
-tierstream hands the rows of one entry to different consumers of a Shared or Key_Shared
-subscription, and a Pulsar client acknowledges a batch only when every message of it is
-acknowledged (and never clears the messages an ``ack_set`` masks out unless batch-index acks
-are on). So every message goes out as a message of its own, and its id names exactly that
-message: ledgerId = segment id, entryId = 2^62 + entry id * 2^20 + batch index, the partition
-(-1 for a topic of one partition). An ack, a negative ack or a redelivery request of an id is
-then one message of the log, whatever the subscription type; the high bit tells these ids
-from a producer's receipts (whose entryId is the entry id).
+A message's id is the one its send receipt gave: ledgerId = segment id, entryId = entry id,
+the partition (-1 for a topic of one partition) and its index in the entry's batch (-1 for a
+message sent alone). The broker gets there by sending an entry as the batch it was stored as,
+so that the client numbers its messages itself (``broker/pulsar/delivered.py`` decides when).
+A client acknowledges such a batch as a whole — ``(ledger, entry)`` once every message of it
+is acknowledged — or, with batch-index acks on, with an ``ack_set``: a bit per message, clear
+for an acknowledged one.
+
+Where an entry cannot go out as a batch whose every message the consumer may acknowledge (a
+Key_Shared entry whose keys belong to several consumers, the rest of an entry after part of it
+was acknowledged), each message goes out alone with an id of its own: entryId = 2^62 + entry
+id * 2^20 + batch index. An ack, a negative ack or a redelivery request of such an id is one
+message of the log; the high bit tells these ids from receipts.
 """
 
 from __future__ import annotations
@@ -20,11 +25,59 @@ from tierstream.errors import ConfigError
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.splits.positions import Position
 
-__all__ = ["id_before", "message_id", "no_message", "position_of", "positions_of", "start_position",
-           "wire_entry_ids"]
+__all__ = ["LAST_INDEX", "ack_words", "acked_indexes", "cumulative_end", "id_before", "is_own",
+           "last_message_id", "message_id", "no_message", "position_of", "positions_of",
+           "start_position", "wire_entry_ids"]
 
 _OWN = 1 << 62
 _INDEX_BITS = 20
+#: the largest batch index an id can name: "the end of the entry"
+LAST_INDEX = (1 << _INDEX_BITS) - 1
+
+
+def is_own(mid: api.MessageIdData) -> bool:
+    """Whether ``mid`` is one of the broker's per-message ids (not a receipt's)."""
+    return bool(int(mid.entryId) & _OWN)
+
+
+def ack_words(indexes: list[int]) -> list[int]:
+    """An ``ack_set`` with the bits of ``indexes`` set (int64 words, as the protocol has
+    them): on a MESSAGE, the messages of its batch the consumer is given."""
+    words = [0] * (max(indexes) // 64 + 1)
+    for i in indexes:
+        words[i // 64] |= 1 << (i % 64)
+    return [w - (1 << 64) if w >= 1 << 63 else w for w in words]
+
+
+def acked_indexes(mid: api.MessageIdData, size: int) -> list[int]:
+    """The messages of a batch of ``size`` that an ACK's receipt-form id acknowledges: all of
+    them, or with an ``ack_set`` those whose bit is clear."""
+    if not mid.ack_set:
+        return list(range(size))
+    words = [w & ((1 << 64) - 1) for w in mid.ack_set]
+    return [i for i in range(size)
+            if i // 64 >= len(words) or not words[i // 64] >> (i % 64) & 1]
+
+
+def cumulative_end(mid: api.MessageIdData, partition: int) -> Position | None:
+    """The last message a cumulative ACK of ``mid`` acknowledges (None: none of this
+    ledger). A receipt-form id without an ``ack_set`` is its whole entry; with one, the
+    messages before its first set bit (a client acknowledges a batch's previous entry as
+    ``(ledger, entry - 1)``, which is -1 before the ledger's first)."""
+    if is_own(mid):
+        return position_of(mid, partition)
+    entry = int(mid.entryId)
+    if entry >= _NONE >> 1:
+        return None
+    if mid.ack_set:
+        clear = acked_indexes(mid, 64 * len(mid.ack_set))
+        upto = next((i for i, j in enumerate(clear) if i != j), len(clear)) - 1
+        if upto >= 0:
+            return Position(partition, int(mid.ledgerId), entry, upto)
+        if entry == 0:
+            return None
+        entry -= 1
+    return Position(partition, int(mid.ledgerId), entry, LAST_INDEX)
 
 
 def message_id(segment: int, entry: int, index: int, partition: int) -> api.MessageIdData:
@@ -81,31 +134,38 @@ def no_message(partition: int) -> api.MessageIdData:
     return api.MessageIdData(ledgerId=_NONE, entryId=_NONE, partition=partition)
 
 
-def start_position(mid: api.MessageIdData, plog: Any) -> Position:
-    """Where a reader that starts at ``mid`` is served from. At one of this broker's own
-    message ids: that message (the client drops it unless its start is inclusive: it skips a
-    message whose entry id is not after the start's). At a producer's receipt id: the message
-    after it (a receipt's entry id cannot be compared with delivered ids by the client)."""
+def start_position(mid: api.MessageIdData, plog: Any, *, reader: bool) -> Position:
+    """Where a consumer that starts (``reader``) or seeks to ``mid`` is served from.
+
+    A reader is served from that message: the client drops it unless its start is inclusive
+    (it skips what is not after the start: a batch's messages by index, a message sent alone
+    by entry). A subscription's seek is served from the message after it (the client keeps
+    its start only where it compares: it would keep a message the seek named)."""
     if mid.ledgerId == _NONE:
         return plog.earliest()  # type: ignore[no-any-return]
     if mid.ledgerId == _LATEST:
         return plog.last_confirmed()[1]  # type: ignore[no-any-return]
     at = position_of(mid, plog.partition)
-    if int(mid.entryId) & _OWN:
+    if is_own(mid) or reader:
         return at
     if mid.batch_index < 0:  # a message sent alone: its entry is all of it
         return Position(at.partition, at.segment_id, at.entry_id + 1, 0)
     return Position(at.partition, at.segment_id, at.entry_id, at.batch_index + 1)
 
 
+def last_message_id(last: Position, partition: int) -> api.MessageIdData:
+    """GET_LAST_MESSAGE_ID's answer for a partition whose last message is at ``last``. The
+    client compares it with the last id it received: a batch's last index, or -1 for an
+    entry of one message, whether it went out alone (-1) or as a batch of one (0 > -1)."""
+    return api.MessageIdData(ledgerId=last.segment_id, entryId=last.entry_id,
+                             partition=partition,
+                             batch_index=last.batch_index if last.batch_index else -1)
+
+
 def id_before(position: Position, partition: int) -> api.MessageIdData:
-    """An id that sorts after every message before ``position`` and before every message at
-    or after it (the mark-delete position: everything before ``position`` is acknowledged)."""
-    if position.batch_index > 0:
-        return message_id(position.segment_id, position.entry_id, position.batch_index - 1,
-                          partition)
-    if position.entry_id > 0:
-        return message_id(position.segment_id, position.entry_id - 1, (1 << _INDEX_BITS) - 1,
-                          partition)
-    return api.MessageIdData(ledgerId=position.segment_id, entryId=_OWN - 1,
-                             partition=partition)
+    """The mark-delete position when everything before ``position`` is acknowledged: the last
+    entry whose every message is (``(segment, -1)`` before a segment's first entry). The
+    client compares it with the last message's id by ledger and entry only."""
+    entry = position.entry_id - 1  # entry_id itself is acknowledged in part at most
+    return api.MessageIdData(ledgerId=position.segment_id,
+                             entryId=entry if entry >= 0 else _NONE, partition=partition)

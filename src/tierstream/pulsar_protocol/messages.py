@@ -17,8 +17,8 @@ from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.pulsar_protocol.schemas import schema_version_bytes
 from tierstream.schemas.model import VERSION_PROPERTY
 
-__all__ = ["KEY_BASE64", "NULL_VALUE", "ORDERING_KEY", "PUBLISH_TIME", "SEQUENCE_ID",
-           "metadata_of", "refused_feature", "to_rows"]
+__all__ = ["BATCHED", "BATCH_PROPERTIES", "KEY_BASE64", "NULL_VALUE", "ORDERING_KEY",
+           "PUBLISH_TIME", "SEQUENCE_ID", "batch_of", "metadata_of", "refused_feature", "to_rows"]
 
 _CODECS = {api.LZ4: "lz4_raw", api.ZSTD: "zstd", api.SNAPPY: "snappy"}
 
@@ -42,6 +42,9 @@ PUBLISH_TIME = "pulsar.publish_time"  # the client's publish time (ms); the colu
 NULL_VALUE = "pulsar.null_value"  # "true": the value was null (stored as empty bytes)
 ORDERING_KEY = "pulsar.ordering_key"  # the message's ordering key, base64
 KEY_BASE64 = "pulsar.key_base64"  # "true": the key is base64 of bytes (partition_key_b64)
+#: "true": the message was sent as a batch of one (its receipt's batch index is 0, not -1);
+#: a batch of more messages is known by its size, so only a batch of one carries it
+BATCHED = "pulsar.batched"
 
 
 def to_rows(metadata: api.MessageMetadata, payload: bytes, *, sequence_id: int,
@@ -62,6 +65,8 @@ def to_rows(metadata: api.MessageMetadata, payload: bytes, *, sequence_id: int,
         messages = _split_batch(metadata.num_messages_in_batch, data, sequence_id,
                                 metadata.event_time)
     shared = [(PUBLISH_TIME, str(metadata.publish_time))]
+    if metadata.HasField("num_messages_in_batch") and len(messages.values) == 1:
+        shared.append((BATCHED, "true"))
     if metadata.HasField("deliver_at_time"):  # delayed delivery: a SEND's messages share it
         shared.append((DELIVER_AT, str(metadata.deliver_at_time)))
     if schema_version is not None:
@@ -204,8 +209,8 @@ def metadata_of(key: str | None, publish_time: int, event_time: int | None,
     for k, v in properties or []:
         if k == SEQUENCE_ID:
             meta.sequence_id = int(v)
-        elif k == PUBLISH_TIME:
-            continue  # the client's; the message's publish time is the log's
+        elif k in _BATCH_LEVEL:
+            continue  # the client's publish time (the message's is the log's), BATCHED
         elif k == NULL_VALUE:
             meta.null_value = v == "true"
         elif k == ORDERING_KEY:
@@ -219,3 +224,63 @@ def metadata_of(key: str | None, publish_time: int, event_time: int | None,
         else:
             meta.properties.add(key=k, value=v)
     return meta
+
+
+_BATCH_LEVEL = {PUBLISH_TIME, BATCHED}
+#: what a batch's messages share, kept in the batch's metadata rather than each message's
+BATCH_PROPERTIES = frozenset({VERSION_PROPERTY, DELIVER_AT, PUBLISH_TIME, BATCHED})
+_SHARED = BATCH_PROPERTIES
+
+
+def batch_of(keys: list[str | None], values: list[bytes], event_times: list[int | None],
+             properties: list[list[tuple[str, str]] | None], publish_time: int
+             ) -> tuple[api.MessageMetadata, bytes] | None:
+    """Stored messages of one entry as the batch a Pulsar client unpacks: the batch's
+    metadata and payload (per message a size-prefixed ``SingleMessageMetadata`` and its
+    bytes). None where the messages disagree on what a batch's metadata holds for all of them
+    (schema version, delivery time): they go out one by one."""
+    shared = {k: v for k, v in properties[0] or [] if k in _SHARED}
+    meta = metadata_of(None, publish_time, None, list(shared.items()))
+    meta.num_messages_in_batch = len(values)
+    parts: list[bytes] = []
+    cache: dict[Any, bytes] = {}
+    sequence = None
+    for key, value, event, props in zip(keys, values, event_times, properties, strict=True):
+        own = tuple(p for p in props or [] if p[0] not in _SHARED)
+        if {k: v for k, v in props or [] if k in _SHARED} != shared:
+            return None
+        single = cache.get((key, event, own, len(value)))
+        if single is None:
+            single = cache[(key, event, own, len(value))] = _single(
+                key, event, own, len(value)).SerializeToString()
+        if sequence is None:
+            sequence = _sequence_of(own)
+        parts += (len(single).to_bytes(4, "big"), single, value)
+    meta.sequence_id = sequence or 0
+    return meta, b"".join(parts)
+
+
+def _sequence_of(own: tuple[tuple[str, str], ...]) -> int | None:
+    return next((int(v) for k, v in own if k == SEQUENCE_ID), None)
+
+
+def _single(key: str | None, event_time: int | None, own: tuple[tuple[str, str], ...],
+            size: int) -> api.SingleMessageMetadata:
+    """One message's metadata in a batch: what ``metadata_of`` keeps for a message alone."""
+    single = api.SingleMessageMetadata(payload_size=size)
+    if key is not None:
+        single.partition_key = key
+    if event_time:
+        single.event_time = event_time
+    for k, v in own:
+        if k == SEQUENCE_ID:
+            single.sequence_id = int(v)
+        elif k == NULL_VALUE:
+            single.null_value = v == "true"
+        elif k == ORDERING_KEY:
+            single.ordering_key = base64.b64decode(v)
+        elif k == KEY_BASE64:
+            single.partition_key_b64_encoded = v == "true"
+        else:
+            single.properties.add(key=k, value=v)
+    return single

@@ -151,18 +151,20 @@ class Schema(_message.Message):
     def __init__(self, name: _Optional[str] = ..., schema_data: _Optional[bytes] = ..., type: _Optional[_Union[Schema.Type, str]] = ..., properties: _Optional[_Iterable[_Union[KeyValue, _Mapping]]] = ...) -> None: ...
 
 class MessageIdData(_message.Message):
-    __slots__ = ("ledgerId", "entryId", "partition", "batch_index", "batch_size")
+    __slots__ = ("ledgerId", "entryId", "partition", "batch_index", "ack_set", "batch_size")
     LEDGERID_FIELD_NUMBER: _ClassVar[int]
     ENTRYID_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ACK_SET_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     ledgerId: int
     entryId: int
     partition: int
     batch_index: int
+    ack_set: _containers.RepeatedScalarFieldContainer[int]
     batch_size: int
-    def __init__(self, ledgerId: _Optional[int] = ..., entryId: _Optional[int] = ..., partition: _Optional[int] = ..., batch_index: _Optional[int] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    def __init__(self, ledgerId: _Optional[int] = ..., entryId: _Optional[int] = ..., partition: _Optional[int] = ..., batch_index: _Optional[int] = ..., ack_set: _Optional[_Iterable[int]] = ..., batch_size: _Optional[int] = ...) -> None: ...
 
 class MessageMetadata(_message.Message):
     __slots__ = ("producer_name", "sequence_id", "publish_time", "properties", "replicated_from", "partition_key", "compression", "uncompressed_size", "num_messages_in_batch", "event_time", "encryption_algo", "encryption_param", "schema_version", "partition_key_b64_encoded", "ordering_key", "deliver_at_time", "marker_type", "txnid_least_bits", "txnid_most_bits", "highest_sequence_id", "null_value", "uuid", "num_chunks_from_msg", "total_chunk_msg_size", "chunk_id", "null_partition_key")

@@ -16,25 +16,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-import pyarrow as pa
 
+from tierstream.broker.pulsar.delivered import Delivered
 from tierstream.broker.pulsar.produce import Link
 from tierstream.broker.subscriptions.attached import Attached, ConsumerSettings
 from tierstream.broker.subscriptions.cursor_state import NON_DURABLE
 from tierstream.errors import ConflictError, TierstreamError
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
-from tierstream.pulsar_protocol.frames import serialized_payload_frame
 from tierstream.pulsar_protocol.message_ids import (
     id_before,
-    message_id,
+    last_message_id,
     no_message,
-    position_of,
-    positions_of,
     start_position,
-    wire_entry_ids,
-)
-from tierstream.pulsar_protocol.messages import (
-    metadata_of,
 )
 from tierstream.pulsar_protocol.replies import Refused, error_code
 from tierstream.pulsar_protocol.schemas import check_consumer_schema
@@ -76,11 +69,14 @@ class _Consumer:
     partitioned: bool  # the client named a partition of a partitioned topic
     attached: Attached
     durable: bool = True  # False: a reader's, deleted when it leaves
-    unacked: set[tuple[int, int, int]] = field(default_factory=set)
-    lock: threading.Lock = field(default_factory=threading.Lock)
     thread: threading.Thread | None = None
     stream: int = -1  # its key in the broker's Streams
     counts: dict[str, Any] = field(default_factory=dict)  # its Streams entry
+    sent: Delivered = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sent = Delivered(self.id, self.partition, self.wire_partition,
+                              reader=not self.durable)
 
     @property
     def wire_partition(self) -> int:
@@ -134,10 +130,10 @@ class ConsumePath:
             sticky = tuple(KeyRange(r.start, r.end + 1) for r in req.keySharedMeta.hashRanges)
         name = req.consumer_name or f"pulsar-{id(self):x}-{req.consumer_id}"
         settings = ConsumerSettings(name=name, type=kind, sticky=sticky, permits=MAX_PERMITS,
-                                    initial_permits=0)
+                                    initial_permits=0, whole_entries=True)
         plog = self.store.partition(topic, partition)
         if req.HasField("start_message_id"):
-            initial = start_position(req.start_message_id, plog)
+            initial = start_position(req.start_message_id, plog, reader=not req.durable)
         elif req.initialPosition == api.CommandSubscribe.Earliest:
             initial = plog.earliest()
         else:
@@ -173,7 +169,7 @@ class ConsumePath:
                 batch = c.attached.next_batch(0.2)
                 if batch is None:
                     continue
-                frames = self._frames(c, batch)
+                frames = c.sent.frames(batch)
                 self.link.write_frames(frames)
                 plog.rate_out.add(batch.num_rows, batch.nbytes)
                 c.counts["messages"] += batch.num_rows
@@ -190,42 +186,6 @@ class ConsumePath:
         except TierstreamError as exc:
             log.warning("pulsar client %s: delivery to consumer %s stopped: %s",
                         self.link.peer, c.name, exc)
-
-    def _frames(self, c: _Consumer, batch: pa.RecordBatch) -> list[bytes]:
-        """One MESSAGE frame per row. The per-message work is kept small: the ids are computed
-        column-wise, one command object is refilled and serialized per message, and rows that
-        share their metadata (key, times, properties: often a whole entry's) share its bytes."""
-        cols = {name: batch.column(name).to_pylist() for name in (
-            "key", "value", "publish_time", "event_time", "properties", "segment_id",
-            "redelivery_count")}
-        entries = batch.column("entry_id").to_numpy(zero_copy_only=False)
-        indexes = batch.column("batch_index").to_numpy(zero_copy_only=False)
-        wire_ids = wire_entry_ids(entries, indexes).tolist()
-        entry_list, index_list = entries.tolist(), indexes.tolist()
-        command = _Cmd(type=_Cmd.MESSAGE)
-        message = command.message
-        message.consumer_id = c.id
-        mid = message.message_id
-        mid.partition = c.wire_partition
-        metas: dict[Any, bytes] = {}
-        keys, publish, event, props = (cols["key"], cols["publish_time"], cols["event_time"],
-                                       cols["properties"])
-        out = []
-        with c.lock:
-            for i, seg in enumerate(cols["segment_id"]):
-                c.unacked.add((seg, entry_list[i], index_list[i]))
-                shared = (keys[i], publish[i], event[i],
-                          tuple(props[i]) if props[i] else None)
-                meta = metas.get(shared)
-                if meta is None:
-                    meta = metas[shared] = metadata_of(keys[i], publish[i], event[i],
-                                                     props[i]).SerializeToString()
-                mid.ledgerId = seg
-                mid.entryId = wire_ids[i]
-                message.redelivery_count = cols["redelivery_count"][i]
-                out.append(serialized_payload_frame(command.SerializeToString(), meta,
-                                                    cols["value"][i]))  # null: b""
-        return out
 
     # -- flow and acks --------------------------------------------------------------------------
 
@@ -265,19 +225,15 @@ class ConsumePath:
         if req.ack_type == api.CommandAck.Cumulative:
             if c.type not in SubscriptionType.CUMULATIVE:
                 raise Refused(f"a {c.type} subscription takes no cumulative acks")
-            last = max(position_of(m, c.partition) for m in req.message_id)
-            self._unstored = max(self._unstored, self.subscriptions.ack_cumulative(
-                c.topic, c.subscription, c.name, last, wait=False))
-            with c.lock:
-                c.unacked = {k for k in c.unacked
-                             if Position(c.partition, *k) > last}
+            last = c.sent.acked_through(req.message_id)
+            if last is not None:
+                self._unstored = max(self._unstored, self.subscriptions.ack_cumulative(
+                    c.topic, c.subscription, c.name, last, wait=False))
             return
-        segment, entry, index = positions_of(req.message_id)
-        self._unstored = max(self._unstored, self.subscriptions.ack_later(
-            c.topic, c.subscription, c.partition, c.name, segment, entry, index))
-        with c.lock:
-            c.unacked.difference_update(zip(segment.tolist(), entry.tolist(), index.tolist(),
-                                            strict=True))
+        segment, entry, index = c.sent.acked(req.message_id)
+        if len(segment):
+            self._unstored = max(self._unstored, self.subscriptions.ack_later(
+                c.topic, c.subscription, c.partition, c.name, segment, entry, index))
 
     def redeliver(self, req: api.CommandRedeliverUnacknowledgedMessages) -> None:
         """The client's negative acks and ack timeouts (ids), or a reset (no ids: everything
@@ -285,15 +241,9 @@ class ConsumePath:
         c = self.consumers.get(req.consumer_id)
         if c is None:
             return
-        with c.lock:
-            if req.message_ids:
-                keys = {(p.segment_id, p.entry_id, p.batch_index) for p in (
-                    position_of(m, c.partition) for m in req.message_ids)} & c.unacked
-            else:
-                keys = set(c.unacked)
-            c.unacked.difference_update(keys)
-        if keys:
-            segment, entry, index = _arrays([Position(c.partition, *k) for k in sorted(keys)])
+        positions = c.sent.taken_back(req.message_ids)
+        if positions:
+            segment, entry, index = _arrays(positions)
             self.subscriptions.nack(c.topic, c.subscription, c.partition, c.name, segment,
                                     entry, index, 0.0)
 
@@ -308,7 +258,7 @@ class ConsumePath:
                 raise Refused(f"no consumer {req.consumer_id} on this connection")
             plog = self.store.partition(c.topic, c.partition)
             if req.HasField("message_id"):
-                position = start_position(req.message_id, plog)
+                position = start_position(req.message_id, plog, reader=not c.durable)
             elif req.HasField("message_publish_time"):
                 position = plog.position_at_time(int(req.message_publish_time))
             else:
@@ -347,8 +297,7 @@ class ConsumePath:
         if last is None:
             reply.last_message_id.CopyFrom(no_message(partition))
         else:
-            reply.last_message_id.CopyFrom(message_id(last.segment_id, last.entry_id,
-                                                      last.batch_index, partition))
+            reply.last_message_id.CopyFrom(last_message_id(last, partition))
         done = self.subscriptions.acknowledged_before(c.topic, c.subscription, c.partition)
         if done is not None:
             reply.consumer_mark_delete_position.CopyFrom(id_before(done, partition))

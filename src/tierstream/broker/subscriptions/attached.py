@@ -27,6 +27,9 @@ class ConsumerSettings:
     max_redeliveries: int | None = None
     dead_letter_topic: str | None = None
     initial_permits: int | None = None    # None: ``permits`` (a Pulsar client sends FLOW first)
+    #: hand out an entry whole while any permit is left, as Pulsar's dispatchers do (a
+    #: Pulsar consumer gets it as one batch whose ids are its receipts')
+    whole_entries: bool = False
 
 
 class Attached:

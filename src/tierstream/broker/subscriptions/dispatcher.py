@@ -245,7 +245,7 @@ class Dispatcher(DeliveryTimes, DeadLetterSide):
             if c.permits <= 0:
                 return
             rows = np.flatnonzero(chunk.state == WAITING)
-            take = rows[:c.permits]
+            take = rows if c.settings.whole_entries else rows[:c.permits]
             self._deliver(chunk, take, c)
             if len(take) < len(rows):
                 return
@@ -261,7 +261,7 @@ class Dispatcher(DeliveryTimes, DeadLetterSide):
                     return
                 c = ready[turn % len(ready)]
                 turn += 1
-                take = rows[:c.permits]
+                take = rows if c.settings.whole_entries else rows[:c.permits]
                 self._deliver(chunk, take, c)
                 rows = rows[len(take):]
 

@@ -74,9 +74,10 @@ class KeyHolds:
             for t in np.unique(target[ok]).tolist():
                 c = consumers[t]
                 idx = np.flatnonzero(ok & (target == t))
-                if len(idx) > c.permits:
-                    ok[idx[c.permits:]] = False
-                    idx = idx[:c.permits]
+                cap = len(idx) if c.settings.whole_entries and c.permits > 0 else c.permits
+                if len(idx) > cap:
+                    ok[idx[cap:]] = False
+                    idx = idx[:cap]
                 if len(idx):
                     deliver(chunk, rows[idx], c)
             if not ok.all():

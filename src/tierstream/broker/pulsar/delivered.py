@@ -1,0 +1,234 @@
+"""What one Pulsar consumer was sent and has not acknowledged, and the frames that send it.
+
+A message keeps the id its send receipt gave (``pulsar_protocol/message_ids.py``) when its
+entry goes out as the batch it was stored as, and the client numbers the batch's messages
+itself. That takes a batch the consumer can acknowledge as a whole, since a client without
+batch-index acks (the default) acknowledges a batch only once every message of it is:
+
+- the first messages of an entry (indexes 0..k-1: a whole entry, as the dispatcher hands a
+  Pulsar consumer whole entries, or what is left of one at its start) go out as a batch of k,
+  or alone as the receipt's ``(segment, entry, -1)`` for an entry of one message that was not
+  sent in a batch;
+- a reader also gets other parts of an entry as a batch, the messages it is not given masked
+  out by the MESSAGE's ``ack_set`` (it acknowledges cumulatively, if at all);
+- anything else (a Key_Shared entry whose keys belong to several consumers, what is left of an
+  entry after part of it was acknowledged) goes out message by message with ids of the
+  broker's own.
+
+An acknowledgement of a batch (``(segment, entry)``, with or without an ``ack_set``) is then
+read against what this consumer was sent of that entry, never more.
+"""
+
+from __future__ import annotations
+
+import threading
+from itertools import pairwise
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from tierstream.pulsar_protocol import pulsar_api_pb2 as api
+from tierstream.pulsar_protocol.frames import serialized_payload_frame
+from tierstream.pulsar_protocol.message_ids import (
+    ack_words,
+    acked_indexes,
+    cumulative_end,
+    is_own,
+    position_of,
+    positions_of,
+    wire_entry_ids,
+)
+from tierstream.pulsar_protocol.messages import BATCH_PROPERTIES, BATCHED, batch_of, metadata_of
+from tierstream.splits.positions import Position
+
+__all__ = ["Delivered"]
+
+_Cmd = api.BaseCommand
+_Key = tuple[int, int, int]  # segment, entry, batch index
+_COLUMNS = ("key", "value", "publish_time", "event_time", "properties", "segment_id",
+            "redelivery_count")
+
+
+class Delivered:
+    """One consumer's messages on their way and unacknowledged, and how each entry went."""
+
+    def __init__(self, consumer_id: int, partition: int, wire_partition: int, *,
+                 reader: bool) -> None:
+        self.consumer_id, self.partition, self.reader = consumer_id, partition, reader
+        self.wire_partition = wire_partition  # -1 for a topic of one partition, as Pulsar's
+        self.lock = threading.Lock()
+        self.unacked: set[_Key] = set()
+        #: entries that went out as a batch (or as a receipt's lone message): their size
+        self.batches: dict[tuple[int, int], int] = {}
+
+    # -- sending ------------------------------------------------------------------------------
+
+    def frames(self, batch: pa.RecordBatch) -> list[bytes]:
+        """The MESSAGE frames of a batch from the dispatcher, entry by entry in its order."""
+        cols = {name: batch.column(name).to_pylist() for name in _COLUMNS}
+        segments = batch.column("segment_id").to_numpy(zero_copy_only=False)
+        entries = batch.column("entry_id").to_numpy(zero_copy_only=False)
+        indexes = batch.column("batch_index").to_numpy(zero_copy_only=False)
+        cuts = np.flatnonzero((segments[1:] != segments[:-1]) | (entries[1:] != entries[:-1]))
+        bounds = [0, *(cuts + 1).tolist(), len(entries)]
+        entry_list, index_list = entries.tolist(), indexes.tolist()
+        out: list[bytes] = []
+        alone: list[int] = []  # rows that go out with ids of their own, in order
+        with self.lock:
+            for a, b in pairwise(bounds):
+                frame = self._batch_frame(cols, entry_list[a], index_list[a:b], a, b)
+                if frame is None:
+                    alone.extend(range(a, b))
+                    continue
+                if alone:
+                    out += self._alone(cols, entries, indexes, alone)
+                    alone = []
+                out.append(frame)
+            if alone:
+                out += self._alone(cols, entries, indexes, alone)
+        return out
+
+    def _batch_frame(self, cols: dict[str, list[Any]], entry: int, idx: list[int], a: int,
+                     b: int) -> bytes | None:
+        """The frame of one entry's rows ``a:b`` as a batch (or a receipt's lone message), or
+        None where they go out one by one."""
+        segment, count = cols["segment_id"][a], cols["redelivery_count"][a]
+        if any(n != count for n in cols["redelivery_count"][a + 1:b]):
+            return None  # one frame has one redelivery count
+        first = idx[0] == 0 and idx[-1] == b - a - 1
+        if not first and not self.reader:
+            return None
+        command = _Cmd(type=_Cmd.MESSAGE, message=api.CommandMessage(
+            consumer_id=self.consumer_id, redelivery_count=count, message_id=api.MessageIdData(
+                ledgerId=segment, entryId=entry, partition=self.wire_partition)))
+        props = cols["properties"]
+        if first and b - a == 1 and (BATCHED, "true") not in (props[a] or ()):
+            meta = metadata_of(cols["key"][a], cols["publish_time"][a], cols["event_time"][a],
+                               props[a])
+            payload = cols["value"][a]
+            size = 1
+        else:
+            size = idx[-1] + 1
+            keys: list[Any] = [None] * size
+            values: list[bytes] = [b""] * size
+            events: list[int | None] = [None] * size
+            shared = [p for p in props[a] or () if p[0] in BATCH_PROPERTIES]
+            properties: list[Any] = [shared] * size  # what it is not given: empty messages
+            for row, i in enumerate(idx, start=a):
+                keys[i], values[i], events[i] = (cols["key"][row], cols["value"][row],
+                                                 cols["event_time"][row])
+                properties[i] = props[row]
+            made = batch_of(keys, values, events, properties, cols["publish_time"][a])
+            if made is None:
+                return None
+            meta, payload = made
+            if not first:
+                command.message.ack_set.extend(ack_words(idx))
+        self.batches[(segment, entry)] = size
+        self.unacked.update((segment, entry, i) for i in idx)
+        return serialized_payload_frame(command.SerializeToString(), meta.SerializeToString(),
+                                        payload)
+
+    def _alone(self, cols: dict[str, list[Any]], entries: np.ndarray, indexes: np.ndarray,
+               rows: list[int]) -> list[bytes]:
+        """A frame per row, each with an id of the broker's own. The per-message work is kept
+        small: one command object refilled per message, and rows that share their metadata
+        share its bytes."""
+        at = np.array(rows)
+        wire_ids = wire_entry_ids(entries[at], indexes[at]).tolist()
+        command = _Cmd(type=_Cmd.MESSAGE)
+        message = command.message
+        message.consumer_id = self.consumer_id
+        mid = message.message_id
+        mid.partition = self.wire_partition
+        metas: dict[Any, bytes] = {}
+        keys, publish, event, props = (cols["key"], cols["publish_time"], cols["event_time"],
+                                       cols["properties"])
+        out = []
+        for n, i in enumerate(rows):
+            seg = cols["segment_id"][i]
+            self.unacked.add((seg, int(entries[i]), int(indexes[i])))
+            shared = (keys[i], publish[i], event[i], tuple(props[i]) if props[i] else None)
+            meta = metas.get(shared)
+            if meta is None:
+                meta = metas[shared] = metadata_of(keys[i], publish[i], event[i],
+                                                 props[i]).SerializeToString()
+            mid.ledgerId = seg
+            mid.entryId = wire_ids[n]
+            message.redelivery_count = cols["redelivery_count"][i]
+            out.append(serialized_payload_frame(command.SerializeToString(), meta,
+                                                cols["value"][i]))  # null: b""
+        return out
+
+    # -- what the client answers --------------------------------------------------------------
+
+    def acked(self, ids: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The messages an individual ACK's ids acknowledge (segment, entry, index arrays),
+        taken off what is unacknowledged. A batch's id counts for what this consumer was
+        sent of that entry; one of an entry it holds nothing of counts for nothing (the
+        client acknowledges what a connection before this one delivered, which the broker
+        gave out again when that connection ended)."""
+        own = [m for m in ids if is_own(m)]
+        segment, entry, index = positions_of(own)
+        keys = list(zip(segment.tolist(), entry.tolist(), index.tolist(), strict=True))
+        with self.lock:
+            for m in ids:
+                if not is_own(m):
+                    keys += self._of_batch(m)
+            self._forget(keys)
+        if len(keys) == len(own):
+            return segment, entry, index
+        return _arrays(keys)
+
+    def acked_through(self, ids: Any) -> Position | None:
+        """The last message a cumulative ACK's ids acknowledge (None: none), and everything
+        up to it taken off what is unacknowledged."""
+        ends = [end for end in (cumulative_end(m, self.partition) for m in ids)
+                if end is not None]
+        if not ends:
+            return None
+        last = max(ends)
+        with self.lock:
+            self._forget([k for k in self.unacked if Position(self.partition, *k) <= last])
+        return last
+
+    def taken_back(self, ids: Any) -> list[Position]:
+        """The messages a redelivery request names (all this consumer holds when it names
+        none), taken off what it holds: they go out again."""
+        with self.lock:
+            if not ids:
+                keys = sorted(self.unacked)
+            else:
+                keys = []
+                for m in ids:
+                    if is_own(m):
+                        p = position_of(m, self.partition)
+                        keys.append((p.segment_id, p.entry_id, p.batch_index))
+                    else:
+                        keys += self._of_batch(m, whole=True)
+                keys = sorted(set(keys) & self.unacked)
+            self._forget(keys)
+        return [Position(self.partition, *k) for k in keys]
+
+    def _of_batch(self, m: api.MessageIdData, *, whole: bool = False) -> list[_Key]:
+        """The unacknowledged messages a batch's id names (lock held)."""
+        segment, entry = int(m.ledgerId), int(m.entryId)
+        size = self.batches.get((segment, entry))
+        if size is None:
+            return []
+        indexes = range(size) if whole else acked_indexes(m, size)
+        return [k for k in ((segment, entry, i) for i in indexes) if k in self.unacked]
+
+    def _forget(self, keys: list[_Key]) -> None:
+        self.unacked.difference_update(keys)
+        for segment, entry in {(s, e) for s, e, _ in keys}:
+            size = self.batches.get((segment, entry))
+            if size is not None and not any((segment, entry, i) in self.unacked
+                                            for i in range(size)):
+                del self.batches[(segment, entry)]
+
+
+def _arrays(keys: list[_Key]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    table = np.array(keys, dtype=np.int64).reshape(-1, 3)
+    return table[:, 0].copy(), table[:, 1].copy(), table[:, 2].copy()
