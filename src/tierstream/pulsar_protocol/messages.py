@@ -18,7 +18,8 @@ from tierstream.pulsar_protocol.schemas import schema_version_bytes
 from tierstream.schemas.model import VERSION_PROPERTY
 
 __all__ = ["BATCHED", "BATCH_PROPERTIES", "KEY_BASE64", "NULL_VALUE", "ORDERING_KEY",
-           "PUBLISH_TIME", "SEQUENCE_ID", "batch_of", "metadata_of", "refused_feature", "to_rows"]
+           "PUBLISH_TIME", "SEQUENCE_ID", "batch_of", "chunks_of", "metadata_of", "refused_feature",
+           "to_rows"]
 
 _CODECS = {api.LZ4: "lz4_raw", api.ZSTD: "zstd", api.SNAPPY: "snappy"}
 
@@ -27,8 +28,6 @@ def refused_feature(send: api.CommandSend, metadata: api.MessageMetadata) -> str
     """The feature a SEND uses that tierstream does not take over this protocol, by name."""
     if send.txnid_most_bits or send.txnid_least_bits or metadata.HasField("txnid_most_bits"):
         return "transactions (txnid on SEND)"
-    if send.is_chunk or metadata.HasField("num_chunks_from_msg"):
-        return "chunked messages"
     if metadata.HasField("encryption_algo") or metadata.HasField("encryption_param"):
         return "encryption"
     if send.marker or metadata.HasField("marker_type"):
@@ -284,3 +283,24 @@ def _single(key: str | None, event_time: int | None, own: tuple[tuple[str, str],
         else:
             single.properties.add(key=k, value=v)
     return single
+
+
+def chunks_of(meta: api.MessageMetadata, value: bytes, uuid: str, limit: int
+              ) -> list[tuple[bytes, bytes]] | None:
+    """A message whose metadata and value would make a frame over ``limit`` bytes, as the
+    chunks a Pulsar client puts together (``uuid``, ``chunk_id`` of ``num_chunks_from_msg``,
+    ``total_chunk_msg_size``): per chunk its serialized metadata and its bytes. None for a
+    message that fits one frame."""
+    room = limit - meta.ByteSize() - 1024  # the command, the chunk fields, the frame's head
+    if len(value) <= room:
+        return None
+    count = -(-len(value) // room)
+    chunked = api.MessageMetadata()
+    chunked.CopyFrom(meta)
+    chunked.uuid, chunked.num_chunks_from_msg = uuid, count
+    chunked.total_chunk_msg_size = len(value)
+    out = []
+    for i in range(count):
+        chunked.chunk_id = i
+        out.append((chunked.SerializeToString(), value[i * room:(i + 1) * room]))
+    return out

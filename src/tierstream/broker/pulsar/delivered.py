@@ -29,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
-from tierstream.pulsar_protocol.frames import serialized_payload_frame
+from tierstream.pulsar_protocol.frames import MAX_MESSAGE_SIZE, serialized_payload_frame
 from tierstream.pulsar_protocol.message_ids import (
     ack_words,
     acked_indexes,
@@ -39,7 +39,13 @@ from tierstream.pulsar_protocol.message_ids import (
     positions_of,
     wire_entry_ids,
 )
-from tierstream.pulsar_protocol.messages import BATCH_PROPERTIES, BATCHED, batch_of, metadata_of
+from tierstream.pulsar_protocol.messages import (
+    BATCH_PROPERTIES,
+    BATCHED,
+    batch_of,
+    chunks_of,
+    metadata_of,
+)
 from tierstream.splits.positions import Position
 
 __all__ = ["Delivered"]
@@ -77,22 +83,23 @@ class Delivered:
         alone: list[int] = []  # rows that go out with ids of their own, in order
         with self.lock:
             for a, b in pairwise(bounds):
-                frame = self._batch_frame(cols, entry_list[a], index_list[a:b], a, b)
-                if frame is None:
+                frames = self._batch_frames(cols, entry_list[a], index_list[a:b], a, b)
+                if frames is None:
                     alone.extend(range(a, b))
                     continue
                 if alone:
                     out += self._alone(cols, entries, indexes, alone)
                     alone = []
-                out.append(frame)
+                out += frames
             if alone:
                 out += self._alone(cols, entries, indexes, alone)
         return out
 
-    def _batch_frame(self, cols: dict[str, list[Any]], entry: int, idx: list[int], a: int,
-                     b: int) -> bytes | None:
-        """The frame of one entry's rows ``a:b`` as a batch (or a receipt's lone message), or
-        None where they go out one by one."""
+    def _batch_frames(self, cols: dict[str, list[Any]], entry: int, idx: list[int], a: int,
+                      b: int) -> list[bytes] | None:
+        """The frame of one entry's rows ``a:b`` as a batch, or a receipt's lone message's
+        frame (its chunks' frames, if it is larger than a frame may be); None where they go
+        out one by one."""
         segment, count = cols["segment_id"][a], cols["redelivery_count"][a]
         if any(n != count for n in cols["redelivery_count"][a + 1:b]):
             return None  # one frame has one redelivery count
@@ -110,6 +117,8 @@ class Delivered:
             size = 1
         else:
             size = idx[-1] + 1
+            if sum(len(v) for v in cols["value"][a:b]) > MAX_MESSAGE_SIZE // 2:
+                return None  # large messages go one by one (in chunks where they must)
             keys: list[Any] = [None] * size
             values: list[bytes] = [b""] * size
             events: list[int | None] = [None] * size
@@ -127,8 +136,11 @@ class Delivered:
                 command.message.ack_set.extend(ack_words(idx))
         self.batches[(segment, entry)] = size
         self.unacked.update((segment, entry, i) for i in idx)
-        return serialized_payload_frame(command.SerializeToString(), meta.SerializeToString(),
-                                        payload)
+        data = command.SerializeToString()
+        chunks = chunks_of(meta, payload, f"tierstream-{segment}-{entry}", MAX_MESSAGE_SIZE)
+        if chunks is not None:
+            return [serialized_payload_frame(data, m, part) for m, part in chunks]
+        return [serialized_payload_frame(data, meta.SerializeToString(), payload)]
 
     def _alone(self, cols: dict[str, list[Any]], entries: np.ndarray, indexes: np.ndarray,
                rows: list[int]) -> list[bytes]:
@@ -157,9 +169,25 @@ class Delivered:
             mid.ledgerId = seg
             mid.entryId = wire_ids[n]
             message.redelivery_count = cols["redelivery_count"][i]
-            out.append(serialized_payload_frame(command.SerializeToString(), meta,
-                                                cols["value"][i]))  # null: b""
+            value = cols["value"][i]  # null: b""
+            if len(value) > MAX_MESSAGE_SIZE // 2:
+                out += self._chunks(command, keys[i], publish[i], event[i], props[i], value)
+                continue
+            out.append(serialized_payload_frame(command.SerializeToString(), meta, value))
         return out
+
+    @staticmethod
+    def _chunks(command: api.BaseCommand, key: str | None, publish: int, event: int | None,
+                props: Any, value: bytes) -> list[bytes]:
+        """One message's frame, or its chunks' where it is larger than a frame may be."""
+        meta = metadata_of(key, publish, event, props)
+        mid = command.message.message_id
+        data = command.SerializeToString()
+        chunks = chunks_of(meta, value, f"tierstream-{mid.ledgerId}-{mid.entryId}",
+                           MAX_MESSAGE_SIZE)
+        if chunks is None:
+            return [serialized_payload_frame(data, meta.SerializeToString(), value)]
+        return [serialized_payload_frame(data, m, part) for m, part in chunks]
 
     # -- what the client answers --------------------------------------------------------------
 

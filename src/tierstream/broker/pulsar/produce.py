@@ -6,7 +6,8 @@ group commit that tierstream's own producers use) and handed to the connection's
 thread, which waits for each entry's quorum in order and answers SEND_RECEIPT with
 tierstream's position as the message id: ledgerId = segment id, entryId = entry id, the
 partition (-1 for a topic of one partition) and, per message of a batch, its batch index. A
-refused SEND is answered in the same queue, so answers keep the order of the sends.
+refused SEND is answered in the same queue, so answers keep the order of the sends. The chunks
+of a chunked message are put together first (``chunks.py``) and stored as one message.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from tierstream.broker.pulsar.chunks import Assembly
 from tierstream.errors import StaleRoutingError, TierstreamError
 from tierstream.message_format import key_hashes
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
@@ -66,6 +68,7 @@ class ProducePath:
                  ) -> None:
         self.link, self.store, self.schemas, self.streams = link, store, schemas, streams
         self.producers: dict[int, _Producer] = {}
+        self._chunked: dict[int, Assembly] = {}  # producer id -> its chunked message
         self._receipts: queue.Queue[Any] = queue.Queue(maxsize=1000)
         self._names = itertools.count()
         self._thread = threading.Thread(target=self._send_receipts, daemon=True,
@@ -74,6 +77,8 @@ class ProducePath:
 
     def stop(self, timeout: float) -> None:
         """Answer what is queued, then end the receipt thread."""
+        for assembly in self._chunked.values():
+            assembly.drop(Refused("the connection closed before the message's last chunk"))
         self._receipts.put(None)
         self._thread.join(timeout=timeout)
         for producer in self.producers.values():
@@ -92,6 +97,9 @@ class ProducePath:
         producer = self.producers.pop(req.producer_id, None)
         if producer is not None:
             self.streams.close(producer.stream)
+        assembly = self._chunked.pop(req.producer_id, None)
+        if assembly is not None:
+            assembly.drop(Refused("the producer closed before the message's last chunk"))
         self.link.write(_Cmd(type=_Cmd.SUCCESS, success=api.CommandSuccess(
             request_id=req.request_id)))
 
@@ -144,6 +152,18 @@ class ProducePath:
             return
         topic, partition, name, count = (producer.topic, producer.partition, producer.name,
                                           producer.partitions)
+        assembly = None
+        if metadata.num_chunks_from_msg > 1:  # a chunk: stored with the message's last
+            assembly = self._chunked.setdefault(send.producer_id, Assembly())
+            try:
+                whole, complete = assembly.add(metadata, payload)
+            except TierstreamError as exc:
+                self.refuse(send, send_error_code(exc), str(exc))
+                return
+            if complete is None:
+                self._receipts.put((send, partition if count > 1 else -1, whole))
+                return
+            metadata, payload = complete
         try:
             version = version_of(metadata.schema_version) \
                 if metadata.HasField("schema_version") else producer.schema_version
@@ -169,10 +189,14 @@ class ProducePath:
                     if attempt:
                         raise
         except TierstreamError as exc:
+            if assembly is not None:
+                assembly.refused(exc)
             self.refuse(send, send_error_code(exc), str(exc))
             return
         producer.counts["messages"] += rows.num_rows
         producer.counts["bytes"] += rows.nbytes
+        if assembly is not None:
+            assembly.stored(pending)
         self._receipts.put((send, partition if count > 1 else -1, pending))
 
     def _check_routing(self, rows: Any, topic: str, partition: int, count: int,
