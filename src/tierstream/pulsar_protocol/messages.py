@@ -132,8 +132,9 @@ class _Messages:
 
 
 def _split_batch(count: int, data: bytes, sequence_id: int, event_time: int) -> _Messages:
-    """A batch's messages: the plain ones (a payload size and a sequence id, nothing else:
-    what clients send for a message without key or properties) are taken on a short path."""
+    """A batch's messages: the plain ones (a payload size, a sequence id and perhaps a key,
+    nothing else: what clients send for a message without properties) are taken on a short
+    path."""
     messages = _Messages()
     parse = api.SingleMessageMetadata.FromString
     keys, values, events, ids = (messages.keys, messages.values, messages.events,
@@ -156,11 +157,13 @@ def _split_batch(count: int, data: bytes, sequence_id: int, event_time: int) -> 
             raise ProtocolError("truncated batch: a message is shorter than its size")
         at += n
         # a plain message's metadata is payload_size and sequence_id, one tag byte and a
-        # varint each: if that is all its bytes hold, it has nothing else
+        # varint each, and perhaps first a key under 128 bytes (its tag, its length, its
+        # bytes): if that is all its bytes hold, it has nothing else
         seq = single.sequence_id
-        if size == 2 + (n.bit_length() + 6) // 7 + ((seq.bit_length() + 6) // 7 or 1) \
-                and n and single.HasField("sequence_id"):
-            keys.append(None)
+        plain = 2 + (n.bit_length() + 6) // 7 + ((seq.bit_length() + 6) // 7 or 1)
+        if n and single.HasField("sequence_id") and (
+                size == plain or (raw[0] == 0x12 and raw[1] < 128 and size == plain + 2 + raw[1])):
+            keys.append(single.partition_key if size != plain else None)
             values.append(value)
             events.append(event)
             ids.append(seq)
