@@ -32,6 +32,7 @@ chaos: $(STAMP)
 	$(PY) -m tests.store.client_churn --kills 1000
 	$(PY) -m tests.store.subscription_chaos --messages 400000 --rounds 6
 	$(PY) -m tests.store.subscription_chaos --client pulsar --messages 200000 --rounds 6
+	$(PY) -m tests.store.subscription_chaos --client pulsar --routing client --modes key_shared --messages 200000 --rounds 6
 	$(PY) -m tests.pulsar_wire.scale_follow
 	TIERSTREAM_SPARK_KILLS=8 $(PY) -m pytest -p no:cacheprovider \
 		tests/spark_adapter/test_sink.py::test_a_read_process_write_query_killed_repeatedly_writes_each_row_once \

@@ -157,7 +157,10 @@ ROUND = ["join", "join", "close", "kill", "broker", "join"]
 
 def run(data_dir: Path, port: int, *, mode: str, messages: int, rounds: int = 1,
         keys: int = 200, seed: int = 0, steps: list[str] | None = None,
-        client: str = "tierstream") -> Outcome:
+        client: str = "tierstream", routing: str = "tierstream") -> Outcome:
+    """One chaos run. ``routing`` (Pulsar client): ``tierstream`` routes keys with
+    ``key_router``; ``client`` leaves the producer as an application has it, keys routed by
+    the client's own hash (BoostHash), so the topic turns client-routed."""
     rng = random.Random(seed)
     outcome = Outcome(mode, messages, client=client)
     started = time.monotonic()
@@ -180,9 +183,10 @@ def run(data_dir: Path, port: int, *, mode: str, messages: int, rounds: int = 1,
         pulsar_client = pulsar.Client(str(broker.pulsar_url), operation_timeout_seconds=120,
                                       logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
         try:
+            router = {"message_router": key_router} if routing == "tierstream" else {}
             producer = pulsar_client.create_producer(
                 f"persistent://{TOPIC}", producer_name="chaos-writer", batching_enabled=True,
-                message_router=key_router, send_timeout_millis=0)  # resent until stored
+                send_timeout_millis=0, **router)  # resent until stored
             for start in range(0, messages, 1000):
                 for n in range(start, min(messages, start + 1000)):
                     key = f"key-{n % keys}"
@@ -371,6 +375,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--modes", default="key_shared,shared")
     parser.add_argument("--client", choices=sorted(WORKERS), default="tierstream")
+    parser.add_argument("--routing", choices=["tierstream", "client"], default="tierstream",
+                        help="with --client pulsar: route keys with key_router, or as the "
+                             "client does unchanged")
     args = parser.parse_args()
     failed = False
     for mode in args.modes.split(","):
@@ -379,7 +386,7 @@ def main() -> None:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         outcome = run(tmp, port, mode=mode, messages=args.messages, rounds=args.rounds,
-                      client=args.client)
+                      client=args.client, routing=args.routing)
         print(outcome, flush=True)
         if outcome.ok:
             shutil.rmtree(tmp, ignore_errors=True)
