@@ -4,10 +4,13 @@ tierstream's writers route a key by ``key_hash % partitions``; Pulsar's clients 
 own hash (BoostHash in the C++-core clients, JavaStringHash in Java and Go, or a custom
 router), which the broker cannot compute. At a fixed partition count either keeps each key in
 one partition, and so its order for every reader (key ranges split the hash space, whatever
-partition a key is in). Across a scale event only tierstream's routing tells the readers which
-partition a key left (``lineage.py``). So the first time a Pulsar producer stores a key where
-tierstream's hash would not, the topic is recorded as ``client``-routed — unless it grew
-before, where the key is refused as before — and from then on it cannot grow.
+partition a key is in). Across a scale event a client routes by the old count until it looks
+again (every 60 s), and only under tierstream's routing can the broker tell a key sent where
+it still belongs from one that moved (and refuse the latter): under a client's hash a moved
+key's messages would land on both sides of the event at once. So the first time a Pulsar
+producer stores a key where tierstream's hash would not, the topic is recorded as
+``client``-routed — unless it grew before, where the key is refused as before — and from then
+on it cannot grow.
 """
 
 from __future__ import annotations

@@ -34,8 +34,9 @@ def growth_refused(name: str, key_routing: str | None) -> ConfigError | None:
         return None
     return ConfigError(
         f"{name} cannot grow: its keys are where its Pulsar clients routed them (not "
-        "by tierstream's hash), so after a scale event tierstream's readers could not tell "
-        "which partition a key left and per-key order would break; make a new topic with "
+        "by tierstream's hash), so after a scale event the broker could not tell a key a "
+        "client still routes by the old count from one where it now belongs, and per-key "
+        "order would break; make a new topic with "
         "more partitions, or route keys with tierstream's hash from the start (see README, "
         "'Pulsar clients')")
 
