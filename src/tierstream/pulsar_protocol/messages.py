@@ -53,16 +53,19 @@ def to_rows(metadata: api.MessageMetadata, payload: bytes, *, sequence_id: int,
     value, an ordering key and a base64 key in ``pulsar.*`` properties; the schema version
     in ``tierstream.schema.version``.
 
-    One Python step per message is unavoidable (a batch is a chain of size-prefixed
-    protobufs); everything else is built column-wise: the properties of messages that carry
-    nothing of their own beside the broker's (the common case) as one map array."""
+    A batch is a chain of size-prefixed protobufs, so in general it takes a Python step per
+    message; a batch of plain messages alike in size (``_alike_batch``: what a client sends
+    for unkeyed messages of one size) is split column-wise. Everything else is built
+    column-wise: the properties of messages that carry nothing of their own beside the
+    broker's (the common case) as one map array."""
     data = _uncompressed(metadata, payload)
     if not metadata.HasField("num_messages_in_batch"):
         messages = _Messages()
         messages.add(metadata, data, sequence_id, metadata.event_time)
     else:
-        messages = _split_batch(metadata.num_messages_in_batch, data, sequence_id,
-                                metadata.event_time)
+        messages = _alike_batch(metadata.num_messages_in_batch, data, metadata.event_time) \
+            or _split_batch(metadata.num_messages_in_batch, data, sequence_id,
+                            metadata.event_time)
     shared = [(PUBLISH_TIME, str(metadata.publish_time))]
     if metadata.HasField("num_messages_in_batch") and len(messages.values) == 1:
         shared.append((BATCHED, "true"))
@@ -92,7 +95,8 @@ def to_rows(metadata: api.MessageMetadata, payload: bytes, *, sequence_id: int,
     events = messages.events
     return pa.RecordBatch.from_arrays([
         pa.array(messages.keys, pa.string()),
-        pa.array(messages.values, pa.binary()),
+        messages.values if isinstance(messages.values, pa.Array)
+        else pa.array(messages.values, pa.binary()),
         pa.nulls(n, pa.int64()),
         pa.array(events, pa.int64()) if any(events) else pa.nulls(n, pa.int64()),
         properties], schema=PRODUCE_SCHEMA)
@@ -106,9 +110,9 @@ class _Messages:
 
     def __init__(self) -> None:
         self.keys: list[str | None] = []
-        self.values: list[bytes] = []
+        self.values: Any = []  # list[bytes], or a binary array (``_alike_batch``)
         self.events: list[int | None] = []
-        self.sequence_ids: list[int] = []
+        self.sequence_ids: Any = []  # list[int], or a uint64 array
         self.own: dict[int, list[tuple[str, str]]] = {}  # message -> its own properties
 
     def add(self, single: Any, value: bytes, sequence_id: int, event_time: int) -> None:
@@ -129,6 +133,48 @@ class _Messages:
             own.append((KEY_BASE64, "true"))
         if own:
             self.own[i] = own
+
+
+def _alike_batch(count: int, data: bytes, event_time: int) -> _Messages | None:
+    """A batch whose every message is plain (a payload size and a sequence id, nothing else)
+    and alike in size — its payload and its metadata (the sequence ids' varints of one length:
+    ids of a batch cross a length boundary at 128, 16,384, ... only) — split at once: the
+    batch is then a table of ``count`` rows of one width. None where it is not."""
+    if count < 2 or len(data) < 6 or data[4] != 0x18:
+        return None
+    head = int.from_bytes(data[:4], "big")
+    size, at = 0, 5  # the payload size's varint, from the first message
+    for shift in range(0, 35, 7):
+        if at >= 4 + head:
+            return None
+        byte = data[at]
+        size |= (byte & 0x7F) << shift
+        at += 1
+        if not byte & 0x80:
+            break
+    else:
+        return None
+    width = 4 + head + size
+    digits = 4 + head - at - 1  # the sequence id's varint bytes
+    if not size or digits < 1 or data[at] != 0x40 or width * count != len(data):
+        return None
+    rows = np.frombuffer(data, dtype=np.uint8).reshape(count, width)
+    fixed = rows[:, :at + 1]  # the size, the payload size, the sequence id's tag
+    ids = rows[:, at + 1:4 + head]
+    if not (fixed == fixed[0]).all() or (ids[:, -1] & 0x80).any() \
+            or (digits > 1 and not (ids[:, :-1] & 0x80).all()):
+        return None
+    sequence_ids = np.zeros(count, dtype=np.uint64)
+    for j in range(digits):
+        sequence_ids |= (ids[:, j] & 0x7F).astype(np.uint64) << np.uint64(7 * j)
+    messages = _Messages()
+    messages.keys = [None] * count
+    messages.values = pa.Array.from_buffers(pa.binary(), count, [
+        None, pa.py_buffer(np.arange(0, size * (count + 1), size, dtype=np.int32)),
+        pa.py_buffer(rows[:, 4 + head:].tobytes())])
+    messages.events = [event_time or None] * count
+    messages.sequence_ids = sequence_ids
+    return messages
 
 
 def _split_batch(count: int, data: bytes, sequence_id: int, event_time: int) -> _Messages:
