@@ -1,4 +1,5 @@
-"""Crash points: the broker kills itself (SIGKILL) at a named step, for crash-point tests.
+"""Crash points: the broker kills itself (SIGKILL) at a named step, for crash-point tests;
+fault points: a worker thread meets an error nobody expected at a named step.
 
 A test arms one point through the environment of the broker process it starts::
 
@@ -35,6 +36,14 @@ The points, in the order a write passes them (``tests/store/test_crash_points.py
 ``sink.committed``            the Spark sink's commit of a batch returned from the broker;
                               Spark has not recorded the batch as done (a Python process of
                               the Spark driver dies here, so the query fails and re-runs it)
+
+A fault point (``TIERSTREAM_FAULT_AT="pulsar.receipt@3"``, the same syntax) raises
+:class:`InjectedFault` — a ``RuntimeError``, which no handler expects — in the thread that
+passes it, so a test sees what that thread's owner makes of a bug there
+(``util/threads.py``):
+
+``pulsar.receipt``            a Pulsar connection's receipt thread, before it answers a SEND
+``pulsar.delivery``           a Pulsar consumer's delivery thread, with a batch in hand
 """
 
 from __future__ import annotations
@@ -44,9 +53,12 @@ import signal
 import threading
 from collections.abc import Callable
 
-__all__ = ["ENV", "POINTS", "crash_point"]
+__all__ = ["ENV", "FAULT_ENV", "FAULT_POINTS", "POINTS", "InjectedFault", "crash_point",
+           "fault_point"]
 
 ENV = "TIERSTREAM_CRASH_AT"
+FAULT_ENV = "TIERSTREAM_FAULT_AT"
+FAULT_POINTS = frozenset({"pulsar.receipt", "pulsar.delivery"})
 
 POINTS = frozenset({
     "append.partial-replicas",
@@ -69,22 +81,41 @@ POINTS = frozenset({
 })
 
 
-def _armed() -> tuple[str, int] | None:
-    raw = os.environ.get(ENV)
+def _armed(env: str = ENV, points: frozenset[str] = POINTS) -> tuple[str, int] | None:
+    raw = os.environ.get(env)
     if not raw:
         return None
     name, _, count = raw.partition("@")
-    if name not in POINTS:
+    if name not in points:
         # A typo would make a crash test pass without ever crashing: refuse it loudly.
-        raise SystemExit(f"{ENV}={raw!r}: unknown crash point {name!r}; known: {sorted(POINTS)}")
+        raise SystemExit(f"{env}={raw!r}: unknown point {name!r}; known: {sorted(points)}")
     try:
         n = int(count) if count else 1
     except ValueError:
-        raise SystemExit(f"{ENV}={raw!r}: the count after '@' must be an integer") from None
+        raise SystemExit(f"{env}={raw!r}: the count after '@' must be an integer") from None
     return name, n
 
 
 _ARMED = _armed()
+_FAULT = _armed(FAULT_ENV, FAULT_POINTS)
+_faults = 0
+
+
+class InjectedFault(RuntimeError):
+    """The error a fault point raises."""
+
+
+def fault_point(name: str) -> None:
+    """Raise :class:`InjectedFault` here if ``name`` is the armed fault point and this is its
+    armed pass (once)."""
+    if _FAULT is None or _FAULT[0] != name:
+        return
+    global _faults
+    with _lock:
+        _faults += 1
+        fire = _faults == _FAULT[1]
+    if fire:
+        raise InjectedFault(f"fault point {name} (pass {_FAULT[1]})")
 _hits = 0
 _lock = threading.Lock()
 

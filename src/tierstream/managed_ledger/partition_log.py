@@ -314,8 +314,12 @@ class PartitionLog(PartitionRollover):
 
         An entry is recorded as stored only once it is confirmed; while an entry of the same
         producer with this id or a later one is still in flight, its outcome decides, so wait.
+        Entries whose quorum came are confirmed here first: the one this batch repeats may
+        have been submitted by a path that will never wait for it (a connection whose
+        receipt thread died), and nothing else would confirm it.
         """
         while True:
+            self._advance(self._open)
             last = self._dedup.last(producer)
             if last is not None and sequence_id <= last:
                 b = self._dedup.stored(producer, sequence_id)

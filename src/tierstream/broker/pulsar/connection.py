@@ -86,6 +86,13 @@ class Connection:
         self.consume = ConsumePath(self, listener.store, listener.subscriptions,
                                    listener.streams, listener.schemas)
 
+    def drop(self, reason: str) -> None:
+        """End the connection from another thread (its serve loop then closes what it
+        holds); the client reconnects."""
+        log.warning("pulsar client %s: connection dropped: %s", self.peer, reason)
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
     def go_away(self) -> None:
         """The broker is going: CLOSE_PRODUCER for each producer, then the connection closed
         (its clients look their topics up again and reconnect when a broker serves them)."""

@@ -10,6 +10,7 @@ Message ids: ``message_ids.py``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from tierstream.broker.pulsar.produce import Link
 from tierstream.broker.subscriptions.attached import Attached, ConsumerSettings
 from tierstream.broker.subscriptions.cursor_state import NON_DURABLE
 from tierstream.errors import ConflictError, TierstreamError
+from tierstream.faults import fault_point
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.pulsar_protocol.message_ids import (
     id_before,
@@ -33,6 +35,7 @@ from tierstream.pulsar_protocol.replies import Refused, error_code
 from tierstream.pulsar_protocol.schemas import check_consumer_schema
 from tierstream.splits.positions import KeyRange, Position
 from tierstream.subscription_type import SubscriptionType
+from tierstream.util.threads import Worker
 
 if TYPE_CHECKING:
     from tierstream.broker.store import Store
@@ -69,7 +72,7 @@ class _Consumer:
     partitioned: bool  # the client named a partition of a partitioned topic
     attached: Attached
     durable: bool = True  # False: a reader's, deleted when it leaves
-    thread: threading.Thread | None = None
+    worker: Worker | None = None  # its delivery thread
     stream: int = -1  # its key in the broker's Streams
     counts: dict[str, Any] = field(default_factory=dict)  # its Streams entry
     sent: Delivered = field(init=False)
@@ -85,13 +88,16 @@ class _Consumer:
 
 
 class ConsumePath:
-    """The consumers of one connection, a delivery thread each."""
+    """The consumers of one connection, a delivery thread each. ``consumers`` changes from the
+    connection's thread and from delivery threads (a consumer the broker let go): under
+    ``_lock``."""
 
     def __init__(self, link: ConsumerLink, store: Store, subscriptions: Subscriptions,
                  streams: Streams, schemas: SchemaRegistry) -> None:
         self.link, self.store, self.subscriptions = link, store, subscriptions
         self.streams, self.schemas = streams, schemas
         self.consumers: dict[int, _Consumer] = {}
+        self._lock = threading.Lock()
         self._closing = threading.Event()
         self._unstored = 0  # the write generation that stores this connection's acks so far
 
@@ -114,7 +120,7 @@ class ConsumePath:
             self.link.error(req.request_id, _subscribe_code(exc), str(exc))
 
     def _subscribe(self, req: api.CommandSubscribe) -> None:
-        if req.consumer_id in self.consumers:
+        if self.consumers.get(req.consumer_id) is not None:
             raise Refused(f"consumer id {req.consumer_id} is already in use on this connection")
         kind = _TYPES[req.subType]
         if not req.durable and kind != SubscriptionType.EXCLUSIVE:
@@ -145,12 +151,14 @@ class ConsumePath:
         consumer = _Consumer(req.consumer_id, topic, partition, req.subscription, name, kind,
                              count > 1, attached, durable=req.durable)
         consumer.stream, consumer.counts = self.streams.open("consumer", topic, partition, name)
-        self.consumers[req.consumer_id] = consumer
+        with self._lock:
+            self.consumers[req.consumer_id] = consumer
         self.link.write(_Cmd(type=_Cmd.SUCCESS, success=api.CommandSuccess(
             request_id=req.request_id)))
-        consumer.thread = threading.Thread(target=self._deliver, args=(consumer,), daemon=True,
-                                           name="tierstream-pulsar-consumer")
-        consumer.thread.start()
+        consumer.worker = Worker("tierstream-pulsar-consumer",
+                                 functools.partial(self._deliver, consumer),
+                                 on_error=functools.partial(self._delivery_failed, consumer))
+        consumer.worker.start()
 
     # -- delivery -----------------------------------------------------------------------------
 
@@ -169,16 +177,15 @@ class ConsumePath:
                 batch = c.attached.next_batch(0.2)
                 if batch is None:
                     continue
+                fault_point("pulsar.delivery")
                 frames = c.sent.frames(batch)
                 self.link.write_frames(frames)
                 plog.rate_out.add(batch.num_rows, batch.nbytes)
                 c.counts["messages"] += batch.num_rows
                 c.counts["bytes"] += batch.nbytes
-            if c.attached.detached and not self._closing.is_set() \
-                    and self.consumers.get(c.id) is c:
+            if c.attached.detached and not self._closing.is_set() and self._take(c):
                 # the broker let it go (a seek elsewhere, the subscription deleted): the
                 # client is told, and subscribes again if it still wants to
-                del self.consumers[c.id]
                 self.streams.close(c.stream)
                 self._tell_closed(c.id)
         except OSError:
@@ -186,6 +193,26 @@ class ConsumePath:
         except TierstreamError as exc:
             log.warning("pulsar client %s: delivery to consumer %s stopped: %s",
                         self.link.peer, c.name, exc)
+
+    def _delivery_failed(self, c: _Consumer, exc: BaseException) -> None:
+        """The delivery thread died of an error nobody foresaw (logged with its stack): the
+        consumer is let go — what it held goes back to the subscription — and its client
+        told, so it subscribes again and is served by a new thread."""
+        if self._take(c):
+            self._detach(c)
+            self._tell_closed(c.id)
+
+    def _take(self, c: _Consumer) -> bool:
+        """Remove ``c`` from the connection's consumers if it is still there."""
+        with self._lock:
+            if self.consumers.get(c.id) is not c:
+                return False
+            del self.consumers[c.id]
+            return True
+
+    def _all(self) -> list[_Consumer]:
+        with self._lock:
+            return list(self.consumers.values())
 
     # -- flow and acks --------------------------------------------------------------------------
 
@@ -264,9 +291,10 @@ class ConsumePath:
             else:
                 raise Refused("a seek names a message id or a publish time")
             where = (c.topic, c.subscription, c.partition)
-            for other in [x for x in self.consumers.values()
+            for other in [x for x in self._all()
                           if (x.topic, x.subscription, x.partition) == where]:
-                del self.consumers[other.id]
+                if not self._take(other):
+                    continue
                 self._detach(other, forget=False)
                 self._tell_closed(other.id)
             self.subscriptions.reset(c.topic, c.subscription, c.partition, position)
@@ -309,7 +337,8 @@ class ConsumePath:
     def close(self, req: api.CommandCloseConsumer) -> None:
         """The client closes a consumer (after sending its pending acks): answered once they
         are stored."""
-        c = self.consumers.pop(req.consumer_id, None)
+        with self._lock:
+            c = self.consumers.pop(req.consumer_id, None)
         if c is not None:
             self._detach(c)
         error = self._stored()
@@ -320,7 +349,8 @@ class ConsumePath:
             request_id=req.request_id)))
 
     def unsubscribe(self, req: api.CommandUnsubscribe) -> None:
-        c = self.consumers.pop(req.consumer_id, None)
+        with self._lock:
+            c = self.consumers.pop(req.consumer_id, None)
         try:
             if c is None:
                 raise Refused(f"no consumer {req.consumer_id} on this connection")
@@ -334,16 +364,17 @@ class ConsumePath:
 
     def go_away(self) -> None:
         """CLOSE_CONSUMER to the client for each consumer (the broker is going)."""
-        for c in list(self.consumers.values()):
+        for c in self._all():
             self._tell_closed(c.id)
 
     def close_all(self) -> None:
         """The connection ended: every consumer detached (what they held goes to others),
         its acks stored."""
         self._closing.set()
-        for c in list(self.consumers.values()):
+        with self._lock:
+            gone, self.consumers = list(self.consumers.values()), {}
+        for c in gone:
             self._detach(c)
-        self.consumers.clear()
         if self._unstored and self.subscriptions is not None:
             self._stored()
 
@@ -353,8 +384,8 @@ class ConsumePath:
             self.subscriptions.detach(c.topic, c.subscription, c.partition, c.attached)
             if forget and not c.durable:  # a reader's cursor lives as long as the reader
                 self.subscriptions.delete(c.topic, c.subscription)
-        if c.thread is not None and c.thread is not threading.current_thread():
-            c.thread.join(timeout=5)
+        if c.worker is not None:
+            c.worker.join(timeout=5)
 
 
 def _arrays(positions: list[Position]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -17,7 +17,6 @@ import itertools
 import logging
 import queue
 import socket
-import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -25,6 +24,7 @@ import numpy as np
 
 from tierstream.broker.pulsar.chunks import Assembly
 from tierstream.errors import StaleRoutingError, TierstreamError
+from tierstream.faults import fault_point
 from tierstream.message_format import key_hashes
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.pulsar_protocol.messages import refused_feature, to_rows
@@ -34,6 +34,7 @@ from tierstream.pulsar_protocol.schemas import (
     schema_version_bytes,
     version_of,
 )
+from tierstream.util.threads import Worker
 
 if TYPE_CHECKING:
     from tierstream.broker.store import Store
@@ -60,6 +61,8 @@ class Link(Protocol):
 
     def broker_request_id(self) -> int: ...
 
+    def drop(self, reason: str) -> None: ...
+
 
 class ProducePath:
     """The producers of one connection and the thread that answers their sends in order."""
@@ -71,16 +74,16 @@ class ProducePath:
         self._chunked: dict[int, Assembly] = {}  # producer id -> its chunked message
         self._receipts: queue.Queue[Any] = queue.Queue(maxsize=1000)
         self._names = itertools.count()
-        self._thread = threading.Thread(target=self._send_receipts, daemon=True,
-                                        name="tierstream-pulsar-receipts")
-        self._thread.start()
+        self._worker = Worker("tierstream-pulsar-receipts", self._send_receipts,
+                              on_error=self._receipts_failed).start()
 
     def stop(self, timeout: float) -> None:
         """Answer what is queued, then end the receipt thread."""
         for assembly in self._chunked.values():
             assembly.drop(Refused("the connection closed before the message's last chunk"))
-        self._receipts.put(None)
-        self._thread.join(timeout=timeout)
+        if self._worker.alive:
+            self._receipts.put(None)
+        self._worker.join(timeout)
         for producer in self.producers.values():
             self.streams.close(producer.stream)
         self.producers.clear()
@@ -216,8 +219,23 @@ class ProducePath:
         send's receipt would fail the wrong message (the C++ core crashes on it)."""
         self._receipts.put((send, None, (error, message)))
 
+    def _receipts_failed(self, exc: BaseException) -> None:
+        """The receipt thread died of an error nobody foresaw (logged with its stack): the
+        connection is dropped, as Pulsar's broker drops one on an internal error — its client
+        reconnects and sends again what has no receipt, which de-duplication stores once —
+        and the queue emptied (each append in it waited for, so that it is confirmed), so a
+        send blocked on a full queue goes on to see the connection gone."""
+        self.link.drop(f"its receipt thread failed: {exc!r}")
+        with contextlib.suppress(queue.Empty):
+            while True:
+                item = self._receipts.get_nowait()
+                if item is not None and not isinstance(item[2], tuple):
+                    with contextlib.suppress(Exception):
+                        item[2].result()
+
     def _send_receipts(self) -> None:
         while (item := self._receipts.get()) is not None:
+            fault_point("pulsar.receipt")
             send, partition, pending = item
             if isinstance(pending, tuple):
                 error, message = pending
