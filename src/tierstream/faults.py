@@ -98,7 +98,8 @@ def _armed(env: str = ENV, points: frozenset[str] = POINTS) -> tuple[str, int] |
 
 _ARMED = _armed()
 _FAULT = _armed(FAULT_ENV, FAULT_POINTS)
-_faults = 0
+_passes = {"crashes": 0, "faults": 0}
+_lock = threading.Lock()
 
 
 class InjectedFault(RuntimeError):
@@ -108,16 +109,15 @@ class InjectedFault(RuntimeError):
 def fault_point(name: str) -> None:
     """Raise :class:`InjectedFault` here if ``name`` is the armed fault point and this is its
     armed pass (once)."""
-    if _FAULT is None or _FAULT[0] != name:
-        return
-    global _faults
-    with _lock:
-        _faults += 1
-        fire = _faults == _FAULT[1]
-    if fire:
+    if _FAULT is not None and _FAULT[0] == name and _passed(_FAULT, "faults"):
         raise InjectedFault(f"fault point {name} (pass {_FAULT[1]})")
-_hits = 0
-_lock = threading.Lock()
+
+
+def _passed(armed: tuple[str, int], counter: str) -> bool:
+    """Count a pass of the armed point: whether it is the pass it fires at."""
+    with _lock:
+        _passes[counter] += 1
+        return _passes[counter] == armed[1]
 
 
 def crash_point(name: str, *, before: Callable[[], object] | None = None) -> None:
@@ -126,13 +126,7 @@ def crash_point(name: str, *, before: Callable[[], object] | None = None) -> Non
     ``before`` runs first when the point fires (e.g. wait until one replica has the entry), so
     the state on disk at the kill is the one the point's name promises.
     """
-    if _ARMED is None or _ARMED[0] != name:
-        return
-    global _hits
-    with _lock:
-        _hits += 1
-        fire = _hits == _ARMED[1]
-    if fire:
+    if _ARMED is not None and _ARMED[0] == name and _passed(_ARMED, "crashes"):
         if before is not None:
             before()
         os.kill(os.getpid(), signal.SIGKILL)

@@ -5,6 +5,8 @@ the real client goes on without its application noticing."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pulsar
 
 from tierstream.broker.process import BrokerProcess
@@ -16,6 +18,12 @@ from ..timing import scaled
 from .helpers import client_of, rows_of
 
 
+def _with_fault(start_broker: Any, port: int, point: str) -> tuple[BrokerProcess, Any]:
+    """A broker whose fault ``point`` is armed, and a real client of it."""
+    broker = start_broker("--pulsar-port", str(port), env={FAULT_ENV: point})
+    return broker, client_of(broker)
+
+
 def _reported(broker: BrokerProcess, thread: str) -> bool:
     log = "".join(broker.stderr_tail)
     return f"{thread} stopped by an unexpected error" in log and "InjectedFault" in log
@@ -23,10 +31,8 @@ def _reported(broker: BrokerProcess, thread: str) -> bool:
 
 def test_a_receipt_thread_that_fails_drops_the_connection_and_every_send_is_stored_once(
         start_broker, free_port) -> None:
-    broker: BrokerProcess = start_broker("--pulsar-port", str(free_port),
-                                         env={FAULT_ENV: "pulsar.receipt@5"})
+    broker, client = _with_fault(start_broker, free_port, "pulsar.receipt@5")
     topic = "public/default/receipts-fail"
-    client = client_of(broker)
     try:
         producer = client.create_producer(f"persistent://{topic}", producer_name="steady",
                                           batching_enabled=False,
@@ -42,10 +48,8 @@ def test_a_receipt_thread_that_fails_drops_the_connection_and_every_send_is_stor
 
 def test_a_delivery_thread_that_fails_gives_its_messages_back_and_the_consumer_goes_on(
         start_broker, free_port) -> None:
-    broker: BrokerProcess = start_broker("--pulsar-port", str(free_port),
-                                         env={FAULT_ENV: "pulsar.delivery@2"})
+    broker, client = _with_fault(start_broker, free_port, "pulsar.delivery@2")
     topic = "public/default/delivery-fail"
-    client = client_of(broker)
     got: list[bytes] = []
     try:
         consumer = client.subscribe(f"persistent://{topic}", "steady",

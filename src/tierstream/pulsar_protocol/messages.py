@@ -250,31 +250,41 @@ def metadata_of(key: str | None, publish_time: int, event_time: int | None,
     properties (``messages.py``) keep."""
     meta = api.MessageMetadata(producer_name="tierstream", sequence_id=0,
                                publish_time=publish_time)
+    for k, v in _fill(meta, key, event_time, properties):
+        if k == VERSION_PROPERTY:
+            meta.schema_version = schema_version_bytes(int(v))
+        elif k == DELIVER_AT:
+            meta.deliver_at_time = int(v)
+        # the client's publish time (the message's is the log's) and BATCHED: not sent
+    return meta
+
+
+def _fill(meta: Any, key: str | None, event_time: int | None,
+          properties: Any) -> list[tuple[str, str]]:
+    """Set on ``meta`` — a MessageMetadata or a batch's SingleMessageMetadata — what both keep
+    of one message: its key, event time, sequence id, null value, ordering key and its own
+    properties. The properties a batch's messages share (``BATCH_PROPERTIES``) are
+    returned, for the caller."""
     if key is not None:
         meta.partition_key = key
     if event_time:
         meta.event_time = event_time
+    shared = []
     for k, v in properties or []:
         if k == SEQUENCE_ID:
             meta.sequence_id = int(v)
-        elif k in _BATCH_LEVEL:
-            continue  # the client's publish time (the message's is the log's), BATCHED
         elif k == NULL_VALUE:
             meta.null_value = v == "true"
         elif k == ORDERING_KEY:
             meta.ordering_key = base64.b64decode(v)
         elif k == KEY_BASE64:
             meta.partition_key_b64_encoded = v == "true"
-        elif k == VERSION_PROPERTY:
-            meta.schema_version = schema_version_bytes(int(v))
-        elif k == DELIVER_AT:
-            meta.deliver_at_time = int(v)
+        elif k in BATCH_PROPERTIES:
+            shared.append((k, v))
         else:
             meta.properties.add(key=k, value=v)
-    return meta
+    return shared
 
-
-_BATCH_LEVEL = {PUBLISH_TIME, BATCHED}
 #: what a batch's messages share, kept in the batch's metadata rather than each message's
 BATCH_PROPERTIES = frozenset({VERSION_PROPERTY, DELIVER_AT, PUBLISH_TIME, BATCHED})
 _SHARED = BATCH_PROPERTIES
@@ -316,21 +326,7 @@ def _single(key: str | None, event_time: int | None, own: tuple[tuple[str, str],
             size: int) -> api.SingleMessageMetadata:
     """One message's metadata in a batch: what ``metadata_of`` keeps for a message alone."""
     single = api.SingleMessageMetadata(payload_size=size)
-    if key is not None:
-        single.partition_key = key
-    if event_time:
-        single.event_time = event_time
-    for k, v in own:
-        if k == SEQUENCE_ID:
-            single.sequence_id = int(v)
-        elif k == NULL_VALUE:
-            single.null_value = v == "true"
-        elif k == ORDERING_KEY:
-            single.ordering_key = base64.b64decode(v)
-        elif k == KEY_BASE64:
-            single.partition_key_b64_encoded = v == "true"
-        else:
-            single.properties.add(key=k, value=v)
+    _fill(single, key, event_time, own)
     return single
 
 
