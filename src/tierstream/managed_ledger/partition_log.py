@@ -314,12 +314,12 @@ class PartitionLog(PartitionRollover):
 
         An entry is recorded as stored only once it is confirmed; while an entry of the same
         producer with this id or a later one is still in flight, its outcome decides, so wait.
-        Entries whose quorum came are confirmed here first: the one this batch repeats may
-        have been submitted by a path that will never wait for it (a connection whose
+        Before waiting, entries whose quorum came are confirmed: the one this batch repeats
+        may have been submitted by a path that will never wait for it (a connection whose
         receipt thread died), and nothing else would confirm it.
         """
+        confirmed = False
         while True:
-            self._advance(self._open)
             last = self._dedup.last(producer)
             if last is not None and sequence_id <= last:
                 b = self._dedup.stored(producer, sequence_id)
@@ -332,6 +332,11 @@ class PartitionLog(PartitionRollover):
             if not any(f.producer == producer and f.sequence_id is not None
                        and f.sequence_id >= sequence_id for f in self._open.in_flight.values()):
                 return None
+            if not confirmed:
+                self._advance(self._open)
+                confirmed = True
+                continue
+            confirmed = False
             self._changed.wait(timeout=1.0)
 
     def _build_entry(self, batch: pa.RecordBatch, segment_id: int, entry_id: int, now: int
