@@ -136,11 +136,7 @@ class Delivered:
                 command.message.ack_set.extend(ack_words(idx))
         self.batches[(segment, entry)] = size
         self.unacked.update((segment, entry, i) for i in idx)
-        data = command.SerializeToString()
-        chunks = chunks_of(meta, payload, f"tierstream-{segment}-{entry}", MAX_MESSAGE_SIZE)
-        if chunks is not None:
-            return [serialized_payload_frame(data, m, part) for m, part in chunks]
-        return [serialized_payload_frame(data, meta.SerializeToString(), payload)]
+        return _message_frames(command, meta, payload)
 
     def _alone(self, cols: dict[str, list[Any]], entries: np.ndarray, indexes: np.ndarray,
                rows: list[int]) -> list[bytes]:
@@ -171,23 +167,11 @@ class Delivered:
             message.redelivery_count = cols["redelivery_count"][i]
             value = cols["value"][i]  # null: b""
             if len(value) > MAX_MESSAGE_SIZE // 2:
-                out += self._chunks(command, keys[i], publish[i], event[i], props[i], value)
+                out += _message_frames(command, metadata_of(keys[i], publish[i], event[i],
+                                                            props[i]), value)
                 continue
             out.append(serialized_payload_frame(command.SerializeToString(), meta, value))
         return out
-
-    @staticmethod
-    def _chunks(command: api.BaseCommand, key: str | None, publish: int, event: int | None,
-                props: Any, value: bytes) -> list[bytes]:
-        """One message's frame, or its chunks' where it is larger than a frame may be."""
-        meta = metadata_of(key, publish, event, props)
-        mid = command.message.message_id
-        data = command.SerializeToString()
-        chunks = chunks_of(meta, value, f"tierstream-{mid.ledgerId}-{mid.entryId}",
-                           MAX_MESSAGE_SIZE)
-        if chunks is None:
-            return [serialized_payload_frame(data, meta.SerializeToString(), value)]
-        return [serialized_payload_frame(data, m, part) for m, part in chunks]
 
     # -- what the client answers --------------------------------------------------------------
 
@@ -255,6 +239,19 @@ class Delivered:
             if size is not None and not any((segment, entry, i) in self.unacked
                                             for i in range(size)):
                 del self.batches[(segment, entry)]
+
+
+def _message_frames(command: api.BaseCommand, meta: api.MessageMetadata, payload: bytes
+                    ) -> list[bytes]:
+    """One MESSAGE's frame, or its chunks' frames where it is larger than a frame may be
+    (each chunk under the command's message id)."""
+    data = command.SerializeToString()
+    mid = command.message.message_id
+    chunks = chunks_of(meta, payload, f"tierstream-{mid.ledgerId}-{mid.entryId}",
+                       MAX_MESSAGE_SIZE)
+    if chunks is None:
+        return [serialized_payload_frame(data, meta.SerializeToString(), payload)]
+    return [serialized_payload_frame(data, m, part) for m, part in chunks]
 
 
 def _arrays(keys: list[_Key]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
