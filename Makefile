@@ -34,6 +34,7 @@ chaos: $(STAMP)
 	$(PY) -m tests.store.subscription_chaos --client pulsar --messages 200000 --rounds 6
 	$(PY) -m tests.store.subscription_chaos --client pulsar --routing client --modes key_shared --messages 200000 --rounds 6
 	$(PY) -m tests.pulsar_wire.scale_follow
+	$(PY) -m tests.pulsar_wire.scale_follow --producer pulsar
 	TIERSTREAM_SPARK_KILLS=8 $(PY) -m pytest -p no:cacheprovider \
 		tests/spark_adapter/test_sink.py::test_a_read_process_write_query_killed_repeatedly_writes_each_row_once \
 		tests/spark_adapter/test_spark_exactly_once.py::test_sigkilled_streaming_query_restarts_exactly_once

@@ -26,6 +26,8 @@ The points, in the order a write passes them (``tests/store/test_crash_points.py
                               event is in metadata
 ``scale.recorded``            a scale event (new count, event row, new open segments) is
                               committed in metadata; no partition serves the new count yet
+``scale.announced``           a client-routed topic's growth is announced in metadata (its
+                              new partitions' open segments with it); none of them serves yet
 ``topic.delete-marked``       a topic is marked deleted; its data is all still there
 ``topic.data-deleted``        a deleted topic's ledgers, tier files and table are gone, its
                               metadata records are not
@@ -72,6 +74,7 @@ POINTS = frozenset({
     "topic.registered",
     "scale.sealed",
     "scale.recorded",
+    "scale.announced",
     "topic.delete-marked",
     "topic.data-deleted",
     "txn.decided",

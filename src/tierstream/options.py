@@ -277,6 +277,12 @@ OPTIONS: dict[str, Option] = {
         Option(key="autoScaleWindow", parse=_duration, default=60_000,
                kind="a duration such as 30s or 5m",
                description="How long every partition must stay above autoScaleRate."),
+        Option(key="clientRefreshWait", parse=_duration, default=90_000,
+               kind="a duration such as 90s or 5m",
+               description="A topic whose keys its Pulsar clients route grows in two steps: "
+                           "its clients see the new partitions at once, tierstream's readers "
+                           "this long after, when every client has looked again and no key "
+                           "is routed by the old count (Pulsar clients look every 60s)."),
         Option(key="transactionTimeout", parse=_duration, default=15 * 60_000,
                kind="a duration such as 30s or 15m",
                description="A transaction neither committed nor written to for this long is "

@@ -11,7 +11,13 @@ acknowledged (the scale-event gate tierstream's own consumers get). The Python c
 for new partitions every 60 s (C++ ``partitionsUpdateInterval``; the Python wrapper cannot
 shorten it), so this runs for about 3 minutes and belongs in ``make chaos``::
 
-    python -m tests.pulsar_wire.scale_follow [--messages N]
+    python -m tests.pulsar_wire.scale_follow [--messages N] [--producer pulsar]
+
+With ``--producer pulsar`` the producer is a real Pulsar client too, unchanged (its default
+BoostHash routing, which makes the topic client-routed): the growth is announced, the producer
+routes by 2 until its own poll finds 4 partitions (it keeps writing for 90 s after the growth),
+and the broker records the event ``--client-refresh-wait`` (75 s) after announcing it; the
+new partitions' messages must still arrive after each key's earlier ones.
 
 It prints the outcome and exits 1 on any failure. The order check: per key, the first
 receipts, in receive time across both consumers, come in the key's order; a message received
@@ -49,12 +55,15 @@ POLL_S = 60.0
 PER_MESSAGE_S = 0.010
 
 
-def run(data_dir: Path, *, messages: int = 30_000, keys: int = 100) -> list[str]:
+def run(data_dir: Path, *, messages: int = 30_000, keys: int = 100,
+        producer: str = "tierstream") -> list[str]:
     """The problems found (empty: none)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         pulsar_port = s.getsockname()[1]
-    broker = BrokerProcess(data_dir, args=["--pulsar-port", str(pulsar_port)]).start()
+    broker = BrokerProcess(data_dir, args=["--pulsar-port", str(pulsar_port),
+                                           "--client-refresh-wait", f"{POLL_S + 15:.0f}s"]
+                           ).start()
     problems: list[str] = []
     threads: list[threading.Thread] = []
     received: list[tuple[float, str, str, int, int]] = []  # t, consumer, key, i, partition
@@ -99,10 +108,40 @@ def run(data_dir: Path, *, messages: int = 30_000, keys: int = 100) -> list[str]
                                                                   f"{n // keys}".encode()}
                 producer.send_many(rows())
 
+        def produce_pulsar() -> None:
+            client = pulsar.Client(str(broker.pulsar_url), operation_timeout_seconds=60,
+                                   logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
+            try:
+                sender = client.create_producer(f"persistent://{TOPIC}",
+                                                batching_max_publish_delay_ms=5,
+                                                block_if_queue_full=True)
+                failed: list[str] = []
+
+                def sent(result: Any, _msg_id: Any) -> None:
+                    if result != pulsar.Result.Ok:
+                        failed.append(str(result))
+
+                grow_at, grown = messages * 4 // 5, 0.0
+                for n in range(messages):
+                    if n == grow_at:
+                        with Admin(broker.url) as admin:
+                            admin.set_partitions(TOPIC, 4)
+                        grown = time.monotonic()
+                    elif n > grow_at and n % 50 == 0:  # the rest over the poll and then some
+                        due = grown + (n - grow_at) / (messages - grow_at) * (POLL_S + 30)
+                        time.sleep(max(0.0, due - time.monotonic()))
+                    key = f"key-{n % keys}"
+                    sender.send_async(f"{key}|{n // keys}".encode(), sent, partition_key=key)
+                sender.flush()
+                if failed:
+                    problems.append(f"{len(failed)} sends failed, e.g. {failed[0]}")
+            finally:
+                client.close()
+
         started = time.monotonic()
-        produce()
+        produce_pulsar() if producer == "pulsar" else produce()
         distinct = lambda: len({(k, i) for _, _, k, i, _ in list(received)})  # noqa: E731
-        wait_for(lambda: distinct() == messages, timeout=POLL_S + scaled(180),
+        wait_for(lambda: distinct() == messages, timeout=2 * POLL_S + scaled(180),
                  what="every message, the new partitions' included")
         with Admin(broker.url) as admin:
             def backlog() -> int:
@@ -141,9 +180,10 @@ def run(data_dir: Path, *, messages: int = 30_000, keys: int = 100) -> list[str]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--messages", type=int, default=30_000)
+    parser.add_argument("--producer", choices=["tierstream", "pulsar"], default="tierstream")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="pulsar-scale-follow-"))
-    problems = run(tmp / "store", messages=args.messages)
+    problems = run(tmp / "store", messages=args.messages, producer=args.producer)
     for line in problems[:20]:
         print(f"  {line}", flush=True)
     print(f"{len(problems)} problem(s)", flush=True)

@@ -62,12 +62,8 @@ class AutoScaler:
             if slowest <= self.rate:
                 continue
             grow = 2 * len(counts)
-            refused = growth_refused(topic.name, topic.key_routing)
-            if refused is not None:  # its Pulsar clients route its keys
-                if topic.name not in self._capped:
-                    self._capped.add(topic.name)
-                    log.warning("%s is above the auto-scale rate: %s", topic.name, refused)
-                continue
+            if growth_refused(topic) is not None:
+                continue  # it is growing already (announced to its Pulsar clients)
             if grow > self.max_partitions:
                 if topic.name not in self._capped:
                     self._capped.add(topic.name)

@@ -42,6 +42,8 @@ class StoreConfig:
     transaction_hold_limit_ms: int = 30_000
     auto_scale_rate: int | None = None
     auto_scale_window_ms: int = 60_000
+    #: how long a client-routed topic's growth is announced before it is read (growth.py)
+    client_refresh_wait_ms: int = 90_000
     #: ``postgresql://user@host/db``: the metadata on PostgreSQL (``metadata/postgres.py``);
     #: None: the SQLite file in the data directory
     metadata_url: str | None = None
@@ -148,6 +150,7 @@ class StoreConfig:
             transaction_hold_limit_ms=opts["transactionHoldLimit"],
             auto_scale_rate=opts["autoScaleRate"],
             auto_scale_window_ms=opts["autoScaleWindow"],
+            client_refresh_wait_ms=opts["clientRefreshWait"],
         )
         values.update(overrides)
         return cls(**values)

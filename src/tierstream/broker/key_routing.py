@@ -6,11 +6,10 @@ router), which the broker cannot compute. At a fixed partition count either keep
 one partition, and so its order for every reader (key ranges split the hash space, whatever
 partition a key is in). Across a scale event a client routes by the old count until it looks
 again (every 60 s), and only under tierstream's routing can the broker tell a key sent where
-it still belongs from one that moved (and refuse the latter): under a client's hash a moved
-key's messages would land on both sides of the event at once. So the first time a Pulsar
+it still belongs from one that moved (and refuse the latter). So the first time a Pulsar
 producer stores a key where tierstream's hash would not, the topic is recorded as
 ``client``-routed — unless it grew before, where the key is refused as before — and from then
-on it cannot grow.
+on it grows in two steps, announced before it is read (``broker/growth.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ log = logging.getLogger(__name__)
 class KeyRouting:
     """The topics whose keys their clients route, known from their records and kept in
     memory (the produce path asks per send); changed under the store's topics lock, which a
-    scale event holds too, so a topic never grows while it turns client-routed."""
+    growth holds too, so a topic never grows while it turns client-routed."""
 
     def __init__(self, metadata: MetadataStore, topics_lock: threading.Lock) -> None:
         self._metadata = metadata
@@ -57,6 +56,6 @@ class KeyRouting:
                     return False
                 self._client.add(topic)
                 log.info("%s: a Pulsar producer stored a key where tierstream's hash would "
-                         "not; its keys are routed by its clients from now on, and it cannot "
-                         "grow", topic)
+                         "not; its keys are routed by its clients from now on (it grows in "
+                         "two steps: broker/growth.py)", topic)
         return True

@@ -6,7 +6,6 @@ at their last durable entry) and opens a fresh segment for every partition.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import threading
@@ -26,6 +25,7 @@ from tierstream.bookie.storage import Bookie
 from tierstream.broker.auto_scale import AutoScaler
 from tierstream.broker.config import StoreConfig
 from tierstream.broker.data_dir import lock_data_dir, prepare_data_dir, unlock_data_dir
+from tierstream.broker.growth import Growth
 from tierstream.broker.key_routing import KeyRouting
 from tierstream.broker.recovery import RecoveryReport, recover_open_segments
 from tierstream.broker.transaction_coordinator import TransactionCoordinator
@@ -34,7 +34,6 @@ from tierstream.faults import crash_point
 from tierstream.managed_ledger.partition_log import PartitionLog
 from tierstream.metadata.bookie_registry import take_writer_epoch
 from tierstream.metadata.records import SegmentRecord, TopicRecord
-from tierstream.metadata.scale_events import growth_refused, record_scale_event
 from tierstream.metadata.store import MetadataStore
 from tierstream.names import TopicName
 from tierstream.splits.positions import Position
@@ -126,11 +125,16 @@ class Store:
         for topic in self.metadata.list_topics():
             # every partition's new open segment in one metadata transaction
             opened = self.metadata.new_segments(
-                topic.name, [(p, self._choose_ensemble()) for p in range(topic.partitions)],
+                topic.name, [(p, self._choose_ensemble()) for p in range(topic.serving)],
                 created_at=now_ms())
             self._open_topic(topic, opened)
         self.transactions = TransactionCoordinator(self, timeout_ms=config.transaction_timeout_ms)
         self.transactions.recover()  # a commit a crash interrupted is finished first
+        self.growth = Growth(self.metadata, self._logs,
+                             locks=(self.transactions.commit_lock, self._topics_lock),
+                             choose_ensemble=self._choose_ensemble, open_topic=self._open_topic,
+                             max_partitions=config.max_partitions_per_topic,
+                             client_refresh_wait_ms=config.client_refresh_wait_ms)
         self._auto_scale = None if config.auto_scale_rate is None else AutoScaler(
             self, config.auto_scale_rate, config.auto_scale_window_ms,
             max_partitions=config.max_partitions_per_topic)
@@ -186,7 +190,8 @@ class Store:
         self.key_routing.opened(topic)
         for seg in opened:
             self._logs[(topic.name, seg.partition)] = PartitionLog(
-                routing=topic.partitions,
+                # an announced growth's new partitions are written by the new count
+                routing=topic.serving if seg.partition >= topic.partitions else topic.partitions,
                 topic=topic.name, partition=seg.partition, metadata=self.metadata,
                 bookies=self.bookies, choose_ensemble=self._choose_ensemble,
                 ack_quorum=self.ack_quorum, on_fenced=self._on_fenced,
@@ -228,39 +233,8 @@ class Store:
 
     def set_partitions(self, name: str, partitions: int, *, reason: str = "admin"
                        ) -> TopicRecord:
-        """Grow a topic to ``partitions`` at one scale event (``lineage.py``).
-
-        Under every partition's lock (appends wait): the open segments are sealed, then one
-        metadata transaction records the new count, the event and a new open segment for every
-        partition; then the partitions serve again, refusing batches routed by the old count.
-        A crash before that leaves the topic as it was; after it, recovery opens all partitions.
-        """
-        topic = TopicName.parse(name)
-        # a commit being applied routes its rows by one count: the event waits for it
-        with self.transactions.commit_lock, self._topics_lock:
-            record = self.metadata.get_topic(topic)
-            old = record.partitions
-            _check_growth(record.name, old, partitions, self.config.max_partitions_per_topic)
-            if (refused := growth_refused(record.name, record.key_routing)) is not None:
-                raise refused  # before anything is sealed
-            if partitions == old:
-                return record
-            logs = [self._logs[(record.name, p)] for p in range(old)]
-            with contextlib.ExitStack() as held:
-                for plog in logs:
-                    held.enter_context(plog.lock)
-                for plog in logs:
-                    plog.seal_for_scale()
-                crash_point("scale.sealed")
-                grown, opened = record_scale_event(
-                    self.metadata, record.name, old, partitions, at=now_ms(), reason=reason,
-                    ensembles=[self._choose_ensemble() for _ in range(partitions)])
-                crash_point("scale.recorded")
-                for seg in opened[:old]:
-                    logs[seg.partition].reopen(seg, partitions)
-                self._open_topic(grown, opened[old:])
-        log.info("%s: %s", record.name, grown.scale_events[-1].describe())
-        return grown
+        """Grow a topic to ``partitions`` (``broker/growth.py``)."""
+        return self.growth.set_partitions(name, partitions, reason=reason)
 
     def delete_topic(self, name: str) -> TopicRecord:
         """Delete a topic everywhere: metadata, bookies, the tier and its Iceberg table.
@@ -275,7 +249,7 @@ class Store:
             self.metadata.mark_topic_deleting(record.name, now=now_ms())
             self.key_routing.forget(record.name)
             crash_point("topic.delete-marked")
-            for p in range(record.partitions):
+            for p in range(record.serving):
                 plog = self._logs.pop((record.name, p), None)
                 if plog is not None:
                     plog.discard()
@@ -419,6 +393,10 @@ class Store:
                 self.repairer.run_once()
             except Exception as exc:
                 _failed(exc, "re-replication failed; retrying at the next pass")
+            try:
+                self.growth.record_due(now_ms())
+            except Exception as exc:
+                _failed(exc, "recording an announced growth failed; retrying at the next pass")
             now = time.monotonic()
             if self._auto_scale is not None:
                 try:
@@ -464,27 +442,6 @@ class Store:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _check_growth(topic: str, old: int, new: int, limit: int) -> None:
-    """Refuse, in one line, a partition count a topic cannot grow to."""
-    if not isinstance(new, int) or isinstance(new, bool) or new < 1:
-        raise ConfigError(f"invalid partition count {new!r} for topic {topic!r}: expected an "
-                          "integer >= 1")
-    if new < old:
-        raise ConfigError(
-            f"cannot shrink topic {topic!r} from {old} to {new} partitions: partitions hold "
-            "data and each key's order, so they are never removed (create a new topic and "
-            "copy into it to have fewer)")
-    if new > limit:
-        raise ConfigError(
-            f"invalid partition count {new} for topic {topic!r}: this broker allows at most "
-            f"{limit} per topic (broker option --max-partitions-per-topic)")
-    if new % old:
-        raise ConfigError(
-            f"cannot grow topic {topic!r} from {old} to {new} partitions: the new count must "
-            f"be a multiple of {old} ({old * 2}, {old * 3}, ...), so that each new partition "
-            "takes its keys from exactly one old one and every reader keeps their order")
 
 
 def _failed(exc: Exception, message: str, *args: Any) -> None:

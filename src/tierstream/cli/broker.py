@@ -114,6 +114,8 @@ def broker_start(
     auto_scale_rate: Annotated[int | None, typer.Option(help=_help("autoScaleRate"))] = None,
     auto_scale_window: Annotated[str | None, typer.Option(help=_help("autoScaleWindow"))]
         = None,
+    client_refresh_wait: Annotated[
+        str | None, typer.Option(help=_help("clientRefreshWait"))] = None,
     metadata: Annotated[str | None, typer.Option(
         envvar="TIERSTREAM_METADATA", show_envvar=False,
         help="Keep the metadata on PostgreSQL: postgresql://user[:password]@host[:port]/db "
@@ -186,6 +188,7 @@ def broker_start(
         "tierCheckInterval": tier_check_interval, "transactionTimeout": transaction_timeout,
         "transactionHoldLimit": transaction_hold_limit,
         "autoScaleRate": auto_scale_rate, "autoScaleWindow": auto_scale_window,
+        "clientRefreshWait": client_refresh_wait,
     })
 
     def ready(url: str, served: dict[str, str]) -> None:

@@ -109,7 +109,12 @@ def topic_set(
         if partitions is not None:
             before = admin.get_topic(topic).partitions
             record = admin.set_partitions(topic, partitions)
-            if record.partitions == before:
+            if record.announced is not None:
+                out.print(f"{record.name}: growing {before} -> {record.announced} partitions: "
+                          "its Pulsar clients route its keys, and see the new partitions at "
+                          "once; tierstream's readers see them once every client has looked "
+                          "again (broker option --client-refresh-wait)", highlight=False)
+            elif record.partitions == before:
                 out.print(f"{record.name}: already has {before} partitions", highlight=False)
             else:
                 out.print(f"{record.name}: {record.scale_events[-1].describe()}; keys route "
@@ -143,6 +148,9 @@ def topic_get(
             schema = "none (values are bytes)"
     grown = "".join(f"\n            {format_ms(e.at)}  {e.describe()}, first segment "
                     f"{e.first_segment_id}" for e in record.scale_events)
+    if record.announced is not None and record.announced_at is not None:
+        grown += (f"\n            {format_ms(record.announced_at)}  growing to "
+                  f"{record.announced} partitions: announced to its Pulsar clients")
     out.print(f"topic:      {record.name}\n"
               f"partitions: {record.partitions}{grown}\n"
               f"created:    {format_ms(record.created_at)}\n"
@@ -154,7 +162,7 @@ def topic_get(
 def _routing_words(routing: str) -> str:
     if routing == "client":
         return ("where its Pulsar clients route them (a producer stored a key elsewhere than "
-                "tierstream's hash): it cannot grow")
+                "tierstream's hash): it grows in two steps (README, 'Pulsar clients')")
     return "by tierstream's hash (murmur3_32 % 65536 % partitions)"
 
 

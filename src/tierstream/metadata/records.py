@@ -57,10 +57,20 @@ class TopicRecord:
     #: who puts a key in its partition: ``tierstream`` (key_hash % partitions), or
     #: ``client`` (its Pulsar clients' routing, which the broker cannot compute)
     key_routing: str = "tierstream"
+    #: a client-routed topic's growth under way (``metadata/scale_events.py``): the count its
+    #: Pulsar clients are told and write to, and since when (ms); None when none is
+    announced: int | None = None
+    announced_at: int | None = None
 
     @property
     def lineage(self) -> Lineage:
         return Lineage(self.scale_events)
+
+    @property
+    def serving(self) -> int:
+        """The partitions Pulsar clients see and write to: during an announced growth more
+        than :attr:`partitions`, the ones tierstream's readers see."""
+        return self.announced or self.partitions
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -70,6 +80,8 @@ class TopicRecord:
             "created_at": self.created_at,
             "scale_events": [e.to_dict() for e in self.scale_events],
             "key_routing": self.key_routing,
+            "announced": self.announced,
+            "announced_at": self.announced_at,
         }
 
     @classmethod
@@ -78,7 +90,8 @@ class TopicRecord:
                    retention_ms=data.get("retention_ms"), created_at=int(data["created_at"]),
                    scale_events=tuple(ScaleEvent.from_dict(e)
                                       for e in data.get("scale_events") or ()),
-                   key_routing=str(data.get("key_routing") or "tierstream"))
+                   key_routing=str(data.get("key_routing") or "tierstream"),
+                   announced=data.get("announced"), announced_at=data.get("announced_at"))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,16 +2,25 @@
 
 The event is one metadata transaction: the topic's new partition count, a new open segment for
 every partition, and the event row naming the first of those segments. The broker seals the
-old open segments before it (``broker/store.py``), so the event row is the exact boundary.
+old open segments before it (``broker/growth.py``), so the event row is the exact boundary.
+
+A topic whose keys its Pulsar clients route grows in two steps, because a client keeps routing
+by the old count until it looks again: the growth is first **announced** (its clients are told
+the new count and write to the new partitions, tierstream's readers still see the old ones),
+and the event is recorded once every client has looked again — its boundary then lies after
+everything a client routed by the old count (the Pravega rule: a new partition is read only
+after its parent was read up to the event).
 """
 
 from __future__ import annotations
 
-from tierstream.errors import ConfigError, ConflictError, NotFoundError
+from tierstream.errors import ConflictError, NotFoundError
+from tierstream.metadata.backend import Tx
 from tierstream.metadata.records import SegmentRecord, TopicRecord
 from tierstream.metadata.store import MetadataStore, _insert_segments
 
-__all__ = ["CLIENT_ROUTING", "growth_refused", "record_scale_event", "route_keys_by_client"]
+__all__ = ["CLIENT_ROUTING", "announce_growth", "growth_refused", "record_scale_event",
+           "route_keys_by_client"]
 
 #: a topic whose keys its Pulsar clients put in partitions (TopicRecord.key_routing)
 CLIENT_ROUTING = "client"
@@ -28,36 +37,56 @@ def route_keys_by_client(store: MetadataStore, name: str) -> bool:
     return True
 
 
-def growth_refused(name: str, key_routing: str | None) -> ConfigError | None:
-    """Why topic ``name`` cannot grow (None: it can): its keys are routed by its clients."""
-    if key_routing != CLIENT_ROUTING:
+def growth_refused(record: TopicRecord) -> ConflictError | None:
+    """Why ``record``'s topic cannot grow now (None: it can): a growth is under way."""
+    if record.announced is None:
         return None
-    return ConfigError(
-        f"{name} cannot grow: its keys are where its Pulsar clients routed them (not "
-        "by tierstream's hash), so after a scale event the broker could not tell a key a "
-        "client still routes by the old count from one where it now belongs, and per-key "
-        "order would break; make a new topic with "
-        "more partitions, or route keys with tierstream's hash from the start (see README, "
-        "'Pulsar clients')")
+    return ConflictError(
+        f"{record.name} is growing to {record.announced} partitions (announced to its Pulsar "
+        "clients, read as grown once they have all looked again): grow it again after that")
+
+
+def announce_growth(store: MetadataStore, name: str, old: int, new: int, *, at: int,
+                    ensembles: list[tuple[str, ...]]) -> tuple[TopicRecord, list[SegmentRecord]]:
+    """The first half of a client-routed topic's growth (one transaction): its Pulsar clients
+    are told ``new`` partitions and can write to the new ones (an open segment for each of
+    partitions ``old..new-1``, ``ensembles[i]``), while tierstream's readers see ``old``
+    until :func:`record_scale_event` (``broker/growth.py``)."""
+    with store.atomic() as c:
+        _check_count(c, name, old)
+        c.execute("UPDATE topics SET announced=?, announced_at=? WHERE name=?", (new, at, name))
+        segments = _insert_segments(c, name, list(enumerate(ensembles, start=old)), at)
+    return store.get_topic(name), segments
+
+
+def _check_count(c: Tx, name: str, old: int) -> None:
+    row = c.execute("SELECT partitions, announced FROM topics WHERE name=? AND deleting_at IS "
+                    "NULL", (name,)).fetchone()
+    if row is None:
+        raise NotFoundError(f"topic {name!r} does not exist")
+    if row[0] != old:
+        raise ConflictError(f"topic {name!r} has {row[0]} partitions, not {old}")
+    if row[1] is not None:
+        raise ConflictError(f"topic {name!r} is growing to {row[1]} partitions already")
 
 
 def record_scale_event(store: MetadataStore, name: str, old: int, new: int, *, at: int,
                        reason: str, ensembles: list[tuple[str, ...]]
                        ) -> tuple[TopicRecord, list[SegmentRecord]]:
     """Record a scale event of ``name`` from ``old`` to ``new`` partitions and, in the same
-    transaction, a new open segment for every partition (``ensembles[p]``)."""
+    transaction, a new open segment for every partition ``p`` of ``ensembles[p]`` — every
+    partition, or for a growth announced before (:func:`announce_growth`, whose segments
+    opened the new partitions) the old ones only: the event's boundary is in those."""
     with store.atomic() as c:
-        row = c.execute("SELECT partitions FROM topics WHERE name=? AND deleting_at IS NULL",
-                        (name,)).fetchone()
+        row = c.execute("SELECT partitions, announced FROM topics WHERE name=? AND "
+                        "deleting_at IS NULL", (name,)).fetchone()
         if row is None:
             raise NotFoundError(f"topic {name!r} does not exist")
-        if row[0] != old:
-            raise ConflictError(f"topic {name!r} has {row[0]} partitions, not {old}")
-        routing = c.execute("SELECT key_routing FROM topics WHERE name=?", (name,)).fetchone()
-        refused = growth_refused(name, routing[0])  # the broker checks before sealing too
-        if refused is not None:
-            raise refused
-        c.execute("UPDATE topics SET partitions=? WHERE name=?", (new, name))
+        if row[0] != old or row[1] not in (None, new):
+            raise ConflictError(f"topic {name!r} has {row[0]} partitions, not {old}"
+                                + (f" (growing to {row[1]})" if row[1] is not None else ""))
+        c.execute("UPDATE topics SET partitions=?, announced=NULL, announced_at=NULL "
+                  "WHERE name=?", (new, name))
         segments = _insert_segments(c, name, list(enumerate(ensembles)), at)
         seq = c.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM scale_events WHERE topic=?",
                         (name,)).fetchone()[0]

@@ -34,7 +34,7 @@ from tierstream.names import TopicName
 from tierstream.schemas.model import SchemaInfo, SchemaType
 
 __all__ = ["SEGMENT_COLUMNS", "MetadataStore", "segment_of_row"]
-_TOPIC = "name, partitions, retention_ms, created_at, key_routing"  # a TopicRecord's columns
+_TOPIC = "name, partitions, retention_ms, created_at, key_routing, announced, announced_at"
 
 
 
@@ -202,8 +202,8 @@ class MetadataStore:
         return self._topics(rows)
 
     def _topics(self, rows: Sequence[Any]) -> list[TopicRecord]:
-        """Records of ``topics`` rows (name, partitions, retention, created, key routing),
-        each with its scale events (one more read)."""
+        """Records of ``topics`` rows (:data:`_TOPIC`), each with its scale events (one
+        more read)."""
         events: dict[str, list[ScaleEvent]] = {}
         if rows:
             names = [r[0] for r in rows]
@@ -215,7 +215,8 @@ class MetadataStore:
                 events.setdefault(t, []).append(ScaleEvent(*fields))
         return [TopicRecord(name=r[0], partitions=r[1], retention_ms=r[2], created_at=r[3],
                             scale_events=tuple(events.get(r[0], ())),
-                            key_routing=r[4] or "tierstream") for r in rows]
+                            key_routing=r[4] or "tierstream", announced=r[5],
+                            announced_at=r[6]) for r in rows]
 
 
     # -- segments -----------------------------------------------------------------------------

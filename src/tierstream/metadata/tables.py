@@ -11,7 +11,7 @@ from tierstream.metadata.backend import Backend, Tx
 
 __all__ = ["SCHEMA_VERSION", "create_and_migrate", "ddl"]
 
-SCHEMA_VERSION = 13
+SCHEMA_VERSION = 14
 
 DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -21,7 +21,9 @@ CREATE TABLE IF NOT EXISTS topics (
     retention_ms INTEGER,
     created_at INTEGER NOT NULL,
     deleting_at INTEGER,
-    key_routing TEXT
+    key_routing TEXT,
+    announced INTEGER,
+    announced_at INTEGER
 );
 CREATE TABLE IF NOT EXISTS segments (
     segment_id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -236,3 +238,9 @@ def _migrate(conn: Tx, backend: Backend) -> None:
         if "key_routing" not in backend.columns("topics"):
             conn.execute("ALTER TABLE topics ADD COLUMN key_routing TEXT")
         conn.execute("UPDATE meta SET value='13' WHERE key='schema_version'")
+        version = 13
+    if version == 13:  # v14: a client-routed topic's growth under way (scale_events.py)
+        for column in ("announced", "announced_at"):
+            if column not in backend.columns("topics"):
+                conn.execute(f"ALTER TABLE topics ADD COLUMN {column} INTEGER")
+        conn.execute("UPDATE meta SET value='14' WHERE key='schema_version'")

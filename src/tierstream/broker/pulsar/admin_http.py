@@ -243,7 +243,7 @@ class _Routes:
                 return HTTPStatus.NO_CONTENT, None
             case ("GET", [topic, "partitions"]):
                 name, partition = self._partition(namespace, topic)
-                count = self._record(name)["partitions"]
+                count = _serving(self._record(name))
                 # one partition, or one partition named: Pulsar's non-partitioned answer
                 return HTTPStatus.OK, {"partitions": count if count > 1 and partition is None
                                        else 0}
@@ -277,7 +277,7 @@ class _Routes:
         404, as Pulsar's "Topic not found"."""
         name, partition = self._name(namespace, topic)
         if partition is not None:
-            count = self._record(name)["partitions"]
+            count = _serving(self._record(name))
             if partition >= count:
                 raise _Answer(HTTPStatus.NOT_FOUND, f"Topic not found: {name} has partitions "
                               f"0..{count - 1}")
@@ -304,7 +304,7 @@ class _Routes:
     def _topics(self, namespace: str, *, expand: bool, partitioned: bool = False) -> list[str]:
         out: list[str] = []
         for record in self.broker.call("list-topics", {"namespace": namespace}):
-            n = record["partitions"]
+            n = _serving(record)
             if partitioned and n < 2:
                 continue
             if expand and n > 1:
@@ -452,3 +452,8 @@ def pulsar_stats(raw: dict[str, Any], plogs: list[Any], rows: list[dict[str, Any
         "subscriptions": subscriptions, "replication": {},
         "deduplicationStatus": "Enabled",
     }
+
+
+def _serving(record: dict[str, Any]) -> int:
+    """The partitions a topic's Pulsar clients see (``TopicRecord.serving``)."""
+    return int(record.get("announced") or record["partitions"])

@@ -285,8 +285,8 @@ class Connection:
             max_message_size=MAX_MESSAGE_SIZE)))
 
     def topic_partitions(self, name: str, *, create: bool) -> tuple[str, int, int | None]:
-        """(tierstream topic, its partition count, the partition named) — created with one
-        partition if it does not exist and ``create``."""
+        """(tierstream topic, the partition count its Pulsar clients see, the partition
+        named) — created with one partition if it does not exist and ``create``."""
         named = parse_pulsar_topic(name)
         try:
             record = self.store.topic(named.topic)
@@ -299,7 +299,7 @@ class Connection:
                 record = self.store.create_topic(named.topic, 1)
             except TierstreamError:  # another connection made it meanwhile
                 record = self.store.topic(named.topic)
-        return named.topic, int(record.partitions), named.partition
+        return named.topic, record.serving, named.partition
 
     def broker_request_id(self) -> int:
         """A request id for a command the broker sends (CLOSE_PRODUCER, CLOSE_CONSUMER): from
@@ -356,8 +356,8 @@ class Connection:
         names = []
         for record in self.store.topics(req.namespace):
             base = f"persistent://{record.name}"
-            names.extend([base] if record.partitions == 1 else
-                         [f"{base}-partition-{p}" for p in range(record.partitions)])
+            names.extend([base] if record.serving == 1 else
+                         [f"{base}-partition-{p}" for p in range(record.serving)])
         self.write(_Cmd(type=_Cmd.GET_TOPICS_OF_NAMESPACE_RESPONSE,
                          getTopicsOfNamespaceResponse=api.CommandGetTopicsOfNamespaceResponse(
                              request_id=req.request_id, topics=names)))

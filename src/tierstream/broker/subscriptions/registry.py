@@ -83,11 +83,30 @@ class Subscriptions:
                                     f"on partition {partition}")
             d = Dispatcher(plog, subscription, state, writer=self.writer,
                            dead_letter=self.dead_letters.submit)
-            ancestors = self._store.topic(topic).lineage.ancestors(partition)
-            if ancestors:
+            record = self._store.topic(topic)
+            if partition >= record.partitions:  # new in a growth announced, not yet read
+                d.gate = self._announced_gate(topic, subscription, partition)
+            elif ancestors := record.lineage.ancestors(partition):
                 d.gate = self._gate(topic, subscription, ancestors)
             self._dispatchers[key] = d
             return d
+
+    def _announced_gate(self, topic: str, subscription: str, partition: int
+                        ) -> Callable[[], bool]:
+        """Closed while the growth that made ``partition`` is only announced (its Pulsar
+        clients write to it, its parents may still get keys routed by the old count:
+        ``broker/growth.py``), then :meth:`_gate` of the event recorded."""
+        recorded: list[Callable[[], bool]] = []
+
+        def gate() -> bool:
+            if not recorded:
+                ancestors = self._store.topic(topic).lineage.ancestors(partition)
+                if not ancestors:
+                    return False
+                recorded.append(self._gate(topic, subscription, ancestors))
+            return recorded[0]()
+
+        return gate
 
     def _gate(self, topic: str, subscription: str, ancestors: list[tuple[int, ScaleEvent]]
               ) -> Callable[[], bool]:
