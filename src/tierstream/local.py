@@ -13,65 +13,25 @@ import queue
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
-from datetime import datetime
 from typing import Any
 
 import pyarrow as pa
 
-from tierstream.enumerator import Enumerator, Query
 from tierstream.errors import ConfigError
 from tierstream.event_time import check_time_field, event_time_window, within_event_time
 from tierstream.fanin import DONE, Cancel, drain, put, start_reader
 from tierstream.follow import follow
 from tierstream.message_format import READ_SCHEMA
-from tierstream.options import parse_options
-from tierstream.read_options import ReadOptions
+from tierstream.read_options import BoundLike, ReadOptions, as_bound
 from tierstream.readers import ReadStats, open_reader
 from tierstream.schemas.codec import decode_batches
-from tierstream.security import read_pem
 from tierstream.splits.positions import KeyRange, Offset, OffsetKind
 from tierstream.splits.split import ReaderKind, Split, StreamCut, chains
 
 __all__ = ["Following", "latest_cut", "phases", "plan", "read", "run_splits", "scan", "tail"]
 
-BoundLike = Offset | StreamCut | str | int | datetime
 Chain = list[Split]  # read one after another
 Phase = list[Chain]  # chains read in parallel
-
-
-def _bound(value: BoundLike | None, what: str) -> Offset | StreamCut | None:
-    if value is None or isinstance(value, Offset | StreamCut):
-        return value
-    if isinstance(value, str):
-        return Offset.parse(value, what=what)
-    if isinstance(value, int | datetime):
-        return Offset.at_time(value)  # type: ignore[arg-type]
-    raise ConfigError(f"invalid {what} {value!r}: expected an Offset, a StreamCut, a time or "
-                      "'earliest'/'latest'")
-
-
-def _enumerator(data_dir: str | None, broker: str | None, auth_token: str | None) -> Enumerator:
-    store = parse_options({"dataDir": data_dir, "authToken": auth_token}, scope="store")
-    client = parse_options({"broker": broker}, scope="client")
-    return Enumerator(data_dir=store["dataDir"], broker=client["broker"],
-                      auth_token=store["authToken"], s3_endpoint=store["s3Endpoint"],
-                      s3_region=store["s3Region"], tls_ca=read_pem(client["tlsCa"], "tlsCa"))
-
-
-def _query(topic: str | Sequence[str] | None, namespace: str | None, start: BoundLike | None,
-           end: BoundLike | None, key_ranges: int, max_split_bytes: int,
-           reader: ReaderKind | str | None, fail_on_data_loss: bool,
-           partitions: Sequence[int] | None, *, unbounded_ok: bool = False) -> Query:
-    topics = (topic,) if isinstance(topic, str) else tuple(topic or ())
-    kind = ReaderKind.parse(reader) if isinstance(reader, str) else reader
-    end_bound = _bound(end, "end")
-    if end_bound is None and not unbounded_ok:
-        raise ConfigError("end=None is an unbounded read: use tail() for that")
-    return Query(topics=topics, namespace=namespace,
-                 start=_bound(start, "start") or Offset.earliest(), end=end_bound,
-                 key_ranges=key_ranges, max_split_bytes=max_split_bytes, reader=kind,
-                 fail_on_data_loss=fail_on_data_loss,
-                 partitions=None if partitions is None else tuple(partitions))
 
 
 def plan(topic: str | Sequence[str] | None = None, *, namespace: str | None = None,
@@ -89,16 +49,28 @@ def plan(topic: str | Sequence[str] | None = None, *, namespace: str | None = No
     topic, DataLossError if the start lies in data deleted by retention (unless
     ``fail_on_data_loss=False``).
     """
-    if options is not None:
-        if topic is not None or namespace is not None:
-            raise ConfigError("give the topic either in options or as an argument, not both")
-        parsed = options if isinstance(options, ReadOptions) else ReadOptions.parse(options)
-        with parsed.enumerator() as enum:
-            return list(enum.plan(parsed.query()))
-    query = _query(topic, namespace, start, end, key_ranges, max_split_bytes, reader,
-                   fail_on_data_loss, partitions)
-    with _enumerator(data_dir, broker, auth_token) as enum:
-        return list(enum.plan(query))
+    return _plan(_read_options(topic, options, namespace=namespace, start=start, end=end,
+                               key_ranges=key_ranges, max_split_bytes=max_split_bytes,
+                               reader=reader, fail_on_data_loss=fail_on_data_loss,
+                               partitions=partitions, data_dir=data_dir, broker=broker,
+                               auth_token=auth_token))
+
+
+def _read_options(topic: str | Sequence[str] | None,
+                  options: ReadOptions | Mapping[str, Any] | None, **kwargs: Any
+                  ) -> ReadOptions:
+    """The read a public entry was given, as one :class:`ReadOptions`: ``options`` (parsed
+    here if they are option keys), else the keyword arguments."""
+    if options is None:
+        return ReadOptions.from_kwargs(topic, **kwargs)
+    if topic is not None or kwargs.get("namespace") is not None:
+        raise ConfigError("give the topic either in options or as an argument, not both")
+    return options if isinstance(options, ReadOptions) else ReadOptions.parse(options)
+
+
+def _plan(read: ReadOptions) -> list[Split]:
+    with read.enumerator() as enum:
+        return list(enum.plan(read.query()))
 
 
 def run_splits(splits: Sequence[Split], *, parallelism: int | None = None,
@@ -255,46 +227,22 @@ def scan(topic: str | Sequence[str] | None = None, *, parallelism: int | None = 
     if check_time_field(time_field) == "event_time":
         if kwargs.get("options") is not None:
             raise ConfigError("time_field='event_time' takes start/end arguments, not options")
-        window = event_time_window(_bound(kwargs.pop("start", None), "start"),
-                                   _bound(kwargs.pop("end", "latest"), "end"), "start/end")
+        window = event_time_window(as_bound(kwargs.pop("start", None), "start"),
+                                   as_bound(kwargs.pop("end", "latest"), "end"), "start/end")
         kwargs["end"] = "latest"
         yield from within_event_time(scan(topic, parallelism=parallelism, stats=stats,
                                           value_format=value_format, mode=mode, **kwargs),
                                      *window)
         return
-    options = kwargs.get("options")
-    if options is not None and not isinstance(options, ReadOptions):
-        kwargs["options"] = options = ReadOptions.parse(options)  # parsed once, for both
-    if options is None:
-        options = _decoding_options(topic, kwargs, value_format, mode)
-    decoder = options.decoder() if options is not None else None
-    splits = plan(topic, **kwargs)
-    given = kwargs.get("options")
-    if isinstance(given, ReadOptions):
-        token, ca = given.auth_token, given.tls_ca
-    else:
-        client = parse_options({"authToken": kwargs.get("auth_token")}, scope="client")
-        token, ca = client["authToken"], read_pem(client["tlsCa"], "tlsCa")
-    batches = run_splits(splits, parallelism=parallelism, auth_token=token, tls_ca=ca,
-                         stats=stats)
+    options = kwargs.pop("options", None)
+    read = _read_options(topic, options, value_format=value_format, mode=mode, **kwargs)
+    decoder = read.decoder()
+    batches = run_splits(_plan(read), parallelism=parallelism, auth_token=read.auth_token,
+                         tls_ca=read.tls_ca, stats=stats)
     if decoder is None:
         yield from batches
         return
-    assert options is not None
-    yield from decode_batches(batches, decoder, options.mode, options.topics[0])
-
-
-def _decoding_options(topic: Any, kwargs: dict[str, Any], value_format: str, mode: str
-                      ) -> ReadOptions | None:
-    """The read as options, when the keyword arguments ask for decoding (else None)."""
-    if str(value_format).lower() == "raw" and str(mode).upper() == "FAILFAST":
-        return None
-    raw = {"topic": topic if isinstance(topic, str) else None,
-           "topics": None if isinstance(topic, str) or topic is None else ",".join(topic),
-           "namespace": kwargs.get("namespace"), "valueFormat": value_format, "mode": mode,
-           "dataDir": kwargs.get("data_dir"), "broker": kwargs.get("broker"),
-           "authToken": kwargs.get("auth_token")}
-    return ReadOptions.parse({k: v for k, v in raw.items() if v is not None})
+    yield from decode_batches(batches, decoder, read.mode, read.topics[0])
 
 
 def read(topic: str | Sequence[str] | None = None, **kwargs: Any) -> pa.Table:
@@ -309,7 +257,9 @@ def read(topic: str | Sequence[str] | None = None, **kwargs: Any) -> pa.Table:
 def latest_cut(topic: str, *, data_dir: str | None = None, broker: str | None = None,
                auth_token: str | None = None) -> StreamCut:
     """The broker's last confirmed positions of ``topic``: the end of "everything so far"."""
-    with _enumerator(data_dir, broker, auth_token) as enum:
+    read = ReadOptions.from_kwargs(topic, data_dir=data_dir, broker=broker,
+                                   auth_token=auth_token)
+    with read.enumerator() as enum:
         return enum.latest_cut(topic)
 
 
@@ -349,28 +299,30 @@ def tail(topic: str, *, start: BoundLike | None = "latest", key_ranges: int = 1,
     and key range follows from exactly there: no gap and no duplicate at the hand-off. A
     broker restart is ridden out (option ``reconnectTimeout``). Close the iterator to stop.
     """
-    bound = _bound(start, "start") or Offset.latest()
+    read = ReadOptions.from_kwargs(topic, start="latest" if start is None else start,
+                                   key_ranges=key_ranges, fail_on_data_loss=fail_on_data_loss,
+                                   data_dir=data_dir, broker=broker, auth_token=auth_token)
+    bound = read.start
+    assert isinstance(bound, Offset | StreamCut)  # from_kwargs never makes per-topic cuts
     ranges = KeyRange.split(key_ranges)
     history: Sequence[Split] = ()
-    with _enumerator(data_dir, broker, auth_token) as enum:
+    with read.enumerator() as enum:
         cut = bound if isinstance(bound, StreamCut) else enum.latest_cut(topic)
         follow_from = enum.broker
         if not isinstance(bound, StreamCut) and bound.kind is not OffsetKind.LATEST:
-            history = enum.plan(Query(topics=(topic,), start=bound, end=cut,
-                                      key_ranges=key_ranges,
-                                      fail_on_data_loss=fail_on_data_loss))
+            history = enum.plan(replace(read, end=cut).query())
     if follow_from is None:
         raise ConfigError("following a tail needs the broker's address (option 'broker' or "
                           "TIERSTREAM_BROKER)")
     cancel = Cancel()
-    return Following(_tail(topic, cut, history, ranges, follow_from, auth_token, cancel),
-                     cancel)
+    return Following(_tail(topic, cut, history, ranges, follow_from, read, cancel), cancel)
 
 
 def _tail(topic: str, cut: StreamCut, history: Sequence[Split], ranges: list[KeyRange],
-          broker: str, auth_token: str | None, cancel: Cancel) -> Iterator[pa.RecordBatch]:
+          broker: str, read: ReadOptions, cancel: Cancel) -> Iterator[pa.RecordBatch]:
     if history:
-        yield from run_splits(history, auth_token=auth_token, cancel=cancel)
+        yield from run_splits(history, auth_token=read.auth_token, tls_ca=read.tls_ca,
+                              cancel=cancel)
     if not cancel.is_set():
-        yield from follow(topic, cut, ranges, broker=broker, auth_token=auth_token,
+        yield from follow(topic, cut, ranges, broker=broker, auth_token=read.auth_token,
                           cancel=cancel)

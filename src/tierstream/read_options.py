@@ -8,8 +8,9 @@ from its flags: one parse, one meaning of every option, wherever a read starts.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from tierstream.enumerator import Enumerator, Query
@@ -32,7 +33,10 @@ from tierstream.splits.split import (
     splits_from_json,
 )
 
-__all__ = ["ReadOptions"]
+__all__ = ["BoundLike", "ReadOptions", "as_bound"]
+
+#: a bound as the Python API takes it
+BoundLike = Offset | StreamCut | str | int | datetime
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +72,35 @@ class ReadOptions:
     tier_reader: str = "auto"  # spark_adapter.read: "auto", "native" or "source"
     value_format: str = "raw"  # "raw" or "auto" (decode by the topic's schema)
     mode: str = "FAILFAST"  # valueFormat=auto: FAILFAST, PERMISSIVE or DROPMALFORMED
+    partitions: tuple[int, ...] | None = None  # the Python API's partitions=: only these
+
+    @classmethod
+    def from_kwargs(cls, topic: str | Sequence[str] | None = None, *,
+                    namespace: str | None = None, start: BoundLike | None = None,
+                    end: BoundLike | None = "latest", key_ranges: int = 1,
+                    max_split_bytes: int = 128 * 1024**2, reader: ReaderKind | str | None = None,
+                    fail_on_data_loss: bool = True, partitions: Sequence[int] | None = None,
+                    data_dir: str | None = None, broker: str | None = None,
+                    auth_token: str | None = None, value_format: str = "raw",
+                    mode: str = "FAILFAST") -> ReadOptions:
+        """The keyword arguments of ``tierstream.plan``/``scan``/``read``/``tail`` as a read:
+        the store's options (and what the environment gives them) parsed once by
+        :meth:`parse`, the typed arguments kept as they are."""
+        raw = {"topic": topic if isinstance(topic, str) else None,
+               "topics": None if topic is None or isinstance(topic, str) else ",".join(topic),
+               "namespace": namespace, "dataDir": data_dir, "broker": broker,
+               "authToken": auth_token, "valueFormat": value_format, "mode": mode}
+        if raw["topic"] is None and raw["topics"] is None and namespace is None:
+            raise ConfigError("a read needs a topic, topics or a namespace")
+        parsed = cls.parse({k: v for k, v in raw.items() if v is not None})
+        end_bound = as_bound(end, "end")
+        if end_bound is None:
+            raise ConfigError("end=None is an unbounded read: use tail() for that")
+        return replace(parsed, start=as_bound(start, "start") or Offset.earliest(),
+                       end=end_bound, key_ranges=key_ranges, max_split_bytes=max_split_bytes,
+                       reader=ReaderKind.parse(reader) if isinstance(reader, str) else reader,
+                       fail_on_data_loss=fail_on_data_loss,
+                       partitions=None if partitions is None else tuple(partitions))
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> ReadOptions:
@@ -179,7 +212,20 @@ class ReadOptions:
         return Query(topics=self.topics, namespace=self.namespace, start=self.start,
                      end=self.end, key_ranges=self.key_ranges,
                      max_split_bytes=self.max_split_bytes, reader=self.reader,
-                     fail_on_data_loss=self.fail_on_data_loss)
+                     fail_on_data_loss=self.fail_on_data_loss, partitions=self.partitions)
+
+
+def as_bound(value: BoundLike | None, what: str) -> Offset | StreamCut | None:
+    """A bound given to the Python API: an Offset or StreamCut as it is, text as
+    ``earliest``/``latest``, an int (ms) or datetime as a time."""
+    if value is None or isinstance(value, Offset | StreamCut):
+        return value
+    if isinstance(value, str):
+        return Offset.parse(value, what=what)
+    if isinstance(value, int | datetime):
+        return Offset.at_time(value)  # type: ignore[arg-type]
+    raise ConfigError(f"invalid {what} {value!r}: expected an Offset, a StreamCut, a time or "
+                      "'earliest'/'latest'")
 
 
 def _derived_subscription(opts: dict[str, Any]) -> str:
