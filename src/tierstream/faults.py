@@ -60,7 +60,7 @@ __all__ = ["ENV", "FAULT_ENV", "FAULT_POINTS", "POINTS", "InjectedFault", "crash
 
 ENV = "TIERSTREAM_CRASH_AT"
 FAULT_ENV = "TIERSTREAM_FAULT_AT"
-FAULT_POINTS = frozenset({"pulsar.receipt", "pulsar.delivery"})
+FAULT_POINTS = frozenset({"pulsar.receipt", "pulsar.delivery", "metadata.heartbeat"})
 
 POINTS = frozenset({
     "append.partial-replicas",

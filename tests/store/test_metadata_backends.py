@@ -18,6 +18,7 @@ from tierstream.errors import (
     NotFoundError,
     UnavailableError,
 )
+from tierstream.faults import FAULT_ENV
 from tierstream.metadata.records import SegmentState
 from tierstream.metadata.schema_registry import SchemaRegistry
 from tierstream.metadata.store import MetadataStore
@@ -184,6 +185,22 @@ def test_a_broker_on_postgresql_metadata_serves_survives_a_sigkill_and_refuses_a
     assert second.returncode == 1 and second.stderr.count("\n") == 1, second.stderr
     assert "held by another running broker" in second.stderr
     assert not (tmp_path / "second").exists()  # nothing half-created
+
+
+def test_a_heartbeat_thread_that_fails_stops_the_broker_saying_why(
+        postgres: PostgresServer, start_broker) -> None:
+    """The lease's heartbeat thread dies of an error nobody foresaw (a fault point): a
+    standby would take the store over unseen, so the broker gives the store up and stops,
+    saying why, rather than write on until it is cut off."""
+    broker = start_broker("--metadata", postgres.new_database(),
+                          env={FAULT_ENV: "metadata.heartbeat@5"})
+    assert broker.proc is not None
+    wait_for(lambda: broker.proc is not None and broker.proc.poll() is not None,
+             timeout=scaled(60), what="the broker to stop")
+    said = "".join(broker.stderr_tail)
+    assert broker.proc.returncode == 1, said
+    assert "metadata-heartbeat stopped by an unexpected error" in said  # with its stack
+    assert "the heartbeat of the metadata store" in said and "the broker stops" in said
 
 
 def test_bad_metadata_urls_are_one_line_naming_the_value(tmp_path, free_port) -> None:

@@ -311,7 +311,7 @@ def _detach(log_file: Path, data_dir: Path) -> None:
     import subprocess
     import time
 
-    from tierstream.metadata.postgres import STANDING_BY
+    from tierstream.metadata.leader_lease import STANDING_BY
 
     args, skip = [], False
     for a in sys.argv[1:]:

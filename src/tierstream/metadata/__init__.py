@@ -1,7 +1,14 @@
-"""The metadata store (SQLite in WAL mode): topics, segment records, cursors, de-duplication
-state, transactions and schemas.
+"""The metadata store: topics, segment records, cursors, de-duplication state, transactions,
+schemas, scale events and the bookies' registry — on one of two backends.
 
-``records.py`` holds the record types every side shares (what a planner on another host
-gets from the broker too); ``store.py`` the SQLite store and its migrations;
-``schema_registry.py`` and ``transaction_records.py`` the tables of those two features.
+- ``backend.py``: what a backend is (a transaction, a read), and the SQLite one (a file in the
+  data directory, WAL mode; the default);
+- ``postgres.py``: the PostgreSQL one (``--metadata postgresql://...``), which waits out the
+  server's outages; ``leader_lease.py``: a broker's hold on that database (its advisory lock,
+  heartbeat and a standby's takeover);
+- ``tables.py``: the tables and their migrations, written once for both engines;
+- ``store.py``: :class:`~tierstream.metadata.store.MetadataStore`, the queries over either;
+  ``records.py`` the record types every side shares (what a planner on another host gets from
+  the broker too); ``schema_registry.py``, ``transaction_records.py``, ``scale_events.py``,
+  ``bookie_registry.py`` and ``replication.py`` the tables of those features.
 """

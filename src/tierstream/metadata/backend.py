@@ -21,7 +21,8 @@ from typing import Any, Protocol
 
 from tierstream.errors import NotFoundError, StorageError
 
-__all__ = ["POSTGRES_SCHEMES", "Backend", "Cursor", "SqliteBackend", "Tx", "UniqueViolation"]
+__all__ = ["POSTGRES_SCHEMES", "Backend", "Cursor", "SqliteBackend", "Tx", "UniqueViolation",
+           "first_line"]
 
 #: how a PostgreSQL metadata URL begins (``--metadata``, ``TIERSTREAM_METADATA``)
 POSTGRES_SCHEMES = ("postgresql://", "postgres://")
@@ -142,3 +143,7 @@ class SqliteBackend:
         with self._lock:
             self._conn.close()
 
+
+def first_line(exc: BaseException) -> str:
+    """The first line of a database driver's error: what a one-line message can say."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
