@@ -119,6 +119,9 @@ def run(data_dir: Path, *, messages: int = 30_000, keys: int = 100,
 
                 def sent(result: Any, _msg_id: Any) -> None:
                     if result != pulsar.Result.Ok:
+                        if not failed:
+                            print(f"a send failed {time.monotonic() - started:.1f}s in: "
+                                  f"{result}", flush=True)
                         failed.append(str(result))
 
                 grow_at, grown = messages * 4 // 5, 0.0

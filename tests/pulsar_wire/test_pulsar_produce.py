@@ -104,6 +104,46 @@ def test_a_named_producer_resumes_after_its_last_stored_sequence_id(
     assert values == [f"m{i}".encode() for i in range(11)]
 
 
+def test_ids_a_client_numbers_from_0_again_are_stored_and_a_resend_is_not(
+        pulsar_broker: BrokerProcess) -> None:
+    """Regression: the C++ core numbers messages queued before its producer's first
+    PRODUCER_SUCCESS from 0, then from 0 again (pulsar-client-cpp#341: a partitioned
+    producer's new partitions after a growth); the broker dropped the second ones as
+    duplicates and sent their receipts — acknowledged, not stored (found by
+    ``python -m tests.pulsar_wire.scale_follow --producer pulsar``). A resend on a new
+    session, and an explicit repeat of an id that does not restart at 0, stay de-duplicated."""
+    from tierstream.pulsar_protocol.frames import payload_frame
+
+    topic = "public/default/renumbered"
+    host, port = str(pulsar_broker.pulsar_url).removeprefix("pulsar://").rsplit(":", 1)
+
+    def session(name: str, sends: list[tuple[int, bytes]]) -> list[int]:
+        frames = [command_frame(api.BaseCommand(type=api.BaseCommand.CONNECT, connect=(
+                      api.CommandConnect(client_version="t", protocol_version=20)))),
+                  command_frame(api.BaseCommand(type=api.BaseCommand.PRODUCER, producer=(
+                      api.CommandProducer(topic=topic, producer_id=1, request_id=1,
+                                          producer_name=name))))]
+        for seq, value in sends:
+            frames.append(payload_frame(
+                api.BaseCommand(type=api.BaseCommand.SEND, send=api.CommandSend(
+                    producer_id=1, sequence_id=seq)),
+                api.MessageMetadata(producer_name=name, sequence_id=seq, publish_time=1),
+                value))
+        with socket.create_connection((host, int(port)), timeout=scaled(30)) as sock:
+            sock.sendall(b"".join(frames))
+            got = commands_until(sock, lambda cs: sum(
+                c.type == api.BaseCommand.SEND_RECEIPT for c in cs) == len(sends))
+        return [c.send_receipt.sequence_id for c in got
+                if c.type == api.BaseCommand.SEND_RECEIPT]
+
+    assert session("renumbered", [(0, b"a"), (1, b"b"), (0, b"c"), (1, b"d"), (2, b"e")]) \
+        == [0, 1, 0, 1, 2]
+    assert session("renumbered", [(2, b"e")]) == [2]  # resent after a reconnect
+    assert session("explicit", [(5, b"x"), (5, b"x")]) == [5, 5]  # the application's repeat
+    assert [r["value"] for r in rows_of(pulsar_broker, topic)] == [b"a", b"b", b"c", b"d",
+                                                                  b"e", b"x"]
+
+
 def test_on_a_topic_that_grew_a_key_routed_elsewhere_than_tierstream_routes_it_is_refused(
         pulsar_broker: BrokerProcess) -> None:
     """Across a topic's scale events readers find a key where tierstream's hash puts it: on

@@ -126,7 +126,7 @@ class ProducePath:
                 self.streams.close(old.stream)
             stream, counts = self.streams.open("producer", topic, partition, name)
             self.producers[req.producer_id] = _Producer(topic, partition, name, count, version,
-                                                        stream, counts)
+                                                        stream, counts, fresh=last is None)
             success = api.CommandProducerSuccess(
                 request_id=req.request_id, producer_name=name,
                 last_sequence_id=-1 if last is None else int(last))
@@ -176,6 +176,7 @@ class ProducePath:
                 self.schemas.check_named_versions(topic, {str(version)})
             plog = self.store.partition(topic, partition)
             seq = send.highest_sequence_id or send.sequence_id
+            checked = not producer.reused(int(send.sequence_id), int(seq))
             for attempt in range(2):
                 # each key where tierstream routes it under the topic's count now (which
                 # may be more than the client routed by, if the topic grew since it looked);
@@ -185,7 +186,8 @@ class ProducePath:
                 if not self.store.key_routing.by_client(topic):
                     self._check_routing(rows, topic, partition, now, count)
                 try:
-                    pending = plog.submit(rows, producer=name, sequence_id=int(seq),
+                    pending = plog.submit(rows, producer=name if checked else None,
+                                          sequence_id=int(seq) if checked else None,
                                           routed=now)
                     break
                 except StaleRoutingError:
@@ -301,7 +303,7 @@ def refuse_routing(key: str, home: int, topic: str, partition: int, count: int, 
         "65,536); nothing was stored")
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Producer:
     topic: str
     partition: int
@@ -310,3 +312,25 @@ class _Producer:
     schema_version: int | None  # of the producer's schema; None: bytes
     stream: int  # its key in the broker's Streams
     counts: dict[str, Any]  # its Streams entry: messages and bytes sent
+    fresh: bool  # its name had nothing stored when it was made (told last_sequence_id -1)
+    highest_sent: int = -1  # the highest sequence id this producer sent
+    reused_up_to: int = -1  # its client numbered from 0 again: ids up to this were reused
+
+    def reused(self, lowest: int, highest: int) -> bool:
+        """Whether a batch's ids were used before by this producer for other messages.
+
+        Within one producer a client's ids only grow, except that the C++ core (the Python,
+        Node and C++ clients) numbers the messages queued before a producer's first
+        PRODUCER_SUCCESS from 0 and, told -1, numbers on from 0 again: a partitioned
+        producer's new partitions after a growth, lazy partitioned producers
+        (pulsar-client-cpp#341). Pulsar's broker stores both (de-duplication is off there by
+        default); here they would be dropped as duplicates, their receipts sent: lost. So a
+        fresh producer whose ids restart at 0 has its reused ids stored without the check."""
+        if self.fresh and lowest == 0 and self.highest_sent >= 0 and self.reused_up_to < 0:
+            self.reused_up_to = self.highest_sent
+            log.warning("pulsar producer %s on %s partition %d numbered its messages from 0 "
+                        "again after %d (a client bug: pulsar-client-cpp#341): those up to %d "
+                        "are stored without de-duplication", self.name, self.topic,
+                        self.partition, self.highest_sent, self.highest_sent)
+        self.highest_sent = max(self.highest_sent, highest)
+        return highest <= self.reused_up_to
