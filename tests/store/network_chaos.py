@@ -197,7 +197,7 @@ def _run(faults: int, seed: int, sequence: list[str] | None, between: int
 def _check_disks(url: str, bookies: list[BookieProcess]) -> None:
     """The stats match the bookies' disks: nothing listed, and every closed segment whole
     on each bookie of its ensemble (its index holds the segment's entries)."""
-    from tierstream.bookie.remote import RemoteBookie
+    from tierstream.managed_ledger.bookies.remote import RemoteBookie
 
     with Admin(url) as admin:
         assert admin.stats()["replication"]["under_replicated"] == 0

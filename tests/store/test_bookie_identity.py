@@ -8,8 +8,8 @@ import subprocess
 import time
 from typing import Any
 
-from tierstream.bookie.remote import RemoteBookie
 from tierstream.client import Admin
+from tierstream.managed_ledger.bookies.remote import RemoteBookie
 
 from ..network_store import BookieProcess
 from ..postgres import PostgresServer
@@ -267,7 +267,8 @@ def test_two_bookies_down_are_told_once_not_at_every_retry(network_store) -> Non
     lines = said.splitlines()
     assert sum("sealed without" in line for line in lines) <= 2, said[-3000:]
     gone = [line for line in lines
-            if "tierstream.bookie.remote: bookie" in line and "is unavailable:" in line]
+            if "tierstream.managed_ledger.bookies.remote: bookie" in line
+            and "is unavailable:" in line]
     assert len(gone) <= 2 and said.count("answers again") == 2, said[-3000:]
     # and nothing told at every pass of the repair or every retry of the producer, nor
     # Arrow's own lines for the broken streams ("status.cc:182: Close() failed: ...")

@@ -20,10 +20,10 @@ import pyarrow as pa
 import pytest
 
 import tierstream
-from tierstream.bookie.remote import RemoteBookie
 from tierstream.bookie.server import BookieServer
 from tierstream.client import Admin, Producer
 from tierstream.errors import FencedError, UnavailableError
+from tierstream.managed_ledger.bookies.remote import RemoteBookie
 from tierstream.message_format import MESSAGE_SCHEMA
 from tierstream.spark_adapter.source import register
 

@@ -40,6 +40,7 @@ __all__ = [
     "FRAME_HEADER",
     "INDEX_RECORD",
     "IndexRecord",
+    "RecoveredLedger",
     "decode_payload",
     "encode_frame",
     "entries_before",
@@ -246,3 +247,13 @@ def entries_before(records: Sequence[IndexRecord], t: int, *, by: str = "last") 
     if by == "last":
         return bisect.bisect_left(records, t, key=lambda r: r.last_publish_time)
     return bisect.bisect_left(records, t, key=lambda r: r.first_publish_time)
+
+
+@dataclass(frozen=True)
+class RecoveredLedger:
+    """What recovery found in one replica: the valid entries and the frames' metadata."""
+
+    bookie_id: str
+    records: list[IndexRecord]
+    metas: list[dict[str, Any]]
+    cut_bytes: int

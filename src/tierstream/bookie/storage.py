@@ -26,6 +26,7 @@ import pyarrow as pa
 from tierstream.bookie.ledger import (
     INDEX_RECORD,
     IndexRecord,
+    RecoveredLedger,
     encode_frame,
     frame_length,
     read_frame,
@@ -35,7 +36,7 @@ from tierstream.bookie.ledger import (
 from tierstream.durable import fsync_dir
 from tierstream.errors import ConflictError, CorruptionError, FencedError, NotFoundError
 
-__all__ = ["Bookie", "RecoveredLedger", "ledger_paths"]
+__all__ = ["Bookie", "ledger_paths"]
 
 
 def ledger_paths(bookie_dir: str | Path, segment_id: int) -> tuple[Path, Path]:
@@ -68,16 +69,6 @@ class _Append:
     last_pt: int
     future: Future[IndexRecord]
     epoch: int | None = None
-
-
-@dataclass(frozen=True)
-class RecoveredLedger:
-    """What recovery found in one replica: the valid entries and the frames' metadata."""
-
-    bookie_id: str
-    records: list[IndexRecord]
-    metas: list[dict[str, Any]]
-    cut_bytes: int
 
 
 class Bookie:

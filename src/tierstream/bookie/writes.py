@@ -31,7 +31,8 @@ from typing import Any
 import pyarrow as pa
 
 from tierstream.bookie.ledger import IndexRecord
-from tierstream.bookie.storage import Bookie, RecoveredLedger, ledger_paths
+from tierstream.bookie.storage import Bookie, ledger_paths
+from tierstream.bookie.wire import ACK_SCHEMA, RECORD_FIELDS, recovered_to
 from tierstream.errors import (
     FencedError,
     NotFoundError,
@@ -41,51 +42,7 @@ from tierstream.errors import (
 )
 from tierstream.protocol import error_text
 
-__all__ = ["ACK_SCHEMA", "APPEND_SCHEMA", "FRAME_SCHEMA", "BookieWrites", "recovered_from",
-           "recovered_to"]
-
-APPEND_SCHEMA = pa.schema([
-    pa.field("segment_id", pa.int64(), nullable=False),
-    pa.field("entry_id", pa.int64(), nullable=False),
-    pa.field("meta", pa.binary(), nullable=False),
-    pa.field("payload", pa.binary(), nullable=False),
-    pa.field("messages", pa.int64(), nullable=False),
-    pa.field("first_publish_time", pa.int64(), nullable=False),
-    pa.field("last_publish_time", pa.int64(), nullable=False),
-])
-
-ACK_SCHEMA = pa.schema([
-    pa.field("segment_id", pa.int64(), nullable=False),
-    pa.field("entry_id", pa.int64(), nullable=False),
-    pa.field("frame_offset", pa.int64(), nullable=False),
-    pa.field("frame_len", pa.int64(), nullable=False),
-    pa.field("messages", pa.int64(), nullable=False),
-    pa.field("first_publish_time", pa.int64(), nullable=False),
-    pa.field("last_publish_time", pa.int64(), nullable=False),
-    pa.field("error", pa.string(), nullable=True),  # tagged as protocol.error_text
-])
-
-FRAME_SCHEMA = pa.schema([
-    pa.field("entry_id", pa.int64(), nullable=False),
-    pa.field("messages", pa.int64(), nullable=False),
-    pa.field("first_publish_time", pa.int64(), nullable=False),
-    pa.field("last_publish_time", pa.int64(), nullable=False),
-    pa.field("frame", pa.binary(), nullable=False),
-])
-
-_RECORD_FIELDS = ("entry_id", "frame_offset", "frame_len", "messages", "first_publish_time",
-                  "last_publish_time")
-
-
-def recovered_to(found: RecoveredLedger) -> dict[str, Any]:
-    return {"bookie": found.bookie_id, "cut_bytes": found.cut_bytes, "metas": found.metas,
-            "records": [[getattr(r, f) for f in _RECORD_FIELDS] for r in found.records]}
-
-
-def recovered_from(body: dict[str, Any], bookie_id: str) -> RecoveredLedger:
-    return RecoveredLedger(bookie_id, [IndexRecord(*map(int, r)) for r in body["records"]],
-                           list(body["metas"]), int(body["cut_bytes"]))
-
+__all__ = ["BookieWrites"]
 
 class BookieWrites:
     """The write operations of one bookie directory, served over the network. The storage
@@ -200,7 +157,7 @@ class BookieWrites:
         for seg, entry_id, fut in item:
             exc = fut.exception()
             rec = fut.result() if exc is None else IndexRecord(entry_id, 0, 0, 0, 0, 0)
-            for f in _RECORD_FIELDS:
+            for f in RECORD_FIELDS:
                 rows[f].append(getattr(rec, f))
             rows["segment_id"].append(seg)
             if exc is None:
@@ -246,7 +203,7 @@ class BookieWrites:
                 bookie.delete_ledger(segment_id)
             return {}
         if kind == "index":
-            return [[getattr(r, f) for f in _RECORD_FIELDS] for r in bookie.index(segment_id)]
+            return [[getattr(r, f) for f in RECORD_FIELDS] for r in bookie.index(segment_id)]
         raise ProtocolError(f"unknown bookie action {kind!r}")
 
     def byte_range(self, segment_id: int, offset: int, length: int) -> pa.RecordBatch:

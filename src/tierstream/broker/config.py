@@ -9,6 +9,7 @@ from typing import Any
 
 from tierstream.errors import ConfigError
 from tierstream.layout import DataDir
+from tierstream.managed_ledger.bookies.placement import check_quorums
 from tierstream.options import parse_options
 from tierstream.tier.storage import TierStorage
 
@@ -56,7 +57,7 @@ class StoreConfig:
     bookie_tls_ca: bytes | None = None
     #: a network bookie that leaves an entry unanswered this long is taken for gone
     bookie_timeout_s: float = 10.0
-    #: how often every closed segment's copies on the bookies are checked (bookie/repair.py)
+    #: how often every closed segment's copies on the bookies are checked (managed_ledger/bookies/repair.py)
     bookie_audit_interval_s: float = 60.0
     #: the tier URL is a path that every broker host mounts (with --network-bookies or
     #: --standby a host-local tier is refused: a broker on another host could not read it)
@@ -99,20 +100,10 @@ class StoreConfig:
             if self.metadata_url is None:
                 raise ConfigError("--network-bookies needs --metadata postgresql://...: "
                                   "the bookies register there, where every broker finds them")
-            if self.write_quorum and self.ack_quorum and self.ack_quorum > self.write_quorum:
-                raise ConfigError(f"invalid ackQuorum {self.ack_quorum}: must be between 1 "
-                                  f"and writeQuorum ({self.write_quorum})")
+            if self.write_quorum and self.ack_quorum:  # else resolved from the bookies found
+                check_quorums(self.write_quorum, self.ack_quorum, self.write_quorum)
             return
-        if not 1 <= self.write_quorum <= self.bookies:
-            raise ConfigError(
-                f"invalid writeQuorum {self.write_quorum}: must be between 1 and the number of "
-                f"bookies ({self.bookies})"
-            )
-        if not 1 <= self.ack_quorum <= self.write_quorum:
-            raise ConfigError(
-                f"invalid ackQuorum {self.ack_quorum}: must be between 1 and writeQuorum "
-                f"({self.write_quorum})"
-            )
+        check_quorums(self.write_quorum, self.ack_quorum, self.bookies)
 
     @classmethod
     def from_options(cls, raw: Mapping[str, Any] | None = None, **overrides: Any) -> StoreConfig:

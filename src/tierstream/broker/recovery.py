@@ -18,11 +18,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from tierstream.bookie.ledger import IndexRecord
-from tierstream.bookie.network import AnyBookie, raw_frames
-from tierstream.bookie.storage import RecoveredLedger
+from tierstream.bookie.ledger import IndexRecord, RecoveredLedger
 from tierstream.errors import FencedError, NotFoundError, UnavailableError
 from tierstream.faults import crash_point
+from tierstream.managed_ledger.bookies.client import BookieClient
 from tierstream.managed_ledger.dedup import ProducerDedup, StoredBatch
 from tierstream.managed_ledger.open_segment import txn_of_producer
 from tierstream.metadata.records import SegmentRecord, SegmentState
@@ -51,7 +50,7 @@ class RecoveryReport:
     missing_replicas: int = 0
 
 
-def recover_open_segments(metadata: MetadataStore, bookies: dict[str, AnyBookie], *,
+def recover_open_segments(metadata: MetadataStore, bookies: dict[str, BookieClient], *,
                           ack_quorum: int = 1) -> list[RecoveryReport]:
     reports = []
     for seg in metadata.open_segments():
@@ -109,7 +108,7 @@ def _placement(txns: TransactionRecords, txn_id: str, topic: str, partition: int
     return _SHOWN
 
 
-def _replicas(seg: SegmentRecord, bookies: dict[str, AnyBookie], ack_quorum: int
+def _replicas(seg: SegmentRecord, bookies: dict[str, BookieClient], ack_quorum: int
               ) -> list[RecoveredLedger]:
     """What each bookie of the segment's ensemble has of it; a network bookie is fenced at
     this broker's epoch first (its earlier writer's appends are refused from then on).
@@ -139,7 +138,7 @@ def _replicas(seg: SegmentRecord, bookies: dict[str, AnyBookie], ack_quorum: int
     return replicas
 
 
-def _recover(seg: SegmentRecord, metadata: MetadataStore, bookies: dict[str, AnyBookie],
+def _recover(seg: SegmentRecord, metadata: MetadataStore, bookies: dict[str, BookieClient],
              ack_quorum: int) -> RecoveryReport:
     replicas = _replicas(seg, bookies, ack_quorum)
     missing = len(seg.ensemble) - len(replicas)
@@ -152,7 +151,7 @@ def _recover(seg: SegmentRecord, metadata: MetadataStore, bookies: dict[str, Any
                  seg.partition)
         return RecoveryReport(seg.segment_id, seg.topic, seg.partition, 0,
                               sum(r.cut_bytes for r in replicas), 0)
-    frames = raw_frames(bookies[best.bookie_id], seg.segment_id, best.records)
+    frames = list(bookies[best.bookie_id].read_raw_frames(seg.segment_id, best.records))
     repaired = 0
     for replica in replicas:
         if len(replica.records) != len(best.records) or replica.cut_bytes:

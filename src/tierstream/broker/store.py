@@ -13,14 +13,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tierstream.bookie.network import (
-    AnyBookie,
-    bookie_state,
-    choose_ensemble,
-    connect_network_bookies,
-    resolve_quorums,
-)
-from tierstream.bookie.repair import Repairer
 from tierstream.bookie.storage import Bookie
 from tierstream.broker.auto_scale import AutoScaler
 from tierstream.broker.config import StoreConfig
@@ -31,6 +23,14 @@ from tierstream.broker.recovery import RecoveryReport, recover_open_segments
 from tierstream.broker.transaction_coordinator import TransactionCoordinator
 from tierstream.errors import ConfigError, FencedError, StorageError, UnavailableError
 from tierstream.faults import crash_point
+from tierstream.managed_ledger.bookies.client import BookieClient
+from tierstream.managed_ledger.bookies.local import LocalBookie
+from tierstream.managed_ledger.bookies.placement import (
+    choose_ensemble,
+    connect_network_bookies,
+    resolve_quorums,
+)
+from tierstream.managed_ledger.bookies.repair import Repairer
 from tierstream.managed_ledger.partition_log import PartitionLog
 from tierstream.metadata.bookie_registry import take_writer_epoch
 from tierstream.metadata.records import SegmentRecord, TopicRecord
@@ -81,13 +81,16 @@ class Store:
             #: this broker's writer epoch: bookies refuse writes of lower epochs to a ledger
             #: once a newer broker fenced it (bookie/storage.py)
             self.epoch = take_writer_epoch(self.metadata)
-            self.bookies: dict[str, AnyBookie] = connect_network_bookies(
-                config, self.metadata, self.epoch) if config.network_bookies else {
-                f"bookie-{i}": Bookie(f"bookie-{i}", config.bookie_dir(f"bookie-{i}"),
-                                      fsync=config.fsync, max_open=config.max_open_ledgers)
-                for i in range(config.bookies)
-            }
-            self.write_quorum, self.ack_quorum = resolve_quorums(config, len(self.bookies))
+            self.bookies: dict[str, BookieClient] = connect_network_bookies(
+                self.metadata, self.epoch, auth_token=config.bookie_token,
+                tls_ca=config.bookie_tls_ca, timeout_s=config.bookie_timeout_s) \
+                if config.network_bookies else {
+                    f"bookie-{i}": LocalBookie(Bookie(
+                        f"bookie-{i}", config.bookie_dir(f"bookie-{i}"), fsync=config.fsync,
+                        max_open=config.max_open_ledgers))
+                    for i in range(config.bookies)}
+            self.write_quorum, self.ack_quorum = resolve_quorums(
+                config.write_quorum, config.ack_quorum, len(self.bookies))
         except BaseException as exc:
             unlock_data_dir(self._lock_file)
             if remote is not None:
@@ -342,7 +345,7 @@ class Store:
             "recovered_segments": [r.__dict__ for r in self.recovery],
             "writer_epoch": self.epoch,
             "replication": self.repairer.stats(),
-            "bookies": {b.bookie_id: bookie_state(b) for b in self.bookies.values()},
+            "bookies": {b.bookie_id: b.state() for b in self.bookies.values()},
         }
 
     # -- tier -------------------------------------------------------------------------------

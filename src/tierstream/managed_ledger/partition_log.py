@@ -23,7 +23,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from tierstream.bookie.ledger import IndexRecord
-from tierstream.bookie.network import AnyBookie
 from tierstream.errors import (
     ConfigError,
     FencedError,
@@ -32,6 +31,7 @@ from tierstream.errors import (
     UnavailableError,
 )
 from tierstream.faults import crash_point
+from tierstream.managed_ledger.bookies.client import BookieClient
 from tierstream.managed_ledger.dedup import ProducerDedup, StoredBatch
 from tierstream.managed_ledger.open_segment import (
     TXN_PRODUCER,
@@ -64,7 +64,7 @@ class PartitionLog(PartitionRollover):
         topic: str,
         partition: int,
         metadata: MetadataStore,
-        bookies: dict[str, AnyBookie],
+        bookies: dict[str, BookieClient],
         choose_ensemble: Callable[[], tuple[str, ...]],
         ack_quorum: int,
         max_entries: int,

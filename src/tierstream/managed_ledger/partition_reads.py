@@ -12,10 +12,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from tierstream.bookie.ledger import IndexRecord, decode_payload, first_good_replica, unreadable
-from tierstream.bookie.network import AnyBookie
-from tierstream.bookie.remote import RemoteLedgerReader
-from tierstream.bookie.storage import LedgerReader
 from tierstream.errors import NotFoundError
+from tierstream.managed_ledger.bookies.client import BookieClient, EntryReader
 from tierstream.managed_ledger.open_segment import OpenSegment
 from tierstream.message_format import key_range_mask
 from tierstream.metadata.records import SegmentRecord
@@ -40,7 +38,7 @@ class PartitionReads:
     _gone: threading.Event
     _open: OpenSegment
     _closed_segments: list[SegmentRecord]
-    _bookies: dict[str, AnyBookie]
+    _bookies: dict[str, BookieClient]
     _tier: TierStorage | None
     _tier_cache: OrderedDict[int, TierSegment]
     _index_cache: OrderedDict[int, list[IndexRecord]]
@@ -328,9 +326,9 @@ class _Readers:
     """Open ledger files of one read call, at most one per (bookie, segment)."""
 
     def __init__(self) -> None:
-        self._open: dict[tuple[str, int], LedgerReader | RemoteLedgerReader] = {}
+        self._open: dict[tuple[str, int], EntryReader] = {}
 
-    def get(self, bookie: AnyBookie, segment_id: int) -> LedgerReader | RemoteLedgerReader:
+    def get(self, bookie: BookieClient, segment_id: int) -> EntryReader:
         key = (bookie.bookie_id, segment_id)
         reader = self._open.get(key)
         if reader is None:

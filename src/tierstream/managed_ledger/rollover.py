@@ -14,9 +14,9 @@ from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from tierstream.bookie.ledger import IndexRecord
-from tierstream.bookie.network import AnyBookie
 from tierstream.errors import FencedError, UnavailableError
 from tierstream.faults import crash_point
+from tierstream.managed_ledger.bookies.client import BookieClient
 from tierstream.managed_ledger.open_segment import OpenSegment
 from tierstream.managed_ledger.visibility import PartitionVisibility
 from tierstream.metadata.records import SegmentRecord, SegmentState
@@ -38,7 +38,7 @@ class PartitionRollover(PartitionVisibility):
 
     # The partition's state, owned and kept by PartitionLog (managed_ledger/partition_log.py).
     _metadata: MetadataStore
-    _bookies: dict[str, AnyBookie]
+    _bookies: dict[str, BookieClient]
     _choose_ensemble: Callable[[], tuple[str, ...]]
     _rollover_ms: int
     _on_fenced: Callable[[str], None] | None

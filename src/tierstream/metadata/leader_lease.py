@@ -20,17 +20,15 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import suppress
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from tierstream.errors import ConflictError, UnavailableError
 from tierstream.faults import fault_point
 from tierstream.metadata.backend import first_line
 from tierstream.util.threads import Worker
 
-if TYPE_CHECKING:
-    from tierstream.metadata.postgres import PostgresBackend
-
-__all__ = ["BROKER_APPLICATION", "HEARTBEAT_S", "LOCK_KEY", "STANDING_BY", "LeaderLease"]
+__all__ = ["BROKER_APPLICATION", "HEARTBEAT_S", "LOCK_KEY", "STANDING_BY", "Database",
+           "LeaderLease"]
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +43,28 @@ HEARTBEAT_S = 1.0
 STANDING_BY = "is held by another broker; this one takes over"
 
 
+class Database(Protocol):
+    """What the lease needs of its backend (``postgres.py``): sessions, and a way to give
+    the database up."""
+
+    name: str  # the URL without its password
+    outage_limit_s: float
+    lost: threading.Event
+    lost_reason: str
+
+    def open_session(self, application: str = ...) -> Any: ...
+
+    def close_session(self) -> None: ...
+
+    def session_pids(self) -> list[int]: ...
+
+    def lose(self, reason: str) -> None: ...
+
+
 class LeaderLease:
     """The advisory lock of ``backend``'s database, its session and its heartbeat thread."""
 
-    def __init__(self, backend: PostgresBackend, *, takeover_after_s: float | None,
+    def __init__(self, backend: Database, *, takeover_after_s: float | None,
                  on_standby: Callable[[], None] | None = None) -> None:
         self._backend = backend
         self.takeover_after_s = takeover_after_s

@@ -34,7 +34,7 @@ from tierstream.tier.storage import TierStorage
 from tierstream.timeutil import now_ms
 
 if TYPE_CHECKING:
-    from tierstream.bookie.network import AnyBookie
+    from tierstream.managed_ledger.bookies.client import BookieClient
     from tierstream.managed_ledger.partition_log import PartitionLog
 
 __all__ = ["FAULT_POINTS", "OffloadHost", "Offloader"]
@@ -48,7 +48,7 @@ class OffloadHost(Protocol):
     """What the offloader uses of the store that runs it (the store implements it)."""
 
     metadata: MetadataStore
-    bookies: dict[str, AnyBookie]
+    bookies: dict[str, BookieClient]
 
     def topic(self, name: str) -> TopicRecord: ...
 

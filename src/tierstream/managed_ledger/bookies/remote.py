@@ -1,7 +1,7 @@
-"""A bookie on another host, as the broker's write path sees it: the same operations as a
-local :class:`~tierstream.bookie.storage.Bookie` (``append`` returns a future completed once
-the entry is on that bookie's disk), over the bookie endpoint's Flight service
-(``bookie/writes.py`` has the wire).
+"""A bookie on another host, as the broker's write path sees it: the operations of
+:class:`~tierstream.managed_ledger.bookies.client.BookieClient` (``append`` returns a future
+completed once the entry is on that bookie's disk), over the bookie endpoint's Flight service
+(``bookie/wire.py`` has the wire, ``bookie/writes.py`` what the bookie does with it).
 
 Appends of every ledger the broker writes there share one ``DoExchange`` stream: a sender
 thread writes what producers queued meanwhile as one batch (the bookie's group commit then
@@ -26,19 +26,19 @@ from array import array
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from tierstream.bookie.ledger import IndexRecord, parse_frame
-from tierstream.bookie.storage import RecoveredLedger
-from tierstream.bookie.writes import APPEND_SCHEMA, FRAME_SCHEMA, recovered_from
+from tierstream.bookie.ledger import IndexRecord, RecoveredLedger, parse_frame
+from tierstream.bookie.wire import APPEND_SCHEMA, FRAME_SCHEMA, recovered_from
 from tierstream.errors import CorruptionError, UnavailableError
 from tierstream.protocol import decode, encode, error_from_text, translate_errors
 from tierstream.security import call_headers, client_for
 
-__all__ = ["RemoteBookie"]
+__all__ = ["RemoteBookie", "RemoteLedgerReader"]
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class RemoteBookie:
                  timeout_s: float = 10.0, retry_s: float = 1.0) -> None:
         self.bookie_id, self.address, self.host, self.epoch = bookie_id, address, host, epoch
         self.timeout_s, self.retry_s = timeout_s, retry_s
-        self.root = None  # no directory on this host
+        self.root: Path | None = None  # no directory on this host
         self.checksum_failures = 0
         self._client = client_for(address, tls_ca=tls_ca)
         headers = call_headers(auth_token)
@@ -96,6 +96,15 @@ class RemoteBookie:
     @property
     def available(self) -> bool:
         return self.down_since is None
+
+    def is_available(self) -> bool:
+        """Whether it takes writes now (one that was down is pinged)."""
+        return self.available or self.ping()
+
+    def state(self) -> dict[str, Any]:
+        return {"where": self.address, "host": self.host, "available": self.available,
+                "failures": self.failures,
+                **({} if self.available else {"unavailable_because": self.down_reason})}
 
     # -- appends ------------------------------------------------------------------------------
 

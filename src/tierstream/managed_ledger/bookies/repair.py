@@ -32,8 +32,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from tierstream.bookie.network import AnyBookie, available, host_of, raw_frames
 from tierstream.errors import NotFoundError, TierstreamError
+from tierstream.managed_ledger.bookies.client import BookieClient
 from tierstream.metadata.records import SegmentRecord, SegmentState
 from tierstream.metadata.replication import (
     mark_under_replicated,
@@ -52,7 +52,7 @@ DEFAULT_AUDIT_INTERVAL_S = 60.0
 
 
 class Repairer:
-    def __init__(self, metadata: MetadataStore, bookies: dict[str, AnyBookie],
+    def __init__(self, metadata: MetadataStore, bookies: dict[str, BookieClient],
                  write_quorum: int, updated: Callable[[SegmentRecord], None], *,
                  seal: Callable[[SegmentRecord], None] | None = None,
                  audit_interval_s: float = DEFAULT_AUDIT_INTERVAL_S) -> None:
@@ -85,7 +85,7 @@ class Repairer:
 
     def run_once(self) -> None:
         """Audit when due (or when a bookie answers again), then repair what is listed."""
-        answered = {b: available(bookie) for b, bookie in self._bookies.items()}
+        answered = {b: bookie.is_available() for b, bookie in self._bookies.items()}
         back = [b for b, up in answered.items() if up and self._answered.get(b) is False]
         self._answered = answered
         if back or time.monotonic() >= self._next_audit:
@@ -114,7 +114,7 @@ class Repairer:
         started = time.monotonic()
         self._next_audit = started + self._audit_interval_s
         if answering is None:
-            answering = [b for b, bookie in self._bookies.items() if available(bookie)]
+            answering = [b for b, bookie in self._bookies.items() if bookie.is_available()]
         held: dict[str, dict[int, int]] = {}
         for b in answering:
             try:
@@ -209,12 +209,12 @@ class Repairer:
             return False
         source = self._bookies[whole[0]]
         records = source.index(segment_id)[:seg.entries]
-        frames = raw_frames(source, segment_id, records)
+        frames = list(source.read_raw_frames(segment_id, records))
         ensemble = list(seg.ensemble)
         wanted: list[str | None] = [*lacking, *([None] * missing)]
         for lost in wanted:
             back = self._bookies.get(lost) if lost is not None else None
-            target = lost if back is not None and available(back) else \
+            target = lost if back is not None and back.is_available() else \
                 self._replacement(ensemble)
             if target is None:
                 return False  # no bookie to take it now: the next pass tries again
@@ -234,7 +234,7 @@ class Repairer:
 
     def _holds(self, bookie_id: str, seg: SegmentRecord) -> bool:
         bookie = self._bookies.get(bookie_id)
-        if bookie is None or not available(bookie):
+        if bookie is None or not bookie.is_available():
             return False
         try:
             return len(bookie.index(seg.segment_id)) >= seg.entries
@@ -242,7 +242,7 @@ class Repairer:
             return False
 
     def _replacement(self, ensemble: list[str]) -> str | None:
-        hosts = {host_of(self._bookies[b]) for b in ensemble if b in self._bookies}
-        spare = [b for b, bk in self._bookies.items() if b not in ensemble and available(bk)]
-        spare.sort(key=lambda b: host_of(self._bookies[b]) in hosts)  # new hosts first
+        hosts = {self._bookies[b].host for b in ensemble if b in self._bookies}
+        spare = [b for b, bk in self._bookies.items() if b not in ensemble and bk.is_available()]
+        spare.sort(key=lambda b: self._bookies[b].host in hosts)  # new hosts first
         return spare[0] if spare else None
