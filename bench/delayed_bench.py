@@ -24,8 +24,8 @@ import pyarrow as pa
 
 from bench.harness import Figure, broker_with_topic, console, report, sized
 from tierstream.client import Consumer, Producer
-from tierstream.message_format import DELIVER_AT
-from tierstream.splits.positions import Offset
+from tierstream.model.message_format import DELIVER_AT
+from tierstream.model.positions import Offset
 
 TOPIC = "bench/delayed/t"
 PARTITIONS = 4

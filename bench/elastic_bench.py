@@ -14,9 +14,9 @@ from bench.harness import Figure, repeat, report, sized, timed
 from tierstream.broker.config import StoreConfig
 from tierstream.broker.store import Store
 from tierstream.enumerator import Enumerator, Query
-from tierstream.local import run_splits
-from tierstream.message_format import as_produce_batch, key_hashes
-from tierstream.splits.positions import Position
+from tierstream.model.message_format import as_produce_batch, key_hashes
+from tierstream.model.positions import Position
+from tierstream.runtime.local import run_splits
 from tierstream.splits.split import StreamCut, chains
 
 GROWN, FLAT = "bench/elastic/grown", "bench/elastic/flat"

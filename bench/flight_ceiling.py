@@ -16,8 +16,8 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from tierstream.client import read
-from tierstream.message_format import MESSAGE_SCHEMA
-from tierstream.splits.positions import Offset
+from tierstream.model.message_format import MESSAGE_SCHEMA
+from tierstream.model.positions import Offset
 
 
 class CeilingServer(flight.FlightServerBase):

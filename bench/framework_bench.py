@@ -19,12 +19,12 @@ from tierstream.bookie.storage import ledger_paths
 from tierstream.broker.config import StoreConfig
 from tierstream.broker.store import Store
 from tierstream.enumerator import Enumerator, Query
-from tierstream.local import run_splits
 from tierstream.metadata.store import MetadataStore
-from tierstream.names import TopicName
+from tierstream.model.names import TopicName
+from tierstream.model.positions import Offset, Position
 from tierstream.readers import open_reader
 from tierstream.readers.parquet_tier import selected_row_groups
-from tierstream.splits.positions import Offset, Position
+from tierstream.runtime.local import run_splits
 from tierstream.splits.split import ReaderKind, Replica, Split, StreamCut
 
 T0 = 1_700_000_000_000
@@ -151,7 +151,7 @@ def readers(quick: bool = True) -> Path:
         def count(it: Any) -> int:
             return sum(b.num_rows for b in it)
 
-        from tierstream.message_format import MESSAGE_SCHEMA as bookie_schema
+        from tierstream.model.message_format import MESSAGE_SCHEMA as bookie_schema
 
         def ipc_ceiling(checked: bool = False) -> int:
             """pyarrow reading the ledger's IPC frames, nothing else; ``checked``: plus

@@ -105,7 +105,7 @@ def fill_clicks(store: Any, topic: str, *, partitions: int, entries: int, per_en
     partition: message ``n`` of partition ``p`` has value ``value(n, p)``, a key among ``keys``
     users and publish time ``t0 + 10 * n`` ms. A segment is sealed every ``segment_entries``
     entries, and (``seal``) at the end."""
-    from tierstream.message_format import as_produce_batch
+    from tierstream.model.message_format import as_produce_batch
 
     store.create_topic(topic, partitions)
     for p in range(partitions):

@@ -29,8 +29,8 @@ from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer, Producer
 from tierstream.metadata.records import SegmentState
 from tierstream.metadata.store import MetadataStore
-from tierstream.names import TopicName
-from tierstream.splits.positions import Offset
+from tierstream.model.names import TopicName
+from tierstream.model.positions import Offset
 
 VALUE = b"x" * 100
 

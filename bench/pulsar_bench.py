@@ -27,10 +27,10 @@ from bench.harness import Figure, WorkerProcess, repeat, report, sized, timed
 from tierstream.broker.process import BrokerProcess
 from tierstream.broker.pulsar.produce import off_hash
 from tierstream.client import Admin, Consumer, Producer
+from tierstream.model.positions import Offset
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.pulsar_protocol.frames import parse_frame, payload_frame
 from tierstream.pulsar_protocol.messages import to_rows
-from tierstream.splits.positions import Offset
 
 VALUE = b"v" * 100
 BATCH = 1000

@@ -19,8 +19,8 @@ from bench.harness import Figure, console, report, sized, timed
 from bench.spark_bench import _fill
 from tierstream.broker.config import StoreConfig
 from tierstream.broker.store import Store
+from tierstream.model.positions import Position
 from tierstream.readers import open_reader
-from tierstream.splits.positions import Position
 from tierstream.splits.split import ReaderKind, Split, TierLocation
 
 

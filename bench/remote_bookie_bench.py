@@ -22,10 +22,10 @@ import pyarrow.flight as flight
 from bench.framework_bench import _segment
 from bench.harness import Figure, console, report, sized, timed
 from tierstream.bookie.server import BookieServer
-from tierstream.protocol import encode
+from tierstream.model.positions import KeyRange, Position
 from tierstream.readers import open_reader
-from tierstream.splits.positions import KeyRange, Position
 from tierstream.splits.split import ReaderKind, Replica, Split
+from tierstream.wire.flight import encode
 
 
 def remote_bookie(quick: bool = True) -> Path:

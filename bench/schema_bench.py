@@ -12,7 +12,7 @@ import fastavro
 import pyarrow as pa
 
 from bench.harness import Figure, console, report, sized, timed
-from tierstream.message_format import MESSAGE_SCHEMA
+from tierstream.model.message_format import MESSAGE_SCHEMA
 from tierstream.schemas.codec import Decoder, Encoder, decode_batch
 from tierstream.schemas.model import VERSION_PROPERTY, SchemaInfo, SchemaType, canonical
 

@@ -14,7 +14,7 @@ import pyarrow as pa
 from bench.harness import Figure, console, report, sized, timed
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Producer, Transaction
-from tierstream.message_format import key_hashes
+from tierstream.model.message_format import key_hashes
 
 PARTITIONS = 4
 KEYS = 100

@@ -46,7 +46,7 @@ def _handover_source(batch_file: str, partitions: int, batches: int) -> Any:
         def read(self, partition: InputPartition) -> Any:
             import pyarrow.parquet as pq
 
-            from tierstream.message_format import as_output_batch, with_topic
+            from tierstream.model.message_format import as_output_batch, with_topic
 
             rows = pq.read_table(batch_file).slice(0, 8192).combine_chunks().to_batches()[0]
             batch = as_output_batch(with_topic(rows, "bench/spark/ceiling"))

@@ -30,8 +30,8 @@ from bench.harness import (
 )
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Producer, read
-from tierstream.message_format import as_produce_batch
-from tierstream.splits.positions import Offset
+from tierstream.model.message_format import as_produce_batch
+from tierstream.model.positions import Offset
 
 VALUE = b"v" * 100
 

@@ -23,8 +23,8 @@ import pyarrow as pa
 
 from bench.harness import Figure, WorkerProcess, broker_with_topic, console, report, sized
 from tierstream.client import Admin, Consumer, Producer
-from tierstream.message_format import as_produce_batch
-from tierstream.splits.positions import Offset
+from tierstream.model.message_format import as_produce_batch
+from tierstream.model.positions import Offset
 
 TOPIC = "bench/subs/orders"
 PARTITIONS = 4

@@ -19,9 +19,9 @@ import pyarrow.parquet as pq
 from bench.harness import Figure, console, fill_clicks, report, sized, timed
 from tierstream.broker.config import StoreConfig
 from tierstream.broker.store import Store
-from tierstream.names import TopicName
+from tierstream.model.names import TopicName
+from tierstream.model.positions import KeyRange, Position
 from tierstream.readers.parquet_tier import selected_row_groups
-from tierstream.splits.positions import KeyRange, Position
 from tierstream.splits.split import ReaderKind, Split
 from tierstream.tier.storage import TierStorage
 
@@ -193,8 +193,8 @@ def catalog(quick: bool = True) -> Path:
 
     from pyiceberg.catalog.sql import SqlCatalog
 
-    from tierstream.message_format import MESSAGE_SCHEMA
-    from tierstream.names import TopicName
+    from tierstream.model.message_format import MESSAGE_SCHEMA
+    from tierstream.model.names import TopicName
     from tierstream.tier.catalog import TierCatalog
 
     n = sized(200 if quick else 1000, 20)

@@ -15,7 +15,7 @@ import pyarrow as pa
 from tierstream.broker.config import StoreConfig
 from tierstream.broker.server import Broker
 from tierstream.broker.store import Store
-from tierstream.message_format import MESSAGE_SCHEMA, as_produce_batch
+from tierstream.model.message_format import MESSAGE_SCHEMA, as_produce_batch
 
 TOPIC = "acme/web/clicks"
 BASE = 1_793_491_200_000

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 
 from tierstream.client import Admin
-from tierstream.local import plan, read, tail
+from tierstream.runtime.local import plan, read, tail
 
 from .elastic import check_tailed, grow_while_writing, order_errors
 from .logs import running_log
@@ -128,7 +128,7 @@ def test_key_shared_and_exclusive_subscriptions_keep_key_order_across_scale_even
     import time
 
     from tierstream.client import Consumer
-    from tierstream.splits.positions import Offset
+    from tierstream.model.positions import Offset
 
     with running_log(tmp_path / "data", maxEntriesPerSegment=4) as log:
         with Admin(log.url) as admin:
@@ -181,7 +181,7 @@ def test_key_shared_and_exclusive_subscriptions_keep_key_order_across_scale_even
 def test_cuts_on_both_sides_of_an_event_split_the_log_exactly(tmp_path: Path) -> None:
     """A cut taken before an event (without the grown partitions) and one taken after it:
     backfill to a cut, then tail from it, is exactly the log, each key in order."""
-    from tierstream.local import latest_cut
+    from tierstream.runtime.local import latest_cut
 
     with running_log(tmp_path / "data", maxEntriesPerSegment=4) as log:
         written = grow_while_writing(log.url, TOPIC, 8, messages=300, events=1)

@@ -14,8 +14,8 @@ import pytest
 import tierstream as ts
 from tierstream.client import Producer
 from tierstream.errors import ConfigError, DataLossError, NotFoundError, UnavailableError
+from tierstream.model.positions import KeyRange, Offset, Position
 from tierstream.readers import open_reader
-from tierstream.splits.positions import KeyRange, Offset, Position
 from tierstream.splits.split import ReaderKind, Replica, Split, StreamCut
 
 from .logs import BASE, TOPIC, fill, running_log

@@ -2,7 +2,7 @@ import pyarrow as pa
 import pytest
 
 from tierstream.errors import ConfigError
-from tierstream.message_format import (
+from tierstream.model.message_format import (
     MESSAGE_SCHEMA,
     NONE_KEY,
     READ_SCHEMA,

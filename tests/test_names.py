@@ -1,7 +1,7 @@
 import pytest
 
 from tierstream.errors import ConfigError
-from tierstream.names import TopicName
+from tierstream.model.names import TopicName
 
 HOSTILE = [
     "..", "a/../b", "a/b/..", "a/./b", "a/b", "a/b/c/d", "/a/b", "a/b/", "a\\b\\c", "a/b\\c/d",

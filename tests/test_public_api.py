@@ -44,8 +44,9 @@ def test_importing_tierstream_does_not_import_pyspark() -> None:
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", "import sys, tierstream, tierstream.local, "
-                           "tierstream.readers.stats; print('pyspark' in sys.modules)"],
+    proc = subprocess.run([sys.executable, "-c", "import sys, tierstream, "
+                           "tierstream.runtime.local, tierstream.readers.stats; "
+                           "print('pyspark' in sys.modules)"],
                           capture_output=True, text=True, timeout=scaled(60))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"

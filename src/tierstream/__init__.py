@@ -14,11 +14,11 @@ from tierstream.errors import (
     TierstreamError,
     UnavailableError,
 )
-from tierstream.local import latest_cut, plan, read, scan, tail
-from tierstream.message_format import MESSAGE_SCHEMA, READ_SCHEMA, key_hash
-from tierstream.names import TopicName
+from tierstream.model.message_format import MESSAGE_SCHEMA, READ_SCHEMA, key_hash
+from tierstream.model.names import TopicName
+from tierstream.model.positions import KeyRange, Offset, Position
 from tierstream.read_options import ReadOptions
-from tierstream.splits.positions import KeyRange, Offset, Position
+from tierstream.runtime.local import latest_cut, plan, read, scan, tail
 from tierstream.splits.split import ReaderKind, Split, StreamCut
 
 __version__ = "0.1.0"

@@ -23,9 +23,9 @@ from rich.table import Table
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer, Producer, read
 from tierstream.errors import TierstreamError
-from tierstream.message_format import key_hash
-from tierstream.splits.positions import KeyRange, Offset
-from tierstream.timeutil import format_ms, now_ms, parse_time_ms
+from tierstream.model.message_format import key_hash
+from tierstream.model.positions import KeyRange, Offset
+from tierstream.util.timeutil import format_ms, now_ms, parse_time_ms
 
 TOPIC = "acme/web/clicks"
 WEEK_START = parse_time_ms("2026-11-01T00:00:00Z")

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierstream.errors import ConfigError
-from tierstream.names import check_txn_id
-from tierstream.timeutil import parse_duration_ms
+from tierstream.model.names import check_txn_id
+from tierstream.util.timeutil import parse_duration_ms
 
 __all__ = [
     "DEFAULT_ADMIN_PORT",
@@ -118,7 +118,7 @@ def _string_list(raw: Any) -> tuple[str, ...]:
 
 
 def _time(raw: Any) -> int:
-    from tierstream.timeutil import parse_time_ms
+    from tierstream.util.timeutil import parse_time_ms
 
     return parse_time_ms(raw)
 

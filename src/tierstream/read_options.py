@@ -15,15 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 from tierstream.enumerator import Enumerator, Query
 from tierstream.errors import ConfigError
-from tierstream.names import TopicName
+from tierstream.model.names import TopicName
 from tierstream.options import parse_options, topic_from_path
 from tierstream.schemas.model import MODES
 
 if TYPE_CHECKING:
     from tierstream.schemas.codec import Decoder
 
-from tierstream.security import read_pem
-from tierstream.splits.positions import Offset
+from tierstream.model.positions import Offset
 from tierstream.splits.split import (
     Cuts,
     ReaderKind,
@@ -32,6 +31,7 @@ from tierstream.splits.split import (
     cuts_from_dict,
     splits_from_json,
 )
+from tierstream.wire.security import read_pem
 
 __all__ = ["BoundLike", "ReadOptions", "as_bound"]
 

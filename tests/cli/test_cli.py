@@ -808,7 +808,7 @@ def test_tables_fit_an_80_column_terminal(broker: BrokerProcess) -> None:
     """Regression: at 80 columns, subscriptions and segments cut every column to a few
     characters and an ellipsis. Now the least important columns are left out (and named)."""
     from tierstream.client import Consumer
-    from tierstream.splits.positions import Offset
+    from tierstream.model.positions import Offset
 
     env = {"TIERSTREAM_BROKER": broker.url or ""}
     run("topic", "create", "acme/web/narrow", "--partitions", "2", env=env)

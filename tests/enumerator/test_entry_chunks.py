@@ -6,7 +6,7 @@ import itertools
 
 from tierstream.enumerator.plan import entry_chunks as _entry_chunks
 from tierstream.metadata.records import SegmentRecord
-from tierstream.splits.positions import Position
+from tierstream.model.positions import Position
 
 
 def _segment(entries: int, nbytes: int) -> SegmentRecord:

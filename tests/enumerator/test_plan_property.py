@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tierstream.enumerator import Enumerator, Query
+from tierstream.model.positions import KeyRange, Offset, Position
 from tierstream.readers import open_reader
-from tierstream.splits.positions import KeyRange, Offset, Position
 from tierstream.splits.split import StreamCut
 
 from ..logs import BASE, TOPIC, append, running_log

@@ -9,7 +9,7 @@ import pytest
 
 from tierstream.enumerator import Enumerator, Query
 from tierstream.errors import NotFoundError
-from tierstream.splits.positions import Offset
+from tierstream.model.positions import Offset
 from tierstream.splits.split import ReaderKind, Split
 
 from ..logs import BASE, TOPIC, fill, running_log

@@ -11,8 +11,8 @@ import pulsar
 
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import read
+from tierstream.model.positions import Offset
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
-from tierstream.splits.positions import Offset
 
 from ..timing import scaled
 

@@ -12,9 +12,9 @@ import pulsar
 
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer
+from tierstream.model.positions import Offset
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.pulsar_protocol.frames import command_frame, payload_frame
-from tierstream.splits.positions import Offset
 
 from ..store.helpers import wait_for
 from ..timing import scaled

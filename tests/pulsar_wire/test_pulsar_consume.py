@@ -16,10 +16,10 @@ import pytest
 
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer, Producer
+from tierstream.model.positions import Offset
 from tierstream.pulsar_protocol import key_router
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.pulsar_protocol.frames import command_frame
-from tierstream.splits.positions import Offset
 
 from ..store.helpers import wait_for
 from ..timing import scaled

@@ -12,8 +12,8 @@ import pulsar
 from tierstream import read
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer
-from tierstream.message_format import DELIVER_AT
-from tierstream.splits.positions import Offset
+from tierstream.model.message_format import DELIVER_AT
+from tierstream.model.positions import Offset
 
 from ..store.helpers import wait_for
 from ..timing import scaled

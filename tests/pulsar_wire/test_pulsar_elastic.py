@@ -92,7 +92,7 @@ def test_a_producer_of_a_one_partition_topic_that_grew_keeps_keys_where_they_now
     """Regression: a producer of a one-partition topic (Pulsar's non-partitioned: it never
     polls the partition count) went on storing every key in partition 0 after the topic grew,
     so a key's later messages sat in the partition it had left."""
-    from tierstream.message_format import key_hash
+    from tierstream.model.message_format import key_hash
 
     topic = "acme/web/grew-from-one"
     with Admin(pulsar_broker.url) as admin:

@@ -11,7 +11,7 @@ import pulsar
 
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin
-from tierstream.faults import FAULT_ENV
+from tierstream.util.faults import FAULT_ENV
 
 from ..store.helpers import wait_for
 from ..timing import scaled

@@ -15,10 +15,10 @@ import pytest
 
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, read
+from tierstream.model.positions import Offset
 from tierstream.pulsar_protocol import key_router
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.pulsar_protocol.frames import command_frame
-from tierstream.splits.positions import Offset
 
 from ..timing import scaled
 from .helpers import client_of, commands_until, own_properties, rows_of
@@ -170,7 +170,7 @@ def test_on_a_topic_that_grew_a_key_routed_elsewhere_than_tierstream_routes_it_i
         client.close()
     stored = rows_of(pulsar_broker, "acme/web/routed")
     assert all(r["partition"] == 0 for r in stored)
-    from tierstream.message_format import key_hash
+    from tierstream.model.message_format import key_hash
 
     assert all(key_hash(r["key"]) % 4 == 0 for r in stored)
     with Admin(pulsar_broker.url) as admin:

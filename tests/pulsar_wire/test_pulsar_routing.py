@@ -17,10 +17,10 @@ from tierstream import read, tail
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer
 from tierstream.errors import UnavailableError
-from tierstream.faults import ENV
-from tierstream.message_format import key_hash
+from tierstream.model.message_format import key_hash
+from tierstream.model.positions import Offset
 from tierstream.spark_adapter.source import register
-from tierstream.splits.positions import Offset
+from tierstream.util.faults import ENV
 
 from ..elastic import Written, check_tailed, order_errors
 from ..store.helpers import wait_for

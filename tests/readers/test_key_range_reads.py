@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tierstream.enumerator import Enumerator, Query
-from tierstream.local import phases, run_splits
+from tierstream.model.positions import KeyRange, Offset, Position
 from tierstream.readers import ReadStats, open_reader
-from tierstream.splits.positions import KeyRange, Offset, Position
+from tierstream.runtime.local import phases, run_splits
 from tierstream.splits.split import ReaderKind, Split, StreamCut, chains
 
 from ..logs import BASE, TOPIC, Log, append, running_log

@@ -11,10 +11,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from tierstream.message_format import MESSAGE_SCHEMA, key_hashes
+from tierstream.model.message_format import MESSAGE_SCHEMA, key_hashes
+from tierstream.model.positions import KeyRange, Position
 from tierstream.readers.parquet_tier import selected_row_groups
 from tierstream.readers.trim import trim
-from tierstream.splits.positions import KeyRange, Position
 from tierstream.splits.split import ReaderKind, Split
 from tierstream.tier.storage import TierStorage
 

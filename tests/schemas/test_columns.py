@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tierstream.errors import ConfigError
-from tierstream.message_format import MESSAGE_SCHEMA
+from tierstream.model.message_format import MESSAGE_SCHEMA
 from tierstream.schemas.codec import Decoder, decode_batch
 from tierstream.schemas.model import MODES, VERSION_PROPERTY, SchemaInfo, SchemaType, canonical
 

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from tierstream.errors import DataLossError
+from tierstream.model.positions import Position
 from tierstream.spark_adapter import read
 from tierstream.spark_adapter.hybrid import plan_read
 from tierstream.spark_adapter.source import register
-from tierstream.splits.positions import Position
 from tierstream.splits.split import ReaderKind, StreamCut
 
 from ..logs import BASE, TOPIC, append, running_log

@@ -3,8 +3,8 @@ files: a pure function of the splits' sizes, checked without Spark."""
 
 from __future__ import annotations
 
+from tierstream.model.positions import Position
 from tierstream.spark_adapter.partitions import SPLIT_OPEN_COST, packed
-from tierstream.splits.positions import Position
 from tierstream.splits.split import ReaderKind, Split
 
 MIB = 1024**2

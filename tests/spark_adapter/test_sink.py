@@ -23,7 +23,7 @@ import pyarrow as pa
 import pytest
 
 from tierstream.client import Admin, Producer
-from tierstream.faults import ENV
+from tierstream.util.faults import ENV
 
 from ..logs import SPARK_KILLS, running_log
 from ..store.helpers import read_all, wait_for

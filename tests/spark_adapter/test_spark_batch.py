@@ -15,9 +15,9 @@ import pytest
 from pyspark.sql.datasource import EqualTo, GreaterThan, GreaterThanOrEqual, In, LessThan, Not
 
 import tierstream as ts
+from tierstream.model.positions import Position
 from tierstream.spark_adapter import SPARK_ARROW_SCHEMA, register, to_spark_batch
 from tierstream.spark_adapter.source import PUSHDOWN_CONF
-from tierstream.splits.positions import Position
 from tierstream.splits.split import StreamCut
 
 from ..logs import BASE, TOPIC, append, running_log

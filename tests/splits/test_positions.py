@@ -5,8 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierstream.errors import ConfigError
-from tierstream.splits.positions import KeyRange, Offset, OffsetKind, Position
-from tierstream.timeutil import parse_duration_ms, parse_time_ms
+from tierstream.model.positions import KeyRange, Offset, OffsetKind, Position
+from tierstream.util.timeutil import parse_duration_ms, parse_time_ms
 
 
 def test_positions_order_within_a_partition() -> None:

@@ -21,7 +21,7 @@ import threading
 def _tierstream(kind: str, url: str, topic: str, name: str, stop: threading.Event) -> None:
     from tierstream.client import Consumer, Producer, read
     from tierstream.errors import TierstreamError
-    from tierstream.splits.positions import Offset
+    from tierstream.model.positions import Offset
 
     if kind == "ts-producer":
         with Producer(topic, broker=url, name=name, batch_size=50) as producer:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer, Producer
-from tierstream.splits.positions import Offset
+from tierstream.model.positions import Offset
 
 from ..timing import scaled
 from .helpers import wait_for

@@ -22,7 +22,7 @@ from typing import Any
 import pyarrow as pa
 
 from tierstream.client import Producer
-from tierstream.message_format import key_hash
+from tierstream.model.message_format import key_hash
 
 KEYS = 4
 

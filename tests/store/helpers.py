@@ -9,7 +9,7 @@ from typing import Any
 import pyarrow as pa
 
 from tierstream.client import read
-from tierstream.splits.positions import Offset
+from tierstream.model.positions import Offset
 
 from ..timing import scaled
 
@@ -18,7 +18,7 @@ def read_all(url: str, topic: str, **kwargs: Any) -> pa.Table:
     """Every message of ``topic`` up to the latest confirmed one, partition by partition."""
     batches = list(read(topic, broker=url, end=Offset.latest(), **kwargs))
     if not batches:
-        from tierstream.message_format import MESSAGE_SCHEMA
+        from tierstream.model.message_format import MESSAGE_SCHEMA
 
         return MESSAGE_SCHEMA.empty_table()
     return pa.Table.from_batches(batches)

@@ -52,7 +52,7 @@ from typing import Any
 from tierstream.broker.process import BrokerProcess
 from tierstream.broker.subscriptions.selectors import slot_owners
 from tierstream.client import Admin, Producer
-from tierstream.message_format import key_hash
+from tierstream.model.message_format import key_hash
 
 from ..timing import scaled
 from .helpers import wait_for

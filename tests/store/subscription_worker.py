@@ -21,7 +21,7 @@ import time
 
 from tierstream.client import Consumer
 from tierstream.errors import AckInDoubtError
-from tierstream.splits.positions import Offset
+from tierstream.model.positions import Offset
 
 
 def main() -> None:

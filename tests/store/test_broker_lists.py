@@ -10,8 +10,8 @@ import pytest
 import tierstream
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer, Producer, read
+from tierstream.model.positions import Offset
 from tierstream.spark_adapter.source import register
-from tierstream.splits.positions import Offset
 
 from ..cli.test_cli import run
 from ..timing import scaled

@@ -10,8 +10,8 @@ import pyarrow.flight as flight
 
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer
-from tierstream.protocol import encode
-from tierstream.splits.positions import Offset
+from tierstream.model.positions import Offset
+from tierstream.wire.flight import encode
 
 from .client_churn import run
 from .helpers import wait_for

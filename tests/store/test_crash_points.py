@@ -1,6 +1,6 @@
 """Crash-point tests of the write path: a real broker process kills itself at each commit point.
 
-Each test arms one point of :mod:`tierstream.faults` in the broker's environment, lets a
+Each test arms one point of :mod:`tierstream.util.faults` in the broker's environment, lets a
 named producer write until the broker dies there, restarts the broker on the same address and
 lets the same producer retry and go on. Then the whole log is read back and checked against the
 acknowledgements (:mod:`tests.store.crashcheck`): nothing acknowledged missing, nothing stored
@@ -19,8 +19,8 @@ import pytest
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer, Producer
 from tierstream.errors import AlreadyExistsError, UnavailableError
-from tierstream.faults import ENV
-from tierstream.splits.positions import Offset
+from tierstream.model.positions import Offset
+from tierstream.util.faults import ENV
 
 from ..timing import scaled
 from .crashcheck import check, send_numbered

@@ -16,7 +16,7 @@ from tierstream.bookie.storage import ledger_paths
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Producer
 from tierstream.errors import CorruptionError, UnavailableError
-from tierstream.message_format import as_produce_batch
+from tierstream.model.message_format import as_produce_batch
 
 from ..timing import scaled
 from .helpers import positions, read_all, wait_for

@@ -14,9 +14,9 @@ import pytest
 
 from tierstream.client import Admin, Producer
 from tierstream.errors import UnavailableError
-from tierstream.faults import ENV
-from tierstream.message_format import key_hash
 from tierstream.metadata.records import TopicRecord
+from tierstream.model.message_format import key_hash
+from tierstream.util.faults import ENV
 
 from ..timing import scaled
 from .helpers import read_all, wait_for

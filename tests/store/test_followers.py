@@ -11,7 +11,7 @@ import pytest
 
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Producer, read
-from tierstream.splits.positions import Offset
+from tierstream.model.positions import Offset
 
 from ..timing import scaled
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import tierstream
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer, Producer
-from tierstream.splits.positions import Offset, Position
+from tierstream.model.positions import Offset, Position
 from tierstream.splits.split import StreamCut
 
 from ..timing import scaled

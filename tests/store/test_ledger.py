@@ -11,7 +11,7 @@ import pytest
 from tierstream.bookie.ledger import decode_payload, read_index, scan_frames
 from tierstream.bookie.storage import Bookie, ledger_paths
 from tierstream.errors import CorruptionError
-from tierstream.message_format import MESSAGE_SCHEMA
+from tierstream.model.message_format import MESSAGE_SCHEMA
 
 from ..timing import scaled
 

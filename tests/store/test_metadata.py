@@ -12,8 +12,8 @@ from tierstream.broker.subscriptions.cursor_state import CursorState
 from tierstream.errors import ConfigError
 from tierstream.metadata.store import MetadataStore
 from tierstream.metadata.tables import SCHEMA_VERSION
-from tierstream.names import TopicName
-from tierstream.splits.positions import Position
+from tierstream.model.names import TopicName
+from tierstream.model.positions import Position
 
 
 def test_a_version_6_store_gains_tier_sizes_and_keeps_its_segments(tmp_path: Path) -> None:

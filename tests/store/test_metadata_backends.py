@@ -18,15 +18,15 @@ from tierstream.errors import (
     NotFoundError,
     UnavailableError,
 )
-from tierstream.faults import FAULT_ENV
 from tierstream.metadata.records import SegmentState
 from tierstream.metadata.schema_registry import SchemaRegistry
 from tierstream.metadata.store import MetadataStore
 from tierstream.metadata.tables import SCHEMA_VERSION
 from tierstream.metadata.transaction_records import TransactionRecords
-from tierstream.names import TopicName
+from tierstream.model.names import TopicName
+from tierstream.model.positions import Offset
 from tierstream.schemas.model import SchemaType
-from tierstream.splits.positions import Offset
+from tierstream.util.faults import FAULT_ENV
 
 from ..postgres import PostgresServer, started
 from ..timing import scaled

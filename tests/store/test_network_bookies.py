@@ -24,7 +24,7 @@ from tierstream.bookie.server import BookieServer
 from tierstream.client import Admin, Producer
 from tierstream.errors import FencedError, UnavailableError
 from tierstream.managed_ledger.bookies.remote import RemoteBookie
-from tierstream.message_format import MESSAGE_SCHEMA
+from tierstream.model.message_format import MESSAGE_SCHEMA
 from tierstream.spark_adapter.source import register
 
 from ..timing import scaled

@@ -26,7 +26,7 @@ def test_advance_counts_exactly_the_messages_it_skips(tmp_path_factory, sizes, p
             n += size
         plog = log.store.partition(TOPIC, 0)
         rows = log.everything().to_pylist()
-        from tierstream.splits.positions import Position
+        from tierstream.model.positions import Position
 
         positions = [Position(0, r["segment_id"], r["entry_id"], r["batch_index"])
                      for r in rows]
@@ -50,7 +50,7 @@ def test_advance_counts_exactly_the_messages_it_skips(tmp_path_factory, sizes, p
        moved=st.integers(0, 4), picks=st.lists(st.floats(0, 1), min_size=1, max_size=6))
 def test_backlog_counts_across_tiered_bookie_and_open_segments(  # type: ignore[no-untyped-def]
         tmp_path_factory, sizes, moved, picks) -> None:
-    from tierstream.splits.positions import Position
+    from tierstream.model.positions import Position
 
     with running_log(Path(tmp_path_factory.mktemp("backlog")) / "data",
                      maxEntriesPerSegment=3) as log:

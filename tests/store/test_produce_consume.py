@@ -10,8 +10,8 @@ import pyarrow as pa
 
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Producer, read
-from tierstream.splits.positions import Offset
-from tierstream.timeutil import parse_time_ms
+from tierstream.model.positions import Offset
+from tierstream.util.timeutil import parse_time_ms
 
 from ..timing import scaled
 from .helpers import positions, read_all, wait_for
@@ -92,7 +92,7 @@ def test_reads_by_time_and_position_are_exact(broker: BrokerProcess) -> None:
     # a position in the middle of an entry starts exactly there
     full = read_all(url, TOPIC)
     row = full.slice(100, 1).to_pylist()[0]
-    from tierstream.splits.positions import Position
+    from tierstream.model.positions import Position
 
     start = Position(0, row["segment_id"], row["entry_id"], row["batch_index"])
     rest = pa.Table.from_batches(list(read(TOPIC, broker=url, start=Offset.at_position(start),

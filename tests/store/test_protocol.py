@@ -15,7 +15,7 @@ from tierstream.errors import (
     TierstreamError,
     UnavailableError,
 )
-from tierstream.protocol import server_error, translate_errors
+from tierstream.wire.flight import server_error, translate_errors
 
 
 @pytest.mark.parametrize("cls", sorted(ERRORS_BY_CODE.values(), key=lambda c: c.code),

@@ -185,7 +185,7 @@ def _held_then_crash(start_broker, free_port, mode: str = "key_shared", name: st
     topic unacknowledged, and then a broker SIGKILL and restart: (the new broker, the
     consumer, its batches)."""
     from tierstream.client import Consumer
-    from tierstream.splits.positions import Offset
+    from tierstream.model.positions import Offset
 
     broker = start_broker(port=free_port)
     with Admin(broker.url) as admin:

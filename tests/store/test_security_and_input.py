@@ -10,7 +10,7 @@ import pytest
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Producer, read
 from tierstream.errors import AuthError, ConfigError, NotFoundError, UnavailableError
-from tierstream.splits.positions import KeyRange, Offset
+from tierstream.model.positions import KeyRange, Offset
 
 from ..timing import scaled
 

@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from tierstream.client import Admin, Consumer, Producer, Transaction
 from tierstream.managed_ledger.rates import RateMeter
-from tierstream.splits.positions import Offset
+from tierstream.model.positions import Offset
 
 from ..cli.test_cli import run
 from ..logs import running_log

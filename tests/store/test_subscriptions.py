@@ -12,7 +12,7 @@ import pytest
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer, Producer
 from tierstream.errors import ConfigError, ConflictError
-from tierstream.splits.positions import KeyRange, Offset, Position
+from tierstream.model.positions import KeyRange, Offset, Position
 
 from ..timing import scaled
 from .helpers import read_all, wait_for

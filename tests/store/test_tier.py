@@ -17,12 +17,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from tierstream.broker.config import StoreConfig
+from tierstream.broker.offload import FAULT_POINTS, Offloader
 from tierstream.broker.store import Store
 from tierstream.errors import AuthError, ConfigError, NotFoundError, UnavailableError
-from tierstream.message_format import MESSAGE_SCHEMA, as_produce_batch
-from tierstream.names import TopicName
+from tierstream.model.message_format import MESSAGE_SCHEMA, as_produce_batch
+from tierstream.model.names import TopicName
 from tierstream.readers.parquet_tier import leaf_column
-from tierstream.tier.offload import FAULT_POINTS, Offloader
 from tierstream.tier.storage import KEY_BUCKETS, TierStorage
 
 TOPIC = "acme/web/clicks"

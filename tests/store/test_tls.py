@@ -19,8 +19,8 @@ from tierstream.errors import AuthError, ConfigError, UnavailableError
 from tierstream.metadata.bookie_registry import set_bookie_endpoint
 from tierstream.readers import ReadStats, open_reader
 from tierstream.readers.stats import ENDPOINT
-from tierstream.security import check_bind
 from tierstream.splits.split import ReaderKind
+from tierstream.wire.security import check_bind
 
 from ..logs import TOPIC, fill, running_log
 from ..timing import scaled
@@ -130,7 +130,7 @@ def test_a_non_loopback_bind_needs_a_token_and_warns_without_tls(
 
 def test_producer_consumer_and_read_take_the_ca(tmp_path: Path) -> None:
     from tierstream.client import Consumer, Producer, read
-    from tierstream.splits.positions import Offset
+    from tierstream.model.positions import Offset
 
     cert, key = make_cert(tmp_path)
     with running_log(tmp_path / "data") as log:

@@ -12,7 +12,7 @@ import pytest
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Producer
 from tierstream.errors import NotFoundError, UnavailableError
-from tierstream.faults import ENV
+from tierstream.util.faults import ENV
 
 from ..timing import scaled
 from .helpers import read_all

@@ -22,8 +22,8 @@ import tierstream
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer, Producer, Transaction, read
 from tierstream.errors import ConfigError, ConflictError, NotFoundError, UnavailableError
-from tierstream.faults import ENV
-from tierstream.splits.positions import Offset
+from tierstream.model.positions import Offset
+from tierstream.util.faults import ENV
 
 from ..logs import running_log
 from ..timing import scaled
@@ -563,8 +563,8 @@ def test_transactions_staged_by_an_older_version_are_finished_at_start(tmp_path)
     """Before transactions were written once, rows were staged in files and appended at the
     commit: a broker started on such a data directory appends a committed one's files and
     aborts one that was only prepared."""
-    from tierstream.message_format import PRODUCE_SCHEMA, as_produce_batch
     from tierstream.metadata.transaction_records import TransactionRecords
+    from tierstream.model.message_format import PRODUCE_SCHEMA, as_produce_batch
 
     data = tmp_path / "data"
     with running_log(data) as log, Admin(log.url) as admin:

@@ -35,7 +35,6 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tierstream.durable import fsync_dir
 from tierstream.errors import ConfigError, CorruptionError
 from tierstream.metadata.bookie_registry import (
     registered_instance,
@@ -44,7 +43,8 @@ from tierstream.metadata.bookie_registry import (
 )
 from tierstream.metadata.replication import segments_with_bookie
 from tierstream.metadata.store import MetadataStore
-from tierstream.timeutil import now_ms
+from tierstream.util.durable import fsync_dir
+from tierstream.util.timeutil import now_ms
 
 __all__ = ["COOKIE", "Cookie", "check_identity", "claim_identity", "read_cookie"]
 

@@ -6,7 +6,7 @@ A ledger is two files in the bookie's directory:
     ``magic "TSE1", flags u32, segment_id i64, entry_id i64, meta_len u32, payload_len u32,
     crc32c u32, 4 bytes padding``, then ``meta`` (a small JSON object: producer, sequence id)
     padded to 8 bytes, then the payload (one Arrow IPC record-batch message of
-    :data:`~tierstream.message_format.MESSAGE_SCHEMA`) padded to 8 bytes. The CRC-32C
+    :data:`~tierstream.model.message_format.MESSAGE_SCHEMA`) padded to 8 bytes. The CRC-32C
     (Castagnoli, as BookKeeper's default digest; hardware-accelerated by the ``crc32c``
     package) covers segment id, entry id, both lengths, meta and payload, so a frame copied
     into the wrong ledger or slot
@@ -34,7 +34,7 @@ import crc32c
 import pyarrow as pa
 
 from tierstream.errors import CorruptionError, NotFoundError
-from tierstream.message_format import MESSAGE_SCHEMA
+from tierstream.model.message_format import MESSAGE_SCHEMA
 
 __all__ = [
     "FRAME_HEADER",

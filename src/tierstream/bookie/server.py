@@ -54,15 +54,15 @@ from tierstream.errors import (
     TierstreamError,
     UnavailableError,
 )
-from tierstream.message_format import key_range_mask
-from tierstream.protocol import action_result, decode, server_error
-from tierstream.security import (
+from tierstream.model.message_format import key_range_mask
+from tierstream.model.positions import Position
+from tierstream.wire.flight import action_result, decode, server_error
+from tierstream.wire.security import (
     TokenMiddlewareFactory,
     check_bind,
     server_tls,
     url_host,
 )
-from tierstream.splits.positions import Position
 
 __all__ = ["ENTRY_WIRE_SCHEMA", "BookieServer", "serve_bookie"]
 
@@ -308,7 +308,7 @@ def serve_bookie(root: str | Path, *, host: str, port: int, bookie_id: str | Non
     ``broker``, its address is registered with that broker as the read endpoint of one of
     its own bookies."""
     from tierstream.metadata.backend import POSTGRES_SCHEMES
-    from tierstream.signals import stop_requested
+    from tierstream.util.signals import stop_requested
 
     if metadata is not None and not metadata.startswith(POSTGRES_SCHEMES):
         raise ConfigError(f"invalid --metadata {metadata!r}: expected postgresql://user@host"

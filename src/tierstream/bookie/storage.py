@@ -33,8 +33,8 @@ from tierstream.bookie.ledger import (
     read_index,
     scan_frames,
 )
-from tierstream.durable import fsync_dir
 from tierstream.errors import ConflictError, CorruptionError, FencedError, NotFoundError
+from tierstream.util.durable import fsync_dir
 
 __all__ = ["Bookie", "ledger_paths"]
 

@@ -40,7 +40,7 @@ from tierstream.errors import (
     TierstreamError,
     UnavailableError,
 )
-from tierstream.protocol import error_text
+from tierstream.wire.flight import error_text
 
 __all__ = ["BookieWrites"]
 

@@ -16,7 +16,7 @@ from typing import Protocol
 from tierstream.managed_ledger.partition_log import PartitionLog
 from tierstream.metadata.records import TopicRecord
 from tierstream.metadata.scale_events import growth_refused
-from tierstream.timeutil import describe_duration
+from tierstream.util.timeutil import describe_duration
 
 __all__ = ["AutoScaler", "ScalableTopics"]
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from tierstream.errors import ConfigError
-from tierstream.layout import DataDir
 from tierstream.managed_ledger.bookies.placement import check_quorums
+from tierstream.model.layout import DataDir
 from tierstream.options import parse_options
 from tierstream.tier.storage import TierStorage
 
@@ -57,7 +57,8 @@ class StoreConfig:
     bookie_tls_ca: bytes | None = None
     #: a network bookie that leaves an entry unanswered this long is taken for gone
     bookie_timeout_s: float = 10.0
-    #: how often every closed segment's copies on the bookies are checked (managed_ledger/bookies/repair.py)
+    #: how often every closed segment's copies on the bookies are checked
+    #: (managed_ledger/bookies/repair.py)
     bookie_audit_interval_s: float = 60.0
     #: the tier URL is a path that every broker host mounts (with --network-bookies or
     #: --standby a host-local tier is refused: a broker on another host could not read it)

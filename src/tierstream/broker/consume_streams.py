@@ -14,11 +14,11 @@ import pyarrow.flight as flight
 
 from tierstream.broker.subscriptions.attached import ConsumerSettings
 from tierstream.errors import ConfigError, ProtocolError, TierstreamError
-from tierstream.message_format import CONSUMER_SCHEMA, MESSAGE_SCHEMA
-from tierstream.names import TopicName
-from tierstream.protocol import decode, server_error
-from tierstream.splits.positions import KeyRange, Offset, OffsetKind, Position
-from tierstream.subscription_type import SubscriptionType
+from tierstream.model.message_format import CONSUMER_SCHEMA, MESSAGE_SCHEMA
+from tierstream.model.names import TopicName
+from tierstream.model.positions import KeyRange, Offset, OffsetKind, Position
+from tierstream.model.subscription_type import SubscriptionType
+from tierstream.wire.flight import decode, server_error
 
 if TYPE_CHECKING:
     from tierstream.broker.store import Store

@@ -30,7 +30,6 @@ import threading
 from collections.abc import Callable
 
 from tierstream.errors import ConfigError
-from tierstream.faults import crash_point
 from tierstream.managed_ledger.partition_log import PartitionLog
 from tierstream.metadata.records import SegmentRecord, TopicRecord
 from tierstream.metadata.scale_events import (
@@ -40,8 +39,9 @@ from tierstream.metadata.scale_events import (
     record_scale_event,
 )
 from tierstream.metadata.store import MetadataStore
-from tierstream.names import TopicName
-from tierstream.timeutil import describe_duration, now_ms
+from tierstream.model.names import TopicName
+from tierstream.util.faults import crash_point
+from tierstream.util.timeutil import describe_duration, now_ms
 
 __all__ = ["Growth", "check_growth"]
 

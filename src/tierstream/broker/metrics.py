@@ -18,7 +18,8 @@ what ``topic_stats.py`` reads, so an idle broker does no work for them:
   ``tierstream_transactions{state}``,
   ``tierstream_recovered_segments``, ``tierstream_replica_failures_total``,
   ``tierstream_checksum_failures_total{bookie}``, ``tierstream_streams{kind}``,
-  ``tierstream_under_replicated_segments`` (``managed_ledger/bookies/repair.py``), ``..._one_copy_segments``,
+  ``tierstream_under_replicated_segments`` (``managed_ledger/bookies/repair.py``),
+  ``..._one_copy_segments``,
   ``..._no_copy_segments``, ``tierstream_re_replicated_segments_total``,
   ``tierstream_bookie_available{bookie}``;
 - Spark queries that report their lag (``spark_adapter.watch_lag``):
@@ -199,7 +200,7 @@ class MetricsServer:
         from prometheus_client import CollectorRegistry, start_http_server
         from prometheus_client.process_collector import ProcessCollector
 
-        from tierstream.security import is_loopback
+        from tierstream.wire.security import is_loopback
 
         registry = CollectorRegistry()
         registry.register(_Collector(store, subscriptions, streams, lags))

@@ -20,9 +20,9 @@ import pyarrow as pa
 
 from tierstream.errors import ConfigError, NotFoundError, StorageError
 from tierstream.managed_ledger.open_segment import TXN_PRODUCER
-from tierstream.message_format import batches_of_about
 from tierstream.metadata.transaction_records import TransactionRecords, TxnState
-from tierstream.timeutil import now_ms
+from tierstream.model.message_format import batches_of_about
+from tierstream.util.timeutil import now_ms
 
 if TYPE_CHECKING:
     from tierstream.managed_ledger.partition_log import PartitionLog

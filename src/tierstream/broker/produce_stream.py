@@ -27,7 +27,7 @@ import pyarrow.flight as flight
 from tierstream.errors import ProtocolError, TierstreamError
 from tierstream.managed_ledger.open_segment import PendingAppend
 from tierstream.managed_ledger.partition_log import PartitionLog
-from tierstream.protocol import decode, encode, error_text
+from tierstream.wire.flight import decode, encode, error_text
 
 __all__ = ["MAX_PIPELINED", "produce_stream"]
 

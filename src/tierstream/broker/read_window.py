@@ -19,8 +19,8 @@ import numpy as np
 import pyarrow as pa
 
 from tierstream.broker.subscriptions.cursor_state import MAX_ACKED_RANGES, AckedEntry
-from tierstream.message_format import CONSUMER_SCHEMA
-from tierstream.splits.positions import Position
+from tierstream.model.message_format import CONSUMER_SCHEMA
+from tierstream.model.positions import Position
 
 __all__ = ["ACKED", "DEAD", "DELAYED", "DELIVERED", "WAITING", "Chunk", "ReadWindow",
            "following"]

@@ -20,15 +20,15 @@ from typing import Any
 
 from tierstream.bookie.ledger import IndexRecord, RecoveredLedger
 from tierstream.errors import FencedError, NotFoundError, UnavailableError
-from tierstream.faults import crash_point
 from tierstream.managed_ledger.bookies.client import BookieClient
 from tierstream.managed_ledger.dedup import ProducerDedup, StoredBatch
 from tierstream.managed_ledger.open_segment import txn_of_producer
 from tierstream.metadata.records import SegmentRecord, SegmentState
 from tierstream.metadata.store import MetadataStore
 from tierstream.metadata.transaction_records import TransactionRecords, TxnState
-from tierstream.splits.positions import entry_ranges
-from tierstream.timeutil import now_ms
+from tierstream.model.positions import entry_ranges
+from tierstream.util.faults import crash_point
+from tierstream.util.timeutil import now_ms
 
 __all__ = ["RecoveryReport", "recover_open_segments"]
 

@@ -27,8 +27,8 @@ from tierstream.options import (
     DEFAULT_PORT,
     DEFAULT_PULSAR_TLS_PORT,
 )
-from tierstream.security import require_token, server_tls
-from tierstream.signals import stop_requested
+from tierstream.util.signals import stop_requested
+from tierstream.wire.security import require_token, server_tls
 
 __all__ = ["run_broker", "serve_bookies"]
 

@@ -26,19 +26,19 @@ from tierstream.errors import (
 )
 from tierstream.metadata.bookie_registry import set_bookie_endpoint
 from tierstream.metadata.schema_registry import SchemaRegistry
-from tierstream.names import TopicName
+from tierstream.model.names import TopicName
+from tierstream.model.positions import Position
 from tierstream.options import DEFAULT_PORT
-from tierstream.protocol import action_result, decode, decode_positions, encode, server_error
 from tierstream.schemas.codec import named_versions
 from tierstream.schemas.model import Compatibility, SchemaType
-from tierstream.security import (
+from tierstream.wire.flight import action_result, decode, decode_positions, encode, server_error
+from tierstream.wire.security import (
     TokenMiddlewareFactory,
     check_bind,
     is_loopback,
     server_tls,
     url_host,
 )
-from tierstream.splits.positions import Position
 
 __all__ = ["Broker", "is_loopback"]
 

@@ -19,10 +19,10 @@ from tierstream.broker.config import StoreConfig
 from tierstream.broker.data_dir import lock_data_dir, prepare_data_dir, unlock_data_dir
 from tierstream.broker.growth import Growth
 from tierstream.broker.key_routing import KeyRouting
+from tierstream.broker.offload import Offloader
 from tierstream.broker.recovery import RecoveryReport, recover_open_segments
 from tierstream.broker.transaction_coordinator import TransactionCoordinator
 from tierstream.errors import ConfigError, FencedError, StorageError, UnavailableError
-from tierstream.faults import crash_point
 from tierstream.managed_ledger.bookies.client import BookieClient
 from tierstream.managed_ledger.bookies.local import LocalBookie
 from tierstream.managed_ledger.bookies.placement import (
@@ -35,11 +35,11 @@ from tierstream.managed_ledger.partition_log import PartitionLog
 from tierstream.metadata.bookie_registry import take_writer_epoch
 from tierstream.metadata.records import SegmentRecord, TopicRecord
 from tierstream.metadata.store import MetadataStore
-from tierstream.names import TopicName
-from tierstream.splits.positions import Position
+from tierstream.model.names import TopicName
+from tierstream.model.positions import Position
 from tierstream.tier.catalog import TierCatalog
-from tierstream.tier.offload import Offloader
-from tierstream.timeutil import now_ms
+from tierstream.util.faults import crash_point
+from tierstream.util.timeutil import now_ms
 
 __all__ = ["Store"]
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from tierstream.metadata.records import SegmentRecord, SegmentState
 from tierstream.metadata.transaction_records import TransactionRecords
-from tierstream.timeutil import now_ms
+from tierstream.util.timeutil import now_ms
 
 if TYPE_CHECKING:
     from tierstream.broker.store import Store

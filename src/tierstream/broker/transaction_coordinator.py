@@ -46,22 +46,22 @@ import pyarrow.compute as pc
 
 from tierstream.broker.old_staging import finish_old_staging
 from tierstream.errors import ConfigError, ConflictError, NotFoundError
-from tierstream.faults import crash_point
-from tierstream.layout import DataDir
 from tierstream.managed_ledger.open_segment import TXN_PRODUCER, PendingAppend
-from tierstream.message_format import (
-    PRODUCE_SCHEMA,
-    as_produce_batch,
-    batches_of_about,
-    key_hashes,
-)
 from tierstream.metadata.transaction_records import (
     TransactionRecord,
     TransactionRecords,
     TxnState,
 )
-from tierstream.names import TopicName, check_txn_id
-from tierstream.timeutil import now_ms
+from tierstream.model.layout import DataDir
+from tierstream.model.message_format import (
+    PRODUCE_SCHEMA,
+    as_produce_batch,
+    batches_of_about,
+    key_hashes,
+)
+from tierstream.model.names import TopicName, check_txn_id
+from tierstream.util.faults import crash_point
+from tierstream.util.timeutil import now_ms
 
 if TYPE_CHECKING:
     from tierstream.managed_ledger.partition_log import PartitionLog

@@ -26,7 +26,7 @@ from tierstream.cli.common import (
 from tierstream.cli.tables import fitted_table, hidden_note
 from tierstream.errors import ConfigError
 from tierstream.options import DEFAULT_BROKER_URL, DEFAULT_DATA_DIR
-from tierstream.timeutil import format_ms
+from tierstream.util.timeutil import format_ms
 
 
 @app.command()
@@ -44,9 +44,9 @@ def segments(
 
     Example: tierstream segments acme/web/clicks
     """
-    from tierstream.layout import DataDir
     from tierstream.metadata.store import MetadataStore
-    from tierstream.names import TopicName
+    from tierstream.model.layout import DataDir
+    from tierstream.model.names import TopicName
 
     name = TopicName.parse(topic)
     local = DataDir.at(data_dir).metadata
@@ -162,7 +162,7 @@ def transactions(
     Example: tierstream transactions --abort 3f2c9a...
     """
     from tierstream.client import Admin
-    from tierstream.timeutil import now_ms
+    from tierstream.util.timeutil import now_ms
 
     with Admin(broker, auth_token=auth_token) as admin:
         if abort is not None:
@@ -239,7 +239,7 @@ def offload(
     Example: tierstream offload acme/web/clicks --older-than 2d
     """
     from tierstream.client import Admin
-    from tierstream.timeutil import describe_duration, now_ms, parse_duration_ms
+    from tierstream.util.timeutil import describe_duration, now_ms, parse_duration_ms
 
     older_ms = None if older_than is None else parse_duration_ms(older_than, what="--older-than")
     with Admin(broker, auth_token=auth_token) as admin:

@@ -164,8 +164,8 @@ def broker_start(
 
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from tierstream.security import read_pem
-    from tierstream.timeutil import parse_duration_ms
+    from tierstream.util.timeutil import parse_duration_ms
+    from tierstream.wire.security import read_pem
 
     takeover_ms = parse_duration_ms(takeover_after, what="--takeover-after")
     timeout_ms = parse_duration_ms(bookie_timeout, what="--bookie-timeout")
@@ -223,8 +223,8 @@ def broker_stop(
 
     from tierstream.broker.data_dir import holder_pid
     from tierstream.errors import NotFoundError, UnavailableError
-    from tierstream.layout import DataDir
-    from tierstream.timeutil import parse_duration_ms
+    from tierstream.model.layout import DataDir
+    from tierstream.util.timeutil import parse_duration_ms
 
     wait_s = parse_duration_ms(timeout, what="--timeout") / 1000
     lock = DataDir(data_dir).lock
@@ -289,7 +289,7 @@ def bookie_serve(
     --auth-token ...
     """
     from tierstream.bookie.server import serve_bookie
-    from tierstream.security import read_pem
+    from tierstream.wire.security import read_pem
 
     def ready(server: object, address: str) -> None:
         role = "network bookie" if metadata else "bookie endpoint"
@@ -363,8 +363,8 @@ def _detach(log_file: Path, data_dir: Path) -> None:
 def _offload_policy(config: Any) -> str | None:
     """The automatic offload settings in words (None when there are none), so that a unit
     typed wrong shows at start, not when data has moved."""
-    from tierstream.timeutil import describe_duration
-    from tierstream.units import human_bytes
+    from tierstream.util.timeutil import describe_duration
+    from tierstream.util.units import human_bytes
 
     rules = []
     if config.offload_after_ms is not None:

@@ -11,9 +11,9 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from tierstream.bounds import write_cut
 from tierstream.cli import help_panel
-from tierstream.units import human_bytes
+from tierstream.cli.bounds import write_cut
+from tierstream.util.units import human_bytes
 
 __all__ = ["BrokerOpt", "CutOutOpt", "DataDirOpt", "FromOpt", "KeyRangesOpt", "LossOpt",
            "ModeOpt", "QuietOpt", "ReaderOpt", "SplitBytesOpt", "TimeFieldOpt", "TlsCaOpt",
@@ -134,7 +134,7 @@ def use_tls_ca(tls_ca: str | None) -> bytes | None:
     default of every client this command opens (the option table reads TIERSTREAM_TLS_CA)."""
     import os
 
-    from tierstream.security import read_pem
+    from tierstream.wire.security import read_pem
 
     if tls_ca is None:
         return None

@@ -23,7 +23,7 @@ from tierstream.cli.common import (
 )
 from tierstream.errors import ConfigError
 from tierstream.options import DEFAULT_BROKER_URL
-from tierstream.timeutil import parse_time_ms
+from tierstream.util.timeutil import parse_time_ms
 
 
 @app.command()

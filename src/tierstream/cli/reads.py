@@ -15,7 +15,7 @@ import pyarrow as pa
 import typer
 from rich.table import Table
 
-from tierstream.bounds import end_cut, parse_bound
+from tierstream.cli.bounds import end_cut, parse_bound
 from tierstream.cli.common import (
     BrokerOpt,
     CutOutOpt,
@@ -41,11 +41,11 @@ from tierstream.cli.common import (
     use_tls_ca,
 )
 from tierstream.errors import AckInDoubtError, ConfigError
-from tierstream.event_time import check_time_field, event_time_window, within_event_time
+from tierstream.model.positions import KeyRange, Offset, OffsetKind
 from tierstream.options import DEFAULT_BROKER_URL, DEFAULT_DATA_DIR
+from tierstream.runtime.event_time import check_time_field, event_time_window, within_event_time
 from tierstream.schemas.codec import decode_batch, decoded_schema
-from tierstream.splits.positions import KeyRange, Offset, OffsetKind
-from tierstream.timeutil import parse_duration_ms
+from tierstream.util.timeutil import parse_duration_ms
 
 
 @app.command()
@@ -188,7 +188,7 @@ def _consume_subscription(topic: str, subscription: str, kind: str, consumer_nam
     """``consume --subscription``: print and acknowledge batch by batch (at least once: a
     batch is acknowledged after it is printed)."""
     from tierstream.client import Consumer
-    from tierstream.subscription_type import SubscriptionType
+    from tierstream.model.subscription_type import SubscriptionType
 
     kind = SubscriptionType.parse(kind, "--type")
     if key_range and kind != SubscriptionType.KEY_SHARED:
@@ -391,9 +391,9 @@ def read_cmd(
 
     import tierstream
     from tierstream.client import Admin
-    from tierstream.local import run_splits
-    from tierstream.message_format import OUTPUT_SCHEMA, as_output_batch
+    from tierstream.model.message_format import OUTPUT_SCHEMA, as_output_batch
     from tierstream.readers.stats import ReadStats
+    from tierstream.runtime.local import run_splits
 
     if out_path.suffix != ".parquet":
         raise ConfigError(f"--out {str(out_path)!r} must end in .parquet")

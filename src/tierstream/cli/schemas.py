@@ -12,7 +12,7 @@ from rich.table import Table
 from tierstream.cli.common import BrokerOpt, TlsCaOpt, TokenOpt, err, out, schema_app
 from tierstream.errors import ConfigError
 from tierstream.options import DEFAULT_BROKER_URL
-from tierstream.timeutil import format_ms
+from tierstream.util.timeutil import format_ms
 
 TypeOpt = Annotated[str, typer.Option(
     "--type", help="none, string, json (a JSON Schema) or avro (an Avro schema).")]

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from tierstream.bounds import end_cut, parse_bound, spark_bound
+from tierstream.cli.bounds import end_cut, parse_bound, spark_bound
 from tierstream.cli.common import (
     BrokerOpt,
     CutOutOpt,

@@ -23,7 +23,7 @@ from tierstream.cli.common import (
 )
 from tierstream.errors import ConfigError
 from tierstream.options import DEFAULT_BROKER_URL
-from tierstream.timeutil import format_ms, now_ms, parse_duration_ms
+from tierstream.util.timeutil import format_ms, now_ms, parse_duration_ms
 
 __all__ = ["render_broker_stats", "render_topic_stats"]
 

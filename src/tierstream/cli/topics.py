@@ -17,7 +17,7 @@ from tierstream.cli.common import (
 )
 from tierstream.errors import ConfigError
 from tierstream.options import DEFAULT_BROKER_URL
-from tierstream.timeutil import format_ms
+from tierstream.util.timeutil import format_ms
 
 
 @topic_app.command("create")
@@ -35,7 +35,7 @@ def topic_create(
     Example: tierstream topic create acme/web/clicks --partitions 4 --retention 30d
     """
     from tierstream.client import Admin
-    from tierstream.timeutil import parse_duration_ms
+    from tierstream.util.timeutil import parse_duration_ms
 
     retention_ms = None if retention is None else parse_duration_ms(retention,
                                                                      what="--retention")
@@ -47,7 +47,7 @@ def topic_create(
 
 def _retention_words(retention_ms: int | None) -> str:
     """A topic's retention as a sentence a user can check against what they meant."""
-    from tierstream.timeutil import describe_duration
+    from tierstream.util.timeutil import describe_duration
 
     if retention_ms is None:
         return "retention: none (every message is kept)"
@@ -99,7 +99,7 @@ def topic_set(
     """
     from tierstream.client import Admin
     from tierstream.errors import ConfigError
-    from tierstream.timeutil import parse_duration_ms
+    from tierstream.util.timeutil import parse_duration_ms
 
     if retention is None and partitions is None:
         raise ConfigError("nothing to set: give --retention and/or --partitions")
@@ -181,7 +181,7 @@ def topic_list(
 
     with Admin(broker, auth_token=auth_token) as admin:
         topics = admin.list_topics(namespace)
-    from tierstream.timeutil import describe_duration
+    from tierstream.util.timeutil import describe_duration
 
     table = Table("topic", "partitions", "retention", "created")
     for t in topics:

@@ -9,9 +9,9 @@ from typing import Any
 from tierstream.client.connection import BrokerClient
 from tierstream.errors import AlreadyExistsError, ConfigError, ConflictError, UnavailableError
 from tierstream.metadata.records import SegmentRecord, TopicRecord
-from tierstream.names import TopicName
+from tierstream.model.names import TopicName
+from tierstream.model.positions import Position
 from tierstream.schemas.model import SchemaInfo
-from tierstream.splits.positions import Position
 from tierstream.splits.split import StreamCut
 
 __all__ = ["Admin", "segment_record"]

@@ -11,10 +11,10 @@ from typing import Any, Self
 import pyarrow.flight as flight
 
 from tierstream.errors import ConfigError, UnavailableError
-from tierstream.message_format import PRODUCE_SCHEMA
+from tierstream.model.message_format import PRODUCE_SCHEMA
 from tierstream.options import parse_options
-from tierstream.protocol import decode, encode, translate_errors
-from tierstream.security import call_headers, client_for, read_pem
+from tierstream.wire.flight import decode, encode, translate_errors
+from tierstream.wire.security import call_headers, client_for, read_pem
 
 __all__ = ["FAILOVER_WAIT_S", "BrokerClient"]
 

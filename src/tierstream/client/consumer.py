@@ -20,13 +20,13 @@ from tierstream.client.connection import BrokerClient
 from tierstream.client.reading import check_ranges, flight_batches
 from tierstream.client.retry import Backoff, reconnect_timeout_s, with_reconnect
 from tierstream.errors import AckInDoubtError, ConfigError, TierstreamError, UnavailableError
-from tierstream.fanin import put, start_reader
-from tierstream.message_format import CONSUMER_SCHEMA
-from tierstream.names import TopicName
-from tierstream.protocol import encode_positions, translate_errors
-from tierstream.splits.positions import KeyRange, Offset, Position
-from tierstream.subscription_type import SubscriptionType
-from tierstream.timeutil import parse_duration_ms
+from tierstream.model.message_format import CONSUMER_SCHEMA
+from tierstream.model.names import TopicName
+from tierstream.model.positions import KeyRange, Offset, Position
+from tierstream.model.subscription_type import SubscriptionType
+from tierstream.util.fanin import put, start_reader
+from tierstream.util.timeutil import parse_duration_ms
+from tierstream.wire.flight import encode_positions, translate_errors
 
 __all__ = ["Consumer"]
 
@@ -46,7 +46,7 @@ class Consumer:
     ``failover``, ``shared`` or ``key_shared``).
 
     :meth:`receive` returns record batches of
-    :data:`~tierstream.message_format.CONSUMER_SCHEMA` (each from one partition, with each
+    :data:`~tierstream.model.message_format.CONSUMER_SCHEMA` (each from one partition, with each
     message's ``redelivery_count``); :meth:`ack` acknowledges exactly the messages of a batch
     (or a slice of it), :meth:`ack_cumulative` everything up to a message (exclusive and
     failover), :meth:`nack` asks for a batch again after ``nack_delay``.

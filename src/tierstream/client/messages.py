@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from tierstream.errors import ConfigError
-from tierstream.message_format import PRODUCE_SCHEMA, key_hashes
+from tierstream.model.message_format import PRODUCE_SCHEMA, key_hashes
 
 __all__ = ["Message", "check_sequence_ids", "routed", "to_batch"]
 

@@ -30,12 +30,12 @@ from tierstream.errors import (
     TierstreamError,
     UnavailableError,
 )
-from tierstream.message_format import (
+from tierstream.model.message_format import (
     as_produce_batch,
     key_hash,
 )
-from tierstream.names import TopicName
-from tierstream.protocol import decode, encode, translate_errors
+from tierstream.model.names import TopicName
+from tierstream.wire.flight import decode, encode, translate_errors
 
 if TYPE_CHECKING:
     from tierstream.client.transaction import Transaction

@@ -14,12 +14,12 @@ import pyarrow as pa
 from tierstream.client.admin import Admin
 from tierstream.client.connection import BrokerClient
 from tierstream.client.retry import Backoff, reconnect_timeout_s
-from tierstream.data_loss import lost_segments, report_data_loss
 from tierstream.errors import ConfigError, UnavailableError
-from tierstream.fanin import DONE, Cancel, drain, put, start_reader
-from tierstream.names import TopicName
-from tierstream.protocol import translate_errors
-from tierstream.splits.positions import KeyRange, Offset, OffsetKind, Position
+from tierstream.model.data_loss import lost_segments, report_data_loss
+from tierstream.model.names import TopicName
+from tierstream.model.positions import KeyRange, Offset, OffsetKind, Position
+from tierstream.util.fanin import DONE, Cancel, drain, put, start_reader
+from tierstream.wire.flight import translate_errors
 
 __all__ = ["TopicReader", "check_ranges", "consume_stream", "pump_batches", "read"]
 
@@ -44,7 +44,7 @@ def read(topic: str, *, partition: int | None = None, start: Offset | None = Non
     The partition streams are opened before this returns, so ``latest`` (as start or end) is
     pinned at call time for all partitions. ``end=None`` follows the tail until the reader is
     closed; a bounded ``end`` finishes. Batches have
-    :data:`~tierstream.message_format.MESSAGE_SCHEMA` and keep each partition's order.
+    :data:`~tierstream.model.message_format.MESSAGE_SCHEMA` and keep each partition's order.
 
     Raises DataLossError when retention deleted data from the window (a time or position
     start), as every bounded reader does; ``fail_on_data_loss=False`` reads what survives and

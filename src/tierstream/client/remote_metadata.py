@@ -14,7 +14,7 @@ from typing import Any
 
 from tierstream.client.admin import Admin, segment_record
 from tierstream.metadata.records import SegmentRecord, TopicRecord
-from tierstream.names import TopicName
+from tierstream.model.names import TopicName
 from tierstream.schemas.model import SchemaInfo
 
 __all__ = ["BrokerMetadata"]

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from tierstream.errors import UnavailableError
-from tierstream.fanin import Cancel
 from tierstream.options import parse_options
+from tierstream.util.fanin import Cancel
 
 __all__ = ["Backoff", "reconnect_timeout_s", "with_reconnect"]
 

@@ -24,7 +24,7 @@ import pyarrow as pa
 
 from tierstream.client.connection import BrokerClient
 from tierstream.errors import UnavailableError
-from tierstream.fanin import start_reader
+from tierstream.util.fanin import start_reader
 
 __all__ = ["StalledError", "StreamIO"]
 

@@ -27,9 +27,9 @@ import pyarrow.flight as flight
 from tierstream.client.admin import Admin
 from tierstream.client.stream_io import StreamIO
 from tierstream.errors import ConfigError, ConflictError, NotFoundError, UnavailableError
-from tierstream.message_format import as_produce_batch, batches_of_about, key_hashes
-from tierstream.names import TopicName
-from tierstream.protocol import decode, translate_errors
+from tierstream.model.message_format import as_produce_batch, batches_of_about, key_hashes
+from tierstream.model.names import TopicName
+from tierstream.wire.flight import decode, translate_errors
 
 if TYPE_CHECKING:
     from tierstream.schemas.codec import Encoder

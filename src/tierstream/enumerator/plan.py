@@ -15,9 +15,9 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, overload
 
-from tierstream.message_format import KEY_HASH_SLOTS
 from tierstream.metadata.records import SegmentRecord, SegmentState
-from tierstream.splits.positions import (
+from tierstream.model.message_format import KEY_HASH_SLOTS
+from tierstream.model.positions import (
     KeyRange,
     Position,
     cut_entries,

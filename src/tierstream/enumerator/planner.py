@@ -14,17 +14,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tierstream.data_loss import lost_segments, report_data_loss
 from tierstream.enumerator.plan import PartitionPlan, Plan, SegmentPlan, no_gc
 from tierstream.errors import ConfigError, NotFoundError
-from tierstream.layout import DataDir
 from tierstream.metadata.records import MetadataReader, SegmentRecord, SegmentState, TopicRecord
 from tierstream.metadata.store import MetadataStore
-from tierstream.names import TopicName
+from tierstream.model.data_loss import lost_segments, report_data_loss
+from tierstream.model.layout import DataDir
+from tierstream.model.names import TopicName
+from tierstream.model.positions import KeyRange, Offset, OffsetKind, Position
 from tierstream.schemas.model import SchemaInfo
-from tierstream.splits.positions import KeyRange, Offset, OffsetKind, Position
 from tierstream.splits.split import ReaderKind, Replica, StreamCut, TierLocation
-from tierstream.timeutil import format_ms
+from tierstream.util.timeutil import format_ms
 
 __all__ = ["Enumerator", "Query"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tierstream.splits.positions import Position
+from tierstream.model.positions import Position
 from tierstream.splits.split import Cuts, StreamCut
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ import pyarrow as pa
 
 from tierstream.bookie.ledger import IndexRecord
 from tierstream.metadata.records import SegmentRecord
-from tierstream.splits.positions import EntryRanges, entry_ranges
+from tierstream.model.positions import EntryRanges, entry_ranges
 
 __all__ = ["TXN_PRODUCER", "Ack", "InFlight", "OpenSegment", "PendingAppend", "TxnPart",
            "txn_of_producer"]

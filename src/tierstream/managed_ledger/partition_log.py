@@ -30,7 +30,6 @@ from tierstream.errors import (
     StaleRoutingError,
     UnavailableError,
 )
-from tierstream.faults import crash_point
 from tierstream.managed_ledger.bookies.client import BookieClient
 from tierstream.managed_ledger.dedup import ProducerDedup, StoredBatch
 from tierstream.managed_ledger.open_segment import (
@@ -44,12 +43,13 @@ from tierstream.managed_ledger.open_segment import (
 from tierstream.managed_ledger.partition_reads import TierSegment, filter_key_ranges
 from tierstream.managed_ledger.rates import RateMeter
 from tierstream.managed_ledger.rollover import PartitionRollover
-from tierstream.message_format import MESSAGE_SCHEMA, as_produce_batch, key_hashes
 from tierstream.metadata.records import SegmentRecord, SegmentState
 from tierstream.metadata.store import MetadataStore
 from tierstream.metadata.transaction_records import TransactionRecords
+from tierstream.model.message_format import MESSAGE_SCHEMA, as_produce_batch, key_hashes
 from tierstream.tier.storage import TierStorage
-from tierstream.timeutil import now_ms
+from tierstream.util.faults import crash_point
+from tierstream.util.timeutil import now_ms
 
 __all__ = ["Ack", "PartitionLog", "filter_key_ranges"]
 

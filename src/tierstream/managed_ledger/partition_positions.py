@@ -9,7 +9,7 @@ import pyarrow.compute as pc
 from tierstream.bookie.ledger import entries_before
 from tierstream.managed_ledger.partition_reads import PartitionReads
 from tierstream.metadata.records import SegmentState
-from tierstream.splits.positions import Position, in_ranges
+from tierstream.model.positions import Position, in_ranges
 
 __all__ = ["PartitionPositions"]
 

@@ -15,9 +15,9 @@ from tierstream.bookie.ledger import IndexRecord, decode_payload, first_good_rep
 from tierstream.errors import NotFoundError
 from tierstream.managed_ledger.bookies.client import BookieClient, EntryReader
 from tierstream.managed_ledger.open_segment import OpenSegment
-from tierstream.message_format import key_range_mask
 from tierstream.metadata.records import SegmentRecord
-from tierstream.splits.positions import EntryRanges, KeyRange, Position, in_ranges
+from tierstream.model.message_format import key_range_mask
+from tierstream.model.positions import EntryRanges, KeyRange, Position, in_ranges
 from tierstream.tier.storage import TierStorage
 
 __all__ = ["PartitionReads", "TierSegment", "filter_key_ranges"]

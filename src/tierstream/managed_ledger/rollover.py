@@ -15,13 +15,13 @@ from typing import Any
 
 from tierstream.bookie.ledger import IndexRecord
 from tierstream.errors import FencedError, UnavailableError
-from tierstream.faults import crash_point
 from tierstream.managed_ledger.bookies.client import BookieClient
 from tierstream.managed_ledger.open_segment import OpenSegment
 from tierstream.managed_ledger.visibility import PartitionVisibility
 from tierstream.metadata.records import SegmentRecord, SegmentState
 from tierstream.metadata.store import MetadataStore
-from tierstream.timeutil import now_ms
+from tierstream.util.faults import crash_point
+from tierstream.util.timeutil import now_ms
 
 __all__ = ["PartitionRollover"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from tierstream.metadata.backend import Tx
 from tierstream.metadata.replication import mark_under_replicated, segments_with_bookie
 from tierstream.metadata.store import MetadataStore
-from tierstream.timeutil import now_ms
+from tierstream.util.timeutil import now_ms
 
 __all__ = ["network_bookies", "registered_instance", "replace_bookie", "set_bookie_endpoint",
            "take_writer_epoch"]

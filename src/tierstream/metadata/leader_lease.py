@@ -23,8 +23,8 @@ from contextlib import suppress
 from typing import Any, Protocol
 
 from tierstream.errors import ConflictError, UnavailableError
-from tierstream.faults import fault_point
 from tierstream.metadata.backend import first_line
+from tierstream.util.faults import fault_point
 from tierstream.util.threads import Worker
 
 __all__ = ["BROKER_APPLICATION", "HEARTBEAT_S", "LOCK_KEY", "STANDING_BY", "Database",

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from tierstream.lineage import Lineage, ScaleEvent
-from tierstream.names import TopicName
+from tierstream.model.lineage import Lineage, ScaleEvent
+from tierstream.model.names import TopicName
+from tierstream.model.positions import EntryRanges
 from tierstream.schemas.model import SchemaInfo
-from tierstream.splits.positions import EntryRanges
 
 __all__ = ["MetadataReader", "SegmentRecord", "SegmentState", "TopicRecord"]
 

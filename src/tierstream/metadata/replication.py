@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from tierstream.metadata.backend import Tx
 from tierstream.metadata.records import SegmentRecord, SegmentState
 from tierstream.metadata.store import SEGMENT_COLUMNS, MetadataStore, segment_of_row
-from tierstream.timeutil import now_ms
+from tierstream.util.timeutil import now_ms
 
 __all__ = ["mark_under_replicated", "repaired", "segments_on_bookies", "segments_with_bookie",
            "under_replicated"]

@@ -12,7 +12,7 @@ import json
 
 from tierstream.errors import ConfigError, NotFoundError
 from tierstream.metadata.store import MetadataStore
-from tierstream.names import TopicName
+from tierstream.model.names import TopicName
 from tierstream.schemas.compat import check_new_version
 from tierstream.schemas.model import (
     DEFAULT_COMPATIBILITY,
@@ -22,7 +22,7 @@ from tierstream.schemas.model import (
     SchemaType,
     canonical,
 )
-from tierstream.timeutil import now_ms
+from tierstream.util.timeutil import now_ms
 
 __all__ = ["SchemaRegistry"]
 

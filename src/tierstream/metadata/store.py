@@ -20,7 +20,6 @@ from tierstream.errors import (
     ConfigError,
     NotFoundError,
 )
-from tierstream.lineage import ScaleEvent
 from tierstream.metadata.backend import (
     POSTGRES_SCHEMES,
     Backend,
@@ -30,7 +29,8 @@ from tierstream.metadata.backend import (
 )
 from tierstream.metadata.records import SegmentRecord, SegmentState, TopicRecord
 from tierstream.metadata.tables import SCHEMA_VERSION, create_and_migrate
-from tierstream.names import TopicName
+from tierstream.model.lineage import ScaleEvent
+from tierstream.model.names import TopicName
 from tierstream.schemas.model import SchemaInfo, SchemaType
 
 __all__ = ["SEGMENT_COLUMNS", "MetadataStore", "segment_of_row"]

@@ -18,7 +18,7 @@ def key_router(message: Any, num_partitions: int) -> int:
 
         client.create_producer(topic, message_router=tierstream.pulsar_protocol.key_router)
     """
-    from tierstream.message_format import key_hash
+    from tierstream.model.message_format import key_hash
 
     key = message.partition_key()
     if not key:

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from tierstream.errors import ConfigError
+from tierstream.model.positions import Position
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
-from tierstream.splits.positions import Position
 
 __all__ = ["LAST_INDEX", "ack_words", "acked_indexes", "cumulative_end", "id_before", "is_own",
            "last_message_id", "message_id", "no_message", "position_of", "positions_of",

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from tierstream.errors import ConfigError, ProtocolError
-from tierstream.message_format import DELIVER_AT, PRODUCE_SCHEMA
+from tierstream.model.message_format import DELIVER_AT, PRODUCE_SCHEMA
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.pulsar_protocol.schemas import schema_version_bytes
 from tierstream.schemas.model import VERSION_PROPERTY

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 
 from tierstream.errors import ConfigError
-from tierstream.names import TopicName
+from tierstream.model.names import TopicName
 
 __all__ = ["InvalidTopicName", "PulsarTopic", "parse_pulsar_topic"]
 

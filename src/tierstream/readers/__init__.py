@@ -2,7 +2,8 @@
 
 :func:`open_reader` picks the reader the split names; every reader trims to the split's exact
 bounds (positions, publish time, key range) and yields batches of
-:data:`~tierstream.message_format.READ_SCHEMA`, with memory bounded by a few entries or row groups.
+:data:`~tierstream.model.message_format.READ_SCHEMA`, with memory bounded by a few entries or
+row groups.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from collections.abc import Iterator
 
 import pyarrow as pa
 
-from tierstream.fanin import Cancel
 from tierstream.readers.stats import BROKER, ReadStats, counted
 from tierstream.splits.split import ReaderKind, Split
+from tierstream.util.fanin import Cancel
 
 __all__ = ["ReadStats", "open_reader"]
 

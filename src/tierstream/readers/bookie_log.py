@@ -44,13 +44,13 @@ from tierstream.errors import (
     TierstreamError,
     UnavailableError,
 )
-from tierstream.message_format import MESSAGE_SCHEMA, with_topic
-from tierstream.protocol import encode, translate_errors
+from tierstream.model.message_format import MESSAGE_SCHEMA, with_topic
+from tierstream.model.positions import Position, in_ranges
 from tierstream.readers.stats import BROKER_FALLBACK, ENDPOINT, LOCAL, ReadStats, counted
 from tierstream.readers.trim import trim
-from tierstream.security import call_headers, client_for
-from tierstream.splits.positions import Position, in_ranges
 from tierstream.splits.split import Replica, Split
+from tierstream.wire.flight import encode, translate_errors
+from tierstream.wire.security import call_headers, client_for
 
 __all__ = ["read_bookie_split"]
 

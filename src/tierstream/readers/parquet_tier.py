@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from fsspec.spec import AbstractBufferedFile
 
 from tierstream.errors import CorruptionError, DataLossError, NotFoundError, UnavailableError
-from tierstream.message_format import with_topic
+from tierstream.model.message_format import with_topic
 from tierstream.readers.stats import (
     BROKER_FALLBACK,
     LOCAL,

@@ -15,7 +15,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from tierstream.units import human_bytes
+from tierstream.util.units import human_bytes
 
 __all__ = ["BROKER", "BROKER_FALLBACK", "ENDPOINT", "LOCAL", "OBJECT_STORE", "ReadStats",
            "counted"]

@@ -11,11 +11,11 @@ import pyarrow.compute as pc
 
 from tierstream.client import BrokerClient, consume_stream
 from tierstream.errors import ConfigError
-from tierstream.fanin import Cancel
-from tierstream.message_format import with_topic
+from tierstream.model.message_format import with_topic
+from tierstream.model.positions import Offset
 from tierstream.readers.trim import trim
-from tierstream.splits.positions import Offset
 from tierstream.splits.split import Split
+from tierstream.util.fanin import Cancel
 
 __all__ = ["read_tail_split"]
 

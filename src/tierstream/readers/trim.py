@@ -5,8 +5,8 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tierstream.message_format import key_range_mask
-from tierstream.splits.positions import Position
+from tierstream.model.message_format import key_range_mask
+from tierstream.model.positions import Position
 from tierstream.splits.split import Split
 
 __all__ = ["trim"]

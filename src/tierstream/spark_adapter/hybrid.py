@@ -33,7 +33,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from tierstream.errors import DataLossError
-from tierstream.splits.positions import Position
+from tierstream.model.positions import Position
 from tierstream.splits.split import ReaderKind, Split, splits_to_json
 
 __all__ = ["NATIVE", "Hybrid", "native_tier_reason", "plan_read", "read"]

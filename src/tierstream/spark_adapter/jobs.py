@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 import pyarrow.parquet as pq
 
 from tierstream.errors import ERRORS_BY_CODE, ConfigError, TierstreamError
-from tierstream.splits.positions import Offset, OffsetKind
+from tierstream.model.positions import Offset, OffsetKind
 from tierstream.splits.split import cuts_to_dict
 
 __all__ = ["BackfillResult", "backfill", "checkpoint_subscription", "local_spark", "query_error"]
@@ -223,7 +223,7 @@ def _tidy(data_dir: str) -> None:
 
 
 def _table_name(topic: str) -> str:
-    from tierstream.names import TopicName
+    from tierstream.model.names import TopicName
     from tierstream.tier.catalog import iceberg_identifier
 
     return "_".join(iceberg_identifier(TopicName.parse(topic))).replace("-", "_")

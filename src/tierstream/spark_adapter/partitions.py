@@ -14,11 +14,11 @@ from typing import Any
 import pyarrow as pa
 from pyspark.sql.datasource import InputPartition
 
-from tierstream.message_format import as_output_batch
+from tierstream.model.message_format import as_output_batch
+from tierstream.model.positions import KeyRange, cut_entries
 from tierstream.read_options import ReadOptions
 from tierstream.readers.stats import ReadStats
 from tierstream.schemas.codec import Decoder, decode_batches
-from tierstream.splits.positions import KeyRange, cut_entries
 from tierstream.splits.split import ReaderKind, Split, chains, splits_from_json, splits_to_json
 
 __all__ = ["SPARK_BATCH_ROWS", "SPLIT_OPEN_COST", "by_entries", "packed", "partition_splits",

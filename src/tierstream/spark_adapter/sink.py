@@ -42,9 +42,9 @@ from pyspark.sql.datasource import (
 )
 
 from tierstream.errors import ConfigError
-from tierstream.faults import crash_point
-from tierstream.names import TopicName
+from tierstream.model.names import TopicName
 from tierstream.options import parse_options, topic_from_path
+from tierstream.util.faults import crash_point
 
 __all__ = ["SinkOptions", "TierstreamBatchWriter", "TierstreamStreamWriter", "TxnMessage",
            "check_sink_schema", "check_sink_topic"]
@@ -75,7 +75,7 @@ class SinkOptions:
 
     @classmethod
     def parse(cls, raw: dict[str, str]) -> SinkOptions:
-        from tierstream.security import read_pem
+        from tierstream.wire.security import read_pem
 
         opts = parse_options(raw, scope="write")
         topic = topic_from_path(opts)  # df.write.format("tierstream").save("a/b/c")

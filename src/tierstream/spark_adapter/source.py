@@ -17,12 +17,12 @@ from pyspark.accumulators import AccumulatorParam
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from tierstream.errors import ConfigError
-from tierstream.message_format import OUTPUT_DDL, OUTPUT_SCHEMA, as_output_batch, spark_ddl
+from tierstream.model.message_format import OUTPUT_DDL, OUTPUT_SCHEMA, as_output_batch, spark_ddl
+from tierstream.model.positions import Offset
 from tierstream.read_options import ReadOptions
 from tierstream.readers.stats import ReadStats
 from tierstream.schemas.codec import Decoder, decoded_schema
 from tierstream.spark_adapter.partitions import read_partition, spark_partitions
-from tierstream.splits.positions import Offset
 from tierstream.splits.split import Cuts, Split, StreamCut
 
 __all__ = [

@@ -40,8 +40,8 @@ from tierstream.enumerator.streaming import (
     with_grown,
 )
 from tierstream.errors import ConfigError
+from tierstream.model.positions import Offset, OffsetKind
 from tierstream.spark_adapter.partitions import read_partition, spark_partitions
-from tierstream.splits.positions import Offset, OffsetKind
 from tierstream.splits.split import Cuts, Split, StreamCut, cuts_from_dict, cuts_to_dict
 
 if TYPE_CHECKING:  # source.py imports this module: only the type, no import cycle

@@ -49,8 +49,8 @@ def tail(spark: Any, options: dict[str, str], out: str, checkpoint: str, *,
     catalog commit per micro-batch, idempotent by batch id: any Iceberg reader sees each
     message once."""
     from tierstream.read_options import ReadOptions
-    from tierstream.signals import stop_requested
     from tierstream.spark_adapter import register
+    from tierstream.util.signals import stop_requested
 
     if format not in FORMATS:
         raise ConfigError(f"invalid format {format!r}: expected one of {', '.join(FORMATS)}")

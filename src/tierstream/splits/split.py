@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tierstream.errors import ConfigError
-from tierstream.splits.positions import EntryRanges, KeyRange, Position
+from tierstream.model.positions import EntryRanges, KeyRange, Position
 
 __all__ = ["CUT_FORMAT_VERSION", "SPLIT_FORMAT_VERSION", "Cuts", "ReaderKind", "Replica", "Split",
            "StreamCut", "TierLocation", "chains", "cuts_from_dict", "cuts_to_dict",

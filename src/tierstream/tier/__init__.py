@@ -1,6 +1,6 @@
 """Tiered storage: closed segments as Parquet files on an fsspec URL, registered in Iceberg.
 
 ``storage.py`` is the tier itself (paths, the key-bucket row layout, reads and deletes);
-``offload.py`` moves segments there in idempotent steps and applies retention;
-``catalog.py`` keeps each topic's Iceberg table.
+``catalog.py`` keeps each topic's Iceberg table. The broker moves segments here in idempotent
+steps and applies retention (``broker/offload.py``).
 """

@@ -20,8 +20,8 @@ import warnings
 from typing import Any
 
 from tierstream.errors import UnavailableError
-from tierstream.message_format import MESSAGE_SCHEMA
-from tierstream.names import TopicName
+from tierstream.model.message_format import MESSAGE_SCHEMA
+from tierstream.model.names import TopicName
 from tierstream.tier.storage import TierStorage
 
 __all__ = ["KEEP_SNAPSHOTS", "TABLE_PROPERTIES", "TierCatalog", "iceberg_identifier"]

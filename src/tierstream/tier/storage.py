@@ -35,8 +35,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tierstream.errors import AuthError, ConfigError, NotFoundError, UnavailableError
-from tierstream.message_format import KEY_HASH_SLOTS, MESSAGE_SCHEMA
-from tierstream.names import TopicName
+from tierstream.model.message_format import KEY_HASH_SLOTS, MESSAGE_SCHEMA
+from tierstream.model.names import TopicName
 
 __all__ = ["KEY_BUCKETS", "TierStorage", "arrange"]
 

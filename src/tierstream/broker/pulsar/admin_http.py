@@ -54,7 +54,7 @@ from tierstream.errors import (
     UnavailableError,
 )
 from tierstream.pulsar_protocol.names import InvalidTopicName, parse_pulsar_topic
-from tierstream.timeutil import now_ms
+from tierstream.util.timeutil import now_ms
 
 if TYPE_CHECKING:
     from tierstream.broker.server import Broker

@@ -23,7 +23,8 @@ from tierstream.broker.pulsar.produce import Link
 from tierstream.broker.subscriptions.attached import Attached, ConsumerSettings
 from tierstream.broker.subscriptions.cursor_state import NON_DURABLE
 from tierstream.errors import ConflictError, TierstreamError
-from tierstream.faults import fault_point
+from tierstream.model.positions import KeyRange, Position
+from tierstream.model.subscription_type import SubscriptionType
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.pulsar_protocol.message_ids import (
     id_before,
@@ -33,8 +34,7 @@ from tierstream.pulsar_protocol.message_ids import (
 )
 from tierstream.pulsar_protocol.replies import Refused, error_code
 from tierstream.pulsar_protocol.schemas import check_consumer_schema
-from tierstream.splits.positions import KeyRange, Position
-from tierstream.subscription_type import SubscriptionType
+from tierstream.util.faults import fault_point
 from tierstream.util.threads import Worker
 
 if TYPE_CHECKING:

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from tierstream.model.positions import Position
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.pulsar_protocol.frames import MAX_MESSAGE_SIZE, serialized_payload_frame
 from tierstream.pulsar_protocol.message_ids import (
@@ -46,7 +47,6 @@ from tierstream.pulsar_protocol.messages import (
     chunks_of,
     metadata_of,
 )
-from tierstream.splits.positions import Position
 
 __all__ = ["Delivered"]
 

@@ -24,8 +24,7 @@ import numpy as np
 
 from tierstream.broker.pulsar.chunks import Assembly
 from tierstream.errors import StaleRoutingError, TierstreamError
-from tierstream.faults import fault_point
-from tierstream.message_format import key_hashes
+from tierstream.model.message_format import key_hashes
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.pulsar_protocol.messages import refused_feature, to_rows
 from tierstream.pulsar_protocol.replies import Refused, error_code, send_error_code
@@ -34,6 +33,7 @@ from tierstream.pulsar_protocol.schemas import (
     schema_version_bytes,
     version_of,
 )
+from tierstream.util.faults import fault_point
 from tierstream.util.threads import Worker
 
 if TYPE_CHECKING:

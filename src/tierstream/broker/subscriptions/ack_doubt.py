@@ -19,7 +19,7 @@ import numpy as np
 
 from tierstream.broker.read_window import DELAYED, DELIVERED, WAITING, Chunk, ReadWindow
 from tierstream.broker.subscriptions.cursor_state import CursorState
-from tierstream.splits.positions import Position
+from tierstream.model.positions import Position
 
 __all__ = ["LoadedCursor", "cumulative_in_doubt", "in_doubt"]
 

@@ -11,8 +11,8 @@ import numpy as np
 import pyarrow as pa
 
 from tierstream.errors import ConflictError
-from tierstream.splits.positions import KeyRange
-from tierstream.subscription_type import SubscriptionType
+from tierstream.model.positions import KeyRange
+from tierstream.model.subscription_type import SubscriptionType
 
 __all__ = ["Attached", "ConsumerSettings", "check_join", "ranges_of"]
 

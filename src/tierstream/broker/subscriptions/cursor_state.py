@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from tierstream.splits.positions import Position
+from tierstream.model.positions import Position
 
 __all__ = ["MAX_ACKED_RANGES", "AckedEntry", "CursorState", "DeadLetterIntent"]
 

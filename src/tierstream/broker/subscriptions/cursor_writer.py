@@ -16,9 +16,9 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from tierstream.errors import StorageError, UnavailableError
-from tierstream.faults import crash_point
 from tierstream.metadata.store import MetadataStore
-from tierstream.timeutil import now_ms
+from tierstream.util.faults import crash_point
+from tierstream.util.timeutil import now_ms
 
 __all__ = ["CursorWriter", "Snapshotting"]
 

@@ -25,7 +25,7 @@ from tierstream.broker.subscriptions.attached import ConsumerSettings
 from tierstream.broker.subscriptions.cursor_state import DeadLetterIntent
 from tierstream.broker.subscriptions.cursor_writer import CursorWriter, Snapshotting
 from tierstream.errors import AlreadyExistsError, TierstreamError
-from tierstream.message_format import CONSUMER_SCHEMA, PRODUCE_SCHEMA
+from tierstream.model.message_format import CONSUMER_SCHEMA, PRODUCE_SCHEMA
 
 if TYPE_CHECKING:
     from tierstream.broker.store import Store

@@ -18,9 +18,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from tierstream.broker.read_window import DELAYED, WAITING, Chunk
-from tierstream.message_format import DELIVER_AT
-from tierstream.subscription_type import SubscriptionType
-from tierstream.timeutil import now_ms
+from tierstream.model.message_format import DELIVER_AT
+from tierstream.model.subscription_type import SubscriptionType
+from tierstream.util.timeutil import now_ms
 
 if TYPE_CHECKING:
     from tierstream.broker.read_window import ReadWindow

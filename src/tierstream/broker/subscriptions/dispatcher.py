@@ -42,8 +42,8 @@ from tierstream.broker.subscriptions.delivery_time import TIMED, DeliveryTimes
 from tierstream.broker.subscriptions.key_holds import KeyHolds
 from tierstream.broker.subscriptions.selectors import active_for_partition
 from tierstream.errors import ConfigError, ConflictError, TierstreamError
-from tierstream.splits.positions import Position
-from tierstream.subscription_type import SubscriptionType
+from tierstream.model.positions import Position
+from tierstream.model.subscription_type import SubscriptionType
 
 if TYPE_CHECKING:
     from tierstream.broker.subscriptions.cursor_writer import CursorWriter

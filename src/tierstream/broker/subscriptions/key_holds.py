@@ -18,7 +18,7 @@ import numpy as np
 from tierstream.broker.read_window import WAITING, Chunk
 from tierstream.broker.subscriptions.attached import Attached, ranges_of
 from tierstream.broker.subscriptions.selectors import slot_owners
-from tierstream.message_format import KEY_HASH_SLOTS
+from tierstream.model.message_format import KEY_HASH_SLOTS
 
 __all__ = ["KeyHolds"]
 

@@ -23,9 +23,9 @@ from tierstream.broker.subscriptions.cursor_writer import CursorWriter
 from tierstream.broker.subscriptions.dead_letters import DeadLetterWriter
 from tierstream.broker.subscriptions.dispatcher import Dispatcher
 from tierstream.errors import ConfigError, ConflictError, NotFoundError
-from tierstream.lineage import ScaleEvent
-from tierstream.splits.positions import Position
-from tierstream.timeutil import now_ms
+from tierstream.model.lineage import ScaleEvent
+from tierstream.model.positions import Position
+from tierstream.util.timeutil import now_ms
 
 if TYPE_CHECKING:
     from tierstream.broker.store import Store

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import mmh3
 import numpy as np
 
-from tierstream.message_format import KEY_HASH_SLOTS
-from tierstream.splits.positions import KeyRange
+from tierstream.model.message_format import KEY_HASH_SLOTS
+from tierstream.model.positions import KeyRange
 
 __all__ = ["RING_POINTS", "active_for_partition", "slot_owners"]
 

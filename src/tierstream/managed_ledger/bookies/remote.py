@@ -35,8 +35,8 @@ import pyarrow.flight as flight
 from tierstream.bookie.ledger import IndexRecord, RecoveredLedger, parse_frame
 from tierstream.bookie.wire import APPEND_SCHEMA, FRAME_SCHEMA, recovered_from
 from tierstream.errors import CorruptionError, UnavailableError
-from tierstream.protocol import decode, encode, error_from_text, translate_errors
-from tierstream.security import call_headers, client_for
+from tierstream.wire.flight import decode, encode, error_from_text, translate_errors
+from tierstream.wire.security import call_headers, client_for
 
 __all__ = ["RemoteBookie", "RemoteLedgerReader"]
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from tierstream.splits.positions import Position
+from tierstream.model.positions import Position
 
 __all__ = ["Lineage", "ScaleEvent"]
 

@@ -18,15 +18,15 @@ from typing import Any
 import pyarrow as pa
 
 from tierstream.errors import ConfigError
-from tierstream.event_time import check_time_field, event_time_window, within_event_time
-from tierstream.fanin import DONE, Cancel, drain, put, start_reader
-from tierstream.follow import follow
-from tierstream.message_format import READ_SCHEMA
+from tierstream.model.message_format import READ_SCHEMA
+from tierstream.model.positions import KeyRange, Offset, OffsetKind
 from tierstream.read_options import BoundLike, ReadOptions, as_bound
 from tierstream.readers import ReadStats, open_reader
+from tierstream.runtime.event_time import check_time_field, event_time_window, within_event_time
+from tierstream.runtime.follow import follow
 from tierstream.schemas.codec import decode_batches
-from tierstream.splits.positions import KeyRange, Offset, OffsetKind
 from tierstream.splits.split import ReaderKind, Split, StreamCut, chains
+from tierstream.util.fanin import DONE, Cancel, drain, put, start_reader
 
 __all__ = ["Following", "latest_cut", "phases", "plan", "read", "run_splits", "scan", "tail"]
 
@@ -222,7 +222,7 @@ def scan(topic: str | Sequence[str] | None = None, *, parallelism: int | None = 
 
     ``time_field="event_time"`` makes ``start``/``end`` (times) a window on event_time: the
     whole log up to its latest position is read and filtered (event times are not ordered;
-    see ``tierstream/event_time.py``)."""
+    see ``tierstream/runtime/event_time.py``)."""
     window = None
     if check_time_field(time_field) == "event_time":
         if kwargs.get("options") is not None:

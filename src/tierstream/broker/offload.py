@@ -23,15 +23,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import pyarrow as pa
 
 from tierstream.errors import ConfigError, CorruptionError
-from tierstream.message_format import MESSAGE_SCHEMA
 from tierstream.metadata.records import SegmentRecord, SegmentState, TopicRecord
 from tierstream.metadata.store import MetadataStore
 from tierstream.metadata.transaction_records import TransactionRecords
-from tierstream.names import TopicName
-from tierstream.splits.positions import Position
+from tierstream.model.message_format import MESSAGE_SCHEMA
+from tierstream.model.names import TopicName
+from tierstream.model.positions import Position
 from tierstream.tier.catalog import TierCatalog
 from tierstream.tier.storage import TierStorage
-from tierstream.timeutil import now_ms
+from tierstream.util.timeutil import now_ms
 
 if TYPE_CHECKING:
     from tierstream.managed_ledger.bookies.client import BookieClient

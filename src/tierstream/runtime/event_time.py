@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from tierstream.errors import ConfigError
-from tierstream.splits.positions import Offset, OffsetKind
+from tierstream.model.positions import Offset, OffsetKind
 
 __all__ = ["TIME_FIELDS", "check_time_field", "event_time_window", "within_event_time"]
 

@@ -21,10 +21,10 @@ import pyarrow as pa
 
 from tierstream.client.admin import Admin
 from tierstream.errors import UnavailableError
-from tierstream.fanin import DONE, Cancel, drain, put, start_reader
+from tierstream.model.positions import KeyRange, Position
 from tierstream.readers import open_reader
-from tierstream.splits.positions import KeyRange, Position
 from tierstream.splits.split import ReaderKind, Split, StreamCut
+from tierstream.util.fanin import DONE, Cancel, drain, put, start_reader
 
 __all__ = ["POLL_S", "follow"]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tierstream.errors import ConfigError
-from tierstream.splits.positions import Offset, OffsetKind
+from tierstream.model.positions import Offset, OffsetKind
 from tierstream.splits.split import StreamCut
 
 if TYPE_CHECKING:

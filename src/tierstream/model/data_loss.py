@@ -13,11 +13,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from tierstream.errors import DataLossError
-from tierstream.timeutil import format_ms
+from tierstream.util.timeutil import format_ms
 
 __all__ = ["HOW_TO_SKIP", "lost_segments", "report_data_loss"]
 
-log = logging.getLogger("tierstream.data_loss")
+log = logging.getLogger("tierstream.model.data_loss")
 
 HOW_TO_SKIP = ("to read what survives, set failOnDataLoss=false (Spark option; "
                "fail_on_data_loss=False in Python; --skip-data-loss on the command line)")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierstream.errors import ConfigError
-from tierstream.message_format import KEY_HASH_SLOTS
+from tierstream.model.message_format import KEY_HASH_SLOTS
 
 __all__ = ["EntryRanges", "KeyRange", "Offset", "OffsetKind", "Position", "cut_entries",
            "entries_between", "entry_ranges", "in_ranges", "ranges_within"]
@@ -232,7 +232,7 @@ class Offset:
 
     @classmethod
     def at_time(cls, time_ms: int) -> Offset:
-        from tierstream.timeutil import parse_time_ms
+        from tierstream.util.timeutil import parse_time_ms
 
         return cls(OffsetKind.TIME, time_ms=parse_time_ms(time_ms))
 
@@ -245,7 +245,7 @@ class Offset:
     @classmethod
     def parse(cls, text: str, *, what: str = "offset") -> Offset:
         """``earliest``, ``latest``, a position ``p:s:e[:b]``, ISO-8601 or epoch milliseconds."""
-        from tierstream.timeutil import parse_time_ms
+        from tierstream.util.timeutil import parse_time_ms
 
         t = text.strip()
         if t.lower() == "earliest":
@@ -286,7 +286,7 @@ class Offset:
 
     def __str__(self) -> str:
         if self.kind is OffsetKind.TIME:
-            from tierstream.timeutil import format_ms
+            from tierstream.util.timeutil import format_ms
 
             return f"time {format_ms(self.time_ms)}"
         if self.kind is OffsetKind.POSITION:
