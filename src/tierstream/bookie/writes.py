@@ -29,6 +29,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.flight as flight
 
 from tierstream.bookie.ledger import IndexRecord
 from tierstream.bookie.storage import Bookie, ledger_paths
@@ -40,6 +41,8 @@ from tierstream.errors import (
     TierstreamError,
     UnavailableError,
 )
+from tierstream.util.faults import fault_point
+from tierstream.util.threads import Worker
 from tierstream.wire.flight import error_text
 
 __all__ = ["BookieWrites"]
@@ -107,15 +110,18 @@ class BookieWrites:
         failed: list[BaseException] = []
 
         def answer() -> None:
-            try:
-                while (item := replies.get()) is not None:
+            while (item := replies.get()) is not None:
+                fault_point("bookie.acks")
+                try:
                     writer.write_batch(self._acks(item))
-            except BaseException as exc:  # the stream broke: the broker retries elsewhere
-                failed.append(exc)
+                except (flight.FlightError, pa.ArrowException, OSError) as exc:
+                    failed.append(exc)  # the stream broke: the broker retries elsewhere
+                    return
 
         writer.begin(ACK_SCHEMA)
-        thread = threading.Thread(target=answer, name=f"bookie-{self.bookie_id}-acks",
-                                  daemon=True)
+        # any other error is a bug: logged with its stack, and the call ends (below) so
+        # that the broker, its entries unanswered, writes them elsewhere
+        thread = Worker(f"bookie-{self.bookie_id}-acks", answer, on_error=failed.append)
         thread.start()
         try:
             for chunk in reader:

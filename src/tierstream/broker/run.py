@@ -17,6 +17,7 @@ from tierstream.errors import (
     ConfigError,
     ConflictError,
     FencedError,
+    StorageError,
     TierstreamError,
     UnavailableError,
 )
@@ -148,6 +149,9 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
                     break
                 if store.fenced.is_set():  # a newer broker took the store over
                     break
+                if store.failed.is_set():  # a thread it cannot serve without died
+                    log.error("%s: the broker stops", store.failed_reason)
+                    break
         finally:
             log.info("broker shutting down")
             store.closing.set()  # ends tail streams so that shutdown does not wait on them
@@ -171,6 +175,8 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
     if store.fenced.is_set():
         raise FencedError(f"{store.fenced_reason}: the broker stopped (another broker "
                           "serves the store now)")
+    if store.failed.is_set():
+        raise StorageError(f"{store.failed_reason}: the broker stopped")
 
 
 def serve_bookies(store: Store, host: str, auth_token: str | None, tls_cert: str | None,

@@ -38,7 +38,8 @@ from tierstream.metadata.store import MetadataStore
 from tierstream.model.names import TopicName
 from tierstream.model.positions import Position
 from tierstream.tier.catalog import TierCatalog
-from tierstream.util.faults import crash_point
+from tierstream.util.faults import crash_point, fault_point
+from tierstream.util.threads import Worker
 from tierstream.util.timeutil import now_ms
 
 __all__ = ["Store"]
@@ -142,8 +143,13 @@ class Store:
             self, config.auto_scale_rate, config.auto_scale_window_ms,
             max_partitions=config.max_partitions_per_topic)
         self._last_txn_pass = time.monotonic()
-        self._timer = threading.Thread(target=self._housekeeping, name="store-housekeeping",
-                                       daemon=True)
+        #: set (with the reason) when housekeeping died of an error nobody foresaw: without
+        #: it segments never roll by age, copies are never repaired; the broker stops
+        #: (broker/run.py) and a standby, or a restart, serves on
+        self.failed = threading.Event()
+        self.failed_reason = ""
+        self._timer = Worker("store-housekeeping", self._housekeeping,
+                             on_error=self._housekeeping_failed)
         self._timer.start()
 
     def __repr__(self) -> str:
@@ -385,6 +391,7 @@ class Store:
         interval = min(1.0, self.config.segment_rollover_ms / 4000,
                        self.config.tier_check_interval_ms / 1000)
         while not self.closing.wait(interval):
+            fault_point("store.housekeeping")
             for plog in list(self._logs.values()):
                 try:
                     plog.roll_if_aged()
@@ -422,6 +429,10 @@ class Store:
                             log.info("tier pass: %s", counts)
                 except Exception as exc:  # a tier outage must not stop the broker; say so and retry
                     _failed(exc, "tier pass failed; segments stay readable from bookies")
+
+    def _housekeeping_failed(self, exc: BaseException) -> None:
+        self.failed_reason = f"the store's housekeeping failed: {exc!r}"
+        self.failed.set()
 
     def close(self) -> None:
         """Clean shutdown: seal every open segment, stop the bookies, close the metadata."""

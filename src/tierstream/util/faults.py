@@ -60,7 +60,9 @@ __all__ = ["ENV", "FAULT_ENV", "FAULT_POINTS", "POINTS", "InjectedFault", "crash
 
 ENV = "TIERSTREAM_CRASH_AT"
 FAULT_ENV = "TIERSTREAM_FAULT_AT"
-FAULT_POINTS = frozenset({"pulsar.receipt", "pulsar.delivery", "metadata.heartbeat"})
+FAULT_POINTS = frozenset({"pulsar.receipt", "pulsar.delivery", "metadata.heartbeat",
+                          "bookie.client.send", "bookie.client.receive", "bookie.client.watch",
+                          "bookie.acks", "store.housekeeping"})
 
 POINTS = frozenset({
     "append.partial-replicas",

@@ -35,6 +35,8 @@ import pyarrow.flight as flight
 from tierstream.bookie.ledger import IndexRecord, RecoveredLedger, parse_frame
 from tierstream.bookie.wire import APPEND_SCHEMA, FRAME_SCHEMA, recovered_from
 from tierstream.errors import CorruptionError, UnavailableError
+from tierstream.util.faults import fault_point
+from tierstream.util.threads import Worker
 from tierstream.wire.flight import decode, encode, error_from_text, translate_errors
 from tierstream.wire.security import call_headers, client_for
 
@@ -83,12 +85,16 @@ class RemoteBookie:
         self.down_reason = ""
         self.failures = 0
         self._closed = False
-        self._sender = threading.Thread(target=self._send_loop, daemon=True,
-                                         name=f"remote-bookie-{bookie_id}-send")
+        #: set when a thread of this client died of an error nobody foresaw: every append
+        #: fails at once from then on (the broker writes the next segments elsewhere)
+        self._dead: str | None = None
+        self._sender = Worker(f"remote-bookie-{bookie_id}-send", self._send_loop,
+                              on_error=self._thread_failed)
+        self._watchdog = Worker(f"remote-bookie-{bookie_id}-watch", self._watch,
+                                on_error=self._thread_failed)
         self._sender.start()
-        self._watchdog = threading.Thread(target=self._watch, daemon=True,
-                                          name=f"remote-bookie-{bookie_id}-watch")
         self._watchdog.start()
+        self._receiver: Worker | None = None  # of the current stream
 
     def __repr__(self) -> str:
         return f"RemoteBookie(id={self.bookie_id!r}, address={self.address!r})"
@@ -98,8 +104,9 @@ class RemoteBookie:
         return self.down_since is None
 
     def is_available(self) -> bool:
-        """Whether it takes writes now (one that was down is pinged)."""
-        return self.available or self.ping()
+        """Whether it takes writes now (one that was down is pinged; never once a thread of
+        this client died)."""
+        return self._dead is None and (self.available or self.ping())
 
     def state(self) -> dict[str, Any]:
         return {"where": self.address, "host": self.host, "available": self.available,
@@ -119,6 +126,8 @@ class RemoteBookie:
         with self._lock:
             if self._closed:
                 fut.set_exception(UnavailableError(f"bookie {self.bookie_id}: closed"))
+            elif self._dead is not None:
+                fut.set_exception(UnavailableError(f"bookie {self.bookie_id}: {self._dead}"))
             elif self.down_since is not None and \
                     time.monotonic() - self.down_since < self.retry_s:
                 fut.set_exception(UnavailableError(
@@ -134,6 +143,7 @@ class RemoteBookie:
         batch at a time (an empty one when idle). Writes happen outside the lock: one that
         blocks (a host that vanished) is broken by the watchdog, not waited for."""
         while True:
+            fault_point("bookie.client.send")
             with self._lock:
                 if not self._outbox and not self._closed and not self._retired:
                     self._lock.wait(KEEPALIVE_S)
@@ -179,8 +189,11 @@ class RemoteBookie:
                 return
             self._stream, generation = stream, self._generation
             self.down_since = None
-        threading.Thread(target=self._receive_loop, args=(stream[1], generation),
-                         daemon=True, name=f"remote-bookie-{self.bookie_id}-recv").start()
+        self._receiver = Worker(
+            f"remote-bookie-{self.bookie_id}-recv",
+            lambda: self._receive_loop(stream[1], generation),
+            on_error=lambda exc: self._broken(generation, f"its receiver failed: {exc!r}"),
+        ).start()
 
     def _open_stream(self) -> tuple[Any, Any]:
         descriptor = flight.FlightDescriptor.for_command(encode(
@@ -196,6 +209,7 @@ class RemoteBookie:
         try:
             while True:
                 chunk = reader.read_chunk()
+                fault_point("bookie.client.receive")
                 acks = chunk.data.to_pylist()
                 with self._lock:
                     if generation != self._generation:
@@ -216,14 +230,14 @@ class RemoteBookie:
                             fut.set_exception(error_from_text(ack["error"]))
         except StopIteration:
             self._broken(generation, "the bookie ended the write stream")
-        except Exception as exc:
+        except (flight.FlightError, pa.ArrowException, OSError, UnavailableError) as exc:
             self._broken(generation, f"{type(exc).__name__}: {exc}")
 
     def _watch(self) -> None:
         """Break the stream when its oldest entry waited ``timeout_s``: a bookie whose host
         vanished answers nothing, and the segment must not wait for it."""
-        while True:
-            time.sleep(min(1.0, self.timeout_s / 4))
+        while not self._watchdog.stopping.wait(min(1.0, self.timeout_s / 4)):
+            fault_point("bookie.client.watch")
             with self._lock:
                 if self._closed:
                     return
@@ -232,6 +246,15 @@ class RemoteBookie:
                 generation = self._generation
             if oldest is not None and time.monotonic() - oldest > self.timeout_s:
                 self._broken(generation, f"no answer in {self.timeout_s:g} s")
+
+    def _thread_failed(self, exc: BaseException) -> None:
+        """The send or watch thread died (logged with its stack by its Worker): without it
+        appends would wait for good, so every one in flight fails now and every later one
+        at once — the broker seals this bookie's segments and writes elsewhere."""
+        with self._lock:
+            self._dead = f"a thread of its client failed: {exc!r}"
+            generation = self._generation
+        self._broken(generation, self._dead)
 
     def _broken(self, generation: int, reason: str) -> None:
         with self._lock:
@@ -391,6 +414,9 @@ class RemoteBookie:
                 self._retired.append(stream)  # closed by the send loop as it ends
                 self._lock.notify_all()
         self._sender.join(timeout=self.timeout_s)
+        self._watchdog.stop(timeout=self.timeout_s)
+        if self._receiver is not None:
+            self._receiver.join(timeout=self.timeout_s)
         self._client.close()
 
 

@@ -1,0 +1,59 @@
+"""Every long-lived thread has an owner: a fault point (``util/faults.py``) raises an error
+nobody foresaw in its body, and its owner reports it with its stack and gives its work back —
+nothing hangs. (The Pulsar listener's threads: ``tests/pulsar_wire/test_pulsar_faults.py``;
+the metadata heartbeat: ``test_metadata_backends.py``.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tierstream.util.faults import FAULT_ENV
+
+from ..timing import scaled
+from .helpers import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(("point", "thread", "dies"), [
+    # the client's sender or watchdog gone: appends would wait for good, so every one fails
+    # at once and placement stops choosing the bookie
+    ("bookie.client.send@3", "remote-bookie-b0-send", True),
+    ("bookie.client.watch@2", "remote-bookie-b0-watch", True),
+    # a stream's receiver, or the bookie's answer thread: that stream fails, the next serves
+    ("bookie.client.receive@3", "remote-bookie-b0-recv", False),
+    ("bookie.acks@3", "bookie-b0-acks", False),
+])
+def test_a_network_bookie_thread_that_fails_fails_its_appends_and_hangs_nothing(
+        tmp_path, point: str, thread: str, dies: bool) -> None:
+    done = subprocess.run([sys.executable, "-m", "tests.store.bookie_threads",
+                           str(tmp_path / "b0")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=scaled(120), env={**os.environ, FAULT_ENV: point})
+    assert done.returncode == 0, done.stderr[-3000:]
+    outcome = json.loads(done.stdout.strip().splitlines()[-1])
+    assert f"{thread} stopped by an unexpected error" in done.stderr  # with its stack
+    assert "InjectedFault" in done.stderr
+    assert outcome["failed"] >= 1
+    if dies:
+        assert outcome["dead_after"] and not outcome["available"], outcome
+    else:
+        assert not outcome["dead_after"] and outcome["available"], outcome
+        assert outcome["stored"] >= 10, outcome  # before and after the failed stream
+
+
+def test_a_housekeeping_thread_that_fails_stops_the_broker_saying_why(start_broker) -> None:
+    broker = start_broker(env={FAULT_ENV: "store.housekeeping@3"})
+    assert broker.proc is not None
+    wait_for(lambda: broker.proc is not None and broker.proc.poll() is not None,
+             timeout=scaled(60), what="the broker to stop")
+    said = "".join(broker.stderr_tail)
+    assert broker.proc.returncode == 1 and broker.proc.returncode != -signal.SIGKILL, said
+    assert "store-housekeeping stopped by an unexpected error" in said
+    assert "the store's housekeeping failed" in said and "the broker stopped" in said
