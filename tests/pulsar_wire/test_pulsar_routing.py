@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pulsar
@@ -123,12 +124,12 @@ def _every_reader_in_key_order(url: str, keyed: Written, spark: Any) -> None:
 
 
 def test_a_client_routed_topic_grows_in_two_steps_and_every_key_stays_in_order(
-        start_broker: Any, free_port: int, spark: Any) -> None:
+        start_broker: Any, free_port: int, spark: Any, tmp_path: Path) -> None:
     """Regression: a topic whose keys its Pulsar clients route could not grow. It grows 2 -> 4
     now: announced (clients write to the new partitions at once, a client that has not
     looked again still routes by 2), then recorded after --client-refresh-wait, and every
     reader gives each key's messages in the order written — before the growth, by the old
-    client during the announcement, by a client that routes by 4."""
+    client during the announcement, by a client that routes by 4 — Spark streams too."""
     wait_ms = round(scaled(8) * 1000)
     broker = start_broker("--pulsar-port", str(free_port),
                           "--client-refresh-wait", f"{wait_ms}ms")
@@ -211,6 +212,37 @@ def test_a_client_routed_topic_grows_in_two_steps_and_every_key_stays_in_order(
                      table.column("partition").to_pylist(), strict=True))
     assert all(where[v] == p for v, p in {**stale_where, **fresh_where}.items())
     _every_reader_in_key_order(url, written, spark)
+    _a_stream_in_key_order(url, written, spark, tmp_path)
+
+
+def _a_stream_in_key_order(url: str, written: Written, spark: Any, tmp_path: Path) -> None:
+    """A Structured Streaming read (key-ranges, 101 messages a trigger) across the event:
+    each key in one Spark partition per micro-batch, in the order written."""
+    from pyspark.sql import functions as F
+
+    seen: list[Any] = []
+
+    def keep(df: Any, batch_id: int) -> None:
+        seen.extend(df.select("key", "value", F.lit(batch_id).alias("batch"),
+                              F.spark_partition_id().alias("pid"),
+                              F.monotonically_increasing_id().alias("idx")).collect())
+
+    query = (spark.readStream.format("tierstream")
+             .options(topic=TOPIC, broker=url, startingPosition="earliest",
+                      maxRecordsPerTrigger="101", keyRanges="2").load()
+             .writeStream.foreachBatch(keep)
+             .option("checkpointLocation", str(tmp_path / "stream-checkpoint"))
+             .trigger(availableNow=True).start())
+    query.awaitTermination()
+    assert query.exception() is None
+    keyed = [r for r in sorted(seen, key=lambda r: (r.batch, r.idx)) if r.key is not None]
+    places: dict[tuple[str, int], set[int]] = {}
+    for r in keyed:
+        places.setdefault((r.key, r.batch), set()).add(r.pid)
+    assert all(len(pids) == 1 for pids in places.values())
+    assert len({r.batch for r in keyed}) > 1  # the event lies inside the stream's batches
+    assert order_errors(written, [r.key for r in keyed],
+                        [bytes(r.value) for r in keyed]) == []
 
 
 def test_a_broker_killed_after_announcing_a_growth_records_it_after_the_restart(
