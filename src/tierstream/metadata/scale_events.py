@@ -59,14 +59,15 @@ def announce_growth(store: MetadataStore, name: str, old: int, new: int, *, at: 
     return store.get_topic(name), segments
 
 
-def _check_count(c: Tx, name: str, old: int) -> None:
+def _check_count(c: Tx, name: str, old: int, *, announced: int | None = None) -> None:
+    """The topic has ``old`` partitions and no growth under way but to ``announced``."""
     row = c.execute("SELECT partitions, announced FROM topics WHERE name=? AND deleting_at IS "
                     "NULL", (name,)).fetchone()
     if row is None:
         raise NotFoundError(f"topic {name!r} does not exist")
     if row[0] != old:
         raise ConflictError(f"topic {name!r} has {row[0]} partitions, not {old}")
-    if row[1] is not None:
+    if row[1] not in (None, announced):
         raise ConflictError(f"topic {name!r} is growing to {row[1]} partitions already")
 
 
@@ -78,13 +79,7 @@ def record_scale_event(store: MetadataStore, name: str, old: int, new: int, *, a
     partition, or for a growth announced before (:func:`announce_growth`, whose segments
     opened the new partitions) the old ones only: the event's boundary is in those."""
     with store.atomic() as c:
-        row = c.execute("SELECT partitions, announced FROM topics WHERE name=? AND "
-                        "deleting_at IS NULL", (name,)).fetchone()
-        if row is None:
-            raise NotFoundError(f"topic {name!r} does not exist")
-        if row[0] != old or row[1] not in (None, new):
-            raise ConflictError(f"topic {name!r} has {row[0]} partitions, not {old}"
-                                + (f" (growing to {row[1]})" if row[1] is not None else ""))
+        _check_count(c, name, old, announced=new)
         c.execute("UPDATE topics SET partitions=?, announced=NULL, announced_at=NULL "
                   "WHERE name=?", (new, name))
         segments = _insert_segments(c, name, list(enumerate(ensembles)), at)

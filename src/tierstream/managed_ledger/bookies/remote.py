@@ -344,9 +344,6 @@ class RemoteBookie:
             table = self._client.do_get(ticket, self._options).read_all()
         return bytes(table.column("data")[0].as_py())
 
-    def read_raw_frame(self, segment_id: int, rec: IndexRecord) -> bytes:
-        return self.byte_range(segment_id, rec.frame_offset, rec.frame_len)
-
     def read_raw_frames(self, segment_id: int, records: list[IndexRecord]
                         ) -> Iterator[tuple[IndexRecord, bytes]]:
         """The raw frames of consecutive ``records``, a window of bytes per call."""
