@@ -17,19 +17,29 @@ import resource
 import socket
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pulsar
+import pyarrow as pa
 
 from bench.harness import Figure, WorkerProcess, repeat, report, sized, timed
+from tierstream.broker.config import StoreConfig
 from tierstream.broker.process import BrokerProcess
 from tierstream.broker.pulsar.produce import off_hash
+from tierstream.broker.store import Store
 from tierstream.client import Admin, Consumer, Producer
+from tierstream.model.message_format import as_produce_batch
 from tierstream.model.positions import Offset
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
-from tierstream.pulsar_protocol.frames import parse_frame, payload_frame
+from tierstream.pulsar_protocol.frames import (
+    command_frame,
+    parse_frame,
+    payload_frame,
+    read_frame_size,
+)
 from tierstream.pulsar_protocol.messages import to_rows
 
 VALUE = b"v" * 100
@@ -81,6 +91,75 @@ def _pulsar_rate(client: Any, topic: str, messages: int, cpu: list[_Cpu],
     return rate
 
 
+class _Replay:
+    """Pulsar SENDs as the client above makes them (batches of BATCH unkeyed VALUEs, sequence
+    ids counting up), encoded before the clock starts and written to the broker by a socket
+    that costs this process next to nothing: the broker's CPU per message without the real
+    client's ~6.6 us per message beside it on the same two cores. Its load on the shared
+    caches and memory slows the broker, the Pulsar path most (it touches more bytes: the
+    frames, then per message a properties map): with a memory-bound numpy loop on the other
+    core the replayed path went from 1.4 to 2.4 us per message, tierstream's own from 1.0 to
+    1.4 (measured 2026-11-27); a loop that only spins changed neither."""
+
+    def __init__(self, pulsar_url: str, topic: str) -> None:
+        host, port = pulsar_url.removeprefix("pulsar://").rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)))
+        self.sock.sendall(command_frame(api.BaseCommand(
+            type=api.BaseCommand.CONNECT, connect=api.CommandConnect(
+                client_version="bench", protocol_version=20))) + command_frame(api.BaseCommand(
+                    type=api.BaseCommand.PRODUCER, producer=api.CommandProducer(
+                        topic=topic, producer_id=1, request_id=1, producer_name="bench"))))
+        self._until(lambda c: c.type == api.BaseCommand.PRODUCER_SUCCESS)
+        self.next_id = 0
+
+    def _until(self, done: Any, count: int = 1) -> None:
+        seen = 0
+        while seen < count:
+            head = self._read(4)
+            command = parse_frame(self._read(read_frame_size(head))).command
+            if command.type == api.BaseCommand.SEND_ERROR:
+                raise RuntimeError(f"the broker refused a send: {command.send_error.message}")
+            seen += bool(done(command))
+
+    def _read(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            if not chunk:
+                raise RuntimeError("the broker closed the connection")
+            data += chunk
+        return data
+
+    def frames(self, messages: int) -> list[bytes]:
+        out = []
+        for first in range(self.next_id, self.next_id + messages, BATCH):
+            data = b"".join(len(m := api.SingleMessageMetadata(
+                payload_size=len(VALUE), sequence_id=i).SerializeToString()).to_bytes(4, "big")
+                + m + VALUE for i in range(first, first + BATCH))
+            send = api.BaseCommand(type=api.BaseCommand.SEND, send=api.CommandSend(
+                producer_id=1, sequence_id=first, highest_sequence_id=first + BATCH - 1,
+                num_messages=BATCH))
+            out.append(payload_frame(send, api.MessageMetadata(
+                producer_name="bench", sequence_id=first, publish_time=int(time.time() * 1000),
+                num_messages_in_batch=BATCH), data))
+        self.next_id += messages
+        return out
+
+    def rate(self, broker: BrokerProcess, messages: int, cpu: list[_Cpu]) -> float:
+        frames = self.frames(messages)
+
+        def send() -> None:
+            writer = threading.Thread(target=lambda: [self.sock.sendall(f) for f in frames])
+            writer.start()  # receipts read meanwhile: nothing waits on a full socket buffer
+            self._until(lambda c: c.type == api.BaseCommand.SEND_RECEIPT, len(frames))
+            writer.join()
+
+        with _Cpu(broker) as used:
+            rate = messages / timed(send)
+        cpu.append(used)
+        return rate
+
+
 def _own_rate(broker: BrokerProcess, topic: str, messages: int, cpu: list[_Cpu]) -> float:
     with Producer(topic, broker=broker.url, batch_size=BATCH, max_in_flight=16) as producer:
         def send() -> None:
@@ -118,28 +197,46 @@ def _decode_rate(messages: int) -> float:
     return messages / timed(decode)
 
 
-def _step_us(messages: int) -> dict[str, float]:
+def _step_us(messages: int, tmp: str) -> dict[str, float]:
     """CPU per message (us) of the broker's steps on a keyed SEND of a batch of 1,000
     100-byte messages, each alone in this process: the frame's parse with its checksum, the
-    batch's decode into rows, the check of where tierstream's hash puts each key."""
+    batch's decode into rows, the check of where tierstream's hash puts each key, and the
+    append of the rows (the entry built and written by the bookie, fsync off: CPU, not the
+    disk) beside the append of the rows tierstream's own producer sends for the same
+    messages."""
     metadata, data = _batch(key="user-123")
     send = api.BaseCommand(type=api.BaseCommand.SEND,
                            send=api.CommandSend(producer_id=1, sequence_id=0,
                                                 num_messages=BATCH))
     body = payload_frame(send, metadata, data)[4:]  # what follows the frame's size
     rows = to_rows(metadata, data, sequence_id=0)
+    own = as_produce_batch(pa.record_batch({"key": ["user-123"] * BATCH,
+                                            "value": [VALUE] * BATCH}))
     batches = max(1, messages // BATCH)
+    store = Store(StoreConfig.from_options({"dataDir": tempfile.mkdtemp(dir=tmp),
+                                            "fsync": False}))
+    store.create_topic("bench/steps/pulsar", 1)
+    store.create_topic("bench/steps/own", 1)
+    pulsar_log, own_log = (store.partition("bench/steps/pulsar", 0),
+                           store.partition("bench/steps/own", 0))
 
     def per_message(step: Any) -> float:
-        start = time.process_time()
+        start = time.process_time()  # every thread of this process: the bookie's too
         for _ in range(batches):
             step()
         return (time.process_time() - start) / (batches * BATCH) * 1e6
 
-    return {"frame parse + checksum": per_message(lambda: parse_frame(body)),
-            "batch decode into rows (to_rows)": per_message(
-                lambda: to_rows(metadata, data, sequence_id=0)),
-            "key routing check (key hashes)": per_message(lambda: off_hash(rows, 0, 4))}
+    try:
+        return {"frame parse + checksum": per_message(lambda: parse_frame(body)),
+                "batch decode into rows (to_rows)": per_message(
+                    lambda: to_rows(metadata, data, sequence_id=0)),
+                "key routing check (key hashes)": per_message(lambda: off_hash(rows, 0, 4)),
+                "append (entry built, bookie write)": per_message(
+                    lambda: pulsar_log.append(rows, producer=None, sequence_id=None)),
+                "  the same append of tierstream's own rows": per_message(
+                    lambda: own_log.append(own, producer=None, sequence_id=None))}
+    finally:
+        store.close()
 
 
 def pulsar_produce(quick: bool = True) -> Path:
@@ -187,6 +284,20 @@ def pulsar_produce(quick: bool = True) -> Path:
                             "tierstream's own path",
                             _per_message_us(ours_cpu, messages, side, runs),
                             higher_is_better=False))
+                    if partitions == 1:  # the broker's cost alone: the client's load taken off
+                        replay_cpu: list[_Cpu] = []
+                        replay = _Replay(broker.pulsar_url, f"persistent://{topic('replay', 1)}")
+                        repeat(lambda r=replay, c=replay_cpu: r.rate(broker, messages, c), runs)
+                        replay.sock.close()
+                        figures.append(Figure(
+                            "  broker CPU per message, Pulsar SENDs replayed (no client load "
+                            "beside), 1 partition", "us",
+                            _per_message_us(replay_cpu, messages, "broker", runs),
+                            "tierstream's own path",
+                            _per_message_us(ours_cpu, messages, "broker", runs),
+                            aim="<= 1.5x tierstream's own path",
+                            aim_check=lambda v, r: r is not None and r <= 1.5,
+                            higher_is_better=False))
             finally:
                 client.close()
         finally:
@@ -194,7 +305,8 @@ def pulsar_produce(quick: bool = True) -> Path:
     decode = repeat(lambda: _decode_rate(messages), runs)
     figures.append(Figure("broker decode of Pulsar batches into Arrow rows (to_rows)",
                           "msg/s", decode))
-    steps = [_step_us(messages) for _ in range(runs)]
+    with tempfile.TemporaryDirectory() as tmp:
+        steps = [_step_us(messages, tmp) for _ in range(runs)]
     for name in steps[0]:
         figures.append(Figure(f"  broker step alone: {name}, keyed batches of 1,000", "us",
                               [st[name] for st in steps], higher_is_better=False))

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import _pulsar
+import numpy as np
 import pulsar
 import pytest
 from pulsar.schema import AvroSchema, Integer, JsonSchema, Record, String, StringSchema
@@ -18,8 +19,10 @@ import tierstream
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
+from tierstream.pulsar_protocol.columns import properties_column
 from tierstream.pulsar_protocol.frames import command_frame
 from tierstream.pulsar_protocol.messages import (
+    KEY_BASE64,
     NULL_VALUE,
     ORDERING_KEY,
     PUBLISH_TIME,
@@ -226,19 +229,23 @@ def _batch_of(singles: list[tuple[api.SingleMessageMetadata, bytes]]) -> bytes:
                     for s, v in singles)
 
 
-@pytest.mark.parametrize("case", ["alike", "ids-cross-128", "sizes-differ", "keyed", "empty",
-                                  "event-time", "one"])
+@pytest.mark.parametrize("case", ["alike", "ids-cross-128", "ids-cross-1000", "sizes-differ",
+                                  "keyed", "keys-differ", "keys-in-base64", "empty",
+                                  "event-time", "batch-event-time", "one"])
 def test_a_batch_decodes_to_what_was_sent_whichever_path_it_takes(case: str) -> None:
     """Batches of plain messages alike in size are split column-wise (no step per message);
     every other batch message by message: each comes out as sent."""
-    first = {"ids-cross-128": 100}.get(case, 5_000)
+    first = {"ids-cross-128": 100, "ids-cross-1000": 980}.get(case, 5_000)
     count = 1 if case == "one" else 60
     singles = []
     for i in range(count):
         value = b"v" * (7 if case != "sizes-differ" else 5 + i % 3) if case != "empty" else b""
         single = api.SingleMessageMetadata(payload_size=len(value), sequence_id=first + i)
-        if case == "keyed":
-            single.partition_key = f"k{i % 3}"
+        if case in ("keyed", "keys-in-base64"):
+            single.partition_key = f"k{i % 3}é"  # one length: split column-wise
+            single.partition_key_b64_encoded = case == "keys-in-base64"
+        if case == "keys-differ":
+            single.partition_key = f"k{i}"
         if case == "event-time" and i == 7:
             single.event_time = 123
         if case == "empty":
@@ -246,9 +253,28 @@ def test_a_batch_decodes_to_what_was_sent_whichever_path_it_takes(case: str) -> 
         singles.append((single, value))
     metadata = api.MessageMetadata(producer_name="p", sequence_id=first, publish_time=1,
                                    num_messages_in_batch=count)
+    if case == "batch-event-time":
+        metadata.event_time = 456
     rows = to_rows(metadata, _batch_of(singles), sequence_id=first).to_pylist()
     assert [r["value"] for r in rows] == [v for _, v in singles]
     assert [dict(r["properties"])[SEQUENCE_ID] for r in rows] == [
         str(first + i) for i in range(count)]
     assert [r["key"] for r in rows] == [s.partition_key or None for s, _ in singles]
-    assert [r["event_time"] for r in rows] == [s.event_time or None for s, _ in singles]
+    assert [r["event_time"] for r in rows] == [s.event_time or metadata.event_time or None
+                                               for s, _ in singles]
+    assert all(dict(r["properties"])[PUBLISH_TIME] == "1" for r in rows)
+    assert [dict(r["properties"]).get(KEY_BASE64) for r in rows] == [
+        "true" if s.partition_key_b64_encoded else None for s, _ in singles]
+
+
+@pytest.mark.parametrize("ids", [[7], list(range(5_000, 5_060)), list(range(980, 1_040)),
+                                 [3, 2**64 - 1, 40, 0], []])
+@pytest.mark.parametrize("shared", [[], [("a", "1795778434497")], [("b", ""), ("c", "xyz")]])
+def test_a_properties_column_holds_each_id_then_the_shared_properties(
+        ids: list[int], shared: list[tuple[str, str]]) -> None:
+    """Built from buffers where every id has as many digits as the others, by takes where
+    not: the same map either way, whether the ids come as a list or as an array."""
+    for given in (ids, np.array(ids, dtype=np.uint64)):
+        column = properties_column(given, "id", shared)
+        column.validate(full=True)
+        assert column.to_pylist() == [[("id", str(i)), *shared] for i in ids]

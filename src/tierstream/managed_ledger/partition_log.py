@@ -10,6 +10,7 @@ and the last confirmed entry (LAC) only ever moves forward by one.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -19,6 +20,7 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -355,7 +357,7 @@ class PartitionLog(PartitionRollover):
             pa.repeat(pa.scalar(self.partition, pa.int32()), n),
             pa.repeat(pa.scalar(segment_id, pa.int64()), n),
             pa.repeat(pa.scalar(entry_id, pa.int64()), n),
-            pa.array(range(n), type=pa.int32()),
+            _batch_indexes(n),
         ]
         out = pa.RecordBatch.from_arrays(columns, schema=MESSAGE_SCHEMA)
         return out, publish_time[0].as_py(), publish_time[-1].as_py()
@@ -411,3 +413,9 @@ class PartitionLog(PartitionRollover):
         """The producer's last stored sequence id here, or None."""
         with self._lock:
             return self._dedup.last(producer)
+
+
+@functools.lru_cache(maxsize=8)
+def _batch_indexes(n: int) -> pa.Array:
+    """0..n-1, the batch index of an entry's messages (kept: entries repeat sizes)."""
+    return pa.array(np.arange(n, dtype=np.int32))

@@ -152,6 +152,8 @@ def key_hash(key: str | None) -> int:
 def key_hashes(keys: pa.Array | Sequence[str | None]) -> pa.Array:
     """The key hash of every key, as an int32 array (null keys hash as :data:`NONE_KEY`)."""
     arr = keys if isinstance(keys, pa.Array) else pa.array(keys, type=pa.string())
+    if arr.null_count == len(arr):  # no keys (unkeyed messages): one hash for all
+        return pa.repeat(pa.scalar(key_hash(None), pa.int32()), len(arr))
     # Hash each distinct key once: batches usually repeat a few keys many times.
     encoded = pc.dictionary_encode(arr)
     if isinstance(encoded, pa.ChunkedArray):
@@ -213,6 +215,10 @@ def batches_of_about(table: pa.Table, nbytes: int) -> list[pa.RecordBatch]:
 
 def as_produce_batch(batch: pa.RecordBatch) -> pa.RecordBatch:
     """``batch`` with exactly the columns of PRODUCE_SCHEMA (missing optional ones as nulls)."""
+    if batch.schema.equals(PRODUCE_SCHEMA):  # already so (a Pulsar SEND's rows, most streams)
+        if batch.column(1).null_count:
+            raise ConfigError("column 'value' has nulls; it must not")
+        return batch
     names = set(batch.schema.names)
     unknown = names - set(PRODUCE_SCHEMA.names)
     if unknown:

@@ -40,26 +40,28 @@ class Frame:
     payload: bytes = b""
 
 
-def read_frame_size(header: bytes) -> int:
+def read_frame_size(header: bytes | bytearray) -> int:
     """The size of the frame after its 4-byte size field."""
     (size,) = struct.unpack(">I", header)
     return int(size)
 
 
-def parse_frame(body: bytes) -> Frame:
+def parse_frame(body: bytes | bytearray) -> Frame:
     """A frame from ``body`` (what follows its total size); ProtocolError for a malformed one,
-    naming what is wrong (a bad checksum is refused, never taken)."""
+    naming what is wrong (a bad checksum is refused, never taken). The payload is the one copy
+    made of ``body``'s bytes (it may be a receive buffer)."""
     if len(body) < 4:
         raise ProtocolError(f"truncated frame: {len(body)} bytes")
     (cmd_size,) = struct.unpack_from(">I", body, 0)
     if cmd_size > len(body) - 4:
         raise ProtocolError(f"command size {cmd_size} exceeds the frame ({len(body)} bytes)")
+    view = memoryview(body)
     command = api.BaseCommand()
     try:
-        command.ParseFromString(body[4:4 + cmd_size])
+        command.ParseFromString(view[4:4 + cmd_size])
     except Exception as exc:  # protobuf's DecodeError and friends
         raise ProtocolError(f"undecodable command: {exc}") from None
-    rest = memoryview(body)[4 + cmd_size:]
+    rest = view[4 + cmd_size:]
     if not rest:
         return Frame(command)
     try:
@@ -76,7 +78,7 @@ def _with_payload(command: api.BaseCommand, rest: memoryview) -> Frame:
     if len(rest) < at + 10 or struct.unpack_from(">H", rest, at)[0] != _CHECKSUM_MAGIC:
         raise ProtocolError("payload without the checksum magic 0x0e01")
     (checksum,) = struct.unpack_from(">I", rest, at + 2)
-    checked = bytes(rest[at + 6:])
+    checked = rest[at + 6:]
     if crc32c.crc32c(checked) != checksum:
         raise ProtocolError("checksum mismatch: the payload was damaged on the way")
     (meta_size,) = struct.unpack_from(">I", checked, 0)
@@ -87,7 +89,7 @@ def _with_payload(command: api.BaseCommand, rest: memoryview) -> Frame:
         metadata.ParseFromString(checked[4:4 + meta_size])
     except Exception as exc:
         raise ProtocolError(f"undecodable message metadata: {exc}") from None
-    return Frame(command, metadata, checked[4 + meta_size:])
+    return Frame(command, metadata, bytes(checked[4 + meta_size:]))
 
 
 def command_frame(command: api.BaseCommand) -> bytes:

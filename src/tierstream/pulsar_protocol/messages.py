@@ -5,6 +5,7 @@ per message a ``SingleMessageMetadata`` and its bytes), decompressed with pyarro
 from __future__ import annotations
 
 import base64
+import functools
 import zlib
 from typing import Any
 
@@ -14,6 +15,7 @@ import pyarrow as pa
 from tierstream.errors import ConfigError, ProtocolError
 from tierstream.model.message_format import DELIVER_AT, PRODUCE_SCHEMA
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
+from tierstream.pulsar_protocol.columns import properties_column
 from tierstream.pulsar_protocol.schemas import schema_version_bytes
 from tierstream.schemas.model import VERSION_PROPERTY
 
@@ -79,26 +81,16 @@ def to_rows(metadata: api.MessageMetadata, payload: bytes, *, sequence_id: int,
             [(messages.own.get(i) or []) + [(SEQUENCE_ID, str(seq))] + shared
              for i, seq in enumerate(messages.sequence_ids)], _PROPERTIES)
     else:
-        # each message's sequence id and then the shared ones, taken from one array of the
-        # shared values followed by the ids (no Python string per message)
-        width = 1 + len(shared)
-        ids = pa.array(messages.sequence_ids, pa.uint64()).cast(pa.string())
-        items = pa.concat_arrays([pa.array([v for _, v in shared], pa.string()), ids])
-        at = np.empty(n * width, dtype=np.int64)
-        at[0::width] = np.arange(width - 1, width - 1 + n)
-        for j in range(1, width):
-            at[j::width] = j - 1
-        names = pa.array([SEQUENCE_ID] + [k for k, _ in shared], pa.string())
-        properties = pa.MapArray.from_arrays(
-            pa.array(np.arange(0, n * width + 1, width, dtype=np.int32)),
-            names.take(pa.array(np.tile(np.arange(width), n))), items.take(pa.array(at)))
+        properties = properties_column(messages.sequence_ids, SEQUENCE_ID, shared)
     events = messages.events
     return pa.RecordBatch.from_arrays([
-        pa.array(messages.keys, pa.string()),
+        messages.keys if isinstance(messages.keys, pa.Array)
+        else pa.array(messages.keys, pa.string()) if messages.keys else pa.nulls(n, pa.string()),
         messages.values if isinstance(messages.values, pa.Array)
         else pa.array(messages.values, pa.binary()),
         pa.nulls(n, pa.int64()),
-        pa.array(events, pa.int64()) if any(events) else pa.nulls(n, pa.int64()),
+        events if isinstance(events, pa.Array)
+        else pa.array(events, pa.int64()) if any(events) else pa.nulls(n, pa.int64()),
         properties], schema=PRODUCE_SCHEMA)
 
 
@@ -109,9 +101,10 @@ class _Messages:
     """The columns of a SEND's messages, filled one message at a time."""
 
     def __init__(self) -> None:
-        self.keys: list[str | None] = []
+        # list[str | None], empty where no message has a key, or a string array
+        self.keys: Any = []
         self.values: Any = []  # list[bytes], or a binary array (``_alike_batch``)
-        self.events: list[int | None] = []
+        self.events: Any = []  # list[int | None], or an int64 array (``_alike_batch``)
         self.sequence_ids: Any = []  # list[int], or a uint64 array
         self.own: dict[int, list[tuple[str, str]]] = {}  # message -> its own properties
 
@@ -136,14 +129,18 @@ class _Messages:
 
 
 def _alike_batch(count: int, data: bytes, event_time: int) -> _Messages | None:
-    """A batch whose every message is plain (a payload size and a sequence id, nothing else)
-    and alike in size — its payload and its metadata (the sequence ids' varints of one length:
-    ids of a batch cross a length boundary at 128, 16,384, ... only) — split at once: the
-    batch is then a table of ``count`` rows of one width. None where it is not."""
-    if count < 2 or len(data) < 6 or data[4] != 0x18:
+    """A batch whose every message is plain (a payload size, a sequence id and perhaps a key,
+    nothing else) and alike in size — its payload, its key and its metadata (the sequence
+    ids' varints of one length: ids of a batch cross a length boundary at 128, 16,384, ...
+    only) — split at once: the batch is then a table of ``count`` rows of one width. None
+    where it is not (keys of different lengths, properties, ...)."""
+    if count < 2 or len(data) < 6:
         return None
     head = int.from_bytes(data[:4], "big")
-    size, at = 0, 5  # the payload size's varint, from the first message
+    key, at = (6, 6 + data[5]) if data[4] == 0x12 and data[5] < 0x80 else (0, 4)
+    if at >= 4 + head or data[at] != 0x18:
+        return None
+    size, at = 0, at + 1  # the payload size's varint, from the first message
     for shift in range(0, 35, 7):
         if at >= 4 + head:
             return None
@@ -159,22 +156,38 @@ def _alike_batch(count: int, data: bytes, event_time: int) -> _Messages | None:
     if not size or digits < 1 or data[at] != 0x40 or width * count != len(data):
         return None
     rows = np.frombuffer(data, dtype=np.uint8).reshape(count, width)
-    fixed = rows[:, :at + 1]  # the size, the payload size, the sequence id's tag
+    # the sizes, the key's tag and length, the payload size, the sequence id's tag
+    fixed = rows[:, np.r_[0:key, key + data[5]:at + 1]] if key else rows[:, :at + 1]
     ids = rows[:, at + 1:4 + head]
     if not (fixed == fixed[0]).all() or (ids[:, -1] & 0x80).any() \
             or (digits > 1 and not (ids[:, :-1] & 0x80).all()):
         return None
+    messages = _Messages()
+    if key:
+        keys = pa.Array.from_buffers(pa.string(), count, [
+            None, _value_offsets(count, data[5]),
+            pa.py_buffer(rows[:, key:key + data[5]].tobytes())])
+        try:
+            keys.validate(full=True)  # UTF-8, as a protobuf string is
+        except pa.ArrowInvalid:
+            return None  # taken message by message, and refused there
+        messages.keys = keys
     sequence_ids = np.zeros(count, dtype=np.uint64)
     for j in range(digits):
         sequence_ids |= (ids[:, j] & 0x7F).astype(np.uint64) << np.uint64(7 * j)
-    messages = _Messages()
-    messages.keys = [None] * count
     messages.values = pa.Array.from_buffers(pa.binary(), count, [
-        None, pa.py_buffer(np.arange(0, size * (count + 1), size, dtype=np.int32)),
-        pa.py_buffer(rows[:, 4 + head:].tobytes())])
-    messages.events = [event_time or None] * count
+        None, _value_offsets(count, size), pa.py_buffer(rows[:, 4 + head:].tobytes())])
+    messages.events = pa.repeat(pa.scalar(event_time, pa.int64()), count) if event_time \
+        else pa.nulls(count, pa.int64())
     messages.sequence_ids = sequence_ids
     return messages
+
+
+@functools.lru_cache(maxsize=16)
+def _value_offsets(count: int, size: int) -> pa.Buffer:
+    """The offsets of ``count`` values (or keys) of ``size`` bytes each (kept: batches repeat
+    shapes)."""
+    return pa.py_buffer(np.arange(0, size * (count + 1), size, dtype=np.int32))
 
 
 def _split_batch(count: int, data: bytes, sequence_id: int, event_time: int) -> _Messages:

@@ -199,15 +199,17 @@ class Connection:
         elif (rid := request_id(command)) is not None:
             self.error(rid, error, reason)
 
-    def _read(self, n: int) -> bytes | None:
-        chunks, got = [], 0
+    def _read(self, n: int) -> bytearray | None:
+        """``n`` bytes received into one buffer of that size (no chunks joined); None if the
+        client closed the connection first."""
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
         while got < n:
-            chunk = self.sock.recv(min(n - got, 1 << 20))
-            if not chunk:
+            k = self.sock.recv_into(view[got:])
+            if not k:
                 return None
-            chunks.append(chunk)
-            got += len(chunk)
-        return b"".join(chunks)
+            got += k
+        return buf
 
     def write_frames(self, frames: list[bytes]) -> None:
         data = b"".join(frames)
