@@ -21,10 +21,11 @@ demo: $(STAMP)
 # worker at a time (its module fixtures and the worker's one SparkSession shared): on 2 cores
 # the suite waits more than it computes (JVM starts, restarts, deadlines).
 test: lint
-	$(PY) -m pytest -n 2 --dist loadfile --durations=15
+	$(PY) -m pytest -n 2 --dist loadfile --durations=15 -m "not chaos"
 
 # Not in CI: >= 100 SIGKILL/restart cycles per store configuration (about 6 minutes), then
-# the Spark exactly-once tests with 8 killed queries each instead of the suite's 1 (~8 min).
+# the Spark exactly-once tests with 8 killed queries each (the suite kills the sink's once and
+# leaves the file sink's, marked chaos, to this target) (~8 min).
 chaos: $(STAMP)
 	$(PY) -m tests.store.chaos --cycles 100
 	$(PY) -m tests.store.chaos --cycles 100 --postgres

@@ -15,6 +15,7 @@ import pytest
 
 from tierstream.broker.process import BrokerProcess
 
+from . import spark_jvm
 from .postgres import PostgresServer, postgres_server
 from .timing import scaled
 
@@ -31,8 +32,7 @@ HANG_S = TEST_LIMIT_S + scaled(60)
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("timeout", None) is None:
         config.option.timeout = TEST_LIMIT_S
-    # every Spark of the suite, in this process and in those it starts: a JVM for short runs
-    os.environ.setdefault("SPARK_CONF_DIR", str(Path(__file__).parent / "spark_conf"))
+    spark_jvm.configure()  # every Spark of the suite: a JVM for short runs (spark_jvm.py)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

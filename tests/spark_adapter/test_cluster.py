@@ -103,7 +103,7 @@ def cluster(tmp_path: Path, s3_bucket: str) -> Iterator[tuple[str, Path]]:
         pytest.skip(why)
     home = os.path.dirname(pyspark.__file__)
     java = [shutil.which("java") or "java", "-Xmx512m", "-XX:TieredStopAtLevel=1",
-            "-XX:+UseSerialGC", "-cp", os.path.join(home, "jars", "*")]  # as spark_conf/
+            "-XX:+UseSerialGC", "-cp", os.path.join(home, "jars", "*")]  # as tests/spark_jvm.py
     (scala,) = [re.match(r"scala-library-(\d+\.\d+)", p.name).group(1)  # type: ignore[union-attr]
                 for p in Path(home, "jars").glob("scala-library-*.jar")]
     # the worker's launcher finds the jars of a pip-installed Spark only when told the Scala
