@@ -17,12 +17,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m tierstream demo
 
-# What CI runs (.ci/run): the linters, then the whole suite in three workers, a test file per
-# worker at a time (its module fixtures and the worker's one SparkSession shared): with two,
-# the 2 cores stood idle a fifth of the time (JVM starts, restarts, deadlines: vmstat over a
-# fresh-clone run, 2026-11-27); with three, under a tenth.
+# What CI runs (.ci/run): the linters, then the whole suite in two workers, a test file per
+# worker at a time (its module fixtures and the worker's one SparkSession shared): on 2 cores
+# the suite waits more than it computes (JVM starts, restarts, deadlines).
 test: lint
-	$(PY) -m pytest -n 3 --dist loadfile --durations=15 -m "not chaos"
+	$(PY) -m pytest -n 2 --dist loadfile --durations=15 -m "not chaos"
 
 # Not in CI: >= 100 SIGKILL/restart cycles per store configuration (about 6 minutes), then
 # the Spark exactly-once tests with 8 killed queries each (the suite kills the sink's once and
