@@ -133,15 +133,12 @@ class _Replay:
     def frames(self, messages: int) -> list[bytes]:
         out = []
         for first in range(self.next_id, self.next_id + messages, BATCH):
-            data = b"".join(len(m := api.SingleMessageMetadata(
-                payload_size=len(VALUE), sequence_id=i).SerializeToString()).to_bytes(4, "big")
-                + m + VALUE for i in range(first, first + BATCH))
+            metadata, data = _batch(first=first)
+            metadata.publish_time = int(time.time() * 1000)
             send = api.BaseCommand(type=api.BaseCommand.SEND, send=api.CommandSend(
                 producer_id=1, sequence_id=first, highest_sequence_id=first + BATCH - 1,
                 num_messages=BATCH))
-            out.append(payload_frame(send, api.MessageMetadata(
-                producer_name="bench", sequence_id=first, publish_time=int(time.time() * 1000),
-                num_messages_in_batch=BATCH), data))
+            out.append(payload_frame(send, metadata, data))
         self.next_id += messages
         return out
 
@@ -175,16 +172,21 @@ def _per_message_us(cpu: list[_Cpu], messages: int, side: str, runs: int) -> lis
     return [getattr(c, side) / messages * 1e6 for c in cpu[-runs:]]  # not the warm-up
 
 
-def _batch(key: str | None = None) -> tuple[api.MessageMetadata, bytes]:
+def _batch(key: str | None = None, first: int | None = None
+           ) -> tuple[api.MessageMetadata, bytes]:
     """A Pulsar batch of BATCH messages of VALUE (each with ``key``), as a client sends it:
-    its metadata and payload."""
+    its metadata and payload. Sequence ids count up from ``first``, as a client numbers them;
+    all 0 without it."""
     single = api.SingleMessageMetadata(payload_size=len(VALUE), sequence_id=0)
     if key is not None:
         single.partition_key = key
-    data = b"".join(len(m := single.SerializeToString()).to_bytes(4, "big") + m + VALUE
-                    for _ in range(BATCH))
-    return api.MessageMetadata(producer_name="bench", sequence_id=0, publish_time=1,
-                               num_messages_in_batch=BATCH), data
+    parts = []
+    for i in range(BATCH):
+        if first is not None:
+            single.sequence_id = first + i
+        parts.append(len(m := single.SerializeToString()).to_bytes(4, "big") + m + VALUE)
+    return api.MessageMetadata(producer_name="bench", sequence_id=first or 0, publish_time=1,
+                               num_messages_in_batch=BATCH), b"".join(parts)
 
 
 def _decode_rate(messages: int) -> float:

@@ -32,6 +32,7 @@ from tierstream.broker.process import BrokerProcess
 from tierstream.client.admin import Admin
 from tierstream.client.producer import Producer
 
+from ..spark_jvm import JAVA_OPTIONS
 from ..timing import scaled
 
 pytestmark = [pytest.mark.slow, pytest.mark.s3]
@@ -102,8 +103,8 @@ def cluster(tmp_path: Path, s3_bucket: str) -> Iterator[tuple[str, Path]]:
     if why is not None:
         pytest.skip(why)
     home = os.path.dirname(pyspark.__file__)
-    java = [shutil.which("java") or "java", "-Xmx512m", "-XX:TieredStopAtLevel=1",
-            "-XX:+UseSerialGC", "-cp", os.path.join(home, "jars", "*")]  # as tests/spark_jvm.py
+    java = [shutil.which("java") or "java", "-Xmx512m", *JAVA_OPTIONS.split(), "-cp",
+            os.path.join(home, "jars", "*")]  # short-lived JVMs, as the suite's drivers
     (scala,) = [re.match(r"scala-library-(\d+\.\d+)", p.name).group(1)  # type: ignore[union-attr]
                 for p in Path(home, "jars").glob("scala-library-*.jar")]
     # the worker's launcher finds the jars of a pip-installed Spark only when told the Scala

@@ -216,8 +216,8 @@ def batches_of_about(table: pa.Table, nbytes: int) -> list[pa.RecordBatch]:
 def as_produce_batch(batch: pa.RecordBatch) -> pa.RecordBatch:
     """``batch`` with exactly the columns of PRODUCE_SCHEMA (missing optional ones as nulls)."""
     if batch.schema.equals(PRODUCE_SCHEMA):  # already so (a Pulsar SEND's rows, most streams)
-        if batch.column(1).null_count:
-            raise ConfigError("column 'value' has nulls; it must not")
+        for field_, col in zip(PRODUCE_SCHEMA, batch.columns, strict=True):
+            _refuse_nulls(field_, col)
         return batch
     names = set(batch.schema.names)
     unknown = names - set(PRODUCE_SCHEMA.names)
@@ -239,11 +239,15 @@ def as_produce_batch(batch: pa.RecordBatch) -> pa.RecordBatch:
                     raise ConfigError(
                         f"column {field_.name!r} has type {col.type}, expected {field_.type}"
                     ) from None
-            if not field_.nullable and col.null_count:
-                raise ConfigError(f"column {field_.name!r} has nulls; it must not")
+            _refuse_nulls(field_, col)
         else:
             col = pa.nulls(batch.num_rows, field_.type)
         columns.append(col)
     return pa.RecordBatch.from_arrays(columns, schema=PRODUCE_SCHEMA)
+
+
+def _refuse_nulls(field_: pa.Field, col: pa.Array) -> None:
+    if not field_.nullable and col.null_count:
+        raise ConfigError(f"column {field_.name!r} has nulls; it must not")
 
 

@@ -31,45 +31,47 @@ def properties_column(ids: np.ndarray | Sequence[int], first: str,
     n = len(ids)
     texts = pa.array(ids, pa.uint64()).cast(pa.string())
     names = (first, *(k for k, _ in shared))
-    if n:
-        spans = np.frombuffer(texts.buffers()[1], np.int32, n + 1)
-        digits = int(spans[1] - spans[0])
-        if int(spans[-1]) == n * digits and _uniform(ids, digits):
-            tail = "".join(v for _, v in shared).encode()
-            keys, item_offsets, map_offsets = _layout(
-                n, digits, names, tuple(len(v.encode()) for _, v in shared))
-            values = np.empty((n, digits + len(tail)), dtype=np.uint8)
-            values[:, :digits] = np.frombuffer(texts.buffers()[2], np.uint8,
-                                               n * digits).reshape(n, digits)
-            values[:, digits:] = np.frombuffer(tail, np.uint8)
-            items = pa.Array.from_buffers(pa.string(), n * len(names),
-                                          [None, item_offsets, pa.py_buffer(values)])
-            return pa.MapArray.from_arrays(map_offsets, keys, items, type=_PROPERTIES)
-    return _taken(texts, names, [v for _, v in shared])
-
-
-def _uniform(ids: np.ndarray | Sequence[int], digits: int) -> bool:
-    """Every id has ``digits`` digits (the first one has)."""
-    lo, hi = (int(ids.min()), int(ids.max())) if isinstance(ids, np.ndarray) \
-        else (min(ids), max(ids))
-    return bool((digits == 1 or lo >= 10 ** (digits - 1)) and hi < 10 ** digits)
+    keys, map_offsets = _keys(n, names)
+    spans = np.frombuffer(texts.buffers()[1], np.int32, n + 1)
+    digits = int(spans[1] - spans[0]) if n else 0
+    if n and (np.diff(spans) == digits).all():  # every id as many digits as the first
+        tail = "".join(v for _, v in shared).encode()
+        values = np.empty((n, digits + len(tail)), dtype=np.uint8)
+        values[:, :digits] = np.frombuffer(texts.buffers()[2], np.uint8,
+                                           n * digits).reshape(n, digits)
+        values[:, digits:] = np.frombuffer(tail, np.uint8)
+        item_offsets = _item_offsets(n, digits, tuple(len(v.encode()) for _, v in shared))
+        items = pa.Array.from_buffers(pa.string(), n * len(names),
+                                      [None, item_offsets, pa.py_buffer(values)])
+    else:  # taken from one array of the shared values followed by the ids
+        width = len(names)
+        at = np.empty(n * width, dtype=np.int64)
+        at[0::width] = np.arange(width - 1, width - 1 + n)
+        for j in range(1, width):
+            at[j::width] = j - 1
+        items = pa.concat_arrays([pa.array([v for _, v in shared], pa.string()), texts]
+                                 ).take(pa.array(at))
+    return pa.MapArray.from_arrays(map_offsets, keys, items, type=_PROPERTIES)
 
 
 @functools.lru_cache(maxsize=32)
-def _layout(n: int, digits: int, names: tuple[str, ...], lengths: tuple[int, ...]
-            ) -> tuple[pa.Array, pa.Buffer, pa.Array]:
-    """What a batch of ``n`` messages of one shape shares: its keys (``names``, n times), the
-    offsets of its values in a matrix of rows ``digits + sum(lengths)`` wide, and each
-    message's first entry."""
+def _keys(n: int, names: tuple[str, ...]) -> tuple[pa.Array, pa.Array]:
+    """What every batch of ``n`` messages with properties ``names`` shares: its keys
+    (``names``, n times) and each message's first entry."""
     width = len(names)
     encoded = [name.encode() for name in names]
     blob = b"".join(encoded)
     keys = pa.Array.from_buffers(pa.string(), n * width, [
         None, pa.py_buffer(_offsets(n, len(blob), [len(b) for b in encoded])),
         pa.py_buffer(blob * n)])
-    item_offsets = _offsets(n, digits + sum(lengths), [digits, *lengths])
-    map_offsets = pa.array(np.arange(0, n * width + 1, width, dtype=np.int32))
-    return keys, pa.py_buffer(item_offsets), map_offsets
+    return keys, pa.array(np.arange(0, n * width + 1, width, dtype=np.int32))
+
+
+@functools.lru_cache(maxsize=32)
+def _item_offsets(n: int, digits: int, lengths: tuple[int, ...]) -> pa.Buffer:
+    """The offsets of the values of ``n`` messages in a matrix of rows ``digits +
+    sum(lengths)`` wide: an id of ``digits``, then shared values of ``lengths``."""
+    return pa.py_buffer(_offsets(n, digits + sum(lengths), [digits, *lengths]))
 
 
 def _offsets(n: int, row: int, lengths: list[int]) -> np.ndarray:
@@ -80,18 +82,3 @@ def _offsets(n: int, row: int, lengths: list[int]) -> np.ndarray:
     out[:-1] = (np.arange(n, dtype=np.int32)[:, None] * row + starts).ravel()
     out[-1] = n * row
     return out
-
-
-def _taken(texts: pa.Array, names: tuple[str, ...], values: list[str]) -> pa.Array:
-    """:func:`properties_column` for ids of different lengths: the entries taken from one
-    array of the shared values followed by the ids."""
-    n, width = len(texts), len(names)
-    items = pa.concat_arrays([pa.array(values, pa.string()), texts])
-    at = np.empty(n * width, dtype=np.int64)
-    at[0::width] = np.arange(width - 1, width - 1 + n)
-    for j in range(1, width):
-        at[j::width] = j - 1
-    return pa.MapArray.from_arrays(
-        pa.array(np.arange(0, n * width + 1, width, dtype=np.int32)),
-        pa.array(names, pa.string()).take(pa.array(np.tile(np.arange(width), n))),
-        items.take(pa.array(at)), type=_PROPERTIES)
