@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import platform
+import selectors
 import statistics
 import subprocess
 import sys
@@ -169,6 +170,22 @@ class WorkerProcess:
         if not line:
             raise RuntimeError(f"consumer {self.name} exited {self.proc.returncode}")
         return dict(json.loads(line))
+
+    @staticmethod
+    def drain_results(workers: list[WorkerProcess], word: str = "drained") -> list[dict[str, Any]]:
+        """Results of consumers that each stop once idle: the first to report has seen the
+        topic go idle, so the rest are told ``word`` — one that never got a message (a shared
+        subscription whose other consumers took them all) stops then rather than waiting out
+        its wait for a first message."""
+        by_fd = {w.proc.stdout.fileno(): w for w in workers if w.proc.stdout is not None}
+        with selectors.DefaultSelector() as sel:
+            for fd in by_fd:
+                sel.register(fd, selectors.EVENT_READ)
+            sel.select()
+        for w in workers:
+            with contextlib.suppress(BrokenPipeError, ValueError):  # it reported and exited
+                w.tell(word)
+        return [w.result() for w in workers]
 
 
 def timed(fn: Callable[[], Any]) -> float:

@@ -335,7 +335,7 @@ def _drain_rate(kind: str, urls: tuple[str, str], mode: str, n: int, messages: i
                              f"{subscription}-{i}", timeout=300) for i in range(n)]
     for w in workers:
         w.tell("go")
-    results = [w.result() for w in workers]
+    results = WorkerProcess.drain_results(workers)
     got = sum(r["messages"] for r in results)
     if got != messages:
         raise RuntimeError(f"{kind} {mode}: {got} of {messages} messages received")
@@ -385,6 +385,17 @@ def _worker(kind: str, url: str, subscription: str, mode: str, name: str) -> Non
         return
     go = time.monotonic()
     n, last = 0, None
+    drained = threading.Event()  # another consumer saw the topic go idle
+
+    def hear() -> None:
+        if sys.stdin.readline().strip() == "drained":
+            drained.set()
+
+    threading.Thread(target=hear, daemon=True).start()
+
+    def first_wait_over() -> bool:
+        return drained.is_set() or time.monotonic() - go > 30
+
     if kind == "pulsar":
         client = pulsar.Client(url, logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
         consumer = client.subscribe(
@@ -393,9 +404,11 @@ def _worker(kind: str, url: str, subscription: str, mode: str, name: str) -> Non
             initial_position=pulsar.InitialPosition.Earliest, receiver_queue_size=1000)
         while True:
             try:
-                msg = consumer.receive(timeout_millis=1000 if n else 30_000)
+                msg = consumer.receive(timeout_millis=1000)
             except pulsar.Timeout:
-                break
+                if n or first_wait_over():
+                    break
+                continue
             consumer.acknowledge(msg)
             n += 1
             last = time.monotonic()
@@ -404,7 +417,11 @@ def _worker(kind: str, url: str, subscription: str, mode: str, name: str) -> Non
     else:
         with Consumer(CONSUME_TOPIC, subscription, mode=mode, consumer_name=name, broker=url,
                       initial=Offset.earliest()) as ours:
-            while (batch := ours.receive(timeout=1.0 if n else 30.0)) is not None:
+            while True:
+                if (batch := ours.receive(timeout=1.0)) is None:
+                    if n or first_wait_over():
+                        break
+                    continue
                 ours.ack(batch)
                 n += batch.num_rows
                 last = time.monotonic()
