@@ -28,6 +28,7 @@ from bench import (
     store_bench,
     subscription_bench,
     tier_bench,
+    tier_cache_bench,
 )
 
 BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
@@ -51,6 +52,10 @@ BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
                                     "request, beside local files"),
     "remote-fs": (latency_fs_bench.remote_fs, "parquet-tier reader over local files behind a "
                   "modelled network (0/10/50 ms + 100 MB/s per request), beside local files"),
+    "tier-cache": (tier_cache_bench.tier_cache, "a window of tier files through S3 (moto, "
+                   "10 ms + 100 MB/s per request): no cache, into an empty one, again from a "
+                   "full-window and a half-window cache, a Spark backfill sharing it; beside "
+                   "local files, S3 GETs counted"),
     "remote-bookie": (remote_bookie_bench.remote_bookie, "bookie-log reader over a bookie "
                       "endpoint beside local files; key-range wire amplification"),
     "remote-write": (remote_write_bench.remote_write, "produce msg/s with 3 network bookies "

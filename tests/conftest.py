@@ -33,6 +33,12 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("timeout", None) is None:
         config.option.timeout = TEST_LIMIT_S
     spark_jvm.configure()  # every Spark of the suite: a JVM for short runs (spark_jvm.py)
+    # reads of S3 tiers go through a tier cache (tier/cache.py): the suite's own, not the
+    # user's ~/.cache, and gone with the run
+    import tempfile
+
+    os.environ.setdefault("TIERSTREAM_TIER_CACHE_DIR",
+                          tempfile.mkdtemp(prefix="tierstream-test-tier-cache-"))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -49,7 +49,7 @@ ALLOWED: dict[str, set[str]] = {
                           "util"},
     "cli": LOW | {"(root).demo", "(root).options", "(root).read_options", "bookie", "broker",
                   "client", "metadata", "model", "readers", "runtime", "schemas",
-                  "spark_adapter", "splits", "tierstream", "util", "wire"},
+                  "spark_adapter", "splits", "tier", "tierstream", "util", "wire"},
     "(root).__main__": {"cli"},
 }
 

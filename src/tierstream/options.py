@@ -20,6 +20,8 @@ from typing import Any
 from tierstream.errors import ConfigError
 from tierstream.model.names import check_txn_id
 from tierstream.util.timeutil import parse_duration_ms
+from tierstream.util.units import cache_bytes
+from tierstream.util.units import parse_bytes as _size_bytes
 
 __all__ = [
     "DEFAULT_ADMIN_PORT",
@@ -80,25 +82,6 @@ def _non_negative_int(raw: Any) -> int:
 
 def _txn_name(raw: Any) -> str:
     return check_txn_id(str(raw).strip())
-
-
-def _size_bytes(raw: Any) -> int:
-    """``1048576``, ``64KiB``, ``128MiB``, ``1GiB`` (also KB/MB/GB as powers of 1000)."""
-    if isinstance(raw, int) and not isinstance(raw, bool):
-        value = raw
-    else:
-        text = str(raw).strip()
-        units = {"kib": 1024, "mib": 1024**2, "gib": 1024**3, "kb": 1000, "mb": 1000**2,
-                 "gb": 1000**3, "b": 1}
-        for suffix, mult in units.items():
-            if text.lower().endswith(suffix):
-                value = int(float(text[: -len(suffix)]) * mult)
-                break
-        else:
-            value = int(text)
-    if value < 1:
-        raise ValueError("expected a positive size such as 1048576, 64KiB or 128MiB")
-    return value
 
 
 def parse_size(raw: Any, *, what: str = "size") -> int:
@@ -378,6 +361,16 @@ OPTIONS: dict[str, Option] = {
                description="valueFormat=auto: a value that cannot be decoded fails the read "
                            "(FAILFAST), becomes null with its bytes in _corrupt_record "
                            "(PERMISSIVE), or is skipped and counted (DROPMALFORMED)."),
+        Option(key="tierCacheDir", parse=_string, default=None, kind="a directory path",
+               scopes=("read",),
+               description="This host's cache of tier bytes read from object storage, shared "
+                           "by its readers (default: TIERSTREAM_TIER_CACHE_DIR, else "
+                           "~/.cache/tierstream/tier; see tierstream cache)."),
+        Option(key="tierCacheSize", parse=cache_bytes, default=None,
+               kind="0 (off) or a size such as 2GiB", scopes=("read",),
+               description="The most bytes the tier cache holds; 0 turns it off (default: "
+                           "TIERSTREAM_TIER_CACHE_SIZE, else a tenth of the free disk where "
+                           "it lives, at most 20GiB)."),
         Option(key="splits", parse=_string, default=None,
                kind="a JSON list of splits", scopes=("read",),
                description="Read exactly these splits instead of planning (what "

@@ -73,6 +73,8 @@ class ReadOptions:
     value_format: str = "raw"  # "raw" or "auto" (decode by the topic's schema)
     mode: str = "FAILFAST"  # valueFormat=auto: FAILFAST, PERMISSIVE or DROPMALFORMED
     partitions: tuple[int, ...] | None = None  # the Python API's partitions=: only these
+    tier_cache_dir: str | None = None  # None: the host's (tier/cache.py)
+    tier_cache_size: int | None = None  # None: the host's; 0: off
 
     @classmethod
     def from_kwargs(cls, topic: str | Sequence[str] | None = None, *,
@@ -82,14 +84,16 @@ class ReadOptions:
                     fail_on_data_loss: bool = True, partitions: Sequence[int] | None = None,
                     data_dir: str | None = None, broker: str | None = None,
                     auth_token: str | None = None, value_format: str = "raw",
-                    mode: str = "FAILFAST") -> ReadOptions:
+                    mode: str = "FAILFAST", tier_cache_dir: str | None = None,
+                    tier_cache_size: int | str | None = None) -> ReadOptions:
         """The keyword arguments of ``tierstream.plan``/``scan``/``read``/``tail`` as a read:
         the store's options (and what the environment gives them) parsed once by
         :meth:`parse`, the typed arguments kept as they are."""
         raw = {"topic": topic if isinstance(topic, str) else None,
                "topics": None if topic is None or isinstance(topic, str) else ",".join(topic),
                "namespace": namespace, "dataDir": data_dir, "broker": broker,
-               "authToken": auth_token, "valueFormat": value_format, "mode": mode}
+               "authToken": auth_token, "valueFormat": value_format, "mode": mode,
+               "tierCacheDir": tier_cache_dir, "tierCacheSize": tier_cache_size}
         if raw["topic"] is None and raw["topics"] is None and namespace is None:
             raise ConfigError("a read needs a topic, topics or a namespace")
         parsed = cls.parse({k: v for k, v in raw.items() if v is not None})
@@ -177,7 +181,13 @@ class ReadOptions:
             partitioning=opts["partitioning"], min_partitions=opts["minPartitions"],
             cursor_label=opts["cursorLabel"],
             tier_reader=opts["tierReader"],
-            value_format=value_format, mode=mode)
+            value_format=value_format, mode=mode,
+            tier_cache_dir=opts["tierCacheDir"], tier_cache_size=opts["tierCacheSize"])
+
+    @property
+    def tier_cache(self) -> tuple[str | None, int | None]:
+        """The read's own tier cache settings (directory, size), for ``open_reader``."""
+        return self.tier_cache_dir, self.tier_cache_size
 
     def decoder(self) -> Decoder | None:
         """For valueFormat=auto, the decoder of the topic's schema versions (read now, on

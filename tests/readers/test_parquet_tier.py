@@ -1,5 +1,6 @@
 """The parquet-tier reader on S3 (a moto server on loopback): requests per read, counted from
-s3fs's own call log, and a file gone after planning."""
+s3fs's own call log, and a file gone after planning. These are the reader's own requests, with
+the host's tier cache off (tests/readers/test_tier_cache.py reads through it)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ from tierstream.readers import open_reader, parquet_tier
 from tierstream.splits.split import ReaderKind, Split, StreamCut
 
 from ..store.test_tier import TOPIC, fill, make_store
+
+
+@pytest.fixture(autouse=True)
+def _no_tier_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIERSTREAM_TIER_CACHE_SIZE", "0")
 
 
 @pytest.fixture

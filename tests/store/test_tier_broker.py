@@ -79,7 +79,7 @@ def test_broker_offloads_to_s3(start_broker, s3_bucket, moto_endpoint) -> None:
                                       "AWS_REGION")}
     broker = start_broker("--max-entries-per-segment", "10", "--tier-url",
                           f"s3://{s3_bucket}/tier", "--s3-endpoint", moto_endpoint,
-                          "--deletion-lag", "0s", env=env)
+                          "--deletion-lag", "0s", "--metrics-port", "0", env=env)
     with Admin(broker.url) as admin:
         admin.create_topic(TOPIC, 1)
         values = _produce_history(broker.url, 2500)
@@ -91,3 +91,11 @@ def test_broker_offloads_to_s3(start_broker, s3_bucket, moto_endpoint) -> None:
     table = read_all(broker.url, TOPIC)
     assert table.column("value").to_pylist() == values
     assert isinstance(table, pa.Table)
+    # the broker read its tier files (their positions) through the host's tier cache, and
+    # says so in its metrics
+    from ..spark_adapter.test_lag import scrape
+
+    banner = "".join(broker.stdout_lines)
+    samples = scrape(banner.split("metrics: ", 1)[1].split()[0])
+    assert samples["tierstream_tier_cache_misses_total"][0].value >= 1
+    assert samples["tierstream_tier_cache_bytes"][0].value > 0

@@ -123,6 +123,7 @@ class _Collector:
                     consumers, oldest)
         yield from self._broker()
         yield from self._lags()
+        yield from self._tier_cache()
 
     def _broker(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -176,6 +177,33 @@ class _Collector:
         for bookie, n in stats["checksum_failures"].items():
             checksums.add_metric([bookie], n)
         yield checksums
+
+    def _tier_cache(self) -> Iterator[Any]:
+        """This host's tier cache (shared by every reader on the host, so its counts are the
+        host's), when the store's tier is remote and the cache is on."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        from tierstream.tier.cache import host_cache
+
+        tier = self.store.tier
+        cache = host_cache() if tier is not None and tier.scheme != "file" else None
+        if cache is None:
+            return
+        stats = cache.stats()
+        for name, value, text in (
+                ("hits", stats.hits, "Tier file blocks served from this host's tier cache"),
+                ("misses", stats.misses, "Tier file blocks fetched from the object store"),
+                ("hit_bytes", stats.hit_bytes, "Bytes served from the tier cache"),
+                ("miss_bytes", stats.miss_bytes, "Bytes fetched from the object store"),
+                ("evictions", stats.evictions, "Blocks evicted from the tier cache"),
+                ("rejected", stats.rejected, "Blocks fetched but not kept (read less often "
+                                             "than what they would evict)"),
+                ("corrupt", stats.corrupt, "Cached blocks dropped for a bad checksum")):
+            yield CounterMetricFamily(f"tierstream_tier_cache_{name}", text, value=value)
+        yield GaugeMetricFamily("tierstream_tier_cache_bytes", "Bytes the tier cache holds",
+                                value=stats.size)
+        yield GaugeMetricFamily("tierstream_tier_cache_limit_bytes",
+                                "The most bytes the tier cache holds", value=stats.limit)
 
     def _lags(self) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily

@@ -21,6 +21,7 @@ import typer
 from tierstream.cli import (  # noqa: F401 - registers them
     admin,
     broker,
+    cache,
     produce,
     reads,
     schemas,

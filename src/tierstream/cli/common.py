@@ -3,6 +3,7 @@ and the small formatting helpers."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -16,10 +17,10 @@ from tierstream.cli.bounds import write_cut
 from tierstream.util.units import human_bytes
 
 __all__ = ["BrokerOpt", "CutOutOpt", "DataDirOpt", "FromOpt", "KeyRangesOpt", "LossOpt",
-           "ModeOpt", "QuietOpt", "ReaderOpt", "SplitBytesOpt", "TimeFieldOpt", "TlsCaOpt",
-           "TlsCertOpt", "TlsKeyOpt", "ToOpt", "TokenOpt", "ValueFormatOpt", "app", "bookie_app",
-           "broker_app", "err", "human_bytes", "human_duration", "out", "progress_bar",
-           "report_cut", "schema_app", "topic_app", "use_tls_ca"]
+           "ModeOpt", "QuietOpt", "ReaderOpt", "SplitBytesOpt", "TierCacheOpt", "TimeFieldOpt",
+           "TlsCaOpt", "TlsCertOpt", "TlsKeyOpt", "ToOpt", "TokenOpt", "ValueFormatOpt", "app",
+           "bookie_app", "broker_app", "err", "human_bytes", "human_duration", "out",
+           "progress_bar", "report_cut", "schema_app", "topic_app", "use_tls_ca"]
 
 def _no_placeholder_on_flags() -> None:
     """typer shows ``<bool>`` beside on/off flags (``--yes <bool>``, ``--help <bool>``), as if
@@ -82,6 +83,25 @@ def _tls_ca(value: str | None) -> str | None:
 TlsCaOpt = Annotated[str | None, typer.Option(
     "--tls-ca", envvar="TIERSTREAM_TLS_CA", show_envvar=True, callback=_tls_ca,
     help="PEM CA that grpc+tls:// endpoints are checked against (default: the system's).")]
+
+
+def _tier_cache_size(value: str | None) -> str | None:
+    """--tier-cache-size's callback: this process's tier cache, and its Spark workers' (they
+    inherit the environment)."""
+    if value:
+        from tierstream.tier.cache import SIZE_ENV, configure, parse_cache_size
+
+        configure(size=parse_cache_size(value, "--tier-cache-size"))
+        os.environ[SIZE_ENV] = value
+    return value
+
+
+TierCacheOpt = Annotated[str | None, typer.Option(
+    "--tier-cache-size", envvar="TIERSTREAM_TIER_CACHE_SIZE", show_envvar=True,
+    callback=_tier_cache_size,
+    help="The most bytes this host's cache of tier files read from object storage holds, "
+         "such as 2GiB; 0 turns it off (default: a tenth of the free disk, at most 20GiB; "
+         "see tierstream cache).")]
 
 
 QuietOpt = Annotated[bool, typer.Option(

@@ -27,6 +27,7 @@ from tierstream.cli.common import (
     QuietOpt,
     ReaderOpt,
     SplitBytesOpt,
+    TierCacheOpt,
     TimeFieldOpt,
     TlsCaOpt,
     TokenOpt,
@@ -378,6 +379,7 @@ def read_cmd(
     broker: BrokerOpt = DEFAULT_BROKER_URL,
     auth_token: TokenOpt = None,
     tls_ca: TlsCaOpt = None,
+    tier_cache_size: TierCacheOpt = None,  # applied by its callback
 ) -> None:
     """Read a bounded window with the local runner into one new Parquet file (written
     atomically; times as UTC timestamps, as backfill writes them). Prints the end cut, from

@@ -20,6 +20,7 @@ from tierstream.cli.common import (
     QuietOpt,
     ReaderOpt,
     SplitBytesOpt,
+    TierCacheOpt,
     TlsCaOpt,
     TokenOpt,
     ToOpt,
@@ -61,6 +62,7 @@ def backfill(
     broker: BrokerOpt = DEFAULT_BROKER_URL,
     auth_token: TokenOpt = None,
     tls_ca: TlsCaOpt = None,
+    tier_cache_size: TierCacheOpt = None,
 ) -> None:
     """Run the backfill on Spark: a bounded read of the topic, written as Parquet files or
     as an Iceberg table. Nothing is left behind if it fails. Prints the end cut, from which
@@ -95,6 +97,8 @@ def backfill(
         options["reader"] = reader
     if auth_token:
         options["authToken"] = auth_token
+    if tier_cache_size:  # each executor's cache (one on a cluster's other hosts too)
+        options["tierCacheSize"] = tier_cache_size
     from tierstream.spark_adapter.jobs import check_target
 
     check_target(out_path, format=format_, table=table, catalog_uri=catalog_uri)

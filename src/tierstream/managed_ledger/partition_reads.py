@@ -260,7 +260,8 @@ class PartitionReads:
         if self._tier is None or seg.tier_url is None:
             raise NotFoundError(f"segment {seg.segment_id} ({self.topic} partition "
                                 f"{self.partition}) has neither a bookie copy nor a tier file")
-        loaded = TierSegment.load(self._tier.read_segment(seg.tier_url), entries=seg.entries)
+        loaded = TierSegment.load(self._tier.read_segment(seg.tier_url, size=seg.tier_bytes),
+                                  entries=seg.entries)
         with self._lock:
             self._tier_cache[seg.segment_id] = loaded
             while len(self._tier_cache) > 2:

@@ -33,11 +33,14 @@ from tierstream.readers.stats import (
     BROKER_FALLBACK,
     LOCAL,
     OBJECT_STORE,
+    TIER_CACHE,
     ReadStats,
     counted,
 )
 from tierstream.readers.trim import trim
 from tierstream.splits.split import Split
+from tierstream.tier.cache import ObjectRef, TierCache, host_cache
+from tierstream.tier.cached_file import CachedFile
 from tierstream.tier.storage import TierStorage
 
 __all__ = ["READ_AHEAD", "leaf_column", "read_tier_split", "selected_row_groups"]
@@ -50,6 +53,10 @@ SMALL_FILE = 16 * 1024**2
 #: The smallest ranged request a whole small file is fetched in.
 MIN_RANGE = 256 * 1024
 READER = "parquet-tier"
+#: A read's own cache settings (directory, size), over the host's: see tier/cache.py
+TierCacheSettings = tuple[str | None, int | None]
+#: The host's cache and the object, when a remote file is read through the cache
+Source = tuple[TierCache, ObjectRef] | None
 
 
 def leaf_column(meta: pq.FileMetaData, name: str) -> int:
@@ -109,11 +116,12 @@ def selected_row_groups(meta: pq.FileMetaData, split: Split) -> list[int]:
 
 
 def read_tier_split(split: Split, *, auth_token: str | None = None,
-                    tls_ca: bytes | None = None, stats: ReadStats | None = None
-                    ) -> Iterator[pa.RecordBatch]:
+                    tls_ca: bytes | None = None, stats: ReadStats | None = None,
+                    cache: TierCacheSettings | None = None) -> Iterator[pa.RecordBatch]:
     """The split's rows from its tier file. A ``file://`` tier that this host cannot see
     (its directory is not here: another machine) is read through the broker instead, which
-    serves the segment from the tier; only a file missing where its directory is, is lost."""
+    serves the segment from the tier; only a file missing where its directory is, is lost.
+    A remote file is read through this host's tier cache (``cache`` overrides its settings)."""
     if split.tier_url is None:
         raise NotFoundError(f"split {split.split_id} has no tier URL")
     tier = TierStorage(url=split.tier_url, s3_endpoint=split.tier.s3_endpoint,
@@ -125,6 +133,10 @@ def read_tier_split(split: Split, *, auth_token: str | None = None,
     handle = None
     size = split.tier_bytes
     in_memory = False
+    source: Source = None  # how each read-ahead worker opens the file through the cache
+    cached: CachedFile | None = None
+    mapped: pa.MemoryMappedFile | None = None  # a local copy the cache holds whole
+    whole_cached = False
     try:
         if not remote:  # pyarrow's own (memory-mapped) file: faster than an fsspec handle
             pf = pq.ParquetFile(path, memory_map=True)
@@ -132,7 +144,21 @@ def read_tier_split(split: Split, *, auth_token: str | None = None,
             if not size:  # offloaded before sizes were recorded: ask the store (a HEAD)
                 size = int(fs.size(path))
             in_memory = 0 < size <= SMALL_FILE
-            if in_memory:
+            host = host_cache(*(cache or (None, None)))
+            if host is not None:
+                obj = ObjectRef(fs, path, size, f"{tier.scheme}:{split.tier.s3_endpoint or ''}")
+                source = (host, obj)
+                cached = CachedFile(host, obj)
+                mapped = host.open_whole(obj)
+                if mapped is not None:  # held whole: read as a local file is, mapped
+                    pf = pq.ParquetFile(mapped)
+                    in_memory = whole_cached = True
+                elif in_memory:  # every block at once, missing ones as _fetch_whole's ranges
+                    pf = pq.ParquetFile(pa.py_buffer(cached.read()))
+                    whole_cached = cached.from_store == 0
+                else:
+                    pf = pq.ParquetFile(cached)
+            elif in_memory:
                 # a small remote file is fetched whole, not footer, then metadata, then
                 # data: each request pays the store's latency, which a small file's
                 # decoding cannot hide
@@ -161,10 +187,12 @@ def read_tier_split(split: Split, *, auth_token: str | None = None,
         plans = _plans(pf.metadata, split)
         # a few row groups per read: pyarrow decodes them in parallel
         chunks = [plans[i:i + READ_AHEAD] for i in range(0, len(plans), READ_AHEAD)]
-        path_kind = OBJECT_STORE if remote else LOCAL
+        first_kind = LOCAL if not remote else TIER_CACHE if whole_cached else OBJECT_STORE
         ahead = remote and not in_memory
-        for chunk, table in zip(chunks, _read_chunks(fs, path, pf, chunks, ahead, size),
-                                strict=True):
+        for chunk, (table, path_kind) in zip(
+                chunks, _read_chunks(fs, path, pf, chunks, ahead, size, first_kind, source,
+                                     None if in_memory else cached),
+                strict=True):
             out = trim(table, split, check_positions=any(p.positions for p in chunk),
                        check_time=any(p.time for p in chunk),
                        check_keys=any(p.keys for p in chunk))
@@ -179,6 +207,8 @@ def read_tier_split(split: Split, *, auth_token: str | None = None,
         pf.close()
         if handle is not None:
             handle.close()
+        if mapped is not None:
+            mapped.close()
 
 
 def _fetch_whole(fs: Any, path: str, size: int) -> bytes:
@@ -214,30 +244,35 @@ def _gone(split: Split) -> DataLossError:
 
 
 def _read_chunks(fs: Any, path: str, pf: pq.ParquetFile, chunks: list[list[_Plan]],
-                 remote: bool, size: int | None) -> Iterator[pa.Table]:
+                 remote: bool, size: int | None, kind: str, source: Source,
+                 main: CachedFile | None) -> Iterator[tuple[pa.Table, str]]:
+    """Each chunk's rows and the path they took: ``kind``, unless read through the cache
+    (``main``: the file ``pf`` reads, through the cache; ``source``: what each read-ahead
+    worker opens)."""
     if not remote or len(chunks) <= 1:
         for chunk in chunks:
-            yield pf.read_row_groups([p.index for p in chunk])
+            yield _counted_read(pf, chunk, main, kind)
         return
     local = threading.local()
     opened: list[Any] = []  # every worker's file, closed when the read ends
 
-    def load(chunk: list[_Plan]) -> pa.Table:
+    def load(chunk: list[_Plan]) -> tuple[pa.Table, str]:
         own = getattr(local, "pf", None)
         if own is None:  # one open file per worker thread: ParquetFile is not thread-safe
             # no read-ahead cache (s3fs's would fetch from each read to the end of its 50 MiB
             # block: every worker the rest of the file); pyarrow's pre-buffering instead
             # joins the column chunks of the row groups asked for into a few ranged reads
-            handle = _open(fs, path, size, cache_type="none")
+            handle = CachedFile(*source) if source else _open(fs, path, size, cache_type="none")
             opened.append(handle)
+            local.handle = handle
             local.pf = own = pq.ParquetFile(handle, pre_buffer=True, metadata=pf.metadata)
-        return own.read_row_groups([p.index for p in chunk])
+        return _counted_read(own, chunk, local.handle if source else None, kind)
 
     # remote: up to READ_AHEAD chunks in flight, so request latency overlaps decoding
     try:
         with ThreadPoolExecutor(max_workers=READ_AHEAD,
                                 thread_name_prefix="tier-read") as pool:
-            pending: deque[Future[pa.Table]] = deque()
+            pending: deque[Future[tuple[pa.Table, str]]] = deque()
             it = iter(chunks)
             for chunk in it:
                 pending.append(pool.submit(load, chunk))
@@ -252,3 +287,14 @@ def _read_chunks(fs: Any, path: str, pf: pq.ParquetFile, chunks: list[list[_Plan
     finally:
         for handle in opened:
             handle.close()
+
+
+def _counted_read(pf: pq.ParquetFile, chunk: list[_Plan], handle: CachedFile | None, kind: str
+                  ) -> tuple[pa.Table, str]:
+    """A chunk's row groups; read through the cache (``handle``), they took the cache's path
+    when no byte of them came from the store."""
+    before = handle.from_store if handle is not None else 0
+    table = pf.read_row_groups([p.index for p in chunk])
+    if handle is None:
+        return table, kind
+    return table, TIER_CACHE if handle.from_store == before else OBJECT_STORE

@@ -17,14 +17,16 @@ import pyarrow as pa
 
 from tierstream.util.units import human_bytes
 
-__all__ = ["BROKER", "BROKER_FALLBACK", "ENDPOINT", "LOCAL", "OBJECT_STORE", "ReadStats",
-           "counted"]
+__all__ = ["BROKER", "BROKER_FALLBACK", "ENDPOINT", "LOCAL", "OBJECT_STORE", "TIER_CACHE",
+           "ReadStats", "counted"]
 
 LOCAL = "local file"
 ENDPOINT = "bookie endpoint"
 BROKER = "broker"
 BROKER_FALLBACK = "broker fallback"
 OBJECT_STORE = "object store"
+#: a remote tier file's bytes all from this host's tier cache (tier/cache.py)
+TIER_CACHE = "tier cache"
 
 
 class ReadStats:

@@ -75,10 +75,12 @@ def _plan(read: ReadOptions) -> list[Split]:
 
 def run_splits(splits: Sequence[Split], *, parallelism: int | None = None,
                auth_token: str | None = None, cancel: Cancel | None = None,
-               tls_ca: bytes | None = None, stats: ReadStats | None = None
+               tls_ca: bytes | None = None, stats: ReadStats | None = None,
+               tier_cache: tuple[str | None, int | None] | None = None
                ) -> Iterator[pa.RecordBatch]:
     """Read ``splits`` on a thread pool, keeping every key's order; ``stats`` counts rows
-    and bytes per reader and path (local file, bookie endpoint, broker...).
+    and bytes per reader and path (local file, bookie endpoint, broker, tier cache...);
+    ``tier_cache`` overrides the host's tier cache settings (directory, size).
 
     Splits of one (topic, partition, key range) are read one after another in log order;
     different ones run in parallel. Key ranges never share a key, so each key's messages come
@@ -109,7 +111,7 @@ def run_splits(splits: Sequence[Split], *, parallelism: int | None = None,
         try:
             for split in chain:
                 for batch in open_reader(split, auth_token=auth_token, cancel=stop,
-                                         tls_ca=tls_ca, stats=stats):
+                                         tls_ca=tls_ca, stats=stats, tier_cache=tier_cache):
                     if not put(out, batch, stop):
                         return False
             return True
@@ -238,7 +240,7 @@ def scan(topic: str | Sequence[str] | None = None, *, parallelism: int | None = 
     read = _read_options(topic, options, value_format=value_format, mode=mode, **kwargs)
     decoder = read.decoder()
     batches = run_splits(_plan(read), parallelism=parallelism, auth_token=read.auth_token,
-                         tls_ca=read.tls_ca, stats=stats)
+                         tls_ca=read.tls_ca, stats=stats, tier_cache=read.tier_cache)
     if decoder is None:
         yield from batches
         return
@@ -322,7 +324,7 @@ def _tail(topic: str, cut: StreamCut, history: Sequence[Split], ranges: list[Key
           broker: str, read: ReadOptions, cancel: Cancel) -> Iterator[pa.RecordBatch]:
     if history:
         yield from run_splits(history, auth_token=read.auth_token, tls_ca=read.tls_ca,
-                              cancel=cancel)
+                              cancel=cancel, tier_cache=read.tier_cache)
     if not cancel.is_set():
         yield from follow(topic, cut, ranges, broker=broker, auth_token=read.auth_token,
                           cancel=cancel)

@@ -61,7 +61,7 @@ def read_partition(options: ReadOptions, partition: InputPartition, stats: Any =
         for split in partition_splits(partition.value):  # a chain: in log order
             yield from open_reader(split, auth_token=options.auth_token, tls_ca=options.tls_ca,
                                    reconnect_timeout_ms=options.reconnect_timeout_ms,
-                                   stats=counts)
+                                   stats=counts, tier_cache=options.tier_cache)
 
     if decoder is None:
         yield from spark_batches(batches())
