@@ -185,6 +185,8 @@ def read_tier_split(split: Split, *, auth_token: str | None = None,
         raise _gone(split) from None
     try:
         plans = _plans(pf.metadata, split)
+        if source is not None and not in_memory:  # the planned row groups' blocks, in order
+            source[0].prefetch(source[1], _blocks(pf.metadata, plans, source[0].block_size))
         # a few row groups per read: pyarrow decodes them in parallel
         chunks = [plans[i:i + READ_AHEAD] for i in range(0, len(plans), READ_AHEAD)]
         first_kind = LOCAL if not remote else TIER_CACHE if whole_cached else OBJECT_STORE
@@ -209,6 +211,20 @@ def read_tier_split(split: Split, *, auth_token: str | None = None,
             handle.close()
         if mapped is not None:
             mapped.close()
+
+
+def _blocks(meta: pq.FileMetaData, plans: list[_Plan], block_size: int) -> list[int]:
+    """The cache blocks holding the planned row groups' column chunks, in file order."""
+    out: set[int] = set()
+    for plan in plans:
+        rg = meta.row_group(plan.index)
+        for c in range(rg.num_columns):
+            col = rg.column(c)
+            start = col.dictionary_page_offset if col.has_dictionary_page else \
+                col.data_page_offset
+            end = start + col.total_compressed_size
+            out.update(range(start // block_size, (end - 1) // block_size + 1))
+    return sorted(out)
 
 
 def _fetch_whole(fs: Any, path: str, size: int) -> bytes:

@@ -71,7 +71,7 @@ SIZE_ENV = "TIERSTREAM_TIER_CACHE_SIZE"
 DEFAULT_SHARE = 0.1
 DEFAULT_CAP = 20 * 1024**3
 #: Blocks fetched from the store at once by one process (one ranged GET each).
-FETCHERS = 8
+FETCHERS = 16
 #: How long opening the index waits for other processes opening it.
 _OPEN_WAIT_S = 60.0
 _SCHEMA = """
@@ -144,6 +144,9 @@ class TierCache:
         self._db = self._connect()
         self._flying: dict[str, Future[Payload]] = {}
         self._pool = ThreadPoolExecutor(FETCHERS, thread_name_prefix="tier-cache-fetch")
+        #: blocks fetched ahead of their reader and kept: its read of one is not a second
+        #: access (nor a hit), it is the miss the fetch counted
+        self._prefetched: set[str] = set()
         #: local copies this process checked whole: (id, inode, mtime) - checked once
         self._verified: set[tuple[str, int, int]] = set()
 
@@ -198,14 +201,14 @@ class TierCache:
     def _seen(self, db: sqlite3.Connection, key: str) -> int:
         """Count one access of ``key`` in the history; its count, this access included. Every
         ``10 x`` the cache's blocks of accesses, every count is halved."""
-        db.execute("INSERT INTO history VALUES (?, 1) ON CONFLICT(key) DO UPDATE "
-                   "SET count = count + 1", (key,))
         self._count(db, accesses=1)
         (accesses,) = db.execute("SELECT value FROM counters WHERE name = 'accesses'").fetchone()
-        if accesses >= 10 * max(16, self.limit // self.block_size):
+        if accesses >= 10 * max(16, self.limit // self.block_size):  # halved before this one
             db.execute("UPDATE history SET count = count / 2")
             db.execute("DELETE FROM history WHERE count = 0")
             db.execute("UPDATE counters SET value = 0 WHERE name = 'accesses'")
+        db.execute("INSERT INTO history VALUES (?, 1) ON CONFLICT(key) DO UPDATE "
+                   "SET count = count + 1", (key,))
         (count,) = db.execute("SELECT count FROM history WHERE key = ?", (key,)).fetchone()
         return int(count)
 
@@ -262,9 +265,10 @@ class TierCache:
     def _file(self, ident: str) -> Path:
         return self.directory / "objects" / ident[:2] / ident
 
-    def _load(self, obj: ObjectRef, index: int) -> bytes | None:
-        """A written block's bytes, checked against its CRC, with the hit counted; None when
-        it is not here (or corrupt: dropped, to be fetched again)."""
+    def _load(self, obj: ObjectRef, index: int) -> tuple[bytes, bool] | None:
+        """A written block's bytes, checked against its CRC, and whether this is a hit
+        (counted; False: it was fetched ahead for this read); None when it is not here (or
+        corrupt: dropped, to be fetched again)."""
         key = obj.block_key(index, self.block_size)
         row = self._db_read("SELECT bytes, crc FROM blocks WHERE key = ? AND pending = 0",
                             (key,))
@@ -279,11 +283,16 @@ class TierCache:
         if len(payload) != nbytes or crc32c.crc32c(payload) != crc:
             self._corrupt(obj, [key])
             return None
+        with self._lock:
+            ahead = key in self._prefetched
+            self._prefetched.discard(key)
+        if ahead:  # fetched for this reader a moment ago: the miss is counted already
+            return payload, False
         with self._write() as db:
             self._seen(db, key)
             db.execute("UPDATE blocks SET used = ? WHERE key = ?", (time.time(), key))
             self._count(db, hits=1, hit_bytes=nbytes)
-        return payload
+        return payload, True
 
     def _db_read(self, sql: str, args: tuple[Any, ...]) -> Any:
         with self._lock:
@@ -323,7 +332,7 @@ class TierCache:
         """Block ``index`` of ``obj`` and whether it came from the cache (else the store)."""
         kept = self._load(obj, index)
         if kept is not None:
-            return kept, True
+            return kept
         key = obj.block_key(index, self.block_size)
         with self._lock:  # one fetch per block in this process; the others wait for it
             future = self._flying.get(key)
@@ -331,8 +340,11 @@ class TierCache:
             if mine:
                 future = self._flying[key] = Future()
         assert future is not None
-        if not mine:
-            return future.result(), False
+        if not mine:  # a reader waiting for a fetch made ahead for it: that was its miss
+            payload = future.result()
+            with self._lock:
+                self._prefetched.discard(key)
+            return payload, False
         try:
             start = index * self.block_size
             payload = bytes(obj.fs.cat_file(obj.path, start=start,
@@ -347,6 +359,34 @@ class TierCache:
         finally:
             with self._lock:
                 del self._flying[key]
+
+    def prefetch(self, obj: ObjectRef, indexes: list[int]) -> None:
+        """Fetch ``indexes`` of ``obj`` ahead of their reader, in order, ``FETCHERS`` at a
+        time: a reader asks for a block when pyarrow reads it, a few at once, which leaves
+        the store's latency exposed. Only when the cache has room for all of them: a block
+        fetched ahead and then not kept would be fetched twice."""
+        keys = {i: obj.block_key(i, self.block_size) for i in indexes}
+        with self._lock:
+            (size,) = self._db.execute("SELECT COALESCE(SUM(bytes), 0) FROM blocks").fetchone()
+            held = {k for (k,) in self._db.execute(
+                "SELECT key FROM blocks WHERE object = ?", (obj.ident,)).fetchall()}
+        wanted = [i for i in indexes if keys[i] not in held]
+        if not wanted or size + len(wanted) * self.block_size > self.limit:
+            return
+        for i in wanted:
+            self._pool.submit(self._fetch_ahead, obj, i)
+
+    def _fetch_ahead(self, obj: ObjectRef, index: int) -> None:
+        key = obj.block_key(index, self.block_size)
+        with self._lock:
+            self._prefetched.add(key)
+        try:
+            _, hit = self.block(obj, index)
+        except Exception:  # the reader will ask again, and see the error itself
+            hit = True
+        if hit:
+            with self._lock:
+                self._prefetched.discard(key)
 
     def blocks(self, obj: ObjectRef, indexes: list[int]) -> list[tuple[Payload, bool]]:
         """Several blocks, the missing ones fetched at once."""
