@@ -9,7 +9,6 @@ GETs each read sent to S3.
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -26,7 +25,6 @@ from tierstream.model.message_format import as_produce_batch
 from tierstream.readers import ReadStats
 from tierstream.runtime.local import run_splits
 from tierstream.splits.split import Split, StreamCut, TierLocation, splits_to_json
-from tierstream.tier import cache as cache_module
 from tierstream.util.units import human_bytes
 
 TOPIC = "bench/tiercache/t"
@@ -108,13 +106,12 @@ def tier_cache(quick: bool = True) -> Path:
             remote.append(replace(split, tier_url=f"s3://{BUCKET}/{key}",
                                   tier=TierLocation(s3_endpoint=s3.endpoint)))
         s3.gets()
-        full_dir, half_dir = str(Path(tmp) / "cache-full"), str(Path(tmp) / "cache-half")
         rows_total = partitions * entries * per_entry
         _read(local, (None, 0))  # warm: the local files in the page cache, as a re-read's
-        for _ in range(runs):
-            for d in (full_dir, half_dir):
-                shutil.rmtree(d, ignore_errors=True)
-                cache_module._open.clear()
+        for run in range(runs):
+            # fresh caches each run, in new directories: a process keeps the cache it opened,
+            # and one deleted under it (rmtree) would take nothing more
+            full_dir, half_dir = (str(Path(tmp) / f"cache-{k}-{run}") for k in ("full", "half"))
             measured = {
                 "local": _read(local, (None, 0)),
                 "s3 no cache": _read(remote, (None, 0))}
@@ -169,20 +166,20 @@ def tier_cache(quick: bool = True) -> Path:
 
 
 def _fetch_all(splits: list[Split], endpoint: str) -> float:
-    """Seconds to fetch every byte of the splits' files in 4 MiB ranged GETs, 32 in flight:
-    what the stand-in for S3 (moto and s3fs, in Python, on this machine's cores) delivers
-    with no decoding, no cache and nobody else on the cores."""
+    """Seconds to fetch every byte of the splits' files in 4 MiB ranged GETs, 32 in flight,
+    with the client the tier cache uses (pyarrow's): what the stand-in for S3 (moto in
+    Python, and the client, on this machine's cores) delivers with no decoding and no cache."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tierstream.tier.storage import TierStorage
 
-    fs = TierStorage(url=f"s3://{BUCKET}/tier", s3_endpoint=endpoint).filesystem()
+    ranges_fs = TierStorage(url=f"s3://{BUCKET}/tier", s3_endpoint=endpoint).range_filesystem()
     step = 4 * 1024**2
     ranges = [((s.tier_url or "").removeprefix("s3://"), start, s.tier_bytes or 0)
               for s in splits for start in range(0, s.tier_bytes or 0, step)]
     with ThreadPoolExecutor(32) as pool:
         return timed(lambda: list(pool.map(
-            lambda r: fs.cat_file(r[0], start=r[1], end=min(r[1] + step, r[2])), ranges)))
+            lambda r: ranges_fs.read_range(r[0], r[1], min(r[1] + step, r[2]), r[2]), ranges)))
 
 
 def _spark(local: list[Split], remote: list[Split], tmp: str, s3: S3Server, window: int,
@@ -192,7 +189,6 @@ def _spark(local: list[Split], remote: list[Split], tmp: str, s3: S3Server, wind
     from tierstream.spark_adapter import register
     from tierstream.spark_adapter.jobs import local_spark
 
-    where = str(Path(tmp) / "cache-spark")
     os.environ["TIERSTREAM_SPARK_MASTER"] = "local[2]"
     session = local_spark("tierstream-bench-tier-cache")
     rates: dict[str, list[float]] = {}
@@ -210,10 +206,10 @@ def _spark(local: list[Split], remote: list[Split], tmp: str, s3: S3Server, wind
             df = reader.load()
             return rows / timed(lambda: df.write.format("noop").mode("overwrite").save())
 
-        cache = {"tierCacheDir": where, "tierCacheSize": str(window)}
         backfill(local, {"tierCacheSize": "0"})  # JVM and workers warm
-        for _ in range(runs):
-            shutil.rmtree(where, ignore_errors=True)
+        for run in range(runs):
+            cache = {"tierCacheDir": str(Path(tmp) / f"cache-spark-{run}"),
+                     "tierCacheSize": str(window)}  # a new one each run (see above)
             rates.setdefault("local", []).append(backfill(local, {"tierCacheSize": "0"}))
             s3.gets()
             rates.setdefault("s3 first", []).append(backfill(remote, cache))

@@ -183,7 +183,7 @@ class _Collector:
         host's), when the store's tier is remote and the cache is on."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        from tierstream.tier.cache import host_cache
+        from tierstream.tier.host_cache import host_cache
 
         tier = self.store.tier
         cache = host_cache() if tier is not None and tier.scheme != "file" else None

@@ -11,7 +11,8 @@ from rich.table import Table
 
 from tierstream.cli.common import app, err, human_bytes, out
 from tierstream.errors import ConfigError
-from tierstream.tier.cache import TierCache, default_directory
+from tierstream.tier.cache import TierCache
+from tierstream.tier.host_cache import default_directory
 
 __all__ = ["cache_app"]
 

@@ -89,7 +89,7 @@ def _tier_cache_size(value: str | None) -> str | None:
     """--tier-cache-size's callback: this process's tier cache, and its Spark workers' (they
     inherit the environment)."""
     if value:
-        from tierstream.tier.cache import SIZE_ENV, configure, parse_cache_size
+        from tierstream.tier.host_cache import SIZE_ENV, configure, parse_cache_size
 
         configure(size=parse_cache_size(value, "--tier-cache-size"))
         os.environ[SIZE_ENV] = value

@@ -39,8 +39,9 @@ from tierstream.readers.stats import (
 )
 from tierstream.readers.trim import trim
 from tierstream.splits.split import Split
-from tierstream.tier.cache import ObjectRef, TierCache, host_cache
+from tierstream.tier.cache import ObjectRef, TierCache
 from tierstream.tier.cached_file import CachedFile
+from tierstream.tier.host_cache import host_cache
 from tierstream.tier.storage import TierStorage
 
 __all__ = ["READ_AHEAD", "leaf_column", "read_tier_split", "selected_row_groups"]
@@ -146,7 +147,8 @@ def read_tier_split(split: Split, *, auth_token: str | None = None,
             in_memory = 0 < size <= SMALL_FILE
             host = host_cache(*(cache or (None, None)))
             if host is not None:
-                obj = ObjectRef(fs, path, size, f"{tier.scheme}:{split.tier.s3_endpoint or ''}")
+                obj = ObjectRef(tier.range_filesystem(), path, size,
+                                f"{tier.scheme}:{split.tier.s3_endpoint or ''}")
                 source = (host, obj)
                 cached = CachedFile(host, obj)
                 mapped = host.open_whole(obj)
@@ -185,8 +187,18 @@ def read_tier_split(split: Split, *, auth_token: str | None = None,
         raise _gone(split) from None
     try:
         plans = _plans(pf.metadata, split)
-        if source is not None and not in_memory:  # the planned row groups' blocks, in order
-            source[0].prefetch(source[1], _blocks(pf.metadata, plans, source[0].block_size))
+        if source is not None and not in_memory:
+            host, obj = source
+            wanted = _blocks(pf.metadata, plans, host.block_size)
+            if len(wanted) == -(-obj.size // host.block_size) and host.has_room(obj, wanted):
+                # the whole file is read and fits: fetched at once, many GETs in flight,
+                # then decoded from the local copy as a local file is
+                host.fetch(obj, wanted)
+                if (fetched := host.open_whole(obj, count=False)) is not None:
+                    pf.close()
+                    pf, mapped, in_memory = pq.ParquetFile(fetched), fetched, True
+            if not in_memory:  # the planned row groups' blocks, in order, ahead of pyarrow
+                host.prefetch(obj, wanted)
         # a few row groups per read: pyarrow decodes them in parallel
         chunks = [plans[i:i + READ_AHEAD] for i in range(0, len(plans), READ_AHEAD)]
         first_kind = LOCAL if not remote else TIER_CACHE if whole_cached else OBJECT_STORE

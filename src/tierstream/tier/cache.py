@@ -3,8 +3,8 @@
 The object store stays the source of truth; the cache only makes repeated and overlapping
 reads of remote tier files local. Every tier read path of a process goes through
 :func:`host_cache` (``tierstream.read``/``scan``, the CLI, Spark's tier splits on executors,
-the broker's reads of offloaded segments), and every process on a host that names the same
-directory shares one cache.
+the broker's reads of offloaded segments: ``tier/host_cache.py`` says which cache that is),
+and every process on a host that names the same directory shares one cache.
 
 **Unit and key.** The cache fetches aligned blocks of ``BLOCK`` bytes of an object (the last
 one shorter), one ranged GET each, and keeps each at its own offset in a sparse local copy of
@@ -56,17 +56,13 @@ import crc32c
 import pyarrow as pa
 
 from tierstream.errors import ConfigError
-from tierstream.util.units import cache_bytes
 
-__all__ = ["BLOCK", "CacheStats", "TierCache", "configure", "default_directory", "host_cache"]
+__all__ = ["BLOCK", "CacheStats", "ObjectRef", "Payload", "TierCache"]
 
 log = logging.getLogger(__name__)
 
 #: The cached unit: measured against 1 MiB and 16 MiB in ``python -m bench tier-cache``.
 BLOCK = 4 * 1024**2
-#: The environment variables a host's cache is set with (see ``configure`` for the options).
-DIR_ENV = "TIERSTREAM_TIER_CACHE_DIR"
-SIZE_ENV = "TIERSTREAM_TIER_CACHE_SIZE"
 #: The default size: this share of the free disk where the cache lives, at most DEFAULT_CAP.
 DEFAULT_SHARE = 0.1
 DEFAULT_CAP = 20 * 1024**3
@@ -108,20 +104,6 @@ class CacheStats:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def default_directory() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tierstream" / "tier"
-
-
-def parse_cache_size(raw: Any, what: str) -> int:
-    """``0``/``off`` (no cache) or a size such as ``2GiB``; ConfigError naming ``what``."""
-    try:
-        return cache_bytes(raw)
-    except (ValueError, TypeError):
-        raise ConfigError(f"invalid {what}: {raw!r}; expected 0 (off) or a size such as "
-                          "2GiB") from None
 
 
 class TierCache:
@@ -347,8 +329,7 @@ class TierCache:
             return payload, False
         try:
             start = index * self.block_size
-            payload = bytes(obj.fs.cat_file(obj.path, start=start,
-                                            end=min(start + self.block_size, obj.size)))
+            payload = obj.read(start, min(start + self.block_size, obj.size))
             if self._admit(obj, index, len(payload)):
                 self._store(obj, index, payload)
             future.set_result(payload)
@@ -394,15 +375,31 @@ class TierCache:
             return [self.block(obj, indexes[0])]
         return list(self._pool.map(lambda i: self.block(obj, i), indexes))
 
-    def open_whole(self, obj: ObjectRef) -> pa.MemoryMappedFile | None:
+    def fetch(self, obj: ObjectRef, indexes: list[int]) -> None:
+        """Fetch the blocks ``indexes`` of ``obj`` the cache lacks into it, ``FETCHERS`` at a
+        time, and wait for them (a reader about to read them all from a local copy)."""
+        for future in [self._pool.submit(self.block, obj, i) for i in indexes]:
+            future.result()
+
+    def has_room(self, obj: ObjectRef, indexes: list[int]) -> bool:
+        """Whether the blocks ``indexes`` of ``obj`` it lacks fit without evicting."""
+        with self._lock:
+            (size,) = self._db.execute("SELECT COALESCE(SUM(bytes), 0) FROM blocks").fetchone()
+            (held,) = self._db.execute("SELECT COUNT(*) FROM blocks WHERE object = ?",
+                                       (obj.ident,)).fetchone()
+        return bool(size + (len(indexes) - held) * self.block_size <= self.limit)
+
+    def open_whole(self, obj: ObjectRef, *, count: bool = True
+                   ) -> pa.MemoryMappedFile | None:
         """``obj``'s local copy, mapped, when the cache holds every block of it (checked
-        against their CRCs once per process and copy), with the hits counted; else None."""
-        count = -(-obj.size // self.block_size)
+        against their CRCs once per process and copy), with the hits counted (``count``:
+        False when its blocks were fetched for this very read); else None."""
+        blocks = -(-obj.size // self.block_size)
         with self._lock:
             rows = self._db.execute(
                 "SELECT key, idx, bytes, crc FROM blocks WHERE object = ? AND pending = 0",
                 (obj.ident,)).fetchall()
-        if len({idx for _, idx, _, _ in rows if 0 <= idx < count}) != count:
+        if len({idx for _, idx, _, _ in rows if 0 <= idx < blocks}) != blocks:
             return None
         try:
             mapped = pa.memory_map(str(self._file(obj.ident)))  # evicted later: still mapped
@@ -421,6 +418,8 @@ class TierCache:
                 return None
             self._verified.add(seal)
         mapped.seek(0)
+        if not count:
+            return mapped
         now = time.time()
         with self._write() as db:
             for key, _, _, _ in rows:
@@ -472,47 +471,12 @@ class ObjectRef:
         return hashlib.sha256(f"{self.store}\n{self.path}\n{self.size}".encode()
                               ).hexdigest()[:40]
 
+    def read(self, start: int, end: int) -> bytes:
+        """Bytes ``start:end`` from the store: one ranged GET."""
+        ranged = getattr(self.fs, "read_range", None)
+        if ranged is not None:
+            return bytes(ranged(self.path, start, end, self.size))
+        return bytes(self.fs.cat_file(self.path, start=start, end=end))
+
     def block_key(self, index: int, block_size: int) -> str:
         return f"{self.ident}-{block_size}-{index}"
-
-
-# -- the host's cache ---------------------------------------------------------------------------
-
-_configured: tuple[str | None, int | None] = (None, None)
-_open: dict[tuple[str, int | None], TierCache] = {}
-_open_lock = threading.Lock()
-
-
-def configure(directory: str | None = None, size: int | None = None) -> None:
-    """Set this process's cache (the CLI's ``--tier-cache-size``, the Spark options
-    ``tierCacheDir``/``tierCacheSize`` on each executor); None keeps the environment's or the
-    default."""
-    global _configured
-    _configured = (directory, size)
-
-
-def host_cache(directory: str | None = None, size: int | None = None) -> TierCache | None:
-    """This host's cache of tier bytes, or None when it is off (size 0). Given values win, then
-    ``configure()``'s, then ``TIERSTREAM_TIER_CACHE_DIR``/``_SIZE``, then the default directory
-    and a tenth of its free disk (at most 20 GiB)."""
-    directory = directory or _configured[0] or os.environ.get(DIR_ENV) or None
-    if size is None:
-        size = _configured[1]
-    if size is None and os.environ.get(SIZE_ENV):
-        size = parse_cache_size(os.environ[SIZE_ENV], f"environment variable {SIZE_ENV}")
-    if size == 0:
-        return None
-    where = str(Path(directory).expanduser().resolve()) if directory else \
-        str(default_directory())
-    with _open_lock:
-        cache = _open.get((where, size))
-        if cache is None:
-            try:
-                cache = _open[(where, size)] = TierCache(where, size)
-            except ConfigError:
-                if directory:
-                    raise
-                log.warning("the default tier cache directory %s cannot be used: reading "
-                            "without a cache (set %s)", where, DIR_ENV)
-                return None
-        return cache

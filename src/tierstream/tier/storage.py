@@ -38,8 +38,9 @@ import pyarrow.parquet as pq
 from tierstream.errors import AuthError, ConfigError, NotFoundError, UnavailableError
 from tierstream.model.message_format import KEY_HASH_SLOTS, MESSAGE_SCHEMA
 from tierstream.model.names import TopicName
-from tierstream.tier.cache import ObjectRef, host_cache
+from tierstream.tier.cache import ObjectRef
 from tierstream.tier.cached_file import CachedFile
+from tierstream.tier.host_cache import host_cache
 
 __all__ = ["KEY_BUCKETS", "TierStorage", "arrange"]
 
@@ -148,6 +149,24 @@ class TierStorage:
                                    "max_pool_connections": 32})
             return fs
 
+    def range_filesystem(self) -> Any:
+        """What the tier cache fetches ranges of objects with: for S3, pyarrow's own client
+        (C++, ranged GETs outside the GIL: 0.35 s of CPU per 268 MB against ~1.4 s through
+        s3fs, which on two cores capped a first read through S3 at 0.2 of local files);
+        else the fsspec filesystem."""
+        if self.scheme != "s3":
+            return self.filesystem()
+        region = self.s3_region or os.environ.get("AWS_REGION") or \
+            os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+        creds = tuple(os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                                  "AWS_SESSION_TOKEN", "AWS_PROFILE"))
+        key = ("arrow", os.getpid(), self.s3_endpoint, region, creds)
+        with _S3_LOCK:
+            ranges = _S3.get(key)
+            if ranges is None:
+                ranges = _S3[key] = _ArrowRanges(self.s3_endpoint, region)
+            return ranges
+
     def path(self, url: str) -> str:
         parsed = urlparse(url)
         return parsed.path if parsed.scheme == "file" else f"{parsed.netloc}{parsed.path}"
@@ -240,7 +259,8 @@ class TierStorage:
             if cache is None:
                 return pq.read_table(self.path(url), filesystem=fs, filters=filters,
                                      schema=MESSAGE_SCHEMA)
-            obj = ObjectRef(fs, self.path(url), size or int(fs.size(self.path(url))),
+            obj = ObjectRef(self.range_filesystem(), self.path(url),
+                            size or int(fs.size(self.path(url))),
                             f"{self.scheme}:{self.s3_endpoint or ''}")
             source = cache.open_whole(obj) or pa.py_buffer(CachedFile(cache, obj).read())
             return pq.read_table(source, filters=filters, schema=MESSAGE_SCHEMA)
@@ -272,6 +292,44 @@ class TierStorage:
                 except OSError:
                     break
                 folder = folder.parent
+
+
+class _ArrowRanges:
+    """Ranged reads of S3 objects through pyarrow's S3 client: ``read_range`` (the tier
+    cache's fetch) and ``protocol`` (what the reader asks of a filesystem)."""
+
+    protocol = ("s3",)
+
+    def __init__(self, endpoint: str | None, region: str) -> None:
+        from pyarrow import fs as pafs
+
+        kwargs: dict[str, Any] = {"region": region, "connect_timeout": 5,
+                                  "request_timeout": 60}
+        if endpoint:
+            parsed = urlparse(endpoint)
+            kwargs["endpoint_override"] = parsed.netloc or endpoint
+            kwargs["scheme"] = parsed.scheme or "https"
+        self._fs = pafs.S3FileSystem(**kwargs)
+        #: open objects (opening one is a HEAD), most recent last; ReadAt is thread-safe
+        self._open: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def read_range(self, path: str, start: int, end: int, size: int) -> bytes:
+        try:
+            with self._lock:
+                f = self._open.pop(path, None)
+            if f is None:
+                f = self._fs.open_input_file(path)
+            with self._lock:
+                self._open[path] = f
+                while len(self._open) > 64:
+                    self._open.pop(next(iter(self._open))).close()
+            return bytes(f.read_at(end - start, start))
+        except OSError as exc:
+            if isinstance(exc, FileNotFoundError) or "NoSuchKey" in str(exc) or \
+                    "NO_SUCH_KEY" in str(exc) or "404" in str(exc):
+                raise FileNotFoundError(path) from None
+            raise
 
 
 @contextmanager

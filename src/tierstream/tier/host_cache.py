@@ -1,0 +1,79 @@
+"""Which tier cache (tier/cache.py) a process uses: the one given to a read, else the one
+``configure()`` set (the CLI's ``--tier-cache-size``), else the environment's
+(``TIERSTREAM_TIER_CACHE_DIR``, ``TIERSTREAM_TIER_CACHE_SIZE``), else the default directory
+with a tenth of its free disk; one open :class:`TierCache` per directory and size."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from tierstream.errors import ConfigError
+from tierstream.tier.cache import TierCache
+from tierstream.util.units import cache_bytes
+
+__all__ = ["DIR_ENV", "SIZE_ENV", "configure", "default_directory", "host_cache",
+           "parse_cache_size"]
+
+log = logging.getLogger(__name__)
+
+#: The environment variables a host's cache is set with (see ``configure`` for the options).
+DIR_ENV = "TIERSTREAM_TIER_CACHE_DIR"
+SIZE_ENV = "TIERSTREAM_TIER_CACHE_SIZE"
+
+
+def default_directory() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tierstream" / "tier"
+
+
+def parse_cache_size(raw: Any, what: str) -> int:
+    """``0``/``off`` (no cache) or a size such as ``2GiB``; ConfigError naming ``what``."""
+    try:
+        return cache_bytes(raw)
+    except (ValueError, TypeError):
+        raise ConfigError(f"invalid {what}: {raw!r}; expected 0 (off) or a size such as "
+                          "2GiB") from None
+
+
+_configured: tuple[str | None, int | None] = (None, None)
+_open: dict[tuple[str, int | None], TierCache] = {}
+_open_lock = threading.Lock()
+
+
+def configure(directory: str | None = None, size: int | None = None) -> None:
+    """Set this process's cache (the CLI's ``--tier-cache-size``, the Spark options
+    ``tierCacheDir``/``tierCacheSize`` on each executor); None keeps the environment's or the
+    default."""
+    global _configured
+    _configured = (directory, size)
+
+
+def host_cache(directory: str | None = None, size: int | None = None) -> TierCache | None:
+    """This host's cache of tier bytes, or None when it is off (size 0). Given values win, then
+    ``configure()``'s, then ``TIERSTREAM_TIER_CACHE_DIR``/``_SIZE``, then the default directory
+    and a tenth of its free disk (at most 20 GiB)."""
+    directory = directory or _configured[0] or os.environ.get(DIR_ENV) or None
+    if size is None:
+        size = _configured[1]
+    if size is None and os.environ.get(SIZE_ENV):
+        size = parse_cache_size(os.environ[SIZE_ENV], f"environment variable {SIZE_ENV}")
+    if size == 0:
+        return None
+    where = str(Path(directory).expanduser().resolve()) if directory else \
+        str(default_directory())
+    with _open_lock:
+        cache = _open.get((where, size))
+        if cache is None:
+            try:
+                cache = _open[(where, size)] = TierCache(where, size)
+            except ConfigError:
+                if directory:
+                    raise
+                log.warning("the default tier cache directory %s cannot be used: reading "
+                            "without a cache (set %s)", where, DIR_ENV)
+                return None
+        return cache
