@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import logging
 import re
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,15 +27,6 @@ from ..store.test_tier import TOPIC, fill, make_store
 @pytest.fixture(autouse=True)
 def _no_tier_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TIERSTREAM_TIER_CACHE_SIZE", "0")
-
-
-@pytest.fixture
-def s3_store(data_dir: Path, s3_bucket: str, moto_endpoint: str) -> Iterator[Store]:
-    store = make_store(data_dir, tierUrl=f"s3://{s3_bucket}/tier", s3Endpoint=moto_endpoint)
-    fill(store, entries=10)
-    store.offloader.offload_topic(TOPIC)
-    yield store
-    store.close()
 
 
 def _tier_split(store: Store) -> Split:

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import fsspec
@@ -34,15 +33,6 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("TIERSTREAM_TIER_CACHE_DIR", str(where))
     monkeypatch.setenv("TIERSTREAM_TIER_CACHE_SIZE", "64MiB")
     return where
-
-
-@pytest.fixture
-def s3_store(data_dir: Path, s3_bucket: str, moto_endpoint: str) -> Iterator[Store]:
-    store = make_store(data_dir, tierUrl=f"s3://{s3_bucket}/tier", s3Endpoint=moto_endpoint)
-    fill(store, entries=10)
-    store.offloader.offload_topic(TOPIC)
-    yield store
-    store.close()
 
 
 def _read(split: Split, caplog: pytest.LogCaptureFixture) -> tuple[pa.Table, ReadStats, int]:
