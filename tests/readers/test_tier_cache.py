@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -136,7 +137,7 @@ def test_a_writer_killed_mid_block_leaves_nothing_that_is_served(
     split = _split(s3_store, cache_dir)
     killed = subprocess.run([sys.executable, "-c", _HALF_WRITER, str(cache_dir),
                              json.dumps(split.to_dict())], capture_output=True, text=True)
-    assert killed.returncode == 9, killed.stderr
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert [p for p in (cache_dir / "objects").rglob("*") if p.is_file()]  # the half block
     rows, stats, gets = _read(split, caplog)
     assert rows.num_rows == 1000 and gets >= 1 and stats.rows(path=OBJECT_STORE) == 1000
@@ -149,7 +150,7 @@ def test_a_writer_killed_mid_block_leaves_nothing_that_is_served(
 
 
 _HALF_WRITER = """
-import json, os, sys
+import json, os, signal, sys
 from tierstream.splits.split import Split
 from tierstream.tier.cache import ObjectRef
 from tierstream.tier.host_cache import host_cache
@@ -166,7 +167,7 @@ path.parent.mkdir(exist_ok=True)
 with open(path, "wb") as f:
     f.write(data[: len(data) // 2])
     f.flush()
-    os._exit(9)
+    os.kill(os.getpid(), signal.SIGKILL)  # killed mid-write
 """
 
 
@@ -283,3 +284,18 @@ def test_the_history_halves_without_losing_the_block_being_counted(tmp_path: Pat
     truth = Path(obj.path).read_bytes()
     for i in range(200):  # the 160th access halves the history
         assert cache.block(obj, i)[0] == truth[i * block:(i + 1) * block]
+
+
+def test_the_bound_holds_under_a_window_ten_times_the_cache(tmp_path: Path) -> None:
+    block = 1024
+    cache = TierCache(tmp_path / "cache", 8 * block, block_size=block)
+    window = _objects(tmp_path, 20, 4 * block)  # 80 blocks
+    for _ in range(3):
+        for obj in window:
+            for i in range(4):
+                assert cache.block(obj, i)[0] == Path(obj.path).read_bytes()[
+                    i * block:(i + 1) * block]
+                assert cache.stats().size <= cache.limit
+    copies = [p for p in (tmp_path / "cache" / "objects").rglob("*") if p.is_file()]
+    # on disk too (sparse copies: what is written, rounded up to the filesystem's blocks)
+    assert sum(p.stat().st_blocks * 512 for p in copies) <= cache.limit + len(copies) * 4096
