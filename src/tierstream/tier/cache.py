@@ -471,11 +471,11 @@ class ObjectRef:
         return hashlib.sha256(f"{self.store}\n{self.path}\n{self.size}".encode()
                               ).hexdigest()[:40]
 
-    def read(self, start: int, end: int) -> bytes:
+    def read(self, start: int, end: int) -> Payload:
         """Bytes ``start:end`` from the store: one ranged GET."""
         ranged = getattr(self.fs, "read_range", None)
         if ranged is not None:
-            return bytes(ranged(self.path, start, end, self.size))
+            return memoryview(ranged(self.path, start, end, self.size))
         return bytes(self.fs.cat_file(self.path, start=start, end=end))
 
     def block_key(self, index: int, block_size: int) -> str:

@@ -314,7 +314,7 @@ class _ArrowRanges:
         self._open: dict[str, Any] = {}
         self._lock = threading.Lock()
 
-    def read_range(self, path: str, start: int, end: int, size: int) -> bytes:
+    def read_range(self, path: str, start: int, end: int, size: int) -> memoryview:
         try:
             with self._lock:
                 f = self._open.pop(path, None)
@@ -324,7 +324,7 @@ class _ArrowRanges:
                 self._open[path] = f
                 while len(self._open) > 64:
                     self._open.pop(next(iter(self._open))).close()
-            return bytes(f.read_at(end - start, start))
+            return memoryview(f.read_at(end - start, start))  # pyarrow's buffer, no copy
         except OSError as exc:
             if isinstance(exc, FileNotFoundError) or "NoSuchKey" in str(exc) or \
                     "NO_SUCH_KEY" in str(exc) or "404" in str(exc):
