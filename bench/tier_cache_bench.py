@@ -179,7 +179,7 @@ def _fetch_all(splits: list[Split], endpoint: str) -> float:
               for s in splits for start in range(0, s.tier_bytes or 0, step)]
     with ThreadPoolExecutor(32) as pool:
         return timed(lambda: list(pool.map(
-            lambda r: ranges_fs.read_range(r[0], r[1], min(r[1] + step, r[2]), r[2]), ranges)))
+            lambda r: ranges_fs.read_range(r[0], r[1], min(r[1] + step, r[2])), ranges)))
 
 
 def _spark(local: list[Split], remote: list[Split], tmp: str, s3: S3Server, window: int,

@@ -86,12 +86,12 @@ TlsCaOpt = Annotated[str | None, typer.Option(
 
 
 def _tier_cache_size(value: str | None) -> str | None:
-    """--tier-cache-size's callback: this process's tier cache, and its Spark workers' (they
-    inherit the environment)."""
+    """--tier-cache-size's callback: checked, then the size of this process's tier cache and
+    its Spark workers' (they inherit the environment)."""
     if value:
-        from tierstream.tier.host_cache import SIZE_ENV, configure, parse_cache_size
+        from tierstream.tier.host_cache import SIZE_ENV, parse_cache_size
 
-        configure(size=parse_cache_size(value, "--tier-cache-size"))
+        parse_cache_size(value, "--tier-cache-size")
         os.environ[SIZE_ENV] = value
     return value
 

@@ -174,6 +174,12 @@ class TierCache:
             self._db.execute("COMMIT")
 
     @staticmethod
+    def _size(db: sqlite3.Connection) -> int:
+        """Bytes the cache holds or has reserved."""
+        (size,) = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM blocks").fetchone()
+        return int(size)
+
+    @staticmethod
     def _count(db: sqlite3.Connection, **deltas: int) -> None:
         for name, delta in deltas.items():
             if delta:
@@ -206,7 +212,7 @@ class TierCache:
                        (now - _ABANDONED_S,))  # their writers died
             if db.execute("SELECT 1 FROM blocks WHERE key = ?", (key,)).fetchone():
                 return False
-            (size,) = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM blocks").fetchone()
+            size = self._size(db)
             victims: list[str] = []
             if size + nbytes > self.limit:
                 if nbytes > self.limit:
@@ -346,16 +352,18 @@ class TierCache:
         time: a reader asks for a block when pyarrow reads it, a few at once, which leaves
         the store's latency exposed. Only when the cache has room for all of them: a block
         fetched ahead and then not kept would be fetched twice."""
-        keys = {i: obj.block_key(i, self.block_size) for i in indexes}
-        with self._lock:
-            (size,) = self._db.execute("SELECT COALESCE(SUM(bytes), 0) FROM blocks").fetchone()
-            held = {k for (k,) in self._db.execute(
-                "SELECT key FROM blocks WHERE object = ?", (obj.ident,)).fetchall()}
-        wanted = [i for i in indexes if keys[i] not in held]
-        if not wanted or size + len(wanted) * self.block_size > self.limit:
-            return
-        for i in wanted:
+        for i in self._missing_that_fit(obj, indexes) or []:
             self._pool.submit(self._fetch_ahead, obj, i)
+
+    def _missing_that_fit(self, obj: ObjectRef, indexes: list[int]) -> list[int] | None:
+        """The blocks ``indexes`` of ``obj`` the cache neither holds nor is writing, if they
+        fit without evicting; else None."""
+        with self._lock:
+            size = self._size(self._db)
+            held = {i for (i,) in self._db.execute(
+                "SELECT idx FROM blocks WHERE object = ?", (obj.ident,)).fetchall()}
+        missing = [i for i in indexes if i not in held]
+        return missing if size + len(missing) * self.block_size <= self.limit else None
 
     def _fetch_ahead(self, obj: ObjectRef, index: int) -> None:
         key = obj.block_key(index, self.block_size)
@@ -383,11 +391,7 @@ class TierCache:
 
     def has_room(self, obj: ObjectRef, indexes: list[int]) -> bool:
         """Whether the blocks ``indexes`` of ``obj`` it lacks fit without evicting."""
-        with self._lock:
-            (size,) = self._db.execute("SELECT COALESCE(SUM(bytes), 0) FROM blocks").fetchone()
-            (held,) = self._db.execute("SELECT COUNT(*) FROM blocks WHERE object = ?",
-                                       (obj.ident,)).fetchone()
-        return bool(size + (len(indexes) - held) * self.block_size <= self.limit)
+        return self._missing_that_fit(obj, indexes) is not None
 
     def open_whole(self, obj: ObjectRef, *, count: bool = True
                    ) -> pa.MemoryMappedFile | None:
@@ -433,15 +437,15 @@ class TierCache:
     def stats(self) -> CacheStats:
         with self._lock:
             counters = dict(self._db.execute("SELECT name, value FROM counters").fetchall())
-            size, entries = self._db.execute(
-                "SELECT COALESCE(SUM(bytes), 0), COUNT(*) FROM blocks").fetchone()
+            size = self._size(self._db)
+            (entries,) = self._db.execute("SELECT COUNT(*) FROM blocks").fetchone()
         return CacheStats(str(self.directory), self.limit, int(size), int(entries),
                           **{c: int(counters.get(c, 0)) for c in _COUNTERS})
 
     def clear(self) -> int:
         """Remove every block and reset the counters; returns the bytes freed."""
         with self._write() as db:
-            (size,) = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM blocks").fetchone()
+            size = self._size(db)
             self._remove_all(with_index=False)
             for table in ("blocks", "history", "counters"):
                 db.execute(f"DELETE FROM {table}")
@@ -475,7 +479,7 @@ class ObjectRef:
         """Bytes ``start:end`` from the store: one ranged GET."""
         ranged = getattr(self.fs, "read_range", None)
         if ranged is not None:
-            return memoryview(ranged(self.path, start, end, self.size))
+            return ranged(self.path, start, end)  # type: ignore[no-any-return]
         return bytes(self.fs.cat_file(self.path, start=start, end=end))
 
     def block_key(self, index: int, block_size: int) -> str:

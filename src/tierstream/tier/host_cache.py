@@ -1,6 +1,6 @@
-"""Which tier cache (tier/cache.py) a process uses: the one given to a read, else the one
-``configure()`` set (the CLI's ``--tier-cache-size``), else the environment's
-(``TIERSTREAM_TIER_CACHE_DIR``, ``TIERSTREAM_TIER_CACHE_SIZE``), else the default directory
+"""Which tier cache (tier/cache.py) a process uses: the one given to a read, else the
+environment's (``TIERSTREAM_TIER_CACHE_DIR``, ``TIERSTREAM_TIER_CACHE_SIZE``: the CLI's
+``--tier-cache-size`` sets the latter, for its Spark workers too), else the default directory
 with a tenth of its free disk; one open :class:`TierCache` per directory and size."""
 
 from __future__ import annotations
@@ -15,12 +15,11 @@ from tierstream.errors import ConfigError
 from tierstream.tier.cache import TierCache
 from tierstream.util.units import cache_bytes
 
-__all__ = ["DIR_ENV", "SIZE_ENV", "configure", "default_directory", "host_cache",
-           "parse_cache_size"]
+__all__ = ["DIR_ENV", "SIZE_ENV", "default_directory", "host_cache", "parse_cache_size"]
 
 log = logging.getLogger(__name__)
 
-#: The environment variables a host's cache is set with (see ``configure`` for the options).
+#: The environment variables a host's cache is set with.
 DIR_ENV = "TIERSTREAM_TIER_CACHE_DIR"
 SIZE_ENV = "TIERSTREAM_TIER_CACHE_SIZE"
 
@@ -39,26 +38,15 @@ def parse_cache_size(raw: Any, what: str) -> int:
                           "2GiB") from None
 
 
-_configured: tuple[str | None, int | None] = (None, None)
 _open: dict[tuple[str, int | None], TierCache] = {}
 _open_lock = threading.Lock()
 
 
-def configure(directory: str | None = None, size: int | None = None) -> None:
-    """Set this process's cache (the CLI's ``--tier-cache-size``, the Spark options
-    ``tierCacheDir``/``tierCacheSize`` on each executor); None keeps the environment's or the
-    default."""
-    global _configured
-    _configured = (directory, size)
-
-
 def host_cache(directory: str | None = None, size: int | None = None) -> TierCache | None:
     """This host's cache of tier bytes, or None when it is off (size 0). Given values win, then
-    ``configure()``'s, then ``TIERSTREAM_TIER_CACHE_DIR``/``_SIZE``, then the default directory
-    and a tenth of its free disk (at most 20 GiB)."""
-    directory = directory or _configured[0] or os.environ.get(DIR_ENV) or None
-    if size is None:
-        size = _configured[1]
+    ``TIERSTREAM_TIER_CACHE_DIR``/``_SIZE``, then the default directory and a tenth of its
+    free disk (at most 20 GiB)."""
+    directory = directory or os.environ.get(DIR_ENV) or None
     if size is None and os.environ.get(SIZE_ENV):
         size = parse_cache_size(os.environ[SIZE_ENV], f"environment variable {SIZE_ENV}")
     if size == 0:

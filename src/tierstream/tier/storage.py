@@ -23,7 +23,7 @@ import os
 import posixpath
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -49,9 +49,23 @@ _BUCKET_SLOTS = KEY_HASH_SLOTS // KEY_BUCKETS
 _ROW_GROUPS_PER_BUCKET = 8
 _MIN_ROW_GROUP = 1024
 LAYOUTS = ("key-buckets", "log")
-#: S3 filesystems of this process, by (pid, endpoint, region, credentials): see filesystem()
+#: S3 clients of this process, by kind, store and credentials: see _shared()
 _S3: dict[tuple[Any, ...], Any] = {}
 _S3_LOCK = threading.Lock()
+_CREDENTIALS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                    "AWS_PROFILE", "AWS_REGION")
+
+
+def _shared(store: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+    """One S3 client per kind and store (``store``) in this process, made by ``make`` and
+    shared by its threads; a new one when the credentials in the environment change (or
+    after a fork)."""
+    key = (os.getpid(), *store, tuple(os.environ.get(k) for k in _CREDENTIALS_ENV))
+    with _S3_LOCK:
+        client = _S3.get(key)
+        if client is None:
+            client = _S3[key] = make()
+        return client
 
 
 def arrange(table: pa.Table, layout: str = "key-buckets") -> Iterator[tuple[pa.Table, int]]:
@@ -127,27 +141,20 @@ class TierStorage:
         # One per store and credentials in a process, shared by its threads: a new one makes
         # a new S3 client on its first request, 130-450 ms (python -m bench tier-cache: a
         # read of 16 files, one filesystem each, spent more on that than on its GETs)
-        creds = tuple(os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                                                  "AWS_SESSION_TOKEN", "AWS_PROFILE",
-                                                  "AWS_REGION"))
-        key = (os.getpid(), self.s3_endpoint, self.s3_region, creds)
-        with _S3_LOCK:
-            fs = _S3.get(key)
-            if fs is None:
-                client_kwargs: dict[str, Any] = {}
-                if self.s3_endpoint:
-                    client_kwargs["endpoint_url"] = self.s3_endpoint
-                if self.s3_region:
-                    client_kwargs["region_name"] = self.s3_region
-                # Bounded retries: an unreachable endpoint should fail in seconds, not minutes.
-                # no listings cache: a long-lived instance must see what others wrote
-                fs = _S3[key] = s3fs.S3FileSystem(
-                    client_kwargs=client_kwargs, skip_instance_cache=True,
-                    use_listings_cache=False,
-                    config_kwargs={"connect_timeout": 5, "read_timeout": 60,
-                                   "retries": {"max_attempts": 3},
-                                   "max_pool_connections": 32})
-            return fs
+        def make() -> Any:
+            client_kwargs: dict[str, Any] = {}
+            if self.s3_endpoint:
+                client_kwargs["endpoint_url"] = self.s3_endpoint
+            if self.s3_region:
+                client_kwargs["region_name"] = self.s3_region
+            # Bounded retries: an unreachable endpoint should fail in seconds, not minutes.
+            # No listings cache: a long-lived instance must see what others wrote.
+            return s3fs.S3FileSystem(
+                client_kwargs=client_kwargs, skip_instance_cache=True, use_listings_cache=False,
+                config_kwargs={"connect_timeout": 5, "read_timeout": 60,
+                               "retries": {"max_attempts": 3}, "max_pool_connections": 32})
+
+        return _shared(("s3fs", self.s3_endpoint, self.s3_region), make)
 
     def range_filesystem(self) -> Any:
         """What the tier cache fetches ranges of objects with: for S3, pyarrow's own client
@@ -158,14 +165,8 @@ class TierStorage:
             return self.filesystem()
         region = self.s3_region or os.environ.get("AWS_REGION") or \
             os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-        creds = tuple(os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                                                  "AWS_SESSION_TOKEN", "AWS_PROFILE"))
-        key = ("arrow", os.getpid(), self.s3_endpoint, region, creds)
-        with _S3_LOCK:
-            ranges = _S3.get(key)
-            if ranges is None:
-                ranges = _S3[key] = _ArrowRanges(self.s3_endpoint, region)
-            return ranges
+        return _shared(("arrow", self.s3_endpoint, region),
+                       lambda: _ArrowRanges(self.s3_endpoint, region))
 
     def path(self, url: str) -> str:
         parsed = urlparse(url)
@@ -314,7 +315,7 @@ class _ArrowRanges:
         self._open: dict[str, Any] = {}
         self._lock = threading.Lock()
 
-    def read_range(self, path: str, start: int, end: int, size: int) -> memoryview:
+    def read_range(self, path: str, start: int, end: int) -> memoryview:
         try:
             with self._lock:
                 f = self._open.pop(path, None)
