@@ -73,7 +73,7 @@ class ReadOptions:
     value_format: str = "raw"  # "raw" or "auto" (decode by the topic's schema)
     mode: str = "FAILFAST"  # valueFormat=auto: FAILFAST, PERMISSIVE or DROPMALFORMED
     partitions: tuple[int, ...] | None = None  # the Python API's partitions=: only these
-    tier_cache_dir: str | None = None  # None: the host's (tier/cache.py)
+    tier_cache_dir: str | None = None  # None: the host's (tier/host_cache.py)
     tier_cache_size: int | None = None  # None: the host's; 0: off
 
     @classmethod

@@ -54,7 +54,7 @@ SMALL_FILE = 16 * 1024**2
 #: The smallest ranged request a whole small file is fetched in.
 MIN_RANGE = 256 * 1024
 READER = "parquet-tier"
-#: A read's own cache settings (directory, size), over the host's: see tier/cache.py
+#: A read's own cache settings (directory, size), over the host's: see tier/host_cache.py
 TierCacheSettings = tuple[str | None, int | None]
 #: The host's cache and the object, when a remote file is read through the cache
 Source = tuple[TierCache, ObjectRef] | None
