@@ -3,8 +3,11 @@ operations give the same answers; and what can go wrong with a PostgreSQL URL is
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -152,6 +155,67 @@ def test_a_postgresql_url_that_cannot_serve_is_one_clear_error(postgres: Postgre
     finally:
         holder.close()
     MetadataStore(url).close()  # free again once the first let go
+
+
+def _lock_holder(url: str) -> int | None:
+    """The server pid of the session holding a broker's advisory lock on ``url``, if any."""
+    import psycopg
+
+    from tierstream.metadata.leader_lease import LOCK_KEY
+
+    with psycopg.connect(url, autocommit=True, connect_timeout=int(scaled(30))) as conn:
+        row = conn.execute("SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objid = %s "
+                           "AND granted AND database = (SELECT oid FROM pg_database WHERE "
+                           "datname = current_database())", (LOCK_KEY & 0xFFFF_FFFF,)).fetchone()
+    return None if row is None else int(row[0])
+
+
+def test_a_closed_store_has_freed_its_lock_by_the_time_close_returns(
+        postgres: PostgresServer) -> None:
+    """The server ends a closed session in its own time: a broker started right after another
+    stopped (a restart) once found the lock still held (CI, in the test above). ``close``
+    frees it on its session first. Here the server is slow to end that session (its process
+    stopped): close may not return with the lock still held."""
+    url = postgres.new_database()
+    holder = MetadataStore(url)
+    pid = _lock_holder(url)
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    closing = threading.Thread(target=holder.close)
+    try:
+        closing.start()
+        closing.join(scaled(0.5))  # the old close returned at once, the lock still held
+        returned_while_held = not closing.is_alive() and _lock_holder(url) == pid
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        closing.join(scaled(30))
+    assert not returned_while_held, "close() returned while its session still held the lock"
+    assert not closing.is_alive()
+    assert _lock_holder(url) is None
+    MetadataStore(url).close()
+
+
+def test_a_store_whose_server_does_not_answer_still_closes(postgres: PostgresServer,
+                                                           monkeypatch) -> None:
+    """Freeing the lock waits a bounded time (a broker stopping during an outage must stop);
+    the server frees it once it sees the session end."""
+    from tierstream.metadata import leader_lease
+
+    monkeypatch.setattr(leader_lease, "UNLOCK_WAIT_S", 0.2)
+    url = postgres.new_database()
+    holder = MetadataStore(url)
+    pid = _lock_holder(url)
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    closing = threading.Thread(target=holder.close)
+    try:
+        closing.start()
+        closing.join(scaled(15))
+        assert not closing.is_alive(), "close() hung on a server that does not answer"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_for(lambda: _lock_holder(url) is None, scaled(30), "the lock freed")
+    MetadataStore(url).close()
 
 
 def test_a_broker_on_postgresql_metadata_serves_survives_a_sigkill_and_refuses_a_second(

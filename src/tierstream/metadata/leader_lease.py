@@ -16,6 +16,7 @@ backend the lease belongs to.
 from __future__ import annotations
 
 import logging
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +42,8 @@ HEARTBEAT_S = 1.0
 #: what a standby logs once it waits for the broker holding the store (``broker start
 #: --detach`` returns when it reads this)
 STANDING_BY = "is held by another broker; this one takes over"
+#: how long a stopping broker waits for the server to free its lock
+UNLOCK_WAIT_S = 5.0
 
 
 class Database(Protocol):
@@ -250,13 +253,41 @@ class LeaderLease:
             raise UnavailableError(backend.lost_reason)
 
     def release(self) -> None:
-        """Stop the heartbeat (joined) and end the lock's session: the lock is free."""
+        """Stop the heartbeat (joined), free the lock and end its session. The lock is freed
+        on its session first: the server ends a closed session in its own time, and a
+        broker started right after this one stopped (a restart) found it still held."""
         if self._heart is not None:
             self._heart.stop(timeout=10 * HEARTBEAT_S)
         with self._lock:
             if self._holder is not None and not self._holder.closed:
+                _unlock(self._holder, self._backend.name, UNLOCK_WAIT_S)
                 self._holder.close()
             self._holder = None
+
+
+def _unlock(session: Any, name: str, wait_s: float) -> None:
+    """``pg_advisory_unlock`` on ``session``, waiting up to ``wait_s`` for its answer: a server
+    that cannot be reached (a broker stopping during an outage) frees the lock once it notices
+    the session gone, and the broker does not hang on it."""
+    import psycopg
+
+    conn = session.pgconn
+    deadline = time.monotonic() + wait_s
+    try:
+        conn.send_query(b"SELECT pg_advisory_unlock(%d)" % LOCK_KEY)
+        while True:
+            conn.consume_input()
+            if not conn.is_busy():
+                while conn.get_result() is not None:
+                    pass
+                return
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([conn.socket], [], [], left)[0]:
+                log.warning("the metadata store %s did not answer the release of its lock "
+                            "in %g s; it frees it once it sees the session end", name, wait_s)
+                return
+    except psycopg.Error:
+        return  # the session is gone: so is its lock
 
 
 def _silent_for(conn: Any) -> float | None:
