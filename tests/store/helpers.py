@@ -40,3 +40,25 @@ def positions(table: pa.Table) -> list[tuple[int, int, int, int]]:
     cols = [table.column(c).to_pylist() for c in
             ("partition", "segment_id", "entry_id", "batch_index")]
     return list(zip(*cols, strict=True))
+
+
+def stop_process(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it is stopped (``kill`` returns once
+    the signal is queued, not once the process stopped)."""
+    import os
+    import signal
+    from pathlib import Path
+
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:  # the state follows the command, which may hold spaces and parentheses
+                states.append(task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0])
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # a thread that ended
+        return all(state in ("T", "t") for state in states)
+
+    wait_for(stopped, scaled(10), f"process {pid} stopped")
+

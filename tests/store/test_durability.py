@@ -19,7 +19,7 @@ from tierstream.errors import CorruptionError, UnavailableError
 from tierstream.model.message_format import as_produce_batch
 
 from ..timing import scaled
-from .helpers import positions, read_all, wait_for
+from .helpers import positions, read_all, stop_process, wait_for
 
 TOPIC = "acme/web/orders"
 REPLICATED = ("--bookies", "3", "--write-quorum", "3", "--ack-quorum", "2")
@@ -323,7 +323,7 @@ def test_a_broker_that_stops_answering_is_given_up_on_after_the_send_timeout(sta
     producer = Producer(TOPIC, broker=broker.url, name="patient", send_timeout=scaled(30))
     producer.send("before")  # a loaded machine may take its time for this one
     producer.send_timeout = scaled(2)
-    os.kill(broker.proc.pid, signal.SIGSTOP)
+    stop_process(broker.proc.pid)
     try:
         outcome: list[BaseException | None] = []
 

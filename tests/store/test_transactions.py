@@ -27,7 +27,7 @@ from tierstream.util.faults import ENV
 
 from ..logs import running_log
 from ..timing import scaled
-from .helpers import read_all, wait_for
+from .helpers import read_all, stop_process, wait_for
 
 TOPIC = "acme/txn/out"
 OTHER = "acme/txn/other"
@@ -298,7 +298,7 @@ def test_a_transaction_gives_up_on_a_broker_that_stops_answering(start_broker) -
         admin.create_topic(TOPIC, 1)
     txn = Transaction(broker=broker.url, send_timeout=scaled(2))
     txn.write(TOPIC, _rows("a", 3))
-    os.kill(broker.proc.pid, signal.SIGSTOP)
+    stop_process(broker.proc.pid)
     outcome: list[BaseException | None] = []
 
     def prepare() -> None:
