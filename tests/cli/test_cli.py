@@ -227,7 +227,6 @@ def test_plan_and_read_commands(broker: BrokerProcess, data_dir: Path, tmp_path:
 
 
 @pytest.mark.spark
-@pytest.mark.slow
 def test_backfill_runs_on_spark(broker: BrokerProcess, data_dir: Path, tmp_path: Path) -> None:
     env = {"TIERSTREAM_BROKER": broker.url or "", "TIERSTREAM_HOME": str(data_dir),
            "TIERSTREAM_SPARK_MASTER": "local[2]"}
@@ -263,7 +262,6 @@ def _thousand_clicks(broker: BrokerProcess, data_dir: Path) -> dict[str, str]:
 
 
 @pytest.mark.spark
-@pytest.mark.slow
 def test_tail_available_now_writes_what_is_there(broker: BrokerProcess, data_dir: Path,
                                                  tmp_path: Path) -> None:
     import pyarrow.parquet as pq
@@ -282,7 +280,6 @@ def test_tail_available_now_writes_what_is_there(broker: BrokerProcess, data_dir
 
 
 @pytest.mark.spark
-@pytest.mark.slow
 def test_ctrl_c_during_a_tails_first_micro_batch_leaves_nothing_and_says_so(
         broker: BrokerProcess, data_dir: Path, tmp_path: Path) -> None:
     """Regression: Ctrl-C while the first micro-batch was writing printed Spark's "Aborting
@@ -327,7 +324,6 @@ def test_ctrl_c_during_a_tails_first_micro_batch_leaves_nothing_and_says_so(
 
 
 @pytest.mark.spark
-@pytest.mark.slow
 def test_tail_into_iceberg_commits_each_batch_once(broker: BrokerProcess, data_dir: Path,
                                                    tmp_path: Path) -> None:
     from pyiceberg.catalog.sql import SqlCatalog
@@ -507,7 +503,6 @@ def test_debug_shows_the_traceback() -> None:
 
 
 @pytest.mark.spark
-@pytest.mark.slow
 def test_tail_rides_out_a_broker_restart_and_reports_its_lag(start_broker, free_port,
                                                              data_dir: Path,
                                                              tmp_path: Path) -> None:
