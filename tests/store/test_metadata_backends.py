@@ -3,6 +3,7 @@ operations give the same answers; and what can go wrong with a PostgreSQL URL is
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -170,13 +171,11 @@ def _lock_holder(url: str) -> int | None:
     return None if row is None else int(row[0])
 
 
-def test_a_closed_store_has_freed_its_lock_by_the_time_close_returns(
-        postgres: PostgresServer) -> None:
-    """The server ends a closed session in its own time: a broker started right after another
-    stopped (a restart) once found the lock still held (CI, in the test above). ``close``
-    frees it on its session first. Here the server is slow to end that session (its process
-    stopped): close may not return with the lock still held."""
-    url = postgres.new_database()
+@contextlib.contextmanager
+def _closing_while_its_lock_session_is_stopped(url: str
+                                              ) -> Iterator[tuple[threading.Thread, int]]:
+    """A store on ``url`` closing (a thread) while the server process of its lock's session
+    is stopped, and that process's pid; the process is continued on leaving."""
     holder = MetadataStore(url)
     pid = _lock_holder(url)
     assert pid is not None
@@ -184,11 +183,22 @@ def test_a_closed_store_has_freed_its_lock_by_the_time_close_returns(
     closing = threading.Thread(target=holder.close)
     try:
         closing.start()
-        closing.join(scaled(0.5))  # the old close returned at once, the lock still held
-        returned_while_held = not closing.is_alive() and _lock_holder(url) == pid
+        yield closing, pid
     finally:
         os.kill(pid, signal.SIGCONT)
-        closing.join(scaled(30))
+
+
+def test_a_closed_store_has_freed_its_lock_by_the_time_close_returns(
+        postgres: PostgresServer) -> None:
+    """The server ends a closed session in its own time: a broker started right after another
+    stopped (a restart) once found the lock still held (CI, in the test above). ``close``
+    frees it on its session first. Here the server is slow to end that session (its process
+    stopped): close may not return with the lock still held."""
+    url = postgres.new_database()
+    with _closing_while_its_lock_session_is_stopped(url) as (closing, pid):
+        closing.join(scaled(0.5))  # the old close returned at once, the lock still held
+        returned_while_held = not closing.is_alive() and _lock_holder(url) == pid
+    closing.join(scaled(30))
     assert not returned_while_held, "close() returned while its session still held the lock"
     assert not closing.is_alive()
     assert _lock_holder(url) is None
@@ -203,17 +213,9 @@ def test_a_store_whose_server_does_not_answer_still_closes(postgres: PostgresSer
 
     monkeypatch.setattr(leader_lease, "UNLOCK_WAIT_S", 0.2)
     url = postgres.new_database()
-    holder = MetadataStore(url)
-    pid = _lock_holder(url)
-    assert pid is not None
-    os.kill(pid, signal.SIGSTOP)
-    closing = threading.Thread(target=holder.close)
-    try:
-        closing.start()
+    with _closing_while_its_lock_session_is_stopped(url) as (closing, _):
         closing.join(scaled(15))
         assert not closing.is_alive(), "close() hung on a server that does not answer"
-    finally:
-        os.kill(pid, signal.SIGCONT)
     wait_for(lambda: _lock_holder(url) is None, scaled(30), "the lock freed")
     MetadataStore(url).close()
 
