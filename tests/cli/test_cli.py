@@ -15,7 +15,7 @@ import pytest
 
 from tierstream.broker.process import BrokerProcess
 
-from ..signals import sigint_ignored
+from ..signals import tierstream_ignoring_sigint
 from ..store.helpers import wait_for
 from ..timing import scaled
 from .terminal import in_terminal
@@ -163,9 +163,9 @@ def test_ctrl_c_stops_a_following_consume_of_a_quiet_partition(broker: BrokerPro
     env = {"TIERSTREAM_BROKER": broker.url or ""}
     run("topic", "create", "a/b/quiet", env=env)
     run("produce", "a/b/quiet", stdin='{"value": "only"}\n', env=env)
-    proc = subprocess.Popen([sys.executable, "-m", "tierstream", "consume", "a/b/quiet",
-                             "--follow"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, **env}, preexec_fn=sigint_ignored)
+    proc = subprocess.Popen(tierstream_ignoring_sigint("consume", "a/b/quiet", "--follow"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, **env})
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True).start()
     try:
@@ -298,9 +298,9 @@ def test_ctrl_c_during_a_tails_first_micro_batch_leaves_nothing_and_says_so(
     out, ckpt = tmp_path / "live", tmp_path / "ckpt"
     args = ["tail", "acme/web/big", "--from", "earliest", "--out", str(out),
             "--checkpoint", str(ckpt)]
-    proc = subprocess.Popen([sys.executable, "-m", "tierstream", *args],
+    proc = subprocess.Popen(tierstream_ignoring_sigint(*args),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **env}, preexec_fn=sigint_ignored)
+                            env={**os.environ, **env})
     stderr: list[str] = []
     threading.Thread(target=lambda: stderr.extend(proc.stderr or []), daemon=True).start()
     try:  # Ctrl-C once the first batch writes its files, before Spark commits it
@@ -783,10 +783,10 @@ def test_ctrl_c_on_a_long_produce_says_how_many_were_stored(broker: BrokerProces
             storage = admin.topic_stats("a/b/long")["storage"]
         return sum(int(s["messages"]) for s in storage.values())
 
-    proc = subprocess.Popen([sys.executable, "-m", "tierstream", "produce", "a/b/long",
-                             "--generate", "5000000", "--batch-size", "500"],
+    proc = subprocess.Popen(tierstream_ignoring_sigint("produce", "a/b/long", "--generate",
+                                                       "5000000", "--batch-size", "500"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **env}, preexec_fn=sigint_ignored)
+                            env={**os.environ, **env})
     try:
         wait_for(lambda: stored() >= 10_000, timeout=scaled(60), what="some messages stored")
         proc.send_signal(signal.SIGINT)

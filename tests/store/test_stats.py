@@ -11,7 +11,6 @@ import re
 import select
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -23,7 +22,7 @@ from tierstream.model.positions import Offset
 
 from ..cli.test_cli import run
 from ..logs import running_log
-from ..signals import sigint_ignored
+from ..signals import tierstream_ignoring_sigint
 from ..timing import scaled
 from .helpers import wait_for
 
@@ -188,9 +187,9 @@ def test_topic_stats_watch_refreshes_in_place_until_interrupted(broker) -> None:
         with Consumer(topic, "audit", initial=Offset.earliest(), broker=broker.url):
             master, slave = pty.openpty()
             proc = subprocess.Popen(
-                [sys.executable, "-m", "tierstream", "topic", "stats", topic, "--watch",
-                 "--interval", "100ms"], stdout=slave, stderr=subprocess.PIPE,
-                stdin=subprocess.DEVNULL, preexec_fn=sigint_ignored,
+                tierstream_ignoring_sigint("topic", "stats", topic, "--watch", "--interval",
+                                           "100ms"), stdout=slave, stderr=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
                 env={**os.environ, **env, "TERM": "xterm-256color", "COLUMNS": "150"})
             os.close(slave)
             drawn = [b""]
@@ -222,9 +221,9 @@ def test_topic_stats_watch_into_a_pipe_prints_a_frame_per_interval(broker) -> No
     topic = "acme/stats/piped"
     assert run("topic", "create", topic, env=env).returncode == 0
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tierstream", "topic", "stats", topic, "--watch", "--interval",
-         "100ms"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-        preexec_fn=sigint_ignored, env={**os.environ, **env})
+        tierstream_ignoring_sigint("topic", "stats", topic, "--watch", "--interval", "100ms"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+        env={**os.environ, **env})
     frames: list[str] = []
     threading.Thread(target=lambda: frames.extend(
         line for line in proc.stdout or [] if b"stored in" in line), daemon=True).start()

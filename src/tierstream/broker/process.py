@@ -71,16 +71,13 @@ class BrokerProcess:
                str(self.data_dir), "--host", self.host, "--port", str(self.port), *pulsar,
                *self.args]
         env = {**os.environ, **(self.env or {})}
-        limit = self.open_files
-
-        def limit_files() -> None:
-            if limit is not None:
-                import resource
-
-                resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
-
+        if self.open_files is not None:  # set by util-linux's prlimit, which then execs it
+            cmd = ["prlimit", f"--nofile={self.open_files}:{self.open_files}", *cmd]
+        # No preexec_fn: with one, the child is made by fork() and runs the at-fork handlers
+        # of the libraries loaded here (gRPC's, the Pulsar client's), which can hang it
+        # before it execs; without, it is spawned and runs none
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=env, preexec_fn=limit_files)
+                                     text=True, env=env)
         ready = threading.Event()
         self.stdout_lines = []
 
