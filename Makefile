@@ -20,7 +20,7 @@ demo: $(STAMP)
 # What CI runs (.ci/run): the linters, then the whole suite in three workers, a test file per
 # worker at a time (its module fixtures and the worker's one SparkSession shared): on 2 cores
 # the suite waits more than it computes (JVM starts, restarts, deadlines), and a third worker
-# fills the waits (a fresh clone: 12:48 against 14:30-15:50 with two). Files with slow tests
+# fills the waits (fresh clones: 12:48-14:22 against 14:30-15:50 with two). Files with slow tests
 # start first (tests/conftest.py); marking the Spark CLI tests slow too put every Spark-heavy
 # file at the start at once and cost 1:40 (14:28), so they are not.
 test: lint
