@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import platform
+import resource
 import selectors
 import statistics
 import subprocess
@@ -186,6 +187,15 @@ class WorkerProcess:
             with contextlib.suppress(BrokenPipeError, ValueError):  # it reported and exited
                 w.tell(word)
         return [w.result() for w in workers]
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """CPU seconds (user + system) used so far by this process, or by process ``pid``."""
+    if pid is None:
+        used = resource.getrusage(resource.RUSAGE_SELF)
+        return used.ru_utime + used.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def timed(fn: Callable[[], Any]) -> float:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import resource
 import socket
 import sys
 import tempfile
@@ -25,7 +23,7 @@ from typing import Any
 import pulsar
 import pyarrow as pa
 
-from bench.harness import Figure, WorkerProcess, repeat, report, sized, timed
+from bench.harness import Figure, WorkerProcess, cpu_seconds, repeat, report, sized, timed
 from tierstream.broker.config import StoreConfig
 from tierstream.broker.process import BrokerProcess
 from tierstream.broker.pulsar.produce import off_hash
@@ -54,10 +52,7 @@ class _Cpu:
         self.pid = broker.proc.pid
 
     def _now(self) -> tuple[float, float]:
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        broker = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        return usage.ru_utime + usage.ru_stime, broker
+        return cpu_seconds(), cpu_seconds(self.pid)
 
     def __enter__(self) -> _Cpu:
         self.start = self._now()

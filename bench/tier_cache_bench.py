@@ -9,7 +9,6 @@ GETs each read sent to S3.
 from __future__ import annotations
 
 import os
-import resource
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from bench.harness import Figure, console, report, sized, timed
+from bench.harness import Figure, console, cpu_seconds, report, sized, timed
 from bench.s3_server import S3Server
 from tierstream.broker.config import StoreConfig
 from tierstream.broker.store import Store
@@ -64,20 +63,11 @@ def _read(splits: list[Split], cache: tuple[str | None, int | None],
         for batch in run_splits(splits, stats=stats, tier_cache=cache):
             rows[0] += batch.num_rows
 
-    before = _cpu_s()
+    before = cpu_seconds()
     seconds = timed(run)
     if cpu is not None:
-        cpu.append(_cpu_s() - before)
+        cpu.append(cpu_seconds() - before)
     return rows[0] / seconds, rows[0], stats
-
-
-def _cpu_s(pid: int | None = None) -> float:
-    """CPU seconds (user + system) used so far by this process, or by process ``pid``."""
-    if pid is None:
-        used = resource.getrusage(resource.RUSAGE_SELF)
-        return used.ru_utime + used.ru_stime
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def tier_cache(quick: bool = True) -> Path:
@@ -143,9 +133,9 @@ def tier_cache(quick: bool = True) -> Path:
                 assert rows == rows_total, (name, rows)
                 figures_in.setdefault(name, []).append(rate)
             half_stats = measured["s3 half"][2]
-            client, server = _cpu_s(), _cpu_s(s3.proc.pid)
+            client, server = cpu_seconds(), cpu_seconds(s3.proc.pid)
             fetch_s = _fetch_all(remote, s3.endpoint)
-            fetch_cpu = _cpu_s() - client + _cpu_s(s3.proc.pid) - server
+            fetch_cpu = cpu_seconds() - client + cpu_seconds(s3.proc.pid) - server
             figures_in.setdefault("ceiling", []).append(rows_total / fetch_s)
             # A first read fetches and decodes on the same cores as the stand-in serves: at
             # best its time is the larger of either alone and their CPU spread over the cores

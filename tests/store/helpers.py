@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -45,10 +48,6 @@ def positions(table: pa.Table) -> list[tuple[int, int, int, int]]:
 def stop_process(pid: int) -> None:
     """SIGSTOP ``pid`` and wait until every thread of it is stopped (``kill`` returns once
     the signal is queued, not once the process stopped)."""
-    import os
-    import signal
-    from pathlib import Path
-
     os.kill(pid, signal.SIGSTOP)
 
     def stopped() -> bool:
@@ -61,4 +60,3 @@ def stop_process(pid: int) -> None:
         return all(state in ("T", "t") for state in states)
 
     wait_for(stopped, scaled(10), f"process {pid} stopped")
-

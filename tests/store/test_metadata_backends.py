@@ -34,7 +34,7 @@ from tierstream.util.faults import FAULT_ENV
 
 from ..postgres import PostgresServer, started
 from ..timing import scaled
-from .helpers import wait_for
+from .helpers import stop_process, wait_for
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -179,7 +179,7 @@ def _closing_while_its_lock_session_is_stopped(url: str
     holder = MetadataStore(url)
     pid = _lock_holder(url)
     assert pid is not None
-    os.kill(pid, signal.SIGSTOP)
+    stop_process(pid)
     closing = threading.Thread(target=holder.close)
     try:
         closing.start()
