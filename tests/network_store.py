@@ -113,7 +113,10 @@ def broker_args(metadata: str, *extra: str) -> list[str]:
 
 class Hosts:
     """Network namespaces standing in for hosts, on one bridge: host ``i`` is reached at
-    ``10.78.0.<i+2>``, this (the root) namespace at ``10.78.0.1``."""
+    ``10.78.0.<i+2>``, this (the root) namespace at ``10.78.0.1``. The bridge and its subnet
+    are the machine's one: a set of hosts holds a lock on them from enter to exit, so the
+    tests of two pytest workers that use hosts take turns rather than share (or delete) a
+    bridge."""
 
     BRIDGE, PREFIX = "tsbr78", "10.78.0"
 
@@ -135,22 +138,32 @@ class Hosts:
         return f"{self.tag}{self.names.index(name)}"
 
     def __enter__(self) -> Hosts:
-        with contextlib.suppress(subprocess.CalledProcessError):  # left by a killed run
-            _ip("link", "del", self.BRIDGE)
-        _ip("link", "add", self.BRIDGE, "type", "bridge")
-        _ip("addr", "add", f"{self.gateway}/24", "dev", self.BRIDGE)
-        _ip("link", "set", self.BRIDGE, "up")
-        for name in self.names:
-            ns, veth = self.ns(name), self._veth(name)
-            _ip("netns", "add", ns)
-            _ip("link", "add", veth, "type", "veth", "peer", "name", f"{veth}p")
-            _ip("link", "set", f"{veth}p", "netns", ns)
-            _ip("link", "set", veth, "master", self.BRIDGE)
-            _ip("link", "set", veth, "up")
-            _ip("netns", "exec", ns, "ip", "addr", "add", f"{self.address(name)}/24", "dev",
-                f"{veth}p")
-            _ip("netns", "exec", ns, "ip", "link", "set", f"{veth}p", "up")
-            _ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        import fcntl
+        import tempfile
+
+        self._lock = open(os.path.join(tempfile.gettempdir(), "tierstream-test-hosts.lock"),
+                          "w")
+        fcntl.flock(self._lock, fcntl.LOCK_EX)  # released by exit, or by a killed run's end
+        try:
+            with contextlib.suppress(subprocess.CalledProcessError):  # left by a killed run
+                _ip("link", "del", self.BRIDGE)
+            _ip("link", "add", self.BRIDGE, "type", "bridge")
+            _ip("addr", "add", f"{self.gateway}/24", "dev", self.BRIDGE)
+            _ip("link", "set", self.BRIDGE, "up")
+            for name in self.names:
+                ns, veth = self.ns(name), self._veth(name)
+                _ip("netns", "add", ns)
+                _ip("link", "add", veth, "type", "veth", "peer", "name", f"{veth}p")
+                _ip("link", "set", f"{veth}p", "netns", ns)
+                _ip("link", "set", veth, "master", self.BRIDGE)
+                _ip("link", "set", veth, "up")
+                _ip("netns", "exec", ns, "ip", "addr", "add", f"{self.address(name)}/24", "dev",
+                    f"{veth}p")
+                _ip("netns", "exec", ns, "ip", "link", "set", f"{veth}p", "up")
+                _ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def cut(self, name: str) -> None:
@@ -166,6 +179,7 @@ class Hosts:
                 _ip("netns", "del", self.ns(name))
         with contextlib.suppress(subprocess.CalledProcessError):
             _ip("link", "del", self.BRIDGE)
+        self._lock.close()
 
 
 def _ip(*args: str) -> None:

@@ -9,6 +9,13 @@ is older than its ``takeover_after_s`` (its host died, its process hangs), it en
 sessions and takes the lock — the old broker cannot write metadata again: every new session of
 its backend first takes the lock back (:meth:`LeaderLease.check`), and finds it held.
 
+A broker whose lock session is lost while nobody took over (the server unreachable for a
+while: the session died on this side, ``postgres.DEAD_PEER_S``) takes the lock again on a new
+session; if the server still keeps the old session and its lock (it has not noticed it gone),
+that session is recognised as this broker's own (server pid and start time) and ended first.
+The heartbeat applies the outage limit as statements do: a broker that cannot take its lock
+back within it gives the database up.
+
 The lock is taken in one place, :meth:`LeaderLease._take_lock`; ``postgres.py`` is the SQL
 backend the lease belongs to.
 """
@@ -76,6 +83,9 @@ class LeaderLease:
         self._lock = threading.RLock()  # the holder session; _take_lock runs under it too
         self._reached_at: float | None = None  # a standby: since when it reaches the server
         self._heart: Worker | None = None
+        #: (server pid, session start) of the session that took the lock last: a session
+        #: the server still keeps after this side gave it up is ended, not taken for a rival
+        self._held_by: tuple[int, Any] | None = None
 
     def take(self) -> None:
         """Take the lock and start the heartbeat. Held by another broker: refused
@@ -155,12 +165,9 @@ class LeaderLease:
                 return True
             held = self._backend.name
             if standby is None:
-                row = holder.execute(
-                    "SELECT a.application_name, a.client_addr, a.backend_start FROM pg_locks l "
-                    "JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' "
-                    "AND l.objid = %s AND l.granted", (LOCK_KEY & 0xFFFF_FFFF,)).fetchone()
+                row = _lock_holder(holder)
                 self._backend.close_session()
-                since = f" (connected {row[2]:%Y-%m-%d %H:%M:%S})" if row else ""
+                since = f" (connected {row[1]:%Y-%m-%d %H:%M:%S})" if row else ""
                 raise ConflictError(f"the metadata store {held} is held by another "
                                     f"running broker{since}: stop it first, give this one "
                                     "its own database, or start it with --standby to take "
@@ -180,7 +187,27 @@ class LeaderLease:
         if got:
             with self._lock:
                 self._holder = session
+                self._held_by = session.execute(
+                    "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = "
+                    "pg_backend_pid()").fetchone()
         return bool(got)
+
+    def _end_former_session(self, session: Any) -> bool:
+        """True once the lock, held by this broker's own former session (which the server
+        has not seen end), is taken on ``session`` after ending that one."""
+        former = self._held_by
+        holder = _lock_holder(session)
+        if former is None or holder is None or tuple(holder[:2]) != tuple(former):
+            return False
+        log.warning("the metadata store %s still keeps this broker's former session (server "
+                    "pid %d), which holds its lock: ending it", self._backend.name, former[0])
+        session.execute("SELECT pg_terminate_backend(%s)", (former[0],))
+        deadline = time.monotonic() + UNLOCK_WAIT_S  # the server frees the lock as it ends
+        while not self._take_lock(session):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def _end_other_brokers(self, session: Any) -> None:
         """End every other broker's session on this database (the lock holder's too), from
@@ -208,17 +235,41 @@ class LeaderLease:
                     "ON CONFLICT (key) DO UPDATE SET value = excluded.value")
 
     def _beat(self) -> None:
+        """Every HEARTBEAT_S: the heartbeat, on the lock's session; that session lost, the
+        lock taken again first. Unable to for the outage limit: the database is given up."""
         import psycopg
 
         assert self._heart is not None
+        backend = self._backend
+        unreachable: float | None = None  # since when the lock could not be kept
         while not self._heart.stopping.wait(HEARTBEAT_S):
             fault_point("metadata.heartbeat")
             try:
-                self.heartbeat()
-            except (psycopg.OperationalError, UnavailableError):
-                # the statements wait for the server (or say it was lost)
-                with suppress(UnavailableError):
+                if self._holder is None:  # lost at the last beat, or by a statement's check
                     self.check()
+                try:
+                    self.heartbeat()
+                except psycopg.OperationalError:
+                    self.check()  # the lock's session is gone: the lock taken again
+                    self.heartbeat()
+                if unreachable is not None:
+                    log.warning("the metadata store %s is reachable again after %.1f s; "
+                                "this broker holds its lock", backend.name,
+                                time.monotonic() - unreachable)
+                    unreachable = None
+            except (psycopg.OperationalError, UnavailableError) as exc:
+                if backend.lost.is_set():
+                    return  # taken over, or given up on: the broker stops (broker/run.py)
+                now = time.monotonic()
+                if unreachable is None:
+                    unreachable = now
+                    log.warning("the metadata store %s is unreachable (%s): this broker "
+                                "takes its lock again when it answers, for up to %.0f s",
+                                backend.name, first_line(exc), backend.outage_limit_s)
+                elif now - unreachable >= backend.outage_limit_s:
+                    backend.lose(f"the metadata store {backend.name} was unreachable for "
+                                 f"{now - unreachable:.0f} s: {first_line(exc)}")
+                    return
 
     def _heartbeat_failed(self, exc: BaseException) -> None:
         """The heartbeat thread died of an error nobody foresaw: a standby would take the
@@ -245,8 +296,12 @@ class LeaderLease:
                     holder.close()
                     self._holder = None
             session = backend.open_session(BROKER_APPLICATION)
-            if self._take_lock(session):
-                return
+            try:
+                if self._take_lock(session) or self._end_former_session(session):
+                    return
+            except psycopg.OperationalError:
+                session.close()
+                raise
             session.close()
             backend.lose(f"another broker took the metadata store {backend.name} over while "
                          "this one was not heard from")
@@ -288,6 +343,16 @@ def _unlock(session: Any, name: str, wait_s: float) -> None:
                 return
     except psycopg.Error:
         return  # the session is gone: so is its lock
+
+
+def _lock_holder(session: Any) -> tuple[int, Any, str, Any] | None:
+    """(server pid, session start, application, client address) of the session holding the
+    lock, or None when it is free."""
+    row = session.execute(
+        "SELECT a.pid, a.backend_start, a.application_name, a.client_addr FROM pg_locks l "
+        "JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' "
+        "AND l.objid = %s AND l.granted", (LOCK_KEY & 0xFFFF_FFFF,)).fetchone()
+    return None if row is None else (row[0], row[1], row[2], row[3])
 
 
 def _silent_for(conn: Any) -> float | None:

@@ -18,6 +18,15 @@ stops the broker cleanly with one line (``broker/run.py``). A connection that br
 middle of a transaction fails that transaction (``UnavailableError``): nothing that depends on
 it is acknowledged.
 
+**A server that vanishes without a word** (its host cut off, powered off: no reset, no FIN)
+would hold a statement for the kernel's retransmissions, about 15 minutes, and the outage
+limit would never be applied. Every session therefore takes its server for gone after
+:data:`DEAD_PEER_S` of silence — sent data unacknowledged (libpq's ``tcp_user_timeout``) or
+keepalive probes unanswered on an idle connection (``keepalives_*``) — and asks the server to
+do the same for it (``tcp_keepalives_*``, ``tcp_user_timeout``), so a broker's session whose
+host vanished is ended and its lock freed. A parameter the URL sets itself wins
+(``?keepalives_idle=30``).
+
 Statements are written once for both engines (``backend.py``); here ``?`` and ``:name``
 become psycopg's ``%s`` and ``%(name)s``.
 """
@@ -46,6 +55,14 @@ log = logging.getLogger(__name__)
 #: the first pause before trying an unreachable server again, and the longest
 FIRST_PAUSE_S = 0.2
 MAX_PAUSE_S = 5.0
+#: how long a session's peer may stay silent before the connection is taken for dead
+DEAD_PEER_S = 10
+#: libpq's parameters for it: keepalive probes from 4 s of idleness, every 2 s, 3 unanswered
+_CLIENT_DEAD_PEER = {"keepalives": "1", "keepalives_idle": "4", "keepalives_interval": "2",
+                     "keepalives_count": "3", "tcp_user_timeout": str(DEAD_PEER_S * 1000)}
+#: the server's settings for it, per session
+_SERVER_DEAD_PEER = (("tcp_keepalives_idle", "4"), ("tcp_keepalives_interval", "2"),
+                     ("tcp_keepalives_count", "3"), ("tcp_user_timeout", str(DEAD_PEER_S * 1000)))
 
 
 def outage_limit_s() -> float:
@@ -88,6 +105,22 @@ def safe_url(url: str) -> str:
     host = parts.hostname or ""
     netloc = f"{parts.username}:***@{host}" + (f":{parts.port}" if parts.port else "")
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def _ask_server_to_watch(session: Any) -> None:
+    """The server's dead-peer settings for ``session``, where it has them (a server that does
+    not know one, or a pooler that refuses them, leaves the session as it is)."""
+    import psycopg
+
+    sets = ", ".join("set_config(%s, %s, false)" for _ in _SERVER_DEAD_PEER)
+    try:
+        session.execute(f"SELECT {sets}", [x for pair in _SERVER_DEAD_PEER for x in pair])
+    except psycopg.Error as exc:
+        if session.broken:
+            raise UnavailableError(f"the metadata store's session ended as it opened: "
+                                   f"{first_line(exc)}") from None
+        log.debug("the metadata store's server keeps its own dead-peer settings: %s",
+                  first_line(exc))
 
 
 class _PgTx:
@@ -152,14 +185,27 @@ class PostgresBackend:
             raise ConfigError("PostgreSQL metadata needs psycopg: pip install "
                               "'psycopg[binary]'") from None
         try:
-            return psycopg.connect(self.url, autocommit=True, connect_timeout=10,
-                                   application_name=application)
+            session = psycopg.connect(self.url, autocommit=True, connect_timeout=10,
+                                      application_name=application, **self._dead_peer())
         except psycopg.ProgrammingError as exc:  # a malformed URL
             raise ConfigError(f"invalid metadata URL {self.name!r}: {first_line(exc)}") \
                 from None
         except psycopg.OperationalError as exc:
             raise UnavailableError(f"cannot connect to the metadata store {self.name}: "
                                    f"{first_line(exc)}") from None
+        _ask_server_to_watch(session)
+        return session
+
+    def _dead_peer(self) -> dict[str, Any]:
+        """libpq's dead-peer parameters that the URL does not set itself."""
+        import psycopg
+        from psycopg.conninfo import conninfo_to_dict
+
+        try:
+            given = conninfo_to_dict(self.url)
+        except psycopg.ProgrammingError:
+            given = {}  # connect() says what is wrong with the URL
+        return {k: v for k, v in _CLIENT_DEAD_PEER.items() if k not in given}
 
     def _connect(self) -> None:
         self._conn = self.open_session(BROKER_APPLICATION if self.hold and not self.read_only
