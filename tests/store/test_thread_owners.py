@@ -5,6 +5,7 @@ the metadata heartbeat: ``test_metadata_backends.py``.)"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from tierstream.client import Admin, Consumer, Producer
+from tierstream.errors import TierstreamError
+from tierstream.model.positions import Offset
 from tierstream.util.faults import FAULT_ENV
 
 from ..timing import scaled
@@ -57,3 +61,47 @@ def test_a_housekeeping_thread_that_fails_stops_the_broker_saying_why(start_brok
     assert broker.proc.returncode == 1 and broker.proc.returncode != -signal.SIGKILL, said
     assert "store-housekeeping stopped by an unexpected error" in said
     assert "the store's housekeeping failed" in said and "the broker stopped" in said
+
+
+def _ack_and_dead_letter(url: str) -> None:
+    """Work for the subscriptions' threads: a message acked (the cursor writer) and one
+    nacked past its redeliveries (the dead-letter writer); the timer runs by itself. Errors
+    are the broker stopping under it."""
+    with contextlib.suppress(TierstreamError):
+        with Admin(url) as admin:
+            admin.create_topic("a/threads/t", 1)
+        with Producer("a/threads/t", broker=url) as producer:
+            producer.send("acked")
+            producer.send("nacked")
+        with Consumer("a/threads/t", "s", mode="shared", broker=url, initial=Offset.earliest(),
+                      nack_delay=0.05, max_redeliveries=1) as c:
+            first = c.receive(timeout=scaled(10))
+            if first is not None:
+                c.ack(first)
+            for _ in range(3):
+                batch = c.receive(timeout=scaled(2))
+                if batch is not None:
+                    c.nack(batch)
+
+
+@pytest.mark.parametrize(("point", "thread", "what"), [
+    # no ack timeout, nack delay or delayed message would come due again
+    ("subscriptions.tick@20", "subscription-timer", "the subscriptions' timer"),
+    # every ack would fail from then on
+    ("cursor.write@1", "cursor-writer", "the cursor writer"),
+    # messages past their redeliveries would wait for good
+    ("dead_letters.write@1", "dead-letters", "the dead-letter writer"),
+])
+def test_a_subscription_thread_that_fails_stops_the_broker_saying_why(
+        start_broker, point: str, thread: str, what: str) -> None:
+    """Regression: these were bare threads; an error nobody foresaw ended one silently, and
+    the broker served on without it."""
+    broker = start_broker(env={FAULT_ENV: point})
+    assert broker.proc is not None and broker.url is not None
+    _ack_and_dead_letter(broker.url)
+    wait_for(lambda: broker.proc is not None and broker.proc.poll() is not None,
+             timeout=scaled(60), what="the broker to stop")
+    said = "".join(broker.stderr_tail)
+    assert broker.proc.returncode == 1, said[-3000:]
+    assert f"{thread} stopped by an unexpected error" in said and "InjectedFault" in said
+    assert f"{what} failed" in said and "the broker stopped" in said, said[-3000:]

@@ -10,6 +10,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -143,13 +144,14 @@ class Store:
             self, config.auto_scale_rate, config.auto_scale_window_ms,
             max_partitions=config.max_partitions_per_topic)
         self._last_txn_pass = time.monotonic()
-        #: set (with the reason) when housekeeping died of an error nobody foresaw: without
-        #: it segments never roll by age, copies are never repaired; the broker stops
-        #: (broker/run.py) and a standby, or a restart, serves on
+        #: set (with the reason) when a thread the broker cannot serve without died of an
+        #: error nobody foresaw (housekeeping: segments would never roll by age, copies never
+        #: be repaired; the subscriptions' timer, cursor writer, dead-letter writer): the
+        #: broker stops (broker/run.py) and a standby, or a restart, serves on
         self.failed = threading.Event()
         self.failed_reason = ""
         self._timer = Worker("store-housekeeping", self._housekeeping,
-                             on_error=self._housekeeping_failed)
+                             on_error=self.thread_failed("the store's housekeeping"))
         self._timer.start()
 
     def __repr__(self) -> str:
@@ -430,9 +432,14 @@ class Store:
                 except Exception as exc:  # a tier outage must not stop the broker; say so and retry
                     _failed(exc, "tier pass failed; segments stay readable from bookies")
 
-    def _housekeeping_failed(self, exc: BaseException) -> None:
-        self.failed_reason = f"the store's housekeeping failed: {exc!r}"
-        self.failed.set()
+    def thread_failed(self, what: str) -> Callable[[BaseException], None]:
+        """The ``on_error`` of a worker thread the broker cannot serve without: its death
+        stops the broker, saying ``what`` failed."""
+        def failed(exc: BaseException) -> None:
+            if not self.failed.is_set():
+                self.failed_reason = f"{what} failed: {exc!r}"
+                self.failed.set()
+        return failed
 
     def close(self) -> None:
         """Clean shutdown: seal every open segment, stop the bookies, close the metadata."""

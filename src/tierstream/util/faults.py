@@ -62,7 +62,8 @@ ENV = "TIERSTREAM_CRASH_AT"
 FAULT_ENV = "TIERSTREAM_FAULT_AT"
 FAULT_POINTS = frozenset({"pulsar.receipt", "pulsar.delivery", "metadata.heartbeat",
                           "bookie.client.send", "bookie.client.receive", "bookie.client.watch",
-                          "bookie.acks", "store.housekeeping"})
+                          "bookie.acks", "store.housekeeping", "subscriptions.tick",
+                          "cursor.write", "dead_letters.write"})
 
 POINTS = frozenset({
     "append.partial-replicas",

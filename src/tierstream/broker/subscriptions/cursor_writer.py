@@ -17,7 +17,8 @@ from typing import Any, Protocol
 
 from tierstream.errors import StorageError, UnavailableError
 from tierstream.metadata.store import MetadataStore
-from tierstream.util.faults import crash_point
+from tierstream.util.faults import crash_point, fault_point
+from tierstream.util.threads import Worker
 from tierstream.util.timeutil import now_ms
 
 __all__ = ["CursorWriter", "Snapshotting"]
@@ -34,7 +35,12 @@ class Snapshotting(Protocol):
 
 
 class CursorWriter:
-    def __init__(self, metadata: MetadataStore) -> None:
+    """Stores dirty cursors in group transactions, on a thread of its own. An error storing
+    them fails every ack waiting and every later one (``StorageError``), and the thread
+    ends; an error nobody foresaw also goes to ``on_error`` (the broker stops)."""
+
+    def __init__(self, metadata: MetadataStore, *,
+                 on_error: Callable[[BaseException], None] | None = None) -> None:
         self._metadata = metadata
         self._cond = threading.Condition()
         self._dirty: dict[int, Snapshotting] = {}
@@ -44,8 +50,8 @@ class CursorWriter:
         self._stop = False
         self.writes = 0       # transactions so far (bench and stats)
         self.snapshots = 0    # cursors stored by them
-        self._thread = threading.Thread(target=self._run, name="tierstream-cursor-writer",
-                                        daemon=True)
+        self._on_error = on_error
+        self._thread = Worker("cursor-writer", self._run, on_error=self._failed)
         self._thread.start()
 
     def dirty(self, cursor: Snapshotting) -> int:
@@ -78,23 +84,31 @@ class CursorWriter:
                 self._requested += 1
                 generation = self._requested
             try:
+                fault_point("cursor.write")
                 rows = [(c.topic, c.subscription, c.partition, c.snapshot()) for c in batch]
                 self._metadata.save_cursors(rows, now=now_ms())
                 crash_point("cursor.saved")
-            except Exception as exc:
-                if isinstance(exc, UnavailableError):  # the metadata's server is gone for good
-                    log.warning("storing %d cursor(s) failed: %s", len(batch), exc)
-                else:
-                    log.exception("storing %d cursor(s) failed", len(batch))
-                with self._cond:
-                    self._error = exc
-                    self._cond.notify_all()
+            except UnavailableError as exc:  # the metadata's server is gone for good
+                log.warning("storing %d cursor(s) failed: %s", len(batch), exc)
+                self._fail_waiters(exc)
                 return
             with self._cond:
                 self.writes += 1
                 self.snapshots += len(rows)
                 self._written = generation
                 self._cond.notify_all()
+
+    def _fail_waiters(self, exc: Exception) -> None:
+        with self._cond:
+            self._error = exc
+            self._cond.notify_all()
+
+    def _failed(self, exc: BaseException) -> None:
+        """The thread died of an error nobody foresaw: the acks waiting, and every later one,
+        fail; the owner hears of it."""
+        self._fail_waiters(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
+        if self._on_error is not None:
+            self._on_error(exc)
 
     def close(self) -> None:
         """Write what is dirty, then stop."""

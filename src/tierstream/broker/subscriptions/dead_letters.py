@@ -26,6 +26,8 @@ from tierstream.broker.subscriptions.cursor_state import DeadLetterIntent
 from tierstream.broker.subscriptions.cursor_writer import CursorWriter, Snapshotting
 from tierstream.errors import AlreadyExistsError, TierstreamError
 from tierstream.model.message_format import CONSUMER_SCHEMA, PRODUCE_SCHEMA
+from tierstream.util.faults import fault_point
+from tierstream.util.threads import Worker
 
 if TYPE_CHECKING:
     from tierstream.broker.store import Store
@@ -50,10 +52,11 @@ class DeadLetterWriter:
         self._writer = writer
         self._queue: queue.Queue[tuple[DeadLettering, DeadLetterIntent, pa.RecordBatch] | None] = \
             queue.Queue()
-        self._stop = threading.Event()
         self.written = 0
-        self._thread = threading.Thread(target=self._run, name="tierstream-dead-letters",
-                                        daemon=True)
+        # without it, messages past their redeliveries would wait for good
+        self._thread = Worker("dead-letters", self._run,
+                              on_error=store.thread_failed("the dead-letter writer"))
+        self._stop = self._thread.stopping
         self._thread.start()
 
     def submit(self, dispatcher: DeadLettering, intent: DeadLetterIntent,
@@ -66,6 +69,7 @@ class DeadLetterWriter:
             if item is None:
                 return
             dispatcher, intent, batch = item
+            fault_point("dead_letters.write")
             try:
                 self._writer.wait(self._writer.dirty(dispatcher), stopped=self._stop.is_set)
                 self._append(dispatcher, intent, batch)

@@ -25,6 +25,8 @@ from tierstream.broker.subscriptions.dispatcher import Dispatcher
 from tierstream.errors import ConfigError, ConflictError, NotFoundError
 from tierstream.model.lineage import ScaleEvent
 from tierstream.model.positions import Position
+from tierstream.util.faults import fault_point
+from tierstream.util.threads import Worker
 from tierstream.util.timeutil import now_ms
 
 if TYPE_CHECKING:
@@ -42,13 +44,14 @@ class Subscriptions:
     def __init__(self, store: Store) -> None:
         self._store = store
         self._metadata = store.metadata
-        self.writer = CursorWriter(store.metadata)
+        self.writer = CursorWriter(store.metadata,
+                                   on_error=store.thread_failed("the cursor writer"))
         self.dead_letters = DeadLetterWriter(store, self.writer)
         self._lock = threading.Lock()
         self._dispatchers: dict[tuple[str, str, int], Dispatcher] = {}
-        self._stop = threading.Event()
-        self._ticker = threading.Thread(target=self._tick, name="tierstream-subscription-timer",
-                                        daemon=True)
+        # without it no ack timeout, nack delay or delayed message would ever come due
+        self._ticker = Worker("subscription-timer", self._tick,
+                              on_error=store.thread_failed("the subscriptions' timer"))
         self._ticker.start()
         self._drop_non_durable()
 
@@ -324,7 +327,8 @@ class Subscriptions:
         return out
 
     def _tick(self) -> None:
-        while not self._stop.wait(_TICK_S):
+        while not self._ticker.stopping.wait(_TICK_S):
+            fault_point("subscriptions.tick")
             now = time.monotonic()
             with self._lock:
                 loaded = list(self._dispatchers.values())
@@ -332,7 +336,7 @@ class Subscriptions:
                 d.tick(now)
 
     def close(self) -> None:
-        self._stop.set()
+        self._ticker.stopping.set()
         with self._lock:
             for d in self._dispatchers.values():
                 d.close()
