@@ -539,3 +539,31 @@ def test_copies_dropped_after_a_reattach_give_their_permits_back(start_broker, f
             seen += [v.decode() for v in batch.column("value").to_pylist()]
             consumer.ack(batch)
     assert seen == [f"v{i}" for i in range(60)]
+
+
+def test_a_subscription_whose_data_was_unreadable_for_a_while_reads_on(start_broker) -> None:
+    """Regression: one failed read (an entry unreadable on every replica: a bookie's ledger
+    away, its host down) ended the subscription's reader for good, and its consumers got
+    nothing more until the broker restarted. Now the read is tried again until it reads."""
+    first = start_broker("--max-entries-per-segment", "4")
+    with Admin(first.url) as admin:
+        admin.create_topic(TOPIC, 1)
+    _produce(first.url, 100, batch_size=10)
+    assert first.stop() == 0
+    broker = start_broker()  # its caches empty: every read goes to the bookie
+    ledger = broker.data_dir / "bookies" / "bookie-0" / "ledgers" / "000000" / "1.log"
+    away = ledger.with_name("1.log.away")
+    ledger.rename(away)
+    got: list[bytes] = []
+    with Consumer(TOPIC, "patient", broker=broker.url, initial=Offset.earliest()) as c:
+        wait_for(lambda: "ledger 1 is missing" in "".join(broker.stderr_tail), timeout=scaled(30),
+                 what="the subscription's read to fail")
+        assert c.receive(timeout=scaled(0.5)) is None
+        away.rename(ledger)  # the bookie's data is back
+        while len(got) < 100:
+            batch = c.receive(timeout=scaled(15))
+            assert batch is not None, f"the subscription stalled after {len(got)} messages"
+            got.extend(batch.column("value").to_pylist())
+            c.ack(batch)
+    assert got == [f"v{i}".encode() for i in range(100)]
+    assert "reads again after" in "".join(broker.stderr_tail)

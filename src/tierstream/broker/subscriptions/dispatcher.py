@@ -59,6 +59,9 @@ _MIN_LOOKAHEAD = 1000
 
 #: How long a join that conflicts with a connected consumer is retried (it may be leaving).
 _LEAVING_GRACE_S = 1.0
+#: a failed read is tried again after this, doubling up to the second
+_READ_RETRY_FIRST_S = 0.2
+_READ_RETRY_MAX_S = 5.0
 
 
 class Dispatcher(DeliveryTimes, DeadLetterSide):
@@ -183,31 +186,51 @@ class Dispatcher(DeliveryTimes, DeadLetterSide):
         return max(_MIN_LOOKAHEAD, 2 * sum(c.settings.permits for c in self.consumers.values()))
 
     def _read_loop(self) -> None:
-        try:
-            for batch in self.plog.read(self.window.read_pos, end=None, follow=True,
-                                        cancelled=self._stop.is_set):
-                with self._cond:
-                    chunk = self.window.add(batch)
-                    if chunk is not None:
-                        self._hold_for_time(chunk)
-                    if self._recovery:
-                        self._recover(batch, chunk)
-                    if chunk is not None and chunk.waiting:
-                        self._waiting.append(chunk)
-                        chunk.queued = True
-                        self._waiting_total += chunk.waiting
-                        self._dispatch()
-                    while self._waiting_total >= self._lookahead() and not self._stop.is_set():
-                        self._cond.wait(0.1)
+        """Read the partition into the window for as long as the subscription is loaded. A
+        read that fails (every replica of an entry unreadable, the tier unreachable) is tried
+        again from where it stopped, with backoff, until it reads: the subscription stalls
+        while its data cannot be read, never for good."""
+        pause, failing_since = _READ_RETRY_FIRST_S, None
+        while not self._stop.is_set():
+            try:
+                for batch in self.plog.read(self.window.read_pos, end=None, follow=True,
+                                            cancelled=self._stop.is_set):
+                    if failing_since is not None:
+                        log.warning("%s partition %d subscription %s reads again after %.1f s",
+                                    self.topic, self.partition, self.subscription,
+                                    time.monotonic() - failing_since)
+                        pause, failing_since = _READ_RETRY_FIRST_S, None
+                    with self._cond:
+                        chunk = self.window.add(batch)
+                        if chunk is not None:
+                            self._hold_for_time(chunk)
+                        if self._recovery:
+                            self._recover(batch, chunk)
+                        if chunk is not None and chunk.waiting:
+                            self._waiting.append(chunk)
+                            chunk.queued = True
+                            self._waiting_total += chunk.waiting
+                            self._dispatch()
+                        while self._waiting_total >= self._lookahead() \
+                                and not self._stop.is_set():
+                            self._cond.wait(0.1)
+                    if self._stop.is_set():
+                        return
+                return  # the follow ended: the broker closes, or the partition is gone
+            except TierstreamError as exc:
                 if self._stop.is_set():
                     return
-        except TierstreamError as exc:
-            if not self._stop.is_set():
-                log.warning("%s partition %d subscription %s stopped reading: %s", self.topic,
-                            self.partition, self.subscription, exc)
-        except Exception:
-            log.exception("%s partition %d subscription %s: reader failed", self.topic,
-                          self.partition, self.subscription)
+                if failing_since is None:
+                    failing_since = time.monotonic()
+                    log.warning("%s partition %d subscription %s cannot read: %s; trying again "
+                                "until it can", self.topic, self.partition, self.subscription,
+                                exc)
+                self._stop.wait(pause)
+                pause = min(pause * 2, _READ_RETRY_MAX_S)
+            except Exception:
+                log.exception("%s partition %d subscription %s: reader failed", self.topic,
+                              self.partition, self.subscription)
+                return
 
     # -- dispatch -----------------------------------------------------------------------------
 
