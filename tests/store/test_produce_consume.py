@@ -7,9 +7,11 @@ import time
 from collections import defaultdict
 
 import pyarrow as pa
+import pytest
 
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Producer, read
+from tierstream.errors import ConfigError
 from tierstream.model.positions import Offset
 from tierstream.util.timeutil import parse_time_ms
 
@@ -227,3 +229,20 @@ def test_a_producer_whose_send_was_interrupted_sends_on_without_losing_an_ack(
     assert interrupted == 5
     values = read_all(url, "a/b/interrupted").column("value").to_pylist()
     assert sorted(values) == sorted(m["value"] for m in messages)  # each exactly once
+
+
+def test_a_message_send_many_cannot_take_is_one_clear_error_and_nothing_is_sent(
+        broker: BrokerProcess) -> None:
+    """Regression: ``send_many(["text"])`` raised ``TypeError: Message() argument after **
+    must be a mapping, not str``; a misspelt field, a TypeError about a keyword."""
+    with Admin(broker.url) as admin:
+        admin.create_topic("a/b/checked", 1)
+    with Producer("a/b/checked", broker=broker.url) as producer:
+        for messages, said in [
+                ([{"value": "ok"}, "text"], "message 1: expected a Message or a mapping"),
+                ([{"value": "ok"}, {"vlaue": "x"}], "message 1: unknown field(s) ['vlaue']"),
+                ([{"key": "k"}], "message 0: no 'value' (a message has value, key,")]:
+            with pytest.raises(ConfigError) as caught:
+                producer.send_many(messages)
+            assert said in str(caught.value), str(caught.value)
+    assert read_all(broker.url, "a/b/checked").num_rows == 0  # checked before any was sent

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -14,7 +14,7 @@ import pyarrow as pa
 from tierstream.errors import ConfigError
 from tierstream.model.message_format import PRODUCE_SCHEMA, key_hashes
 
-__all__ = ["Message", "check_sequence_ids", "routed", "to_batch"]
+__all__ = ["Message", "as_message", "check_sequence_ids", "routed", "to_batch"]
 
 
 @dataclass(frozen=True)
@@ -71,3 +71,18 @@ def to_batch(messages: list[Message]) -> pa.RecordBatch:
         "properties": [None if m.properties is None else list(m.properties.items())
                        for m in messages],
     }, schema=PRODUCE_SCHEMA)
+
+
+def as_message(i: int, m: Message | Mapping[str, Any]) -> Message:
+    """Message ``i`` of a send_many call, from a Message or a mapping of its fields."""
+    if isinstance(m, Message):
+        return m
+    if not isinstance(m, Mapping):
+        raise ConfigError(f"message {i}: expected a Message or a mapping such as "
+                          f"{{'value': ..., 'key': ...}}, got {type(m).__name__} {m!r:.60}")
+    names = [f.name for f in fields(Message)]
+    unknown = sorted(str(k) for k in m if k not in names)
+    if unknown or "value" not in m:
+        what = f"unknown field(s) {unknown}" if unknown else "no 'value'"
+        raise ConfigError(f"message {i}: {what} (a message has {', '.join(names)})")
+    return Message(**m)

@@ -19,7 +19,7 @@ import pyarrow.flight as flight
 
 from tierstream.client.admin import Admin
 from tierstream.client.connection import BrokerClient
-from tierstream.client.messages import Message, check_sequence_ids, routed, to_batch
+from tierstream.client.messages import Message, as_message, check_sequence_ids, routed, to_batch
 from tierstream.client.retry import reconnect_timeout_s
 from tierstream.client.stream_io import StalledError, StreamIO
 from tierstream.errors import (
@@ -135,7 +135,7 @@ class Producer:
 
     def _encoded(self, messages: Iterable[Message | Mapping[str, Any]]) -> list[Message]:
         """Messages with values encoded by the schema (all checked before any is sent)."""
-        out = [m if isinstance(m, Message) else Message(**m) for m in messages]
+        out = [as_message(i, m) for i, m in enumerate(messages)]
         if self.encoder is None:
             for i, m in enumerate(out):
                 if not isinstance(m.value, (bytes, bytearray, memoryview, str)):
@@ -497,3 +497,4 @@ class Producer:
             with contextlib.suppress(Exception):
                 stream.io.close(self.send_timeout)
         stream.io = None
+
