@@ -9,17 +9,19 @@ width that is left. The help text itself (with its env var and default) is typer
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
-from typer import rich_utils
 
 
 def _names(param: Any) -> Text:
     """``--name, -n`` (or an argument's NAME), with the flag's off form on a second line."""
+    from typer import rich_utils
+
     argument = getattr(param, "param_type_name", "") == "argument"
     on = [param.display_name_raw] if argument else list(param.opts)
     off = list(getattr(param, "secondary_opts", []) or [])
@@ -31,6 +33,8 @@ def _names(param: Any) -> Text:
 
 
 def _type(param: Any, ctx: Any) -> Text:
+    from typer import rich_utils
+
     shown = Text(style=rich_utils.STYLE_TYPES, overflow="fold")
     display = param.display_type_rich(ctx=ctx)
     if display is not None:
@@ -44,6 +48,8 @@ def _type(param: Any, ctx: Any) -> Text:
 def _help(param: Any, ctx: Any, markup_mode: Any) -> Any:
     """typer's help text, env var and default, a word too long for the line folded rather
     than cut (``postgresql://user[:password]@host[:…``)."""
+    from typer import rich_utils
+
     shown = rich_utils._get_parameter_help(param=param, ctx=ctx, markup_mode=markup_mode)
     for part in shown.renderables:
         if isinstance(part, Text):
@@ -53,6 +59,8 @@ def _help(param: Any, ctx: Any, markup_mode: Any) -> Any:
 
 def options_panel(*, name: str, params: list[Any], ctx: Any, markup_mode: Any,
                   console: Console) -> None:
+    from typer import rich_utils
+
     if not params:
         return
     table = Table(highlight=True, show_header=False, expand=True, box=None, pad_edge=False,
@@ -85,6 +93,20 @@ def paragraphs(parts: list[str], markup_mode: Any) -> str:
 def install() -> None:
     """Every command's help lays its options out with :func:`options_panel` and flows its
     paragraphs with :func:`paragraphs` (typer is pinned to one minor version in
-    pyproject.toml, as these replace two of its functions)."""
-    rich_utils._print_options_panel = options_panel
-    rich_utils._fix_linebreaks = paragraphs  # type: ignore[assignment]
+    pyproject.toml, as these replace two of its functions). They are put in place when typer
+    first formats a help: its ``rich_utils`` imports rich's Markdown and syntax highlighting
+    (about a tenth of a command's start-up), and most runs print no help."""
+    from typer.core import TyperCommand, TyperGroup
+
+    for cls in (TyperCommand, TyperGroup):
+        cls.format_help = _patching_first(cls.format_help)  # type: ignore[method-assign]
+
+
+def _patching_first(format_help: Callable[..., None]) -> Callable[..., None]:
+    def patched(self: Any, ctx: Any, formatter: Any) -> None:
+        from typer import rich_utils
+
+        rich_utils._print_options_panel = options_panel
+        rich_utils._fix_linebreaks = paragraphs  # type: ignore[assignment]
+        format_help(self, ctx, formatter)
+    return patched
