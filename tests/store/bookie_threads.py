@@ -3,11 +3,14 @@
 fired, and what became of each is printed as one JSON line::
 
     TIERSTREAM_FAULT_AT=bookie.client.send@2 python -m tests.store.bookie_threads DIR
+    TIERSTREAM_FAULT_AT=bookie.journal@3 python -m tests.store.bookie_threads DIR journal
 
 ``{"failed": n, "stored": m, "dead_after": bool, "available": bool}``: appends that failed
 (UnavailableError, never a hang: each waits at most its deadline), appends stored, whether
 the client refuses appends after the failed thread (every one fails at once) and whether it
-says it takes writes (placement asks).
+says it takes writes (placement asks). With ``journal``: a bookie's own journal thread, and
+``{"stored": m, "failed": [errors], "later": error}`` — every append either stored or failed,
+none waits, and one sent after the failure fails at once.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from typing import Any
 import pyarrow as pa
 
 from tierstream.bookie.server import BookieServer
-from tierstream.errors import UnavailableError
+from tierstream.bookie.storage import Bookie
+from tierstream.errors import TierstreamError, UnavailableError
 from tierstream.managed_ledger.bookies.remote import RemoteBookie
 from tierstream.model.message_format import MESSAGE_SCHEMA
 
@@ -71,5 +75,29 @@ def main(root: Path) -> None:
                       "available": available}), flush=True)
 
 
+def journal(root: Path) -> None:
+    bookie = Bookie("b0", root, fsync=False)
+    bookie.create_ledger(7)
+    futures = [bookie.append(7, i, {}, _payload(i), 1, i, i) for i in range(40)]
+    stored, failed = 0, []
+    for future in futures:  # never a hang: each completes, stored or failed
+        try:
+            future.result(timeout=scaled(30))
+            stored += 1
+        except TierstreamError as exc:
+            failed.append(str(exc))
+    later = bookie.append(7, 40, {}, _payload(40), 1, 40, 40)
+    try:
+        later.result(timeout=scaled(5))
+        said = ""
+    except TierstreamError as exc:
+        said = str(exc)
+    bookie.close()
+    print(json.dumps({"stored": stored, "failed": failed, "later": said}), flush=True)
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    if sys.argv[2:] == ["journal"]:
+        journal(Path(sys.argv[1]))
+    else:
+        main(Path(sys.argv[1]))

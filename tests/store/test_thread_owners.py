@@ -105,3 +105,19 @@ def test_a_subscription_thread_that_fails_stops_the_broker_saying_why(
     assert broker.proc.returncode == 1, said[-3000:]
     assert f"{thread} stopped by an unexpected error" in said and "InjectedFault" in said
     assert f"{what} failed" in said and "the broker stopped" in said, said[-3000:]
+
+
+def test_a_bookie_journal_that_fails_fails_its_appends_and_hangs_nothing(tmp_path) -> None:
+    """Regression: the journal was a bare thread; an error nobody foresaw ended it and every
+    append queued then or later waited for good (the broker's produce with it)."""
+    done = subprocess.run([sys.executable, "-m", "tests.store.bookie_threads",
+                           str(tmp_path / "b0"), "journal"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=scaled(120),
+                          env={**os.environ, FAULT_ENV: "bookie.journal@2"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    outcome = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "bookie-b0-journal stopped by an unexpected error" in done.stderr
+    assert outcome["stored"] >= 1 and outcome["failed"], outcome  # before it, and after
+    assert outcome["stored"] + len(outcome["failed"]) == 40
+    assert all("the journal of bookie b0 stopped" in e for e in outcome["failed"]), outcome
+    assert "the journal of bookie b0 stopped" in outcome["later"], outcome

@@ -46,6 +46,7 @@ __all__ = [
     "entries_before",
     "entry_range",
     "first_good_replica",
+    "ledger_paths",
     "parse_frame",
     "read_frame",
     "read_index",
@@ -257,3 +258,9 @@ class RecoveredLedger:
     records: list[IndexRecord]
     metas: list[dict[str, Any]]
     cut_bytes: int
+
+
+def ledger_paths(bookie_dir: str | Path, segment_id: int) -> tuple[Path, Path]:
+    """(log, index) paths of ``segment_id`` under a bookie directory."""
+    base = Path(bookie_dir) / "ledgers" / f"{segment_id // 1000:06d}"
+    return base / f"{segment_id}.log", base / f"{segment_id}.idx"

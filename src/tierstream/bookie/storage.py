@@ -29,20 +29,22 @@ from tierstream.bookie.ledger import (
     RecoveredLedger,
     encode_frame,
     frame_length,
-    read_frame,
+    ledger_paths,
     read_index,
     scan_frames,
 )
-from tierstream.errors import ConflictError, CorruptionError, FencedError, NotFoundError
+from tierstream.bookie.ledger_reader import LedgerReader
+from tierstream.errors import (
+    ConflictError,
+    FencedError,
+    NotFoundError,
+    StorageError,
+)
 from tierstream.util.durable import fsync_dir
+from tierstream.util.faults import fault_point
+from tierstream.util.threads import Worker
 
 __all__ = ["Bookie", "ledger_paths"]
-
-
-def ledger_paths(bookie_dir: str | Path, segment_id: int) -> tuple[Path, Path]:
-    """(log, index) paths of ``segment_id`` under a bookie directory."""
-    base = Path(bookie_dir) / "ledgers" / f"{segment_id // 1000:06d}"
-    return base / f"{segment_id}.log", base / f"{segment_id}.idx"
 
 
 @dataclass
@@ -89,9 +91,12 @@ class Bookie:
         self._lock = threading.Lock()
         # None stops the journal thread; a bare Future is a flush marker.
         self._queue: queue.SimpleQueue[_Append | Future[None] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(
-            target=self._run, name=f"bookie-{bookie_id}-journal", daemon=True
-        )
+        # an error nobody foresaw ends it: every append queued or written at that moment,
+        # and every later one, fails (StorageError) rather than wait for good
+        self._thread = Worker(f"bookie-{bookie_id}-journal", self._run,
+                              on_error=self._journal_failed)
+        self._broken: StorageError | None = None
+        self._in_flight: list[_Append | Future[None]] = []  # the group being written
         self._closed = False
         self.checksum_failures = 0
         #: ledger -> the lowest writer epoch it accepts appends from (fence())
@@ -170,6 +175,8 @@ class Bookie:
             return fut
         self._queue.put(_Append(segment_id, entry_id, meta, payload, messages, first_pt, last_pt,
                                 fut, epoch))
+        if self._broken is not None:  # put after the journal's failure drained the queue
+            self._fail_queued(self._broken)
         return fut
 
     def _run(self) -> None:
@@ -196,12 +203,33 @@ class Bookie:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     break
+            self._in_flight = [*group, *markers]
+            fault_point("bookie.journal")
             if group:
                 self._write_group(group)
             for marker in markers:
                 marker.set_result(None)
+            self._in_flight = []
             if item is None:
                 return
+
+    def _journal_failed(self, exc: BaseException) -> None:
+        """The journal thread died: what it held and what is queued fails, and so does
+        every later append (reads go on)."""
+        self._broken = StorageError(f"the journal of bookie {self.bookie_id} stopped: {exc!r}")
+        for item in self._in_flight:
+            _fail(item, self._broken)
+        self._in_flight = []
+        self._fail_queued(self._broken)
+
+    def _fail_queued(self, error: StorageError) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                _fail(item, error)
 
     def _write_group(self, group: list[_Append]) -> None:
         done: list[tuple[_Append, IndexRecord]] = []
@@ -334,10 +362,12 @@ class Bookie:
 
     def flush(self) -> None:
         """Wait until every append queued so far has been written."""
-        if self._closed or threading.current_thread() is self._thread:
+        if self._closed or self._thread.current:
             return
         marker: Future[None] = Future()
         self._queue.put(marker)
+        if self._broken is not None:
+            self._fail_queued(self._broken)
         marker.result()
 
     def close(self) -> None:
@@ -368,7 +398,11 @@ class Bookie:
 
     def open_reader(self, segment_id: int) -> LedgerReader:
         """A reader of one ledger's frames; close it when done. Raises NotFoundError."""
-        return LedgerReader(self, segment_id)
+        return LedgerReader(self.root, self.bookie_id, segment_id,
+                            on_corrupt=self._count_checksum_failure)
+
+    def _count_checksum_failure(self) -> None:
+        self.checksum_failures += 1
 
     def read_entries(
         self, segment_id: int, records: list[IndexRecord]
@@ -444,29 +478,10 @@ class Bookie:
         self._fences.pop(segment_id, None)
 
 
-class LedgerReader:
-    """An open ledger file of one bookie: verified reads of single frames, one fd."""
-
-    def __init__(self, bookie: Bookie, segment_id: int) -> None:
-        self._bookie = bookie
-        self.segment_id = segment_id
-        log_path, _ = ledger_paths(bookie.root, segment_id)
-        try:
-            self._fd = os.open(log_path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise NotFoundError(
-                f"ledger {segment_id} is missing on bookie {bookie.bookie_id}"
-            ) from None
-
-    def read(self, rec: IndexRecord) -> pa.Buffer:
-        try:
-            return read_frame(self._fd, self.segment_id, rec, f"bookie {self._bookie.bookie_id}")
-        except CorruptionError:
-            self._bookie.checksum_failures += 1
-            raise
-
-    def close(self) -> None:
-        os.close(self._fd)
+def _fail(item: _Append | Future[Any], error: Exception) -> None:
+    future = item.future if isinstance(item, _Append) else item
+    if not future.done():
+        future.set_exception(error)
 
 
 def _close_fds(ledger: _OpenLedger) -> None:

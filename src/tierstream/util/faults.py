@@ -63,7 +63,7 @@ FAULT_ENV = "TIERSTREAM_FAULT_AT"
 FAULT_POINTS = frozenset({"pulsar.receipt", "pulsar.delivery", "metadata.heartbeat",
                           "bookie.client.send", "bookie.client.receive", "bookie.client.watch",
                           "bookie.acks", "store.housekeeping", "subscriptions.tick",
-                          "cursor.write", "dead_letters.write"})
+                          "cursor.write", "dead_letters.write", "bookie.journal"})
 
 POINTS = frozenset({
     "append.partial-replicas",

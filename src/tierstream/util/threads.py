@@ -38,6 +38,11 @@ class Worker:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def current(self) -> bool:
+        """Whether the caller runs on this worker's thread."""
+        return threading.current_thread() is self._thread
+
     def _run(self) -> None:
         try:
             self._body()

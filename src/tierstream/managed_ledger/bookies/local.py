@@ -13,7 +13,8 @@ from typing import Any
 import pyarrow as pa
 
 from tierstream.bookie.ledger import IndexRecord, RecoveredLedger
-from tierstream.bookie.storage import Bookie, LedgerReader
+from tierstream.bookie.ledger_reader import LedgerReader
+from tierstream.bookie.storage import Bookie
 
 __all__ = ["LocalBookie"]
 
