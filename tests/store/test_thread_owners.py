@@ -121,3 +121,19 @@ def test_a_bookie_journal_that_fails_fails_its_appends_and_hangs_nothing(tmp_pat
     assert outcome["stored"] + len(outcome["failed"]) == 40
     assert all("the journal of bookie b0 stopped" in e for e in outcome["failed"]), outcome
     assert "the journal of bookie b0 stopped" in outcome["later"], outcome
+
+
+def test_a_local_bookie_journal_that_fails_stops_the_broker_saying_why(start_broker) -> None:
+    broker = start_broker(env={FAULT_ENV: "bookie.journal@2"})
+    assert broker.proc is not None and broker.url is not None
+    with contextlib.suppress(TierstreamError), Admin(broker.url) as admin:
+        admin.create_topic("a/threads/j", 1)
+        with Producer("a/threads/j", broker=broker.url, send_timeout=scaled(10)) as producer:
+            for i in range(5):
+                producer.send(f"v{i}")
+    wait_for(lambda: broker.proc is not None and broker.proc.poll() is not None,
+             timeout=scaled(60), what="the broker to stop")
+    said = "".join(broker.stderr_tail)
+    assert broker.proc.returncode == 1, said[-3000:]
+    assert "bookie-bookie-0-journal stopped by an unexpected error" in said, said[-3000:]
+    assert "the journal of bookie-0 failed" in said and "the broker stopped" in said

@@ -15,7 +15,7 @@ import os
 import queue
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,7 +77,8 @@ class Bookie:
     """A storage node rooted at ``root``. ``fsync=False`` is for tests and benchmarks only."""
 
     def __init__(self, bookie_id: str, root: str | Path, *, fsync: bool = True,
-                 max_open: int = 512, min_epoch: int = 0) -> None:
+                 max_open: int = 512, min_epoch: int = 0,
+                 on_failure: Callable[[BaseException], None] | None = None) -> None:
         self.bookie_id = bookie_id
         #: every ledger refuses writers below this epoch (a disk that replaced a lost one,
         #: whose fences are gone with it: cookie.py)
@@ -96,6 +97,7 @@ class Bookie:
         self._thread = Worker(f"bookie-{bookie_id}-journal", self._run,
                               on_error=self._journal_failed)
         self._broken: StorageError | None = None
+        self._on_failure = on_failure  # told after the appends failed (the broker stops)
         self._in_flight: list[_Append | Future[None]] = []  # the group being written
         self._closed = False
         self.checksum_failures = 0
@@ -221,6 +223,8 @@ class Bookie:
             _fail(item, self._broken)
         self._in_flight = []
         self._fail_queued(self._broken)
+        if self._on_failure is not None:
+            self._on_failure(exc)
 
     def _fail_queued(self, error: StorageError) -> None:
         while True:

@@ -166,10 +166,12 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
                 endpoint.shutdown()
             try:
                 store.close()
-            except TierstreamError:
-                if not (lost.is_set() or store.fenced.is_set()):
-                    raise  # with the metadata lost, what close could not record is
-                    # recovered at the next start, as after a crash
+            except TierstreamError as exc:
+                if not (lost.is_set() or store.fenced.is_set() or store.failed.is_set()):
+                    raise
+                # with the metadata lost, the store fenced or a thread it needs dead, what
+                # close could not record is recovered at the next start, as after a crash
+                log.warning("closing the store: %s (the next start recovers it)", exc)
     if lost.is_set():
         raise UnavailableError(f"{store.metadata.backend.lost_reason}: the broker stopped")
     if store.fenced.is_set():

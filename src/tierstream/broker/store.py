@@ -60,6 +60,13 @@ class Store:
                 prepare_data_dir(config.data_dir)
                 self._lock_file = lock_data_dir(config.data_dir, config.layout.lock)
 
+        #: set (with the reason) when a thread the broker cannot serve without died of an
+        #: error nobody foresaw (housekeeping: segments would never roll by age, copies never
+        #: be repaired; the subscriptions' timer, cursor writer, dead-letter writer, a local
+        #: bookie's journal): the broker stops (broker/run.py), a standby or restart serves on
+        self.failed = threading.Event()
+        self.failed_reason = ""
+
         # metadata on PostgreSQL is checked (reachable, not held by another broker) before
         # anything is created here; a standby holds its data directory while it waits, so
         # that `broker stop` finds it and a second broker on the directory is refused
@@ -89,7 +96,8 @@ class Store:
                 if config.network_bookies else {
                     f"bookie-{i}": LocalBookie(Bookie(
                         f"bookie-{i}", config.bookie_dir(f"bookie-{i}"), fsync=config.fsync,
-                        max_open=config.max_open_ledgers))
+                        max_open=config.max_open_ledgers,
+                        on_failure=self.thread_failed(f"the journal of bookie-{i}")))
                     for i in range(config.bookies)}
             self.write_quorum, self.ack_quorum = resolve_quorums(
                 config.write_quorum, config.ack_quorum, len(self.bookies))
@@ -144,12 +152,6 @@ class Store:
             self, config.auto_scale_rate, config.auto_scale_window_ms,
             max_partitions=config.max_partitions_per_topic)
         self._last_txn_pass = time.monotonic()
-        #: set (with the reason) when a thread the broker cannot serve without died of an
-        #: error nobody foresaw (housekeeping: segments would never roll by age, copies never
-        #: be repaired; the subscriptions' timer, cursor writer, dead-letter writer): the
-        #: broker stops (broker/run.py) and a standby, or a restart, serves on
-        self.failed = threading.Event()
-        self.failed_reason = ""
         self._timer = Worker("store-housekeeping", self._housekeeping,
                              on_error=self.thread_failed("the store's housekeeping"))
         self._timer.start()
