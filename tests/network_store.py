@@ -33,8 +33,10 @@ class BookieProcess:
 
     def __init__(self, data_dir: Path, metadata: str, *, host_label: str,
                  bind: str = "127.0.0.1", port: int = 0, netns: str | None = None,
-                 fsync: bool = False, bookie_id: str | None = None) -> None:
+                 fsync: bool = False, bookie_id: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.data_dir, self.metadata, self.host_label = data_dir, metadata, host_label
+        self.env = env  # added to this process's environment
         self.bookie_id = bookie_id
         self.bind, self.port, self.netns, self.fsync = bind, port, netns, fsync
         self.url: str | None = None
@@ -57,7 +59,9 @@ class BookieProcess:
         if self.netns is not None:
             cmd = ["ip", "netns", "exec", self.netns, *cmd]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+                                     stderr=subprocess.PIPE, text=True,
+                                     env=None if self.env is None else {**os.environ,
+                                                                         **self.env})
         ready = threading.Event()
 
         def read(stream: Any, sink: Any) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer, Producer
 from tierstream.errors import TierstreamError
 from tierstream.model.positions import Offset
@@ -137,3 +138,31 @@ def test_a_local_bookie_journal_that_fails_stops_the_broker_saying_why(start_bro
     assert broker.proc.returncode == 1, said[-3000:]
     assert "bookie-bookie-0-journal stopped by an unexpected error" in said, said[-3000:]
     assert "the journal of bookie-0 failed" in said and "the broker stopped" in said
+
+
+def test_a_network_bookie_whose_journal_fails_stops_saying_why(tmp_path, postgres) -> None:
+    """The bookie process goes, so that brokers take it for gone and place segments on the
+    others, instead of one that answers every append with an error for good."""
+    from ..network_store import BookieProcess, broker_args
+
+    url = postgres.new_database()
+    bookie = BookieProcess(tmp_path / "b0", url, host_label="h0", bookie_id="b0",
+                           env={FAULT_ENV: "bookie.journal@2"}).start()
+    try:
+        with BrokerProcess(tmp_path / "broker", args=broker_args(url)) as broker:
+            assert broker.url is not None
+            with contextlib.suppress(TierstreamError), Admin(broker.url) as admin:
+                admin.create_topic("a/threads/n", 1)
+                with Producer("a/threads/n", broker=broker.url,
+                              send_timeout=scaled(10)) as producer:
+                    for i in range(5):
+                        producer.send(f"v{i}")
+            assert bookie.proc is not None
+            code = bookie.proc.wait(timeout=scaled(60))
+        said = "".join(bookie.stderr_tail)
+        assert code == 1, said[-3000:]
+        assert "bookie-b0-journal stopped by an unexpected error" in said, said[-3000:]
+        last = [line for line in said.splitlines() if line.strip()][-1]
+        assert last.startswith("error: the journal of bookie") and "the bookie stopped" in last
+    finally:
+        bookie.kill()

@@ -51,6 +51,7 @@ from tierstream.errors import (
     CorruptionError,
     NotFoundError,
     ProtocolError,
+    StorageError,
     TierstreamError,
     UnavailableError,
 )
@@ -337,7 +338,9 @@ def serve_bookie(root: str | Path, *, host: str, port: int, bookie_id: str | Non
             if ready is not None:
                 ready(server, address)
             while not stop.wait(0.5):
-                pass
+                if server.writes is not None and server.writes.failed.is_set():
+                    log.error("%s: the bookie stops", server.writes.failed_reason)
+                    raise StorageError(f"{server.writes.failed_reason}: the bookie stopped")
     finally:
         server.shutdown()
 

@@ -66,6 +66,10 @@ class BookieWrites:
         #: nothing is written before, and writers below ``min_epoch`` never are
         self.instance: str | None = None
         self.min_epoch = 0
+        #: set (with the reason) when the journal died of an error nobody foresaw: the
+        #: process stops (server.serve_bookie), and the brokers place segments elsewhere
+        self.failed = threading.Event()
+        self.failed_reason = ""
 
     def claimed(self, instance: str, min_epoch: int) -> None:
         """The directory is this bookie's (its cookie matches its registration): take writes,
@@ -88,8 +92,12 @@ class BookieWrites:
         with self._lock:
             if self._bookie is None:
                 self._bookie = Bookie(self.bookie_id, self.root, fsync=self.fsync,
-                                      min_epoch=self.min_epoch)
+                                      min_epoch=self.min_epoch, on_failure=self._failed)
             return self._bookie
+
+    def _failed(self, exc: BaseException) -> None:
+        self.failed_reason = f"the journal of bookie {self.bookie_id} failed: {exc!r}"
+        self.failed.set()
 
     def close(self) -> None:
         self.closing = True
