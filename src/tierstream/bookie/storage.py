@@ -34,12 +34,7 @@ from tierstream.bookie.ledger import (
     scan_frames,
 )
 from tierstream.bookie.ledger_reader import LedgerReader
-from tierstream.errors import (
-    ConflictError,
-    FencedError,
-    NotFoundError,
-    StorageError,
-)
+from tierstream.errors import ConflictError, FencedError, NotFoundError, StorageError
 from tierstream.util.durable import fsync_dir
 from tierstream.util.faults import fault_point
 from tierstream.util.threads import Worker
@@ -98,7 +93,8 @@ class Bookie:
                               on_error=self._journal_failed)
         self._broken: StorageError | None = None
         self._on_failure = on_failure  # told after the appends failed (the broker stops)
-        self._in_flight: list[_Append | Future[None]] = []  # the group being written
+        #: the group being written, and its flush markers
+        self._in_flight: tuple[list[_Append], list[Future[None]]] = ([], [])
         self._closed = False
         self.checksum_failures = 0
         #: ledger -> the lowest writer epoch it accepts appends from (fence())
@@ -205,13 +201,13 @@ class Bookie:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-            self._in_flight = [*group, *markers]
+            self._in_flight = (group, markers)
             fault_point("bookie.journal")
             if group:
                 self._write_group(group)
             for marker in markers:
                 marker.set_result(None)
-            self._in_flight = []
+            self._in_flight = ([], [])
             if item is None:
                 return
 
@@ -219,9 +215,12 @@ class Bookie:
         """The journal thread died: what it held and what is queued fails, and so does
         every later append (reads go on)."""
         self._broken = StorageError(f"the journal of bookie {self.bookie_id} stopped: {exc!r}")
-        for item in self._in_flight:
-            _fail(item, self._broken)
-        self._in_flight = []
+        group, markers = self._in_flight
+        for req in group:
+            _fail(req.future, self._broken)
+        for marker in markers:
+            _fail(marker, self._broken)
+        self._in_flight = ([], [])
         self._fail_queued(self._broken)
         if self._on_failure is not None:
             self._on_failure(exc)

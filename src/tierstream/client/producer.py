@@ -497,4 +497,3 @@ class Producer:
             with contextlib.suppress(Exception):
                 stream.io.close(self.send_timeout)
         stream.io = None
-

@@ -183,13 +183,13 @@ class LeaderLease:
 
     def _take_lock(self, session: Any) -> bool:
         """The one place the lock is taken: on ``session``, which holds it from then on."""
-        (got,) = session.execute("SELECT pg_try_advisory_lock(%s)", (LOCK_KEY,)).fetchone()
+        got, start = session.execute(
+            "SELECT pg_try_advisory_lock(%s), (SELECT backend_start FROM pg_stat_activity "
+            "WHERE pid = pg_backend_pid())", (LOCK_KEY,)).fetchone()
         if got:
             with self._lock:
                 self._holder = session
-                self._held_by = session.execute(
-                    "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = "
-                    "pg_backend_pid()").fetchone()
+                self._held_by = (session.info.backend_pid, start)
         return bool(got)
 
     def _end_former_session(self, session: Any) -> bool:
@@ -197,7 +197,7 @@ class LeaderLease:
         has not seen end), is taken on ``session`` after ending that one."""
         former = self._held_by
         holder = _lock_holder(session)
-        if former is None or holder is None or tuple(holder[:2]) != tuple(former):
+        if former is None or holder != former:
             return False
         log.warning("the metadata store %s still keeps this broker's former session (server "
                     "pid %d), which holds its lock: ending it", self._backend.name, former[0])
@@ -345,14 +345,14 @@ def _unlock(session: Any, name: str, wait_s: float) -> None:
         return  # the session is gone: so is its lock
 
 
-def _lock_holder(session: Any) -> tuple[int, Any, str, Any] | None:
-    """(server pid, session start, application, client address) of the session holding the
-    lock, or None when it is free."""
+def _lock_holder(session: Any) -> tuple[int, Any] | None:
+    """(server pid, session start) of the session holding the lock, or None when it is
+    free."""
     row = session.execute(
-        "SELECT a.pid, a.backend_start, a.application_name, a.client_addr FROM pg_locks l "
-        "JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' "
-        "AND l.objid = %s AND l.granted", (LOCK_KEY & 0xFFFF_FFFF,)).fetchone()
-    return None if row is None else (row[0], row[1], row[2], row[3])
+        "SELECT a.pid, a.backend_start FROM pg_locks l JOIN pg_stat_activity a ON a.pid = "
+        "l.pid WHERE l.locktype = 'advisory' AND l.objid = %s AND l.granted",
+        (LOCK_KEY & 0xFFFF_FFFF,)).fetchone()
+    return None if row is None else (row[0], row[1])
 
 
 def _silent_for(conn: Any) -> float | None:

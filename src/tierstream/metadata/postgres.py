@@ -57,12 +57,14 @@ FIRST_PAUSE_S = 0.2
 MAX_PAUSE_S = 5.0
 #: how long a session's peer may stay silent before the connection is taken for dead
 DEAD_PEER_S = 10
-#: libpq's parameters for it: keepalive probes from 4 s of idleness, every 2 s, 3 unanswered
-_CLIENT_DEAD_PEER = {"keepalives": "1", "keepalives_idle": "4", "keepalives_interval": "2",
-                     "keepalives_count": "3", "tcp_user_timeout": str(DEAD_PEER_S * 1000)}
+#: keepalive probes from 4 s of idleness, every 2 s, 3 unanswered (4 + 2 * 3 = DEAD_PEER_S)
+_KEEPALIVE = {"idle": "4", "interval": "2", "count": "3"}
+#: libpq's parameters for it
+_CLIENT_DEAD_PEER = {"keepalives": "1", **{f"keepalives_{k}": v for k, v in _KEEPALIVE.items()},
+                     "tcp_user_timeout": str(DEAD_PEER_S * 1000)}
 #: the server's settings for it, per session
-_SERVER_DEAD_PEER = (("tcp_keepalives_idle", "4"), ("tcp_keepalives_interval", "2"),
-                     ("tcp_keepalives_count", "3"), ("tcp_user_timeout", str(DEAD_PEER_S * 1000)))
+_SERVER_DEAD_PEER = (*((f"tcp_keepalives_{k}", v) for k, v in _KEEPALIVE.items()),
+                     ("tcp_user_timeout", str(DEAD_PEER_S * 1000)))
 
 
 def outage_limit_s() -> float:
