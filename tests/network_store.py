@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +191,18 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
+@contextlib.contextmanager
+def hosts_or_fail(names: list[str]) -> Iterator[Hosts]:
+    """``Hosts(names)``, or the test fails with the one line saying why it cannot have them."""
+    import pytest
+
+    why = network_namespaces_unavailable()
+    if why is not None:
+        pytest.fail(f"this test needs network namespaces: {why}", pytrace=False)
+    with Hosts(names) as hosts:
+        yield hosts
+
+
 def network_namespaces_unavailable() -> str | None:
     """Why network namespaces cannot be used here (None: they can)."""
     if os.geteuid() != 0:
@@ -209,4 +222,4 @@ def stop(proc: subprocess.Popen[Any] | None) -> None:
         proc.wait()
 
 
-__all__ += ["BrokerProcess", "network_namespaces_unavailable", "stop"]
+__all__ += ["BrokerProcess", "hosts_or_fail", "network_namespaces_unavailable", "stop"]

@@ -22,7 +22,7 @@ from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Producer
 from tierstream.metadata.postgres import DEAD_PEER_S, PostgresBackend
 
-from ..network_store import Hosts, network_namespaces_unavailable
+from ..network_store import Hosts, hosts_or_fail
 from ..postgres import started_on
 from ..timing import scaled
 from .helpers import read_all, wait_for
@@ -34,10 +34,7 @@ PORT = 6651
 
 @pytest.fixture
 def hosts() -> Any:
-    why = network_namespaces_unavailable()
-    if why is not None:
-        pytest.fail(f"this test needs network namespaces: {why}", pytrace=False)
-    with Hosts(["broker-a"]) as h:
+    with hosts_or_fail(["broker-a"]) as h:
         yield h
 
 

@@ -17,7 +17,7 @@ from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin
 from tierstream.spark_adapter.source import register
 
-from ..network_store import BookieProcess, Hosts, broker_args, network_namespaces_unavailable
+from ..network_store import BookieProcess, Hosts, broker_args, hosts_or_fail
 from ..postgres import started_on
 from ..timing import scaled
 from .helpers import wait_for
@@ -31,10 +31,7 @@ TOKEN = "network-hosts-test-token"
 
 @pytest.fixture
 def hosts() -> Any:
-    why = network_namespaces_unavailable()
-    if why is not None:
-        pytest.fail(f"this test needs network namespaces: {why}", pytrace=False)
-    with Hosts(["bookie-0", "bookie-1", "bookie-2", "broker-a", "broker-b"]) as h:
+    with hosts_or_fail(["bookie-0", "bookie-1", "bookie-2", "broker-a", "broker-b"]) as h:
         yield h
 
 
