@@ -234,10 +234,15 @@ def test_backfill_runs_on_spark(broker: BrokerProcess, data_dir: Path, tmp_path:
     run("produce", "acme/web/clicks", "--generate", "3000", "--start-time",
         "2026-11-01T00:00:00Z", "--step-ms", "1000", env=env)
     out = tmp_path / "week"
+    # one Spark run (a driver JVM is most of this test's time): a window, in key ranges,
+    # into an Iceberg table; Parquet, the default, is what test_cluster.py and the tour write
     proc = run("backfill", "acme/web/clicks", "--from", "2026-11-01T00:10:00Z", "--to",
-               "2026-11-01T00:30:00Z", "--key-ranges", "2", "--out", str(out), env=env)
+               "2026-11-01T00:30:00Z", "--key-ranges", "2", "--format", "iceberg",
+               "--out", str(out), env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "backfill of acme/web/clicks: 1,200 rows" in proc.stdout
+    assert "backfill of acme/web/clicks: 1,200 rows" in proc.stdout, proc.stdout
+    assert "tail-consumer: 4" in proc.stdout, proc.stdout  # 2 partitions x 2 key ranges
+    assert "Iceberg table backfill.acme_web_clicks" in proc.stdout, proc.stdout
     again = run("backfill", "acme/web/clicks", "--out", str(out), env=env)
     assert again.returncode == 2 and "exists" in again.stderr
     # refused before a Spark session started: no JVM, no Spark log line, just the error
@@ -245,38 +250,6 @@ def test_backfill_runs_on_spark(broker: BrokerProcess, data_dir: Path, tmp_path:
     bad = run("backfill", "acme/web/clicks", "--out", str(tmp_path / "x"), "--format", "csv",
               env=env)
     assert bad.returncode == 2 and "invalid --format 'csv'" in bad.stderr
-    everything = run("backfill", "acme/web/clicks", "--out", str(tmp_path / "all"),
-                     "--format", "iceberg", env=env)
-    assert everything.returncode == 0, everything.stderr[-2000:]
-    assert "3,000 rows" in everything.stdout and "tail-consumer: 2" in everything.stdout
-    assert "Iceberg table backfill.acme_web_clicks" in everything.stdout
-
-
-def _thousand_clicks(broker: BrokerProcess, data_dir: Path) -> dict[str, str]:
-    """A 2-partition topic with 1,000 messages; the environment of a tail over it."""
-    env = {"TIERSTREAM_BROKER": broker.url or "", "TIERSTREAM_HOME": str(data_dir),
-           "TIERSTREAM_SPARK_MASTER": "local[2]"}
-    run("topic", "create", "acme/web/clicks", "--partitions", "2", env=env)
-    run("produce", "acme/web/clicks", "--generate", "1000", env=env)
-    return env
-
-
-@pytest.mark.spark
-def test_tail_available_now_writes_what_is_there(broker: BrokerProcess, data_dir: Path,
-                                                 tmp_path: Path) -> None:
-    import pyarrow.parquet as pq
-
-    env = _thousand_clicks(broker, data_dir)
-    out, ckpt = tmp_path / "live", tmp_path / "ckpt"
-    proc = run("tail", "acme/web/clicks", "--from", "earliest", "--available-now",
-               "--max-records-per-trigger", "400", "--out", str(out), "--checkpoint",
-               str(ckpt), env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "3 micro-batch(es)" in proc.stdout
-    committed = [f for f in (out / "_spark_metadata").iterdir() if f.name.isdigit()]
-    assert len(committed) == 3
-    rows = sum(pq.read_table(f).num_rows for f in out.glob("*.parquet"))
-    assert rows == 1000
 
 
 @pytest.mark.spark
@@ -328,13 +301,17 @@ def test_tail_into_iceberg_commits_each_batch_once(broker: BrokerProcess, data_d
                                                    tmp_path: Path) -> None:
     from pyiceberg.catalog.sql import SqlCatalog
 
-    env = _thousand_clicks(broker, data_dir)
+    env = {"TIERSTREAM_BROKER": broker.url or "", "TIERSTREAM_HOME": str(data_dir),
+           "TIERSTREAM_SPARK_MASTER": "local[2]"}
+    run("topic", "create", "acme/web/clicks", "--partitions", "2", env=env)
+    run("produce", "acme/web/clicks", "--generate", "1000", env=env)
     out, ckpt = tmp_path / "live", tmp_path / "ckpt"
     args = ("tail", "acme/web/clicks", "--from", "earliest", "--available-now",
             "--max-records-per-trigger", "400", "--format", "iceberg", "--out", str(out),
             "--checkpoint", str(ckpt))
     proc = run(*args, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "3 micro-batch(es)" in proc.stdout, proc.stdout  # --available-now: what is there
     catalog = SqlCatalog("default", uri=f"sqlite:///{out}/catalog.db")
     table = catalog.load_table("tail.acme_web_clicks")
     values = table.scan().to_arrow().column("value").to_pylist()
