@@ -28,7 +28,8 @@ test: lint
 
 # Not in CI: >= 100 SIGKILL/restart cycles per store configuration (about 6 minutes), then
 # the Spark exactly-once tests with 8 killed queries each (the suite kills the sink's once and
-# leaves the file sink's, marked chaos, to this target) (~8 min).
+# leaves the file sink's, marked chaos, to this target) (~8 min), then the long versions of
+# suite tests, marked chaos (a third driver on the Spark cluster).
 chaos: $(STAMP)
 	$(PY) -m tests.store.chaos --cycles 100
 	$(PY) -m tests.store.chaos --cycles 100 --postgres
@@ -43,6 +44,7 @@ chaos: $(STAMP)
 		tests/spark_adapter/test_sink.py::test_a_read_process_write_query_killed_repeatedly_writes_each_row_once \
 		tests/spark_adapter/test_spark_exactly_once.py::test_sigkilled_streaming_query_restarts_exactly_once
 	TIERSTREAM_FUZZ_SECONDS=120 $(PY) -m pytest -p no:cacheprovider tests/pulsar_wire/test_pulsar_fuzz.py
+	$(PY) -m pytest -p no:cacheprovider -m chaos tests/spark_adapter/test_cluster.py
 
 bench: $(STAMP)
 	$(PY) -m bench all

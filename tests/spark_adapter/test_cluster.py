@@ -5,8 +5,9 @@ executor) runs in a Linux mount namespace in which a tmpfs hides the store's dat
 the stand-in for another host. The broker runs with 3 bookies (wq3/aq2), each serving its
 ledgers on an endpoint, and a tier on S3 (moto). Reads:
 
-(a) a backfill with the driver on the store's host;
-(b) the same with the driver hidden from the data directory too (the broker URL only);
+(a) a backfill with the driver on the store's host (marked chaos: ``make chaos`` runs it;
+    (b) reads the same splits the same way, planned through the broker instead);
+(b) a backfill with the driver hidden from the data directory too (the broker URL only);
 (c) a streaming AvailableNow read from that remote driver.
 
 Each returns exactly the produced rows, and the per-path counts show bookie-log splits
@@ -23,6 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.dataset as ds
@@ -154,8 +156,24 @@ def _values(out: Path) -> list[str]:
     return sorted(bytes(v).decode() for v in table.column("value").to_pylist())
 
 
-def test_reads_on_a_spark_cluster_whose_worker_cannot_see_the_store(
-        cluster: tuple[str, Path], tmp_path: Path, s3_bucket: str, moto_endpoint: str) -> None:
+@dataclass
+class _Store:
+    """A broker whose data directory the cluster's worker cannot see, with ``expected``
+    produced: bookie segments closed and open, and tier files on S3."""
+
+    broker: str
+    data_dir: Path
+    env: dict[str, str]  # a driver's, with the cluster as its master
+    expected: list[str]
+
+    def backfill(self, out: Path) -> list[str]:
+        return [sys.executable, "-m", "tierstream", "backfill", TOPIC, "--broker", self.broker,
+                "--data-dir", str(self.data_dir), "--max-split-bytes", "1KiB",
+                "--out", str(out)]
+
+
+@pytest.fixture
+def store(cluster: tuple[str, Path], s3_bucket: str, moto_endpoint: str) -> Iterator[_Store]:
     master, data_dir = cluster
     broker = BrokerProcess(data_dir, args=[
         "--bookies", "3", "--write-quorum", "3", "--ack-quorum", "2",
@@ -173,37 +191,46 @@ def test_reads_on_a_spark_cluster_whose_worker_cannot_see_the_store(
                 _produce(broker.url, i * 40, 40)  # closed bookie segments and open ones
             endpoints = admin.bookie_endpoints()
         assert sorted(endpoints) == ["bookie-0", "bookie-1", "bookie-2"]
-        expected = sorted(f"v{i}" for i in range(14 * 40))
         env = {**os.environ, "TIERSTREAM_SPARK_MASTER": master, "SPARK_LOCAL_IP": "127.0.0.1",
                "PYSPARK_PYTHON": sys.executable, "TIERSTREAM_S3_ENDPOINT": moto_endpoint}
-        backfill = [sys.executable, "-m", "tierstream", "backfill", TOPIC, "--broker",
-                    broker.url, "--data-dir", str(data_dir), "--max-split-bytes", "1KiB"]
-
-        # (a) the driver on the store's host, executors elsewhere
-        out_a = tmp_path / "out-a"
-        proc = _driver([*backfill, "--out", str(out_a)], env)
-        assert "bookie-log: " in proc.stdout and "parquet-tier: " in proc.stdout \
-            and "tail-consumer: " in proc.stdout, proc.stdout
-        assert _values(out_a) == expected
-        paths = _paths(proc.stderr)
-        assert "bookie-log via bookie endpoint" in paths, paths
-        assert "bookie-log via local file" not in paths and "broker fallback" not in paths
-        assert "parquet-tier via object store" in paths, paths
-
-        # (b) the driver on another host too: planning through the broker
-        out_b = tmp_path / "out-b"
-        proc = _driver(hidden(data_dir, [*backfill, "--out", str(out_b)]), env)
-        assert _values(out_b) == expected
-        paths = _paths(proc.stderr)
-        assert "bookie-log via bookie endpoint" in paths, paths
-        assert "local file" not in paths and "broker fallback" not in paths, paths
-
-        # (c) a streaming AvailableNow read from the remote driver
-        out_c, ckpt = tmp_path / "out-c", tmp_path / "ckpt"
-        _driver(hidden(data_dir, [
-            sys.executable, "-m", "tierstream", "tail", TOPIC, "--broker", broker.url,
-            "--data-dir", str(data_dir), "--from", "earliest", "--available-now",
-            "--out", str(out_c), "--checkpoint", str(ckpt)]), env)
-        assert _values(out_c) == expected
+        yield _Store(broker.url, data_dir, env, sorted(f"v{i}" for i in range(14 * 40)))
     finally:
         broker.kill()
+
+
+def test_reads_on_a_spark_cluster_whose_worker_cannot_see_the_store(
+        store: _Store, tmp_path: Path) -> None:
+    """The driver on another host too (planning through the broker): a backfill, then a
+    streaming AvailableNow read."""
+    out_b = tmp_path / "out-b"
+    proc = _driver(hidden(store.data_dir, store.backfill(out_b)), store.env)
+    assert "bookie-log: " in proc.stdout and "parquet-tier: " in proc.stdout \
+        and "tail-consumer: " in proc.stdout, proc.stdout
+    assert _values(out_b) == store.expected
+    paths = _paths(proc.stderr)
+    assert "bookie-log via bookie endpoint" in paths, paths
+    assert "local file" not in paths and "broker fallback" not in paths, paths
+    assert "parquet-tier via object store" in paths, paths
+
+    out_c, ckpt = tmp_path / "out-c", tmp_path / "ckpt"
+    _driver(hidden(store.data_dir, [
+        sys.executable, "-m", "tierstream", "tail", TOPIC, "--broker", store.broker,
+        "--data-dir", str(store.data_dir), "--from", "earliest", "--available-now",
+        "--out", str(out_c), "--checkpoint", str(ckpt)]), store.env)
+    assert _values(out_c) == store.expected
+
+
+@pytest.mark.chaos  # a third driver run on the cluster; make chaos runs it
+def test_a_driver_on_the_store_s_host_reads_on_a_spark_cluster_whose_worker_cannot_see_it(
+        store: _Store, tmp_path: Path) -> None:
+    """The driver plans from the data directory it sees; the executors, which do not see it,
+    still read every closed segment from a bookie endpoint, never the broker."""
+    out_a = tmp_path / "out-a"
+    proc = _driver(store.backfill(out_a), store.env)
+    assert "bookie-log: " in proc.stdout and "parquet-tier: " in proc.stdout \
+        and "tail-consumer: " in proc.stdout, proc.stdout
+    assert _values(out_a) == store.expected
+    paths = _paths(proc.stderr)
+    assert "bookie-log via bookie endpoint" in paths, paths
+    assert "bookie-log via local file" not in paths and "broker fallback" not in paths
+    assert "parquet-tier via object store" in paths, paths
