@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.flight as flight
 
 from tierstream.client.admin import Admin
@@ -175,7 +174,7 @@ class Transaction:
                                   "schema to encode it with (tierstream schema set)")
             if pa.types.is_string(value.type) or pa.types.is_large_string(value.type):
                 return table.set_column(table.schema.get_field_index("value"), "value",
-                                        pc.cast(value, pa.binary()))
+                                        value.cast(pa.binary()))
             return table
         props = table.column("properties") if "properties" in table.column_names else None
         encoded, merged = encoder.encode_columns(
@@ -193,7 +192,7 @@ class Transaction:
             pa.nulls(table.num_rows, pa.string())
         target = np.asarray(key_hashes(keys.combine_chunks() if isinstance(
             keys, pa.ChunkedArray) else keys)) % partitions
-        unkeyed = np.asarray(pc.is_null(keys).to_numpy(zero_copy_only=False), dtype=bool)
+        unkeyed = np.asarray(keys.is_null().to_numpy(zero_copy_only=False), dtype=bool)
         if unkeyed.any():
             spread = (self._round_robin + np.arange(int(unkeyed.sum()))) % partitions
             self._round_robin += int(unkeyed.sum())

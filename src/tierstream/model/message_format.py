@@ -11,7 +11,6 @@ from collections.abc import Sequence
 
 import mmh3
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from tierstream.errors import ConfigError
 
@@ -121,6 +120,8 @@ def as_output_batch(batch: pa.RecordBatch, schema: pa.Schema = OUTPUT_SCHEMA
                     ) -> pa.RecordBatch:
     """A reader batch (READ_SCHEMA) as exactly :data:`OUTPUT_SCHEMA` (or ``schema``, its
     form with decoded values: schemas/codec.py): ms times become µs."""
+    import pyarrow.compute as pc  # here, not at the top: see key_hashes
+
     columns = []
     for field in schema:
         col = batch.column(field.name)
@@ -154,6 +155,10 @@ def key_hashes(keys: pa.Array | Sequence[str | None]) -> pa.Array:
     arr = keys if isinstance(keys, pa.Array) else pa.array(keys, type=pa.string())
     if arr.null_count == len(arr):  # no keys (unkeyed messages): one hash for all
         return pa.repeat(pa.scalar(key_hash(None), pa.int32()), len(arr))
+    # pyarrow.compute is imported where it is used: every tierstream process imports this
+    # module, and most CLI commands never compute (it is 70 ms of a 0.5 s start)
+    import pyarrow.compute as pc
+
     # Hash each distinct key once: batches usually repeat a few keys many times.
     encoded = pc.dictionary_encode(arr)
     if isinstance(encoded, pa.ChunkedArray):
@@ -178,6 +183,8 @@ def key_range_mask(key_hash: pa.Array, ranges: Sequence[tuple[int, int]]) -> pa.
             m = (values >= lo) & (values < hi)
             hit = m if hit is None else hit | m
         return pa.array(hit, type=pa.bool_())
+    import pyarrow.compute as pc  # see key_hashes
+
     mask = None
     for lo, hi in ranges:
         m = pc.and_(pc.greater_equal(key_hash, lo), pc.less(key_hash, hi))

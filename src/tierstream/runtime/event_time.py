@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from tierstream.errors import ConfigError
 from tierstream.model.positions import Offset, OffsetKind
@@ -55,6 +54,9 @@ def event_time_window(start: object, end: object, what: str = "--from/--to"
 def within_event_time(batches: Iterator[pa.RecordBatch], lo: int | None, hi: int | None
                       ) -> Iterator[pa.RecordBatch]:
     """The rows of ``batches`` whose event_time is in ``[lo, hi)``; empty batches dropped."""
+    import pyarrow.compute as pc  # where it is used: the CLI imports this module for every
+    # command, and most never compute (pyarrow.compute is 70 ms of a 0.5 s start)
+
     for batch in batches:
         t = batch.column("event_time")
         if pa.types.is_timestamp(t.type):

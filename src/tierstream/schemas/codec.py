@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from tierstream.errors import ConfigError
 from tierstream.schemas.model import MODES, VERSION_PROPERTY, SchemaInfo, SchemaType
@@ -423,6 +422,8 @@ def named_versions(batch: pa.RecordBatch) -> set[str]:
     props = batch.column("properties")
     if len(props) == 0 or props.null_count == len(props) or len(props.keys) == 0:
         return set()
+    import pyarrow.compute as pc  # where it is used: see message_format.key_hashes
+
     found = pc.map_lookup(props, pa.scalar(VERSION_PROPERTY), "first")
     if found.null_count == len(found):
         return set()
@@ -437,6 +438,8 @@ def _versions(properties: pa.Array) -> np.ndarray:
     if n == 0 or properties.null_count == n:
         return out
     offsets = np.asarray(properties.offsets)
+    import pyarrow.compute as pc  # where it is used: see message_format.key_hashes
+
     hits = np.flatnonzero(np.asarray(pc.fill_null(pc.equal(properties.keys, VERSION_PROPERTY),
                                                   False)))
     # a sliced array's keys are its parent's: keep the entries of this slice's rows
