@@ -20,26 +20,12 @@ from ..store.helpers import wait_for
 from ..timing import scaled
 from .terminal import in_terminal
 
-COMMANDS = [["broker", "start"], ["topic", "create"], ["topic", "list"], ["topic", "get"],
-            ["topic", "set"], ["topic", "delete"], ["produce"],
-            ["consume"], ["segments"], ["seal"], ["offload"], ["plan"], ["read"], ["backfill"],
-            ["tail"], ["subscriptions"], ["demo"], ["bookie", "serve"], ["schema", "set"],
-            ["schema", "get"], ["schema", "list"], ["schema", "check"], ["transactions"],
-            ["topic", "stats"], ["broker", "stats"]]
-
 
 def run(*args: str, stdin: str | None = None, env: dict[str, str] | None = None
         ) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "tierstream", *args], input=stdin,
                           capture_output=True, text=True, timeout=scaled(120),
                           env={**os.environ, **(env or {})})
-
-
-@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
-def test_every_command_has_help_with_an_example(command: list[str]) -> None:
-    proc = run(*command, "--help")
-    assert proc.returncode == 0
-    assert "Example: tierstream" in proc.stdout
 
 
 def test_a_session_through_the_cli(broker: BrokerProcess, data_dir: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import sys
 
+import pytest
 import typer
 
 from tierstream.cli import app
@@ -21,14 +22,26 @@ def _sections(text: str) -> dict[str, str]:
     return shown
 
 
-def test_every_flag_name_reads_whole_in_an_80_column_terminal() -> None:
+@pytest.fixture(scope="module")
+def shown() -> dict[str, str]:
+    """Every command's help as printed in an 80-column terminal, by command (one process)."""
+    code, text = in_terminal([sys.executable, "-m", "tests.cli.every_help"], {}, columns=80)
+    assert code == 0, text
+    return _sections(text)
+
+
+def test_every_command_has_help_with_an_example(shown: dict[str, str]) -> None:
+    every = [" ".join(path) for path, _ in commands(typer.main.get_command(app), [])]
+    assert len(every) > 20, every
+    lacking = [name for name in every if "Example: tierstream" not in shown[name]]
+    assert not lacking, lacking
+
+
+def test_every_flag_name_reads_whole_in_an_80_column_terminal(shown: dict[str, str]) -> None:
     """Regression: at 80 columns typer's table cut nine of ``broker start``'s flag names
     (``--segment-rollover-…``, ``--no-allow-auto-top…``) and one still at 100, and the
     paragraphs after a command's first one broke where the docstring's lines did
     (``(--skip-data-loss:`` / ``print what`` / ``survives ...``)."""
-    code, text = in_terminal([sys.executable, "-m", "tests.cli.every_help"], {}, columns=80)
-    assert code == 0, text
-    shown = _sections(text)
     every = list(commands(typer.main.get_command(app), []))
     assert len(shown) == len(every) + 1 and len(every) > 20, sorted(shown)
     for path, command in every:
