@@ -10,6 +10,7 @@ import sys
 import pyarrow as pa
 
 from tierstream.client import Admin, Producer
+from tierstream.model.positions import Offset
 
 from ..timing import scaled
 from .helpers import read_all, wait_for
@@ -51,6 +52,37 @@ def test_broker_offloads_old_segments_and_still_serves_them(start_broker) -> Non
     window = read_all(broker.url, TOPIC, start=__import__("tierstream").Offset.at_time(
         BASE + 1000 * 60_000))
     assert len(window) == 2000
+
+
+def test_the_latest_positions_are_answered_while_the_tier_is_away(start_broker, data_dir
+                                                                   ) -> None:
+    """Regression: when a partition's open segment was empty (sealed, or just rolled), its
+    end was taken from the last closed segment's index, and the index of a segment that
+    lives only in the tier is its whole Parquet file: a tail, a subscription or a Spark
+    stream starting at ``latest`` read the file (a whole object from S3, with the
+    partition's lock held), and failed while the tier was away, though it reads no data."""
+    broker = start_broker("--max-entries-per-segment", "5", "--offload-after", "1d",
+                          "--deletion-lag", "0s", "--tier-check-interval", "200ms")
+    with Admin(broker.url) as admin:
+        admin.create_topic(TOPIC, 2)
+        _produce_history(broker.url, 600)
+        sealed = admin.seal(TOPIC)
+
+        def all_moved() -> bool:
+            segs = [s for s in admin.list_segments(TOPIC) if s.state == "CLOSED"]
+            return bool(segs) and all(s.bookie_deleted_at is not None for s in segs)
+
+        wait_for(all_moved, timeout=scaled(60),
+                 what="every closed segment offloaded and bookie-free")
+        (data_dir / "tier").rename(data_dir / "tier-away")  # the tier is unreachable now
+        cut = admin.latest_cut(TOPIC)
+        assert {p: (e.segment_id, e.entry_id, e.batch_index) for p, e in cut.positions} == {
+            s.partition: (s.segment_id, s.entries, 0) for s in sealed}
+        with Producer(TOPIC, broker=broker.url) as producer:  # a read from there gets what
+            producer.send_many([{"value": b"after", "key": "k1"}])  # comes after
+        got = [v for p, end in cut.positions for v in read_all(
+            broker.url, TOPIC, start=Offset.at_position(end)).column("value").to_pylist()]
+        assert got == [b"after"]
 
 
 def test_offload_command_and_segment_table(start_broker, data_dir) -> None:

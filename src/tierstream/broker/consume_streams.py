@@ -124,7 +124,7 @@ class ConsumeStreams:
         if offset.kind is OffsetKind.EARLIEST:
             return plog.earliest()
         if offset.kind is OffsetKind.LATEST:
-            return plog.last_confirmed()[1]
+            return plog.end()
         if offset.kind is OffsetKind.TIME:
             assert offset.time_ms is not None
             return plog.position_at_time(offset.time_ms)
@@ -136,7 +136,7 @@ class ConsumeStreams:
             return None, None
         offset = Offset.from_dict(raw)
         if offset.kind is OffsetKind.LATEST:
-            return plog.last_confirmed()[1], None
+            return plog.end(), None
         if offset.kind is OffsetKind.TIME:
             return None, offset.time_ms
         if offset.kind is OffsetKind.EARLIEST:

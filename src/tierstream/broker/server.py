@@ -178,6 +178,9 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
             for p, (last, end) in self.store.last_confirmed(body["topic"]).items()
         }
 
+    def _ends(self, body: dict[str, Any]) -> Any:
+        return {str(p): end.to_dict() for p, end in self.store.ends(body["topic"]).items()}
+
     def _seal(self, body: dict[str, Any]) -> Any:
         return [s.to_dict() for s in self.store.seal(body["topic"], body.get("partition"))]
 
@@ -193,7 +196,7 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
         topic = self.store.topic(body["topic"]).name
         given = {int(p): Position.from_dict(v) for p, v in (body.get("positions") or {}).items()}
         out = {}
-        for p, (_, end) in self.store.last_confirmed(topic).items():
+        for p, end in self.store.ends(topic).items():
             plog = self.store.partition(topic, p)
             start = given.get(p) or plog.earliest()
             out[str(p)] = plog.backlog(check_partition(start, plog), end) if start < end else 0
@@ -376,6 +379,7 @@ _ACTIONS = {
     "list-topics": (Broker._list_topics, "All topics, or those of {namespace}."),
     "list-segments": (Broker._list_segments, "Segment records of {topic}, live stats."),
     "last-confirmed": (Broker._last_confirmed, "Last confirmed position per partition."),
+    "ends": (Broker._ends, "Exclusive end position per partition of {topic} (no data read)."),
     "seal": (Broker._seal, "Seal the open segment(s) of {topic[, partition]}."),
     "stats": (Broker._stats, "Broker and store counters: streams, offload lag, "
                              "transactions by state, open files."),

@@ -342,6 +342,13 @@ class Store:
         with self.visibility:
             return {plog.partition: plog.last_confirmed() for plog in logs}
 
+    def ends(self, topic: str) -> dict[int, Position]:
+        """Each partition's exclusive end, at one instant: read from memory only, so it is
+        answered while the tier is slow or away (:meth:`last_confirmed` may read an index)."""
+        logs = self.partitions(topic)
+        with self.visibility:
+            return {plog.partition: plog.end() for plog in logs}
+
     def seal(self, topic: str, partition: int | None = None) -> list[SegmentRecord]:
         logs = self.partitions(topic) if partition is None else [self.partition(topic, partition)]
         return [s for s in (plog.seal() for plog in logs) if s is not None]

@@ -89,10 +89,15 @@ class Admin(BrokerClient):
         return {int(p): (None if v["last"] is None else Position.from_dict(v["last"]),
                          Position.from_dict(v["end"])) for p, v in raw.items()}
 
+    def ends(self, topic: str) -> dict[int, Position]:
+        """Per partition: the exclusive end after its last confirmed message. The broker
+        answers it from memory, also while its tier is away."""
+        raw = self.action("ends", {"topic": str(TopicName.parse(topic))})
+        return {int(p): Position.from_dict(v) for p, v in raw.items()}
+
     def latest_cut(self, topic: str) -> StreamCut:
         """The end of everything confirmed so far: each partition's exclusive end position."""
-        return StreamCut.of(str(TopicName.parse(topic)),
-                            {p: end for p, (_, end) in self.last_confirmed(topic).items()})
+        return StreamCut.of(str(TopicName.parse(topic)), self.ends(topic))
 
     def seal(self, topic: str, partition: int | None = None) -> list[SegmentRecord]:
         raw = self.action("seal", {"topic": str(TopicName.parse(topic)), "partition": partition})

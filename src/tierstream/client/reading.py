@@ -140,8 +140,8 @@ def _pinned_starts(admin: Admin, topic: str, parts: list[int], start: Offset, *,
     the positions of now: after a broker restart it resumes there, not at a "latest" taken
     again on reconnect (which skipped what was produced while it reconnected)."""
     if following and start.kind is OffsetKind.LATEST:
-        confirmed = admin.last_confirmed(topic)
-        return {p: Offset.at_position(confirmed[p][1]).to_dict() for p in parts}
+        ends = admin.ends(topic)
+        return {p: Offset.at_position(ends[p]).to_dict() for p in parts}
     return {p: start.to_dict() for p in parts}
 
 

@@ -17,21 +17,36 @@ __all__ = ["PartitionPositions"]
 class PartitionPositions(PartitionReads):
     """Positions of :class:`~tierstream.managed_ledger.partition_log.PartitionLog` (a mixin)."""
 
+    def end(self) -> Position:
+        """The exclusive end after the last confirmed message, from what the broker holds in
+        memory: no data is read. A read or a subscription starting at ``latest``, a backlog
+        and a lag ask for it, and must have it while the tier is slow or away."""
+        with self._lock:
+            seg = self._open
+            if seg.records:
+                return Position(self.partition, seg.record.segment_id,
+                                seg.records[-1].entry_id + 1, 0)
+            if self._closed_segments:
+                closed = self._closed_segments[-1]
+                return Position(self.partition, closed.segment_id, closed.entries, 0)
+            return Position(self.partition, seg.record.segment_id, 0, 0)
+
     def last_confirmed(self) -> tuple[Position | None, Position]:
-        """(position of the last confirmed message or None, the exclusive end after it)."""
+        """(position of the last confirmed message or None, :meth:`end`). When the open
+        segment is empty, the last message is in the last closed segment, whose entry index
+        may have to be read from a bookie or the tier: that read holds no lock."""
         with self._lock:
             seg = self._open
             if seg.records:
                 last = seg.records[-1]
-                sid = seg.record.segment_id
-            elif self._closed_segments:
-                closed = self._closed_segments[-1]
-                last = self._segment_index(closed)[-1]
-                sid = closed.segment_id
-            else:
-                return None, Position(self.partition, seg.record.segment_id, 0, 0)
-            return (Position(self.partition, sid, last.entry_id, last.messages - 1),
-                    Position(self.partition, sid, last.entry_id + 1, 0))
+                return (Position(self.partition, seg.record.segment_id, last.entry_id,
+                                 last.messages - 1), self.end())
+            if not self._closed_segments:
+                return None, self.end()
+            closed = self._closed_segments[-1]
+        last = self._segment_index(closed)[-1]
+        return (Position(self.partition, closed.segment_id, last.entry_id, last.messages - 1),
+                Position(self.partition, closed.segment_id, last.entry_id + 1, 0))
 
     def earliest(self) -> Position:
         with self._lock:
@@ -50,7 +65,7 @@ class PartitionPositions(PartitionReads):
             else:
                 hi = mid
         if lo == len(segs):
-            return self.last_confirmed()[1]
+            return self.end()
         seg = segs[lo]
         records = self._segment_index(seg)
         a = entries_before(records, t)  # the first entry whose last publish time reaches t

@@ -144,7 +144,7 @@ def start_position(mid: api.MessageIdData, plog: Any, *, reader: bool) -> Positi
     if mid.ledgerId == _NONE:
         return plog.earliest()  # type: ignore[no-any-return]
     if mid.ledgerId == _LATEST:
-        return plog.last_confirmed()[1]  # type: ignore[no-any-return]
+        return plog.end()  # type: ignore[no-any-return]
     at = position_of(mid, plog.partition)
     if is_own(mid) or reader:
         return at

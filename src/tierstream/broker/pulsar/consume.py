@@ -143,7 +143,7 @@ class ConsumePath:
         elif req.initialPosition == api.CommandSubscribe.Earliest:
             initial = plog.earliest()
         else:
-            initial = plog.last_confirmed()[1]
+            initial = plog.end()
         gone = self._closing.is_set
         attached = self.subscriptions.attach(topic, req.subscription, partition, settings,
                                              initial=initial, gone=gone,

@@ -291,7 +291,7 @@ class Subscriptions:
     def listing(self, topic: str) -> list[dict[str, Any]]:
         """Per subscription and partition: type, acknowledged position, backlog (messages
         not acknowledged), and each consumer's share."""
-        ends = {p: end for p, (_, end) in self._store.last_confirmed(topic).items()}
+        ends = self._store.ends(topic)
         out = []
         for row in self._metadata.cursors(topic):
             p = int(row["partition"])
