@@ -185,12 +185,13 @@ class PartitionReads:
     def _segment_index(self, seg: SegmentRecord) -> list[IndexRecord]:
         if seg.segment_id == self._open.record.segment_id:
             return self._open.records
-        cached = self._index_cache.get(seg.segment_id)
-        if cached is not None:
-            self._index_cache.move_to_end(seg.segment_id)
-            return cached
+        with self._lock:  # several readers (and the broker's threads) share it
+            cached = self._index_cache.get(seg.segment_id)
+            if cached is not None:
+                self._index_cache.move_to_end(seg.segment_id)
+                return cached
         if seg.bookie_deleted_at is not None:
-            return self._tier_segment(seg).records
+            return self._tier_index(seg)
         last_error: Exception | None = None
         for b in seg.ensemble:
             try:
@@ -204,13 +205,11 @@ class PartitionReads:
                 last_error = NotFoundError(f"bookie {b} holds {len(records)} of the "
                                            f"{seg.entries} entries")
                 continue
-            self._index_cache[seg.segment_id] = records
-            while len(self._index_cache) > 256:
-                self._index_cache.popitem(last=False)
+            self._keep_index(seg, records)
             return records
         moved = self._current(seg)
         if moved.tier_url is not None:  # moved to the tier while we were planning
-            return self._tier_segment(moved).records
+            return self._tier_index(moved)
         raise NotFoundError(f"no replica of segment {seg.segment_id} ({self.topic} partition "
                             f"{self.partition}) has an index: {last_error}")
 
@@ -249,6 +248,29 @@ class PartitionReads:
                 if s.segment_id == seg.segment_id:
                     return s
         return seg
+
+    def _keep_index(self, seg: SegmentRecord, records: list[IndexRecord]) -> None:
+        with self._lock:
+            self._index_cache[seg.segment_id] = records
+            while len(self._index_cache) > 256:
+                self._index_cache.popitem(last=False)
+
+    def _tier_index(self, seg: SegmentRecord) -> list[IndexRecord]:
+        """A tiered segment's entry index: from its rows if they are held, else from the
+        file's entry ids and publish times alone (a few percent of its bytes: a time's
+        position or the last message's does not fetch the messages)."""
+        with self._lock:
+            held = self._tier_cache.get(seg.segment_id)
+        if held is not None:
+            return held.records
+        if self._tier is None or seg.tier_url is None:
+            raise NotFoundError(f"segment {seg.segment_id} ({self.topic} partition "
+                                f"{self.partition}) has neither a bookie copy nor a tier file")
+        rows = self._tier.read_segment(seg.tier_url, size=seg.tier_bytes,
+                                       columns=["entry_id", "batch_index", "publish_time"])
+        records = TierSegment.load(rows, entries=seg.entries).records
+        self._keep_index(seg, records)
+        return records
 
     def _tier_segment(self, seg: SegmentRecord) -> TierSegment:
         """A tiered segment's rows in log order, with entry boundaries (a small LRU)."""

@@ -250,21 +250,26 @@ class TierStorage:
         with _errors(url):
             return bool(self.filesystem().exists(self.path(url)))
 
-    def read_segment(self, url: str, *, filters: Any = None, size: int | None = None
-                     ) -> pa.Table:
-        """All rows of a tier file (optionally filtered by row groups' statistics); a remote
-        one through this host's tier cache (``size``, when known, spares asking the store)."""
+    def read_segment(self, url: str, *, filters: Any = None, size: int | None = None,
+                     columns: list[str] | None = None) -> pa.Table:
+        """All rows of a tier file (optionally filtered by row groups' statistics), or only
+        ``columns`` of them (a local file: only their bytes are read; a remote one is fetched
+        whole through this host's tier cache, and only they are decoded). ``size``, when known,
+        spares asking the store."""
         fs = self.filesystem()
         with _errors(url):
             cache = host_cache() if self.scheme != "file" else None
             if cache is None:
                 return pq.read_table(self.path(url), filesystem=fs, filters=filters,
-                                     schema=MESSAGE_SCHEMA)
+                                     columns=columns, schema=MESSAGE_SCHEMA)
             obj = ObjectRef(self.range_filesystem(), self.path(url),
                             size or int(fs.size(self.path(url))),
                             f"{self.scheme}:{self.s3_endpoint or ''}")
+            # the whole object either way: the cache fetches a file that fits in one go (a
+            # file-like object read column by column was slower and fetched no less)
             source = cache.open_whole(obj) or pa.py_buffer(CachedFile(cache, obj).read())
-            return pq.read_table(source, filters=filters, schema=MESSAGE_SCHEMA)
+            return pq.read_table(source, filters=filters, columns=columns,
+                                 schema=MESSAGE_SCHEMA)
 
     def delete_tree(self, url: str) -> None:
         """Delete everything under ``url`` (a directory or prefix), if anything is there."""
