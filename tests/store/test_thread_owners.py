@@ -174,3 +174,34 @@ def test_a_network_bookie_whose_journal_fails_stops_saying_why(tmp_path, postgre
         assert last.startswith("error: the journal of bookie") and "the bookie stopped" in last
     finally:
         bookie.kill()
+
+
+_WATCHED = """
+import sys
+from tierstream.client import Consumer
+from tierstream.errors import TierstreamError
+from tierstream.model.positions import Offset
+
+with Consumer("a/threads/watched", "s", broker=sys.argv[1], initial=Offset.earliest()) as c:
+    try:
+        while True:
+            c.receive(timeout=1)
+    except TierstreamError as exc:
+        print("receive raised:", exc)
+"""
+
+
+def test_a_consumer_whose_partition_watcher_fails_says_so_at_its_next_receive(
+        start_broker) -> None:
+    """The consumer's watcher follows a topic's scale events; an unforeseen error ended it
+    silently, and the consumer then never read a partition added later."""
+    broker = start_broker()
+    with Admin(broker.url or "") as admin:
+        admin.create_topic("a/threads/watched", 1)
+    done = subprocess.run([sys.executable, "-c", _WATCHED, broker.url or ""], cwd=ROOT,
+                          capture_output=True, text=True, timeout=scaled(60),
+                          env={**os.environ, FAULT_ENV: "consumer.watch@2"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "-watch stopped by an unexpected error" in done.stderr, done.stderr[-3000:]
+    assert "receive raised: consumer" in done.stdout, done.stdout
+    assert "stopped watching for new partitions" in done.stdout, done.stdout

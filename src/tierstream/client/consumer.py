@@ -25,6 +25,8 @@ from tierstream.model.names import TopicName
 from tierstream.model.positions import KeyRange, Offset, Position
 from tierstream.model.subscription_type import SubscriptionType
 from tierstream.util.fanin import put, start_reader
+from tierstream.util.faults import fault_point
+from tierstream.util.threads import Worker
 from tierstream.util.timeutil import parse_duration_ms
 from tierstream.wire.flight import encode_positions, translate_errors
 
@@ -135,9 +137,8 @@ class Consumer:
         except BaseException:
             self.close()
             raise
-        self._watcher = threading.Thread(target=self._watch, daemon=True,
-                                         name=f"tierstream-consumer-{self.name}-watch")
-        self._watcher.start()
+        self._watcher = Worker(f"tierstream-consumer-{self.name}-watch", self._watch,
+                               on_error=self._watch_failed).start()
 
     def _add_partitions(self, partitions: Iterable[int], initial: dict[str, Any] | None
                         ) -> None:
@@ -160,6 +161,7 @@ class Consumer:
         """Attach to the partitions a scale event adds, from their beginning (the broker
         holds a key's messages there until its earlier ones are acknowledged)."""
         while not self._stop.wait(_WATCH_S):
+            fault_point("consumer.watch")
             try:
                 partitions = self._admin.get_topic(self.topic).partitions
                 grown = [p for p in range(partitions) if p not in self._tickets]
@@ -170,6 +172,13 @@ class Consumer:
             except TierstreamError as exc:  # e.g. the topic was deleted
                 put(self._queue, (-1, exc), self._stop)
                 return
+
+    def _watch_failed(self, exc: BaseException) -> None:
+        """The watcher met an error nobody foresaw (logged with its stack): the next
+        ``receive`` says so, rather than the consumer silently missing new partitions."""
+        put(self._queue, (-1, TierstreamError(
+            f"consumer {self.name} of {self.topic} stopped watching for new partitions: "
+            f"{exc!r} (see the log); close it and subscribe again")), self._stop)
 
     def _open(self, ticket: dict[str, Any]) -> Any:
         reader = self._client.consume(ticket)

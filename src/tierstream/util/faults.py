@@ -46,6 +46,7 @@ passes it, so a test sees what that thread's owner makes of a bug there
 
 ``pulsar.receipt``            a Pulsar connection's receipt thread, before it answers a SEND
 ``pulsar.delivery``           a Pulsar consumer's delivery thread, with a batch in hand
+``consumer.watch``            a tierstream ``Consumer``'s watcher of the topic's partitions
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ FAULT_ENV = "TIERSTREAM_FAULT_AT"
 FAULT_POINTS = frozenset({"pulsar.receipt", "pulsar.delivery", "metadata.heartbeat",
                           "bookie.client.send", "bookie.client.receive", "bookie.client.watch",
                           "bookie.acks", "store.housekeeping", "subscriptions.tick",
-                          "cursor.write", "dead_letters.write", "bookie.journal"})
+                          "cursor.write", "dead_letters.write", "bookie.journal",
+                          "consumer.watch"})
 
 POINTS = frozenset({
     "append.partial-replicas",
