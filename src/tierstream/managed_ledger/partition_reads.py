@@ -255,6 +255,14 @@ class PartitionReads:
             while len(self._index_cache) > 256:
                 self._index_cache.popitem(last=False)
 
+    def _read_tier_file(self, seg: SegmentRecord, columns: list[str] | None = None
+                        ) -> pa.Table:
+        """``seg``'s tier file (or ``columns`` of it); NotFoundError when it has none."""
+        if self._tier is None or seg.tier_url is None:
+            raise NotFoundError(f"segment {seg.segment_id} ({self.topic} partition "
+                                f"{self.partition}) has neither a bookie copy nor a tier file")
+        return self._tier.read_segment(seg.tier_url, size=seg.tier_bytes, columns=columns)
+
     def _tier_index(self, seg: SegmentRecord) -> list[IndexRecord]:
         """A tiered segment's entry index: from its rows if they are held, else from the
         file's entry ids and publish times alone (a few percent of its bytes: a time's
@@ -263,11 +271,7 @@ class PartitionReads:
             held = self._tier_cache.get(seg.segment_id)
         if held is not None:
             return held.records
-        if self._tier is None or seg.tier_url is None:
-            raise NotFoundError(f"segment {seg.segment_id} ({self.topic} partition "
-                                f"{self.partition}) has neither a bookie copy nor a tier file")
-        rows = self._tier.read_segment(seg.tier_url, size=seg.tier_bytes,
-                                       columns=["entry_id", "batch_index", "publish_time"])
+        rows = self._read_tier_file(seg, ["entry_id", "batch_index", "publish_time"])
         records = TierSegment.load(rows, entries=seg.entries).records
         self._keep_index(seg, records)
         return records
@@ -279,11 +283,7 @@ class PartitionReads:
             if cached is not None:
                 self._tier_cache.move_to_end(seg.segment_id)
                 return cached
-        if self._tier is None or seg.tier_url is None:
-            raise NotFoundError(f"segment {seg.segment_id} ({self.topic} partition "
-                                f"{self.partition}) has neither a bookie copy nor a tier file")
-        loaded = TierSegment.load(self._tier.read_segment(seg.tier_url, size=seg.tier_bytes),
-                                  entries=seg.entries)
+        loaded = TierSegment.load(self._read_tier_file(seg), entries=seg.entries)
         with self._lock:
             self._tier_cache[seg.segment_id] = loaded
             while len(self._tier_cache) > 2:
