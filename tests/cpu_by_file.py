@@ -49,7 +49,11 @@ def _cpu_seconds(account: Path) -> float:
 
 def measure(test_file: str) -> tuple[float, float, int]:
     """(CPU seconds, wall seconds, pytest's exit status) of ``test_file`` run alone."""
-    group, account = _cgroup(f"tierstream-cpu-{os.getpid()}-{Path(test_file).stem}")
+    try:
+        group, account = _cgroup(f"tierstream-cpu-{os.getpid()}-{Path(test_file).stem}")
+    except PermissionError:
+        raise SystemExit("cannot make a cgroup here: run python -m tests.cpu_by_file as "
+                         "root") from None
     try:
         before = _cpu_seconds(account)
         started = time.monotonic()
