@@ -3,7 +3,10 @@ its own process behind the modelled network of ``bench remote-fs`` (10 ms per re
 MB/s per request) — first with no cache and into an empty one, then again from a cache as
 large as the window and from one of half the window, and as a Spark backfill whose two Python
 workers share the cache; each beside the same read of local files in the same run, with the
-GETs each read sent to S3.
+GETs each read sent to S3. Beside them, the ceilings this machine sets: the stand-in (moto in
+Python) serves on the same 2 cores that decode, and a fresh VM pays for memory on first touch
+(measured: the window written into new files twice, the second time into the pages the first
+freed, where the reads' own writes then land).
 """
 
 from __future__ import annotations
@@ -121,6 +124,9 @@ def tier_cache(quick: bool = True) -> Path:
                 "local": _read(local, (None, 0), local_cpu),
                 "s3 no cache": _read(remote, (None, 0))}
             gets["s3 no cache"] = s3.gets()
+            cold, warm = _page_cache_writes(Path(tmp), window)
+            figures_in.setdefault("write cold", []).append(cold)
+            figures_in.setdefault("write warm", []).append(warm)
             measured["s3 first"] = _read(remote, (full_dir, window))
             gets["s3 first"] = s3.gets()
             measured["s3 second"] = _read(remote, (full_dir, window))
@@ -140,8 +146,16 @@ def tier_cache(quick: bool = True) -> Path:
             # A first read fetches and decodes on the same cores as the stand-in serves: at
             # best its time is the larger of either alone and their CPU spread over the cores
             local_s = rows_total / measured["local"][0]
+            cores = os.cpu_count() or 1
             figures_in.setdefault("shared ceiling", []).append(rows_total / max(
-                fetch_s, local_s, (fetch_cpu + local_cpu[0]) / (os.cpu_count() or 1)))
+                fetch_s, local_s, (fetch_cpu + local_cpu[0]) / cores))
+            # into the cache, the window's bytes are also written into its files
+            figures_in.setdefault("cache ceiling", []).append(rows_total / max(
+                fetch_s, local_s, (fetch_cpu + local_cpu[0] + warm) / cores))
+            # the half-window re-read fetches only what the cache does not hold
+            fetched = half_stats.rows(path="object store") / rows_total
+            figures_in.setdefault("half ceiling", []).append(rows_total / max(
+                fetch_s * fetched, local_s, (fetch_cpu * fetched + local_cpu[0]) / cores))
             s3.gets()
         spark_rates, spark_gets = _spark(local, remote, tmp, s3, window, runs)
     local_rates = figures_in["local"]
@@ -153,6 +167,17 @@ def tier_cache(quick: bool = True) -> Path:
                "client's) and the decoding's (the local read's) on this machine's "
                f"{os.cpu_count()} cores", "rows/s", figures_in["shared ceiling"],
                "local files", local_rates),
+        Figure("  writing the window into new files (CPU-s), into memory this VM touches "
+               "for the first time: a fresh VM backs its memory on first touch (a host that "
+               "has run a while does not); each first read below writes into pages freed "
+               "just before", "CPU-s", figures_in["write cold"], "into pages freed before",
+               figures_in["write warm"], higher_is_better=False),
+        Figure("  a first read's ceiling into the cache: the above plus writing the window "
+               "into the cache's files", "rows/s", figures_in["cache ceiling"],
+               "local files", local_rates),
+        Figure("  a half-window re-read's ceiling: decoding the window, fetching the part "
+               "the cache does not hold", "rows/s", figures_in["half ceiling"], "local files",
+               local_rates),
         Figure("first read through S3, no cache (rows/s)", "rows/s", figures_in["s3 no cache"],
                "local files", local_rates),
         Figure("first read through S3 into an empty cache", "rows/s", figures_in["s3 first"],
@@ -179,6 +204,25 @@ def tier_cache(quick: bool = True) -> Path:
                    "value_bytes": value_bytes, "window_bytes": window, "runs": runs,
                    "latency_ms": 10, "bandwidth": 100e6},
                   {"s3_gets": requests})
+
+
+def _page_cache_writes(directory: Path, nbytes: int) -> tuple[float, float]:
+    """CPU seconds to write ``nbytes`` into a new file, twice: first into memory the machine
+    has not touched yet (the page cache grows), then into the pages the first file freed (the
+    page cache recycles, as on a host that has run a while). On this VM the first is several
+    times the second: its memory is backed by the host on first touch. The reads that follow
+    write into the freed pages, so a first read measures the cache, not the VM's start."""
+    chunk = bytes(4 << 20)
+    spent = []
+    for _ in range(2):
+        probe = directory / "page-cache-probe"
+        before = cpu_seconds()
+        with probe.open("wb") as f:
+            for _ in range(-(-nbytes // len(chunk))):
+                f.write(chunk)
+        spent.append(cpu_seconds() - before)
+        probe.unlink()
+    return spent[0], spent[1]
 
 
 def _fetch_all(splits: list[Split], endpoint: str) -> float:
