@@ -15,6 +15,7 @@ import pulsar
 import pytest
 
 from tierstream.broker.process import BrokerProcess
+from tierstream.client import Admin
 from tierstream.pulsar_protocol import key_router
 
 from ..store.helpers import wait_for
@@ -244,3 +245,45 @@ def test_deleting_a_topic_with_clients_attached_is_refused_412(admin_broker) -> 
     finally:
         client.close()
     assert _call(admin_broker, "GET", "persistent/acme/gone/t/partitions")[0] == 404
+
+
+def test_stats_cover_the_partitions_a_growth_announced_to_pulsar_clients(start_broker) -> None:
+    """Regression: while a growth was announced (Pulsar clients already writing to the new
+    partitions, for up to --client-refresh-wait), ``partitioned-stats`` said the old count
+    and left the new partitions' messages out, and a new partition's ``stats`` was a 404,
+    though ``partitions`` and the binary protocol gave the new count."""
+    broker: BrokerProcess = start_broker("--pulsar-port", str(_port()),
+                                         "--admin-port", str(_port()),
+                                         "--client-refresh-wait", "1h")
+    topic, name = "persistent/public/default/growing", "persistent://public/default/growing"
+    assert _call(broker, "PUT", f"{topic}/partitions", 2) == (204, None)
+    client = client_of(broker)
+    try:
+        def send(partition: int, keys: list[str]) -> None:
+            producer = client.create_producer(f"{name}-partition-{partition}",
+                                              batching_enabled=False)
+            for key in keys:
+                producer.send(key.encode(), partition_key=key)
+            producer.close()
+
+        # keys put where tierstream's hash would not: the clients route this topic's keys
+        send(0, [f"k{i}" for i in range(10)])
+        assert _call(broker, "POST", f"{topic}/partitions", 4) == (204, None)
+        with Admin(broker.url) as admin:  # announced, not recorded: tierstream reads 2 still
+            record = admin.get_topic("public/default/growing")
+            assert (record.key_routing, record.partitions, record.announced) == ("client", 2, 4)
+        assert _call(broker, "GET", f"{topic}/partitions") == (200, {"partitions": 4})
+        send(3, ["k0", "k1"])
+    finally:
+        client.close()
+    status, stats = _call(broker, "GET", f"{topic}/partitioned-stats?perPartition=true")
+    assert status == 200 and stats["metadata"] == {"partitions": 4}, stats
+    assert stats["msgInCounter"] == 12, stats
+    assert sorted(stats["partitions"]) == [f"{name}-partition-{i}" for i in range(4)]
+    assert stats["partitions"][f"{name}-partition-3"]["msgInCounter"] == 2
+    status, one = _call(broker, "GET", f"{topic}-partition-3/stats")
+    assert status == 200 and one["msgInCounter"] == 2, one
+    assert _call(broker, "GET", f"{topic}-partition-4/stats")[0] == 404
+    with Admin(broker.url) as admin:  # tierstream's own stats: all that is stored, and why
+        own = admin.topic_stats("public/default/growing", per_partition=True)
+        assert (own["partition_count"], own["announced"], len(own["partitions"])) == (2, 4, 4)

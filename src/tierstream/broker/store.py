@@ -323,13 +323,18 @@ class Store:
     def data_dir(self) -> Path:
         return Path(self.config.data_dir)
 
-    def partitions(self, topic: str) -> list[PartitionLog]:
+    def partitions(self, topic: str, *, serving: bool = False) -> list[PartitionLog]:
+        """The partitions tierstream's readers see; with ``serving``, also those a growth
+        announced to the topic's Pulsar clients, which write to them already
+        (``broker/growth.py``)."""
         record = self.topic(topic)
-        logs = [self._logs.get((record.name, p)) for p in range(record.partitions)]
+        count = record.serving if serving else record.partitions
+        logs = [self._logs.get((record.name, p)) for p in range(count)]
         if None in logs:  # a scale event is opening the new partitions: wait for it
             with self._topics_lock:
                 record = self.topic(topic)
-                return [self._logs[(record.name, p)] for p in range(record.partitions)]
+                count = record.serving if serving else record.partitions
+                return [self._logs[(record.name, p)] for p in range(count)]
         return logs  # type: ignore[return-value]
 
     # -- admin views --------------------------------------------------------------------------

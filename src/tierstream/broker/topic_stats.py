@@ -155,13 +155,15 @@ def topic_stats(store: Store, subscriptions: Subscriptions, streams: Streams, to
                 per_partition: bool = False) -> dict[str, Any]:
     """One topic's stats (``Admin.topic_stats``); with ``per_partition``, each partition's
     too, under ``partitions``."""
-    name = store.topic(topic).name
-    plogs = store.partitions(name)
+    record = store.topic(topic)
+    name = record.name
+    plogs = store.partitions(name, serving=True)  # what is stored, announced partitions too
     segments = {p.partition: p.segments() for p in plogs}
     rows = subscriptions.listing(name)
     live = streams.current(name)
     out: dict[str, Any] = {
-        "topic": name, "partition_count": len(plogs), **_rates(plogs),
+        "topic": name, "partition_count": record.partitions, "announced": record.announced,
+        **_rates(plogs),
         "storage": storage_of([s for segs in segments.values() for s in segs]),
         "producers": _producers(live),
         "readers": sum(1 for s in live if s["kind"] != "producer"),

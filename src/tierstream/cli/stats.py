@@ -150,8 +150,10 @@ def _producers_line(producers: list[dict[str, Any]]) -> Text:
 
 def render_topic_stats(stats: dict[str, Any]) -> Group:
     """``Admin.topic_stats`` as tables (``topic stats`` and its ``--watch``)."""
+    growing = f", growing to {stats['announced']}" if stats.get("announced") else ""
     parts: list[Any] = [
-        Text(f"{stats['topic']} ({stats['partition_count']} partition(s)), last minute: in "
+        Text(f"{stats['topic']} ({stats['partition_count']} partition(s){growing}), last "
+             "minute: in "
              f"{_rate(stats['msg_rate_in'], stats['byte_rate_in'])}; out "
              f"{_rate(stats['msg_rate_out'], stats['byte_rate_out'])}; "
              f"{stats['readers']} partition stream(s) to readers and consumers"),

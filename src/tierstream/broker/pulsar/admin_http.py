@@ -333,7 +333,7 @@ class _Routes:
     def _stats(self, namespace: str, topic: str) -> dict[str, Any]:
         name, partition = self._name(namespace, topic)
         raw = self.broker.call("topic-stats", {"topic": name, "per_partition": True})
-        plogs = self.broker.store.partitions(name)
+        plogs = self.broker.store.partitions(name, serving=True)
         rows = self.broker.call("subscriptions", {"topic": name})
         if partition is None:
             return pulsar_stats(raw, plogs, rows)
@@ -347,10 +347,10 @@ class _Routes:
                            ) -> dict[str, Any]:
         name = self._whole(namespace, topic)
         raw = self.broker.call("topic-stats", {"topic": name, "per_partition": True})
-        plogs = self.broker.store.partitions(name)
+        plogs = self.broker.store.partitions(name, serving=True)
         rows = self.broker.call("subscriptions", {"topic": name})
         out = pulsar_stats(raw, plogs, rows)
-        out["metadata"] = {"partitions": raw["partition_count"]}
+        out["metadata"] = {"partitions": len(raw["partitions"])}  # what its clients see
         out["partitions"] = {} if not per_partition else {
             pulsar_name(name, p): pulsar_stats(part, [plogs[p]],
                                                [r for r in rows if r["partition"] == p])
