@@ -35,6 +35,8 @@ __all__ = [
     "DataLossError",
     "FencedError",
     "NotFoundError",
+    "ProducerBusyError",
+    "ProducerFencedError",
     "ProtocolError",
     "StaleRoutingError",
     "StorageError",
@@ -85,6 +87,20 @@ class StaleRoutingError(ConflictError):
     def __init__(self, message: str, *, partitions: int | None = None) -> None:
         super().__init__(message)
         self.partitions = partitions
+
+
+class ProducerBusyError(ConflictError):
+    """A producer was refused because an exclusive producer holds (or waits for) the
+    partition (Pulsar's ProducerBusy)."""
+
+    code = "producer_busy"
+
+
+class ProducerFencedError(ConflictError):
+    """A producer was refused or stopped because another holds the partition exclusively,
+    or took it over (Pulsar's ProducerFenced): it must not write there again."""
+
+    code = "producer_fenced"
 
 
 class DataLossError(TierstreamError):
@@ -153,6 +169,8 @@ ERRORS_BY_CODE: dict[str, type[TierstreamError]] = {
         AlreadyExistsError,
         ConflictError,
         StaleRoutingError,
+        ProducerBusyError,
+        ProducerFencedError,
         FencedError,
         DataLossError,
         CorruptionError,

@@ -21,6 +21,7 @@ from tierstream.broker.topic_stats import QueryLags, Streams, broker_stats, topi
 from tierstream.errors import (
     ConfigError,
     NotFoundError,
+    ProducerFencedError,
     ProtocolError,
     TierstreamError,
 )
@@ -100,6 +101,8 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
             with self.streams.serving("producer", plog.topic, plog.partition,
                                       producer) as stream:
                 def check(batch: pa.RecordBatch) -> None:
+                    if "fenced" in stream:  # an ExclusiveWithFencing producer took over
+                        raise ProducerFencedError(stream["fenced"])
                     self.schemas.check_named_versions(plog.topic, named_versions(batch))
                     stream["messages"] += batch.num_rows
                     stream["bytes"] += batch.nbytes

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from tierstream.broker.producer_access import ProducerAccess
 from tierstream.metadata.records import SegmentRecord, SegmentState
 from tierstream.metadata.transaction_records import TransactionRecords
 from tierstream.util.timeutil import now_ms
@@ -44,14 +45,21 @@ class Streams:
         self._ids = itertools.count()
         self._open: dict[int, dict[str, Any]] = {}
         self.started = time.monotonic()
+        self.access = ProducerAccess()  # who may produce where (Pulsar's access modes)
 
     @contextlib.contextmanager
     def serving(self, kind: str, topic: str, partition: int, name: str | None = None
                 ) -> Iterator[dict[str, Any]]:
         """Register a stream while it runs: ``kind`` is ``producer``, ``reader`` or
-        ``consumer``. The entry's ``messages`` and ``bytes`` may be added to as it goes."""
+        ``consumer``. The entry's ``messages`` and ``bytes`` may be added to as it goes. A
+        producer is a shared one (``producer_access.py``): refused while an exclusive
+        producer holds the partition, and told by ``fenced`` in its entry when one that
+        fences takes it over."""
         key, entry = self.open(kind, topic, partition, name)
         try:
+            if kind == "producer":
+                self.access.attach(topic, partition, key, name,
+                                   fence=lambda reason: entry.__setitem__("fenced", reason))
             yield entry
         finally:
             self.close(key)
@@ -59,7 +67,8 @@ class Streams:
     def open(self, kind: str, topic: str, partition: int, name: str | None = None
              ) -> tuple[int, dict[str, Any]]:
         """Register a stream that outlives one call (a Pulsar client's producer or consumer):
-        its key for :meth:`close`, and its entry to add ``messages`` and ``bytes`` to."""
+        its key for :meth:`close`, and its entry to add ``messages`` and ``bytes`` to. A
+        producer's access (``self.access.attach``) is its caller's to ask for."""
         entry = {"kind": kind, "topic": topic, "partition": partition, "name": name,
                  "since": now_ms(), "messages": 0, "bytes": 0}
         key = next(self._ids)
@@ -69,7 +78,9 @@ class Streams:
 
     def close(self, key: int) -> None:
         with self._lock:
-            self._open.pop(key, None)
+            entry = self._open.pop(key, None)
+        if entry is not None and entry["kind"] == "producer":
+            self.access.detach(key, entry["topic"], entry["partition"])
 
     def current(self, topic: str | None = None) -> list[dict[str, Any]]:
         with self._lock:

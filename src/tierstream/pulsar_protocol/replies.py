@@ -9,6 +9,8 @@ from tierstream.errors import (
     AuthError,
     ConfigError,
     NotFoundError,
+    ProducerBusyError,
+    ProducerFencedError,
     StorageError,
     TierstreamError,
     UnavailableError,
@@ -25,6 +27,10 @@ class Refused(TierstreamError):
 
 
 def error_code(exc: BaseException) -> Any:  # an api.ServerError value
+    if isinstance(exc, ProducerBusyError):
+        return api.ProducerBusy
+    if isinstance(exc, ProducerFencedError):
+        return api.ProducerFenced
     if isinstance(exc, SchemaRefused):
         return api.IncompatibleSchema
     if isinstance(exc, NotFoundError):

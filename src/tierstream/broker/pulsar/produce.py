@@ -71,6 +71,8 @@ class ProducePath:
                  ) -> None:
         self.link, self.store, self.schemas, self.streams = link, store, schemas, streams
         self.producers: dict[int, _Producer] = {}
+        self._waiting: dict[int, _Producer] = {}  # WaitForExclusive ones, not granted yet
+        self._fenced: dict[int, str] = {}  # producer id -> why another fenced it
         self._chunked: dict[int, Assembly] = {}  # producer id -> its chunked message
         self._receipts: queue.Queue[Any] = queue.Queue(maxsize=1000)
         self._names = itertools.count()
@@ -84,9 +86,10 @@ class ProducePath:
         if self._worker.alive:
             self._receipts.put(None)
         self._worker.join(timeout)
-        for producer in self.producers.values():
+        for producer in [*self.producers.values(), *self._waiting.values()]:
             self.streams.close(producer.stream)
         self.producers.clear()
+        self._waiting.clear()
 
     def close_all(self) -> None:
         """CLOSE_PRODUCER to the client for each producer (the broker is going)."""
@@ -97,7 +100,8 @@ class ProducePath:
 
     def close(self, req: api.CommandCloseProducer) -> None:
         """The client closes a producer."""
-        producer = self.producers.pop(req.producer_id, None)
+        producer = self.producers.pop(req.producer_id, None) or \
+            self._waiting.pop(req.producer_id, None)
         if producer is not None:
             self.streams.close(producer.stream)
         assembly = self._chunked.pop(req.producer_id, None)
@@ -107,42 +111,93 @@ class ProducePath:
             request_id=req.request_id)))
 
     def create(self, req: api.CommandProducer) -> None:
-        """PRODUCER: PRODUCER_SUCCESS with the name's last stored sequence id, or ERROR."""
+        """PRODUCER: PRODUCER_SUCCESS with the name's last stored sequence id, or ERROR. Its
+        access mode is asked for (``broker/producer_access.py``): a WaitForExclusive producer
+        that must wait is answered PRODUCER_SUCCESS with producer_ready false, and again
+        (ready) when the partition is granted, or ERROR if it is fenced meanwhile."""
+        stream = None
         try:
             topic, count, partition = self.link.partition_of(req.topic, create=True,
                                                              verb="produce")
             if req.encrypted:
                 raise Refused("encryption is not supported by this tierstream broker")
-            if req.producer_access_mode != 0:
-                raise Refused("only the Shared producer access mode is supported")
             version = registered_version(self.schemas, topic, req.schema) \
                 if req.HasField("schema") else None
             name = req.producer_name if req.HasField("producer_name") and req.producer_name \
                 else f"pulsar-{socket.gethostname()}-{id(self):x}-{next(self._names)}"
             plog = self.store.partition(topic, partition)
             last = plog.producer_state(name)
-            old = self.producers.get(req.producer_id)
+            old = self.producers.pop(req.producer_id, None) or \
+                self._waiting.pop(req.producer_id, None)
             if old is not None:  # the client reuses the id: the old one is gone
                 self.streams.close(old.stream)
             stream, counts = self.streams.open("producer", topic, partition, name)
-            self.producers[req.producer_id] = _Producer(topic, partition, name, count, version,
-                                                        stream, counts, fresh=last is None)
-            success = api.CommandProducerSuccess(
-                request_id=req.request_id, producer_name=name,
-                last_sequence_id=-1 if last is None else int(last))
-            if version is not None:
-                success.schema_version = schema_version_bytes(version)
-            self.link.write(_Cmd(type=_Cmd.PRODUCER_SUCCESS, producer_success=success))
+            producer = _Producer(topic, partition, name, count, version, stream, counts,
+                                 fresh=last is None)
+            pid = req.producer_id
+            grant = self.streams.access.attach(
+                topic, partition, stream, name, mode=req.producer_access_mode,
+                epoch=req.topic_epoch if req.HasField("topic_epoch") else None,
+                fence=lambda reason: self._fence(pid, producer, reason),
+                ready=lambda epoch: self._answer(req, producer, last, epoch),
+                fail=lambda exc: self._refuse_waiting(req, producer, exc))
         except TierstreamError as exc:
+            if stream is not None:
+                self.streams.close(stream)
             log.warning("pulsar client %s: producer on %s refused: %s", self.link.peer, req.topic,
                         exc)
             self.link.error(req.request_id, error_code(exc), str(exc))
+            return
+        if grant.ready:
+            self._answer(req, producer, last, grant.epoch)
+            return
+        self._waiting[req.producer_id] = producer
+        log.info("pulsar client %s: producer %s waits for exclusive access to %s partition %d",
+                 self.link.peer, name, topic, partition)
+        self.link.write(_Cmd(type=_Cmd.PRODUCER_SUCCESS, producer_success=(
+            api.CommandProducerSuccess(request_id=req.request_id, producer_name=name,
+                                       producer_ready=False))))
+
+    def _answer(self, req: api.CommandProducer, producer: _Producer, last: int | None,
+                epoch: int | None) -> None:
+        """The producer may send (now, or later when a waiting one is granted)."""
+        self._waiting.pop(req.producer_id, None)
+        self._fenced.pop(req.producer_id, None)
+        self.producers[req.producer_id] = producer
+        success = api.CommandProducerSuccess(
+            request_id=req.request_id, producer_name=producer.name,
+            last_sequence_id=-1 if last is None else int(last))
+        if producer.schema_version is not None:
+            success.schema_version = schema_version_bytes(producer.schema_version)
+        if epoch is not None:
+            success.topic_epoch = epoch
+        self._quietly(self.link.write, _Cmd(type=_Cmd.PRODUCER_SUCCESS,
+                                            producer_success=success))
+
+    def _refuse_waiting(self, req: api.CommandProducer, producer: _Producer,
+                        exc: TierstreamError) -> None:
+        """A waiting producer was fenced before it was granted."""
+        if self._waiting.pop(req.producer_id, None) is producer:
+            self.streams.close(producer.stream)
+            self._quietly(self.link.error, req.request_id, error_code(exc), str(exc))
+
+    def _fence(self, producer_id: int, producer: _Producer, reason: str) -> None:
+        """Another producer took the partition with ExclusiveWithFencing: this one is closed
+        (CLOSE_PRODUCER; its client tries again and is refused) and its sends refused."""
+        if self.producers.get(producer_id) is producer:
+            del self.producers[producer_id]
+        self._fenced[producer_id] = reason
+        self.streams.close(producer.stream)
+        log.info("pulsar client %s: producer %s %s", self.link.peer, producer.name, reason)
+        self._quietly(self.link.write, _Cmd(
+            type=_Cmd.CLOSE_PRODUCER, close_producer=api.CommandCloseProducer(
+                producer_id=producer_id, request_id=self.link.broker_request_id())))
 
     def send(self, send: api.CommandSend, metadata: Any, payload: bytes) -> None:
         producer = self.producers.get(send.producer_id)
         if producer is None:
-            self.refuse(send, api.ChecksumError,
-                         f"no producer {send.producer_id} on this connection")
+            self.refuse(send, api.ChecksumError, self._fenced.get(
+                send.producer_id, f"no producer {send.producer_id} on this connection"))
             return
         if metadata is None:
             self.refuse(send, api.ChecksumError, "SEND without a message")

@@ -1,0 +1,106 @@
+"""Pulsar's producer access modes (PIP-68) with the real client: Exclusive, WaitForExclusive
+and ExclusiveWithFencing producers, beside shared ones of both kinds (``producer_access.py``).
+Regression: any mode but Shared was refused by name, so an application that elects a single
+writer with them could not run here."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pulsar
+import pytest
+
+from tierstream import read
+from tierstream.broker.process import BrokerProcess
+from tierstream.client import Admin, Producer
+from tierstream.errors import ProducerBusyError, ProducerFencedError
+
+from ..store.helpers import wait_for
+from ..timing import scaled
+from .helpers import client_of
+
+TOPIC = "acme/access/orders"
+NAME = f"persistent://{TOPIC}"
+Mode = pulsar.ProducerAccessMode
+
+
+def _producer(client: Any, mode: Any, name: str) -> Any:
+    return client.create_producer(NAME, producer_name=name, access_mode=mode,
+                                  batching_enabled=False)
+
+
+def test_exclusive_producers_wait_fence_and_refuse_as_pulsar_s_do(
+        pulsar_broker: BrokerProcess) -> None:
+    with Admin(pulsar_broker.url) as admin:
+        admin.create_topic(TOPIC, 1)
+    client = client_of(pulsar_broker)
+    try:
+        first = _producer(client, Mode.Exclusive, "first")
+        first.send(b"first-1")
+        # while it holds the topic: a shared producer is busy, another exclusive one fenced,
+        # and a tierstream producer (shared) refused too
+        with pytest.raises(pulsar.ProducerBusy):
+            _producer(client, Mode.Shared, "shared")
+        with pytest.raises(pulsar.ProducerFenced):
+            _producer(client, Mode.Exclusive, "second")
+        with pytest.raises(ProducerBusyError, match="exclusive producer"), \
+                Producer(TOPIC, broker=pulsar_broker.url) as own:
+            own.send(value=b"own")
+            own.flush()
+        # a WaitForExclusive producer is made only once the holder leaves
+        waiting: dict[str, Any] = {}
+        maker = threading.Thread(target=lambda: waiting.setdefault(
+            "producer", _producer(client, Mode.WaitForExclusive, "patient")))
+        maker.start()
+        maker.join(timeout=1.0)  # a bounded look: it must still be waiting
+        assert maker.is_alive() and not waiting
+        first.send(b"first-2")
+        first.close()
+        maker.join(timeout=scaled(30))
+        assert not maker.is_alive(), "the waiting producer was never granted the topic"
+        patient = waiting["producer"]
+        patient.send(b"patient-1")
+        # ExclusiveWithFencing takes the topic over: the holder is fenced for good
+        taker = _producer(client, Mode.ExclusiveWithFencing, "taker")
+        taker.send(b"taker-1")
+
+        def fenced() -> bool:
+            try:
+                patient.send(b"patient-after-fencing")
+            except pulsar.PulsarException:
+                return True
+            return False
+
+        wait_for(fenced, timeout=scaled(30), what="the fenced producer's sends to fail")
+        taker.close()
+    finally:
+        client.close()
+    values = sorted(v.decode() for v in read(TOPIC, broker=pulsar_broker.url)
+                    .column("value").to_pylist())
+    assert values == ["first-1", "first-2", "patient-1", "taker-1"]
+
+
+def test_a_tierstream_producer_keeps_exclusive_ones_out_until_one_fences_it(
+        pulsar_broker: BrokerProcess) -> None:
+    with Admin(pulsar_broker.url) as admin:
+        admin.create_topic(TOPIC, 1)
+    client = client_of(pulsar_broker)
+    own = Producer(TOPIC, broker=pulsar_broker.url)
+    try:
+        own.send(value=b"own-1")
+        own.flush()  # its produce stream is open: a shared producer is attached
+        with pytest.raises(pulsar.ProducerFenced):
+            _producer(client, Mode.Exclusive, "exclusive")
+        taker = _producer(client, Mode.ExclusiveWithFencing, "taker")
+        taker.send(b"taker-1")
+        with pytest.raises(ProducerFencedError, match="ExclusiveWithFencing"):
+            own.send(value=b"own-after-fencing")
+            own.flush()
+        taker.close()
+    finally:
+        client.close()
+        own.close()
+    values = sorted(v.decode() for v in read(TOPIC, broker=pulsar_broker.url)
+                    .column("value").to_pylist())
+    assert values == ["own-1", "taker-1"]
