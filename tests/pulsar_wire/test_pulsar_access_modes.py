@@ -104,3 +104,28 @@ def test_a_tierstream_producer_keeps_exclusive_ones_out_until_one_fences_it(
     values = sorted(v.decode() for v in read(TOPIC, broker=pulsar_broker.url)
                     .column("value").to_pylist())
     assert values == ["own-1", "taker-1"]
+
+
+def test_an_exclusive_producer_keeps_the_topic_across_a_broker_sigkill(
+        start_broker: Any, free_port: int) -> None:
+    """The epochs live in the broker's memory: after a restart the exclusive producer that
+    reconnects (with its epoch) holds the topic again, and another is still kept out."""
+    broker: BrokerProcess = start_broker("--pulsar-port", str(free_port))
+    with Admin(broker.url) as admin:
+        admin.create_topic(TOPIC, 1)
+    client = client_of(broker)
+    try:
+        holder = client.create_producer(NAME, producer_name="holder", access_mode=Mode.Exclusive,
+                                        batching_enabled=False,
+                                        send_timeout_millis=int(scaled(60) * 1000))
+        holder.send(b"before")
+        broker.kill()
+        broker = start_broker("--pulsar-port", str(free_port))
+        holder.send(b"after")  # reconnected, and still the topic's only producer
+        with pytest.raises(pulsar.ProducerFenced):
+            _producer(client, Mode.Exclusive, "intruder")
+    finally:
+        client.close()
+    values = sorted(v.decode() for v in read(TOPIC, broker=broker.url)
+                    .column("value").to_pylist())
+    assert values == ["after", "before"]
