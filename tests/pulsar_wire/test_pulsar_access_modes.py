@@ -5,6 +5,7 @@ writer with them could not run here."""
 
 from __future__ import annotations
 
+import socket
 import threading
 from typing import Any
 
@@ -15,10 +16,12 @@ from tierstream import read
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Producer
 from tierstream.errors import ProducerBusyError, ProducerFencedError
+from tierstream.pulsar_protocol import pulsar_api_pb2 as api
+from tierstream.pulsar_protocol.frames import command_frame
 
 from ..store.helpers import wait_for
 from ..timing import scaled
-from .helpers import client_of
+from .helpers import client_of, commands_until
 
 TOPIC = "acme/access/orders"
 NAME = f"persistent://{TOPIC}"
@@ -129,3 +132,46 @@ def test_an_exclusive_producer_keeps_the_topic_across_a_broker_sigkill(
     values = sorted(v.decode() for v in read(TOPIC, broker=broker.url)
                     .column("value").to_pylist())
     assert values == ["after", "before"]
+
+
+def _returning_producer(broker: BrokerProcess, epoch: int) -> api.BaseCommand:
+    """The answer to an Exclusive producer that comes back with topic epoch ``epoch`` (as a
+    client does that was cut off while it held the topic)."""
+    host, port = (broker.pulsar_url or "").removeprefix("pulsar://").rsplit(":", 1)
+    frames = [command_frame(api.BaseCommand(
+        type=api.BaseCommand.CONNECT, connect=api.CommandConnect(client_version="t",
+                                                                 protocol_version=20))),
+              command_frame(api.BaseCommand(type=api.BaseCommand.PRODUCER,
+                                            producer=api.CommandProducer(
+                                                topic=NAME, producer_id=1, request_id=1,
+                                                producer_name="zombie",
+                                                producer_access_mode=1, topic_epoch=epoch)))]
+    kinds = (api.BaseCommand.PRODUCER_SUCCESS, api.BaseCommand.ERROR)
+    with socket.create_connection((host, int(port)), timeout=scaled(30)) as sock:
+        sock.sendall(b"".join(frames))
+        got = commands_until(sock, lambda cs: any(c.type in kinds for c in cs))
+    return next(c for c in got if c.type in kinds)
+
+
+def test_a_producer_that_lost_the_topic_is_fenced_after_a_broker_restart(
+        start_broker: Any, free_port: int) -> None:
+    """Regression: topic epochs lived in the broker's memory, so an exclusive producer cut off
+    while another held the topic, across a broker restart, took it back when it returned.
+    They are kept in the metadata store now, as Pulsar keeps them in the topic's."""
+    broker: BrokerProcess = start_broker("--pulsar-port", str(free_port))
+    with Admin(broker.url) as admin:
+        admin.create_topic(TOPIC, 1)
+    client = client_of(broker)
+    try:
+        for name in ("zombie", "successor"):  # epochs 0, then 1
+            producer = _producer(client, Mode.Exclusive, name)
+            producer.send(name.encode())
+            producer.close()
+    finally:
+        client.close()
+    broker.kill()
+    broker = start_broker("--pulsar-port", str(free_port))
+    answer = _returning_producer(broker, epoch=0)
+    assert answer.type == api.BaseCommand.ERROR, answer
+    assert answer.error.error == api.ProducerFenced and "epoch 1" in answer.error.message
+    assert _returning_producer(broker, epoch=1).type == api.BaseCommand.PRODUCER_SUCCESS

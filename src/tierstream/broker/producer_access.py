@@ -25,11 +25,17 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from tierstream.errors import ProducerBusyError, ProducerFencedError, TierstreamError
+from tierstream.errors import (
+    ProducerBusyError,
+    ProducerFencedError,
+    TierstreamError,
+    UnavailableError,
+)
 
 __all__ = ["EXCLUSIVE", "EXCLUSIVE_WITH_FENCING", "MODES", "SHARED", "WAIT_FOR_EXCLUSIVE",
-           "Grant", "ProducerAccess"]
+           "Epochs", "Grant", "ProducerAccess"]
 
 SHARED, EXCLUSIVE, WAIT_FOR_EXCLUSIVE, EXCLUSIVE_WITH_FENCING = 0, 1, 2, 3
 #: Pulsar's names of the modes (``CommandProducer.producer_access_mode``)
@@ -67,7 +73,16 @@ class _Partition:
     attached: dict[int, _Attached] = field(default_factory=dict)
     exclusive: int | None = None  # the key of the producer that holds it exclusively
     waiting: deque[_Waiting] = field(default_factory=deque)
-    epoch: int = -1  # -1: never held exclusively (since the broker started)
+    epoch: int = -1  # -1: never held exclusively
+    loaded: bool = False  # its epoch was read from the metadata
+
+
+class Epochs(Protocol):
+    """Where the topic epochs are kept across broker restarts (the metadata store)."""
+
+    def load(self, topic: str, partition: int) -> int: ...  # -1: never held
+
+    def save(self, topic: str, partition: int, epoch: int) -> None: ...
 
 
 class ProducerAccess:
@@ -75,9 +90,10 @@ class ProducerAccess:
     Callbacks (fence, ready, fail) are called outside the lock, possibly from the thread of
     another producer's request."""
 
-    def __init__(self) -> None:
+    def __init__(self, epochs: Epochs | None = None) -> None:
         self._lock = threading.Lock()
         self._partitions: dict[tuple[str, int], _Partition] = {}
+        self._epochs = epochs
 
     def attach(self, topic: str, partition: int, key: int, name: str | None, *,
                mode: int = SHARED, epoch: int | None = None,
@@ -90,10 +106,16 @@ class ProducerAccess:
         ProducerFencedError."""
         if mode not in MODES:
             raise ProducerBusyError(f"unknown producer access mode {mode}")
+        stored = None  # read outside the lock: a shared producer never waits on the database
+        if mode != SHARED and self._epochs is not None and not self._loaded(topic, partition):
+            stored = self._epochs.load(topic, partition)
         callbacks: list[Callable[[], None]] = []
+        granted: int | None = None
         try:
             with self._lock:
                 part = self._partitions.setdefault((topic, partition), _Partition())
+                if stored is not None and not part.loaded:
+                    part.epoch, part.loaded = max(part.epoch, stored), True
                 holder = self._holder(part)
                 if mode == SHARED:
                     if part.exclusive is not None or part.waiting:
@@ -120,15 +142,17 @@ class ProducerAccess:
                     part.waiting.append(_Waiting(key, name, epoch, fence, ready, fail))
                     return Grant(ready=False)
                 granted = self._grant(part, topic, partition, key, name, epoch, fence)
-                return Grant(ready=True, epoch=granted)
         finally:
             for call in callbacks:
                 call()
+        self._save(topic, partition, key, granted)
+        return Grant(ready=True, epoch=granted)
 
     def detach(self, key: int, topic: str, partition: int) -> None:
         """Producer ``key`` left (closed, its connection gone, fenced): the next waiting
         producer is granted the partition if it is free now."""
         callbacks: list[Callable[[], None]] = []
+        grants: list[tuple[_Waiting, int]] = []
         with self._lock:
             part = self._partitions.get((topic, partition))
             if part is None:
@@ -145,16 +169,44 @@ class ProducerAccess:
                 except ProducerFencedError as exc:
                     callbacks.append(lambda w=nxt, e=exc: w.fail(e))  # type: ignore[misc]
                     continue
-                callbacks.append(lambda w=nxt, g=granted: w.ready(g))  # type: ignore[misc]
-            if not part.attached and not part.waiting and part.epoch < 0:
+                grants.append((nxt, granted))
+            if not part.attached and not part.waiting and part.epoch < 0 and not part.loaded:
                 del self._partitions[(topic, partition)]
         for call in callbacks:
             call()
+        for waiter, granted in grants:
+            try:
+                self._save(topic, partition, waiter.key, granted)
+            except UnavailableError as exc:
+                waiter.fail(exc)
+                continue
+            waiter.ready(granted)
+
+    def _loaded(self, topic: str, partition: int) -> bool:
+        with self._lock:
+            part = self._partitions.get((topic, partition))
+            return part is not None and part.loaded
+
+    def _save(self, topic: str, partition: int, key: int, epoch: int | None) -> None:
+        """Keep a granted epoch before the producer is told it; if it cannot be kept, the
+        grant is undone (the producer is refused, and its client tries again)."""
+        if epoch is None or self._epochs is None:
+            return
+        try:
+            self._epochs.save(topic, partition, epoch)
+        except Exception as exc:
+            with self._lock:
+                part = self._partitions.get((topic, partition))
+                if part is not None and part.exclusive == key:
+                    part.exclusive = None
+                    part.attached.pop(key, None)
+            raise UnavailableError(f"the topic epoch of {_where(topic, partition)} could not "
+                                   f"be kept in the metadata store: {exc}") from exc
 
     def _grant(self, part: _Partition, topic: str, partition: int, key: int, name: str | None,
                epoch: int | None, fence: Callable[[str], None] | None) -> int:
         self._check_epoch(part, topic, partition, epoch)
-        part.epoch = epoch if epoch is not None and epoch > part.epoch else part.epoch + 1
+        part.epoch = epoch if epoch is not None else part.epoch + 1  # (checked: not older)
         part.exclusive = key
         part.attached[key] = _Attached(name, fence)
         return part.epoch

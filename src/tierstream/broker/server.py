@@ -26,6 +26,7 @@ from tierstream.errors import (
     TierstreamError,
 )
 from tierstream.metadata.bookie_registry import set_bookie_endpoint
+from tierstream.metadata.producer_epochs import MetadataEpochs
 from tierstream.metadata.schema_registry import SchemaRegistry
 from tierstream.model.names import TopicName
 from tierstream.model.positions import Position
@@ -65,7 +66,7 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
         self.host = host
         self.subscriptions = Subscriptions(store)
         self.schemas = SchemaRegistry(store.metadata)
-        self.streams = Streams()
+        self.streams = Streams(epochs=MetadataEpochs(store.metadata))
         self.lags = QueryLags()
 
     def shutdown(self) -> None:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from tierstream.broker.producer_access import ProducerAccess
+from tierstream.broker.producer_access import Epochs, ProducerAccess
 from tierstream.metadata.records import SegmentRecord, SegmentState
 from tierstream.metadata.transaction_records import TransactionRecords
 from tierstream.util.timeutil import now_ms
@@ -40,12 +40,13 @@ class Streams:
     """The streams the broker serves now: producers (per partition, with their names) and
     readers (bounded reads, tails and subscription consumers)."""
 
-    def __init__(self) -> None:
+    def __init__(self, epochs: Epochs | None = None) -> None:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._open: dict[int, dict[str, Any]] = {}
         self.started = time.monotonic()
-        self.access = ProducerAccess()  # who may produce where (Pulsar's access modes)
+        # who may produce where (Pulsar's access modes), the epochs kept in ``epochs``
+        self.access = ProducerAccess(epochs)
 
     @contextlib.contextmanager
     def serving(self, kind: str, topic: str, partition: int, name: str | None = None
