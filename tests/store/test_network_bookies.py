@@ -8,6 +8,7 @@ Real processes throughout: PostgreSQL (``tests/postgres.py``), ``tierstream book
 
 from __future__ import annotations
 
+import logging
 import signal
 import subprocess
 import sys
@@ -235,8 +236,9 @@ def test_a_bookie_sigkilled_under_load_costs_no_acknowledged_message(network_sto
 
 
 def test_a_standby_takes_over_a_stopped_broker_which_is_then_fenced(network_store, spark,
-                                                                     free_port) -> None:
+                                                                     free_port, caplog) -> None:
     _, _, broker = network_store
+    caplog.set_level(logging.WARNING, logger="tierstream.client.producer")
     first = broker("broker-a").start()
     with Admin(first.url) as admin:
         admin.create_topic(TOPIC, 2)
@@ -257,6 +259,11 @@ def test_a_standby_takes_over_a_stopped_broker_which_is_then_fenced(network_stor
         writer.wait_for_more(1_000)  # the producer left the hung broker for the new one
     finally:
         acked = writer.stop()
+    # Regression: each of the producer's partition streams that stalled moved it on to the
+    # next broker named, the second back to the hung one: it left the hung broker once
+    moves = [r.getMessage() for r in caplog.records if "; trying " in r.getMessage()]
+    assert moves and all(m.endswith(f"trying grpc://127.0.0.1:{free_port}") for m in moves), \
+        moves
     # the old broker wakes up: its writes are refused as fenced and it stops, saying why
     first.proc.send_signal(signal.SIGCONT)
     # (FencedError is an UnavailableError: a client reconnects, here to no other broker)

@@ -30,10 +30,7 @@ from tierstream.errors import (
     TierstreamError,
     UnavailableError,
 )
-from tierstream.model.message_format import (
-    as_produce_batch,
-    key_hash,
-)
+from tierstream.model.message_format import as_produce_batch, key_hash
 from tierstream.model.names import TopicName
 from tierstream.wire.flight import decode, encode, translate_errors
 
@@ -384,27 +381,27 @@ class Producer:
                 self._raise_if_refused(stream)
                 raise UnavailableError("broker closed the produce stream")
         except StalledError:  # connected, but no ack within send_timeout
+            via = stream.io.url if stream.io else None
             self._drop(stream)
             now = time.monotonic()
             stream.stalled_since = stream.stalled_since or now - self.send_timeout
             if len(self._client.urls) > 1 and \
                     now - stream.stalled_since < reconnect_timeout_s():
                 # a hung broker, and others named: one of them may have taken over
-                log.warning("producer %s: broker %s connected but sent no ack in %gs; "
-                            "trying %s", self.name, self._client.url, self.send_timeout,
-                            self._client.next_broker())
+                self._leave(via, f"connected but sent no ack in {self.send_timeout:g}s")
                 self._recover(p, stream)
                 return
             stream.stalled_since = None
             raise self._gave_up(p, stream, f"broker {self._client.url} connected but sent "
                                 "no ack") from None
         except (flight.FlightError, OSError, pa.ArrowException, UnavailableError) as exc:
-            self._raise_if_rejected(exc)
+            self._raise_if_rejected(exc, stream.io.url if stream.io else None)
             self._recover(p, stream)
             return
         ack = decode(buf.to_pybytes(), "ack")
         if "error" in ack:  # the broker could not store the next batch (its error, as ever)
-            self._raise_if_rejected(flight.FlightServerError(str(ack["error"])))
+            self._raise_if_rejected(flight.FlightServerError(str(ack["error"])),
+                                    stream.io.url if stream.io else None)
             self._recover(p, stream)
             return
         seq, _ = stream.unacked.popleft()
@@ -425,7 +422,7 @@ class Producer:
             io.close(self.send_timeout)
         except (flight.FlightError, OSError, pa.ArrowException) as exc:
             try:
-                self._raise_if_rejected(exc)
+                self._raise_if_rejected(exc, io.url)
             except StaleRoutingError:
                 raise  # nothing stored from the refused batch on: it is routed again
             except TierstreamError:
@@ -434,23 +431,27 @@ class Producer:
                 stream.unacked.clear()
                 raise
 
-    def _raise_if_rejected(self, exc: BaseException) -> None:
+    def _raise_if_rejected(self, exc: BaseException, via: str | None = None) -> None:
         """A broker that answers with a tierstream error rejected the batch: do not retry.
         One that refused it as fenced no longer serves the store (another took it over): the
         retry goes to the next broker named first, not back to it."""
         try:
-            with translate_errors(self._client.url):
+            with translate_errors(via or self._client.url):
                 raise exc
         except FencedError:
-            if len(self._client.urls) > 1:
-                left = self._client.url
-                log.warning("producer %s: broker %s no longer serves the store (fenced); "
-                            "trying %s", self.name, left, self._client.next_broker())
+            self._leave(via, "no longer serves the store (fenced)")
             return
         except UnavailableError:
             return
         except TierstreamError:
             raise
+
+    def _leave(self, via: str | None, why: str) -> None:
+        """The next broker named, once per broker left: the first stream to find its broker
+        (``via``) gone moves on; the others follow (each moving it sent it back and forth)."""
+        if len(self._client.urls) > 1 and via in (None, self._client.url):
+            log.warning("producer %s: broker %s %s; trying %s", self.name, self._client.url,
+                        why, self._client.next_broker())
 
     def _recover(self, p: int, stream: _PartitionStream) -> None:
         """Reconnect with backoff and re-send every unacknowledged batch, in order."""
@@ -466,7 +467,7 @@ class Producer:
                 return
             except (flight.FlightError, OSError, pa.ArrowException, UnavailableError) as exc:
                 try:
-                    self._raise_if_rejected(exc)
+                    self._raise_if_rejected(exc, stream.io.url if stream.io else None)
                 except StaleRoutingError:
                     # the broker refused a batch as routed by an old count and closed the
                     # stream: its acks say which batches it stored before (dedup answers

@@ -51,7 +51,7 @@ class StreamIO:
     thread before the first call runs; an error opening it is raised by that call."""
 
     def __init__(self, client: BrokerClient, command: Mapping[str, Any]) -> None:
-        self._url = client.url
+        self.url = client.url  # the broker it was opened to
         self._calls: _Calls = queue.SimpleQueue()
         self.stalled = False
         self.interrupted = False  # a caller left a call that its thread still runs
@@ -88,14 +88,14 @@ class StreamIO:
 
     def _call(self, name: str, args: tuple[Any, ...], timeout: float) -> Any:
         if self._closed:
-            raise UnavailableError(f"the stream to the broker at {self._url} is closed")
+            raise UnavailableError(f"the stream to the broker at {self.url} is closed")
         return self._run(name, args, timeout)
 
     def _run(self, name: str, args: tuple[Any, ...], timeout: float) -> Any:
         if self.stalled:
-            raise StalledError(f"the broker at {self._url} stopped answering this stream")
+            raise StalledError(f"the broker at {self.url} stopped answering this stream")
         if self.interrupted:
-            raise UnavailableError(f"a call on this stream to the broker at {self._url} was "
+            raise UnavailableError(f"a call on this stream to the broker at {self.url} was "
                                    "interrupted: its answer is not known")
         future: Future[Any] = Future()
         self._calls.put((future, name, args))
@@ -103,7 +103,7 @@ class StreamIO:
             return future.result(max(timeout, 0.0))
         except FutureTimeout:
             self.stalled = True
-            raise StalledError(f"the broker at {self._url} did not answer in {timeout:g}s "
+            raise StalledError(f"the broker at {self.url} did not answer in {timeout:g}s "
                                f"(a {name} on its produce stream)") from None
         except BaseException:
             # the wait was interrupted (Ctrl-C): the call may still run and take its answer
