@@ -15,8 +15,8 @@ A producer asks for one of four modes, per partition (a partitioned producer ask
 Each grant of exclusivity moves the partition's **topic epoch** on; the exclusive producer is
 told it and gives it back when it reconnects (after a broker restart, a lost connection), and
 one whose epoch the partition has moved past — someone else held it in between — is fenced
-for good. The epochs live in the broker's memory: after a restart the first exclusive producer
-to return sets it again from its own.
+for good. The epochs are kept in the metadata store (``metadata/producer_epochs.py``), each
+before its producer is told, so this holds across broker restarts and takeovers.
 """
 
 from __future__ import annotations
