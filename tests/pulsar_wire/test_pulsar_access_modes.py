@@ -41,6 +41,9 @@ def test_exclusive_producers_wait_fence_and_refuse_as_pulsar_s_do(
     try:
         first = _producer(client, Mode.Exclusive, "first")
         first.send(b"first-1")
+        with Admin(pulsar_broker.url) as admin:  # the stats say which mode it holds
+            assert [(p["name"], p["access"]) for p in admin.topic_stats(TOPIC)["producers"]] \
+                == [("first", "Exclusive")]
         # while it holds the topic: a shared producer is busy, another exclusive one fenced,
         # and a tierstream producer (shared) refused too
         with pytest.raises(pulsar.ProducerBusy):
@@ -58,6 +61,9 @@ def test_exclusive_producers_wait_fence_and_refuse_as_pulsar_s_do(
         maker.start()
         maker.join(timeout=1.0)  # a bounded look: it must still be waiting
         assert maker.is_alive() and not waiting
+        with Admin(pulsar_broker.url) as admin:
+            assert sorted(p["access"] for p in admin.topic_stats(TOPIC)["producers"]) == [
+                "Exclusive", "WaitForExclusive (waiting)"]
         first.send(b"first-2")
         first.close()
         maker.join(timeout=scaled(30))

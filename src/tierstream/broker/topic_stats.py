@@ -158,7 +158,8 @@ def subscription_stats(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def _producers(streams: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"name": s["name"], "partition": s["partition"], "since": s["since"],
-             "messages": s["messages"], "bytes": s["bytes"]}
+             "messages": s["messages"], "bytes": s["bytes"],
+             "access": s.get("access", "Shared")}
             for s in sorted(streams, key=lambda s: (s["partition"], s["name"] or ""))
             if s["kind"] == "producer"]
 

@@ -143,8 +143,9 @@ def _subscriptions_table(subs: dict[str, dict[str, Any]]) -> Table | Text:
 def _producers_line(producers: list[dict[str, Any]]) -> Text:
     if not producers:
         return Text("producers: none")
-    names = ", ".join(f"{p['name'] or '(unnamed)'} p{p['partition']} since "
-                      f"{format_ms(p['since'])}" for p in producers)
+    names = ", ".join(f"{p['name'] or '(unnamed)'} p{p['partition']}"
+                      + ("" if p.get("access", "Shared") == "Shared" else f" ({p['access']})")
+                      + f" since {format_ms(p['since'])}" for p in producers)
     return Text(f"producers: {len(producers)}: {names}")
 
 

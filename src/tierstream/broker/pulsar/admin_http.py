@@ -422,7 +422,7 @@ def pulsar_stats(raw: dict[str, Any], plogs: list[Any], rows: list[dict[str, Any
     for i, p in enumerate(raw["producers"]):
         seconds = max(0.001, (now - p["since"]) / 1000)
         publishers.append({
-            "producerId": i, "producerName": p["name"], "accessMode": "Shared",
+            "producerId": i, "producerName": p["name"], "accessMode": p["access"],
             "msgRateIn": p["messages"] / seconds, "msgThroughputIn": p["bytes"] / seconds,
             "averageMsgSize": p["bytes"] / p["messages"] if p["messages"] else 0.0,
             "connectedSince": _iso(p["since"]), "metadata": {}})

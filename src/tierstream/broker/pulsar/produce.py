@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from tierstream.broker.producer_access import MODES
 from tierstream.broker.pulsar.chunks import Assembly
 from tierstream.errors import StaleRoutingError, TierstreamError
 from tierstream.model.message_format import key_hashes
@@ -134,6 +135,7 @@ class ProducePath:
             stream, counts = self.streams.open("producer", topic, partition, name)
             producer = _Producer(topic, partition, name, count, version, stream, counts,
                                  fresh=last is None)
+            counts["access"] = MODES.get(req.producer_access_mode, "Shared")  # for its stats
             pid = req.producer_id
             grant = self.streams.access.attach(
                 topic, partition, stream, name, mode=req.producer_access_mode,
@@ -152,6 +154,7 @@ class ProducePath:
             self._answer(req, producer, last, grant.epoch)
             return
         self._waiting[req.producer_id] = producer
+        counts["access"] += " (waiting)"
         log.info("pulsar client %s: producer %s waits for exclusive access to %s partition %d",
                  self.link.peer, name, topic, partition)
         self.link.write(_Cmd(type=_Cmd.PRODUCER_SUCCESS, producer_success=(
@@ -164,6 +167,7 @@ class ProducePath:
         self._waiting.pop(req.producer_id, None)
         self._fenced.pop(req.producer_id, None)
         self.producers[req.producer_id] = producer
+        producer.counts["access"] = producer.counts["access"].removesuffix(" (waiting)")
         success = api.CommandProducerSuccess(
             request_id=req.request_id, producer_name=producer.name,
             last_sequence_id=-1 if last is None else int(last))
