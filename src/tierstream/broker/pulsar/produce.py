@@ -17,6 +17,7 @@ import itertools
 import logging
 import queue
 import socket
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -73,6 +74,9 @@ class ProducePath:
         self.link, self.store, self.schemas, self.streams = link, store, schemas, streams
         self.producers: dict[int, _Producer] = {}
         self._waiting: dict[int, _Producer] = {}  # WaitForExclusive ones, not granted yet
+        # a waiting producer may be granted (from another connection's thread) before its
+        # "not ready" answer is written: the two answers, and _waiting, under this lock
+        self._answers = threading.Lock()
         self._fenced: dict[int, str] = {}  # producer id -> why another fenced it
         self._chunked: dict[int, Assembly] = {}  # producer id -> its chunked message
         self._receipts: queue.Queue[Any] = queue.Queue(maxsize=1000)
@@ -137,6 +141,8 @@ class ProducePath:
                                  fresh=last is None)
             counts["access"] = MODES.get(req.producer_access_mode, "Shared")  # for its stats
             pid = req.producer_id
+            with self._answers:  # until granted (which may come before attach returns)
+                self._waiting[pid] = producer
             grant = self.streams.access.attach(
                 topic, partition, stream, name, mode=req.producer_access_mode,
                 epoch=req.topic_epoch if req.HasField("topic_epoch") else None,
@@ -145,6 +151,8 @@ class ProducePath:
                 fail=lambda exc: self._refuse_waiting(req, producer, exc))
         except TierstreamError as exc:
             if stream is not None:
+                with self._answers:
+                    self._waiting.pop(req.producer_id, None)
                 self.streams.close(stream)
             log.warning("pulsar client %s: producer on %s refused: %s", self.link.peer, req.topic,
                         exc)
@@ -153,21 +161,19 @@ class ProducePath:
         if grant.ready:
             self._answer(req, producer, last, grant.epoch)
             return
-        self._waiting[req.producer_id] = producer
-        counts["access"] += " (waiting)"
-        log.info("pulsar client %s: producer %s waits for exclusive access to %s partition %d",
-                 self.link.peer, name, topic, partition)
-        self.link.write(_Cmd(type=_Cmd.PRODUCER_SUCCESS, producer_success=(
-            api.CommandProducerSuccess(request_id=req.request_id, producer_name=name,
-                                       producer_ready=False))))
+        with self._answers:
+            if self._waiting.get(req.producer_id) is not producer:
+                return  # granted or refused meanwhile, and answered so
+            counts["access"] += " (waiting)"
+            log.info("pulsar client %s: producer %s waits for exclusive access to %s "
+                     "partition %d", self.link.peer, name, topic, partition)
+            self._quietly(self.link.write, _Cmd(
+                type=_Cmd.PRODUCER_SUCCESS, producer_success=api.CommandProducerSuccess(
+                    request_id=req.request_id, producer_name=name, producer_ready=False)))
 
     def _answer(self, req: api.CommandProducer, producer: _Producer, last: int | None,
                 epoch: int | None) -> None:
         """The producer may send (now, or later when a waiting one is granted)."""
-        self._waiting.pop(req.producer_id, None)
-        self._fenced.pop(req.producer_id, None)
-        self.producers[req.producer_id] = producer
-        producer.counts["access"] = producer.counts["access"].removesuffix(" (waiting)")
         success = api.CommandProducerSuccess(
             request_id=req.request_id, producer_name=producer.name,
             last_sequence_id=-1 if last is None else int(last))
@@ -175,22 +181,35 @@ class ProducePath:
             success.schema_version = schema_version_bytes(producer.schema_version)
         if epoch is not None:
             success.topic_epoch = epoch
-        self._quietly(self.link.write, _Cmd(type=_Cmd.PRODUCER_SUCCESS,
-                                            producer_success=success))
+        with self._answers:
+            if self._waiting.pop(req.producer_id, None) is not producer:
+                if req.producer_id in self._fenced:  # fenced before it was answered
+                    self._quietly(self.link.error, req.request_id, api.ProducerFenced,
+                                  self._fenced[req.producer_id])
+                return  # else closed by its client meanwhile
+            self._fenced.pop(req.producer_id, None)
+            self.producers[req.producer_id] = producer
+            producer.counts["access"] = producer.counts["access"].removesuffix(" (waiting)")
+            self._quietly(self.link.write, _Cmd(type=_Cmd.PRODUCER_SUCCESS,
+                                                producer_success=success))
 
     def _refuse_waiting(self, req: api.CommandProducer, producer: _Producer,
                         exc: TierstreamError) -> None:
         """A waiting producer was fenced before it was granted."""
-        if self._waiting.pop(req.producer_id, None) is producer:
-            self.streams.close(producer.stream)
+        with self._answers:
+            if self._waiting.pop(req.producer_id, None) is not producer:
+                return
             self._quietly(self.link.error, req.request_id, error_code(exc), str(exc))
+        self.streams.close(producer.stream)
 
     def _fence(self, producer_id: int, producer: _Producer, reason: str) -> None:
         """Another producer took the partition with ExclusiveWithFencing: this one is closed
         (CLOSE_PRODUCER; its client tries again and is refused) and its sends refused."""
-        if self.producers.get(producer_id) is producer:
-            del self.producers[producer_id]
-        self._fenced[producer_id] = reason
+        with self._answers:
+            for held in (self.producers, self._waiting):
+                if held.get(producer_id) is producer:
+                    del held[producer_id]
+            self._fenced[producer_id] = reason
         self.streams.close(producer.stream)
         log.info("pulsar client %s: producer %s %s", self.link.peer, producer.name, reason)
         self._quietly(self.link.write, _Cmd(
