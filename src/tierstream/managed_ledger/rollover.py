@@ -156,7 +156,14 @@ class PartitionRollover(PartitionVisibility):
         else:
             self._metadata.delete_segment(seg.record.segment_id)
             for b in seg.record.ensemble:
-                self._bookies[b].delete_ledger(seg.record.segment_id)
+                try:
+                    self._bookies[b].delete_ledger(seg.record.segment_id)
+                except FencedError:
+                    raise
+                except UnavailableError:  # an empty ledger stays there: never read again
+                    # (raising made every retry of an append close this segment again)
+                    log.info("bookie %s did not answer: its empty ledger %d stays", b,
+                             seg.record.segment_id)
         # the undecided transactions' entries are set aside now; decided ones are kept (a
         # late entry of an aborted one is skipped too), the oldest dropped past a bound
         for part in self._txns.values():
