@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,9 +94,19 @@ class BookieProcess:
             self.proc.wait()
 
     def restart(self, *extra: str) -> BookieProcess:
+        """Start it again on the same port (the address registered stays right). Another
+        process's outgoing connection may hold that port a moment (an ephemeral port): a
+        suite run once failed so, 'Address already in use'; it is tried again meanwhile."""
         self.kill()
-        self.url = None
-        return self.start(*extra)  # on the same port: the address registered stays right
+        deadline = time.monotonic() + scaled(30)
+        while True:
+            self.url = None
+            try:
+                return self.start(*extra)
+            except RuntimeError as exc:
+                if "Address already in use" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)  # pacing the attempts, not synchronisation
 
     def wipe(self) -> None:
         """SIGKILL, and its disk is lost: the directory is empty."""
