@@ -131,7 +131,7 @@ def spark_part(console: Console, root: Path, url: str, lo_t: int, hi_t: int, mes
     and a streaming tail with AvailableNow while producing."""
     import tierstream as ts
     from tierstream.spark_adapter import register
-    from tierstream.spark_adapter.jobs import backfill, local_spark
+    from tierstream.spark_adapter.jobs import backfill, local_spark, stop_spark
 
     splits = ts.plan(TOPIC, start=lo_t, end=hi_t + 2 * DAY, data_dir=str(root), broker=url)
     table = Table("split", "reader", "key range", title="8. plan of the backfill "
@@ -183,7 +183,7 @@ def spark_part(console: Console, root: Path, url: str, lo_t: int, hi_t: int, mes
         if not ok:
             raise TierstreamError("demo check failed: streaming tail")
     finally:
-        spark.stop()
+        stop_spark(spark)
 
 
 def _check(console: Console, what: str, got: int, expected: int) -> None:

@@ -72,7 +72,7 @@ def backfill(
     --out ./clicks-week --key-ranges 4 --format iceberg
     """
     from tierstream.spark_adapter.jobs import backfill as run_backfill
-    from tierstream.spark_adapter.jobs import local_spark
+    from tierstream.spark_adapter.jobs import local_spark, stop_spark
 
     options = {"topic": topic, "dataDir": str(data_dir), "broker": broker,
                "keyRanges": str(key_ranges),
@@ -111,7 +111,7 @@ def backfill(
                                   progress=lambda d, t: progress.update(task, completed=d,
                                                                         total=t))
     finally:
-        spark.stop()
+        stop_spark(spark)
     summary = ", ".join(f"{k}: {v}" for k, v in sorted(result.splits_by_reader.items()))
     rate = result.rows / result.seconds if result.seconds else 0.0
     out.print(f"backfill of {topic}: {result.rows:,} rows in {result.seconds:.1f}s "
@@ -166,7 +166,7 @@ def tail_cmd(
 
     Example: tierstream tail acme/web/clicks --out ./clicks-live --checkpoint ./ckpt
     """
-    from tierstream.spark_adapter.jobs import checkpoint_subscription, local_spark
+    from tierstream.spark_adapter.jobs import checkpoint_subscription, local_spark, stop_spark
     from tierstream.spark_adapter.tail import tail as run_tail
 
     options = {"topic": topic, "dataDir": str(data_dir), "broker": broker,
@@ -197,7 +197,7 @@ def tail_cmd(
                           format=format_, table=table, catalog_uri=catalog_uri)
     finally:
         listener.close()
-        spark.stop()
+        stop_spark(spark)
     out.print(f"tail of {topic}: {result.batches} micro-batch(es) with rows -> {out_path}",
               highlight=False)
     if result.interrupted:

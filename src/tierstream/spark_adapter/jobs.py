@@ -21,9 +21,11 @@ import pyarrow.parquet as pq
 
 from tierstream.errors import ERRORS_BY_CODE, ConfigError, TierstreamError
 from tierstream.model.positions import Offset, OffsetKind
+from tierstream.spark_adapter.driver_output import launch_driver, mute_driver_output
 from tierstream.splits.split import cuts_to_dict
 
-__all__ = ["BackfillResult", "backfill", "checkpoint_subscription", "local_spark", "query_error"]
+__all__ = ["BackfillResult", "backfill", "checkpoint_subscription", "local_spark", "query_error",
+           "stop_spark"]
 
 
 FORMATS = ("parquet", "iceberg")
@@ -56,16 +58,25 @@ def local_spark(app_name: str = "tierstream") -> Any:
         # read by the JVM as it starts, before any config: without it Spark looks up a
         # routable address for itself (and warns that the hostname resolves to loopback)
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    builder = (SparkSession.builder.master(master).appName(app_name)
-               .config("spark.ui.enabled", "false")
-               .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.sql.session.timeZone", "UTC"))
+    conf = {"spark.master": master, "spark.app.name": app_name, "spark.ui.enabled": "false",
+            "spark.ui.showConsoleProgress": "false", "spark.sql.session.timeZone": "UTC"}
     if master.startswith("local") and os.environ["SPARK_LOCAL_IP"] == "127.0.0.1":
-        builder = builder.config("spark.driver.bindAddress", "127.0.0.1") \
-            .config("spark.driver.host", "127.0.0.1")
+        conf.update({"spark.driver.bindAddress": "127.0.0.1", "spark.driver.host": "127.0.0.1"})
+    # the driver's stderr through tierstream, to be muted when a command stops Spark itself
+    launch_driver(conf)
+    builder = SparkSession.builder
+    for key, value in conf.items():
+        builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     return spark
+
+
+def stop_spark(spark: Any) -> None:
+    """Stop a session the command is done with. What the driver writes to stderr while it
+    shuts down is dropped (``driver_output.py``): the command reports its own end."""
+    mute_driver_output()
+    spark.stop()
 
 
 def check_target(out: str, *, format: str, table: str | None, catalog_uri: str | None

@@ -14,6 +14,7 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from tierstream.errors import ConfigError
+from tierstream.spark_adapter.driver_output import mute_driver_output
 from tierstream.spark_adapter.jobs import (
     _PARQUET_CONF,
     FORMATS,
@@ -93,6 +94,7 @@ def tail(spark: Any, options: dict[str, str], out: str, checkpoint: str, *,
                     # stopping aborts a running micro-batch, which Spark logs as an error
                     # with a Java trace: the stop was asked for, and is reported as such
                     spark.sparkContext.setLogLevel("OFF")
+                    mute_driver_output()  # and PySpark's workers, whose sockets it closes
                 query.stop()
             failure = query.exception()
             if failure is not None and not stop.is_set():
