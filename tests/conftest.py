@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
+import subprocess
 import sys
 import threading
 from collections import Counter
@@ -15,7 +16,7 @@ import pytest
 
 from tierstream.broker.process import BrokerProcess
 
-from . import spark_jvm
+from . import forkserver, spark_jvm
 from .postgres import PostgresServer, postgres_server
 from .timing import scaled
 
@@ -39,6 +40,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
     os.environ.setdefault("TIERSTREAM_TIER_CACHE_DIR",
                           tempfile.mkdtemp(prefix="tierstream-test-tier-cache-"))
+    # brokers and CLI commands forked from one process that imported tierstream once
+    if os.environ.get("TIERSTREAM_TEST_SPAWN", "") in ("", "0"):
+        forkserver.start()
+        BrokerProcess.popen = forkserver.popen
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    BrokerProcess.popen = subprocess.Popen
+    forkserver.stop()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -15,6 +15,7 @@ import pytest
 
 from tierstream.broker.process import BrokerProcess
 
+from .. import forkserver
 from ..signals import tierstream_ignoring_sigint
 from ..store.helpers import wait_for
 from ..timing import scaled
@@ -23,7 +24,7 @@ from .terminal import in_terminal
 
 def run(*args: str, stdin: str | None = None, env: dict[str, str] | None = None
         ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tierstream", *args], input=stdin,
+    return forkserver.run([sys.executable, "-m", "tierstream", *args], input=stdin,
                           capture_output=True, text=True, timeout=scaled(120),
                           env={**os.environ, **(env or {})})
 
@@ -118,7 +119,7 @@ def test_produce_sends_stdin_lines_as_they_arrive(broker: BrokerProcess) -> None
     # Regression: produce read all of stdin before sending anything.
     env = {"TIERSTREAM_BROKER": broker.url or ""}
     run("topic", "create", "a/b/live", env=env)
-    proc = subprocess.Popen([sys.executable, "-m", "tierstream", "produce", "a/b/live"],
+    proc = forkserver.popen([sys.executable, "-m", "tierstream", "produce", "a/b/live"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
     try:
@@ -481,7 +482,7 @@ def test_tail_rides_out_a_broker_restart_and_reports_its_lag(start_broker, free_
     run("topic", "create", "acme/web/clicks", "--partitions", "2", env=env)
     run("produce", "acme/web/clicks", "--generate", "500", env=env)
     ckpt = tmp_path / "ckpt"
-    proc = subprocess.Popen([sys.executable, "-m", "tierstream", "tail", "acme/web/clicks",
+    proc = forkserver.popen([sys.executable, "-m", "tierstream", "tail", "acme/web/clicks",
                              "--from", "earliest", "--out", str(tmp_path / "live"),
                              "--checkpoint", str(ckpt)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **env})

@@ -23,6 +23,7 @@ from tierstream.tier import cache as cache_module
 from tierstream.tier import host_cache as host_module
 from tierstream.tier.cache import ObjectRef, TierCache
 
+from .. import forkserver
 from ..store.test_tier import TOPIC, fill, make_store
 from .test_parquet_tier import _tier_split
 
@@ -248,7 +249,7 @@ for _ in range(600):
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tierstream", *args], capture_output=True,
+    return forkserver.run([sys.executable, "-m", "tierstream", *args], capture_output=True,
                           text=True, env={**os.environ, **(env or {})})
 
 

@@ -18,6 +18,7 @@ from tierstream.metadata.records import TopicRecord
 from tierstream.model.message_format import key_hash
 from tierstream.util.faults import ENV
 
+from .. import forkserver
 from ..timing import scaled
 from .helpers import read_all, wait_for
 
@@ -98,7 +99,7 @@ def test_a_producer_made_before_the_event_follows_it_without_a_restart(broker) -
 
 
 def _cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tierstream", *args], capture_output=True,
+    return forkserver.run([sys.executable, "-m", "tierstream", *args], capture_output=True,
                           text=True, timeout=scaled(120),
                           env={**os.environ, "TIERSTREAM_BROKER": url})
 

@@ -16,6 +16,7 @@ import tierstream
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Producer
 
+from .. import forkserver
 from ..timing import scaled
 from .helpers import wait_for
 
@@ -59,7 +60,7 @@ def test_a_local_tail_rides_out_a_broker_restart(start_broker, free_port, data_d
 
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "tierstream", *args], stdout=subprocess.PIPE,
+    return forkserver.popen([sys.executable, "-m", "tierstream", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
 
 

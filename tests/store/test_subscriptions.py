@@ -14,6 +14,7 @@ from tierstream.client import Admin, Consumer, Producer
 from tierstream.errors import ConfigError, ConflictError
 from tierstream.model.positions import KeyRange, Offset, Position
 
+from .. import forkserver
 from ..timing import scaled
 from .helpers import read_all, wait_for
 
@@ -398,7 +399,6 @@ def test_acks_are_stored_in_grouped_transactions(broker) -> None:
 
 def test_subscriptions_show_type_backlog_and_consumers(broker: BrokerProcess) -> None:
     import json
-    import subprocess
     import sys
 
     url = broker.url
@@ -422,13 +422,13 @@ def test_subscriptions_show_type_backlog_and_consumers(broker: BrokerProcess) ->
             shown = rows[("live", 0)]["consumers"]
             assert [c["name"] for c in shown] == ["reader-a"]
             assert shown[0]["assignment"] == "0:65536" and shown[0]["unacked"] == 50
-            proc = subprocess.run([sys.executable, "-m", "tierstream", "subscriptions", TOPIC,
+            proc = forkserver.run([sys.executable, "-m", "tierstream", "subscriptions", TOPIC,
                                    "--broker", url, "--json"], capture_output=True, text=True,
                                   timeout=scaled(60))
             assert proc.returncode == 0, proc.stderr
             listed = {(r["subscription"], r["partition"]): r for r in json.loads(proc.stdout)}
             assert listed[("spark-job", 1)]["backlog"] == counts[1] - 700
-            table = subprocess.run([sys.executable, "-m", "tierstream", "subscriptions", TOPIC,
+            table = forkserver.run([sys.executable, "-m", "tierstream", "subscriptions", TOPIC,
                                     "--broker", url], capture_output=True, text=True,
                                    timeout=scaled(60))
             assert table.returncode == 0, table.stderr
@@ -437,7 +437,6 @@ def test_subscriptions_show_type_backlog_and_consumers(broker: BrokerProcess) ->
 
 def test_an_abandoned_subscription_can_be_deleted_but_not_while_attached(
         broker: BrokerProcess) -> None:
-    import subprocess
     import sys
 
     from tierstream.errors import NotFoundError
@@ -454,7 +453,7 @@ def test_an_abandoned_subscription_can_be_deleted_but_not_while_attached(
             consumer.close()
         wait_for(lambda: not any(r["consumers"] for r in admin.subscriptions(TOPIC)),
                  timeout=scaled(10), what="the broker to see the consumer leave")
-        proc = subprocess.run([sys.executable, "-m", "tierstream", "subscriptions", TOPIC,
+        proc = forkserver.run([sys.executable, "-m", "tierstream", "subscriptions", TOPIC,
                                "--delete", "old-job", "--broker", url], capture_output=True,
                               text=True, timeout=scaled(60))
         assert proc.returncode == 0, proc.stderr
@@ -477,7 +476,7 @@ def test_the_cli_consumes_through_a_subscription_and_acknowledges_what_it_printe
     _produce(url, 300, partitions=2)
 
     def consume(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "tierstream", "consume", TOPIC,
+        return forkserver.run([sys.executable, "-m", "tierstream", "consume", TOPIC,
                                "--broker", url, "--idle", f"{scaled(2)}s", *args],
                               capture_output=True, text=True, timeout=scaled(120))
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pyarrow as pa
@@ -12,6 +11,7 @@ import pyarrow as pa
 from tierstream.client import Admin, Producer
 from tierstream.model.positions import Offset
 
+from .. import forkserver
 from ..timing import scaled
 from .helpers import read_all, wait_for
 
@@ -92,16 +92,16 @@ def test_offload_command_and_segment_table(start_broker, data_dir) -> None:
         _produce_history(broker.url, 2500)
     env = {**os.environ, "TIERSTREAM_BROKER": broker.url, "TIERSTREAM_HOME": str(data_dir)}
     run = [sys.executable, "-m", "tierstream"]
-    proc = subprocess.run([*run, "offload", TOPIC, "--older-than", "1d"], env=env,
+    proc = forkserver.run([*run, "offload", TOPIC, "--older-than", "1d"], env=env,
                           capture_output=True, text=True, timeout=scaled(120))
     assert proc.returncode == 0, proc.stderr
     assert "offloaded 2 closed segment(s) whose newest message is older than 1 day" in proc.stdout
-    table = subprocess.run([*run, "segments", TOPIC, "--json"], env=env, capture_output=True,
+    table = forkserver.run([*run, "segments", TOPIC, "--json"], env=env, capture_output=True,
                            text=True, timeout=scaled(60))
     records = json.loads(table.stdout)
     assert [r["location"] for r in records] == ["tier", "tier", "open"]
     assert records[0]["tier_url"].startswith((data_dir / "tier").resolve().as_uri())
-    bad = subprocess.run([*run, "offload", TOPIC, "--older-than", "a while"], env=env,
+    bad = forkserver.run([*run, "offload", TOPIC, "--older-than", "a while"], env=env,
                          capture_output=True, text=True, timeout=scaled(60))
     assert bad.returncode == 2 and "invalid --older-than 'a while'" in bad.stderr
 

@@ -14,6 +14,7 @@ from tierstream.client import Admin, Producer
 from tierstream.errors import NotFoundError, UnavailableError
 from tierstream.util.faults import ENV
 
+from .. import forkserver
 from ..timing import scaled
 from .helpers import read_all
 
@@ -21,7 +22,7 @@ TOPIC = "acme/web/huge"
 
 
 def _cli(*args: str, url: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tierstream", *args], capture_output=True,
+    return forkserver.run([sys.executable, "-m", "tierstream", *args], capture_output=True,
                           text=True, timeout=scaled(120),
                           env={**os.environ, "TIERSTREAM_BROKER": url})
 

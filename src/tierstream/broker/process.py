@@ -15,8 +15,9 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 from tierstream.errors import UnavailableError
 
@@ -31,6 +32,9 @@ FATAL_SIGNAL = "Fatal Python error"
 
 class BrokerProcess:
     """A ``tierstream broker start`` child process on loopback (``port=0``: any free port)."""
+
+    #: what starts the child (the tests put a fork server's equivalent in its place)
+    popen: Callable[..., Any] = subprocess.Popen
 
     def __init__(self, data_dir: str | Path, *, port: int = 0, host: str = "127.0.0.1",
                  args: list[str] | None = None, env: dict[str, str] | None = None,
@@ -76,7 +80,7 @@ class BrokerProcess:
         # No preexec_fn: with one, the child is made by fork() and runs the at-fork handlers
         # of the libraries loaded here (gRPC's, the Pulsar client's), which can hang it
         # before it execs; without, it is spawned and runs none
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        self.proc = type(self).popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env=env)
         ready = threading.Event()
         self.stdout_lines = []

@@ -104,10 +104,21 @@ def _armed(env: str = ENV, points: frozenset[str] = POINTS) -> tuple[str, int] |
     return name, n
 
 
-_ARMED = _armed()
-_FAULT = _armed(FAULT_ENV, FAULT_POINTS)
+_ARMED: tuple[str, int] | None = None
+_FAULT: tuple[str, int] | None = None
 _passes = {"crashes": 0, "faults": 0}
 _lock = threading.Lock()
+
+
+def arm() -> None:
+    """Arm the points the environment names: as this module is imported, and again in a
+    process forked after its environment was changed (the tests' fork server)."""
+    global _ARMED, _FAULT
+    _ARMED, _FAULT = _armed(), _armed(FAULT_ENV, FAULT_POINTS)
+    _passes.update(crashes=0, faults=0)
+
+
+arm()
 
 
 class InjectedFault(RuntimeError):
