@@ -7,6 +7,7 @@ its network (``ip link set down``) while its processes keep running.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import shutil
@@ -127,6 +128,9 @@ def broker_args(metadata: str, *extra: str) -> list[str]:
             "--catalog-uri", f"sqlite:///{tier}-catalog.db", *extra]
 
 
+_SETS = itertools.count()
+
+
 class Hosts:
     """Network namespaces standing in for hosts, on one bridge: host ``i`` is reached at
     ``10.78.0.<i+2>``, this (the root) namespace at ``10.78.0.1``. The bridge and its subnet
@@ -138,7 +142,9 @@ class Hosts:
 
     def __init__(self, names: list[str]) -> None:
         self.names = names
-        self.tag = f"ts{os.getpid() % 10000}"
+        # a set of hosts of its own: the kernel frees a deleted namespace, and the veth pair
+        # of its host, in the background, so the next set must not reuse their names
+        self.tag = f"ts{os.getpid() % 10000}x{next(_SETS) % 100}"
 
     def address(self, name: str) -> str:
         return f"{self.PREFIX}.{self.names.index(name) + 2}"
@@ -191,6 +197,8 @@ class Hosts:
 
     def __exit__(self, *exc: object) -> None:
         for name in self.names:
+            with contextlib.suppress(subprocess.CalledProcessError):
+                _ip("link", "del", self._veth(name))  # the pair at once, not when freed
             with contextlib.suppress(subprocess.CalledProcessError):
                 _ip("netns", "del", self.ns(name))
         with contextlib.suppress(subprocess.CalledProcessError):
