@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from bench.__main__ import BENCHMARKS
 
 from .timing import scaled
@@ -20,6 +21,7 @@ WAITING = ["pulsar-consume", "subscriptions", "metadata", "delayed"]
 GROUPS = [SPARK, WAITING, [n for n in BENCHMARKS if n not in SPARK + WAITING]]
 
 
+@pytest.mark.slow
 def test_every_benchmark_runs_on_tiny_inputs(tmp_path: Path) -> None:
     assert sorted(n for g in GROUPS for n in g) == sorted(BENCHMARKS)
     results = ROOT / "bench" / "results"

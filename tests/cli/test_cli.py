@@ -239,6 +239,7 @@ def test_backfill_runs_on_spark(broker: BrokerProcess, data_dir: Path, tmp_path:
     assert bad.returncode == 2 and "invalid --format 'csv'" in bad.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.spark
 def test_ctrl_c_during_a_tails_first_micro_batch_leaves_nothing_and_says_so(
         broker: BrokerProcess, data_dir: Path, tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 
 import pyarrow.flight as flight
+import pytest
 
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer
@@ -56,6 +57,7 @@ def test_a_consumer_whose_client_left_while_it_attached_is_detached(broker: Brok
     assert not broker.fatal
 
 
+@pytest.mark.slow
 def test_clients_of_both_kinds_opening_closing_and_killed_never_crash_the_broker(tmp_path
                                                                                  ) -> None:
     outcome = run(tmp_path, kills=40, seed=7, max_live=6)

@@ -8,6 +8,7 @@ import pytest
 from .subscription_chaos import run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["key_shared", "shared"])
 def test_consumers_that_join_leave_and_crash_beside_a_broker_kill_lose_and_repeat_nothing(
         tmp_path, free_port, mode: str) -> None:
