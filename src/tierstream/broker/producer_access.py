@@ -182,6 +182,11 @@ class ProducerAccess:
                 continue
             waiter.ready(granted)
 
+    def waiting(self) -> set[int]:
+        """The keys of the producers that wait for a partition (WaitForExclusive)."""
+        with self._lock:
+            return {w.key for part in self._partitions.values() for w in part.waiting}
+
     def _loaded(self, topic: str, partition: int) -> bool:
         with self._lock:
             part = self._partitions.get((topic, partition))

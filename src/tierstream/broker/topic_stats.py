@@ -84,8 +84,11 @@ class Streams:
             self.access.detach(key, entry["topic"], entry["partition"])
 
     def current(self, topic: str | None = None) -> list[dict[str, Any]]:
+        """Copies of the entries; a producer's says whether it waits for its partition."""
+        waiting = self.access.waiting()
         with self._lock:
-            return [dict(e) for e in self._open.values() if topic is None or e["topic"] == topic]
+            return [dict(e, waiting=key in waiting) if e["kind"] == "producer" else dict(e)
+                    for key, e in self._open.items() if topic is None or e["topic"] == topic]
 
 
 class QueryLags:
@@ -159,7 +162,7 @@ def subscription_stats(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def _producers(streams: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"name": s["name"], "partition": s["partition"], "since": s["since"],
              "messages": s["messages"], "bytes": s["bytes"],
-             "access": s.get("access", "Shared")}
+             "access": s.get("access", "Shared") + (" (waiting)" if s.get("waiting") else "")}
             for s in sorted(streams, key=lambda s: (s["partition"], s["name"] or ""))
             if s["kind"] == "producer"]
 

@@ -139,7 +139,8 @@ class ProducePath:
             stream, counts = self.streams.open("producer", topic, partition, name)
             producer = _Producer(topic, partition, name, count, version, stream, counts,
                                  fresh=last is None)
-            counts["access"] = MODES.get(req.producer_access_mode, "Shared")  # for its stats
+            # for its stats (which add whether it waits: the access registry knows)
+            counts["access"] = MODES.get(req.producer_access_mode, "Shared")
             pid = req.producer_id
             with self._answers:  # until granted (which may come before attach returns)
                 self._waiting[pid] = producer
@@ -164,7 +165,6 @@ class ProducePath:
         with self._answers:
             if self._waiting.get(req.producer_id) is not producer:
                 return  # granted or refused meanwhile, and answered so
-            counts["access"] += " (waiting)"
             log.info("pulsar client %s: producer %s waits for exclusive access to %s "
                      "partition %d", self.link.peer, name, topic, partition)
             self._quietly(self.link.write, _Cmd(
@@ -189,7 +189,6 @@ class ProducePath:
                 return  # else closed by its client meanwhile
             self._fenced.pop(req.producer_id, None)
             self.producers[req.producer_id] = producer
-            producer.counts["access"] = producer.counts["access"].removesuffix(" (waiting)")
             self._quietly(self.link.write, _Cmd(type=_Cmd.PRODUCER_SUCCESS,
                                                 producer_success=success))
 
