@@ -14,6 +14,8 @@
     ├── CorruptionError             every replica of an entry failed its checksum or id check
     ├── AuthError                   a missing or wrong token (never echoes the token)
     ├── UnavailableError            the broker (or another service) cannot be reached
+    │   ├── FencedError             a broker that no longer serves the store, or a partition
+    │   │   └── NotOwnerError       a partition another broker owns now
     │   └── AckInDoubtError         an ack resent across a broker outage was stored, but the
     │                               new broker may have delivered its messages again first
     ├── StorageError                the data directory cannot be used (not a directory,
@@ -35,6 +37,7 @@ __all__ = [
     "DataLossError",
     "FencedError",
     "NotFoundError",
+    "NotOwnerError",
     "ProducerBusyError",
     "ProducerFencedError",
     "ProtocolError",
@@ -135,6 +138,14 @@ class FencedError(UnavailableError):
     code = "fenced"
 
 
+class NotOwnerError(FencedError):
+    """A write to a partition that this broker does not own (any more): another broker
+    claimed it at a higher epoch (``metadata/ownership.py``). The message names the owner;
+    nothing of the write was stored."""
+
+    code = "not_owner"
+
+
 class AckInDoubtError(UnavailableError):
     """An ack that the broker's crash made resend was stored, but before it arrived the
     restarted broker may have delivered some of its messages to another consumer (or that
@@ -172,6 +183,7 @@ ERRORS_BY_CODE: dict[str, type[TierstreamError]] = {
         ProducerBusyError,
         ProducerFencedError,
         FencedError,
+        NotOwnerError,
         DataLossError,
         CorruptionError,
         AuthError,

@@ -29,7 +29,7 @@ from tierstream.options import (
     DEFAULT_PULSAR_TLS_PORT,
 )
 from tierstream.util.signals import stop_requested
-from tierstream.wire.security import require_token, server_tls
+from tierstream.wire.security import require_token, server_tls, url_host
 
 __all__ = ["run_broker", "serve_bookies"]
 
@@ -138,6 +138,9 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
     lost = store.metadata.backend.lost
     with stop_requested() as stop:
         try:
+            where = url_host(advertised_address or host)
+            store.owners.advertise(f"{broker.scheme}://{where}:{broker.port}",
+                                   pulsar.url if pulsar else None)
             if ready is not None:
                 served = {"metrics": metrics and metrics.url,
                           "pulsar clients": pulsar and pulsar.url,

@@ -34,6 +34,7 @@ from tierstream.managed_ledger.bookies.placement import (
 from tierstream.managed_ledger.bookies.repair import Repairer
 from tierstream.managed_ledger.partition_log import PartitionLog
 from tierstream.metadata.bookie_registry import take_writer_epoch
+from tierstream.metadata.ownership import PartitionOwners
 from tierstream.metadata.records import SegmentRecord, TopicRecord
 from tierstream.metadata.store import MetadataStore
 from tierstream.model.names import TopicName
@@ -125,6 +126,10 @@ class Store:
         # A commit shows its entries in every partition under this lock, and the last
         # confirmed positions of a topic are read under it: a cut has all of a commit or none.
         self.visibility = threading.Lock()
+        #: this broker owns every partition of the store: claimed before any is recovered or
+        #: written, and checked at every new segment and seal from then on (ownership.py)
+        self.owners = PartitionOwners(self.metadata, f"broker-{self.epoch}", self.epoch)
+        self.owners.claim_store()
         self.purge_deleted_topics()  # a deletion a crash interrupted is finished first
         self.recovery: list[RecoveryReport] = recover_open_segments(
             self.metadata, self.bookies, ack_quorum=self.ack_quorum)

@@ -16,10 +16,12 @@ import itertools
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from tierstream.broker.producer_access import Epochs, ProducerAccess
+from tierstream.metadata.ownership import Owner
 from tierstream.metadata.records import SegmentRecord, SegmentState
 from tierstream.metadata.transaction_records import TransactionRecords
 from tierstream.util.timeutil import now_ms
@@ -177,6 +179,7 @@ def topic_stats(store: Store, subscriptions: Subscriptions, streams: Streams, to
     segments = {p.partition: p.segments() for p in plogs}
     rows = subscriptions.listing(name)
     live = streams.current(name)
+    owners = store.owners.of_topic(name)
     out: dict[str, Any] = {
         "topic": name, "partition_count": record.partitions, "announced": record.announced,
         **_rates(plogs),
@@ -184,12 +187,14 @@ def topic_stats(store: Store, subscriptions: Subscriptions, streams: Streams, to
         "producers": _producers(live),
         "readers": sum(1 for s in live if s["kind"] != "producer"),
         "subscriptions": subscription_stats(rows),
+        "owners": _owners(owners),
     }
     if per_partition:
         out["partitions"] = [{
             "partition": p.partition, **_rates([p]), "storage": storage_of(segments[p.partition]),
             "producers": _producers([s for s in live if s["partition"] == p.partition]),
             "subscriptions": subscription_stats([r for r in rows if r["partition"] == p.partition]),
+            "owner": owners[p.partition].as_dict() if p.partition in owners else None,
         } for p in plogs]
     return out
 
@@ -207,6 +212,8 @@ def broker_stats(store: Store, streams: Streams) -> dict[str, Any]:
         store.config.offload_threshold_bytes is not None
     return {
         "topics": len(store.topics()), "partitions": len(plogs),
+        "broker": {"id": store.owners.broker_id, "epoch": store.epoch,
+                   "partitions_owned": store.owners.owned()},
         "streams": {kind: sum(1 for s in live if s["kind"] == kind)
                     for kind in ("producer", "reader", "consumer")},
         "offload": {
@@ -221,6 +228,14 @@ def broker_stats(store: Store, streams: Streams) -> dict[str, Any]:
         "open_files": _open_files(),
         "uptime_s": time.monotonic() - streams.started,
     }
+
+
+def _owners(owners: dict[int, Owner]) -> list[dict[str, Any]]:
+    """The brokers owning a topic's partitions, with how many each owns."""
+    counts = Counter(o.broker_id for o in owners.values())
+    first = {o.broker_id: o for o in owners.values()}
+    return [{**{k: v for k, v in first[b].as_dict().items() if k != "since"}, "partitions": n}
+            for b, n in sorted(counts.items())]
 
 
 def _age(now: int, times: list[int | None]) -> float | None:

@@ -160,13 +160,23 @@ def render_topic_stats(stats: dict[str, Any]) -> Group:
              f"{stats['readers']} partition stream(s) to readers and consumers"),
         _storage_table(stats["storage"]), _producers_line(stats["producers"]),
         _subscriptions_table(stats["subscriptions"])]
+    if stats.get("owners"):
+        parts.insert(1, Text("owned by " + ", ".join(
+            f"{_owner(o)}: {o['partitions']} partition(s)" for o in stats["owners"])))
     for p in stats.get("partitions") or []:
+        owner = f"; owned by {_owner(p['owner'])}" if p.get("owner") else ""
         parts += [Text(""), Text(f"partition {p['partition']}: in "
                                  f"{_rate(p['msg_rate_in'], p['byte_rate_in'])}; out "
-                                 f"{_rate(p['msg_rate_out'], p['byte_rate_out'])}"),
+                                 f"{_rate(p['msg_rate_out'], p['byte_rate_out'])}{owner}"),
                   _storage_table(p["storage"]), _producers_line(p["producers"]),
                   _subscriptions_table(p["subscriptions"])]
     return Group(*parts)
+
+
+def _owner(owner: dict[str, Any]) -> str:
+    """A partition's owner as the stats say it: its id, where it is reached, its epoch."""
+    where = f" at {owner['url']}" if owner.get("url") else ""
+    return f"{owner['broker']}{where} (epoch {owner['epoch']})"
 
 
 def render_broker_stats(stats: dict[str, Any]) -> Table:
@@ -175,7 +185,10 @@ def render_broker_stats(stats: dict[str, Any]) -> Table:
     streams = stats.get("streams", {})
     offload = stats.get("offload", {})
     txns = stats.get("transactions", {})
+    me = stats.get("broker") or {}
     rows = [
+        ("broker", f"{me.get('id')} (epoch {me.get('epoch')}), owns "
+                   f"{me.get('partitions_owned')} partition(s)"),
         ("topics, partitions", f"{stats.get('topics')}, {stats.get('partitions')}"),
         ("streams", ", ".join(f"{v} {k}(s)" for k, v in streams.items())),
         ("offload", "no policy (tierstream offload moves segments)"

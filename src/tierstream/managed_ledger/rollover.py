@@ -14,7 +14,7 @@ from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from tierstream.bookie.ledger import IndexRecord
-from tierstream.errors import FencedError, UnavailableError
+from tierstream.errors import FencedError, NotOwnerError, UnavailableError
 from tierstream.managed_ledger.bookies.client import BookieClient
 from tierstream.managed_ledger.open_segment import OpenSegment
 from tierstream.managed_ledger.visibility import PartitionVisibility
@@ -50,8 +50,13 @@ class PartitionRollover(PartitionVisibility):
         raise NotImplementedError
 
     def _new_open_segment(self) -> OpenSegment:
-        record = self._metadata.new_segment(self.topic, self.partition,
-                                            ensemble=self._choose_ensemble(), created_at=now_ms())
+        try:
+            record = self._metadata.new_segment(self.topic, self.partition,
+                                                ensemble=self._choose_ensemble(),
+                                                created_at=now_ms())
+        except NotOwnerError as exc:  # another broker claimed the partition
+            self._fenced(str(exc))
+            raise
         crash_point("roll.next-registered")
         for b in record.ensemble:
             self._bookies[b].create_ledger(record.segment_id)
@@ -147,7 +152,11 @@ class PartitionRollover(PartitionVisibility):
                 bytes=seg.bytes, min_publish_time=seg.min_pt, max_publish_time=seg.max_pt,
                 sealed_at=now_ms(), skipped=seg.skipped_ranges(),
             )
-            self._metadata.seal_segment(sealed, self._dedup.rows(), set_aside)
+            try:
+                self._metadata.seal_segment(sealed, self._dedup.rows(), set_aside)
+            except NotOwnerError as exc:
+                self._fenced(str(exc))
+                raise
             crash_point("roll.metadata-sealed")
             if self._on_sealed is not None:
                 self._on_sealed(sealed, degraded)

@@ -17,7 +17,8 @@ from __future__ import annotations
 from tierstream.errors import ConflictError, NotFoundError
 from tierstream.metadata.backend import Tx
 from tierstream.metadata.records import SegmentRecord, TopicRecord
-from tierstream.metadata.store import MetadataStore, _insert_segments
+from tierstream.metadata.segment_rows import insert_segments
+from tierstream.metadata.store import MetadataStore
 
 __all__ = ["CLIENT_ROUTING", "announce_growth", "growth_refused", "record_scale_event",
            "route_keys_by_client"]
@@ -55,7 +56,8 @@ def announce_growth(store: MetadataStore, name: str, old: int, new: int, *, at: 
     with store.atomic() as c:
         _check_count(c, name, old)
         c.execute("UPDATE topics SET announced=?, announced_at=? WHERE name=?", (new, at, name))
-        segments = _insert_segments(c, name, list(enumerate(ensembles, start=old)), at)
+        segments = insert_segments(c, name, list(enumerate(ensembles, start=old)), at,
+                                   store.owner)
     return store.get_topic(name), segments
 
 
@@ -82,7 +84,7 @@ def record_scale_event(store: MetadataStore, name: str, old: int, new: int, *, a
         _check_count(c, name, old, announced=new)
         c.execute("UPDATE topics SET partitions=?, announced=NULL, announced_at=NULL "
                   "WHERE name=?", (new, name))
-        segments = _insert_segments(c, name, list(enumerate(ensembles)), at)
+        segments = insert_segments(c, name, list(enumerate(ensembles)), at, store.owner)
         seq = c.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM scale_events WHERE topic=?",
                         (name,)).fetchone()[0]
         c.execute("INSERT INTO scale_events (topic, seq, old_partitions, new_partitions, "

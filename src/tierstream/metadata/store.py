@@ -28,6 +28,7 @@ from tierstream.metadata.backend import (
     UniqueViolation,
 )
 from tierstream.metadata.records import SegmentRecord, SegmentState, TopicRecord
+from tierstream.metadata.segment_rows import Holder, insert_segments, save_dedup, update_stats
 from tierstream.metadata.tables import SCHEMA_VERSION, create_and_migrate
 from tierstream.model.lineage import ScaleEvent
 from tierstream.model.names import TopicName
@@ -94,6 +95,10 @@ class MetadataStore:
         self.backend: Backend = open_backend(where, read_only=read_only,
                                              takeover_after_s=takeover_after_s, hold=hold,
                                              on_standby=on_standby)
+        #: the broker writing here, once it claimed its partitions (``ownership.py``): every
+        #: new segment and every seal is checked against a partition's owner in its
+        #: transaction; None for readers and for tests of the tables alone
+        self.owner: Holder | None = None
         self.path = where if isinstance(where, Path) else Path(where) \
             if not str(where).startswith(POSTGRES_SCHEMES) else None
         try:
@@ -157,8 +162,8 @@ class MetadataStore:
                     "VALUES (?, ?, ?, ?)",
                     (str(name), partitions, retention_ms, created_at),
                 )
-                segments = _insert_segments(c, str(name), list(enumerate(ensembles or [])),
-                                            created_at)
+                segments = insert_segments(c, str(name), list(enumerate(ensembles or [])),
+                                           created_at, self.owner)
         except UniqueViolation:
             raise AlreadyExistsError(f"topic {str(name)!r} already exists") from None
         return TopicRecord(
@@ -179,7 +184,8 @@ class MetadataStore:
         """Remove every record of a topic, in one transaction (the last step of deleting)."""
         with self.atomic() as c:
             for table in ("segments", "cursors", "deleted_segments", "dedup", "schemas",
-                          "schema_policies", "scale_events", "txn_set_aside"):
+                          "schema_policies", "scale_events", "txn_set_aside",
+                          "partition_owners"):
                 c.execute(f"DELETE FROM {table} WHERE topic=?", (name,))
             c.execute("DELETE FROM topics WHERE name=?", (name,))
 
@@ -231,13 +237,13 @@ class MetadataStore:
                      created_at: int) -> list[SegmentRecord]:
         """A new open segment for each ``(partition, ensemble)``, in one transaction."""
         with self.atomic() as c:
-            return _insert_segments(c, topic, partitions, created_at)
+            return insert_segments(c, topic, partitions, created_at, self.owner)
 
     def update_segment_stats(self, record: SegmentRecord) -> None:
         """Write an open segment's live entries/messages/bytes/min/max; never to a sealed
         one (its final record is the seal's)."""
         with self.atomic() as c:
-            _update_stats(c, record, only_open=True)
+            update_stats(c, record, only_open=True)
 
     def seal_segment(self, record: SegmentRecord, dedup: Mapping[str, tuple[int, Any]],
                      set_aside: Mapping[str, list[list[Any]]] | None = None) -> None:
@@ -246,8 +252,10 @@ class MetadataStore:
         undecided transactions ``set_aside`` here (``[entry_id, rows, routed]`` each) in
         **one** transaction: a crash leaves all or none."""
         with self.atomic() as c:
-            _update_stats(c, record)
-            _save_dedup(c, record.topic, record.partition, dedup)
+            if self.owner is not None:
+                self.owner.check(c, record.topic, record.partition)
+            update_stats(c, record)
+            save_dedup(c, record.topic, record.partition, dedup)
             c.executemany(
                 "INSERT INTO txn_set_aside (txn_id, topic, partition, segment_id, entries) "
                 "VALUES (?,?,?,?,?) ON CONFLICT (txn_id, topic, partition, segment_id) "
@@ -459,41 +467,3 @@ class MetadataStore:
                 (topic, partition),
             )
         return {r[0]: (r[1], json.loads(r[2])) for r in rows}
-
-
-def _insert_segments(c: Tx, topic: str, partitions: list[tuple[int, tuple[str, ...]]],
-                     created_at: int) -> list[SegmentRecord]:
-    out = []
-    for partition, ensemble in partitions:
-        (segment_id,) = c.execute(
-            "INSERT INTO segments (topic, partition, state, created_at, ensemble) "
-            "VALUES (?, ?, ?, ?, ?) RETURNING segment_id",
-            (topic, partition, SegmentState.OPEN, created_at, json.dumps(list(ensemble)))
-        ).fetchone()
-        out.append(SegmentRecord(
-            topic=topic, partition=partition, segment_id=segment_id, state=SegmentState.OPEN,
-            entries=0, messages=0, bytes=0, min_publish_time=None, max_publish_time=None,
-            created_at=created_at, sealed_at=None, ensemble=ensemble))
-    return out
-
-
-def _update_stats(c: Tx, record: SegmentRecord, *, only_open: bool = False) -> None:
-    c.execute(
-        "UPDATE segments SET state=?, entries=?, messages=?, bytes=?, min_publish_time=?, "
-        "max_publish_time=?, sealed_at=?, skipped=? WHERE segment_id=?"
-        + (" AND state='OPEN'" if only_open else ""),
-        (record.state, record.entries, record.messages, record.bytes, record.min_publish_time,
-         record.max_publish_time, record.sealed_at,
-         json.dumps([list(r) for r in record.skipped]) if record.skipped else None,
-         record.segment_id),
-    )
-
-
-def _save_dedup(c: Tx, topic: str, partition: int,
-                state: Mapping[str, tuple[int, Any]]) -> None:
-    c.executemany(
-        "INSERT INTO dedup (topic, partition, producer, sequence_id, position) "
-        "VALUES (?, ?, ?, ?, ?) ON CONFLICT (topic, partition, producer) DO UPDATE "
-        "SET sequence_id=excluded.sequence_id, position=excluded.position",
-        [(topic, partition, p, seq, json.dumps(pos)) for p, (seq, pos) in state.items()],
-    )

@@ -11,7 +11,7 @@ from tierstream.metadata.backend import Backend, Tx
 
 __all__ = ["SCHEMA_VERSION", "create_and_migrate", "ddl"]
 
-SCHEMA_VERSION = 14
+SCHEMA_VERSION = 15
 
 DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -138,6 +138,21 @@ CREATE TABLE IF NOT EXISTS under_replicated (
     reason TEXT NOT NULL,
     since INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS brokers (
+    broker_id TEXT PRIMARY KEY,
+    url TEXT NOT NULL,
+    pulsar_url TEXT,
+    epoch INTEGER NOT NULL,
+    started_at INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS partition_owners (
+    topic TEXT NOT NULL,
+    partition INTEGER NOT NULL,
+    broker_id TEXT NOT NULL,
+    epoch INTEGER NOT NULL,
+    claimed_at INTEGER NOT NULL,
+    PRIMARY KEY (topic, partition)
+);
 """
 
 
@@ -244,3 +259,7 @@ def _migrate(conn: Tx, backend: Backend) -> None:
             if column not in backend.columns("topics"):
                 conn.execute(f"ALTER TABLE topics ADD COLUMN {column} INTEGER")
         conn.execute("UPDATE meta SET value='14' WHERE key='schema_version'")
+        version = 14
+    if version == 14:  # v15: which broker owns each partition, and where brokers are
+        # reached (brokers, partition_owners: by the DDL above; ownership.py)
+        conn.execute("UPDATE meta SET value='15' WHERE key='schema_version'")

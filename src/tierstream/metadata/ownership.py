@@ -1,0 +1,171 @@
+"""Which broker serves each partition: a claim per partition, with its writer epoch.
+
+A row of ``partition_owners`` names the broker that owns a partition and the epoch of its
+claim; ``brokers`` says where each broker is reached. Every change of a partition's segments
+— a new segment, a seal — is made in a transaction that first checks, in the same
+transaction, that the writing broker still owns the partition at its epoch
+(:meth:`PartitionOwners.hold`, :meth:`PartitionOwners.check`): a broker that lost a
+partition cannot add to it or seal in it again, and is told who owns it now
+(:class:`~tierstream.errors.NotOwnerError`).
+
+Claims only go up: a claim replaces an owner of a lower epoch, never one of a higher epoch (a
+broker that took a partition over is never displaced by the one it took it from). Epochs come
+from the store's one counter (``bookie_registry.take_writer_epoch``), which bookies fence
+ledgers by.
+
+One broker serves a store at a time today (the data directory's lock, or the PostgreSQL
+advisory lock of ``leader_lease.py``): it claims every partition when it opens the store, at
+the epoch it opened it under, and a new partition is owned by the broker that opens its first
+segment. Several brokers serving one store, each owning some of its partitions, are built on
+this (issue 52).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tierstream.errors import NotOwnerError
+from tierstream.metadata.backend import Tx
+from tierstream.metadata.store import MetadataStore
+from tierstream.util.timeutil import now_ms
+
+__all__ = ["Owner", "PartitionOwners"]
+
+log = logging.getLogger(__name__)
+
+_OWNER = ("SELECT o.broker_id, o.epoch, o.claimed_at, b.url, b.pulsar_url FROM "
+          "partition_owners o LEFT JOIN brokers b ON b.broker_id = o.broker_id")
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The broker owning a partition: its id, the epoch of its claim, since when, and where
+    it is reached (None until it said so)."""
+
+    broker_id: str
+    epoch: int
+    claimed_at: int
+    url: str | None = None
+    pulsar_url: str | None = None
+
+    def describe(self) -> str:
+        where = f" at {self.url}" if self.url else ""
+        return f"{self.broker_id}{where} (epoch {self.epoch})"
+
+    def as_dict(self) -> dict[str, object]:
+        return {"broker": self.broker_id, "epoch": self.epoch, "since": self.claimed_at,
+                "url": self.url, "pulsar_url": self.pulsar_url}
+
+
+class PartitionOwners:
+    """The partitions of ``metadata`` as the broker ``broker_id``, writing under ``epoch``,
+    claims and holds them."""
+
+    def __init__(self, metadata: MetadataStore, broker_id: str, epoch: int) -> None:
+        self.metadata, self.broker_id, self.epoch = metadata, broker_id, epoch
+
+    def __repr__(self) -> str:
+        return f"PartitionOwners(broker={self.broker_id!r}, epoch={self.epoch})"
+
+    def claim(self, partitions: Iterable[tuple[str, int]]) -> dict[str, int]:
+        """Own ``partitions`` from now on, in one transaction; every one owned at a lower
+        epoch is taken over. Returns how many were taken from each former owner. One owned at
+        a higher epoch is refused (NotOwnerError), and nothing is claimed."""
+        wanted = sorted(set(partitions))
+        at = now_ms()
+        with self.metadata.atomic() as c:
+            former: dict[str, int] = {}
+            for topic, partition in wanted:
+                owner = _owner(c, topic, partition)
+                if owner is not None and owner.epoch > self.epoch:
+                    raise NotOwnerError(_refusal(topic, partition, owner, "claim"))
+                if owner is not None and owner.broker_id != self.broker_id:
+                    former[owner.broker_id] = former.get(owner.broker_id, 0) + 1
+            c.executemany(
+                "INSERT INTO partition_owners (topic, partition, broker_id, epoch, claimed_at) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (topic, partition) DO UPDATE SET "
+                "broker_id=excluded.broker_id, epoch=excluded.epoch, "
+                "claimed_at=excluded.claimed_at",
+                [(topic, partition, self.broker_id, self.epoch, at)
+                 for topic, partition in wanted])
+            # brokers that own nothing any more are forgotten (every start is a new broker)
+            c.execute("DELETE FROM brokers WHERE broker_id <> ? AND broker_id NOT IN "
+                      "(SELECT broker_id FROM partition_owners)", (self.broker_id,))
+        return former
+
+    def claim_store(self) -> None:
+        """Own every partition of the store — those a topic serves and those with a segment
+        left open (recovery seals it) — and bind this broker to the metadata: from now on
+        each new segment and seal checks that it still owns its partition."""
+        partitions = {(s.topic, s.partition) for s in self.metadata.open_segments()}
+        partitions.update((t.name, p) for t in self.metadata.list_topics()
+                          for p in range(t.serving))
+        former = self.claim(partitions)
+        self.metadata.owner = self
+        if former:
+            log.info("%s (epoch %d) owns the store's %d partitions, taken over from %s",
+                     self.broker_id, self.epoch, len(partitions),
+                     ", ".join(f"{b} ({n})" for b, n in sorted(former.items())))
+
+    def advertise(self, url: str, pulsar_url: str | None = None) -> None:
+        """Say where this broker is reached: its Flight URL and its Pulsar listener's."""
+        with self.metadata.atomic() as c:
+            c.execute("INSERT INTO brokers (broker_id, url, pulsar_url, epoch, started_at) "
+                      "VALUES (?, ?, ?, ?, ?) ON CONFLICT (broker_id) DO UPDATE SET "
+                      "url=excluded.url, pulsar_url=excluded.pulsar_url",
+                      (self.broker_id, url, pulsar_url, self.epoch, now_ms()))
+
+    def hold(self, c: Tx, topic: str, partition: int) -> None:
+        """In transaction ``c``, before a new segment of the partition is added: this broker
+        owns it at its epoch, or it is owned by nobody yet and is claimed (a new partition
+        is owned by the broker that opens it). Owned elsewhere: NotOwnerError."""
+        owner = _owner(c, topic, partition)
+        if owner is None:
+            c.execute("INSERT INTO partition_owners (topic, partition, broker_id, epoch, "
+                      "claimed_at) VALUES (?, ?, ?, ?, ?)",
+                      (topic, partition, self.broker_id, self.epoch, now_ms()))
+        elif (owner.broker_id, owner.epoch) != (self.broker_id, self.epoch):
+            raise NotOwnerError(_refusal(topic, partition, owner, "write to"))
+
+    def check(self, c: Tx, topic: str, partition: int) -> None:
+        """In transaction ``c``, before the partition's segments change: this broker owns it
+        at its epoch, or NotOwnerError names the owner (or says nobody does)."""
+        owner = _owner(c, topic, partition)
+        if owner is None or (owner.broker_id, owner.epoch) != (self.broker_id, self.epoch):
+            raise NotOwnerError(_refusal(topic, partition, owner, "write to"))
+
+    def of_topic(self, topic: str) -> dict[int, Owner]:
+        """The owner of each of ``topic``'s partitions that has one."""
+        return {row[0]: _row(row[1:]) for row in self.metadata.query(
+            _OWNER.replace("SELECT ", "SELECT o.partition, ", 1) + " WHERE o.topic=?",
+            (topic,))}
+
+    def owned(self) -> int:
+        """How many partitions this broker owns."""
+        (count,) = self.metadata.query(
+            "SELECT COUNT(*) FROM partition_owners WHERE broker_id=? AND epoch=?",
+            (self.broker_id, self.epoch))[0]
+        return int(count)
+
+
+def _owner(c: Tx, topic: str, partition: int) -> Owner | None:
+    row = c.execute(_OWNER + " WHERE o.topic=? AND o.partition=?",
+                    (topic, partition)).fetchone()
+    return None if row is None else _row(row)
+
+
+def _row(row: Sequence[Any]) -> Owner:
+    broker_id, epoch, claimed_at, url, pulsar_url = row
+    return Owner(str(broker_id), int(epoch), int(claimed_at),
+                 None if url is None else str(url),
+                 None if pulsar_url is None else str(pulsar_url))
+
+
+def _refusal(topic: str, partition: int, owner: Owner | None, what: str) -> str:
+    whose = f"is owned by {owner.describe()}" if owner is not None else \
+        "is owned by no broker"
+    return (f"cannot {what} {topic} partition {partition}: it {whose}, not by this one "
+            "(it was taken over, or this broker's claim is gone)")

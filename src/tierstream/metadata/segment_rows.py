@@ -1,0 +1,70 @@
+"""The rows of segments as the metadata store writes them: a partition's new open segments
+(checked against its owner), a segment's statistics and seal, and the producers'
+de-duplication state saved with a seal. Shared by ``store.py`` and ``scale_events.py``, which
+write segments in their own transactions.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from tierstream.metadata.backend import Tx
+from tierstream.metadata.records import SegmentRecord, SegmentState
+
+__all__ = ["Holder", "insert_segments", "save_dedup", "update_stats"]
+
+
+class Holder(Protocol):
+    """The broker writing a store, as its segment writes check it (``ownership.py``)."""
+
+    def hold(self, c: Tx, topic: str, partition: int) -> None:
+        """Before a partition's new segment: owned by this broker, or claimed now."""
+        ...
+
+    def check(self, c: Tx, topic: str, partition: int) -> None:
+        """Before a partition's segments change: still owned by this broker."""
+        ...
+
+
+def insert_segments(c: Tx, topic: str, partitions: list[tuple[int, tuple[str, ...]]],
+                    created_at: int, owner: Holder | None) -> list[SegmentRecord]:
+    """A new open segment of each ``(partition, ensemble)``; with ``owner``, each partition
+    is held by that broker first (``ownership.py``)."""
+    out = []
+    for partition, ensemble in partitions:
+        if owner is not None:
+            owner.hold(c, topic, partition)
+        (segment_id,) = c.execute(
+            "INSERT INTO segments (topic, partition, state, created_at, ensemble) "
+            "VALUES (?, ?, ?, ?, ?) RETURNING segment_id",
+            (topic, partition, SegmentState.OPEN, created_at, json.dumps(list(ensemble)))
+        ).fetchone()
+        out.append(SegmentRecord(
+            topic=topic, partition=partition, segment_id=segment_id, state=SegmentState.OPEN,
+            entries=0, messages=0, bytes=0, min_publish_time=None, max_publish_time=None,
+            created_at=created_at, sealed_at=None, ensemble=ensemble))
+    return out
+
+
+def update_stats(c: Tx, record: SegmentRecord, *, only_open: bool = False) -> None:
+    c.execute(
+        "UPDATE segments SET state=?, entries=?, messages=?, bytes=?, min_publish_time=?, "
+        "max_publish_time=?, sealed_at=?, skipped=? WHERE segment_id=?"
+        + (" AND state='OPEN'" if only_open else ""),
+        (record.state, record.entries, record.messages, record.bytes, record.min_publish_time,
+         record.max_publish_time, record.sealed_at,
+         json.dumps([list(r) for r in record.skipped]) if record.skipped else None,
+         record.segment_id),
+    )
+
+
+def save_dedup(c: Tx, topic: str, partition: int,
+                state: Mapping[str, tuple[int, Any]]) -> None:
+    c.executemany(
+        "INSERT INTO dedup (topic, partition, producer, sequence_id, position) "
+        "VALUES (?, ?, ?, ?, ?) ON CONFLICT (topic, partition, producer) DO UPDATE "
+        "SET sequence_id=excluded.sequence_id, position=excluded.position",
+        [(topic, partition, p, seq, json.dumps(pos)) for p, (seq, pos) in state.items()],
+    )

@@ -1,0 +1,140 @@
+"""Which broker owns each partition (``metadata/ownership.py``): claims by epoch, and every new
+segment and seal checked against the owner in its own transaction — on both metadata backends,
+in a broker's store, and in the stats of a broker process."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tierstream.client import Admin, Producer
+from tierstream.errors import FencedError, NotOwnerError
+from tierstream.metadata.ownership import PartitionOwners
+from tierstream.metadata.records import SegmentState
+from tierstream.metadata.store import MetadataStore
+from tierstream.model.names import TopicName
+
+from ..cli.test_cli import run
+from ..logs import running_log
+from ..timing import scaled
+from .helpers import wait_for
+
+TOPIC = "acme/owners/clicks"
+ENSEMBLE = ("bookie-0",)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request, tmp_path) -> Iterator[MetadataStore]:
+    where: str | Path = tmp_path / "metadata.db" if request.param == "sqlite" else \
+        request.getfixturevalue("postgres").new_database()
+    opened = MetadataStore(where)
+    try:
+        yield opened
+    finally:
+        opened.close()
+
+
+def test_a_partition_taken_over_refuses_its_former_owner_which_is_told_the_new_one(
+        store) -> None:
+    _, (first, _) = store.create_topic(TopicName.parse(TOPIC), 2, created_at=1,
+                                       ensembles=[ENSEMBLE] * 2)
+    old = PartitionOwners(store, "broker-1", 1)
+    assert old.claim([(TOPIC, 0), (TOPIC, 1)]) == {}
+    old.advertise("grpc://10.0.0.1:6651")
+    store.owner = old
+    opened = store.new_segment(TOPIC, 1, ensemble=ENSEMBLE, created_at=2)
+
+    new = PartitionOwners(store, "broker-2", 2)
+    new.advertise("grpc://10.0.0.2:6651", "pulsar://10.0.0.2:6650")
+    assert new.claim([(TOPIC, 0)]) == {"broker-1": 1}
+
+    # the former owner can neither add to partition 0 nor seal in it, and is told who owns it
+    before = store.segments(TOPIC, 0)
+    owner = r"broker-2 at grpc://10\.0\.0\.2:6651 \(epoch 2\)"
+    with pytest.raises(NotOwnerError, match=f"{TOPIC} partition 0: it is owned by {owner}"):
+        store.new_segment(TOPIC, 0, ensemble=ENSEMBLE, created_at=3)
+    sealed = first.with_stats(state=SegmentState.CLOSED, entries=1, messages=1, bytes=10,
+                              min_publish_time=1, max_publish_time=1, sealed_at=4)
+    with pytest.raises(NotOwnerError, match=owner) as refused:
+        store.seal_segment(sealed, {"writer": (1, {"at": 0})})
+    assert isinstance(refused.value, FencedError)  # clients go to another broker
+    assert store.segments(TOPIC, 0) == before  # nothing of either was written
+    assert store.load_dedup(TOPIC, 0) == {}
+    # partition 1 is still its own
+    store.seal_segment(opened.with_stats(state=SegmentState.CLOSED, sealed_at=5), {})
+    # claims only go up: the former owner cannot take the partition back
+    with pytest.raises(NotOwnerError, match=owner):
+        old.claim([(TOPIC, 0), (TOPIC, 1)])
+    assert old.of_topic(TOPIC)[1].broker_id == "broker-1"  # the refused claim took nothing
+
+    store.owner = new
+    store.seal_segment(sealed, {})
+    assert store.get_segment(first.segment_id).state == SegmentState.CLOSED
+    # a new partition belongs to the broker that opens its first segment
+    store.new_segment(TOPIC, 2, ensemble=ENSEMBLE, created_at=6)
+    owners = new.of_topic(TOPIC)
+    assert {p: o.broker_id for p, o in owners.items()} == \
+        {0: "broker-2", 1: "broker-1", 2: "broker-2"}
+    assert (owners[0].url, owners[0].pulsar_url, owners[1].pulsar_url) == \
+        ("grpc://10.0.0.2:6651", "pulsar://10.0.0.2:6650", None)
+    assert (new.owned(), old.owned()) == (2, 1)
+
+    # a deleted topic's partitions are nobody's; a broker owning nothing is forgotten
+    store.purge_topic(TOPIC)
+    assert new.of_topic(TOPIC) == {}
+    PartitionOwners(store, "broker-3", 3).claim([])
+    assert store.query("SELECT broker_id FROM brokers ORDER BY broker_id") == []
+
+
+def test_a_broker_whose_partition_was_claimed_stops_writing_and_says_who_owns_it(
+        tmp_path) -> None:
+    with running_log(tmp_path / "data") as log:
+        log.store.create_topic(TOPIC, 2)
+        with Producer(TOPIC, broker=log.url) as producer:
+            producer.send_many({"key": f"k{i}", "value": b"v"} for i in range(20))
+        assert log.store.owners.owned() == 2
+        newer = PartitionOwners(log.store.metadata, "broker-99", log.store.epoch + 1)
+        newer.advertise("grpc://10.0.0.9:6651")
+        newer.claim([(TOPIC, 1)])  # as a newer broker taking partition 1 over would
+        with pytest.raises(NotOwnerError, match=re.escape("broker-99 at grpc://10.0.0.9:6651")):
+            log.store.seal(TOPIC, 1)
+        assert log.store.fenced.is_set()
+        assert "broker-99" in log.store.fenced_reason
+        with pytest.raises(FencedError, match="no longer serves the store"):
+            log.store.check_serving()
+        # the partition's open segment was not sealed by the broker that lost it
+        assert [s.state for s in log.store.metadata.segments(TOPIC, 1)] == [SegmentState.OPEN]
+
+
+def test_stats_say_which_broker_owns_each_partition_and_a_restart_claims_them_all(
+        start_broker) -> None:
+    broker = start_broker()
+    with Admin(broker.url) as admin:
+        admin.create_topic(TOPIC, 2)
+        first = admin.topic_stats(TOPIC, per_partition=True)
+        me = admin.stats()["broker"]
+    assert me["partitions_owned"] == 2 and me["id"] == f"broker-{me['epoch']}"
+    owners = [p["owner"] for p in first["partitions"]]
+    assert [(o["broker"], o["url"]) for o in owners] == [(me["id"], broker.url)] * 2
+    assert first["owners"] == [{"broker": me["id"], "epoch": me["epoch"], "url": broker.url,
+                                "pulsar_url": None, "partitions": 2}]
+    env = {"TIERSTREAM_BROKER": broker.url or ""}
+    table = run("topic", "stats", TOPIC, "--per-partition", env=env)
+    assert table.returncode == 0, table.stderr
+    owned = f"owned by {me['id']} at {broker.url} (epoch {me['epoch']})"
+    assert "partition 1: in" in table.stdout and owned in table.stdout.replace("\n", " ")
+    brk = run("broker", "stats", env=env)
+    assert f"{me['id']} (epoch {me['epoch']}), owns 2 partition(s)" in brk.stdout
+
+    broker.stop()
+    again = broker.start()
+    with Admin(again.url) as admin:
+        now = admin.stats()["broker"]
+        owners = [p["owner"] for p in admin.topic_stats(TOPIC, per_partition=True)["partitions"]]
+    assert now["epoch"] > me["epoch"] and now["partitions_owned"] == 2
+    assert {o["broker"] for o in owners} == {now["id"]}
+    said = f"owns the store's 2 partitions, taken over from {me['id']} (2)"
+    wait_for(lambda: said in "".join(again.stderr_tail), scaled(10), what=said)
