@@ -112,3 +112,56 @@ def test_a_client_naming_several_brokers_waits_for_one_while_none_answers(
         assert admin.get_topic(TOPIC).partitions == 1
     assert _count(read(TOPIC, broker=f"grpc://127.0.0.1:{free_port}",
                        end=Offset.latest())) == 1
+
+
+def test_a_producer_passes_a_fenced_broker_over_while_the_next_does_not_answer_yet(
+        start_broker: Any, tmp_path: Any, free_port: int,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Regression: at a takeover, a fenced broker that still runs refused each batch, the
+    producer moved on to the next broker named, which did not answer yet, and opening a
+    stream fell back to the fenced one at once (Flight opens a stream without a word from
+    the broker): the same warning 66 times in 130 ms, a busy loop until the fenced broker
+    stopped. A broker that refused as fenced is now passed over for a while."""
+    import logging
+    import threading
+    import time
+
+    from ..logs import running_log
+    from .helpers import wait_for
+
+    newer = tmp_path / "newer"
+    standby = start_broker(port=free_port, data=newer)
+    with Admin(standby.url) as admin:
+        admin.create_topic(TOPIC, 1)
+    standby.stop()
+    caplog.set_level(logging.WARNING, logger="tierstream.client")
+    with running_log(tmp_path / "old") as old:
+        old.store.create_topic(TOPIC, 1)
+        producer = Producer(TOPIC, broker=f"{old.url},grpc://127.0.0.1:{free_port}")
+        producer.send_many({"key": "k", "value": f"before {i}".encode()} for i in range(10))
+        producer.flush()
+        old.store._on_fenced("a newer broker took the store over")  # as a bookie's refusal
+        failed: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                producer.send_many({"key": "k", "value": f"after {i}".encode()}
+                                   for i in range(10))
+                producer.flush()
+            except BaseException as exc:  # reported by the test's thread
+                failed.append(exc)
+
+        sending = threading.Thread(target=send)
+        sending.start()
+        wait_for(lambda: "no longer serves the store (fenced)" in caplog.text, scaled(30),
+                 what="the fenced broker's refusal")
+        time.sleep(scaled(1))  # while the next broker does not answer yet
+        start_broker(port=free_port, data=newer)  # the standby serves
+        sending.join(scaled(60))
+        producer.close()
+    assert not sending.is_alive() and not failed, failed
+    moves = [r.getMessage() for r in caplog.records if "; trying" in r.getMessage()]
+    assert len(moves) <= 2, f"{len(moves)} moves: {moves[:3]}"
+    values = [v.as_py() for b in read(TOPIC, broker=f"grpc://127.0.0.1:{free_port}",
+                                      end=Offset.latest()) for v in b.column("value")]
+    assert values == [f"after {i}".encode() for i in range(10)]

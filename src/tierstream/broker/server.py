@@ -102,6 +102,7 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
             with self.streams.serving("producer", plog.topic, plog.partition,
                                       producer) as stream:
                 def check(batch: pa.RecordBatch) -> None:
+                    self.store.check_serving()  # fenced meanwhile: not one more batch
                     if "fenced" in stream:  # an ExclusiveWithFencing producer took over
                         raise ProducerFencedError(stream["fenced"])
                     self.schemas.check_named_versions(plog.topic, named_versions(batch))

@@ -16,7 +16,7 @@ from tierstream.options import parse_options
 from tierstream.wire.flight import decode, encode, translate_errors
 from tierstream.wire.security import call_headers, client_for, read_pem
 
-__all__ = ["FAILOVER_WAIT_S", "BrokerClient"]
+__all__ = ["FAILOVER_WAIT_S", "FENCED_PASS_S", "BrokerClient"]
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +24,11 @@ log = logging.getLogger(__name__)
 #: does — a standby taking over needs its --takeover-after and its recovery — as Pulsar's
 #: clients wait out their operation timeout (30 s)
 FAILOVER_WAIT_S = 30.0
+#: how long a broker that refused as fenced is passed over when another is named: it no
+#: longer serves the store, and opening a stream there succeeds without a word from it, so
+#: falling back to it while the new one does not answer yet went round in a busy loop; a
+#: broker restarted at that address is tried again after this
+FENCED_PASS_S = 5.0
 
 
 class BrokerClient:
@@ -55,6 +60,7 @@ class BrokerClient:
         self._options = flight.FlightCallOptions(headers=headers, timeout=timeout)
         self._stream_options = flight.FlightCallOptions(headers=headers)
         self._clients: dict[str, Any] = {}
+        self._passed_over: dict[str, float] = {}  # url -> until when (fenced())
         self._clients_lock = threading.Lock()
         with translate_errors(self.url):
             self._client_of(self.url)
@@ -78,6 +84,10 @@ class BrokerClient:
             start = self.urls.index(self.url) if self.url in self.urls else 0
             for turn in range(len(self.urls)):
                 url = self.urls[(start + turn) % len(self.urls)]
+                if self._passed_over.get(url, 0.0) > time.monotonic():
+                    last = UnavailableError(f"broker {url} no longer serves the store "
+                                            "(fenced)")
+                    continue
                 try:
                     with translate_errors(url):
                         result = work(self._client_of(url))
@@ -98,6 +108,12 @@ class BrokerClient:
                                        f"{FAILOVER_WAIT_S:g} s; the last said: {last}")
             time.sleep(min(pause, deadline - now))  # backoff between rounds of tries
             pause = min(2 * pause, 1.0)
+
+    def fenced(self, url: str) -> None:
+        """``url`` refused a call as fenced: when other brokers are named, it is passed over
+        for :data:`FENCED_PASS_S`, even while none of them answers yet."""
+        if len(self.urls) > 1:
+            self._passed_over[url] = time.monotonic() + FENCED_PASS_S
 
     def next_broker(self) -> str:
         """Use the next broker named (one that answers, but not in time, is left too)."""

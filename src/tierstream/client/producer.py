@@ -434,13 +434,13 @@ class Producer:
     def _raise_if_rejected(self, exc: BaseException, via: str | None = None) -> None:
         """A broker that answers with a tierstream error rejected the batch: do not retry.
         One that refused it as fenced no longer serves the store (another took it over): the
-        retry goes to the next broker named first, not back to it."""
+        retry goes to the next broker named, and it is passed over for a while (connection.py)."""
         try:
             with translate_errors(via or self._client.url):
                 raise exc
         except FencedError:
+            self._client.fenced(via or self._client.url)
             self._leave(via, "no longer serves the store (fenced)")
-            return
         except UnavailableError:
             return
         except TierstreamError:
