@@ -137,6 +137,18 @@ class PartitionOwners:
         if owner is None or (owner.broker_id, owner.epoch) != (self.broker_id, self.epoch):
             raise NotOwnerError(_refusal(topic, partition, owner, "write to"))
 
+    def owner_of(self, topic: str, partition: int) -> Owner | None:
+        """The owner of one partition, or None."""
+        rows = self.metadata.query(_OWNER + " WHERE o.topic=? AND o.partition=?",
+                                   (topic, partition))
+        return _row(rows[0]) if rows else None
+
+    def elsewhere(self, topic: str, partition: int) -> Owner | None:
+        """The partition's owner when it is another broker (a Pulsar lookup is sent there,
+        and this one refuses its producers and consumers), else None."""
+        owner = self.owner_of(topic, partition)
+        return owner if owner is not None and owner.broker_id != self.broker_id else None
+
     def of_topic(self, topic: str) -> dict[int, Owner]:
         """The owner of each of ``topic``'s partitions that has one."""
         return {row[0]: _row(row[1:]) for row in self.metadata.query(

@@ -9,6 +9,7 @@ from tierstream.errors import (
     AuthError,
     ConfigError,
     NotFoundError,
+    NotOwnerError,
     ProducerBusyError,
     ProducerFencedError,
     StorageError,
@@ -31,6 +32,8 @@ def error_code(exc: BaseException) -> Any:  # an api.ServerError value
         return api.ProducerBusy
     if isinstance(exc, ProducerFencedError):
         return api.ProducerFenced
+    if isinstance(exc, NotOwnerError):  # the client looks the topic up again
+        return api.ServiceNotReady
     if isinstance(exc, SchemaRefused):
         return api.IncompatibleSchema
     if isinstance(exc, NotFoundError):

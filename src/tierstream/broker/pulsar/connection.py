@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING, Any
 from tierstream import __version__
 from tierstream.broker.pulsar.consume import ConsumePath
 from tierstream.broker.pulsar.produce import ProducePath
-from tierstream.errors import ConfigError, NotFoundError, ProtocolError, TierstreamError
+from tierstream.errors import (
+    ConfigError,
+    NotFoundError,
+    NotOwnerError,
+    ProtocolError,
+    TierstreamError,
+)
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.pulsar_protocol.frames import (
     MAX_FRAME_SIZE,
@@ -317,7 +323,11 @@ class Connection:
             if count > 1:
                 raise ConfigError(f"{name!r} has {count} partitions: {verb} to its partitions "
                                   "(the client does so after partitioned metadata)")
-            return topic, count, 0
+            partition = 0
+        owner = self.store.owners.elsewhere(topic, partition)
+        if owner is not None:  # ServiceNotReady: the client looks the topic up again
+            raise NotOwnerError(f"{topic} partition {partition} is served by "
+                                f"{owner.describe()}, not by this broker")
         return topic, count, partition
 
     def named_partition(self, name: str, *, create: bool) -> tuple[str, int, int | None]:
@@ -345,11 +355,18 @@ class Connection:
     def _lookup(self, req: api.CommandLookupTopic) -> None:
         reply = api.CommandLookupTopicResponse(request_id=req.request_id)
         try:
-            self.named_partition(req.topic, create=True)
-            reply.response, reply.authoritative = reply.Connect, True
-            reply.brokerServiceUrl = self.listener.url
-            if self.listener.tls:
-                reply.brokerServiceUrlTls = self.listener.url
+            topic, _, partition = self.named_partition(req.topic, create=True)
+            owner = self.store.owners.elsewhere(topic, partition or 0)
+            url = owner.pulsar_url if owner is not None else None
+            if url is None:
+                reply.response, reply.brokerServiceUrl = reply.Connect, self.listener.url
+                tls = self.listener.tls
+            else:  # another broker owns the partition: the client is sent there, as Pulsar's
+                reply.response, reply.brokerServiceUrl = reply.Redirect, url
+                tls = url.startswith("pulsar+ssl://")
+            reply.authoritative = True
+            if tls:
+                reply.brokerServiceUrlTls = reply.brokerServiceUrl
         except TierstreamError as exc:
             reply.response, reply.error, reply.message = reply.Failed, error_code(exc), str(exc)
         self.write(_Cmd(type=_Cmd.LOOKUP_RESPONSE, lookupTopicResponse=reply))

@@ -1,0 +1,91 @@
+"""A partition owned by another broker (``metadata/ownership.py``), as real Pulsar clients see
+it: a LOOKUP sends them there (Redirect, as Pulsar's brokers do), and a producer that names it
+to this broker anyway is refused with ServiceNotReady naming the owner."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+from tierstream.broker.config import DataDir
+from tierstream.broker.process import BrokerProcess
+from tierstream.client import Admin
+from tierstream.metadata.ownership import PartitionOwners
+from tierstream.metadata.store import MetadataStore
+from tierstream.pulsar_protocol import pulsar_api_pb2 as api
+from tierstream.pulsar_protocol.frames import command_frame
+
+from ..timing import scaled
+from .helpers import client_of, commands_until, rows_of
+
+TOPIC = "acme/owners/orders"
+NAME = f"persistent://{TOPIC}"
+
+
+def _given_away(data_dir: Path, owner: BrokerProcess) -> None:
+    """In the metadata of the broker on ``data_dir``, partition 1 is owned by ``owner``: as a
+    newer broker that took it over would have claimed it."""
+    metadata = MetadataStore(DataDir.at(data_dir).metadata)
+    try:
+        newer = PartitionOwners(metadata, "broker-99", 99)
+        newer.advertise(owner.url or "", owner.pulsar_url)
+        newer.claim([(TOPIC, 1)])
+    finally:
+        metadata.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _answer(broker: BrokerProcess, *commands: api.BaseCommand) -> api.BaseCommand:
+    """The first answer to ``commands`` (after CONNECT) that is not CONNECTED."""
+    host, port = (broker.pulsar_url or "").removeprefix("pulsar://").rsplit(":", 1)
+    connect = api.BaseCommand(type=api.BaseCommand.CONNECT, connect=api.CommandConnect(
+        client_version="t", protocol_version=20))
+    with socket.create_connection((host, int(port)), timeout=scaled(30)) as sock:
+        sock.sendall(b"".join(command_frame(c) for c in (connect, *commands)))
+        got = commands_until(sock, lambda cs: any(
+            c.type != api.BaseCommand.CONNECTED for c in cs))
+    return next(c for c in got if c.type != api.BaseCommand.CONNECTED)
+
+
+def test_a_lookup_sends_a_pulsar_client_to_the_broker_owning_the_partition(
+        start_broker: Any, tmp_path: Path) -> None:
+    owner, here = (start_broker("--pulsar-port", str(_free_port()), data=tmp_path / name)
+                   for name in ("owner", "here"))
+    for broker in (owner, here):
+        with Admin(broker.url) as admin:
+            admin.create_topic(TOPIC, 2)
+    _given_away(tmp_path / "here", owner)
+
+    lookup = _answer(here, api.BaseCommand(
+        type=api.BaseCommand.LOOKUP, lookupTopic=api.CommandLookupTopic(
+            topic=f"{NAME}-partition-1", request_id=1)))
+    reply = lookup.lookupTopicResponse
+    assert (reply.response, reply.brokerServiceUrl, reply.authoritative) == \
+        (reply.Redirect, owner.pulsar_url, True)
+    refused = _answer(here, api.BaseCommand(
+        type=api.BaseCommand.PRODUCER, producer=api.CommandProducer(
+            topic=f"{NAME}-partition-1", producer_id=1, request_id=1)))
+    assert refused.type == api.BaseCommand.ERROR
+    assert refused.error.error == api.ServiceNotReady
+    assert f"served by broker-99 at {owner.url} (epoch 99)" in refused.error.message
+
+    client = client_of(here)  # given this broker's address only
+    try:
+        producer = client.create_producer(NAME, batching_enabled=False)
+        for i in range(40):
+            producer.send(f"v{i}".encode(), partition_key=f"k{i}")
+        producer.close()
+    finally:
+        client.close()
+    # partition 0 was written here, partition 1 where the lookup sent the client
+    here_rows, owner_rows = rows_of(here, TOPIC), rows_of(owner, TOPIC)
+    assert {r["partition"] for r in here_rows} == {0}
+    assert {r["partition"] for r in owner_rows} == {1}
+    assert sorted(r["value"] for r in here_rows + owner_rows) == \
+        sorted(f"v{i}".encode() for i in range(40))
