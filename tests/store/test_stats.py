@@ -153,6 +153,8 @@ def test_the_broker_serves_prometheus_metrics_when_asked(start_broker, free_port
                 what="the delivered messages in the metrics")
             samples = scrape(url)
     assert sum(s.value for s in samples["tierstream_in_messages_total"]) == 500
+    (owned,) = samples["tierstream_partitions_owned"]
+    assert owned.value == 2 and owned.labels["broker"].startswith("broker-")
     assert {s.labels["partition"] for s in samples["tierstream_rate_in"]
             if s.labels["topic"] == TOPIC} == {"0", "1"}
     assert sum(s.value for s in samples["tierstream_rate_in"]) > 0

@@ -16,6 +16,7 @@ what ``topic_stats.py`` reads, so an idle broker does no work for them:
 - the broker: ``tierstream_offload_segments_waiting``,
   ``tierstream_offload_oldest_waiting_seconds``, ``tierstream_bookie_copies_to_delete``,
   ``tierstream_transactions{state}``,
+  ``tierstream_partitions_owned{broker}``,
   ``tierstream_recovered_segments``, ``tierstream_replica_failures_total``,
   ``tierstream_checksum_failures_total{bookie}``, ``tierstream_streams{kind}``,
   ``tierstream_under_replicated_segments`` (``managed_ledger/bookies/repair.py``),
@@ -149,6 +150,12 @@ class _Collector:
         for kind, n in stats["streams"].items():
             streams.add_metric([kind], n)
         yield streams
+        me = stats["broker"]
+        owned = GaugeMetricFamily("tierstream_partitions_owned",
+                                  "Partitions this broker owns (metadata/ownership.py)",
+                                  labels=["broker"])
+        owned.add_metric([me["id"]], me["partitions_owned"])
+        yield owned
         yield GaugeMetricFamily("tierstream_recovered_segments",
                                 "Segments sealed by crash recovery when the broker started",
                                 value=len(stats["recovered_segments"]))
