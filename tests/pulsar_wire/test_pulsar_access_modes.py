@@ -5,8 +5,10 @@ writer with them could not run here."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
+import urllib.request
 from typing import Any
 
 import pulsar
@@ -28,13 +30,27 @@ NAME = f"persistent://{TOPIC}"
 Mode = pulsar.ProducerAccessMode
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rest_stats(broker: BrokerProcess) -> Any:
+    """The topic's stats as Pulsar's admin REST answers them."""
+    url = f"{broker.admin_url}/admin/v2/persistent/{TOPIC}/stats"
+    with urllib.request.urlopen(url, timeout=scaled(30)) as answer:
+        return json.loads(answer.read())
+
+
 def _producer(client: Any, mode: Any, name: str) -> Any:
     return client.create_producer(NAME, producer_name=name, access_mode=mode,
                                   batching_enabled=False)
 
 
-def test_exclusive_producers_wait_fence_and_refuse_as_pulsar_s_do(
-        pulsar_broker: BrokerProcess) -> None:
+def test_exclusive_producers_wait_fence_and_refuse_as_pulsar_s_do(start_broker: Any) -> None:
+    pulsar_broker: BrokerProcess = start_broker("--pulsar-port", str(_free_port()),
+                                                "--admin-port", str(_free_port()))
     with Admin(pulsar_broker.url) as admin:
         admin.create_topic(TOPIC, 1)
     client = client_of(pulsar_broker)
@@ -64,6 +80,13 @@ def test_exclusive_producers_wait_fence_and_refuse_as_pulsar_s_do(
         with Admin(pulsar_broker.url) as admin:
             assert sorted(p["access"] for p in admin.topic_stats(TOPIC)["producers"]) == [
                 "Exclusive", "WaitForExclusive (waiting)"]
+        # Pulsar's admin REST: the waiting producer is counted, not listed, and every mode
+        # is one of Pulsar's names (its Java admin client reads them into an enum);
+        # regression: it listed "WaitForExclusive (waiting)"
+        rest = _rest_stats(pulsar_broker)
+        assert [(p["producerName"], p["accessMode"]) for p in rest["publishers"]] == \
+            [("first", "Exclusive")]
+        assert rest["waitingPublishers"] == 1
         first.send(b"first-2")
         first.close()
         maker.join(timeout=scaled(30))

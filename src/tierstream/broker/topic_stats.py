@@ -164,7 +164,9 @@ def subscription_stats(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def _producers(streams: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"name": s["name"], "partition": s["partition"], "since": s["since"],
              "messages": s["messages"], "bytes": s["bytes"],
-             "access": s.get("access", "Shared") + (" (waiting)" if s.get("waiting") else "")}
+             "access": s.get("access", "Shared") + (" (waiting)" if s.get("waiting") else ""),
+             # Pulsar's names: the mode alone, and whether it waits for the topic
+             "mode": s.get("access", "Shared"), "waiting": bool(s.get("waiting"))}
             for s in sorted(streams, key=lambda s: (s["partition"], s["name"] or ""))
             if s["kind"] == "producer"]
 

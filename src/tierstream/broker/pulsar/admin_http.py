@@ -419,10 +419,12 @@ def pulsar_stats(raw: dict[str, Any], plogs: list[Any], rows: list[dict[str, Any
     rate_in = raw["msg_rate_in"]
     now = now_ms()
     publishers = []
-    for i, p in enumerate(raw["producers"]):
+    # a producer waiting for an exclusive hold is counted, not listed, as Pulsar does
+    waiting = sum(1 for p in raw["producers"] if p["waiting"])
+    for i, p in enumerate(p for p in raw["producers"] if not p["waiting"]):
         seconds = max(0.001, (now - p["since"]) / 1000)
         publishers.append({
-            "producerId": i, "producerName": p["name"], "accessMode": p["access"],
+            "producerId": i, "producerName": p["name"], "accessMode": p["mode"],
             "msgRateIn": p["messages"] / seconds, "msgThroughputIn": p["bytes"] / seconds,
             "averageMsgSize": p["bytes"] / p["messages"] if p["messages"] else 0.0,
             "connectedSince": _iso(p["since"]), "metadata": {}})
@@ -448,7 +450,7 @@ def pulsar_stats(raw: dict[str, Any], plogs: list[Any], rows: list[dict[str, Any
         "msgChunkPublished": False,
         "storageSize": stored_bytes, "offloadedStorageSize": storage["tier"]["bytes"],
         "backlogSize": int(backlog * per_message),
-        "publishers": publishers, "waitingPublishers": 0,
+        "publishers": publishers, "waitingPublishers": waiting,
         "subscriptions": subscriptions, "replication": {},
         "deduplicationStatus": "Enabled",
     }
