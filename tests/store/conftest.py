@@ -9,8 +9,21 @@ from typing import Any
 import pytest
 
 from tierstream.broker.process import BrokerProcess
+from tierstream.metadata.store import MetadataStore
 
 from ..network_store import BookieProcess, broker_args
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def metadata_store(request: Any, tmp_path: Path) -> Iterator[MetadataStore]:
+    """A new metadata store on each backend: SQLite (the embedded default), PostgreSQL."""
+    where: str | Path = tmp_path / "metadata.db" if request.param == "sqlite" else \
+        request.getfixturevalue("postgres").new_database()
+    opened = MetadataStore(where)
+    try:
+        yield opened
+    finally:
+        opened.close()
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -37,18 +36,9 @@ from ..timing import scaled
 from .helpers import stop_process, wait_for
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store(request, tmp_path) -> Iterator[MetadataStore]:
-    where: str | Path = tmp_path / "metadata.db" if request.param == "sqlite" else \
-        request.getfixturevalue("postgres").new_database()
-    opened = MetadataStore(where)
-    try:
-        yield opened
-    finally:
-        opened.close()
-
-
-def test_topics_segments_windows_and_deletions_read_back_alike(store) -> None:
+def test_topics_segments_windows_and_deletions_read_back_alike(
+        metadata_store: MetadataStore) -> None:
+    store = metadata_store
     topic, created = store.create_topic(TopicName.parse("acme/web/clicks"), 3, created_at=5,
                                         ensembles=[("bookie-0",)] * 3)
     assert topic.partitions == 3 and [s.partition for s in created] == [0, 1, 2]
@@ -85,7 +75,9 @@ def test_topics_segments_windows_and_deletions_read_back_alike(store) -> None:
         store.get_segment(first.segment_id)
 
 
-def test_cursors_transactions_schemas_and_scale_events_read_back_alike(store) -> None:
+def test_cursors_transactions_schemas_and_scale_events_read_back_alike(
+        metadata_store: MetadataStore) -> None:
+    store = metadata_store
     from tierstream.metadata.scale_events import record_scale_event
 
     store.create_topic(TopicName.parse("a/b/c"), 2, created_at=1, ensembles=[("b",)] * 2)
@@ -110,9 +102,10 @@ def test_cursors_transactions_schemas_and_scale_events_read_back_alike(store) ->
 
 
 def test_a_store_of_an_older_version_is_migrated_when_a_broker_opens_it(
-        store) -> None:
+        metadata_store: MetadataStore) -> None:
     """Version 9 had no ``segments.skipped``: opened to write, the store gains the column and
     says version 10, on either engine (the same migration, through ``Backend.columns``)."""
+    store = metadata_store
     where = store.backend.name if store.backend.dialect == "sqlite" else store.backend.url
     store.create_topic(TopicName.parse("a/b/old"), 1, created_at=1, ensembles=[("b",)])
     with store.atomic() as c:

@@ -5,8 +5,6 @@ in a broker's store, and in the stats of a broker process."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -26,19 +24,9 @@ TOPIC = "acme/owners/clicks"
 ENSEMBLE = ("bookie-0",)
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store(request, tmp_path) -> Iterator[MetadataStore]:
-    where: str | Path = tmp_path / "metadata.db" if request.param == "sqlite" else \
-        request.getfixturevalue("postgres").new_database()
-    opened = MetadataStore(where)
-    try:
-        yield opened
-    finally:
-        opened.close()
-
-
 def test_a_partition_taken_over_refuses_its_former_owner_which_is_told_the_new_one(
-        store) -> None:
+        metadata_store: MetadataStore) -> None:
+    store = metadata_store
     _, (first, _) = store.create_topic(TopicName.parse(TOPIC), 2, created_at=1,
                                        ensembles=[ENSEMBLE] * 2)
     old = PartitionOwners(store, "broker-1", 1)
