@@ -77,13 +77,17 @@ class PartitionOwners:
         wanted = sorted(set(partitions))
         at = now_ms()
         with self.metadata.atomic() as c:
+            # every owner in one read: a takeover's time does not grow with round trips
+            owners = {(t, p): (b, e) for t, p, b, e in c.execute(
+                "SELECT topic, partition, broker_id, epoch FROM partition_owners").fetchall()}
             former: dict[str, int] = {}
             for topic, partition in wanted:
-                owner = _owner(c, topic, partition)
-                if owner is not None and owner.epoch > self.epoch:
-                    raise NotOwnerError(_refusal(topic, partition, owner, "claim"))
-                if owner is not None and owner.broker_id != self.broker_id:
-                    former[owner.broker_id] = former.get(owner.broker_id, 0) + 1
+                broker_id, epoch = owners.get((topic, partition), (None, 0))
+                if epoch > self.epoch:
+                    raise NotOwnerError(_refusal(topic, partition,
+                                                 _owner(c, topic, partition), "claim"))
+                if broker_id is not None and broker_id != self.broker_id:
+                    former[broker_id] = former.get(broker_id, 0) + 1
             c.executemany(
                 "INSERT INTO partition_owners (topic, partition, broker_id, epoch, claimed_at) "
                 "VALUES (?, ?, ?, ?, ?) ON CONFLICT (topic, partition) DO UPDATE SET "
@@ -118,17 +122,24 @@ class PartitionOwners:
                       "url=excluded.url, pulsar_url=excluded.pulsar_url",
                       (self.broker_id, url, pulsar_url, self.epoch, now_ms()))
 
-    def hold(self, c: Tx, topic: str, partition: int) -> None:
-        """In transaction ``c``, before a new segment of the partition is added: this broker
-        owns it at its epoch, or it is owned by nobody yet and is claimed (a new partition
-        is owned by the broker that opens it). Owned elsewhere: NotOwnerError."""
-        owner = _owner(c, topic, partition)
-        if owner is None:
-            c.execute("INSERT INTO partition_owners (topic, partition, broker_id, epoch, "
+    def hold(self, c: Tx, topic: str, partitions: Sequence[int]) -> None:
+        """In transaction ``c``, before new segments of ``topic``'s ``partitions`` are added
+        (one read for all): this broker owns each at its epoch, or one owned by nobody yet is
+        claimed (a new partition is owned by the broker that opens it). One owned elsewhere:
+        NotOwnerError."""
+        owners = {p: (b, e) for p, b, e in c.execute(
+            "SELECT partition, broker_id, epoch FROM partition_owners WHERE topic=?",
+            (topic,)).fetchall()}
+        for partition in partitions:
+            if owners.get(partition, (self.broker_id, self.epoch)) != \
+                    (self.broker_id, self.epoch):
+                raise NotOwnerError(_refusal(topic, partition, _owner(c, topic, partition),
+                                             "write to"))
+        at = now_ms()
+        c.executemany("INSERT INTO partition_owners (topic, partition, broker_id, epoch, "
                       "claimed_at) VALUES (?, ?, ?, ?, ?)",
-                      (topic, partition, self.broker_id, self.epoch, now_ms()))
-        elif (owner.broker_id, owner.epoch) != (self.broker_id, self.epoch):
-            raise NotOwnerError(_refusal(topic, partition, owner, "write to"))
+                      [(topic, p, self.broker_id, self.epoch, at)
+                       for p in sorted(set(partitions)) if p not in owners])
 
     def check(self, c: Tx, topic: str, partition: int) -> None:
         """In transaction ``c``, before the partition's segments change: this broker owns it

@@ -7,7 +7,7 @@ write segments in their own transactions.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from tierstream.metadata.backend import Tx
@@ -19,8 +19,8 @@ __all__ = ["Holder", "insert_segments", "save_dedup", "update_stats"]
 class Holder(Protocol):
     """The broker writing a store, as its segment writes check it (``ownership.py``)."""
 
-    def hold(self, c: Tx, topic: str, partition: int) -> None:
-        """Before a partition's new segment: owned by this broker, or claimed now."""
+    def hold(self, c: Tx, topic: str, partitions: Sequence[int]) -> None:
+        """Before the partitions' new segments: owned by this broker, or claimed now."""
         ...
 
     def check(self, c: Tx, topic: str, partition: int) -> None:
@@ -32,10 +32,10 @@ def insert_segments(c: Tx, topic: str, partitions: list[tuple[int, tuple[str, ..
                     created_at: int, owner: Holder | None) -> list[SegmentRecord]:
     """A new open segment of each ``(partition, ensemble)``; with ``owner``, each partition
     is held by that broker first (``ownership.py``)."""
+    if owner is not None:
+        owner.hold(c, topic, [p for p, _ in partitions])
     out = []
     for partition, ensemble in partitions:
-        if owner is not None:
-            owner.hold(c, topic, partition)
         (segment_id,) = c.execute(
             "INSERT INTO segments (topic, partition, state, created_at, ensemble) "
             "VALUES (?, ?, ?, ?, ?) RETURNING segment_id",
