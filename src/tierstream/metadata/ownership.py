@@ -78,23 +78,29 @@ class PartitionOwners:
         at = now_ms()
         with self.metadata.atomic() as c:
             # every owner in one read: a takeover's time does not grow with round trips
-            owners = {(t, p): (b, e) for t, p, b, e in c.execute(
-                "SELECT topic, partition, broker_id, epoch FROM partition_owners").fetchall()}
+            owners = {(t, p): b for t, p, b in c.execute(
+                "SELECT topic, partition, broker_id FROM partition_owners").fetchall()}
             former: dict[str, int] = {}
-            for topic, partition in wanted:
-                broker_id, epoch = owners.get((topic, partition), (None, 0))
-                if epoch > self.epoch:
-                    raise NotOwnerError(_refusal(topic, partition,
-                                                 _owner(c, topic, partition), "claim"))
+            for key in wanted:
+                broker_id = owners.get(key)
                 if broker_id is not None and broker_id != self.broker_id:
                     former[broker_id] = former.get(broker_id, 0) + 1
+            # never lowers an epoch, also against a claim committed after the read above
             c.executemany(
                 "INSERT INTO partition_owners (topic, partition, broker_id, epoch, claimed_at) "
                 "VALUES (?, ?, ?, ?, ?) ON CONFLICT (topic, partition) DO UPDATE SET "
                 "broker_id=excluded.broker_id, epoch=excluded.epoch, "
-                "claimed_at=excluded.claimed_at",
+                "claimed_at=excluded.claimed_at WHERE partition_owners.epoch <= excluded.epoch",
                 [(topic, partition, self.broker_id, self.epoch, at)
                  for topic, partition in wanted])
+            keys = set(wanted)
+            newer = [(t, p) for t, p in c.execute(
+                "SELECT topic, partition FROM partition_owners WHERE epoch > ?",
+                (self.epoch,)).fetchall() if (t, p) in keys]
+            if newer:  # the transaction is rolled back: nothing is claimed
+                topic, partition = min(newer)
+                raise NotOwnerError(_refusal(topic, partition, _owner(c, topic, partition),
+                                             "claim"))
             # brokers that own nothing any more are forgotten (every start is a new broker)
             c.execute("DELETE FROM brokers WHERE broker_id <> ? AND broker_id NOT IN "
                       "(SELECT broker_id FROM partition_owners)", (self.broker_id,))
