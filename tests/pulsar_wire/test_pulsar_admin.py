@@ -287,3 +287,42 @@ def test_stats_cover_the_partitions_a_growth_announced_to_pulsar_clients(start_b
     with Admin(broker.url) as admin:  # tierstream's own stats: all that is stored, and why
         own = admin.topic_stats("public/default/growing", per_partition=True)
         assert (own["partition_count"], own["announced"], len(own["partitions"])) == (2, 4, 4)
+
+
+def test_a_client_given_the_http_service_url_looks_topics_up_over_http(admin_broker) -> None:
+    """Regression: a Pulsar application configured with ``http://host:8080`` as its service
+    URL (Pulsar's HTTP lookup) failed with ConnectError: ``/lookup/v2/topic/...`` was 404."""
+    b = admin_broker
+    assert _call(b, "PUT", "persistent/public/default/orders/partitions", 2) == (204, None)
+    lookup = "/lookup/v2/topic/persistent/public/default"
+    status, answer = _http(b, f"{lookup}/orders-partition-1")
+    assert (status, answer["brokerUrl"], answer["nativeUrl"]) == \
+        (200, b.pulsar_url, b.pulsar_url)
+    assert _http(b, f"{lookup}/orders-partition-2")[0] == 404  # past the last partition
+    client = client_of(b, url=b.admin_url)
+    try:
+        for topic in ("orders", "created-by-its-first-producer"):  # the second auto-created
+            name = f"persistent://public/default/{topic}"
+            producer = client.create_producer(name, batching_enabled=False)
+            for i in range(10):
+                producer.send(f"{topic} {i}".encode(), partition_key=f"k{i}")
+            producer.close()
+            consumer = client.subscribe(name, "http-audit",
+                                        initial_position=pulsar.InitialPosition.Earliest)
+            got = sorted(consumer.receive(timeout_millis=int(scaled(30) * 1000)).data()
+                         for _ in range(10))
+            assert got == sorted(f"{topic} {i}".encode() for i in range(10))
+            consumer.close()
+    finally:
+        client.close()
+    assert _call(b, "GET", "persistent/public/default/created-by-its-first-producer/"
+                 "partitions") == (200, {"partitions": 0})
+
+
+def _http(broker: BrokerProcess, path: str) -> tuple[int, Any]:
+    """(status, JSON) of a GET outside the admin prefix."""
+    try:
+        with urllib.request.urlopen(f"{broker.admin_url}{path}", timeout=scaled(30)) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"null")

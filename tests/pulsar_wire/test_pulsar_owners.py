@@ -1,10 +1,13 @@
 """A partition owned by another broker (``metadata/ownership.py``), as real Pulsar clients see
-it: a LOOKUP sends them there (Redirect, as Pulsar's brokers do), and a producer that names it
-to this broker anyway is refused with ServiceNotReady naming the owner."""
+it: a LOOKUP sends them there (Redirect, as Pulsar's brokers do; the HTTP lookup names it
+too), and a producer that names it to this broker anyway is refused with ServiceNotReady
+naming the owner."""
 
 from __future__ import annotations
 
+import json
 import socket
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +58,9 @@ def _answer(broker: BrokerProcess, *commands: api.BaseCommand) -> api.BaseComman
 
 def test_a_lookup_sends_a_pulsar_client_to_the_broker_owning_the_partition(
         start_broker: Any, tmp_path: Path) -> None:
-    owner, here = (start_broker("--pulsar-port", str(_free_port()), data=tmp_path / name)
-                   for name in ("owner", "here"))
+    owner = start_broker("--pulsar-port", str(_free_port()), data=tmp_path / "owner")
+    here = start_broker("--pulsar-port", str(_free_port()), "--admin-port", str(_free_port()),
+                        data=tmp_path / "here")
     for broker in (owner, here):
         with Admin(broker.url) as admin:
             admin.create_topic(TOPIC, 2)
@@ -68,6 +72,10 @@ def test_a_lookup_sends_a_pulsar_client_to_the_broker_owning_the_partition(
     reply = lookup.lookupTopicResponse
     assert (reply.response, reply.brokerServiceUrl, reply.authoritative) == \
         (reply.Redirect, owner.pulsar_url, True)
+    for partition, where in ((0, here), (1, owner)):  # Pulsar's HTTP lookup answers alike
+        url = f"{here.admin_url}/lookup/v2/topic/persistent/{TOPIC}-partition-{partition}"
+        with urllib.request.urlopen(url, timeout=scaled(30)) as answer:
+            assert json.loads(answer.read())["brokerUrl"] == where.pulsar_url
     refused = _answer(here, api.BaseCommand(
         type=api.BaseCommand.PRODUCER, producer=api.CommandProducer(
             topic=f"{NAME}-partition-1", producer_id=1, request_id=1)))

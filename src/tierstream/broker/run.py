@@ -125,7 +125,8 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
 
             admin = AdminServer(broker, host=host, port=admin_port, auth_token=auth_token,
                                 advertised=advertised_address, tls_cert=tls_cert,
-                                tls_key=tls_key)
+                                tls_key=tls_key, pulsar_url=pulsar.url if pulsar else None,
+                                auto_create=pulsar_auto_create)
     except BaseException:
         if pulsar is not None:
             pulsar.shutdown()

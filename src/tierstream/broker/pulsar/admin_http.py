@@ -21,6 +21,11 @@ Paths, all under ``/admin/v2/persistent``:
   gives its sum) and ``GET .../{topic}/partitioned-stats[?perPartition=true]``.
 - ``GET .../{topic}/subscriptions``; ``DELETE .../{topic}/subscription/{name}``.
 
+And Pulsar's HTTP lookup, so that a client given ``http://host:8080`` as its service URL
+works: ``GET /lookup/v2/topic/persistent/{tenant}/{namespace}/{topic}`` answers the Pulsar
+listener of the broker owning the partition (``metadata/ownership.py``), creating a topic
+that does not exist when the listener auto-creates topics, as a binary LOOKUP does.
+
 Where the JSON differs from Pulsar's: rates are the broker's last-minute rates (per topic and
 partition; subscriptions and consumers have counters, not rates, so their ``msgRateOut`` is
 absent); a publisher's rates are averages since it connected; ``backlogSize`` is estimated from
@@ -31,7 +36,6 @@ the topic's average stored message size. With ``--auth-token``, every call needs
 from __future__ import annotations
 
 import contextlib
-import datetime
 import hmac
 import json
 import logging
@@ -43,6 +47,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
+from tierstream.broker.pulsar.admin_stats import pulsar_stats
 from tierstream.errors import (
     AlreadyExistsError,
     AuthError,
@@ -54,18 +59,16 @@ from tierstream.errors import (
     UnavailableError,
 )
 from tierstream.pulsar_protocol.names import InvalidTopicName, parse_pulsar_topic
-from tierstream.util.timeutil import now_ms
 
 if TYPE_CHECKING:
     from tierstream.broker.server import Broker
 
-__all__ = ["AdminServer", "pulsar_stats"]
+__all__ = ["AdminServer"]
 
 log = logging.getLogger(__name__)
 
 _PREFIX = "/admin/v2/persistent/"
-_PULSAR_TYPES = {"exclusive": "Exclusive", "failover": "Failover", "shared": "Shared",
-                 "key_shared": "Key_Shared"}
+_LOOKUP = "/lookup/v2/topic/persistent/"
 #: the largest request body read (a partition count is a few bytes)
 _MAX_BODY = 64 * 1024
 
@@ -105,14 +108,15 @@ class AdminServer:
 
     def __init__(self, broker: Broker, *, host: str, port: int, auth_token: str | None = None,
                  advertised: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None) -> None:
+                 tls_key: str | None = None, pulsar_url: str | None = None,
+                 auto_create: bool = False) -> None:
         context = None
         if tls_cert is not None and tls_key is not None:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             context.minimum_version = ssl.TLSVersion.TLSv1_2
             context.load_cert_chain(tls_cert, tls_key)
         expected = None if not auth_token else f"Bearer {auth_token}".encode()
-        routes = _Routes(broker)
+        routes = _Routes(broker, pulsar_url=pulsar_url, auto_create=auto_create)
 
         class Handler(BaseHTTPRequestHandler):
             server_version = "tierstream-pulsar-admin"
@@ -208,11 +212,15 @@ class AdminServer:
 class _Routes:
     """Paths to broker actions."""
 
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: Broker, *, pulsar_url: str | None = None,
+                 auto_create: bool = False) -> None:
         self.broker = broker
+        self.pulsar_url, self.auto_create = pulsar_url, auto_create
 
     def handle(self, method: str, path: str, query: dict[str, list[str]], body: bytes
                ) -> tuple[HTTPStatus, Any]:
+        if path.startswith(_LOOKUP) and method == "GET":
+            return HTTPStatus.OK, self._lookup(path[len(_LOOKUP):])
         if path.startswith("/admin/v2/non-persistent/"):
             raise _Answer(HTTPStatus.NOT_IMPLEMENTED, "non-persistent topics are not "
                           "supported: tierstream stores every message; use persistent")
@@ -242,6 +250,8 @@ class _Routes:
                                                     "partitions": _count(body)})
                 return HTTPStatus.NO_CONTENT, None
             case ("GET", [topic, "partitions"]):
+                if (query.get("checkAllowAutoCreation") or ["false"])[0].lower() == "true":
+                    self._created(namespace, topic)  # as the binary protocol's metadata call
                 name, partition = self._partition(namespace, topic)
                 count = _serving(self._record(name))
                 # one partition, or one partition named: Pulsar's non-partitioned answer
@@ -282,6 +292,37 @@ class _Routes:
                 raise _Answer(HTTPStatus.NOT_FOUND, f"Topic not found: {name} has partitions "
                               f"0..{count - 1}")
         return name, partition
+
+    def _created(self, namespace: str, topic: str) -> None:
+        """A topic a client names that does not exist is created with one partition when
+        this broker's Pulsar listener auto-creates topics (``--pulsar-auto-create``)."""
+        name, partition = self._name(namespace, topic)
+        if not self.auto_create or partition is not None:
+            return
+        with contextlib.suppress(NotFoundError):
+            self._record(name)
+            return
+        with contextlib.suppress(AlreadyExistsError):  # another client made it meanwhile
+            self.broker.call("create-topic", {"topic": name, "partitions": 1})
+            log.info("pulsar admin: topic %s created (auto-creation, HTTP lookup)", name)
+
+    def _lookup(self, path: str) -> dict[str, Any]:
+        """Pulsar's HTTP lookup: the Pulsar listener of the broker owning the partition."""
+        parts = [urllib.parse.unquote(p) for p in path.strip("/").split("/")]
+        if len(parts) != 3 or not all(parts):
+            raise _Answer(HTTPStatus.NOT_FOUND, f"no such path {_LOOKUP}{path}: expected "
+                          f"{_LOOKUP}{{tenant}}/{{namespace}}/{{topic}}")
+        namespace, topic = "/".join(parts[:2]), parts[2]
+        self._created(namespace, topic)
+        name, partition = self._partition(namespace, topic)
+        owner = self.broker.store.owners.elsewhere(name, partition or 0)
+        url = owner.pulsar_url if owner is not None else self.pulsar_url
+        if url is None:
+            raise _Answer(HTTPStatus.SERVICE_UNAVAILABLE, "this broker serves no Pulsar "
+                          "clients: start it with --pulsar-port")
+        tls = url.startswith("pulsar+ssl://")
+        return {"brokerUrl": "" if tls else url, "brokerUrlTls": url if tls else "",
+                "nativeUrl": url}
 
     def _whole(self, namespace: str, topic: str) -> str:
         name, partition = self._name(namespace, topic)
@@ -387,73 +428,6 @@ def _count(body: bytes) -> int:
                       f"{body.decode(errors='replace')!r}: expected a number of partitions "
                       "of at least 1 as the body")
     return value
-
-
-def _consumers(shares: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One ConsumerStats per consumer name, over its shares of the partitions."""
-    out: dict[str, dict[str, Any]] = {}
-    for c in shares:
-        entry = out.setdefault(c["name"], {"consumerName": c["name"], "unackedMessages": 0,
-                                           "availablePermits": 0, "msgOutCounter": 0,
-                                           "redeliveredMessages": 0})
-        entry["unackedMessages"] += c["unacked"]
-        entry["availablePermits"] += c["permits"]
-        entry["msgOutCounter"] += c["delivered"]
-        entry["redeliveredMessages"] += c["redelivered"]
-    return [out[k] for k in sorted(out)]
-
-
-def _iso(ms: int) -> str:
-    return datetime.datetime.fromtimestamp(ms / 1000, datetime.UTC).isoformat()
-
-
-def pulsar_stats(raw: dict[str, Any], plogs: list[Any], rows: list[dict[str, Any]]
-                 ) -> dict[str, Any]:
-    """Pulsar's TopicStats JSON from tierstream's topic stats (``topic_stats.py``) of a topic or
-    one partition: ``plogs`` are its partitions (for the counters since the broker started),
-    ``rows`` its subscriptions' rows (``Subscriptions.listing``, for each consumer's share)."""
-    storage = raw["storage"]
-    stored_bytes = sum(loc["bytes"] for loc in storage.values())
-    stored_messages = sum(loc["messages"] for loc in storage.values())
-    per_message = stored_bytes / stored_messages if stored_messages else 0.0
-    rate_in = raw["msg_rate_in"]
-    now = now_ms()
-    publishers = []
-    # a producer waiting for an exclusive hold is counted, not listed, as Pulsar does
-    waiting = sum(1 for p in raw["producers"] if p["waiting"])
-    for i, p in enumerate(p for p in raw["producers"] if not p["waiting"]):
-        seconds = max(0.001, (now - p["since"]) / 1000)
-        publishers.append({
-            "producerId": i, "producerName": p["name"], "accessMode": p["mode"],
-            "msgRateIn": p["messages"] / seconds, "msgThroughputIn": p["bytes"] / seconds,
-            "averageMsgSize": p["bytes"] / p["messages"] if p["messages"] else 0.0,
-            "connectedSince": _iso(p["since"]), "metadata": {}})
-    subscriptions = {}
-    for name, sub in raw["subscriptions"].items():
-        subscriptions[name] = {
-            "type": _PULSAR_TYPES.get(sub["type"], sub["type"]),
-            "msgBacklog": sub["backlog"], "backlogSize": int(sub["backlog"] * per_message),
-            "unackedMessages": sub["unacked"], "msgDelayed": sub.get("delayed", 0),
-            "msgRateExpired": 0.0,
-            "isReplicated": False, "consumers": _consumers(
-                [c for r in rows if r["subscription"] == name for c in r["consumers"]]),
-        }
-    backlog = max((s["msgBacklog"] for s in subscriptions.values()), default=0)
-    return {
-        "msgRateIn": rate_in, "msgThroughputIn": raw["byte_rate_in"],
-        "msgRateOut": raw["msg_rate_out"], "msgThroughputOut": raw["byte_rate_out"],
-        "msgInCounter": sum(p.rate_in.messages_total for p in plogs),
-        "bytesInCounter": sum(p.rate_in.bytes_total for p in plogs),
-        "msgOutCounter": sum(p.rate_out.messages_total for p in plogs),
-        "bytesOutCounter": sum(p.rate_out.bytes_total for p in plogs),
-        "averageMsgSize": raw["byte_rate_in"] / rate_in if rate_in else 0.0,
-        "msgChunkPublished": False,
-        "storageSize": stored_bytes, "offloadedStorageSize": storage["tier"]["bytes"],
-        "backlogSize": int(backlog * per_message),
-        "publishers": publishers, "waitingPublishers": waiting,
-        "subscriptions": subscriptions, "replication": {},
-        "deduplicationStatus": "Enabled",
-    }
 
 
 def _serving(record: dict[str, Any]) -> int:
