@@ -258,19 +258,25 @@ class TierCache:
         (counted; False: it was fetched ahead for this read); None when it is not here (or
         corrupt: dropped, to be fetched again)."""
         key = obj.block_key(index, self.block_size)
-        row = self._db_read("SELECT bytes, crc FROM blocks WHERE key = ? AND pending = 0",
-                            (key,))
-        if row is None:
-            return None
-        nbytes, crc = row
-        try:
-            with self._file(obj.ident).open("rb") as f:
-                payload = os.pread(f.fileno(), nbytes, index * self.block_size)
-        except FileNotFoundError:  # evicted just now
-            return None
-        if len(payload) != nbytes or crc32c.crc32c(payload) != crc:
-            self._corrupt(obj, [key])
-            return None
+        for attempt in range(2):
+            row = self._db_read("SELECT bytes, crc FROM blocks WHERE key = ? AND pending = 0",
+                                (key,))
+            if row is None:
+                return None
+            nbytes, crc = row
+            try:
+                with self._file(obj.ident).open("rb") as f:
+                    payload = os.pread(f.fileno(), nbytes, index * self.block_size)
+            except FileNotFoundError:  # evicted just now
+                return None
+            if len(payload) == nbytes and crc32c.crc32c(payload) == crc:
+                break
+            # read again once: another process may have evicted the object between the
+            # record and the read, and begun fetching it into a new file (a race, not
+            # corruption); the same bad bytes twice are corrupt
+            if attempt:
+                self._corrupt(obj, [key])
+                return None
         with self._lock:
             ahead = key in self._prefetched
             self._prefetched.discard(key)
