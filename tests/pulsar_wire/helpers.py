@@ -17,6 +17,13 @@ from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from ..timing import scaled
 
 
+def free_port() -> int:
+    """A loopback port that was free a moment ago (a broker's second listener needs one)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def client_of(broker: BrokerProcess, **kwargs: Any) -> Any:
     kwargs.setdefault("operation_timeout_seconds", int(scaled(15)))
     return pulsar.Client(kwargs.pop("url", broker.pulsar_url),

@@ -23,17 +23,11 @@ from tierstream.pulsar_protocol.frames import command_frame
 
 from ..store.helpers import wait_for
 from ..timing import scaled
-from .helpers import client_of, commands_until
+from .helpers import client_of, commands_until, free_port
 
 TOPIC = "acme/access/orders"
 NAME = f"persistent://{TOPIC}"
 Mode = pulsar.ProducerAccessMode
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rest_stats(broker: BrokerProcess) -> Any:
@@ -49,8 +43,8 @@ def _producer(client: Any, mode: Any, name: str) -> Any:
 
 
 def test_exclusive_producers_wait_fence_and_refuse_as_pulsar_s_do(start_broker: Any) -> None:
-    pulsar_broker: BrokerProcess = start_broker("--pulsar-port", str(_free_port()),
-                                                "--admin-port", str(_free_port()))
+    pulsar_broker: BrokerProcess = start_broker("--pulsar-port", str(free_port()),
+                                                "--admin-port", str(free_port()))
     with Admin(pulsar_broker.url) as admin:
         admin.create_topic(TOPIC, 1)
     client = client_of(pulsar_broker)

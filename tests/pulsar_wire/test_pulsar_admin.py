@@ -20,13 +20,7 @@ from tierstream.pulsar_protocol import key_router
 
 from ..store.helpers import wait_for
 from ..timing import scaled
-from .helpers import client_of
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from .helpers import client_of, free_port
 
 
 def _call(broker: BrokerProcess, method: str, path: str, body: Any = None,
@@ -51,8 +45,8 @@ def _call(broker: BrokerProcess, method: str, path: str, body: Any = None,
 
 @pytest.fixture
 def admin_broker(start_broker) -> BrokerProcess:
-    broker: BrokerProcess = start_broker("--pulsar-port", str(_port()),
-                                         "--admin-port", str(_port()))
+    broker: BrokerProcess = start_broker("--pulsar-port", str(free_port()),
+                                         "--admin-port", str(free_port()))
     assert broker.admin_url and broker.admin_url.startswith("http://127.0.0.1:")
     return broker
 
@@ -153,7 +147,7 @@ def test_bad_requests_are_answered_with_pulsars_status_and_a_reason(admin_broker
 
 
 def test_with_a_token_every_admin_call_needs_it(start_broker) -> None:
-    b = start_broker("--admin-port", str(_port()), "--auth-token", "s3cret")
+    b = start_broker("--admin-port", str(free_port()), "--auth-token", "s3cret")
     status, answer = _call(b, "GET", "persistent/public/default")
     assert status == 401 and "Bearer" in answer["reason"]
     assert _call(b, "GET", "persistent/public/default", token="wrong")[0] == 401
@@ -161,7 +155,7 @@ def test_with_a_token_every_admin_call_needs_it(start_broker) -> None:
 
 
 def test_an_admin_port_in_use_is_one_line_naming_the_option(tmp_path) -> None:
-    port = _port()
+    port = free_port()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", port))
         taken.listen()
@@ -252,8 +246,8 @@ def test_stats_cover_the_partitions_a_growth_announced_to_pulsar_clients(start_b
     partitions, for up to --client-refresh-wait), ``partitioned-stats`` said the old count
     and left the new partitions' messages out, and a new partition's ``stats`` was a 404,
     though ``partitions`` and the binary protocol gave the new count."""
-    broker: BrokerProcess = start_broker("--pulsar-port", str(_port()),
-                                         "--admin-port", str(_port()),
+    broker: BrokerProcess = start_broker("--pulsar-port", str(free_port()),
+                                         "--admin-port", str(free_port()),
                                          "--client-refresh-wait", "1h")
     topic, name = "persistent/public/default/growing", "persistent://public/default/growing"
     assert _call(broker, "PUT", f"{topic}/partitions", 2) == (204, None)

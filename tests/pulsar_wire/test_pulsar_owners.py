@@ -20,7 +20,7 @@ from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.pulsar_protocol.frames import command_frame
 
 from ..timing import scaled
-from .helpers import client_of, commands_until, rows_of
+from .helpers import client_of, commands_until, free_port, rows_of
 
 TOPIC = "acme/owners/orders"
 NAME = f"persistent://{TOPIC}"
@@ -38,12 +38,6 @@ def _given_away(data_dir: Path, owner: BrokerProcess) -> None:
         metadata.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _answer(broker: BrokerProcess, *commands: api.BaseCommand) -> api.BaseCommand:
     """The first answer to ``commands`` (after CONNECT) that is not CONNECTED."""
     host, port = (broker.pulsar_url or "").removeprefix("pulsar://").rsplit(":", 1)
@@ -58,8 +52,8 @@ def _answer(broker: BrokerProcess, *commands: api.BaseCommand) -> api.BaseComman
 
 def test_a_lookup_sends_a_pulsar_client_to_the_broker_owning_the_partition(
         start_broker: Any, tmp_path: Path) -> None:
-    owner = start_broker("--pulsar-port", str(_free_port()), data=tmp_path / "owner")
-    here = start_broker("--pulsar-port", str(_free_port()), "--admin-port", str(_free_port()),
+    owner = start_broker("--pulsar-port", str(free_port()), data=tmp_path / "owner")
+    here = start_broker("--pulsar-port", str(free_port()), "--admin-port", str(free_port()),
                         data=tmp_path / "here")
     for broker in (owner, here):
         with Admin(broker.url) as admin:
