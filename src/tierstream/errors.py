@@ -141,9 +141,14 @@ class FencedError(UnavailableError):
 class NotOwnerError(FencedError):
     """A write to a partition that this broker does not own (any more): another broker
     claimed it at a higher epoch (``metadata/ownership.py``). The message names the owner;
-    nothing of the write was stored."""
+    nothing of the write was stored. ``owner_url`` is where the owner is reached (None: not
+    known), as data a client follows."""
 
     code = "not_owner"
+
+    def __init__(self, message: str, owner_url: str | None = None) -> None:
+        super().__init__(message)
+        self.owner_url = owner_url
 
 
 class AckInDoubtError(UnavailableError):

@@ -9,6 +9,7 @@ import re
 import pytest
 
 from tierstream.client import Admin, Producer
+from tierstream.client.connection import BrokerClient
 from tierstream.errors import FencedError, NotOwnerError
 from tierstream.metadata.ownership import PartitionOwners
 from tierstream.metadata.records import SegmentState
@@ -38,6 +39,14 @@ def test_a_partition_taken_over_refuses_its_former_owner_which_is_told_the_new_o
     new = PartitionOwners(store, "broker-2", 2)
     new.advertise("grpc://10.0.0.2:6651", "pulsar://10.0.0.2:6650")
     assert new.claim([(TOPIC, 0)]) == {"broker-1": 1}
+    new.renew()  # its lease, by the server's clock (advertising renewed it too)
+    heard = [o.heard_ms_ago for o in new.of_topic(TOPIC).values()]
+    assert all(h is not None and -1000 < h < 60_000 for h in heard), heard
+    with pytest.raises(NotOwnerError, match="served by broker-2") as moved:
+        old.renew()
+        old.serving(TOPIC, 0)
+    assert moved.value.owner_url == "grpc://10.0.0.2:6651"
+    old.serving(TOPIC, 1)  # still its own
 
     # the former owner can neither add to partition 0 nor seal in it, and is told who owns it
     before = store.segments(TOPIC, 0)
@@ -107,15 +116,18 @@ def test_stats_say_which_broker_owns_each_partition_and_a_restart_claims_them_al
     assert me["partitions_owned"] == 2 and me["id"] == f"broker-{me['epoch']}"
     owners = [p["owner"] for p in first["partitions"]]
     assert [(o["broker"], o["url"]) for o in owners] == [(me["id"], broker.url)] * 2
+    heard = first["owners"][0].pop("heard_ms_ago")  # its lease, by the metadata's clock
     assert first["owners"] == [{"broker": me["id"], "epoch": me["epoch"], "url": broker.url,
                                 "pulsar_url": None, "partitions": 2}]
+    assert 0 <= heard <= scaled(5) * 1000 and me["lease_renewed_s_ago"] <= scaled(5)
     env = {"TIERSTREAM_BROKER": broker.url or ""}
     table = run("topic", "stats", TOPIC, "--per-partition", env=env)
     assert table.returncode == 0, table.stderr
-    owned = f"owned by {me['id']} at {broker.url} (epoch {me['epoch']})"
+    owned = f"owned by {me['id']} at {broker.url} (epoch {me['epoch']}, lease renewed "
     assert "partition 1: in" in table.stdout and owned in table.stdout.replace("\n", " ")
     brk = run("broker", "stats", env=env)
-    assert f"{me['id']} (epoch {me['epoch']}), owns 2 partition(s)" in brk.stdout
+    assert f"{me['id']} (epoch {me['epoch']}), owns 2 partition(s), lease renewed " \
+        in brk.stdout
 
     broker.stop()
     again = broker.start()
@@ -126,3 +138,40 @@ def test_stats_say_which_broker_owns_each_partition_and_a_restart_claims_them_al
     assert {o["broker"] for o in owners} == {now["id"]}
     said = f"owns the store's 2 partitions, taken over from {me['id']} (2)"
     wait_for(lambda: said in "".join(again.stderr_tail), scaled(10), what=said)
+
+
+def test_a_broker_refuses_streams_of_a_partition_owned_elsewhere_and_producers_follow(
+        tmp_path) -> None:
+    """Two brokers on stores of their own; in the metadata of ``here``, partition 1 is owned
+    by ``owner`` (as a broker that took it over would have claimed it). Once ``here`` renews
+    its lease, its Flight streams of partition 1 are refused with the owner's address as
+    data, nothing is stored there, and a Producer given only ``here`` writes partition 1 to
+    ``owner``."""
+    with running_log(tmp_path / "owner") as owner, running_log(tmp_path / "here") as here:
+        for log in (owner, here):
+            log.store.create_topic(TOPIC, 2)
+        newer = PartitionOwners(here.store.metadata, "broker-99", here.store.epoch + 1)
+        newer.advertise(owner.url)
+        newer.claim([(TOPIC, 1)])
+        here.store.owners.renew()  # what its lease thread does every second
+        assert here.store.owners.of_topic(TOPIC)[1].heard_ms_ago is not None
+
+        with BrokerClient(here.url) as client, pytest.raises(NotOwnerError) as refused:
+            client.consume({"op": "consume", "topic": TOPIC, "partition": 1,
+                            "end": {"kind": "latest"}}).read_all()
+        assert refused.value.owner_url == owner.url
+        assert f"served by broker-99 at {owner.url}" in str(refused.value)
+
+        with Producer(TOPIC, broker=here.url) as producer:
+            acks = producer.send_many({"key": f"k{i}", "value": f"v{i}".encode()}
+                                      for i in range(40))
+        assert {a["partition"] for a in acks} == {0, 1}
+        stored = {name: [(p.partition, r["value"]) for p in log.store.partitions(TOPIC)
+                         for b in p.read(p.earliest(), end=p.last_confirmed()[1])
+                         for r in b.to_pylist()]
+                  for name, log in (("here", here), ("owner", owner))}
+        assert {p for p, _ in stored["here"]} == {0}
+        assert {p for p, _ in stored["owner"]} == {1}
+        assert sorted(v for rows in stored.values() for _, v in rows) == \
+            sorted(f"v{i}".encode() for i in range(40))
+        assert not here.store.fenced.is_set()  # it refused; it did not stop

@@ -43,6 +43,7 @@ class ConsumeStreams:
             if req.get("op") != "consume":
                 raise ProtocolError(f"unknown DoGet operation {req.get('op')!r}")
             plog = self.store.partition(req["topic"], int(req["partition"]))
+            self.store.owners.serving(plog.topic, plog.partition)
             ranges = [KeyRange(int(lo), int(hi)) for lo, hi in req.get("key_ranges") or []]
             end, end_time = self._resolve_end(plog, req.get("end"))
             sub = req.get("subscription")

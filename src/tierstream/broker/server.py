@@ -97,12 +97,14 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
             if cmd.get("op") != "produce":
                 raise ProtocolError(f"unknown DoPut operation {cmd.get('op')!r}")
             plog = self.store.partition(cmd["topic"], int(cmd["partition"]))
+            self.store.owners.serving(plog.topic, plog.partition)
             producer = cmd.get("producer")
             routed = None if cmd.get("routed") is None else int(cmd["routed"])
             with self.streams.serving("producer", plog.topic, plog.partition,
                                       producer) as stream:
                 def check(batch: pa.RecordBatch) -> None:
                     self.store.check_serving()  # fenced meanwhile: not one more batch
+                    self.store.owners.serving(plog.topic, plog.partition)  # or moved
                     if "fenced" in stream:  # an ExclusiveWithFencing producer took over
                         raise ProducerFencedError(stream["fenced"])
                     self.schemas.check_named_versions(plog.topic, named_versions(batch))

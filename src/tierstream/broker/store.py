@@ -160,6 +160,10 @@ class Store:
         self._timer = Worker("store-housekeeping", self._housekeeping,
                              on_error=self.thread_failed("the store's housekeeping"))
         self._timer.start()
+        self.owners.renew()  # the lease, then every second (ownership.py)
+        self._lease = Worker("broker-lease", lambda: self.owners.keep(self.closing),
+                             on_error=self.thread_failed("the broker's lease"))
+        self._lease.start()
 
     def __repr__(self) -> str:
         return f"Store(data_dir={str(self.config.data_dir)!r}, topics={len(self.topics())})"
@@ -467,6 +471,7 @@ class Store:
         self._closed = True
         self.closing.set()
         self._timer.join()
+        self._lease.join()
         try:
             if not self.fenced.is_set():  # fenced: what it could still seal is the new one's
                 for plog in self._logs.values():

@@ -215,7 +215,9 @@ def broker_stats(store: Store, streams: Streams) -> dict[str, Any]:
     return {
         "topics": len(store.topics()), "partitions": len(plogs),
         "broker": {"id": store.owners.broker_id, "epoch": store.epoch,
-                   "partitions_owned": store.owners.owned()},
+                   "partitions_owned": store.owners.owned(),
+                   "lease_renewed_s_ago": None if store.owners.renewed_at is None else
+                   round(time.monotonic() - store.owners.renewed_at, 3)},
         "streams": {kind: sum(1 for s in live if s["kind"] == kind)
                     for kind in ("producer", "reader", "consumer")},
         "offload": {

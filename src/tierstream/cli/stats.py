@@ -176,7 +176,9 @@ def render_topic_stats(stats: dict[str, Any]) -> Group:
 def _owner(owner: dict[str, Any]) -> str:
     """A partition's owner as the stats say it: its id, where it is reached, its epoch."""
     where = f" at {owner['url']}" if owner.get("url") else ""
-    return f"{owner['broker']}{where} (epoch {owner['epoch']})"
+    heard = owner.get("heard_ms_ago")
+    lease = "" if heard is None else f", lease renewed {max(0, heard) / 1000:.1f} s ago"
+    return f"{owner['broker']}{where} (epoch {owner['epoch']}{lease})"
 
 
 def render_broker_stats(stats: dict[str, Any]) -> Table:
@@ -188,7 +190,8 @@ def render_broker_stats(stats: dict[str, Any]) -> Table:
     me = stats.get("broker") or {}
     rows = [
         ("broker", f"{me.get('id')} (epoch {me.get('epoch')}), owns "
-                   f"{me.get('partitions_owned')} partition(s)"),
+                   f"{me.get('partitions_owned')} partition(s), lease renewed "
+                   f"{_age(me.get('lease_renewed_s_ago'))} ago"),
         ("topics, partitions", f"{stats.get('topics')}, {stats.get('partitions')}"),
         ("streams", ", ".join(f"{v} {k}(s)" for k, v in streams.items())),
         ("offload", "no policy (tierstream offload moves segments)"

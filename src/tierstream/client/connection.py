@@ -61,6 +61,8 @@ class BrokerClient:
         self._stream_options = flight.FlightCallOptions(headers=headers)
         self._clients: dict[str, Any] = {}
         self._passed_over: dict[str, float] = {}  # url -> until when (fenced())
+        #: (topic, partition) -> the URL of the broker that said it owns it (follow())
+        self._owners: dict[tuple[str, int], str] = {}
         self._clients_lock = threading.Lock()
         with translate_errors(self.url):
             self._client_of(self.url)
@@ -115,6 +117,36 @@ class BrokerClient:
         if len(self.urls) > 1:
             self._passed_over[url] = time.monotonic() + FENCED_PASS_S
 
+    def follow(self, topic: str, partition: int, url: str) -> None:
+        """A broker said ``url`` owns the partition: its streams go there from now on, until
+        that broker cannot be reached (then to the brokers named again, which say where it
+        went)."""
+        if not url.startswith(("grpc://", "grpc+tcp://", "grpc+tls://")):
+            raise UnavailableError(f"{topic} partition {partition} is owned by a broker at "
+                                   f"{url!r}, which is not a broker URL")
+        if self._owners.get((topic, partition)) != url:
+            log.info("%s partition %d is served by %s; following it", topic, partition, url)
+            self._owners[(topic, partition)] = url
+
+    def url_for(self, command: Mapping[str, Any]) -> str:
+        """The broker a stream of ``command``'s partition goes to."""
+        return self._owners.get(_partition_of(command), self.url)
+
+    def _stream_call(self, command: Mapping[str, Any], work: Callable[[Any], Any]) -> Any:
+        """``work`` on the broker that owns the partition ``command`` names, once one said
+        so (:meth:`follow`); else, or when it cannot be reached, as :meth:`_call` does."""
+        key = _partition_of(command)
+        url = self._owners.get(key)
+        if url is not None:
+            try:
+                with translate_errors(url):
+                    return work(self._client_of(url))
+            except UnavailableError as exc:
+                log.info("the owner of %s partition %d at %s: %s; asking %s", *key, url, exc,
+                         self.broker)
+                self._owners.pop(key, None)
+        return self._call(work)
+
     def next_broker(self) -> str:
         """Use the next broker named (one that answers, but not in time, is left too)."""
         self.url = self.urls[(self.urls.index(self.url) + 1) % len(self.urls)]
@@ -131,14 +163,14 @@ class BrokerClient:
     def consume(self, ticket: Mapping[str, Any]) -> Any:
         """Open a consume stream (DoGet) for ``ticket``: a Flight reader of record batches,
         with no call timeout (a following read lasts as long as it is read)."""
-        return self._call(lambda f: f.do_get(flight.Ticket(encode(dict(ticket))),
-                                             self._stream_options))
+        return self._stream_call(ticket, lambda f: f.do_get(flight.Ticket(encode(dict(ticket))),
+                                                            self._stream_options))
 
     def produce(self, command: Mapping[str, Any]) -> tuple[Any, Any]:
         """Open a produce stream (DoPut) for ``command``: (writer, ack reader)."""
         descriptor = flight.FlightDescriptor.for_command(encode(dict(command)))
-        writer, reader = self._call(lambda f: f.do_put(descriptor, PRODUCE_SCHEMA,
-                                                       self._stream_options))
+        writer, reader = self._stream_call(command, lambda f: f.do_put(
+            descriptor, PRODUCE_SCHEMA, self._stream_options))
         return writer, reader
 
     def close(self) -> None:
@@ -150,3 +182,7 @@ class BrokerClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _partition_of(command: Mapping[str, Any]) -> tuple[str, int]:
+    return str(command.get("topic")), int(command.get("partition") or 0)

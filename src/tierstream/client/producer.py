@@ -20,12 +20,13 @@ import pyarrow.flight as flight
 from tierstream.client.admin import Admin
 from tierstream.client.connection import BrokerClient
 from tierstream.client.messages import Message, as_message, check_sequence_ids, routed, to_batch
-from tierstream.client.retry import reconnect_timeout_s
+from tierstream.client.retry import gave_up, reconnect_timeout_s
 from tierstream.client.stream_io import StalledError, StreamIO
 from tierstream.errors import (
     ConfigError,
     ConflictError,
     FencedError,
+    NotOwnerError,
     StaleRoutingError,
     TierstreamError,
     UnavailableError,
@@ -378,7 +379,7 @@ class Producer:
         try:
             buf = self._ensure_stream(p, stream).read(self.send_timeout)
             if buf is None:
-                self._raise_if_refused(stream)
+                self._raise_if_refused(stream, p)
                 raise UnavailableError("broker closed the produce stream")
         except StalledError:  # connected, but no ack within send_timeout
             via = stream.io.url if stream.io else None
@@ -395,13 +396,13 @@ class Producer:
             raise self._gave_up(p, stream, f"broker {self._client.url} connected but sent "
                                 "no ack") from None
         except (flight.FlightError, OSError, pa.ArrowException, UnavailableError) as exc:
-            self._raise_if_rejected(exc, stream.io.url if stream.io else None)
+            self._raise_if_rejected(exc, stream.io.url if stream.io else None, p)
             self._recover(p, stream)
             return
         ack = decode(buf.to_pybytes(), "ack")
         if "error" in ack:  # the broker could not store the next batch (its error, as ever)
             self._raise_if_rejected(flight.FlightServerError(str(ack["error"])),
-                                    stream.io.url if stream.io else None)
+                                    stream.io.url if stream.io else None, p)
             self._recover(p, stream)
             return
         seq, _ = stream.unacked.popleft()
@@ -412,7 +413,7 @@ class Producer:
                                    f"for {seq}")
         self._acks.append(ack)
 
-    def _raise_if_refused(self, stream: _PartitionStream) -> None:
+    def _raise_if_refused(self, stream: _PartitionStream, p: int) -> None:
         """The ack stream ended early: a broker that refused the batch (a tierstream error)
         says why when the stream is closed; raise that rather than retry."""
         io, stream.io = stream.io, None
@@ -422,7 +423,7 @@ class Producer:
             io.close(self.send_timeout)
         except (flight.FlightError, OSError, pa.ArrowException) as exc:
             try:
-                self._raise_if_rejected(exc, io.url)
+                self._raise_if_rejected(exc, io.url, p)
             except StaleRoutingError:
                 raise  # nothing stored from the refused batch on: it is routed again
             except TierstreamError:
@@ -431,13 +432,18 @@ class Producer:
                 stream.unacked.clear()
                 raise
 
-    def _raise_if_rejected(self, exc: BaseException, via: str | None = None) -> None:
+    def _raise_if_rejected(self, exc: BaseException, via: str | None = None,
+                           p: int | None = None) -> None:
         """A broker that answers with a tierstream error rejected the batch: do not retry.
         One that refused it as fenced no longer serves the store (another took it over): the
-        retry goes to the next broker named, and it is passed over for a while (connection.py)."""
+        retry goes to the next broker named, and it is passed over for a while (connection.py).
+        One that does not own partition ``p`` names its owner: the retry goes there."""
         try:
             with translate_errors(via or self._client.url):
                 raise exc
+        except NotOwnerError as refusal:
+            if p is not None and refusal.owner_url:
+                self._client.follow(self.topic, p, refusal.owner_url)
         except FencedError:
             self._client.fenced(via or self._client.url)
             self._leave(via, "no longer serves the store (fenced)")
@@ -467,7 +473,7 @@ class Producer:
                 return
             except (flight.FlightError, OSError, pa.ArrowException, UnavailableError) as exc:
                 try:
-                    self._raise_if_rejected(exc, stream.io.url if stream.io else None)
+                    self._raise_if_rejected(exc, stream.io.url if stream.io else None, p)
                 except StaleRoutingError:
                     # the broker refused a batch as routed by an old count and closed the
                     # stream: its acks say which batches it stored before (dedup answers
@@ -481,17 +487,8 @@ class Producer:
 
     def _gave_up(self, p: int, stream: _PartitionStream, why: str) -> UnavailableError:
         """The error for a send timeout: it names the batches whose fate is unknown."""
-        seqs = [seq for seq, _ in stream.unacked]
-        ids = str(seqs[0]) if len(seqs) == 1 else f"{seqs[0]}..{seqs[-1]}"
-        messages = sum(b.num_rows for _, b in stream.unacked)
-        exc = UnavailableError(
-            f"producer {self.name!r} gave up on {self.topic!r} partition {p} after "
-            f"{self.send_timeout}s ({why}): sequence id(s) "
-            f"{ids} ({messages} message(s)) were sent but never acknowledged, so they may or "
-            f"may not be stored; flush() re-sends them, and a producer named {self.name!r} "
-            "stores each at most once")
-        exc.unacknowledged = {p: seqs}  # type: ignore[attr-defined]
-        return exc
+        return gave_up(self.name, self.topic, p, self.send_timeout, why,
+                       [(seq, b.num_rows) for seq, b in stream.unacked])
 
     def _drop(self, stream: _PartitionStream) -> None:
         if stream.io is not None:

@@ -75,3 +75,19 @@ def with_reconnect(call: Callable[[], T], *, what: str, timeout_s: float | None 
             if not backoff.wait():
                 raise UnavailableError(f"{what}: the broker stayed unavailable for "
                                        f"{backoff.timeout_s:g}s: {exc}") from None
+
+
+def gave_up(producer: str, topic: str, partition: int, timeout_s: float, why: str,
+            unacked: list[tuple[int, int]]) -> UnavailableError:
+    """A producer's error for a send timeout: it names the batches whose fate is unknown
+    (``unacked``: sequence id, messages), as ``exc.unacknowledged`` (partition -> ids) too."""
+    seqs = [seq for seq, _ in unacked]
+    ids = str(seqs[0]) if len(seqs) == 1 else f"{seqs[0]}..{seqs[-1]}"
+    messages = sum(n for _, n in unacked)
+    exc = UnavailableError(
+        f"producer {producer!r} gave up on {topic!r} partition {partition} after "
+        f"{timeout_s}s ({why}): sequence id(s) {ids} ({messages} message(s)) were sent but "
+        "never acknowledged, so they may or may not be stored; flush() re-sends them, and a "
+        f"producer named {producer!r} stores each at most once")
+    exc.unacknowledged = {partition: seqs}  # type: ignore[attr-defined]
+    return exc

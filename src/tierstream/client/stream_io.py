@@ -51,7 +51,7 @@ class StreamIO:
     thread before the first call runs; an error opening it is raised by that call."""
 
     def __init__(self, client: BrokerClient, command: Mapping[str, Any]) -> None:
-        self.url = client.url  # the broker it was opened to
+        self.url = client.url_for(command)  # the broker it was opened to
         self._calls: _Calls = queue.SimpleQueue()
         self.stalled = False
         self.interrupted = False  # a caller left a call that its thread still runs

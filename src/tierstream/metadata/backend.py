@@ -54,6 +54,9 @@ class Tx(Protocol):
 class Backend(Protocol):
     #: ``sqlite`` or ``postgresql``: where one statement must differ
     dialect: str
+    #: an SQL expression of the server's clock in ms since the epoch (a lease is timed by
+    #: one clock, whichever broker reads it)
+    clock_ms: str
     #: what to call it in a message (a path, or a URL without its password)
     name: str
     #: set when the backend gave up on its server (PostgreSQL unreachable past its limit),
@@ -96,6 +99,7 @@ class SqliteBackend:
     the CLI) never creates the file."""
 
     dialect = "sqlite"
+    clock_ms = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)"
 
     def __init__(self, path: str | Path, *, read_only: bool = False) -> None:
         self.path = Path(path)

@@ -13,6 +13,11 @@ broker that took a partition over is never displaced by the one it took it from)
 from the store's one counter (``bookie_registry.take_writer_epoch``), which bookies fence
 ledgers by.
 
+The **lease**: every second a broker renews its ``brokers.heartbeat_at`` by the metadata
+server's clock (:meth:`PartitionOwners.renew`), and reads which partitions are owned
+elsewhere. Its Flight streams refuse those (:meth:`PartitionOwners.serving`) with a
+NotOwnerError that carries the owner's address, which tierstream's clients follow.
+
 One broker serves a store at a time today (the data directory's lock, or the PostgreSQL
 advisory lock of ``leader_lease.py``): it claims every partition when it opens the store, at
 the epoch it opened it under, and a new partition is owned by the broker that opens its first
@@ -23,20 +28,25 @@ this (issue 52).
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tierstream.errors import NotOwnerError
+from tierstream.errors import NotOwnerError, UnavailableError
 from tierstream.metadata.backend import Tx
 from tierstream.metadata.store import MetadataStore
 from tierstream.util.timeutil import now_ms
 
-__all__ = ["Owner", "PartitionOwners"]
+__all__ = ["RENEW_S", "Owner", "PartitionOwners"]
 
 log = logging.getLogger(__name__)
 
-_OWNER = ("SELECT o.broker_id, o.epoch, o.claimed_at, b.url, b.pulsar_url FROM "
+#: how often a broker renews its lease and its view of the partitions owned elsewhere
+RENEW_S = 1.0
+
+_OWNER = ("SELECT o.broker_id, o.epoch, o.claimed_at, b.url, b.pulsar_url, {heard} FROM "
           "partition_owners o LEFT JOIN brokers b ON b.broker_id = o.broker_id")
 
 
@@ -50,14 +60,23 @@ class Owner:
     claimed_at: int
     url: str | None = None
     pulsar_url: str | None = None
+    #: ms since its lease was last renewed, by the metadata server's clock (None: never)
+    heard_ms_ago: int | None = None
 
     def describe(self) -> str:
         where = f" at {self.url}" if self.url else ""
         return f"{self.broker_id}{where} (epoch {self.epoch})"
 
+    def heard(self) -> str:
+        """When its lease was last renewed, for a stats line."""
+        if self.heard_ms_ago is None:
+            return "no lease renewed yet"
+        return f"lease renewed {max(0, self.heard_ms_ago) / 1000:.1f} s ago"
+
     def as_dict(self) -> dict[str, object]:
         return {"broker": self.broker_id, "epoch": self.epoch, "since": self.claimed_at,
-                "url": self.url, "pulsar_url": self.pulsar_url}
+                "url": self.url, "pulsar_url": self.pulsar_url,
+                "heard_ms_ago": self.heard_ms_ago}
 
 
 class PartitionOwners:
@@ -66,6 +85,12 @@ class PartitionOwners:
 
     def __init__(self, metadata: MetadataStore, broker_id: str, epoch: int) -> None:
         self.metadata, self.broker_id, self.epoch = metadata, broker_id, epoch
+        self._clock = metadata.backend.clock_ms
+        #: the partitions other brokers own, as the last renewal read them (serving())
+        self._elsewhere: dict[tuple[str, int], Owner] = {}
+        self._view = threading.Lock()  # a renewal's view against a claim's
+        #: when the lease was last renewed (monotonic s; None: not yet)
+        self.renewed_at: float | None = None
 
     def __repr__(self) -> str:
         return f"PartitionOwners(broker={self.broker_id!r}, epoch={self.epoch})"
@@ -104,6 +129,9 @@ class PartitionOwners:
             # brokers that own nothing any more are forgotten (every start is a new broker)
             c.execute("DELETE FROM brokers WHERE broker_id <> ? AND broker_id NOT IN "
                       "(SELECT broker_id FROM partition_owners)", (self.broker_id,))
+        with self._view:
+            for key in wanted:
+                self._elsewhere.pop(key, None)
         return former
 
     def claim_store(self) -> None:
@@ -123,10 +151,55 @@ class PartitionOwners:
     def advertise(self, url: str, pulsar_url: str | None = None) -> None:
         """Say where this broker is reached: its Flight URL and its Pulsar listener's."""
         with self.metadata.atomic() as c:
-            c.execute("INSERT INTO brokers (broker_id, url, pulsar_url, epoch, started_at) "
-                      "VALUES (?, ?, ?, ?, ?) ON CONFLICT (broker_id) DO UPDATE SET "
-                      "url=excluded.url, pulsar_url=excluded.pulsar_url",
+            c.execute("INSERT INTO brokers (broker_id, url, pulsar_url, epoch, started_at, "
+                      f"heartbeat_at) VALUES (?, ?, ?, ?, ?, {self._clock}) ON CONFLICT "
+                      "(broker_id) DO UPDATE SET url=excluded.url, "
+                      "pulsar_url=excluded.pulsar_url, heartbeat_at=excluded.heartbeat_at",
                       (self.broker_id, url, pulsar_url, self.epoch, now_ms()))
+
+    def renew(self) -> None:
+        """Renew this broker's lease (its heartbeat, by the metadata server's clock) and read
+        which partitions other brokers own, in one transaction: what :meth:`serving` refuses
+        until the next renewal. A broker renews every second (``broker/store.py``)."""
+        with self.metadata.atomic() as c:
+            c.execute(f"UPDATE brokers SET heartbeat_at = {self._clock} WHERE broker_id=?",
+                      (self.broker_id,))
+            rows = c.execute(
+                _OWNER.format(heard="NULL").replace("SELECT ", "SELECT o.topic, o.partition, ",
+                                                     1)
+                + " WHERE NOT (o.broker_id = ? AND o.epoch = ?)",
+                (self.broker_id, self.epoch)).fetchall()
+        with self._view:
+            self._elsewhere = {(row[0], int(row[1])): _row(row[2:]) for row in rows}
+            self.renewed_at = time.monotonic()
+
+    def keep(self, stopping: threading.Event) -> None:
+        """Renew the lease every :data:`RENEW_S` until ``stopping`` is set (a broker's
+        thread). A renewal that fails (the metadata server unreachable) is said once, and
+        once more when one succeeds again; the last view holds meanwhile."""
+        failing = False
+        while not stopping.wait(RENEW_S):
+            try:
+                self.renew()
+            except UnavailableError as exc:
+                if not failing:
+                    log.warning("%s cannot renew its lease: %s; retrying every %g s",
+                                self.broker_id, exc, RENEW_S)
+                failing = True
+                continue
+            if failing:
+                log.warning("%s renews its lease again", self.broker_id)
+            failing = False
+
+    def serving(self, topic: str, partition: int) -> None:
+        """Before a stream of the partition is served here (and at each batch a producer
+        sends): NotOwnerError, with the owner's address, when another broker owns it by the
+        last renewal. No metadata read: a stream opens at memory speed."""
+        owner = self._elsewhere.get((topic, partition))
+        if owner is not None:
+            raise NotOwnerError(
+                f"{topic} partition {partition} is served by {owner.describe()}, not by "
+                f"{self.broker_id}: its clients go there", owner_url=owner.url)
 
     def hold(self, c: Tx, topic: str, partitions: Sequence[int]) -> None:
         """In transaction ``c``, before new segments of ``topic``'s ``partitions`` are added
@@ -156,7 +229,7 @@ class PartitionOwners:
 
     def owner_of(self, topic: str, partition: int) -> Owner | None:
         """The owner of one partition, or None."""
-        rows = self.metadata.query(_OWNER + " WHERE o.topic=? AND o.partition=?",
+        rows = self.metadata.query(self._select() + " WHERE o.topic=? AND o.partition=?",
                                    (topic, partition))
         return _row(rows[0]) if rows else None
 
@@ -169,8 +242,12 @@ class PartitionOwners:
     def of_topic(self, topic: str) -> dict[int, Owner]:
         """The owner of each of ``topic``'s partitions that has one."""
         return {row[0]: _row(row[1:]) for row in self.metadata.query(
-            _OWNER.replace("SELECT ", "SELECT o.partition, ", 1) + " WHERE o.topic=?",
+            self._select().replace("SELECT ", "SELECT o.partition, ", 1) + " WHERE o.topic=?",
             (topic,))}
+
+    def _select(self) -> str:
+        """:data:`_OWNER` with the age of each owner's lease, by the server's clock."""
+        return _OWNER.format(heard=f"{self._clock} - b.heartbeat_at")
 
     def owned(self) -> int:
         """How many partitions this broker owns."""
@@ -181,16 +258,17 @@ class PartitionOwners:
 
 
 def _owner(c: Tx, topic: str, partition: int) -> Owner | None:
-    row = c.execute(_OWNER + " WHERE o.topic=? AND o.partition=?",
+    row = c.execute(_OWNER.format(heard="NULL") + " WHERE o.topic=? AND o.partition=?",
                     (topic, partition)).fetchone()
     return None if row is None else _row(row)
 
 
 def _row(row: Sequence[Any]) -> Owner:
-    broker_id, epoch, claimed_at, url, pulsar_url = row
+    broker_id, epoch, claimed_at, url, pulsar_url, heard = row
     return Owner(str(broker_id), int(epoch), int(claimed_at),
                  None if url is None else str(url),
-                 None if pulsar_url is None else str(pulsar_url))
+                 None if pulsar_url is None else str(pulsar_url),
+                 None if heard is None else int(heard))
 
 
 def _refusal(topic: str, partition: int, owner: Owner | None, what: str) -> str:

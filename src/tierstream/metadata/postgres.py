@@ -155,6 +155,7 @@ class PostgresBackend:
     :class:`~tierstream.metadata.leader_lease.LeaderLease` until :meth:`close`."""
 
     dialect = "postgresql"
+    clock_ms = "(extract(epoch from clock_timestamp()) * 1000)::bigint"
 
     def __init__(self, url: str, *, read_only: bool = False,
                  takeover_after_s: float | None = None, hold: bool = True,

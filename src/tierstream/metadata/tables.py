@@ -11,7 +11,7 @@ from tierstream.metadata.backend import Backend, Tx
 
 __all__ = ["SCHEMA_VERSION", "create_and_migrate", "ddl"]
 
-SCHEMA_VERSION = 15
+SCHEMA_VERSION = 16
 
 DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -143,7 +143,8 @@ CREATE TABLE IF NOT EXISTS brokers (
     url TEXT NOT NULL,
     pulsar_url TEXT,
     epoch INTEGER NOT NULL,
-    started_at INTEGER NOT NULL
+    started_at INTEGER NOT NULL,
+    heartbeat_at INTEGER
 );
 CREATE TABLE IF NOT EXISTS partition_owners (
     topic TEXT NOT NULL,
@@ -263,3 +264,8 @@ def _migrate(conn: Tx, backend: Backend) -> None:
     if version == 14:  # v15: which broker owns each partition, and where brokers are
         # reached (brokers, partition_owners: by the DDL above; ownership.py)
         conn.execute("UPDATE meta SET value='15' WHERE key='schema_version'")
+        version = 15
+    if version == 15:  # v16: a broker's lease, renewed by the metadata server's clock
+        if "heartbeat_at" not in backend.columns("brokers"):
+            conn.execute("ALTER TABLE brokers ADD COLUMN heartbeat_at INTEGER")
+        conn.execute("UPDATE meta SET value='16' WHERE key='schema_version'")

@@ -29,6 +29,7 @@ import pyarrow.flight as flight
 from tierstream.errors import (
     ERRORS_BY_CODE,
     AuthError,
+    NotOwnerError,
     ProtocolError,
     TierstreamError,
     UnavailableError,
@@ -48,8 +49,10 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 1
-_TAGGED = re.compile(r"\[tierstream:(\w+)\] (.*?)(?:\. Detail:|\. gRPC client debug context|$)",
-                     re.S)
+#: ``[tierstream:CODE] message``, or ``[tierstream:not_owner owner=URL] message``: the owner
+#: a client follows, as data
+_TAGGED = re.compile(r"\[tierstream:(\w+)(?: owner=([^\]\s]+))?\] "
+                     r"(.*?)(?:\. Detail:|\. gRPC client debug context|$)", re.S)
 
 
 def encode(obj: dict[str, Any]) -> bytes:
@@ -100,7 +103,17 @@ def server_error(exc: TierstreamError) -> Exception:
 
 def error_text(exc: TierstreamError) -> str:
     """``exc`` tagged with its code, as a client turns it back (:func:`translate_errors`)."""
+    if isinstance(exc, NotOwnerError) and exc.owner_url:
+        return f"[tierstream:{exc.code} owner={exc.owner_url}] {exc}"
     return f"[tierstream:{exc.code}] {exc}"
+
+
+def _tagged(match: re.Match[str]) -> TierstreamError:
+    """The error a :data:`_TAGGED` match names."""
+    code, owner, message = match.group(1), match.group(2), match.group(3).strip()
+    if code == NotOwnerError.code:
+        return NotOwnerError(message, owner_url=owner)
+    return ERRORS_BY_CODE.get(code, TierstreamError)(message)
 
 
 def action_result(value: Any) -> Iterator[bytes]:
@@ -113,7 +126,7 @@ def error_from_text(text: str) -> TierstreamError:
     match = _TAGGED.search(text)
     if match is None:
         return UnavailableError(text)
-    return ERRORS_BY_CODE.get(match.group(1), TierstreamError)(match.group(2).strip())
+    return _tagged(match)
 
 
 @contextmanager
@@ -138,8 +151,7 @@ def translate_errors(url: str, what: str = "broker") -> Iterator[None]:
     except flight.FlightError as exc:
         match = _TAGGED.search(str(exc))
         if match:
-            cls = ERRORS_BY_CODE.get(match.group(1), TierstreamError)
-            raise cls(match.group(2).strip()) from None
+            raise _tagged(match) from None
         raise UnavailableError(f"{what} {url} failed: {_first_line(exc)}") from None
     except OSError as exc:
         raise UnavailableError(f"cannot reach the {what} at {url}: {exc}") from None
