@@ -5,16 +5,20 @@ in a broker's store, and in the stats of a broker process."""
 from __future__ import annotations
 
 import re
+import threading
 
+import pyarrow.flight as flight
 import pytest
 
-from tierstream.client import Admin, Producer
+from tierstream.client import Admin, Consumer, Producer, read
 from tierstream.client.connection import BrokerClient
 from tierstream.errors import FencedError, NotOwnerError
 from tierstream.metadata.ownership import PartitionOwners
 from tierstream.metadata.records import SegmentState
 from tierstream.metadata.store import MetadataStore
 from tierstream.model.names import TopicName
+from tierstream.model.positions import Offset
+from tierstream.wire.flight import encode, translate_errors
 
 from ..cli.test_cli import run
 from ..logs import running_log
@@ -156,11 +160,16 @@ def test_a_broker_refuses_streams_of_a_partition_owned_elsewhere_and_producers_f
         here.store.owners.renew()  # what its lease thread does every second
         assert here.store.owners.of_topic(TOPIC)[1].heard_ms_ago is not None
 
-        with BrokerClient(here.url) as client, pytest.raises(NotOwnerError) as refused:
-            client.consume({"op": "consume", "topic": TOPIC, "partition": 1,
-                            "end": {"kind": "latest"}}).read_all()
+        ticket = {"op": "consume", "topic": TOPIC, "partition": 1, "end": {"kind": "latest"}}
+        raw = flight.connect(here.url)  # what any Flight client gets
+        with pytest.raises(NotOwnerError) as refused, translate_errors(here.url):
+            raw.do_get(flight.Ticket(encode(ticket))).read_all()
+        raw.close()
         assert refused.value.owner_url == owner.url
         assert f"served by broker-99 at {owner.url}" in str(refused.value)
+        with BrokerClient(here.url) as client:  # tierstream's client follows it
+            assert client.consume(ticket).read_all().num_rows == 0
+            assert client.url_for(ticket) == owner.url
 
         with Producer(TOPIC, broker=here.url) as producer:
             acks = producer.send_many({"key": f"k{i}", "value": f"v{i}".encode()}
@@ -174,4 +183,68 @@ def test_a_broker_refuses_streams_of_a_partition_owned_elsewhere_and_producers_f
         assert {p for p, _ in stored["owner"]} == {1}
         assert sorted(v for rows in stored.values() for _, v in rows) == \
             sorted(f"v{i}".encode() for i in range(40))
+        read_back = [v for b in read(TOPIC, broker=here.url, end=Offset.latest())
+                     for v in b.column("value").to_pylist()]  # each partition at its owner
+        assert sorted(read_back) == sorted(f"v{i}".encode() for i in range(40))
+        # a Consumer given only ``here`` reads and acknowledges partition 1 at its owner
+        got: list[bytes] = []
+        with Consumer(TOPIC, "audit", initial=Offset.earliest(), broker=here.url) as consumer:
+            while len(got) < 40:
+                batch = consumer.receive(timeout=scaled(30))
+                assert batch is not None, f"{len(got)} of 40 received"
+                got += batch.column("value").to_pylist()
+                consumer.ack(batch)
+        assert sorted(got) == sorted(f"v{i}".encode() for i in range(40))
+        for log, partition in ((here, 0), (owner, 1)):
+            with Admin(log.url) as admin:
+                rows = {r["partition"]: r for r in admin.subscriptions(TOPIC)}
+            assert rows[partition]["backlog"] == 0, (partition, rows)
         assert not here.store.fenced.is_set()  # it refused; it did not stop
+
+
+def test_two_brokers_opening_one_new_partition_at_once_leave_one_owner_and_refuse_the_other(
+        postgres) -> None:
+    """PostgreSQL: broker B's claim of a new partition is inserted but not committed when
+    broker A's transaction finds the partition unowned and inserts too. A waits for B; once
+    B commits, A is refused naming B — it was a unique-key violation, an error nobody
+    foresaw, before."""
+    url = postgres.new_database()
+    first, second = MetadataStore(url), MetadataStore(url, hold=False)
+    try:
+        a, b = PartitionOwners(first, "broker-1", 1), PartitionOwners(second, "broker-2", 2)
+        b.advertise("grpc://10.0.0.2:6651")
+        inserted, refused = threading.Event(), []
+
+        def broker_a() -> None:
+            inserted.wait(scaled(30))
+            try:
+                with first.atomic() as c:
+                    a.hold(c, TOPIC, [5])
+            except NotOwnerError as exc:
+                refused.append(exc)
+
+        thread = threading.Thread(target=broker_a)
+        thread.start()
+        with second.atomic() as c:
+            b.hold(c, TOPIC, [5])
+            inserted.set()
+            wait_for(lambda: _waiting_on_a_lock(url), scaled(30),
+                     what="broker-1's insert to wait for broker-2's")
+        thread.join(scaled(30))
+        assert [str(e) for e in refused] == [
+            f"cannot open {TOPIC} partition 5: it is owned by broker-2 at "
+            "grpc://10.0.0.2:6651 (epoch 2), not by this one (it was taken over, or this "
+            "broker's claim is gone)"]
+        assert a.owner_of(TOPIC, 5).broker_id == "broker-2"
+    finally:
+        first.close()
+        second.close()
+
+
+def _waiting_on_a_lock(url: str) -> bool:
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE "
+                           "wait_event_type = 'Lock'").fetchone()
+    return bool(row and row[0])

@@ -222,8 +222,17 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
         return topic_stats(self.store, self.subscriptions, self.streams, body["topic"],
                            per_partition=bool(body.get("per_partition")))
 
-    def _ack(self, body: dict[str, Any]) -> Any:
+    def _served(self, body: dict[str, Any]) -> str:
+        """A subscription action's topic, once its partition is served here: one another
+        broker owns is refused (NotOwnerError, naming the owner), as its streams are."""
         topic = _topic(body)
+        partition = body["partition"] if "partition" in body else \
+            body["position"]["partition"]
+        self.store.owners.serving(topic, int(partition))
+        return topic
+
+    def _ack(self, body: dict[str, Any]) -> Any:
+        topic = self._served(body)
         segment, entry, index = decode_positions(body)
         doubt = self.subscriptions.ack(topic, str(body["subscription"]), int(body["partition"]),
                                        str(body.get("consumer") or ""), segment, entry, index,
@@ -231,7 +240,7 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
         return {"ok": True, "in_doubt": doubt}
 
     def _ack_cumulative(self, body: dict[str, Any]) -> Any:
-        topic = _topic(body)
+        topic = self._served(body)
         doubt = self.subscriptions.ack_cumulative(topic, str(body["subscription"]),
                                                   str(body.get("consumer") or ""),
                                                   Position.from_dict(body["position"]),
@@ -239,7 +248,7 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
         return {"ok": True, "in_doubt": doubt}
 
     def _nack(self, body: dict[str, Any]) -> Any:
-        topic = _topic(body)
+        topic = self._served(body)
         segment, entry, index = decode_positions(body)
         self.subscriptions.nack(topic, str(body["subscription"]), int(body["partition"]),
                                 str(body["consumer"]), segment, entry, index,
@@ -247,13 +256,13 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
         return {"ok": True}
 
     def _flow(self, body: dict[str, Any]) -> Any:
-        topic = _topic(body)
+        topic = self._served(body)
         self.subscriptions.flow(topic, str(body["subscription"]), int(body["partition"]),
                                 str(body["consumer"]), int(body["permits"]))
         return {"ok": True}
 
     def _close_consumer(self, body: dict[str, Any]) -> Any:
-        topic = _topic(body)
+        topic = self._served(body)
         self.subscriptions.close_consumer(topic, str(body["subscription"]),
                                           int(body["partition"]), str(body["consumer"]))
         return {"ok": True}

@@ -10,7 +10,7 @@ from typing import Any, Self
 
 import pyarrow.flight as flight
 
-from tierstream.errors import ConfigError, UnavailableError
+from tierstream.errors import ConfigError, NotOwnerError, UnavailableError
 from tierstream.model.message_format import PRODUCE_SCHEMA
 from tierstream.options import parse_options
 from tierstream.wire.flight import decode, encode, translate_errors
@@ -29,6 +29,9 @@ FAILOVER_WAIT_S = 30.0
 #: falling back to it while the new one does not answer yet went round in a busy loop; a
 #: broker restarted at that address is tried again after this
 FENCED_PASS_S = 5.0
+#: how many brokers in a row a partition's call follows to its owner before giving up (each
+#: names the next: a move under way)
+_FOLLOWS = 4
 
 
 class BrokerClient:
@@ -93,6 +96,8 @@ class BrokerClient:
                 try:
                     with translate_errors(url):
                         result = work(self._client_of(url))
+                except NotOwnerError:
+                    raise  # it answered: another broker owns the partition (followed)
                 except UnavailableError as exc:
                     last = exc
                     continue
@@ -132,20 +137,31 @@ class BrokerClient:
         """The broker a stream of ``command``'s partition goes to."""
         return self._owners.get(_partition_of(command), self.url)
 
-    def _stream_call(self, command: Mapping[str, Any], work: Callable[[Any], Any]) -> Any:
+    def _partition_call(self, command: Mapping[str, Any], work: Callable[[Any], Any]) -> Any:
         """``work`` on the broker that owns the partition ``command`` names, once one said
-        so (:meth:`follow`); else, or when it cannot be reached, as :meth:`_call` does."""
+        so (:meth:`follow`); else, or when it cannot be reached, as :meth:`_call` does. A
+        call refused there as not owned (an action: a stream's refusal comes with its first
+        read) goes to the owner the refusal names."""
         key = _partition_of(command)
-        url = self._owners.get(key)
-        if url is not None:
+        for _ in range(_FOLLOWS):
+            url = self._owners.get(key)
             try:
+                if url is None:
+                    return self._call(work)
                 with translate_errors(url):
                     return work(self._client_of(url))
+            except NotOwnerError as exc:
+                if not exc.owner_url or exc.owner_url == url:
+                    raise
+                self.follow(*key, exc.owner_url)
             except UnavailableError as exc:
+                if url is None:
+                    raise
                 log.info("the owner of %s partition %d at %s: %s; asking %s", *key, url, exc,
                          self.broker)
                 self._owners.pop(key, None)
-        return self._call(work)
+        raise UnavailableError(f"{key[0]} partition {key[1]}: sent from broker to broker "
+                               f"{_FOLLOWS} times without finding its owner")
 
     def next_broker(self) -> str:
         """Use the next broker named (one that answers, but not in time, is left too)."""
@@ -156,20 +172,35 @@ class BrokerClient:
         return f"{type(self).__name__}(broker={self.url!r})"
 
     def action(self, name: str, body: Mapping[str, Any] | None = None) -> Any:
-        results = self._call(lambda f: list(f.do_action(
-            flight.Action(name, encode(dict(body or {}))), self._options)))
+        """Run action ``name``; one that names a partition (a consumer's ack, flow, nack)
+        goes to the partition's owner (:meth:`_partition_call`)."""
+        body = dict(body or {})
+
+        def work(f: Any) -> Any:
+            return list(f.do_action(flight.Action(name, encode(body)), self._options))
+
+        routed = "topic" in body and isinstance(body.get("partition"), int)
+        results = self._partition_call(body, work) if routed else self._call(work)
         return decode(results[0].body.to_pybytes(), f"{name} result")["result"]
 
     def consume(self, ticket: Mapping[str, Any]) -> Any:
         """Open a consume stream (DoGet) for ``ticket``: a Flight reader of record batches,
         with no call timeout (a following read lasts as long as it is read)."""
-        return self._stream_call(ticket, lambda f: f.do_get(flight.Ticket(encode(dict(ticket))),
-                                                            self._stream_options))
+        def work(f: Any) -> Any:
+            reader = f.do_get(flight.Ticket(encode(dict(ticket))), self._stream_options)
+            try:
+                reader.schema  # noqa: B018 - the broker's refusal (not the owner) comes now
+            except BaseException:
+                reader.cancel()
+                raise
+            return reader
+
+        return self._partition_call(ticket, work)
 
     def produce(self, command: Mapping[str, Any]) -> tuple[Any, Any]:
         """Open a produce stream (DoPut) for ``command``: (writer, ack reader)."""
         descriptor = flight.FlightDescriptor.for_command(encode(dict(command)))
-        writer, reader = self._stream_call(command, lambda f: f.do_put(
+        writer, reader = self._partition_call(command, lambda f: f.do_put(
             descriptor, PRODUCE_SCHEMA, self._stream_options))
         return writer, reader
 

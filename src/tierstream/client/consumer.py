@@ -367,7 +367,7 @@ class Consumer:
             pos = Position(b.column("partition")[i].as_py(), b.column("segment_id")[i].as_py(),
                            b.column("entry_id")[i].as_py(), b.column("batch_index")[i].as_py())
         body = {"topic": self.topic, "subscription": self.subscription, "consumer": self.name,
-                "position": pos.to_dict()}
+                "partition": pos.partition, "position": pos.to_dict()}
         late = isinstance(batch_or_position, pa.RecordBatch) \
             and self._from_lost_connection(batch_or_position, pos.partition)
         attempts = [0]
