@@ -214,11 +214,22 @@ class PartitionOwners:
                     (self.broker_id, self.epoch):
                 raise NotOwnerError(_refusal(topic, partition, _owner(c, topic, partition),
                                              "write to"))
+        new = sorted(p for p in set(partitions) if p not in owners)
+        if not new:
+            return
         at = now_ms()
+        # a broker opening the same new partition at once may commit its claim first: the
+        # first claim stands, and the other is refused (not a unique-key crash)
         c.executemany("INSERT INTO partition_owners (topic, partition, broker_id, epoch, "
-                      "claimed_at) VALUES (?, ?, ?, ?, ?)",
-                      [(topic, p, self.broker_id, self.epoch, at)
-                       for p in sorted(set(partitions)) if p not in owners])
+                      "claimed_at) VALUES (?, ?, ?, ?, ?) ON CONFLICT (topic, partition) "
+                      "DO NOTHING", [(topic, p, self.broker_id, self.epoch, at) for p in new])
+        now = {p: (b, e) for p, b, e in c.execute(
+            "SELECT partition, broker_id, epoch FROM partition_owners WHERE topic=?",
+            (topic,)).fetchall()}
+        for partition in new:
+            if now.get(partition) != (self.broker_id, self.epoch):
+                raise NotOwnerError(_refusal(topic, partition, _owner(c, topic, partition),
+                                             "open"))
 
     def check(self, c: Tx, topic: str, partition: int) -> None:
         """In transaction ``c``, before the partition's segments change: this broker owns it
