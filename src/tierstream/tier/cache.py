@@ -405,28 +405,35 @@ class TierCache:
         against their CRCs once per process and copy), with the hits counted (``count``:
         False when its blocks were fetched for this very read); else None."""
         blocks = -(-obj.size // self.block_size)
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT key, idx, bytes, crc FROM blocks WHERE object = ? AND pending = 0",
-                (obj.ident,)).fetchall()
-        if len({idx for _, idx, _, _ in rows if 0 <= idx < blocks}) != blocks:
-            return None
-        try:
-            mapped = pa.memory_map(str(self._file(obj.ident)))  # evicted later: still mapped
-        except FileNotFoundError:
-            return None
-        st = os.fstat(mapped.fileno())
-        seal = (obj.ident, st.st_ino, st.st_mtime_ns)
-        if seal not in self._verified:
+        for attempt in range(2):
+            with self._lock:
+                rows = self._db.execute(
+                    "SELECT key, idx, bytes, crc FROM blocks WHERE object = ? AND pending = 0",
+                    (obj.ident,)).fetchall()
+            if len({idx for _, idx, _, _ in rows if 0 <= idx < blocks}) != blocks:
+                return None
+            try:
+                mapped = pa.memory_map(str(self._file(obj.ident)))  # evicted later: mapped
+            except FileNotFoundError:
+                return None
+            st = os.fstat(mapped.fileno())
+            seal = (obj.ident, st.st_ino, st.st_mtime_ns)
+            if seal in self._verified:
+                break
             whole = memoryview(mapped.read_buffer(obj.size))
             bad = [key for key, idx, nbytes, crc in rows
                    if crc32c.crc32c(whole[idx * self.block_size:
                                           idx * self.block_size + nbytes]) != crc]
-            if bad:
-                mapped.close()
+            if not bad:
+                self._verified.add(seal)
+                break
+            mapped.close()
+            # as _load: another process may have evicted the object between the records and
+            # the mapping and begun fetching it into a new file (a race, not corruption);
+            # the same bad bytes twice are corrupt
+            if attempt:
                 self._corrupt(obj, bad)
                 return None
-            self._verified.add(seal)
         mapped.seek(0)
         if not count:
             return mapped
