@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,11 +18,16 @@ from tierstream.broker.auto_scale import AutoScaler
 from tierstream.broker.config import StoreConfig
 from tierstream.broker.data_dir import lock_data_dir, prepare_data_dir, unlock_data_dir
 from tierstream.broker.growth import Growth
+from tierstream.broker.housekeeping import report_failure, run_housekeeping
 from tierstream.broker.key_routing import KeyRouting
 from tierstream.broker.offload import Offloader
 from tierstream.broker.recovery import RecoveryReport, recover_open_segments
 from tierstream.broker.transaction_coordinator import TransactionCoordinator
-from tierstream.errors import ConfigError, FencedError, StorageError, UnavailableError
+from tierstream.errors import (
+    ConfigError,
+    FencedError,
+    StorageError,
+)
 from tierstream.managed_ledger.bookies.client import BookieClient
 from tierstream.managed_ledger.bookies.local import LocalBookie
 from tierstream.managed_ledger.bookies.placement import (
@@ -40,7 +44,7 @@ from tierstream.metadata.store import MetadataStore
 from tierstream.model.names import TopicName
 from tierstream.model.positions import Position
 from tierstream.tier.catalog import TierCatalog
-from tierstream.util.faults import crash_point, fault_point
+from tierstream.util.faults import crash_point
 from tierstream.util.threads import Worker
 from tierstream.util.timeutil import now_ms
 
@@ -118,7 +122,6 @@ class Store:
         self._closed = False
         self.tier = config.tier()
         self._offloader: Offloader | None = None
-        self._last_tier_pass = time.monotonic()  # the first pass waits one interval
         self._rr = itertools.count()
         self._logs: dict[tuple[str, int], PartitionLog] = {}
         self._topics_lock = threading.Lock()
@@ -153,11 +156,10 @@ class Store:
                              choose_ensemble=self._choose_ensemble, open_topic=self._open_topic,
                              max_partitions=config.max_partitions_per_topic,
                              client_refresh_wait_ms=config.client_refresh_wait_ms)
-        self._auto_scale = None if config.auto_scale_rate is None else AutoScaler(
+        self.auto_scale = None if config.auto_scale_rate is None else AutoScaler(
             self, config.auto_scale_rate, config.auto_scale_window_ms,
             max_partitions=config.max_partitions_per_topic)
-        self._last_txn_pass = time.monotonic()
-        self._timer = Worker("store-housekeeping", self._housekeeping,
+        self._timer = Worker("store-housekeeping", lambda: run_housekeeping(self),
                              on_error=self.thread_failed("the store's housekeeping"))
         self._timer.start()
         self.owners.renew()  # the lease, then every second (ownership.py)
@@ -284,7 +286,7 @@ class Store:
             try:
                 self._purge(record)
             except Exception as exc:  # e.g. the tier is unreachable: the next pass finishes it
-                _failed(exc, "could not finish deleting topic %s; will retry", record.name)
+                report_failure(exc, "could not finish deleting topic %s; will retry", record.name)
 
     def _purge(self, record: TopicRecord) -> None:
         segments = self.metadata.segments(record.name)
@@ -397,7 +399,8 @@ class Store:
                                            threshold_bytes=self.config.offload_threshold_bytes,
                                            now=now)
 
-    def _tier_policies_active(self) -> bool:
+    def tier_policies_active(self) -> bool:
+        """Whether a tier pass has anything to apply (a policy, or bookie copies to delete)."""
         c = self.config
         return (c.offload_after_ms is not None or c.offload_threshold_bytes is not None
                 or any(t.retention_ms is not None for t in self.metadata.list_topics())
@@ -411,49 +414,6 @@ class Store:
         return self.metadata.get_topic(name)
 
     # -- lifecycle ----------------------------------------------------------------------------
-
-    def _housekeeping(self) -> None:
-        interval = min(1.0, self.config.segment_rollover_ms / 4000,
-                       self.config.tier_check_interval_ms / 1000)
-        while not self.closing.wait(interval):
-            fault_point("store.housekeeping")
-            for plog in list(self._logs.values()):
-                try:
-                    plog.roll_if_aged()
-                    plog.roll_if_blocked(self.config.transaction_hold_limit_ms)
-                    plog.flush_stats()
-                except Exception as exc:  # keep housekeeping alive; log and go on
-                    _failed(exc, "housekeeping failed for %s/%s", plog.topic, plog.partition)
-            try:
-                self.repairer.run_once()
-            except Exception as exc:
-                _failed(exc, "re-replication failed; retrying at the next pass")
-            try:
-                self.growth.record_due(now_ms())
-            except Exception as exc:
-                _failed(exc, "recording an announced growth failed; retrying at the next pass")
-            now = time.monotonic()
-            if self._auto_scale is not None:
-                try:
-                    self._auto_scale.check(now)
-                except Exception as exc:
-                    _failed(exc, "auto-scaling failed; retrying at the next pass")
-            if now - self._last_txn_pass >= min(10.0, self.config.transaction_timeout_ms / 4000):
-                self._last_txn_pass = now
-                try:
-                    self.transactions.expire()
-                except Exception as exc:
-                    _failed(exc, "transaction housekeeping failed; retrying later")
-            if now - self._last_tier_pass >= self.config.tier_check_interval_ms / 1000:
-                self._last_tier_pass = now
-                try:
-                    self.purge_deleted_topics()
-                    if self._tier_policies_active():
-                        counts = self.tier_pass()
-                        if any(counts.values()):
-                            log.info("tier pass: %s", counts)
-                except Exception as exc:  # a tier outage must not stop the broker; say so and retry
-                    _failed(exc, "tier pass failed; segments stay readable from bookies")
 
     def thread_failed(self, what: str) -> Callable[[BaseException], None]:
         """The ``on_error`` of a worker thread the broker cannot serve without: its death
@@ -488,11 +448,3 @@ class Store:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _failed(exc: Exception, message: str, *args: Any) -> None:
-    """A background step failed: one line when the metadata's server is unreachable (an
-    outage, said once more by the backend), the stack for anything else (a bug to report)."""
-    if isinstance(exc, UnavailableError):
-        log.warning(message + ": %s", *args, exc)
-    else:
-        log.exception(message, *args)
