@@ -24,6 +24,8 @@ from ..cli.test_cli import run
 from ..logs import running_log
 from ..timing import scaled
 from .helpers import wait_for
+from .test_tier import TOPIC as TIER_TOPIC
+from .test_tier import fill, make_store
 
 TOPIC = "acme/owners/clicks"
 ENSEMBLE = ("bookie-0",)
@@ -63,6 +65,16 @@ def test_a_partition_taken_over_refuses_its_former_owner_which_is_told_the_new_o
         store.seal_segment(sealed, {"writer": (1, {"at": 0})})
     assert isinstance(refused.value, FencedError)  # clients go to another broker
     assert store.segments(TOPIC, 0) == before  # nothing of either was written
+    # nor can it delete in partition 0 or move its segments to the tier
+    sid = first.segment_id
+    for change in (lambda: store.delete_segment(sid),
+                   lambda: store.set_offload_pending(sid, "file:///t/x.parquet"),
+                   lambda: store.flip_to_tier(sid, "file:///t/x.parquet", offloaded_at=5),
+                   lambda: store.mark_bookie_deleted(sid, deleted_at=5),
+                   lambda: store.record_deletion(first, deleted_at=5, reason="retention")):
+        with pytest.raises(NotOwnerError, match=owner):
+            change()
+    assert store.segments(TOPIC, 0) == before and store.deleted_segments(TOPIC) == []
     assert store.load_dedup(TOPIC, 0) == {}
     # partition 1 is still its own
     store.seal_segment(opened.with_stats(state=SegmentState.CLOSED, sealed_at=5), {})
@@ -248,3 +260,31 @@ def _waiting_on_a_lock(url: str) -> bool:
         row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE "
                            "wait_event_type = 'Lock'").fetchone()
     return bool(row and row[0])
+
+
+def test_a_broker_offloads_and_deletes_only_in_the_partitions_it_owns(tmp_path) -> None:
+    """Offload, bookie-copy deletion and retention are each owner's work: a partition another
+    broker owns is left alone, and a call naming its segment is refused before a file of it
+    is touched."""
+    store = make_store(tmp_path / "data", tierUrl=(tmp_path / "tier").as_uri())
+    try:
+        fill(store, entries=25, partitions=2)
+        store.seal(TIER_TOPIC)
+        newer = PartitionOwners(store.metadata, "broker-99", store.epoch + 1)
+        newer.advertise("grpc://10.0.0.9:6651")
+        newer.claim([(TIER_TOPIC, 1)])
+        store.owners.renew()
+        before = store.metadata.segments(TIER_TOPIC, 1)
+
+        moved = store.offloader.offload_topic(TIER_TOPIC)
+        assert moved and {s.partition for s in moved} == {0}
+        store.set_retention(TIER_TOPIC, 1)  # everything is past it
+        removed = store.offloader.apply_retention(TIER_TOPIC)
+        assert removed and {r["partition"] for r in removed} == {0}
+        plog = store.partition(TIER_TOPIC, 1)
+        with pytest.raises(NotOwnerError, match="served by broker-99"):
+            store.offloader.offload_segment(plog, plog.closed_segments()[0])
+        assert store.metadata.segments(TIER_TOPIC, 1) == before  # not one row of it changed
+        assert not list((tmp_path / "tier").rglob("*partition=1*"))
+    finally:
+        store.close()

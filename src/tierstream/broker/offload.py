@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import pyarrow as pa
 
-from tierstream.errors import ConfigError, CorruptionError
+from tierstream.errors import ConfigError, CorruptionError, NotOwnerError
+from tierstream.metadata.ownership import PartitionOwners
 from tierstream.metadata.records import SegmentRecord, SegmentState, TopicRecord
 from tierstream.metadata.store import MetadataStore
 from tierstream.metadata.transaction_records import TransactionRecords
@@ -49,6 +50,7 @@ class OffloadHost(Protocol):
 
     metadata: MetadataStore
     bookies: dict[str, BookieClient]
+    owners: PartitionOwners
 
     def topic(self, name: str) -> TopicRecord: ...
 
@@ -76,6 +78,7 @@ class Offloader:
 
     def offload_segment(self, plog: PartitionLog, seg: SegmentRecord) -> SegmentRecord:
         """Move one CLOSED segment to the tier (steps 1-4); returns its new record."""
+        self.store.owners.serving(seg.topic, seg.partition)  # the owner's work, not ours
         if seg.state != SegmentState.CLOSED:
             raise ConfigError(f"segment {seg.segment_id} is {seg.state}; only CLOSED ones move "
                               "(tierstream seal closes the open one)")
@@ -123,6 +126,9 @@ class Offloader:
         if seg.tier_url is None:
             raise ConfigError(f"segment {seg.segment_id} is not in the tier; its bookie copy "
                               "stays")
+        # nothing is deleted of a partition another broker owns (each metadata write
+        # checks too, in its transaction, but the bookies' files go first)
+        self.store.owners.serving(seg.topic, seg.partition)
         self._fault("before_bookie_delete")
         for b in seg.ensemble:
             bookie = self.store.bookies.get(b)
@@ -145,7 +151,7 @@ class Offloader:
         now = now_ms() if now is None else now
         moved = []
         with self._lock:
-            for plog in self.store.partitions(topic):
+            for plog in self._served(topic):
                 for seg in plog.closed_segments():
                     if seg.tier_url is not None or (segment_ids is not None
                                                     and seg.segment_id not in segment_ids):
@@ -158,12 +164,24 @@ class Offloader:
             self._delete_due_bookie_copies(topic, now_ms() if explicit_now is None else now)
         return moved
 
+    def _served(self, topic: str) -> list[PartitionLog]:
+        """The partitions of ``topic`` this broker serves: another broker's owner offloads,
+        deletes and applies retention in its own."""
+        served = []
+        for plog in self.store.partitions(topic):
+            try:
+                self.store.owners.serving(plog.topic, plog.partition)
+            except NotOwnerError:
+                continue
+            served.append(plog)
+        return served
+
     def _delete_due_bookie_copies(self, topic: str, now: int) -> int:
         deleted = 0
         # a segment holding an undecided transaction's set-aside entries keeps its bookie
         # copy: the tier file does not have them, and the commit writes them again from it
         needed = TransactionRecords(self.store.metadata).set_aside_segments()
-        for plog in self.store.partitions(topic):
+        for plog in self._served(topic):
             for seg in plog.closed_segments():
                 if seg.tier_url is not None and seg.bookie_deleted_at is None and \
                         seg.offloaded_at is not None and seg.segment_id not in needed and \
@@ -183,7 +201,7 @@ class Offloader:
         name = TopicName.parse(topic)
         needed = TransactionRecords(self.store.metadata).set_aside_segments()
         with self._lock:
-            for plog in self.store.partitions(topic):
+            for plog in self._served(topic):
                 for seg in plog.closed_segments():
                     if (seg.max_publish_time or 0) >= now - record.retention_ms:
                         break  # max publish time never decreases along the segments

@@ -6,6 +6,7 @@ at their last durable entry) and opens a fresh segment for every partition.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -23,11 +24,7 @@ from tierstream.broker.key_routing import KeyRouting
 from tierstream.broker.offload import Offloader
 from tierstream.broker.recovery import RecoveryReport, recover_open_segments
 from tierstream.broker.transaction_coordinator import TransactionCoordinator
-from tierstream.errors import (
-    ConfigError,
-    FencedError,
-    StorageError,
-)
+from tierstream.errors import ConfigError, FencedError, NotOwnerError, StorageError
 from tierstream.managed_ledger.bookies.client import BookieClient
 from tierstream.managed_ledger.bookies.local import LocalBookie
 from tierstream.managed_ledger.bookies.placement import (
@@ -435,7 +432,8 @@ class Store:
         try:
             if not self.fenced.is_set():  # fenced: what it could still seal is the new one's
                 for plog in self._logs.values():
-                    plog.close()
+                    with contextlib.suppress(NotOwnerError):  # another's now: it seals it
+                        plog.close()
         finally:
             for bookie in self.bookies.values():
                 bookie.close()

@@ -265,7 +265,19 @@ class MetadataStore:
 
     def delete_segment(self, segment_id: int) -> None:
         with self.atomic() as c:
+            self._held(c, segment_id)
             c.execute("DELETE FROM segments WHERE segment_id=?", (segment_id,))
+
+    def _held(self, c: Tx, segment_id: int) -> None:
+        """In ``c``, before a segment's row changes (offload, retention, an empty segment
+        dropped): its partition is still this broker's, or NotOwnerError names the owner.
+        A broker that lost a partition deletes nothing of it."""
+        if self.owner is None:
+            return
+        row = c.execute("SELECT topic, partition FROM segments WHERE segment_id=?",
+                        (segment_id,)).fetchone()
+        if row is not None:
+            self.owner.check(c, str(row[0]), int(row[1]))
 
     def segments(self, topic: str, partition: int | None = None) -> list[SegmentRecord]:
         """Segment records of ``topic`` sorted by (partition, segment_id)."""
@@ -362,6 +374,7 @@ class MetadataStore:
         """Record where the offloader writes this segment, before it writes anything, so a
         retry after a crash reuses the same file instead of leaving an orphan."""
         with self.atomic() as c:
+            self._held(c, segment_id)
             c.execute("UPDATE segments SET offload_pending_url=? WHERE segment_id=?",
                       (url, segment_id))
 
@@ -369,18 +382,21 @@ class MetadataStore:
                      tier_bytes: int | None = None) -> None:
         """From now on readers read this segment from ``url`` (a file of ``tier_bytes``)."""
         with self.atomic() as c:
+            self._held(c, segment_id)
             c.execute("UPDATE segments SET tier_url=?, offloaded_at=?, tier_bytes=?, "
                       "offload_pending_url=NULL WHERE segment_id=?",
                       (url, offloaded_at, tier_bytes, segment_id))
 
     def mark_bookie_deleted(self, segment_id: int, *, deleted_at: int) -> None:
         with self.atomic() as c:
+            self._held(c, segment_id)
             c.execute("UPDATE segments SET bookie_deleted_at=? WHERE segment_id=?",
                       (deleted_at, segment_id))
 
     def record_deletion(self, record: SegmentRecord, *, deleted_at: int, reason: str) -> None:
         """Remove a segment record and remember what was removed and why, in one step."""
         with self.atomic() as c:
+            self._held(c, record.segment_id)
             c.execute(
                 "INSERT INTO deleted_segments (segment_id, topic, partition, entries, "
                 "messages, min_publish_time, max_publish_time, deleted_at, reason) "
