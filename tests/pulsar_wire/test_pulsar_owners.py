@@ -11,9 +11,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pulsar
+import pyarrow as pa
+
 from tierstream.broker.config import DataDir
 from tierstream.broker.process import BrokerProcess
-from tierstream.client import Admin
+from tierstream.client import Admin, Producer
 from tierstream.metadata.ownership import PartitionOwners
 from tierstream.metadata.store import MetadataStore
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
@@ -91,3 +94,30 @@ def test_a_lookup_sends_a_pulsar_client_to_the_broker_owning_the_partition(
     assert {r["partition"] for r in owner_rows} == {1}
     assert sorted(r["value"] for r in here_rows + owner_rows) == \
         sorted(f"v{i}".encode() for i in range(40))
+
+
+def test_a_pulsar_consumer_of_a_partition_taken_over_is_let_go_and_finds_the_owner(
+        start_broker: Any, tmp_path: Path) -> None:
+    """A real Pulsar consumer subscribed to partition 1 at ``here``; ``here`` then loses the
+    partition (its lease's renewal sees ``owner``'s claim). The consumer is told
+    CLOSE_CONSUMER, looks the partition up again, is sent to the owner, and receives what is
+    produced there."""
+    owner = start_broker("--pulsar-port", str(free_port()), data=tmp_path / "owner")
+    here = start_broker("--pulsar-port", str(free_port()), data=tmp_path / "here")
+    for broker in (owner, here):
+        with Admin(broker.url) as admin:
+            admin.create_topic(TOPIC, 2)
+    client = client_of(here)
+    try:
+        consumer = client.subscribe(f"{NAME}-partition-1", "audit",
+                                    initial_position=pulsar.InitialPosition.Earliest)
+        _given_away(tmp_path / "here", owner)
+        with Producer(TOPIC, broker=owner.url) as producer:
+            producer.send_batch(pa.record_batch({"value": [b"at-the-owner"]}), partition=1)
+        msg = consumer.receive(timeout_millis=int(scaled(30) * 1000))
+        assert msg.data() == b"at-the-owner"
+        consumer.acknowledge(msg)
+    finally:
+        client.close()
+    said = "lost 1 partition(s) to other brokers"
+    assert any(said in line for line in here.stderr_tail), list(here.stderr_tail)[-5:]

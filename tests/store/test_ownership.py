@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import threading
 
+import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
@@ -21,7 +22,7 @@ from tierstream.model.positions import Offset
 from tierstream.wire.flight import encode, translate_errors
 
 from ..cli.test_cli import run
-from ..logs import running_log
+from ..logs import append, running_log
 from ..timing import scaled
 from .helpers import wait_for
 from .test_tier import TOPIC as TIER_TOPIC
@@ -288,3 +289,48 @@ def test_a_broker_offloads_and_deletes_only_in_the_partitions_it_owns(tmp_path) 
         assert not list((tmp_path / "tier").rglob("*partition=1*"))
     finally:
         store.close()
+
+
+def test_a_partition_taken_from_under_its_consumers_sends_them_and_a_tail_to_the_owner(
+        tmp_path) -> None:
+    """A Consumer and a following read attached at ``here``; then ``here`` loses partition 1
+    (its lease's renewal sees it claimed by ``owner``). Their streams of it end, they reopen
+    at the owner, and what is produced there after the move reaches both; ``here`` refuses
+    appends to it and does not roll it over or seal it."""
+    with running_log(tmp_path / "owner") as owner, running_log(tmp_path / "here") as here:
+        for log in (owner, here):
+            log.store.create_topic(TOPIC, 2)
+        # the subscription exists at the owner too, as it would in the one metadata store
+        # brokers share (here each runs its own)
+        Consumer(TOPIC, "audit", broker=owner.url).close()
+        with Consumer(TOPIC, "audit", broker=here.url) as consumer:
+            tail = read(TOPIC, partition=1, broker=here.url)
+            newer = PartitionOwners(here.store.metadata, "broker-99", here.store.epoch + 1)
+            newer.advertise(owner.url)
+            newer.claim([(TOPIC, 1)])
+            here.store.owners.renew()  # what its lease thread does every second
+            plog = here.store.partition(TOPIC, 1)
+            assert plog.lost and plog.seal() is None
+            with pytest.raises(NotOwnerError, match="served by broker-99"):
+                append(here.store, 1, ["late"], keys=[None], times=[None], topic=TOPIC)
+
+            with Producer(TOPIC, broker=owner.url) as producer:
+                producer.send_batch(pa.record_batch({"value": [b"after-0", b"after-1"]}),
+                                    partition=1)
+            got: list[bytes] = []
+            while len(got) < 2:
+                batch = consumer.receive(timeout=scaled(30))
+                assert batch is not None, f"the consumer received {got} of 2"
+                got += batch.column("value").to_pylist()
+                consumer.ack(batch)
+            assert got == [b"after-0", b"after-1"]
+            tailed: list[bytes] = []
+            for batch in tail:
+                tailed += batch.column("value").to_pylist()
+                if len(tailed) >= 2:
+                    break
+            tail.close()
+            assert tailed == [b"after-0", b"after-1"]
+        assert [s.state for s in here.store.metadata.segments(TOPIC, 1)] == \
+            [SegmentState.OPEN]  # left for its owner to fence and seal
+        assert not here.store.fenced.is_set()

@@ -65,6 +65,8 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
         self.store = store
         self.host = host
         self.subscriptions = Subscriptions(store)
+        # a partition another broker took: its consumers are let go, to find the owner
+        store.owners.on_lost.append(self.subscriptions.let_go)
         self.schemas = SchemaRegistry(store.metadata)
         self.streams = Streams(epochs=MetadataEpochs(store.metadata))
         self.lags = QueryLags()

@@ -35,7 +35,7 @@ from tierstream.managed_ledger.bookies.placement import (
 from tierstream.managed_ledger.bookies.repair import Repairer
 from tierstream.managed_ledger.partition_log import PartitionLog
 from tierstream.metadata.bookie_registry import take_writer_epoch
-from tierstream.metadata.ownership import PartitionOwners
+from tierstream.metadata.ownership import Owner, PartitionOwners
 from tierstream.metadata.records import SegmentRecord, TopicRecord
 from tierstream.metadata.store import MetadataStore
 from tierstream.model.names import TopicName
@@ -159,6 +159,7 @@ class Store:
         self._timer = Worker("store-housekeeping", lambda: run_housekeeping(self),
                              on_error=self.thread_failed("the store's housekeeping"))
         self._timer.start()
+        self.owners.on_lost.append(self._lose)
         self.owners.renew()  # the lease, then every second (ownership.py)
         self._lease = Worker("broker-lease", lambda: self.owners.keep(self.closing),
                              on_error=self.thread_failed("the broker's lease"))
@@ -206,6 +207,14 @@ class Store:
             self.fenced_reason = reason
             self.fenced.set()
             log.error("%s: this broker stops writing", reason)
+
+    def _lose(self, lost: dict[tuple[str, int], Owner]) -> None:
+        """Partitions the lease's renewal found owned by other brokers: they are served here
+        no more (appends refused, following reads ended, nothing sealed: the owner does)."""
+        for (topic, partition), owner in lost.items():
+            plog = self._logs.get((topic, partition))
+            if plog is not None:
+                plog.lose(self.owners.refusal(topic, partition, owner))
 
     def _open_topic(self, topic: TopicRecord, opened: list[SegmentRecord]) -> None:
         self.key_routing.opened(topic)

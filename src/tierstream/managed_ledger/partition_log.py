@@ -29,6 +29,7 @@ from tierstream.errors import (
     ConfigError,
     FencedError,
     NotFoundError,
+    NotOwnerError,
     StaleRoutingError,
     UnavailableError,
 )
@@ -114,6 +115,7 @@ class PartitionLog(PartitionRollover):
         self._stats_dirty = False
         self.replica_failures = 0
         self._gone = threading.Event()  # the topic was deleted: no appends, reads end
+        self._lost: NotOwnerError | None = None  # another broker owns it: lose()
         self.appended = 0  # messages appended since the broker started (auto-scaling)
         self.rate_in = RateMeter()   # confirmed entries (topic stats, metrics)
         self.rate_out = RateMeter()  # what the broker streamed to readers and consumers
@@ -160,6 +162,8 @@ class PartitionLog(PartitionRollover):
         if batch.num_rows == 0:
             raise ConfigError("cannot append an empty batch")
         with self._lock:
+            if self._lost is not None:
+                raise self._lost
             if self._gone.is_set():
                 raise NotFoundError(f"topic {self.topic!r} was deleted")
             if txn is not None:
@@ -382,10 +386,25 @@ class PartitionLog(PartitionRollover):
                 self._bookies[b].discard_ledger(self._open.record.segment_id)
             self._changed.notify_all()
 
+    def lose(self, refusal: NotOwnerError) -> None:
+        """Another broker owns this partition now: stop serving it, without sealing (the
+        owner fences the open ledger and recovers it). Appends are refused with
+        ``refusal``, following reads end, and rollover, stats and a clean shutdown leave
+        it alone."""
+        with self._lock:
+            self._lost = refusal
+            self._gone.set()
+            self._changed.notify_all()
+
+    @property
+    def lost(self) -> bool:
+        """Whether another broker owns this partition now (:meth:`lose`)."""
+        return self._lost is not None
+
     def flush_stats(self) -> None:
         """Write the open segment's live stats to the metadata store (planners read them)."""
         with self._lock:
-            if not self._stats_dirty or self._open.sealed:
+            if not self._stats_dirty or self._open.sealed or self._lost is not None:
                 return
             seg = self._open
             self._metadata.update_segment_stats(seg.record.with_stats(

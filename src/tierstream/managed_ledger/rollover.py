@@ -45,6 +45,7 @@ class PartitionRollover(PartitionVisibility):
     _on_sealed: Callable[[SegmentRecord, bool], None] | None
     _index_cache: OrderedDict[int, list[IndexRecord]]
     _lock: threading.RLock
+    _lost: NotOwnerError | None
 
     def _advance(self, seg: OpenSegment, *, roll_on_failure: bool = True) -> None:
         raise NotImplementedError
@@ -114,6 +115,8 @@ class PartitionRollover(PartitionVisibility):
             return True
 
     def _roll(self, *, reopen: bool = True) -> None:
+        if self._lost is not None:
+            return  # another broker owns the partition: it seals what is open (lose())
         seg = self._open
         if seg.sealed:  # sealed already: only the next segment is missing
             if reopen:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +91,9 @@ class PartitionOwners:
         self._view = threading.Lock()  # a renewal's view against a claim's
         #: when the lease was last renewed (monotonic s; None: not yet)
         self.renewed_at: float | None = None
+        #: called with the partitions a renewal found owned elsewhere that were not before
+        #: (the store stops serving them, the subscriptions let their consumers go)
+        self.on_lost: list[Callable[[dict[tuple[str, int], Owner]], None]] = []
 
     def __repr__(self) -> str:
         return f"PartitionOwners(broker={self.broker_id!r}, epoch={self.epoch})"
@@ -169,9 +172,21 @@ class PartitionOwners:
                                                      1)
                 + " WHERE NOT (o.broker_id = ? AND o.epoch = ?)",
                 (self.broker_id, self.epoch)).fetchall()
+        elsewhere = {(row[0], int(row[1])): _row(row[2:]) for row in rows}
         with self._view:
-            self._elsewhere = {(row[0], int(row[1])): _row(row[2:]) for row in rows}
+            lost = {k: o for k, o in elsewhere.items() if k not in self._elsewhere}
+            self._elsewhere = elsewhere
             self.renewed_at = time.monotonic()
+        if lost:
+            log.warning("%s lost %d partition(s) to other brokers (%s): it stops serving them",
+                        self.broker_id, len(lost), ", ".join(
+                            f"{t} partition {p} to {o.broker_id}"
+                            for (t, p), o in sorted(lost.items())[:5]))
+            for listener in self.on_lost:
+                try:
+                    listener(lost)
+                except Exception:  # the lease goes on; the stack is a bug to report
+                    log.exception("letting go of the partitions lost failed")
 
     def keep(self, stopping: threading.Event) -> None:
         """Renew the lease every :data:`RENEW_S` until ``stopping`` is set (a broker's
@@ -197,9 +212,13 @@ class PartitionOwners:
         last renewal. No metadata read: a stream opens at memory speed."""
         owner = self._elsewhere.get((topic, partition))
         if owner is not None:
-            raise NotOwnerError(
-                f"{topic} partition {partition} is served by {owner.describe()}, not by "
-                f"{self.broker_id}: its clients go there", owner_url=owner.url)
+            raise self.refusal(topic, partition, owner)
+
+    def refusal(self, topic: str, partition: int, owner: Owner) -> NotOwnerError:
+        """The error that sends a partition's clients to ``owner``."""
+        return NotOwnerError(f"{topic} partition {partition} is served by {owner.describe()}, "
+                             f"not by {self.broker_id}: its clients go there",
+                             owner_url=owner.url)
 
     def hold(self, c: Tx, topic: str, partitions: Sequence[int]) -> None:
         """In transaction ``c``, before new segments of ``topic``'s ``partitions`` are added

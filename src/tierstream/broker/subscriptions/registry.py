@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -281,6 +281,18 @@ class Subscriptions:
         if not removed:
             raise NotFoundError(f"topic {topic!r} has no subscription {subscription!r}")
         return removed
+
+    def let_go(self, partitions: Iterable[tuple[str, int]]) -> None:
+        """Partitions another broker owns now: their dispatchers stop, and each consumer
+        attached there is let go (its stream ends, and its client goes to the owner)."""
+        keys = set(partitions)
+        with self._lock:
+            stopped = [self._dispatchers.pop(k) for k in list(self._dispatchers)
+                       if (k[0], k[2]) in keys]
+        for d in stopped:
+            for c in list(d.consumers.values()):
+                d.detach(c)
+            d.close()
 
     def forget_topic(self, topic: str) -> None:
         """A deleted topic's dispatchers stop."""
