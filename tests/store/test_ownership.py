@@ -129,7 +129,7 @@ def test_stats_say_which_broker_owns_each_partition_and_a_restart_claims_them_al
     with Admin(broker.url) as admin:
         admin.create_topic(TOPIC, 2)
         first = admin.topic_stats(TOPIC, per_partition=True)
-        me = admin.stats()["broker"]
+        me, brokers = admin.stats()["broker"], admin.stats()["brokers"]
     assert me["partitions_owned"] == 2 and me["id"] == f"broker-{me['epoch']}"
     owners = [p["owner"] for p in first["partitions"]]
     assert [(o["broker"], o["url"]) for o in owners] == [(me["id"], broker.url)] * 2
@@ -137,6 +137,8 @@ def test_stats_say_which_broker_owns_each_partition_and_a_restart_claims_them_al
     assert first["owners"] == [{"broker": me["id"], "epoch": me["epoch"], "url": broker.url,
                                 "pulsar_url": None, "partitions": 2}]
     assert 0 <= heard <= scaled(5) * 1000 and me["lease_renewed_s_ago"] <= scaled(5)
+    assert [(b["broker"], b["url"], b["partitions"], b["this"]) for b in brokers] == \
+        [(me["id"], broker.url, 2, True)]
     env = {"TIERSTREAM_BROKER": broker.url or ""}
     table = run("topic", "stats", TOPIC, "--per-partition", env=env)
     assert table.returncode == 0, table.stderr
@@ -145,14 +147,18 @@ def test_stats_say_which_broker_owns_each_partition_and_a_restart_claims_them_al
     brk = run("broker", "stats", env=env)
     assert f"{me['id']} (epoch {me['epoch']}), owns 2 partition(s), lease renewed " \
         in brk.stdout
+    assert re.search(rf"brokers +{me['id']} at {re.escape(broker.url or '')} \(epoch "
+                     rf"{me['epoch']}, lease renewed [0-9.]+ s ago\): 2 partition\(s\) "
+                     r"\(this one\)", brk.stdout), brk.stdout
 
     broker.stop()
     again = broker.start()
     with Admin(again.url) as admin:
-        now = admin.stats()["broker"]
+        now, brokers = admin.stats()["broker"], admin.stats()["brokers"]
         owners = [p["owner"] for p in admin.topic_stats(TOPIC, per_partition=True)["partitions"]]
     assert now["epoch"] > me["epoch"] and now["partitions_owned"] == 2
     assert {o["broker"] for o in owners} == {now["id"]}
+    assert [b["broker"] for b in brokers] == [now["id"]]  # the former one owns nothing
     said = f"owns the store's 2 partitions, taken over from {me['id']} (2)"
     wait_for(lambda: said in "".join(again.stderr_tail), scaled(10), what=said)
 

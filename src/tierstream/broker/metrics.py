@@ -150,12 +150,18 @@ class _Collector:
         for kind, n in stats["streams"].items():
             streams.add_metric([kind], n)
         yield streams
-        me = stats["broker"]
         owned = GaugeMetricFamily("tierstream_partitions_owned",
-                                  "Partitions this broker owns (metadata/ownership.py)",
+                                  "Partitions each broker owns (metadata/ownership.py)",
                                   labels=["broker"])
-        owned.add_metric([me["id"]], me["partitions_owned"])
+        lease = GaugeMetricFamily("tierstream_broker_lease_age_seconds",
+                                  "Since each broker last renewed its lease, by the metadata "
+                                  "server's clock", labels=["broker"])
+        for b in stats["brokers"]:
+            owned.add_metric([b["broker"]], b["partitions"])
+            if b["heard_ms_ago"] is not None:
+                lease.add_metric([b["broker"]], max(0, b["heard_ms_ago"]) / 1000)
         yield owned
+        yield lease
         yield GaugeMetricFamily("tierstream_recovered_segments",
                                 "Segments sealed by crash recovery when the broker started",
                                 value=len(stats["recovered_segments"]))

@@ -218,6 +218,7 @@ def broker_stats(store: Store, streams: Streams) -> dict[str, Any]:
                    "partitions_owned": store.owners.owned(),
                    "lease_renewed_s_ago": None if store.owners.renewed_at is None else
                    round(time.monotonic() - store.owners.renewed_at, 3)},
+        "brokers": store.owners.brokers(),
         "streams": {kind: sum(1 for s in live if s["kind"] == kind)
                     for kind in ("producer", "reader", "consumer")},
         "offload": {

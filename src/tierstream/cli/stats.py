@@ -192,6 +192,9 @@ def render_broker_stats(stats: dict[str, Any]) -> Table:
         ("broker", f"{me.get('id')} (epoch {me.get('epoch')}), owns "
                    f"{me.get('partitions_owned')} partition(s), lease renewed "
                    f"{_age(me.get('lease_renewed_s_ago'))} ago"),
+        *[("brokers" if i == 0 else "",
+           f"{_owner(b)}: {b['partitions']} partition(s){' (this one)' if b['this'] else ''}")
+          for i, b in enumerate(stats.get("brokers") or [])],
         ("topics, partitions", f"{stats.get('topics')}, {stats.get('partitions')}"),
         ("streams", ", ".join(f"{v} {k}(s)" for k, v in streams.items())),
         ("offload", "no policy (tierstream offload moves segments)"

@@ -279,6 +279,19 @@ class PartitionOwners:
         """:data:`_OWNER` with the age of each owner's lease, by the server's clock."""
         return _OWNER.format(heard=f"{self._clock} - b.heartbeat_at")
 
+    def brokers(self) -> list[dict[str, Any]]:
+        """Every broker the metadata knows: where it is reached, its epoch, how many
+        partitions it owns, and how long ago it renewed its lease (by the server's clock)."""
+        rows = self.metadata.query(
+            f"SELECT b.broker_id, b.epoch, b.url, b.pulsar_url, b.started_at, "
+            f"{self._clock} - b.heartbeat_at, (SELECT COUNT(*) FROM partition_owners o "
+            "WHERE o.broker_id = b.broker_id AND o.epoch = b.epoch) FROM brokers b "
+            "ORDER BY b.broker_id")
+        return [{"broker": str(b), "epoch": int(e), "url": url, "pulsar_url": pulsar_url,
+                 "started_at": int(started), "heard_ms_ago": None if heard is None else
+                 int(heard), "partitions": int(n), "this": b == self.broker_id}
+                for b, e, url, pulsar_url, started, heard, n in rows]
+
     def owned(self) -> int:
         """How many partitions this broker owns."""
         (count,) = self.metadata.query(
