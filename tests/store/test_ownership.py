@@ -198,6 +198,12 @@ def test_a_broker_refuses_streams_of_a_partition_owned_elsewhere_and_producers_f
                          for b in p.read(p.earliest(), end=p.last_confirmed()[1])
                          for r in b.to_pylist()]
                   for name, log in (("here", here), ("owner", owner))}
+        # each partition's end, as the Spark source and following reads pin them: partition
+        # 1's from its owner (the end ``here`` still has of it is where it lost it)
+        with Admin(here.url) as admin:
+            assert admin.ends(TOPIC) == {0: here.store.ends(TOPIC)[0],
+                                         1: owner.store.ends(TOPIC)[1]}
+        assert here.store.ends(TOPIC)[1] != owner.store.ends(TOPIC)[1]
         assert {p for p, _ in stored["here"]} == {0}
         assert {p for p, _ in stored["owner"]} == {1}
         assert sorted(v for rows in stored.values() for _, v in rows) == \

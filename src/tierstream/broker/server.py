@@ -21,6 +21,7 @@ from tierstream.broker.topic_stats import QueryLags, Streams, broker_stats, topi
 from tierstream.errors import (
     ConfigError,
     NotFoundError,
+    NotOwnerError,
     ProducerFencedError,
     ProtocolError,
     TierstreamError,
@@ -188,7 +189,25 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
         }
 
     def _ends(self, body: dict[str, Any]) -> Any:
-        return {str(p): end.to_dict() for p, end in self.store.ends(body["topic"]).items()}
+        """Each partition's end. With ``owners`` (clients since issue 52): only those served
+        here, and the owner's address of each other one, whose end only its owner knows;
+        with ``partition``, that one's (refused here when another broker owns it)."""
+        topic = _topic(body)
+        ends = self.store.ends(topic)
+        if body.get("partition") is not None:
+            partition = int(body["partition"])
+            self.store.owners.serving(topic, partition)
+            return {str(partition): ends[partition].to_dict()}
+        if not body.get("owners"):
+            return {str(p): end.to_dict() for p, end in ends.items()}
+        served, owners = {}, {}
+        for p, end in ends.items():
+            try:
+                self.store.owners.serving(topic, p)
+                served[str(p)] = end.to_dict()
+            except NotOwnerError as exc:
+                owners[str(p)] = exc.owner_url
+        return {"ends": served, "owners": owners}
 
     def _seal(self, body: dict[str, Any]) -> Any:
         return [s.to_dict() for s in self.store.seal(body["topic"], body.get("partition"))]
@@ -397,7 +416,8 @@ _ACTIONS = {
     "list-topics": (Broker._list_topics, "All topics, or those of {namespace}."),
     "list-segments": (Broker._list_segments, "Segment records of {topic}, live stats."),
     "last-confirmed": (Broker._last_confirmed, "Last confirmed position per partition."),
-    "ends": (Broker._ends, "Exclusive end position per partition of {topic} (no data read)."),
+    "ends": (Broker._ends, "Exclusive end position per partition of {topic} (no data read); "
+                           "[owners]: those served here, and the owner of each other one."),
     "seal": (Broker._seal, "Seal the open segment(s) of {topic[, partition]}."),
     "stats": (Broker._stats, "Broker and store counters: streams, offload lag, "
                              "transactions by state, open files."),

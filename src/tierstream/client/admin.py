@@ -92,8 +92,17 @@ class Admin(BrokerClient):
     def ends(self, topic: str) -> dict[int, Position]:
         """Per partition: the exclusive end after its last confirmed message. The broker
         answers it from memory, also while its tier is away."""
-        raw = self.action("ends", {"topic": str(TopicName.parse(topic))})
-        return {int(p): Position.from_dict(v) for p, v in raw.items()}
+        name = str(TopicName.parse(topic))
+        raw = self.action("ends", {"topic": name, "owners": True})
+        if "ends" not in raw:  # a broker from before several brokers: it serves them all
+            return {int(p): Position.from_dict(v) for p, v in raw.items()}
+        ends = {int(p): Position.from_dict(v) for p, v in raw["ends"].items()}
+        for p, url in raw["owners"].items():  # each asked of its owner
+            if url:
+                self.follow(name, int(p), url)
+            one = self.action("ends", {"topic": name, "partition": int(p)})
+            ends[int(p)] = Position.from_dict(one[p])
+        return dict(sorted(ends.items()))
 
     def latest_cut(self, topic: str) -> StreamCut:
         """The end of everything confirmed so far: each partition's exclusive end position."""
