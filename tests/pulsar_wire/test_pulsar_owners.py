@@ -41,6 +41,17 @@ def _given_away(data_dir: Path, owner: BrokerProcess) -> None:
         metadata.close()
 
 
+def _two_brokers(start_broker: Any, tmp_path: Path, *here_args: str
+                 ) -> tuple[BrokerProcess, BrokerProcess]:
+    """(owner, here): two brokers on stores of their own, each with the 2-partition topic."""
+    owner = start_broker("--pulsar-port", str(free_port()), data=tmp_path / "owner")
+    here = start_broker("--pulsar-port", str(free_port()), *here_args, data=tmp_path / "here")
+    for broker in (owner, here):
+        with Admin(broker.url) as admin:
+            admin.create_topic(TOPIC, 2)
+    return owner, here
+
+
 def _answer(broker: BrokerProcess, *commands: api.BaseCommand) -> api.BaseCommand:
     """The first answer to ``commands`` (after CONNECT) that is not CONNECTED."""
     host, port = (broker.pulsar_url or "").removeprefix("pulsar://").rsplit(":", 1)
@@ -55,12 +66,7 @@ def _answer(broker: BrokerProcess, *commands: api.BaseCommand) -> api.BaseComman
 
 def test_a_lookup_sends_a_pulsar_client_to_the_broker_owning_the_partition(
         start_broker: Any, tmp_path: Path) -> None:
-    owner = start_broker("--pulsar-port", str(free_port()), data=tmp_path / "owner")
-    here = start_broker("--pulsar-port", str(free_port()), "--admin-port", str(free_port()),
-                        data=tmp_path / "here")
-    for broker in (owner, here):
-        with Admin(broker.url) as admin:
-            admin.create_topic(TOPIC, 2)
+    owner, here = _two_brokers(start_broker, tmp_path, "--admin-port", str(free_port()))
     _given_away(tmp_path / "here", owner)
 
     lookup = _answer(here, api.BaseCommand(
@@ -102,11 +108,7 @@ def test_a_pulsar_consumer_of_a_partition_taken_over_is_let_go_and_finds_the_own
     partition (its lease's renewal sees ``owner``'s claim). The consumer is told
     CLOSE_CONSUMER, looks the partition up again, is sent to the owner, and receives what is
     produced there."""
-    owner = start_broker("--pulsar-port", str(free_port()), data=tmp_path / "owner")
-    here = start_broker("--pulsar-port", str(free_port()), data=tmp_path / "here")
-    for broker in (owner, here):
-        with Admin(broker.url) as admin:
-            admin.create_topic(TOPIC, 2)
+    owner, here = _two_brokers(start_broker, tmp_path)
     client = client_of(here)
     try:
         consumer = client.subscribe(f"{NAME}-partition-1", "audit",
