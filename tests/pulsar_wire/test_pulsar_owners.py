@@ -16,12 +16,15 @@ import pyarrow as pa
 
 from tierstream.broker.config import DataDir
 from tierstream.broker.process import BrokerProcess
+from tierstream.broker.pulsar.server import PulsarServer
 from tierstream.client import Admin, Producer
 from tierstream.metadata.ownership import PartitionOwners
 from tierstream.metadata.store import MetadataStore
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.pulsar_protocol.frames import command_frame
+from tierstream.wire.security import advertised_host
 
+from ..logs import running_log
 from ..timing import scaled
 from .helpers import client_of, commands_until, free_port, rows_of
 
@@ -123,3 +126,25 @@ def test_a_pulsar_consumer_of_a_partition_taken_over_is_let_go_and_finds_the_own
         client.close()
     said = "lost 1 partition(s) to other brokers"
     assert any(said in line for line in here.stderr_tail), list(here.stderr_tail)[-5:]
+
+
+def test_a_listener_bound_to_every_interface_answers_lookups_with_the_host_name(
+        tmp_path: Path) -> None:
+    """0.0.0.0 means nothing to another machine: a Pulsar listener bound to every interface
+    without --advertised-address answers LOOKUP with this machine's host name (as Pulsar's
+    brokers advertise theirs), not with 0.0.0.0 — a client on another host followed that to
+    itself and never connected. Given --advertised-address, it answers that."""
+    with running_log(tmp_path / "data") as log:
+        pieces = {"schemas": log.broker.schemas, "subscriptions": log.broker.subscriptions,
+                  "streams": log.broker.streams, "auth_token": "t"}
+        for advertised, named in ((None, socket.gethostname()),
+                                  ("store-1.internal", "store-1.internal")):
+            server = PulsarServer(log.store, host="0.0.0.0", port=0, advertised=advertised,
+                                  **pieces)
+            try:
+                assert server.url == f"pulsar://{named}:{server.port}"
+                assert server.listener.url == server.url  # what LOOKUP answers
+            finally:
+                server.shutdown()
+    assert advertised_host("::", None) == socket.gethostname()
+    assert advertised_host("10.0.0.5", None) == "10.0.0.5"

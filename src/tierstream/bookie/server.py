@@ -60,6 +60,7 @@ from tierstream.model.positions import Position
 from tierstream.wire.flight import action_result, decode, server_error
 from tierstream.wire.security import (
     TokenMiddlewareFactory,
+    advertised_host,
     check_bind,
     server_tls,
     url_host,
@@ -385,7 +386,7 @@ def advertised_url(server: BookieServer, advertised: str | None) -> str:
     """The address readers are given: ``advertised`` (a host, host:port or URL) or the bound
     one."""
     if advertised is None:
-        return server.url
+        return f"{server.scheme}://{url_host(advertised_host(server.host, None))}:{server.port}"
     if "://" in advertised:
         return advertised
     host, _, port = advertised.rpartition(":") if advertised.count(":") == 1 else \

@@ -29,7 +29,13 @@ from tierstream.options import (
     DEFAULT_PULSAR_TLS_PORT,
 )
 from tierstream.util.signals import stop_requested
-from tierstream.wire.security import require_token, server_tls, url_host
+from tierstream.wire.security import (
+    WILDCARD_HOSTS,
+    advertised_host,
+    require_token,
+    server_tls,
+    url_host,
+)
 
 __all__ = ["run_broker", "serve_bookies"]
 
@@ -139,7 +145,11 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
     lost = store.metadata.backend.lost
     with stop_requested() as stop:
         try:
-            where = url_host(advertised_address or host)
+            where = url_host(advertised_host(host, advertised_address))
+            if not advertised_address and host in WILDCARD_HOSTS:
+                log.warning("bound to every interface (%s): other machines are given this "
+                            "one's host name, %s (--advertised-address names another)", host,
+                            where)
             store.owners.advertise(f"{broker.scheme}://{where}:{broker.port}",
                                    pulsar.url if pulsar else None)
             if ready is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,8 @@ import pyarrow.flight as flight
 
 from tierstream.errors import AuthError, ConfigError
 
-__all__ = ["TokenMiddlewareFactory", "check_bind", "client_for", "is_loopback", "read_pem",
-           "require_token", "server_tls", "url_host"]
+__all__ = ["WILDCARD_HOSTS", "TokenMiddlewareFactory", "advertised_host", "check_bind",
+           "client_for", "is_loopback", "read_pem", "require_token", "server_tls", "url_host"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,21 @@ def is_loopback(host: str) -> bool:
 def url_host(host: str) -> str:
     """A host as it goes into a URL: IPv6 literals in brackets."""
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+#: bind addresses that mean every interface: no other machine can reach one by them
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
+
+
+def advertised_host(host: str, advertised: str | None) -> str:
+    """The host other machines are given for a listener bound to ``host``: ``advertised``
+    when given; for a bind to every interface (0.0.0.0 means nothing to another machine),
+    this machine's host name, as Pulsar's brokers advertise theirs; else ``host``."""
+    if advertised:
+        return advertised
+    if host in WILDCARD_HOSTS:
+        return socket.gethostname()
+    return host
 
 
 def require_token(host: str, *, auth_token: str | None, what: str) -> None:

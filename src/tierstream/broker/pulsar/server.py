@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from tierstream.broker.pulsar.connection import KEEPALIVE_S, Connection, Listener
 from tierstream.options import DEFAULT_PULSAR_PORT
+from tierstream.wire.security import advertised_host
 
 if TYPE_CHECKING:
     from tierstream.broker.store import Store
@@ -65,7 +66,7 @@ class PulsarServer:
 
         self._server = Server((host, port), Handler)
         self.port = int(self._server.server_address[1])
-        name = advertised or host
+        name = advertised_host(host, advertised)
         scheme = "pulsar+ssl" if context is not None else "pulsar"
         self.url = f"{scheme}://{'[' + name + ']' if ':' in name else name}:{self.port}"
         self.listener = Listener(
