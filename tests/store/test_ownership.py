@@ -76,6 +76,15 @@ def test_a_partition_taken_over_refuses_its_former_owner_which_is_told_the_new_o
         with pytest.raises(NotOwnerError, match=owner):
             change()
     assert store.segments(TOPIC, 0) == before and store.deleted_segments(TOPIC) == []
+    # its last cursor writes are stored for the partition it still owns only: the new
+    # owner's cursor of partition 0 is not written over (its messages come again)
+    store.owner = new  # the new owner writes its cursor of partition 0
+    store.save_cursors([(TOPIC, "audit", 0, {"new": 2})], now=6)
+    store.owner = old
+    store.save_cursors([(TOPIC, "audit", 0, {"old": 1}), (TOPIC, "audit", 1, {"old": 1})],
+                       now=7)
+    assert [(r["partition"], r["state"]) for r in store.cursors(TOPIC)] == \
+        [(0, {"new": 2}), (1, {"old": 1})]
     assert store.load_dedup(TOPIC, 0) == {}
     # partition 1 is still its own
     store.seal_segment(opened.with_stats(state=SegmentState.CLOSED, sealed_at=5), {})

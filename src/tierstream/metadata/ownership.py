@@ -250,6 +250,17 @@ class PartitionOwners:
                 raise NotOwnerError(_refusal(topic, partition, _owner(c, topic, partition),
                                              "open"))
 
+    def foreign(self, c: Tx, partitions: set[tuple[str, int]]) -> dict[tuple[str, int], str]:
+        """In transaction ``c``: of ``partitions``, those another broker owns (or this one
+        under an older claim), with the owner's id; one read per topic."""
+        out = {}
+        for topic in sorted({t for t, _ in partitions}):
+            for p, b, e in c.execute("SELECT partition, broker_id, epoch FROM "
+                                     "partition_owners WHERE topic=?", (topic,)).fetchall():
+                if (topic, p) in partitions and (b, e) != (self.broker_id, self.epoch):
+                    out[(topic, int(p))] = str(b)
+        return out
+
     def check(self, c: Tx, topic: str, partition: int) -> None:
         """In transaction ``c``, before the partition's segments change: this broker owns it
         at its epoch, or NotOwnerError names the owner (or says nobody does)."""

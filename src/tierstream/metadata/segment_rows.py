@@ -27,6 +27,10 @@ class Holder(Protocol):
         """Before a partition's segments change: still owned by this broker."""
         ...
 
+    def foreign(self, c: Tx, partitions: set[tuple[str, int]]) -> dict[tuple[str, int], str]:
+        """Of ``partitions``, those another broker owns, with its id."""
+        ...
+
 
 def insert_segments(c: Tx, topic: str, partitions: list[tuple[int, tuple[str, ...]]],
                     created_at: int, owner: Holder | None) -> list[SegmentRecord]:

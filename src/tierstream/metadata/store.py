@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -35,6 +36,8 @@ from tierstream.model.names import TopicName
 from tierstream.schemas.model import SchemaInfo, SchemaType
 
 __all__ = ["SEGMENT_COLUMNS", "MetadataStore", "segment_of_row"]
+
+log = logging.getLogger(__name__)
 _TOPIC = "name, partitions, retention_ms, created_at, key_routing, announced, announced_at"
 
 
@@ -458,8 +461,16 @@ class MetadataStore:
                  "updated_at": r[3]} for r in rows]
 
     def save_cursors(self, rows: Sequence[tuple[str, str, int, Any]], *, now: int) -> None:
-        """Store ``(topic, subscription, partition, state)`` rows in one transaction."""
+        """Store ``(topic, subscription, partition, state)`` rows in one transaction. A row
+        of a partition another broker owns now is not written over its cursor (its acks
+        are delivered again: at least once), and the others are."""
         with self.atomic() as c:
+            foreign = {} if self.owner is None else self.owner.foreign(
+                c, {(t, p) for t, _, p, _ in rows})
+            if foreign:
+                log.warning("cursors not stored, of partitions other brokers own now (their "
+                            "consumers get those messages again): %s", sorted(foreign)[:5])
+                rows = [r for r in rows if (r[0], r[2]) not in foreign]
             c.executemany(
                 "INSERT INTO cursors (topic, subscription, partition, state, updated_at) "
                 "VALUES (?, ?, ?, ?, ?) ON CONFLICT (topic, subscription, partition) DO UPDATE "
