@@ -185,7 +185,9 @@ class BrokerClient:
 
     def consume(self, ticket: Mapping[str, Any]) -> Any:
         """Open a consume stream (DoGet) for ``ticket``: a Flight reader of record batches,
-        with no call timeout (a following read lasts as long as it is read)."""
+        with no call timeout (a following read lasts as long as it is read). It returns once
+        the broker answered the stream's schema, so its refusal (an attach error, offsets it
+        cannot resolve, a partition it does not own) is raised here."""
         def work(f: Any) -> Any:
             reader = f.do_get(flight.Ticket(encode(dict(ticket))), self._stream_options)
             try:

@@ -28,7 +28,7 @@ from tierstream.util.fanin import put, start_reader
 from tierstream.util.faults import fault_point
 from tierstream.util.threads import Worker
 from tierstream.util.timeutil import parse_duration_ms
-from tierstream.wire.flight import encode_positions, translate_errors
+from tierstream.wire.flight import encode_positions
 
 __all__ = ["Consumer"]
 
@@ -181,14 +181,7 @@ class Consumer:
             f"{exc!r} (see the log); close it and subscribe again")), self._stop)
 
     def _open(self, ticket: dict[str, Any]) -> Any:
-        reader = self._client.consume(ticket)
-        try:
-            with translate_errors(self._client.url):
-                reader.schema  # noqa: B018 - forces the call, raising attach errors now
-        except BaseException:
-            reader.cancel()
-            raise
-        return reader
+        return self._client.consume(ticket)  # attach errors are raised here
 
     def _pump(self, partition: int) -> None:
         """Partition ``partition``'s stream into the queue, re-attaching after a broker

@@ -83,11 +83,8 @@ class TopicReader:
             ticket = {"op": "consume", "topic": name, "key_ranges": ranges,
                       "end": None if end is None else end.to_dict()}
             tickets = [{**ticket, "partition": p, "start": starts[p]} for p in parts]
-            for t in tickets:
-                reader = self._client.consume(t)
-                with translate_errors(self._client.url):
-                    reader.schema  # noqa: B018 - waits for the broker to resolve the offsets
-                self._readers.append(reader)
+            for t in tickets:  # each returns once the broker resolved its offsets
+                self._readers.append(self._client.consume(t))
         except BaseException:
             self.close()
             raise
@@ -194,9 +191,7 @@ def consume_stream(client: BrokerClient, ticket: dict[str, Any], *, first: Any =
         unregister = None
         try:
             if reader is None:
-                reader = client.consume(ticket)
-                with translate_errors(client.url):
-                    reader.schema  # noqa: B018 - the broker answered: the outage is over
+                reader = client.consume(ticket)  # the broker answered: the outage is over
                 if backoff is not None:
                     log.info("%s partition %s: reconnected after %d attempt(s)",
                              ticket.get("topic"), ticket.get("partition"), backoff.attempts)

@@ -67,12 +67,6 @@ class Owner:
         where = f" at {self.url}" if self.url else ""
         return f"{self.broker_id}{where} (epoch {self.epoch})"
 
-    def heard(self) -> str:
-        """When its lease was last renewed, for a stats line."""
-        if self.heard_ms_ago is None:
-            return "no lease renewed yet"
-        return f"lease renewed {max(0, self.heard_ms_ago) / 1000:.1f} s ago"
-
     def as_dict(self) -> dict[str, object]:
         return {"broker": self.broker_id, "epoch": self.epoch, "since": self.claimed_at,
                 "url": self.url, "pulsar_url": self.pulsar_url,
@@ -225,9 +219,7 @@ class PartitionOwners:
         (one read for all): this broker owns each at its epoch, or one owned by nobody yet is
         claimed (a new partition is owned by the broker that opens it). One owned elsewhere:
         NotOwnerError."""
-        owners = {p: (b, e) for p, b, e in c.execute(
-            "SELECT partition, broker_id, epoch FROM partition_owners WHERE topic=?",
-            (topic,)).fetchall()}
+        owners = _owners_of(c, topic)
         for partition in partitions:
             if owners.get(partition, (self.broker_id, self.epoch)) != \
                     (self.broker_id, self.epoch):
@@ -242,9 +234,7 @@ class PartitionOwners:
         c.executemany("INSERT INTO partition_owners (topic, partition, broker_id, epoch, "
                       "claimed_at) VALUES (?, ?, ?, ?, ?) ON CONFLICT (topic, partition) "
                       "DO NOTHING", [(topic, p, self.broker_id, self.epoch, at) for p in new])
-        now = {p: (b, e) for p, b, e in c.execute(
-            "SELECT partition, broker_id, epoch FROM partition_owners WHERE topic=?",
-            (topic,)).fetchall()}
+        now = _owners_of(c, topic)
         for partition in new:
             if now.get(partition) != (self.broker_id, self.epoch):
                 raise NotOwnerError(_refusal(topic, partition, _owner(c, topic, partition),
@@ -255,10 +245,9 @@ class PartitionOwners:
         under an older claim), with the owner's id; one read per topic."""
         out = {}
         for topic in sorted({t for t, _ in partitions}):
-            for p, b, e in c.execute("SELECT partition, broker_id, epoch FROM "
-                                     "partition_owners WHERE topic=?", (topic,)).fetchall():
+            for p, (b, e) in _owners_of(c, topic).items():
                 if (topic, p) in partitions and (b, e) != (self.broker_id, self.epoch):
-                    out[(topic, int(p))] = str(b)
+                    out[(topic, p)] = b
         return out
 
     def check(self, c: Tx, topic: str, partition: int) -> None:
@@ -309,6 +298,13 @@ class PartitionOwners:
             "SELECT COUNT(*) FROM partition_owners WHERE broker_id=? AND epoch=?",
             (self.broker_id, self.epoch))[0]
         return int(count)
+
+
+def _owners_of(c: Tx, topic: str) -> dict[int, tuple[str, int]]:
+    """In ``c``: each owned partition of ``topic`` -> (broker id, epoch of its claim)."""
+    return {int(p): (str(b), int(e)) for p, b, e in c.execute(
+        "SELECT partition, broker_id, epoch FROM partition_owners WHERE topic=?",
+        (topic,)).fetchall()}
 
 
 def _owner(c: Tx, topic: str, partition: int) -> Owner | None:
