@@ -118,6 +118,30 @@ def test_a_frame_corrupt_on_one_bookie_is_caught_by_the_reader_and_read_from_ano
             _read([_elsewhere(first)])
 
 
+def test_an_endpoint_that_is_another_bookie_is_not_read_for_the_replica(tmp_path: Path
+                                                                      ) -> None:
+    """Regression: a replica's address answered by another bookie's endpoint (its port taken
+    while the bookie was down, here by another store's bookie-1) was read as if it were the
+    replica: that store's ledger of the same id, wrong rows. Now the request names the
+    bookie, the endpoint refuses it and the next replica is read."""
+    with running_log(tmp_path / "data", bookie_endpoints=True, bookies=2, writeQuorum=2,
+                     ackQuorum=2, maxEntriesPerSegment=6) as log, \
+            running_log(tmp_path / "other", bookie_endpoints=True, bookies=2, writeQuorum=2,
+                        ackQuorum=2, maxEntriesPerSegment=6) as other:
+        fill(log, partitions=1, batches=6)
+        fill(other, partitions=1, batches=6, n=7)
+        splits = [_elsewhere(s) for s in _bookie_splits(log)]
+        before = _read(splits)
+        _bookie_splits(other)
+        wrong = other.endpoints[1].url  # the other store's bookie-1
+        assert all(s.replicas[0].bookie == "bookie-0" for s in splits)
+        moved = [replace(s, replicas=(replace(s.replicas[0], endpoint=wrong),
+                                      *s.replicas[1:])) for s in splits]
+        stats = ReadStats()
+        assert _read(moved, stats) == before
+        assert stats.rows(path=ENDPOINT) == len(before)
+
+
 def test_local_files_a_corrupt_or_missing_first_replica_is_read_from_the_next(
         tmp_path: Path) -> None:
     with running_log(tmp_path / "data", bookies=3, writeQuorum=3, ackQuorum=2,

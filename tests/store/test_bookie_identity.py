@@ -285,3 +285,62 @@ def test_two_bookies_down_are_told_once_not_at_every_retry(network_store, open_s
     # and nothing told at every pass of the repair or every retry of the producer, nor
     # Arrow's own lines for the broken streams ("status.cc:182: Close() failed: ...")
     assert len(lines) < 40 and "status.cc" not in said, said[-3000:]
+
+
+def test_a_bookie_s_address_answered_by_another_endpoint_is_not_taken_for_it(
+        network_store, tmp_path) -> None:
+    """Regression (a suite run on CI): while bookie-1 was down, another test's broker took its
+    port for a read-only endpoint of its own bookie-0. Its ping answered, so bookie-1 was
+    taken for back; the next seal there failed 'bookie endpoint bookie-0 is read-only' and
+    the producer got that error and died. An endpoint that takes writes, of another bookie
+    (another store's), was worse: its copies counted towards the ack quorum. Now every call
+    names the bookie it is for, and an endpoint that is another one is that bookie being
+    unavailable."""
+    from tierstream.bookie.server import BookieServer
+
+    _, bookies, broker = network_store
+    serving = broker("broker-a", *SMALL).start()
+    with Admin(serving.url) as admin:
+        admin.create_topic(TOPIC, 2)
+    writer = _Writer(serving.url)
+    try:
+        writer.wait_for_more(500)
+        bookies[1].kill()
+        with Admin(serving.url) as admin:
+            wait_for(lambda: not admin.stats()["bookies"]["bookie-1"]["available"],
+                     what="bookie-1 taken for gone")
+        impostors = [  # (bookie id, takes writes, what bookie-1's state then says)
+            ("bookie-0", False, "is bookie bookie-0, not bookie-1"),
+            ("bookie-1", False, "serves bookie bookie-1 read-only"),
+            ("bookie-1", True, "another disk of bookie bookie-1")]
+        for i, (other, writable, said) in enumerate(impostors):
+            where = tmp_path / f"elsewhere-{i}" / other
+            where.mkdir(parents=True)
+            impostor = BookieServer(where, bookie_id=other, port=bookies[1].port,
+                                    writable=writable, fsync=False)
+            if impostor.writes is not None:  # a bookie of another store, its disk claimed
+                impostor.writes.claimed("another-store-s-disk", 0)
+            try:
+                with Admin(serving.url) as admin:
+                    def pinged(admin: Admin = admin, said: str = said) -> bool:
+                        state = admin.stats()["bookies"]["bookie-1"]  # taken for it, or not
+                        return bool(state["available"]) or \
+                            said in state.get("unavailable_because", "")
+
+                    wait_for(pinged, what="bookie-1's address pinged again")
+                    writer.wait_for_more(1_000)  # new segments placed meanwhile
+                    state = admin.stats()["bookies"]["bookie-1"]
+                assert not state["available"], state
+                assert said in state["unavailable_because"], state
+            finally:
+                impostor.shutdown()
+            assert not list(where.rglob("*.log")), "a copy written to another bookie"
+        bookies[1].restart()
+        writer.wait_for_more(500)
+    finally:
+        acked = writer.stop()
+    check_exactly_once_in_order(_read(serving.url), acked)
+    # and segments placed on two bookies while bookie-1 was away are said once, not one
+    # line per segment (20 a second here, with segments of 10 entries)
+    said = "".join(serving.stderr_tail)
+    assert 1 <= said.count("below the write quorum") <= 2, said[-3000:]

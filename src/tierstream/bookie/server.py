@@ -17,7 +17,9 @@ key_range}``): the endpoint binary-searches the ledger's index for the entry ran
   reads that entry from another replica.
 
 A ledger this bookie does not have (never had, or deleted after offload) is a NotFoundError
-before any row is sent. ``DoAction("ping")`` answers ``{"bookie": id, "writable": ...,
+before any row is sent. Every request may name the bookie it is for (``bookie``, and
+``instance``: its disk's cookie): an endpoint that is another one refuses it as unavailable
+(:meth:`BookieServer._addressed`). ``DoAction("ping")`` answers ``{"bookie": id, "writable": ...,
 "instance": ...}`` (a network bookie's instance: ``cookie.py``; until it claimed it, a ping
 is refused as unavailable).
 """
@@ -122,6 +124,7 @@ class BookieServer(flight.FlightServerBase):
     def do_get(self, context: Any, ticket: flight.Ticket) -> flight.FlightDataStream:
         try:
             req = decode(ticket.ticket, "bookie ticket")
+            self._addressed(req)
             if req.get("op") == "range":
                 batch = self._writes().byte_range(int(req["segment_id"]), int(req["offset"]),
                                                   int(req["length"]))
@@ -162,12 +165,14 @@ class BookieServer(flight.FlightServerBase):
                                      "bytes_served": self.bytes_served,
                                      **(self.writes.stats() if self.writes else {})})
             body = decode(action.body.to_pybytes(), "bookie action") if action.body else {}
+            self._addressed(body)
             return action_result(self._writes().action(action.type, body))
 
     def do_exchange(self, context: Any, descriptor: flight.FlightDescriptor, reader: Any,
                     writer: Any) -> None:
         with _served("bookie exchange"):
             command = decode(descriptor.command, "bookie exchange")
+            self._addressed(command)
             if command.get("op") != "append":
                 raise ProtocolError(f"unknown bookie exchange {command.get('op')!r}")
             self._writes().exchange(command, reader, writer)
@@ -176,14 +181,33 @@ class BookieServer(flight.FlightServerBase):
                writer: Any) -> None:
         with _served("bookie put"):
             command = decode(descriptor.command, "bookie put")
+            self._addressed(command)
             if command.get("op") != "rewrite":
                 raise ProtocolError(f"unknown bookie put {command.get('op')!r}")
             self._writes().rewrite(int(command["segment_id"]), reader)
 
+    def _addressed(self, request: dict[str, Any]) -> None:
+        """A call names the bookie it is for (``bookie``, and the ``instance`` of its disk
+        when the caller knows it): an address another endpoint answers now (a port taken
+        while the bookie was down, by another bookie or another store's) is that bookie
+        being unavailable, never a copy written to or read from the wrong disk."""
+        wanted = request.get("bookie")
+        if wanted is None:
+            return
+        if wanted != self.bookie_id:
+            raise UnavailableError(f"the endpoint at {self.url} is bookie {self.bookie_id}, "
+                                   f"not {wanted}")
+        instance = request.get("instance")
+        mine = self.writes.instance if self.writes is not None else None
+        if instance is not None and mine is not None and instance != mine:
+            raise UnavailableError(f"the endpoint at {self.url} is another disk of bookie "
+                                   f"{wanted} (instance {mine}, not {instance})")
+
     def _writes(self) -> BookieWrites:
         if self.writes is None:
-            raise ProtocolError(f"bookie endpoint {self.bookie_id} is read-only (the broker "
-                                "writes its directory itself)")
+            raise UnavailableError(f"the endpoint at {self.url} serves bookie {self.bookie_id} "
+                                   "read-only, for the broker that writes its directory: it "
+                                   "takes no writes")
         return self.writes
 
     def shutdown(self) -> None:

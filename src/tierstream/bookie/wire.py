@@ -5,14 +5,15 @@ how a recovered ledger travels (``bookie/writes.py`` says what each call does).
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 import pyarrow as pa
 
 from tierstream.bookie.ledger import IndexRecord, RecoveredLedger
 
-__all__ = ["ACK_SCHEMA", "APPEND_SCHEMA", "FRAME_SCHEMA", "RECORD_FIELDS", "recovered_from",
-           "recovered_to"]
+__all__ = ["ACK_SCHEMA", "APPEND_SCHEMA", "FRAME_SCHEMA", "RECORD_FIELDS", "append_batch",
+           "recovered_from", "recovered_to"]
 
 APPEND_SCHEMA = pa.schema([
     pa.field("segment_id", pa.int64(), nullable=False),
@@ -55,3 +56,18 @@ def recovered_to(found: RecoveredLedger) -> dict[str, Any]:
 def recovered_from(body: dict[str, Any], bookie_id: str) -> RecoveredLedger:
     return RecoveredLedger(bookie_id, [IndexRecord(*map(int, r)) for r in body["records"]],
                            list(body["metas"]), int(body["cut_bytes"]))
+
+
+def append_batch(rows: list[list[Any]]) -> pa.RecordBatch:
+    """Queued appends as one :data:`APPEND_SCHEMA` batch (the payloads copied once, into one
+    buffer)."""
+    columns = list(zip(*rows, strict=True))
+    payloads = columns[3]
+    offsets = array("i", [0])
+    for p in payloads:
+        offsets.append(offsets[-1] + p.size)
+    data = pa.py_buffer(b"".join(memoryview(p) for p in payloads))
+    arrays = [pa.array(col, type=f.type) if i != 3 else pa.Array.from_buffers(
+        pa.binary(), len(rows), [None, pa.py_buffer(offsets), data])
+        for i, (col, f) in enumerate(zip(columns, APPEND_SCHEMA, strict=True))]
+    return pa.RecordBatch.from_arrays(arrays, schema=APPEND_SCHEMA)

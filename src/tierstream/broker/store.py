@@ -120,6 +120,7 @@ class Store:
         self.tier = config.tier()
         self._offloader: Offloader | None = None
         self._rr = itertools.count()
+        self._short: set[str] = set()  # bookies unavailable at the last placement (told once)
         self._logs: dict[tuple[str, int], PartitionLog] = {}
         self._topics_lock = threading.Lock()
         self.key_routing = KeyRouting(self.metadata, self._topics_lock)  # key_routing.py
@@ -170,7 +171,7 @@ class Store:
 
     def _choose_ensemble(self) -> tuple[str, ...]:
         return choose_ensemble(self.bookies, self.write_quorum, self.ack_quorum,
-                               next(self._rr))
+                               next(self._rr), self._short)
 
     def _on_sealed(self, record: SegmentRecord, degraded: bool) -> None:
         if degraded:

@@ -60,10 +60,11 @@ def replace_bookie(metadata: MetadataStore, bookie_id: str, address: str, *, hos
     return lost, int(row[0]) if row else 0
 
 
-def network_bookies(metadata: MetadataStore) -> list[tuple[str, str, str]]:
-    """(bookie id, address, host) of every bookie that takes writes over the network."""
-    return [(b, a, h or a) for b, a, h in metadata.query(
-        "SELECT bookie_id, address, host FROM bookie_endpoints WHERE writable=1 "
+def network_bookies(metadata: MetadataStore) -> list[tuple[str, str, str, str | None]]:
+    """(bookie id, address, host, instance) of every bookie that takes writes over the
+    network."""
+    return [(b, a, h or a, i) for b, a, h, i in metadata.query(
+        "SELECT bookie_id, address, host, instance FROM bookie_endpoints WHERE writable=1 "
         "ORDER BY bookie_id")]
 
 

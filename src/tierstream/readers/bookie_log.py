@@ -308,7 +308,8 @@ class _RemoteLedger:
     def _stream(self, replica: Replica, first: int, end: Position | None,
                 timed: bool) -> Iterator[pa.RecordBatch]:
         s = self.split
-        ticket = {"op": "entries", "segment_id": s.segment_id, "first": first,
+        ticket = {"op": "entries", "bookie": replica.bookie, "segment_id": s.segment_id,
+                  "first": first,
                   "end": None if end is None else end.to_dict(),
                   "start_time": s.start_time if timed else None,
                   "end_time": s.end_time if timed else None,

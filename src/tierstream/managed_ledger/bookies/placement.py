@@ -7,11 +7,12 @@ bookies of distinct hosts.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from tierstream.errors import ConfigError, UnavailableError
 from tierstream.managed_ledger.bookies.client import BookieClient
 from tierstream.managed_ledger.bookies.remote import RemoteBookie
-from tierstream.metadata.bookie_registry import network_bookies
+from tierstream.metadata.bookie_registry import network_bookies, registered_instance
 from tierstream.metadata.store import MetadataStore
 
 __all__ = ["DEFAULT_COPIES", "check_quorums", "choose_ensemble", "connect_network_bookies",
@@ -32,10 +33,14 @@ def connect_network_bookies(metadata: MetadataStore, epoch: int, *, auth_token: 
         raise ConfigError("--network-bookies: no bookie is registered in the metadata store; "
                           "start them first (tierstream bookie serve --data-dir D --port P "
                           "--metadata postgresql://...)")
+    def registered(bookie_id: str) -> Callable[[], str | None]:
+        return lambda: registered_instance(metadata, bookie_id)[1]
+
     bookies: dict[str, BookieClient] = {
-        bookie_id: RemoteBookie(bookie_id, address, host=host, epoch=epoch,
+        bookie_id: RemoteBookie(bookie_id, address, host=host, epoch=epoch, instance=instance,
+                                registered_instance=registered(bookie_id),
                                 auth_token=auth_token, tls_ca=tls_ca, timeout_s=timeout_s)
-        for bookie_id, address, host in found}
+        for bookie_id, address, host, instance in found}
     log.info("writing to %d network bookie(s): %s", len(bookies), ", ".join(
         f"{b} at {r.state()['where']} ({r.host})" for b, r in bookies.items()))
     return bookies
@@ -62,11 +67,12 @@ def resolve_quorums(write_quorum: int, ack_quorum: int, bookies: int) -> tuple[i
 
 
 def choose_ensemble(bookies: dict[str, BookieClient], write_quorum: int, ack_quorum: int,
-                    turn: int) -> tuple[str, ...]:
+                    turn: int, told: set[str] | None = None) -> tuple[str, ...]:
     """``write_quorum`` available bookies for a new segment, taking turns, on as many
     distinct hosts as there are: a host's loss then costs each segment one copy at most.
     With fewer available than the write quorum but at least the ack quorum, the segment
-    gets those (under-replicated, said in the log); fewer: UnavailableError."""
+    gets those (under-replicated, said in the log once while the same bookies are
+    unavailable, when the caller keeps ``told``); fewer: UnavailableError."""
     ids = list(bookies)
     order = [ids[(turn + i) % len(ids)] for i in range(len(ids))]
     up = [b for b in order if bookies[b].is_available()]
@@ -80,13 +86,15 @@ def choose_ensemble(bookies: dict[str, BookieClient], write_quorum: int, ack_quo
     for b in up:  # then any, if there are fewer hosts than copies
         if b not in chosen and len(chosen) < write_quorum:
             chosen.append(b)
+    down = {b for b in order if b not in up}
     if len(chosen) < ack_quorum:
-        down = [b for b in order if b not in up]
         raise UnavailableError(f"only {len(chosen)} bookie(s) available for a new segment "
-                               f"(unavailable: {', '.join(down)}); the ack quorum is "
+                               f"(unavailable: {', '.join(sorted(down))}); the ack quorum is "
                                f"{ack_quorum}")
-    if len(chosen) < write_quorum:
-        log.warning("a new segment gets %d copies, below the write quorum %d: bookies %s "
-                    "are unavailable", len(chosen), write_quorum,
-                    ", ".join(b for b in order if b not in up))
+    if len(chosen) < write_quorum and (told is None or down != told):
+        log.warning("new segments get %d copies, below the write quorum %d, while bookies "
+                    "%s are unavailable", len(chosen), write_quorum, ", ".join(sorted(down)))
+    if told is not None and down != told:
+        told.clear()
+        told.update(down)
     return tuple(chosen)

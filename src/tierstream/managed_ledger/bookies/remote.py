@@ -12,7 +12,12 @@ marked unavailable: the broker seals the segments written there and places the n
 on other bookies; appends are tried again after ``retry_s``.
 
 Every append carries the broker's writer epoch: once a newer broker fenced a ledger, the
-bookie refuses them (``FencedError``).
+bookie refuses them (``FencedError``). Every call names the bookie it is for, and the instance
+of its disk (``bookie/cookie.py``): an address answered by another endpoint (its port taken
+while the bookie was down, by another bookie or another store's) is this bookie unavailable,
+never a copy counted towards the ack quorum on the wrong disk. A ping that finds another
+instance of this bookie asks the registration (``registered_instance``): a disk that took a
+lost one's place (``bookie serve --replace``) is the bookie from then on.
 """
 
 from __future__ import annotations
@@ -22,9 +27,8 @@ import json
 import logging
 import threading
 import time
-from array import array
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -33,7 +37,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from tierstream.bookie.ledger import IndexRecord, RecoveredLedger, parse_frame
-from tierstream.bookie.wire import APPEND_SCHEMA, FRAME_SCHEMA, recovered_from
+from tierstream.bookie.wire import APPEND_SCHEMA, FRAME_SCHEMA, append_batch, recovered_from
 from tierstream.errors import CorruptionError, UnavailableError
 from tierstream.util.faults import fault_point
 from tierstream.util.threads import Worker
@@ -59,9 +63,14 @@ class RemoteBookie:
     ``epoch``."""
 
     def __init__(self, bookie_id: str, address: str, *, host: str, epoch: int,
+                 instance: str | None = None,
+                 registered_instance: Callable[[], str | None] | None = None,
                  auth_token: str | None = None, tls_ca: bytes | None = None,
                  timeout_s: float = 10.0, retry_s: float = 1.0) -> None:
         self.bookie_id, self.address, self.host, self.epoch = bookie_id, address, host, epoch
+        #: the instance of the bookie's disk its registration names (None: not checked)
+        self.instance = instance
+        self._registered_instance = registered_instance
         self.timeout_s, self.retry_s = timeout_s, retry_s
         self.root: Path | None = None  # no directory on this host
         self.checksum_failures = 0
@@ -170,7 +179,7 @@ class RemoteBookie:
                     size += item[0][3].size
                 self._pending.extend((row[0], row[1], fut, t) for row, fut, t in take)
             try:
-                stream[0].write_batch(_append_batch([row for row, _, _ in take]) if take
+                stream[0].write_batch(append_batch([row for row, _, _ in take]) if take
                                       else _EMPTY)
             except Exception as exc:
                 self._broken(generation, f"write failed: {exc}")
@@ -197,7 +206,7 @@ class RemoteBookie:
 
     def _open_stream(self) -> tuple[Any, Any]:
         descriptor = flight.FlightDescriptor.for_command(encode(
-            {"op": "append", "epoch": self.epoch}))
+            {"op": "append", "epoch": self.epoch, **self._addressed()}))
         with translate_errors(self.address, "bookie"):
             writer, reader = self._client.do_exchange(descriptor, self._stream_options)
             writer.begin(APPEND_SCHEMA)
@@ -297,10 +306,15 @@ class RemoteBookie:
 
     # -- control ------------------------------------------------------------------------------
 
+    def _addressed(self) -> dict[str, Any]:
+        """What every request carries: the bookie it is for (``BookieServer._addressed``)."""
+        return {"bookie": self.bookie_id, **({"instance": self.instance} if self.instance
+                                             else {})}
+
     def _action(self, kind: str, body: dict[str, Any]) -> Any:
         with translate_errors(self.address, "bookie"):
             results = list(self._client.do_action(
-                flight.Action(kind, encode(body)), self._options))
+                flight.Action(kind, encode({**body, **self._addressed()})), self._options))
         return decode(results[0].body.to_pybytes(), "bookie answer")["result"]
 
     def _require_available(self) -> None:
@@ -339,7 +353,8 @@ class RemoteBookie:
 
     def byte_range(self, segment_id: int, offset: int, length: int) -> bytes:
         ticket = flight.Ticket(encode({"op": "range", "segment_id": segment_id,
-                                       "offset": offset, "length": length}))
+                                       "offset": offset, "length": length,
+                                       **self._addressed()}))
         with translate_errors(self.address, "bookie"):
             table = self._client.do_get(ticket, self._options).read_all()
         return bytes(table.column("data")[0].as_py())
@@ -353,7 +368,7 @@ class RemoteBookie:
 
     def rewrite_ledger(self, segment_id: int, frames: list[tuple[IndexRecord, bytes]]) -> None:
         descriptor = flight.FlightDescriptor.for_command(encode(
-            {"op": "rewrite", "segment_id": segment_id}))
+            {"op": "rewrite", "segment_id": segment_id, **self._addressed()}))
         with translate_errors(self.address, "bookie"):
             writer, _ = self._client.do_put(descriptor, FRAME_SCHEMA, self._options)
             for i in range(0, len(frames), 256):
@@ -370,18 +385,31 @@ class RemoteBookie:
         return RemoteLedgerReader(self, segment_id)
 
     def ping(self) -> bool:
-        """Whether the bookie answers (at most once per ``retry_s`` while it is down)."""
+        """Whether the bookie answers, as itself (at most once per ``retry_s`` while it is
+        down)."""
         with self._lock:
             if self.down_since is not None and \
                     time.monotonic() - self.down_since < self.retry_s:
                 return False
         try:
-            list(self._client.do_action(flight.Action("ping", b""), self._ping_options))
+            results = list(self._client.do_action(flight.Action("ping", b""),
+                                                  self._ping_options))
+            other = self._someone_else(decode(results[0].body.to_pybytes(), "bookie answer")
+                                       ["result"])
         except Exception:
+            other = None
+            answered = False
+        else:
+            answered = other is None
+        if not answered:
             with self._lock:
                 self.down_since = time.monotonic()
                 if self._down_at is None:
                     self._down_at, self._failures_at_down = self.down_since, self.failures
+                if other is not None and other != self.down_reason:
+                    log.warning("bookie %s at %s is unavailable: %s", self.bookie_id,
+                                self.address, other)
+                    self.down_reason = other
             return False
         with self._lock:
             if self.down_since is not None and self._down_at is not None:
@@ -391,6 +419,27 @@ class RemoteBookie:
                             self.failures - self._failures_at_down)
             self.down_since = self._down_at = None
         return True
+
+    def _someone_else(self, answer: dict[str, Any]) -> str | None:
+        """Why a ping's ``answer`` is not this bookie taking writes (None: it is). Another
+        instance of it is asked of the registration: a replacing disk is the bookie now."""
+        if answer.get("bookie") != self.bookie_id:
+            return f"the endpoint at {self.address} is bookie {answer.get('bookie')}, not " \
+                f"{self.bookie_id}"
+        if not answer.get("writable"):
+            return f"the endpoint at {self.address} serves bookie {self.bookie_id} " \
+                "read-only: it takes no writes"
+        found = answer.get("instance")
+        if self.instance is None or found is None or found == self.instance:
+            return None
+        registered = self._registered_instance() if self._registered_instance else None
+        if registered == found:
+            log.warning("bookie %s at %s is a new disk now (instance %s, registered in place "
+                        "of %s)", self.bookie_id, self.address, found, self.instance)
+            self.instance = found
+            return None
+        return f"the endpoint at {self.address} is another disk of bookie " \
+            f"{self.bookie_id} (instance {found}, not {self.instance})"
 
     def close(self) -> None:
         with self._lock:
@@ -415,21 +464,6 @@ class RemoteBookie:
         if self._receiver is not None:
             self._receiver.join(timeout=self.timeout_s)
         self._client.close()
-
-
-def _append_batch(rows: list[list[Any]]) -> pa.RecordBatch:
-    """Queued appends as one :data:`APPEND_SCHEMA` batch (the payloads copied once, into one
-    buffer)."""
-    columns = list(zip(*rows, strict=True))
-    payloads = columns[3]
-    offsets = array("i", [0])
-    for p in payloads:
-        offsets.append(offsets[-1] + p.size)
-    data = pa.py_buffer(b"".join(memoryview(p) for p in payloads))
-    arrays = [pa.array(col, type=f.type) if i != 3 else pa.Array.from_buffers(
-        pa.binary(), len(rows), [None, pa.py_buffer(offsets), data])
-        for i, (col, f) in enumerate(zip(columns, APPEND_SCHEMA, strict=True))]
-    return pa.RecordBatch.from_arrays(arrays, schema=APPEND_SCHEMA)
 
 
 class RemoteLedgerReader:
