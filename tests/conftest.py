@@ -131,12 +131,10 @@ def start_broker(data_dir: Path) -> Iterator[Callable[..., BrokerProcess]]:
 
 @pytest.fixture
 def free_port() -> int:
-    """A loopback port that was free a moment ago: for a broker restarted on the same address."""
-    import socket
+    """A loopback port for a broker restarted on the same address (``ports.py``)."""
+    from .ports import fixed_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return fixed_port()
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ from typing import Any
 
 from tierstream.broker.process import BrokerProcess
 
+from .ports import fixed_port
 from .timing import scaled
 
 __all__ = ["BookieProcess", "Hosts", "broker_args"]
@@ -41,6 +42,9 @@ class BookieProcess:
         self.data_dir, self.metadata, self.host_label = data_dir, metadata, host_label
         self.env = env  # added to this process's environment
         self.bookie_id = bookie_id
+        # a port of its own from the start: restarted, it binds the same one (ports.py)
+        if port == 0 and netns is None:
+            port = fixed_port(bind)
         self.bind, self.port, self.netns, self.fsync = bind, port, netns, fsync
         self.url: str | None = None
         self.proc: subprocess.Popen[str] | None = None
@@ -95,9 +99,10 @@ class BookieProcess:
             self.proc.wait()
 
     def restart(self, *extra: str) -> BookieProcess:
-        """Start it again on the same port (the address registered stays right). Another
-        process's outgoing connection may hold that port a moment (an ephemeral port): a
-        suite run once failed so, 'Address already in use'; it is tried again meanwhile."""
+        """Start it again on the same port (the address registered stays right). A port
+        given to the test (``ports.py``) is outside the ephemeral range; one the test chose
+        itself may be held a moment by another process's outgoing connection ('Address
+        already in use', a suite run once failed so): it is tried again meanwhile."""
         self.kill()
         deadline = time.monotonic() + scaled(30)
         while True:

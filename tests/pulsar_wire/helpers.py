@@ -14,14 +14,13 @@ from tierstream.client import read
 from tierstream.model.positions import Offset
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 
+from ..ports import fixed_port
 from ..timing import scaled
 
 
 def free_port() -> int:
-    """A loopback port that was free a moment ago (a broker's second listener needs one)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port for a broker's second listener (``ports.py``)."""
+    return fixed_port()
 
 
 def client_of(broker: BrokerProcess, **kwargs: Any) -> Any:
