@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -352,6 +353,58 @@ def test_postgresql_stopped_under_load_holds_acks_until_it_returns(start_broker)
         again = start_broker("--metadata", other, data=broker.data_dir.parent / "quick")
         with Admin(again.url) as admin:
             admin.create_topic("acme/pg/late", 1)
+    finally:
+        server.stop()
+
+
+def test_appends_go_on_while_postgresql_is_down_between_segment_rolls(start_broker) -> None:
+    """Regression: each housekeeping pass wrote an open segment's live stats to the metadata
+    store holding the partition's lock. While PostgreSQL was down that write waited, up to
+    the outage limit, and every append of the partition waited behind it: within a second
+    of an outage every producer stalled, though an append needs no metadata between two
+    segment rolls. The stats are now written outside the lock."""
+    server = started()  # its own: this test stops it
+    try:
+        broker = start_broker("--metadata", server.new_database(), "--no-fsync",
+                              env={"TIERSTREAM_METADATA_OUTAGE_S": str(scaled(120))})
+        topic = "acme/pg/appends"
+        with Admin(broker.url) as admin:
+            admin.create_topic(topic, 1)
+        acked = [0]
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def produce() -> None:
+            try:
+                with Producer(topic, broker=broker.url, name="steady", batch_size=10,
+                              send_timeout=scaled(120)) as producer:
+                    while not stop.is_set():
+                        producer.send_many({"value": b"v"} for _ in range(10))
+                        acked[0] += 10
+            except BaseException as exc:
+                errors.append(exc)
+
+        writer = threading.Thread(target=produce)
+        writer.start()
+        try:
+            wait_for(lambda: acked[0] >= 100, what="acks")
+            server.halt()
+            wait_for(lambda: any("metadata.postgres: " in line and "is unreachable" in line
+                                 for line in broker.stderr_tail),
+                     what="the broker to find PostgreSQL gone")
+            for _ in range(3):  # several housekeeping passes meanwhile (one a second)
+                more = acked[0] + 200
+                wait_for(lambda more=more: acked[0] >= more or bool(errors),
+                         timeout=scaled(10), what="acks while PostgreSQL is down")
+                time.sleep(1.0)  # the next pass, not synchronisation
+            assert not errors, errors
+            server.resume()
+        finally:
+            stop.set()
+            writer.join(timeout=scaled(120))
+        assert not errors, errors
+        values = read(topic, broker=broker.url, end=Offset.latest())
+        assert sum(b.num_rows for b in values) == acked[0]
     finally:
         server.stop()
 

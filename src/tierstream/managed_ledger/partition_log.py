@@ -402,15 +402,24 @@ class PartitionLog(PartitionRollover):
         return self._lost is not None
 
     def flush_stats(self) -> None:
-        """Write the open segment's live stats to the metadata store (planners read them)."""
+        """Write the open segment's live stats to the metadata store (planners read them).
+        They are taken under the partition's lock and written outside it: appends and reads
+        never wait for the metadata server (the write is of an open segment only, so one
+        that lands after the seal changes nothing)."""
         with self._lock:
             if not self._stats_dirty or self._open.sealed or self._lost is not None:
                 return
             seg = self._open
-            self._metadata.update_segment_stats(seg.record.with_stats(
+            record = seg.record.with_stats(
                 entries=len(seg.records), messages=seg.messages, bytes=seg.bytes,
-                min_publish_time=seg.min_pt, max_publish_time=seg.max_pt))
-            self._stats_dirty = False
+                min_publish_time=seg.min_pt, max_publish_time=seg.max_pt)
+            self._stats_dirty = False  # an append meanwhile makes them dirty again
+        try:
+            self._metadata.update_segment_stats(record)
+        except BaseException:
+            with self._lock:
+                self._stats_dirty = True
+            raise
 
     # -- views --------------------------------------------------------------------------------
 
