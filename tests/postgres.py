@@ -13,12 +13,12 @@ import itertools
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from .ports import fixed_port
 from .timing import scaled
 
 __all__ = ["PostgresServer", "PostgresUnavailable", "postgres_server", "started", "started_on"]
@@ -51,9 +51,7 @@ class PostgresServer:
                                           "to run PostgreSQL as") from None
             os.chown(self.root, user.pw_uid, user.pw_gid)
             self.as_user = ["runuser", "-u", "postgres", "--"]
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
+        self.port = fixed_port()  # resume() starts it on this port again (ports.py)
         self._run([initdb, "-D", str(self.data), "-U", "postgres", "-A", "trust",
                    "--no-sync", "-E", "UTF8"], "initdb")
         # one role checks its password (the rest is trusted: loopback, test data only)

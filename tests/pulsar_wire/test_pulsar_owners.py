@@ -25,11 +25,15 @@ from tierstream.pulsar_protocol.frames import command_frame
 from tierstream.wire.security import advertised_host
 
 from ..logs import running_log
+from ..postgres import started
+from ..store.helpers import wait_for
 from ..timing import scaled
 from .helpers import client_of, commands_until, free_port, rows_of
 
 TOPIC = "acme/owners/orders"
 NAME = f"persistent://{TOPIC}"
+#: what a broker says when its lease's renewal finds a partition owned elsewhere
+LOST = "lost 1 partition(s) to other brokers"
 
 
 def _given_away(data_dir: Path, owner: BrokerProcess) -> None:
@@ -71,6 +75,9 @@ def test_a_lookup_sends_a_pulsar_client_to_the_broker_owning_the_partition(
         start_broker: Any, tmp_path: Path) -> None:
     owner, here = _two_brokers(start_broker, tmp_path, "--admin-port", str(free_port()))
     _given_away(tmp_path / "here", owner)
+    # a producer is refused by what the lease's last renewal read (no metadata read)
+    wait_for(lambda: any(LOST in line for line in here.stderr_tail),
+             what="the renewal to see partition 1 owned elsewhere")
 
     lookup = _answer(here, api.BaseCommand(
         type=api.BaseCommand.LOOKUP, lookupTopic=api.CommandLookupTopic(
@@ -97,12 +104,12 @@ def test_a_lookup_sends_a_pulsar_client_to_the_broker_owning_the_partition(
         producer.close()
     finally:
         client.close()
-    # partition 0 was written here, partition 1 where the lookup sent the client
+    # partition 1 was written where the lookup sent the client, partition 0 here; a read at
+    # here follows partition 1 to its owner
     here_rows, owner_rows = rows_of(here, TOPIC), rows_of(owner, TOPIC)
-    assert {r["partition"] for r in here_rows} == {0}
     assert {r["partition"] for r in owner_rows} == {1}
-    assert sorted(r["value"] for r in here_rows + owner_rows) == \
-        sorted(f"v{i}".encode() for i in range(40))
+    assert [r for r in here_rows if r["partition"] == 1] == owner_rows
+    assert sorted(r["value"] for r in here_rows) == sorted(f"v{i}".encode() for i in range(40))
 
 
 def test_a_pulsar_consumer_of_a_partition_taken_over_is_let_go_and_finds_the_owner(
@@ -124,8 +131,7 @@ def test_a_pulsar_consumer_of_a_partition_taken_over_is_let_go_and_finds_the_own
         consumer.acknowledge(msg)
     finally:
         client.close()
-    said = "lost 1 partition(s) to other brokers"
-    assert any(said in line for line in here.stderr_tail), list(here.stderr_tail)[-5:]
+    assert any(LOST in line for line in here.stderr_tail), list(here.stderr_tail)[-5:]
 
 
 def test_a_listener_bound_to_every_interface_answers_lookups_with_the_host_name(
@@ -148,3 +154,44 @@ def test_a_listener_bound_to_every_interface_answers_lookups_with_the_host_name(
                 server.shutdown()
     assert advertised_host("::", None) == socket.gethostname()
     assert advertised_host("10.0.0.5", None) == "10.0.0.5"
+
+
+def test_a_pulsar_consumer_looks_up_and_subscribes_while_postgresql_is_down(
+        start_broker: Any, tmp_path: Path) -> None:
+    """Regression: LOOKUP, PARTITIONED_METADATA and SUBSCRIBE read the partition's owner and
+    the topic's record from the metadata store, so a Pulsar consumer could not (re)connect
+    while PostgreSQL was down, though what it reads needs no metadata. The owner is now the
+    lease's last renewal's, as for Flight streams, and the topic's record the last one read
+    while the metadata store is unreachable (a statement that finds it so waits, as
+    before). A new producer still waits: its registration is a metadata write."""
+    server = started()  # a server of its own: the test stops it
+    try:
+        broker = start_broker("--pulsar-port", str(free_port()), "--metadata",
+                              server.new_database(), "--no-fsync", data=tmp_path / "broker")
+        with Admin(broker.url) as admin:
+            admin.create_topic(TOPIC, 2)
+        client = client_of(broker)
+        try:  # the subscription exists before the outage
+            client.subscribe(NAME, "audit",
+                             initial_position=pulsar.InitialPosition.Earliest).close()
+        finally:
+            client.close()
+        with Producer(TOPIC, broker=broker.url) as producer:
+            for i in range(20):
+                producer.send(f"v{i}".encode(), key=f"k{i}")
+        server.halt()
+        # its metadata statements find the server gone (not only its lock's session)
+        wait_for(lambda: any("metadata.postgres: " in line and "is unreachable" in line
+                             for line in broker.stderr_tail),
+                 what="the broker to find PostgreSQL gone")
+        client = client_of(broker)
+        try:
+            consumer = client.subscribe(NAME, "audit")
+            got = [consumer.receive(timeout_millis=int(scaled(30) * 1000)).data()
+                   for _ in range(20)]
+        finally:
+            client.close()
+        assert sorted(got) == sorted(f"v{i}".encode() for i in range(20))
+        server.resume()
+    finally:
+        server.stop()

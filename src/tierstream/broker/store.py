@@ -122,6 +122,7 @@ class Store:
         self._rr = itertools.count()
         self._short: set[str] = set()  # bookies unavailable at the last placement (told once)
         self._logs: dict[tuple[str, int], PartitionLog] = {}
+        self._known: dict[str, TopicRecord] = {}  # the last record read of each topic
         self._topics_lock = threading.Lock()
         self.key_routing = KeyRouting(self.metadata, self._topics_lock)  # key_routing.py
         # A commit shows its entries in every partition under this lock, and the last
@@ -219,6 +220,7 @@ class Store:
 
     def _open_topic(self, topic: TopicRecord, opened: list[SegmentRecord]) -> None:
         self.key_routing.opened(topic)
+        self._known[topic.name] = topic
         for seg in opened:
             self._logs[(topic.name, seg.partition)] = PartitionLog(
                 # an announced growth's new partitions are written by the new count
@@ -279,6 +281,7 @@ class Store:
             record = self.metadata.get_topic(topic)  # NotFoundError for an unknown topic
             self.metadata.mark_topic_deleting(record.name, now=now_ms())
             self.key_routing.forget(record.name)
+            self._known.pop(record.name, None)
             crash_point("topic.delete-marked")
             for p in range(record.serving):
                 plog = self._logs.pop((record.name, p), None)
@@ -312,7 +315,16 @@ class Store:
         log.info("deleted topic %s (%d segments)", record.name, len(segments))
 
     def topic(self, name: str) -> TopicRecord:
-        return self.metadata.get_topic(TopicName.parse(name))
+        """The topic's record, as the metadata store has it; while that store cannot be
+        reached, the last one read here (a Pulsar client connecting meanwhile is answered,
+        as its appends are stored, rather than made to wait for the metadata server)."""
+        topic = TopicName.parse(name)
+        known = self._known.get(str(topic))
+        if known is not None and self.metadata.backend.unreachable.is_set():
+            return known
+        record = self.metadata.get_topic(topic)
+        self._known[record.name] = record
+        return record
 
     def topics(self, namespace: str | None = None) -> list[TopicRecord]:
         return self.metadata.list_topics(namespace)

@@ -63,6 +63,9 @@ class Backend(Protocol):
     #: with the reason: the broker stops
     lost: threading.Event
     lost_reason: str
+    #: set while a statement waits for an unreachable server (what the broker knows from
+    #: memory is served meanwhile rather than waited for: ``Store.topic``)
+    unreachable: threading.Event
 
     def transaction(self) -> Any:  # a context manager of a Tx: committed, or rolled back
         ...
@@ -105,6 +108,7 @@ class SqliteBackend:
         self.path = Path(path)
         self.name = str(self.path)
         self.lost, self.lost_reason = threading.Event(), ""  # a local file is not lost
+        self.unreachable = threading.Event()  # nor unreachable
         self._lock = threading.RLock()
         try:
             self._open(read_only)

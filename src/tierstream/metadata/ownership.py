@@ -264,10 +264,10 @@ class PartitionOwners:
         return _row(rows[0]) if rows else None
 
     def elsewhere(self, topic: str, partition: int) -> Owner | None:
-        """The partition's owner when it is another broker (a Pulsar lookup is sent there,
-        and this one refuses its producers and consumers), else None."""
-        owner = self.owner_of(topic, partition)
-        return owner if owner is not None and owner.broker_id != self.broker_id else None
+        """The partition's owner when it is another broker by the last renewal (a Pulsar
+        lookup is sent there), else None. No metadata read: lookups are answered while the
+        metadata server is away, from the view :meth:`serving` refuses streams by."""
+        return self._elsewhere.get((topic, partition))
 
     def of_topic(self, topic: str) -> dict[int, Owner]:
         """The owner of each of ``topic``'s partitions that has one."""

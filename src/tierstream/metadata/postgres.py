@@ -171,6 +171,8 @@ class PostgresBackend:
         #: database over, with the reason
         self.lost = threading.Event()
         self.lost_reason = ""
+        #: set while a statement waits for the server, cleared when one reaches it again
+        self.unreachable = threading.Event()
         self._connect()
         #: a broker's hold on the database (hold=False: a bookie registering itself)
         self.lease = LeaderLease(self, takeover_after_s=takeover_after_s,
@@ -253,7 +255,9 @@ class PostgresBackend:
                     if pause > FIRST_PAUSE_S:
                         log.warning("the metadata store %s is reachable again after %.1f s",
                                     self.name, time.monotonic() - started)
-                return work(self._conn)
+                result = work(self._conn)
+                self.unreachable.clear()
+                return result
             except (psycopg.OperationalError, UnavailableError) as exc:
                 if self.lost.is_set():  # taken over, or given up on: no waiting
                     raise UnavailableError(self.lost_reason) from None
@@ -272,6 +276,7 @@ class PostgresBackend:
                     self.lose(f"the metadata store {self.name} was unreachable for "
                               f"{waited:.0f} s: {first_line(exc)}")
                     raise UnavailableError(self.lost_reason) from None
+                self.unreachable.set()
                 if pause == FIRST_PAUSE_S:
                     log.warning("the metadata store %s is unreachable (%s): metadata writes "
                                 "wait for it, for up to %.0f s", self.name, first_line(exc),

@@ -27,7 +27,6 @@ from tierstream.broker.pulsar.produce import ProducePath
 from tierstream.errors import (
     ConfigError,
     NotFoundError,
-    NotOwnerError,
     ProtocolError,
     TierstreamError,
 )
@@ -324,10 +323,9 @@ class Connection:
                 raise ConfigError(f"{name!r} has {count} partitions: {verb} to its partitions "
                                   "(the client does so after partitioned metadata)")
             partition = 0
-        owner = self.store.owners.elsewhere(topic, partition)
-        if owner is not None:  # ServiceNotReady: the client looks the topic up again
-            raise NotOwnerError(f"{topic} partition {partition} is served by "
-                                f"{owner.describe()}, not by this broker")
+        # owned elsewhere by the lease's last renewal (no metadata read, as Flight streams):
+        # ServiceNotReady, and the client looks the topic up again
+        self.store.owners.serving(topic, partition)
         return topic, count, partition
 
     def named_partition(self, name: str, *, create: bool) -> tuple[str, int, int | None]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,8 @@ class Subscriptions:
         self.dead_letters = DeadLetterWriter(store, self.writer)
         self._lock = threading.Lock()
         self._dispatchers: dict[tuple[str, str, int], Dispatcher] = {}
+        #: dispatchers of subscriptions not stored yet: the first attach waits for the write
+        self._unwritten: weakref.WeakSet[Dispatcher] = weakref.WeakSet()
         # without it no ack timeout, nack delay or delayed message would ever come due
         self._ticker = Worker("subscription-timer", self._tick,
                               on_error=store.thread_failed("the subscriptions' timer"))
@@ -86,6 +89,8 @@ class Subscriptions:
                                     f"on partition {partition}")
             d = Dispatcher(plog, subscription, state, writer=self.writer,
                            dead_letter=self.dead_letters.submit)
+            if stored is None:
+                self._unwritten.add(d)
             record = self._store.topic(topic)
             if partition >= record.partitions:  # new in a growth announced, not yet read
                 d.gate = self._announced_gate(topic, subscription, partition)
@@ -143,7 +148,9 @@ class Subscriptions:
         ``label`` (``NON_DURABLE``: deleted at the next broker start)."""
         d = self._dispatcher(topic, subscription, partition, initial, label)
         attached = d.attach(settings, gone)
-        self.writer.wait(self.writer.dirty(d))  # the subscription exists once attached
+        if d in self._unwritten:  # the subscription exists once attached
+            self.writer.wait(self.writer.dirty(d))
+            self._unwritten.discard(d)
         return attached
 
     def detach(self, topic: str, subscription: str, partition: int, attached: Attached
