@@ -156,42 +156,53 @@ def test_a_listener_bound_to_every_interface_answers_lookups_with_the_host_name(
     assert advertised_host("10.0.0.5", None) == "10.0.0.5"
 
 
-def test_a_pulsar_consumer_looks_up_and_subscribes_while_postgresql_is_down(
+def test_pulsar_clients_look_up_subscribe_and_produce_while_postgresql_is_down(
         start_broker: Any, tmp_path: Path) -> None:
     """Regression: LOOKUP, PARTITIONED_METADATA and SUBSCRIBE read the partition's owner and
-    the topic's record from the metadata store, so a Pulsar consumer could not (re)connect
-    while PostgreSQL was down, though what it reads needs no metadata. The owner is now the
-    lease's last renewal's, as for Flight streams, and the topic's record the last one read
-    while the metadata store is unreachable (a statement that finds it so waits, as
-    before). A new producer still waits: its registration is a metadata write."""
+    the topic's record from the metadata store, so a Pulsar client could not (re)connect
+    while PostgreSQL was down, though what it reads and writes needs no metadata. The owner
+    is now the lease's last renewal's, as for Flight streams, and the topic's record the
+    last one read while the metadata store is unreachable (a statement that finds it so
+    waits, as before). What needs a metadata write still waits: a new subscription, a
+    topic's first key routed by a Pulsar client, a segment roll."""
     server = started()  # a server of its own: the test stops it
     try:
         broker = start_broker("--pulsar-port", str(free_port()), "--metadata",
                               server.new_database(), "--no-fsync", data=tmp_path / "broker")
         with Admin(broker.url) as admin:
             admin.create_topic(TOPIC, 2)
+
+        def produce(prefix: str) -> None:
+            client = client_of(broker)
+            try:
+                producer = client.create_producer(NAME, batching_enabled=False)
+                for i in range(20):
+                    producer.send(f"{prefix}{i}".encode(), partition_key=f"k{i}")
+                producer.close()
+            finally:
+                client.close()
+
         client = client_of(broker)
-        try:  # the subscription exists before the outage
+        try:  # the subscription, and the topic's routing by its Pulsar clients, before
             client.subscribe(NAME, "audit",
                              initial_position=pulsar.InitialPosition.Earliest).close()
         finally:
             client.close()
-        with Producer(TOPIC, broker=broker.url) as producer:
-            for i in range(20):
-                producer.send(f"v{i}".encode(), key=f"k{i}")
+        produce("v")
         server.halt()
         # its metadata statements find the server gone (not only its lock's session)
         wait_for(lambda: any("metadata.postgres: " in line and "is unreachable" in line
                              for line in broker.stderr_tail),
                  what="the broker to find PostgreSQL gone")
+        produce("w")  # a new client's producer
         client = client_of(broker)
         try:
             consumer = client.subscribe(NAME, "audit")
             got = [consumer.receive(timeout_millis=int(scaled(30) * 1000)).data()
-                   for _ in range(20)]
+                   for _ in range(40)]
         finally:
             client.close()
-        assert sorted(got) == sorted(f"v{i}".encode() for i in range(20))
+        assert sorted(got) == sorted(f"{p}{i}".encode() for p in "vw" for i in range(20))
         server.resume()
     finally:
         server.stop()
