@@ -140,7 +140,7 @@ def test_a_producer_passes_a_fenced_broker_over_while_the_next_does_not_answer_y
         producer = Producer(TOPIC, broker=f"{old.url},grpc://127.0.0.1:{free_port}")
         producer.send_many({"key": "k", "value": f"before {i}".encode()} for i in range(10))
         producer.flush()
-        old.store._on_fenced("a newer broker took the store over")  # as a bookie's refusal
+        old.store._on_fenced(TOPIC, 0, "a newer broker took the store over")  # a bookie's refusal
         failed: list[BaseException] = []
 
         def send() -> None:

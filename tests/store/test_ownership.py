@@ -112,24 +112,39 @@ def test_a_partition_taken_over_refuses_its_former_owner_which_is_told_the_new_o
     assert store.query("SELECT broker_id FROM brokers ORDER BY broker_id") == []
 
 
-def test_a_broker_whose_partition_was_claimed_stops_writing_and_says_who_owns_it(
+def test_a_broker_whose_partitions_were_taken_over_lets_them_go_and_serves_the_others(
         tmp_path) -> None:
+    """Partitions claimed by a newer broker: a seal of one is refused by the metadata, and an
+    append to another whose open ledger the new owner fenced is refused by the bookie.
+    Regression: either stopped the whole broker ('no longer serves the store', every
+    partition refused). It is those partitions alone that moved: each is let go, its
+    clients are told the owner, and the other partitions go on."""
     with running_log(tmp_path / "data") as log:
-        log.store.create_topic(TOPIC, 2)
+        log.store.create_topic(TOPIC, 3)
         with Producer(TOPIC, broker=log.url) as producer:
-            producer.send_many({"key": f"k{i}", "value": b"v"} for i in range(20))
-        assert log.store.owners.owned() == 2
+            producer.send_many({"key": f"k{i}", "value": b"v"} for i in range(30))
+        assert log.store.owners.owned() == 3
         newer = PartitionOwners(log.store.metadata, "broker-99", log.store.epoch + 1)
         newer.advertise("grpc://10.0.0.9:6651")
-        newer.claim([(TOPIC, 1)])  # as a newer broker taking partition 1 over would
-        with pytest.raises(NotOwnerError, match=re.escape("broker-99 at grpc://10.0.0.9:6651")):
+        newer.claim([(TOPIC, 1), (TOPIC, 2)])  # as a newer broker taking them over would
+        owner = re.escape("broker-99 at grpc://10.0.0.9:6651")
+        with pytest.raises(NotOwnerError, match=owner):
             log.store.seal(TOPIC, 1)
-        assert log.store.fenced.is_set()
-        assert "broker-99" in log.store.fenced_reason
-        with pytest.raises(FencedError, match="no longer serves the store"):
-            log.store.check_serving()
-        # the partition's open segment was not sealed by the broker that lost it
-        assert [s.state for s in log.store.metadata.segments(TOPIC, 1)] == [SegmentState.OPEN]
+        # the new owner fences partition 2's open ledger (BookKeeper's recovery)
+        (open_2,) = [s for s in log.store.metadata.segments(TOPIC, 2)
+                     if s.state == SegmentState.OPEN]
+        for b in open_2.ensemble:
+            log.store.bookies[b].storage.fence(open_2.segment_id, log.store.epoch + 1)
+        with pytest.raises(NotOwnerError, match=owner):
+            append(log.store, 2, ["late"], keys=["k"], times=[None], topic=TOPIC)
+        assert not log.store.fenced.is_set()
+        log.store.check_serving()  # the broker goes on, with partition 0
+        append(log.store, 0, ["after"], keys=["k"], times=[None], topic=TOPIC)
+        assert log.store.seal(TOPIC, 0)
+        assert [p.partition for p in log.store.partitions(TOPIC) if p.lost] == [1, 2]
+        # the partitions' open segments are left to their owner to fence and seal
+        for p in (1, 2):
+            assert log.store.metadata.segments(TOPIC, p)[-1].state == SegmentState.OPEN
 
 
 def test_stats_say_which_broker_owns_each_partition_and_a_restart_claims_them_all(
@@ -331,7 +346,9 @@ def test_a_partition_taken_from_under_its_consumers_sends_them_and_a_tail_to_the
             newer.claim([(TOPIC, 1)])
             here.store.owners.renew()  # what its lease thread does every second
             plog = here.store.partition(TOPIC, 1)
-            assert plog.lost and plog.seal() is None
+            assert plog.lost
+            with pytest.raises(NotOwnerError, match="served by broker-99"):
+                plog.seal()
             with pytest.raises(NotOwnerError, match="served by broker-99"):
                 append(here.store, 1, ["late"], keys=[None], times=[None], topic=TOPIC)
 

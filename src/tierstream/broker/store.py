@@ -24,7 +24,13 @@ from tierstream.broker.key_routing import KeyRouting
 from tierstream.broker.offload import Offloader
 from tierstream.broker.recovery import RecoveryReport, recover_open_segments
 from tierstream.broker.transaction_coordinator import TransactionCoordinator
-from tierstream.errors import ConfigError, FencedError, NotOwnerError, StorageError
+from tierstream.errors import (
+    ConfigError,
+    FencedError,
+    NotOwnerError,
+    StorageError,
+    UnavailableError,
+)
 from tierstream.managed_ledger.bookies.client import BookieClient
 from tierstream.managed_ledger.bookies.local import LocalBookie
 from tierstream.managed_ledger.bookies.placement import (
@@ -204,7 +210,24 @@ class Store:
         if backend.lost.is_set():
             raise FencedError(f"{backend.lost_reason}: this broker no longer serves the store")
 
-    def _on_fenced(self, reason: str) -> None:
+    def _on_fenced(self, topic: str, partition: int, reason: str) -> None:
+        """A bookie refused this broker's write to a partition as fenced, or the metadata
+        its seal. When another broker owns the partition now (it took the partition over:
+        it fences the open ledger and recovers it), that partition alone is let go, and
+        the lease's next renewal lets its consumers go; otherwise a newer broker took the
+        whole store over, and this one stops writing."""
+        try:
+            owner = self.owners.owner_of(topic, partition)
+        except UnavailableError:
+            owner = None  # the metadata cannot tell: the store-wide answer
+        if owner is not None and \
+                (owner.broker_id, owner.epoch) != (self.owners.broker_id, self.owners.epoch):
+            plog = self._logs.get((topic, partition))
+            if plog is not None and not plog.lost:
+                log.warning("%s partition %d was taken over by %s: %s; this broker stops "
+                            "serving it", topic, partition, owner.describe(), reason)
+                plog.lose(self.owners.refusal(topic, partition, owner))
+            return
         if not self.fenced.is_set():
             self.fenced_reason = reason
             self.fenced.set()
@@ -385,7 +408,10 @@ class Store:
             return {plog.partition: plog.end() for plog in logs}
 
     def seal(self, topic: str, partition: int | None = None) -> list[SegmentRecord]:
-        logs = self.partitions(topic) if partition is None else [self.partition(topic, partition)]
+        """Seal the open segment of each partition served here (one named: NotOwnerError if
+        another broker owns it)."""
+        logs = [p for p in self.partitions(topic) if not p.lost] if partition is None \
+            else [self.partition(topic, partition)]
         return [s for s in (plog.seal() for plog in logs) if s is not None]
 
     def stats(self) -> dict[str, Any]:

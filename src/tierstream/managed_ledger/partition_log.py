@@ -77,7 +77,7 @@ class PartitionLog(PartitionRollover):
         tier: TierStorage | None = None,
         open_record: SegmentRecord | None = None,
         routing: int | None = None,
-        on_fenced: Callable[[str], None] | None = None,
+        on_fenced: Callable[[str, int, str], None] | None = None,
         on_sealed: Callable[[SegmentRecord, bool], None] | None = None,
     ) -> None:
         self.topic = topic
@@ -89,7 +89,8 @@ class PartitionLog(PartitionRollover):
         self._bookies = bookies
         self._choose_ensemble = choose_ensemble
         self._ack_quorum = ack_quorum
-        #: told when a bookie refused a write as fenced (a newer broker took over)
+        #: told (topic, partition, reason) when a bookie refused a write as fenced, or the
+        #: metadata a seal: a newer broker took the partition, or the store, over
         self._on_fenced = on_fenced
         #: told of each sealed segment, and whether a bookie of it missed writes or the seal
         self._on_sealed = on_sealed
@@ -225,6 +226,8 @@ class PartitionLog(PartitionRollover):
                           if isinstance(f.exception(), FencedError)]
                 if fenced:
                     self._fenced(str(fenced[0]))
+                    if self._lost is not None:  # another broker owns the partition now
+                        raise self._lost
                     raise FencedError(
                         f"entry {entry_id} of {self.topic} partition {self.partition} is not "
                         f"stored: {fenced[0]}; reconnect to the broker that serves the store "

@@ -37,11 +37,13 @@ class PartitionRollover(PartitionVisibility):
     PartitionLog` (a mixin over its state, declared below)."""
 
     # The partition's state, owned and kept by PartitionLog (managed_ledger/partition_log.py).
+    topic: str
+    partition: int
     _metadata: MetadataStore
     _bookies: dict[str, BookieClient]
     _choose_ensemble: Callable[[], tuple[str, ...]]
     _rollover_ms: int
-    _on_fenced: Callable[[str], None] | None
+    _on_fenced: Callable[[str, int, str], None] | None
     _on_sealed: Callable[[SegmentRecord, bool], None] | None
     _index_cache: OrderedDict[int, list[IndexRecord]]
     _lock: threading.RLock
@@ -96,8 +98,11 @@ class PartitionRollover(PartitionVisibility):
             return self._open is not before
 
     def seal(self) -> SegmentRecord | None:
-        """Seal the open segment now if it has entries (hidden ones too) and open a new one."""
+        """Seal the open segment now if it has entries (hidden ones too) and open a new one
+        (NotOwnerError, naming the owner, once another broker owns the partition)."""
         with self._lock:
+            if self._lost is not None:
+                raise self._lost
             if not (self._open.records or self._open.in_flight or self._open.hidden):
                 return None
             self._roll()
@@ -200,6 +205,8 @@ class PartitionRollover(PartitionVisibility):
                 self._bookies[b].seal_ledger(record.segment_id, last)
             except FencedError as exc:
                 self._fenced(str(exc))
+                if self._lost is not None:  # another broker owns the partition now
+                    raise self._lost from None
                 raise
             except UnavailableError as exc:
                 missed.append(f"{b}: {exc}")
@@ -210,8 +217,11 @@ class PartitionRollover(PartitionVisibility):
         return not missed
 
     def _fenced(self, reason: str) -> None:
+        """Another writer has this partition's ledger or its metadata: the owner of the
+        store decides whether the partition was taken over (it is let go: :meth:`lose`)
+        or the whole store was (the broker stops writing)."""
         if self._on_fenced is not None:
-            self._on_fenced(reason)
+            self._on_fenced(self.topic, self.partition, reason)
 
     def seal_for_scale(self) -> None:
         """Seal the open segment for a scale event, opening none: the caller holds this
