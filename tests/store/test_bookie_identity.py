@@ -15,6 +15,7 @@ from tierstream.client import Admin
 from tierstream.managed_ledger.bookies.remote import RemoteBookie
 
 from ..network_store import BookieProcess
+from ..ports import fixed_port
 from ..postgres import PostgresServer
 from ..timing import scaled
 from .helpers import wait_for
@@ -344,3 +345,39 @@ def test_a_bookie_s_address_answered_by_another_endpoint_is_not_taken_for_it(
     # line per segment (20 a second here, with segments of 10 entries)
     said = "".join(serving.stderr_tail)
     assert 1 <= said.count("below the write quorum") <= 2, said[-3000:]
+
+
+def test_a_bookie_restarted_at_another_address_is_found_there(network_store) -> None:
+    """Regression: the broker wrote to the address each bookie had when the broker started.
+    A bookie restarted on another port (or its host with another address) registered the
+    new one, but the broker kept pinging the old one: the bookie stayed unavailable and every
+    new segment had two copies until the broker restarted. A ping that finds nobody now asks
+    the registration."""
+    _, bookies, broker = network_store
+    serving = broker("broker-a", *SMALL).start()
+    with Admin(serving.url) as admin:
+        admin.create_topic(TOPIC, 1)
+    writer = _Writer(serving.url)
+    try:
+        writer.wait_for_more(300)
+        bookies[1].kill()
+        with Admin(serving.url) as admin:
+            wait_for(lambda: not admin.stats()["bookies"]["bookie-1"]["available"],
+                     what="bookie-1 taken for gone")
+            old = bookies[1].url
+            bookies[1].port = fixed_port()
+            bookies[1].start()
+            assert bookies[1].url != old
+            wait_for(lambda: admin.stats()["bookies"]["bookie-1"] == {
+                **admin.stats()["bookies"]["bookie-1"], "available": True,
+                "where": bookies[1].url}, timeout=scaled(60),
+                what="bookie-1 found at its new address")
+        writer.wait_for_more(300)
+        with Admin(serving.url) as admin:
+            admin.seal(TOPIC)
+    finally:
+        acked = writer.stop()
+    newest = _closed(serving.url)[-1]  # placed after the move: on all three again
+    assert sorted(newest.ensemble) == ["bookie-0", "bookie-1", "bookie-2"], newest
+    check_exactly_once_in_order(_read(serving.url), acked)
+    assert "bookie-1 registered a new address" in "".join(serving.stderr_tail)

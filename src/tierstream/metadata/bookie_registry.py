@@ -12,8 +12,8 @@ from tierstream.metadata.replication import mark_under_replicated, segments_with
 from tierstream.metadata.store import MetadataStore
 from tierstream.util.timeutil import now_ms
 
-__all__ = ["network_bookies", "registered_instance", "replace_bookie", "set_bookie_endpoint",
-           "take_writer_epoch"]
+__all__ = ["bookie_registration", "network_bookies", "registered_instance", "replace_bookie",
+           "set_bookie_endpoint", "take_writer_epoch"]
 
 
 def set_bookie_endpoint(metadata: MetadataStore, bookie_id: str, address: str, *,
@@ -43,6 +43,16 @@ def registered_instance(metadata: MetadataStore, bookie_id: str) -> tuple[bool, 
     rows = metadata.query("SELECT instance FROM bookie_endpoints WHERE bookie_id=?",
                           (bookie_id,))
     return (bool(rows), rows[0][0] if rows else None)
+
+
+def bookie_registration(metadata: MetadataStore, bookie_id: str
+                        ) -> tuple[str, str | None] | None:
+    """(address, instance) of ``bookie_id``'s registration, or None: where the broker finds it
+    when the address it had stops answering (the bookie restarted elsewhere), and which disk
+    is the bookie (one that replaced a lost disk)."""
+    rows = metadata.query("SELECT address, instance FROM bookie_endpoints WHERE bookie_id=?",
+                          (bookie_id,))
+    return (str(rows[0][0]), rows[0][1]) if rows else None
 
 
 def replace_bookie(metadata: MetadataStore, bookie_id: str, address: str, *, host: str,

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from tierstream.errors import ConfigError, UnavailableError
 from tierstream.managed_ledger.bookies.client import BookieClient
 from tierstream.managed_ledger.bookies.remote import RemoteBookie
-from tierstream.metadata.bookie_registry import network_bookies, registered_instance
+from tierstream.metadata.bookie_registry import bookie_registration, network_bookies
 from tierstream.metadata.store import MetadataStore
 
 __all__ = ["DEFAULT_COPIES", "check_quorums", "choose_ensemble", "connect_network_bookies",
@@ -33,12 +33,12 @@ def connect_network_bookies(metadata: MetadataStore, epoch: int, *, auth_token: 
         raise ConfigError("--network-bookies: no bookie is registered in the metadata store; "
                           "start them first (tierstream bookie serve --data-dir D --port P "
                           "--metadata postgresql://...)")
-    def registered(bookie_id: str) -> Callable[[], str | None]:
-        return lambda: registered_instance(metadata, bookie_id)[1]
+    def registered(bookie_id: str) -> Callable[[], tuple[str, str | None] | None]:
+        return lambda: bookie_registration(metadata, bookie_id)
 
     bookies: dict[str, BookieClient] = {
         bookie_id: RemoteBookie(bookie_id, address, host=host, epoch=epoch, instance=instance,
-                                registered_instance=registered(bookie_id),
+                                registration=registered(bookie_id),
                                 auth_token=auth_token, tls_ca=tls_ca, timeout_s=timeout_s)
         for bookie_id, address, host, instance in found}
     log.info("writing to %d network bookie(s): %s", len(bookies), ", ".join(

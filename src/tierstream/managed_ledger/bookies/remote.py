@@ -16,8 +16,10 @@ bookie refuses them (``FencedError``). Every call names the bookie it is for, an
 of its disk (``bookie/cookie.py``): an address answered by another endpoint (its port taken
 while the bookie was down, by another bookie or another store's) is this bookie unavailable,
 never a copy counted towards the ack quorum on the wrong disk. A ping that finds another
-instance of this bookie asks the registration (``registered_instance``): a disk that took a
-lost one's place (``bookie serve --replace``) is the bookie from then on.
+instance of this bookie asks the registration (``registration``): a disk that took a lost
+one's place (``bookie serve --replace``) is the bookie from then on. So does a ping that finds
+nobody: a bookie restarted at another address (a new port, a host's new IP) registered it,
+and is written there from then on.
 """
 
 from __future__ import annotations
@@ -36,23 +38,22 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from tierstream.bookie.ledger import IndexRecord, RecoveredLedger, parse_frame
+from tierstream.bookie.ledger import IndexRecord, RecoveredLedger
 from tierstream.bookie.wire import APPEND_SCHEMA, FRAME_SCHEMA, append_batch, recovered_from
-from tierstream.errors import CorruptionError, UnavailableError
+from tierstream.errors import UnavailableError
+from tierstream.managed_ledger.bookies.remote_reader import RemoteLedgerReader
 from tierstream.util.faults import fault_point
 from tierstream.util.threads import Worker
 from tierstream.wire.flight import decode, encode, error_from_text, translate_errors
 from tierstream.wire.security import call_headers, client_for
 
-__all__ = ["RemoteBookie", "RemoteLedgerReader"]
+__all__ = ["RemoteBookie"]
 
 log = logging.getLogger(__name__)
 
 #: rows and payload bytes per batch on the append stream
 _BATCH_ROWS = 512
 _BATCH_BYTES = 8 * 1024**2
-#: bytes a reader of an open ledger fetches at a time
-_READ_WINDOW = 4 * 1024**2
 #: an idle append stream sends an empty batch this often
 KEEPALIVE_S = 0.5
 _EMPTY = pa.RecordBatch.from_pylist([], schema=APPEND_SCHEMA)
@@ -64,13 +65,14 @@ class RemoteBookie:
 
     def __init__(self, bookie_id: str, address: str, *, host: str, epoch: int,
                  instance: str | None = None,
-                 registered_instance: Callable[[], str | None] | None = None,
+                 registration: Callable[[], tuple[str, str | None] | None] | None = None,
                  auth_token: str | None = None, tls_ca: bytes | None = None,
                  timeout_s: float = 10.0, retry_s: float = 1.0) -> None:
         self.bookie_id, self.address, self.host, self.epoch = bookie_id, address, host, epoch
         #: the instance of the bookie's disk its registration names (None: not checked)
         self.instance = instance
-        self._registered_instance = registered_instance
+        self._registration = registration  # (address, instance) as registered now
+        self._tls_ca = tls_ca
         self.timeout_s, self.retry_s = timeout_s, retry_s
         self.root: Path | None = None  # no directory on this host
         self.checksum_failures = 0
@@ -362,7 +364,7 @@ class RemoteBookie:
     def read_raw_frames(self, segment_id: int, records: list[IndexRecord]
                         ) -> Iterator[tuple[IndexRecord, bytes]]:
         """The raw frames of consecutive ``records``, a window of bytes per call."""
-        reader = RemoteLedgerReader(self, segment_id)
+        reader = self.open_reader(segment_id)
         for rec in records:
             yield rec, reader.raw(rec)
 
@@ -382,7 +384,11 @@ class RemoteBookie:
             writer.close()
 
     def open_reader(self, segment_id: int) -> RemoteLedgerReader:
-        return RemoteLedgerReader(self, segment_id)
+        return RemoteLedgerReader(self.bookie_id, segment_id, self.byte_range,
+                                  self._checksum_failed)
+
+    def _checksum_failed(self) -> None:
+        self.checksum_failures += 1
 
     def ping(self) -> bool:
         """Whether the bookie answers, as itself (at most once per ``retry_s`` while it is
@@ -391,16 +397,20 @@ class RemoteBookie:
             if self.down_since is not None and \
                     time.monotonic() - self.down_since < self.retry_s:
                 return False
-        try:
-            results = list(self._client.do_action(flight.Action("ping", b""),
-                                                  self._ping_options))
-            other = self._someone_else(decode(results[0].body.to_pybytes(), "bookie answer")
-                                       ["result"])
-        except Exception:
-            other = None
-            answered = False
-        else:
-            answered = other is None
+        for attempt in range(2):
+            try:
+                results = list(self._client.do_action(flight.Action("ping", b""),
+                                                      self._ping_options))
+                other = self._someone_else(decode(results[0].body.to_pybytes(),
+                                                  "bookie answer")["result"])
+            except Exception:
+                other = None
+                answered = False
+                if attempt == 0 and self._moved():
+                    continue  # pinged again, at the address it registered
+            else:
+                answered = other is None
+            break
         if not answered:
             with self._lock:
                 self.down_since = time.monotonic()
@@ -432,14 +442,33 @@ class RemoteBookie:
         found = answer.get("instance")
         if self.instance is None or found is None or found == self.instance:
             return None
-        registered = self._registered_instance() if self._registered_instance else None
-        if registered == found:
+        registration = self._registration() if self._registration else None
+        if registration is not None and registration[1] == found:
             log.warning("bookie %s at %s is a new disk now (instance %s, registered in place "
                         "of %s)", self.bookie_id, self.address, found, self.instance)
             self.instance = found
             return None
         return f"the endpoint at {self.address} is another disk of bookie " \
             f"{self.bookie_id} (instance {found}, not {self.instance})"
+
+    def _moved(self) -> bool:
+        """Whether the bookie registered another address than the one that did not answer
+        (then written there from now on)."""
+        try:
+            registration = self._registration() if self._registration else None
+        except Exception:  # the metadata store unreachable too: the address stays
+            return False
+        if registration is None or registration[0] == self.address:
+            return False
+        old = self._client
+        with self._lock:
+            log.warning("bookie %s registered a new address, %s (was %s): it is written there "
+                        "from now on", self.bookie_id, registration[0], self.address)
+            self.address = registration[0]
+            self._client = client_for(self.address, tls_ca=self._tls_ca)
+        with contextlib.suppress(Exception):
+            old.close()
+        return True
 
     def close(self) -> None:
         with self._lock:
@@ -464,35 +493,3 @@ class RemoteBookie:
         if self._receiver is not None:
             self._receiver.join(timeout=self.timeout_s)
         self._client.close()
-
-
-class RemoteLedgerReader:
-    """Verified frames of one ledger on a remote bookie, fetched a window of bytes at a
-    time (consecutive entries are contiguous in the file)."""
-
-    def __init__(self, bookie: RemoteBookie, segment_id: int) -> None:
-        self._bookie, self.segment_id = bookie, segment_id
-        self._start, self._data = 0, b""
-
-    def raw(self, rec: IndexRecord) -> bytes:
-        lo, hi = rec.frame_offset, rec.frame_offset + rec.frame_len
-        if not (self._start <= lo and hi <= self._start + len(self._data)):
-            self._start = lo
-            self._data = self._bookie.byte_range(self.segment_id, lo,
-                                                 max(rec.frame_len, _READ_WINDOW))
-            if len(self._data) < rec.frame_len:
-                raise CorruptionError(f"bookie {self._bookie.bookie_id}: ledger "
-                                      f"{self.segment_id} is shorter than its index says "
-                                      f"(entry {rec.entry_id})")
-        return self._data[lo - self._start:hi - self._start]
-
-    def read(self, rec: IndexRecord) -> pa.Buffer:
-        try:
-            return parse_frame(memoryview(self.raw(rec)), self.segment_id, rec.entry_id,
-                               f"bookie {self._bookie.bookie_id}")
-        except CorruptionError:
-            self._bookie.checksum_failures += 1
-            raise
-
-    def close(self) -> None:
-        self._data = b""
