@@ -28,6 +28,11 @@ import pyarrow.compute as pc
 
 __all__ = ["Malformed", "Unsupported", "compile_reader"]
 
+#: the dates and times (days, µs since 1970-01-01) a value may hold: those of the years 1 to
+#: 9999, as the per-value decoder's datetime does (past them it fails: the value is bad)
+_MIN_DAY, _MAX_DAY = -719_162, 2_932_896
+_MIN_US, _MAX_US = -62_135_596_800_000_000, 253_402_300_799_999_999
+
 _PRIMITIVES = {"null", "boolean", "int", "long", "float", "double", "bytes", "string"}
 _PROMOTIONS = {("int", "long"), ("int", "float"), ("int", "double"), ("long", "float"),
                ("long", "double"), ("float", "double"), ("string", "bytes"),
@@ -208,8 +213,10 @@ class _Compiler:
             def timestamp(v: _Values, pos: np.ndarray, lim: np.ndarray
                           ) -> tuple[pa.Array, np.ndarray]:
                 raw, after = integer(v, pos, lim)
-                us = raw.to_numpy(zero_copy_only=False) * scale
-                return pa.array(us, pa.int64()).cast(type_), after
+                n = raw.to_numpy(zero_copy_only=False)
+                if len(n) and (n.min() < _MIN_US // scale or n.max() > _MAX_US // scale):
+                    raise Malformed("a timestamp outside the years 1 to 9999")
+                return pa.array(n * scale, pa.int64()).cast(type_), after
             return timestamp, type_
         if logical == "date" and kind == "int":
             integer, _ = self.primitive("int")
@@ -217,6 +224,9 @@ class _Compiler:
             def date(v: _Values, pos: np.ndarray, lim: np.ndarray
                      ) -> tuple[pa.Array, np.ndarray]:
                 raw, after = integer(v, pos, lim)
+                if len(raw) and not _MIN_DAY <= pc.min(raw).as_py() <= pc.max(raw).as_py() \
+                        <= _MAX_DAY:
+                    raise Malformed("a date outside the years 1 to 9999")
                 return raw.cast(pa.date32()), after
             return date, pa.date32()
         raise Unsupported(f"logical type {logical!r}")
