@@ -28,8 +28,7 @@ import pyarrow.compute as pc
 
 __all__ = ["Malformed", "Unsupported", "compile_reader"]
 
-#: the dates and times (days, µs since 1970-01-01) a value may hold: those of the years 1 to
-#: 9999, as the per-value decoder's datetime does (past them it fails: the value is bad)
+#: days and µs since 1970 of the years 1-9999, as datetime takes them (past them: a bad value)
 _MIN_DAY, _MAX_DAY = -719_162, 2_932_896
 _MIN_US, _MAX_US = -62_135_596_800_000_000, 253_402_300_799_999_999
 
@@ -207,29 +206,21 @@ class _Compiler:
     def logical(self, kind: Any, logical: str) -> tuple[Step, pa.DataType]:
         if logical in ("timestamp-millis", "timestamp-micros") and kind == "long":
             scale = 1000 if logical == "timestamp-millis" else 1
-            integer, _ = self.primitive("long")
-            type_ = pa.timestamp("us", tz="UTC")
+            lo, hi, what, type_ = _MIN_US // scale, _MAX_US // scale, "timestamp", \
+                pa.timestamp("us", tz="UTC")
+        elif logical == "date" and kind == "int":
+            scale, lo, hi, what, type_ = 1, _MIN_DAY, _MAX_DAY, "date", pa.date32()
+        else:
+            raise Unsupported(f"logical type {logical!r}")
+        integer, storage = self.primitive(kind)
 
-            def timestamp(v: _Values, pos: np.ndarray, lim: np.ndarray
-                          ) -> tuple[pa.Array, np.ndarray]:
-                raw, after = integer(v, pos, lim)
-                n = raw.to_numpy(zero_copy_only=False)
-                if len(n) and (n.min() < _MIN_US // scale or n.max() > _MAX_US // scale):
-                    raise Malformed("a timestamp outside the years 1 to 9999")
-                return pa.array(n * scale, pa.int64()).cast(type_), after
-            return timestamp, type_
-        if logical == "date" and kind == "int":
-            integer, _ = self.primitive("int")
-
-            def date(v: _Values, pos: np.ndarray, lim: np.ndarray
-                     ) -> tuple[pa.Array, np.ndarray]:
-                raw, after = integer(v, pos, lim)
-                if len(raw) and not _MIN_DAY <= pc.min(raw).as_py() <= pc.max(raw).as_py() \
-                        <= _MAX_DAY:
-                    raise Malformed("a date outside the years 1 to 9999")
-                return raw.cast(pa.date32()), after
-            return date, pa.date32()
-        raise Unsupported(f"logical type {logical!r}")
+        def step(v: _Values, pos: np.ndarray, lim: np.ndarray) -> tuple[pa.Array, np.ndarray]:
+            raw, after = integer(v, pos, lim)
+            n = raw.to_numpy(zero_copy_only=False)
+            if len(n) and (n.min() < lo or n.max() > hi):
+                raise Malformed(f"a {what} outside the years 1 to 9999")
+            return pa.array(n * scale, storage).cast(type_), after
+        return step, type_
 
     def record(self, schema: dict[str, Any]) -> tuple[Step, pa.DataType]:
         fields = [(f["name"], *self.step(f["type"])) for f in schema.get("fields", [])]
