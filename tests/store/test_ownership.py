@@ -112,6 +112,37 @@ def test_a_partition_taken_over_refuses_its_former_owner_which_is_told_the_new_o
     assert store.query("SELECT broker_id FROM brokers ORDER BY broker_id") == []
 
 
+def _url_of(owners: PartitionOwners, partition: int) -> str | None:
+    owner = owners.elsewhere(TOPIC, partition)
+    return None if owner is None else owner.url
+
+
+def test_a_renewal_reads_the_owners_again_only_when_a_claim_or_an_address_changed_them(
+        metadata_store: MetadataStore) -> None:
+    """Every claim, new partition, address and deleted topic bumps ``meta.owners_version``;
+    a renewal that finds the version it read last keeps its view without reading the owners
+    (the cost of a renewal no longer grows with the partitions other brokers own)."""
+    store = metadata_store
+    store.create_topic(TopicName.parse(TOPIC), 2, created_at=1, ensembles=[ENSEMBLE] * 2)
+    here = PartitionOwners(store, "broker-1", 1)
+    here.claim([(TOPIC, 0), (TOPIC, 1)])
+    there = PartitionOwners(store, "broker-2", 2)
+    there.advertise("grpc://10.0.0.2:6651")
+    there.claim([(TOPIC, 1)])
+    here.renew()
+    assert here.elsewhere(TOPIC, 1) is not None
+    version = store.query("SELECT value FROM meta WHERE key='owners_version'")
+    here.renew()  # nothing changed: the view stays
+    assert store.query("SELECT value FROM meta WHERE key='owners_version'") == version
+    assert _url_of(here, 1) == "grpc://10.0.0.2:6651"
+    there.advertise("grpc://10.0.0.3:6651")  # the owner moved: its address is read again
+    here.renew()
+    assert _url_of(here, 1) == "grpc://10.0.0.3:6651"
+    store.purge_topic(TOPIC)  # a deleted topic's owners are gone from the view
+    here.renew()
+    assert here.elsewhere(TOPIC, 1) is None
+
+
 def test_a_broker_whose_partitions_were_taken_over_lets_them_go_and_serves_the_others(
         tmp_path) -> None:
     """Partitions claimed by a newer broker: a seal of one is refused by the metadata, and an

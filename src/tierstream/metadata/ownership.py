@@ -15,8 +15,11 @@ ledgers by.
 
 The **lease**: every second a broker renews its ``brokers.heartbeat_at`` by the metadata
 server's clock (:meth:`PartitionOwners.renew`), and reads which partitions are owned
-elsewhere. Its Flight streams refuse those (:meth:`PartitionOwners.serving`) with a
-NotOwnerError that carries the owner's address, which tierstream's clients follow.
+elsewhere, only when they changed: every write of an owner or of a broker's address bumps
+``meta.owners_version`` in its transaction (``segment_rows.owners_changed``), and a renewal
+that finds the version it read last reads nothing more. Its Flight streams refuse those
+(:meth:`PartitionOwners.serving`) with a NotOwnerError that carries the owner's address,
+which tierstream's clients follow.
 
 One broker serves a store at a time today (the data directory's lock, or the PostgreSQL
 advisory lock of ``leader_lease.py``): it claims every partition when it opens the store, at
@@ -36,6 +39,7 @@ from typing import Any
 
 from tierstream.errors import NotOwnerError, UnavailableError
 from tierstream.metadata.backend import Tx
+from tierstream.metadata.segment_rows import owners_changed
 from tierstream.metadata.store import MetadataStore
 from tierstream.util.timeutil import now_ms
 
@@ -85,6 +89,7 @@ class PartitionOwners:
         self._view = threading.Lock()  # a renewal's view against a claim's
         #: when the lease was last renewed (monotonic s; None: not yet)
         self.renewed_at: float | None = None
+        self._version: str | None = None  # meta.owners_version the view was read at
         #: called with the partitions a renewal found owned elsewhere that were not before
         #: (the store stops serving them, the subscriptions let their consumers go)
         self.on_lost: list[Callable[[dict[tuple[str, int], Owner]], None]] = []
@@ -115,6 +120,7 @@ class PartitionOwners:
                 "claimed_at=excluded.claimed_at WHERE partition_owners.epoch <= excluded.epoch",
                 [(topic, partition, self.broker_id, self.epoch, at)
                  for topic, partition in wanted])
+            owners_changed(c)
             keys = set(wanted)
             newer = [(t, p) for t, p in c.execute(
                 "SELECT topic, partition FROM partition_owners WHERE epoch > ?",
@@ -153,14 +159,22 @@ class PartitionOwners:
                       "(broker_id) DO UPDATE SET url=excluded.url, "
                       "pulsar_url=excluded.pulsar_url, heartbeat_at=excluded.heartbeat_at",
                       (self.broker_id, url, pulsar_url, self.epoch, now_ms()))
+            owners_changed(c)
 
     def renew(self) -> None:
         """Renew this broker's lease (its heartbeat, by the metadata server's clock) and read
         which partitions other brokers own, in one transaction: what :meth:`serving` refuses
-        until the next renewal. A broker renews every second (``broker/store.py``)."""
+        until the next renewal. A broker renews every second (``broker/store.py``); the owners
+        are read again only when ``meta.owners_version`` moved since the last renewal (read
+        first: a claim committed between the two reads is read again next time)."""
         with self.metadata.atomic() as c:
             c.execute(f"UPDATE brokers SET heartbeat_at = {self._clock} WHERE broker_id=?",
                       (self.broker_id,))
+            row = c.execute("SELECT value FROM meta WHERE key='owners_version'").fetchone()
+            version = None if row is None else str(row[0])
+            if version is not None and version == self._version:
+                self.renewed_at = time.monotonic()
+                return
             rows = c.execute(
                 _OWNER.format(heard="NULL").replace("SELECT ", "SELECT o.topic, o.partition, ",
                                                      1)
@@ -170,6 +184,7 @@ class PartitionOwners:
         with self._view:
             lost = {k: o for k, o in elsewhere.items() if k not in self._elsewhere}
             self._elsewhere = elsewhere
+            self._version = version
             self.renewed_at = time.monotonic()
         if lost:
             log.warning("%s lost %d partition(s) to other brokers (%s): it stops serving them",
@@ -234,6 +249,7 @@ class PartitionOwners:
         c.executemany("INSERT INTO partition_owners (topic, partition, broker_id, epoch, "
                       "claimed_at) VALUES (?, ?, ?, ?, ?) ON CONFLICT (topic, partition) "
                       "DO NOTHING", [(topic, p, self.broker_id, self.epoch, at) for p in new])
+        owners_changed(c)
         now = _owners_of(c, topic)
         for partition in new:
             if now.get(partition) != (self.broker_id, self.epoch):

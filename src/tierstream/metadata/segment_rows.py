@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from tierstream.metadata.backend import Tx
 from tierstream.metadata.records import SegmentRecord, SegmentState
 
-__all__ = ["Holder", "insert_segments", "save_dedup", "update_stats"]
+__all__ = ["Holder", "insert_segments", "owners_changed", "save_dedup", "update_stats"]
 
 
 class Holder(Protocol):
@@ -72,3 +72,10 @@ def save_dedup(c: Tx, topic: str, partition: int,
         "SET sequence_id=excluded.sequence_id, position=excluded.position",
         [(topic, partition, p, seq, json.dumps(pos)) for p, (seq, pos) in state.items()],
     )
+
+
+def owners_changed(c: Tx) -> None:
+    """In transaction ``c``, which changes who owns a partition or where a broker is reached:
+    bump ``meta.owners_version``, so every broker's next renewal reads the owners again."""
+    c.execute("INSERT INTO meta (key, value) VALUES ('owners_version', '1') ON CONFLICT (key) "
+              "DO UPDATE SET value = CAST(CAST(meta.value AS BIGINT) + 1 AS TEXT)")

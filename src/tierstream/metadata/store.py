@@ -16,11 +16,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from tierstream.errors import (
-    AlreadyExistsError,
-    ConfigError,
-    NotFoundError,
-)
+from tierstream.errors import AlreadyExistsError, ConfigError, NotFoundError
 from tierstream.metadata.backend import (
     POSTGRES_SCHEMES,
     Backend,
@@ -29,7 +25,13 @@ from tierstream.metadata.backend import (
     UniqueViolation,
 )
 from tierstream.metadata.records import SegmentRecord, SegmentState, TopicRecord
-from tierstream.metadata.segment_rows import Holder, insert_segments, save_dedup, update_stats
+from tierstream.metadata.segment_rows import (
+    Holder,
+    insert_segments,
+    owners_changed,
+    save_dedup,
+    update_stats,
+)
 from tierstream.metadata.tables import SCHEMA_VERSION, create_and_migrate
 from tierstream.model.lineage import ScaleEvent
 from tierstream.model.names import TopicName
@@ -191,6 +193,7 @@ class MetadataStore:
                           "partition_owners"):
                 c.execute(f"DELETE FROM {table} WHERE topic=?", (name,))
             c.execute("DELETE FROM topics WHERE name=?", (name,))
+            owners_changed(c)
 
     def get_topic(self, name: TopicName | str) -> TopicRecord:
         row = self._one(f"SELECT {_TOPIC} FROM topics WHERE name = ? AND deleting_at IS NULL",
