@@ -409,6 +409,46 @@ def test_appends_go_on_while_postgresql_is_down_between_segment_rolls(start_brok
         server.stop()
 
 
+def test_clients_open_and_read_while_postgresql_is_down(start_broker) -> None:
+    """Regression: opening a Producer asked the broker for the topic's schema and registered
+    its own, both metadata reads, so a producer (re)started during an outage waited it out,
+    though its appends need no metadata. The schema registry answers with the versions last
+    read while the metadata store is unreachable (versions only grow, and a new one needs
+    the store). A consumer of an existing subscription and a read work too."""
+    import json
+
+    schema = json.dumps({"type": "record", "name": "R", "fields": [
+        {"name": "n", "type": "long"}]})
+    server = started()  # its own: this test stops it
+    try:
+        broker = start_broker("--metadata", server.new_database(), "--no-fsync")
+        topic = "acme/pg/clients"
+        with Admin(broker.url) as admin:
+            admin.create_topic(topic, 2)
+        Consumer(topic, "audit", broker=broker.url, initial=Offset.earliest()).close()
+        with Producer(topic, broker=broker.url, schema=("avro", schema)) as producer:
+            producer.send_many({"key": f"k{i}", "value": {"n": i}} for i in range(10))
+        server.halt()
+        wait_for(lambda: any("metadata.postgres: " in line and "is unreachable" in line
+                             for line in broker.stderr_tail),
+                 what="the broker to find PostgreSQL gone")
+        with Producer(topic, broker=broker.url, name="restarted", schema=("avro", schema),
+                      send_timeout=scaled(30)) as producer:
+            producer.send_many({"key": f"k{i}", "value": {"n": i}} for i in range(10, 20))
+        got: list[str] = []
+        with Consumer(topic, "audit", broker=broker.url) as consumer:
+            while len(got) < 20:
+                batch = consumer.receive(timeout=scaled(30))
+                assert batch is not None, f"received {sorted(got)} of 20"
+                got += batch.column("key").to_pylist()
+        assert sorted(got) == sorted(f"k{i}" for i in range(20))
+        rows = sum(b.num_rows for b in read(topic, broker=broker.url, end=Offset.latest()))
+        assert rows == 20
+        server.resume()
+    finally:
+        server.stop()
+
+
 def test_processes_opening_a_new_database_at_once_create_its_tables_once(postgres) -> None:
     """Regression: three ``bookie serve`` started together on a new database raced creating
     its tables, and one exited with ``unexpected UniqueViolation`` (2 of 3 tries): creation

@@ -35,6 +35,7 @@ class SchemaRegistry:
     def __init__(self, metadata: MetadataStore) -> None:
         self._meta = metadata
         self._known: dict[str, set[str]] = {}  # topic -> its version numbers, as text
+        self._read: dict[str, list[SchemaInfo]] = {}  # topic -> its versions, as last read
 
     def check_named_versions(self, topic: str, named: set[str]) -> None:
         """Refuse a batch whose messages name (property ``tierstream.schema.version``) a
@@ -57,12 +58,20 @@ class SchemaRegistry:
     def forget(self, topic: str) -> None:
         """The topic was deleted: a topic made again with its name starts with no versions."""
         self._known.pop(topic, None)
+        self._read.pop(topic, None)
 
     def _topic(self, topic: str) -> str:
         return str(self._meta.get_topic(TopicName.parse(topic)).name)  # exists, or NotFound
 
     def versions(self, topic: str) -> list[SchemaInfo]:
-        return self._meta.schema_versions(topic)
+        """The topic's versions, oldest first; while the metadata store cannot be reached,
+        the last ones read here (versions only grow, and a new one needs the store), so a
+        producer or consumer opening meanwhile is answered rather than made to wait."""
+        known = self._read.get(topic)
+        if known is not None and self._meta.backend.unreachable.is_set():
+            return list(known)
+        versions = self._read[topic] = self._meta.schema_versions(topic)
+        return list(versions)
 
     def get(self, topic: str, version: int | None = None) -> SchemaInfo:
         versions = self.versions(topic)
@@ -100,9 +109,16 @@ class SchemaRegistry:
 
     def register(self, topic: str, type_: SchemaType, text: str | None) -> SchemaInfo:
         """The version of this schema: an existing one with the same fingerprint, or a new
-        one if it is compatible (ConfigError naming the field and the rule otherwise)."""
-        name = self._topic(topic)
+        one if it is compatible (ConfigError naming the field and the rule otherwise).
+        While the metadata store cannot be reached, an existing version last read here is
+        answered (a producer registers at every start)."""
         definition, fingerprint = canonical(type_, text)
+        if self._meta.backend.unreachable.is_set():
+            same = next((v for v in self._read.get(topic, []) if v.fingerprint == fingerprint),
+                        None)
+            if same is not None:
+                return same
+        name = self._topic(topic)
         with self._meta.atomic() as c:  # check and insert in one transaction
             rows = c.execute(f"SELECT {_COLUMNS} FROM schemas WHERE topic=? ORDER BY version",
                              (name,)).fetchall()
@@ -121,4 +137,7 @@ class SchemaRegistry:
             c.execute(f"INSERT INTO schemas ({_COLUMNS}) VALUES (?,?,?,?,?,?)",
                       (info.topic, info.version, info.type.value, info.definition,
                        info.fingerprint, info.created_at))
+        self._read[name] = [*versions, info]
+        if topic != name:
+            self._read.pop(topic, None)
         return info
