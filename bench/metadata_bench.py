@@ -8,7 +8,9 @@ SQLite in the same run, and produce / consume through a broker on each.
 - planning: ``segments_in_windows`` over every partition of a topic of P partitions x S
   segments for a window of 10% of its time (quick: 100 x 1,000; ``--full``: 1,000 x 1,000);
 - produce msg/s (``Producer.send_many``, fsync on) and consume msg/s (a ``Consumer``
-  receiving and acknowledging batches) through a broker process on each backend.
+  receiving and acknowledging batches) through a broker process on each backend;
+- produce msg/s while PostgreSQL is stopped, beside the same producer just before: appends
+  between two segment rolls need no metadata, and must not wait for it.
 
 PostgreSQL is a local server started for the run (``tests/postgres.py``: initdb into a
 temporary directory, loopback, fsync on), so the figure is the engine's cost, not a
@@ -51,6 +53,7 @@ def metadata(quick: bool) -> Path:
                 url = None if backend == "sqlite" else server.new_database()
                 results[backend].update(_through_broker(Path(tmp) / f"{backend}-data", url,
                                                         messages))
+            outage = _through_outage(server, Path(tmp) / "outage-data", sized(3.0, 0.5))
     finally:
         server.stop()
     names = {"roll": ("segment roll (seal + open)", "ops/s"),
@@ -67,6 +70,9 @@ def metadata(quick: bool) -> Path:
             check = _at_least(0.9)
         figures.append(Figure(f"PostgreSQL: {label}", unit, results["postgresql"][key],
                               "SQLite, same", results["sqlite"][key], aim=aim, aim_check=check))
+    figures.append(Figure("PostgreSQL stopped: produce through the broker", "msg/s",
+                          outage["during"], "the same producer before", outage["before"],
+                          aim=">= 0.9 of before", aim_check=_at_least(0.9)))
     return report("metadata", figures, {"partitions": partitions, "segments": segments,
                                         "ops": ops, "messages": messages})
 
@@ -170,3 +176,45 @@ def _through_broker(data: Path, url: str | None, messages: int) -> dict[str, lis
     finally:
         broker.stop()
     return out
+
+
+def _through_outage(server: Any, data: Path, seconds: float) -> dict[str, list[float]]:
+    """One producer's msg/s in three windows of ``seconds`` before ``server`` stops and three
+    while it is stopped (the broker's outage limit well beyond), then the server again."""
+    import threading
+
+    broker = BrokerProcess(data, args=["--metadata", server.new_database()],
+                           env={"TIERSTREAM_METADATA_OUTAGE_S": "120"}).start()
+    acked, stop = [0], threading.Event()
+
+    def produce() -> None:
+        with Producer("bench/meta/outage", broker=broker.url, batch_size=100,
+                      send_timeout=120) as producer:
+            while not stop.is_set():
+                producer.send_many({"key": f"k{i}", "value": VALUE} for i in range(100))
+                acked[0] += 100
+
+    def rate() -> float:
+        first, start = acked[0], time.perf_counter()
+        time.sleep(seconds)
+        return (acked[0] - first) / (time.perf_counter() - start)
+
+    writer = threading.Thread(target=produce, daemon=True)
+    try:
+        assert broker.url is not None
+        with Admin(broker.url) as admin:
+            admin.create_topic("bench/meta/outage", 1)
+        writer.start()
+        time.sleep(seconds / 2)  # the producer under way
+        before = [rate() for _ in range(3)]
+        server.halt()
+        try:
+            during = [rate() for _ in range(3)]
+        finally:
+            server.resume()
+        stop.set()
+        writer.join(timeout=120)
+    finally:
+        stop.set()
+        broker.stop()
+    return {"before": before, "during": during}
