@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import socket
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ def _given_away(data_dir: Path, owner: BrokerProcess) -> None:
     metadata = MetadataStore(DataDir.at(data_dir).metadata)
     try:
         newer = PartitionOwners(metadata, "broker-99", 99)
-        newer.advertise(owner.url or "", owner.pulsar_url)
+        newer.advertise(owner.url or "", owner.pulsar_url, owner.admin_url)
         newer.claim([(TOPIC, 1)])
     finally:
         metadata.close()
@@ -110,6 +111,41 @@ def test_a_lookup_sends_a_pulsar_client_to_the_broker_owning_the_partition(
     assert {r["partition"] for r in owner_rows} == {1}
     assert [r for r in here_rows if r["partition"] == 1] == owner_rows
     assert sorted(r["value"] for r in here_rows) == sorted(f"v{i}".encode() for i in range(40))
+
+
+def test_a_partition_s_admin_stats_asked_of_any_broker_are_answered_by_its_owner(
+        start_broker: Any, tmp_path: Path) -> None:
+    """Pulsar's admin REST of one partition (``.../topic-partition-1/stats``) asked of a
+    broker that does not own it: a 307 to the owner's admin REST, as Pulsar's brokers answer,
+    which admin clients follow. Before, the broker answered its own stale view."""
+    owner, here = (start_broker("--admin-port", str(free_port()), data=tmp_path / name)
+                   for name in ("owner", "here"))
+    for broker in (owner, here):
+        with Admin(broker.url) as admin:
+            admin.create_topic(TOPIC, 2)
+    assert owner.admin_url is not None and here.admin_url is not None
+    with Producer(TOPIC, broker=owner.url) as producer:
+        producer.send_batch(pa.record_batch({"value": [b"m"] * 7}), partition=1)
+    _given_away(tmp_path / "here", owner)
+    wait_for(lambda: any(LOST in line for line in here.stderr_tail),
+             what="the renewal to see partition 1 owned elsewhere")
+    path = f"/admin/v2/persistent/{TOPIC}-partition-1/stats"
+
+    class Stay(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args: Any) -> None:
+            return None  # the 307 itself, not where it leads
+
+    try:
+        urllib.request.build_opener(Stay).open(here.admin_url + path, timeout=scaled(30))
+        raise AssertionError("no redirect")
+    except urllib.error.HTTPError as exc:
+        assert exc.code == 307 and exc.headers["Location"] == owner.admin_url + path
+    with urllib.request.urlopen(here.admin_url + path, timeout=scaled(30)) as answer:
+        followed = json.loads(answer.read())
+    assert followed["msgInCounter"] == 7  # the owner's partition, not here's (empty) one
+    with urllib.request.urlopen(here.admin_url + f"/admin/v2/persistent/{TOPIC}-partition-0"
+                                "/stats", timeout=scaled(30)) as answer:
+        assert json.loads(answer.read())["msgInCounter"] == 0  # its own, answered here
 
 
 def test_a_pulsar_consumer_of_a_partition_taken_over_is_let_go_and_finds_the_owner(

@@ -190,7 +190,7 @@ def test_stats_say_which_broker_owns_each_partition_and_a_restart_claims_them_al
     assert [(o["broker"], o["url"]) for o in owners] == [(me["id"], broker.url)] * 2
     heard = first["owners"][0].pop("heard_ms_ago")  # its lease, by the metadata's clock
     assert first["owners"] == [{"broker": me["id"], "epoch": me["epoch"], "url": broker.url,
-                                "pulsar_url": None, "partitions": 2}]
+                                "pulsar_url": None, "admin_url": None, "partitions": 2}]
     assert 0 <= heard <= scaled(5) * 1000 and me["lease_renewed_s_ago"] <= scaled(5)
     assert [(b["broker"], b["url"], b["partitions"], b["this"]) for b in brokers] == \
         [(me["id"], broker.url, 2, True)]

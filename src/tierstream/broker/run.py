@@ -151,7 +151,7 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
                             "one's host name, %s (--advertised-address names another)", host,
                             where)
             store.owners.advertise(f"{broker.scheme}://{where}:{broker.port}",
-                                   pulsar.url if pulsar else None)
+                                   pulsar.url if pulsar else None, admin.url if admin else None)
             if ready is not None:
                 served = {"metrics": metrics and metrics.url,
                           "pulsar clients": pulsar and pulsar.url,

@@ -50,8 +50,8 @@ log = logging.getLogger(__name__)
 #: how often a broker renews its lease and its view of the partitions owned elsewhere
 RENEW_S = 1.0
 
-_OWNER = ("SELECT o.broker_id, o.epoch, o.claimed_at, b.url, b.pulsar_url, {heard} FROM "
-          "partition_owners o LEFT JOIN brokers b ON b.broker_id = o.broker_id")
+_OWNER = ("SELECT o.broker_id, o.epoch, o.claimed_at, b.url, b.pulsar_url, {heard}, "
+          "b.admin_url FROM partition_owners o LEFT JOIN brokers b ON b.broker_id = o.broker_id")
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,7 @@ class Owner:
     pulsar_url: str | None = None
     #: ms since its lease was last renewed, by the metadata server's clock (None: never)
     heard_ms_ago: int | None = None
+    admin_url: str | None = None  # its Pulsar admin REST, if it serves one
 
     def describe(self) -> str:
         where = f" at {self.url}" if self.url else ""
@@ -73,7 +74,7 @@ class Owner:
 
     def as_dict(self) -> dict[str, object]:
         return {"broker": self.broker_id, "epoch": self.epoch, "since": self.claimed_at,
-                "url": self.url, "pulsar_url": self.pulsar_url,
+                "url": self.url, "pulsar_url": self.pulsar_url, "admin_url": self.admin_url,
                 "heard_ms_ago": self.heard_ms_ago}
 
 
@@ -151,14 +152,17 @@ class PartitionOwners:
                      self.broker_id, self.epoch, len(partitions),
                      ", ".join(f"{b} ({n})" for b, n in sorted(former.items())))
 
-    def advertise(self, url: str, pulsar_url: str | None = None) -> None:
-        """Say where this broker is reached: its Flight URL and its Pulsar listener's."""
+    def advertise(self, url: str, pulsar_url: str | None = None,
+                  admin_url: str | None = None) -> None:
+        """Say where this broker is reached: its Flight URL, its Pulsar listener's and its
+        Pulsar admin REST's."""
         with self.metadata.atomic() as c:
-            c.execute("INSERT INTO brokers (broker_id, url, pulsar_url, epoch, started_at, "
-                      f"heartbeat_at) VALUES (?, ?, ?, ?, ?, {self._clock}) ON CONFLICT "
-                      "(broker_id) DO UPDATE SET url=excluded.url, "
-                      "pulsar_url=excluded.pulsar_url, heartbeat_at=excluded.heartbeat_at",
-                      (self.broker_id, url, pulsar_url, self.epoch, now_ms()))
+            c.execute("INSERT INTO brokers (broker_id, url, pulsar_url, admin_url, epoch, "
+                      f"started_at, heartbeat_at) VALUES (?, ?, ?, ?, ?, ?, {self._clock}) "
+                      "ON CONFLICT (broker_id) DO UPDATE SET url=excluded.url, "
+                      "pulsar_url=excluded.pulsar_url, admin_url=excluded.admin_url, "
+                      "heartbeat_at=excluded.heartbeat_at",
+                      (self.broker_id, url, pulsar_url, admin_url, self.epoch, now_ms()))
             owners_changed(c)
 
     def renew(self) -> None:
@@ -330,11 +334,12 @@ def _owner(c: Tx, topic: str, partition: int) -> Owner | None:
 
 
 def _row(row: Sequence[Any]) -> Owner:
-    broker_id, epoch, claimed_at, url, pulsar_url, heard = row
+    broker_id, epoch, claimed_at, url, pulsar_url, heard, admin_url = row
     return Owner(str(broker_id), int(epoch), int(claimed_at),
                  None if url is None else str(url),
                  None if pulsar_url is None else str(pulsar_url),
-                 None if heard is None else int(heard))
+                 None if heard is None else int(heard),
+                 None if admin_url is None else str(admin_url))
 
 
 def _refusal(topic: str, partition: int, owner: Owner | None, what: str) -> str:

@@ -11,7 +11,7 @@ from tierstream.metadata.backend import Backend, Tx
 
 __all__ = ["SCHEMA_VERSION", "create_and_migrate", "ddl"]
 
-SCHEMA_VERSION = 16
+SCHEMA_VERSION = 17
 
 DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -144,7 +144,8 @@ CREATE TABLE IF NOT EXISTS brokers (
     pulsar_url TEXT,
     epoch INTEGER NOT NULL,
     started_at INTEGER NOT NULL,
-    heartbeat_at INTEGER
+    heartbeat_at INTEGER,
+    admin_url TEXT
 );
 CREATE TABLE IF NOT EXISTS partition_owners (
     topic TEXT NOT NULL,
@@ -269,3 +270,8 @@ def _migrate(conn: Tx, backend: Backend) -> None:
         if "heartbeat_at" not in backend.columns("brokers"):
             conn.execute("ALTER TABLE brokers ADD COLUMN heartbeat_at INTEGER")
         conn.execute("UPDATE meta SET value='16' WHERE key='schema_version'")
+        version = 16
+    if version == 16:  # v17: where a broker serves Pulsar's admin REST (stats redirects)
+        if "admin_url" not in backend.columns("brokers"):
+            conn.execute("ALTER TABLE brokers ADD COLUMN admin_url TEXT")
+        conn.execute("UPDATE meta SET value='17' WHERE key='schema_version'")

@@ -59,6 +59,7 @@ from tierstream.errors import (
     UnavailableError,
 )
 from tierstream.pulsar_protocol.names import InvalidTopicName, parse_pulsar_topic
+from tierstream.wire.security import advertised_host
 
 if TYPE_CHECKING:
     from tierstream.broker.server import Broker
@@ -74,11 +75,11 @@ _MAX_BODY = 64 * 1024
 
 
 class _Answer(Exception):
-    """An HTTP error answer: status and reason."""
+    """An HTTP error answer: status and reason (and where to go instead, for a redirect)."""
 
-    def __init__(self, status: HTTPStatus, reason: str) -> None:
+    def __init__(self, status: HTTPStatus, reason: str, location: str | None = None) -> None:
         super().__init__(reason)
-        self.status, self.reason = status, reason
+        self.status, self.reason, self.location = status, reason, location
 
 
 def _status_of(exc: TierstreamError) -> HTTPStatus:
@@ -150,6 +151,11 @@ class AdminServer:
                     status, result = routes.handle(method, url.path, query, body)
                 except _Answer as exc:
                     status, result = exc.status, {"reason": exc.reason}
+                    if exc.location is not None:  # the owner's, with the same request
+                        where = f"{exc.location}{url.path}"
+                        self._reply(status, result, where + (f"?{url.query}" if url.query
+                                                             else ""))
+                        return
                 except TierstreamError as exc:
                     status, result = _status_of(exc), {"reason": str(exc)}
                 except Exception as exc:  # answered, logged with its stack; the server lives
@@ -166,9 +172,12 @@ class AdminServer:
                                   f"request body of {length} bytes: at most {_MAX_BODY}")
                 return self.rfile.read(length) if length > 0 else b""
 
-            def _reply(self, status: HTTPStatus, result: Any) -> None:
+            def _reply(self, status: HTTPStatus, result: Any,
+                       location: str | None = None) -> None:
                 data = b"" if status == HTTPStatus.NO_CONTENT else json.dumps(result).encode()
                 self.send_response(status)
+                if location is not None:
+                    self.send_header("Location", location)
                 if data:
                     self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -197,7 +206,7 @@ class AdminServer:
             raise ConfigError(f"cannot serve Pulsar admin on {host}:{port}: "
                               f"{exc.strerror or exc}") from None
         self.port = int(self._server.server_address[1])
-        name = advertised or host
+        name = advertised_host(host, advertised)  # not 0.0.0.0: other hosts follow it
         scheme = "https" if context is not None else "http"
         self.url = f"{scheme}://{'[' + name + ']' if ':' in name else name}:{self.port}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
@@ -373,6 +382,8 @@ class _Routes:
 
     def _stats(self, namespace: str, topic: str) -> dict[str, Any]:
         name, partition = self._name(namespace, topic)
+        if partition is not None:
+            self._redirect_to_owner(name, partition)
         raw = self.broker.call("topic-stats", {"topic": name, "per_partition": True})
         plogs = self.broker.store.partitions(name, serving=True)
         rows = self.broker.call("subscriptions", {"topic": name})
@@ -383,6 +394,20 @@ class _Routes:
                           f"0..{len(raw['partitions']) - 1}")
         return pulsar_stats(raw["partitions"][partition], [plogs[partition]],
                             [r for r in rows if r["partition"] == partition])
+
+    def _redirect_to_owner(self, name: str, partition: int) -> None:
+        """A partition another broker owns (by the lease's last renewal) is answered there,
+        as Pulsar's brokers answer: 307 to the owner's admin REST, which admin clients
+        follow."""
+        owner = self.broker.store.owners.elsewhere(name, partition)
+        if owner is None:
+            return
+        if owner.admin_url is None:
+            raise _Answer(HTTPStatus.SERVICE_UNAVAILABLE, f"{name} partition {partition} is "
+                          f"served by {owner.describe()}, which serves no Pulsar admin (start "
+                          "it with --admin-port)")
+        raise _Answer(HTTPStatus.TEMPORARY_REDIRECT, f"{name} partition {partition} is served "
+                      f"by {owner.describe()}", location=owner.admin_url)
 
     def _partitioned_stats(self, namespace: str, topic: str, per_partition: bool
                            ) -> dict[str, Any]:
