@@ -60,6 +60,18 @@ def _two_brokers(start_broker: Any, tmp_path: Path, *here_args: str
     return owner, here
 
 
+def _send(broker: BrokerProcess, prefix: str, n: int) -> None:
+    """``n`` values ``<prefix><i>`` keyed ``k<i>``, by a new Pulsar client of ``broker``."""
+    client = client_of(broker)
+    try:
+        producer = client.create_producer(NAME, batching_enabled=False)
+        for i in range(n):
+            producer.send(f"{prefix}{i}".encode(), partition_key=f"k{i}")
+        producer.close()
+    finally:
+        client.close()
+
+
 def _answer(broker: BrokerProcess, *commands: api.BaseCommand) -> api.BaseCommand:
     """The first answer to ``commands`` (after CONNECT) that is not CONNECTED."""
     host, port = (broker.pulsar_url or "").removeprefix("pulsar://").rsplit(":", 1)
@@ -97,14 +109,7 @@ def test_a_lookup_sends_a_pulsar_client_to_the_broker_owning_the_partition(
     assert refused.error.error == api.ServiceNotReady
     assert f"served by broker-99 at {owner.url} (epoch 99)" in refused.error.message
 
-    client = client_of(here)  # given this broker's address only
-    try:
-        producer = client.create_producer(NAME, batching_enabled=False)
-        for i in range(40):
-            producer.send(f"v{i}".encode(), partition_key=f"k{i}")
-        producer.close()
-    finally:
-        client.close()
+    _send(here, "v", 40)  # a client given this broker's address only
     # partition 1 was written where the lookup sent the client, partition 0 here; a read at
     # here follows partition 1 to its owner
     here_rows, owner_rows = rows_of(here, TOPIC), rows_of(owner, TOPIC)
@@ -208,29 +213,19 @@ def test_pulsar_clients_look_up_subscribe_and_produce_while_postgresql_is_down(
         with Admin(broker.url) as admin:
             admin.create_topic(TOPIC, 2)
 
-        def produce(prefix: str) -> None:
-            client = client_of(broker)
-            try:
-                producer = client.create_producer(NAME, batching_enabled=False)
-                for i in range(20):
-                    producer.send(f"{prefix}{i}".encode(), partition_key=f"k{i}")
-                producer.close()
-            finally:
-                client.close()
-
         client = client_of(broker)
         try:  # the subscription, and the topic's routing by its Pulsar clients, before
             client.subscribe(NAME, "audit",
                              initial_position=pulsar.InitialPosition.Earliest).close()
         finally:
             client.close()
-        produce("v")
+        _send(broker, "v", 20)
         server.halt()
         # its metadata statements find the server gone (not only its lock's session)
         wait_for(lambda: any("metadata.postgres: " in line and "is unreachable" in line
                              for line in broker.stderr_tail),
                  what="the broker to find PostgreSQL gone")
-        produce("w")  # a new client's producer
+        _send(broker, "w", 20)  # a new client's producer
         client = client_of(broker)
         try:
             consumer = client.subscribe(NAME, "audit")

@@ -288,6 +288,26 @@ def test_two_bookies_down_are_told_once_not_at_every_retry(network_store, open_s
     assert len(lines) < 40 and "status.cc" not in said, said[-3000:]
 
 
+def _bookie_1_killed_under_load(network_store: Any, partitions: int) -> tuple[Any, _Writer]:
+    """(a broker of small segments, a writer at work on a topic of ``partitions``) once
+    bookie-1 was SIGKILLed under that load and the broker took it for gone."""
+    _, bookies, broker = network_store
+    serving = broker("broker-a", *SMALL).start()
+    with Admin(serving.url) as admin:
+        admin.create_topic(TOPIC, partitions)
+    writer = _Writer(serving.url)
+    try:
+        writer.wait_for_more(300)
+        bookies[1].kill()
+        with Admin(serving.url) as admin:
+            wait_for(lambda: not admin.stats()["bookies"]["bookie-1"]["available"],
+                     what="bookie-1 taken for gone")
+    except BaseException:
+        writer.stop()
+        raise
+    return serving, writer
+
+
 def test_a_bookie_s_address_answered_by_another_endpoint_is_not_taken_for_it(
         network_store, tmp_path) -> None:
     """Regression (a suite run on CI): while bookie-1 was down, another test's broker took its
@@ -299,17 +319,9 @@ def test_a_bookie_s_address_answered_by_another_endpoint_is_not_taken_for_it(
     unavailable."""
     from tierstream.bookie.server import BookieServer
 
-    _, bookies, broker = network_store
-    serving = broker("broker-a", *SMALL).start()
-    with Admin(serving.url) as admin:
-        admin.create_topic(TOPIC, 2)
-    writer = _Writer(serving.url)
+    _, bookies, _ = network_store
+    serving, writer = _bookie_1_killed_under_load(network_store, 2)
     try:
-        writer.wait_for_more(500)
-        bookies[1].kill()
-        with Admin(serving.url) as admin:
-            wait_for(lambda: not admin.stats()["bookies"]["bookie-1"]["available"],
-                     what="bookie-1 taken for gone")
         impostors = [  # (bookie id, takes writes, what bookie-1's state then says)
             ("bookie-0", False, "is bookie bookie-0, not bookie-1"),
             ("bookie-1", False, "serves bookie bookie-1 read-only"),
@@ -353,17 +365,10 @@ def test_a_bookie_restarted_at_another_address_is_found_there(network_store) -> 
     new one, but the broker kept pinging the old one: the bookie stayed unavailable and every
     new segment had two copies until the broker restarted. A ping that finds nobody now asks
     the registration."""
-    _, bookies, broker = network_store
-    serving = broker("broker-a", *SMALL).start()
-    with Admin(serving.url) as admin:
-        admin.create_topic(TOPIC, 1)
-    writer = _Writer(serving.url)
+    _, bookies, _ = network_store
+    serving, writer = _bookie_1_killed_under_load(network_store, 1)
     try:
-        writer.wait_for_more(300)
-        bookies[1].kill()
         with Admin(serving.url) as admin:
-            wait_for(lambda: not admin.stats()["bookies"]["bookie-1"]["available"],
-                     what="bookie-1 taken for gone")
             old = bookies[1].url
             bookies[1].port = fixed_port()
             bookies[1].start()
