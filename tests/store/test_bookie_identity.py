@@ -386,3 +386,36 @@ def test_a_bookie_restarted_at_another_address_is_found_there(network_store) -> 
     assert sorted(newest.ensemble) == ["bookie-0", "bookie-1", "bookie-2"], newest
     check_exactly_once_in_order(_read(serving.url), acked)
     assert "bookie-1 registered a new address" in "".join(serving.stderr_tail)
+
+
+def test_a_disk_replaced_behind_an_idle_client_is_adopted_at_its_next_call(
+        network_store) -> None:
+    """Regression (a 100-fault network chaos run: 162 segments stayed under-replicated): a
+    bookie whose disk was replaced (``--replace``) while the broker's client of it had no
+    append stream open stayed 'available' with the old disk's instance, so every call of
+    the repairer was refused as another disk, and tried again for good. A call that finds
+    the bookie unavailable now takes it for down, and the next ``is_available()`` pings it
+    and adopts the disk its registration names."""
+    from tierstream.errors import UnavailableError
+    from tierstream.metadata.bookie_registry import bookie_registration, network_bookies
+    from tierstream.metadata.store import MetadataStore
+
+    url, bookies, _ = network_store
+    metadata = MetadataStore(url, hold=False)
+    try:
+        (_, address, _, instance), = [b for b in network_bookies(metadata)
+                                      if b[0] == "bookie-1"]
+        client = RemoteBookie("bookie-1", address, host="-", epoch=1, instance=instance,
+                              registration=lambda: bookie_registration(metadata, "bookie-1"))
+        try:
+            assert client.ledger_entries() == {}  # a control call: no stream is opened
+            bookies[1].wipe()
+            bookies[1].start("--replace")
+            with pytest.raises(UnavailableError, match="another disk of bookie bookie-1"):
+                client.ledger_entries()
+            assert client.is_available()  # pinged: the registration names the new disk
+            assert client.ledger_entries() == {} and client.instance != instance
+        finally:
+            client.close()
+    finally:
+        metadata.close()

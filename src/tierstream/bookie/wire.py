@@ -13,7 +13,7 @@ import pyarrow as pa
 from tierstream.bookie.ledger import IndexRecord, RecoveredLedger
 
 __all__ = ["ACK_SCHEMA", "APPEND_SCHEMA", "FRAME_SCHEMA", "RECORD_FIELDS", "append_batch",
-           "recovered_from", "recovered_to"]
+           "not_this_bookie", "recovered_from", "recovered_to"]
 
 APPEND_SCHEMA = pa.schema([
     pa.field("segment_id", pa.int64(), nullable=False),
@@ -71,3 +71,14 @@ def append_batch(rows: list[list[Any]]) -> pa.RecordBatch:
         pa.binary(), len(rows), [None, pa.py_buffer(offsets), data])
         for i, (col, f) in enumerate(zip(columns, APPEND_SCHEMA, strict=True))]
     return pa.RecordBatch.from_arrays(arrays, schema=APPEND_SCHEMA)
+
+
+def not_this_bookie(answer: dict[str, Any], bookie_id: str, address: str) -> str | None:
+    """Why a ping's ``answer`` (``{"bookie", "writable", "instance"}``) at ``address`` is not
+    bookie ``bookie_id`` taking writes, or None."""
+    if answer.get("bookie") != bookie_id:
+        return f"the endpoint at {address} is bookie {answer.get('bookie')}, not {bookie_id}"
+    if not answer.get("writable"):
+        return f"the endpoint at {address} serves bookie {bookie_id} read-only: it takes no " \
+            "writes"
+    return None

@@ -12,14 +12,10 @@ marked unavailable: the broker seals the segments written there and places the n
 on other bookies; appends are tried again after ``retry_s``.
 
 Every append carries the broker's writer epoch: once a newer broker fenced a ledger, the
-bookie refuses them (``FencedError``). Every call names the bookie it is for, and the instance
-of its disk (``bookie/cookie.py``): an address answered by another endpoint (its port taken
-while the bookie was down, by another bookie or another store's) is this bookie unavailable,
-never a copy counted towards the ack quorum on the wrong disk. A ping that finds another
-instance of this bookie asks the registration (``registration``): a disk that took a lost
-one's place (``bookie serve --replace``) is the bookie from then on. So does a ping that finds
-nobody: a bookie restarted at another address (a new port, a host's new IP) registered it,
-and is written there from then on.
+bookie refuses them (``FencedError``). Every call names the bookie and its disk's instance
+(``bookie/cookie.py``): another endpoint at the address is this bookie unavailable, never a
+copy on the wrong disk. A ping asks the registration when it finds another instance (a disk
+that replaced a lost one is adopted) or nobody (a bookie restarted at a new address).
 """
 
 from __future__ import annotations
@@ -41,6 +37,7 @@ import pyarrow.flight as flight
 from tierstream.bookie.ledger import IndexRecord, RecoveredLedger
 from tierstream.bookie.wire import APPEND_SCHEMA, FRAME_SCHEMA, append_batch, recovered_from
 from tierstream.errors import UnavailableError
+from tierstream.managed_ledger.bookies.identity import BookieIdentity
 from tierstream.managed_ledger.bookies.remote_reader import RemoteLedgerReader
 from tierstream.util.faults import fault_point
 from tierstream.util.threads import Worker
@@ -59,7 +56,7 @@ KEEPALIVE_S = 0.5
 _EMPTY = pa.RecordBatch.from_pylist([], schema=APPEND_SCHEMA)
 
 
-class RemoteBookie:
+class RemoteBookie(BookieIdentity):
     """A bookie endpoint (``tierstream bookie serve``) at ``address``, written under
     ``epoch``."""
 
@@ -310,11 +307,29 @@ class RemoteBookie:
 
     def _addressed(self) -> dict[str, Any]:
         """What every request carries: the bookie it is for (``BookieServer._addressed``)."""
-        return {"bookie": self.bookie_id, **({"instance": self.instance} if self.instance
-                                             else {})}
+        return {"bookie": self.bookie_id, "instance": self.instance}
+
+    @contextlib.contextmanager
+    def _control(self) -> Iterator[None]:
+        """A call that finds the bookie unavailable (gone, or another disk at its address)
+        takes it for down: the next :meth:`is_available` pings it at once (and adopts a disk
+        its registration names: a repair never retries a stale instance for good)."""
+        try:
+            with translate_errors(self.address, "bookie"):
+                yield
+        except UnavailableError as exc:
+            with self._lock:
+                if self.down_since is None:
+                    log.warning("bookie %s at %s is unavailable: %s", self.bookie_id,
+                                self.address, exc)
+                    self._down_at, self._failures_at_down = time.monotonic(), self.failures
+                # pinged at the next is_available(), not after retry_s
+                self.down_since = time.monotonic() - self.retry_s
+                self.down_reason = str(exc)
+            raise
 
     def _action(self, kind: str, body: dict[str, Any]) -> Any:
-        with translate_errors(self.address, "bookie"):
+        with self._control():
             results = list(self._client.do_action(
                 flight.Action(kind, encode({**body, **self._addressed()})), self._options))
         return decode(results[0].body.to_pybytes(), "bookie answer")["result"]
@@ -357,7 +372,7 @@ class RemoteBookie:
         ticket = flight.Ticket(encode({"op": "range", "segment_id": segment_id,
                                        "offset": offset, "length": length,
                                        **self._addressed()}))
-        with translate_errors(self.address, "bookie"):
+        with self._control():
             table = self._client.do_get(ticket, self._options).read_all()
         return bytes(table.column("data")[0].as_py())
 
@@ -371,7 +386,7 @@ class RemoteBookie:
     def rewrite_ledger(self, segment_id: int, frames: list[tuple[IndexRecord, bytes]]) -> None:
         descriptor = flight.FlightDescriptor.for_command(encode(
             {"op": "rewrite", "segment_id": segment_id, **self._addressed()}))
-        with translate_errors(self.address, "bookie"):
+        with self._control():
             writer, _ = self._client.do_put(descriptor, FRAME_SCHEMA, self._options)
             for i in range(0, len(frames), 256):
                 part = frames[i:i + 256]
@@ -391,8 +406,7 @@ class RemoteBookie:
         self.checksum_failures += 1
 
     def ping(self) -> bool:
-        """Whether the bookie answers, as itself (at most once per ``retry_s`` while it is
-        down)."""
+        """Whether the bookie answers, as itself (once per ``retry_s`` while it is down)."""
         with self._lock:
             if self.down_since is not None and \
                     time.monotonic() - self.down_since < self.retry_s:
@@ -428,46 +442,6 @@ class RemoteBookie:
                             self.address, time.monotonic() - self._down_at,
                             self.failures - self._failures_at_down)
             self.down_since = self._down_at = None
-        return True
-
-    def _someone_else(self, answer: dict[str, Any]) -> str | None:
-        """Why a ping's ``answer`` is not this bookie taking writes (None: it is). Another
-        instance of it is asked of the registration: a replacing disk is the bookie now."""
-        if answer.get("bookie") != self.bookie_id:
-            return f"the endpoint at {self.address} is bookie {answer.get('bookie')}, not " \
-                f"{self.bookie_id}"
-        if not answer.get("writable"):
-            return f"the endpoint at {self.address} serves bookie {self.bookie_id} " \
-                "read-only: it takes no writes"
-        found = answer.get("instance")
-        if self.instance is None or found is None or found == self.instance:
-            return None
-        registration = self._registration() if self._registration else None
-        if registration is not None and registration[1] == found:
-            log.warning("bookie %s at %s is a new disk now (instance %s, registered in place "
-                        "of %s)", self.bookie_id, self.address, found, self.instance)
-            self.instance = found
-            return None
-        return f"the endpoint at {self.address} is another disk of bookie " \
-            f"{self.bookie_id} (instance {found}, not {self.instance})"
-
-    def _moved(self) -> bool:
-        """Whether the bookie registered another address than the one that did not answer
-        (then written there from now on)."""
-        try:
-            registration = self._registration() if self._registration else None
-        except Exception:  # the metadata store unreachable too: the address stays
-            return False
-        if registration is None or registration[0] == self.address:
-            return False
-        old = self._client
-        with self._lock:
-            log.warning("bookie %s registered a new address, %s (was %s): it is written there "
-                        "from now on", self.bookie_id, registration[0], self.address)
-            self.address = registration[0]
-            self._client = client_for(self.address, tls_ca=self._tls_ca)
-        with contextlib.suppress(Exception):
-            old.close()
         return True
 
     def close(self) -> None:
