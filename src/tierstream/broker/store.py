@@ -226,7 +226,7 @@ class Store:
             if plog is not None and not plog.lost:
                 log.warning("%s partition %d was taken over by %s: %s; this broker stops "
                             "serving it", topic, partition, owner.describe(), reason)
-                plog.lose(self.owners.refusal(topic, partition, owner))
+                self._lose({(topic, partition): owner})
             return
         if not self.fenced.is_set():
             self.fenced_reason = reason
