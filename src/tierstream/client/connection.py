@@ -133,6 +133,17 @@ class BrokerClient:
             log.info("%s partition %d is served by %s; following it", topic, partition, url)
             self._owners[(topic, partition)] = url
 
+    def unfollow(self, topic: str, partition: int, url: str | None) -> bool:
+        """The owner followed for the partition, at ``url``, hangs (connected, but no
+        answer in time): its streams go to the brokers named again, which say where it
+        went. Whether it was followed."""
+        if url is None or self._owners.get((topic, partition)) != url:
+            return False
+        log.info("%s partition %d: its owner at %s does not answer; asking %s", topic,
+                 partition, url, self.broker)
+        del self._owners[(topic, partition)]
+        return True
+
     def url_for(self, command: Mapping[str, Any]) -> str:
         """The broker a stream of ``command``'s partition goes to."""
         return self._owners.get(_partition_of(command), self.url)

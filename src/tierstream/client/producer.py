@@ -11,7 +11,6 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -21,7 +20,7 @@ from tierstream.client.admin import Admin
 from tierstream.client.connection import BrokerClient
 from tierstream.client.messages import Message, as_message, check_sequence_ids, routed, to_batch
 from tierstream.client.retry import gave_up, reconnect_timeout_s
-from tierstream.client.stream_io import StalledError, StreamIO
+from tierstream.client.stream_io import PartitionStream, StalledError, StreamIO
 from tierstream.errors import (
     ConfigError,
     ConflictError,
@@ -42,16 +41,6 @@ if TYPE_CHECKING:
 __all__ = ["Message", "Producer"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _PartitionStream:
-    io: StreamIO | None = None  # the open produce stream, if any
-    next_seq: int = 0
-    unacked: deque[tuple[int, pa.RecordBatch]] = field(default_factory=deque)
-    pinned: set[int] = field(default_factory=set)  # sent to a partition the caller chose
-    #: since when brokers connected but sent no ack in time (monotonic s; None: acks flow)
-    stalled_since: float | None = None
 
 
 class Producer:
@@ -97,7 +86,7 @@ class Producer:
         self._client = BrokerClient(broker, auth_token=auth_token, tls_ca=tls_ca)
         self._admin = Admin(self._client.broker, auth_token=auth_token, tls_ca=self._client.tls_ca)
         self.partitions = self._admin.get_topic(self.topic).partitions
-        self._streams: dict[int, _PartitionStream] = {}
+        self._streams: dict[int, PartitionStream] = {}
         self._add_streams()
         self._rr = itertools.count()
         self._acks: list[dict[str, Any]] = []
@@ -116,7 +105,7 @@ class Producer:
         for p in range(self.partitions):
             if p not in self._streams:
                 last = state.get(str(p))
-                self._streams[p] = _PartitionStream(next_seq=0 if last is None else int(last) + 1)
+                self._streams[p] = PartitionStream(next_seq=0 if last is None else int(last) + 1)
 
     def _schema_encoder(self, schema: tuple[str, str | None] | None) -> Encoder | None:
         """The topic's schema: ``schema`` (type, definition) registered (or found) as a
@@ -309,14 +298,14 @@ class Producer:
         while len(stream.unacked) >= self.max_in_flight:
             self._read_ack(p, stream)
 
-    def _ensure_stream(self, p: int, stream: _PartitionStream) -> StreamIO:
+    def _ensure_stream(self, p: int, stream: PartitionStream) -> StreamIO:
         if stream.io is None:
             stream.io = StreamIO(self._client, {
                 "op": "produce", "topic": self.topic, "partition": p, "producer": self.name,
                 "routed": self.partitions})
         return stream.io
 
-    def _read_ack(self, p: int, stream: _PartitionStream) -> None:
+    def _read_ack(self, p: int, stream: PartitionStream) -> None:
         try:
             self._read_one_ack(p, stream)
         except StaleRoutingError:
@@ -373,7 +362,7 @@ class Producer:
                     break
                 self._send(q, rows)
 
-    def _read_one_ack(self, p: int, stream: _PartitionStream) -> None:
+    def _read_one_ack(self, p: int, stream: PartitionStream) -> None:
         if stream.io is None:
             self._recover(p, stream)
         try:
@@ -386,10 +375,13 @@ class Producer:
             self._drop(stream)
             now = time.monotonic()
             stream.stalled_since = stream.stalled_since or now - self.send_timeout
-            if len(self._client.urls) > 1 and \
+            # a hung broker, and others named, or a hung owner followed there: one of them
+            # may have taken over (several brokers: the brokers named say who)
+            followed = self._client.unfollow(self.topic, p, via)
+            if (followed or len(self._client.urls) > 1) and \
                     now - stream.stalled_since < reconnect_timeout_s():
-                # a hung broker, and others named: one of them may have taken over
-                self._leave(via, f"connected but sent no ack in {self.send_timeout:g}s")
+                if not followed:
+                    self._leave(via, f"connected but sent no ack in {self.send_timeout:g}s")
                 self._recover(p, stream)
                 return
             stream.stalled_since = None
@@ -397,6 +389,10 @@ class Producer:
                                 "no ack") from None
         except (flight.FlightError, OSError, pa.ArrowException, UnavailableError) as exc:
             self._raise_if_rejected(exc, stream.io.url if stream.io else None, p)
+            # a broker that answers, but cannot take the partition yet (opening it, taking
+            # it over): 50 ms between tries, doubling to 1 s, rather than a busy loop
+            stream.backoff = min(max(2 * stream.backoff, 0.05), 1.0)
+            threading.Event().wait(stream.backoff)
             self._recover(p, stream)
             return
         ack = decode(buf.to_pybytes(), "ack")
@@ -407,13 +403,13 @@ class Producer:
             return
         seq, _ = stream.unacked.popleft()
         stream.pinned.discard(seq)
-        stream.stalled_since = None
+        stream.stalled_since, stream.backoff = None, 0.0
         if ack.get("sequence_id") != seq:
             raise UnavailableError(f"ack for sequence {ack.get('sequence_id')} while waiting "
                                    f"for {seq}")
         self._acks.append(ack)
 
-    def _raise_if_refused(self, stream: _PartitionStream, p: int) -> None:
+    def _raise_if_refused(self, stream: PartitionStream, p: int) -> None:
         """The ack stream ended early: a broker that refused the batch (a tierstream error)
         says why when the stream is closed; raise that rather than retry."""
         io, stream.io = stream.io, None
@@ -459,7 +455,7 @@ class Producer:
             log.warning("producer %s: broker %s %s; trying %s", self.name, self._client.url,
                         why, self._client.next_broker())
 
-    def _recover(self, p: int, stream: _PartitionStream) -> None:
+    def _recover(self, p: int, stream: PartitionStream) -> None:
         """Reconnect with backoff and re-send every unacknowledged batch, in order."""
         deadline = time.monotonic() + self.send_timeout
         delay = 0.05
@@ -485,12 +481,12 @@ class Producer:
                 threading.Event().wait(delay)
                 delay = min(delay * 2, 1.0)
 
-    def _gave_up(self, p: int, stream: _PartitionStream, why: str) -> UnavailableError:
+    def _gave_up(self, p: int, stream: PartitionStream, why: str) -> UnavailableError:
         """The error for a send timeout: it names the batches whose fate is unknown."""
         return gave_up(self.name, self.topic, p, self.send_timeout, why,
                        [(seq, b.num_rows) for seq, b in stream.unacked])
 
-    def _drop(self, stream: _PartitionStream) -> None:
+    def _drop(self, stream: PartitionStream) -> None:
         if stream.io is not None:
             with contextlib.suppress(Exception):
                 stream.io.close(self.send_timeout)

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import atexit
 import queue
+from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -26,7 +28,7 @@ from tierstream.client.connection import BrokerClient
 from tierstream.errors import UnavailableError
 from tierstream.util.fanin import start_reader
 
-__all__ = ["StalledError", "StreamIO"]
+__all__ = ["PartitionStream", "StalledError", "StreamIO"]
 
 _Calls = queue.SimpleQueue[tuple[Future[Any], str, tuple[Any, ...]] | None]
 
@@ -40,6 +42,19 @@ _SERVING: set[_Calls] = set()
 def _end_streams() -> None:
     for calls in list(_SERVING):
         calls.put(None)
+
+
+@dataclass
+class PartitionStream:
+    """A producer's state of one partition: its stream, its sequence ids, what awaits an ack."""
+
+    io: StreamIO | None = None  # the open produce stream, if any
+    next_seq: int = 0
+    unacked: deque[tuple[int, pa.RecordBatch]] = field(default_factory=deque)
+    pinned: set[int] = field(default_factory=set)  # sent to a partition the caller chose
+    #: since when brokers connected but sent no ack in time (monotonic s; None: acks flow)
+    stalled_since: float | None = None
+    backoff: float = 0.0  # seconds before the next try after a refusal (0: acks flow)
 
 
 class StalledError(UnavailableError):
