@@ -66,6 +66,9 @@ class StoreConfig:
     #: a standby: wait for the metadata database held by another broker, and take it over
     #: once that broker was silent this long (PostgreSQL metadata only)
     takeover_after_s: float | None = None
+    #: one of several brokers serving the store (``--cluster``, broker/cluster.py): each
+    #: partition owned through a lease that expires this long after its last renewal
+    lease_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         from tierstream.metadata.backend import POSTGRES_SCHEMES
@@ -78,6 +81,8 @@ class StoreConfig:
         if self.takeover_after_s is not None and self.metadata_url is None:
             raise ConfigError("--standby needs --metadata postgresql://...: a broker on "
                               "another host takes over a store whose metadata it can reach")
+        if self.lease_timeout_s is not None:
+            _check_cluster(self)
         if (self.network_bookies or self.takeover_after_s is not None) and \
                 self.metadata_url is not None and not self.tier_shared and \
                 _host_local(self.tier_url):
@@ -179,3 +184,20 @@ def _host_local(tier_url: str | None) -> bool:
         return True
     scheme = tier_url.split("://", 1)[0] if "://" in tier_url else ""
     return scheme in ("", "file", "local")
+
+
+def _check_cluster(config: StoreConfig) -> None:
+    """What ``--cluster`` needs: the store's metadata and bookies on the network, and none
+    of what one broker alone does for the whole store."""
+    if config.lease_timeout_s is not None and config.lease_timeout_s < 2:
+        raise ConfigError(f"invalid --lease-timeout {config.lease_timeout_s:g}s: at least 2s "
+                          "(a broker renews its lease every second)")
+    if config.metadata_url is None or not config.network_bookies:
+        raise ConfigError("--cluster needs --metadata postgresql://... and --network-bookies: "
+                          "every broker of the store reaches the same metadata and bookies")
+    for given, flag in ((config.takeover_after_s, "--standby"),
+                        (config.auto_scale_rate, "--auto-scale-rate")):
+        if given is not None:
+            raise ConfigError(f"{flag} is not for brokers started with --cluster (a cluster "
+                              "broker takes partitions over itself; a topic's growth is not "
+                              "served by several brokers yet)")

@@ -15,6 +15,7 @@ committed the segment stays OPEN, so a crash during recovery makes the next star
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,10 +52,15 @@ class RecoveryReport:
 
 
 def recover_open_segments(metadata: MetadataStore, bookies: dict[str, BookieClient], *,
-                          ack_quorum: int = 1) -> list[RecoveryReport]:
+                          ack_quorum: int = 1,
+                          partitions: Collection[tuple[str, int]] | None = None
+                          ) -> list[RecoveryReport]:
+    """Seal every segment left open (``partitions``: of those partitions only, which this
+    broker took over)."""
     reports = []
     for seg in metadata.open_segments():
-        reports.append(_recover(seg, metadata, bookies, ack_quorum))
+        if partitions is None or (seg.topic, seg.partition) in partitions:
+            reports.append(_recover(seg, metadata, bookies, ack_quorum))
     return reports
 
 

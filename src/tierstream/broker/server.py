@@ -197,10 +197,17 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
         if body.get("partition") is not None:
             partition = int(body["partition"])
             self.store.owners.serving(topic, partition)
+            if partition not in ends:  # not served here (several brokers)
+                raise self.store.not_served(topic, partition)
             return {str(partition): ends[partition].to_dict()}
         if not body.get("owners"):
             return {str(p): end.to_dict() for p, end in ends.items()}
-        served, owners = {}, {}
+        served: dict[str, Any] = {}
+        owners: dict[str, str | None] = {}
+        for p in range(self.store.topic(topic).partitions):
+            if p not in ends:  # another broker's, or nobody's while it is taken over
+                owner = self.store.owners.elsewhere(topic, p)
+                owners[str(p)] = None if owner is None else owner.url
         for p, end in ends.items():
             try:
                 self.store.owners.serving(topic, p)

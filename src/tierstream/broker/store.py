@@ -16,12 +16,14 @@ from typing import Any
 
 from tierstream.bookie.storage import Bookie
 from tierstream.broker.auto_scale import AutoScaler
+from tierstream.broker.cluster import Cluster
 from tierstream.broker.config import StoreConfig
 from tierstream.broker.data_dir import lock_data_dir, prepare_data_dir, unlock_data_dir
 from tierstream.broker.growth import Growth
 from tierstream.broker.housekeeping import report_failure, run_housekeeping
 from tierstream.broker.key_routing import KeyRouting
 from tierstream.broker.offload import Offloader
+from tierstream.broker.owned_partitions import OwnedPartitions
 from tierstream.broker.recovery import RecoveryReport, recover_open_segments
 from tierstream.broker.transaction_coordinator import TransactionCoordinator
 from tierstream.errors import (
@@ -29,7 +31,6 @@ from tierstream.errors import (
     FencedError,
     NotOwnerError,
     StorageError,
-    UnavailableError,
 )
 from tierstream.managed_ledger.bookies.client import BookieClient
 from tierstream.managed_ledger.bookies.local import LocalBookie
@@ -41,7 +42,7 @@ from tierstream.managed_ledger.bookies.placement import (
 from tierstream.managed_ledger.bookies.repair import Repairer
 from tierstream.managed_ledger.partition_log import PartitionLog
 from tierstream.metadata.bookie_registry import take_writer_epoch
-from tierstream.metadata.ownership import Owner, PartitionOwners
+from tierstream.metadata.ownership import PartitionOwners
 from tierstream.metadata.records import SegmentRecord, TopicRecord
 from tierstream.metadata.store import MetadataStore
 from tierstream.model.names import TopicName
@@ -56,7 +57,7 @@ __all__ = ["Store"]
 log = logging.getLogger(__name__)
 
 
-class Store:
+class Store(OwnedPartitions):
     """The embedded log store of one data directory. Only one process may open it to write."""
 
     def __init__(self, config: StoreConfig) -> None:
@@ -81,7 +82,9 @@ class Store:
         try:
             remote = MetadataStore(config.metadata_url,
                                    takeover_after_s=config.takeover_after_s,
-                                   on_standby=hold_data_dir) if config.metadata_url else None
+                                   on_standby=hold_data_dir,
+                                   hold=config.lease_timeout_s is None) \
+                if config.metadata_url else None
         except BaseException:  # a standby that stood by, then failed (or was stopped)
             if self._lock_file is not None:
                 unlock_data_dir(self._lock_file)
@@ -129,18 +132,23 @@ class Store:
         self._short: set[str] = set()  # bookies unavailable at the last placement (told once)
         self._logs: dict[tuple[str, int], PartitionLog] = {}
         self._known: dict[str, TopicRecord] = {}  # the last record read of each topic
-        self._topics_lock = threading.Lock()
-        self.key_routing = KeyRouting(self.metadata, self._topics_lock)  # key_routing.py
+        self.topics_lock = threading.Lock()
+        self.key_routing = KeyRouting(self.metadata, self.topics_lock)  # key_routing.py
         # A commit shows its entries in every partition under this lock, and the last
         # confirmed positions of a topic are read under it: a cut has all of a commit or none.
         self.visibility = threading.Lock()
         #: this broker owns every partition of the store: claimed before any is recovered or
         #: written, and checked at every new segment and seal from then on (ownership.py)
         self.owners = PartitionOwners(self.metadata, f"broker-{self.epoch}", self.epoch)
-        self.owners.claim_store()
+        #: one of several brokers serving the store (``--cluster``: broker/cluster.py)
+        self.cluster = None if config.lease_timeout_s is None else \
+            Cluster(self, config.lease_timeout_s)
+        served = None if self.cluster is None else self.cluster.join()
+        if self.cluster is None:
+            self.owners.claim_store()
         self.purge_deleted_topics()  # a deletion a crash interrupted is finished first
         self.recovery: list[RecoveryReport] = recover_open_segments(
-            self.metadata, self.bookies, ack_quorum=self.ack_quorum)
+            self.metadata, self.bookies, ack_quorum=self.ack_quorum, partitions=served)
         self.repairer = Repairer(self.metadata, self.bookies, self.write_quorum,
                                  self._segment_updated, seal=self._seal_lost,
                                  audit_interval_s=config.bookie_audit_interval_s)
@@ -150,15 +158,19 @@ class Store:
                                       f"{report.missing_replicas} of its bookies")
         for topic in self.metadata.list_topics():
             # every partition's new open segment in one metadata transaction
+            mine = [p for p in range(topic.serving) if served is None or (topic.name, p) in
+                    served]
             opened = self.metadata.new_segments(
-                topic.name, [(p, self._choose_ensemble()) for p in range(topic.serving)],
-                created_at=now_ms())
-            self._open_topic(topic, opened)
-        self.transactions = TransactionCoordinator(self, timeout_ms=config.transaction_timeout_ms)
+                topic.name, [(p, self.choose_ensemble()) for p in mine],
+                created_at=now_ms()) if mine else []
+            self.open_partitions(topic, opened)
+        self.transactions = TransactionCoordinator(
+            self, timeout_ms=config.transaction_timeout_ms, refused=None if self.cluster is None
+            else "transactions are not served by brokers started with --cluster yet")
         self.transactions.recover()  # a commit a crash interrupted is finished first
         self.growth = Growth(self.metadata, self._logs,
-                             locks=(self.transactions.commit_lock, self._topics_lock),
-                             choose_ensemble=self._choose_ensemble, open_topic=self._open_topic,
+                             locks=(self.transactions.commit_lock, self.topics_lock),
+                             choose_ensemble=self.choose_ensemble, open_topic=self.open_partitions,
                              max_partitions=config.max_partitions_per_topic,
                              client_refresh_wait_ms=config.client_refresh_wait_ms)
         self.auto_scale = None if config.auto_scale_rate is None else AutoScaler(
@@ -169,14 +181,18 @@ class Store:
         self._timer.start()
         self.owners.on_lost.append(self._lose)
         self.owners.renew()  # the lease, then every second (ownership.py)
-        self._lease = Worker("broker-lease", lambda: self.owners.keep(self.closing),
-                             on_error=self.thread_failed("the broker's lease"))
+        self._lease = Worker("broker-lease", lambda: self.owners.keep(
+            self.closing, config.lease_timeout_s), on_error=self.thread_failed(
+                "the broker's lease"))
+        self.owners.on_expired.append(self.fence)
         self._lease.start()
+        if self.cluster is not None:
+            self.cluster.start()
 
     def __repr__(self) -> str:
         return f"Store(data_dir={str(self.config.data_dir)!r}, topics={len(self.topics())})"
 
-    def _choose_ensemble(self) -> tuple[str, ...]:
+    def choose_ensemble(self) -> tuple[str, ...]:
         return choose_ensemble(self.bookies, self.write_quorum, self.ack_quorum,
                                next(self._rr), self._short)
 
@@ -210,38 +226,7 @@ class Store:
         if backend.lost.is_set():
             raise FencedError(f"{backend.lost_reason}: this broker no longer serves the store")
 
-    def _on_fenced(self, topic: str, partition: int, reason: str) -> None:
-        """A bookie refused this broker's write to a partition as fenced, or the metadata
-        its seal. When another broker owns the partition now (it took the partition over:
-        it fences the open ledger and recovers it), that partition alone is let go, and
-        the lease's next renewal lets its consumers go; otherwise a newer broker took the
-        whole store over, and this one stops writing."""
-        try:
-            owner = self.owners.owner_of(topic, partition)
-        except UnavailableError:
-            owner = None  # the metadata cannot tell: the store-wide answer
-        if owner is not None and \
-                (owner.broker_id, owner.epoch) != (self.owners.broker_id, self.owners.epoch):
-            plog = self._logs.get((topic, partition))
-            if plog is not None and not plog.lost:
-                log.warning("%s partition %d was taken over by %s: %s; this broker stops "
-                            "serving it", topic, partition, owner.describe(), reason)
-                self._lose({(topic, partition): owner})
-            return
-        if not self.fenced.is_set():
-            self.fenced_reason = reason
-            self.fenced.set()
-            log.error("%s: this broker stops writing", reason)
-
-    def _lose(self, lost: dict[tuple[str, int], Owner]) -> None:
-        """Partitions the lease's renewal found owned by other brokers: they are served here
-        no more (appends refused, following reads ended, nothing sealed: the owner does)."""
-        for (topic, partition), owner in lost.items():
-            plog = self._logs.get((topic, partition))
-            if plog is not None:
-                plog.lose(self.owners.refusal(topic, partition, owner))
-
-    def _open_topic(self, topic: TopicRecord, opened: list[SegmentRecord]) -> None:
+    def open_partitions(self, topic: TopicRecord, opened: list[SegmentRecord]) -> None:
         self.key_routing.opened(topic)
         self._known[topic.name] = topic
         for seg in opened:
@@ -249,7 +234,7 @@ class Store:
                 # an announced growth's new partitions are written by the new count
                 routing=topic.serving if seg.partition >= topic.partitions else topic.partitions,
                 topic=topic.name, partition=seg.partition, metadata=self.metadata,
-                bookies=self.bookies, choose_ensemble=self._choose_ensemble,
+                bookies=self.bookies, choose_ensemble=self.choose_ensemble,
                 ack_quorum=self.ack_quorum, on_fenced=self._on_fenced,
                 on_sealed=self._on_sealed,
                 max_entries=self.config.max_entries_per_segment,
@@ -272,13 +257,15 @@ class Store:
             raise ConfigError(
                 f"invalid partition count {partitions} for topic {str(topic)!r}: this broker "
                 f"allows at most {limit} per topic (broker option --max-partitions-per-topic)")
-        with self._topics_lock:
+        with self.topics_lock:
             record, opened = self.metadata.create_topic(
                 topic, partitions, created_at=now_ms(), retention_ms=retention_ms,
-                ensembles=[self._choose_ensemble() for _ in range(partitions)])
+                ensembles=[self.choose_ensemble() for _ in range(partitions)],
+                placed=None if self.cluster is None or not isinstance(partitions, int)
+                else self.cluster.place(partitions))
             crash_point("topic.registered")
             try:
-                self._open_topic(record, opened)
+                self.open_partitions(record, opened)
             except Exception as exc:
                 for p in range(partitions):
                     self._logs.pop((record.name, p), None)
@@ -290,6 +277,9 @@ class Store:
     def set_partitions(self, name: str, partitions: int, *, reason: str = "admin"
                        ) -> TopicRecord:
         """Grow a topic to ``partitions`` (``broker/growth.py``)."""
+        if self.cluster is not None:
+            raise ConfigError(f"cannot grow topic {name!r}: a topic's growth is not served by "
+                              "brokers started with --cluster yet")
         return self.growth.set_partitions(name, partitions, reason=reason)
 
     def delete_topic(self, name: str) -> TopicRecord:
@@ -300,7 +290,7 @@ class Store:
         broker starts again (or at its next tier pass).
         """
         topic = TopicName.parse(name)
-        with self._topics_lock:
+        with self.topics_lock:
             record = self.metadata.get_topic(topic)  # NotFoundError for an unknown topic
             self.metadata.mark_topic_deleting(record.name, now=now_ms())
             self.key_routing.forget(record.name)
@@ -356,10 +346,14 @@ class Store:
         name = str(TopicName.parse(topic))
         plog = self._logs.get((name, partition))
         if plog is None:
-            with self._topics_lock:  # a scale event may be opening it
+            with self.topics_lock:  # a scale event may be opening it
                 plog = self._logs.get((name, partition))
         if plog is None:
-            record = self.metadata.get_topic(name)  # raises NotFoundError for an unknown topic
+            record = self.topic(name)  # raises NotFoundError for an unknown topic
+            if 0 <= partition < record.serving:  # several brokers: placed here, or elsewhere
+                if self.cluster is not None and self.cluster.serve_if_placed(name, partition):
+                    return self._logs[(name, partition)]
+                raise self.not_served(name, partition)
             raise ConfigError(
                 f"invalid partition {partition!r} for topic {name!r}: it has partitions "
                 f"0..{record.partitions - 1}"
@@ -368,6 +362,10 @@ class Store:
 
     def partition_count(self, topic: str) -> int:
         return self.topic(topic).partitions
+
+    def serves(self) -> set[tuple[str, int]]:
+        """The partitions served here (not lost to another broker)."""
+        return {k for k, plog in list(self._logs.items()) if not plog.lost}
 
     def all_partitions(self) -> list[PartitionLog]:
         return list(self._logs.values())
@@ -383,8 +381,10 @@ class Store:
         record = self.topic(topic)
         count = record.serving if serving else record.partitions
         logs = [self._logs.get((record.name, p)) for p in range(count)]
+        if self.cluster is not None:  # those served here; each other one by its owner
+            return [plog for plog in logs if plog is not None]
         if None in logs:  # a scale event is opening the new partitions: wait for it
-            with self._topics_lock:
+            with self.topics_lock:
                 record = self.topic(topic)
                 count = record.serving if serving else record.partitions
                 return [self._logs[(record.name, p)] for p in range(count)]
@@ -477,11 +477,15 @@ class Store:
         self.closing.set()
         self._timer.join()
         self._lease.join()
+        if self.cluster is not None:
+            self.cluster.stop()
         try:
             if not self.fenced.is_set():  # fenced: what it could still seal is the new one's
                 for plog in self._logs.values():
                     with contextlib.suppress(NotOwnerError):  # another's now: it seals it
                         plog.close()
+                if self.cluster is not None:
+                    self.owners.release()  # the others take its partitions over at once
         finally:
             for bookie in self.bookies.values():
                 bookie.close()

@@ -103,9 +103,12 @@ KEEP_ENDED_MS = 24 * 3_600_000
 class TransactionCoordinator:
     """The broker's transactions for one store (thread-safe)."""
 
-    def __init__(self, store: Partitions, *, timeout_ms: int) -> None:
+    def __init__(self, store: Partitions, *, timeout_ms: int, refused: str | None = None
+                 ) -> None:
         self.store = store
         self.timeout_ms = timeout_ms
+        #: why every transaction is refused here (several brokers serve the store), if so
+        self.refused = refused
         self.records = TransactionRecords(store.metadata)
         self.root = DataDir.at(store.data_dir).transactions  # staging of older versions
         # one commit applies at a time; a scale event waits for it (broker/store.py)
@@ -124,6 +127,8 @@ class TransactionCoordinator:
         partition count the topic no longer has at the commit are routed again then. A stream
         that breaks leaves its entries staged: the writer aborts (or the timeout does)."""
         txn_id = check_txn_id(txn_id)
+        if self.refused is not None:
+            raise ConfigError(f"transaction {txn_id!r} refused: {self.refused}")
         name = TopicName.parse(topic)
         plog = self.store.partition(str(name), partition)  # the topic and partition exist
         self.records.begin(txn_id, sink_id, batch_id, now_ms())
@@ -407,7 +412,10 @@ class TransactionCoordinator:
     def recover(self) -> None:
         """At broker start: write again what was committed but not applied (every staged
         entry is in a sealed segment now: shown or set aside by recovery), finish commits
-        staged by an older version, and remove staging nobody can commit."""
+        staged by an older version, and remove staging nobody can commit (not where
+        transactions are refused: other brokers' are theirs)."""
+        if self.refused is not None:
+            return
         committed = self.records.in_states(TxnState.COMMITTED)
         if committed:
             log.info("recovery: applying %d committed transaction(s)", len(committed))

@@ -131,6 +131,13 @@ def broker_start(
     takeover_after: Annotated[str, typer.Option(
         help="With --standby: how long the serving broker must be silent before this one "
              "takes over.")] = "10s",
+    cluster: Annotated[bool, typer.Option(
+        "--cluster", help="Serve the store with other brokers started with --cluster: each "
+        "partition is owned by one of them through a lease, and taken over when its owner's "
+        "lease expires (needs --metadata and --network-bookies).")] = False,
+    lease_timeout: Annotated[str, typer.Option(
+        help="With --cluster: how long after its owner's last renewal a partition is taken "
+             "over (and a broker that could not renew stops).")] = "10s",
     bookie_tls_ca: Annotated[str | None, typer.Option(
         help="PEM file of the CA that signed the network bookies' certificates (they serve "
              "grpc+tls://) \\[default: the system's].")] = None,
@@ -168,11 +175,13 @@ def broker_start(
     from tierstream.wire.security import read_pem
 
     takeover_ms = parse_duration_ms(takeover_after, what="--takeover-after")
+    lease_ms = parse_duration_ms(lease_timeout, what="--lease-timeout")
     timeout_ms = parse_duration_ms(bookie_timeout, what="--bookie-timeout")
     audit_ms = parse_duration_ms(bookie_audit_interval, what="--bookie-audit-interval")
     config = StoreConfig.from_options(
         metadata_url=metadata or None, network_bookies=network_bookies,
         takeover_after_s=takeover_ms / 1000 if standby else None,
+        lease_timeout_s=lease_ms / 1000 if cluster else None,
         bookie_timeout_s=timeout_ms / 1000, bookie_audit_interval_s=audit_ms / 1000,
         tier_shared=tier_shared,
         bookie_token=auth_token,

@@ -21,11 +21,14 @@ that finds the version it read last reads nothing more. Its Flight streams refus
 (:meth:`PartitionOwners.serving`) with a NotOwnerError that carries the owner's address,
 which tierstream's clients follow.
 
-One broker serves a store at a time today (the data directory's lock, or the PostgreSQL
-advisory lock of ``leader_lease.py``): it claims every partition when it opens the store, at
-the epoch it opened it under, and a new partition is owned by the broker that opens its first
-segment. Several brokers serving one store, each owning some of its partitions, are built on
-this (issue 52).
+A broker serving a store alone (the data directory's lock, or the PostgreSQL advisory lock
+of ``leader_lease.py``) claims every partition when it opens the store, at the epoch it opened
+it under. Brokers of a cluster (``broker start --cluster``, ``broker/cluster.py``) claim the
+partitions no live broker owns (:meth:`PartitionOwners.orphans`,
+:meth:`PartitionOwners.take_over`), each takeover at a new epoch, and place a new topic's
+partitions over the live brokers (:meth:`PartitionOwners.place`): a broker's claims may carry
+several epochs, so a claim is this broker's by its id (unique per start), and the epoch
+orders claims.
 """
 
 from __future__ import annotations
@@ -94,9 +97,19 @@ class PartitionOwners:
         #: called with the partitions a renewal found owned elsewhere that were not before
         #: (the store stops serving them, the subscriptions let their consumers go)
         self.on_lost: list[Callable[[dict[tuple[str, int], Owner]], None]] = []
+        #: called after each renewal the lease thread made (several brokers: takeovers)
+        self.after_renewal: list[Callable[[], None]] = []
+        #: called with why once the lease expired unrenewed (``keep(lease_s=...)``)
+        self.on_expired: list[Callable[[str], None]] = []
 
     def __repr__(self) -> str:
         return f"PartitionOwners(broker={self.broker_id!r}, epoch={self.epoch})"
+
+    @property
+    def version(self) -> str | None:
+        """``meta.owners_version`` as the last renewal read it: it moves with every claim,
+        placement and address."""
+        return self._version
 
     def claim(self, partitions: Iterable[tuple[str, int]]) -> dict[str, int]:
         """Own ``partitions`` from now on, in one transaction; every one owned at a lower
@@ -152,6 +165,100 @@ class PartitionOwners:
                      self.broker_id, self.epoch, len(partitions),
                      ", ".join(f"{b} ({n})" for b, n in sorted(former.items())))
 
+    def join(self) -> None:
+        """Start this broker's lease before it claims anything (its address follows:
+        :meth:`advertise`): brokers of a cluster take over only the partitions of brokers
+        whose lease expired."""
+        with self.metadata.atomic() as c:
+            c.execute("INSERT INTO brokers (broker_id, url, epoch, started_at, heartbeat_at) "
+                      f"VALUES (?, '', ?, ?, {self._clock}) ON CONFLICT (broker_id) DO "
+                      "UPDATE SET heartbeat_at=excluded.heartbeat_at",
+                      (self.broker_id, self.epoch, now_ms()))
+        self.renewed_at = time.monotonic()
+
+    def orphans(self, candidates: Iterable[tuple[str, int]], lease_ms: int
+                ) -> tuple[list[tuple[str, int]], int]:
+        """Of ``candidates``, those no live broker owns (no owner, or an owner whose lease
+        is older than ``lease_ms`` by the server's clock), and this broker's fair share of
+        all of them: how many more it may take, so that the live brokers own about as many
+        each. One read."""
+        wanted = set(candidates)
+        with self.metadata.atomic() as c:
+            live = {str(b) for (b,) in c.execute(
+                f"SELECT broker_id FROM brokers WHERE {self._clock} - heartbeat_at <= ?",
+                (lease_ms,)).fetchall()} | {self.broker_id}
+            owners = {(t, int(p)): str(b) for t, p, b in c.execute(
+                "SELECT topic, partition, broker_id FROM partition_owners").fetchall()}
+        mine = sum(1 for k in wanted if owners.get(k) == self.broker_id)
+        share = -(-len(wanted) // len(live))  # ceiling: the first to look takes the rest
+        return sorted(k for k in wanted if owners.get(k) not in live), max(0, share - mine)
+
+    def place(self, partitions: int, lease_ms: int) -> dict[int, tuple[str, int]]:
+        """Where a new topic's ``partitions`` go: each to the live broker owning the fewest
+        partitions then (this one on a tie). Returns those placed on other brokers, with
+        each one's epoch: ``{partition: (broker, epoch)}``."""
+        rows = self.metadata.query(
+            "SELECT b.broker_id, b.epoch, (SELECT COUNT(*) FROM partition_owners o WHERE "
+            f"o.broker_id = b.broker_id) FROM brokers b WHERE {self._clock} - b.heartbeat_at "
+            "<= ? AND b.url <> ''", (lease_ms,))
+        load = {str(b): [int(n), int(e)] for b, e, n in rows}
+        load.setdefault(self.broker_id, [self.owned(), self.epoch])
+        placed = {}
+        for partition in range(partitions):
+            broker = min(load, key=lambda b: (load[b][0], b != self.broker_id, b))
+            load[broker][0] += 1
+            if broker != self.broker_id:
+                placed[partition] = (broker, load[broker][1])
+        return placed
+
+    def mine(self) -> set[tuple[str, int]]:
+        """The partitions this broker owns, as the metadata has them."""
+        return {(str(t), int(p)) for t, p in self.metadata.query(
+            "SELECT topic, partition FROM partition_owners WHERE broker_id=?",
+            (self.broker_id,))}
+
+    def take_over(self, partitions: Sequence[tuple[str, int]], epoch: int, lease_ms: int
+                  ) -> list[tuple[str, int]]:
+        """Claim each of ``partitions`` at ``epoch`` (a new writer epoch, above every
+        earlier claim's) if, in this transaction, it is still owned by no live broker: a
+        partition another broker claimed meanwhile, or whose owner renewed its lease, is
+        left (compare-and-set, safe against brokers taking over at once). From now on this
+        broker claims at ``epoch``. Returns those claimed."""
+        at = now_ms()
+        with self.metadata.atomic() as c:
+            for topic, partition in partitions:
+                c.execute("INSERT INTO partition_owners (topic, partition, broker_id, epoch, "
+                          "claimed_at) VALUES (?, ?, ?, ?, ?) ON CONFLICT (topic, partition) "
+                          "DO UPDATE SET broker_id=excluded.broker_id, epoch=excluded.epoch, "
+                          "claimed_at=excluded.claimed_at WHERE partition_owners.epoch < "
+                          "excluded.epoch AND NOT EXISTS (SELECT 1 FROM brokers b WHERE "
+                          "b.broker_id = partition_owners.broker_id AND "
+                          f"{self._clock} - b.heartbeat_at <= ?)",
+                          (topic, partition, self.broker_id, epoch, at, lease_ms))
+            owners_changed(c)
+            c.execute("UPDATE brokers SET epoch=? WHERE broker_id=?", (epoch, self.broker_id))
+            keys = set(partitions)
+            taken = sorted((str(t), int(p)) for t, p in c.execute(
+                "SELECT topic, partition FROM partition_owners WHERE broker_id=? AND epoch=?",
+                (self.broker_id, epoch)).fetchall() if (t, int(p)) in keys)
+            c.execute("DELETE FROM brokers WHERE broker_id <> ? AND broker_id NOT IN "
+                      "(SELECT broker_id FROM partition_owners) AND "
+                      f"{self._clock} - heartbeat_at > ?", (self.broker_id, lease_ms))
+        self.epoch = epoch
+        with self._view:
+            for key in taken:
+                self._elsewhere.pop(key, None)
+        return taken
+
+    def release(self) -> None:
+        """Let go of every partition, and of the lease (a cluster broker stopping cleanly,
+        its partitions sealed): other brokers take them over at their next renewal, not
+        once the lease expired."""
+        with self.metadata.atomic() as c:
+            c.execute("DELETE FROM partition_owners WHERE broker_id=?", (self.broker_id,))
+            c.execute("DELETE FROM brokers WHERE broker_id=?", (self.broker_id,))
+            owners_changed(c)
+
     def advertise(self, url: str, pulsar_url: str | None = None,
                   admin_url: str | None = None) -> None:
         """Say where this broker is reached: its Flight URL, its Pulsar listener's and its
@@ -182,8 +289,7 @@ class PartitionOwners:
             rows = c.execute(
                 _OWNER.format(heard="NULL").replace("SELECT ", "SELECT o.topic, o.partition, ",
                                                      1)
-                + " WHERE NOT (o.broker_id = ? AND o.epoch = ?)",
-                (self.broker_id, self.epoch)).fetchall()
+                + " WHERE o.broker_id <> ?", (self.broker_id,)).fetchall()
         elsewhere = {(row[0], int(row[1])): _row(row[2:]) for row in rows}
         with self._view:
             lost = {k: o for k, o in elsewhere.items() if k not in self._elsewhere}
@@ -191,22 +297,29 @@ class PartitionOwners:
             self._version = version
             self.renewed_at = time.monotonic()
         if lost:
-            log.warning("%s lost %d partition(s) to other brokers (%s): it stops serving them",
-                        self.broker_id, len(lost), ", ".join(
-                            f"{t} partition {p} to {o.broker_id}"
-                            for (t, p), o in sorted(lost.items())[:5]))
             for listener in self.on_lost:
                 try:
                     listener(lost)
                 except Exception:  # the lease goes on; the stack is a bug to report
                     log.exception("letting go of the partitions lost failed")
 
-    def keep(self, stopping: threading.Event) -> None:
+    def keep(self, stopping: threading.Event, lease_s: float | None = None) -> None:
         """Renew the lease every :data:`RENEW_S` until ``stopping`` is set (a broker's
         thread). A renewal that fails (the metadata server unreachable) is said once, and
-        once more when one succeeds again; the last view holds meanwhile."""
+        once more when one succeeds again; the last view holds meanwhile. With ``lease_s``
+        (several brokers serve the store), a lease not renewed for that long is over: other
+        brokers may own its partitions now, so each of :attr:`on_expired` is told why and
+        the lease is no longer renewed (the broker stops)."""
         failing = False
         while not stopping.wait(RENEW_S):
+            silent = None if self.renewed_at is None else time.monotonic() - self.renewed_at
+            if lease_s is not None and silent is not None and silent > lease_s:
+                why = (f"{self.broker_id} could not renew its lease for {silent:.1f} s, past "
+                       f"the lease timeout of {lease_s:g} s: other brokers may own its "
+                       "partitions now")
+                for listener in self.on_expired:
+                    listener(why)
+                return
             try:
                 self.renew()
             except UnavailableError as exc:
@@ -218,6 +331,8 @@ class PartitionOwners:
             if failing:
                 log.warning("%s renews its lease again", self.broker_id)
             failing = False
+            for renewed in self.after_renewal:
+                renewed()
 
     def serving(self, topic: str, partition: int) -> None:
         """Before a stream of the partition is served here (and at each batch a producer
@@ -240,8 +355,7 @@ class PartitionOwners:
         NotOwnerError."""
         owners = _owners_of(c, topic)
         for partition in partitions:
-            if owners.get(partition, (self.broker_id, self.epoch)) != \
-                    (self.broker_id, self.epoch):
+            if owners.get(partition, (self.broker_id, 0))[0] != self.broker_id:
                 raise NotOwnerError(_refusal(topic, partition, _owner(c, topic, partition),
                                              "write to"))
         new = sorted(p for p in set(partitions) if p not in owners)
@@ -256,7 +370,7 @@ class PartitionOwners:
         owners_changed(c)
         now = _owners_of(c, topic)
         for partition in new:
-            if now.get(partition) != (self.broker_id, self.epoch):
+            if now.get(partition, ("", 0))[0] != self.broker_id:
                 raise NotOwnerError(_refusal(topic, partition, _owner(c, topic, partition),
                                              "open"))
 
@@ -265,8 +379,8 @@ class PartitionOwners:
         under an older claim), with the owner's id; one read per topic."""
         out = {}
         for topic in sorted({t for t, _ in partitions}):
-            for p, (b, e) in _owners_of(c, topic).items():
-                if (topic, p) in partitions and (b, e) != (self.broker_id, self.epoch):
+            for p, (b, _) in _owners_of(c, topic).items():
+                if (topic, p) in partitions and b != self.broker_id:
                     out[(topic, p)] = b
         return out
 
@@ -274,7 +388,7 @@ class PartitionOwners:
         """In transaction ``c``, before the partition's segments change: this broker owns it
         at its epoch, or NotOwnerError names the owner (or says nobody does)."""
         owner = _owner(c, topic, partition)
-        if owner is None or (owner.broker_id, owner.epoch) != (self.broker_id, self.epoch):
+        if owner is None or owner.broker_id != self.broker_id:
             raise NotOwnerError(_refusal(topic, partition, owner, "write to"))
 
     def owner_of(self, topic: str, partition: int) -> Owner | None:
@@ -305,7 +419,7 @@ class PartitionOwners:
         rows = self.metadata.query(
             f"SELECT b.broker_id, b.epoch, b.url, b.pulsar_url, b.started_at, "
             f"{self._clock} - b.heartbeat_at, (SELECT COUNT(*) FROM partition_owners o "
-            "WHERE o.broker_id = b.broker_id AND o.epoch = b.epoch) FROM brokers b "
+            "WHERE o.broker_id = b.broker_id) FROM brokers b "
             "ORDER BY b.broker_id")
         return [{"broker": str(b), "epoch": int(e), "url": url, "pulsar_url": pulsar_url,
                  "started_at": int(started), "heard_ms_ago": None if heard is None else
@@ -315,8 +429,7 @@ class PartitionOwners:
     def owned(self) -> int:
         """How many partitions this broker owns."""
         (count,) = self.metadata.query(
-            "SELECT COUNT(*) FROM partition_owners WHERE broker_id=? AND epoch=?",
-            (self.broker_id, self.epoch))[0]
+            "SELECT COUNT(*) FROM partition_owners WHERE broker_id=?", (self.broker_id,))[0]
         return int(count)
 
 
@@ -336,7 +449,7 @@ def _owner(c: Tx, topic: str, partition: int) -> Owner | None:
 def _row(row: Sequence[Any]) -> Owner:
     broker_id, epoch, claimed_at, url, pulsar_url, heard, admin_url = row
     return Owner(str(broker_id), int(epoch), int(claimed_at),
-                 None if url is None else str(url),
+                 str(url) if url else None,  # '' until it advertised
                  None if pulsar_url is None else str(pulsar_url),
                  None if heard is None else int(heard),
                  None if admin_url is None else str(admin_url))

@@ -6,6 +6,7 @@ write segments in their own transactions.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -13,7 +14,34 @@ from typing import Any, Protocol
 from tierstream.metadata.backend import Tx
 from tierstream.metadata.records import SegmentRecord, SegmentState
 
-__all__ = ["Holder", "insert_segments", "owners_changed", "save_dedup", "update_stats"]
+__all__ = ["SEGMENT_COLUMNS", "SEGMENT_FIELDS", "Holder", "insert_segments", "owners_changed",
+           "save_dedup", "segment_of_row", "update_stats"]
+
+
+SEGMENT_COLUMNS = (
+    "topic, partition, segment_id, state, entries, messages, bytes, min_publish_time, "
+    "max_publish_time, created_at, sealed_at, ensemble, tier_url, offloaded_at, bookie_deleted_at, "
+    "offload_pending_url, tier_bytes, skipped"
+)
+SEGMENT_FIELDS = tuple(c.strip() for c in SEGMENT_COLUMNS.split(","))
+
+
+@functools.lru_cache(maxsize=1024)
+def _ensemble(text: str) -> tuple[str, ...]:
+    return tuple(json.loads(text))  # few distinct ensembles, many segments: decode each once
+
+
+def segment_of_row(row: tuple[Any, ...]) -> SegmentRecord:
+    """The record of a row of ``SEGMENT_COLUMNS``. The columns are the record's fields and
+    were checked when written, so the record is filled in directly (a plan reads thousands)."""
+    record = object.__new__(SegmentRecord)
+    fields = record.__dict__
+    fields.update(zip(SEGMENT_FIELDS, row, strict=True))
+    fields["ensemble"] = _ensemble(fields["ensemble"])
+    skipped = fields["skipped"]
+    fields["skipped"] = () if skipped is None else tuple(
+        (int(lo), int(hi)) for lo, hi in json.loads(skipped))
+    return record
 
 
 class Holder(Protocol):

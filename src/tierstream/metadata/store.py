@@ -7,7 +7,6 @@ goes through :class:`MetadataStore` so that a networked SQL database can replace
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import logging
@@ -26,10 +25,13 @@ from tierstream.metadata.backend import (
 )
 from tierstream.metadata.records import SegmentRecord, SegmentState, TopicRecord
 from tierstream.metadata.segment_rows import (
+    SEGMENT_COLUMNS,
+    SEGMENT_FIELDS,
     Holder,
     insert_segments,
     owners_changed,
     save_dedup,
+    segment_of_row,
     update_stats,
 )
 from tierstream.metadata.tables import SCHEMA_VERSION, create_and_migrate
@@ -42,32 +44,6 @@ __all__ = ["SEGMENT_COLUMNS", "MetadataStore", "segment_of_row"]
 log = logging.getLogger(__name__)
 _TOPIC = "name, partitions, retention_ms, created_at, key_routing, announced, announced_at"
 
-
-
-SEGMENT_COLUMNS = (
-    "topic, partition, segment_id, state, entries, messages, bytes, min_publish_time, "
-    "max_publish_time, created_at, sealed_at, ensemble, tier_url, offloaded_at, bookie_deleted_at, "
-    "offload_pending_url, tier_bytes, skipped"
-)
-SEGMENT_FIELDS = tuple(c.strip() for c in SEGMENT_COLUMNS.split(","))
-
-
-@functools.lru_cache(maxsize=1024)
-def _ensemble(text: str) -> tuple[str, ...]:
-    return tuple(json.loads(text))  # few distinct ensembles, many segments: decode each once
-
-
-def segment_of_row(row: tuple[Any, ...]) -> SegmentRecord:
-    """The record of a row of ``SEGMENT_COLUMNS``. The columns are the record's fields and
-    were checked when written, so the record is filled in directly (a plan reads thousands)."""
-    record = object.__new__(SegmentRecord)
-    fields = record.__dict__
-    fields.update(zip(SEGMENT_FIELDS, row, strict=True))
-    fields["ensemble"] = _ensemble(fields["ensemble"])
-    skipped = fields["skipped"]
-    fields["skipped"] = () if skipped is None else tuple(
-        (int(lo), int(hi)) for lo, hi in json.loads(skipped))
-    return record
 
 
 def open_backend(where: str | Path, *, read_only: bool = False,
@@ -152,9 +128,12 @@ class MetadataStore:
     def create_topic(
         self, name: TopicName, partitions: int, *, created_at: int, retention_ms: int | None = None,
         ensembles: list[tuple[str, ...]] | None = None,
+        placed: Mapping[int, tuple[str, int]] | None = None,
     ) -> tuple[TopicRecord, list[SegmentRecord]]:
         """Register a topic and, in the same transaction, the first open segment of each
-        partition (on ``ensembles[p]``): a topic exists whole or not at all."""
+        partition (on ``ensembles[p]``): a topic exists whole or not at all. A partition
+        ``placed`` on another broker (several brokers: ``{partition: (broker, epoch)}``) is
+        owned by it from the same transaction, and gets its first segment there."""
         if not isinstance(partitions, int) or isinstance(partitions, bool) or partitions < 1:
             raise ConfigError(
                 f"invalid partition count {partitions!r} for topic {str(name)!r}: expected an "
@@ -167,8 +146,16 @@ class MetadataStore:
                     "VALUES (?, ?, ?, ?)",
                     (str(name), partitions, retention_ms, created_at),
                 )
-                segments = insert_segments(c, str(name), list(enumerate(ensembles or [])),
-                                           created_at, self.owner)
+                placed = placed or {}
+                if placed:
+                    c.executemany(
+                        "INSERT INTO partition_owners (topic, partition, broker_id, epoch, "
+                        "claimed_at) VALUES (?, ?, ?, ?, ?)",
+                        [(str(name), p, b, e, created_at) for p, (b, e) in placed.items()])
+                    owners_changed(c)
+                segments = insert_segments(c, str(name), [
+                    (p, e) for p, e in enumerate(ensembles or []) if p not in placed],
+                    created_at, self.owner)
         except UniqueViolation:
             raise AlreadyExistsError(f"topic {str(name)!r} already exists") from None
         return TopicRecord(

@@ -56,7 +56,8 @@ class Subscriptions:
         self._ticker = Worker("subscription-timer", self._tick,
                               on_error=store.thread_failed("the subscriptions' timer"))
         self._ticker.start()
-        self._drop_non_durable()
+        if store.cluster is None:  # with several brokers, the others' readers live on
+            self._drop_non_durable()
 
     def _drop_non_durable(self) -> None:
         """Cursors of non-durable subscriptions (Pulsar readers) left by a broker that
@@ -314,6 +315,8 @@ class Subscriptions:
         out = []
         for row in self._metadata.cursors(topic):
             p = int(row["partition"])
+            if p not in ends:  # another broker serves it (several brokers): it lists it
+                continue
             plog = self._store.partition(topic, p)
             d = self._dispatchers.get((topic, row["subscription"], p))
             if d is not None:

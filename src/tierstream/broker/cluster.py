@@ -1,0 +1,226 @@
+"""Several brokers serving one store at once (``broker start --cluster``).
+
+Each partition is owned by one broker through a lease (``metadata/ownership.py``): the owner
+renews its ``brokers.heartbeat_at`` every second, by the metadata server's clock. A broker of
+a cluster owns what it claimed when it started, what it opened (a new topic's partitions),
+and what it took over:
+
+- **Takeover.** After each renewal, a broker looks for *orphans*: partitions no live broker
+  owns (nobody, or an owner whose lease is older than ``--lease-timeout``). It takes its fair
+  share of them (the live brokers end up owning about as many each), at a **new writer
+  epoch** above every earlier claim, with a compare-and-set per partition, so two brokers
+  taking over at once never both get one. Then, for those partitions alone, BookKeeper's
+  recovery: each open ledger is fenced at the new epoch on its bookies (the former owner's
+  appends are refused from then on), sealed at the longest prefix an ack quorum could hold
+  and re-replicated; a new segment is opened, and its clients, told by the former owner's
+  silence or by a refusal that names the new owner, reconnect.
+- **Expiry.** A broker that could not renew its lease for ``--lease-timeout`` (paused, cut
+  off from the metadata server) stops: other brokers may own its partitions now. Its writes
+  were refused from the moment they did (fenced ledgers; every new segment and seal checks
+  the owner in its own transaction), so stopping is for its clients, which go elsewhere.
+
+A move takes the lease timeout (the former owner's silence) plus at most one renewal period
+plus the recovery of the partitions moved. Work of the whole store that is not any one
+partition's (transactions spanning partitions, a topic's growth) is not served by a cluster
+broker yet: it says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Protocol
+
+from tierstream.broker.recovery import RecoveryReport, recover_open_segments
+from tierstream.errors import ConflictError, TierstreamError
+from tierstream.managed_ledger.bookies.client import BookieClient
+from tierstream.managed_ledger.bookies.remote import RemoteBookie
+from tierstream.metadata.bookie_registry import take_writer_epoch
+from tierstream.metadata.ownership import RENEW_S, PartitionOwners
+from tierstream.metadata.records import SegmentRecord, TopicRecord
+from tierstream.metadata.store import MetadataStore
+from tierstream.util.threads import Worker
+from tierstream.util.timeutil import now_ms
+
+__all__ = ["Cluster", "ClusterStore"]
+
+log = logging.getLogger(__name__)
+
+
+class ClusterStore(Protocol):
+    """What a cluster broker's takeovers need of its store (``broker/store.py``)."""
+
+    metadata: MetadataStore
+    bookies: dict[str, BookieClient]
+    owners: PartitionOwners
+    epoch: int
+    ack_quorum: int
+    topics_lock: threading.Lock
+    closing: threading.Event
+    fenced: threading.Event
+
+    def choose_ensemble(self) -> tuple[str, ...]: ...
+
+    def serves(self) -> set[tuple[str, int]]: ...
+
+    def open_partitions(self, topic: TopicRecord, opened: list[SegmentRecord]) -> None: ...
+
+    def thread_failed(self, what: str) -> Callable[[BaseException], None]: ...
+
+
+class Cluster:
+    """The partitions ``store``'s broker serves as one of several, with leases of
+    ``lease_s``."""
+
+    def __init__(self, store: ClusterStore, lease_s: float) -> None:
+        self.store, self.lease_s = store, lease_s
+        self.lease_ms = int(lease_s * 1000)
+        self.taken_over = 0  # partitions taken over from brokers whose lease expired
+        self._wake = threading.Event()
+        self._worker: Worker | None = None
+        self._version: str | None = None  # the owners' version the placements were read at
+        self._serving = threading.Lock()  # one serve() at a time
+
+    def __repr__(self) -> str:
+        return f"Cluster(broker={self.store.owners.broker_id!r}, lease={self.lease_s:g}s)"
+
+    def partitions(self) -> set[tuple[str, int]]:
+        """Every partition of the store: those a topic serves and those with a segment left
+        open."""
+        metadata = self.store.metadata
+        found = {(s.topic, s.partition) for s in metadata.open_segments()}
+        found.update((t.name, p) for t in metadata.list_topics() for p in range(t.serving))
+        return found
+
+    def join(self) -> set[tuple[str, int]]:
+        """At the broker's start: its lease first, then its share of the orphans. A store
+        served by a broker without ``--cluster`` (it holds the store alone) is refused."""
+        from tierstream.metadata.leader_lease import LOCK_KEY
+
+        metadata = self.store.metadata
+        if metadata.query("SELECT COUNT(*) FROM pg_locks WHERE locktype = 'advisory' AND "
+                          "objid = ? AND granted", (LOCK_KEY & 0xFFFF_FFFF,))[0][0]:
+            raise ConflictError(f"the metadata store {metadata.backend.name} is served by a "
+                                "broker started without --cluster, which serves it alone: "
+                                "stop it, and start every broker of the store with --cluster")
+        self.store.owners.join()
+        metadata.owner = self.store.owners  # every new segment and seal checks the owner
+        return set(self.claim())
+
+    def claim(self) -> list[tuple[str, int]]:
+        """Claim this broker's share of the orphans, at a new writer epoch (the bookie
+        clients fence and recover under it). Returns the partitions claimed."""
+        owners = self.store.owners
+        orphans, room = owners.orphans(self.partitions(), self.lease_ms)
+        if not orphans or not room:
+            return []
+        epoch = take_writer_epoch(self.store.metadata)
+        for bookie in self.store.bookies.values():
+            if isinstance(bookie, RemoteBookie):
+                bookie.epoch = epoch  # fences and recoveries are of the new epoch from now
+        self.store.epoch = epoch
+        return owners.take_over(orphans[:room], epoch, self.lease_ms)
+
+    def serve(self, partitions: list[tuple[str, int]]) -> list[RecoveryReport]:
+        """Serve ``partitions``, claimed by this broker, that are not served yet: recover
+        each one's open segment, then open a new one (one metadata transaction per topic).
+        One at a time: the takeover thread and a call that finds its partition placed here
+        never open one twice."""
+        store = self.store
+        with self._serving:
+            wanted = set(partitions) - store.serves()
+            return self._serve(wanted) if wanted else []
+
+    def serve_if_placed(self, topic: str, partition: int) -> bool:
+        """A call for a partition not served here: when the metadata says it is this
+        broker's (placed here, to be opened at the next renewal), it is opened now. Whether
+        it is served here."""
+        owner = self.store.owners.owner_of(topic, partition)
+        if owner is None or owner.broker_id != self.store.owners.broker_id:
+            return False
+        self.serve([(topic, partition)])
+        return (topic, partition) in self.store.serves()
+
+    def _serve(self, wanted: set[tuple[str, int]]) -> list[RecoveryReport]:
+        store = self.store
+        reports = recover_open_segments(store.metadata, store.bookies,
+                                        ack_quorum=store.ack_quorum, partitions=wanted)
+        for topic in store.metadata.list_topics():
+            mine = [p for p in range(topic.serving) if (topic.name, p) in wanted]
+            if not mine:
+                continue
+            with store.topics_lock:
+                opened = store.metadata.new_segments(
+                    topic.name, [(p, store.choose_ensemble()) for p in mine],
+                    created_at=now_ms())
+                store.open_partitions(topic, opened)
+        return reports
+
+    def start(self) -> None:
+        """Look for orphans after every renewal of the lease, on a thread of its own (a
+        takeover's recovery never delays a renewal)."""
+        self.store.owners.after_renewal.append(self._wake.set)
+        self._worker = Worker("broker-takeover", self._run,
+                              on_error=self.store.thread_failed("the broker's takeovers"))
+        self._worker.start()
+
+    def _run(self) -> None:
+        assert self._worker is not None
+        stopping = self._worker.stopping
+        while not stopping.is_set() and not self.store.closing.is_set():
+            self._wake.wait(RENEW_S)
+            self._wake.clear()
+            if stopping.is_set() or self.store.closing.is_set() or self.store.fenced.is_set():
+                return
+            version = self.store.owners.version
+            if version != self._version and self.serve_placed():
+                self._version = version
+            self.take_over()
+
+    def serve_placed(self) -> bool:
+        """Serve the partitions another broker placed here (a new topic's: ``place()``)
+        that are not served yet. False: it failed, and is tried again after the next
+        renewal."""
+        try:
+            placed = sorted(self.store.owners.mine() - self.store.serves())
+            if placed:
+                reports = self.serve(placed)
+                log.info("%s serves %d partition(s) placed on it (%s)%s",
+                         self.store.owners.broker_id, len(placed),
+                         ", ".join(f"{t} partition {p}" for t, p in placed[:5]),
+                         f"; {len(reports)} open segment(s) recovered" if reports else "")
+            return True
+        except TierstreamError as exc:
+            log.warning("serving the partitions placed here failed, tried again after the "
+                        "next renewal: %s", exc)
+            return False
+
+    def place(self, partitions: int) -> dict[int, tuple[str, int]]:
+        """Where a new topic's partitions go (those on other brokers): spread over the live
+        brokers by how many partitions each owns."""
+        return self.store.owners.place(partitions, self.lease_ms)
+
+    def take_over(self) -> list[tuple[str, int]]:
+        """Claim and serve this broker's share of the orphans now; said in the log."""
+        try:
+            taken = self.claim()
+            if taken:
+                started = now_ms()
+                reports = self.serve(taken)
+                self.taken_over += len(taken)
+                log.warning("%s took over %d partition(s) whose owner's lease expired (%s), "
+                            "at epoch %d; %d open segment(s) recovered in %d ms",
+                            self.store.owners.broker_id, len(taken),
+                            ", ".join(f"{t} partition {p}" for t, p in taken[:5]),
+                            self.store.epoch, len(reports), now_ms() - started)
+            return taken
+        except TierstreamError as exc:  # the metadata or bookies away: the next renewal
+            log.warning("taking partitions over failed, tried again after the next "
+                        "renewal: %s", exc)
+            return []
+
+    def stop(self) -> None:
+        if self._worker is not None:
+            self._wake.set()
+            self._worker.stop()

@@ -1,0 +1,79 @@
+"""What a broker does as partitions are taken from it, and for partitions it does not
+serve: the owner's side of ``metadata/ownership.py``, mixed into the store."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from tierstream.errors import NotOwnerError, UnavailableError
+from tierstream.managed_ledger.partition_log import PartitionLog
+from tierstream.metadata.ownership import Owner, PartitionOwners
+
+__all__ = ["OwnedPartitions"]
+
+log = logging.getLogger(__name__)
+
+
+class OwnedPartitions:
+    """The store's partitions as this broker owns, loses and refuses them."""
+
+    owners: PartitionOwners
+    _logs: dict[tuple[str, int], PartitionLog]
+    fenced: threading.Event
+    fenced_reason: str
+
+    def _on_fenced(self, topic: str, partition: int, reason: str) -> None:
+        """A bookie refused this broker's write to a partition as fenced, or the metadata
+        its seal. When another broker owns the partition now (it took the partition over:
+        it fences the open ledger and recovers it), that partition alone is let go, and
+        the lease's next renewal lets its consumers go; otherwise a newer broker took the
+        whole store over, and this one stops writing."""
+        try:
+            owner = self.owners.owner_of(topic, partition)
+        except UnavailableError:
+            owner = None  # the metadata cannot tell: the store-wide answer
+        if owner is not None and \
+                owner.broker_id != self.owners.broker_id:
+            plog = self._logs.get((topic, partition))
+            if plog is not None and not plog.lost:
+                log.info("%s partition %d was taken over by %s: %s", topic, partition,
+                         owner.describe(), reason)
+                self._lose({(topic, partition): owner})
+            return
+        self.fence(reason)
+
+    def fence(self, reason: str) -> None:
+        """This broker no longer serves the store (a newer one took it over; several
+        brokers: its lease expired), and stops, saying ``reason``."""
+        if not self.fenced.is_set():
+            self.fenced_reason = reason
+            self.fenced.set()
+            log.error("%s: this broker stops writing", reason)
+
+    def _lose(self, lost: dict[tuple[str, int], Owner]) -> None:
+        """Partitions the lease's renewal found owned by other brokers: they are served here
+        no more (appends refused, following reads ended, nothing sealed: the owner does)."""
+        let_go = []
+        for (topic, partition), owner in sorted(lost.items()):
+            plog = self._logs.get((topic, partition))
+            if plog is not None and not plog.lost:
+                plog.lose(self.owners.refusal(topic, partition, owner))
+                let_go.append(f"{topic} partition {partition} to {owner.broker_id}")
+        if let_go:
+            log.warning("%s lost %d partition(s) to other brokers (%s): it stops serving them",
+                        self.owners.broker_id, len(let_go), ", ".join(let_go[:5]))
+
+    def not_served(self, topic: str, partition: int) -> NotOwnerError | UnavailableError:
+        """The error for a stream or call of a partition of ``topic`` that this broker does
+        not serve: its owner's address, by the lease's last renewal, for its clients to go
+        there; or, while no other broker serves it (placed here and opened at the next
+        renewal, or taken over from a broker whose lease expired), unavailable for now."""
+        # the lease's view, else the metadata (a partition placed on another broker since)
+        owner = self.owners.elsewhere(topic, partition) or self.owners.owner_of(topic, partition)
+        if owner is not None and owner.broker_id != self.owners.broker_id:
+            return self.owners.refusal(topic, partition, owner)
+        return UnavailableError(f"{topic} partition {partition} is not served by "
+                                f"{self.owners.broker_id}, nor by another broker yet (a broker "
+                                "is opening it, or taking it over from one whose lease "
+                                "expired): try again shortly")

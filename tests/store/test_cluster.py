@@ -1,0 +1,199 @@
+"""Several brokers serving one store at once (``broker start --cluster``, broker/cluster.py):
+real broker processes, network bookies and PostgreSQL on loopback."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from tierstream.broker.process import BrokerProcess
+from tierstream.client import Admin, Consumer, Producer
+from tierstream.errors import ConfigError, UnavailableError
+from tierstream.model.positions import Offset
+
+from ..timing import scaled
+from .helpers import stop_process, wait_for
+from .test_network_bookies import TOPIC, _read, _Writer, check_exactly_once_in_order
+
+
+def _cluster(broker: Callable[..., BrokerProcess], name: str, *extra: str) -> BrokerProcess:
+    return broker(name, "--cluster", "--lease-timeout", f"{scaled(3):g}s", *extra)
+
+
+def _owned(url: str) -> int:
+    with Admin(url) as admin:
+        return int(admin.stats()["broker"]["partitions_owned"])
+
+
+def test_a_cluster_broker_takes_over_the_partitions_of_one_killed_under_load(
+        network_store) -> None:
+    """Broker A serves a 4-partition topic under a producer given both brokers; A is
+    SIGKILLed. Once A's lease expired, B takes its partitions over (fencing and recovering
+    their open segments at a new epoch), the producer goes on through B, and every
+    acknowledged message is read back once, in key order."""
+    _, _, broker = network_store
+    a = _cluster(broker, "broker-a").start()
+    with Admin(a.url) as admin:
+        admin.create_topic(TOPIC, 4)
+    b = _cluster(broker, "broker-b").start()
+    assert (_owned(a.url), _owned(b.url)) == (4, 0)  # a live owner keeps its partitions
+    writer = _Writer(f"{b.url},{a.url}", send_timeout=scaled(30))
+    try:
+        writer.wait_for_more(1_000)
+        a.kill()
+        writer.wait_for_more(1_000)  # through B, once it took the partitions over
+    finally:
+        acked = writer.stop()
+    assert _owned(b.url) == 4
+    check_exactly_once_in_order(_read(b.url), acked)
+    with Admin(b.url) as admin:
+        stats = admin.stats()
+    brokers = {row["broker"]: row for row in stats["brokers"]}
+    me = stats["broker"]["id"]
+    assert brokers[me]["partitions"] == 4 and brokers[me]["this"]
+    assert all(row["partitions"] == 0 for k, row in brokers.items() if k != me)
+    assert b.tracebacks == []
+    said = "\n".join(b.stderr_tail)
+    assert "took over 4 partition(s) whose owner's lease expired" in said, said
+
+
+def test_a_topic_is_spread_over_the_live_brokers_and_a_killed_one_s_share_over_the_rest(
+        network_store) -> None:
+    """Three cluster brokers; a 12-partition topic created at A is placed 4 on each (the
+    others open theirs at their next renewal). A producer given A and B writes every
+    partition at its owner. C is SIGKILLed: A and B take its 4 over, 2 each, and every
+    acknowledged message is read back once, in key order."""
+    _, _, broker = network_store
+    brokers = [_cluster(broker, f"broker-{n}").start() for n in "abc"]
+    a, b, c = brokers
+    with Admin(a.url) as admin:
+        admin.create_topic(TOPIC, 12)
+    wait_for(lambda: [_owned(x.url) for x in brokers] == [4, 4, 4], timeout=scaled(30),
+             what="the 12 partitions to be owned 4 by each broker")
+    Consumer(TOPIC, "audit", broker=a.url).close()  # a subscription of every partition
+    with Admin(b.url) as admin:  # any broker says who owns what
+        stats = admin.topic_stats(TOPIC, per_partition=True)
+    owners = {o["broker"]: o["partitions"] for o in stats["owners"]}
+    assert sorted(owners.values()) == [4, 4, 4], owners
+    # B's own partitions, each with its subscription (the others are their owners' to list)
+    assert len(stats["partitions"]) == 4
+    assert sorted(r["partition"] for r in stats["partitions"]
+                  if r["subscriptions"]) == sorted(p["partition"] for p in stats["partitions"])
+    writer = _Writer(f"{a.url},{b.url}", send_timeout=scaled(30))
+    try:
+        writer.wait_for_more(1_000)
+        c.kill()
+        wait_for(lambda: [_owned(x.url) for x in (a, b)] == [6, 6], timeout=scaled(60),
+                 what="C's partitions to be taken over, 2 by A and 2 by B")
+        writer.wait_for_more(1_000)
+    finally:
+        acked = writer.stop()
+    check_exactly_once_in_order(_read(a.url), acked)
+
+
+def test_a_broker_paused_past_its_lease_is_taken_over_then_stops_refusing_writes(
+        network_store) -> None:
+    """A and B share a 4-partition topic (2 each) under a producer and a key_shared consumer
+    given both. A is SIGSTOPped past its lease: B takes A's partitions over, and producer and
+    consumer go on through B. A resumed finds its lease expired, stores nothing more, and
+    stops saying why. Every acknowledged message is read back once in key order, and the
+    consumer received each one, every key in order (a redelivery after the move starts over
+    from the last acknowledgement B has)."""
+    _, _, broker = network_store
+    a, b = (_cluster(broker, f"broker-{n}").start() for n in "ab")
+    with Admin(a.url) as admin:
+        admin.create_topic(TOPIC, 4)
+    wait_for(lambda: [_owned(x.url) for x in (a, b)] == [2, 2], timeout=scaled(30),
+             what="the 4 partitions to be owned 2 by each broker")
+    both = f"{b.url},{a.url}"
+    received: list[str] = []
+    stop, errors = threading.Event(), []
+
+    def consume() -> None:
+        try:
+            with Consumer(TOPIC, "audit", mode="key_shared", initial=Offset.earliest(),
+                          broker=both) as consumer:
+                while not stop.is_set():
+                    batch = consumer.receive(timeout=0.2)
+                    if batch is not None:
+                        received.extend(bytes(v).decode()
+                                        for v in batch.column("value").to_pylist())
+                        consumer.ack(batch)
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+
+    reader = threading.Thread(target=consume, daemon=True)
+    reader.start()
+    # a producer leaves the partition's owner after this long without an ack (it hangs)
+    writer = _Writer(both, send_timeout=scaled(5))
+    try:
+        writer.wait_for_more(1_000)
+        assert a.proc is not None
+        stop_process(a.proc.pid)
+        wait_for(lambda: _owned(b.url) == 4, timeout=scaled(60),
+                 what="broker B to take over the partitions of the paused broker A")
+        writer.wait_for_more(1_000)
+    finally:
+        acked = writer.stop()
+    a.proc.send_signal(signal.SIGCONT)  # it finds its lease expired, and stops
+    with pytest.raises(UnavailableError), Producer(
+            TOPIC, broker=a.url, name="late", batch_size=10, send_timeout=scaled(5)) as late:
+        for _ in range(50):
+            late.send_many([{"key": "k0", "value": b"late:0"}])
+    assert a.proc.wait(timeout=scaled(60)) != 0
+    said = "".join(a.stderr_tail)
+    assert "could not renew its lease" in said and "Traceback" not in said, said[-3000:]
+    values = _read(b.url)
+    assert not [v for v in values if v.startswith("late")], "the paused broker stored a write"
+    check_exactly_once_in_order(values, acked)
+
+    wait_for(lambda: set(values) <= set(received) or bool(errors), timeout=scaled(60),
+             what="the consumer to receive every message stored")
+    stop.set()
+    reader.join(scaled(30))
+    assert not errors, errors
+    first_seen = list(dict.fromkeys(received))  # redelivered ones where they came first
+    check_exactly_once_in_order(first_seen, acked)
+
+
+def test_a_cluster_broker_stopped_cleanly_hands_its_partitions_over_at_once(
+        network_store) -> None:
+    """A broker stopped cleanly seals its partitions and lets go of them: the other takes
+    them over at its next renewal, not once a lease expired; a broker started after owns
+    its share of the partitions nobody owns."""
+    _, _, broker = network_store
+    a = _cluster(broker, "broker-a", "--lease-timeout", "1h").start()
+    with Admin(a.url) as admin:
+        admin.create_topic(TOPIC, 4)
+    with Producer(TOPIC, broker=a.url) as producer:
+        producer.send_many({"key": f"k{i % 7}", "value": f"k{i % 7}:{i}".encode()}
+                           for i in range(200))
+    b = _cluster(broker, "broker-b", "--lease-timeout", "1h").start()
+    assert a.stop() == 0
+    wait_for(lambda: _owned(b.url) == 4, timeout=scaled(30),
+             what="broker B to take over the partitions broker A let go of")
+    check_exactly_once_in_order(_read(b.url), 200)
+    c = _cluster(broker, "broker-c", "--lease-timeout", "1h").start()
+    assert _owned(c.url) == 0  # all owned by a live broker: nothing to take
+
+
+def test_cluster_settings_that_cannot_work_are_one_line_each(network_store, tmp_path) -> None:
+    """``--cluster`` without network bookies, with a lease shorter than two renewals, or
+    beside a broker that serves the store alone, is refused saying why."""
+    url, _, broker = network_store
+    from tierstream.broker.config import StoreConfig
+
+    with pytest.raises(ConfigError, match="--cluster needs --metadata"):
+        StoreConfig.from_options({"dataDir": str(tmp_path / "x")}, metadata_url=url,
+                                 lease_timeout_s=10.0)
+    with pytest.raises(ConfigError, match="invalid --lease-timeout 1s"):
+        StoreConfig.from_options({"dataDir": str(tmp_path / "x")}, metadata_url=url,
+                                 network_bookies=True, lease_timeout_s=1.0)
+    alone = broker("broker-alone").start()
+    refused = _cluster(broker, "broker-c")
+    with pytest.raises(Exception, match="served by a broker started without --cluster"):
+        refused.start(timeout=scaled(60))
+    alone.stop()
