@@ -64,14 +64,32 @@ class OwnedPartitions:
             log.warning("%s lost %d partition(s) to other brokers (%s): it stops serving them",
                         self.owners.broker_id, len(let_go), ", ".join(let_go[:5]))
 
+    def serves(self) -> set[tuple[str, int]]:
+        """The partitions served here (not lost to another broker)."""
+        return {k for k, plog in list(self._logs.items()) if not plog.lost}
+
+    def owner_elsewhere(self, topic: str, partition: int) -> Owner | None:
+        """Another broker owning the partition (a Pulsar LOOKUP is sent there): by the
+        lease's last renewal, without a metadata read; a partition that is not served here
+        at all (several brokers) is also looked up in the metadata: it may have been placed
+        on another broker since that renewal."""
+        owner = self.owners.elsewhere(topic, partition)
+        if owner is None and (topic, partition) not in self._logs:
+            try:
+                found = self.owners.owner_of(topic, partition)
+            except UnavailableError:
+                return None
+            if found is not None and found.broker_id != self.owners.broker_id:
+                return found
+        return owner
+
     def not_served(self, topic: str, partition: int) -> NotOwnerError | UnavailableError:
         """The error for a stream or call of a partition of ``topic`` that this broker does
         not serve: its owner's address, by the lease's last renewal, for its clients to go
         there; or, while no other broker serves it (placed here and opened at the next
         renewal, or taken over from a broker whose lease expired), unavailable for now."""
-        # the lease's view, else the metadata (a partition placed on another broker since)
-        owner = self.owners.elsewhere(topic, partition) or self.owners.owner_of(topic, partition)
-        if owner is not None and owner.broker_id != self.owners.broker_id:
+        owner = self.owner_elsewhere(topic, partition)
+        if owner is not None:
             return self.owners.refusal(topic, partition, owner)
         return UnavailableError(f"{topic} partition {partition} is not served by "
                                 f"{self.owners.broker_id}, nor by another broker yet (a broker "

@@ -31,6 +31,7 @@ from tierstream.errors import (
     FencedError,
     NotOwnerError,
     StorageError,
+    UnavailableError,
 )
 from tierstream.managed_ledger.bookies.client import BookieClient
 from tierstream.managed_ledger.bookies.local import LocalBookie
@@ -363,10 +364,6 @@ class Store(OwnedPartitions):
     def partition_count(self, topic: str) -> int:
         return self.topic(topic).partitions
 
-    def serves(self) -> set[tuple[str, int]]:
-        """The partitions served here (not lost to another broker)."""
-        return {k for k, plog in list(self._logs.items()) if not plog.lost}
-
     def all_partitions(self) -> list[PartitionLog]:
         return list(self._logs.values())
 
@@ -484,8 +481,9 @@ class Store(OwnedPartitions):
                 for plog in self._logs.values():
                     with contextlib.suppress(NotOwnerError):  # another's now: it seals it
                         plog.close()
-                if self.cluster is not None:
-                    self.owners.release()  # the others take its partitions over at once
+                if self.cluster is not None:  # the others take its partitions at once
+                    with contextlib.suppress(UnavailableError):  # else once its lease expired
+                        self.owners.release()
         finally:
             for bookie in self.bookies.values():
                 bookie.close()

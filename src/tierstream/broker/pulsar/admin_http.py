@@ -324,7 +324,7 @@ class _Routes:
         namespace, topic = "/".join(parts[:2]), parts[2]
         self._created(namespace, topic)
         name, partition = self._partition(namespace, topic)
-        owner = self.broker.store.owners.elsewhere(name, partition or 0)
+        owner = self.broker.store.owner_elsewhere(name, partition or 0)
         url = owner.pulsar_url if owner is not None else self.pulsar_url
         if url is None:
             raise _Answer(HTTPStatus.SERVICE_UNAVAILABLE, "this broker serves no Pulsar "

@@ -354,7 +354,7 @@ class Connection:
         reply = api.CommandLookupTopicResponse(request_id=req.request_id)
         try:
             topic, _, partition = self.named_partition(req.topic, create=True)
-            owner = self.store.owners.elsewhere(topic, partition or 0)
+            owner = self.store.owner_elsewhere(topic, partition or 0)
             url = owner.pulsar_url if owner is not None else None
             if url is None:
                 reply.response, reply.brokerServiceUrl = reply.Connect, self.listener.url
