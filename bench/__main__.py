@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench import (
+    brokers_bench,
     delayed_bench,
     elastic_bench,
     framework_bench,
@@ -63,6 +64,9 @@ BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
     "re-replication": (remote_write_bench.re_replication, "MB/s (and s per GB) until a lost "
                        "bookie's copies are whole again (3 network bookies, --replace) beside "
                        "an fsync'd copy of the same files"),
+    "brokers": (brokers_bench.brokers, "produce / consume msg/s with 1, 2 and 3 brokers "
+                "serving one store (--cluster) and CPU per message per broker; partition move "
+                "time p50/p99 after a SIGKILL, beside the lease timeout"),
     "offload": (tier_bench.offload, "offload MB/s to file:// and moto S3 beside a plain "
                                     "Parquet write; Parquet vs bookie bytes"),
     "catalog": (tier_bench.catalog, "ms to register one more tier file in Iceberg, early and "
