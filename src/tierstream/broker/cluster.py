@@ -47,6 +47,8 @@ __all__ = ["Cluster", "ClusterStore"]
 
 log = logging.getLogger(__name__)
 
+_NEVER = object()  # no look for orphans yet
+
 
 class ClusterStore(Protocol):
     """What a cluster broker's takeovers need of its store (``broker/store.py``)."""
@@ -81,6 +83,9 @@ class Cluster:
         self._worker: Worker | None = None
         self._version: str | None = None  # the owners' version the placements were read at
         self._serving = threading.Lock()  # one serve() at a time
+        #: the owners' version at the last look for orphans (each renewal's otherwise reads
+        #: every partition; a look is due when it moved or a lease expired)
+        self._looked: object = _NEVER
 
     def __repr__(self) -> str:
         return f"Cluster(broker={self.store.owners.broker_id!r}, lease={self.lease_s:g}s)"
@@ -112,7 +117,11 @@ class Cluster:
         """Claim this broker's share of the orphans, at a new writer epoch (the bookie
         clients fence and recover under it). Returns the partitions claimed."""
         owners = self.store.owners
+        version = owners.version
+        if version == self._looked and not owners.expired(self.lease_ms):
+            return []  # no lease expired, and nothing released or placed since the last look
         orphans, room = owners.orphans(self.partitions(), self.lease_ms)
+        self._looked = version
         if not orphans or not room:
             return []
         epoch = take_writer_epoch(self.store.metadata)

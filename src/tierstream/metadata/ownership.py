@@ -176,6 +176,13 @@ class PartitionOwners:
                       (self.broker_id, self.epoch, now_ms()))
         self.renewed_at = time.monotonic()
 
+    def expired(self, lease_ms: int) -> list[str]:
+        """The brokers whose lease is older than ``lease_ms`` by the server's clock (what
+        they own is orphaned). One read of the brokers, not of the partitions."""
+        return [str(b) for (b,) in self.metadata.query(
+            f"SELECT broker_id FROM brokers WHERE {self._clock} - heartbeat_at > ?",
+            (lease_ms,))]
+
     def orphans(self, candidates: Iterable[tuple[str, int]], lease_ms: int
                 ) -> tuple[list[tuple[str, int]], int]:
         """Of ``candidates``, those no live broker owns (no owner, or an owner whose lease
