@@ -7,6 +7,7 @@ import signal
 import threading
 from collections.abc import Callable
 
+import pyarrow as pa
 import pytest
 
 from tierstream.broker.process import BrokerProcess
@@ -14,6 +15,7 @@ from tierstream.client import Admin, Consumer, Producer
 from tierstream.errors import ConfigError, UnavailableError
 from tierstream.model.positions import Offset
 
+from ..cli.test_cli import run
 from ..ports import fixed_port
 from ..timing import scaled
 from .helpers import stop_process, wait_for
@@ -160,6 +162,63 @@ def test_a_broker_paused_past_its_lease_is_taken_over_then_stops_refusing_writes
     check_exactly_once_in_order(first_seen, acked)
 
 
+def test_partitions_move_between_live_brokers_on_demand_and_their_clients_follow(
+        network_store) -> None:
+    """A and B share a 4-partition topic (2 each; leases of an hour: nothing expires) under
+    a producer and a key_shared consumer given A only. ``topic unload`` moves one of A's
+    partitions to B, then ``broker drain`` moves all of B's to A, each sealed and handed
+    over. Producer and consumer follow every move; every acknowledged message is read back
+    once, in key order, and received, every key in order."""
+    _, _, broker = network_store
+    a, b = (_cluster(broker, f"broker-{n}", "--lease-timeout", "1h").start() for n in "ab")
+    with Admin(a.url) as admin:
+        admin.create_topic(TOPIC, 4)
+    wait_for(lambda: [_owned(x.url) for x in (a, b)] == [2, 2], timeout=scaled(30),
+             what="the 4 partitions to be owned 2 by each broker")
+    received: list[str] = []
+    stop, errors = threading.Event(), []
+
+    def consume() -> None:
+        try:
+            with Consumer(TOPIC, "audit", mode="key_shared", initial=Offset.earliest(),
+                          broker=a.url) as consumer:
+                while not stop.is_set():
+                    batch = consumer.receive(timeout=0.2)
+                    if batch is not None:
+                        received.extend(bytes(v).decode()
+                                        for v in batch.column("value").to_pylist())
+                        consumer.ack(batch)
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+
+    reader = threading.Thread(target=consume, daemon=True)
+    reader.start()
+    writer = _Writer(a.url, send_timeout=scaled(5))
+    try:
+        writer.wait_for_more(500)
+        with Admin(a.url) as admin:
+            mine = [p["partition"] for p in admin.topic_stats(TOPIC, per_partition=True)
+                    ["partitions"]]
+        moved = run("topic", "unload", f"{TOPIC}/{mine[0]}", "--broker", a.url)
+        assert moved.returncode == 0, moved.stderr
+        assert f"moved 1 partition(s): {TOPIC}/{mine[0]} to broker-" in moved.stdout
+        assert [_owned(x.url) for x in (a, b)] == [1, 3]
+        writer.wait_for_more(500)
+        drained = run("broker", "drain", "--broker", b.url)
+        assert drained.returncode == 0 and "moved 3 partition(s)" in drained.stdout, drained
+        assert [_owned(x.url) for x in (a, b)] == [4, 0]
+        writer.wait_for_more(500)
+    finally:
+        acked = writer.stop()
+    check_exactly_once_in_order(_read(a.url), acked)
+    wait_for(lambda: len(set(received)) >= acked or bool(errors), timeout=scaled(60),
+             what="the consumer to receive every message acknowledged")
+    stop.set()
+    reader.join(scaled(30))
+    assert not errors, errors
+    check_exactly_once_in_order(list(dict.fromkeys(received)), acked)
+
+
 def test_a_cluster_broker_stopped_cleanly_hands_its_partitions_over_at_once(
         network_store) -> None:
     """A broker stopped cleanly seals its partitions and lets go of them: the other takes
@@ -194,6 +253,10 @@ def test_cluster_settings_that_cannot_work_are_one_line_each(network_store, tmp_
         StoreConfig.from_options({"dataDir": str(tmp_path / "x")}, metadata_url=url,
                                  network_bookies=True, lease_timeout_s=1.0)
     alone = broker("broker-alone").start()
+    refused = run("broker", "drain", "--broker", alone.url or "")
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        "error: moving partitions is for brokers started with --cluster: this one serves the "
+        "store alone"], refused.stderr
     refused = _cluster(broker, "broker-c")
     with pytest.raises(Exception, match="served by a broker started without --cluster"):
         refused.start(timeout=scaled(60))
@@ -241,3 +304,46 @@ def test_real_pulsar_clients_produce_and_consume_across_three_brokers_and_a_kill
     assert _owned(a.url) + _owned(brokers[1].url) == 6
     check_exactly_once_in_order(_read(a.url), acked)
     check_exactly_once_in_order(list(dict.fromkeys(received)), acked)
+
+
+def test_a_producer_refused_past_its_send_timeout_gives_up_naming_the_batches(
+        network_store) -> None:
+    """Partition 1 is owned by a broker that renews its lease but never said where it is
+    reached: the broker asked refuses every batch, with no address to follow. The producer
+    gives up once its send_timeout passed without an ack, naming the batches in doubt; it
+    retried for good before (the loop was only ended by a pytest timeout under load)."""
+    from tierstream.metadata.ownership import PartitionOwners
+    from tierstream.metadata.store import MetadataStore
+
+    url, _, broker = network_store
+    a = _cluster(broker, "broker-a", "--lease-timeout", "1h").start()
+    with Admin(a.url) as admin:
+        admin.create_topic(TOPIC, 2)
+    metadata = MetadataStore(url, hold=False)
+    try:
+        ghost = PartitionOwners(metadata, "broker-ghost", 10**6)
+        ghost.join()  # alive, and reached nowhere
+        ghost.claim([(TOPIC, 1)])
+        wait_for(lambda: any("lost 1 partition(s) to other brokers" in line
+                             for line in a.stderr_tail), timeout=scaled(30),
+                 what="broker A's renewal to see partition 1 owned by the ghost")
+        failed: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                with Producer(TOPIC, broker=a.url, send_timeout=scaled(2)) as producer:
+                    producer.send_batch(pa.record_batch({"value": [b"v"]}), partition=1)
+                    producer.flush()
+            except BaseException as exc:  # what the test checks
+                failed.append(exc)
+
+        thread = threading.Thread(target=send, daemon=True)
+        thread.start()
+        thread.join(scaled(60))
+        assert not thread.is_alive(), "the producer retried for good"
+        assert len(failed) == 1 and isinstance(failed[0], UnavailableError), failed
+        said = str(failed[0])
+        assert "kept refusing it" in said and "served by broker-ghost" in said, said
+        assert failed[0].unacknowledged == {1: [0]}  # type: ignore[attr-defined]
+    finally:
+        metadata.close()

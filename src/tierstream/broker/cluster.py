@@ -33,17 +33,18 @@ from collections.abc import Callable
 from typing import Protocol
 
 from tierstream.broker.recovery import RecoveryReport, recover_open_segments
-from tierstream.errors import ConflictError, TierstreamError
+from tierstream.errors import ConfigError, ConflictError, TierstreamError
 from tierstream.managed_ledger.bookies.client import BookieClient
 from tierstream.managed_ledger.bookies.remote import RemoteBookie
+from tierstream.managed_ledger.partition_log import PartitionLog
 from tierstream.metadata.bookie_registry import take_writer_epoch
-from tierstream.metadata.ownership import RENEW_S, PartitionOwners
+from tierstream.metadata.ownership import RENEW_S, Owner, PartitionOwners
 from tierstream.metadata.records import SegmentRecord, TopicRecord
 from tierstream.metadata.store import MetadataStore
 from tierstream.util.threads import Worker
 from tierstream.util.timeutil import now_ms
 
-__all__ = ["Cluster", "ClusterStore"]
+__all__ = ["Cluster", "ClusterStore", "cluster_of"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,11 @@ class ClusterStore(Protocol):
     def choose_ensemble(self) -> tuple[str, ...]: ...
 
     def serves(self) -> set[tuple[str, int]]: ...
+
+    def partition(self, topic: str, partition: int) -> PartitionLog: ...
+
+    @property
+    def cluster(self) -> Cluster | None: ...
 
     def open_partitions(self, topic: TopicRecord, opened: list[SegmentRecord]) -> None: ...
 
@@ -164,6 +170,7 @@ class Cluster:
                     topic.name, [(p, store.choose_ensemble()) for p in mine],
                     created_at=now_ms())
                 store.open_partitions(topic, opened)
+        store.owners.note(gained=wanted)  # served here from now: not sent elsewhere
         return reports
 
     def start(self) -> None:
@@ -205,6 +212,52 @@ class Cluster:
                         "next renewal: %s", exc)
             return False
 
+    def unload(self, partitions: list[tuple[str, int]]) -> dict[tuple[str, int], str]:
+        """Move ``partitions``, served here, to the other live brokers, gracefully: each is
+        sealed and served here no more (appends are refused with the new owner's address),
+        then all are handed over in one transaction; the new owners open them at their next
+        renewal, or at once when a client names one. Returns each one's new owner."""
+        store, owners = self.store, self.store.owners
+        wanted = sorted(set(partitions))
+        with self._serving:
+            spread = owners.place(len(wanted), self.lease_ms, away=True)
+            placed = {key: spread[i] for i, key in enumerate(wanted)}
+            where = {b["broker"]: b for b in owners.brokers()}
+            given = {(t, p): Owner(b, e, now_ms(), where.get(b, {}).get("url"))
+                     for (t, p), (b, e) in placed.items()}
+            try:
+                for (topic, partition), owner in given.items():
+                    plog = store.partition(topic, partition)
+                    with plog.lock:  # no append between the seal and the refusal
+                        plog.close()
+                        plog.lose(owners.refusal(topic, partition, owner))
+                owners.hand_over(placed)
+                owners.note(given=given)
+            except TierstreamError:
+                self._serve(set(wanted) - store.serves())  # still this broker's: serve on
+                raise
+        log.warning("%s moved %d partition(s) to other brokers: %s", owners.broker_id,
+                    len(placed), ", ".join(f"{t} partition {p} to {b}"
+                                           for (t, p), (b, _) in list(placed.items())[:5]))
+        return {key: broker for key, (broker, _) in placed.items()}
+
+    def unload_topic(self, topic: str, partition: int | None) -> dict[str, str]:
+        """``topic unload``: the partition named (one served elsewhere is refused, naming its
+        owner: the client follows), or every partition of ``topic`` served here, moved to
+        the other brokers. ``{"topic/partition": new owner}``."""
+        if partition is None:
+            keys = sorted(k for k in self.store.serves() if k[0] == topic)
+        else:
+            self.store.owners.serving(topic, int(partition))  # another's: it is refused
+            plog = self.store.partition(topic, int(partition))  # not served: refused
+            keys = [] if plog.lost else [(topic, int(partition))]
+        return {f"{t}/{p}": b for (t, p), b in (self.unload(keys) if keys else {}).items()}
+
+    def drain(self) -> dict[str, str]:
+        """``broker drain``: every partition served here, moved to the other brokers."""
+        moved = self.unload(sorted(self.store.serves()))
+        return {f"{t}/{p}": b for (t, p), b in moved.items()}
+
     def place(self, partitions: int) -> dict[int, tuple[str, int]]:
         """Where a new topic's partitions go (those on other brokers): spread over the live
         brokers by how many partitions each owns."""
@@ -233,3 +286,11 @@ class Cluster:
         if self._worker is not None:
             self._wake.set()
             self._worker.stop()
+
+
+def cluster_of(store: ClusterStore) -> Cluster:
+    """The store's cluster, or ConfigError: moving partitions is for cluster brokers."""
+    if store.cluster is None:
+        raise ConfigError("moving partitions is for brokers started with --cluster: this one "
+                          "serves the store alone")
+    return store.cluster

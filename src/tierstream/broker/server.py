@@ -13,6 +13,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from tierstream.broker.cluster import cluster_of
 from tierstream.broker.consume_streams import ConsumeStreams, check_partition
 from tierstream.broker.produce_stream import produce_stream
 from tierstream.broker.store import Store
@@ -218,6 +219,12 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
 
     def _seal(self, body: dict[str, Any]) -> Any:
         return [s.to_dict() for s in self.store.seal(body["topic"], body.get("partition"))]
+
+    def _unload(self, body: dict[str, Any]) -> Any:
+        return cluster_of(self.store).unload_topic(_topic(body), body.get("partition"))
+
+    def _drain(self, body: dict[str, Any]) -> Any:
+        return cluster_of(self.store).drain()
 
     def _stats(self, body: dict[str, Any]) -> Any:
         writer = self.subscriptions.writer
@@ -426,6 +433,8 @@ _ACTIONS = {
     "ends": (Broker._ends, "Exclusive end position per partition of {topic} (no data read); "
                            "[owners]: those served here, and the owner of each other one."),
     "seal": (Broker._seal, "Seal the open segment(s) of {topic[, partition]}."),
+    "unload": (Broker._unload, "Move {topic[, partition]} to other brokers (--cluster)."),
+    "drain": (Broker._drain, "Move every partition served here to other brokers."),
     "stats": (Broker._stats, "Broker and store counters: streams, offload lag, "
                              "transactions by state, open files."),
     "topic-stats": (Broker._topic_stats, "Rates, storage by location, producers and "

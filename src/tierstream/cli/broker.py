@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from tierstream.cli.common import (
+    BrokerOpt,
     DataDirOpt,
     TlsCaOpt,
     TlsCertOpt,
@@ -17,10 +18,12 @@ from tierstream.cli.common import (
     TokenOpt,
     bookie_app,
     broker_app,
+    out,
 )
 from tierstream.options import (
     DEFAULT_ADMIN_PORT,
     DEFAULT_ADMIN_TLS_PORT,
+    DEFAULT_BROKER_URL,
     DEFAULT_DATA_DIR,
     DEFAULT_PORT,
     DEFAULT_PULSAR_PORT,
@@ -250,6 +253,26 @@ def broker_stop(
             raise UnavailableError(f"the broker (pid {pid}) did not stop within {timeout}")
         time.sleep(0.1)  # polling the lock the broker lets go of as it exits
     print(f"stopped the broker of {data_dir} (pid {pid})")
+
+
+@broker_app.command("drain")
+def broker_drain(
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    tls_ca: TlsCaOpt = None,
+    auth_token: TokenOpt = None,
+) -> None:
+    """Move every partition the broker named serves to the other brokers of its cluster
+    (brokers started with --cluster): each is sealed and handed over, and its clients follow
+    it. The broker keeps running, owning nothing, until it is stopped.
+
+    Example: tierstream broker drain --broker grpc://broker2:6651
+    """
+    from tierstream.client import Admin
+
+    with Admin(broker, auth_token=auth_token) as admin:
+        moved = admin.drain()
+    out.print(f"moved {len(moved)} partition(s): " + (", ".join(
+        f"{k} to {v}" for k, v in sorted(moved.items())) or "none"), highlight=False)
 
 
 @bookie_app.command("serve")

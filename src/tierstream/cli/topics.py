@@ -188,3 +188,32 @@ def topic_list(
         table.add_row(t.name, str(t.partitions), "none" if t.retention_ms is None
                       else describe_duration(t.retention_ms), format_ms(t.created_at))
     out.print(table)
+
+
+@topic_app.command("unload")
+def topic_unload(
+    topic: Annotated[str, typer.Argument(help="tenant/namespace/topic, or "
+                                              "tenant/namespace/topic/PARTITION")],
+    broker: BrokerOpt = DEFAULT_BROKER_URL,
+    tls_ca: TlsCaOpt = None,
+    auth_token: TokenOpt = None,
+) -> None:
+    """Move a topic's partitions (or one) from the brokers serving them to other brokers of
+    the cluster (brokers started with --cluster): each is sealed and handed over to the
+    least-loaded other broker, and its clients follow it.
+
+    Example: tierstream topic unload acme/web/clicks/3
+    """
+    from tierstream.client import Admin
+
+    name, partition = topic, None
+    parts = topic.strip("/").split("/")
+    if len(parts) == 4:
+        if not parts[3].isdigit():
+            raise ConfigError(f"invalid partition {parts[3]!r} in {topic!r}: expected "
+                              "tenant/namespace/topic/N with N >= 0")
+        name, partition = "/".join(parts[:3]), int(parts[3])
+    with Admin(broker, auth_token=auth_token) as admin:
+        moved = admin.unload(name, partition)
+    out.print(f"moved {len(moved)} partition(s): " + (", ".join(
+        f"{k} to {v}" for k, v in sorted(moved.items())) or "none"), highlight=False)

@@ -112,6 +112,20 @@ class Admin(BrokerClient):
         raw = self.action("seal", {"topic": str(TopicName.parse(topic)), "partition": partition})
         return [segment_record(s) for s in raw]
 
+    def unload(self, topic: str, partition: int | None = None) -> dict[str, str]:
+        """Move a partition (or every one) of ``topic`` from the broker serving it to other
+        brokers of the cluster, gracefully: ``{"topic/partition": new owner}``."""
+        name = str(TopicName.parse(topic))
+        parts = [partition] if partition is not None else range(self.get_topic(name).partitions)
+        moved: dict[str, str] = {}
+        for p in parts:  # each asked of its owner
+            moved.update(self.action("unload", {"topic": name, "partition": int(p)}))
+        return moved
+
+    def drain(self) -> dict[str, str]:
+        """Move every partition the broker in use serves to the other brokers."""
+        return dict(self.action("drain"))
+
     def stats(self) -> dict[str, Any]:
         """The broker-wide view: topics, streams, offload and deletion lag, transactions by
         state, open files, and store counters (``tierstream broker stats``)."""

@@ -389,8 +389,14 @@ class Producer:
                                 "no ack") from None
         except (flight.FlightError, OSError, pa.ArrowException, UnavailableError) as exc:
             self._raise_if_rejected(exc, stream.io.url if stream.io else None, p)
-            # a broker that answers, but cannot take the partition yet (opening it, taking
-            # it over): 50 ms between tries, doubling to 1 s, rather than a busy loop
+            # a broker that answers, but cannot take the partition yet (opening it, taking it
+            # over): 50 ms between tries, doubling to 1 s; for send_timeout without an ack
+            now = time.monotonic()
+            stream.refused_since = stream.refused_since or now
+            if now - stream.refused_since > self.send_timeout:
+                stream.refused_since = None
+                raise self._gave_up(p, stream, "the brokers kept refusing it ("
+                                    f"{stream.refusal or exc})") from None
             stream.backoff = min(max(2 * stream.backoff, 0.05), 1.0)
             threading.Event().wait(stream.backoff)
             self._recover(p, stream)
@@ -403,7 +409,7 @@ class Producer:
             return
         seq, _ = stream.unacked.popleft()
         stream.pinned.discard(seq)
-        stream.stalled_since, stream.backoff = None, 0.0
+        stream.stalled_since, stream.backoff, stream.refused_since = None, 0.0, None
         if ack.get("sequence_id") != seq:
             raise UnavailableError(f"ack for sequence {ack.get('sequence_id')} while waiting "
                                    f"for {seq}")
@@ -440,6 +446,8 @@ class Producer:
         except NotOwnerError as refusal:
             if p is not None and refusal.owner_url:
                 self._client.follow(self.topic, p, refusal.owner_url)
+            elif p is not None:  # no owner to follow: said if the producer gives up
+                self._streams[p].refusal = str(refusal)
         except FencedError:
             self._client.fenced(via or self._client.url)
             self._leave(via, "no longer serves the store (fenced)")
@@ -449,8 +457,7 @@ class Producer:
             raise
 
     def _leave(self, via: str | None, why: str) -> None:
-        """The next broker named, once per broker left: the first stream to find its broker
-        (``via``) gone moves on; the others follow (each moving it sent it back and forth)."""
+        """The next broker named, once per broker left (``via``): the other streams follow."""
         if len(self._client.urls) > 1 and via in (None, self._client.url):
             log.warning("producer %s: broker %s %s; trying %s", self.name, self._client.url,
                         why, self._client.next_broker())

@@ -55,6 +55,8 @@ class PartitionStream:
     #: since when brokers connected but sent no ack in time (monotonic s; None: acks flow)
     stalled_since: float | None = None
     backoff: float = 0.0  # seconds before the next try after a refusal (0: acks flow)
+    refused_since: float | None = None  # since when brokers refused it (None: acks flow)
+    refusal: str | None = None  # the last refusal that named no owner to follow
 
 
 class StalledError(UnavailableError):

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tierstream.errors import NotOwnerError, UnavailableError
+from tierstream.errors import ConflictError, NotOwnerError, UnavailableError
 from tierstream.metadata.backend import Tx
 from tierstream.metadata.segment_rows import owners_changed
 from tierstream.metadata.store import MetadataStore
@@ -94,6 +94,7 @@ class PartitionOwners:
         #: when the lease was last renewed (monotonic s; None: not yet)
         self.renewed_at: float | None = None
         self._version: str | None = None  # meta.owners_version the view was read at
+        self._noted = 0  # changes this broker made to its own view (note())
         #: called with the partitions a renewal found owned elsewhere that were not before
         #: (the store stops serving them, the subscriptions let their consumers go)
         self.on_lost: list[Callable[[dict[tuple[str, int], Owner]], None]] = []
@@ -146,9 +147,7 @@ class PartitionOwners:
             # brokers that own nothing any more are forgotten (every start is a new broker)
             c.execute("DELETE FROM brokers WHERE broker_id <> ? AND broker_id NOT IN "
                       "(SELECT broker_id FROM partition_owners)", (self.broker_id,))
-        with self._view:
-            for key in wanted:
-                self._elsewhere.pop(key, None)
+        self.note(gained=wanted)
         return former
 
     def claim_store(self) -> None:
@@ -177,8 +176,7 @@ class PartitionOwners:
         self.renewed_at = time.monotonic()
 
     def expired(self, lease_ms: int) -> list[str]:
-        """The brokers whose lease is older than ``lease_ms`` by the server's clock (what
-        they own is orphaned). One read of the brokers, not of the partitions."""
+        """The brokers whose lease is older than ``lease_ms`` (what they own is orphaned)."""
         return [str(b) for (b,) in self.metadata.query(
             f"SELECT broker_id FROM brokers WHERE {self._clock} - heartbeat_at > ?",
             (lease_ms,))]
@@ -200,16 +198,23 @@ class PartitionOwners:
         share = -(-len(wanted) // len(live))  # ceiling: the first to look takes the rest
         return sorted(k for k in wanted if owners.get(k) not in live), max(0, share - mine)
 
-    def place(self, partitions: int, lease_ms: int) -> dict[int, tuple[str, int]]:
-        """Where a new topic's ``partitions`` go: each to the live broker owning the fewest
-        partitions then (this one on a tie). Returns those placed on other brokers, with
-        each one's epoch: ``{partition: (broker, epoch)}``."""
+    def place(self, partitions: int, lease_ms: int, *, away: bool = False
+              ) -> dict[int, tuple[str, int]]:
+        """Where ``partitions`` (a new topic's; with ``away``, partitions this broker lets
+        go) go: each to the live broker owning the fewest partitions then (this one on a
+        tie, never with ``away``). Returns those placed on other brokers, with each one's
+        epoch: ``{partition: (broker, epoch)}``."""
         rows = self.metadata.query(
             "SELECT b.broker_id, b.epoch, (SELECT COUNT(*) FROM partition_owners o WHERE "
             f"o.broker_id = b.broker_id) FROM brokers b WHERE {self._clock} - b.heartbeat_at "
             "<= ? AND b.url <> ''", (lease_ms,))
         load = {str(b): [int(n), int(e)] for b, e, n in rows}
         load.setdefault(self.broker_id, [self.owned(), self.epoch])
+        if away:
+            del load[self.broker_id]
+            if not load:
+                raise ConflictError(f"{self.broker_id} has no other live broker to move "
+                                    "partitions to: start another with --cluster")
         placed = {}
         for partition in range(partitions):
             broker = min(load, key=lambda b: (load[b][0], b != self.broker_id, b))
@@ -217,6 +222,33 @@ class PartitionOwners:
             if broker != self.broker_id:
                 placed[partition] = (broker, load[broker][1])
         return placed
+
+    def hand_over(self, placed: dict[tuple[str, int], tuple[str, int]]) -> None:
+        """Give each partition (sealed, served here no more) to the broker ``placed`` names,
+        at its epoch, in one transaction. One no longer this broker's: NotOwnerError."""
+        at = now_ms()
+        with self.metadata.atomic() as c:
+            for (topic, partition), (broker, epoch) in sorted(placed.items()):
+                moved = c.execute("UPDATE partition_owners SET broker_id=?, epoch=?, "
+                                  "claimed_at=? WHERE topic=? AND partition=? AND broker_id=?",
+                                  (broker, epoch, at, topic, partition, self.broker_id))
+                if moved.rowcount != 1:
+                    raise NotOwnerError(_refusal(topic, partition, _owner(c, topic, partition),
+                                                 "hand over"))
+            owners_changed(c)
+
+    def note(self, gained: Iterable[tuple[str, int]] = (),
+             given: dict[tuple[str, int], Owner] | None = None) -> None:
+        """Partitions this broker just opened (``gained``) or handed over (``given``, to
+        whom; told to :attr:`on_lost` now) are so in :meth:`serving`'s view at once: their
+        clients are not sent back."""
+        with self._view:
+            for key in gained:
+                self._elsewhere.pop(key, None)
+            self._elsewhere.update(given or {})
+            self._noted += 1  # a renewal that read the owners before this is not applied
+        for listener in self.on_lost if given else ():
+            listener(dict(given or {}))
 
     def mine(self) -> set[tuple[str, int]]:
         """The partitions this broker owns, as the metadata has them."""
@@ -252,15 +284,12 @@ class PartitionOwners:
                       "(SELECT broker_id FROM partition_owners) AND "
                       f"{self._clock} - heartbeat_at > ?", (self.broker_id, lease_ms))
         self.epoch = epoch
-        with self._view:
-            for key in taken:
-                self._elsewhere.pop(key, None)
+        self.note(gained=taken)
         return taken
 
     def release(self) -> None:
-        """Let go of every partition, and of the lease (a cluster broker stopping cleanly,
-        its partitions sealed): other brokers take them over at their next renewal, not
-        once the lease expired."""
+        """Let go of every partition, and of the lease (a cluster broker stopping cleanly):
+        other brokers take them over at their next renewal, not once the lease expired."""
         with self.metadata.atomic() as c:
             c.execute("DELETE FROM partition_owners WHERE broker_id=?", (self.broker_id,))
             c.execute("DELETE FROM brokers WHERE broker_id=?", (self.broker_id,))
@@ -280,11 +309,10 @@ class PartitionOwners:
             owners_changed(c)
 
     def renew(self) -> None:
-        """Renew this broker's lease (its heartbeat, by the metadata server's clock) and read
-        which partitions other brokers own, in one transaction: what :meth:`serving` refuses
-        until the next renewal. A broker renews every second (``broker/store.py``); the owners
-        are read again only when ``meta.owners_version`` moved since the last renewal (read
-        first: a claim committed between the two reads is read again next time)."""
+        """Renew this broker's lease (its heartbeat, by the server's clock) and read which
+        partitions other brokers own: what :meth:`serving` refuses until the next renewal.
+        The owners are read only when ``meta.owners_version`` moved since the last renewal."""
+        noted = self._noted
         with self.metadata.atomic() as c:
             c.execute(f"UPDATE brokers SET heartbeat_at = {self._clock} WHERE broker_id=?",
                       (self.broker_id,))
@@ -299,10 +327,13 @@ class PartitionOwners:
                 + " WHERE o.broker_id <> ?", (self.broker_id,)).fetchall()
         elsewhere = {(row[0], int(row[1])): _row(row[2:]) for row in rows}
         with self._view:
+            self.renewed_at = time.monotonic()
+            if noted != self._noted:  # this broker gained or gave partitions meanwhile: the
+                self._version = None  # rows may be older than that; read again next time
+                return
             lost = {k: o for k, o in elsewhere.items() if k not in self._elsewhere}
             self._elsewhere = elsewhere
             self._version = version
-            self.renewed_at = time.monotonic()
         if lost:
             for listener in self.on_lost:
                 try:
