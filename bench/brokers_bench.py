@@ -172,7 +172,9 @@ def _moves(tmp: Path, url: str, running: list[BrokerProcess], topic: str, kills:
     try:
         time.sleep(2)
         for k in range(kills):
-            victim = max(running, key=_owned)
+            # never the first broker: the producers were given the first three brokers'
+            # addresses, and one of them must answer to say where a partition went
+            victim = max(running[1:], key=_owned)
             with Admin(victim.url) as admin:
                 owned = [p["partition"] for p in admin.topic_stats(topic, per_partition=True)
                          ["partitions"]]
