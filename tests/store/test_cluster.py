@@ -31,6 +31,42 @@ def _owned(url: str) -> int:
         return int(admin.stats()["broker"]["partitions_owned"])
 
 
+class _Received:
+    """A key_shared ``Consumer`` of ``broker`` on a thread of its own, receiving and
+    acknowledging until :meth:`check`."""
+
+    def __init__(self, broker: str) -> None:
+        self.values: list[str] = []
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(broker,), daemon=True)
+        self._thread.start()
+
+    def _run(self, broker: str) -> None:
+        try:
+            with Consumer(TOPIC, "audit", mode="key_shared", initial=Offset.earliest(),
+                          broker=broker) as consumer:
+                while not self._stop.is_set():
+                    batch = consumer.receive(timeout=0.2)
+                    if batch is not None:
+                        self.values.extend(bytes(v).decode()
+                                           for v in batch.column("value").to_pylist())
+                        consumer.ack(batch)
+        except BaseException as exc:  # reported by check()
+            self.errors.append(exc)
+
+    def check(self, acked: int) -> None:
+        """Every acknowledged message received, every key in order (where each came first:
+        a redelivery after a move starts over from the last acknowledgement stored)."""
+        wait_for(lambda: bool(self.errors) or set(range(acked)) <= {
+            int(v.split(":")[1]) for v in list(self.values)}, timeout=scaled(60),
+                 what="the consumer to receive every message acknowledged")
+        self._stop.set()
+        self._thread.join(scaled(30))
+        assert not self.errors, self.errors
+        check_exactly_once_in_order(list(dict.fromkeys(self.values)), acked)
+
+
 def test_a_cluster_broker_takes_over_the_partitions_of_one_killed_under_load(
         network_store) -> None:
     """Broker A serves a 4-partition topic under a producer given both brokers; A is
@@ -112,24 +148,7 @@ def test_a_broker_paused_past_its_lease_is_taken_over_then_stops_refusing_writes
     wait_for(lambda: [_owned(x.url) for x in (a, b)] == [2, 2], timeout=scaled(30),
              what="the 4 partitions to be owned 2 by each broker")
     both = f"{b.url},{a.url}"
-    received: list[str] = []
-    stop, errors = threading.Event(), []
-
-    def consume() -> None:
-        try:
-            with Consumer(TOPIC, "audit", mode="key_shared", initial=Offset.earliest(),
-                          broker=both) as consumer:
-                while not stop.is_set():
-                    batch = consumer.receive(timeout=0.2)
-                    if batch is not None:
-                        received.extend(bytes(v).decode()
-                                        for v in batch.column("value").to_pylist())
-                        consumer.ack(batch)
-        except BaseException as exc:  # reported by the test
-            errors.append(exc)
-
-    reader = threading.Thread(target=consume, daemon=True)
-    reader.start()
+    received = _Received(both)
     # a producer leaves the partition's owner after this long without an ack (it hangs)
     writer = _Writer(both, send_timeout=scaled(5))
     try:
@@ -153,13 +172,7 @@ def test_a_broker_paused_past_its_lease_is_taken_over_then_stops_refusing_writes
     assert not [v for v in values if v.startswith("late")], "the paused broker stored a write"
     check_exactly_once_in_order(values, acked)
 
-    wait_for(lambda: set(values) <= set(received) or bool(errors), timeout=scaled(60),
-             what="the consumer to receive every message stored")
-    stop.set()
-    reader.join(scaled(30))
-    assert not errors, errors
-    first_seen = list(dict.fromkeys(received))  # redelivered ones where they came first
-    check_exactly_once_in_order(first_seen, acked)
+    received.check(acked)
 
 
 def test_partitions_move_between_live_brokers_on_demand_and_their_clients_follow(
@@ -175,24 +188,7 @@ def test_partitions_move_between_live_brokers_on_demand_and_their_clients_follow
         admin.create_topic(TOPIC, 4)
     wait_for(lambda: [_owned(x.url) for x in (a, b)] == [2, 2], timeout=scaled(30),
              what="the 4 partitions to be owned 2 by each broker")
-    received: list[str] = []
-    stop, errors = threading.Event(), []
-
-    def consume() -> None:
-        try:
-            with Consumer(TOPIC, "audit", mode="key_shared", initial=Offset.earliest(),
-                          broker=a.url) as consumer:
-                while not stop.is_set():
-                    batch = consumer.receive(timeout=0.2)
-                    if batch is not None:
-                        received.extend(bytes(v).decode()
-                                        for v in batch.column("value").to_pylist())
-                        consumer.ack(batch)
-        except BaseException as exc:  # reported by the test
-            errors.append(exc)
-
-    reader = threading.Thread(target=consume, daemon=True)
-    reader.start()
+    received = _Received(a.url)
     writer = _Writer(a.url, send_timeout=scaled(5))
     try:
         writer.wait_for_more(500)
@@ -211,12 +207,7 @@ def test_partitions_move_between_live_brokers_on_demand_and_their_clients_follow
     finally:
         acked = writer.stop()
     check_exactly_once_in_order(_read(a.url), acked)
-    wait_for(lambda: len(set(received)) >= acked or bool(errors), timeout=scaled(60),
-             what="the consumer to receive every message acknowledged")
-    stop.set()
-    reader.join(scaled(30))
-    assert not errors, errors
-    check_exactly_once_in_order(list(dict.fromkeys(received)), acked)
+    received.check(acked)
 
 
 def test_a_cluster_broker_stopped_cleanly_hands_its_partitions_over_at_once(
