@@ -96,14 +96,6 @@ class Cluster:
     def __repr__(self) -> str:
         return f"Cluster(broker={self.store.owners.broker_id!r}, lease={self.lease_s:g}s)"
 
-    def partitions(self) -> set[tuple[str, int]]:
-        """Every partition of the store: those a topic serves and those with a segment left
-        open."""
-        metadata = self.store.metadata
-        found = {(s.topic, s.partition) for s in metadata.open_segments()}
-        found.update((t.name, p) for t in metadata.list_topics() for p in range(t.serving))
-        return found
-
     def join(self) -> set[tuple[str, int]]:
         """At the broker's start: its lease first, then its share of the orphans. A store
         served by a broker without ``--cluster`` (it holds the store alone) is refused."""
@@ -126,7 +118,7 @@ class Cluster:
         version = owners.version
         if version == self._looked and not owners.expired(self.lease_ms):
             return []  # no lease expired, and nothing released or placed since the last look
-        orphans, room = owners.orphans(self.partitions(), self.lease_ms)
+        orphans, room = owners.orphans(self.store.metadata.partitions(), self.lease_ms)
         self._looked = version
         if not orphans or not room:
             return []
@@ -150,7 +142,9 @@ class Cluster:
     def serve_if_placed(self, topic: str, partition: int) -> bool:
         """A call for a partition not served here: when the metadata says it is this
         broker's (placed here, to be opened at the next renewal), it is opened now. Whether
-        it is served here."""
+        it is served here. One the lease's view gives to another broker is not looked up."""
+        if self.store.owners.elsewhere(topic, partition) is not None:
+            return False
         owner = self.store.owners.owner_of(topic, partition)
         if owner is None or owner.broker_id != self.store.owners.broker_id:
             return False
@@ -212,11 +206,11 @@ class Cluster:
                         "next renewal: %s", exc)
             return False
 
-    def unload(self, partitions: list[tuple[str, int]]) -> dict[tuple[str, int], str]:
+    def unload(self, partitions: list[tuple[str, int]]) -> dict[str, str]:
         """Move ``partitions``, served here, to the other live brokers, gracefully: each is
         sealed and served here no more (appends are refused with the new owner's address),
         then all are handed over in one transaction; the new owners open them at their next
-        renewal, or at once when a client names one. Returns each one's new owner."""
+        renewal, or at once when a client names one. ``{"topic/partition": new owner}``."""
         store, owners = self.store, self.store.owners
         wanted = sorted(set(partitions))
         with self._serving:
@@ -239,7 +233,7 @@ class Cluster:
         log.warning("%s moved %d partition(s) to other brokers: %s", owners.broker_id,
                     len(placed), ", ".join(f"{t} partition {p} to {b}"
                                            for (t, p), (b, _) in list(placed.items())[:5]))
-        return {key: broker for key, (broker, _) in placed.items()}
+        return {f"{t}/{p}": broker for (t, p), (broker, _) in placed.items()}
 
     def unload_topic(self, topic: str, partition: int | None) -> dict[str, str]:
         """``topic unload``: the partition named (one served elsewhere is refused, naming its
@@ -251,12 +245,11 @@ class Cluster:
             self.store.owners.serving(topic, int(partition))  # another's: it is refused
             plog = self.store.partition(topic, int(partition))  # not served: refused
             keys = [] if plog.lost else [(topic, int(partition))]
-        return {f"{t}/{p}": b for (t, p), b in (self.unload(keys) if keys else {}).items()}
+        return self.unload(keys) if keys else {}
 
     def drain(self) -> dict[str, str]:
         """``broker drain``: every partition served here, moved to the other brokers."""
-        moved = self.unload(sorted(self.store.serves()))
-        return {f"{t}/{p}": b for (t, p), b in moved.items()}
+        return self.unload(sorted(self.store.serves()))
 
     def place(self, partitions: int) -> dict[int, tuple[str, int]]:
         """Where a new topic's partitions go (those on other brokers): spread over the live

@@ -33,8 +33,7 @@ class OwnedPartitions:
             owner = self.owners.owner_of(topic, partition)
         except UnavailableError:
             owner = None  # the metadata cannot tell: the store-wide answer
-        if owner is not None and \
-                owner.broker_id != self.owners.broker_id:
+        if owner is not None and owner.broker_id != self.owners.broker_id:
             plog = self._logs.get((topic, partition))
             if plog is not None and not plog.lost:
                 log.info("%s partition %d was taken over by %s: %s", topic, partition,

@@ -207,7 +207,7 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
         owners: dict[str, str | None] = {}
         for p in range(self.store.topic(topic).partitions):
             if p not in ends:  # another broker's, or nobody's while it is taken over
-                owner = self.store.owners.elsewhere(topic, p)
+                owner = self.store.owner_elsewhere(topic, p)
                 owners[str(p)] = None if owner is None else owner.url
         for p, end in ends.items():
             try:

@@ -144,9 +144,11 @@ class Store(OwnedPartitions):
         #: one of several brokers serving the store (``--cluster``: broker/cluster.py)
         self.cluster = None if config.lease_timeout_s is None else \
             Cluster(self, config.lease_timeout_s)
-        served = None if self.cluster is None else self.cluster.join()
+        served: set[tuple[str, int]] | None = None  # this broker's partitions: all, alone
         if self.cluster is None:
             self.owners.claim_store()
+        else:
+            served = self.cluster.join()
         self.purge_deleted_topics()  # a deletion a crash interrupted is finished first
         self.recovery: list[RecoveryReport] = recover_open_segments(
             self.metadata, self.bookies, ack_quorum=self.ack_quorum, partitions=served)

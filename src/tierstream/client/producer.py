@@ -375,8 +375,7 @@ class Producer:
             self._drop(stream)
             now = time.monotonic()
             stream.stalled_since = stream.stalled_since or now - self.send_timeout
-            # a hung broker, and others named, or a hung owner followed there: one of them
-            # may have taken over (several brokers: the brokers named say who)
+            # a hung broker, others named, or a hung owner followed: another may own it now
             followed = self._client.unfollow(self.topic, p, via)
             if (followed or len(self._client.urls) > 1) and \
                     now - stream.stalled_since < reconnect_timeout_s():
@@ -409,7 +408,8 @@ class Producer:
             return
         seq, _ = stream.unacked.popleft()
         stream.pinned.discard(seq)
-        stream.stalled_since, stream.backoff, stream.refused_since = None, 0.0, None
+        stream.stalled_since = stream.refused_since = stream.refusal = None  # acks flow
+        stream.backoff = 0.0
         if ack.get("sequence_id") != seq:
             raise UnavailableError(f"ack for sequence {ack.get('sequence_id')} while waiting "
                                    f"for {seq}")

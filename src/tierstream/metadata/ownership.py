@@ -154,9 +154,7 @@ class PartitionOwners:
         """Own every partition of the store — those a topic serves and those with a segment
         left open (recovery seals it) — and bind this broker to the metadata: from now on
         each new segment and seal checks that it still owns its partition."""
-        partitions = {(s.topic, s.partition) for s in self.metadata.open_segments()}
-        partitions.update((t.name, p) for t in self.metadata.list_topics()
-                          for p in range(t.serving))
+        partitions = self.metadata.partitions()
         former = self.claim(partitions)
         self.metadata.owner = self
         if former:

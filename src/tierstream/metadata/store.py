@@ -353,6 +353,13 @@ class MetadataStore:
             raise NotFoundError(f"segment {segment_id} does not exist")
         return segment_of_row(row)
 
+    def partitions(self) -> set[tuple[str, int]]:
+        """Every partition of the store: those a topic serves and those with a segment left
+        open (recovery seals it), as a broker claims them."""
+        found = {(s.topic, s.partition) for s in self.open_segments()}
+        found.update((t.name, p) for t in self.list_topics() for p in range(t.serving))
+        return found
+
     def open_segments(self) -> list[SegmentRecord]:
         rows = self.query(
                 f"SELECT {SEGMENT_COLUMNS} FROM segments WHERE state=? "
