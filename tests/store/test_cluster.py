@@ -338,3 +338,28 @@ def test_a_producer_refused_past_its_send_timeout_gives_up_naming_the_batches(
         assert failed[0].unacknowledged == {1: [0]}  # type: ignore[attr-defined]
     finally:
         metadata.close()
+
+
+def test_a_drain_moves_a_partition_handed_to_the_broker_but_not_opened_yet(
+        network_store) -> None:
+    """A partition unloaded to B is B's at once, but B opens it only when a client names it
+    or at its next renewal. Drained before that, B moves it on too: a drain moves what the
+    broker owns, not only what it has opened (it left such a partition behind)."""
+    _, _, broker = network_store
+    a, b = (_cluster(broker, f"broker-{n}", "--lease-timeout", "1h").start() for n in "ab")
+    with Admin(a.url) as admin:
+        admin.create_topic(TOPIC, 2)
+    wait_for(lambda: [_owned(x.url) for x in (a, b)] == [1, 1], timeout=scaled(30),
+             what="the 2 partitions to be owned 1 by each broker")
+    with Admin(a.url) as admin_a, Admin(b.url) as admin_b:
+        mine = [p["partition"] for p in admin_a.topic_stats(TOPIC, per_partition=True)
+                ["partitions"]]
+        assert len(admin_a.unload(TOPIC, mine[0])) == 1
+        moved = admin_b.drain()  # at once: B has not opened the partition yet
+    assert sorted(moved) == [f"{TOPIC}/0", f"{TOPIC}/1"], moved
+    assert [_owned(x.url) for x in (a, b)] == [2, 0]
+    with Producer(TOPIC, broker=a.url) as producer:
+        acks = producer.send_many({"key": f"k{i}", "value": f"k{i}:{i}".encode()}
+                                  for i in range(20))
+    assert {ack["partition"] for ack in acks} == {0, 1}
+    check_exactly_once_in_order(_read(a.url), 20)

@@ -219,8 +219,11 @@ class Cluster:
             where = {b["broker"]: b for b in owners.brokers()}
             given = {(t, p): Owner(b, e, now_ms(), where.get(b, {}).get("url"))
                      for (t, p), (b, e) in placed.items()}
+            served = store.serves()  # one placed here but not opened yet: only handed over
             try:
                 for (topic, partition), owner in given.items():
+                    if (topic, partition) not in served:
+                        continue
                     plog = store.partition(topic, partition)
                     with plog.lock:  # no append between the seal and the refusal
                         plog.close()
@@ -240,7 +243,7 @@ class Cluster:
         owner: the client follows), or every partition of ``topic`` served here, moved to
         the other brokers. ``{"topic/partition": new owner}``."""
         if partition is None:
-            keys = sorted(k for k in self.store.serves() if k[0] == topic)
+            keys = sorted(k for k in self.store.owners.mine() if k[0] == topic)
         else:
             self.store.owners.serving(topic, int(partition))  # another's: it is refused
             plog = self.store.partition(topic, int(partition))  # not served: refused
@@ -248,8 +251,9 @@ class Cluster:
         return self.unload(keys) if keys else {}
 
     def drain(self) -> dict[str, str]:
-        """``broker drain``: every partition served here, moved to the other brokers."""
-        return self.unload(sorted(self.store.serves()))
+        """``broker drain``: every partition this broker owns (served, or placed here and not
+        opened yet), moved to the other brokers."""
+        return self.unload(sorted(self.store.owners.mine()))
 
     def place(self, partitions: int) -> dict[int, tuple[str, int]]:
         """Where a new topic's partitions go (those on other brokers): spread over the live
