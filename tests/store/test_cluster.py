@@ -175,6 +175,39 @@ def test_a_broker_paused_past_its_lease_is_taken_over_then_stops_refusing_writes
     received.check(acked)
 
 
+def test_a_producer_leaves_a_hung_owner_that_is_also_the_broker_it_uses(
+        network_store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A producer given C, A and B followed A's partitions there. C is killed: the producer
+    goes on through A, which is now both the owner it follows and the broker it uses. A
+    hangs: once a send timeout passed without an ack, the producer leaves A for B (which
+    took everything over) rather than going back to A and giving up (cluster chaos found
+    that: "gave up ... broker A connected but sent no ack")."""
+    _, _, broker = network_store
+    send_timeout = scaled(5)
+    # a second stall at A would outlast the reconnect window: the producer would give up
+    monkeypatch.setenv("TIERSTREAM_RECONNECT_TIMEOUT", f"{send_timeout / 2:g}s")
+    a, b, c = (_cluster(broker, f"broker-{n}").start() for n in "abc")
+    with Admin(a.url) as admin:
+        admin.create_topic(TOPIC, 6)
+    wait_for(lambda: [_owned(x.url) for x in (a, b, c)] == [2, 2, 2], timeout=scaled(30),
+             what="the 6 partitions to be owned 2 by each broker")
+    writer = _Writer(f"{c.url},{a.url},{b.url}", send_timeout=send_timeout)
+    try:
+        writer.wait_for_more(500)
+        c.kill()
+        wait_for(lambda: _owned(a.url) + _owned(b.url) == 6, timeout=scaled(60),
+                 what="A and B to take over C's partitions")
+        writer.wait_for_more(500)  # through A now
+        assert a.proc is not None
+        stop_process(a.proc.pid)
+        wait_for(lambda: _owned(b.url) == 6, timeout=scaled(60),
+                 what="B to take over the partitions of the paused broker A")
+        writer.wait_for_more(500)
+    finally:
+        acked = writer.stop()
+    check_exactly_once_in_order(_read(b.url), acked)
+
+
 def test_partitions_move_between_live_brokers_on_demand_and_their_clients_follow(
         network_store) -> None:
     """A and B share a 4-partition topic (2 each; leases of an hour: nothing expires) under

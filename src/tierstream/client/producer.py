@@ -245,8 +245,9 @@ class Producer:
             self._release()
 
     def _release(self) -> None:
+        deadline = time.monotonic() + self.send_timeout  # for them all, hung or not
         for stream in self._streams.values():
-            self._drop(stream)
+            self._drop(stream, max(0.0, deadline - time.monotonic()))
         self._client.close()
         self._admin.close()
 
@@ -375,12 +376,12 @@ class Producer:
             self._drop(stream)
             now = time.monotonic()
             stream.stalled_since = stream.stalled_since or now - self.send_timeout
-            # a hung broker, others named, or a hung owner followed: another may own it now
+            # a hung broker (an owner followed, the one in use, or both) is left; reconnecting
+            # goes on for reconnectTimeout after the stall, as after an unreachable broker
             followed = self._client.unfollow(self.topic, p, via)
             if (followed or len(self._client.urls) > 1) and \
-                    now - stream.stalled_since < reconnect_timeout_s():
-                if not followed:
-                    self._leave(via, f"connected but sent no ack in {self.send_timeout:g}s")
+                    now - stream.stalled_since < self.send_timeout + reconnect_timeout_s():
+                self._leave(via, f"connected but sent no ack in {self.send_timeout:g}s")
                 self._recover(p, stream)
                 return
             stream.stalled_since = None
@@ -464,8 +465,7 @@ class Producer:
 
     def _recover(self, p: int, stream: PartitionStream) -> None:
         """Reconnect with backoff and re-send every unacknowledged batch, in order."""
-        deadline = time.monotonic() + self.send_timeout
-        delay = 0.05
+        deadline, delay = time.monotonic() + self.send_timeout, 0.05
         while True:
             self._drop(stream)
             try:
@@ -493,8 +493,8 @@ class Producer:
         return gave_up(self.name, self.topic, p, self.send_timeout, why,
                        [(seq, b.num_rows) for seq, b in stream.unacked])
 
-    def _drop(self, stream: PartitionStream) -> None:
+    def _drop(self, stream: PartitionStream, timeout: float | None = None) -> None:
         if stream.io is not None:
             with contextlib.suppress(Exception):
-                stream.io.close(self.send_timeout)
+                stream.io.close(self.send_timeout if timeout is None else timeout)
         stream.io = None
