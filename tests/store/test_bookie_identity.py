@@ -105,10 +105,44 @@ def test_a_bookie_whose_disk_was_lost_is_never_taken_for_itself_and_gets_its_cop
     assert _stats(serving.url)["re_replicated"] >= len(held)
     _whole_everywhere(bookies, serving.url)
     check_exactly_once_in_order(_read(serving.url), acked)
+    _no_appends_to_what_predates_the_disk(url, max(s.segment_id for s in _closed(serving.url)))
     # the replacement is the bookie now: restarted, it is itself without --replace
     bookies[1].restart()
     line = _refused(bookies[1].command("--replace"))
     assert "without --replace" in line, line
+
+
+def _no_appends_to_what_predates_the_disk(url: str, newest: int) -> None:
+    """The replacing disk takes no append for a ledger that predates it, not even its entry
+    0 at any epoch (the lost disk's fence of it is gone). Writers of older epochs than the
+    newest write new ledgers there: on a cluster they are live brokers. (Regression: an
+    epoch floor at the newest epoch refused every other broker of a cluster, which then
+    stopped as fenced.)"""
+    from tierstream.errors import ConflictError
+    from tierstream.metadata.bookie_registry import bookie_registration, network_bookies
+    from tierstream.metadata.store import MetadataStore
+
+    from .test_network_bookies import _payload
+
+    metadata = MetadataStore(url, hold=False)
+    try:
+        (_, address, _, instance), = [b for b in network_bookies(metadata)
+                                      if b[0] == "bookie-1"]
+        for epoch, segment_id, refused in ((0, newest + 1000, False), (10**6, newest, True)):
+            client = RemoteBookie("bookie-1", address, host="-", epoch=epoch,
+                                  instance=instance, registration=lambda: bookie_registration(
+                                      metadata, "bookie-1"))
+            try:
+                appended = client.append(segment_id, 0, {}, _payload(0), 1, 1, 1)
+                if refused:
+                    with pytest.raises(ConflictError, match="predates the disk"):
+                        appended.result(timeout=scaled(30))
+                else:
+                    assert appended.result(timeout=scaled(30)).entry_id == 0
+            finally:
+                client.close()
+    finally:
+        metadata.close()
 
 
 def test_which_segments_lack_a_copy_outlives_the_broker_that_learnt_it(network_store,

@@ -21,8 +21,10 @@ no cookie, copies lost      refused, naming the fix: ``--replace`` takes the los
 another bookie's cookie     refused (the wrong disk, or another store's)
 ==========================  ==========================================================
 
-A replacing disk also refuses writers older than the newest writer epoch: the fences the lost
-disk kept (``storage.py``) are gone with it, and an old broker must not write through them.
+A replacing disk takes no appends for the ledgers that predate it (``first_ledger``, at any
+epoch): the fences the lost disk kept (``storage.py``) are gone with it, and a broker fenced
+there must not write through them. It is not an epoch floor: on a cluster, brokers of older
+epochs than the newest live and write new ledgers.
 The registration is written before the cookie, so a crash between the two leaves a state the
 next start resolves (an empty directory, registered): never a cookie the store does not know.
 """
@@ -56,8 +58,9 @@ class Cookie:
     bookie_id: str
     instance: str
     created_at: int
-    #: writes of lower writer epochs are refused (a replacing disk's floor; 0: none)
-    min_epoch: int = 0
+    #: ledgers below this one predate the disk (it replaced a lost one): they take no
+    #: appends here, whatever the writer's epoch (0: none)
+    first_ledger: int = 0
 
 
 def read_cookie(root: Path) -> Cookie | None:
@@ -66,7 +69,7 @@ def read_cookie(root: Path) -> Cookie | None:
     try:
         raw = json.loads(path.read_text())
         return Cookie(str(raw["bookie_id"]), str(raw["instance"]), int(raw["created_at"]),
-                      int(raw.get("min_epoch") or 0))
+                      int(raw.get("first_ledger") or 0))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -105,9 +108,9 @@ def claim_identity(root: Path, bookie_id: str, metadata: MetadataStore, *, addre
     fresh = Cookie(bookie_id, uuid.uuid4().hex, now_ms())
     lost: list[int] = []
     if lost_copies:  # with --replace: _inspect refuses it otherwise
-        lost, epoch = replace_bookie(metadata, bookie_id, address, host=host,
+        lost, first = replace_bookie(metadata, bookie_id, address, host=host,
                                      instance=fresh.instance)
-        fresh = Cookie(bookie_id, fresh.instance, fresh.created_at, min_epoch=epoch)
+        fresh = Cookie(bookie_id, fresh.instance, fresh.created_at, first_ledger=first)
     else:  # a new bookie, one that never held a copy, or one registered before cookies
         set_bookie_endpoint(metadata, bookie_id, address, host=host, writable=True,
                             instance=fresh.instance)

@@ -403,7 +403,7 @@ def _claim(server: BookieServer, url: str, address: str, host_label: str | None,
         log.warning("bookie %s takes the place of its lost disk (instance %s): %d segment(s) "
                     "it held a copy of are listed as under-replicated; the brokers copy them "
                     "back", server.bookie_id, cookie.instance, len(lost))
-    server.writes.claimed(cookie.instance, cookie.min_epoch)
+    server.writes.claimed(cookie.instance, cookie.first_ledger)
 
 
 def advertised_url(server: BookieServer, advertised: str | None) -> str:

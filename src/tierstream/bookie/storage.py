@@ -72,12 +72,12 @@ class Bookie:
     """A storage node rooted at ``root``. ``fsync=False`` is for tests and benchmarks only."""
 
     def __init__(self, bookie_id: str, root: str | Path, *, fsync: bool = True,
-                 max_open: int = 512, min_epoch: int = 0,
+                 max_open: int = 512, first_ledger: int = 0,
                  on_failure: Callable[[BaseException], None] | None = None) -> None:
         self.bookie_id = bookie_id
-        #: every ledger refuses writers below this epoch (a disk that replaced a lost one,
-        #: whose fences are gone with it: cookie.py)
-        self.min_epoch = min_epoch
+        #: ledgers below this one predate the disk (it replaced a lost one, whose entries
+        #: and fences are gone with it: cookie.py): it takes no appends for them
+        self.first_ledger = first_ledger
         self.root = Path(root)
         self.fsync = fsync
         self.max_open = max_open
@@ -115,13 +115,17 @@ class Bookie:
     def open_for_appends(self, segment_id: int, epoch: int, entry_id: int = 0) -> None:
         """A network writer's first append to a ledger (its entry 0) opens it here, unless a
         newer writer fenced it (FencedError) or it was closed before on this bookie (sealed,
-        fenced, or open when this bookie restarted), or this bookie never had its earlier
-        entries (a disk that replaced a lost one): its copy here stays as it is, and the
-        writer places its next segment elsewhere."""
+        fenced, or open when this bookie restarted), or it predates this disk, which replaced
+        a lost one (whatever the epoch: a fence of it was lost too): its copy here stays as it
+        is, and the writer places its next segment elsewhere."""
         with self._lock:
             self._check_epoch(segment_id, epoch)
             if segment_id in self._open:
                 return
+            if segment_id < self.first_ledger:  # its fence, if it had one, was lost too
+                raise ConflictError(f"ledger {segment_id} predates the disk of bookie "
+                                    f"{self.bookie_id}, which took a lost disk's place: it "
+                                    "takes no appends")
             if ledger_paths(self.root, segment_id)[0].exists():
                 raise ConflictError(f"ledger {segment_id} is closed on bookie "
                                     f"{self.bookie_id}: it takes no more appends")
@@ -286,7 +290,7 @@ class Bookie:
         if epoch is None:  # read once (0: not fenced); only this process fences it
             path = self._fence_path(segment_id)
             epoch = self._fences[segment_id] = int(path.read_text()) if path.exists() else 0
-        return max(epoch, self.min_epoch) or None
+        return epoch or None
 
     def _check_epoch(self, segment_id: int, epoch: int | None) -> None:
         fenced = self.fenced_at(segment_id) if epoch is not None else None

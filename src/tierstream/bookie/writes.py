@@ -63,19 +63,19 @@ class BookieWrites:
         #: broker sends an empty one every remote.KEEPALIVE_S)
         self.closing = False
         #: the disk's cookie instance, once the bookie claimed its identity (``cookie.py``):
-        #: nothing is written before, and writers below ``min_epoch`` never are
+        #: nothing is written before; no appends to ledgers below ``first_ledger`` ever are
         self.instance: str | None = None
-        self.min_epoch = 0
+        self.first_ledger = 0
         #: set (with the reason) when the journal died of an error nobody foresaw: the
         #: process stops (server.serve_bookie), and the brokers place segments elsewhere
         self.failed = threading.Event()
         self.failed_reason = ""
 
-    def claimed(self, instance: str, min_epoch: int) -> None:
+    def claimed(self, instance: str, first_ledger: int) -> None:
         """The directory is this bookie's (its cookie matches its registration): take writes,
-        refusing writers below ``min_epoch``."""
+        but no appends to ledgers below ``first_ledger`` (they predate a replacing disk)."""
         with self._lock:
-            self.min_epoch = min_epoch
+            self.first_ledger = first_ledger
             self.instance = instance
 
     def claimed_instance(self) -> str:
@@ -92,7 +92,7 @@ class BookieWrites:
         with self._lock:
             if self._bookie is None:
                 self._bookie = Bookie(self.bookie_id, self.root, fsync=self.fsync,
-                                      min_epoch=self.min_epoch, on_failure=self._failed)
+                                      first_ledger=self.first_ledger, on_failure=self._failed)
             return self._bookie
 
     def _failed(self, exc: BaseException) -> None:

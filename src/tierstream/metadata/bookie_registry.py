@@ -60,14 +60,16 @@ def replace_bookie(metadata: MetadataStore, bookie_id: str, address: str, *, hos
     """A new disk takes the place of ``bookie_id``'s lost one: in one transaction, the
     registration names the new ``instance``, and every segment the lost instance held a copy
     of is listed as under-replicated (its copies there are gone). Returns those segments and
-    the newest writer epoch: the new disk refuses older writers, whose fences it lost."""
+    the first segment id the new disk can have had nothing of: it takes no appends for
+    earlier ones, whose entries and fences it lost (a writer fenced there, a zombie, would
+    find it open). Not an epoch floor: on a cluster, live brokers of older epochs write."""
     with metadata.atomic() as c:
         _register(c, bookie_id, address, host, True, instance)
         lost = segments_with_bookie(metadata, bookie_id, tx=c)
         mark_under_replicated(metadata, [(s, f"bookie {bookie_id} was replaced: its disk "
                                           "and the copies on it were lost") for s in lost], tx=c)
-        row = c.execute("SELECT value FROM meta WHERE key='writer_epoch'").fetchone()
-    return lost, int(row[0]) if row else 0
+        (newest,) = c.execute("SELECT MAX(segment_id) FROM segments").fetchone()
+    return lost, int(newest or 0) + 1
 
 
 def network_bookies(metadata: MetadataStore) -> list[tuple[str, str, str, str | None]]:
