@@ -396,3 +396,37 @@ def test_a_drain_moves_a_partition_handed_to_the_broker_but_not_opened_yet(
                                   for i in range(20))
     assert {ack["partition"] for ack in acks} == {0, 1}
     check_exactly_once_in_order(_read(a.url), 20)
+
+
+def test_a_partition_taken_over_then_handed_to_an_older_broker_is_offloaded_there(
+        network_store) -> None:
+    """B is SIGKILLed and its partition taken over at a new epoch, which fences B's open
+    ledger at that epoch on its bookies. The taker is drained to the broker that started
+    before the takeover (an older epoch). That broker offloads the partition and deletes its
+    bookie copies, the fenced ledger's too. (Regression: the bookies refused that delete as
+    of an epoch older than the fence, so the copies stayed and every pass failed.)"""
+    _, _, broker = network_store
+    a, b, c = (_cluster(broker, f"broker-{n}", "--deletion-lag", "0s").start() for n in "abc")
+    with Admin(a.url) as admin:
+        admin.create_topic(TOPIC, 3)
+    wait_for(lambda: [_owned(x.url) for x in (a, b, c)] == [1, 1, 1], timeout=scaled(30),
+             what="the 3 partitions to be owned 1 by each broker")
+    writer = _Writer(f"{a.url},{c.url}", send_timeout=scaled(30))
+    try:
+        writer.wait_for_more(300)
+        b.kill()  # its open ledger is fenced by the taker's recovery
+        wait_for(lambda: _owned(a.url) + _owned(c.url) == 3, timeout=scaled(60),
+                 what="A or C to take B's partition over")
+        writer.wait_for_more(300)
+    finally:
+        acked = writer.stop()
+    taker, older = (a, c) if _owned(a.url) == 2 else (c, a)
+    with Admin(taker.url) as admin:
+        admin.drain()
+    assert _owned(older.url) == 3
+    with Admin(older.url) as admin:
+        admin.seal(TOPIC)
+        admin.offload(TOPIC)
+        segments = [s for s in admin.list_segments(TOPIC) if s.state == "CLOSED"]
+    assert segments and all(s.tier_url and s.bookie_deleted_at for s in segments), segments
+    check_exactly_once_in_order(_read(older.url), acked)

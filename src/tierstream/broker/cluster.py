@@ -122,12 +122,15 @@ class Cluster:
         self._looked = version
         if not orphans or not room:
             return []
-        epoch = take_writer_epoch(self.store.metadata)
+        self._write_under(take_writer_epoch(self.store.metadata))
+        return owners.take_over(orphans[:room], self.store.epoch, self.lease_ms)
+
+    def _write_under(self, epoch: int) -> None:
+        """Fence, recover, seal and delete under ``epoch`` from now on."""
         for bookie in self.store.bookies.values():
             if isinstance(bookie, RemoteBookie):
-                bookie.epoch = epoch  # fences and recoveries are of the new epoch from now
+                bookie.epoch = epoch
         self.store.epoch = epoch
-        return owners.take_over(orphans[:room], epoch, self.lease_ms)
 
     def serve(self, partitions: list[tuple[str, int]]) -> list[RecoveryReport]:
         """Serve ``partitions``, claimed by this broker, that are not served yet: recover
@@ -153,6 +156,9 @@ class Cluster:
 
     def _serve(self, wanted: set[tuple[str, int]]) -> list[RecoveryReport]:
         store = self.store
+        adopted = store.owners.adopt()  # handed over at a higher epoch than this broker's
+        if adopted is not None:
+            self._write_under(adopted)
         reports = recover_open_segments(store.metadata, store.bookies,
                                         ack_quorum=store.ack_quorum, partitions=wanted)
         for topic in store.metadata.list_topics():

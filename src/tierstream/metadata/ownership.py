@@ -37,11 +37,19 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from tierstream.errors import ConflictError, NotOwnerError, UnavailableError
 from tierstream.metadata.backend import Tx
+from tierstream.metadata.owner_rows import (
+    OWNER_SELECT,
+    Owner,
+    owner_in,
+    owner_row,
+    owners_in,
+    refusal_text,
+    refused_in,
+)
 from tierstream.metadata.segment_rows import owners_changed
 from tierstream.metadata.store import MetadataStore
 from tierstream.util.timeutil import now_ms
@@ -52,34 +60,6 @@ log = logging.getLogger(__name__)
 
 #: how often a broker renews its lease and its view of the partitions owned elsewhere
 RENEW_S = 1.0
-
-_OWNER = ("SELECT o.broker_id, o.epoch, o.claimed_at, b.url, b.pulsar_url, {heard}, "
-          "b.admin_url FROM partition_owners o LEFT JOIN brokers b ON b.broker_id = o.broker_id")
-
-
-@dataclass(frozen=True)
-class Owner:
-    """The broker owning a partition: its id, the epoch of its claim, since when, and where
-    it is reached (None until it said so)."""
-
-    broker_id: str
-    epoch: int
-    claimed_at: int
-    url: str | None = None
-    pulsar_url: str | None = None
-    #: ms since its lease was last renewed, by the metadata server's clock (None: never)
-    heard_ms_ago: int | None = None
-    admin_url: str | None = None  # its Pulsar admin REST, if it serves one
-
-    def describe(self) -> str:
-        where = f" at {self.url}" if self.url else ""
-        return f"{self.broker_id}{where} (epoch {self.epoch})"
-
-    def as_dict(self) -> dict[str, object]:
-        return {"broker": self.broker_id, "epoch": self.epoch, "since": self.claimed_at,
-                "url": self.url, "pulsar_url": self.pulsar_url, "admin_url": self.admin_url,
-                "heard_ms_ago": self.heard_ms_ago}
-
 
 class PartitionOwners:
     """The partitions of ``metadata`` as the broker ``broker_id``, writing under ``epoch``,
@@ -142,8 +122,7 @@ class PartitionOwners:
                 (self.epoch,)).fetchall() if (t, p) in keys]
             if newer:  # the transaction is rolled back: nothing is claimed
                 topic, partition = min(newer)
-                raise NotOwnerError(_refusal(topic, partition, _owner(c, topic, partition),
-                                             "claim"))
+                raise refused_in(c, topic, partition, "claim")
             # brokers that own nothing any more are forgotten (every start is a new broker)
             c.execute("DELETE FROM brokers WHERE broker_id <> ? AND broker_id NOT IN "
                       "(SELECT broker_id FROM partition_owners)", (self.broker_id,))
@@ -223,16 +202,18 @@ class PartitionOwners:
 
     def hand_over(self, placed: dict[tuple[str, int], tuple[str, int]]) -> None:
         """Give each partition (sealed, served here no more) to the broker ``placed`` names,
-        at its epoch, in one transaction. One no longer this broker's: NotOwnerError."""
+        in one transaction, at its epoch or the claim's if higher (a takeover's, which fenced
+        ledgers of it at that epoch: :meth:`adopt`). One no longer this broker's:
+        NotOwnerError."""
         at = now_ms()
         with self.metadata.atomic() as c:
             for (topic, partition), (broker, epoch) in sorted(placed.items()):
-                moved = c.execute("UPDATE partition_owners SET broker_id=?, epoch=?, "
-                                  "claimed_at=? WHERE topic=? AND partition=? AND broker_id=?",
-                                  (broker, epoch, at, topic, partition, self.broker_id))
+                moved = c.execute("UPDATE partition_owners SET broker_id=?, epoch=CASE WHEN "
+                                  "epoch > ? THEN epoch ELSE ? END, claimed_at=? WHERE topic=? "
+                                  "AND partition=? AND broker_id=?",
+                                  (broker, epoch, epoch, at, topic, partition, self.broker_id))
                 if moved.rowcount != 1:
-                    raise NotOwnerError(_refusal(topic, partition, _owner(c, topic, partition),
-                                                 "hand over"))
+                    raise refused_in(c, topic, partition, "hand over")
             owners_changed(c)
 
     def note(self, gained: Iterable[tuple[str, int]] = (),
@@ -247,6 +228,20 @@ class PartitionOwners:
             self._noted += 1  # a renewal that read the owners before this is not applied
         for listener in self.on_lost if given else ():
             listener(dict(given or {}))
+
+    def adopt(self) -> int | None:
+        """Write under the highest epoch of this broker's claims from now on, if above its
+        own (a partition handed over keeps the epoch of the takeover that fenced its older
+        ledgers, and the bookies refuse a seal or delete of them below it). The new epoch,
+        or None if it stays."""
+        with self.metadata.atomic() as c:
+            (highest,) = c.execute("SELECT MAX(epoch) FROM partition_owners WHERE "
+                                   "broker_id=?", (self.broker_id,)).fetchone()
+            if highest is None or int(highest) <= self.epoch:
+                return None
+            c.execute("UPDATE brokers SET epoch=? WHERE broker_id=?", (highest, self.broker_id))
+        self.epoch = int(highest)
+        return self.epoch
 
     def mine(self) -> set[tuple[str, int]]:
         """The partitions this broker owns, as the metadata has them."""
@@ -320,10 +315,10 @@ class PartitionOwners:
                 self.renewed_at = time.monotonic()
                 return
             rows = c.execute(
-                _OWNER.format(heard="NULL").replace("SELECT ", "SELECT o.topic, o.partition, ",
-                                                     1)
-                + " WHERE o.broker_id <> ?", (self.broker_id,)).fetchall()
-        elsewhere = {(row[0], int(row[1])): _row(row[2:]) for row in rows}
+                OWNER_SELECT.format(heard="NULL").replace(
+                    "SELECT ", "SELECT o.topic, o.partition, ", 1) + " WHERE o.broker_id <> ?",
+                (self.broker_id,)).fetchall()
+        elsewhere = {(row[0], int(row[1])): owner_row(row[2:]) for row in rows}
         with self._view:
             self.renewed_at = time.monotonic()
             if noted != self._noted:  # this broker gained or gave partitions meanwhile: the
@@ -389,11 +384,10 @@ class PartitionOwners:
         (one read for all): this broker owns each at its epoch, or one owned by nobody yet is
         claimed (a new partition is owned by the broker that opens it). One owned elsewhere:
         NotOwnerError."""
-        owners = _owners_of(c, topic)
+        owners = owners_in(c, topic)
         for partition in partitions:
             if owners.get(partition, (self.broker_id, 0))[0] != self.broker_id:
-                raise NotOwnerError(_refusal(topic, partition, _owner(c, topic, partition),
-                                             "write to"))
+                raise refused_in(c, topic, partition, "write to")
         new = sorted(p for p in set(partitions) if p not in owners)
         if not new:
             return
@@ -404,18 +398,17 @@ class PartitionOwners:
                       "claimed_at) VALUES (?, ?, ?, ?, ?) ON CONFLICT (topic, partition) "
                       "DO NOTHING", [(topic, p, self.broker_id, self.epoch, at) for p in new])
         owners_changed(c)
-        now = _owners_of(c, topic)
+        now = owners_in(c, topic)
         for partition in new:
             if now.get(partition, ("", 0))[0] != self.broker_id:
-                raise NotOwnerError(_refusal(topic, partition, _owner(c, topic, partition),
-                                             "open"))
+                raise refused_in(c, topic, partition, "open")
 
     def foreign(self, c: Tx, partitions: set[tuple[str, int]]) -> dict[tuple[str, int], str]:
         """In transaction ``c``: of ``partitions``, those another broker owns (or this one
         under an older claim), with the owner's id; one read per topic."""
         out = {}
         for topic in sorted({t for t, _ in partitions}):
-            for p, (b, _) in _owners_of(c, topic).items():
+            for p, (b, _) in owners_in(c, topic).items():
                 if (topic, p) in partitions and b != self.broker_id:
                     out[(topic, p)] = b
         return out
@@ -423,15 +416,15 @@ class PartitionOwners:
     def check(self, c: Tx, topic: str, partition: int) -> None:
         """In transaction ``c``, before the partition's segments change: this broker owns it
         at its epoch, or NotOwnerError names the owner (or says nobody does)."""
-        owner = _owner(c, topic, partition)
+        owner = owner_in(c, topic, partition)
         if owner is None or owner.broker_id != self.broker_id:
-            raise NotOwnerError(_refusal(topic, partition, owner, "write to"))
+            raise NotOwnerError(refusal_text(topic, partition, owner, "write to"))
 
     def owner_of(self, topic: str, partition: int) -> Owner | None:
         """The owner of one partition, or None."""
         rows = self.metadata.query(self._select() + " WHERE o.topic=? AND o.partition=?",
                                    (topic, partition))
-        return _row(rows[0]) if rows else None
+        return owner_row(rows[0]) if rows else None
 
     def elsewhere(self, topic: str, partition: int) -> Owner | None:
         """The partition's owner when it is another broker by the last renewal (a Pulsar
@@ -441,13 +434,13 @@ class PartitionOwners:
 
     def of_topic(self, topic: str) -> dict[int, Owner]:
         """The owner of each of ``topic``'s partitions that has one."""
-        return {row[0]: _row(row[1:]) for row in self.metadata.query(
+        return {row[0]: owner_row(row[1:]) for row in self.metadata.query(
             self._select().replace("SELECT ", "SELECT o.partition, ", 1) + " WHERE o.topic=?",
             (topic,))}
 
     def _select(self) -> str:
-        """:data:`_OWNER` with the age of each owner's lease, by the server's clock."""
-        return _OWNER.format(heard=f"{self._clock} - b.heartbeat_at")
+        """:data:`OWNER_SELECT` with the age of each owner's lease, by the server's clock."""
+        return OWNER_SELECT.format(heard=f"{self._clock} - b.heartbeat_at")
 
     def brokers(self) -> list[dict[str, Any]]:
         """Every broker the metadata knows: where it is reached, its epoch, how many
@@ -467,32 +460,3 @@ class PartitionOwners:
         (count,) = self.metadata.query(
             "SELECT COUNT(*) FROM partition_owners WHERE broker_id=?", (self.broker_id,))[0]
         return int(count)
-
-
-def _owners_of(c: Tx, topic: str) -> dict[int, tuple[str, int]]:
-    """In ``c``: each owned partition of ``topic`` -> (broker id, epoch of its claim)."""
-    return {int(p): (str(b), int(e)) for p, b, e in c.execute(
-        "SELECT partition, broker_id, epoch FROM partition_owners WHERE topic=?",
-        (topic,)).fetchall()}
-
-
-def _owner(c: Tx, topic: str, partition: int) -> Owner | None:
-    row = c.execute(_OWNER.format(heard="NULL") + " WHERE o.topic=? AND o.partition=?",
-                    (topic, partition)).fetchone()
-    return None if row is None else _row(row)
-
-
-def _row(row: Sequence[Any]) -> Owner:
-    broker_id, epoch, claimed_at, url, pulsar_url, heard, admin_url = row
-    return Owner(str(broker_id), int(epoch), int(claimed_at),
-                 str(url) if url else None,  # '' until it advertised
-                 None if pulsar_url is None else str(pulsar_url),
-                 None if heard is None else int(heard),
-                 None if admin_url is None else str(admin_url))
-
-
-def _refusal(topic: str, partition: int, owner: Owner | None, what: str) -> str:
-    whose = f"is owned by {owner.describe()}" if owner is not None else \
-        "is owned by no broker"
-    return (f"cannot {what} {topic} partition {partition}: it {whose}, not by this one "
-            "(it was taken over, or this broker's claim is gone)")
