@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Callable
 
 import pyarrow as pa
@@ -181,7 +182,7 @@ def test_a_producer_leaves_a_hung_owner_that_is_also_the_broker_it_uses(
     goes on through A, which is now both the owner it follows and the broker it uses. A
     hangs: once a send timeout passed without an ack, the producer leaves A for B (which
     took everything over) rather than going back to A and giving up (cluster chaos found
-    that: "gave up ... broker A connected but sent no ack")."""
+    that: "gave up ... broker A connected but sent no ack"), with every stream A had."""
     _, _, broker = network_store
     send_timeout = scaled(5)
     # a second stall at A would outlast the reconnect window: the producer would give up
@@ -199,10 +200,15 @@ def test_a_producer_leaves_a_hung_owner_that_is_also_the_broker_it_uses(
                  what="A and B to take over C's partitions")
         writer.wait_for_more(500)  # through A now
         assert a.proc is not None
+        paused = time.monotonic()
         stop_process(a.proc.pid)
         wait_for(lambda: _owned(b.url) == 6, timeout=scaled(60),
                  what="B to take over the partitions of the paused broker A")
         writer.wait_for_more(500)
+        # one send timeout finds A hung, and every stream to A leaves it then (each of A's
+        # partitions used to wait out a send timeout of its own, one after another)
+        resumed = time.monotonic() - paused
+        assert resumed < 2 * send_timeout, f"acks again {resumed:.1f} s after A hung"
     finally:
         acked = writer.stop()
     check_exactly_once_in_order(_read(b.url), acked)

@@ -77,7 +77,7 @@ class BrokerClient:
                 client = self._clients[url] = client_for(url, tls_ca=self.tls_ca)
             return client
 
-    def _call(self, work: Callable[[Any], Any]) -> Any:
+    def _call(self, work: Callable[[Any], Any], used: list[str] | None = None) -> Any:
         """``work(flight client)`` on the broker in use; if it cannot be reached (or was
         fenced), on the next ones named. The brokers are tried in a local order (threads of
         one producer share this client), and the one that answers is kept. One broker named:
@@ -102,6 +102,8 @@ class BrokerClient:
                     last = exc
                     continue
                 self.url = url
+                if used is not None:  # where it went (a stream's broker)
+                    used.append(url)
                 return result
             if len(self.urls) < 2:
                 raise last
@@ -148,7 +150,8 @@ class BrokerClient:
         """The broker a stream of ``command``'s partition goes to."""
         return self._owners.get(_partition_of(command), self.url)
 
-    def _partition_call(self, command: Mapping[str, Any], work: Callable[[Any], Any]) -> Any:
+    def _partition_call(self, command: Mapping[str, Any], work: Callable[[Any], Any],
+                        used: list[str] | None = None) -> Any:
         """``work`` on the broker that owns the partition ``command`` names, once one said
         so (:meth:`follow`); else, or when it cannot be reached, as :meth:`_call` does. A
         call refused there as not owned (an action: a stream's refusal comes with its first
@@ -158,9 +161,12 @@ class BrokerClient:
             url = self._owners.get(key)
             try:
                 if url is None:
-                    return self._call(work)
+                    return self._call(work, used)
                 with translate_errors(url):
-                    return work(self._client_of(url))
+                    result = work(self._client_of(url))
+                if used is not None:
+                    used.append(url)
+                return result
             except NotOwnerError as exc:
                 if not exc.owner_url or exc.owner_url == url:
                     raise
@@ -210,12 +216,14 @@ class BrokerClient:
 
         return self._partition_call(ticket, work)
 
-    def produce(self, command: Mapping[str, Any]) -> tuple[Any, Any]:
-        """Open a produce stream (DoPut) for ``command``: (writer, ack reader)."""
+    def produce(self, command: Mapping[str, Any]) -> tuple[Any, Any, str]:
+        """Open a produce stream (DoPut) for ``command``: (writer, ack reader, the URL of
+        the broker it went to)."""
         descriptor = flight.FlightDescriptor.for_command(encode(dict(command)))
+        used: list[str] = []
         writer, reader = self._partition_call(command, lambda f: f.do_put(
-            descriptor, PRODUCE_SCHEMA, self._stream_options))
-        return writer, reader
+            descriptor, PRODUCE_SCHEMA, self._stream_options), used)
+        return writer, reader, used[-1]
 
     def close(self) -> None:
         for client in self._clients.values():

@@ -4,9 +4,9 @@ key routing of a batch across partitions."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -14,7 +14,11 @@ import pyarrow as pa
 from tierstream.errors import ConfigError
 from tierstream.model.message_format import PRODUCE_SCHEMA, key_hashes
 
-__all__ = ["Message", "as_message", "check_sequence_ids", "routed", "to_batch"]
+if TYPE_CHECKING:
+    from tierstream.schemas.codec import Encoder
+
+__all__ = ["Message", "as_message", "check_sequence_ids", "encoded_messages", "routed",
+           "to_batch"]
 
 
 @dataclass(frozen=True)
@@ -86,3 +90,22 @@ def as_message(i: int, m: Message | Mapping[str, Any]) -> Message:
         what = f"unknown field(s) {unknown}" if unknown else "no 'value'"
         raise ConfigError(f"message {i}: {what} (a message has {', '.join(names)})")
     return Message(**m)
+
+
+def encoded_messages(encoder: Encoder | None, topic: str,
+                     messages: Iterable[Message | Mapping[str, Any]]) -> list[Message]:
+    """Messages with values encoded by the topic's schema ``encoder`` (all checked before
+    any is sent); without one, values must be bytes or text."""
+    out = [as_message(i, m) for i, m in enumerate(messages)]
+    if encoder is None:
+        for i, m in enumerate(out):
+            if not isinstance(m.value, (bytes, bytearray, memoryview, str)):
+                raise ConfigError(
+                    f"message {i}: a value of type {type(m.value).__name__} needs a topic "
+                    f"schema to encode it ({topic!r} has none: tierstream schema set); "
+                    "without one values are bytes or text")
+        return out
+    props = encoder.properties
+    return [Message(encoder.encode(m.value, i), m.key, m.event_time,
+                    {**(m.properties or {}), **props}, m.publish_time, m.sequence_id)
+            for i, m in enumerate(out)]

@@ -18,7 +18,13 @@ import pyarrow.flight as flight
 
 from tierstream.client.admin import Admin
 from tierstream.client.connection import BrokerClient
-from tierstream.client.messages import Message, as_message, check_sequence_ids, routed, to_batch
+from tierstream.client.messages import (
+    Message,
+    check_sequence_ids,
+    encoded_messages,
+    routed,
+    to_batch,
+)
 from tierstream.client.retry import gave_up, reconnect_timeout_s
 from tierstream.client.stream_io import PartitionStream, StalledError, StreamIO
 from tierstream.errors import (
@@ -120,22 +126,6 @@ class Producer:
         except NotFoundError:
             return None
 
-    def _encoded(self, messages: Iterable[Message | Mapping[str, Any]]) -> list[Message]:
-        """Messages with values encoded by the schema (all checked before any is sent)."""
-        out = [as_message(i, m) for i, m in enumerate(messages)]
-        if self.encoder is None:
-            for i, m in enumerate(out):
-                if not isinstance(m.value, (bytes, bytearray, memoryview, str)):
-                    raise ConfigError(
-                        f"message {i}: a value of type {type(m.value).__name__} needs a topic "
-                        f"schema to encode it ({self.topic!r} has none: tierstream schema "
-                        "set); without one values are bytes or text")
-            return out
-        props = self.encoder.properties
-        return [Message(self.encoder.encode(m.value, i), m.key, m.event_time,
-                        {**(m.properties or {}), **props}, m.publish_time, m.sequence_id)
-                for i, m in enumerate(out)]
-
     # -- public API ---------------------------------------------------------------------------
 
     def send(self, value: bytes | str, *, key: str | None = None, event_time: int | None = None,
@@ -159,7 +149,7 @@ class Producer:
         buffers: dict[int, list[Message]] = {}
         routing = self.partitions
         self._acks = []
-        encoded = self._encoded(messages)
+        encoded = encoded_messages(self.encoder, self.topic, messages)
         own_ids = check_sequence_ids(encoded)
         for msg in encoded:
             p = self._route(msg.key, msg.sequence_id)
@@ -382,6 +372,7 @@ class Producer:
             if (followed or len(self._client.urls) > 1) and \
                     now - stream.stalled_since < self.send_timeout + reconnect_timeout_s():
                 self._leave(via, f"connected but sent no ack in {self.send_timeout:g}s")
+                self._left_hung(via)
                 self._recover(p, stream)
                 return
             stream.stalled_since = None
@@ -456,6 +447,15 @@ class Producer:
             return
         except TierstreamError:
             raise
+
+    def _left_hung(self, via: str | None) -> None:
+        """Every other stream to the hung broker ``via`` is dropped at once (each re-sends
+        elsewhere when its ack is read) rather than waiting out a send timeout of its own,
+        one partition after another."""
+        for q, other in self._streams.items():
+            if via is not None and other.io is not None and other.io.url == via:
+                self._client.unfollow(self.topic, q, via)
+                self._drop(other, 0.0)
 
     def _leave(self, via: str | None, why: str) -> None:
         """The next broker named, once per broker left (``via``): the other streams follow."""

@@ -68,13 +68,15 @@ class StreamIO:
     thread before the first call runs; an error opening it is raised by that call."""
 
     def __init__(self, client: BrokerClient, command: Mapping[str, Any]) -> None:
-        self.url = client.url_for(command)  # the broker it was opened to
+        #: the broker it goes to: the owner followed or the broker in use when it was made,
+        #: then the one it was opened to (a stall is that broker's: the producer leaves it)
+        self.url = client.url_for(command)
         self._calls: _Calls = queue.SimpleQueue()
         self.stalled = False
         self.interrupted = False  # a caller left a call that its thread still runs
         self._closed = False
         _SERVING.add(self._calls)
-        start_reader(_serve, self._calls, client, dict(command), name="tierstream-produce-io")
+        start_reader(_serve, self, client, dict(command), name="tierstream-produce-io")
 
     def write(self, batch: pa.RecordBatch, metadata: pa.Buffer | None, timeout: float) -> None:
         self._call("write", (batch, metadata), timeout)
@@ -131,18 +133,19 @@ class StreamIO:
             raise
 
 
-def _serve(calls: _Calls, client: BrokerClient, command: dict[str, Any]) -> None:
+def _serve(io: StreamIO, client: BrokerClient, command: dict[str, Any]) -> None:
     try:
-        _run_calls(calls, client, command)
+        _run_calls(io, client, command)
     finally:
-        _SERVING.discard(calls)
+        _SERVING.discard(io._calls)
 
 
-def _run_calls(calls: _Calls, client: BrokerClient, command: dict[str, Any]) -> None:
+def _run_calls(io: StreamIO, client: BrokerClient, command: dict[str, Any]) -> None:
     writer = reader = None
     opening: BaseException | None = None
+    calls = io._calls
     try:
-        writer, reader = client.produce(command)
+        writer, reader, io.url = client.produce(command)
     except BaseException as exc:  # raised by the first call
         opening = exc
     while (item := calls.get()) is not None:
