@@ -403,3 +403,38 @@ def test_a_partition_taken_from_under_its_consumers_sends_them_and_a_tail_to_the
         assert [s.state for s in here.store.metadata.segments(TOPIC, 1)] == \
             [SegmentState.OPEN]  # left for its owner to fence and seal
         assert not here.store.fenced.is_set()
+
+
+def test_a_renewal_that_comes_in_past_the_lease_timeout_ends_the_lease(postgres) -> None:
+    """Regression (cluster chaos: a broker host cut off past its lease, then mended, went
+    on as if its lease held, its partitions taken over meanwhile): a renewal that waited
+    past the lease timeout (there on a network dropping every packet, for less than the
+    metadata sessions' DEAD_PEER_S; here on a row lock) succeeded late, and the lease
+    thread never asked how long the lease had gone unrenewed. Now the lease is over: the
+    broker is told why (it stops)."""
+    import time
+
+    import psycopg
+
+    url = postgres.new_database()
+    store = MetadataStore(url, hold=False)
+    stopping = threading.Event()
+    try:
+        owners = PartitionOwners(store, "broker-1", 1)
+        owners.advertise("grpc://10.0.0.1:6651")
+        owners.renew()
+        expired: list[str] = []
+        owners.on_expired.append(expired.append)
+        lease_s = scaled(1)
+        keeper = threading.Thread(target=owners.keep, args=(stopping, lease_s), daemon=True)
+        with psycopg.connect(url) as blocker:  # the renewals wait on the broker's row
+            blocker.execute("SELECT 1 FROM brokers WHERE broker_id='broker-1' FOR UPDATE")
+            keeper.start()
+            time.sleep(2 * lease_s)  # how long the renewal is kept waiting
+            blocker.rollback()
+        wait_for(lambda: bool(expired), timeout=scaled(10),
+                 what="the lease renewed too late to end")
+        assert "could not renew its lease" in expired[0], expired
+    finally:
+        stopping.set()
+        store.close()

@@ -343,13 +343,8 @@ class PartitionOwners:
         the lease is no longer renewed (the broker stops)."""
         failing = False
         while not stopping.wait(RENEW_S):
-            silent = None if self.renewed_at is None else time.monotonic() - self.renewed_at
-            if lease_s is not None and silent is not None and silent > lease_s:
-                why = (f"{self.broker_id} could not renew its lease for {silent:.1f} s, past "
-                       f"the lease timeout of {lease_s:g} s: other brokers may own its "
-                       "partitions now")
-                for listener in self.on_expired:
-                    listener(why)
+            before = self.renewed_at
+            if self._over(before, lease_s):
                 return
             try:
                 self.renew()
@@ -359,11 +354,27 @@ class PartitionOwners:
                                 self.broker_id, exc, RENEW_S)
                 failing = True
                 continue
+            # a renewal that waited past the lease (a network dropping every packet, shorter
+            # than the metadata sessions' DEAD_PEER_S) came too late: it was over meanwhile
+            if self._over(before, lease_s):
+                return
             if failing:
                 log.warning("%s renews its lease again", self.broker_id)
             failing = False
             for renewed in self.after_renewal:
                 renewed()
+
+    def _over(self, renewed_at: float | None, lease_s: float | None) -> bool:
+        """Whether the lease last renewed at ``renewed_at`` went unrenewed past ``lease_s``
+        by now; if so, each of :attr:`on_expired` is told why."""
+        silent = None if renewed_at is None else time.monotonic() - renewed_at
+        if lease_s is None or silent is None or silent <= lease_s:
+            return False
+        why = (f"{self.broker_id} could not renew its lease for {silent:.1f} s, past the lease "
+               f"timeout of {lease_s:g} s: other brokers may own its partitions now")
+        for listener in self.on_expired:
+            listener(why)
+        return True
 
     def serving(self, topic: str, partition: int) -> None:
         """Before a stream of the partition is served here (and at each batch a producer
