@@ -282,3 +282,42 @@ def test_a_cumulative_ack_whose_messages_a_failover_standby_got_after_a_crash_sa
     finally:
         z.close()
         a.close()
+
+
+def _attached(url: str, topic: str) -> int:
+    """Partitions of ``topic`` with a consumer attached."""
+    with Admin(url) as admin:
+        return sum(1 for row in admin.subscriptions(topic) if row["consumers"])
+
+
+def test_a_consumer_of_a_partition_with_no_new_messages_rides_out_restarts_far_apart(
+        start_broker, free_port, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (cluster chaos: 'consumer ... lost the broker ... unavailable for 60s'
+    with every broker answering): a partition's stream took its reconnect window from its
+    first outage until a batch came, so a partition nobody wrote to spent the window over
+    several outages and gave up at a later short one. Each re-attach now ends its outage."""
+    from tierstream.client import Consumer
+
+    window = scaled(3)
+    monkeypatch.setenv("TIERSTREAM_RECONNECT_TIMEOUT", f"{window:g}s")
+    broker = start_broker(port=free_port)
+    with Admin(broker.url) as admin:
+        admin.create_topic("acme/web/quiet", 2)
+    consumer = Consumer("acme/web/quiet", "audit", broker=broker.url)
+    try:
+        for _ in range(2):
+            broker.kill()
+            broker = start_broker(port=free_port)
+            # both partitions' streams attached again ...
+            wait_for(lambda u=broker.url: _attached(u, "acme/web/quiet") == 2,
+                     timeout=scaled(30), what="the consumer to attach again")
+            time.sleep(window)  # ... and the next outage comes later than the window
+        with Producer("acme/web/quiet", broker=broker.url) as producer:
+            producer.send_many({"value": f"v{i}".encode()} for i in range(10))
+        got = 0
+        while got < 10:
+            batch = consumer.receive(timeout=scaled(30))
+            assert batch is not None, f"received {got} of 10"
+            got += batch.num_rows
+    finally:
+        consumer.close()

@@ -199,6 +199,7 @@ class Consumer:
                         reader = self._readers[partition] = self._open(
                             self._tickets[partition])
                         self._taken[partition] = 0
+                        backoff = None  # the broker answered: the outage is over
                     finally:
                         self._attaching[partition] = False
                 epoch = str(self._epoch[partition]).encode()
