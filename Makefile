@@ -34,6 +34,7 @@ chaos: $(STAMP)
 	$(PY) -m tests.store.chaos --cycles 100
 	$(PY) -m tests.store.chaos --cycles 100 --postgres
 	$(PY) -m tests.store.network_chaos --faults 100
+	$(PY) -m tests.store.cluster_chaos --faults 100
 	$(PY) -m tests.store.client_churn --kills 1000
 	$(PY) -m tests.store.subscription_chaos --messages 400000 --rounds 6
 	$(PY) -m tests.store.subscription_chaos --client pulsar --messages 200000 --rounds 6

@@ -1,0 +1,287 @@
+"""``python -m tests.store.cluster_chaos [--faults N]``: several brokers serving one store
+(``broker start --cluster``) on six network namespaces (three broker hosts, three bookie
+hosts, PostgreSQL on the bridge), a 12-partition topic spread over the brokers under a named
+producer and a key_shared consumer, each given every broker, and N faults drawn at random,
+one after another:
+
+- ``broker-kill``: a broker SIGKILLed; the others take its partitions over once its lease
+  expired; then it is started again (a new broker, owning nothing);
+- ``broker-hang``: a broker SIGSTOPped past its lease, its partitions taken over; continued,
+  it finds its lease lost and stops (a zombie: nothing it still had in hand is stored);
+  started again;
+- ``broker-cut``: a broker's host cut off past its lease, its partitions taken over; mended,
+  it stops as the hung one does; started again;
+- ``broker-drain``: every partition of a broker moved to the others (``broker drain``);
+- ``topic-unload``: one partition moved to the least-loaded other broker (``topic unload``);
+- ``bookie-kill``, ``bookie-cut``, ``bookie-wipe`` (a bookie back on an empty disk with
+  ``--replace``, once earlier faults are repaired) and ``postgres-restart``, as in
+  ``network_chaos.py``.
+
+After each fault the producer must get more acknowledgements. At the end every acknowledged
+message is read once, in per-key order, and the consumer received every one, every key in
+order. ``--sequence`` replays a fixed list instead (the suite's short version,
+``test_network_hosts.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tierstream.broker.process import BrokerProcess
+from tierstream.client import Admin
+
+from ..network_store import BookieProcess, Hosts, broker_args, network_namespaces_unavailable
+from ..postgres import PostgresServer
+from ..timing import scaled
+from .helpers import stop_process, wait_for
+from .network_chaos import TOKEN, _check_disks
+from .test_cluster import _Received
+from .test_network_bookies import TOPIC, _read, _Writer, check_exactly_once_in_order
+
+BOOKIE_PORT, BROKER_PORT, PARTITIONS = 3181, 6651, 12
+BROKERS = ("broker-a", "broker-b", "broker-c")
+KINDS = ("broker-kill", "broker-hang", "broker-cut", "broker-drain", "topic-unload",
+         "bookie-kill", "bookie-cut", "bookie-wipe", "postgres-restart")
+
+
+def run(faults: int, seed: int, sequence: list[str] | None = None, *, between: int = 300,
+        spark: Any = None) -> dict[str, Any]:
+    """``faults`` drawn at random (or ``sequence``), ``between`` more acknowledgements after
+    each; ``spark``: a session that reads the topic back too. The token is set for the run
+    only (``network_chaos.run`` says why)."""
+    previous = os.environ.get("TIERSTREAM_AUTH_TOKEN")
+    os.environ["TIERSTREAM_AUTH_TOKEN"] = TOKEN
+    try:
+        return _run(faults, seed, sequence, between, spark)
+    finally:
+        if previous is None:
+            os.environ.pop("TIERSTREAM_AUTH_TOKEN", None)
+        else:
+            os.environ["TIERSTREAM_AUTH_TOKEN"] = previous
+
+
+class _Brokers:
+    """The three cluster brokers, one per host, each started again after a fault that
+    stopped it."""
+
+    def __init__(self, hosts: Hosts, tmp: Path, metadata: str, procs: list[Any]) -> None:
+        self.hosts, self.tmp, self.metadata, self.procs = hosts, tmp, metadata, procs
+        self.running: dict[str, BrokerProcess] = {}
+        self.starts = 0
+
+    def url(self, name: str) -> str:
+        return f"grpc://{self.hosts.address(name)}:{BROKER_PORT}"
+
+    def start(self, name: str) -> BrokerProcess:
+        self.starts += 1
+        proc = BrokerProcess(self.tmp / f"{name}-{self.starts}", host=self.hosts.address(name),
+                             port=BROKER_PORT,
+                             args=broker_args(self.metadata, "--cluster", "--lease-timeout",
+                                              f"{scaled(3):g}s"),
+                             prefix=["ip", "netns", "exec", self.hosts.ns(name)])
+        self.procs.append(proc)
+        self.running[name] = proc.start(timeout=scaled(180))
+        return proc
+
+    def broker_id(self, name: str) -> str:
+        with Admin(self.url(name)) as admin:
+            return str(admin.stats()["broker"]["id"])
+
+    def owned(self, broker_id: str, asking: str) -> int:
+        """How many partitions ``broker_id`` owns, by the metadata, asked of ``asking``."""
+        with Admin(self.url(asking)) as admin:
+            rows = admin.stats()["brokers"]
+        return sum(int(r["partitions"]) for r in rows if r["broker"] == broker_id)
+
+    def taken_over(self, victim: str, broker_id: str) -> None:
+        """Wait until the other brokers own every partition ``broker_id`` owned."""
+        asking = next(n for n in BROKERS if n != victim)
+        wait_for(lambda: self.owned(broker_id, asking) == 0, timeout=scaled(120),
+                 what=f"{victim}'s partitions to be taken over")
+
+    def say(self) -> None:
+        """What the brokers said last (a failed run)."""
+        for proc in self.procs:
+            if isinstance(proc, BrokerProcess):
+                print(f"{proc.data_dir.name} said:", "".join(list(proc.stderr_tail)[-40:]))
+
+    def all_running(self) -> None:
+        """No broker stopped but those a fault stopped: a fault elsewhere (a bookie's disk
+        replaced, a partition moved) must not stop one."""
+        for name, proc in self.running.items():
+            assert proc.proc is not None
+            assert proc.proc.poll() is None, \
+                f"{name} stopped: {''.join(list(proc.stderr_tail)[-20:])}"
+
+    def stopped_by_itself(self, name: str) -> None:
+        """A broker whose lease was lost, given back its CPU or its network, stops saying
+        why (not exit 0: it did not stop cleanly)."""
+        proc = self.running.pop(name)
+        assert proc.proc is not None
+        code = proc.proc.wait(timeout=scaled(120))
+        said = "".join(proc.stderr_tail)
+        assert code != 0, f"{name}, whose lease was lost, exited 0"
+        assert "lease" in said or "fenced" in said, said[-2000:]
+        assert proc.tracebacks == [], proc.tracebacks
+
+
+def _run(faults: int, seed: int, sequence: list[str] | None, between: int, spark: Any
+         ) -> dict[str, Any]:
+    why = network_namespaces_unavailable()
+    if why is not None:
+        raise SystemExit(f"cluster chaos needs network namespaces: {why}")
+    for kind in sequence or []:
+        if kind not in KINDS:
+            raise SystemExit(f"unknown fault {kind!r}: expected one of {', '.join(KINDS)}")
+    rng = random.Random(seed)
+    counts = dict.fromkeys(KINDS, 0)
+    plan = list(sequence) if sequence is not None else [rng.choice(KINDS)
+                                                         for _ in range(faults)]
+    started = time.monotonic()
+    names = ["bookie-0", "bookie-1", "bookie-2", *BROKERS]
+    with Hosts(names) as hosts, tempfile.TemporaryDirectory() as tmp:
+        server = PostgresServer(also_on=hosts.gateway)
+        procs: list[Any] = []
+        try:
+            url = server.new_database().replace("127.0.0.1", hosts.gateway)
+            bookies = [BookieProcess(Path(tmp) / f"bookie-{i}", url, host_label=f"bookie-{i}",
+                                     bind=hosts.address(f"bookie-{i}"), port=BOOKIE_PORT,
+                                     netns=hosts.ns(f"bookie-{i}")).start() for i in range(3)]
+            procs += bookies
+            brokers = _Brokers(hosts, Path(tmp), url, procs)
+            for name in BROKERS:
+                brokers.start(name)
+            with Admin(brokers.url("broker-a")) as admin:
+                admin.create_topic(TOPIC, PARTITIONS)
+            every = ",".join(brokers.url(n) for n in BROKERS)
+            # longer than a move after a failure (lease, recovery, reconnect)
+            writer = _Writer(every, send_timeout=scaled(12))
+            received = _Received(every)
+
+            def replication() -> dict[str, Any]:
+                with Admin(brokers.url(next(iter(brokers.running)))) as admin:
+                    return admin.stats()["replication"]  # type: ignore[no-any-return]
+
+            def repaired(what: str) -> None:
+                wait_for(lambda: replication()["under_replicated"] == 0, timeout=scaled(300),
+                         what=what)
+
+            try:
+                writer.wait_for_more(500)
+                for n, kind in enumerate(plan):
+                    counts[kind] += 1
+                    victim = rng.choice(BROKERS)
+                    if kind in ("broker-kill", "broker-hang", "broker-cut"):
+                        proc, victim_id = brokers.running[victim], brokers.broker_id(victim)
+                        assert proc.proc is not None
+                        if kind == "broker-kill":
+                            proc.kill()
+                            brokers.running.pop(victim)
+                        elif kind == "broker-hang":
+                            stop_process(proc.proc.pid)
+                        else:
+                            hosts.cut(victim)
+                        brokers.taken_over(victim, victim_id)
+                        writer.wait_for_more(between)
+                        if kind == "broker-hang":
+                            proc.proc.send_signal(signal.SIGCONT)
+                            brokers.stopped_by_itself(victim)
+                        elif kind == "broker-cut":
+                            hosts.mend(victim)
+                            brokers.stopped_by_itself(victim)
+                        brokers.start(victim)
+                    elif kind == "broker-drain":
+                        with Admin(brokers.url(victim)) as admin:
+                            admin.drain()
+                    elif kind == "topic-unload":
+                        with Admin(brokers.url(victim)) as admin:
+                            admin.unload(TOPIC, rng.randrange(PARTITIONS))
+                    elif kind == "bookie-kill":
+                        bookie = rng.choice(bookies)
+                        bookie.kill()
+                        writer.wait_for_more(between)
+                        bookie.restart()
+                    elif kind == "bookie-cut":
+                        name = f"bookie-{rng.randrange(3)}"
+                        hosts.cut(name)
+                        cut_until = time.monotonic() + scaled(3) + 2  # past --bookie-timeout
+                        writer.wait_for_more(between)
+                        time.sleep(max(0.0, cut_until - time.monotonic()))  # its length
+                        hosts.mend(name)
+                    elif kind == "bookie-wipe":
+                        repaired("what earlier faults left short to be repaired")
+                        bookie = rng.choice(bookies)
+                        bookie.wipe()
+                        bookie.start("--replace")
+                        repaired(f"what {bookie.data_dir.name}'s lost disk held")
+                    else:
+                        server.halt()
+                        time.sleep(rng.uniform(0.1, 2.0))  # how long the server is away
+                        server.resume()
+                    writer.wait_for_more(between)
+                    brokers.all_running()
+                    print(f"fault {n + 1}/{len(plan)}: {kind} ({victim if 'broker' in kind else ''}"
+                          f"); {writer.acked:,} acknowledged", flush=True)
+            finally:
+                try:
+                    acked = writer.stop()
+                except AssertionError:
+                    brokers.say()
+                    raise
+            try:
+                received.check(acked)
+            except AssertionError:
+                brokers.say()
+                raise
+            repaired("every segment to be whole again at the end")
+            _check_disks(brokers.url("broker-a"), bookies)
+            values = _read(brokers.url("broker-b"))
+            check_exactly_once_in_order(values, acked)
+            if spark is not None:
+                from tierstream.spark_adapter.source import register
+
+                register(spark)
+                frame = spark.read.format("tierstream").options(
+                    topic=TOPIC, broker=brokers.url("broker-c"), authToken=TOKEN).load()
+                assert sorted(bytes(r.value).decode() for r in
+                              frame.select("value").collect()) == sorted(values)
+            for name, proc in brokers.running.items():
+                assert proc.tracebacks == [], (name, proc.tracebacks)
+        finally:
+            for proc in procs:
+                proc.kill()
+            server.stop()
+    return {"faults": len(plan), **counts, "acknowledged": acked, "read": len(values),
+            "received": len(set(received.values)), "seconds": round(time.monotonic() - started)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.store.cluster_chaos")
+    parser.add_argument("--faults", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=20261128)
+    parser.add_argument("--sequence", help="comma-separated faults to replay instead: "
+                        + ", ".join(KINDS))
+    parser.add_argument("--verbose", action="store_true",
+                        help="log how the clients follow partitions from broker to broker")
+    args = parser.parse_args(argv)
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    if args.verbose:
+        logging.getLogger("tierstream.client").setLevel(logging.INFO)
+    outcome = run(args.faults, args.seed,
+                  args.sequence.split(",") if args.sequence else None)
+    print(f"cluster chaos passed: {outcome}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
