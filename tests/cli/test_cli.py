@@ -173,6 +173,28 @@ def test_unreachable_broker_exit_status_1() -> None:
     assert "cannot reach the broker at grpc://127.0.0.1:1" in proc.stderr
 
 
+def test_a_broker_address_where_another_grpc_service_answers_is_one_line() -> None:
+    """Regression: a gRPC server that is not a tierstream broker (another service on the
+    port) answered UNIMPLEMENTED, which came out as a traceback (ArrowNotImplementedError),
+    in the CLI and in a consumer's threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    other = grpc.server(ThreadPoolExecutor(2))
+    port = other.add_insecure_port("127.0.0.1:0")
+    other.start()
+    try:
+        proc = run("topic", "list", env={"TIERSTREAM_BROKER": f"grpc://127.0.0.1:{port}"})
+    finally:
+        other.stop(0)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"the broker at grpc://127.0.0.1:{port} answered, but not as a tierstream " \
+        "broker" in lines[0], lines[0]
+
+
 def test_segments_on_a_missing_data_dir_names_it(tmp_path: Path) -> None:
     proc = run("segments", "a/b/c", "--data-dir", str(tmp_path / "nowhere"))
     assert proc.returncode == 1

@@ -189,8 +189,8 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
     if lost.is_set():
         raise UnavailableError(f"{store.metadata.backend.lost_reason}: the broker stopped")
     if store.fenced.is_set():
-        raise FencedError(f"{store.fenced_reason}: the broker stopped (another broker "
-                          "serves the store now)")
+        raise FencedError(f"{store.fenced_reason}: the broker stopped (other brokers "
+                          "serve its partitions now)")
     if store.failed.is_set():
         raise StorageError(f"{store.failed_reason}: the broker stopped")
 

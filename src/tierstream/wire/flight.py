@@ -155,6 +155,10 @@ def translate_errors(url: str, what: str = "broker") -> Iterator[None]:
         raise UnavailableError(f"{what} {url} failed: {_first_line(exc)}") from None
     except OSError as exc:
         raise UnavailableError(f"cannot reach the {what} at {url}: {exc}") from None
+    except pa.ArrowNotImplementedError as exc:  # gRPC's UNIMPLEMENTED, or an HTTP/2 404
+        raise UnavailableError(f"the {what} at {url} answered, but not as a tierstream "
+                               f"{what} (another service on that port?) "
+                               f"[{_first_line(exc)}]") from None
 
 
 def _first_line(exc: BaseException) -> str:
