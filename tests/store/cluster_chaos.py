@@ -47,6 +47,7 @@ from .test_cluster import _Received
 from .test_network_bookies import TOPIC, _read, _Writer, check_exactly_once_in_order
 
 BOOKIE_PORT, BROKER_PORT, PARTITIONS = 3181, 6651, 12
+LEASE_S = scaled(3)
 BROKERS = ("broker-a", "broker-b", "broker-c")
 KINDS = ("broker-kill", "broker-hang", "broker-cut", "broker-drain", "topic-unload",
          "bookie-kill", "bookie-cut", "bookie-wipe", "postgres-restart")
@@ -85,7 +86,7 @@ class _Brokers:
         proc = BrokerProcess(self.tmp / f"{name}-{self.starts}", host=self.hosts.address(name),
                              port=BROKER_PORT,
                              args=broker_args(self.metadata, "--cluster", "--lease-timeout",
-                                              f"{scaled(3):g}s"),
+                                              f"{LEASE_S:g}s"),
                              prefix=["ip", "netns", "exec", self.hosts.ns(name)])
         self.procs.append(proc)
         self.running[name] = proc.start(timeout=scaled(180))
@@ -95,17 +96,29 @@ class _Brokers:
         with Admin(self.url(name)) as admin:
             return str(admin.stats()["broker"]["id"])
 
-    def owned(self, broker_id: str, asking: str) -> int:
-        """How many partitions ``broker_id`` owns, by the metadata, asked of ``asking``."""
-        with Admin(self.url(asking)) as admin:
+    def most_loaded(self) -> str:
+        """The running broker owning the most partitions (the first named on a tie): a
+        broker fault there moves the most."""
+        with Admin(self.url(next(iter(self.running)))) as admin:
             rows = admin.stats()["brokers"]
-        return sum(int(r["partitions"]) for r in rows if r["broker"] == broker_id)
+        ids = {name: self.broker_id(name) for name in self.running}
+        load = {name: sum(int(r["partitions"]) for r in rows if r["broker"] == ids[name])
+                for name in ids}
+        return max(sorted(load), key=lambda name: load[name])
 
     def taken_over(self, victim: str, broker_id: str) -> None:
-        """Wait until the other brokers own every partition ``broker_id`` owned."""
+        """Wait until ``broker_id``'s lease is over, as the others see it, and they own
+        every partition it owned."""
         asking = next(n for n in BROKERS if n != victim)
-        wait_for(lambda: self.owned(broker_id, asking) == 0, timeout=scaled(120),
-                 what=f"{victim}'s partitions to be taken over")
+
+        def over() -> bool:
+            with Admin(self.url(asking)) as admin:
+                row = [r for r in admin.stats()["brokers"] if r["broker"] == broker_id]
+            return not row or (int(row[0]["partitions"]) == 0 and
+                               (row[0]["heard_ms_ago"] or 0) > LEASE_S * 1000)
+
+        wait_for(over, timeout=scaled(120), what=f"{victim}'s lease to end, its partitions "
+                 "taken over")
 
     def say(self) -> None:
         """What the brokers said last (a failed run)."""
@@ -178,7 +191,7 @@ def _run(faults: int, seed: int, sequence: list[str] | None, between: int, spark
                 writer.wait_for_more(500)
                 for n, kind in enumerate(plan):
                     counts[kind] += 1
-                    victim = rng.choice(BROKERS)
+                    victim = brokers.most_loaded() if "broker" in kind else rng.choice(BROKERS)
                     if kind in ("broker-kill", "broker-hang", "broker-cut"):
                         proc, victim_id = brokers.running[victim], brokers.broker_id(victim)
                         assert proc.proc is not None
