@@ -4,6 +4,7 @@ operations give the same answers; and what can go wrong with a PostgreSQL URL is
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -482,3 +483,51 @@ def test_a_broker_opening_a_postgresql_store_gives_its_planner_statistics(postgr
         return row is not None and row[0] is not None
 
     wait_for(analyzed, what="the segments table analyzed")
+
+
+class _Cursor:
+    """What the cursor writer stores of a subscription's cursor (its Snapshotting)."""
+
+    def __init__(self, value: int) -> None:
+        self.topic, self.subscription, self.partition, self.value = "acme/pg/acks", "s", 0, value
+
+    def snapshot(self) -> dict[str, int]:
+        return {"acked": self.value}
+
+
+def test_a_cursor_write_cut_short_by_the_server_is_written_again(postgres) -> None:
+    """Regression (cluster chaos, PostgreSQL restarted): a cursor transaction whose session
+    the server ended midway ('did not complete') ended the cursor writer's thread, and every
+    later ack on that broker failed ('cannot store a cursor') until it restarted. The
+    cursors are now written again; only a metadata store given up for good fails them."""
+    import psycopg
+
+    from tierstream.broker.subscriptions.cursor_writer import CursorWriter
+
+    url = postgres.new_database()
+    store = MetadataStore(url, hold=False)
+    writer = CursorWriter(store)
+    try:
+        cursor = _Cursor(1)
+        writer.wait(writer.dirty(cursor))
+        with psycopg.connect(url, autocommit=True) as admin, \
+                psycopg.connect(url) as blocker:
+            # the next write waits on the row, inside its transaction ...
+            blocker.execute("SELECT 1 FROM cursors FOR UPDATE")
+            cursor.value = 2
+            generation = writer.dirty(cursor)
+            wait_for(lambda: bool(admin.execute(
+                "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'").fetchall()),
+                     timeout=scaled(30), what="the cursor write to wait on the row")
+            # ... and the server ends its session there
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
+                          "wait_event_type = 'Lock'")
+            blocker.rollback()
+        writer.wait(generation)  # written again, not 'cannot store a cursor'
+        cursor.value = 3
+        writer.wait(writer.dirty(cursor))
+        (state,) = store.backend.read("SELECT state FROM cursors")[0]
+        assert json.loads(state) == {"acked": 3}
+    finally:
+        writer.close()
+        store.close()

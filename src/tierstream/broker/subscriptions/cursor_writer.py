@@ -35,9 +35,10 @@ class Snapshotting(Protocol):
 
 
 class CursorWriter:
-    """Stores dirty cursors in group transactions, on a thread of its own. An error storing
-    them fails every ack waiting and every later one (``StorageError``), and the thread
-    ends; an error nobody foresaw also goes to ``on_error`` (the broker stops)."""
+    """Stores dirty cursors in group transactions, on a thread of its own. A transaction cut
+    short is written again; once the metadata store is given up for good, every ack waiting
+    and every later one fails (``StorageError``) and the thread ends; an error nobody foresaw
+    also goes to ``on_error`` (the broker stops)."""
 
     def __init__(self, metadata: MetadataStore, *,
                  on_error: Callable[[BaseException], None] | None = None) -> None:
@@ -88,10 +89,19 @@ class CursorWriter:
                 rows = [(c.topic, c.subscription, c.partition, c.snapshot()) for c in batch]
                 self._metadata.save_cursors(rows, now=now_ms())
                 crash_point("cursor.saved")
-            except UnavailableError as exc:  # the metadata's server is gone for good
-                log.warning("storing %d cursor(s) failed: %s", len(batch), exc)
-                self._fail_waiters(exc)
-                return
+            except UnavailableError as exc:
+                if self._metadata.backend.lost.is_set():  # its server is given up for good
+                    log.warning("storing %d cursor(s) failed: %s", len(batch), exc)
+                    self._fail_waiters(exc)
+                    return
+                # a transaction cut short (the server restarted meanwhile): each cursor is
+                # written again as it is then, and the acks waiting for this one with it
+                log.warning("storing %d cursor(s) did not complete (%s): writing them again",
+                            len(batch), exc)
+                with self._cond:
+                    for cursor in batch:
+                        self._dirty.setdefault(id(cursor), cursor)
+                continue
             with self._cond:
                 self.writes += 1
                 self.snapshots += len(rows)
