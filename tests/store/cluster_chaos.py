@@ -25,9 +25,6 @@ order. ``--sequence`` replays a fixed list instead (the suite's short version,
 
 from __future__ import annotations
 
-import argparse
-import os
-import random
 import signal
 import sys
 import tempfile
@@ -38,15 +35,23 @@ from typing import Any
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin
 
-from ..network_store import BookieProcess, Hosts, broker_args, network_namespaces_unavailable
+from ..network_store import Hosts, broker_args
 from ..postgres import PostgresServer
 from ..timing import scaled
 from .helpers import stop_process, wait_for
-from .network_chaos import TOKEN, _check_disks
+from .network_chaos import (
+    TOKEN,
+    _check_disks,
+    chaos_main,
+    fault_plan,
+    start_bookies,
+    store_fault,
+    with_token,
+)
 from .test_cluster import _Received
 from .test_network_bookies import TOPIC, _read, _Writer, check_exactly_once_in_order
 
-BOOKIE_PORT, BROKER_PORT, PARTITIONS = 3181, 6651, 12
+BROKER_PORT, PARTITIONS = 6651, 12
 LEASE_S = scaled(3)
 BROKERS = ("broker-a", "broker-b", "broker-c")
 KINDS = ("broker-kill", "broker-hang", "broker-cut", "broker-drain", "topic-unload",
@@ -58,15 +63,7 @@ def run(faults: int, seed: int, sequence: list[str] | None = None, *, between: i
     """``faults`` drawn at random (or ``sequence``), ``between`` more acknowledgements after
     each; ``spark``: a session that reads the topic back too. The token is set for the run
     only (``network_chaos.run`` says why)."""
-    previous = os.environ.get("TIERSTREAM_AUTH_TOKEN")
-    os.environ["TIERSTREAM_AUTH_TOKEN"] = TOKEN
-    try:
-        return _run(faults, seed, sequence, between, spark)
-    finally:
-        if previous is None:
-            os.environ.pop("TIERSTREAM_AUTH_TOKEN", None)
-        else:
-            os.environ["TIERSTREAM_AUTH_TOKEN"] = previous
+    return with_token(lambda: _run(faults, seed, sequence, between, spark))
 
 
 class _Brokers:
@@ -148,16 +145,8 @@ class _Brokers:
 
 def _run(faults: int, seed: int, sequence: list[str] | None, between: int, spark: Any
          ) -> dict[str, Any]:
-    why = network_namespaces_unavailable()
-    if why is not None:
-        raise SystemExit(f"cluster chaos needs network namespaces: {why}")
-    for kind in sequence or []:
-        if kind not in KINDS:
-            raise SystemExit(f"unknown fault {kind!r}: expected one of {', '.join(KINDS)}")
-    rng = random.Random(seed)
+    rng, plan = fault_plan("cluster chaos", KINDS, faults, seed, sequence)
     counts = dict.fromkeys(KINDS, 0)
-    plan = list(sequence) if sequence is not None else [rng.choice(KINDS)
-                                                         for _ in range(faults)]
     started = time.monotonic()
     names = ["bookie-0", "bookie-1", "bookie-2", *BROKERS]
     with Hosts(names) as hosts, tempfile.TemporaryDirectory() as tmp:
@@ -165,9 +154,7 @@ def _run(faults: int, seed: int, sequence: list[str] | None, between: int, spark
         procs: list[Any] = []
         try:
             url = server.new_database().replace("127.0.0.1", hosts.gateway)
-            bookies = [BookieProcess(Path(tmp) / f"bookie-{i}", url, host_label=f"bookie-{i}",
-                                     bind=hosts.address(f"bookie-{i}"), port=BOOKIE_PORT,
-                                     netns=hosts.ns(f"bookie-{i}")).start() for i in range(3)]
+            bookies = start_bookies(hosts, Path(tmp), url)
             procs += bookies
             brokers = _Brokers(hosts, Path(tmp), url, procs)
             for name in BROKERS:
@@ -183,9 +170,11 @@ def _run(faults: int, seed: int, sequence: list[str] | None, between: int, spark
                 with Admin(brokers.url(next(iter(brokers.running)))) as admin:
                     return admin.stats()["replication"]  # type: ignore[no-any-return]
 
-            def repaired(what: str) -> None:
+            def repaired(what: str) -> float:
+                began = time.monotonic()
                 wait_for(lambda: replication()["under_replicated"] == 0, timeout=scaled(300),
                          what=what)
+                return time.monotonic() - began
 
             try:
                 writer.wait_for_more(500)
@@ -217,28 +206,9 @@ def _run(faults: int, seed: int, sequence: list[str] | None, between: int, spark
                     elif kind == "topic-unload":
                         with Admin(brokers.url(victim)) as admin:
                             admin.unload(TOPIC, rng.randrange(PARTITIONS))
-                    elif kind == "bookie-kill":
-                        bookie = rng.choice(bookies)
-                        bookie.kill()
-                        writer.wait_for_more(between)
-                        bookie.restart()
-                    elif kind == "bookie-cut":
-                        name = f"bookie-{rng.randrange(3)}"
-                        hosts.cut(name)
-                        cut_until = time.monotonic() + scaled(3) + 2  # past --bookie-timeout
-                        writer.wait_for_more(between)
-                        time.sleep(max(0.0, cut_until - time.monotonic()))  # its length
-                        hosts.mend(name)
-                    elif kind == "bookie-wipe":
-                        repaired("what earlier faults left short to be repaired")
-                        bookie = rng.choice(bookies)
-                        bookie.wipe()
-                        bookie.start("--replace")
-                        repaired(f"what {bookie.data_dir.name}'s lost disk held")
                     else:
-                        server.halt()
-                        time.sleep(rng.uniform(0.1, 2.0))  # how long the server is away
-                        server.resume()
+                        store_fault(kind, rng, bookies, hosts, server, writer, between,
+                                    repaired)
                     writer.wait_for_more(between)
                     brokers.all_running()
                     print(f"fault {n + 1}/{len(plan)}: {kind} ({victim if 'broker' in kind else ''}"
@@ -277,23 +247,8 @@ def _run(faults: int, seed: int, sequence: list[str] | None, between: int, spark
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.store.cluster_chaos")
-    parser.add_argument("--faults", type=int, default=100)
-    parser.add_argument("--seed", type=int, default=20261128)
-    parser.add_argument("--sequence", help="comma-separated faults to replay instead: "
-                        + ", ".join(KINDS))
-    parser.add_argument("--verbose", action="store_true",
-                        help="log how the clients follow partitions from broker to broker")
-    args = parser.parse_args(argv)
-    import logging
-
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    if args.verbose:
-        logging.getLogger("tierstream.client").setLevel(logging.INFO)
-    outcome = run(args.faults, args.seed,
-                  args.sequence.split(",") if args.sequence else None)
-    print(f"cluster chaos passed: {outcome}")
-    return 0
+    return chaos_main("cluster chaos", "python -m tests.store.cluster_chaos", KINDS, 20261128,
+                      run, argv)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,9 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin
@@ -44,6 +45,8 @@ from .test_network_bookies import TOPIC, _read, _Writer, check_exactly_once_in_o
 BOOKIE_PORT, BROKER_PORT, TOKEN = 3181, 6651, "network-chaos-token"
 
 
+T = TypeVar("T")
+
 KINDS = ("bookie-kill", "bookie-cut", "bookie-wipe", "broker-kill", "broker-hang",
          "postgres-restart")
 
@@ -54,10 +57,15 @@ def run(faults: int, seed: int, sequence: list[str] | None = None, *,
     each. The processes and this one's clients use a token (off loopback every endpoint
     needs one), set in the environment for the run only: a test worker that runs this goes
     on to start brokers that must not inherit it."""
+    return with_token(lambda: _run(faults, seed, sequence, between))
+
+
+def with_token(work: Callable[[], T]) -> T:
+    """``work()`` with the chaos runs' token in the environment, for its length only."""
     previous = os.environ.get("TIERSTREAM_AUTH_TOKEN")
     os.environ["TIERSTREAM_AUTH_TOKEN"] = TOKEN
     try:
-        return _run(faults, seed, sequence, between)
+        return work()
     finally:
         if previous is None:
             os.environ.pop("TIERSTREAM_AUTH_TOKEN", None)
@@ -65,19 +73,74 @@ def run(faults: int, seed: int, sequence: list[str] | None = None, *,
             os.environ["TIERSTREAM_AUTH_TOKEN"] = previous
 
 
-def _run(faults: int, seed: int, sequence: list[str] | None, between: int
-         ) -> dict[str, Any]:
+def fault_plan(what: str, kinds: Sequence[str], faults: int, seed: int,
+               sequence: list[str] | None) -> tuple[random.Random, list[str]]:
+    """(the run's random source, its faults): ``sequence``, or ``faults`` drawn from
+    ``kinds``. SystemExit, saying why, where network namespaces cannot be had or a fault
+    of ``sequence`` is unknown."""
     why = network_namespaces_unavailable()
     if why is not None:
-        raise SystemExit(f"network chaos needs network namespaces: {why}")
+        raise SystemExit(f"{what} needs network namespaces: {why}")
     for kind in sequence or []:
-        if kind not in KINDS:
-            raise SystemExit(f"unknown fault {kind!r}: expected one of {', '.join(KINDS)}")
+        if kind not in kinds:
+            raise SystemExit(f"unknown fault {kind!r}: expected one of {', '.join(kinds)}")
     rng = random.Random(seed)
+    return rng, list(sequence) if sequence is not None else [rng.choice(kinds)
+                                                             for _ in range(faults)]
+
+
+def start_bookies(hosts: Hosts, tmp: Path, url: str) -> list[BookieProcess]:
+    """Three network bookies, one on each of the hosts ``bookie-0`` .. ``bookie-2``."""
+    return [BookieProcess(tmp / f"bookie-{i}", url, host_label=f"bookie-{i}",
+                          bind=hosts.address(f"bookie-{i}"), port=BOOKIE_PORT,
+                          netns=hosts.ns(f"bookie-{i}")).start() for i in range(3)]
+
+
+def store_fault(kind: str, rng: random.Random, bookies: list[BookieProcess], hosts: Hosts,
+                server: PostgresServer, writer: _Writer, between: int,
+                repaired: Callable[[str], float]) -> float | None:
+    """A fault of the store's other hosts: ``bookie-kill``, ``bookie-cut``, ``bookie-wipe``
+    (returns how long the lost disk's copies took to be whole again) or
+    ``postgres-restart``; ``between`` more acknowledgements while it lasts."""
+    if kind == "bookie-kill":
+        victim = rng.choice(bookies)
+        victim.kill()
+        writer.wait_for_more(between)
+        victim.restart()
+    elif kind == "bookie-cut":
+        name = f"bookie-{rng.randrange(3)}"
+        hosts.cut(name)
+        # cut off past --bookie-timeout (a bookie of the open segments is then taken for
+        # gone; one of none is not noticed), writes go on
+        cut_until = time.monotonic() + scaled(3) + 2
+        writer.wait_for_more(between)
+        time.sleep(max(0.0, cut_until - time.monotonic()))  # the fault's length
+        writer.wait_for_more(between)
+        hosts.mend(name)
+    elif kind == "bookie-wipe":
+        # the time between faults is at least the repair time
+        waited = repaired("what earlier faults left short to be repaired")
+        victim = rng.choice(bookies)
+        victim.wipe()
+        victim.start("--replace")
+        took = repaired(f"what {victim.data_dir.name}'s lost disk held to be re-replicated")
+        print(f"  waited {waited:.1f} s for earlier repairs; the wiped disk's copies were "
+              f"whole again after {took:.1f} s", flush=True)
+        return took
+    elif kind == "postgres-restart":
+        server.halt()
+        time.sleep(rng.uniform(0.1, 2.0))  # how long the server is away
+        server.resume()
+    else:
+        raise ValueError(f"not a fault of the store's other hosts: {kind!r}")
+    return None
+
+
+def _run(faults: int, seed: int, sequence: list[str] | None, between: int
+         ) -> dict[str, Any]:
+    rng, plan = fault_plan("network chaos", KINDS, faults, seed, sequence)
     counts = dict.fromkeys(KINDS, 0)
     repairs: list[float] = []  # seconds from a wipe to nothing left to re-replicate
-    plan = list(sequence) if sequence is not None else [rng.choice(KINDS)
-                                                         for _ in range(faults)]
     started = time.monotonic()
     names = ["bookie-0", "bookie-1", "bookie-2", "broker-a", "broker-b"]
     with Hosts(names) as hosts, tempfile.TemporaryDirectory() as tmp:
@@ -85,9 +148,7 @@ def _run(faults: int, seed: int, sequence: list[str] | None, between: int
         procs: list[Any] = []
         try:
             url = server.new_database().replace("127.0.0.1", hosts.gateway)
-            bookies = [BookieProcess(Path(tmp) / f"bookie-{i}", url, host_label=f"bookie-{i}",
-                                     bind=hosts.address(f"bookie-{i}"), port=BOOKIE_PORT,
-                                     netns=hosts.ns(f"bookie-{i}")).start() for i in range(3)]
+            bookies = start_bookies(hosts, Path(tmp), url)
             procs += bookies
             run_no = [0]
 
@@ -128,32 +189,7 @@ def _run(faults: int, seed: int, sequence: list[str] | None, between: int
                 writer.wait_for_more(500)
                 for n, kind in enumerate(plan):
                     counts[kind] += 1
-                    if kind == "bookie-kill":
-                        victim = rng.choice(bookies)
-                        victim.kill()
-                        writer.wait_for_more(between)
-                        victim.restart()
-                    elif kind == "bookie-cut":
-                        name = f"bookie-{rng.randrange(3)}"
-                        hosts.cut(name)
-                        # cut off past --bookie-timeout (a bookie of the open segments is
-                        # then taken for gone; one of none is not noticed), writes go on
-                        cut_until = time.monotonic() + scaled(3) + 2
-                        writer.wait_for_more(between)
-                        time.sleep(max(0.0, cut_until - time.monotonic()))  # the fault's length
-                        writer.wait_for_more(between)
-                        hosts.mend(name)
-                    elif kind == "bookie-wipe":
-                        # the time between faults is at least the repair time
-                        waited = repaired("what earlier faults left short to be repaired")
-                        victim = rng.choice(bookies)
-                        victim.wipe()
-                        victim.start("--replace")
-                        repairs.append(repaired(f"what {victim.data_dir.name}'s lost disk "
-                                                "held to be re-replicated"))
-                        print(f"  waited {waited:.1f} s for earlier repairs; the wiped disk's "
-                              f"copies were whole again after {repairs[-1]:.1f} s", flush=True)
-                    elif kind == "broker-kill":
+                    if kind == "broker-kill":
                         current.kill()
                         serving, spare = spare, serving
                         current = broker(serving)
@@ -168,9 +204,10 @@ def _run(faults: int, seed: int, sequence: list[str] | None, between: int
                         if hung.proc.wait(timeout=scaled(120)) == 0:
                             raise AssertionError("a broker taken over exited 0")
                     else:
-                        server.halt()
-                        time.sleep(rng.uniform(0.1, 2.0))  # how long the server is away
-                        server.resume()
+                        took = store_fault(kind, rng, bookies, hosts, server, writer, between,
+                                           repaired)
+                        if took is not None:
+                            repairs.append(took)
                     writer.wait_for_more(between)
                     print(f"fault {n + 1}/{len(plan)}: {kind}; {writer.acked:,} acknowledged",
                           flush=True)
@@ -215,18 +252,30 @@ def _check_disks(url: str, bookies: list[BookieProcess]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.store.network_chaos")
-    parser.add_argument("--faults", type=int, default=100)
-    parser.add_argument("--seed", type=int, default=20261126)
-    parser.add_argument("--sequence", help="comma-separated faults to replay instead: "
-                        + ", ".join(KINDS))
-    args = parser.parse_args(argv)
+    return chaos_main("network chaos", "python -m tests.store.network_chaos", KINDS, 20261126,
+                      run, argv)
+
+
+def chaos_main(what: str, prog: str, kinds: Sequence[str], seed: int,
+               run: Callable[[int, int, list[str] | None], dict[str, Any]],
+               argv: list[str] | None) -> int:
+    """The command line of a chaos run: ``--faults``, ``--seed``, ``--sequence`` and
+    ``--verbose`` (how clients follow partitions between brokers)."""
     import logging
 
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--faults", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=seed)
+    parser.add_argument("--sequence", help="comma-separated faults to replay instead: "
+                        + ", ".join(kinds))
+    parser.add_argument("--verbose", action="store_true",
+                        help="log how the clients follow partitions from broker to broker")
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    outcome = run(args.faults, args.seed,
-                  args.sequence.split(",") if args.sequence else None)
-    print(f"network chaos passed: {outcome}")
+    if args.verbose:
+        logging.getLogger("tierstream.client").setLevel(logging.INFO)
+    outcome = run(args.faults, args.seed, args.sequence.split(",") if args.sequence else None)
+    print(f"{what} passed: {outcome}")
     return 0
 
 
