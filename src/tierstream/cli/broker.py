@@ -18,7 +18,7 @@ from tierstream.cli.common import (
     TokenOpt,
     bookie_app,
     broker_app,
-    out,
+    say_moved,
 )
 from tierstream.options import (
     DEFAULT_ADMIN_PORT,
@@ -271,8 +271,7 @@ def broker_drain(
 
     with Admin(broker, auth_token=auth_token) as admin:
         moved = admin.drain()
-    out.print(f"moved {len(moved)} partition(s): " + (", ".join(
-        f"{k} to {v}" for k, v in sorted(moved.items())) or "none"), highlight=False)
+    say_moved(moved)
 
 
 @bookie_app.command("serve")

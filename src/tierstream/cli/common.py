@@ -20,7 +20,7 @@ __all__ = ["BrokerOpt", "CutOutOpt", "DataDirOpt", "FromOpt", "KeyRangesOpt", "L
            "ModeOpt", "QuietOpt", "ReaderOpt", "SplitBytesOpt", "TierCacheOpt", "TimeFieldOpt",
            "TlsCaOpt", "TlsCertOpt", "TlsKeyOpt", "ToOpt", "TokenOpt", "ValueFormatOpt", "app",
            "bookie_app", "broker_app", "err", "human_bytes", "human_duration", "out",
-           "progress_bar", "report_cut", "schema_app", "topic_app", "use_tls_ca"]
+           "progress_bar", "report_cut", "say_moved", "schema_app", "topic_app", "use_tls_ca"]
 
 def _no_placeholder_on_flags() -> None:
     """typer shows ``<bool>`` beside on/off flags (``--yes <bool>``, ``--help <bool>``), as if
@@ -161,6 +161,12 @@ def use_tls_ca(tls_ca: str | None) -> bytes | None:
     pem = read_pem(tls_ca, "--tls-ca")
     os.environ["TIERSTREAM_TLS_CA"] = tls_ca
     return pem
+
+
+def say_moved(moved: dict[str, str]) -> None:
+    """What ``topic unload`` and ``broker drain`` moved: each partition and its new owner."""
+    out.print(f"moved {len(moved)} partition(s): " + (", ".join(
+        f"{k} to {v}" for k, v in sorted(moved.items())) or "none"), highlight=False)
 
 
 def report_cut(cut: Any, cut_out: Path | None) -> None:

@@ -13,6 +13,7 @@ from tierstream.cli.common import (
     TlsCaOpt,
     TokenOpt,
     out,
+    say_moved,
     topic_app,
 )
 from tierstream.errors import ConfigError
@@ -215,5 +216,4 @@ def topic_unload(
         name, partition = "/".join(parts[:3]), int(parts[3])
     with Admin(broker, auth_token=auth_token) as admin:
         moved = admin.unload(name, partition)
-    out.print(f"moved {len(moved)} partition(s): " + (", ".join(
-        f"{k} to {v}" for k, v in sorted(moved.items())) or "none"), highlight=False)
+    say_moved(moved)
