@@ -1,8 +1,9 @@
 """``python -m tests.store.cluster_chaos [--faults N]``: several brokers serving one store
 (``broker start --cluster``) on six network namespaces (three broker hosts, three bookie
 hosts, PostgreSQL on the bridge), a 12-partition topic spread over the brokers under a named
-producer and a key_shared consumer, each given every broker, and N faults drawn at random,
-one after another:
+producer and a key_shared consumer, each given every broker, another under the real
+pulsar-client's (``pulsar_traffic.py``, a multi-host service URL: LOOKUP finds each
+partition's owner), and N faults drawn at random, one after another:
 
 - ``broker-kill``: a broker SIGKILLed; the others take its partitions over once its lease
   expired; then it is started again (a new broker, owning nothing);
@@ -17,9 +18,9 @@ one after another:
   ``--replace``, once earlier faults are repaired) and ``postgres-restart``, as in
   ``network_chaos.py``.
 
-After each fault the producer must get more acknowledgements. At the end every acknowledged
-message is read once, in per-key order, and the consumer received every one, every key in
-order. ``--sequence`` replays a fixed list instead (the suite's short version,
+After each fault both producers must get more acknowledgements. At the end every
+acknowledged message is read once, in per-key order, and the consumers received every one,
+every key in order. ``--sequence`` replays a fixed list instead (the suite's short version,
 ``test_network_hosts.py``).
 """
 
@@ -32,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import tierstream
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin
 
@@ -48,10 +50,17 @@ from .network_chaos import (
     store_fault,
     with_token,
 )
+from .pulsar_traffic import PULSAR_TOPIC, PulsarTraffic
 from .test_cluster import _Received
-from .test_network_bookies import TOPIC, _read, _Writer, check_exactly_once_in_order
+from .test_network_bookies import (
+    TOPIC,
+    _read,
+    _values,
+    _Writer,
+    check_exactly_once_in_order,
+)
 
-BROKER_PORT, PARTITIONS = 6651, 12
+BROKER_PORT, PULSAR_PORT, PARTITIONS = 6651, 6650, 12
 LEASE_S = scaled(3)
 BROKERS = ("broker-a", "broker-b", "broker-c")
 KINDS = ("broker-kill", "broker-hang", "broker-cut", "broker-drain", "topic-unload",
@@ -83,7 +92,8 @@ class _Brokers:
         proc = BrokerProcess(self.tmp / f"{name}-{self.starts}", host=self.hosts.address(name),
                              port=BROKER_PORT,
                              args=broker_args(self.metadata, "--cluster", "--lease-timeout",
-                                              f"{LEASE_S:g}s"),
+                                              f"{LEASE_S:g}s", "--pulsar-port",
+                                              str(PULSAR_PORT)),
                              prefix=["ip", "netns", "exec", self.hosts.ns(name)])
         self.procs.append(proc)
         self.running[name] = proc.start(timeout=scaled(180))
@@ -161,10 +171,16 @@ def _run(faults: int, seed: int, sequence: list[str] | None, between: int, spark
                 brokers.start(name)
             with Admin(brokers.url("broker-a")) as admin:
                 admin.create_topic(TOPIC, PARTITIONS)
+                admin.create_topic(PULSAR_TOPIC, PARTITIONS)
             every = ",".join(brokers.url(n) for n in BROKERS)
             # longer than a move after a failure (lease, recovery, reconnect)
             writer = _Writer(every, send_timeout=scaled(12))
             received = _Received(every)
+            # a Pulsar application, given every broker in a multi-host service URL
+            app = PulsarTraffic("pulsar://" + ",".join(
+                f"{hosts.address(n)}:{PULSAR_PORT}" for n in BROKERS), TOKEN,
+                send_timeout=scaled(60))
+            procs.append(app)
 
             def listed() -> int:  # by every broker: each one audits
                 total = 0
@@ -212,17 +228,21 @@ def _run(faults: int, seed: int, sequence: list[str] | None, between: int, spark
                         store_fault(kind, rng, bookies, hosts, server, writer, between,
                                     repaired)
                     writer.wait_for_more(between)
+                    app.wait_for_more(between // 4)
                     brokers.all_running()
                     print(f"fault {n + 1}/{len(plan)}: {kind} ({victim if 'broker' in kind else ''}"
-                          f"); {writer.acked:,} acknowledged", flush=True)
+                          f"); {writer.acked:,} acknowledged, {app.acked:,} to the Pulsar "
+                          "client", flush=True)
             finally:
                 try:
                     acked = writer.stop()
+                    app_acked = app.stop_producing()
                 except AssertionError:
                     brokers.say()
                     raise
             try:
                 received.check(acked)
+                app.check(app_acked)
             except AssertionError:
                 brokers.say()
                 raise
@@ -230,6 +250,8 @@ def _run(faults: int, seed: int, sequence: list[str] | None, between: int, spark
             _check_disks(brokers.url("broker-a"), bookies)
             values = _read(brokers.url("broker-b"))
             check_exactly_once_in_order(values, acked)
+            app_values = _values(tierstream.read(PULSAR_TOPIC, broker=brokers.url("broker-c")))
+            check_exactly_once_in_order(app_values, app_acked)
             if spark is not None:
                 from tierstream.spark_adapter.source import register
 
@@ -242,11 +264,13 @@ def _run(faults: int, seed: int, sequence: list[str] | None, between: int, spark
             for name, proc in brokers.running.items():
                 assert proc.tracebacks == [], (name, proc.tracebacks)
         finally:
-            for proc in procs:
+            for proc in reversed(procs):  # the clients before the brokers they use
                 proc.kill()
             server.stop()
     return {"faults": len(plan), **counts, "acknowledged": acked, "read": len(values),
-            "received": len(set(received.values)), "seconds": round(time.monotonic() - started)}
+            "received": len(set(received.values)), "pulsar_acknowledged": app_acked,
+            "pulsar_read": len(app_values), "pulsar_received": len(set(app.values)),
+            "seconds": round(time.monotonic() - started)}
 
 
 def main(argv: list[str] | None = None) -> int:
