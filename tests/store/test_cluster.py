@@ -118,10 +118,9 @@ def test_a_topic_is_spread_over_the_live_brokers_and_a_killed_one_s_share_over_t
         stats = admin.topic_stats(TOPIC, per_partition=True)
     owners = {o["broker"]: o["partitions"] for o in stats["owners"]}
     assert sorted(owners.values()) == [4, 4, 4], owners
-    # B's own partitions, each with its subscription (the others are their owners' to list)
-    assert len(stats["partitions"]) == 4
-    assert sorted(r["partition"] for r in stats["partitions"]
-                  if r["subscriptions"]) == sorted(p["partition"] for p in stats["partitions"])
+    # every partition, each with its subscription: B asked the others' of their owners
+    assert [p["partition"] for p in stats["partitions"] if p["subscriptions"]] == \
+        list(range(12)), stats.get("unanswered")
     writer = _Writer(f"{a.url},{b.url}", send_timeout=scaled(30))
     try:
         writer.wait_for_more(1_000)
@@ -436,3 +435,68 @@ def test_a_partition_taken_over_then_handed_to_an_older_broker_is_offloaded_ther
         segments = [s for s in admin.list_segments(TOPIC) if s.state == "CLOSED"]
     assert segments and all(s.tier_url and s.bookie_deleted_at for s in segments), segments
     check_exactly_once_in_order(_read(older.url), acked)
+
+
+def test_a_topic_s_stats_asked_of_any_broker_count_every_owner_s_partitions(
+        network_store) -> None:
+    """A 6-partition topic owned 2/2/2 by three brokers, written through one. Its stats asked
+    of A count every partition (A asks B and C for theirs), in tierstream's view and in the
+    Pulsar admin REST's: a partition's, a partitioned topic's. With C paused, A's answer
+    still comes, naming C's partitions as not counted, and ``topic stats`` says so."""
+    import json
+    import urllib.request
+
+    from tierstream.broker.peers import PEER_TIMEOUT_S
+
+    _, _, broker = network_store
+    # a long lease: C stays the owner of its partitions while it is paused
+    brokers = [broker(f"broker-{n}", "--cluster", "--lease-timeout", f"{scaled(30):g}s",
+                      "--admin-port", str(fixed_port())).start() for n in "abc"]
+    a, _, c = brokers
+    with Admin(a.url) as admin:
+        admin.create_topic(TOPIC, 6)
+    wait_for(lambda: [_owned(x.url) for x in brokers] == [2, 2, 2], timeout=scaled(30),
+             what="the 6 partitions to be owned 2 by each broker")
+    Consumer(TOPIC, "audit", broker=a.url).close()  # a subscription of every partition
+    with Producer(TOPIC, broker=a.url) as producer:  # each partition written at its owner
+        producer.send_many({"key": f"k{i % 7}", "value": f"k{i % 7}:{i}".encode()}
+                           for i in range(600))
+        producer.flush()
+    with Admin(a.url) as admin:
+        stats = admin.topic_stats(TOPIC, per_partition=True)
+        me = admin.stats()["broker"]["id"]
+    stored = sum(loc["messages"] for loc in stats["storage"].values())
+    assert (stored, stats["subscriptions"]["audit"]["backlog"], stats.get("unanswered")) == \
+        (600, 600, []), stats
+    assert [p["partition"] for p in stats["partitions"]] == list(range(6))
+    assert sum(p["messages_in"] for p in stats["partitions"]) == 600
+    mine = max(p["partition"] for p in stats["partitions"] if p["owner"]["broker"] == me)
+    rest = f"{a.admin_url}/admin/v2/persistent/{TOPIC}"
+    with urllib.request.urlopen(f"{rest}-partition-{mine}/stats",
+                                timeout=scaled(30)) as answer:
+        one = json.load(answer)
+    assert one["msgInCounter"] == stats["partitions"][mine]["messages_in"] > 0
+    assert one["subscriptions"]["audit"]["msgBacklog"] == one["msgInCounter"]
+    with urllib.request.urlopen(f"{rest}/partitioned-stats?perPartition=true",
+                                timeout=scaled(30)) as answer:
+        whole = json.load(answer)
+    assert (whole["metadata"]["partitions"], len(whole["partitions"]),
+            whole["subscriptions"]["audit"]["msgBacklog"]) == (6, 6, 600)
+    assert c.proc is not None
+    stop_process(c.proc.pid)
+    try:
+        began = time.monotonic()
+        with Admin(a.url) as admin:
+            stats = admin.topic_stats(TOPIC)
+        assert time.monotonic() - began < PEER_TIMEOUT_S + scaled(15)
+        theirs = [g for g in stats["unanswered"] if g["broker"] != me]
+        assert len(theirs) == 1 and len(theirs[0]["partitions"]) == 2, stats["unanswered"]
+        assert "did not answer in time" in theirs[0]["reason"]
+        assert sum(loc["messages"] for loc in stats["storage"].values()) < 600
+        said = run("topic", "stats", TOPIC, "--broker", a.url)
+        assert said.returncode == 0, said.stderr
+        numbers = ", ".join(map(str, theirs[0]["partitions"]))
+        assert f"not counted: partition(s) {numbers} (owned by {theirs[0]['broker']})" in \
+            " ".join(said.stdout.split()), said.stdout
+    finally:
+        c.proc.send_signal(signal.SIGCONT)

@@ -32,6 +32,8 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
+from tierstream.broker.config import StoreConfig
+from tierstream.broker.peers import Peers
 from tierstream.broker.recovery import RecoveryReport, recover_open_segments
 from tierstream.errors import ConfigError, ConflictError, TierstreamError
 from tierstream.managed_ledger.bookies.client import BookieClient
@@ -54,6 +56,7 @@ _NEVER = object()  # no look for orphans yet
 class ClusterStore(Protocol):
     """What a cluster broker's takeovers need of its store (``broker/store.py``)."""
 
+    config: StoreConfig
     metadata: MetadataStore
     bookies: dict[str, BookieClient]
     owners: PartitionOwners
@@ -85,6 +88,10 @@ class Cluster:
         self.store, self.lease_s = store, lease_s
         self.lease_ms = int(lease_s * 1000)
         self.taken_over = 0  # partitions taken over from brokers whose lease expired
+        #: the other brokers, asked with this one's token, trusted by the store's CA (its
+        #: bookies'): what their partitions' stats are (topic_stats.py)
+        self.peers = Peers(auth_token=store.config.bookie_token,
+                           tls_ca=store.config.bookie_tls_ca)
         self._wake = threading.Event()
         self._worker: Worker | None = None
         self._version: str | None = None  # the owners' version the placements were read at
@@ -289,6 +296,7 @@ class Cluster:
         if self._worker is not None:
             self._wake.set()
             self._worker.stop()
+        self.peers.close()
 
 
 def cluster_of(store: ClusterStore) -> Cluster:

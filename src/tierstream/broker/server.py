@@ -255,7 +255,8 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
 
     def _topic_stats(self, body: dict[str, Any]) -> Any:
         return topic_stats(self.store, self.subscriptions, self.streams, body["topic"],
-                           per_partition=bool(body.get("per_partition")))
+                           per_partition=bool(body.get("per_partition")),
+                           here_only=bool(body.get("here_only")))
 
     def _served(self, body: dict[str, Any]) -> str:
         """A subscription action's topic, once its partition is served here: one another
@@ -438,7 +439,8 @@ _ACTIONS = {
     "stats": (Broker._stats, "Broker and store counters: streams, offload lag, "
                              "transactions by state, open files."),
     "topic-stats": (Broker._topic_stats, "Rates, storage by location, producers and "
-                                         "subscriptions of {topic} [per_partition]."),
+                                         "subscriptions of {topic} [per_partition] "
+                                         "[here_only: not asking the other owners]."),
     "lag": (Broker._lag, "Per partition of {topic}: messages after {positions}."),
     "query-lag": (Broker._query_lag, "A Spark query's lag {query_id, name, lags} for the "
                                      "metrics ({forget}: it ended)."),

@@ -4,6 +4,9 @@ unacknowledged messages; and broker-wide counts (streams, offload and deletion l
 transactions by state, open files). The metrics endpoint (``metrics.py``) exports the same
 figures.
 
+On a cluster (``--cluster``) a topic's stats asked of one broker count every partition: the
+others' are asked of their owners (``peers.py``), and those nobody answered for are named.
+
 Rates are over the last minute (``managed_ledger/rates.py``). *In* counts every confirmed
 entry; *out* counts what the broker streamed to readers and consumers: reads straight from
 bookie files or the tier do not pass through it.
@@ -27,12 +30,13 @@ from tierstream.metadata.transaction_records import TransactionRecords
 from tierstream.util.timeutil import now_ms
 
 if TYPE_CHECKING:
+    from tierstream.broker.peers import Peers
     from tierstream.broker.store import Store
     from tierstream.broker.subscriptions.registry import Subscriptions
     from tierstream.managed_ledger.partition_log import PartitionLog
 
-__all__ = ["LOCATIONS", "QueryLags", "Streams", "broker_stats", "storage_of",
-           "subscription_stats", "topic_stats"]
+__all__ = ["LOCATIONS", "QueryLags", "Streams", "broker_stats", "merge_subscriptions",
+           "storage_of", "subscription_stats", "topic_stats"]
 
 #: Where a segment's data is: the open segment, bookies (sealed), the tier (offloaded).
 LOCATIONS = ("open", "bookies", "tier")
@@ -140,22 +144,40 @@ def _rates(plogs: list[PartitionLog]) -> dict[str, float]:
             "msg_rate_out": sum(r[0] for r in rout), "byte_rate_out": sum(r[1] for r in rout)}
 
 
+_RATES = ("msg_rate_in", "byte_rate_in", "msg_rate_out", "byte_rate_out")
+#: what passed through the broker since it opened the partition (Pulsar's counters)
+_COUNTERS = ("messages_in", "bytes_in", "messages_out", "bytes_out")
+
+
 def subscription_stats(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per subscription, over ``Subscriptions.listing`` rows (one per subscription and
-    partition): type, backlog, unacked messages, consumer names, the oldest unacked age."""
+    partition): type, backlog, unacked messages, consumer names, the oldest unacked age, and
+    each consumer's share (``shares``, the rows' consumers: Pulsar's per-consumer stats)."""
+    return merge_subscriptions([{row["subscription"]: {
+        "type": row["type"], "backlog": row["backlog"],
+        "delayed": row.get("delayed", 0),  # held until their delivery time
+        "unacked": sum(c["unacked"] for c in row["consumers"]),
+        "consumers": [c["name"] for c in row["consumers"]],
+        "oldest_unacked_s": row.get("oldest_unacked_s"), "shares": list(row["consumers"]),
+    }} for row in rows])
+
+
+def merge_subscriptions(parts: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """:func:`subscription_stats` of several partitions as one."""
     out: dict[str, dict[str, Any]] = {}
-    for row in rows:
-        sub = out.setdefault(row["subscription"], {
-            "type": row["type"], "backlog": 0, "unacked": 0, "consumers": set(),
-            "oldest_unacked_s": None, "delayed": 0})
-        sub["backlog"] += row["backlog"]
-        sub["delayed"] += row.get("delayed", 0)  # held until their delivery time
-        sub["unacked"] += sum(c["unacked"] for c in row["consumers"])
-        sub["consumers"].update(c["name"] for c in row["consumers"])
-        oldest = row.get("oldest_unacked_s")
-        if oldest is not None and (sub["oldest_unacked_s"] is None
-                                   or oldest > sub["oldest_unacked_s"]):
-            sub["oldest_unacked_s"] = oldest
+    for part in parts:
+        for name, one in part.items():
+            sub = out.setdefault(name, {
+                "type": one["type"], "backlog": 0, "unacked": 0, "consumers": set(),
+                "oldest_unacked_s": None, "delayed": 0, "shares": []})
+            for field in ("backlog", "unacked", "delayed"):
+                sub[field] += one.get(field, 0)
+            sub["consumers"].update(one["consumers"])
+            sub["shares"] += one.get("shares", [])
+            oldest = one.get("oldest_unacked_s")
+            if oldest is not None and (sub["oldest_unacked_s"] is None
+                                       or oldest > sub["oldest_unacked_s"]):
+                sub["oldest_unacked_s"] = oldest
     for sub in out.values():
         sub["consumers"] = sorted(sub["consumers"])
     return dict(sorted(out.items()))
@@ -172,33 +194,80 @@ def _producers(streams: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def topic_stats(store: Store, subscriptions: Subscriptions, streams: Streams, topic: str, *,
-                per_partition: bool = False) -> dict[str, Any]:
+                per_partition: bool = False, here_only: bool = False) -> dict[str, Any]:
     """One topic's stats (``Admin.topic_stats``); with ``per_partition``, each partition's
-    too, under ``partitions``."""
+    too, under ``partitions``. On a cluster the partitions other brokers own are asked of
+    their owners (side by side) unless ``here_only``; those nobody answered for
+    are listed under ``unanswered``, each group with its owner and why."""
     record = store.topic(topic)
     name = record.name
     plogs = store.partitions(name, serving=True)  # what is stored, announced partitions too
-    segments = {p.partition: p.segments() for p in plogs}
     rows = subscriptions.listing(name)
     live = streams.current(name)
     owners = store.owners.of_topic(name)
+    parts: list[dict[str, Any]] = [{
+        "partition": p.partition, **_rates([p]),
+        "messages_in": p.rate_in.messages_total, "bytes_in": p.rate_in.bytes_total,
+        "messages_out": p.rate_out.messages_total, "bytes_out": p.rate_out.bytes_total,
+        "storage": storage_of(p.segments()),
+        "producers": _producers([s for s in live if s["partition"] == p.partition]),
+        "readers": sum(1 for s in live if s["kind"] != "producer"
+                       and s["partition"] == p.partition),
+        "subscriptions": subscription_stats([r for r in rows if r["partition"] == p.partition]),
+        "owner": owners[p.partition].as_dict() if p.partition in owners else None,
+    } for p in plogs]
+    unanswered: list[dict[str, Any]] = []
+    if store.cluster is not None and not here_only:
+        unanswered = _gather(name, record.serving, parts, owners, store.cluster.peers)
     out: dict[str, Any] = {
         "topic": name, "partition_count": record.partitions, "announced": record.announced,
-        **_rates(plogs),
-        "storage": storage_of([s for segs in segments.values() for s in segs]),
-        "producers": _producers(live),
-        "readers": sum(1 for s in live if s["kind"] != "producer"),
-        "subscriptions": subscription_stats(rows),
-        "owners": _owners(owners),
+        **{field: sum(p[field] for p in parts) for field in (*_RATES, *_COUNTERS, "readers")},
+        "storage": {loc: {field: sum(p["storage"][loc][field] for p in parts)
+                          for field in ("messages", "bytes", "segments")}
+                    for loc in LOCATIONS},
+        "producers": [prod for p in parts for prod in p["producers"]],
+        "subscriptions": merge_subscriptions([p["subscriptions"] for p in parts]),
+        "owners": _owners(owners), "unanswered": unanswered,
     }
-    if per_partition:
-        out["partitions"] = [{
-            "partition": p.partition, **_rates([p]), "storage": storage_of(segments[p.partition]),
-            "producers": _producers([s for s in live if s["partition"] == p.partition]),
-            "subscriptions": subscription_stats([r for r in rows if r["partition"] == p.partition]),
-            "owner": owners[p.partition].as_dict() if p.partition in owners else None,
-        } for p in plogs]
+    if per_partition or here_only:
+        out["partitions"] = parts
     return out
+
+
+def _gather(topic: str, count: int, parts: list[dict[str, Any]], owners: dict[int, Owner],
+            peers: Peers) -> list[dict[str, Any]]:
+    """Add to ``parts`` the partitions of ``topic`` (``count`` of them) served elsewhere, as
+    their owners answer them; what nobody answered for, grouped by owner and reason."""
+    have = {p["partition"] for p in parts}
+    asked: dict[str, list[int]] = {}
+    missing: dict[tuple[str | None, str], list[int]] = {}
+    for partition in range(count):
+        owner = owners.get(partition)
+        if partition in have:
+            continue
+        if owner is None:
+            missing.setdefault((None, "no broker owns it now (it is being taken over)"),
+                               []).append(partition)
+        elif owner.url is None:
+            missing.setdefault((owner.broker_id, "its owner has not said where it is "
+                                "reached yet"), []).append(partition)
+        else:
+            asked.setdefault(owner.url, []).append(partition)
+    answers = peers.call_each({url: ("topic-stats", {"topic": topic, "here_only": True})
+                               for url in asked})
+    by_url = {o.url: o.broker_id for o in owners.values()}
+    for url, answer in answers.items():
+        if isinstance(answer, Exception):
+            missing.setdefault((by_url[url], str(answer)), []).extend(asked[url])
+            continue
+        theirs = {p["partition"]: p for p in answer["partitions"]}
+        parts += [theirs[p] for p in asked[url] if p in theirs]
+        moved = [p for p in asked[url] if p not in theirs]
+        if moved:
+            missing.setdefault((by_url[url], "moved while it was asked"), []).extend(moved)
+    parts.sort(key=lambda p: p["partition"])
+    return [{"broker": broker, "partitions": sorted(partitions), "reason": reason}
+            for (broker, reason), partitions in missing.items()]
 
 
 def broker_stats(store: Store, streams: Streams) -> dict[str, Any]:

@@ -163,6 +163,12 @@ def render_topic_stats(stats: dict[str, Any]) -> Group:
     if stats.get("owners"):
         parts.insert(1, Text("owned by " + ", ".join(
             f"{_owner(o)}: {o['partitions']} partition(s)" for o in stats["owners"])))
+    head = 2 if stats.get("owners") else 1
+    for gap in reversed(stats.get("unanswered") or []):  # figures left out, and why
+        whose = f"owned by {gap['broker']}" if gap["broker"] else "owned by no broker"
+        numbers = ", ".join(map(str, gap["partitions"]))
+        parts.insert(head, Text(f"not counted: partition(s) {numbers} ({whose}): "
+                                f"{gap['reason']}", style="yellow"))
     for p in stats.get("partitions") or []:
         owner = f"; owned by {_owner(p['owner'])}" if p.get("owner") else ""
         parts += [Text(""), Text(f"partition {p['partition']}: in "

@@ -148,7 +148,9 @@ class Admin(BrokerClient):
     def topic_stats(self, topic: str, *, per_partition: bool = False) -> dict[str, Any]:
         """A topic's rates in and out (last minute), storage by location, producers and
         subscriptions (backlog, consumers, unacknowledged messages, the oldest one's age),
-        as ``pulsar-admin topics stats`` shows them (``tierstream topic stats``)."""
+        as ``pulsar-admin topics stats`` shows them (``tierstream topic stats``). Any broker of
+        a cluster answers for every partition, asking their owners; ``unanswered`` names
+        the partitions whose owner did not answer, and why."""
         return dict(self.action("topic-stats", {"topic": str(TopicName.parse(topic)),
                                                 "per_partition": per_partition}))
 

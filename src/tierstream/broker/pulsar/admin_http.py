@@ -385,15 +385,17 @@ class _Routes:
         if partition is not None:
             self._redirect_to_owner(name, partition)
         raw = self.broker.call("topic-stats", {"topic": name, "per_partition": True})
-        plogs = self.broker.store.partitions(name, serving=True)
-        rows = self.broker.call("subscriptions", {"topic": name})
         if partition is None:
-            return pulsar_stats(raw, plogs, rows)
-        if partition >= len(raw["partitions"]):
+            return pulsar_stats(raw)
+        count = raw["announced"] or raw["partition_count"]
+        if partition >= count:
             raise _Answer(HTTPStatus.NOT_FOUND, f"Topic not found: {name} has partitions "
-                          f"0..{len(raw['partitions']) - 1}")
-        return pulsar_stats(raw["partitions"][partition], [plogs[partition]],
-                            [r for r in rows if r["partition"] == partition])
+                          f"0..{count - 1}")
+        ours = [p for p in raw["partitions"] if p["partition"] == partition]
+        if not ours:  # moved away since the redirect was decided
+            raise _Answer(HTTPStatus.SERVICE_UNAVAILABLE, f"{name} partition {partition} is "
+                          "moving to another broker: ask again")
+        return pulsar_stats(ours[0])
 
     def _redirect_to_owner(self, name: str, partition: int) -> None:
         """A partition another broker owns (by the lease's last renewal) is answered there,
@@ -413,14 +415,12 @@ class _Routes:
                            ) -> dict[str, Any]:
         name = self._whole(namespace, topic)
         raw = self.broker.call("topic-stats", {"topic": name, "per_partition": True})
-        plogs = self.broker.store.partitions(name, serving=True)
-        rows = self.broker.call("subscriptions", {"topic": name})
-        out = pulsar_stats(raw, plogs, rows)
-        out["metadata"] = {"partitions": len(raw["partitions"])}  # what its clients see
+        out = pulsar_stats(raw)
+        # what its clients see; on a cluster, the other owners' partitions too
+        out["metadata"] = {"partitions": raw["announced"] or raw["partition_count"]}
         out["partitions"] = {} if not per_partition else {
-            pulsar_name(name, p): pulsar_stats(part, [plogs[p]],
-                                               [r for r in rows if r["partition"] == p])
-            for part in raw["partitions"] for p in [part["partition"]]}
+            pulsar_name(name, part["partition"]): pulsar_stats(part)
+            for part in raw["partitions"]}
         return out
 
     # -- subscriptions ------------------------------------------------------------------------

@@ -32,11 +32,9 @@ def _iso(ms: int) -> str:
     return datetime.datetime.fromtimestamp(ms / 1000, datetime.UTC).isoformat()
 
 
-def pulsar_stats(raw: dict[str, Any], plogs: list[Any], rows: list[dict[str, Any]]
-                 ) -> dict[str, Any]:
+def pulsar_stats(raw: dict[str, Any]) -> dict[str, Any]:
     """Pulsar's TopicStats JSON from tierstream's topic stats (``topic_stats.py``) of a topic or
-    one partition: ``plogs`` are its partitions (for the counters since the broker started),
-    ``rows`` its subscriptions' rows (``Subscriptions.listing``, for each consumer's share)."""
+    of one of its partitions (an entry of its ``partitions``)."""
     storage = raw["storage"]
     stored_bytes = sum(loc["bytes"] for loc in storage.values())
     stored_messages = sum(loc["messages"] for loc in storage.values())
@@ -60,17 +58,14 @@ def pulsar_stats(raw: dict[str, Any], plogs: list[Any], rows: list[dict[str, Any
             "msgBacklog": sub["backlog"], "backlogSize": int(sub["backlog"] * per_message),
             "unackedMessages": sub["unacked"], "msgDelayed": sub.get("delayed", 0),
             "msgRateExpired": 0.0,
-            "isReplicated": False, "consumers": _consumers(
-                [c for r in rows if r["subscription"] == name for c in r["consumers"]]),
+            "isReplicated": False, "consumers": _consumers(sub["shares"]),
         }
     backlog = max((s["msgBacklog"] for s in subscriptions.values()), default=0)
     return {
         "msgRateIn": rate_in, "msgThroughputIn": raw["byte_rate_in"],
         "msgRateOut": raw["msg_rate_out"], "msgThroughputOut": raw["byte_rate_out"],
-        "msgInCounter": sum(p.rate_in.messages_total for p in plogs),
-        "bytesInCounter": sum(p.rate_in.bytes_total for p in plogs),
-        "msgOutCounter": sum(p.rate_out.messages_total for p in plogs),
-        "bytesOutCounter": sum(p.rate_out.bytes_total for p in plogs),
+        "msgInCounter": raw["messages_in"], "bytesInCounter": raw["bytes_in"],
+        "msgOutCounter": raw["messages_out"], "bytesOutCounter": raw["bytes_out"],
         "averageMsgSize": raw["byte_rate_in"] / rate_in if rate_in else 0.0,
         "msgChunkPublished": False,
         "storageSize": stored_bytes, "offloadedStorageSize": storage["tier"]["bytes"],
