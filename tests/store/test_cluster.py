@@ -500,3 +500,43 @@ def test_a_topic_s_stats_asked_of_any_broker_count_every_owner_s_partitions(
             " ".join(said.stdout.split()), said.stdout
     finally:
         c.proc.send_signal(signal.SIGCONT)
+
+
+def test_each_broker_repairs_the_segments_of_its_own_partitions_and_its_log_knows_it(
+        network_store) -> None:
+    """Two brokers own a partition each, their segments written on two of three bookies. A
+    bookie both partitions write to is SIGKILLed under a producer: each open segment is
+    sealed without it and re-replicated onto the third bookie by its partition's owner,
+    whose log then names the new bookies. (Every broker repaired every partition's segments
+    before: the owner of one another broker had repaired went on naming the dead bookie to
+    readers, to its offload and to its deletions, which left the new copy behind for
+    good.)"""
+    _, bookies, broker = network_store
+    brokers = [_cluster(broker, f"broker-{n}", "--write-quorum", "2", "--ack-quorum",
+                        "2").start() for n in "ab"]
+    with Admin(brokers[0].url) as admin:
+        admin.create_topic(TOPIC, 2)
+    wait_for(lambda: [_owned(x.url) for x in brokers] == [1, 1], timeout=scaled(30),
+             what="a partition owned by each broker")
+
+    def ensembles(url: str, state: str) -> list[tuple[str, ...]]:  # as the owner's log has
+        with Admin(url) as admin:
+            return [s.ensemble for s in admin.list_segments(TOPIC)
+                    if s.state == state and s.entries]
+
+    writer = _Writer(",".join(b.url for b in brokers), send_timeout=scaled(30))
+    try:
+        writer.wait_for_more(500)
+        both = set.intersection(*(set(ensembles(b.url, "OPEN")[0]) for b in brokers))
+        victim = sorted(both)[0]  # two of three bookies each: they share one at least
+        bookies[int(victim.rsplit("-", 1)[1])].kill()
+        writer.wait_for_more(500)  # on new segments, without it
+    finally:
+        acked = writer.stop()
+    for b in brokers:
+        wait_for(lambda url=b.url: all(victim not in e for e in ensembles(url, "CLOSED")),
+                 timeout=scaled(60), what=f"{b.data_dir.name}'s log to name the bookies its "
+                 f"segments were re-replicated onto, not {victim}")
+        with Admin(b.url) as admin:  # it repaired its own
+            assert admin.stats()["replication"]["re_replicated"] > 0, b.data_dir.name
+    check_exactly_once_in_order(_read(brokers[0].url), acked)

@@ -70,10 +70,9 @@ class Store(OwnedPartitions):
                 prepare_data_dir(config.data_dir)
                 self._lock_file = lock_data_dir(config.data_dir, config.layout.lock)
 
-        #: set (with the reason) when a thread the broker cannot serve without died of an
-        #: error nobody foresaw (housekeeping: segments would never roll by age, copies never
-        #: be repaired; the subscriptions' timer, cursor writer, dead-letter writer, a local
-        #: bookie's journal): the broker stops (broker/run.py), a standby or restart serves on
+        #: set (with the reason) when a thread the broker needs died of an error nobody
+        #: foresaw (housekeeping, the subscriptions' timer, cursor writer, dead-letter writer,
+        #: a local bookie's journal): the broker stops (broker/run.py); others serve on
         self.failed = threading.Event()
         self.failed_reason = ""
 
@@ -153,7 +152,8 @@ class Store(OwnedPartitions):
         self.recovery: list[RecoveryReport] = recover_open_segments(
             self.metadata, self.bookies, ack_quorum=self.ack_quorum, partitions=served)
         self.repairer = Repairer(self.metadata, self.bookies, self.write_quorum,
-                                 self._segment_updated, seal=self._seal_lost,
+                                 self._segment_updated, seal=self._seal_lost, serves=None
+                                 if self.cluster is None else self.serves,
                                  audit_interval_s=config.bookie_audit_interval_s)
         for report in self.recovery:
             if report.missing_replicas:

@@ -8,6 +8,10 @@ there may be short or missing), when it was placed on fewer bookies than the wri
 when recovery sealed it without some of its bookies, when a bookie that held a copy was
 replaced by an empty disk (``cookie.py``), or when an audit finds a copy short.
 
+On a cluster (several brokers) each broker audits and repairs the segments of the partitions
+it serves alone: the owner's log is the one that must learn a segment's new ensemble (its
+reads, offload and deletions go by it).
+
 **The audit** (BookKeeper's auditor) compares every closed segment still on bookies with
 what each answering bookie of its ensemble holds: one call per bookie lists its ledgers with
 the entries their index holds, and a copy with fewer entries than the segment's record is
@@ -55,8 +59,12 @@ class Repairer:
     def __init__(self, metadata: MetadataStore, bookies: dict[str, BookieClient],
                  write_quorum: int, updated: Callable[[SegmentRecord], None], *,
                  seal: Callable[[SegmentRecord], None] | None = None,
+                 serves: Callable[[], set[tuple[str, int]]] | None = None,
                  audit_interval_s: float = DEFAULT_AUDIT_INTERVAL_S) -> None:
         self._metadata, self._bookies, self._write_quorum = metadata, bookies, write_quorum
+        #: the partitions this broker serves, when it is one of several: it audits and
+        #: repairs their segments alone (the owner's log learns each new ensemble); None: all
+        self._serves = serves
         self._updated = updated  # the partition's log serves the new record
         self._seal = seal  # seals an open segment listed because a bookie lost its copy
         self._audit_interval_s = audit_interval_s
@@ -94,9 +102,10 @@ class Repairer:
         listed = under_replicated(self._metadata)
         with self._lock:
             self._listed = len(listed)
+        mine = None if self._serves is None else self._serves()
         for segment_id in sorted(listed):
             try:
-                done = self._repair(segment_id)
+                done = self._repair(segment_id, mine)
             except TierstreamError as exc:  # a bookie went away meanwhile: next pass
                 self._tell_wait(segment_id, str(exc))
                 continue
@@ -125,6 +134,9 @@ class Repairer:
         found: list[tuple[int, str]] = []
         copies: dict[int, int] = {}
         segments = segments_on_bookies(self._metadata)
+        if self._serves is not None:  # the other partitions' owners audit theirs
+            mine = self._serves()
+            segments = [s for s in segments if (s.topic, s.partition) in mine]
         for seg in segments:
             answering = [b for b in seg.ensemble if b in held]
             short = [b for b in answering if held[b].get(seg.segment_id, 0) < seg.entries]
@@ -177,13 +189,16 @@ class Repairer:
         for segment_id in [s for s in self._told if s not in copies]:
             del self._told[segment_id]
 
-    def _repair(self, segment_id: int) -> bool:
-        """True when the segment needs nothing more (repaired, whole, or gone)."""
+    def _repair(self, segment_id: int, mine: set[tuple[str, int]] | None) -> bool:
+        """True when the segment needs nothing more (repaired, whole, or gone); a segment of
+        a partition not in ``mine`` (None: every one) is its owner's to repair."""
         try:
             seg = self._metadata.get_segment(segment_id)
         except NotFoundError:
             repaired(self._metadata, segment_id)  # deleted (retention, topic deletion)
             return True
+        if mine is not None and (seg.topic, seg.partition) not in mine:
+            return False
         if seg.state != SegmentState.CLOSED:
             # open: listed because a bookie of it lost its copy; repaired once sealed
             if self._seal is not None:
