@@ -429,6 +429,12 @@ def test_a_partition_taken_over_then_handed_to_an_older_broker_is_offloaded_ther
     with Admin(taker.url) as admin:
         admin.drain()
     assert _owned(older.url) == 3
+
+    def served() -> int:  # opened at its next renewal: until then its view names the taker
+        with Admin(older.url) as admin:
+            return int(admin.stats()["partitions"])
+
+    wait_for(lambda: served() == 3, timeout=scaled(30), what="the older broker to open the 3")
     with Admin(older.url) as admin:
         admin.seal(TOPIC)
         admin.offload(TOPIC)

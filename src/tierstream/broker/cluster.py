@@ -18,6 +18,12 @@ and what it took over:
   off from the metadata server) stops: other brokers may own its partitions now. Its writes
   were refused from the moment they did (fenced ledgers; every new segment and seal checks
   the owner in its own transaction), so stopping is for its clients, which go elsewhere.
+- **The metadata store away for everyone.** A lease past due because PostgreSQL does not
+  answer is not over when every other live broker (as last seen) answers that it cannot
+  renew either: nobody can take a partition over without the store, so the broker serves on
+  (its appends need only the bookies) until the store's outage limit. Once it is back, a
+  broker takes nothing over for a lease (every lease looks expired then; the others renew
+  meanwhile), and its own late renewal says which partitions are still its own.
 
 A move takes the lease timeout (the former owner's silence) plus at most one renewal period
 plus the recovery of the partitions moved. Work of the whole store that is not any one
@@ -27,8 +33,10 @@ broker yet: it says so.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -92,8 +100,13 @@ class Cluster:
         #: bookies'): what their partitions' stats are (topic_stats.py)
         self.peers = Peers(auth_token=store.config.bookie_token,
                            tls_ca=store.config.bookie_tls_ca)
+        #: the other brokers whose lease was live at the last look ({id: url}): asked whether
+        #: the metadata store is away for them too when it is for this one
+        self._live_peers: dict[str, str] = {}
+        store.owners.everyone_away = self._everyone_away
         self._wake = threading.Event()
         self._worker: Worker | None = None
+        self._watcher: Worker | None = None  # of the lease through metadata outages
         self._version: str | None = None  # the owners' version the placements were read at
         self._serving = threading.Lock()  # one serve() at a time
         #: the owners' version at the last look for orphans (each renewal's otherwise reads
@@ -123,14 +136,25 @@ class Cluster:
         clients fence and recover under it). Returns the partitions claimed."""
         owners = self.store.owners
         version = owners.version
+        if not self._may_take_over():
+            return []
         if version == self._looked and not owners.expired(self.lease_ms):
             return []  # no lease expired, and nothing released or placed since the last look
         orphans, room = owners.orphans(self.store.metadata.partitions(), self.lease_ms)
         self._looked = version
-        if not orphans or not room:
-            return []
+        if not orphans or not room or not self._may_take_over():  # (the reads may have
+            return []  # waited out an outage of the metadata store: asked again)
         self._write_under(take_writer_epoch(self.store.metadata))
         return owners.take_over(orphans[:room], self.store.epoch, self.lease_ms)
+
+    def _may_take_over(self) -> bool:
+        """Not while this broker's own lease is old (it may be the one cut off), nor for a
+        lease after an outage of its renewals ended: every broker's lease looks expired
+        when the metadata store comes back, and the others renew theirs meanwhile."""
+        owners = self.store.owners
+        ended, silent = owners.outage_ended_at, owners.silence()
+        return silent is not None and silent <= self.lease_s and not owners.shared_outage \
+            and (ended is None or time.monotonic() - ended >= self.lease_s)
 
     def _write_under(self, epoch: int) -> None:
         """Fence, recover, seal and delete under ``epoch`` from now on."""
@@ -187,6 +211,22 @@ class Cluster:
         self._worker = Worker("broker-takeover", self._run,
                               on_error=self.store.thread_failed("the broker's takeovers"))
         self._worker.start()
+        self._watcher = Worker("broker-outage-watch", self._watch,
+                               on_error=self.store.thread_failed("the broker's lease watch"))
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        """While the lease's renewal waits for the metadata store past the lease, ask every
+        renewal period whether the store is away for every live broker: then this one
+        serves on (``PartitionOwners.shared_outage``), and its renewal, however late, says
+        what is still its own."""
+        assert self._watcher is not None
+        owners = self.store.owners
+        while not self._watcher.stopping.wait(RENEW_S):
+            silent = owners.silence()
+            if silent is not None and silent > self.lease_s and not owners.shared_outage \
+                    and self._everyone_away():
+                owners.shared_outage = True
 
     def _run(self) -> None:
         assert self._worker is not None
@@ -200,6 +240,40 @@ class Cluster:
             if version != self._version and self.serve_placed():
                 self._version = version
             self.take_over()
+            self._look_at_peers()
+
+    def _look_at_peers(self) -> None:
+        """Note the other brokers whose lease is live now, and where they are reached."""
+        with contextlib.suppress(TierstreamError):  # the metadata away: the last look holds
+            live = {str(b["broker"]): str(b["url"]) for b in self.store.owners.brokers()
+                    if not b["this"] and b["url"] and b["heard_ms_ago"] is not None
+                    and b["heard_ms_ago"] <= self.lease_ms}
+            if live != self._live_peers:
+                log.info("%s sees %d other live broker(s)%s", self.store.owners.broker_id,
+                         len(live), "".join(f"; {b} at {u}" for b, u in sorted(live.items())))
+            self._live_peers = live
+
+    def _everyone_away(self) -> bool:
+        """Whether every other broker live at the last look answers that it has not renewed
+        its lease for longer than the lease either: the metadata store is away for them all,
+        so none can take a partition over. One that does not answer, or renewed, says no
+        (this broker may be the one cut off). A broker alone says no."""
+        peers = dict(self._live_peers)
+        if not peers:
+            return False
+        answers = self.peers.call_each({url: ("ping", {}) for url in peers.values()})
+        for answer in answers.values():
+            if isinstance(answer, Exception) or not isinstance(answer, dict):
+                return False
+            silent = answer.get("lease_silent_s")
+            if silent is None or float(silent) <= self.lease_s:
+                return False
+        if not self.store.owners.shared_outage:
+            log.warning("%s could not renew its lease for %.1f s, and no other broker reaches "
+                        "the metadata store either: none can take its partitions over, so it "
+                        "serves on", self.store.owners.broker_id,
+                        self.store.owners.silence() or 0.0)
+        return True
 
     def serve_placed(self) -> bool:
         """Serve the partitions another broker placed here (a new topic's: ``place()``)
@@ -293,6 +367,8 @@ class Cluster:
             return []
 
     def stop(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
         if self._worker is not None:
             self._wake.set()
             self._worker.stop()

@@ -82,6 +82,12 @@ class PartitionOwners:
         self.after_renewal: list[Callable[[], None]] = []
         #: called with why once the lease expired unrenewed (``keep(lease_s=...)``)
         self.on_expired: list[Callable[[str], None]] = []
+        #: asked once the lease is past due for want of the metadata store (broker/cluster.py):
+        #: True when it is away for every live broker, so none can take a partition over; the
+        #: broker then serves on (``shared_outage``) until its renewal says what is its own
+        self.everyone_away: Callable[[], bool] | None = None
+        self.shared_outage = False
+        self.outage_ended_at: float | None = None  # monotonic; takeovers wait a lease after
 
     def __repr__(self) -> str:
         return f"PartitionOwners(broker={self.broker_id!r}, epoch={self.epoch})"
@@ -312,7 +318,7 @@ class PartitionOwners:
             row = c.execute("SELECT value FROM meta WHERE key='owners_version'").fetchone()
             version = None if row is None else str(row[0])
             if version is not None and version == self._version:
-                self.renewed_at = time.monotonic()
+                self._renewed()
                 return
             rows = c.execute(
                 OWNER_SELECT.format(heard="NULL").replace(
@@ -320,7 +326,7 @@ class PartitionOwners:
                 (self.broker_id,)).fetchall()
         elsewhere = {(row[0], int(row[1])): owner_row(row[2:]) for row in rows}
         with self._view:
-            self.renewed_at = time.monotonic()
+            self._renewed()
             if noted != self._noted:  # this broker gained or gave partitions meanwhile: the
                 self._version = None  # rows may be older than that; read again next time
                 return
@@ -344,7 +350,7 @@ class PartitionOwners:
         failing = False
         while not stopping.wait(RENEW_S):
             before = self.renewed_at
-            if self._over(before, lease_s):
+            if self._over(before, lease_s, store_away=failing):
                 return
             try:
                 self.renew()
@@ -355,26 +361,44 @@ class PartitionOwners:
                 failing = True
                 continue
             # a renewal that waited past the lease (a network dropping every packet, shorter
-            # than the metadata sessions' DEAD_PEER_S) came too late: it was over meanwhile
-            if self._over(before, lease_s):
+            # than the metadata sessions' DEAD_PEER_S) came too late: it was over meanwhile;
+            # after an outage every broker shared, the renewal's view says what is still ours
+            if not self.shared_outage and self._over(before, lease_s):
                 return
-            if failing:
+            if failing or self.shared_outage:
                 log.warning("%s renews its lease again", self.broker_id)
-            failing = False
+            failing = self.shared_outage = False
             for renewed in self.after_renewal:
                 renewed()
 
-    def _over(self, renewed_at: float | None, lease_s: float | None) -> bool:
+    def _over(self, renewed_at: float | None, lease_s: float | None, *,
+              store_away: bool = False) -> bool:
         """Whether the lease last renewed at ``renewed_at`` went unrenewed past ``lease_s``
-        by now; if so, each of :attr:`on_expired` is told why."""
+        by now; if so, each of :attr:`on_expired` is told why. Not while the metadata store
+        is away (``store_away``) for every other live broker too (:attr:`everyone_away`):
+        nobody can take a partition over without it."""
         silent = None if renewed_at is None else time.monotonic() - renewed_at
         if lease_s is None or silent is None or silent <= lease_s:
+            return False
+        if self.shared_outage or (store_away and self.everyone_away is not None
+                                  and self.everyone_away()):
+            self.shared_outage = True
             return False
         why = (f"{self.broker_id} could not renew its lease for {silent:.1f} s, past the lease "
                f"timeout of {lease_s:g} s: other brokers may own its partitions now")
         for listener in self.on_expired:
             listener(why)
         return True
+
+    def _renewed(self) -> None:  # an outage ends at a renewal later than two periods
+        now = time.monotonic()
+        if self.renewed_at is not None and now - self.renewed_at > 2 * RENEW_S:
+            self.outage_ended_at = now
+        self.renewed_at = now
+
+    def silence(self) -> float | None:
+        """Seconds since the lease was last renewed (None: never)."""
+        return None if self.renewed_at is None else time.monotonic() - self.renewed_at
 
     def serving(self, topic: str, partition: int) -> None:
         """Before a stream of the partition is served here (and at each batch a producer

@@ -1,0 +1,98 @@
+"""Several brokers (``--cluster``) through an outage of the metadata store itself: PostgreSQL
+down for longer than the lease, for every broker at once. None can take a partition over
+without it, so none stops; when it is back, no partition moves."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from tierstream.broker.process import BrokerProcess
+from tierstream.client import Admin
+
+from ..network_store import BookieProcess, broker_args
+from ..postgres import started
+from ..timing import scaled
+from .helpers import wait_for
+from .test_cluster import _owned, _Received
+from .test_network_bookies import TOPIC, _read, _Writer, check_exactly_once_in_order
+
+LEASE_S = scaled(3)
+
+
+def _owners(url: str) -> dict[int, tuple[str, int]]:
+    """Each partition's owner and the epoch of its claim."""
+    with Admin(url) as admin:
+        stats = admin.topic_stats(TOPIC, per_partition=True)
+    return {p["partition"]: (p["owner"]["broker"], p["owner"]["epoch"])
+            for p in stats["partitions"]}
+
+
+def test_postgres_down_past_the_lease_for_every_broker_stops_none_and_moves_nothing(
+        tmp_path: Path) -> None:
+    """Two cluster brokers under a producer and a key_shared consumer; PostgreSQL is halted
+    until both have gone more than two leases without renewing. Each serves on (every other
+    broker answers that it cannot reach the metadata store either), and once PostgreSQL is
+    back every partition is owned where it was, at the same epoch; every acknowledged
+    message is read once in key order, and received. (Before, each broker stopped once its
+    lease was unrenewed for a lease timeout: an ordinary database restart stopped the
+    whole cluster.)"""
+    server = started()  # a server of its own: it is halted
+    procs: list[BookieProcess | BrokerProcess] = []
+    try:
+        url = server.new_database()
+        for i in range(3):
+            procs.append(BookieProcess(tmp_path / f"bookie-{i}", url,
+                                       host_label=f"host-{i}").start())
+        brokers = [BrokerProcess(tmp_path / name, args=broker_args(
+            url, "--cluster", "--lease-timeout", f"{LEASE_S:g}s")) for name in ("a", "b")]
+        procs += brokers
+        for b in brokers:
+            b.start(timeout=scaled(120))
+        with Admin(brokers[0].url) as admin:
+            admin.create_topic(TOPIC, 4)
+        wait_for(lambda: [_owned(b.url) for b in brokers] == [2, 2], timeout=scaled(30),
+                 what="2 partitions owned by each broker")
+        both = ",".join(b.url for b in brokers)
+        writer = _Writer(both, send_timeout=scaled(60))
+        received = _Received(both)
+        try:
+            writer.wait_for_more(500)
+            wait_for(lambda: all("sees 1 other live broker" in "".join(b.stderr_tail)
+                                 for b in brokers), timeout=scaled(30),
+                     what="each broker to know the other")
+            before = _owners(brokers[0].url)
+            server.halt()
+            halted = time.monotonic()
+            # the outage is the fault: it lasts (any broker that stops ends the wait)
+            wait_for(lambda: time.monotonic() - halted > 2 * LEASE_S or any(
+                b.proc is None or b.proc.poll() is not None for b in brokers),
+                timeout=scaled(60), what="two leases of the metadata store away")
+            for b in brokers:
+                assert b.proc is not None and b.proc.poll() is None, \
+                    "".join(list(b.stderr_tail)[-20:])
+            server.resume()
+            writer.wait_for_more(500)
+
+            def renewed(b: BrokerProcess) -> bool:
+                with Admin(b.url) as admin:
+                    return float(admin.stats()["broker"]["lease_renewed_s_ago"]) < LEASE_S
+
+            wait_for(lambda: all(renewed(b) for b in brokers), timeout=scaled(60),
+                     what="both brokers to renew their lease again")
+            writer.wait_for_more(500)
+            assert _owners(brokers[1].url) == before, "".join(
+                line for b in brokers for line in list(b.stderr_tail)[-25:])
+        finally:
+            acked = writer.stop()
+        received.check(acked)
+        check_exactly_once_in_order(_read(brokers[0].url), acked)
+        for b in brokers:
+            assert b.proc is not None and b.proc.poll() is None, \
+                "".join(list(b.stderr_tail)[-20:])
+            assert b.tracebacks == [], b.tracebacks
+            assert "serves on" in "".join(b.stderr_tail), b.data_dir.name  # and said why
+    finally:
+        for proc in procs:
+            proc.kill()
+        server.stop()
