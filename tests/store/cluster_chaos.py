@@ -16,7 +16,9 @@ partition's owner), and N faults drawn at random, one after another:
 - ``topic-unload``: one partition moved to the least-loaded other broker (``topic unload``);
 - ``bookie-kill``, ``bookie-cut``, ``bookie-wipe`` (a bookie back on an empty disk with
   ``--replace``, once earlier faults are repaired) and ``postgres-restart``, as in
-  ``network_chaos.py``.
+  ``network_chaos.py``;
+- ``postgres-outage``: PostgreSQL away for two leases, for every broker at once: none may
+  stop (none can take a partition over without it).
 
 After each fault both producers must get more acknowledgements. At the end every
 acknowledged message is read once, in per-key order, and the consumers received every one,
@@ -64,7 +66,7 @@ BROKER_PORT, PULSAR_PORT, PARTITIONS = 6651, 6650, 12
 LEASE_S = scaled(3)
 BROKERS = ("broker-a", "broker-b", "broker-c")
 KINDS = ("broker-kill", "broker-hang", "broker-cut", "broker-drain", "topic-unload",
-         "bookie-kill", "bookie-cut", "bookie-wipe", "postgres-restart")
+         "bookie-kill", "bookie-cut", "bookie-wipe", "postgres-restart", "postgres-outage")
 
 
 def run(faults: int, seed: int, sequence: list[str] | None = None, *, between: int = 300,
@@ -221,6 +223,11 @@ def _run(faults: int, seed: int, sequence: list[str] | None, between: int, spark
                     elif kind == "broker-drain":
                         with Admin(brokers.url(victim)) as admin:
                             admin.drain()
+                    elif kind == "postgres-outage":  # past the lease, for every broker
+                        server.halt()
+                        time.sleep(2 * LEASE_S)  # the fault is its length
+                        brokers.all_running()
+                        server.resume()
                     elif kind == "topic-unload":
                         with Admin(brokers.url(victim)) as admin:
                             admin.unload(TOPIC, rng.randrange(PARTITIONS))
@@ -234,18 +241,10 @@ def _run(faults: int, seed: int, sequence: list[str] | None, between: int, spark
                           f"); {writer.acked:,} acknowledged, {app.acked:,} to the Pulsar "
                           "client", flush=True)
             finally:
-                try:
-                    acked = writer.stop()
-                    app_acked = app.stop_producing()
-                except AssertionError:
-                    brokers.say()
-                    raise
-            try:
-                received.check(acked)
-                app.check(app_acked)
-            except AssertionError:
-                brokers.say()
-                raise
+                acked = writer.stop()
+                app_acked = app.stop_producing()
+            received.check(acked)
+            app.check(app_acked)
             repaired("every segment to be whole again at the end")
             _check_disks(brokers.url("broker-a"), bookies)
             values = _read(brokers.url("broker-b"))
@@ -263,6 +262,10 @@ def _run(faults: int, seed: int, sequence: list[str] | None, between: int, spark
                     f"Spark read {len(got)} rows, tierstream.read {len(values)}"
             for name, proc in brokers.running.items():
                 assert proc.tracebacks == [], (name, proc.tracebacks)
+        except BaseException:
+            if "brokers" in locals():
+                brokers.say()
+            raise
         finally:
             for proc in reversed(procs):  # the clients before the brokers they use
                 proc.kill()

@@ -129,6 +129,7 @@ class Cluster:
                                 "stop it, and start every broker of the store with --cluster")
         self.store.owners.join()
         metadata.owner = self.store.owners  # every new segment and seal checks the owner
+        self._look_at_peers()  # known from the start: asked in an outage of the store
         return set(self.claim())
 
     def claim(self) -> list[tuple[str, int]]:
