@@ -1,9 +1,11 @@
-"""Several brokers (``--cluster``) through an outage of the metadata store itself: PostgreSQL
-down for longer than the lease, for every broker at once. None can take a partition over
-without it, so none stops; when it is back, no partition moves."""
+"""Several brokers (``--cluster``) and their metadata store: PostgreSQL down for longer than
+the lease, for every broker at once (none can take a partition over without it, so none
+stops; when it is back, no partition moves), and a broker paused inside a transaction (its
+row locks end with its session, which the taker ends)."""
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -13,7 +15,7 @@ from tierstream.client import Admin
 from ..network_store import BookieProcess, broker_args
 from ..postgres import started
 from ..timing import scaled
-from .helpers import wait_for
+from .helpers import stop_process, wait_for
 from .test_cluster import _owned, _Received
 from .test_network_bookies import TOPIC, _read, _Writer, check_exactly_once_in_order
 
@@ -96,3 +98,52 @@ def test_postgres_down_past_the_lease_for_every_broker_stops_none_and_moves_noth
         for proc in procs:
             proc.kill()
         server.stop()
+
+
+def test_a_broker_paused_inside_a_metadata_transaction_holds_up_no_takeover(
+        network_store) -> None:
+    """B is SIGSTOPped while a session of its own holds the row of its open segment locked
+    (as a broker paused mid-transaction does: the server keeps its locks while its session
+    lives). A takes B's partition over once B's lease expired, and ends B's sessions first,
+    so its recovery seals that segment and serves on. (Before, the seal waited for the lock
+    for as long as B stayed paused: the partition was owned, and served by nobody.)"""
+    import psycopg
+
+    url, _, broker = network_store
+    a, b = (broker(f"broker-{n}", "--cluster", "--lease-timeout", f"{LEASE_S:g}s").start()
+            for n in "ab")
+    with Admin(a.url) as admin:
+        admin.create_topic(TOPIC, 2)
+    wait_for(lambda: [_owned(x.url) for x in (a, b)] == [1, 1], timeout=scaled(30),
+             what="a partition owned by each broker")
+    writer = _Writer(f"{a.url},{b.url}", send_timeout=scaled(10))  # B is left after it
+    try:
+        writer.wait_for_more(300)
+        with Admin(b.url) as admin:
+            b_id = admin.stats()["broker"]["id"]
+            (held,) = [s for s in admin.list_segments(TOPIC) if s.state == "OPEN"]
+        zombie = psycopg.connect(url, application_name=f"tierstream-broker/{b_id}")
+        zombie.execute("SELECT segment_id FROM segments WHERE segment_id = %s FOR UPDATE",
+                       (held.segment_id,))  # in a transaction, left open
+        assert b.proc is not None
+        stop_process(b.proc.pid)
+        try:
+            def sealed() -> bool:
+                with Admin(a.url) as admin:
+                    return any(s.segment_id == held.segment_id and s.state == "CLOSED"
+                               for s in admin.list_segments(TOPIC))
+
+            wait_for(sealed, timeout=scaled(60), what=f"A to take B's partition over and "
+                     f"seal its segment {held.segment_id}, locked by B's session")
+            writer.wait_for_more(300)  # both partitions at A
+            try:
+                zombie.execute("SELECT 1")
+                raise AssertionError("B's locking session was not ended")
+            except psycopg.OperationalError:
+                pass  # ended by A
+        finally:
+            b.proc.send_signal(signal.SIGCONT)
+            zombie.close()
+    finally:
+        acked = writer.stop()
+    check_exactly_once_in_order(_read(a.url), acked)

@@ -48,7 +48,9 @@ from tierstream.managed_ledger.bookies.client import BookieClient
 from tierstream.managed_ledger.bookies.remote import RemoteBookie
 from tierstream.managed_ledger.partition_log import PartitionLog
 from tierstream.metadata.bookie_registry import take_writer_epoch
+from tierstream.metadata.leader_lease import BROKER_APPLICATION
 from tierstream.metadata.ownership import RENEW_S, Owner, PartitionOwners
+from tierstream.metadata.postgres import PostgresBackend
 from tierstream.metadata.records import SegmentRecord, TopicRecord
 from tierstream.metadata.store import MetadataStore
 from tierstream.util.threads import Worker
@@ -128,6 +130,8 @@ class Cluster:
                                 "broker started without --cluster, which serves it alone: "
                                 "stop it, and start every broker of the store with --cluster")
         self.store.owners.join()
+        if isinstance(metadata.backend, PostgresBackend):  # named: see _end_sessions
+            metadata.backend.name_sessions(_session_name(self.store.owners.broker_id))
         metadata.owner = self.store.owners  # every new segment and seal checks the owner
         self._look_at_peers()  # known from the start: asked in an outage of the store
         return set(self.claim())
@@ -145,8 +149,29 @@ class Cluster:
         self._looked = version
         if not orphans or not room or not self._may_take_over():  # (the reads may have
             return []  # waited out an outage of the metadata store: asked again)
+        self._end_sessions(owners.expired(self.lease_ms))
         self._write_under(take_writer_epoch(self.store.metadata))
         return owners.take_over(orphans[:room], self.store.epoch, self.lease_ms)
+
+    def _end_sessions(self, brokers: list[str]) -> None:
+        """End the metadata sessions of ``brokers``, whose lease expired: one paused inside
+        a transaction holds its row locks for as long as its session lives, and the seal of
+        each segment it was writing would wait for them (the zombie's next statement opens
+        a new session, and finds its lease lost). Best effort: said when it fails."""
+        if not brokers:
+            return
+        try:
+            ended = self.store.metadata.query(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = "
+                "current_database() AND application_name = ANY(?)",
+                ([_session_name(b) for b in brokers],))
+        except Exception as exc:  # not allowed to (another role), or the server away
+            log.warning("could not end the metadata sessions of %s, whose lease expired: %s",
+                        ", ".join(brokers), exc)
+            return
+        if ended:
+            log.info("ended %d metadata session(s) of %s, whose lease expired", len(ended),
+                     ", ".join(brokers))
 
     def _may_take_over(self) -> bool:
         """Not while this broker's own lease is old (it may be the one cut off), nor for a
@@ -374,6 +399,11 @@ class Cluster:
             self._wake.set()
             self._worker.stop()
         self.peers.close()
+
+
+def _session_name(broker_id: str) -> str:
+    """The application_name of a cluster broker's metadata sessions."""
+    return f"{BROKER_APPLICATION}/{broker_id}"
 
 
 def cluster_of(store: ClusterStore) -> Cluster:

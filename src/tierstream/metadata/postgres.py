@@ -173,6 +173,9 @@ class PostgresBackend:
         self.lost_reason = ""
         #: set while a statement waits for the server, cleared when one reaches it again
         self.unreachable = threading.Event()
+        #: what the server shows as this backend's sessions' application_name (a cluster
+        #: broker names its own: a taker ends those of a broker whose lease expired)
+        self.application: str | None = None
         self._connect()
         #: a broker's hold on the database (hold=False: a bookie registering itself)
         self.lease = LeaderLease(self, takeover_after_s=takeover_after_s,
@@ -213,10 +216,19 @@ class PostgresBackend:
         return {k: v for k, v in _CLIENT_DEAD_PEER.items() if k not in given}
 
     def _connect(self) -> None:
-        self._conn = self.open_session(BROKER_APPLICATION if self.hold and not self.read_only
-                                       else "tierstream")
+        self._conn = self.open_session(self.application or (
+            BROKER_APPLICATION if self.hold and not self.read_only else "tierstream"))
         if self.read_only:
             self._conn.read_only = True
+
+    def name_sessions(self, application: str) -> None:
+        """Name this backend's sessions ``application`` from now on, the open one too."""
+        with self._lock:
+            self.application = application
+            conn = self._conn
+            if conn is not None and not conn.closed and not conn.broken:
+                conn.execute("SELECT set_config('application_name', %s, false)",
+                             (application,))
 
     def close_session(self) -> None:
         """Close the statements' session (a broker refused the lock)."""
