@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pyarrow as pa
 import pytest
@@ -30,6 +30,17 @@ def _cluster(broker: Callable[..., BrokerProcess], name: str, *extra: str) -> Br
 def _owned(url: str) -> int:
     with Admin(url) as admin:
         return int(admin.stats()["broker"]["partitions_owned"])
+
+
+def _spread(brokers: Sequence[BrokerProcess], partitions: int) -> None:
+    """Create TOPIC with ``partitions`` at the first of ``brokers``, and wait until each
+    owns as many (placement by count: the others open theirs at their next renewal)."""
+    with Admin(brokers[0].url) as admin:
+        admin.create_topic(TOPIC, partitions)
+    share = partitions // len(brokers)
+    wait_for(lambda: [_owned(b.url) for b in brokers] == [share] * len(brokers),
+             timeout=scaled(30), what=f"the {partitions} partitions to be owned {share} by "
+             "each broker")
 
 
 class _Received:
@@ -109,10 +120,7 @@ def test_a_topic_is_spread_over_the_live_brokers_and_a_killed_one_s_share_over_t
     _, _, broker = network_store
     brokers = [_cluster(broker, f"broker-{n}").start() for n in "abc"]
     a, b, c = brokers
-    with Admin(a.url) as admin:
-        admin.create_topic(TOPIC, 12)
-    wait_for(lambda: [_owned(x.url) for x in brokers] == [4, 4, 4], timeout=scaled(30),
-             what="the 12 partitions to be owned 4 by each broker")
+    _spread(brokers, 12)
     Consumer(TOPIC, "audit", broker=a.url).close()  # a subscription of every partition
     with Admin(b.url) as admin:  # any broker says who owns what
         stats = admin.topic_stats(TOPIC, per_partition=True)
@@ -143,10 +151,7 @@ def test_a_broker_paused_past_its_lease_is_taken_over_then_stops_refusing_writes
     from the last acknowledgement B has)."""
     _, _, broker = network_store
     a, b = (_cluster(broker, f"broker-{n}").start() for n in "ab")
-    with Admin(a.url) as admin:
-        admin.create_topic(TOPIC, 4)
-    wait_for(lambda: [_owned(x.url) for x in (a, b)] == [2, 2], timeout=scaled(30),
-             what="the 4 partitions to be owned 2 by each broker")
+    _spread((a, b), 4)
     both = f"{b.url},{a.url}"
     received = _Received(both)
     # a producer leaves the partition's owner after this long without an ack (it hangs)
@@ -187,10 +192,7 @@ def test_a_producer_leaves_a_hung_owner_that_is_also_the_broker_it_uses(
     # a second stall at A would outlast the reconnect window: the producer would give up
     monkeypatch.setenv("TIERSTREAM_RECONNECT_TIMEOUT", f"{send_timeout / 2:g}s")
     a, b, c = (_cluster(broker, f"broker-{n}").start() for n in "abc")
-    with Admin(a.url) as admin:
-        admin.create_topic(TOPIC, 6)
-    wait_for(lambda: [_owned(x.url) for x in (a, b, c)] == [2, 2, 2], timeout=scaled(30),
-             what="the 6 partitions to be owned 2 by each broker")
+    _spread((a, b, c), 6)
     writer = _Writer(f"{c.url},{a.url},{b.url}", send_timeout=send_timeout)
     try:
         writer.wait_for_more(500)
@@ -222,10 +224,7 @@ def test_partitions_move_between_live_brokers_on_demand_and_their_clients_follow
     once, in key order, and received, every key in order."""
     _, _, broker = network_store
     a, b = (_cluster(broker, f"broker-{n}", "--lease-timeout", "1h").start() for n in "ab")
-    with Admin(a.url) as admin:
-        admin.create_topic(TOPIC, 4)
-    wait_for(lambda: [_owned(x.url) for x in (a, b)] == [2, 2], timeout=scaled(30),
-             what="the 4 partitions to be owned 2 by each broker")
+    _spread((a, b), 4)
     received = _Received(a.url)
     writer = _Writer(a.url, send_timeout=scaled(5))
     try:
@@ -385,10 +384,7 @@ def test_a_drain_moves_a_partition_handed_to_the_broker_but_not_opened_yet(
     broker owns, not only what it has opened (it left such a partition behind)."""
     _, _, broker = network_store
     a, b = (_cluster(broker, f"broker-{n}", "--lease-timeout", "1h").start() for n in "ab")
-    with Admin(a.url) as admin:
-        admin.create_topic(TOPIC, 2)
-    wait_for(lambda: [_owned(x.url) for x in (a, b)] == [1, 1], timeout=scaled(30),
-             what="the 2 partitions to be owned 1 by each broker")
+    _spread((a, b), 2)
     with Admin(a.url) as admin_a, Admin(b.url) as admin_b:
         mine = [p["partition"] for p in admin_a.topic_stats(TOPIC, per_partition=True)
                 ["partitions"]]
@@ -412,10 +408,7 @@ def test_a_partition_taken_over_then_handed_to_an_older_broker_is_offloaded_ther
     of an epoch older than the fence, so the copies stayed and every pass failed.)"""
     _, _, broker = network_store
     a, b, c = (_cluster(broker, f"broker-{n}", "--deletion-lag", "0s").start() for n in "abc")
-    with Admin(a.url) as admin:
-        admin.create_topic(TOPIC, 3)
-    wait_for(lambda: [_owned(x.url) for x in (a, b, c)] == [1, 1, 1], timeout=scaled(30),
-             what="the 3 partitions to be owned 1 by each broker")
+    _spread((a, b, c), 3)
     writer = _Writer(f"{a.url},{c.url}", send_timeout=scaled(30))
     try:
         writer.wait_for_more(300)
@@ -459,10 +452,7 @@ def test_a_topic_s_stats_asked_of_any_broker_count_every_owner_s_partitions(
     brokers = [broker(f"broker-{n}", "--cluster", "--lease-timeout", f"{scaled(30):g}s",
                       "--admin-port", str(fixed_port())).start() for n in "abc"]
     a, _, c = brokers
-    with Admin(a.url) as admin:
-        admin.create_topic(TOPIC, 6)
-    wait_for(lambda: [_owned(x.url) for x in brokers] == [2, 2, 2], timeout=scaled(30),
-             what="the 6 partitions to be owned 2 by each broker")
+    _spread(brokers, 6)
     Consumer(TOPIC, "audit", broker=a.url).close()  # a subscription of every partition
     with Producer(TOPIC, broker=a.url) as producer:  # each partition written at its owner
         producer.send_many({"key": f"k{i % 7}", "value": f"k{i % 7}:{i}".encode()}
@@ -520,10 +510,7 @@ def test_each_broker_repairs_the_segments_of_its_own_partitions_and_its_log_know
     _, bookies, broker = network_store
     brokers = [_cluster(broker, f"broker-{n}", "--write-quorum", "2", "--ack-quorum",
                         "2").start() for n in "ab"]
-    with Admin(brokers[0].url) as admin:
-        admin.create_topic(TOPIC, 2)
-    wait_for(lambda: [_owned(x.url) for x in brokers] == [1, 1], timeout=scaled(30),
-             what="a partition owned by each broker")
+    _spread(brokers, 2)
 
     def ensembles(url: str, state: str) -> list[tuple[str, ...]]:  # as the owner's log has
         with Admin(url) as admin:

@@ -16,7 +16,7 @@ from ..network_store import BookieProcess, broker_args
 from ..postgres import started
 from ..timing import scaled
 from .helpers import stop_process, wait_for
-from .test_cluster import _owned, _Received
+from .test_cluster import _Received, _spread
 from .test_network_bookies import TOPIC, _read, _Writer, check_exactly_once_in_order
 
 LEASE_S = scaled(3)
@@ -51,10 +51,7 @@ def test_postgres_down_past_the_lease_for_every_broker_stops_none_and_moves_noth
         procs += brokers
         for b in brokers:
             b.start(timeout=scaled(120))
-        with Admin(brokers[0].url) as admin:
-            admin.create_topic(TOPIC, 4)
-        wait_for(lambda: [_owned(b.url) for b in brokers] == [2, 2], timeout=scaled(30),
-                 what="2 partitions owned by each broker")
+        _spread(brokers, 4)
         both = ",".join(b.url for b in brokers)
         writer = _Writer(both, send_timeout=scaled(60))
         received = _Received(both)
@@ -112,11 +109,8 @@ def test_a_broker_paused_inside_a_metadata_transaction_holds_up_no_takeover(
     url, _, broker = network_store
     a, b = (broker(f"broker-{n}", "--cluster", "--lease-timeout", f"{LEASE_S:g}s").start()
             for n in "ab")
-    with Admin(a.url) as admin:
-        admin.create_topic(TOPIC, 2)
-    wait_for(lambda: [_owned(x.url) for x in (a, b)] == [1, 1], timeout=scaled(30),
-             what="a partition owned by each broker")
-    writer = _Writer(f"{a.url},{b.url}", send_timeout=scaled(10))  # B is left after it
+    _spread((a, b), 2)
+    writer = _Writer(f"{a.url},{b.url}", send_timeout=scaled(5))  # B is left after it
     try:
         writer.wait_for_more(300)
         with Admin(b.url) as admin:

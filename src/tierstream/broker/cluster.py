@@ -175,12 +175,14 @@ class Cluster:
 
     def _may_take_over(self) -> bool:
         """Not while this broker's own lease is old (it may be the one cut off), nor for a
-        lease after an outage of its renewals ended: every broker's lease looks expired
-        when the metadata store comes back, and the others renew theirs meanwhile."""
+        lease after an outage of its renewals longer than half a lease ended: every broker's
+        lease may look expired when the metadata store comes back, and the others renew
+        theirs meanwhile."""
         owners = self.store.owners
         ended, silent = owners.outage_ended_at, owners.silence()
         return silent is not None and silent <= self.lease_s and not owners.shared_outage \
-            and (ended is None or time.monotonic() - ended >= self.lease_s)
+            and (ended is None or owners.outage_s <= self.lease_s / 2  # a hiccup, not one
+                 or time.monotonic() - ended >= self.lease_s)  # others' leases outlive
 
     def _write_under(self, epoch: int) -> None:
         """Fence, recover, seal and delete under ``epoch`` from now on."""

@@ -88,6 +88,7 @@ class PartitionOwners:
         self.everyone_away: Callable[[], bool] | None = None
         self.shared_outage = False
         self.outage_ended_at: float | None = None  # monotonic; takeovers wait a lease after
+        self.outage_s = 0.0  # how long that outage of the renewals was
 
     def __repr__(self) -> str:
         return f"PartitionOwners(broker={self.broker_id!r}, epoch={self.epoch})"
@@ -393,7 +394,7 @@ class PartitionOwners:
     def _renewed(self) -> None:  # an outage ends at a renewal later than two periods
         now = time.monotonic()
         if self.renewed_at is not None and now - self.renewed_at > 2 * RENEW_S:
-            self.outage_ended_at = now
+            self.outage_ended_at, self.outage_s = now, now - self.renewed_at
         self.renewed_at = now
 
     def silence(self) -> float | None:
