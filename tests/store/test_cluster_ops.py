@@ -1,0 +1,223 @@
+"""Several brokers (issue 52), continued from ``test_cluster.py`` (kept apart so that
+the two files run on two test workers): refusals past a producer's send timeout, drains of
+partitions not opened yet, offload and repair by each partition's owner, and topic stats
+gathered from every owner."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pyarrow as pa
+
+from tierstream.client import Admin, Consumer, Producer
+from tierstream.errors import UnavailableError
+
+from ..cli.test_cli import run
+from ..ports import fixed_port
+from ..timing import scaled
+from .helpers import stop_process, wait_for
+from .test_cluster import _cluster, _owned, _spread
+from .test_network_bookies import TOPIC, _read, _Writer, check_exactly_once_in_order
+
+
+def test_a_producer_refused_past_its_send_timeout_gives_up_naming_the_batches(
+        network_store) -> None:
+    """Partition 1 is owned by a broker that renews its lease but never said where it is
+    reached: the broker asked refuses every batch, with no address to follow. The producer
+    gives up once its send_timeout passed without an ack, naming the batches in doubt; it
+    retried for good before (the loop was only ended by a pytest timeout under load)."""
+    from tierstream.metadata.ownership import PartitionOwners
+    from tierstream.metadata.store import MetadataStore
+
+    url, _, broker = network_store
+    a = _cluster(broker, "broker-a", "--lease-timeout", "1h").start()
+    with Admin(a.url) as admin:
+        admin.create_topic(TOPIC, 2)
+    metadata = MetadataStore(url, hold=False)
+    try:
+        ghost = PartitionOwners(metadata, "broker-ghost", 10**6)
+        ghost.join()  # alive, and reached nowhere
+        ghost.claim([(TOPIC, 1)])
+        wait_for(lambda: any("lost 1 partition(s) to other brokers" in line
+                             for line in a.stderr_tail), timeout=scaled(30),
+                 what="broker A's renewal to see partition 1 owned by the ghost")
+        failed: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                with Producer(TOPIC, broker=a.url, send_timeout=scaled(2)) as producer:
+                    producer.send_batch(pa.record_batch({"value": [b"v"]}), partition=1)
+                    producer.flush()
+            except BaseException as exc:  # what the test checks
+                failed.append(exc)
+
+        thread = threading.Thread(target=send, daemon=True)
+        thread.start()
+        thread.join(scaled(60))
+        assert not thread.is_alive(), "the producer retried for good"
+        assert len(failed) == 1 and isinstance(failed[0], UnavailableError), failed
+        said = str(failed[0])
+        assert "kept refusing it" in said and "served by broker-ghost" in said, said
+        assert failed[0].unacknowledged == {1: [0]}  # type: ignore[attr-defined]
+    finally:
+        metadata.close()
+
+
+def test_a_drain_moves_a_partition_handed_to_the_broker_but_not_opened_yet(
+        network_store) -> None:
+    """A partition unloaded to B is B's at once, but B opens it only when a client names it
+    or at its next renewal. Drained before that, B moves it on too: a drain moves what the
+    broker owns, not only what it has opened (it left such a partition behind)."""
+    _, _, broker = network_store
+    a, b = (_cluster(broker, f"broker-{n}", "--lease-timeout", "1h").start() for n in "ab")
+    _spread((a, b), 2)
+    with Admin(a.url) as admin_a, Admin(b.url) as admin_b:
+        mine = [p["partition"] for p in admin_a.topic_stats(TOPIC, per_partition=True)
+                ["partitions"]]
+        assert len(admin_a.unload(TOPIC, mine[0])) == 1
+        moved = admin_b.drain()  # at once: B has not opened the partition yet
+    assert sorted(moved) == [f"{TOPIC}/0", f"{TOPIC}/1"], moved
+    assert [_owned(x.url) for x in (a, b)] == [2, 0]
+    with Producer(TOPIC, broker=a.url) as producer:
+        acks = producer.send_many({"key": f"k{i}", "value": f"k{i}:{i}".encode()}
+                                  for i in range(20))
+    assert {ack["partition"] for ack in acks} == {0, 1}
+    check_exactly_once_in_order(_read(a.url), 20)
+
+
+def test_a_partition_taken_over_then_handed_to_an_older_broker_is_offloaded_there(
+        network_store) -> None:
+    """B is SIGKILLed and its partition taken over at a new epoch, which fences B's open
+    ledger at that epoch on its bookies. The taker is drained to the broker that started
+    before the takeover (an older epoch). That broker offloads the partition and deletes its
+    bookie copies, the fenced ledger's too. (Regression: the bookies refused that delete as
+    of an epoch older than the fence, so the copies stayed and every pass failed.)"""
+    _, _, broker = network_store
+    a, b, c = (_cluster(broker, f"broker-{n}", "--deletion-lag", "0s").start() for n in "abc")
+    _spread((a, b, c), 3)
+    writer = _Writer(f"{a.url},{c.url}", send_timeout=scaled(30))
+    try:
+        writer.wait_for_more(300)
+        b.kill()  # its open ledger is fenced by the taker's recovery
+        wait_for(lambda: _owned(a.url) + _owned(c.url) == 3, timeout=scaled(60),
+                 what="A or C to take B's partition over")
+        writer.wait_for_more(300)
+    finally:
+        acked = writer.stop()
+    taker, older = (a, c) if _owned(a.url) == 2 else (c, a)
+    with Admin(taker.url) as admin:
+        admin.drain()
+    assert _owned(older.url) == 3
+
+    def served() -> int:  # opened at its next renewal: until then its view names the taker
+        with Admin(older.url) as admin:
+            return int(admin.stats()["partitions"])
+
+    wait_for(lambda: served() == 3, timeout=scaled(30), what="the older broker to open the 3")
+    with Admin(older.url) as admin:
+        admin.seal(TOPIC)
+        admin.offload(TOPIC)
+        segments = [s for s in admin.list_segments(TOPIC) if s.state == "CLOSED"]
+    assert segments and all(s.tier_url and s.bookie_deleted_at for s in segments), segments
+    check_exactly_once_in_order(_read(older.url), acked)
+
+
+def test_a_topic_s_stats_asked_of_any_broker_count_every_owner_s_partitions(
+        network_store) -> None:
+    """A 6-partition topic owned 2/2/2 by three brokers, written through one. Its stats asked
+    of A count every partition (A asks B and C for theirs), in tierstream's view and in the
+    Pulsar admin REST's: a partition's, a partitioned topic's. With C paused, A's answer
+    still comes, naming C's partitions as not counted, and ``topic stats`` says so."""
+    import json
+    import urllib.request
+
+    from tierstream.broker.peers import PEER_TIMEOUT_S
+
+    _, _, broker = network_store
+    # a long lease: C stays the owner of its partitions while it is paused
+    brokers = [broker(f"broker-{n}", "--cluster", "--lease-timeout", f"{scaled(30):g}s",
+                      "--admin-port", str(fixed_port())).start() for n in "abc"]
+    a, _, c = brokers
+    _spread(brokers, 6)
+    Consumer(TOPIC, "audit", broker=a.url).close()  # a subscription of every partition
+    with Producer(TOPIC, broker=a.url) as producer:  # each partition written at its owner
+        producer.send_many({"key": f"k{i % 7}", "value": f"k{i % 7}:{i}".encode()}
+                           for i in range(600))
+        producer.flush()
+    with Admin(a.url) as admin:
+        stats = admin.topic_stats(TOPIC, per_partition=True)
+        me = admin.stats()["broker"]["id"]
+    stored = sum(loc["messages"] for loc in stats["storage"].values())
+    assert (stored, stats["subscriptions"]["audit"]["backlog"], stats.get("unanswered")) == \
+        (600, 600, []), stats
+    assert [p["partition"] for p in stats["partitions"]] == list(range(6))
+    assert sum(p["messages_in"] for p in stats["partitions"]) == 600
+    mine = max(p["partition"] for p in stats["partitions"] if p["owner"]["broker"] == me)
+    rest = f"{a.admin_url}/admin/v2/persistent/{TOPIC}"
+    with urllib.request.urlopen(f"{rest}-partition-{mine}/stats",
+                                timeout=scaled(30)) as answer:
+        one = json.load(answer)
+    assert one["msgInCounter"] == stats["partitions"][mine]["messages_in"] > 0
+    assert one["subscriptions"]["audit"]["msgBacklog"] == one["msgInCounter"]
+    with urllib.request.urlopen(f"{rest}/partitioned-stats?perPartition=true",
+                                timeout=scaled(30)) as answer:
+        whole = json.load(answer)
+    assert (whole["metadata"]["partitions"], len(whole["partitions"]),
+            whole["subscriptions"]["audit"]["msgBacklog"]) == (6, 6, 600)
+    assert c.proc is not None
+    stop_process(c.proc.pid)
+    try:
+        began = time.monotonic()
+        with Admin(a.url) as admin:
+            stats = admin.topic_stats(TOPIC)
+        assert time.monotonic() - began < PEER_TIMEOUT_S + scaled(15)
+        theirs = [g for g in stats["unanswered"] if g["broker"] != me]
+        assert len(theirs) == 1 and len(theirs[0]["partitions"]) == 2, stats["unanswered"]
+        assert "did not answer in time" in theirs[0]["reason"]
+        assert sum(loc["messages"] for loc in stats["storage"].values()) < 600
+        said = run("topic", "stats", TOPIC, "--broker", a.url)
+        assert said.returncode == 0, said.stderr
+        numbers = ", ".join(map(str, theirs[0]["partitions"]))
+        assert f"not counted: partition(s) {numbers} (owned by {theirs[0]['broker']})" in \
+            " ".join(said.stdout.split()), said.stdout
+    finally:
+        c.proc.send_signal(signal.SIGCONT)
+
+
+def test_each_broker_repairs_the_segments_of_its_own_partitions_and_its_log_knows_it(
+        network_store) -> None:
+    """Two brokers own a partition each, their segments written on two of three bookies. A
+    bookie both partitions write to is SIGKILLed under a producer: each open segment is
+    sealed without it and re-replicated onto the third bookie by its partition's owner,
+    whose log then names the new bookies. (Every broker repaired every partition's segments
+    before: the owner of one another broker had repaired went on naming the dead bookie to
+    readers, to its offload and to its deletions, which left the new copy behind for
+    good.)"""
+    _, bookies, broker = network_store
+    brokers = [_cluster(broker, f"broker-{n}", "--write-quorum", "2", "--ack-quorum",
+                        "2").start() for n in "ab"]
+    _spread(brokers, 2)
+
+    def ensembles(url: str, state: str) -> list[tuple[str, ...]]:  # as the owner's log has
+        with Admin(url) as admin:
+            return [s.ensemble for s in admin.list_segments(TOPIC)
+                    if s.state == state and s.entries]
+
+    writer = _Writer(",".join(b.url for b in brokers), send_timeout=scaled(30))
+    try:
+        writer.wait_for_more(500)
+        both = set.intersection(*(set(ensembles(b.url, "OPEN")[0]) for b in brokers))
+        victim = sorted(both)[0]  # two of three bookies each: they share one at least
+        bookies[int(victim.rsplit("-", 1)[1])].kill()
+        writer.wait_for_more(500)  # on new segments, without it
+    finally:
+        acked = writer.stop()
+    for b in brokers:
+        wait_for(lambda url=b.url: all(victim not in e for e in ensembles(url, "CLOSED")),
+                 timeout=scaled(60), what=f"{b.data_dir.name}'s log to name the bookies its "
+                 f"segments were re-replicated onto, not {victim}")
+        with Admin(b.url) as admin:  # it repaired its own
+            assert admin.stats()["replication"]["re_replicated"] > 0, b.data_dir.name
+    check_exactly_once_in_order(_read(brokers[0].url), acked)
