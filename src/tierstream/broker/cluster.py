@@ -26,9 +26,10 @@ and what it took over:
   meanwhile), and its own late renewal says which partitions are still its own.
 
 A move takes the lease timeout (the former owner's silence) plus at most one renewal period
-plus the recovery of the partitions moved. Work of the whole store that is not any one
-partition's (transactions spanning partitions, a topic's growth) is not served by a cluster
-broker yet: it says so.
+plus the recovery of the partitions moved. A transaction's entries are staged by each
+partition's owner, and its commit is shown by each owner (``txn_owners.py``). A topic's growth
+(work of every partition of a topic at once) is not served by a cluster broker yet: it says
+so.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from typing import Protocol
 from tierstream.broker.config import StoreConfig
 from tierstream.broker.peers import Peers
 from tierstream.broker.recovery import RecoveryReport, recover_open_segments
+from tierstream.broker.txn_owners import TxnOwners
 from tierstream.errors import ConfigError, ConflictError, TierstreamError
 from tierstream.managed_ledger.bookies.client import BookieClient
 from tierstream.managed_ledger.bookies.remote import RemoteBookie
@@ -102,6 +104,8 @@ class Cluster:
         #: bookies'): what their partitions' stats are (topic_stats.py)
         self.peers = Peers(auth_token=store.config.bookie_token,
                            tls_ca=store.config.bookie_tls_ca)
+        #: the owners of a transaction's partitions that other brokers serve
+        self.txn_owners = TxnOwners(store, self.peers)
         #: the other brokers whose lease was live at the last look ({id: url}): asked whether
         #: the metadata store is away for them too when it is for this one
         self._live_peers: dict[str, str] = {}

@@ -73,8 +73,9 @@ def _staged_entries(seg: SegmentRecord, records: list[IndexRecord],
     first, so this is what the broker would have done):
 
     - committed (or applied) where it was staged: shown;
-    - committed to be written again (``moved`` in its record): skipped, and set aside unless
-      the commit was applied already;
+    - committed to be written again (``moved`` in its record, or some of its entries in
+      this partition set aside since the decision): skipped, and set aside unless the commit
+      was applied already;
     - open or prepared: skipped and set aside, so that it can still be committed;
     - aborted, or forgotten long after it ended: skipped.
 
@@ -111,6 +112,8 @@ def _placement(txns: TransactionRecords, txn_id: str, topic: str, partition: int
         return _SKIPPED
     if (topic, partition) in record.moved:
         return _SET_ASIDE if record.state == TxnState.COMMITTED else _SKIPPED
+    if record.state == TxnState.COMMITTED and txns.has_set_aside(txn_id, topic, partition):
+        return _SET_ASIDE  # set aside since the decision: the commit writes it all again
     return _SHOWN
 
 

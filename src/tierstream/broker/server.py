@@ -35,7 +35,14 @@ from tierstream.model.positions import Position
 from tierstream.options import DEFAULT_PORT
 from tierstream.schemas.codec import named_versions
 from tierstream.schemas.model import Compatibility, SchemaType
-from tierstream.wire.flight import action_result, decode, decode_positions, encode, server_error
+from tierstream.wire.flight import (
+    action_result,
+    decode,
+    decode_positions,
+    encode,
+    put_batches,
+    server_error,
+)
 from tierstream.wire.security import (
     TokenMiddlewareFactory,
     check_bind,
@@ -93,7 +100,7 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
             if cmd.get("op") == "stage":
                 rows = self.store.transactions.stage(
                     str(cmd["txn"]), str(cmd["topic"]), int(cmd["partition"]),
-                    self._checked(str(cmd["topic"]), _chunks(reader)), sink_id=cmd.get("sink"),
+                    self._checked(str(cmd["topic"]), put_batches(reader)), sink_id=cmd.get("sink"),
                     batch_id=None if cmd.get("batch") is None else int(cmd["batch"]),
                     routed=None if cmd.get("routed") is None else int(cmd["routed"]))
                 writer.write(pa.py_buffer(encode({"rows": rows})))
@@ -387,6 +394,9 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
         return {"aborted": self.store.transactions.abort(
             str(body["txn"]), str(body.get("reason") or "aborted by its writer"))}
 
+    def _txn_here(self, body: dict[str, Any]) -> Any:  # another broker of the cluster asks
+        return self.store.transactions.here(str(body["op"]), body["txns"], body["parts"])
+
     def _transactions(self, body: dict[str, Any]) -> Any:
         return self.store.transactions.list()
 
@@ -471,6 +481,7 @@ _ACTIONS = {
     "txn-prepare": (Broker._txn_prepare, "Check {txn}'s staged rows ({parts}); PREPARED."),
     "txn-commit": (Broker._txn_commit, "Commit {txns} at once (idempotent by {sink, batch})."),
     "txn-abort": (Broker._txn_abort, "Abort {txn} and remove its staged rows."),
+    "txn-here": (Broker._txn_here, "{op} staged|apply|end: {txns} in {parts} (a peer asks)."),
     "transactions": (Broker._transactions, "Transactions and their states."),
     "sink-state": (Broker._sink_state, "The last batch id committed by {sink}."),
     "schema-register": (Broker._schema_register, "Add {type, definition} as {topic}'s next "
@@ -480,16 +491,6 @@ _ACTIONS = {
     "schema-check": (Broker._schema_check, "Would {type, definition} be compatible?"),
     "schema-compatibility": (Broker._schema_compatibility, "Set {topic}'s compatibility."),
 }
-
-
-def _chunks(reader: flight.MetadataRecordBatchReader) -> Iterator[pa.RecordBatch]:
-    while True:
-        try:
-            chunk = reader.read_chunk()
-        except StopIteration:
-            return
-        if chunk.data is not None:
-            yield chunk.data
 
 
 def _topic(body: dict[str, Any]) -> str:

@@ -168,8 +168,8 @@ class Store(OwnedPartitions):
                 created_at=now_ms()) if mine else []
             self.open_partitions(topic, opened)
         self.transactions = TransactionCoordinator(
-            self, timeout_ms=config.transaction_timeout_ms, refused=None if self.cluster is None
-            else "transactions are not served by brokers started with --cluster yet")
+            self, timeout_ms=config.transaction_timeout_ms, elsewhere=None if self.cluster is
+            None else self.cluster.txn_owners)
         self.transactions.recover()  # a commit a crash interrupted is finished first
         self.growth = Growth(self.metadata, self._logs,
                              locks=(self.transactions.commit_lock, self.topics_lock),

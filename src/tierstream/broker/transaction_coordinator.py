@@ -34,57 +34,36 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import threading
-from collections.abc import Iterable, Iterator
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from tierstream.broker.old_staging import finish_old_staging
+from tierstream.broker.transaction_parts import (
+    Elsewhere,
+    Held,
+    Partitions,
+    route,
+    stage_entries,
+    staged_rows,
+)
 from tierstream.errors import ConfigError, ConflictError, NotFoundError
-from tierstream.managed_ledger.open_segment import TXN_PRODUCER, PendingAppend
+from tierstream.managed_ledger.open_segment import TXN_PRODUCER
 from tierstream.metadata.transaction_records import (
     TransactionRecord,
     TransactionRecords,
     TxnState,
 )
 from tierstream.model.layout import DataDir
-from tierstream.model.message_format import (
-    PRODUCE_SCHEMA,
-    as_produce_batch,
-    batches_of_about,
-    key_hashes,
-)
+from tierstream.model.message_format import batches_of_about
 from tierstream.model.names import TopicName, check_txn_id
 from tierstream.util.faults import crash_point
 from tierstream.util.timeutil import now_ms
 
 if TYPE_CHECKING:
     from tierstream.managed_ledger.partition_log import PartitionLog
-    from tierstream.metadata.store import MetadataStore
-
-
-class Partitions(Protocol):
-    """What the coordinator needs of the store that owns it (broker/store.py): its
-    partitions, its metadata, where its data lives, and the lock a cut is taken under."""
-
-    metadata: MetadataStore
-    visibility: threading.Lock
-
-    @property
-    def data_dir(self) -> Path: ...
-
-    def partition(self, topic: str, partition: int) -> PartitionLog: ...
-
-    def partition_count(self, topic: str) -> int: ...
-
-    def partitions(self, topic: str) -> list[PartitionLog]: ...
-
-    def all_partitions(self) -> list[PartitionLog]: ...
 
 __all__ = ["PRODUCER_PREFIX", "TransactionCoordinator"]
 
@@ -94,8 +73,6 @@ log = logging.getLogger(__name__)
 PRODUCER_PREFIX = TXN_PRODUCER
 #: Rows of one staged or re-written entry are about this many bytes.
 ENTRY_BYTES = 4 * 1024**2
-#: Staged entries on their way to the bookies at once, per staging stream.
-IN_FLIGHT = 16
 #: Records of ended transactions are kept this long (to answer a late, repeated commit).
 KEEP_ENDED_MS = 24 * 3_600_000
 
@@ -103,12 +80,12 @@ KEEP_ENDED_MS = 24 * 3_600_000
 class TransactionCoordinator:
     """The broker's transactions for one store (thread-safe)."""
 
-    def __init__(self, store: Partitions, *, timeout_ms: int, refused: str | None = None
-                 ) -> None:
+    def __init__(self, store: Partitions, *, timeout_ms: int,
+                 elsewhere: Elsewhere | None = None) -> None:
         self.store = store
         self.timeout_ms = timeout_ms
-        #: why every transaction is refused here (several brokers serve the store), if so
-        self.refused = refused
+        #: the owners of the partitions served by other brokers (several brokers), if any
+        self.elsewhere = elsewhere
         self.records = TransactionRecords(store.metadata)
         self.root = DataDir.at(store.data_dir).transactions  # staging of older versions
         # one commit applies at a time; a scale event waits for it (broker/store.py)
@@ -127,45 +104,15 @@ class TransactionCoordinator:
         partition count the topic no longer has at the commit are routed again then. A stream
         that breaks leaves its entries staged: the writer aborts (or the timeout does)."""
         txn_id = check_txn_id(txn_id)
-        if self.refused is not None:
-            raise ConfigError(f"transaction {txn_id!r} refused: {self.refused}")
         name = TopicName.parse(topic)
         plog = self.store.partition(str(name), partition)  # the topic and partition exist
+        if self.elsewhere is not None:  # owned here (else: who does, for the writer to go)
+            self.elsewhere.check_serving(plog.topic, plog.partition)
         self.records.begin(txn_id, sink_id, batch_id, now_ms())
         with self._lock:
             self._touched.setdefault(txn_id, set()).add((plog.topic, plog.partition))
-        rows = 0
-        # a second thread waits for each entry's quorum as it completes (confirming it, in
-        # entry order), while this one submits the next: the stream's entries share the
-        # bookies' group commits, and each is confirmed soon after it is durable
-        waiting: queue.Queue[PendingAppend | None] = queue.Queue(maxsize=IN_FLIGHT)
-        failed: list[BaseException] = []
-
-        def confirm() -> None:
-            while (entry := waiting.get()) is not None:
-                try:
-                    entry.result()
-                except BaseException as exc:  # raised in the stream's thread
-                    failed.append(exc)
-
-        confirmer = threading.Thread(target=confirm, name="tierstream-stage", daemon=True)
-        confirmer.start()
         try:
-            try:
-                for batch in batches:
-                    checked = as_produce_batch(batch)
-                    for piece in batches_of_about(pa.Table.from_batches([checked]),
-                                                  ENTRY_BYTES):
-                        waiting.put(plog.submit(piece, producer=None, sequence_id=None,
-                                                txn=txn_id, routed=routed))
-                        rows += piece.num_rows
-                    if failed:
-                        break
-            finally:
-                waiting.put(None)
-                confirmer.join()
-            if failed:
-                raise failed[0]
+            rows = stage_entries(plog, txn_id, batches, routed=routed, entry_bytes=ENTRY_BYTES)
         except BaseException:
             self._refuse_if_ended(txn_id)  # aborted under the stream: say that
             raise
@@ -190,12 +137,23 @@ class TransactionCoordinator:
         with self._lock:
             parts = set(self._touched.get(txn_id, ()))
         parts.update((t, p) for t, p, _, _ in self.records.set_aside(txn_id))
+        if self.elsewhere is not None:  # and where its writer said it staged (prepared)
+            with contextlib.suppress(NotFoundError):
+                parts.update((t, p) for t, p, _ in self.records.get(txn_id).parts)
         return parts
 
-    def staged(self, txn_id: str) -> dict[tuple[str, int], int]:
-        """The rows ``txn_id`` has staged per (topic, partition)."""
+    def _here(self, parts: Iterable[tuple[str, int]]) -> set[tuple[str, int]]:
+        """Those of ``parts`` served here (all of them but on a cluster)."""
+        if self.elsewhere is None:
+            return set(parts)
+        return {(t, p) for t, p in parts if self.elsewhere.serves(t, p)}
+
+    def staged(self, txn_id: str, parts: Iterable[tuple[str, int]] | None = None
+               ) -> dict[tuple[str, int], int]:
+        """The rows ``txn_id`` has staged per (topic, partition), of the partitions served
+        here (of ``parts`` only, if given)."""
         counts: dict[tuple[str, int], int] = {}
-        for topic, p in sorted(self._parts_of(txn_id)):
+        for topic, p in sorted(self._here(self._parts_of(txn_id) if parts is None else parts)):
             _, _, open_rows, aside = self._snapshot(txn_id, topic, p)
             counts[(topic, p)] = open_rows + sum(int(e[1]) for _, entries in aside
                                                  for e in entries)
@@ -227,6 +185,10 @@ class TransactionCoordinator:
         if record.state == TxnState.PREPARED:
             return record
         staged = self.staged(txn_id)
+        if self.elsewhere is not None:  # the other owners' parts, as they count them
+            theirs = (set(expected) | self._parts_of(txn_id)) - self._here(self._parts_of(
+                txn_id) | set(expected))
+            staged.update(self.elsewhere.staged(txn_id, theirs))
         for key in sorted(set(staged) | set(expected)):
             if staged.get(key, 0) != expected.get(key, 0):
                 raise ConflictError(
@@ -247,15 +209,16 @@ class TransactionCoordinator:
             raise ConfigError("a commit names both a sink id and a batch id, or neither")
         if not txn_ids and sink_id is None:
             raise ConfigError("a commit needs at least one transaction, or a sink and batch")
-        with self.commit_lock, _Held() as held:
+        with self.commit_lock, Held() as held:
             # the partitions the commit shows entries in do not roll meanwhile, so where
             # each transaction's entries are (and so the decision's "moved") stays true
-            held.add([self._plog(t, p) for txn in txn_ids for t, p in self._parts_of(txn)])
+            held.add([self._plog(t, p) for txn in txn_ids
+                      for t, p in self._here(self._parts_of(txn))])
             moved = {txn: self._moved(txn) for txn in txn_ids}
             decision = self.records.decide(txn_ids, sink_id, batch_id, now_ms(), moved=moved)
             crash_point("txn.decided")
             for fenced in decision.fenced:
-                self._end(fenced)
+                self._end(fenced, everywhere=True)
             if decision.duplicate:
                 log.info("commit of batch %s of sink %r: already committed; %d transaction(s) "
                          "of the repeated batch aborted", batch_id, sink_id,
@@ -264,9 +227,11 @@ class TransactionCoordinator:
                         "messages": 0, "aborted": decision.fenced}
             pending = [r for r in decision.committed if r.state == TxnState.COMMITTED]
             self._apply(pending, held)
+        unanswered = self._applied(pending)
         return {"status": "committed", "sink": sink_id, "batch": batch_id,
                 "transactions": txn_ids, "aborted": decision.fenced,
-                "messages": sum(n for r in decision.committed for _, _, n in r.parts)}
+                "messages": sum(n for r in decision.committed for _, _, n in r.parts),
+                **({"applying": unanswered} if unanswered else {})}
 
     def _plog(self, topic: str, partition: int) -> PartitionLog | None:
         try:
@@ -275,19 +240,24 @@ class TransactionCoordinator:
             return None
 
     def _moved(self, txn_id: str) -> set[tuple[str, int]]:
-        """The partitions whose entries of ``txn_id`` a commit now writes again."""
+        """The partitions whose entries of ``txn_id`` a commit now writes again (of those
+        served elsewhere, by what the metadata knows: their owners add theirs as they
+        apply the commit)."""
         out = set()
-        for topic, p in self._parts_of(txn_id):
-            plog = self._plog(topic, p)
+        parts = self._parts_of(txn_id)
+        here = self._here(parts)
+        for topic, p in parts:
+            plog = self._plog(topic, p) if (topic, p) in here else None
             again = plog is not None and plog.txn_placement(txn_id) == "again"
             if again or self.records.has_set_aside(txn_id, topic, p):
                 out.add((topic, p))
         return out
 
-    def _apply(self, records: list[TransactionRecord], held: _Held) -> None:
-        """Show committed transactions: in place where their entries are, written again
-        where they were set aside (or routed by an older partition count), all visible at
-        once; then mark them APPLIED."""
+    def _apply(self, records: list[TransactionRecord], held: Held) -> None:
+        """Show committed transactions (under the commit lock): in place where their
+        entries are, written again where they were set aside (or routed by an older
+        partition count), all visible at once. On a cluster, in the partitions served here
+        (:meth:`_applied` asks the other owners)."""
         if not records:
             return
         written: set[tuple[str, str, int]] = set()
@@ -295,6 +265,8 @@ class TransactionCoordinator:
             for r in records:
                 for topic, p in sorted(self._again(r)):
                     if (r.txn_id, topic, p) not in written:
+                        if (topic, p) not in r.moved:  # set aside since the decision
+                            self.records.add_moved(r.txn_id, topic, p)
                         self._write_again(r.txn_id, topic, p, held)
                         written.add((r.txn_id, topic, p))
             with self.store.visibility:  # a cut sees all partitions of the commit, or none
@@ -303,23 +275,41 @@ class TransactionCoordinator:
                 # again first, and everything shows together
                 if all((r.txn_id, t, p) in written for r in records for t, p in self._again(r)):
                     for r in records:
-                        for topic, p in self._parts_of(r.txn_id):
+                        for topic, p in self._here(self._parts_of(r.txn_id)):
                             plog = self._plog(topic, p)
                             if plog is not None:
                                 plog.resolve(r.txn_id, committed=True)
                     held.release_all()
                     break
-        self.records.applied([r.txn_id for r in records], now_ms())
-        crash_point("txn.applied")
-        for r in records:
-            self._forget(r.txn_id)
+
+    def _applied(self, records: list[TransactionRecord]) -> list[str]:
+        """After :meth:`_apply`: mark the transactions APPLIED, and drop what they left.
+        On a cluster, once the owners of their other partitions said they showed theirs
+        too (asked outside the commit lock: they may be asking this broker at the same
+        time). Returns what did not answer: those stay COMMITTED, and every broker's
+        housekeeping asks again."""
+        if not records:
+            return []
+        if self.elsewhere is not None:
+            parts = {part for r in records for part in self._parts_of(r.txn_id)}
+            if parts - self._here(parts):
+                unanswered = self.elsewhere.apply([r.txn_id for r in records],
+                                                  parts - self._here(parts))
+                if unanswered:
+                    return unanswered
+        with self.commit_lock:
+            self.records.applied([r.txn_id for r in records], now_ms())
+            crash_point("txn.applied")
+            for r in records:
+                self._forget(r.txn_id)
+        return []
 
     def _again(self, record: TransactionRecord) -> set[tuple[str, int]]:
-        """The partitions whose entries of ``record`` its commit writes again: as decided,
-        and any set aside since."""
-        return set(record.moved) | self._moved(record.txn_id)
+        """The partitions served here whose entries of ``record`` its commit writes again:
+        as decided, and any set aside since."""
+        return self._here(set(record.moved) | self._moved(record.txn_id))
 
-    def _write_again(self, txn_id: str, topic: str, partition: int, held: _Held) -> None:
+    def _write_again(self, txn_id: str, topic: str, partition: int, held: Held) -> None:
         """Append a transaction's staged rows of one partition again, in staging order (its
         set-aside entries, then those in the open segment), as ``txn/<id>/moved/<p>`` with
         sequence ids 0, 1, 2... per partition written: the same rows and boundaries every
@@ -334,15 +324,15 @@ class TransactionCoordinator:
         segment_id, open_entries, _, aside = self._snapshot(txn_id, topic, partition)
         for aside_segment, entries in aside:
             batches = plog.raw_entries(aside_segment, [int(e[0]) for e in entries])
-            staged.extend((_staged_rows(b), e[2]) for b, e in zip(batches, entries,
+            staged.extend((staged_rows(b), e[2]) for b, e in zip(batches, entries,
                                                                   strict=True))
         batches = plog.raw_entries(segment_id, [e for e, _ in open_entries])
-        staged.extend((_staged_rows(b), routed) for b, (_, routed) in zip(
+        staged.extend((staged_rows(b), routed) for b, (_, routed) in zip(
             batches, open_entries, strict=True))
         count = self.store.partition_count(topic)
         targets: dict[int, list[pa.Table]] = {}
         for table, routed in staged:
-            for q, rows in _route(table, partition, routed, count):
+            for q, rows in route(table, partition, routed, count):
                 targets.setdefault(q, []).append(rows)
         for q, tables in sorted(targets.items()):
             target = self._plog(topic, q)
@@ -362,15 +352,21 @@ class TransactionCoordinator:
         txn_id = check_txn_id(txn_id)
         with self.commit_lock:
             done = self.records.abort([txn_id], now_ms(), reason)
-        self._end(txn_id)
+        self._end(txn_id, everywhere=True)
         return bool(done)
 
-    def _end(self, txn_id: str) -> None:
-        """An aborted transaction's entries: skipped everywhere, set-aside ones dropped."""
-        for topic, p in self._parts_of(txn_id):
+    def _end(self, txn_id: str, *, everywhere: bool = False) -> None:
+        """An aborted transaction's entries: skipped everywhere, set-aside ones dropped. On
+        a cluster, in the partitions served here; the owners of the others are told
+        (``everywhere``; one that misses it learns it at its next housekeeping pass)."""
+        parts = self._parts_of(txn_id)
+        here = self._here(parts)
+        for topic, p in here:
             plog = self._plog(topic, p)
             if plog is not None:
                 plog.resolve(txn_id, committed=False)
+        if everywhere and self.elsewhere is not None and parts - here:
+            self.elsewhere.end([txn_id], parts - here)
         self._forget(txn_id)
 
     def _forget(self, txn_id: str) -> None:
@@ -399,29 +395,87 @@ class TransactionCoordinator:
             if aborted:
                 log.warning("transaction %s timed out after %g s without a commit: aborted",
                             txn_id, self.timeout_ms / 1000)
-                self._end(txn_id)
-        with self.commit_lock, _Held() as held:
-            self._apply(self.records.in_states(TxnState.COMMITTED), held)
+                self._end(txn_id, everywhere=True)
+        with self.commit_lock, Held() as held:
+            committed = self.records.in_states(TxnState.COMMITTED)
+            self._apply(committed, held)
+        self._applied(committed)
+        if self.elsewhere is not None:
+            self._settle()
         # an ended transaction's state decides its staged entries in a segment still open
-        # (recovery reads it): it is kept while such a segment may hold them
-        oldest_open = min((p.segments()[-1].created_at for p in self.store.all_partitions()),
-                          default=now)
+        # (recovery reads it): it is kept while such a segment may hold them (any broker's)
+        opened = [p.segments()[-1] for p in self.store.all_partitions()] if \
+            self.elsewhere is None else self.store.metadata.open_segments()
+        oldest_open = min((s.created_at for s in opened), default=now)
         self.records.forget_ended(min(now - KEEP_ENDED_MS, oldest_open))
         return len(expired)
 
+    def _settle(self) -> None:
+        """On a cluster: transactions with entries here that another broker ended (aborted,
+        or applied everywhere) while this one did not hear of it."""
+        with self._lock:
+            touched = list(self._touched)
+        for txn_id in touched:
+            try:
+                state = self.records.get(txn_id).state
+            except NotFoundError:  # forgotten long after it ended
+                state = TxnState.ABORTED
+            if state == TxnState.ABORTED:
+                self._end(txn_id)
+            elif state == TxnState.APPLIED:
+                self._forget(txn_id)
+
+    def here(self, op: str, txn_ids: list[str], parts: Iterable[tuple[str, int]]
+             ) -> dict[str, Any]:
+        """Another broker of a cluster asks about transactions' entries in partitions it
+        believes served here (action ``txn-here``): the rows staged (``staged``), show the
+        committed ones (``apply``), skip the aborted ones (``end``). ``not_here``: those of
+        ``parts`` not served here (moved meanwhile)."""
+        asked = {(str(t), int(p)) for t, p in parts}
+        out: dict[str, Any] = {"not_here": [list(k) for k in sorted(asked - self._here(asked))]}
+        txn_ids = [check_txn_id(t) for t in txn_ids]
+        if op == "staged":
+            out["staged"] = [[t, p, n] for txn_id in txn_ids
+                             for (t, p), n in self.staged(txn_id, asked).items()]
+        elif op == "apply":
+            with self.commit_lock, Held() as held:
+                records = [r for r in map(self._record, txn_ids) if r is not None]
+                held.add([self._plog(t, p) for r in records
+                          for t, p in self._here(self._parts_of(r.txn_id))])
+                self._apply([r for r in records if r.state == TxnState.COMMITTED], held)
+            for r in records:
+                if r.state == TxnState.APPLIED:  # every owner did: nothing more to keep here
+                    self._forget(r.txn_id)
+        elif op == "end":
+            for txn_id in txn_ids:
+                record = self._record(txn_id)
+                if record is None or record.state == TxnState.ABORTED:
+                    self._end(txn_id)
+        else:
+            raise ConfigError(f"unknown transaction operation {op!r}: expected staged, "
+                              "apply or end")
+        return out
+
+    def _record(self, txn_id: str) -> TransactionRecord | None:
+        try:
+            return self.records.get(txn_id)
+        except NotFoundError:
+            return None
+
     def recover(self) -> None:
         """At broker start: write again what was committed but not applied (every staged
-        entry is in a sealed segment now: shown or set aside by recovery), finish commits
-        staged by an older version, and remove staging nobody can commit (not where
-        transactions are refused: other brokers' are theirs)."""
-        if self.refused is not None:
-            return
+        entry is in a sealed segment now: shown or set aside by recovery; on a cluster, in
+        the partitions served here, and the other owners are asked to), finish commits
+        staged by an older version, and remove staging nobody can commit."""
         committed = self.records.in_states(TxnState.COMMITTED)
         if committed:
             log.info("recovery: applying %d committed transaction(s)", len(committed))
         finish_old_staging(self.root, self.records, self._plog, ENTRY_BYTES)
-        with self.commit_lock, _Held() as held:
-            self._apply(self.records.in_states(TxnState.COMMITTED), held)
+        with self.commit_lock, Held() as held:
+            committed = self.records.in_states(TxnState.COMMITTED)
+            self._apply(committed, held)
+        if self.elsewhere is None:  # on a cluster, housekeeping asks the others (a start
+            self._applied(committed)  # does not wait on brokers that may be down)
         live = {r.txn_id for r in self.records.in_states(TxnState.OPEN, TxnState.PREPARED)}
         for plog in self.store.all_partitions():
             plog.forget_producers({n for n in plog.producers() if n.startswith(
@@ -431,51 +485,3 @@ class TransactionCoordinator:
         return [r.to_dict() for r in self.records.in_states(
             TxnState.OPEN, TxnState.PREPARED, TxnState.COMMITTED, TxnState.APPLIED,
             TxnState.ABORTED)]
-
-
-class _Held:
-    """Partitions held for a commit (``PartitionLog.hold``), released together: by the
-    commit under the visibility lock, or on the way out if it fails."""
-
-    def __init__(self) -> None:
-        self.logs: dict[int, PartitionLog] = {}
-
-    def add(self, logs: Iterable[PartitionLog | None]) -> None:
-        for plog in logs:
-            if plog is not None and id(plog) not in self.logs:
-                plog.hold()
-                self.logs[id(plog)] = plog
-
-    def release_all(self) -> None:
-        logs, self.logs = list(self.logs.values()), {}
-        for plog in logs:
-            plog.release()
-
-    def __enter__(self) -> _Held:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release_all()
-
-
-def _staged_rows(batch: pa.RecordBatch) -> pa.Table:
-    """A stored entry's rows as they are staged again: the produce columns, the publish
-    time left to the broker (rows written at the commit are published then)."""
-    columns = [batch.column(f.name) if f.name != "publish_time"
-               else pa.nulls(batch.num_rows, pa.int64()) for f in PRODUCE_SCHEMA]
-    return pa.Table.from_arrays(columns, schema=PRODUCE_SCHEMA)
-
-
-def _route(table: pa.Table, partition: int, routed: int | None, count: int
-           ) -> Iterator[tuple[int, pa.Table]]:
-    """``table``'s rows by the partition they go to now: where they were staged, unless
-    they were routed by a count the topic no longer has (it grew at a scale event); then
-    each keyed row goes where its key routes now, in order (unkeyed rows stay)."""
-    if routed is None or routed == count:
-        yield partition, table
-        return
-    keys = table.column("key").combine_chunks()
-    target = key_hashes(keys).to_numpy().astype(np.int64) % count
-    target[pc.is_null(keys).to_numpy(zero_copy_only=False)] = partition
-    for q in sorted(set(target.tolist())):
-        yield q, table.take(pa.array(np.flatnonzero(target == q)))

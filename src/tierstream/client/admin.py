@@ -93,16 +93,24 @@ class Admin(BrokerClient):
         """Per partition: the exclusive end after its last confirmed message. The broker
         answers it from memory, also while its tier is away."""
         name = str(TopicName.parse(topic))
-        raw = self.action("ends", {"topic": name, "owners": True})
+        raw = self.follow_owners(name)
         if "ends" not in raw:  # a broker from before several brokers: it serves them all
             return {int(p): Position.from_dict(v) for p, v in raw.items()}
         ends = {int(p): Position.from_dict(v) for p, v in raw["ends"].items()}
-        for p, url in raw["owners"].items():  # each asked of its owner
-            if url:
-                self.follow(name, int(p), url)
+        for p in raw["owners"]:  # each asked of its owner
             one = self.action("ends", {"topic": name, "partition": int(p)})
             ends[int(p)] = Position.from_dict(one[p])
         return dict(sorted(ends.items()))
+
+    def follow_owners(self, topic: str) -> dict[str, Any]:
+        """Follow the owner of each partition of ``topic`` that the broker in use does not
+        serve (several brokers): its calls and streams go there. The broker's answer: the
+        ends of the partitions it serves, and the owner of each other one."""
+        raw: dict[str, Any] = self.action("ends", {"topic": topic, "owners": True})
+        for p, url in (raw.get("owners") or {}).items():
+            if url:
+                self.follow(topic, int(p), url)
+        return raw
 
     def latest_cut(self, topic: str) -> StreamCut:
         """The end of everything confirmed so far: each partition's exclusive end position."""

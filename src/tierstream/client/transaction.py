@@ -90,9 +90,13 @@ class Transaction:
     # -- writing ------------------------------------------------------------------------------
 
     def partitions_of(self, topic: str) -> int:
+        """``topic``'s partition count, looked up once; on several brokers (``--cluster``),
+        with the owner of each partition, whose broker stages its rows (a partition that
+        moves while it is staged to fails the transaction: abort it and write again)."""
         name = str(TopicName.parse(topic))
         if name not in self._partitions:
             self._partitions[name] = self._admin.get_topic(name).partitions
+            self._admin.follow_owners(name)
         return self._partitions[name]
 
     def encoder(self, topic: str) -> Encoder | None:

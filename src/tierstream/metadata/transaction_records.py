@@ -209,6 +209,23 @@ class TransactionRecords:
                           "state=?", [(TxnState.APPLIED, now, t, TxnState.COMMITTED)
                                       for t in txn_ids])
 
+    def add_moved(self, txn_id: str, topic: str, partition: int) -> None:
+        """A committed transaction's part that its commit writes again after all (some of
+        its entries were set aside after the decision): recorded before it is written, so
+        that recovery skips its entries still in place. A compare-and-set: the owners of a
+        transaction's other partitions may record theirs at the same time."""
+        while True:
+            record = self.get(txn_id)
+            if (topic, partition) in record.moved:
+                return
+            before = _parts(record, set(record.moved))
+            after = _parts(record, {*record.moved, (topic, partition)})
+            with self._meta.atomic() as c:
+                done = c.execute("UPDATE transactions SET parts=? WHERE txn_id=? AND parts=?",
+                                 (after, txn_id, before)).rowcount
+            if done:
+                return
+
     def expired(self, before: int) -> list[str]:
         """OPEN/PREPARED transactions not touched since ``before``."""
         return [r[0] for r in self._meta.query(

@@ -44,6 +44,7 @@ __all__ = [
     "encode_positions",
     "error_from_text",
     "error_text",
+    "put_batches",
     "server_error",
     "translate_errors",
 ]
@@ -89,6 +90,17 @@ def decode_positions(body: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.n
     if not len(segment) == len(entry) == len(index):
         raise ProtocolError("malformed positions: arrays of different lengths")
     return segment, entry, index
+
+
+def put_batches(reader: flight.MetadataRecordBatchReader) -> Iterator[pa.RecordBatch]:
+    """The record batches a DoPut stream's client sends, until it is done writing."""
+    while True:
+        try:
+            chunk = reader.read_chunk()
+        except StopIteration:
+            return
+        if chunk.data is not None:
+            yield chunk.data
 
 
 def server_error(exc: TierstreamError) -> Exception:

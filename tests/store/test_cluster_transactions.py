@@ -1,0 +1,128 @@
+"""Transactions on several brokers (issue 52): each partition's rows are staged by its owner,
+the decision is one metadata transaction any broker makes, and each owner shows its entries
+(``broker/txn_owners.py``). Real broker processes, network bookies and PostgreSQL on
+loopback."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+
+from tierstream.client import Admin, Producer
+from tierstream.client.transaction import Transaction
+
+from ..timing import scaled
+from .helpers import read_all, wait_for
+from .test_cluster import _cluster, _owned, _spread
+from .test_network_bookies import TOPIC, check_exactly_once_in_order
+
+
+def _rows(first: int, count: int) -> pa.Table:
+    """``k<i % 7>:<i>`` keyed ``k<i % 7>``: seven keys over every partition."""
+    return pa.table({"key": [f"k{i % 7}" for i in range(first, first + count)],
+                     "value": [f"k{i % 7}:{i}".encode() for i in range(first, first + count)]})
+
+
+def _values(url: str) -> list[str]:
+    """Every value of TOPIC, partition by partition in log order."""
+    return [bytes(v).decode() for v in read_all(url, TOPIC).column("value").to_pylist()]
+
+
+def _state(url: str, txn_id: str) -> str:
+    with Admin(url) as admin:
+        return next(t["state"] for t in admin.transactions() if t["txn_id"] == txn_id)
+
+
+def test_a_transaction_over_two_brokers_partitions_shows_at_its_commit_and_an_abort_never(
+        network_store) -> None:
+    """A 4-partition topic on two brokers (2 each). A transaction begun at A stages rows to
+    all four partitions (each staged by its owner), invisible to readers until its commit at
+    B shows them all, once, in key order; another, aborted at B, never shows, and does not
+    hold up the messages produced after it on either broker."""
+    _, _, broker = network_store
+    brokers = [_cluster(broker, f"broker-{n}").start() for n in "ab"]
+    a, b = brokers
+    _spread(brokers, 4)
+    both = f"{a.url},{b.url}"
+    txn = Transaction(broker=a.url)
+    txn.write(TOPIC, _rows(0, 700))
+    txn.prepare()
+    assert _values(b.url) == []  # staged on both brokers, shown nowhere
+    with Admin(b.url) as admin:
+        result = admin.commit_transactions([txn.txn_id])
+    txn.close()
+    assert result["status"] == "committed" and result["messages"] == 700, result
+    assert "applying" not in result, result  # both owners showed theirs before it answered
+    check_exactly_once_in_order(_values(a.url), 700)
+    assert _state(a.url, txn.txn_id) == "APPLIED"
+
+    aborted = Transaction(broker=both)
+    aborted.write(TOPIC, _rows(700, 700))
+    aborted.flush()
+    with Admin(b.url) as admin:
+        admin.abort_transaction(aborted.txn_id, "the test aborts it")
+    aborted.close()
+    with Producer(TOPIC, broker=both) as producer:  # after the aborted entries, everywhere
+        for i in range(1400, 1428):
+            producer.send(f"k{i % 7}:{i}".encode(), key=f"k{i % 7}")
+        producer.flush()
+    # the producer's messages show behind the aborted entries at once (not after the hold
+    # limit, 30 s, that seals a segment an undecided transaction blocks)
+    wait_for(lambda: len(_values(a.url)) == 728, timeout=scaled(10),
+             what="the messages after the aborted transaction's to show on both brokers")
+    values = _values(b.url)
+    assert not any(700 <= int(v.split(":")[1]) < 1400 for v in values)
+    check_exactly_once_in_order([v for v in values if int(v.split(":")[1]) < 700], 700)
+    assert a.tracebacks == [] and b.tracebacks == []
+
+
+def test_a_commit_whose_other_owner_was_killed_is_shown_by_the_broker_taking_over(
+        network_store) -> None:
+    """Rows staged on A and B, prepared; B is SIGKILLed; the commit at A decides (B's part
+    is left to show: the answer says so). A takes B's partitions over once its lease
+    expired, recovers them by the decision, and every committed row is read once in key
+    order; the transaction ends APPLIED."""
+    _, _, broker = network_store
+    brokers = [_cluster(broker, f"broker-{n}").start() for n in "ab"]
+    a, b = brokers
+    _spread(brokers, 4)
+    txn = Transaction(broker=f"{a.url},{b.url}")
+    txn.write(TOPIC, _rows(0, 700))
+    txn.prepare()
+    b.kill()
+    with Admin(a.url) as admin:
+        result = admin.commit_transactions([txn.txn_id])
+    txn.close()
+    assert result["status"] == "committed" and result["messages"] == 700, result
+    assert result["applying"], result  # B's partitions: their owner did not answer
+    wait_for(lambda: _owned(a.url) == 4, timeout=scaled(60),
+             what="A to take B's partitions over")
+    wait_for(lambda: _state(a.url, txn.txn_id) == "APPLIED", timeout=scaled(30),
+             what="the commit to be shown in every partition")
+    check_exactly_once_in_order(_values(a.url), 700)
+    assert a.tracebacks == []
+
+
+def test_spark_s_exactly_once_sink_writes_a_batch_once_to_a_topic_on_two_brokers(
+        network_store, spark: Any) -> None:
+    """Spark's sink given both brokers: each task stages its rows with the partitions'
+    owners, the driver commits the batch at one broker; the same batch written again is a
+    no-op. Every row once, each key in order."""
+    from tierstream.spark_adapter import register
+
+    _, _, broker = network_store
+    brokers = [_cluster(broker, f"broker-{n}").start() for n in "ab"]
+    a, b = brokers
+    _spread(brokers, 4)
+    register(spark)
+    df = spark.createDataFrame([(f"k{i % 7}", f"k{i % 7}:{i}") for i in range(500)],
+                               "key string, value string").coalesce(1)
+    for _ in range(2):  # the same batch twice: written once
+        df.write.format("tierstream").mode("append").option("broker", f"{b.url},{a.url}") \
+            .option("topic", TOPIC).option("sinkId", "cluster-load") \
+            .option("batchId", "7").save()
+    check_exactly_once_in_order(_values(a.url), 500)
+    assert len(_values(b.url)) == 500
+    with Admin(a.url) as admin:
+        assert admin.last_committed_batch("cluster-load") == 7
