@@ -17,8 +17,8 @@ from tierstream.errors import UnavailableError
 from ..cli.test_cli import run
 from ..ports import fixed_port
 from ..timing import scaled
-from .helpers import stop_process, wait_for
-from .test_cluster import _cluster, _owned, _spread
+from .helpers import read_all, stop_process, wait_for
+from .test_cluster import _cluster, _owned, _Received, _spread
 from .test_network_bookies import TOPIC, _read, _Writer, check_exactly_once_in_order
 
 
@@ -221,3 +221,38 @@ def test_each_broker_repairs_the_segments_of_its_own_partitions_and_its_log_know
         with Admin(b.url) as admin:  # it repaired its own
             assert admin.stats()["replication"]["re_replicated"] > 0, b.data_dir.name
     check_exactly_once_in_order(_read(brokers[0].url), acked)
+
+
+def test_a_topic_spread_over_three_brokers_grows_under_a_producer_and_a_consumer(
+        network_store) -> None:
+    """``topic set --partitions`` on a cluster: a 6-partition topic, 2 on each of three
+    brokers, grows to 12 under a producer given every broker and a key_shared consumer. The
+    broker asked gathers the partitions from their owners and records the scale event; it
+    serves all 12 then. Every acknowledged message is read once in key order, and nothing is
+    routed by the old count after the event."""
+    from .test_elastic_topics import misrouted
+
+    _, _, broker = network_store
+    brokers = [_cluster(broker, f"broker-{n}").start() for n in "abc"]
+    a, b, c = brokers
+    _spread(brokers, 6)
+    writer = _Writer(f"{a.url},{b.url},{c.url}", send_timeout=scaled(30))
+    received = _Received(f"{c.url},{a.url}")
+    try:
+        writer.wait_for_more(500)
+        said = run("topic", "set", TOPIC, "--partitions", "12", "--broker", b.url)
+        assert said.returncode == 0, said.stderr
+        assert [_owned(x.url) for x in brokers] == [0, 12, 0]
+        writer.wait_for_more(500)
+    finally:
+        acked = writer.stop()
+    received.check(acked)
+    with Admin(a.url) as admin:
+        record = admin.get_topic(TOPIC)
+    assert record.partitions == 12 and [(e.old, e.new) for e in record.scale_events] == \
+        [(6, 12)]
+    table = read_all(a.url, TOPIC)
+    check_exactly_once_in_order([bytes(v).decode() for v in table.column("value")
+                                 .to_pylist()], acked)
+    assert not misrouted(table, record)
+    assert all(x.tracebacks == [] for x in brokers)

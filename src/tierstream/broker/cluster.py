@@ -28,8 +28,8 @@ and what it took over:
 A move takes the lease timeout (the former owner's silence) plus at most one renewal period
 plus the recovery of the partitions moved. A transaction's entries are staged by each
 partition's owner, and its commit is shown by each owner (``txn_owners.py``). A topic's growth
-(work of every partition of a topic at once) is not served by a cluster broker yet: it says
-so.
+seals every partition of the topic under its lock at once (``growth.py``): the broker asked
+gathers them from their owners first, grows the topic, and hands out what is beyond its share.
 """
 
 from __future__ import annotations
@@ -42,10 +42,11 @@ from collections.abc import Callable
 from typing import Protocol
 
 from tierstream.broker.config import StoreConfig
+from tierstream.broker.growth import Growth, check_growth
 from tierstream.broker.peers import Peers
 from tierstream.broker.recovery import RecoveryReport, recover_open_segments
 from tierstream.broker.txn_owners import TxnOwners
-from tierstream.errors import ConfigError, ConflictError, TierstreamError
+from tierstream.errors import ConfigError, ConflictError, TierstreamError, UnavailableError
 from tierstream.managed_ledger.bookies.client import BookieClient
 from tierstream.managed_ledger.bookies.remote import RemoteBookie
 from tierstream.managed_ledger.partition_log import PartitionLog
@@ -54,6 +55,7 @@ from tierstream.metadata.leader_lease import BROKER_APPLICATION
 from tierstream.metadata.ownership import RENEW_S, Owner, PartitionOwners
 from tierstream.metadata.postgres import PostgresBackend
 from tierstream.metadata.records import SegmentRecord, TopicRecord
+from tierstream.metadata.scale_events import CLIENT_ROUTING, growth_refused
 from tierstream.metadata.store import MetadataStore
 from tierstream.util.threads import Worker
 from tierstream.util.timeutil import now_ms
@@ -77,6 +79,7 @@ class ClusterStore(Protocol):
     topics_lock: threading.Lock
     closing: threading.Event
     fenced: threading.Event
+    growth: Growth
 
     def choose_ensemble(self) -> tuple[str, ...]: ...
 
@@ -325,17 +328,25 @@ class Cluster:
                         "next renewal: %s", exc)
             return False
 
-    def unload(self, partitions: list[tuple[str, int]]) -> dict[str, str]:
-        """Move ``partitions``, served here, to the other live brokers, gracefully: each is
-        sealed and served here no more (appends are refused with the new owner's address),
-        then all are handed over in one transaction; the new owners open them at their next
-        renewal, or at once when a client names one. ``{"topic/partition": new owner}``."""
+    def unload(self, partitions: list[tuple[str, int]], to: str | None = None
+               ) -> dict[str, str]:
+        """Move ``partitions``, served here, to the other live brokers (or to the broker
+        ``to``), gracefully: each is sealed and served here no more (appends are refused
+        with the new owner's address), then all are handed over in one transaction; the new
+        owners open them at their next renewal, or at once when a client names one.
+        ``{"topic/partition": new owner}``."""
         store, owners = self.store, self.store.owners
         wanted = sorted(set(partitions))
         with self._serving:
-            spread = owners.place(len(wanted), self.lease_ms, away=True)
-            placed = {key: spread[i] for i, key in enumerate(wanted)}
             where = {b["broker"]: b for b in owners.brokers()}
+            if to is None:
+                spread = owners.place(len(wanted), self.lease_ms, away=True)
+            elif to not in where or to == owners.broker_id:
+                raise ConfigError(f"cannot move partitions to {to!r}: not another broker of "
+                                  "this store")
+            else:
+                spread = dict.fromkeys(range(len(wanted)), (to, int(where[to]["epoch"])))
+            placed = {key: spread[i] for i, key in enumerate(wanted)}
             given = {(t, p): Owner(b, e, now_ms(), where.get(b, {}).get("url"))
                      for (t, p), (b, e) in placed.items()}
             served = store.serves()  # one placed here but not opened yet: only handed over
@@ -357,17 +368,68 @@ class Cluster:
                                            for (t, p), (b, _) in list(placed.items())[:5]))
         return {f"{t}/{p}": broker for (t, p), (broker, _) in placed.items()}
 
-    def unload_topic(self, topic: str, partition: int | None) -> dict[str, str]:
+    def unload_topic(self, topic: str, partition: int | None, to: str | None = None
+                     ) -> dict[str, str]:
         """``topic unload``: the partition named (one served elsewhere is refused, naming its
         owner: the client follows), or every partition of ``topic`` served here, moved to
-        the other brokers. ``{"topic/partition": new owner}``."""
+        the other brokers (or to ``to``: a broker growing the topic gathers its partitions).
+        ``{"topic/partition": new owner}``."""
         if partition is None:
             keys = sorted(k for k in self.store.owners.mine() if k[0] == topic)
         else:
             self.store.owners.serving(topic, int(partition))  # another's: it is refused
             plog = self.store.partition(topic, int(partition))  # not served: refused
             keys = [] if plog.lost else [(topic, int(partition))]
-        return self.unload(keys) if keys else {}
+        return self.unload(keys, to) if keys else {}
+
+    def grow(self, name: str, partitions: int, *, reason: str) -> TopicRecord:
+        """Grow a topic served by several brokers: its partitions are gathered here (each
+        owner hands its own over, as an unload does), and the topic grows as on one broker
+        (``growth.py``). Its partitions, old and new, stay served here until ``topic
+        unload`` spreads them."""
+        store = self.store
+        record = store.metadata.get_topic(name)
+        check_growth(record.name, record.partitions, partitions, store.growth.max_partitions)
+        if (refused := growth_refused(record)) is not None:
+            raise refused
+        if record.key_routing == CLIENT_ROUTING:
+            raise ConfigError(f"cannot grow topic {record.name!r} on brokers started with "
+                              "--cluster yet: its Pulsar clients route its keys, and such a "
+                              "topic grows in two steps that several brokers do not serve yet")
+        if partitions == record.partitions:
+            return record
+        self._gather(record.name, record.partitions)
+        return store.growth.set_partitions(record.name, partitions, reason=reason)
+
+    def _gather(self, topic: str, count: int) -> None:
+        """Serve every one of ``topic``'s ``count`` partitions here: each other owner is
+        asked to hand its own over. One with no live owner: UnavailableError, nothing
+        grown (those gathered so far stay served here)."""
+        me = self.store.owners.broker_id
+        wanted = [(topic, p) for p in range(count)]
+        for key in wanted:
+            if key in self.store.serves():
+                continue
+            owner = self.store.owners.owner_of(*key)
+            if owner is not None and owner.broker_id != me:
+                if owner.url is None:
+                    raise UnavailableError(f"cannot grow topic {topic!r} now: the owner of "
+                                           f"partition {key[1]}, {owner.broker_id}, has not "
+                                           "said where it is reached; try again in a moment")
+                try:
+                    self.peers.call(owner.url, "unload", {"topic": topic,
+                                                          "partition": key[1], "to": me})
+                except TierstreamError as exc:
+                    raise UnavailableError(f"cannot grow topic {topic!r} now: the owner of "
+                                           f"partition {key[1]}, {owner.describe()}, did not "
+                                           f"hand it over ({exc}); try again once it "
+                                           "answers or its partitions are taken over") from None
+        self.serve(wanted)
+        missing = [p for t, p in wanted if (t, p) not in self.store.serves()]
+        if missing:
+            raise UnavailableError(f"cannot grow topic {topic!r} now: partition(s) "
+                                   f"{', '.join(map(str, missing))} could not be served here "
+                                   "(being taken over); try again in a moment")
 
     def drain(self) -> dict[str, str]:
         """``broker drain``: every partition this broker owns (served, or placed here and not

@@ -199,5 +199,5 @@ def _check_cluster(config: StoreConfig) -> None:
                         (config.auto_scale_rate, "--auto-scale-rate")):
         if given is not None:
             raise ConfigError(f"{flag} is not for brokers started with --cluster (a cluster "
-                              "broker takes partitions over itself; a topic's growth is not "
-                              "served by several brokers yet)")
+                              "broker takes partitions over itself; a topic grows on several "
+                              "brokers by `topic set-partitions`, not by itself yet)")

@@ -228,7 +228,8 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
         return [s.to_dict() for s in self.store.seal(body["topic"], body.get("partition"))]
 
     def _unload(self, body: dict[str, Any]) -> Any:
-        return cluster_of(self.store).unload_topic(_topic(body), body.get("partition"))
+        return cluster_of(self.store).unload_topic(_topic(body), body.get("partition"),
+                                                   body.get("to"))
 
     def _drain(self, body: dict[str, Any]) -> Any:
         return cluster_of(self.store).drain()
@@ -240,8 +241,7 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
                 "dead_letters": self.subscriptions.dead_letters.written}
 
     def _lag(self, body: dict[str, Any]) -> Any:
-        """Per partition: messages from the given position (a partition not given: from its
-        beginning) to the last confirmed one."""
+        """Per partition: messages from the position given (or its start) to its end."""
         topic = self.store.topic(body["topic"]).name
         given = {int(p): Position.from_dict(v) for p, v in (body.get("positions") or {}).items()}
         out = {}

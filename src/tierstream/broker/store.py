@@ -280,9 +280,8 @@ class Store(OwnedPartitions):
     def set_partitions(self, name: str, partitions: int, *, reason: str = "admin"
                        ) -> TopicRecord:
         """Grow a topic to ``partitions`` (``broker/growth.py``)."""
-        if self.cluster is not None:
-            raise ConfigError(f"cannot grow topic {name!r}: a topic's growth is not served by "
-                              "brokers started with --cluster yet")
+        if self.cluster is not None:  # its partitions gathered here first (cluster.py)
+            return self.cluster.grow(name, partitions, reason=reason)
         return self.growth.set_partitions(name, partitions, reason=reason)
 
     def delete_topic(self, name: str) -> TopicRecord:

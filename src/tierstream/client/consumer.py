@@ -145,17 +145,24 @@ class Consumer:
         """Attach to ``partitions`` (a cursor made there starts at ``initial``) and pump
         each into the queue; later re-attaches start where the subscription is."""
         sub = {k: v for k, v in self._sub.items() if k != "ranges"}
-        for p in partitions:
-            self._epoch[p], self._attaching[p], self._taken[p] = 0, False, 0
-            self._in_doubt[p], self._acking[p] = {}, {}
-            ticket = {"op": "consume", "topic": self.topic, "partition": p,
-                      "key_ranges": self._sub["ranges"], "subscription": {**sub,
-                                                                          "initial": initial}}
-            self._readers[p] = self._open(ticket)
-            self._tickets[p] = {**ticket, "subscription": {**sub, "initial": None}}
-        for p in partitions:
-            self._threads.append(start_reader(self._pump, p,
-                                              name=f"tierstream-consumer-{self.name}-p{p}"))
+        attached = []
+        try:
+            for p in partitions:
+                self._epoch[p], self._attaching[p], self._taken[p] = 0, False, 0
+                self._in_doubt[p], self._acking[p] = {}, {}
+                ticket = {"op": "consume", "topic": self.topic, "partition": p,
+                          "key_ranges": self._sub["ranges"],
+                          "subscription": {**sub, "initial": initial}}
+                self._readers[p] = self._open(ticket)
+                self._tickets[p] = {**ticket, "subscription": {**sub, "initial": None}}
+                attached.append(p)
+        finally:
+            # each partition attached is pumped, also when a later one's attach failed (the
+            # watcher tries that one again): the broker delivers to an attached consumer, and
+            # a stream nobody read held those messages, unacknowledged, for good
+            for p in attached:
+                self._threads.append(start_reader(
+                    self._pump, p, name=f"tierstream-consumer-{self.name}-p{p}"))
 
     def _watch(self) -> None:
         """Attach to the partitions a scale event adds, from their beginning (the broker

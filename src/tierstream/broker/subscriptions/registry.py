@@ -14,6 +14,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,7 +24,8 @@ from tierstream.broker.subscriptions.cursor_state import NON_DURABLE, CursorStat
 from tierstream.broker.subscriptions.cursor_writer import CursorWriter
 from tierstream.broker.subscriptions.dead_letters import DeadLetterWriter
 from tierstream.broker.subscriptions.dispatcher import Dispatcher
-from tierstream.errors import ConfigError, ConflictError, NotFoundError
+from tierstream.errors import ConfigError, ConflictError, NotFoundError, TierstreamError
+from tierstream.metadata.records import SegmentState
 from tierstream.model.lineage import ScaleEvent
 from tierstream.model.positions import Position
 from tierstream.util.faults import fault_point
@@ -39,6 +41,9 @@ log = logging.getLogger(__name__)
 
 #: How often nack delays and ack timeouts are checked.
 _TICK_S = 0.05
+#: How often a closed gate asks another broker again whether its partition's messages
+#: before a scale event are acknowledged (several brokers).
+_ASK_AGAIN_S = 0.5
 
 
 class Subscriptions:
@@ -56,6 +61,8 @@ class Subscriptions:
         self._ticker = Worker("subscription-timer", self._tick,
                               on_error=store.thread_failed("the subscriptions' timer"))
         self._ticker.start()
+        #: asks other brokers whether a gate opened, off the dispatchers' locks
+        self._asking = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gate-ask")
         if store.cluster is None:  # with several brokers, the others' readers live on
             self._drop_non_durable()
 
@@ -124,23 +131,57 @@ class Subscriptions:
         are dispatched after its earlier ones (``lineage.py``)."""
         ends = []
         for a, event in ancestors:
-            before = [s for s in self._store.partition(topic, a).closed_segments()
-                      if s.segment_id < event.first_segment_id and s.entries]
+            closed = self._store.partition(topic, a).closed_segments() if self._here(
+                topic, a) else [s for s in self._metadata.segments(topic, a)
+                                if s.state != SegmentState.OPEN]
+            before = [s for s in closed if s.segment_id < event.first_segment_id and s.entries]
             if before:
                 ends.append(Position(a, before[-1].segment_id, before[-1].entries, 0))
+        asks: dict[Position, tuple[float, Future[bool] | None]] = {}
 
         def acknowledged() -> bool:
             for end in ends:
                 done = self.acknowledged_before(topic, subscription, end.partition)
-                if done is None:
-                    continue  # the subscription has nothing there
-                # an entry's end may be named (s, e, n) or (s, e + 1, 0): count what lies between
-                if done < end and self._store.partition(topic, end.partition).advance(
-                        done, 1, end)[1]:
+                if done is None or not done < end:
+                    continue  # the subscription has nothing there, or all of it is acked
+                # an entry's end may be named (s, e, n) or (s, e + 1, 0): count what lies
+                # between, here or (an ancestor another broker serves) as its owner does
+                if self._here(topic, end.partition):
+                    if self._store.partition(topic, end.partition).advance(done, 1, end)[1]:
+                        return False
+                elif not self._asked(topic, done, end, asks):
                     return False
             return True
 
         return acknowledged
+
+    def _here(self, topic: str, partition: int) -> bool:
+        return self._store.cluster is None or (topic, partition) in self._store.serves()
+
+    def _asked(self, topic: str, done: Position, end: Position,
+               asks: dict[Position, tuple[float, Future[bool] | None]]) -> bool:
+        """Whether the owner of ``end``'s partition said nothing lies between ``done`` and
+        ``end``: asked on another thread (a gate is looked at under its dispatcher's lock),
+        again every :data:`_ASK_AGAIN_S` while it says no or does not answer."""
+        at, future = asks.get(end, (0.0, None))
+        if future is not None and future.done() and future.result():
+            return True
+        if (future is None or future.done()) and time.monotonic() - at >= _ASK_AGAIN_S:
+            asks[end] = (time.monotonic(), self._asking.submit(self._ask_owner, topic, done, end))
+        return False
+
+    def _ask_owner(self, topic: str, done: Position, end: Position) -> bool:
+        cluster = self._store.cluster
+        owner = self._store.owners.owner_of(topic, end.partition)
+        if cluster is None or owner is None or owner.url is None:
+            return False
+        try:
+            answer = cluster.peers.call(owner.url, "advance", {
+                "topic": topic, "partition": end.partition, "start": done.to_dict(),
+                "bound": end.to_dict(), "max_messages": 1})
+        except TierstreamError:  # down, moving it: asked again
+            return False
+        return int(answer["messages"]) == 0
 
     def attach(self, topic: str, subscription: str, partition: int,
                settings: ConsumerSettings, *, initial: Position,
@@ -359,6 +400,7 @@ class Subscriptions:
 
     def close(self) -> None:
         self._ticker.stopping.set()
+        self._asking.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             for d in self._dispatchers.values():
                 d.close()
