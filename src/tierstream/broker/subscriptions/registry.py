@@ -147,7 +147,11 @@ class Subscriptions:
                 # an entry's end may be named (s, e, n) or (s, e + 1, 0): count what lies
                 # between, here or (an ancestor another broker serves) as its owner does
                 if self._here(topic, end.partition):
-                    if self._store.partition(topic, end.partition).advance(done, 1, end)[1]:
+                    try:
+                        if self._store.partition(topic, end.partition).advance(done, 1,
+                                                                              end)[1]:
+                            return False
+                    except TierstreamError:  # moved away meanwhile: asked again next tick
                         return False
                 elif not self._asked(topic, done, end, asks):
                     return False
@@ -164,7 +168,8 @@ class Subscriptions:
         ``end``: asked on another thread (a gate is looked at under its dispatcher's lock),
         again every :data:`_ASK_AGAIN_S` while it says no or does not answer."""
         at, future = asks.get(end, (0.0, None))
-        if future is not None and future.done() and future.result():
+        if future is not None and future.done() and future.exception() is None \
+                and future.result():
             return True
         if (future is None or future.done()) and time.monotonic() - at >= _ASK_AGAIN_S:
             asks[end] = (time.monotonic(), self._asking.submit(self._ask_owner, topic, done, end))
