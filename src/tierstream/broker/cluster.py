@@ -29,7 +29,8 @@ A move takes the lease timeout (the former owner's silence) plus at most one ren
 plus the recovery of the partitions moved. A transaction's entries are staged by each
 partition's owner, and its commit is shown by each owner (``txn_owners.py``). A topic's growth
 seals every partition of the topic under its lock at once (``growth.py``): the broker asked
-gathers them from their owners first, grows the topic, and hands out what is beyond its share.
+gathers them from their owners first and grows the topic; it serves them all until ``topic
+unload`` spreads them.
 """
 
 from __future__ import annotations

@@ -416,13 +416,10 @@ class TransactionCoordinator:
         with self._lock:
             touched = list(self._touched)
         for txn_id in touched:
-            try:
-                state = self.records.get(txn_id).state
-            except NotFoundError:  # forgotten long after it ended
-                state = TxnState.ABORTED
-            if state == TxnState.ABORTED:
+            record = self._record(txn_id)  # None: forgotten long after it ended
+            if record is None or record.state == TxnState.ABORTED:
                 self._end(txn_id)
-            elif state == TxnState.APPLIED:
+            elif record.state == TxnState.APPLIED:
                 self._forget(txn_id)
 
     def here(self, op: str, txn_ids: list[str], parts: Iterable[tuple[str, int]]
@@ -465,8 +462,8 @@ class TransactionCoordinator:
     def recover(self) -> None:
         """At broker start: write again what was committed but not applied (every staged
         entry is in a sealed segment now: shown or set aside by recovery; on a cluster, in
-        the partitions served here, and the other owners are asked to), finish commits
-        staged by an older version, and remove staging nobody can commit."""
+        the partitions served here, the other owners being asked by housekeeping), finish
+        commits staged by an older version, and remove staging nobody can commit."""
         committed = self.records.in_states(TxnState.COMMITTED)
         if committed:
             log.info("recovery: applying %d committed transaction(s)", len(committed))
