@@ -206,7 +206,8 @@ class Cluster:
         never open one twice."""
         store = self.store
         with self._serving:
-            wanted = set(partitions) - store.serves()
+            with store.topics_lock:  # a growth opens its new partitions under it
+                wanted = set(partitions) - store.serves()
             return self._serve(wanted) if wanted else []
 
     def serve_if_placed(self, topic: str, partition: int) -> bool:
@@ -316,9 +317,13 @@ class Cluster:
         that are not served yet. False: it failed, and is tried again after the next
         renewal."""
         try:
-            placed = sorted(self.store.owners.mine() - self.store.serves())
+            with self._serving:
+                # a scale event's new partitions are this broker's from its metadata commit,
+                # opened by the growth under the topics lock a moment later: not placed
+                with self.store.topics_lock:
+                    placed = sorted(self.store.owners.mine() - self.store.serves())
+                reports = self._serve(set(placed)) if placed else []
             if placed:
-                reports = self.serve(placed)
                 log.info("%s serves %d partition(s) placed on it (%s)%s",
                          self.store.owners.broker_id, len(placed),
                          ", ".join(f"{t} partition {p}" for t, p in placed[:5]),

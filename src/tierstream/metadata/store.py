@@ -457,16 +457,19 @@ class MetadataStore:
         return [{"subscription": r[0], "partition": r[1], "state": json.loads(r[2]),
                  "updated_at": r[3]} for r in rows]
 
-    def save_cursors(self, rows: Sequence[tuple[str, str, int, Any]], *, now: int) -> None:
+    def save_cursors(self, rows: Sequence[tuple[str, str, int, Any]], *, now: int
+                     ) -> dict[tuple[str, int], str]:
         """Store ``(topic, subscription, partition, state)`` rows in one transaction. A row
-        of a partition another broker owns now is not written over its cursor (its acks
-        are delivered again: at least once), and the others are."""
+        of a partition another broker owns now is not written over its cursor, and the
+        others are. Returns the partitions not stored, with their owner's id: whoever
+        waits on such a row must not say it is stored (its client sends it there)."""
         with self.atomic() as c:
             foreign = {} if self.owner is None else self.owner.foreign(
                 c, {(t, p) for t, _, p, _ in rows})
             if foreign:
-                log.warning("cursors not stored, of partitions other brokers own now (their "
-                            "consumers get those messages again): %s", sorted(foreign)[:5])
+                log.warning("cursors not stored, of partitions other brokers own now (what "
+                            "waits on them is refused, naming the owner): %s",
+                            sorted(foreign)[:5])
                 rows = [r for r in rows if (r[0], r[2]) not in foreign]
             c.executemany(
                 "INSERT INTO cursors (topic, subscription, partition, state, updated_at) "
@@ -474,6 +477,7 @@ class MetadataStore:
                 "SET state=excluded.state, updated_at=excluded.updated_at",
                 [(t, sub, p, json.dumps(state), now) for t, sub, p, state in rows],
             )
+        return foreign
 
     def delete_cursors(self, topic: str, subscription: str) -> int:
         """Forget a subscription of ``topic`` (every partition's cursor); how many went."""

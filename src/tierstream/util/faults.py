@@ -1,5 +1,6 @@
 """Crash points: the broker kills itself (SIGKILL) at a named step, for crash-point tests;
-fault points: a worker thread meets an error nobody expected at a named step.
+fault points: a worker thread meets an error nobody expected at a named step; pause points:
+a thread sleeps at a crash point's step.
 
 A test arms one point through the environment of the broker process it starts::
 
@@ -20,6 +21,7 @@ The points, in the order a write passes them (``tests/store/test_crash_points.py
 ``roll.next-registered``      rollover: the next segment is in metadata, its ledgers not created
 ``recovery.replica-repaired`` recovery: one replica of a crashed segment was rewritten
 ``recovery.sealed``           recovery: a crashed segment is sealed in metadata
+``cursor.writing``            acks are taken (in memory); their cursors' commit starts now
 ``cursor.saved``              a subscription's cursor is committed; the ack has no answer yet
 ``topic.registered``          a new topic is in metadata; its partitions are not open yet
 ``scale.sealed``              a scale event sealed the topic's open segments; nothing of the
@@ -47,6 +49,10 @@ passes it, so a test sees what that thread's owner makes of a bug there
 ``pulsar.receipt``            a Pulsar connection's receipt thread, before it answers a SEND
 ``pulsar.delivery``           a Pulsar consumer's delivery thread, with a batch in hand
 ``consumer.watch``            a tierstream ``Consumer``'s watcher of the topic's partitions
+
+A pause point (``TIERSTREAM_PAUSE_AT="scale.recorded"``, the syntax and points of the crash
+points) has the thread that passes it sleep ``TIERSTREAM_PAUSE_S`` seconds (default 3), so that
+a test lands another thread's step, or another broker's, in that window.
 """
 
 from __future__ import annotations
@@ -54,13 +60,16 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 
-__all__ = ["ENV", "FAULT_ENV", "FAULT_POINTS", "POINTS", "InjectedFault", "crash_point",
-           "fault_point"]
+__all__ = ["ENV", "FAULT_ENV", "FAULT_POINTS", "PAUSE_ENV", "PAUSE_S_ENV", "POINTS",
+           "InjectedFault", "crash_point", "fault_point"]
 
 ENV = "TIERSTREAM_CRASH_AT"
 FAULT_ENV = "TIERSTREAM_FAULT_AT"
+PAUSE_ENV = "TIERSTREAM_PAUSE_AT"
+PAUSE_S_ENV = "TIERSTREAM_PAUSE_S"
 FAULT_POINTS = frozenset({"pulsar.receipt", "pulsar.delivery", "metadata.heartbeat",
                           "bookie.client.send", "bookie.client.receive", "bookie.client.watch",
                           "bookie.acks", "store.housekeeping", "subscriptions.tick",
@@ -75,6 +84,7 @@ POINTS = frozenset({
     "roll.next-registered",
     "recovery.replica-repaired",
     "recovery.sealed",
+    "cursor.writing",
     "cursor.saved",
     "topic.registered",
     "scale.sealed",
@@ -106,16 +116,23 @@ def _armed(env: str = ENV, points: frozenset[str] = POINTS) -> tuple[str, int] |
 
 _ARMED: tuple[str, int] | None = None
 _FAULT: tuple[str, int] | None = None
-_passes = {"crashes": 0, "faults": 0}
+_PAUSE: tuple[str, int] | None = None
+_pause_s = 3.0
+_passes = {"crashes": 0, "faults": 0, "pauses": 0}
 _lock = threading.Lock()
 
 
 def arm() -> None:
     """Arm the points the environment names: as this module is imported, and again in a
     process forked after its environment was changed (the tests' fork server)."""
-    global _ARMED, _FAULT
-    _ARMED, _FAULT = _armed(), _armed(FAULT_ENV, FAULT_POINTS)
-    _passes.update(crashes=0, faults=0)
+    global _ARMED, _FAULT, _PAUSE, _pause_s
+    _ARMED, _FAULT, _PAUSE = _armed(), _armed(FAULT_ENV, FAULT_POINTS), _armed(PAUSE_ENV)
+    raw = os.environ.get(PAUSE_S_ENV) or "3"
+    try:
+        _pause_s = float(raw)
+    except ValueError:
+        raise SystemExit(f"{PAUSE_S_ENV}={raw!r}: expected seconds, a number") from None
+    _passes.update(crashes=0, faults=0, pauses=0)
 
 
 arm()
@@ -145,6 +162,8 @@ def crash_point(name: str, *, before: Callable[[], object] | None = None) -> Non
     ``before`` runs first when the point fires (e.g. wait until one replica has the entry), so
     the state on disk at the kill is the one the point's name promises.
     """
+    if _PAUSE is not None and _PAUSE[0] == name and _passed(_PAUSE, "pauses"):
+        time.sleep(_pause_s)
     if _ARMED is not None and _ARMED[0] == name and _passed(_ARMED, "crashes"):
         if before is not None:
             before()

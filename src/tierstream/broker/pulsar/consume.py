@@ -101,10 +101,11 @@ class ConsumePath:
         self._closing = threading.Event()
         self._unstored = 0  # the write generation that stores this connection's acks so far
 
-    def _stored(self) -> TierstreamError | None:
-        """Wait until this connection's acks so far are on disk (None), or say why not."""
+    def _stored(self, *partitions: tuple[str, int]) -> TierstreamError | None:
+        """Wait until this connection's acks so far are on disk (None), or say why not (those
+        of one of ``partitions`` were not stored: another broker owns it now)."""
         try:
-            self.subscriptions.stored(self._unstored)
+            self.subscriptions.stored(self._unstored, partitions)
         except TierstreamError as exc:
             return exc
         return None
@@ -237,8 +238,8 @@ class ConsumePath:
         if req.HasField("request_id"):  # the client asked for a receipt: once it is stored
             reply = api.CommandAckResponse(consumer_id=req.consumer_id,
                                            request_id=req.request_id)
-            if error is None:
-                error = self._stored()
+            if error is None and c is not None:
+                error = self._stored((c.topic, c.partition))
             if error is not None:
                 reply.error, reply.message = error_code(error), str(error)
             self.link.write(_Cmd(type=_Cmd.ACK_RESPONSE, ackResponse=reply))

@@ -5,25 +5,36 @@ thread takes every dirty dispatcher's snapshot and stores them all in one SQLite
 (``synchronous=FULL``), then wakes every ack that was waiting for that write. While a write is
 on disk the next acks gather for the next one, so N concurrent acks cost about one fsync, not N.
 An ack call returns only after the write that holds it, so an acknowledged message is never
-delivered again after a crash.
+delivered again after a crash. With several brokers, a cursor of a partition handed to another
+broker meanwhile is not written (the new owner's is the cursor now): :meth:`CursorWriter.wait`
+for it raises :class:`NotStoredError`, and the ack is refused rather than said stored.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
-from tierstream.errors import StorageError, UnavailableError
+from tierstream.errors import StorageError, TierstreamError, UnavailableError
 from tierstream.metadata.store import MetadataStore
 from tierstream.util.faults import crash_point, fault_point
 from tierstream.util.threads import Worker
 from tierstream.util.timeutil import now_ms
 
-__all__ = ["CursorWriter", "Snapshotting"]
+__all__ = ["CursorWriter", "NotStoredError", "Snapshotting"]
 
 log = logging.getLogger(__name__)
+
+
+class NotStoredError(TierstreamError):
+    """A cursor was not written: another broker owns its partition now (``owner``, an id)."""
+
+    def __init__(self, topic: str, partition: int, owner: str) -> None:
+        super().__init__(f"{topic} partition {partition} is owned by {owner} now: its cursor "
+                         "was not stored here")
+        self.topic, self.partition, self.owner = topic, partition, owner
 
 
 class Snapshotting(Protocol):
@@ -47,6 +58,9 @@ class CursorWriter:
         self._dirty: dict[int, Snapshotting] = {}
         self._requested = 0   # generation the next write will complete
         self._written = 0     # last generation on disk
+        # partitions whose cursors were not written, as others own them: the last write
+        # generation that left each out, and the owner it named
+        self._foreign: dict[tuple[str, int], tuple[int, str]] = {}
         self._error: Exception | None = None
         self._stop = False
         self.writes = 0       # transactions so far (bench and stats)
@@ -62,8 +76,11 @@ class CursorWriter:
             self._cond.notify_all()
             return self._requested + 1
 
-    def wait(self, generation: int, *, stopped: Callable[[], bool] = lambda: False) -> None:
-        """Return once generation ``generation`` is on disk."""
+    def wait(self, generation: int, *, stopped: Callable[[], bool] = lambda: False,
+             partitions: Iterable[tuple[str, int]] = ()) -> None:
+        """Return once generation ``generation`` is on disk. NotStoredError if the cursor of
+        one of ``partitions`` (``(topic, partition)``: those the caller's state is in) was
+        left out of it, or of a later write, because another broker owns it now."""
         with self._cond:
             while self._written < generation:
                 if self._error is not None:
@@ -72,6 +89,10 @@ class CursorWriter:
                     raise UnavailableError("the broker is shutting down; the ack was not "
                                            "stored")
                 self._cond.wait(0.5)
+            for key in partitions:
+                left_out, owner = self._foreign.get(key, (0, ""))
+                if left_out >= generation:
+                    raise NotStoredError(*key, owner)
 
     def _run(self) -> None:
         while True:
@@ -87,7 +108,8 @@ class CursorWriter:
             try:
                 fault_point("cursor.write")
                 rows = [(c.topic, c.subscription, c.partition, c.snapshot()) for c in batch]
-                self._metadata.save_cursors(rows, now=now_ms())
+                crash_point("cursor.writing")
+                foreign = self._metadata.save_cursors(rows, now=now_ms())
                 crash_point("cursor.saved")
             except UnavailableError as exc:
                 if self._metadata.backend.lost.is_set():  # its server is given up for good
@@ -106,6 +128,8 @@ class CursorWriter:
                 self.writes += 1
                 self.snapshots += len(rows)
                 self._written = generation
+                for key, owner in foreign.items():
+                    self._foreign[key] = (generation, owner)
                 self._cond.notify_all()
 
     def _fail_waiters(self, exc: Exception) -> None:

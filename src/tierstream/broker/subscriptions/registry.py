@@ -21,10 +21,16 @@ import numpy as np
 
 from tierstream.broker.subscriptions.attached import Attached, ConsumerSettings
 from tierstream.broker.subscriptions.cursor_state import NON_DURABLE, CursorState
-from tierstream.broker.subscriptions.cursor_writer import CursorWriter
+from tierstream.broker.subscriptions.cursor_writer import CursorWriter, NotStoredError
 from tierstream.broker.subscriptions.dead_letters import DeadLetterWriter
 from tierstream.broker.subscriptions.dispatcher import Dispatcher
-from tierstream.errors import ConfigError, ConflictError, NotFoundError, TierstreamError
+from tierstream.errors import (
+    ConfigError,
+    ConflictError,
+    NotFoundError,
+    TierstreamError,
+    UnavailableError,
+)
 from tierstream.metadata.records import SegmentState
 from tierstream.model.lineage import ScaleEvent
 from tierstream.model.positions import Position
@@ -196,7 +202,7 @@ class Subscriptions:
         d = self._dispatcher(topic, subscription, partition, initial, label)
         attached = d.attach(settings, gone)
         if d in self._unwritten:  # the subscription exists once attached
-            self.writer.wait(self.writer.dirty(d))
+            self._wait(self.writer.dirty(d), (topic, partition))
             self._unwritten.discard(d)
         return attached
 
@@ -221,7 +227,7 @@ class Subscriptions:
         again before it came (``Dispatcher.ack``)."""
         d = self._dispatcher(topic, subscription, partition)
         generation, doubt = d.ack(consumer, segment, entry, index, retry=retry)
-        self.writer.wait(generation)
+        self._wait(generation, (topic, partition))
         return doubt
 
     def ack_later(self, topic: str, subscription: str, partition: int, consumer: str,
@@ -242,12 +248,31 @@ class Subscriptions:
         generation, doubt = d.ack_cumulative(consumer, position, retry=retry)
         if not wait:
             return generation
-        self.writer.wait(generation)
+        self._wait(generation, (topic, position.partition))
         return doubt
 
-    def stored(self, generation: int) -> None:
-        """Return once the acks taken up to write ``generation`` are on disk."""
-        self.writer.wait(generation)
+    def stored(self, generation: int, partitions: Iterable[tuple[str, int]] = ()) -> None:
+        """Return once the acks taken up to write ``generation`` are on disk; NotOwnerError
+        if those of one of ``partitions`` were not, as another broker owns it now."""
+        self._wait(generation, *partitions)
+
+    def _wait(self, generation: int, *partitions: tuple[str, int]) -> None:
+        """Once write ``generation`` is on disk. The cursor of one of ``partitions`` handed
+        to another broker meanwhile was not written: what waits on it is refused, naming
+        the owner, so that its client sends it there (an ack said stored here would be
+        lost, and its messages, dropped by a client that acknowledged them, never
+        acknowledged)."""
+        try:
+            self.writer.wait(generation, partitions=partitions)
+        except NotStoredError as exc:
+            raise self._not_stored(exc.topic, exc.partition, exc.owner) from None
+
+    def _not_stored(self, topic: str, partition: int, owner_id: str) -> TierstreamError:
+        owner = self._store.owners.owner_of(topic, partition)
+        if owner is None or owner.broker_id == self._store.owners.broker_id:
+            return UnavailableError(f"{topic} partition {partition} was moving (to "
+                                    f"{owner_id}); nothing was stored: try again")
+        return self._store.owners.refusal(topic, partition, owner)
 
     def nack(self, topic: str, subscription: str, partition: int, consumer: str,
              segment: np.ndarray, entry: np.ndarray, index: np.ndarray, delay_s: float) -> None:
@@ -287,9 +312,9 @@ class Subscriptions:
                     if state.acked and state.acked[0][0] <= position:
                         state.mark_delete = state.acked.pop(0)[1]
                 state.label = label or state.label
-                self._metadata.save_cursors([(*key, state.to_json())], now=now_ms())
+                self._save(key, state)
                 return
-        self.writer.wait(d.set_position(position))
+        self._wait(d.set_position(position), (topic, partition))
 
     def reset(self, topic: str, subscription: str, partition: int, position: Position) -> None:
         """Seek: the cursor moves to ``position``, back or forward: every message before it is
@@ -304,7 +329,8 @@ class Subscriptions:
                 for c in list(d.consumers.values()):
                     d.detach(c)
                 d.close()
-                self.writer.wait(self.writer.dirty(d))  # nothing of it is written after this
+                # nothing of it is written after this
+                self._wait(self.writer.dirty(d), (topic, partition))
                 stored: Any = d.snapshot()
             else:
                 stored = self._metadata.get_cursor(*key)
@@ -314,7 +340,14 @@ class Subscriptions:
             old = CursorState.from_json(stored, partition)
             state = CursorState(partition, position, type=old.type, label=old.label,
                                 dead_letter_sequence=old.dead_letter_sequence)
-            self._metadata.save_cursors([(*key, state.to_json())], now=now_ms())
+            self._save(key, state)
+
+    def _save(self, key: tuple[str, str, int], state: CursorState) -> None:
+        """Store one cursor directly; refused, naming the owner, if another broker owns its
+        partition now."""
+        foreign = self._metadata.save_cursors([(*key, state.to_json())], now=now_ms())
+        if (key[0], key[2]) in foreign:
+            raise self._not_stored(key[0], key[2], foreign[key[0], key[2]])
 
     def delete(self, topic: str, subscription: str) -> int:
         """Remove an abandoned subscription: its stored cursors on every partition (how
