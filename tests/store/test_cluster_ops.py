@@ -344,3 +344,57 @@ def test_an_ack_taken_as_its_partition_moved_is_stored_by_the_new_owner(
         assert outcome == [None], outcome
         wait_for(lambda: backlog(b.url) == 0, timeout=scaled(30),
                  what="the ack to be stored by broker B, the partition's owner now")
+
+
+def test_a_grown_partition_moved_away_holds_a_key_until_its_parent_s_owner_says_acked(
+        network_store) -> None:
+    """A key_shared subscription holds a key's messages in a new partition until those
+    before the scale event in its parent are acknowledged. The new partition moves to B,
+    its parent stays on A: B asks A, and holds while the consumer holds the parent's
+    messages unacknowledged, then delivers once they are acknowledged. (B read the parent's
+    log, which it does not have: the gate raised in B's subscription timer, and nothing of
+    the new partition was ever delivered.)"""
+    _, _, broker = network_store
+    a, b = (_cluster(broker, f"broker-{n}", "--lease-timeout", "1h").start() for n in "ab")
+    with Admin(a.url) as admin:
+        admin.create_topic(TOPIC, 1)  # on A: the least loaded, first
+    keys = [f"k{i}" for i in range(20)]
+
+    def send(first: int) -> None:
+        with Producer(TOPIC, broker=a.url) as producer:
+            producer.send_many({"key": k, "value": f"{k}:{first + i}".encode()}
+                               for i, k in enumerate(keys))
+
+    send(0)
+    with Consumer(TOPIC, "audit", mode="key_shared", initial=Offset.earliest(),
+                  broker=f"{a.url},{b.url}") as consumer:
+        held = consumer.receive(timeout=scaled(30))  # not acknowledged yet
+        assert held is not None and held.num_rows == 20
+        with Admin(a.url) as admin:
+            admin.set_partitions(TOPIC, 2)
+            send(20)
+            assert list(admin.unload(TOPIC, 1)) == [f"{TOPIC}/1"]  # to B; 0 stays on A
+        assert (_owned(a.url), _owned(b.url)) == (1, 1)
+        values: list[str] = []
+
+        def take(until: float) -> None:
+            while time.monotonic() < until:
+                batch = consumer.receive(timeout=0.2)
+                if batch is not None:
+                    values.extend(bytes(v).decode() for v in batch.column("value").to_pylist())
+                    consumer.ack(batch)
+
+        table = read_all(a.url, TOPIC)
+        one = {bytes(v).decode() for v, p in zip(table.column("value").to_pylist(),
+                                                  table.column("partition").to_pylist(),
+                                                  strict=True) if p == 1}
+        stayed = {f"{k}:{20 + i}" for i, k in enumerate(keys)} - one
+        assert one and stayed, one  # some keys went to the new partition, some stayed
+        wait_for(lambda: take(time.monotonic() + 0.5) or stayed <= set(values),
+                 timeout=scaled(30), what="partition 0's messages after the event")
+        take(time.monotonic() + scaled(1))  # partition 1's would have come by now
+        assert not one & set(values), "a key's messages came before its earlier ones were acked"
+        consumer.ack(held)
+        wait_for(lambda: take(time.monotonic() + 0.5) or one <= set(values),
+                 timeout=scaled(30), what="partition 1's messages, once its parent's are acked")
+    assert sorted(int(v.split(":")[1]) for v in values) == list(range(20, 40))
