@@ -10,9 +10,15 @@ import threading
 import time
 from pathlib import Path
 
+import pyarrow as pa
+
 from tierstream.broker.process import BrokerProcess
+from tierstream.broker.run import SHUTDOWN_GRACE_S
+from tierstream.client import Admin, Producer
+from tierstream.client.transaction import Transaction
 
 from ..timing import scaled
+from .helpers import read_all
 
 #: Set while the test below runs: the at-fork handler then hangs the forked child, as the
 #: handler of a native library (gRPC's, the Pulsar client's) can when another of its threads
@@ -54,6 +60,35 @@ def test_a_broker_starts_from_a_process_whose_libraries_hang_a_forked_child(
                    for line in limits.splitlines()), limits
     finally:
         broker.stop()
+
+
+def test_a_broker_stops_on_sigterm_while_clients_hold_idle_streams(data_dir: Path) -> None:
+    """Regression: a broker asked to stop while a producer and a transaction held their
+    streams open, sending nothing, waited for them for good (Flight's shutdown waits for
+    every call under way, and an idle stream ends only when its client closes it): a
+    zombie broker of a cluster never exited. It waits ``SHUTDOWN_GRACE_S`` now, says so,
+    and exits cleanly; what was acknowledged is there after a restart."""
+    topic = "acme/web/idle"
+    with BrokerProcess(data_dir) as broker:
+        with Admin(broker.url) as admin:
+            admin.create_topic(topic, 1)
+        producer = Producer(topic, broker=broker.url)
+        txn = Transaction(broker=broker.url)
+        try:
+            producer.send_many({"key": f"k{i}", "value": b"v"} for i in range(10))
+            producer.flush()  # acknowledged; its stream stays open
+            txn.write(topic, pa.table({"key": ["k"], "value": [b"staged"]}))
+            txn.flush()  # staged; its stream stays open too
+            began = time.monotonic()
+            assert broker.stop(timeout=scaled(SHUTDOWN_GRACE_S + 30)) == 0
+            assert time.monotonic() - began >= SHUTDOWN_GRACE_S * 0.9  # it waited for them
+        finally:
+            producer.close()
+            txn.close()
+        said = "".join(broker.stderr_tail)
+        assert "clients' streams left open" in said and "Traceback" not in said, said[-3000:]
+    with BrokerProcess(data_dir) as again:
+        assert read_all(again.url, topic).num_rows == 10
 
 
 def _kill_forked_children() -> None:

@@ -8,7 +8,10 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+from functools import partial
 from typing import Any
+
+import pyarrow.flight as flight
 
 from tierstream.broker.config import StoreConfig
 from tierstream.broker.server import Broker
@@ -28,7 +31,7 @@ from tierstream.options import (
     DEFAULT_PORT,
     DEFAULT_PULSAR_TLS_PORT,
 )
-from tierstream.util.signals import stop_requested
+from tierstream.util.signals import shut_down, stop_requested
 from tierstream.wire.security import (
     WILDCARD_HOSTS,
     advertised_host,
@@ -40,6 +43,13 @@ from tierstream.wire.security import (
 __all__ = ["run_broker", "serve_bookies"]
 
 log = logging.getLogger(__name__)
+
+#: How long a stopping broker waits for the calls under way on its servers: a client's idle
+#: stream (a producer that sends nothing, a transaction staging nothing more) ends only when
+#: its client closes it, and a stopped or vanished client never does. Past it, the broker
+#: exits without them (its clients see the connection end), as Pulsar's brokers do after
+#: ``brokerShutdownTimeoutMs``.
+SHUTDOWN_GRACE_S = 10.0
 
 
 def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
@@ -169,15 +179,20 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
         finally:
             log.info("broker shutting down")
             store.closing.set()  # ends tail streams so that shutdown does not wait on them
-            if admin is not None:
-                admin.shutdown()
-            if pulsar is not None:
-                pulsar.shutdown()
-            broker.shutdown()
-            if metrics is not None:
-                metrics.shutdown()
-            for endpoint in endpoints:
-                endpoint.shutdown()
+            # a broker that cannot serve on (fenced, its metadata lost) waits for no client
+            grace = 0.0 if lost.is_set() or store.fenced.is_set() else SHUTDOWN_GRACE_S
+            servers = [("Pulsar admin server", admin), ("Pulsar protocol server", pulsar),
+                       ("broker's Flight server", broker), ("metrics server", metrics),
+                       *((f"bookie endpoint {i}", e) for i, e in enumerate(endpoints))]
+            # the Flight server's own shutdown for the broker: its subscriptions close after
+            left = shut_down([(name, partial(flight.FlightServerBase.shutdown, server)
+                               if server is broker else server.shutdown)
+                              for name, server in servers if server is not None], grace)
+            if left:
+                log.warning("the %s still had calls under way %g s after the shutdown began "
+                            "(clients' streams left open): the broker exits without them",
+                            ", ".join(left), grace)
+            broker.subscriptions.close()  # every subscription's last acks
             try:
                 store.close()
             except TierstreamError as exc:

@@ -36,6 +36,7 @@ from tierstream.errors import (
     NotFoundError,
     TierstreamError,
 )
+from tierstream.util.signals import exit_process
 
 __all__ = ["app", "main"]
 
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         _error_line(f"unexpected {type(exc).__name__}: {exc} (run again with --debug for the "
                     "traceback, and please report it)")
         code = 1
-    sys.exit(code if isinstance(code, int) else 0)
+    exit_process(code if isinstance(code, int) else 0)  # a broker may have left a server
 
 
 def _take_sigint() -> None:
