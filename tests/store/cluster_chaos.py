@@ -3,7 +3,9 @@
 hosts, PostgreSQL on the bridge), a 12-partition topic spread over the brokers under a named
 producer and a key_shared consumer, each given every broker, another under the real
 pulsar-client's (``pulsar_traffic.py``, a multi-host service URL: LOOKUP finds each
-partition's owner), and N faults drawn at random, one after another:
+partition's owner), a transactional writer (``txn_traffic.py``: each transaction over
+every partition of its topic, committed as a sink's numbered batch), and N faults drawn at
+random, one after another:
 
 - ``broker-kill``: a broker SIGKILLed; the others take its partitions over once its lease
   expired; then it is started again (a new broker, owning nothing);
@@ -20,9 +22,10 @@ partition's owner), and N faults drawn at random, one after another:
 - ``postgres-outage``: PostgreSQL away for two leases, for every broker at once: none may
   stop (none can take a partition over without it).
 
-After each fault both producers must get more acknowledgements. At the end every
-acknowledged message is read once, in per-key order, and the consumers received every one,
-every key in order. ``--sequence`` replays a fixed list instead (the suite's short version,
+After each fault both producers must get more acknowledgements and a transaction must
+commit. At the end every acknowledged message is read once, in per-key order, the consumers
+received every one, every key in order, and every committed batch's rows are read once.
+``--sequence`` replays a fixed list instead (the suite's short version,
 ``test_network_hosts.py``).
 """
 
@@ -61,6 +64,7 @@ from .test_network_bookies import (
     _Writer,
     check_exactly_once_in_order,
 )
+from .txn_traffic import TXN_TOPIC, TxnWriter
 
 BROKER_PORT, PULSAR_PORT, PARTITIONS = 6651, 6650, 12
 LEASE_S = scaled(3)
@@ -174,10 +178,12 @@ def _run(faults: int, seed: int, sequence: list[str] | None, between: int, spark
             with Admin(brokers.url("broker-a")) as admin:
                 admin.create_topic(TOPIC, PARTITIONS)
                 admin.create_topic(PULSAR_TOPIC, PARTITIONS)
+                admin.create_topic(TXN_TOPIC, len(BROKERS))
             every = ",".join(brokers.url(n) for n in BROKERS)
             # longer than a move after a failure (lease, recovery, reconnect)
             writer = _Writer(every, send_timeout=scaled(12))
             received = _Received(every)
+            txns = TxnWriter(every)
             # a Pulsar application, given every broker in a multi-host service URL
             app = PulsarTraffic("pulsar://" + ",".join(
                 f"{hosts.address(n)}:{PULSAR_PORT}" for n in BROKERS), TOKEN,
@@ -236,6 +242,7 @@ def _run(faults: int, seed: int, sequence: list[str] | None, between: int, spark
                                     repaired)
                     writer.wait_for_more(between)
                     app.wait_for_more(between // 4)
+                    txns.wait_for_more(1)
                     brokers.all_running()
                     print(f"fault {n + 1}/{len(plan)}: {kind} ({victim if 'broker' in kind else ''}"
                           f"); {writer.acked:,} acknowledged, {app.acked:,} to the Pulsar "
@@ -243,7 +250,9 @@ def _run(faults: int, seed: int, sequence: list[str] | None, between: int, spark
             finally:
                 acked = writer.stop()
                 app_acked = app.stop_producing()
+                txn_rows = txns.stop()
             received.check(acked)
+            txns.check(txn_rows)
             app.check(app_acked)
             repaired("every segment to be whole again at the end")
             _check_disks(brokers.url("broker-a"), bookies)
@@ -273,6 +282,7 @@ def _run(faults: int, seed: int, sequence: list[str] | None, between: int, spark
     return {"faults": len(plan), **counts, "acknowledged": acked, "read": len(values),
             "received": len(set(received.values)), "pulsar_acknowledged": app_acked,
             "pulsar_read": len(app_values), "pulsar_received": len(set(app.values)),
+            "transactions": txns.committed, "transactions_written_again": txns.failures,
             "seconds": round(time.monotonic() - started)}
 
 
