@@ -186,9 +186,8 @@ class TransactionCoordinator:
             return record
         staged = self.staged(txn_id)
         if self.elsewhere is not None:  # the other owners' parts, as they count them
-            theirs = (set(expected) | self._parts_of(txn_id)) - self._here(self._parts_of(
-                txn_id) | set(expected))
-            staged.update(self.elsewhere.staged(txn_id, theirs))
+            named = set(expected) | self._parts_of(txn_id)
+            staged.update(self.elsewhere.staged(txn_id, named - self._here(named)))
         for key in sorted(set(staged) | set(expected)):
             if staged.get(key, 0) != expected.get(key, 0):
                 raise ConflictError(
@@ -292,9 +291,8 @@ class TransactionCoordinator:
             return []
         if self.elsewhere is not None:
             parts = {part for r in records for part in self._parts_of(r.txn_id)}
-            if parts - self._here(parts):
-                unanswered = self.elsewhere.apply([r.txn_id for r in records],
-                                                  parts - self._here(parts))
+            if theirs := parts - self._here(parts):
+                unanswered = self.elsewhere.apply([r.txn_id for r in records], theirs)
                 if unanswered:
                     return unanswered
         with self.commit_lock:
