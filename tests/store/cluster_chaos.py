@@ -74,11 +74,12 @@ KINDS = ("broker-kill", "broker-hang", "broker-cut", "broker-drain", "topic-unlo
 
 
 def run(faults: int, seed: int, sequence: list[str] | None = None, *, between: int = 300,
-        spark: Any = None) -> dict[str, Any]:
+        spark: Any = None, transactions: bool = True) -> dict[str, Any]:
     """``faults`` drawn at random (or ``sequence``), ``between`` more acknowledgements after
-    each; ``spark``: a session that reads the topic back too. The token is set for the run
-    only (``network_chaos.run`` says why)."""
-    return with_token(lambda: _run(faults, seed, sequence, between, spark))
+    each; ``spark``: a session that reads the topic back too; ``transactions``: with the
+    transactional writer. The token is set for the run only (``network_chaos.run`` says
+    why)."""
+    return with_token(lambda: _run(faults, seed, sequence, between, spark, transactions))
 
 
 class _Brokers:
@@ -159,8 +160,8 @@ class _Brokers:
         assert proc.tracebacks == [], proc.tracebacks
 
 
-def _run(faults: int, seed: int, sequence: list[str] | None, between: int, spark: Any
-         ) -> dict[str, Any]:
+def _run(faults: int, seed: int, sequence: list[str] | None, between: int, spark: Any,
+         transactions: bool) -> dict[str, Any]:
     rng, plan = fault_plan("cluster chaos", KINDS, faults, seed, sequence)
     counts = dict.fromkeys(KINDS, 0)
     started = time.monotonic()
@@ -183,7 +184,7 @@ def _run(faults: int, seed: int, sequence: list[str] | None, between: int, spark
             # longer than a move after a failure (lease, recovery, reconnect)
             writer = _Writer(every, send_timeout=scaled(12))
             received = _Received(every)
-            txns = TxnWriter(every)
+            txns = TxnWriter(every) if transactions else None
             # a Pulsar application, given every broker in a multi-host service URL
             app = PulsarTraffic("pulsar://" + ",".join(
                 f"{hosts.address(n)}:{PULSAR_PORT}" for n in BROKERS), TOKEN,
@@ -242,7 +243,8 @@ def _run(faults: int, seed: int, sequence: list[str] | None, between: int, spark
                                     repaired)
                     writer.wait_for_more(between)
                     app.wait_for_more(between // 4)
-                    txns.wait_for_more(1)
+                    if txns is not None:
+                        txns.wait_for_more(1)
                     brokers.all_running()
                     print(f"fault {n + 1}/{len(plan)}: {kind} ({victim if 'broker' in kind else ''}"
                           f"); {writer.acked:,} acknowledged, {app.acked:,} to the Pulsar "
@@ -250,9 +252,10 @@ def _run(faults: int, seed: int, sequence: list[str] | None, between: int, spark
             finally:
                 acked = writer.stop()
                 app_acked = app.stop_producing()
-                txn_rows = txns.stop()
+                txn_rows = 0 if txns is None else txns.stop()
             received.check(acked)
-            txns.check(txn_rows)
+            if txns is not None:
+                txns.check(txn_rows)
             app.check(app_acked)
             repaired("every segment to be whole again at the end")
             _check_disks(brokers.url("broker-a"), bookies)
@@ -282,7 +285,8 @@ def _run(faults: int, seed: int, sequence: list[str] | None, between: int, spark
     return {"faults": len(plan), **counts, "acknowledged": acked, "read": len(values),
             "received": len(set(received.values)), "pulsar_acknowledged": app_acked,
             "pulsar_read": len(app_values), "pulsar_received": len(set(app.values)),
-            "transactions": txns.committed, "transactions_written_again": txns.failures,
+            "transactions": txns and txns.committed,
+            "transactions_written_again": txns and txns.failures,
             "seconds": round(time.monotonic() - started)}
 
 
