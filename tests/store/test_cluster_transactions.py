@@ -5,6 +5,7 @@ loopback."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pyarrow as pa
@@ -126,3 +127,51 @@ def test_spark_s_exactly_once_sink_writes_a_batch_once_to_a_topic_on_two_brokers
     assert len(_values(b.url)) == 500
     with Admin(a.url) as admin:
         assert admin.last_committed_batch("cluster-load") == 7
+
+
+def test_a_commit_shown_late_where_its_partitions_moved_stays_ahead_of_the_next_one(
+        network_store) -> None:
+    """A commit at B asks A to show A's part while A drains its partitions to B (A is slowed
+    as it is asked: ``txn.asked`` paused), so A answers that they moved (or answers too
+    late) and the commit returns with them under ``applying``. The writer's next transaction
+    stages to B and commits there; B must show the first transaction's rows of those
+    partitions before the second's (it showed them only at a later housekeeping pass, after
+    the second's: a key's rows out of commit order)."""
+    from tierstream.util.faults import PAUSE_ENV, PAUSE_S_ENV
+
+    _, _, broker = network_store
+    a = _cluster(broker, "broker-a")
+    a.env = {PAUSE_ENV: "txn.asked", PAUSE_S_ENV: f"{scaled(3):g}"}
+    a.start()
+    b = _cluster(broker, "broker-b").start()
+    _spread([a, b], 4)
+    first = Transaction(broker=a.url)
+    first.write(TOPIC, _rows(0, 700))
+    first.prepare()
+    answers: list[dict[str, Any]] = []
+
+    def commit() -> None:
+        with Admin(b.url) as admin:
+            answers.append(admin.commit_transactions([first.txn_id]))
+
+    committing = threading.Thread(target=commit, daemon=True)
+    committing.start()
+    wait_for(lambda: _state(b.url, first.txn_id) != "PREPARED", timeout=scaled(30),
+             what="the commit to be decided")
+    with Admin(a.url) as admin:  # while B's question waits at A
+        assert len(admin.drain()) == 2  # both of its partitions, to B
+    committing.join(timeout=scaled(30))
+    first.close()
+    assert answers and answers[0]["status"] == "committed", answers
+    assert answers[0].get("applying"), answers  # A: "moved", or no answer within the pause
+    second = Transaction(broker=b.url)
+    second.write(TOPIC, _rows(700, 700))
+    second.prepare()
+    with Admin(b.url) as admin:
+        assert admin.commit_transactions([second.txn_id])["status"] == "committed"
+    second.close()
+    for txn in (first, second):
+        wait_for(lambda txn=txn: _state(b.url, txn.txn_id) == "APPLIED", timeout=scaled(30),
+                 what="both commits to be shown in every partition")
+    check_exactly_once_in_order(_values(b.url), 1400)
+    assert a.tracebacks == [] and b.tracebacks == []

@@ -116,20 +116,19 @@ def test_three_brokers_on_three_hosts_lose_nothing_to_a_kill_a_pause_and_a_drain
     """Several brokers (issue 52): three cluster brokers and three bookies on six hosts, a
     12-partition topic spread over the brokers under a producer and a key_shared consumer
     given every broker, and another under the real pulsar-client's (a multi-host service
-    URL). One broker is SIGKILLed, one
-    paused past its lease (resumed, the zombie finds its lease lost and stops), and one
-    drained: no broker stops but those a fault stopped, every acknowledged message is read
-    once in key order by ``tierstream.read`` and by Spark, and the consumer received each
-    one, every key in order; so for the Pulsar client's. The long version with random
-    faults (hosts cut off, partitions unloaded, bookie disks replaced, PostgreSQL away too,
-    a transactional writer beside: left out here, as a transaction committed while its
-    partition moved may still show its rows after a later one's, an open defect) is
-    ``python -m tests.store.cluster_chaos`` in ``make chaos``; unloads and disk
+    URL), and a transactional writer (a sink's numbered batches over every partition).
+    One broker is SIGKILLed, one paused past its lease (resumed, the zombie finds its lease
+    lost and stops), and one drained: no broker stops but those a fault stopped, every
+    acknowledged message is read once in key order by ``tierstream.read`` and by Spark, and
+    the consumer received each one, every key in order; so for the Pulsar client's; every
+    committed batch is read once, a key's rows in commit order. The long version with
+    random faults (hosts cut off, partitions unloaded, bookie disks replaced, PostgreSQL
+    away too) is ``python -m tests.store.cluster_chaos`` in ``make chaos``; unloads and disk
     replacements have loopback tests of their own."""
     from .cluster_chaos import run
 
     outcome = run(0, seed=52, sequence=["broker-kill", "broker-hang", "broker-drain"],
-                  between=200, spark=spark, transactions=False)
+                  between=200, spark=spark)
     assert outcome["read"] == outcome["received"] == outcome["acknowledged"] > 0
     assert outcome["pulsar_read"] == outcome["pulsar_received"] == \
         outcome["pulsar_acknowledged"] > 0

@@ -93,6 +93,9 @@ class TransactionCoordinator:
         self._lock = threading.Lock()
         #: partitions each live transaction staged entries to since the broker started
         self._touched: dict[str, set[tuple[str, int]]] = {}
+        #: (transaction, topic, partition): committed entries this broker showed (a cluster's
+        #: owner looks for those it has not, :meth:`_show_committed`)
+        self._shown: set[tuple[str, str, int]] = set()
 
     # -- staging ------------------------------------------------------------------------------
 
@@ -108,6 +111,7 @@ class TransactionCoordinator:
         plog = self.store.partition(str(name), partition)  # the topic and partition exist
         if self.elsewhere is not None:  # owned here (else: who does, for the writer to go)
             self.elsewhere.check_serving(plog.topic, plog.partition)
+            self._show_committed(plog.topic, plog.partition)
         self.records.begin(txn_id, sink_id, batch_id, now_ms())
         with self._lock:
             self._touched.setdefault(txn_id, set()).add((plog.topic, plog.partition))
@@ -119,6 +123,26 @@ class TransactionCoordinator:
         self.records.touch(txn_id, now_ms())
         self._refuse_if_ended(txn_id)
         return rows
+
+    def _show_committed(self, topic: str, partition: int) -> None:
+        """Several brokers: before a transaction stages to this partition, show the
+        committed ones with a part in it that this broker has not shown. Their commit asked
+        an owner that was handing the partition over (or did not answer in time) and
+        returned; shown only by a later housekeeping pass, written again behind what was
+        staged and committed since, a key's rows would come out of commit order. Now a
+        transaction staged after a commit returned comes after it here, as on one broker."""
+        pending = [r for r in self.records.in_states(TxnState.COMMITTED)
+                   if (r.txn_id, topic, partition) not in self._shown
+                   and any((t, p) == (topic, partition) for t, p, _ in r.parts)]
+        if not pending:
+            return
+        with self.commit_lock, Held() as held:
+            held.add([self._plog(t, p) for r in pending
+                      for t, p in self._here(self._parts_of(r.txn_id))])
+            self._apply(pending, held)
+        log.info("%s partition %d: showed committed transaction(s) %s here before staging "
+                 "more (their commit did not reach this partition's owner)", topic, partition,
+                 ", ".join(r.txn_id for r in pending))
 
     def _refuse_if_ended(self, txn_id: str) -> None:
         """Fenced or aborted while a stream was staging (a zombie task attempt): make sure
@@ -278,6 +302,8 @@ class TransactionCoordinator:
                             plog = self._plog(topic, p)
                             if plog is not None:
                                 plog.resolve(r.txn_id, committed=True)
+                            with self._lock:
+                                self._shown.add((r.txn_id, topic, p))
                     held.release_all()
                     break
 
@@ -380,6 +406,7 @@ class TransactionCoordinator:
                                            if n == prefix or n.startswith(prefix + "/")})
         with self._lock:
             self._touched.pop(txn_id, None)
+            self._shown -= {k for k in self._shown if k[0] == txn_id}
 
     def expire(self, now: int | None = None) -> int:
         """Abort transactions idle for longer than the timeout (housekeeping); also finish
@@ -411,8 +438,8 @@ class TransactionCoordinator:
     def _settle(self) -> None:
         """On a cluster: transactions with entries here that another broker ended (aborted,
         or applied everywhere) while this one did not hear of it."""
-        with self._lock:
-            touched = list(self._touched)
+        with self._lock:  # and those it showed another broker's commit of
+            touched = sorted(set(self._touched) | {txn for txn, _, _ in self._shown})
         for txn_id in touched:
             record = self._record(txn_id)  # None: forgotten long after it ended
             if record is None or record.state == TxnState.ABORTED:
@@ -426,6 +453,7 @@ class TransactionCoordinator:
         believes served here (action ``txn-here``): the rows staged (``staged``), show the
         committed ones (``apply``), skip the aborted ones (``end``). ``not_here``: those of
         ``parts`` not served here (moved meanwhile)."""
+        crash_point("txn.asked")
         asked = {(str(t), int(p)) for t, p in parts}
         out: dict[str, Any] = {"not_here": [list(k) for k in sorted(asked - self._here(asked))]}
         txn_ids = [check_txn_id(t) for t in txn_ids]

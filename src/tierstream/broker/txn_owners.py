@@ -7,8 +7,10 @@ other owners how many rows they hold of it, and the broker that committed it ask
 them to show its entries (``TransactionCoordinator.here``: action ``txn-here``), as Pulsar's
 transaction coordinator sends each partition's owner the end of a transaction. An owner that
 does not answer (down, moving the partition) leaves the transaction COMMITTED: every broker's
-housekeeping asks again, and a partition's next owner shows its entries when it recovers
-the partition (the decision is in the metadata it reads). An abort is told to the owners
+housekeeping asks again, a partition's next owner shows its entries when it recovers
+the partition (the decision is in the metadata it reads), and an owner shows them before a
+transaction stages anything more to the partition (``TransactionCoordinator.stage``), so a
+transaction committed later comes after it there. An abort is told to the owners
 the same way; one that misses it learns it at its next housekeeping pass.
 
 A commit is atomic per broker: a reader of partitions served by two brokers may see one's

@@ -34,6 +34,8 @@ The points, in the order a write passes them (``tests/store/test_crash_points.py
 ``topic.data-deleted``        a deleted topic's ledgers, tier files and table are gone, its
                               metadata records are not
 ``txn.decided``               a commit is decided (COMMITTED in metadata), nothing applied
+``txn.asked``                 several brokers: another broker's question about transactions'
+                              entries here (count, show, skip) arrived; nothing looked at yet
 ``txn.partition-applied``     a commit's rows are in the log for one partition of one
                               transaction (held from readers), not yet for the others
 ``txn.applied``               a commit is in the log and marked APPLIED; staging not removed
@@ -93,6 +95,7 @@ POINTS = frozenset({
     "topic.delete-marked",
     "topic.data-deleted",
     "txn.decided",
+    "txn.asked",
     "txn.partition-applied",
     "txn.applied",
     "sink.committed",
