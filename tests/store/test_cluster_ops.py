@@ -398,3 +398,94 @@ def test_a_grown_partition_moved_away_holds_a_key_until_its_parent_s_owner_says_
         wait_for(lambda: take(time.monotonic() + 0.5) or one <= set(values),
                  timeout=scaled(30), what="partition 1's messages, once its parent's are acked")
     assert sorted(int(v.split(":")[1]) for v in values) == list(range(20, 40))
+
+
+def test_a_topic_its_pulsar_clients_route_grows_on_two_brokers_in_two_steps(
+        network_store) -> None:
+    """A topic whose keys the real pulsar-client routes (its default hash), spread over two
+    cluster brokers, grows 2 -> 4 (it was refused on a cluster): B gathers A's partition
+    and announces the new count; a client that looked again writes to the new partitions
+    at once, one that has not routes by 2. Partition 1 is unloaded to A meanwhile, so B,
+    serving partition 0 when the clients' wait is over, gathers it again and records the
+    event. Every message once, each key in the order sent; no broker stops."""
+    from tierstream import read
+
+    from ..elastic import Written, order_errors
+    from ..pulsar_wire.helpers import client_of
+
+    _, _, broker = network_store
+    wait = f"{round(scaled(6) * 1000)}ms"
+    a, b = brokers = [_cluster(broker, f"broker-{n}", "--pulsar-port", str(fixed_port()),
+                               "--client-refresh-wait", wait).start() for n in "ab"]
+    _spread(brokers, 2)
+    name = f"persistent://{TOPIC}"
+    written = Written(counts=[2, 4])
+    where: dict[str, int] = {}
+
+    def send(producer: object, phase: str) -> None:
+        for i in range(60):
+            key = f"user-{i % 12}"
+            value = f"{key}|{phase}{i:03d}"
+            written.by_key[key].append(value)
+            where[value] = producer.send(  # type: ignore[attr-defined]
+                value.encode(), partition_key=key).partition()
+
+    timeout = int(scaled(60) * 1000)
+    old, new = client_of(a), client_of(b)
+    try:
+        stale = old.create_producer(name, batching_enabled=False, send_timeout_millis=timeout)
+        send(stale, "a")
+        with Admin(a.url) as admin:
+            assert admin.get_topic(TOPIC).key_routing == "client"
+        said = run("topic", "set", TOPIC, "--partitions", "4", "--broker", b.url)
+        assert said.returncode == 0, said.stderr
+        with Admin(b.url) as admin:
+            grown = admin.get_topic(TOPIC)
+            assert (grown.partitions, grown.announced) == (2, 4)
+            assert list(admin.unload(TOPIC, 1)) == [f"{TOPIC}/1"]  # to A
+        send(stale, "b")
+        assert {where[v] for v in where if "|b" in v} == {0, 1}  # it has not looked again
+        fresh = new.create_producer(name, batching_enabled=False, send_timeout_millis=timeout)
+        send(fresh, "c")
+        assert {where[v] for v in where if "|c" in v} & {2, 3}  # routed by 4
+        with Admin(a.url) as admin:
+            wait_for(lambda: admin.get_topic(TOPIC).partitions == 4, timeout=scaled(60),
+                     what="the announced growth to be recorded")
+            assert admin.get_topic(TOPIC).scale_events[-1].new == 4
+        send(fresh, "d")
+    finally:
+        old.close()
+        new.close()
+    table = read(TOPIC, broker=a.url)
+    assert order_errors(written, table.column("key").to_pylist(),
+                        table.column("value").to_pylist()) == []
+    assert all(x.proc is not None and x.proc.poll() is None for x in brokers)
+    assert a.tracebacks == [] and b.tracebacks == []
+    # B gathered partition 1 back from A to record the event
+    assert f"moved 1 partition(s) to other brokers: {TOPIC} partition 1" in \
+        "".join(a.stderr_tail)
+
+
+def test_a_busy_topic_spread_over_two_brokers_grows_by_itself(network_store) -> None:
+    """``--auto-scale-rate`` on cluster brokers (it was refused): a 2-partition topic placed
+    one partition on each broker, both partitions busy. The broker serving partition 0
+    judges the topic with the other owner's count, doubles it (gathering the other
+    partition first), and every acknowledged message is read once, in key order."""
+    _, _, broker = network_store
+    a, b = brokers = [_cluster(broker, f"broker-{n}", "--auto-scale-rate", "50",
+                               "--auto-scale-window", "2s").start() for n in "ab"]
+    _spread(brokers, 2)
+    writer = _Writer(f"{a.url},{b.url}", send_timeout=scaled(30))
+    try:
+        with Admin(a.url) as admin:
+            wait_for(lambda: admin.get_topic(TOPIC).partitions == 4, timeout=scaled(60),
+                     what="the busy topic to grow by itself")
+            event = admin.get_topic(TOPIC).scale_events[0]
+        writer.wait_for_more(300)
+    finally:
+        acked = writer.stop()
+    assert (event.old, event.new) == (2, 4)
+    assert event.reason.startswith("auto-scale: every partition above 50 msg/s"), event.reason
+    check_exactly_once_in_order(_read(b.url), acked)
+    assert all(x.proc is not None and x.proc.poll() is None for x in brokers)
+    assert a.tracebacks == [] and b.tracebacks == []

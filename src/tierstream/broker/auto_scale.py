@@ -4,6 +4,11 @@ With ``--auto-scale-rate N`` the broker samples every partition's appended messa
 housekeeping pass; a topic whose every partition stayed above N messages/s over the last
 ``--auto-scale-window`` doubles its partitions at a scale event (``Store.set_partitions``,
 reason ``auto-scale: ...``: visible in ``tierstream topic get`` and ``segments``).
+
+On several brokers (``--cluster``) the broker serving a topic's partition 0 judges it, with
+the counts the other partitions' owners give (``Cluster.appended``), sampled every eighth of
+the window rather than at every pass; a partition that moved starts its count again, and so
+does the window. A growth gathers the topic's partitions on that broker (``cluster.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +18,6 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
-from tierstream.managed_ledger.partition_log import PartitionLog
 from tierstream.metadata.records import TopicRecord
 from tierstream.metadata.scale_events import growth_refused
 from tierstream.util.timeutil import describe_duration
@@ -28,18 +32,19 @@ class ScalableTopics(Protocol):
 
     def topics(self) -> Sequence[TopicRecord]: ...
 
-    def partitions(self, topic: str) -> Sequence[PartitionLog]: ...
+    def appended(self, topic: TopicRecord) -> list[int] | None: ...
 
     def set_partitions(self, name: str, partitions: int, *, reason: str) -> TopicRecord: ...
 
 
 class AutoScaler:
     def __init__(self, store: ScalableTopics, rate: int, window_ms: int, *,
-                 max_partitions: int) -> None:
+                 max_partitions: int, sample_every_s: float = 0.0) -> None:
         self._store = store
         self.max_partitions = max_partitions
         self.rate = rate
         self.window_s = window_ms / 1000
+        self.sample_every_s = sample_every_s  # several brokers: the counts are asked for
         # per topic: (monotonic time, messages appended per partition) samples, oldest first
         self._samples: dict[str, deque[tuple[float, list[int]]]] = {}
         self._capped: set[str] = set()
@@ -47,11 +52,16 @@ class AutoScaler:
     def check(self, now: float) -> None:
         """Sample every topic once; grow those busy for the whole window."""
         for topic in self._store.topics():
-            logs = self._store.partitions(topic.name)
-            counts = [plog.appended for plog in logs]
             samples = self._samples.setdefault(topic.name, deque())
-            if samples and len(samples[-1][1]) != len(counts):
-                samples.clear()  # it grew: measure the new partitions from now on
+            if samples and now - samples[-1][0] < self.sample_every_s:
+                continue
+            counts = self._store.appended(topic)
+            if counts is None:  # another broker's to judge, or an owner did not answer
+                samples.clear()
+                continue
+            if samples and (len(samples[-1][1]) != len(counts) or any(
+                    c < f for c, f in zip(counts, samples[-1][1], strict=True))):
+                samples.clear()  # it grew, or a partition moved: measured from now on
             samples.append((now, counts))
             while len(samples) > 2 and samples[1][0] <= now - self.window_s:
                 samples.popleft()  # keep one sample at or before the window's start

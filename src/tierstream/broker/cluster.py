@@ -30,7 +30,10 @@ plus the recovery of the partitions moved. A transaction's entries are staged by
 partition's owner, and its commit is shown by each owner (``txn_owners.py``). A topic's growth
 seals every partition of the topic under its lock at once (``growth.py``): the broker asked
 gathers them from their owners first and grows the topic; it serves them all until ``topic
-unload`` spreads them.
+unload`` spreads them. A topic whose Pulsar clients route its keys grows in two steps: the
+broker asked gathers the partitions and announces the new count, and the broker serving
+partition 0 when the clients' wait is over gathers them again, if they moved, and records the
+event.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from tierstream.metadata.leader_lease import BROKER_APPLICATION
 from tierstream.metadata.ownership import RENEW_S, Owner, PartitionOwners
 from tierstream.metadata.postgres import PostgresBackend
 from tierstream.metadata.records import SegmentRecord, TopicRecord
-from tierstream.metadata.scale_events import CLIENT_ROUTING, growth_refused
+from tierstream.metadata.scale_events import growth_refused
 from tierstream.metadata.store import MetadataStore
 from tierstream.util.threads import Worker
 from tierstream.util.timeutil import now_ms
@@ -398,14 +401,56 @@ class Cluster:
         check_growth(record.name, record.partitions, partitions, store.growth.max_partitions)
         if (refused := growth_refused(record)) is not None:
             raise refused
-        if record.key_routing == CLIENT_ROUTING:
-            raise ConfigError(f"cannot grow topic {record.name!r} on brokers started with "
-                              "--cluster yet: its Pulsar clients route its keys, and such a "
-                              "topic grows in two steps that several brokers do not serve yet")
         if partitions == record.partitions:
             return record
         self._gather(record.name, record.partitions)
         return store.growth.set_partitions(record.name, partitions, reason=reason)
+
+    def gathered(self, record: TopicRecord) -> bool:
+        """For the announced growth of a topic whose Pulsar clients route its keys (its
+        wait is over): whether this broker records it now. The broker serving partition 0
+        does, once it has gathered the other old partitions (their open segments are sealed
+        at the event); the others leave it. A partition it could not gather: False, said in
+        the log, and tried again at the next housekeeping pass."""
+        if (record.name, 0) not in self.store.serves():
+            return False
+        try:
+            self._gather(record.name, record.partitions)
+        except TierstreamError as exc:
+            log.warning("the announced growth of %s is recorded later: %s", record.name, exc)
+            return False
+        return True
+
+    def appended(self, record: TopicRecord) -> list[int] | None:
+        """For auto-scaling: the messages each partition of ``record``'s topic took since
+        its owner opened it, when this broker serves partition 0 (the one that judges the
+        topic); the other owners are asked (``topic-stats``). None: another broker's to
+        judge, or an owner did not answer (the window starts again)."""
+        name, served = record.name, self.store.serves()
+        if (name, 0) not in served:
+            return None
+        counts = {p: self.store.partition(name, p).rate_in.messages_total
+                  for p in range(record.partitions) if (name, p) in served}
+        asked: dict[str, list[int]] = {}
+        for p in range(record.partitions):
+            if p in counts:
+                continue
+            owner = self.store.owners.owner_of(name, p)
+            if owner is None or owner.url is None:
+                return None  # being taken over, or not reached yet
+            asked.setdefault(owner.url, []).append(p)
+        answers = self.peers.call_each({url: ("topic-stats", {"topic": name,
+                                                              "here_only": True})
+                                        for url in asked})
+        for url, answer in answers.items():
+            if isinstance(answer, Exception):
+                return None
+            theirs = {int(p["partition"]): int(p["messages_in"])
+                      for p in answer["partitions"]}
+            if not set(asked[url]) <= set(theirs):
+                return None  # moved while it was asked
+            counts.update((p, theirs[p]) for p in asked[url])
+        return [counts[p] for p in range(record.partitions)]
 
     def _gather(self, topic: str, count: int) -> None:
         """Serve every one of ``topic``'s ``count`` partitions here: each other owner is

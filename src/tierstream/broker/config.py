@@ -195,9 +195,6 @@ def _check_cluster(config: StoreConfig) -> None:
     if config.metadata_url is None or not config.network_bookies:
         raise ConfigError("--cluster needs --metadata postgresql://... and --network-bookies: "
                           "every broker of the store reaches the same metadata and bookies")
-    for given, flag in ((config.takeover_after_s, "--standby"),
-                        (config.auto_scale_rate, "--auto-scale-rate")):
-        if given is not None:
-            raise ConfigError(f"{flag} is not for brokers started with --cluster (a cluster "
-                              "broker takes partitions over itself; a topic grows on several "
-                              "brokers by `topic set-partitions`, not by itself yet)")
+    if config.takeover_after_s is not None:
+        raise ConfigError("--standby is not for brokers started with --cluster: a cluster "
+                          "broker takes partitions over itself")

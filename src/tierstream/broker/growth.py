@@ -19,7 +19,9 @@ them — a new partition is read only after its parent was read up to the event:
    partitions, each after its parent.
 
 A crash between the steps keeps the announcement (it is in the metadata); the event is
-recorded when the wait is over, by whichever broker serves the store then.
+recorded when the wait is over, by whichever broker serves the store then. On several
+brokers (``cluster.py``) the broker serving the topic's partition 0 records it, once it has
+gathered the other old partitions: their open segments hold the event's boundary.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ class Growth:
                  locks: tuple[threading.Lock, threading.Lock],
                  choose_ensemble: Callable[[], tuple[str, ...]],
                  open_topic: Callable[[TopicRecord, list[SegmentRecord]], None],
-                 max_partitions: int, client_refresh_wait_ms: int) -> None:
+                 max_partitions: int, client_refresh_wait_ms: int,
+                 gathered: Callable[[TopicRecord], bool] | None = None) -> None:
         self._metadata = metadata
         self._logs = logs
         # a commit being applied routes its rows by one count (the coordinator's commit
@@ -66,6 +69,10 @@ class Growth:
         self.max_partitions = max_partitions
         self.client_refresh_wait_ms = client_refresh_wait_ms
         self._watch = True  # whether a growth may be announced (False: none was, last look)
+        #: several brokers: whether this one records an announced growth of the topic now
+        #: (it serves the topic's partition 0, and gathered the other old ones); another
+        #: broker may announce one, so every pass looks
+        self._gathered = gathered
 
     def set_partitions(self, name: str, partitions: int, *, reason: str = "admin"
                        ) -> TopicRecord:
@@ -90,17 +97,25 @@ class Growth:
             return
         with self._locks[1]:  # an announcement sets _watch under it
             announced = [r for r in self._metadata.list_topics() if r.announced is not None]
-            self._watch = bool(announced)
+            self._watch = bool(announced) or self._gathered is not None
         for record in announced:
             if record.announced_at is not None \
-                    and now - record.announced_at >= self.client_refresh_wait_ms:
+                    and now - record.announced_at >= self.client_refresh_wait_ms \
+                    and (self._gathered is None or self._gathered(record)):
                 with self._locks[0], self._locks[1]:
                     record = self._metadata.get_topic(record.name)
-                    if record.announced is not None:  # nobody recorded it meanwhile
+                    if record.announced is not None and self._served(record):
+                        # nobody recorded it meanwhile, nor moved an old partition away
                         self._record(record, record.announced,
                                      f"announced to its Pulsar clients "
                                      f"{describe_duration(now - (record.announced_at or now))} "
                                      "before")
+
+    def _served(self, record: TopicRecord) -> bool:
+        """Whether every old partition of ``record`` is served here (a cluster's may have
+        moved since it was gathered: recorded at a later pass)."""
+        logs = [self._logs.get((record.name, p)) for p in range(record.partitions)]
+        return all(plog is not None and not plog.lost for plog in logs)
 
     def _announce(self, record: TopicRecord, partitions: int, reason: str) -> TopicRecord:
         old = record.partitions

@@ -175,10 +175,12 @@ class Store(OwnedPartitions):
                              locks=(self.transactions.commit_lock, self.topics_lock),
                              choose_ensemble=self.choose_ensemble, open_topic=self.open_partitions,
                              max_partitions=config.max_partitions_per_topic,
-                             client_refresh_wait_ms=config.client_refresh_wait_ms)
+                             client_refresh_wait_ms=config.client_refresh_wait_ms,
+                             gathered=None if self.cluster is None else self.cluster.gathered)
         self.auto_scale = None if config.auto_scale_rate is None else AutoScaler(
             self, config.auto_scale_rate, config.auto_scale_window_ms,
-            max_partitions=config.max_partitions_per_topic)
+            max_partitions=config.max_partitions_per_topic, sample_every_s=0.0 if
+            self.cluster is None else max(1.0, config.auto_scale_window_ms / 8000))
         self._timer = Worker("store-housekeeping", lambda: run_housekeeping(self),
                              on_error=self.thread_failed("the store's housekeeping"))
         self._timer.start()
@@ -343,6 +345,13 @@ class Store(OwnedPartitions):
 
     def topics(self, namespace: str | None = None) -> list[TopicRecord]:
         return self.metadata.list_topics(namespace)
+
+    def appended(self, topic: TopicRecord) -> list[int] | None:
+        """Messages appended to each partition of ``topic`` (auto-scaling); on several
+        brokers, asked of the broker serving partition 0 alone (``Cluster.appended``)."""
+        if self.cluster is not None:
+            return self.cluster.appended(topic)
+        return [plog.appended for plog in self.partitions(topic.name)]
 
     def partition(self, topic: str, partition: int) -> PartitionLog:
         name = str(TopicName.parse(topic))
