@@ -331,3 +331,29 @@ def test_real_pulsar_clients_produce_and_consume_across_three_brokers_and_a_kill
     assert _owned(a.url) + _owned(brokers[1].url) == 6
     check_exactly_once_in_order(_read(a.url), acked)
     check_exactly_once_in_order(list(dict.fromkeys(received)), acked)
+
+
+def test_a_broker_started_without_cluster_is_refused_by_a_store_cluster_brokers_serve(
+        network_store) -> None:
+    """A broker started on a cluster's store without ``--cluster`` (or as a ``--standby``)
+    claimed every partition of the store from the live cluster brokers at once: a flag
+    forgotten on one host moved a whole store. It is refused in one line now, naming the
+    brokers and the flag; the cluster broker keeps its partitions and serves on."""
+    _, _, broker = network_store
+    a = _cluster(broker, "broker-a").start()
+    with Admin(a.url) as admin:
+        admin.create_topic(TOPIC, 2)
+    for name, extra in (("plain", ()), ("standby", ("--standby", "--takeover-after", "2s"))):
+        refused = broker(f"broker-{name}", *extra)
+        with pytest.raises(Exception, match="served by brokers started with --cluster") as e:
+            refused.start(timeout=scaled(60))
+        said = str(e.value)
+        assert "Traceback" not in said, said
+        assert "(broker-1), each owning some of its partitions: start this one with " \
+            "--cluster too" in said, said
+        assert ("a cluster's standby" in said) == (name == "standby"), said
+        assert refused.proc is not None and refused.proc.wait(timeout=scaled(30)) != 0
+    assert _owned(a.url) == 2
+    with Producer(TOPIC, broker=a.url) as producer:
+        producer.send_many({"key": f"k{i}", "value": f"k{i}:{i}".encode()} for i in range(7))
+    check_exactly_once_in_order(_read(a.url), 7)

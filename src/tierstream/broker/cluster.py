@@ -64,7 +64,7 @@ from tierstream.metadata.store import MetadataStore
 from tierstream.util.threads import Worker
 from tierstream.util.timeutil import now_ms
 
-__all__ = ["Cluster", "ClusterStore", "cluster_of"]
+__all__ = ["Cluster", "ClusterStore", "cluster_of", "refuse_beside_a_cluster"]
 
 log = logging.getLogger(__name__)
 
@@ -518,6 +518,26 @@ class Cluster:
             self._wake.set()
             self._worker.stop()
         self.peers.close()
+
+
+def refuse_beside_a_cluster(metadata: MetadataStore, *, standby: bool) -> None:
+    """A broker about to serve the store alone (no ``--cluster``) refuses a store that live
+    cluster brokers serve, naming them (ConflictError): it would claim every partition from
+    them at once. They are known by their sessions' names (:func:`_session_name`)."""
+    if not isinstance(metadata.backend, PostgresBackend):
+        return  # a SQLite store has no cluster
+    rows = metadata.query("SELECT DISTINCT application_name FROM pg_stat_activity WHERE "
+                          "datname = current_database() AND application_name LIKE ?",
+                          (_session_name("%"),))
+    brokers = sorted(str(name).split("/", 1)[1] for (name,) in rows)
+    if brokers:
+        raise ConflictError(
+            f"the metadata store {metadata.backend.name} is served by brokers started with "
+            f"--cluster ({', '.join(brokers)}), each owning some of its partitions: start "
+            "this one with --cluster too" + (
+                ", without --standby (a cluster broker started later owns nothing until "
+                "partitions are created, orphaned or moved to it: a cluster's standby)"
+                if standby else ""))
 
 
 def _session_name(broker_id: str) -> str:

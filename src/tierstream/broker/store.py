@@ -16,7 +16,7 @@ from typing import Any
 
 from tierstream.bookie.storage import Bookie
 from tierstream.broker.auto_scale import AutoScaler
-from tierstream.broker.cluster import Cluster
+from tierstream.broker.cluster import Cluster, refuse_beside_a_cluster
 from tierstream.broker.config import StoreConfig
 from tierstream.broker.data_dir import lock_data_dir, prepare_data_dir, unlock_data_dir
 from tierstream.broker.growth import Growth
@@ -145,6 +145,7 @@ class Store(OwnedPartitions):
             Cluster(self, config.lease_timeout_s)
         served: set[tuple[str, int]] | None = None  # this broker's partitions: all, alone
         if self.cluster is None:
+            refuse_beside_a_cluster(self.metadata, standby=config.takeover_after_s is not None)
             self.owners.claim_store()
         else:
             served = self.cluster.join()
