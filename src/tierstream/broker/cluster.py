@@ -125,6 +125,7 @@ class Cluster:
         #: the owners' version at the last look for orphans (each renewal's otherwise reads
         #: every partition; a look is due when it moved or a lease expired)
         self._looked: object = _NEVER
+        self._ungathered: set[str] = set()  # topics whose announced growth waits for a gather
 
     def __repr__(self) -> str:
         return f"Cluster(broker={self.store.owners.broker_id!r}, lease={self.lease_s:g}s)"
@@ -416,9 +417,13 @@ class Cluster:
             return False
         try:
             self._gather(record.name, record.partitions)
-        except TierstreamError as exc:
-            log.warning("the announced growth of %s is recorded later: %s", record.name, exc)
+        except TierstreamError as exc:  # said once, not at every pass until it works
+            if record.name not in self._ungathered:
+                log.warning("the announced growth of %s is recorded later: %s", record.name,
+                            exc)
+                self._ungathered.add(record.name)
             return False
+        self._ungathered.discard(record.name)
         return True
 
     def appended(self, record: TopicRecord) -> list[int] | None:
