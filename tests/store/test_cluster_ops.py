@@ -10,6 +10,7 @@ import threading
 import time
 
 import pyarrow as pa
+import pytest
 
 from tierstream.client import Admin, Consumer, Producer
 from tierstream.errors import UnavailableError
@@ -400,14 +401,16 @@ def test_a_grown_partition_moved_away_holds_a_key_until_its_parent_s_owner_says_
     assert sorted(int(v.split(":")[1]) for v in values) == list(range(20, 40))
 
 
+@pytest.mark.parametrize("move", ["unload", "kill"])
 def test_a_topic_its_pulsar_clients_route_grows_on_two_brokers_in_two_steps(
-        network_store) -> None:
+        network_store, move: str) -> None:
     """A topic whose keys the real pulsar-client routes (its default hash), spread over two
     cluster brokers, grows 2 -> 4 (it was refused on a cluster): B gathers A's partition
     and announces the new count; a client that looked again writes to the new partitions
-    at once, one that has not routes by 2. Partition 1 is unloaded to A meanwhile, so B,
-    serving partition 0 when the clients' wait is over, gathers it again and records the
-    event. Every message once, each key in the order sent; no broker stops."""
+    at once, one that has not routes by 2. Between the steps, partition 1 is unloaded to A
+    (so B, serving partition 0 when the clients' wait is over, gathers it again and records
+    the event), or B is SIGKILLed (A takes every partition over, the new ones too, and
+    records it). Every message once, each key in the order sent; no other broker stops."""
     from tierstream import read
 
     from ..elastic import Written, order_errors
@@ -431,7 +434,7 @@ def test_a_topic_its_pulsar_clients_route_grows_on_two_brokers_in_two_steps(
                 value.encode(), partition_key=key).partition()
 
     timeout = int(scaled(60) * 1000)
-    old, new = client_of(a), client_of(b)
+    old, new = client_of(a), client_of(a if move == "kill" else b)
     try:
         stale = old.create_producer(name, batching_enabled=False, send_timeout_millis=timeout)
         send(stale, "a")
@@ -442,7 +445,10 @@ def test_a_topic_its_pulsar_clients_route_grows_on_two_brokers_in_two_steps(
         with Admin(b.url) as admin:
             grown = admin.get_topic(TOPIC)
             assert (grown.partitions, grown.announced) == (2, 4)
-            assert list(admin.unload(TOPIC, 1)) == [f"{TOPIC}/1"]  # to A
+            if move == "unload":
+                assert list(admin.unload(TOPIC, 1)) == [f"{TOPIC}/1"]  # to A
+        if move == "kill":
+            b.kill()
         send(stale, "b")
         assert {where[v] for v in where if "|b" in v} == {0, 1}  # it has not looked again
         fresh = new.create_producer(name, batching_enabled=False, send_timeout_millis=timeout)
@@ -459,11 +465,13 @@ def test_a_topic_its_pulsar_clients_route_grows_on_two_brokers_in_two_steps(
     table = read(TOPIC, broker=a.url)
     assert order_errors(written, table.column("key").to_pylist(),
                         table.column("value").to_pylist()) == []
-    assert all(x.proc is not None and x.proc.poll() is None for x in brokers)
-    assert a.tracebacks == [] and b.tracebacks == []
-    # B gathered partition 1 back from A to record the event
-    assert f"moved 1 partition(s) to other brokers: {TOPIC} partition 1" in \
-        "".join(a.stderr_tail)
+    assert a.proc is not None and a.proc.poll() is None and a.tracebacks == []
+    said = "".join(a.stderr_tail)
+    if move == "unload":  # B gathered partition 1 back from A to record the event
+        assert b.proc is not None and b.proc.poll() is None and b.tracebacks == []
+        assert f"moved 1 partition(s) to other brokers: {TOPIC} partition 1" in said
+    else:
+        assert "took over 4 partition(s)" in said and "scale event 1: 2 -> 4" in said, said
 
 
 def test_a_busy_topic_spread_over_two_brokers_grows_by_itself(network_store) -> None:
