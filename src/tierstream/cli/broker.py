@@ -130,7 +130,9 @@ def broker_start(
         "needs --metadata. Write quorum: as many as there are up to 3.")] = False,
     standby: Annotated[bool, typer.Option(
         "--standby", help="If another broker holds the metadata store, wait, and take the "
-        "store over once it is silent for --takeover-after (needs --metadata).")] = False,
+        "store over once it is silent for --takeover-after (needs --metadata). On a store "
+        "served by --cluster brokers, start another --cluster broker instead: it owns "
+        "nothing until partitions are created, orphaned or moved to it.")] = False,
     takeover_after: Annotated[str, typer.Option(
         help="With --standby: how long the serving broker must be silent before this one "
              "takes over.")] = "10s",
