@@ -6,7 +6,7 @@ housekeeping pass; a topic whose every partition stayed above N messages/s over 
 reason ``auto-scale: ...``: visible in ``tierstream topic get`` and ``segments``).
 
 On several brokers (``--cluster``) the broker serving a topic's partition 0 judges it, with
-the counts the other partitions' owners give (``Cluster.appended``), sampled every eighth of
+the counts the other partitions' owners give (``ClusterTopics.appended``), sampled every eighth of
 the window rather than at every pass; a partition that moved starts its count again, and so
 does the window. A growth gathers the topic's partitions on that broker (``cluster.py``).
 """

@@ -27,13 +27,9 @@ and what it took over:
 
 A move takes the lease timeout (the former owner's silence) plus at most one renewal period
 plus the recovery of the partitions moved. A transaction's entries are staged by each
-partition's owner, and its commit is shown by each owner (``txn_owners.py``). A topic's growth
-seals every partition of the topic under its lock at once (``growth.py``): the broker asked
-gathers them from their owners first and grows the topic; it serves them all until ``topic
-unload`` spreads them. A topic whose Pulsar clients route its keys grows in two steps: the
-broker asked gathers the partitions and announces the new count, and the broker serving
-partition 0 when the clients' wait is over gathers them again, if they moved, and records the
-event.
+partition's owner, and its commit is shown by each owner (``txn_owners.py``). What takes a
+topic as a whole — its growth, auto-scaling — gathers its partitions on one broker first
+(``cluster_topics.py``).
 """
 
 from __future__ import annotations
@@ -45,12 +41,13 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from tierstream.broker.cluster_topics import ClusterTopics
 from tierstream.broker.config import StoreConfig
-from tierstream.broker.growth import Growth, check_growth
+from tierstream.broker.growth import Growth
 from tierstream.broker.peers import Peers
 from tierstream.broker.recovery import RecoveryReport, recover_open_segments
 from tierstream.broker.txn_owners import TxnOwners
-from tierstream.errors import ConfigError, ConflictError, TierstreamError, UnavailableError
+from tierstream.errors import ConfigError, ConflictError, TierstreamError
 from tierstream.managed_ledger.bookies.client import BookieClient
 from tierstream.managed_ledger.bookies.remote import RemoteBookie
 from tierstream.managed_ledger.partition_log import PartitionLog
@@ -59,7 +56,6 @@ from tierstream.metadata.leader_lease import BROKER_APPLICATION
 from tierstream.metadata.ownership import RENEW_S, Owner, PartitionOwners
 from tierstream.metadata.postgres import PostgresBackend
 from tierstream.metadata.records import SegmentRecord, TopicRecord
-from tierstream.metadata.scale_events import growth_refused
 from tierstream.metadata.store import MetadataStore
 from tierstream.util.threads import Worker
 from tierstream.util.timeutil import now_ms
@@ -113,6 +109,8 @@ class Cluster:
                            tls_ca=store.config.bookie_tls_ca)
         #: the owners of a transaction's partitions that other brokers serve
         self.txn_owners = TxnOwners(store, self.peers)
+        #: a topic spread over the brokers, as a whole: grown, and judged for auto-scaling
+        self.topics = ClusterTopics(store, self.peers, self.serve)
         #: the other brokers whose lease was live at the last look ({id: url}): asked whether
         #: the metadata store is away for them too when it is for this one
         self._live_peers: dict[str, str] = {}
@@ -125,7 +123,6 @@ class Cluster:
         #: the owners' version at the last look for orphans (each renewal's otherwise reads
         #: every partition; a look is due when it moved or a lease expired)
         self._looked: object = _NEVER
-        self._ungathered: set[str] = set()  # topics whose announced growth waits for a gather
 
     def __repr__(self) -> str:
         return f"Cluster(broker={self.store.owners.broker_id!r}, lease={self.lease_s:g}s)"
@@ -391,101 +388,6 @@ class Cluster:
             plog = self.store.partition(topic, int(partition))  # not served: refused
             keys = [] if plog.lost else [(topic, int(partition))]
         return self.unload(keys, to) if keys else {}
-
-    def grow(self, name: str, partitions: int, *, reason: str) -> TopicRecord:
-        """Grow a topic served by several brokers: its partitions are gathered here (each
-        owner hands its own over, as an unload does), and the topic grows as on one broker
-        (``growth.py``). Its partitions, old and new, stay served here until ``topic
-        unload`` spreads them."""
-        store = self.store
-        record = store.metadata.get_topic(name)
-        check_growth(record.name, record.partitions, partitions, store.growth.max_partitions)
-        if (refused := growth_refused(record)) is not None:
-            raise refused
-        if partitions == record.partitions:
-            return record
-        self._gather(record.name, record.partitions)
-        return store.growth.set_partitions(record.name, partitions, reason=reason)
-
-    def gathered(self, record: TopicRecord) -> bool:
-        """For the announced growth of a topic whose Pulsar clients route its keys (its
-        wait is over): whether this broker records it now. The broker serving partition 0
-        does, once it has gathered the other old partitions (their open segments are sealed
-        at the event); the others leave it. A partition it could not gather: False, said in
-        the log, and tried again at the next housekeeping pass."""
-        if (record.name, 0) not in self.store.serves():
-            return False
-        try:
-            self._gather(record.name, record.partitions)
-        except TierstreamError as exc:  # said once, not at every pass until it works
-            if record.name not in self._ungathered:
-                log.warning("the announced growth of %s is recorded later: %s", record.name,
-                            exc)
-                self._ungathered.add(record.name)
-            return False
-        self._ungathered.discard(record.name)
-        return True
-
-    def appended(self, record: TopicRecord) -> list[int] | None:
-        """For auto-scaling: the messages each partition of ``record``'s topic took since
-        its owner opened it, when this broker serves partition 0 (the one that judges the
-        topic); the other owners are asked (``topic-stats``). None: another broker's to
-        judge, or an owner did not answer (the window starts again)."""
-        name, served = record.name, self.store.serves()
-        if (name, 0) not in served:
-            return None
-        counts = {p: self.store.partition(name, p).rate_in.messages_total
-                  for p in range(record.partitions) if (name, p) in served}
-        asked: dict[str, list[int]] = {}
-        for p in range(record.partitions):
-            if p in counts:
-                continue
-            owner = self.store.owners.owner_of(name, p)
-            if owner is None or owner.url is None:
-                return None  # being taken over, or not reached yet
-            asked.setdefault(owner.url, []).append(p)
-        answers = self.peers.call_each({url: ("topic-stats", {"topic": name,
-                                                              "here_only": True})
-                                        for url in asked})
-        for url, answer in answers.items():
-            if isinstance(answer, Exception):
-                return None
-            theirs = {int(p["partition"]): int(p["messages_in"])
-                      for p in answer["partitions"]}
-            if not set(asked[url]) <= set(theirs):
-                return None  # moved while it was asked
-            counts.update((p, theirs[p]) for p in asked[url])
-        return [counts[p] for p in range(record.partitions)]
-
-    def _gather(self, topic: str, count: int) -> None:
-        """Serve every one of ``topic``'s ``count`` partitions here: each other owner is
-        asked to hand its own over. One with no live owner: UnavailableError, nothing
-        grown (those gathered so far stay served here)."""
-        me = self.store.owners.broker_id
-        wanted = [(topic, p) for p in range(count)]
-        for key in wanted:
-            if key in self.store.serves():
-                continue
-            owner = self.store.owners.owner_of(*key)
-            if owner is not None and owner.broker_id != me:
-                if owner.url is None:
-                    raise UnavailableError(f"cannot grow topic {topic!r} now: the owner of "
-                                           f"partition {key[1]}, {owner.broker_id}, has not "
-                                           "said where it is reached; try again in a moment")
-                try:
-                    self.peers.call(owner.url, "unload", {"topic": topic,
-                                                          "partition": key[1], "to": me})
-                except TierstreamError as exc:
-                    raise UnavailableError(f"cannot grow topic {topic!r} now: the owner of "
-                                           f"partition {key[1]}, {owner.describe()}, did not "
-                                           f"hand it over ({exc}); try again once it "
-                                           "answers or its partitions are taken over") from None
-        self.serve(wanted)
-        missing = [p for t, p in wanted if (t, p) not in self.store.serves()]
-        if missing:
-            raise UnavailableError(f"cannot grow topic {topic!r} now: partition(s) "
-                                   f"{', '.join(map(str, missing))} could not be served here "
-                                   "(being taken over); try again in a moment")
 
     def drain(self) -> dict[str, str]:
         """``broker drain``: every partition this broker owns (served, or placed here and not

@@ -25,6 +25,7 @@ from tierstream.broker.key_routing import KeyRouting
 from tierstream.broker.offload import Offloader
 from tierstream.broker.owned_partitions import OwnedPartitions
 from tierstream.broker.recovery import RecoveryReport, recover_open_segments
+from tierstream.broker.topic_deletion import purge_topic
 from tierstream.broker.transaction_coordinator import TransactionCoordinator
 from tierstream.errors import (
     ConfigError,
@@ -177,7 +178,8 @@ class Store(OwnedPartitions):
                              choose_ensemble=self.choose_ensemble, open_topic=self.open_partitions,
                              max_partitions=config.max_partitions_per_topic,
                              client_refresh_wait_ms=config.client_refresh_wait_ms,
-                             gathered=None if self.cluster is None else self.cluster.gathered)
+                             gathered=None if self.cluster is None
+                             else self.cluster.topics.gathered)
         self.auto_scale = None if config.auto_scale_rate is None else AutoScaler(
             self, config.auto_scale_rate, config.auto_scale_window_ms,
             max_partitions=config.max_partitions_per_topic, sample_every_s=0.0 if
@@ -283,8 +285,8 @@ class Store(OwnedPartitions):
     def set_partitions(self, name: str, partitions: int, *, reason: str = "admin"
                        ) -> TopicRecord:
         """Grow a topic to ``partitions`` (``broker/growth.py``)."""
-        if self.cluster is not None:  # its partitions gathered here first (cluster.py)
-            return self.cluster.grow(name, partitions, reason=reason)
+        if self.cluster is not None:  # its partitions gathered here first (cluster_topics.py)
+            return self.cluster.topics.grow(name, partitions, reason=reason)
         return self.growth.set_partitions(name, partitions, reason=reason)
 
     def delete_topic(self, name: str) -> TopicRecord:
@@ -312,25 +314,11 @@ class Store(OwnedPartitions):
         """Remove the data and records of topics marked deleted (idempotent)."""
         for record in self.metadata.topics_being_deleted():
             try:
-                self._purge(record)
+                purge_topic(record, self.metadata, self.bookies, self.tier,
+                            catalog=lambda: self.offloader.catalog,
+                            catalog_open=self._offloader is not None)
             except Exception as exc:  # e.g. the tier is unreachable: the next pass finishes it
                 report_failure(exc, "could not finish deleting topic %s; will retry", record.name)
-
-    def _purge(self, record: TopicRecord) -> None:
-        segments = self.metadata.segments(record.name)
-        for seg in segments:
-            for b in seg.ensemble:
-                if b in self.bookies:
-                    self.bookies[b].delete_ledger(seg.segment_id)
-        tiered = [u for s in segments for u in (s.tier_url, s.offload_pending_url) if u]
-        if tiered or self._offloader is not None:
-            for url in tiered:
-                self.tier.delete(url)
-            self.tier.delete_topic(TopicName.parse(record.name))
-            self.offloader.catalog.drop(TopicName.parse(record.name))
-        crash_point("topic.data-deleted")
-        self.metadata.purge_topic(record.name)
-        log.info("deleted topic %s (%d segments)", record.name, len(segments))
 
     def topic(self, name: str) -> TopicRecord:
         """The topic's record, as the metadata store has it; while that store cannot be
@@ -349,9 +337,9 @@ class Store(OwnedPartitions):
 
     def appended(self, topic: TopicRecord) -> list[int] | None:
         """Messages appended to each partition of ``topic`` (auto-scaling); on several
-        brokers, asked of the broker serving partition 0 alone (``Cluster.appended``)."""
+        brokers, asked of the broker serving partition 0 alone (``cluster_topics.py``)."""
         if self.cluster is not None:
-            return self.cluster.appended(topic)
+            return self.cluster.topics.appended(topic)
         return [plog.appended for plog in self.partitions(topic.name)]
 
     def partition(self, topic: str, partition: int) -> PartitionLog:

@@ -45,9 +45,11 @@ from tierstream.broker.transaction_parts import (
     Elsewhere,
     Held,
     Partitions,
+    Snapshot,
     route,
+    snapshot,
     stage_entries,
-    staged_rows,
+    staged_again,
 )
 from tierstream.errors import ConfigError, ConflictError, NotFoundError
 from tierstream.managed_ledger.open_segment import TXN_PRODUCER
@@ -183,23 +185,8 @@ class TransactionCoordinator:
                                                  for e in entries)
         return {k: v for k, v in counts.items() if v}
 
-    def _snapshot(self, txn_id: str, topic: str, partition: int
-                  ) -> tuple[int, list[tuple[int, int | None]], int, list[tuple[int, Any]]]:
-        """``txn_id``'s entries in one partition as one snapshot: those in its open segment
-        (``PartitionLog.txn_entries``) and those set aside, ``[(segment id, entries)]``.
-        A seal moves entries from the first to the second under the partition's lock, so
-        both are read under it; read apart, a seal in between counted its rows twice."""
-        plog = self._plog(topic, partition)
-        if plog is None:  # deleted since: nothing in an open segment
-            return 0, [], 0, self._set_aside(txn_id, topic, partition)
-        with plog.lock:
-            segment_id, open_entries, open_rows = plog.txn_entries(txn_id)
-            return segment_id, open_entries, open_rows, self._set_aside(txn_id, topic,
-                                                                         partition)
-
-    def _set_aside(self, txn_id: str, topic: str, partition: int) -> list[tuple[int, Any]]:
-        return [(s, entries) for _, _, s, entries in self.records.set_aside(txn_id, topic,
-                                                                             partition)]
+    def _snapshot(self, txn_id: str, topic: str, partition: int) -> Snapshot:
+        return snapshot(self.records, self._plog(topic, partition), txn_id, topic, partition)
 
     def prepare(self, txn_id: str, expected: dict[tuple[str, int], int]) -> TransactionRecord:
         """The writer is done: check that the staged rows are the ``expected`` ones per
@@ -344,18 +331,9 @@ class TransactionCoordinator:
             log.warning("transaction %s: %s partition %d no longer exists; its rows are "
                         "dropped", txn_id, topic, partition)
             return
-        staged: list[tuple[pa.Table, int | None]] = []
-        segment_id, open_entries, _, aside = self._snapshot(txn_id, topic, partition)
-        for aside_segment, entries in aside:
-            batches = plog.raw_entries(aside_segment, [int(e[0]) for e in entries])
-            staged.extend((staged_rows(b), e[2]) for b, e in zip(batches, entries,
-                                                                  strict=True))
-        batches = plog.raw_entries(segment_id, [e for e, _ in open_entries])
-        staged.extend((staged_rows(b), routed) for b, (_, routed) in zip(
-            batches, open_entries, strict=True))
         count = self.store.partition_count(topic)
         targets: dict[int, list[pa.Table]] = {}
-        for table, routed in staged:
+        for table, routed in staged_again(plog, self._snapshot(txn_id, topic, partition)):
             for q, rows in route(table, partition, routed, count):
                 targets.setdefault(q, []).append(rows)
         for q, tables in sorted(targets.items()):

@@ -9,7 +9,7 @@ import queue
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -26,12 +26,17 @@ from tierstream.model.message_format import (
 if TYPE_CHECKING:
     from tierstream.managed_ledger.partition_log import PartitionLog
     from tierstream.metadata.store import MetadataStore
+    from tierstream.metadata.transaction_records import TransactionRecords
 
-__all__ = ["IN_FLIGHT", "Elsewhere", "Held", "Partitions", "route", "stage_entries",
-           "staged_rows"]
+__all__ = ["IN_FLIGHT", "Elsewhere", "Held", "Partitions", "Snapshot", "route", "snapshot",
+           "stage_entries", "staged_again", "staged_rows"]
 
 #: Staged entries on their way to the bookies at once, per staging stream.
 IN_FLIGHT = 16
+#: A transaction's entries in one partition (:func:`snapshot`): the open segment's id, its
+#: entries there (each with the partition count it was routed by), their rows, and the
+#: set-aside ones ``[(segment id, [[entry id, rows, routed], ...])]``.
+Snapshot = tuple[int, list[tuple[int, int | None]], int, list[tuple[int, Any]]]
 
 
 class Partitions(Protocol):
@@ -152,3 +157,36 @@ def route(table: pa.Table, partition: int, routed: int | None, count: int
     target[pc.is_null(keys).to_numpy(zero_copy_only=False)] = partition
     for q in sorted(set(target.tolist())):
         yield q, table.take(pa.array(np.flatnonzero(target == q)))
+
+
+def snapshot(records: TransactionRecords, plog: PartitionLog | None, txn_id: str, topic: str,
+             partition: int) -> Snapshot:
+    """``txn_id``'s entries in one partition as one snapshot: those in its open segment
+    (``PartitionLog.txn_entries``; none for a partition deleted since, ``plog`` None) and
+    those set aside. A seal moves entries from the first to the second under the
+    partition's lock, so both are read under it; read apart, a seal in between counted its
+    rows twice."""
+    def aside() -> list[tuple[int, Any]]:
+        return [(s, entries) for _, _, s, entries in records.set_aside(txn_id, topic,
+                                                                        partition)]
+
+    if plog is None:
+        return 0, [], 0, aside()
+    with plog.lock:
+        segment_id, open_entries, open_rows = plog.txn_entries(txn_id)
+        return segment_id, open_entries, open_rows, aside()
+
+
+def staged_again(plog: PartitionLog, snap: Snapshot) -> list[tuple[pa.Table, int | None]]:
+    """A transaction's staged rows of one partition as a commit writes them again, in staging
+    order (its set-aside entries, then those in the open segment), each with the partition
+    count it was routed by."""
+    segment_id, open_entries, _, aside = snap
+    staged: list[tuple[pa.Table, int | None]] = []
+    for aside_segment, entries in aside:
+        batches = plog.raw_entries(aside_segment, [int(e[0]) for e in entries])
+        staged.extend((staged_rows(b), e[2]) for b, e in zip(batches, entries, strict=True))
+    batches = plog.raw_entries(segment_id, [e for e, _ in open_entries])
+    staged.extend((staged_rows(b), routed) for b, (_, routed) in zip(
+        batches, open_entries, strict=True))
+    return staged
