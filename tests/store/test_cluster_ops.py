@@ -410,7 +410,10 @@ def test_a_topic_its_pulsar_clients_route_grows_on_two_brokers_in_two_steps(
     at once, one that has not routes by 2. Between the steps, partition 1 is unloaded to A
     (so B, serving partition 0 when the clients' wait is over, gathers it again and records
     the event), or B is SIGKILLed (A takes every partition over, the new ones too, and
-    records it). Every message once, each key in the order sent; no other broker stops."""
+    records it). Every message once, each key in the order sent, read back and received by a
+    key_shared consumer of the real client; no other broker stops."""
+    import pulsar
+
     from tierstream import read
 
     from ..elastic import Written, order_errors
@@ -451,6 +454,10 @@ def test_a_topic_its_pulsar_clients_route_grows_on_two_brokers_in_two_steps(
             b.kill()
         send(stale, "b")
         assert {where[v] for v in where if "|b" in v} == {0, 1}  # it has not looked again
+        # a key_shared consumer of the real client, subscribed during the announcement: a
+        # new partition's messages come after their parents' from before the event
+        consumer = new.subscribe(name, "pulsar-ks", consumer_type=pulsar.ConsumerType.KeyShared,
+                                 initial_position=pulsar.InitialPosition.Earliest)
         fresh = new.create_producer(name, batching_enabled=False, send_timeout_millis=timeout)
         send(fresh, "c")
         assert {where[v] for v in where if "|c" in v} & {2, 3}  # routed by 4
@@ -459,6 +466,18 @@ def test_a_topic_its_pulsar_clients_route_grows_on_two_brokers_in_two_steps(
                      what="the announced growth to be recorded")
             assert admin.get_topic(TOPIC).scale_events[-1].new == 4
         send(fresh, "d")
+        # each message at least once (a partition that moves redelivers what was not
+        # acknowledged there yet), each key's messages in order at their first delivery
+        got: dict[str, dict[str, None]] = {}
+        until = time.monotonic() + scaled(60)
+        while sum(map(len, got.values())) < written.total and time.monotonic() < until:
+            try:
+                msg = consumer.receive(timeout_millis=200)
+            except pulsar.Timeout:
+                continue
+            got.setdefault(msg.partition_key(), {})[msg.data().decode()] = None
+            consumer.acknowledge(msg)
+        assert {k: list(v) for k, v in got.items()} == dict(written.by_key)
     finally:
         old.close()
         new.close()
