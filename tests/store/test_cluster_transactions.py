@@ -175,3 +175,48 @@ def test_a_commit_shown_late_where_its_partitions_moved_stays_ahead_of_the_next_
                  what="both commits to be shown in every partition")
     check_exactly_once_in_order(_values(b.url), 1400)
     assert a.tracebacks == [] and b.tracebacks == []
+
+
+def test_a_partition_handed_to_the_committing_broker_mid_commit_is_shown_not_dropped(
+        network_store) -> None:
+    """A commits a transaction over four partitions, two its own, two B's; between showing
+    its own and asking B (``txn.shown-here`` paused), B drains its partitions to A, setting
+    the transaction's entries there aside. A took them for shown, as they were served here
+    by then: the transaction was marked APPLIED and its set-aside rows dropped, a committed
+    batch lost (found by ``cluster_chaos`` with 30 faults). Now A shows them (at its next
+    pass) before the transaction is APPLIED, and every row is read once, in key order."""
+    from tierstream.util.faults import PAUSE_ENV, PAUSE_S_ENV
+
+    _, _, broker = network_store
+    a = _cluster(broker, "broker-a")
+    a.env = {PAUSE_ENV: "txn.shown-here", PAUSE_S_ENV: f"{scaled(4):g}"}
+    a.start()
+    b = _cluster(broker, "broker-b").start()
+    _spread([a, b], 4)
+    txn = Transaction(broker=f"{a.url},{b.url}")
+    txn.write(TOPIC, _rows(0, 700))
+    txn.prepare()
+    answers: list[Any] = []
+
+    def commit() -> None:
+        try:
+            with Admin(a.url) as admin:
+                answers.append(admin.commit_transactions([txn.txn_id]))
+        except Exception as exc:
+            answers.append(exc)
+
+    committing = threading.Thread(target=commit, daemon=True)
+    committing.start()
+    wait_for(lambda: _state(b.url, txn.txn_id) != "PREPARED", timeout=scaled(30),
+             what="the commit to be decided")
+    with Admin(b.url) as admin:  # while A's commit waits before asking B
+        assert len(admin.drain()) == 2
+    wait_for(lambda: _owned(a.url) == 4, timeout=scaled(30),
+             what="A to serve B's partitions")
+    committing.join(timeout=scaled(30))
+    txn.close()
+    assert answers and answers[0]["status"] == "committed", answers
+    wait_for(lambda: _state(a.url, txn.txn_id) == "APPLIED", timeout=scaled(60),
+             what="the commit to be shown in every partition")
+    check_exactly_once_in_order(_values(a.url), 700)
+    assert a.tracebacks == [] and b.tracebacks == []

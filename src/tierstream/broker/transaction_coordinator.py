@@ -299,12 +299,21 @@ class TransactionCoordinator:
         On a cluster, once the owners of their other partitions said they showed theirs
         too (asked outside the commit lock: they may be asking this broker at the same
         time). Returns what did not answer: those stay COMMITTED, and every broker's
-        housekeeping asks again."""
+        housekeeping asks again.
+
+        The owners asked are those of every part this broker has not shown, served here now
+        or not: a partition taken over or handed to this broker since :meth:`_apply` (its
+        part set aside by the former owner) is shown by a later pass here, and the
+        transaction stays COMMITTED until then. Taken for shown because it was served here,
+        it was marked APPLIED and its set-aside rows dropped: a committed batch lost."""
         if not records:
             return []
         if self.elsewhere is not None:
-            parts = {part for r in records for part in self._parts_of(r.txn_id)}
-            if theirs := parts - self._here(parts):
+            crash_point("txn.shown-here")
+            parts = {(r.txn_id, t, p) for r in records for t, p in self._parts_of(r.txn_id)}
+            with self._lock:
+                theirs = {(t, p) for txn, t, p in parts - self._shown}
+            if theirs:
                 unanswered = self.elsewhere.apply([r.txn_id for r in records], theirs)
                 if unanswered:
                     return unanswered

@@ -34,6 +34,8 @@ The points, in the order a write passes them (``tests/store/test_crash_points.py
 ``topic.data-deleted``        a deleted topic's ledgers, tier files and table are gone, its
                               metadata records are not
 ``txn.decided``               a commit is decided (COMMITTED in metadata), nothing applied
+``txn.shown-here``            several brokers: a commit's entries are shown in the partitions
+                              served here; the owners of the others are not asked yet
 ``txn.asked``                 several brokers: another broker's question about transactions'
                               entries here (count, show, skip) arrived; nothing looked at yet
 ``txn.partition-applied``     a commit's rows are in the log for one partition of one
@@ -95,6 +97,7 @@ POINTS = frozenset({
     "topic.delete-marked",
     "topic.data-deleted",
     "txn.decided",
+    "txn.shown-here",
     "txn.asked",
     "txn.partition-applied",
     "txn.applied",
