@@ -83,6 +83,13 @@ class TxnWriter:
                      "each of its partitions")
         table: Any = tierstream.read(TXN_TOPIC, broker=self.broker, auth_token=self.token)
         values = [bytes(v).decode() for v in table.column("value").to_pylist()]
+        numbers = {int(v.split(":")[1]) for v in values}
+        missing = sorted({n // self.rows for n in set(range(committed_rows)) - numbers})
+        if missing:  # which batches, and what the metadata says of each of their attempts
+            with Admin(self.broker, auth_token=self.token) as admin:
+                records = [t for t in admin.transactions() if t["batch_id"] in missing]
+            raise AssertionError(f"committed batch(es) {missing} not read back, of "
+                                 f"{committed_rows // self.rows}; their attempts: {records}")
         check_exactly_once_in_order(values, committed_rows)
         assert len(values) == committed_rows, \
             f"{len(values) - committed_rows} row(s) of batches never committed are shown"
