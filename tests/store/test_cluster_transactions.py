@@ -35,6 +35,34 @@ def _state(url: str, txn_id: str) -> str:
         return next(t["state"] for t in admin.transactions() if t["txn_id"] == txn_id)
 
 
+def _paused_at(broker: Any, name: str, point: str, pause_s: float) -> Any:
+    """A cluster broker whose thread passing ``point`` first sleeps ``pause_s``."""
+    from tierstream.util.faults import PAUSE_ENV, PAUSE_S_ENV
+
+    proc = _cluster(broker, name)
+    proc.env = {PAUSE_ENV: point, PAUSE_S_ENV: f"{pause_s:g}"}
+    return proc.start()
+
+
+def _commit_meanwhile(url: str, txn_id: str) -> tuple[threading.Thread, list[Any]]:
+    """Commit ``txn_id`` at ``url`` on a thread of its own, once decided waited for: the
+    thread, and where its answer (or error) goes."""
+    answers: list[Any] = []
+
+    def commit() -> None:
+        try:
+            with Admin(url) as admin:
+                answers.append(admin.commit_transactions([txn_id]))
+        except Exception as exc:  # said by the assertion on the answer
+            answers.append(exc)
+
+    committing = threading.Thread(target=commit, daemon=True)
+    committing.start()
+    wait_for(lambda: _state(url, txn_id) != "PREPARED", timeout=scaled(30),
+             what="the commit to be decided")
+    return committing, answers
+
+
 def test_a_transaction_over_two_brokers_partitions_shows_at_its_commit_and_an_abort_never(
         network_store) -> None:
     """A 4-partition topic on two brokers (2 each). A transaction begun at A stages rows to
@@ -137,27 +165,14 @@ def test_a_commit_shown_late_where_its_partitions_moved_stays_ahead_of_the_next_
     stages to B and commits there; B must show the first transaction's rows of those
     partitions before the second's (it showed them only at a later housekeeping pass, after
     the second's: a key's rows out of commit order)."""
-    from tierstream.util.faults import PAUSE_ENV, PAUSE_S_ENV
-
     _, _, broker = network_store
-    a = _cluster(broker, "broker-a")
-    a.env = {PAUSE_ENV: "txn.asked", PAUSE_S_ENV: f"{scaled(3):g}"}
-    a.start()
+    a = _paused_at(broker, "broker-a", "txn.asked", scaled(3))
     b = _cluster(broker, "broker-b").start()
     _spread([a, b], 4)
     first = Transaction(broker=a.url)
     first.write(TOPIC, _rows(0, 700))
     first.prepare()
-    answers: list[dict[str, Any]] = []
-
-    def commit() -> None:
-        with Admin(b.url) as admin:
-            answers.append(admin.commit_transactions([first.txn_id]))
-
-    committing = threading.Thread(target=commit, daemon=True)
-    committing.start()
-    wait_for(lambda: _state(b.url, first.txn_id) != "PREPARED", timeout=scaled(30),
-             what="the commit to be decided")
+    committing, answers = _commit_meanwhile(b.url, first.txn_id)
     with Admin(a.url) as admin:  # while B's question waits at A
         assert len(admin.drain()) == 2  # both of its partitions, to B
     committing.join(timeout=scaled(30))
@@ -185,30 +200,14 @@ def test_a_partition_handed_to_the_committing_broker_mid_commit_is_shown_not_dro
     by then: the transaction was marked APPLIED and its set-aside rows dropped, a committed
     batch lost (found by ``cluster_chaos`` with 30 faults). Now A shows them (at its next
     pass) before the transaction is APPLIED, and every row is read once, in key order."""
-    from tierstream.util.faults import PAUSE_ENV, PAUSE_S_ENV
-
     _, _, broker = network_store
-    a = _cluster(broker, "broker-a")
-    a.env = {PAUSE_ENV: "txn.shown-here", PAUSE_S_ENV: f"{scaled(4):g}"}
-    a.start()
+    a = _paused_at(broker, "broker-a", "txn.shown-here", scaled(4))
     b = _cluster(broker, "broker-b").start()
     _spread([a, b], 4)
     txn = Transaction(broker=f"{a.url},{b.url}")
     txn.write(TOPIC, _rows(0, 700))
     txn.prepare()
-    answers: list[Any] = []
-
-    def commit() -> None:
-        try:
-            with Admin(a.url) as admin:
-                answers.append(admin.commit_transactions([txn.txn_id]))
-        except Exception as exc:
-            answers.append(exc)
-
-    committing = threading.Thread(target=commit, daemon=True)
-    committing.start()
-    wait_for(lambda: _state(b.url, txn.txn_id) != "PREPARED", timeout=scaled(30),
-             what="the commit to be decided")
+    committing, answers = _commit_meanwhile(a.url, txn.txn_id)
     with Admin(b.url) as admin:  # while A's commit waits before asking B
         assert len(admin.drain()) == 2
     wait_for(lambda: _owned(a.url) == 4, timeout=scaled(30),
