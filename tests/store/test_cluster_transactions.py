@@ -219,3 +219,31 @@ def test_a_partition_handed_to_the_committing_broker_mid_commit_is_shown_not_dro
              what="the commit to be shown in every partition")
     check_exactly_once_in_order(_values(a.url), 700)
     assert a.tracebacks == [] and b.tracebacks == []
+
+
+def test_a_part_its_owner_drained_while_asked_to_show_it_is_shown_not_dropped(
+        network_store) -> None:
+    """B commits a transaction over four partitions, two of them A's, and asks A to show
+    A's part; A is drained meanwhile (``txn.asked-to-show`` paused: after A read which of the
+    asked partitions it served, before it showed anything), its seal setting the
+    transaction's entries there aside. A answered that it served them and showed nothing:
+    B marked the transaction APPLIED and its set-aside rows were dropped, a committed batch
+    lost (found by ``cluster_chaos`` with PostgreSQL restarts and drains). Now A answers
+    that they moved, and B, their owner by then, writes them again."""
+    _, _, broker = network_store
+    a = _paused_at(broker, "broker-a", "txn.asked-to-show", 2.0)
+    b = _cluster(broker, "broker-b").start()
+    _spread([a, b], 4)
+    txn = Transaction(broker=f"{a.url},{b.url}")
+    txn.write(TOPIC, _rows(0, 700))
+    txn.prepare()
+    committing, answers = _commit_meanwhile(b.url, txn.txn_id)
+    with Admin(a.url) as admin:  # while B's question waits at A
+        assert len(admin.drain()) == 2
+    committing.join(timeout=scaled(30))
+    txn.close()
+    assert answers and answers[0]["status"] == "committed", answers
+    wait_for(lambda: _state(b.url, txn.txn_id) == "APPLIED", timeout=scaled(60),
+             what="the commit to be shown in every partition")
+    check_exactly_once_in_order(_values(b.url), 700)
+    assert a.tracebacks == [] and b.tracebacks == []

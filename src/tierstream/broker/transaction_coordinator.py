@@ -46,10 +46,9 @@ from tierstream.broker.transaction_parts import (
     Held,
     Partitions,
     Snapshot,
-    route,
     snapshot,
     stage_entries,
-    staged_again,
+    write_again,
 )
 from tierstream.errors import ConfigError, ConflictError, NotFoundError
 from tierstream.managed_ledger.open_segment import TXN_PRODUCER
@@ -59,7 +58,6 @@ from tierstream.metadata.transaction_records import (
     TxnState,
 )
 from tierstream.model.layout import DataDir
-from tierstream.model.message_format import batches_of_about
 from tierstream.model.names import TopicName, check_txn_id
 from tierstream.util.faults import crash_point
 from tierstream.util.timeutil import now_ms
@@ -138,10 +136,7 @@ class TransactionCoordinator:
                    and any((t, p) == (topic, partition) for t, p, _ in r.parts)]
         if not pending:
             return
-        with self.commit_lock, Held() as held:
-            held.add([self._plog(t, p) for r in pending
-                      for t, p in self._here(self._parts_of(r.txn_id))])
-            self._apply(pending, held)
+        self._apply_here(pending)
         log.info("%s partition %d: showed committed transaction(s) %s here before staging "
                  "more (their commit did not reach this partition's owner)", topic, partition,
                  ", ".join(r.txn_id for r in pending))
@@ -277,7 +272,8 @@ class TransactionCoordinator:
                     if (r.txn_id, topic, p) not in written:
                         if (topic, p) not in r.moved:  # set aside since the decision
                             self.records.add_moved(r.txn_id, topic, p)
-                        self._write_again(r.txn_id, topic, p, held)
+                        write_again(self.store, self._plog, self.records, r.txn_id, topic,
+                                    p, held, entry_bytes=ENTRY_BYTES)
                         written.add((r.txn_id, topic, p))
             with self.store.visibility:  # a cut sees all partitions of the commit, or none
                 # an entry meant to show in place may have been set aside since (an explicit
@@ -286,13 +282,20 @@ class TransactionCoordinator:
                 if all((r.txn_id, t, p) in written for r in records for t, p in self._again(r)):
                     for r in records:
                         for topic, p in self._here(self._parts_of(r.txn_id)):
-                            plog = self._plog(topic, p)
-                            if plog is not None:
-                                plog.resolve(r.txn_id, committed=True)
-                            with self._lock:
-                                self._shown.add((r.txn_id, topic, p))
+                            plog = self._plog(topic, p)  # one lost since: not shown here
+                            if plog is None or plog.resolve(r.txn_id, committed=True):
+                                with self._lock:
+                                    self._shown.add((r.txn_id, topic, p))
                     held.release_all()
                     break
+
+    def _apply_here(self, records: list[TransactionRecord]) -> None:
+        """:meth:`_apply` of committed ``records`` that another broker decided, their
+        partitions served here held meanwhile (their entries all show at once)."""
+        with self.commit_lock, Held() as held:
+            held.add([self._plog(t, p) for r in records
+                      for t, p in self._here(self._parts_of(r.txn_id))])
+            self._apply(records, held)
 
     def _applied(self, records: list[TransactionRecord]) -> list[str]:
         """After :meth:`_apply`: mark the transactions APPLIED, and drop what they left.
@@ -328,33 +331,6 @@ class TransactionCoordinator:
         """The partitions served here whose entries of ``record`` its commit writes again:
         as decided, and any set aside since."""
         return self._here(set(record.moved) | self._moved(record.txn_id))
-
-    def _write_again(self, txn_id: str, topic: str, partition: int, held: Held) -> None:
-        """Append a transaction's staged rows of one partition again, in staging order (its
-        set-aside entries, then those in the open segment), as ``txn/<id>/moved/<p>`` with
-        sequence ids 0, 1, 2... per partition written: the same rows and boundaries every
-        time, so a commit applied again after a crash stores each entry once. Rows routed by
-        a partition count the topic no longer has go where their keys route now."""
-        plog = self._plog(topic, partition)
-        if plog is None:
-            log.warning("transaction %s: %s partition %d no longer exists; its rows are "
-                        "dropped", txn_id, topic, partition)
-            return
-        count = self.store.partition_count(topic)
-        targets: dict[int, list[pa.Table]] = {}
-        for table, routed in staged_again(plog, self._snapshot(txn_id, topic, partition)):
-            for q, rows in route(table, partition, routed, count):
-                targets.setdefault(q, []).append(rows)
-        for q, tables in sorted(targets.items()):
-            target = self._plog(topic, q)
-            if target is None:
-                continue
-            held.add([target])
-            producer = f"{PRODUCER_PREFIX}{txn_id}/moved/{partition}"
-            rows = pa.concat_tables(tables).combine_chunks()
-            for seq, batch in enumerate(batches_of_about(rows, ENTRY_BYTES)):
-                target.append(batch, producer=producer, sequence_id=seq)
-            crash_point("txn.partition-applied")
 
     # -- abort, timeout, recovery -------------------------------------------------------------
 
@@ -439,20 +415,28 @@ class TransactionCoordinator:
         """Another broker of a cluster asks about transactions' entries in partitions it
         believes served here (action ``txn-here``): the rows staged (``staged``), show the
         committed ones (``apply``), skip the aborted ones (``end``). ``not_here``: those of
-        ``parts`` not served here (moved meanwhile)."""
+        ``parts`` not served here, before or after the work (moved meanwhile), and for
+        ``apply`` those whose part this broker did not show: a partition handed over while
+        the question waited (its seal set the entries aside) is shown by its next owner, and
+        the asking broker must not take it for shown."""
         crash_point("txn.asked")
         asked = {(str(t), int(p)) for t, p in parts}
-        out: dict[str, Any] = {"not_here": [list(k) for k in sorted(asked - self._here(asked))]}
+        served = self._here(asked)
+        out: dict[str, Any] = {}
+        unshown: set[tuple[str, int]] = set()
         txn_ids = [check_txn_id(t) for t in txn_ids]
         if op == "staged":
             out["staged"] = [[t, p, n] for txn_id in txn_ids
                              for (t, p), n in self.staged(txn_id, asked).items()]
         elif op == "apply":
-            with self.commit_lock, Held() as held:
-                records = [r for r in map(self._record, txn_ids) if r is not None]
-                held.add([self._plog(t, p) for r in records
-                          for t, p in self._here(self._parts_of(r.txn_id))])
-                self._apply([r for r in records if r.state == TxnState.COMMITTED], held)
+            crash_point("txn.asked-to-show")
+            records = [r for r in map(self._record, txn_ids) if r is not None]
+            committed = [r for r in records if r.state == TxnState.COMMITTED]
+            self._apply_here(committed)
+            theirs = {(r.txn_id, t, p) for r in committed for t, p in self._parts_of(r.txn_id)
+                      if (t, p) in asked}
+            with self._lock:
+                unshown = {(t, p) for _, t, p in theirs - self._shown}
             for r in records:
                 if r.state == TxnState.APPLIED:  # every owner did: nothing more to keep here
                     self._forget(r.txn_id)
@@ -464,6 +448,8 @@ class TransactionCoordinator:
         else:
             raise ConfigError(f"unknown transaction operation {op!r}: expected staged, "
                               "apply or end")
+        gone = (asked - (served & self._here(asked))) | unshown
+        out["not_here"] = [list(k) for k in sorted(gone)]
         return out
 
     def _record(self, txn_id: str) -> TransactionRecord | None:

@@ -1,13 +1,15 @@
 """What a broker's transactions need of the partitions they stage to (``Partitions``: the
 store; ``Elsewhere``: the owners of partitions other brokers serve, ``broker/txn_owners.py``),
-and the steps of staging and applying a commit done on one partition
+and the steps of staging and applying a commit done on one partition (writing its rows
+again among them)
 (``transaction_coordinator.py`` decides when)."""
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -15,13 +17,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tierstream.managed_ledger.open_segment import PendingAppend
+from tierstream.managed_ledger.open_segment import TXN_PRODUCER, PendingAppend
 from tierstream.model.message_format import (
     PRODUCE_SCHEMA,
     as_produce_batch,
     batches_of_about,
     key_hashes,
 )
+from tierstream.util.faults import crash_point
 
 if TYPE_CHECKING:
     from tierstream.managed_ledger.partition_log import PartitionLog
@@ -29,7 +32,9 @@ if TYPE_CHECKING:
     from tierstream.metadata.transaction_records import TransactionRecords
 
 __all__ = ["IN_FLIGHT", "Elsewhere", "Held", "Partitions", "Snapshot", "route", "snapshot",
-           "stage_entries", "staged_again", "staged_rows"]
+           "stage_entries", "staged_again", "staged_rows", "write_again"]
+
+log = logging.getLogger(__name__)
 
 #: Staged entries on their way to the bookies at once, per staging stream.
 IN_FLIGHT = 16
@@ -190,3 +195,34 @@ def staged_again(plog: PartitionLog, snap: Snapshot) -> list[tuple[pa.Table, int
     staged.extend((staged_rows(b), routed) for b, (_, routed) in zip(
         batches, open_entries, strict=True))
     return staged
+
+
+def write_again(store: Partitions, plog_of: Callable[[str, int], PartitionLog | None],
+                records: TransactionRecords, txn_id: str, topic: str, partition: int,
+                held: Held, *, entry_bytes: int) -> None:
+    """Append a transaction's staged rows of one partition again, in staging order (its
+    set-aside entries, then those in the open segment), as ``txn/<id>/moved/<p>`` with
+    sequence ids 0, 1, 2... per partition written: the same rows and boundaries every
+    time, so a commit applied again after a crash stores each entry once. Rows routed by
+    a partition count the topic no longer has go where their keys route now (``plog_of``:
+    a partition served here, None if deleted since)."""
+    plog = plog_of(topic, partition)
+    if plog is None:
+        log.warning("transaction %s: %s partition %d no longer exists; its rows are "
+                    "dropped", txn_id, topic, partition)
+        return
+    count = store.partition_count(topic)
+    targets: dict[int, list[pa.Table]] = {}
+    for table, routed in staged_again(plog, snapshot(records, plog, txn_id, topic, partition)):
+        for q, rows in route(table, partition, routed, count):
+            targets.setdefault(q, []).append(rows)
+    for q, tables in sorted(targets.items()):
+        target = plog_of(topic, q)
+        if target is None:
+            continue
+        held.add([target])
+        producer = f"{TXN_PRODUCER}{txn_id}/moved/{partition}"
+        rows = pa.concat_tables(tables).combine_chunks()
+        for seq, batch in enumerate(batches_of_about(rows, entry_bytes)):
+            target.append(batch, producer=producer, sequence_id=seq)
+        crash_point("txn.partition-applied")

@@ -14,7 +14,7 @@ import time
 import pyarrow as pa
 
 from tierstream.bookie.ledger import IndexRecord
-from tierstream.errors import NotFoundError
+from tierstream.errors import NotFoundError, NotOwnerError
 from tierstream.managed_ledger.dedup import ProducerDedup
 from tierstream.managed_ledger.open_segment import TXN_PRODUCER, OpenSegment, TxnPart
 from tierstream.managed_ledger.partition_positions import PartitionPositions
@@ -39,6 +39,7 @@ class PartitionVisibility(PartitionPositions):
     _max_entries: int
     _max_bytes: int
     _changed: threading.Condition
+    _lost: NotOwnerError | None
 
     def _roll(self, *, reopen: bool = True) -> None:
         raise NotImplementedError
@@ -142,16 +143,20 @@ class PartitionVisibility(PartitionPositions):
             entries = [] if part is None else [(e, seg.txn_of[e][1]) for e in part.entries]
             return seg.record.segment_id, entries, 0 if part is None else part.rows
 
-    def resolve(self, txn_id: str, *, committed: bool) -> None:
+    def resolve(self, txn_id: str, *, committed: bool) -> bool:
         """``txn_id`` is decided: its staged entries in the open segment become visible where
         they are (a commit in place) or skipped (an abort, or a commit that writes them
-        again), and the entries confirmed after them show, up to the next undecided one."""
+        again), and the entries confirmed after them show, up to the next undecided one.
+        False if another broker owns the partition now (:meth:`lose`): this one can no
+        longer show anything, its next owner does (the decision is in the metadata)."""
         with self._lock:
+            if self._lost is not None:
+                return False
             part = self._txns.get(txn_id)
-            if part is None:
-                return
-            part.state = "committed" if committed and self._in_place(part) else "skipped"
-            self._show_hidden(self._open)
+            if part is not None:
+                part.state = "committed" if committed and self._in_place(part) else "skipped"
+                self._show_hidden(self._open)
+            return True
 
     def raw_entries(self, segment_id: int, entry_ids: list[int]) -> list[pa.RecordBatch]:
         """Stored entries as they are, skipped or hidden ones too (what a commit writes again

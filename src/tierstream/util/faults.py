@@ -99,6 +99,7 @@ POINTS = frozenset({
     "txn.decided",
     "txn.shown-here",
     "txn.asked",
+    "txn.asked-to-show",
     "txn.partition-applied",
     "txn.applied",
     "sink.committed",
