@@ -108,7 +108,7 @@ class Cluster:
         self.peers = Peers(auth_token=store.config.bookie_token,
                            tls_ca=store.config.bookie_tls_ca)
         #: the owners of a transaction's partitions that other brokers serve
-        self.txn_owners = TxnOwners(store, self.peers)
+        self.txn_owners = TxnOwners(store, self.peers, lambda: self._live_peers)
         #: a topic spread over the brokers, as a whole: grown, and judged for auto-scaling
         self.topics = ClusterTopics(store, self.peers, self.serve)
         #: the other brokers whose lease was live at the last look ({id: url}): asked whether

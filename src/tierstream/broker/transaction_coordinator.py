@@ -352,7 +352,7 @@ class TransactionCoordinator:
             plog = self._plog(topic, p)
             if plog is not None:
                 plog.resolve(txn_id, committed=False)
-        if everywhere and self.elsewhere is not None and parts - here:
+        if everywhere and self.elsewhere is not None:  # every live broker (TxnOwners.end)
             self.elsewhere.end([txn_id], parts - here)
         self._forget(txn_id)
 

@@ -10,8 +10,9 @@ does not answer (down, moving the partition) leaves the transaction COMMITTED: e
 housekeeping asks again, a partition's next owner shows its entries when it recovers
 the partition (the decision is in the metadata it reads), and an owner shows them before a
 transaction stages anything more to the partition (``TransactionCoordinator.stage``), so a
-transaction committed later comes after it there. An abort is told to the owners
-the same way; one that misses it learns it at its next housekeeping pass.
+transaction committed later comes after it there. An abort is told to every other live
+broker the same way (an attempt aborted before it prepared may have staged where no record
+of it says); one that misses it learns it at its next housekeeping pass.
 
 A commit is atomic per broker: a reader of partitions served by two brokers may see one's
 entries a moment before the other's (as with Pulsar), never some of one partition's.
@@ -20,7 +21,7 @@ entries a moment before the other's (as with Pulsar), never some of one partitio
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from tierstream.broker.peers import Peers
@@ -41,9 +42,12 @@ class _Store(Protocol):
 class TxnOwners:
     """The owners of partitions ``store`` does not serve, asked through ``peers``."""
 
-    def __init__(self, store: _Store, peers: Peers) -> None:
+    def __init__(self, store: _Store, peers: Peers,
+                 live: Callable[[], Mapping[str, str]] = dict) -> None:
         self.store = store
         self.peers = peers
+        #: the other brokers live at the cluster's last look: {broker id: url}
+        self._live = live
 
     def serves(self, topic: str, partition: int) -> bool:
         return (topic, partition) in self.store.serves()
@@ -67,11 +71,15 @@ class TxnOwners:
                 by_url.setdefault(owner.url, []).append((topic, partition))
         return by_url, nobody
 
-    def _ask(self, op: str, txn_ids: list[str], parts: Iterable[tuple[str, int]]
-             ) -> tuple[list[Any], list[str]]:
-        """``op`` asked of every owner of ``parts`` side by side: their answers, and what
-        went unanswered, one line per owner (or partition with none)."""
+    def _ask(self, op: str, txn_ids: list[str], parts: Iterable[tuple[str, int]], *,
+             everyone: bool = False) -> tuple[list[Any], list[str]]:
+        """``op`` asked of every owner of ``parts`` (and of every other live broker, if
+        ``everyone``) side by side: their answers, and what went unanswered, one line per
+        owner (or partition with none)."""
         by_url, nobody = self._by_owner(parts)
+        if everyone:
+            for url in self._live().values():
+                by_url.setdefault(url, [])
         problems = [f"{t} partition {p}: no broker serves it now (it is being taken over)"
                     for t, p in nobody]
         answers = self.peers.call_each({url: ("txn-here", {
@@ -79,7 +87,7 @@ class TxnOwners:
             for url, asked in by_url.items()})
         out = []
         for url, answer in answers.items():
-            names = ", ".join(f"{t} partition {p}" for t, p in by_url[url])
+            names = ", ".join(f"{t} partition {p}" for t, p in by_url[url]) or url
             if isinstance(answer, Exception):
                 problems.append(f"{names}: the owner at {url} did not answer ({answer})")
                 continue
@@ -109,8 +117,12 @@ class TxnOwners:
         return problems
 
     def end(self, txn_ids: list[str], parts: Iterable[tuple[str, int]]) -> None:
-        """Tell the owners of ``parts`` that ``txn_ids`` ended (aborted): best effort."""
-        _, problems = self._ask("end", txn_ids, parts)
+        """Tell the owners of ``parts``, and every other live broker, that ``txn_ids`` ended
+        (aborted): best effort. Every one: an attempt aborted before it prepared (its
+        writer's other stream failed, or another attempt of its batch committed) may have
+        staged where no record of it says, and there its entries would hold up every entry
+        after them until that broker's next transaction pass (up to 10 s)."""
+        _, problems = self._ask("end", txn_ids, parts, everyone=True)
         if problems:
             log.info("aborted transaction(s) %s: not every owner heard it now (each learns it "
                      "at its next housekeeping pass): %s", ", ".join(txn_ids),
