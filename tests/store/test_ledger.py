@@ -10,7 +10,7 @@ import pytest
 
 from tierstream.bookie.ledger import decode_payload, read_index, scan_frames
 from tierstream.bookie.storage import Bookie, ledger_paths
-from tierstream.errors import CorruptionError
+from tierstream.errors import ConflictError, CorruptionError
 from tierstream.model.message_format import MESSAGE_SCHEMA
 
 from ..timing import scaled
@@ -50,6 +50,35 @@ def test_frames_round_trip_with_index_and_meta(tmp_path: Path) -> None:
         frames, length = scan_frames(ledger_paths(tmp_path, 7)[0], 7)
         assert [f.meta for f in frames] == [{"p": "x", "s": e} for e in range(20)]
         assert length == ledger_paths(tmp_path, 7)[0].stat().st_size
+    finally:
+        bookie.close()
+
+
+def test_a_copy_stays_a_prefix_of_its_ledger_when_an_entry_failed_there(
+        tmp_path: Path) -> None:
+    """Regression (cluster_chaos, 100 faults): an entry that failed on one bookie (its stream
+    broke) was followed there by the next ones, written where the failed one would be. That
+    copy's offsets then differed from the others', and a writer's index holds the offsets of
+    whichever bookie answered first: after the copy was re-replicated, an entry was
+    "unreadable on every replica: bad frame magic". An entry that does not follow the last
+    one written is refused: every copy is a prefix, each frame at the same offset on each."""
+    bookie = Bookie("b0", tmp_path)
+    try:
+        _write(bookie, 3, 2)  # entries 0 and 1
+
+        def append(entry_id: int) -> object:
+            batch = _entry(3, entry_id)
+            return bookie.append(3, entry_id, {}, batch.serialize(), batch.num_rows,
+                                 1000, 1004).result(timeout=scaled(10))
+        for missed in (3, 1):  # entry 2 never came (a gap), entry 1 again (a duplicate)
+            with pytest.raises(ConflictError, match=f"takes entry 2 next, not {missed}"):
+                append(missed)
+        append(2)
+        bookie.seal_ledger(3, 2)
+        assert [r.entry_id for r in bookie.index(3)] == [0, 1, 2]
+        frames, _ = scan_frames(ledger_paths(tmp_path, 3)[0], 3)
+        assert [(f.record.entry_id, f.record.frame_offset) for f in frames] == \
+            [(r.entry_id, r.frame_offset) for r in bookie.index(3)]  # each where it is
     finally:
         bookie.close()
 

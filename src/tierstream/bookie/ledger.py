@@ -35,6 +35,7 @@ import pyarrow as pa
 
 from tierstream.errors import CorruptionError, NotFoundError
 from tierstream.model.message_format import MESSAGE_SCHEMA
+from tierstream.util.durable import fsync_dir
 
 __all__ = [
     "FRAME_HEADER",
@@ -52,6 +53,7 @@ __all__ = [
     "read_index",
     "scan_frames",
     "unreadable",
+    "write_ledger_files",
 ]
 
 MAGIC = b"TSE2"  # version 2: CRC-32C
@@ -264,3 +266,26 @@ def ledger_paths(bookie_dir: str | Path, segment_id: int) -> tuple[Path, Path]:
     """(log, index) paths of ``segment_id`` under a bookie directory."""
     base = Path(bookie_dir) / "ledgers" / f"{segment_id // 1000:06d}"
     return base / f"{segment_id}.log", base / f"{segment_id}.idx"
+
+
+def write_ledger_files(bookie_dir: str | Path, segment_id: int,
+                       frames: list[tuple[IndexRecord, bytes]]) -> None:
+    """Replace a ledger's files in ``bookie_dir`` with exactly ``frames`` (raw frame bytes,
+    each record's entry id and stats; their offsets are where they land), fsync'd, each
+    file replaced whole (write to a temporary file, then rename)."""
+    log_path, idx_path = ledger_paths(bookie_dir, segment_id)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_log, tmp_idx = log_path.with_suffix(".log.tmp"), idx_path.with_suffix(".idx.tmp")
+    offset = 0
+    with open(tmp_log, "wb") as log, open(tmp_idx, "wb") as idx:
+        for rec, raw in frames:
+            log.write(raw)
+            idx.write(IndexRecord(rec.entry_id, offset, len(raw), rec.messages,
+                                  rec.first_publish_time, rec.last_publish_time).pack())
+            offset += len(raw)
+        for f in (log, idx):
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp_log, log_path)
+    os.replace(tmp_idx, idx_path)
+    fsync_dir(log_path.parent)

@@ -7,6 +7,11 @@ partitions is not bounded by the process's file descriptor limit.
 Writes go through one group-commit thread per bookie: it takes every append that is waiting,
 writes them, fsyncs each touched ledger once, and only then completes their futures, so
 concurrent producers share fsyncs. Reads verify every frame and never go through that thread.
+
+A ledger's copy here is a prefix of the ledger: an append whose entry is not the next one (an
+earlier entry failed here, as when the writer's stream broke) is refused, so each frame is at
+the same offset on every copy that has it. Readers rely on that: they are given the offsets
+of one copy (a writer keeps those of one bookie that confirmed each entry).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from tierstream.bookie.ledger import (
     ledger_paths,
     read_index,
     scan_frames,
+    write_ledger_files,
 )
 from tierstream.bookie.ledger_reader import LedgerReader
 from tierstream.errors import ConflictError, FencedError, NotFoundError, StorageError
@@ -53,6 +59,7 @@ class _OpenLedger:
     offset: int = 0
     records: list[IndexRecord] = field(default_factory=list)
     created: bool = False
+    next_entry: int = 0  # the entry id the next append must carry (a copy is a prefix)
 
 
 @dataclass
@@ -250,6 +257,10 @@ class Bookie:
                     if ledger is None:
                         raise NotFoundError(f"ledger {req.segment_id} is not open on "
                                             f"{self.bookie_id}")
+                    if req.entry_id != ledger.next_entry:  # one before it failed here
+                        raise ConflictError(f"bookie {self.bookie_id}: ledger {req.segment_id}"
+                                            f" takes entry {ledger.next_entry} next, not "
+                                            f"{req.entry_id} (an earlier one failed here)")
                     log_fd, idx_fd = self._fds(ledger, busy)
                 pieces = encode_frame(req.segment_id, req.entry_id, req.meta, req.payload)
                 length = frame_length(pieces)
@@ -260,6 +271,7 @@ class Bookie:
                                   req.last_pt)
                 os.write(idx_fd, rec.pack())
                 ledger.offset += length
+                ledger.next_entry = req.entry_id + 1
                 touched[req.segment_id] = log_fd
                 done.append((req, rec))
             except Exception as exc:
@@ -439,22 +451,7 @@ class Bookie:
 
         Used by recovery to cut torn tails and to re-replicate entries a replica missed.
         """
-        log_path, idx_path = ledger_paths(self.root, segment_id)
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp_log, tmp_idx = log_path.with_suffix(".log.tmp"), idx_path.with_suffix(".idx.tmp")
-        offset = 0
-        with open(tmp_log, "wb") as log, open(tmp_idx, "wb") as idx:
-            for rec, raw in frames:
-                log.write(raw)
-                idx.write(IndexRecord(rec.entry_id, offset, len(raw), rec.messages,
-                                      rec.first_publish_time, rec.last_publish_time).pack())
-                offset += len(raw)
-            for f in (log, idx):
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp_log, log_path)
-        os.replace(tmp_idx, idx_path)
-        fsync_dir(log_path.parent)
+        write_ledger_files(self.root, segment_id, frames)
 
     def read_raw_frame(self, segment_id: int, rec: IndexRecord) -> bytes:
         log_path, _ = ledger_paths(self.root, segment_id)
