@@ -12,6 +12,9 @@ import pytest
 
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin
+from tierstream.model.positions import Position
+from tierstream.pulsar_protocol import pulsar_api_pb2 as api
+from tierstream.pulsar_protocol.message_ids import cumulative_end, is_own, message_id, positions_of
 
 from ..store.helpers import wait_for
 from ..timing import scaled
@@ -149,3 +152,19 @@ def test_a_reader_and_a_seek_at_a_receipt_id_start_where_pulsars_do(
 def _message_id(mid: Id) -> Any:
     ledger, entry, partition, index = mid
     return pulsar.MessageId(partition, ledger, entry, index)
+
+
+def test_a_cumulative_ack_of_the_entry_before_a_segments_first_is_no_ack() -> None:
+    """Without batch-index acks, a client acknowledges a batch it has not finished
+    cumulatively as the entry before it: ``(ledger, -1)`` before a segment's first entry
+    (entryId 2^64 - 1 on the wire). That is "nothing of this segment"; read as one of the
+    broker's per-message ids (bit 62 is set) it was the whole segment, and a failover or
+    exclusive consumer's undelivered messages were acknowledged."""
+    before_first = api.MessageIdData(ledgerId=7, entryId=2**64 - 1, partition=-1)
+    assert not is_own(before_first)
+    assert cumulative_end(before_first, 0) is None
+    own = message_id(7, 3, 5, -1)
+    assert is_own(own)
+    assert cumulative_end(own, 0) == Position(0, 7, 3, 5)
+    segment, entry, index = positions_of([own])
+    assert (segment.tolist(), entry.tolist(), index.tolist()) == ([7], [3], [5])

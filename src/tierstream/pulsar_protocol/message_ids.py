@@ -30,14 +30,21 @@ __all__ = ["LAST_INDEX", "ack_words", "acked_indexes", "cumulative_end", "id_bef
            "start_position", "wire_entry_ids"]
 
 _OWN = 1 << 62
+_SIGN = 1 << 63
 _INDEX_BITS = 20
 #: the largest batch index an id can name: "the end of the entry"
 LAST_INDEX = (1 << _INDEX_BITS) - 1
 
 
 def is_own(mid: api.MessageIdData) -> bool:
-    """Whether ``mid`` is one of the broker's per-message ids (not a receipt's)."""
-    return bool(int(mid.entryId) & _OWN)
+    """Whether ``mid`` is one of the broker's per-message ids (not a receipt's). Bit 62 alone
+    tells: an entryId with bit 63 set is -1 as a client writes it (``(ledger, -1)``, the
+    entry before a ledger's first), never one of ours."""
+    return _is_own(int(mid.entryId))
+
+
+def _is_own(entry: int) -> bool:
+    return bool(entry & _OWN) and entry < _SIGN
 
 
 def ack_words(indexes: list[int]) -> list[int]:
@@ -64,11 +71,11 @@ def cumulative_end(mid: api.MessageIdData, partition: int) -> Position | None:
     ledger). A receipt-form id without an ``ack_set`` is its whole entry; with one, the
     messages before its first set bit (a client acknowledges a batch's previous entry as
     ``(ledger, entry - 1)``, which is -1 before the ledger's first)."""
-    if is_own(mid):
-        return position_of(mid, partition)
     entry = int(mid.entryId)
-    if entry >= _NONE >> 1:
+    if entry >= _SIGN:  # (ledger, -1): nothing of this ledger
         return None
+    if _is_own(entry):
+        return position_of(mid, partition)
     if mid.ack_set:
         clear = acked_indexes(mid, 64 * len(mid.ack_set))
         upto = next((i for i, j in enumerate(clear) if i != j), len(clear)) - 1
@@ -92,7 +99,7 @@ def position_of(mid: api.MessageIdData, partition: int) -> Position:
     """The log position a consumer's message id names: its own message's, or for a receipt's
     id (a producer's) the entry's first message (a batch index, where given)."""
     entry = int(mid.entryId)
-    if entry & _OWN:
+    if _is_own(entry):
         return Position(partition, int(mid.ledgerId), (entry & (_OWN - 1)) >> _INDEX_BITS,
                         entry & ((1 << _INDEX_BITS) - 1))
     return Position(partition, int(mid.ledgerId), entry, max(0, int(mid.batch_index)))
@@ -105,7 +112,7 @@ def positions_of(ids: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     segment = np.fromiter((m.ledgerId for m in ids), np.uint64, n).astype(np.int64)
     wire = np.fromiter((m.entryId for m in ids), np.uint64, n)
     given = np.fromiter((m.batch_index for m in ids), np.int64, n)
-    own = (wire & np.uint64(_OWN)) != 0
+    own = ((wire & np.uint64(_OWN)) != 0) & (wire < np.uint64(_SIGN))
     low = np.uint64((1 << _INDEX_BITS) - 1)
     entry = np.where(own, (wire & np.uint64(_OWN - 1)) >> np.uint64(_INDEX_BITS), wire)
     index = np.where(own, (wire & low).astype(np.int64), np.maximum(given, 0))
