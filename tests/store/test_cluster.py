@@ -4,9 +4,11 @@ real broker processes, network bookies and PostgreSQL on loopback."""
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 
@@ -357,3 +359,57 @@ def test_a_broker_started_without_cluster_is_refused_by_a_store_cluster_brokers_
     with Producer(TOPIC, broker=a.url) as producer:
         producer.send_many({"key": f"k{i}", "value": f"k{i}:{i}".encode()} for i in range(7))
     check_exactly_once_in_order(_read(a.url), 7)
+
+
+def _pulsar_call(broker: BrokerProcess, command: Any, kinds: tuple[int, ...]) -> Any:
+    """One command on a new Pulsar connection to ``broker``, and its answer (of ``kinds``)."""
+    from tierstream.pulsar_protocol import pulsar_api_pb2 as api
+    from tierstream.pulsar_protocol.frames import command_frame
+
+    from ..pulsar_wire.helpers import commands_until
+
+    host, port = (broker.pulsar_url or "").removeprefix("pulsar://").rsplit(":", 1)
+    hello = api.BaseCommand(type=api.BaseCommand.CONNECT, connect=api.CommandConnect(
+        client_version="t", protocol_version=20))
+    with socket.create_connection((host, int(port)), timeout=scaled(30)) as sock:
+        sock.sendall(command_frame(hello) + command_frame(command))
+        got = commands_until(sock, lambda cs: any(c.type in kinds for c in cs))
+    return next(c for c in got if c.type in kinds)
+
+
+def test_a_partition_unloaded_to_another_broker_is_sent_and_served_there_at_once(
+        network_store) -> None:
+    """Regression (a fresh clone's flake: a Pulsar subscribe timed out after an unload).
+    Right after an unload, the former owner answered a lookup of the partition with itself
+    (the new owner it noted had no Pulsar address), and the new owner, whose view of the
+    owners was its last renewal's, refused the subscribe naming the former one: a client
+    went back and forth until both had renewed, and under load did not get through. Now
+    both brokers send the client to the new owner at once, and it serves the partition at
+    the first call. Three moves, back and forth."""
+    from tierstream.pulsar_protocol import pulsar_api_pb2 as api
+
+    _, _, broker = network_store
+    brokers = [_cluster(broker, f"broker-{n}", "--pulsar-port", str(fixed_port())).start()
+               for n in "ab"]
+    _spread(brokers, 2)
+    ids = []
+    for b in brokers:
+        with Admin(b.url) as admin:
+            ids.append(admin.stats()["broker"]["id"])
+    name = f"persistent://{TOPIC}-partition-1"
+    cmd = api.BaseCommand
+    for move in range(3):
+        with Admin(brokers[move % 2].url) as admin:  # followed to the owner where it is not
+            to = admin.unload(TOPIC, 1)[f"{TOPIC}/1"]
+        new, old = (brokers[0], brokers[1]) if to == ids[0] else (brokers[1], brokers[0])
+        for asked in (old, new):
+            answer = _pulsar_call(asked, cmd(type=cmd.LOOKUP, lookupTopic=api.CommandLookupTopic(
+                topic=name, request_id=1)), (cmd.LOOKUP_RESPONSE,)).lookupTopicResponse
+            assert answer.brokerServiceUrl == new.pulsar_url, \
+                f"move {move}: {asked.pulsar_url} sends partition 1's clients to " \
+                f"{answer.brokerServiceUrl}, not to its new owner {new.pulsar_url}"
+        subscribed = _pulsar_call(new, cmd(type=cmd.SUBSCRIBE, subscribe=api.CommandSubscribe(
+            topic=name, subscription=f"s{move}", subType=api.CommandSubscribe.Shared,
+            consumer_id=1, request_id=2)), (cmd.SUCCESS, cmd.ERROR))
+        assert subscribed.type == cmd.SUCCESS, \
+            f"move {move}: the new owner refused: {subscribed.error.message}"

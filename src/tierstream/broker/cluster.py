@@ -47,7 +47,7 @@ from tierstream.broker.growth import Growth
 from tierstream.broker.peers import Peers
 from tierstream.broker.recovery import RecoveryReport, recover_open_segments
 from tierstream.broker.txn_owners import TxnOwners
-from tierstream.errors import ConfigError, ConflictError, TierstreamError
+from tierstream.errors import ConfigError, ConflictError, TierstreamError, UnavailableError
 from tierstream.managed_ledger.bookies.client import BookieClient
 from tierstream.managed_ledger.bookies.remote import RemoteBookie
 from tierstream.managed_ledger.partition_log import PartitionLog
@@ -213,11 +213,19 @@ class Cluster:
 
     def serve_if_placed(self, topic: str, partition: int) -> bool:
         """A call for a partition not served here: when the metadata says it is this
-        broker's (placed here, to be opened at the next renewal), it is opened now. Whether
-        it is served here. One the lease's view gives to another broker is not looked up."""
-        if self.store.owners.elsewhere(topic, partition) is not None:
+        broker's (placed here, or handed here since the last renewal), it is opened now.
+        Whether it is served here.
+
+        One the lease's view gives to another broker is looked up too: an unload or a drain
+        hands partitions over in the metadata and sends their clients here at once, while
+        this broker's view names the former owner until its next renewal — trusted, it sent
+        each of those clients back there, and a Pulsar subscribe retried until it timed out.
+        Misdirected calls are few (a client follows the answer), so the read costs little;
+        while the metadata is away the view answers."""
+        try:
+            owner = self.store.owners.owner_of(topic, partition)
+        except UnavailableError:
             return False
-        owner = self.store.owners.owner_of(topic, partition)
         if owner is None or owner.broker_id != self.store.owners.broker_id:
             return False
         self.serve([(topic, partition)])
@@ -354,7 +362,10 @@ class Cluster:
             else:
                 spread = dict.fromkeys(range(len(wanted)), (to, int(where[to]["epoch"])))
             placed = {key: spread[i] for i, key in enumerate(wanted)}
-            given = {(t, p): Owner(b, e, now_ms(), where.get(b, {}).get("url"))
+            # where the new owners are reached, their Pulsar listener's too: this broker's
+            # lookups send the partitions' clients there from now on
+            given = {(t, p): Owner(b, e, now_ms(), where.get(b, {}).get("url"),
+                                   where.get(b, {}).get("pulsar_url"))
                      for (t, p), (b, e) in placed.items()}
             served = store.serves()  # one placed here but not opened yet: only handed over
             try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from tierstream.broker.cluster import Cluster
 from tierstream.errors import NotOwnerError, UnavailableError
 from tierstream.managed_ledger.partition_log import PartitionLog
 from tierstream.metadata.ownership import Owner, PartitionOwners
@@ -19,6 +20,7 @@ class OwnedPartitions:
     """The store's partitions as this broker owns, loses and refuses them."""
 
     owners: PartitionOwners
+    cluster: Cluster | None
     _logs: dict[tuple[str, int], PartitionLog]
     fenced: threading.Event
     fenced_reason: str
@@ -68,19 +70,33 @@ class OwnedPartitions:
         return {k for k, plog in list(self._logs.items()) if not plog.lost}
 
     def owner_elsewhere(self, topic: str, partition: int) -> Owner | None:
-        """Another broker owning the partition (a Pulsar LOOKUP is sent there): by the
-        lease's last renewal, without a metadata read; a partition that is not served here
-        at all (several brokers) is also looked up in the metadata: it may have been placed
-        on another broker since that renewal."""
+        """Another broker owning the partition (a Pulsar LOOKUP is sent there), None when it
+        is this one's or nobody's yet. A partition served here is answered from the lease's
+        view; any other is asked of the metadata, since it may have moved since the last
+        renewal (an unload or a drain hands partitions over, and sends their clients here,
+        before this broker's next renewal: the view would send them straight back). While
+        the metadata is away, the view answers."""
         owner = self.owners.elsewhere(topic, partition)
-        if owner is None and (topic, partition) not in self._logs:
-            try:
-                found = self.owners.owner_of(topic, partition)
-            except UnavailableError:
-                return None
-            if found is not None and found.broker_id != self.owners.broker_id:
-                return found
-        return owner
+        if owner is None and (topic, partition) in self._logs:
+            return None
+        try:
+            found = self.owners.owner_of(topic, partition)
+        except UnavailableError:
+            return owner
+        if found is None or found.broker_id == self.owners.broker_id:
+            return None
+        return found
+
+    def open_here(self, topic: str, partition: int) -> None:
+        """Before a client's stream of the partition opens here: refused, naming the owner,
+        when another broker owns it by the lease's view — and by the metadata, where that
+        view names another broker (``Cluster.serve_if_placed``: it may have been handed
+        here since the last renewal, and is opened now)."""
+        try:
+            self.owners.serving(topic, partition)
+        except NotOwnerError:
+            if self.cluster is None or not self.cluster.serve_if_placed(topic, partition):
+                raise
 
     def not_served(self, topic: str, partition: int) -> NotOwnerError | UnavailableError:
         """The error for a stream or call of a partition of ``topic`` that this broker does

@@ -323,9 +323,9 @@ class Connection:
                 raise ConfigError(f"{name!r} has {count} partitions: {verb} to its partitions "
                                   "(the client does so after partitioned metadata)")
             partition = 0
-        # owned elsewhere by the lease's last renewal (no metadata read, as Flight streams):
-        # ServiceNotReady, and the client looks the topic up again
-        self.store.owners.serving(topic, partition)
+        # owned elsewhere (the lease's view, and the metadata where that view names another
+        # broker): ServiceNotReady, and the client looks the topic up again
+        self.store.open_here(topic, partition)
         return topic, count, partition
 
     def named_partition(self, name: str, *, create: bool) -> tuple[str, int, int | None]:
