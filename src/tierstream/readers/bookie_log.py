@@ -49,6 +49,7 @@ from tierstream.model.positions import Position, in_ranges
 from tierstream.readers.stats import BROKER_FALLBACK, ENDPOINT, LOCAL, ReadStats, counted
 from tierstream.readers.trim import trim
 from tierstream.splits.split import Replica, Split
+from tierstream.util.mapped import map_read_only
 from tierstream.wire.flight import encode, translate_errors
 from tierstream.wire.security import call_headers, client_for
 
@@ -241,20 +242,17 @@ def _ledger_map(split: Split, d: str, maps: dict[str, pa.Buffer]) -> pa.Buffer:
 
 def _mapped(path: str, lo: int = 0, hi: int | None = None) -> tuple[pa.Buffer, int]:
     """Bytes ``[lo, hi)`` of a sealed ledger file (``hi`` None: to its end), from the page
-    boundary at or before ``lo``, as one zero-copy buffer over a read-only mapping with its
-    pages faulted in up front (one system call instead of one fault per page); and the file
-    offset where the buffer starts."""
+    boundary at or before ``lo``, as one zero-copy buffer over a read-only mapping that holds
+    no descriptor (``util/mapped.py``: a table over thousands of segments keeps thousands
+    of mappings); and the file offset where the buffer starts."""
     import mmap
 
     base = lo - lo % mmap.ALLOCATIONGRANULARITY
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        length = (size if hi is None else min(hi, size)) - base
-        if length <= 0:
-            return pa.py_buffer(b""), base
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        mapped = mmap.mmap(f.fileno(), length, flags=flags, prot=mmap.PROT_READ, offset=base)
-    return pa.py_buffer(mapped), base  # the buffer keeps the mapping alive
+    size = os.stat(path).st_size
+    length = (size if hi is None else min(hi, size)) - base
+    if length <= 0:
+        return pa.py_buffer(b""), base
+    return map_read_only(path, base, length), base
 
 
 def _trim_entries(split: Split, group: list[tuple[int, int, int, pa.RecordBatch]], *,

@@ -1,0 +1,74 @@
+"""A read over many more segments than a process may open files holds no descriptor per
+segment (issue 80).
+
+Regression: ``tierstream.read`` of a window of 1,000 segments read from local bookie files
+returned a table that kept one memory-mapped ledger file, and its descriptor, per segment
+(Python's ``mmap`` keeps a duplicate of the file's descriptor for as long as the mapping), so
+a process with the usual limit of 1,024 open files failed with "Too many open files" past
+about 1,000 segments. The mappings now hold no descriptor (``util/mapped.py``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from tierstream.broker.process import BrokerProcess
+from tierstream.model.message_format import as_produce_batch
+
+from ..store.test_tier import TOPIC, make_store
+
+SEGMENTS = 1500
+LIMIT = 256  # open files of the reading process: far fewer than the segments it reads
+
+_READ = f"""
+import os, sys, tierstream
+data_dir, broker, how = sys.argv[1:4]
+if how == "read":
+    got = tierstream.read({TOPIC!r}, start="earliest", end="latest", data_dir=data_dir,
+                          broker=broker)
+    rows = got.num_rows
+else:
+    got = list(tierstream.scan({TOPIC!r}, start="earliest", end="latest", data_dir=data_dir,
+                               broker=broker))
+    rows = sum(b.num_rows for b in got)
+held = [os.readlink(f"/proc/self/fd/{{f}}") for f in os.listdir("/proc/self/fd")
+        if os.path.exists(f"/proc/self/fd/{{f}}")]
+print(rows, sum(path.endswith(".log") or path.endswith(".idx") for path in held))
+"""
+
+
+@pytest.fixture(scope="module")
+def many_segments(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A topic of one partition in SEGMENTS sealed segments of two entries of one message."""
+    data_dir = tmp_path_factory.mktemp("many-segments")
+    store = make_store(data_dir, maxEntriesPerSegment=2)
+    try:
+        store.create_topic(TOPIC, 1)
+        plog = store.partition(TOPIC, 0)
+        for e in range(2 * SEGMENTS):
+            plog.append(as_produce_batch(pa.record_batch({
+                "key": [f"k{e % 7}"], "value": [f"v{e}".encode()],
+                "publish_time": [1_700_000_000_000 + e]})), producer=None, sequence_id=None)
+    finally:
+        store.close()
+    return data_dir
+
+
+@pytest.mark.parametrize("how", ["read", "scan"])
+def test_a_read_of_more_segments_than_open_files_holds_no_descriptor_per_segment(
+        many_segments: Path, how: str) -> None:
+    broker = BrokerProcess(many_segments).start()
+    try:
+        done = subprocess.run(["prlimit", f"--nofile={LIMIT}:{LIMIT}", sys.executable, "-c",
+                               _READ, str(many_segments), str(broker.url), how],
+                              capture_output=True, text=True)
+    finally:
+        broker.stop()
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows, ledger_files = map(int, done.stdout.split())
+    assert rows == 2 * SEGMENTS
+    assert ledger_files == 0, f"{ledger_files} ledger files held open by what the read returned"
