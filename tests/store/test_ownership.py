@@ -405,16 +405,20 @@ def test_a_partition_taken_from_under_its_consumers_sends_them_and_a_tail_to_the
         assert not here.store.fenced.is_set()
 
 
-def test_a_renewal_that_comes_in_past_the_lease_timeout_ends_the_lease(postgres) -> None:
+def test_a_renewal_that_comes_in_past_the_lease_timeout_lapses_the_lease_then_rejoins(
+        postgres) -> None:
     """Regression (cluster chaos: a broker host cut off past its lease, then mended, went
     on as if its lease held, its partitions taken over meanwhile): a renewal that waited
     past the lease timeout (there on a network dropping every packet, for less than the
     metadata sessions' DEAD_PEER_S; here on a row lock) succeeded late, and the lease
-    thread never asked how long the lease had gone unrenewed. Now the lease is over: the
-    broker is told why (it stops)."""
+    thread never asked how long the lease had gone unrenewed. Now the lease lapses (the
+    broker lets its partitions go) and, since that renewal went through, is taken up again
+    at once (the broker serves what is still its own)."""
     import time
 
     import psycopg
+
+    from tierstream.metadata.lease import Lease
 
     url = postgres.new_database()
     store = MetadataStore(url, hold=False)
@@ -423,18 +427,20 @@ def test_a_renewal_that_comes_in_past_the_lease_timeout_ends_the_lease(postgres)
         owners = PartitionOwners(store, "broker-1", 1)
         owners.advertise("grpc://10.0.0.1:6651")
         owners.renew()
-        expired: list[str] = []
-        owners.on_expired.append(expired.append)
-        lease_s = scaled(1)
-        keeper = threading.Thread(target=owners.keep, args=(stopping, lease_s), daemon=True)
+        lease = Lease(owners, scaled(1))
+        said: list[str] = []
+        lease.on_lapsed.append(said.append)
+        lease.on_rejoined.append(lambda: said.append("rejoined"))
+        keeper = threading.Thread(target=lease.keep, args=(stopping,), daemon=True)
         with psycopg.connect(url) as blocker:  # the renewals wait on the broker's row
             blocker.execute("SELECT 1 FROM brokers WHERE broker_id='broker-1' FOR UPDATE")
             keeper.start()
-            time.sleep(2 * lease_s)  # how long the renewal is kept waiting
+            time.sleep(2 * scaled(1))  # how long the renewal is kept waiting
             blocker.rollback()
-        wait_for(lambda: bool(expired), timeout=scaled(10),
-                 what="the lease renewed too late to end")
-        assert "could not renew its lease" in expired[0], expired
+        wait_for(lambda: "rejoined" in said, timeout=scaled(10),
+                 what="the lease renewed too late to lapse, then rejoin")
+        assert "could not renew its lease" in said[0] and said[1:] == ["rejoined"], said
+        assert not lease.lapsed
     finally:
         stopping.set()
         store.close()

@@ -34,7 +34,6 @@ topic as a whole — its growth, auto-scaling — gathers its partitions on one 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -44,6 +43,7 @@ from typing import Protocol
 from tierstream.broker.cluster_topics import ClusterTopics
 from tierstream.broker.config import StoreConfig
 from tierstream.broker.growth import Growth
+from tierstream.broker.lease_watch import LeaseWatch
 from tierstream.broker.peers import Peers
 from tierstream.broker.recovery import RecoveryReport, recover_open_segments
 from tierstream.broker.txn_owners import TxnOwners
@@ -53,6 +53,7 @@ from tierstream.managed_ledger.bookies.remote import RemoteBookie
 from tierstream.managed_ledger.partition_log import PartitionLog
 from tierstream.metadata.bookie_registry import take_writer_epoch
 from tierstream.metadata.leader_lease import BROKER_APPLICATION
+from tierstream.metadata.lease import Lease
 from tierstream.metadata.ownership import RENEW_S, Owner, PartitionOwners
 from tierstream.metadata.postgres import PostgresBackend
 from tierstream.metadata.records import SegmentRecord, TopicRecord
@@ -74,6 +75,7 @@ class ClusterStore(Protocol):
     metadata: MetadataStore
     bookies: dict[str, BookieClient]
     owners: PartitionOwners
+    lease: Lease
     epoch: int
     ack_quorum: int
     topics_lock: threading.Lock
@@ -108,16 +110,14 @@ class Cluster:
         self.peers = Peers(auth_token=store.config.bookie_token,
                            tls_ca=store.config.bookie_tls_ca)
         #: the owners of a transaction's partitions that other brokers serve
-        self.txn_owners = TxnOwners(store, self.peers, lambda: self._live_peers)
+        self.txn_owners = TxnOwners(store, self.peers, lambda: self.watch.live_urls)
         #: a topic spread over the brokers, as a whole: grown, and judged for auto-scaling
         self.topics = ClusterTopics(store, self.peers, self.serve)
-        #: the other brokers whose lease was live at the last look ({id: url}): asked whether
-        #: the metadata store is away for them too when it is for this one
-        self._live_peers: dict[str, str] = {}
-        store.owners.everyone_away = self._everyone_away
+        #: its lease through outages, and the other live brokers it knows (lease_watch.py)
+        self.watch = LeaseWatch(store.owners, store.lease, self.peers, serves=store.serves,
+                                rejoin=self._rejoin, thread_failed=store.thread_failed)
         self._wake = threading.Event()
         self._worker: Worker | None = None
-        self._watcher: Worker | None = None  # of the lease through metadata outages
         self._version: str | None = None  # the owners' version the placements were read at
         self._serving = threading.Lock()  # one serve() at a time
         #: the owners' version at the last look for orphans (each renewal's otherwise reads
@@ -142,7 +142,7 @@ class Cluster:
         if isinstance(metadata.backend, PostgresBackend):  # named: see _end_sessions
             metadata.backend.name_sessions(_session_name(self.store.owners.broker_id))
         metadata.owner = self.store.owners  # every new segment and seal checks the owner
-        self._look_at_peers()  # known from the start: asked in an outage of the store
+        self.watch.look()  # known from the start: asked in an outage of the store
         return set(self.claim())
 
     def claim(self) -> list[tuple[str, int]]:
@@ -222,6 +222,9 @@ class Cluster:
         each of those clients back there, and a Pulsar subscribe retried until it timed out.
         Misdirected calls are few (a client follows the answer), so the read costs little;
         while the metadata is away the view answers."""
+        silent = self.store.owners.silence()
+        if silent is not None and silent > 2 * RENEW_S:
+            return False  # the renewals wait for the metadata: so would this read
         try:
             owner = self.store.owners.owner_of(topic, partition)
         except UnavailableError:
@@ -257,22 +260,7 @@ class Cluster:
         self._worker = Worker("broker-takeover", self._run,
                               on_error=self.store.thread_failed("the broker's takeovers"))
         self._worker.start()
-        self._watcher = Worker("broker-outage-watch", self._watch,
-                               on_error=self.store.thread_failed("the broker's lease watch"))
-        self._watcher.start()
-
-    def _watch(self) -> None:
-        """While the lease's renewal waits for the metadata store past the lease, ask every
-        renewal period whether the store is away for every live broker: then this one
-        serves on (``PartitionOwners.shared_outage``), and its renewal, however late, says
-        what is still its own."""
-        assert self._watcher is not None
-        owners = self.store.owners
-        while not self._watcher.stopping.wait(RENEW_S):
-            silent = owners.silence()
-            if silent is not None and silent > self.lease_s and not owners.shared_outage \
-                    and self._everyone_away():
-                owners.shared_outage = True
+        self.watch.start()
 
     def _run(self) -> None:
         assert self._worker is not None
@@ -286,40 +274,13 @@ class Cluster:
             if version != self._version and self.serve_placed():
                 self._version = version
             self.take_over()
-            self._look_at_peers()
+            self.watch.look()
 
-    def _look_at_peers(self) -> None:
-        """Note the other brokers whose lease is live now, and where they are reached."""
-        with contextlib.suppress(TierstreamError):  # the metadata away: the last look holds
-            live = {str(b["broker"]): str(b["url"]) for b in self.store.owners.brokers()
-                    if not b["this"] and b["url"] and b["heard_ms_ago"] is not None
-                    and b["heard_ms_ago"] <= self.lease_ms}
-            if live != self._live_peers:
-                log.info("%s sees %d other live broker(s)%s", self.store.owners.broker_id,
-                         len(live), "".join(f"; {b} at {u}" for b, u in sorted(live.items())))
-            self._live_peers = live
-
-    def _everyone_away(self) -> bool:
-        """Whether every other broker live at the last look answers that it has not renewed
-        its lease for longer than the lease either: the metadata store is away for them all,
-        so none can take a partition over. One that does not answer, or renewed, says no
-        (this broker may be the one cut off). A broker alone says no."""
-        peers = dict(self._live_peers)
-        if not peers:
-            return False
-        answers = self.peers.call_each({url: ("ping", {}) for url in peers.values()})
-        for answer in answers.values():
-            if isinstance(answer, Exception) or not isinstance(answer, dict):
-                return False
-            silent = answer.get("lease_silent_s")
-            if silent is None or float(silent) <= self.lease_s:
-                return False
-        if not self.store.owners.shared_outage:
-            log.warning("%s could not renew its lease for %.1f s, and no other broker reaches "
-                        "the metadata store either: none can take its partitions over, so it "
-                        "serves on", self.store.owners.broker_id,
-                        self.store.owners.silence() or 0.0)
-        return True
+    def _rejoin(self) -> None:
+        """The lease was taken up again after a lapse: what is still this broker's is served
+        again at the next pass (as if placed here)."""
+        self._version = None
+        self._wake.set()
 
     def serve_placed(self) -> bool:
         """Serve the partitions another broker placed here (a new topic's: ``place()``)
@@ -430,8 +391,7 @@ class Cluster:
             return []
 
     def stop(self) -> None:
-        if self._watcher is not None:
-            self._watcher.stop()
+        self.watch.stop()
         if self._worker is not None:
             self._wake.set()
             self._worker.stop()

@@ -44,6 +44,7 @@ from tierstream.managed_ledger.bookies.placement import (
 from tierstream.managed_ledger.bookies.repair import Repairer
 from tierstream.managed_ledger.partition_log import PartitionLog
 from tierstream.metadata.bookie_registry import take_writer_epoch
+from tierstream.metadata.lease import Lease
 from tierstream.metadata.ownership import PartitionOwners
 from tierstream.metadata.records import SegmentRecord, TopicRecord
 from tierstream.metadata.store import MetadataStore
@@ -141,6 +142,7 @@ class Store(OwnedPartitions):
         #: this broker owns every partition of the store: claimed before any is recovered or
         #: written, and checked at every new segment and seal from then on (ownership.py)
         self.owners = PartitionOwners(self.metadata, f"broker-{self.epoch}", self.epoch)
+        self.lease = Lease(self.owners, config.lease_timeout_s)  # renewed from the start on
         #: one of several brokers serving the store (``--cluster``: broker/cluster.py)
         self.cluster = None if config.lease_timeout_s is None else \
             Cluster(self, config.lease_timeout_s)
@@ -189,10 +191,8 @@ class Store(OwnedPartitions):
         self._timer.start()
         self.owners.on_lost.append(self._lose)
         self.owners.renew()  # the lease, then every second (ownership.py)
-        self._lease = Worker("broker-lease", lambda: self.owners.keep(
-            self.closing, config.lease_timeout_s), on_error=self.thread_failed(
-                "the broker's lease"))
-        self.owners.on_expired.append(self.fence)
+        self._lease = Worker("broker-lease", lambda: self.lease.keep(self.closing),
+                             on_error=self.thread_failed("the broker's lease"))
         self._lease.start()
         if self.cluster is not None:
             self.cluster.start()

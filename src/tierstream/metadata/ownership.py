@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from tierstream.errors import ConflictError, NotOwnerError, UnavailableError
+from tierstream.errors import ConflictError, NotOwnerError
 from tierstream.metadata.backend import Tx
 from tierstream.metadata.owner_rows import (
     OWNER_SELECT,
@@ -71,8 +71,12 @@ class PartitionOwners:
         #: the partitions other brokers own, as the last renewal read them (serving())
         self._elsewhere: dict[tuple[str, int], Owner] = {}
         self._view = threading.Lock()  # a renewal's view against a claim's
-        #: when the lease was last renewed (monotonic s; None: not yet)
+        #: when the lease was last renewed (monotonic s; None: not yet), and when that
+        #: renewal started (the lease runs from there: ``lease.py``)
         self.renewed_at: float | None = None
+        self.lease_from: float | None = None
+        #: where this broker said it is reached (advertise())
+        self.advertised: tuple[str, str | None, str | None] | None = None
         self._version: str | None = None  # meta.owners_version the view was read at
         self._noted = 0  # changes this broker made to its own view (note())
         #: called with the partitions a renewal found owned elsewhere that were not before
@@ -80,12 +84,9 @@ class PartitionOwners:
         self.on_lost: list[Callable[[dict[tuple[str, int], Owner]], None]] = []
         #: called after each renewal the lease thread made (several brokers: takeovers)
         self.after_renewal: list[Callable[[], None]] = []
-        #: called with why once the lease expired unrenewed (``keep(lease_s=...)``)
-        self.on_expired: list[Callable[[str], None]] = []
-        #: asked once the lease is past due for want of the metadata store (broker/cluster.py):
-        #: True when it is away for every live broker, so none can take a partition over; the
-        #: broker then serves on (``shared_outage``) until its renewal says what is its own
-        self.everyone_away: Callable[[], bool] | None = None
+        #: the metadata store is away for every live broker: none can take a partition over,
+        #: and this one serves on past its lease until its renewal says what is its own
+        #: (``lease.py``)
         self.shared_outage = False
         self.outage_ended_at: float | None = None  # monotonic; takeovers wait a lease after
         self.outage_s = 0.0  # how long that outage of the renewals was
@@ -152,12 +153,13 @@ class PartitionOwners:
         """Start this broker's lease before it claims anything (its address follows:
         :meth:`advertise`): brokers of a cluster take over only the partitions of brokers
         whose lease expired."""
+        started = time.monotonic()
         with self.metadata.atomic() as c:
             c.execute("INSERT INTO brokers (broker_id, url, epoch, started_at, heartbeat_at) "
                       f"VALUES (?, '', ?, ?, {self._clock}) ON CONFLICT (broker_id) DO "
                       "UPDATE SET heartbeat_at=excluded.heartbeat_at",
                       (self.broker_id, self.epoch, now_ms()))
-        self.renewed_at = time.monotonic()
+        self.renewed_at, self.lease_from = time.monotonic(), started
 
     def expired(self, lease_ms: int) -> list[str]:
         """The brokers whose lease is older than ``lease_ms`` (what they own is orphaned)."""
@@ -298,7 +300,8 @@ class PartitionOwners:
     def advertise(self, url: str, pulsar_url: str | None = None,
                   admin_url: str | None = None) -> None:
         """Say where this broker is reached: its Flight URL, its Pulsar listener's and its
-        Pulsar admin REST's."""
+        Pulsar admin REST's (again, with what it said last: :attr:`advertised`)."""
+        self.advertised = (url, pulsar_url, admin_url)
         with self.metadata.atomic() as c:
             c.execute("INSERT INTO brokers (broker_id, url, pulsar_url, admin_url, epoch, "
                       f"started_at, heartbeat_at) VALUES (?, ?, ?, ?, ?, ?, {self._clock}) "
@@ -312,14 +315,14 @@ class PartitionOwners:
         """Renew this broker's lease (its heartbeat, by the server's clock) and read which
         partitions other brokers own: what :meth:`serving` refuses until the next renewal.
         The owners are read only when ``meta.owners_version`` moved since the last renewal."""
-        noted = self._noted
+        noted, started = self._noted, time.monotonic()
         with self.metadata.atomic() as c:
             c.execute(f"UPDATE brokers SET heartbeat_at = {self._clock} WHERE broker_id=?",
                       (self.broker_id,))
             row = c.execute("SELECT value FROM meta WHERE key='owners_version'").fetchone()
             version = None if row is None else str(row[0])
             if version is not None and version == self._version:
-                self._renewed()
+                self._renewed(started)
                 return
             rows = c.execute(
                 OWNER_SELECT.format(heard="NULL").replace(
@@ -327,7 +330,7 @@ class PartitionOwners:
                 (self.broker_id,)).fetchall()
         elsewhere = {(row[0], int(row[1])): owner_row(row[2:]) for row in rows}
         with self._view:
-            self._renewed()
+            self._renewed(started)
             if noted != self._noted:  # this broker gained or gave partitions meanwhile: the
                 self._version = None  # rows may be older than that; read again next time
                 return
@@ -341,61 +344,11 @@ class PartitionOwners:
                 except Exception:  # the lease goes on; the stack is a bug to report
                     log.exception("letting go of the partitions lost failed")
 
-    def keep(self, stopping: threading.Event, lease_s: float | None = None) -> None:
-        """Renew the lease every :data:`RENEW_S` until ``stopping`` is set (a broker's
-        thread). A renewal that fails (the metadata server unreachable) is said once, and
-        once more when one succeeds again; the last view holds meanwhile. With ``lease_s``
-        (several brokers serve the store), a lease not renewed for that long is over: other
-        brokers may own its partitions now, so each of :attr:`on_expired` is told why and
-        the lease is no longer renewed (the broker stops)."""
-        failing = False
-        while not stopping.wait(RENEW_S):
-            before = self.renewed_at
-            if self._over(before, lease_s, store_away=failing):
-                return
-            try:
-                self.renew()
-            except UnavailableError as exc:
-                if not failing:
-                    log.warning("%s cannot renew its lease: %s; retrying every %g s",
-                                self.broker_id, exc, RENEW_S)
-                failing = True
-                continue
-            # a renewal that waited past the lease (a network dropping every packet, shorter
-            # than the metadata sessions' DEAD_PEER_S) came too late: it was over meanwhile;
-            # after an outage every broker shared, the renewal's view says what is still ours
-            if not self.shared_outage and self._over(before, lease_s):
-                return
-            if failing or self.shared_outage:
-                log.warning("%s renews its lease again", self.broker_id)
-            failing = self.shared_outage = False
-            for renewed in self.after_renewal:
-                renewed()
-
-    def _over(self, renewed_at: float | None, lease_s: float | None, *,
-              store_away: bool = False) -> bool:
-        """Whether the lease last renewed at ``renewed_at`` went unrenewed past ``lease_s``
-        by now; if so, each of :attr:`on_expired` is told why. Not while the metadata store
-        is away (``store_away``) for every other live broker too (:attr:`everyone_away`):
-        nobody can take a partition over without it."""
-        silent = None if renewed_at is None else time.monotonic() - renewed_at
-        if lease_s is None or silent is None or silent <= lease_s:
-            return False
-        if self.shared_outage or (store_away and self.everyone_away is not None
-                                  and self.everyone_away()):
-            self.shared_outage = True
-            return False
-        why = (f"{self.broker_id} could not renew its lease for {silent:.1f} s, past the lease "
-               f"timeout of {lease_s:g} s: other brokers may own its partitions now")
-        for listener in self.on_expired:
-            listener(why)
-        return True
-
-    def _renewed(self) -> None:  # an outage ends at a renewal later than two periods
-        now = time.monotonic()
+    def _renewed(self, started: float) -> None:
+        now = time.monotonic()  # an outage ends at a renewal later than two periods
         if self.renewed_at is not None and now - self.renewed_at > 2 * RENEW_S:
             self.outage_ended_at, self.outage_s = now, now - self.renewed_at
-        self.renewed_at = now
+        self.renewed_at, self.lease_from = now, started
 
     def silence(self) -> float | None:
         """Seconds since the lease was last renewed (None: never)."""
@@ -461,6 +414,11 @@ class PartitionOwners:
         rows = self.metadata.query(self._select() + " WHERE o.topic=? AND o.partition=?",
                                    (topic, partition))
         return owner_row(rows[0]) if rows else None
+
+    def others(self) -> list[Owner]:
+        """The other brokers that own a partition by the last renewal, one each."""
+        with self._view:
+            return list({o.broker_id: o for o in self._elsewhere.values()}.values())
 
     def elsewhere(self, topic: str, partition: int) -> Owner | None:
         """The partition's owner when it is another broker by the last renewal (a Pulsar
