@@ -361,6 +361,7 @@ def pulsar_consume(quick: bool = True) -> Path:
                     for kind in ("pulsar", "own"):
                         rates.setdefault((kind, mode), []).append(_drain_rate(
                             kind, (broker.url, broker.pulsar_url), mode, n, messages, run))
+            scaling = _key_shared_scaling(broker, sized(6_000, 600), runs)
         finally:
             broker.stop()
     figures = [Figure(f"Pulsar client: {'1 exclusive' if mode == 'exclusive' else '4 ' + mode}"
@@ -369,9 +370,85 @@ def pulsar_consume(quick: bool = True) -> Path:
                       aim=">= 0.8 of tierstream's own consumer",
                       aim_check=lambda v, r: r is not None and r >= 0.8)
                for mode in ("exclusive", "shared", "key_shared")]
+    for how in ("backlog", "live"):
+        figures.append(Figure(
+            f"3 Pulsar Key_Shared consumers, a thread each, joining one after another: "
+            f"{sized(6_000, 600):,} mixed-key messages, {how}", "msg/s", scaling[(3, how)],
+            "1 consumer, same", scaling[(1, how)], aim=">= 0.5 of one consumer",
+            aim_check=lambda v, r: r is not None and r >= 0.5))
     return report("pulsar-consume", figures, {"messages": messages, "runs": runs,
                                               "partitions": CONSUME_PARTITIONS,
                                               "value_bytes": len(VALUE)})
+
+
+def _key_shared_scaling(broker: BrokerProcess, messages: int, runs: int
+                        ) -> dict[tuple[int, str], list[float]]:
+    """msg/s of 1 and of 3 real-client Key_Shared consumers (a thread each, subscribing one
+    after another, receiving and acknowledging each message) draining ``messages`` of 151
+    keys written by tierstream's Producer in mixed-key batches of 100: already there
+    (backlog), or written once the consumers joined (live). Interleaved runs."""
+    out: dict[tuple[int, str], list[float]] = {}
+    names = itertools.count()
+    for _ in range(max(1, runs)):
+        for how in ("backlog", "live"):
+            for n in (1, 3):
+                topic = f"bench/pulsar/ks-scaling-{next(names)}"
+                out.setdefault((n, how), []).append(
+                    _key_shared_drain(broker, topic, n, how, messages))
+    return out
+
+
+def _key_shared_drain(broker: BrokerProcess, topic: str, n: int, how: str, messages: int
+                      ) -> float:
+    """One run of :func:`_key_shared_scaling`: msg/s."""
+    assert broker.url is not None and broker.pulsar_url is not None
+    url = broker.url
+    with Admin(url) as admin:
+        admin.create_topic(topic, 1)
+
+    def write() -> None:
+        with Producer(topic, broker=url, batch_size=100) as producer:
+            producer.send_many({"key": f"k{i % 151}", "value": VALUE} for i in range(messages))
+
+    if how == "backlog":
+        write()
+    client = pulsar.Client(broker.pulsar_url,
+                           logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
+    got, done, lock = [0], threading.Event(), threading.Lock()
+
+    def drain(consumer: Any) -> None:
+        while not done.is_set():
+            try:
+                msg = consumer.receive(timeout_millis=100)
+            except pulsar.Timeout:
+                continue
+            consumer.acknowledge(msg)
+            with lock:
+                got[0] += 1
+                if got[0] >= messages:
+                    done.set()
+
+    started = time.monotonic()
+    threads = []
+    try:
+        for i in range(n):
+            consumer = client.subscribe(f"persistent://{topic}", "ks", consumer_name=f"c{i}",
+                                        consumer_type=pulsar.ConsumerType.KeyShared,
+                                        initial_position=pulsar.InitialPosition.Earliest)
+            threads.append(threading.Thread(target=drain, args=(consumer,)))
+            threads[-1].start()
+        if how == "live":
+            started = time.monotonic()
+            write()
+        if not done.wait(300):
+            raise RuntimeError(f"{n} Key_Shared consumer(s), {how}: {got[0]} of {messages} "
+                               "in 300 s")
+        return messages / (time.monotonic() - started)
+    finally:
+        done.set()
+        for t in threads:
+            t.join()
+        client.close()
 
 
 def _worker(kind: str, url: str, subscription: str, mode: str, name: str) -> None:
