@@ -22,7 +22,7 @@ import itertools
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,6 @@ from tierstream.client import Admin, Consumer, Producer
 from tierstream.errors import ConflictError
 from tierstream.model.positions import Offset
 
-from ..ports import fixed_port
 from ..store.helpers import wait_for
 from ..timing import scaled
 from .helpers import client_of
@@ -51,14 +50,6 @@ QUEUE = 40
 #: key that moved too early is received by its new owner before its old owner is done
 WORK_S = 0.001
 _topics = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def shared_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
-    broker = BrokerProcess(tmp_path_factory.mktemp("every-path"),
-                           args=["--pulsar-port", str(fixed_port())]).start()
-    yield broker
-    broker.kill()
 
 
 @dataclass
@@ -178,15 +169,15 @@ def _counts(values: list[int]) -> dict[int, int]:
 @pytest.mark.parametrize("client", ["pulsar", "tierstream"])
 @pytest.mark.parametrize("kind", list(TYPES))
 def test_every_message_once_and_in_order_on_every_path(
-        shared_broker: BrokerProcess, kind: str, client: str, consumers: int,
+        module_broker: BrokerProcess, kind: str, client: str, consumers: int,
         mode: str) -> None:
     topic = f"acme/guard/{kind}-{client}-{consumers}-{mode}-{next(_topics)}"
-    with Admin(shared_broker.url) as admin:
+    with Admin(module_broker.url) as admin:
         admin.create_topic(topic, PARTITIONS)
     if mode == "backlog":
-        _produce(shared_broker, topic, 0, MESSAGES)
-    side = _Pulsar(shared_broker, topic, kind) if client == "pulsar" \
-        else _Own(shared_broker, topic, kind)
+        _produce(module_broker, topic, 0, MESSAGES)
+    side = _Pulsar(module_broker, topic, kind) if client == "pulsar" \
+        else _Own(module_broker, topic, kind)
     got, stop = Receipts(), threading.Event()
     attached: list[Any] = []
     threads: list[threading.Thread] = []
@@ -195,7 +186,7 @@ def test_every_message_once_and_in_order_on_every_path(
         while not stop.is_set():
             receive(consumer, n, got)
 
-    producer = threading.Thread(target=_produce, args=(shared_broker, topic, 0, MESSAGES),
+    producer = threading.Thread(target=_produce, args=(module_broker, topic, 0, MESSAGES),
                                 daemon=True)
     try:
         refused = 0
@@ -223,7 +214,7 @@ def test_every_message_once_and_in_order_on_every_path(
             t.join(timeout=scaled(10))
         side.close(attached)
     _check(kind, got)
-    with Admin(shared_broker.url) as admin:
+    with Admin(module_broker.url) as admin:
         left = sum(int(r["backlog"]) for r in admin.subscriptions(topic)
                    if r["subscription"] == "guard")
     assert left == 0, f"{left} message(s) unacknowledged after every consumer closed"

@@ -10,10 +10,11 @@ random, one after another:
 - ``broker-kill``: a broker SIGKILLed; the others take its partitions over once its lease
   expired; then it is started again (a new broker, owning nothing);
 - ``broker-hang``: a broker SIGSTOPped past its lease, its partitions taken over; continued,
-  it finds its lease lost and stops (a zombie: nothing it still had in hand is stored);
-  started again;
+  it finds its lease lapsed, lets go (a zombie: nothing it still had in hand is stored) and
+  rejoins owning nothing; stopped, and started again;
 - ``broker-cut``: a broker's host cut off past its lease, its partitions taken over; mended,
-  it stops as the hung one does; started again;
+  it rejoins as the hung one does (or, cut off past the metadata outage limit, stops);
+  stopped, and started again;
 - ``broker-drain``: every partition of a broker moved to the others (``broker drain``);
 - ``topic-unload``: one partition moved to the least-loaded other broker (``topic unload``);
 - ``bookie-kill``, ``bookie-cut``, ``bookie-wipe`` (a bookie back on an empty disk with
@@ -149,15 +150,21 @@ class _Brokers:
                 f"{name} stopped: {''.join(list(proc.stderr_tail)[-20:])}"
 
     def stopped_by_itself(self, name: str) -> None:
-        """A broker whose lease was lost, given back its CPU or its network, stops saying
-        why (not exit 0: it did not stop cleanly)."""
+        """A broker whose lease was lost, given back its CPU or its network, lets its
+        partitions go saying why and rejoins owning nothing (or, cut off past the metadata
+        store's outage limit, stops saying why, not with exit 0); then it is stopped, for
+        a fresh one to take its place."""
         proc = self.running.pop(name)
         assert proc.proc is not None
-        code = proc.proc.wait(timeout=scaled(120))
+        wait_for(lambda: "renews its lease again" in "".join(proc.stderr_tail)
+                 or proc.proc.poll() is not None, timeout=scaled(120),
+                 what=f"{name}, whose lease was lost, to rejoin or stop")
         said = "".join(proc.stderr_tail)
+        code = proc.proc.poll()
         assert code != 0, f"{name}, whose lease was lost, exited 0"
         assert "lease" in said or "fenced" in said, said[-2000:]
         assert proc.tracebacks == [], proc.tracebacks
+        proc.kill()
 
 
 def _run(faults: int, seed: int, sequence: list[str] | None, between: int, spark: Any,

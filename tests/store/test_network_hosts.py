@@ -117,8 +117,8 @@ def test_three_brokers_on_three_hosts_lose_nothing_to_a_kill_a_pause_and_a_drain
     12-partition topic spread over the brokers under a producer and a key_shared consumer
     given every broker, and another under the real pulsar-client's (a multi-host service
     URL), and a transactional writer (a sink's numbered batches over every partition).
-    One broker is SIGKILLed, one paused past its lease (resumed, the zombie finds its lease
-    lost and stops), and one drained: no broker stops but those a fault stopped, every
+    One broker is SIGKILLed, one paused past its lease (resumed, the zombie lets go and
+    rejoins owning nothing), and one drained: no broker stops but those a fault stopped, every
     acknowledged message is read once in key order by ``tierstream.read`` and by Spark, and
     the consumer received each one, every key in order; so for the Pulsar client's; every
     committed batch is read once, a key's rows in commit order. The long version with

@@ -184,13 +184,14 @@ class Cluster:
 
     def _may_take_over(self) -> bool:
         """Not while this broker's own lease is old (it may be the one cut off), nor for a
-        lease after an outage of its renewals longer than half a lease ended: every broker's
+        lease after an outage of its renewals longer than two periods ended: every broker's
         lease may look expired when the metadata store comes back, and the others renew
-        theirs meanwhile."""
+        theirs meanwhile (a broker whose lease is due takes such a peer's silence for the
+        store away for all: ``lease_watch.py``)."""
         owners = self.store.owners
         ended, silent = owners.outage_ended_at, owners.silence()
         return silent is not None and silent <= self.lease_s and not owners.shared_outage \
-            and (ended is None or owners.outage_s <= self.lease_s / 2  # a hiccup, not one
+            and (ended is None or owners.outage_s <= 2 * RENEW_S  # a hiccup, not one
                  or time.monotonic() - ended >= self.lease_s)  # others' leases outlive
 
     def _write_under(self, epoch: int) -> None:

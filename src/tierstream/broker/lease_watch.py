@@ -85,11 +85,11 @@ class LeaseWatch:
             self.live = live
 
     def everyone_away(self) -> bool:
-        """Whether every other broker live at the last look answers that it has not renewed
-        its lease for over half a lease either: the metadata store is away for them all,
-        so none can take a partition over (one silent that long waits a lease after its
-        outage before it takes any: ``Cluster._may_take_over``). One that does not answer,
-        or renewed, says no (this broker may be the one cut off). A broker alone says no."""
+        """Whether every other broker live at the last look answers that it has missed a
+        renewal too (silent past two periods): the metadata store is away for them all, so
+        none can take a partition over (one silent that long waits a lease after its outage
+        before it takes any: ``Cluster._may_take_over``). One that does not answer, or
+        renewed, says no (this broker may be the one cut off). A broker alone says no."""
         if not self.live or self.lease.lease_s is None:
             return False
         answers = self.peers.call_each({url: ("ping", {}) for url, _ in self.live.values()})
@@ -97,7 +97,7 @@ class LeaseWatch:
             if isinstance(answer, Exception) or not isinstance(answer, dict):
                 return False
             silent = answer.get("lease_silent_s")
-            if silent is None or float(silent) <= self.lease.lease_s / 2:
+            if silent is None or float(silent) <= 2 * RENEW_S:
                 return False
         if not self.owners.shared_outage:
             log.warning("%s could not renew its lease for %.1f s, and no other broker reaches "
