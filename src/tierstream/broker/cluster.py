@@ -54,7 +54,7 @@ from tierstream.managed_ledger.partition_log import PartitionLog
 from tierstream.metadata.bookie_registry import take_writer_epoch
 from tierstream.metadata.leader_lease import BROKER_APPLICATION
 from tierstream.metadata.lease import Lease
-from tierstream.metadata.ownership import RENEW_S, Owner, PartitionOwners
+from tierstream.metadata.ownership import MISSED_S, RENEW_S, Owner, PartitionOwners
 from tierstream.metadata.postgres import PostgresBackend
 from tierstream.metadata.records import SegmentRecord, TopicRecord
 from tierstream.metadata.store import MetadataStore
@@ -191,7 +191,7 @@ class Cluster:
         owners = self.store.owners
         ended, silent = owners.outage_ended_at, owners.silence()
         return silent is not None and silent <= self.lease_s and not owners.shared_outage \
-            and (ended is None or owners.outage_s <= 2 * RENEW_S  # a hiccup, not one
+            and (ended is None or owners.outage_s <= MISSED_S  # a hiccup, not one
                  or time.monotonic() - ended >= self.lease_s)  # others' leases outlive
 
     def _write_under(self, epoch: int) -> None:
@@ -223,9 +223,8 @@ class Cluster:
         each of those clients back there, and a Pulsar subscribe retried until it timed out.
         Misdirected calls are few (a client follows the answer), so the read costs little;
         while the metadata is away the view answers."""
-        silent = self.store.owners.silence()
-        if silent is not None and silent > 2 * RENEW_S:
-            return False  # the renewals wait for the metadata: so would this read
+        if not self.store.owners.renewing():
+            return False
         try:
             owner = self.store.owners.owner_of(topic, partition)
         except UnavailableError:

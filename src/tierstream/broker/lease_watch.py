@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from tierstream.broker.peers import Peers
 from tierstream.errors import TierstreamError
 from tierstream.metadata.lease import Lease
-from tierstream.metadata.ownership import RENEW_S, Owner, PartitionOwners
+from tierstream.metadata.ownership import MISSED_S, RENEW_S, Owner, PartitionOwners
 from tierstream.util.threads import Worker
 from tierstream.util.timeutil import now_ms
 
@@ -68,8 +68,7 @@ class LeaseWatch:
         """Never a metadata read here: the store may be what is away."""
         stopping = self._worker.stopping
         while not stopping.wait(RENEW_S / 4):
-            if self.lease.due():
-                self.lease.lapse_if_due(store_away=True)
+            self.lease.lapse_if_due(store_away=True)
 
     def look(self) -> None:
         """Note the other brokers whose lease is live now, and where they are reached."""
@@ -97,7 +96,7 @@ class LeaseWatch:
             if isinstance(answer, Exception) or not isinstance(answer, dict):
                 return False
             silent = answer.get("lease_silent_s")
-            if silent is None or float(silent) <= 2 * RENEW_S:
+            if silent is None or float(silent) <= MISSED_S:
                 return False
         if not self.owners.shared_outage:
             log.warning("%s could not renew its lease for %.1f s, and no other broker reaches "

@@ -9,7 +9,7 @@ import threading
 from tierstream.broker.cluster import Cluster
 from tierstream.errors import NotOwnerError, UnavailableError
 from tierstream.managed_ledger.partition_log import PartitionLog
-from tierstream.metadata.ownership import RENEW_S, Owner, PartitionOwners
+from tierstream.metadata.ownership import Owner, PartitionOwners
 
 __all__ = ["OwnedPartitions"]
 
@@ -79,9 +79,8 @@ class OwnedPartitions:
         owner = self.owners.elsewhere(topic, partition)
         if owner is None and (topic, partition) in self._logs:
             return None
-        silent = self.owners.silence()
-        if silent is not None and silent > 2 * RENEW_S:
-            return owner  # the renewals wait for the metadata: so would this read
+        if not self.owners.renewing():
+            return owner
         try:
             found = self.owners.owner_of(topic, partition)
         except UnavailableError:

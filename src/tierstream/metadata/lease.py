@@ -9,10 +9,10 @@ doing meanwhile: a renewal does not always fail, it can hang — a network that 
 every packet to PostgreSQL, and only those (bookies and clients still reach the broker),
 holds a statement until the session takes its server for gone (``postgres.DEAD_PEER_S``,
 longer than a lease). Hence two threads: the one renewing (:meth:`Lease.keep`), and a watch
-(``broker/cluster.py``) that asks :meth:`Lease.due` four times a period and lapses the lease
-at its deadline: the start of the last renewal that went through, plus the lease, less a
-margin of a quarter lease (at most one period) for the others' look and this broker's
-letting go.
+(``broker/lease_watch.py``) that calls :meth:`Lease.lapse_if_due` four times a period: the
+lease lapses at its deadline, the start of the last renewal that went through plus the
+lease, less a margin of a quarter lease (at most one period) for the others' look and this
+broker's letting go.
 
 A lapse is not an end. Unless the metadata store is away for every live broker (then nobody
 can take a partition over, and the broker serves on: ``shared_outage``), each of
@@ -68,12 +68,6 @@ class Lease:
         """Seconds since the start of the last renewal that went through (None: never)."""
         since = self.owners.lease_from
         return None if since is None else time.monotonic() - since
-
-    def due(self) -> bool:
-        """Whether the lease is past its deadline and has not lapsed yet."""
-        deadline, silent = self.deadline_s, self.silence()
-        return deadline is not None and silent is not None and silent > deadline \
-            and not self.lapsed
 
     def keep(self, stopping: threading.Event) -> None:
         """Renew the lease every :data:`RENEW_S` until ``stopping`` is set (a broker's

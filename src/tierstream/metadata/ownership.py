@@ -54,12 +54,15 @@ from tierstream.metadata.segment_rows import owners_changed
 from tierstream.metadata.store import MetadataStore
 from tierstream.util.timeutil import now_ms
 
-__all__ = ["RENEW_S", "Owner", "PartitionOwners"]
+__all__ = ["MISSED_S", "RENEW_S", "Owner", "PartitionOwners"]
 
 log = logging.getLogger(__name__)
 
 #: how often a broker renews its lease and its view of the partitions owned elsewhere
 RENEW_S = 1.0
+#: a broker silent past this missed a renewal: its metadata store is away (an outage, not
+#: a hiccup; a lapsing broker takes a peer this silent for the store away for it too)
+MISSED_S = 2 * RENEW_S
 
 class PartitionOwners:
     """The partitions of ``metadata`` as the broker ``broker_id``, writing under ``epoch``,
@@ -346,13 +349,19 @@ class PartitionOwners:
 
     def _renewed(self, started: float) -> None:
         now = time.monotonic()  # an outage ends at a renewal later than two periods
-        if self.renewed_at is not None and now - self.renewed_at > 2 * RENEW_S:
+        if self.renewed_at is not None and now - self.renewed_at > MISSED_S:
             self.outage_ended_at, self.outage_s = now, now - self.renewed_at
         self.renewed_at, self.lease_from = now, started
 
     def silence(self) -> float | None:
         """Seconds since the lease was last renewed (None: never)."""
         return None if self.renewed_at is None else time.monotonic() - self.renewed_at
+
+    def renewing(self) -> bool:
+        """Whether the metadata store answers the renewals (none missed): a read of it now
+        would be answered, rather than wait as they do."""
+        silent = self.silence()
+        return silent is None or silent <= MISSED_S
 
     def serving(self, topic: str, partition: int) -> None:
         """Before a stream of the partition is served here (and at each batch a producer
