@@ -36,9 +36,9 @@ def topic_create(
     Example: tierstream topic create acme/web/clicks --partitions 4 --retention 30d
     """
     from tierstream.client import Admin
-    from tierstream.util.timeutil import parse_duration_ms
+    from tierstream.model.topic_rules import check_retention
 
-    retention_ms = None if retention is None else parse_duration_ms(retention,
+    retention_ms = None if retention is None else check_retention(retention,
                                                                      what="--retention")
     with Admin(broker, auth_token=auth_token) as admin:
         record = admin.create_topic(topic, partitions, retention_ms=retention_ms)
@@ -100,12 +100,12 @@ def topic_set(
     """
     from tierstream.client import Admin
     from tierstream.errors import ConfigError
-    from tierstream.util.timeutil import parse_duration_ms
+    from tierstream.model.topic_rules import check_retention
 
     if retention is None and partitions is None:
         raise ConfigError("nothing to set: give --retention and/or --partitions")
     retention_ms = None if retention is None or retention.strip().lower() == "none" \
-        else parse_duration_ms(retention, what="--retention")
+        else check_retention(retention, what="--retention")
     with Admin(broker, auth_token=auth_token) as admin:
         if partitions is not None:
             before = admin.get_topic(topic).partitions

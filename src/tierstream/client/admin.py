@@ -11,6 +11,7 @@ from tierstream.errors import AlreadyExistsError, ConfigError, ConflictError, Un
 from tierstream.metadata.records import SegmentRecord, TopicRecord
 from tierstream.model.names import TopicName
 from tierstream.model.positions import Position
+from tierstream.model.topic_rules import check_new_topic, check_partition_count, check_retention
 from tierstream.schemas.model import SchemaInfo
 from tierstream.splits.split import StreamCut
 
@@ -36,13 +37,15 @@ class Admin(BrokerClient):
                     raise
                 threading.Event().wait(0.05)
 
-    def create_topic(self, topic: str, partitions: int, *, retention_ms: int | None = None,
-                     exist_ok: bool = False) -> TopicRecord:
+    def create_topic(self, topic: str, partitions: int, *,
+                     retention_ms: int | str | None = None, exist_ok: bool = False
+                     ) -> TopicRecord:
         """Create ``topic``; AlreadyExistsError if it exists, unless ``exist_ok``: then the
-        existing topic is returned if it has ``partitions`` (ConflictError if not)."""
-        TopicName.parse(topic)
-        if not isinstance(partitions, int) or isinstance(partitions, bool) or partitions < 1:
-            raise ConfigError(f"invalid partition count {partitions!r}: expected an integer >= 1")
+        existing topic is returned if it has ``partitions`` (ConflictError if not).
+        ``retention_ms``: milliseconds, a duration with a unit (``"30d"``), or None to keep
+        every message; anything else is refused (here and by the broker) naming the value."""
+        check_partition_count(partitions, check_new_topic(topic))
+        retention_ms = check_retention(retention_ms)
         try:
             return TopicRecord.from_dict(self.action("create-topic", {
                 "topic": topic, "partitions": partitions, "retention_ms": retention_ms}))
@@ -175,8 +178,9 @@ class Admin(BrokerClient):
         """Apply the broker's offload, bookie-deletion and retention policies now."""
         return dict(self.action("tier-pass"))
 
-    def set_retention(self, topic: str, retention_ms: int | None) -> TopicRecord:
-        return self._topic("set-retention", topic, retention_ms=retention_ms)
+    def set_retention(self, topic: str, retention_ms: int | str | None) -> TopicRecord:
+        """Keep closed segments this long (as ``create_topic``'s ``retention_ms``)."""
+        return self._topic("set-retention", topic, retention_ms=check_retention(retention_ms))
 
     def advance(self, topic: str, start: Position, max_messages: int, bound: Position
                 ) -> tuple[Position, int]:

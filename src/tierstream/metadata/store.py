@@ -37,6 +37,7 @@ from tierstream.metadata.segment_rows import (
 from tierstream.metadata.tables import SCHEMA_VERSION, create_and_migrate
 from tierstream.model.lineage import ScaleEvent
 from tierstream.model.names import TopicName
+from tierstream.model.topic_rules import check_new_topic, check_partition_count, check_retention
 from tierstream.schemas.model import SchemaInfo, SchemaType
 
 __all__ = ["SEGMENT_COLUMNS", "MetadataStore", "segment_of_row"]
@@ -134,11 +135,8 @@ class MetadataStore:
         partition (on ``ensembles[p]``): a topic exists whole or not at all. A partition
         ``placed`` on another broker (several brokers: ``{partition: (broker, epoch)}``) is
         owned by it from the same transaction, and gets its first segment there."""
-        if not isinstance(partitions, int) or isinstance(partitions, bool) or partitions < 1:
-            raise ConfigError(
-                f"invalid partition count {partitions!r} for topic {str(name)!r}: expected an "
-                "integer >= 1"
-            )
+        name, retention_ms = check_new_topic(name), check_retention(retention_ms)
+        check_partition_count(partitions, name)
         try:
             with self.atomic() as c:
                 c.execute(
@@ -435,7 +433,8 @@ class MetadataStore:
         return dict(self.query(
                 "SELECT bookie_id, address FROM bookie_endpoints"))
 
-    def set_retention(self, topic: str, retention_ms: int | None) -> None:
+    def set_retention(self, topic: str, retention_ms: object) -> None:
+        retention_ms = check_retention(retention_ms)
         with self.atomic() as c:
             c.execute("UPDATE topics SET retention_ms=? WHERE name=?", (retention_ms, topic))
 
