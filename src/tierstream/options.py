@@ -110,6 +110,13 @@ def _duration(raw: Any) -> int:
     return parse_duration_ms(raw)
 
 
+def _positive_duration(raw: Any) -> int:
+    ms = parse_duration_ms(raw)
+    if ms <= 0:
+        raise ValueError("0 would end every one at once")
+    return ms
+
+
 def _string(raw: Any) -> str:
     text = str(raw)
     if not text:
@@ -215,6 +222,11 @@ OPTIONS: dict[str, Option] = {
         Option(key="segmentRolloverTime", parse=_duration, default=4 * 3_600_000,
                kind="a duration such as 30s, 15m, 4h",
                description="Roll a non-empty open segment once it is this old."),
+        Option(key="maxPublishTimeAhead", parse=_duration, default=3_600_000,
+               kind="a duration such as 30s, 15m, 1h",
+               description="Refuse a message whose requested publish time is further ahead of "
+                           "the broker's clock (it would stamp every later message of its "
+                           "partition, as publish time never runs backwards)."),
         Option(key="maxPartitionsPerTopic", parse=_positive_int, default=1024,
                kind="an integer >= 1",
                description="The most partitions a topic may have; larger requests are refused "
@@ -266,12 +278,12 @@ OPTIONS: dict[str, Option] = {
                            "its clients see the new partitions at once, tierstream's readers "
                            "this long after, when every client has looked again and no key "
                            "is routed by the old count (Pulsar clients look every 60s)."),
-        Option(key="transactionTimeout", parse=_duration, default=15 * 60_000,
-               kind="a duration such as 30s or 15m",
+        Option(key="transactionTimeout", parse=_positive_duration, default=15 * 60_000,
+               kind="a duration above 0 such as 30s or 15m",
                description="A transaction neither committed nor written to for this long is "
                            "aborted and its staged data removed."),
-        Option(key="transactionHoldLimit", parse=_duration, default=30_000,
-               kind="a duration such as 5s or 1m",
+        Option(key="transactionHoldLimit", parse=_positive_duration, default=30_000,
+               kind="a duration above 0 such as 5s or 1m",
                description="A partition's messages after an undecided transaction's staged "
                            "entries are readable once it is decided (Pulsar's max read "
                            "position); when one has waited this long, the transaction's "

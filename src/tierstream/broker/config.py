@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from tierstream.errors import ConfigError
 from tierstream.managed_ledger.bookies.placement import check_quorums
@@ -27,6 +28,7 @@ class StoreConfig:
     max_entries_per_segment: int = 50_000
     max_segment_bytes: int = 256 * 1024**2
     segment_rollover_ms: int = 4 * 3_600_000
+    max_publish_ahead_ms: int = 3_600_000
     fsync: bool = True
     max_partitions_per_topic: int = 1024
     max_open_ledgers: int = 512
@@ -81,6 +83,7 @@ class StoreConfig:
         if self.takeover_after_s is not None and self.metadata_url is None:
             raise ConfigError("--standby needs --metadata postgresql://...: a broker on "
                               "another host takes over a store whose metadata it can reach")
+        _check_places(self)
         if self.lease_timeout_s is not None:
             _check_cluster(self)
         if (self.network_bookies or self.takeover_after_s is not None) and \
@@ -131,6 +134,7 @@ class StoreConfig:
             max_entries_per_segment=opts["maxEntriesPerSegment"],
             max_segment_bytes=opts["maxSegmentBytes"],
             segment_rollover_ms=opts["segmentRolloverTime"],
+            max_publish_ahead_ms=opts["maxPublishTimeAhead"],
             fsync=opts["fsync"],
             max_partitions_per_topic=opts["maxPartitionsPerTopic"],
             max_open_ledgers=opts["maxOpenLedgers"],
@@ -184,6 +188,35 @@ def _host_local(tier_url: str | None) -> bool:
         return True
     scheme = tier_url.split("://", 1)[0] if "://" in tier_url else ""
     return scheme in ("", "file", "local")
+
+
+def _check_places(config: StoreConfig) -> None:
+    """The tier and the catalog, checked before the broker creates anything: a tier URL it
+    can write to, a catalog URI SQLAlchemy can parse (a SQLite one in a directory that
+    exists). Before, these failed at the first offload, or after the data directory was
+    made."""
+    if config.tier_url is not None:
+        tier = TierStorage.from_location(config.tier_url)  # ConfigError for a bad scheme
+        if tier.scheme == "file":
+            path = Path(urlparse(tier.url).path)
+            if path.exists() and not path.is_dir():
+                raise ConfigError(f"invalid --tier-url {config.tier_url!r}: {str(path)!r} is "
+                                  "a file, not a directory")
+    if config.catalog_uri is not None:
+        from sqlalchemy.engine import make_url
+        from sqlalchemy.exc import ArgumentError
+
+        try:
+            url = make_url(config.catalog_uri)
+        except ArgumentError:
+            raise ConfigError(f"invalid --catalog-uri {config.catalog_uri!r}: expected a "
+                              "SQLAlchemy URI such as sqlite:////path/catalog.db or "
+                              "postgresql+psycopg://user@host/database") from None
+        if url.drivername.startswith("sqlite") and url.database not in (None, "", ":memory:"):
+            folder = Path(url.database).absolute().parent
+            if not folder.is_dir():
+                raise ConfigError(f"invalid --catalog-uri {config.catalog_uri!r}: directory "
+                                  f"{str(folder)!r} does not exist")
 
 
 def _check_cluster(config: StoreConfig) -> None:

@@ -427,9 +427,9 @@ class Broker(ConsumeStreams, flight.FlightServerBase):
         self.schemas.set_compatibility(body["topic"], rule)
         return {"compatibility": rule.value}
 
-    def _producer_state(self, body: dict[str, Any]) -> Any:
-        return {str(p.partition): p.producer_state(str(body["producer"]))
-                for p in self.store.partitions(body["topic"])}
+    def _producer_state(self, body: dict[str, Any]) -> Any:  # with messages: partition_log.py
+        return {str(p.partition): (p.last_stored if body.get("messages") else p.producer_state)(
+            str(body["producer"])) for p in self.store.partitions(body["topic"])}
 
 
 _ACTIONS = {
@@ -462,7 +462,7 @@ _ACTIONS = {
     "flow": (Broker._flow, "Give a consumer {permits} more messages."),
     "close-consumer": (Broker._close_consumer, "Detach {consumer} now: what it holds goes to "
                                                "the others."),
-    "producer-state": (Broker._producer_state, "Last stored sequence id of {producer}."),
+    "producer-state": (Broker._producer_state, "Last stored id of {producer} [, its message]."),
     "plan-segments": (Broker._plan_segments, "Per partition: segments in a time window, "
                                              "first segment id (planning off-host)."),
     "bookie-endpoints": (Broker._bookie_endpoints, "Advertised address of each bookie."),

@@ -249,7 +249,7 @@ class Store(OwnedPartitions):
                 max_bytes=self.config.max_segment_bytes,
                 rollover_ms=self.config.segment_rollover_ms, closing=self.closing,
                 tier=self.tier, open_record=seg,
-            )
+                max_publish_ahead_ms=self.config.max_publish_ahead_ms)
 
     # -- topics -------------------------------------------------------------------------------
 

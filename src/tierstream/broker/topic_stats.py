@@ -146,7 +146,7 @@ def _rates(plogs: list[PartitionLog]) -> dict[str, float]:
 
 _RATES = ("msg_rate_in", "byte_rate_in", "msg_rate_out", "byte_rate_out")
 #: what passed through the broker since it opened the partition (Pulsar's counters)
-_COUNTERS = ("messages_in", "bytes_in", "messages_out", "bytes_out")
+_COUNTERS = ("messages_in", "bytes_in", "messages_out", "bytes_out", "restamped")
 
 
 def subscription_stats(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -209,7 +209,7 @@ def topic_stats(store: Store, subscriptions: Subscriptions, streams: Streams, to
         "partition": p.partition, **_rates([p]),
         "messages_in": p.rate_in.messages_total, "bytes_in": p.rate_in.bytes_total,
         "messages_out": p.rate_out.messages_total, "bytes_out": p.rate_out.bytes_total,
-        "storage": storage_of(p.segments()),
+        "restamped": p.restamped, "storage": storage_of(p.segments()),
         "producers": _producers([s for s in live if s["partition"] == p.partition]),
         "readers": sum(1 for s in live if s["kind"] != "producer"
                        and s["partition"] == p.partition),

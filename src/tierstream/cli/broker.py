@@ -84,6 +84,8 @@ def broker_start(
         = None,
     segment_rollover_time: Annotated[str | None, typer.Option(
         help=_help("segmentRolloverTime"))] = None,
+    max_publish_time_ahead: Annotated[str | None, typer.Option(
+        help=_help("maxPublishTimeAhead"))] = None,
     fsync: Annotated[bool, typer.Option(help=_help("fsync"), show_default=False)]
         = OPTIONS["fsync"].default,
     max_partitions_per_topic: Annotated[int | None, typer.Option(
@@ -194,6 +196,7 @@ def broker_start(
         "dataDir": str(data_dir), "bookies": bookies, "writeQuorum": write_quorum,
         "ackQuorum": ack_quorum, "maxEntriesPerSegment": max_entries_per_segment,
         "maxSegmentBytes": max_segment_bytes, "segmentRolloverTime": segment_rollover_time,
+        "maxPublishTimeAhead": max_publish_time_ahead,
         "fsync": fsync, "maxPartitionsPerTopic": max_partitions_per_topic,
         "maxOpenLedgers": max_open_ledgers,
         "tierUrl": tier_url, "s3Endpoint": s3_endpoint, "s3Region": s3_region,
@@ -236,11 +239,13 @@ def broker_stop(
     import time
 
     from tierstream.broker.data_dir import holder_pid
-    from tierstream.errors import NotFoundError, UnavailableError
+    from tierstream.errors import ConfigError, NotFoundError, UnavailableError
     from tierstream.model.layout import DataDir
     from tierstream.util.timeutil import parse_duration_ms
 
     wait_s = parse_duration_ms(timeout, what="--timeout") / 1000
+    if data_dir.exists() and not data_dir.is_dir():
+        raise ConfigError(f"--data-dir {str(data_dir)!r} is a file, not a data directory")
     lock = DataDir(data_dir).lock
     pid = holder_pid(lock)
     if pid is None:
@@ -248,6 +253,10 @@ def broker_stop(
     if pid < 0:
         raise UnavailableError(f"a broker holds {str(data_dir)!r} but did not say its pid (an "
                                "older tierstream): stop it with SIGTERM")
+    if not _holds(pid, lock):  # a stale pid in the lock file, reused by another process
+        raise ConfigError(f"{str(lock)!r} is locked, but the pid it records ({pid}) does not "
+                          "hold it: nothing was stopped; find the process that does (fuser "
+                          f"{lock})")
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + wait_s
     while holder_pid(lock) is not None:
@@ -255,6 +264,18 @@ def broker_stop(
             raise UnavailableError(f"the broker (pid {pid}) did not stop within {timeout}")
         time.sleep(0.1)  # polling the lock the broker lets go of as it exits
     print(f"stopped the broker of {data_dir} (pid {pid})")
+
+
+def _holds(pid: int, lock: Path) -> bool:
+    """Whether process ``pid`` has ``lock`` open (not when /proc does not let us see: a
+    process of another user, which this one could not stop either)."""
+    import os
+
+    try:
+        links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+    except OSError:
+        return False
+    return str(lock.resolve()) in links
 
 
 @broker_app.command("drain")

@@ -4,11 +4,12 @@ synthetic click stream (``--generate``)."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import itertools
 import json
 import sys
 from collections.abc import Iterator
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -24,6 +25,9 @@ from tierstream.cli.common import (
 from tierstream.errors import ConfigError
 from tierstream.options import DEFAULT_BROKER_URL
 from tierstream.util.timeutil import parse_time_ms
+
+if TYPE_CHECKING:
+    from tierstream.client import Admin, Producer
 
 
 @app.command()
@@ -42,9 +46,10 @@ def produce(
     value_size: Annotated[int, typer.Option(help="Approximate bytes per generated value.")] = 100,
     batch_size: Annotated[int, typer.Option(help="Messages per batch (entry).")] = 1000,
     producer_name: Annotated[str | None, typer.Option("--name", help=(
-        "Producer name: a replay of the same input under the same name stores nothing "
-        "new (each message's sequence id is its stdin line number, or its 'sequence_id' "
-        "field; with --generate, its index)."))] = None,
+        "Producer name: a replay of the same input under the same name stores only what "
+        "is missing (each message's sequence id is its stdin line number, or its "
+        "'sequence_id' field; with --generate, its index); other input whose ids the name "
+        "stored is refused before anything is sent."))] = None,
     quiet: QuietOpt = False,
     broker: BrokerOpt = DEFAULT_BROKER_URL,
     tls_ca: TlsCaOpt = None,
@@ -64,12 +69,14 @@ def produce(
     With --name, the input is replayable: message N of it (its line number, or a
     "sequence_id" field whose values increase) is stored at most once under that name, so
     running the same command on the same input again, or after a crash, stores only what
-    is missing, and says how many it skipped.
+    is missing, and says how many it skipped. Other input under a name that stored messages
+    with its ids (each partition's last stored message is compared) is refused before any
+    of it is sent: its lines would otherwise be skipped as stored.
 
     Example: tierstream produce acme/web/clicks --generate 100000 --keys 50
     --start-time 2026-11-01T00:00:00Z --step-ms 60
     """
-    from tierstream.client import Producer
+    from tierstream.client import Admin, Producer
 
     if generate is not None and generate < 0:
         raise ConfigError(f"invalid --generate {generate}: expected a count >= 0")
@@ -100,6 +107,9 @@ def produce(
                       batch_size=batch_size) as producer, \
                 progress_bar(total is not None and not quiet) as progress:
             task = progress.add_task("producing", total=total)
+            if producer_name is not None and generate is None:
+                chunks = _replayed_or_new(chunks, producer, producer_name,
+                                          Admin(broker, auth_token=auth_token))
             for chunk in chunks:
                 sending = len(chunk)
                 acks = producer.send_many(chunk)
@@ -109,6 +119,8 @@ def produce(
                 sent += len(chunk) - skipped
                 replayed += skipped
                 progress.update(task, completed=sent)
+    except NotAReplay:
+        raise
     except ConfigError as exc:
         if generate is None:
             raise ConfigError(f"{exc}; the {sent} message(s) before it were sent to "
@@ -135,6 +147,62 @@ def produce(
                   "within a partition), so time windows (--from/--to) find them there; their "
                   "event_time keeps the time asked for. To import history under its own "
                   "times, produce it into a new topic.", markup=True, highlight=False)
+
+
+class NotAReplay(ConfigError):
+    """Input under ``--name`` whose ids the name stored, but not that input."""
+
+
+def _replayed_or_new(chunks: Iterator[list[dict[str, Any]]], producer: Producer, name: str,
+                     admin: Admin) -> Iterator[list[dict[str, Any]]]:
+    """The chunks, once the input is seen to be new under ``--name`` or a replay of what the
+    name stored: a message whose sequence id the name stored in some partition is compared
+    with that partition's last stored message (key and value), and what may be new is held
+    until every such message was, so that another input under the same name is refused
+    before anything of it is stored (its lines are not a replay: skipping them would lose
+    them)."""
+    from tierstream.client.messages import encoded_messages
+
+    with admin:
+        stored = admin.action("producer-state", {"topic": producer.topic, "producer": name,
+                                                 "messages": True})
+    pending = {int(last["sequence_id"]): last for last in stored.values() if last}
+    top = max(pending, default=-1)
+    held: list[dict[str, Any]] = []
+
+    def refuse(why: str) -> ConfigError:
+        return NotAReplay(
+            f"--name {name}: {why}; nothing of it was sent. A named run stores an input "
+            "once, and a replay of it stores only what is missing: for other input give "
+            f"another --name, or 'sequence_id' fields above {top}")
+
+    for chunk in chunks:
+        if not pending:
+            yield chunk
+            continue
+        for i, message in enumerate(chunk):
+            seq = int(message["sequence_id"])
+            if seq > top:  # past every stored id, and one of them was not in the input
+                raise refuse(f"this input is not the one stored under that name: it has no "
+                             f"message {min(pending)}, which the name stored")
+            last = pending.pop(seq, None)
+            if last is not None and "value_sha256" in last:
+                value = encoded_messages(producer.encoder, producer.topic, [message])[0].value
+                data = value.encode() if isinstance(value, str) else bytes(value)
+                if (message.get("key") != last.get("key")
+                        or hashlib.sha256(data).hexdigest() != last["value_sha256"]):
+                    raise refuse(f"this input is not the one stored under that name: its "
+                                 f"message {seq} differs from the one stored as {seq}")
+            held.append(message)
+            if not pending:
+                yield held + chunk[i + 1:]
+                held = []
+                break
+    if pending and held:
+        raise refuse(f"this input ends before message {min(pending)}, which the name "
+                     "stored last, so it cannot be told to be a replay")
+    if held:
+        yield held
 
 
 def _stdin_batches(batch_size: int, *, linger_s: float, numbered: bool = False
@@ -202,7 +270,17 @@ def _stdin_message(lineno: int, line: str, *, numbered: bool = False
     if not line.strip():
         return None
     try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:  # bytes stdin could not decode arrive as lone surrogates
+        raise ConfigError(f"stdin line {lineno} is not UTF-8 text: {line.strip()[:80]!r} "
+                          "(binary values go in value_b64)") from None
+    try:
         obj = json.loads(line)
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"stdin line {lineno} has a lone surrogate escape (such as "
+                          "\\ud800), which is not Unicode text: give the character's whole "
+                          "pair, or the bytes in value_b64") from None
     except ValueError:
         raise ConfigError(f"stdin line {lineno} is not JSON: {line.strip()[:80]!r}") from None
     if not isinstance(obj, dict):
@@ -219,6 +297,9 @@ def _stdin_message(lineno: int, line: str, *, numbered: bool = False
         if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
             raise ConfigError(f"stdin line {lineno}: sequence_id must be an integer >= 0, "
                               f"got {seq!r}")
+    if "value_b64" in obj and "value" in obj:
+        raise ConfigError(f"stdin line {lineno}: give value or value_b64, not both (which one "
+                          "is meant?)")
     if "value_b64" in obj:
         try:
             value = base64.b64decode(obj["value_b64"], validate=True)

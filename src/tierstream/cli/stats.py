@@ -164,6 +164,10 @@ def render_topic_stats(stats: dict[str, Any]) -> Group:
         parts.insert(1, Text("owned by " + ", ".join(
             f"{_owner(o)}: {o['partitions']} partition(s)" for o in stats["owners"])))
     head = 2 if stats.get("owners") else 1
+    if stats.get("restamped"):  # a gap in what time windows find, worth a line of its own
+        parts.insert(head, Text(f"{stats['restamped']:,} message(s) since the broker started "
+                                "asked for a publish time before their partition's newest "
+                                "and were stamped with that newer time", style="yellow"))
     for gap in reversed(stats.get("unanswered") or []):  # figures left out, and why
         whose = f"owned by {gap['broker']}" if gap["broker"] else "owned by no broker"
         numbers = ", ".join(map(str, gap["partitions"]))

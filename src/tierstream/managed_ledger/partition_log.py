@@ -11,6 +11,7 @@ and the last confirmed entry (LAC) only ever moves forward by one.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import threading
 import time
@@ -50,9 +51,10 @@ from tierstream.metadata.records import SegmentRecord, SegmentState
 from tierstream.metadata.store import MetadataStore
 from tierstream.metadata.transaction_records import TransactionRecords
 from tierstream.model.message_format import MESSAGE_SCHEMA, as_produce_batch, key_hashes
+from tierstream.model.positions import Position
 from tierstream.tier.storage import TierStorage
 from tierstream.util.faults import crash_point
-from tierstream.util.timeutil import now_ms
+from tierstream.util.timeutil import describe_duration, format_ms, now_ms
 
 __all__ = ["Ack", "PartitionLog", "filter_key_ranges"]
 
@@ -79,8 +81,13 @@ class PartitionLog(PartitionRollover):
         routing: int | None = None,
         on_fenced: Callable[[str, int, str], None] | None = None,
         on_sealed: Callable[[SegmentRecord, bool], None] | None = None,
+        max_publish_ahead_ms: int | None = None,
     ) -> None:
         self.topic = topic
+        #: a requested publish time further ahead of this broker's clock is refused: it
+        #: would stamp every later message of the partition with it (publish time is kept
+        #: monotonic), hiding them from time windows for good
+        self.max_publish_ahead_ms = max_publish_ahead_ms
         self.partition = partition
         #: the topic's partition count in force: a batch routed by another is refused
         #: (set under the lock at a scale event: broker/store.py)
@@ -118,6 +125,9 @@ class PartitionLog(PartitionRollover):
         self._gone = threading.Event()  # the topic was deleted: no appends, reads end
         self._lost: NotOwnerError | None = None  # another broker owns it: lose()
         self.appended = 0  # messages appended since the broker started (auto-scaling)
+        #: messages since the broker started whose requested publish time was before the
+        #: partition's newest and were stamped with that (topic stats: ``restamped``)
+        self.restamped = 0
         self.rate_in = RateMeter()   # confirmed entries (topic stats, metrics)
         self.rate_out = RateMeter()  # what the broker streamed to readers and consumers
         self._held = False  # a transaction commit is being applied: see hold()
@@ -162,6 +172,7 @@ class PartitionLog(PartitionRollover):
         batch = as_produce_batch(batch)
         if batch.num_rows == 0:
             raise ConfigError("cannot append an empty batch")
+        self._check_publish_times(batch, requested_now)
         with self._lock:
             if self._lost is not None:
                 raise self._lost
@@ -246,8 +257,24 @@ class PartitionLog(PartitionRollover):
         restamped = 0 if requested.null_count == len(requested) else int(pc.sum(pc.less(
             requested, message_batch.column("publish_time"))).as_py() or 0)
         pts = message_batch.column("publish_time")
+        self.restamped += restamped
         return Ack(self.partition, seg.record.segment_id, entry_id, message_batch.num_rows,
                    pts[0].as_py(), pts[-1].as_py(), p.sequence_id, restamped=restamped)
+
+    def _check_publish_times(self, batch: pa.RecordBatch, requested_now: int | None) -> None:
+        latest = pc.max(batch.column("publish_time")).as_py()
+        if latest is None or self.max_publish_ahead_ms is None:
+            return
+        now = requested_now if requested_now is not None else now_ms()
+        if latest > now + self.max_publish_ahead_ms:
+            raise ConfigError(
+                f"invalid publish_time {latest} ({format_ms(latest)}): "
+                f"{describe_duration(latest - now)} ahead of the broker's clock "
+                f"({format_ms(now)}), and this broker accepts at most "
+                f"{describe_duration(self.max_publish_ahead_ms)} (broker option "
+                "--max-publish-time-ahead): every later message of the partition would be "
+                "stamped with it, as publish time never runs backwards; nothing of this batch "
+                "was stored")
 
     def _wait_quorum(self, futures: list[Future[IndexRecord]]) -> None:
         pending = set(futures)
@@ -444,6 +471,25 @@ class PartitionLog(PartitionRollover):
         """The producer's last stored sequence id here, or None."""
         with self._lock:
             return self._dedup.last(producer)
+
+    def last_stored(self, producer: str) -> dict[str, Any] | None:
+        """The producer's last stored message here: its sequence id (its batch's), key and
+        the SHA-256 of its value, so that a replay can be told from other input under the
+        same name (``tierstream produce --name``); None if it stored nothing here, or its
+        last batch is older than the remembered acks (then only ``sequence_id``)."""
+        with self._lock:
+            last = self._dedup.last(producer)
+            stored = None if last is None else self._dedup.stored(producer, last)
+        if last is None or stored is None:
+            return None if last is None else {"sequence_id": last}
+        at = Position(self.partition, stored.segment_id, stored.entry_id, 0)
+        rows = [b for b in self.read(at, end=Position(self.partition, stored.segment_id,
+                                                      stored.entry_id + 1, 0)) if b.num_rows]
+        if not rows:  # removed by retention since
+            return {"sequence_id": last}
+        key, value = rows[-1].column("key")[-1].as_py(), rows[-1].column("value")[-1].as_py()
+        return {"sequence_id": last, "key": key,
+                "value_sha256": hashlib.sha256(value or b"").hexdigest()}
 
 
 @functools.lru_cache(maxsize=8)
