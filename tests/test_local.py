@@ -228,7 +228,7 @@ def test_bad_queries_are_clear_errors(tmp_path: Path) -> None:
     with running_log(tmp_path / "data") as log:
         _fill(log, partitions=2, batches=1)
         kw = log.kw()
-        with pytest.raises(ConfigError, match="is before start"):
+        with pytest.raises(ConfigError, match="before it starts"):
             ts.plan(TOPIC, start="2026-11-02", end="2026-11-01", **kw)
         with pytest.raises(NotFoundError, match="'acme/web/nope'"):
             ts.plan("acme/web/nope", **kw)

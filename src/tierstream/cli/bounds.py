@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 from tierstream.errors import ConfigError
 from tierstream.model.positions import Offset, OffsetKind
-from tierstream.splits.split import StreamCut
+from tierstream.splits.split import StreamCut, check_window
+from tierstream.util.timeutil import format_ms
 
 if TYPE_CHECKING:
     from tierstream.client.admin import Admin
@@ -45,13 +46,33 @@ def parse_bound(text: str, flag: str, topic: str) -> Offset | StreamCut:
     return Offset.parse(text, what=flag)
 
 
-def end_cut(admin: Admin, topic: str, bound: Offset | StreamCut) -> StreamCut | None:
-    """The cut a bounded read up to ``bound`` ends at (None for a single position).
+def end_cut(admin: Admin, topic: str, bound: Offset | StreamCut, *,
+            start: Offset | StreamCut | None = None) -> StreamCut | None:
+    """The cut a bounded read up to ``bound`` ends at (None for a single position); a
+    ConfigError if it is before ``start`` (a time start is resolved as the end is, to
+    compare them exactly).
 
     ``latest`` is the broker's last confirmed positions now; a time ``t`` is, per partition,
     the first position published at or after ``t``. publish_time never decreases within a
     partition, so reading up to that cut is reading up to ``t``.
     """
+    check_window(start, bound)
+    cut = _cut_at(admin, topic, bound)
+    begins = None if start is None or cut is None else _cut_at(admin, topic, start)
+    for p, end in [] if begins is None or cut is None else cut.positions:
+        first = None if begins is None else begins.get(p)
+        # two positions may name one point (a segment's end, the next one's start): the
+        # end is before the start only if messages lie between them
+        if first is not None and end < first and admin.advance(topic, end, 1, first)[1]:
+            raise ConfigError(f"the read ends at {end} in partition {p}, before it starts "
+                              f"there at {first}" + (
+                                  f" (where {format_ms(start.time_ms)} begins)"
+                                  if isinstance(start, Offset) and start.time_ms is not None
+                                  else "") + ": give an end after the start")
+    return cut
+
+
+def _cut_at(admin: Admin, topic: str, bound: Offset | StreamCut) -> StreamCut | None:
     if isinstance(bound, StreamCut):
         return bound
     if bound.kind is OffsetKind.LATEST:

@@ -34,6 +34,7 @@ from tierstream.cli.common import (
     ToOpt,
     ValueFormatOpt,
     app,
+    check_output_path,
     err,
     human_bytes,
     out,
@@ -332,7 +333,7 @@ def plan(
     kwargs = _query_kwargs(topic, from_, to, key_ranges, max_split_bytes, reader,
                            fail_on_data_loss, data_dir, broker, auth_token)
     with Admin(broker, auth_token=auth_token) as admin:
-        cut = end_cut(admin, topic, kwargs["end"])
+        cut = end_cut(admin, topic, kwargs["end"], start=kwargs["start"])
     if cut is not None:
         kwargs["end"] = cut
     splits = tierstream.plan(topic, **kwargs)
@@ -402,8 +403,8 @@ def read_cmd(
     if out_path.exists():
         raise ConfigError(f"--out {str(out_path)!r} exists; choose a new file (nothing was "
                           "written)")
-    if not out_path.parent.exists():
-        raise ConfigError(f"--out directory {str(out_path.parent)!r} does not exist")
+    check_output_path(out_path, "--out")
+    check_output_path(cut_out, "--cut-out")
     ca = use_tls_ca(tls_ca)
     kwargs = _query_kwargs(topic, from_, to, key_ranges, max_split_bytes, reader,
                            fail_on_data_loss, data_dir, broker, auth_token)
@@ -412,7 +413,7 @@ def read_cmd(
         window = event_time_window(kwargs["start"], kwargs["end"])
         kwargs["start"], kwargs["end"] = Offset.earliest(), Offset.latest()
     with Admin(broker, auth_token=auth_token, tls_ca=ca) as admin:
-        cut = end_cut(admin, topic, kwargs["end"])
+        cut = end_cut(admin, topic, kwargs["end"], start=kwargs["start"])
     if cut is not None:
         kwargs["end"] = cut  # planned up to exactly the cut this command reports
     decoder = _decoder(topic, value_format, mode, broker, auth_token)

@@ -18,6 +18,7 @@ from tierstream.errors import ConfigError, UnavailableError
 from tierstream.model.data_loss import lost_segments, report_data_loss
 from tierstream.model.names import TopicName
 from tierstream.model.positions import KeyRange, Offset, OffsetKind, Position
+from tierstream.splits.split import check_window
 from tierstream.util.fanin import DONE, Cancel, drain, put, start_reader
 from tierstream.wire.flight import translate_errors
 
@@ -50,6 +51,7 @@ def read(topic: str, *, partition: int | None = None, start: Offset | None = Non
     start), as every bounded reader does; ``fail_on_data_loss=False`` reads what survives and
     logs what was skipped.
     """
+    check_window(start, end)
     return TopicReader(topic, partition=partition, start=start, end=end, key_ranges=key_ranges,
                        broker=broker, auth_token=auth_token, tls_ca=tls_ca,
                        fail_on_data_loss=fail_on_data_loss)

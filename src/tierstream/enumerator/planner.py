@@ -23,7 +23,7 @@ from tierstream.model.layout import DataDir
 from tierstream.model.names import TopicName
 from tierstream.model.positions import KeyRange, Offset, OffsetKind, Position
 from tierstream.schemas.model import SchemaInfo
-from tierstream.splits.split import ReaderKind, Replica, StreamCut, TierLocation
+from tierstream.splits.split import ReaderKind, Replica, StreamCut, TierLocation, check_window
 from tierstream.util.timeutil import format_ms
 
 __all__ = ["Enumerator", "Query"]
@@ -62,12 +62,7 @@ class Query:
         KeyRange.split(self.key_ranges)  # validates 1..65536
         if self.max_split_bytes < 1:
             raise ConfigError(f"invalid maxSplitBytes {self.max_split_bytes}: expected >= 1")
-        s, e = self.start, self.end
-        if isinstance(s, Offset) and isinstance(e, Offset) and s.kind is OffsetKind.TIME \
-                and e.kind is OffsetKind.TIME and e.time_ms is not None \
-                and s.time_ms is not None and e.time_ms < s.time_ms:
-            raise ConfigError(f"end {format_ms(e.time_ms)} is before start "
-                              f"{format_ms(s.time_ms)}")
+        check_window(self.start, self.end)
 
 
 class Enumerator:
@@ -134,6 +129,33 @@ class Enumerator:
             raise ConfigError("resolving 'latest' needs a broker address (option 'broker')")
         with Admin(self.broker, auth_token=self.auth_token, tls_ca=self.tls_ca) as admin:
             return admin.latest_cut(topic)
+
+    def _messages_between(self, topic: str, p: int, lo: Position, hi: Position,
+                          confirmed: Position | None) -> bool:
+        """Whether partition ``p`` holds messages in ``[lo, hi)``, as its segment records
+        and its last ``confirmed`` position (the open segment's count) say. Two positions
+        can name one point: the end of a segment and the start of the partition's next."""
+        for seg in self.metadata.segments_in_windows(topic, [p], None, None)[p]:
+            if lo.segment_id <= seg.segment_id <= hi.segment_id:
+                entries = seg.entries
+                if confirmed is not None and confirmed.segment_id == seg.segment_id:
+                    entries = max(entries, confirmed.entry_id)
+                first = lo.entry_id if seg.segment_id == lo.segment_id else 0
+                last = hi.entry_id if seg.segment_id == hi.segment_id else entries
+                if min(last, entries) > first or (
+                        lo.segment_id == hi.segment_id and lo.entry_id == hi.entry_id
+                        and lo.batch_index < hi.batch_index):
+                    return True
+        return False
+
+    def _position_at_time(self, topic: str, partition: int, time_ms: int) -> Position:
+        """The first position published at or after ``time_ms`` (a time start against a
+        position end: the segments' times alone cannot tell whether it is before the end)."""
+        from tierstream.client import Admin
+
+        assert self.broker is not None
+        with Admin(self.broker, auth_token=self.auth_token, tls_ca=self.tls_ca) as admin:
+            return admin.position_at_time(topic, partition, time_ms)
 
     def plan(self, query: Query) -> Plan:
         """The splits of ``query``; together they read every message in it exactly once."""
@@ -222,6 +244,22 @@ class Enumerator:
                 # a time end: the open segment is read up to the last confirmed entry, so
                 # a bounded read finishes even if nothing reaches the end time yet
                 end = latest().get(p)
+        # the start as given, not as moved past segments retention deleted (then an end
+        # before it is nothing left to read, not a mix-up)
+        start_time, begins = _time_of(query.start), _given_position(query.start, p) or start
+        if start_time is not None and end is not None and t0 == start_time \
+                and not _is_latest(query.end) and self.broker is not None and start is not None:
+            begins = max(start, self._position_at_time(topic.name, p, start_time))
+        if begins is not None and end is not None and end < begins and (
+                start_time is None or t0 == start_time) and self._messages_between(
+                    topic.name, p, end, begins,
+                    latest().get(p) if self.broker is not None else None):
+            # resolved: a time start is the first segment published at or after it (unless a
+            # filter narrowed the window further), so an end before that is before the start
+            at = "" if start_time is None else f" (where {format_ms(start_time)} begins)"
+            raise ConfigError(f"the read of {topic.name!r} ends at {end} in partition {p}, "
+                              f"before it starts there at {begins}{at}: give an end after "
+                              "the start")
         if start is None or (end is not None and end <= start) or not segments:
             return None
         return PartitionPlan(topic.name, segments, start, end, t0, t1, ranges, query.reader,
@@ -345,6 +383,15 @@ def _reader_for(seg: SegmentRecord, forced: ReaderKind | None) -> ReaderKind:
             f"partition {seg.partition} (it lives in {seg.location}); possible: "
             f"{', '.join(sorted(k.value for k in possible))}")
     return forced
+
+
+def _given_position(bound: Bound, p: int) -> Position | None:
+    if isinstance(bound, StreamCut):
+        return bound.get(p)
+    if bound.kind is OffsetKind.POSITION and bound.position is not None \
+            and bound.position.partition == p:
+        return bound.position
+    return None
 
 
 def _is_latest(bound: Bound | None) -> bool:

@@ -13,10 +13,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tierstream.errors import ConfigError
-from tierstream.model.positions import EntryRanges, KeyRange, Position
+from tierstream.model.positions import EntryRanges, KeyRange, Offset, OffsetKind, Position
+from tierstream.util.timeutil import format_ms, now_ms
 
 __all__ = ["CUT_FORMAT_VERSION", "SPLIT_FORMAT_VERSION", "Cuts", "ReaderKind", "Replica", "Split",
-           "StreamCut", "TierLocation", "chains", "cuts_from_dict", "cuts_to_dict",
+           "StreamCut", "TierLocation", "chains", "check_window", "cuts_from_dict", "cuts_to_dict",
            "splits_from_json", "splits_to_json"]
 
 #: Version 2: a bookie-log split names its replicas by bookie id and network endpoint (a
@@ -284,3 +285,44 @@ def cuts_from_dict(data: Any) -> Cuts:
             raise ConfigError(f"malformed stream cuts: the cut under {t!r} is for {cut.topic!r}")
     return cuts
 
+
+
+def check_window(start: Offset | StreamCut | None, end: Offset | StreamCut | None) -> None:
+    """ConfigError when a read's ``end`` is before its ``start`` as given (two times, two
+    positions in one segment, ``latest`` before a past time): a mix-up that
+    would read nothing, refused on every path rather than answered with nothing. Ends that
+    need the log to compare (a time and a position) are checked once resolved
+    (``enumerator/planner.py``)."""
+    if start is None or end is None:
+        return
+    if isinstance(start, Offset) and isinstance(end, Offset):
+        if start.kind is OffsetKind.TIME and end.kind is OffsetKind.TIME:
+            assert start.time_ms is not None and end.time_ms is not None
+            if end.time_ms < start.time_ms:
+                raise ConfigError(f"the read ends at {format_ms(end.time_ms)}, before it "
+                                  f"starts at {format_ms(start.time_ms)}: give an end after "
+                                  "the start")
+        if start.kind is OffsetKind.LATEST and end.kind is OffsetKind.TIME:
+            assert end.time_ms is not None
+            if end.time_ms < now_ms():
+                raise ConfigError(f"the read starts at the latest message and ends at "
+                                  f"{format_ms(end.time_ms)}, before it: give an end after "
+                                  "now, or a start before the end")
+    for p, s, e in _positions_of(start, end):
+        # within one segment only: across segments, the end of one and the start of the
+        # partition's next name the same point (the planner compares those by its records)
+        if e.segment_id == s.segment_id and e < s:
+            raise ConfigError(f"the read ends at {e} in partition {p}, before it starts "
+                              f"there at {s}: give an end after the start")
+
+
+def _positions_of(start: Offset | StreamCut, end: Offset | StreamCut
+                  ) -> list[tuple[int, Position, Position]]:
+    def positions(bound: Offset | StreamCut) -> dict[int, Position]:
+        if isinstance(bound, StreamCut):
+            return dict(bound.positions)
+        if bound.kind is OffsetKind.POSITION and bound.position is not None:
+            return {bound.position.partition: bound.position}
+        return {}
+    ends = positions(end)
+    return [(p, s, ends[p]) for p, s in positions(start).items() if p in ends]
