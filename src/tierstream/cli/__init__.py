@@ -67,22 +67,28 @@ def main(argv: list[str] | None = None) -> None:
         sys.stderr.close()
         code = 0
     except typer.TyperException as exc:  # typer's (vendored click's) usage errors
-        if debug:
-            raise
+        _traceback_if(debug)
         code = _usage_error(exc, args)
     except TierstreamError as exc:
-        if debug:
-            raise
+        _traceback_if(debug)
         _error_line(str(exc))
         # bad input (2) includes naming a topic that does not exist or already does
         code = 2 if isinstance(exc, (ConfigError, NotFoundError, AlreadyExistsError)) else 1
     except Exception as exc:  # a bug: say so in one line, the traceback is one flag away
-        if debug:
-            raise
+        _traceback_if(debug)
         _error_line(f"unexpected {type(exc).__name__}: {exc} (run again with --debug for the "
                     "traceback, and please report it)")
         code = 1
     exit_process(code if isinstance(code, int) else 0)  # a broker may have left a server
+
+
+def _traceback_if(debug: bool) -> None:
+    """With ``--debug``, the traceback of the error being handled, before its one line: the
+    exit status stays what it is without the flag (2 for bad input)."""
+    if debug:
+        import traceback
+
+        traceback.print_exc()
 
 
 def _take_sigint() -> None:

@@ -14,13 +14,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from tierstream.cli import help_panel
 from tierstream.cli.bounds import write_cut
+from tierstream.errors import ConfigError
 from tierstream.util.units import human_bytes
 
 __all__ = ["BrokerOpt", "CutOutOpt", "DataDirOpt", "FromOpt", "KeyRangesOpt", "LossOpt",
            "ModeOpt", "QuietOpt", "ReaderOpt", "SplitBytesOpt", "TierCacheOpt", "TimeFieldOpt",
            "TlsCaOpt", "TlsCertOpt", "TlsKeyOpt", "ToOpt", "TokenOpt", "ValueFormatOpt", "app",
-           "bookie_app", "broker_app", "err", "human_bytes", "human_duration", "out",
-           "progress_bar", "report_cut", "say_moved", "schema_app", "topic_app", "use_tls_ca"]
+           "bookie_app", "broker_app", "check_output_path", "err", "human_bytes",
+           "human_duration", "out", "progress_bar", "report_cut", "say_moved", "schema_app",
+           "topic_app", "use_tls_ca"]
 
 def _no_placeholder_on_flags() -> None:
     """typer shows ``<bool>`` beside on/off flags (``--yes <bool>``, ``--help <bool>``), as if
@@ -178,3 +180,30 @@ def report_cut(cut: Any, cut_out: Path | None) -> None:
         err.print(f"end cut written to {cut_out} (continue with --from @{cut_out})",
                   highlight=False)
     err.print(f"end cut: {cut.to_json()}", highlight=False, soft_wrap=True)
+
+
+def check_output_path(path: str | Path | None, flag: str) -> None:
+    """Before any work: ``path`` can be written (its directory exists, is a directory and
+    takes a new file; ``path`` is not a directory), so a command never fails on its last
+    output after writing the others (ConfigError naming ``flag`` and the path)."""
+    if path is None:
+        return
+    target = Path(path)
+    shown = str(path)
+    if target.is_dir() and flag == "--cut-out":
+        raise ConfigError(f"{flag} {shown!r} is a directory; give a file path")
+    parent = target.parent
+    if not parent.exists():
+        raise ConfigError(f"{flag} {shown!r}: directory {str(parent)!r} does not exist "
+                          "(nothing was written)")
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {shown!r}: {str(parent)!r} is a file, not a directory "
+                          "(nothing was written)")
+    probe = parent / f".{target.name}.{os.getpid()}.probe"
+    try:
+        probe.touch(exist_ok=False)
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"{flag} {shown!r}: cannot write in {str(parent)!r}: "
+                          f"{exc.strerror or exc} (nothing was written)") from None
+

@@ -26,6 +26,7 @@ from tierstream.cli.common import (
     ToOpt,
     ValueFormatOpt,
     app,
+    check_output_path,
     err,
     human_bytes,
     out,
@@ -72,8 +73,11 @@ def backfill(
     --out ./clicks-week --key-ranges 4 --format iceberg
     """
     from tierstream.spark_adapter.jobs import backfill as run_backfill
-    from tierstream.spark_adapter.jobs import local_spark, stop_spark
+    from tierstream.spark_adapter.jobs import check_target, local_spark, stop_spark
 
+    check_target(out_path, format=format_, table=table, catalog_uri=catalog_uri)
+    check_output_path(out_path, "--out")
+    check_output_path(cut_out, "--cut-out")
     options = {"topic": topic, "dataDir": str(data_dir), "broker": broker,
                "keyRanges": str(key_ranges),
                "failOnDataLoss": "true" if fail_on_data_loss else "false",
@@ -86,7 +90,7 @@ def backfill(
     start = parse_bound(from_, "--from", topic)
     end = parse_bound(to, "--to", topic)
     with Admin(broker, auth_token=auth_token, tls_ca=ca) as admin:
-        cut = end_cut(admin, topic, end)
+        cut = end_cut(admin, topic, end, start=start)
     options.update(spark_bound(start, "--from", "starting", "backfill"))
     options.update(spark_bound(end if cut is None else cut, "--to", "ending", "backfill"))
     if max_split_bytes is not None:
@@ -99,9 +103,6 @@ def backfill(
         options["authToken"] = auth_token
     if tier_cache_size:  # each executor's cache (one on a cluster's other hosts too)
         options["tierCacheSize"] = tier_cache_size
-    from tierstream.spark_adapter.jobs import check_target
-
-    check_target(out_path, format=format_, table=table, catalog_uri=catalog_uri)
     spark = local_spark("tierstream-backfill")
     try:
         with progress_bar(not quiet) as progress:
@@ -166,9 +167,25 @@ def tail_cmd(
 
     Example: tierstream tail acme/web/clicks --out ./clicks-live --checkpoint ./ckpt
     """
-    from tierstream.spark_adapter.jobs import checkpoint_subscription, local_spark, stop_spark
+    from tierstream.client import Admin
+    from tierstream.errors import ConfigError
+    from tierstream.spark_adapter.jobs import (
+        FORMATS,
+        checkpoint_subscription,
+        local_spark,
+        stop_spark,
+    )
     from tierstream.spark_adapter.tail import tail as run_tail
 
+    # everything a user can get wrong is checked before Spark starts (a typo costs a JVM)
+    if format_ not in FORMATS:
+        raise ConfigError(f"invalid --format {format_!r}: expected one of {', '.join(FORMATS)}")
+    if format_ == "parquet" and (table is not None or catalog_uri is not None):
+        raise ConfigError("--table and --catalog-uri are for --format iceberg only")
+    check_output_path(out_path, "--out")
+    check_output_path(checkpoint, "--checkpoint")
+    with Admin(broker, auth_token=auth_token, tls_ca=use_tls_ca(tls_ca)) as admin:
+        admin.get_topic(topic)  # NotFoundError naming it
     options = {"topic": topic, "dataDir": str(data_dir), "broker": broker,
                "keyRanges": str(key_ranges),
                "subscription": subscription or checkpoint_subscription(checkpoint),

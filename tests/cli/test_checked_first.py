@@ -1,0 +1,111 @@
+"""Mistakes found before any work (issue 79 §2-§3): one line naming the value, exit 2,
+nothing created or half-written, and no "unexpected" error."""
+
+from __future__ import annotations
+
+import fcntl
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tierstream.broker.process import BrokerProcess
+
+from .test_cli import run
+
+NO_BROKER = {"TIERSTREAM_BROKER": "grpc://127.0.0.1:1"}
+
+
+@pytest.mark.parametrize(("args", "stdin", "needle"), [
+    (["produce", "a/b/c"], '{"value": "a", "value_b64": "YQ=="}\n',
+     "stdin line 1: give value or value_b64, not both"),
+    (["produce", "a/b/c"], '{"value": "\\ud800"}\n', "stdin line 1 has a lone surrogate"),
+    (["produce", "a/b/c"], '\n\udcff\udcfe\n', "stdin line 2 is not UTF-8"),
+    (["read", "a/b/c", "--out", "/etc/hostname/x.parquet"], None,
+     "--out '/etc/hostname/x.parquet': '/etc/hostname' is a file, not a directory"),
+    (["read", "a/b/c", "--out", "/proc/x.parquet"], None,
+     "--out '/proc/x.parquet': cannot write in '/proc'"),
+    (["read", "a/b/c", "--out", "x.parquet", "--cut-out", "no/such/dir/c.cut"], None,
+     "--cut-out 'no/such/dir/c.cut': directory 'no/such/dir' does not exist"),
+    (["backfill", "a/b/c", "--out", "bf", "--cut-out", "no/such/dir/c.cut"], None,
+     "--cut-out 'no/such/dir/c.cut': directory 'no/such/dir' does not exist"),
+    (["tail", "a/b/c", "--out", "live", "--checkpoint", "ck", "--format", "orc"], None,
+     "invalid --format 'orc'"),
+    (["tail", "a/b/c", "--out", "/etc/hostname/live", "--checkpoint", "ck"], None,
+     "--out '/etc/hostname/live': '/etc/hostname' is a file"),
+    (["broker", "stop", "--data-dir", "/etc/hostname"], None,
+     "--data-dir '/etc/hostname' is a file, not a data directory"),
+    (["topic", "create", "a/b/c", "--retention", "99999999999999999999d"], None,
+     "invalid --retention '99999999999999999999d': longer than any store keeps data"),
+    (["topic", "create", "a/b/c-partition-3"], None,
+     "a name ending in -partition-3 is how Pulsar names partition 3 of topic 'a/b/c'"),
+])
+def test_a_mistake_is_one_line_before_any_work(args: list[str], stdin: str | None,
+                                               needle: str, tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "tierstream", *args], input=stdin,
+                          capture_output=True, text=True, cwd=tmp_path, errors="surrogateescape",
+                          env={**NO_BROKER, "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 2, proc.stderr
+    assert needle in " ".join(proc.stderr.split()), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "unexpected" not in proc.stderr and "Traceback" not in proc.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing created
+
+
+@pytest.mark.parametrize(("option", "needle"), [
+    (["--tier-url", "ftp://x/y"], "invalid tier URL 'ftp://x/y'"),
+    (["--tier-url", "/etc/hostname"], "invalid --tier-url '/etc/hostname': '/etc/hostname' "
+     "is a file"),
+    (["--catalog-uri", "bogus"], "invalid --catalog-uri 'bogus': expected a SQLAlchemy URI"),
+    (["--catalog-uri", "sqlite:////no/such/dir/c.db"], "directory '/no/such/dir' does not"),
+    (["--transaction-timeout", "0"], "invalid option 'transactionTimeout'"),
+    (["--max-publish-time-ahead", "soon"], "invalid option 'maxPublishTimeAhead'"),
+])
+def test_a_broker_option_it_cannot_use_is_refused_before_the_data_dir_is_made(
+        option: list[str], needle: str, tmp_path: Path) -> None:
+    """Before: the data directory, its metadata, bookies and lock were made, then the broker
+    failed (a tier URL), or it served and failed at the first offload or transaction."""
+    data = tmp_path / "data"
+    proc = run("broker", "start", "--data-dir", str(data), "--port", "0", "--pulsar-port", "0",
+               "--admin-port", "0", *option)
+    assert proc.returncode == 2, proc.stderr
+    assert needle in " ".join(proc.stderr.split()), proc.stderr
+    assert not data.exists()
+
+
+def test_debug_keeps_the_exit_status_of_bad_input() -> None:
+    """Before: --debug turned exit 2 (bad input) into 1."""
+    proc = run("--debug", "topic", "create", "a/b", env=NO_BROKER)
+    assert proc.returncode == 2 and "Traceback" in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: invalid topic name")
+
+
+def test_broker_stop_does_not_signal_a_pid_that_does_not_hold_the_lock(tmp_path: Path) -> None:
+    """Before: it signalled whatever process had the pid the lock file records."""
+    data = tmp_path / "data"
+    data.mkdir()
+    with open(data / "store.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        sleeper = subprocess.Popen(["sleep", "60"])
+        try:
+            lock.write(f"{sleeper.pid}\n")
+            lock.flush()
+            proc = run("broker", "stop", "--data-dir", str(data))
+            assert proc.returncode == 2, proc.stderr
+            assert f"the pid it records ({sleeper.pid}) does not hold it" in proc.stderr
+            assert sleeper.poll() is None  # not signalled
+        finally:
+            sleeper.kill()
+            sleeper.wait()
+
+
+def test_tail_of_a_topic_that_does_not_exist_fails_before_spark(broker: BrokerProcess,
+                                                                 tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = run("tail", "acme/web/nope", "--out", str(work / "live"), "--checkpoint",
+               str(work / "ck"), env={"TIERSTREAM_BROKER": broker.url or ""})
+    assert proc.returncode == 2 and "'acme/web/nope' does not exist" in proc.stderr, \
+        proc.stderr
+    assert "Spark" not in proc.stderr and list(work.iterdir()) == []
