@@ -109,3 +109,51 @@ def test_tail_of_a_topic_that_does_not_exist_fails_before_spark(broker: BrokerPr
     assert proc.returncode == 2 and "'acme/web/nope' does not exist" in proc.stderr, \
         proc.stderr
     assert "Spark" not in proc.stderr and list(work.iterdir()) == []
+
+
+def test_everyday_reads_and_settings_say_what_they_do(broker: BrokerProcess,
+                                                       tmp_path: Path) -> None:
+    """Issue 79 §5: a cut in consume's --from/--to, a position in no segment of its
+    partition, a reader that leaves the pipe, a broker URL without a port, text for an Avro
+    topic, and a retention that deletes at once."""
+    env = {"TIERSTREAM_BROKER": broker.url or ""}
+    run("topic", "create", "acme/web/c", "--partitions", "2", env=env)
+    run("produce", "acme/web/c", "--generate", "10", env=env)
+    cut = tmp_path / "c.cut"
+    done = run("read", "acme/web/c", "--out", str(tmp_path / "x.parquet"), "--cut-out", str(cut),
+               "--data-dir", str(broker.data_dir), env=env)
+    assert done.returncode == 0, done.stderr
+    run("produce", "acme/web/c", "--generate", "5", env=env)
+    after = run("consume", "acme/web/c", "--from", f"@{cut}", env=env)
+    assert after.returncode == 0 and len(after.stdout.splitlines()) == 5, after.stderr
+    before = run("consume", "acme/web/c", "--to", f"@{cut}", env=env)
+    assert before.returncode == 0 and len(before.stdout.splitlines()) == 10, before.stderr
+    missing = run("consume", "acme/web/c", "--from", f"@{tmp_path / 'nope.cut'}", env=env)
+    assert missing.returncode == 2 and "cannot read the cut file" in missing.stderr
+    nowhere = run("consume", "acme/web/c", "--from", "0:999:0", env=env)
+    assert nowhere.returncode == 2 and "partition 0 of 'acme/web/c' has no segment 999" in \
+        nowhere.stderr, nowhere.stderr
+    piped = subprocess.run(f"{sys.executable} -m tierstream consume acme/web/c | head -1",
+                           shell=True, capture_output=True, text=True, env={**env},
+                           executable="/bin/bash")
+    assert piped.returncode == 0 and piped.stderr == "", piped.stderr
+    assert subprocess.run(["bash", "-c", f"set -o pipefail; {sys.executable} -m tierstream "
+                           "consume acme/web/c | head -1 >/dev/null"], env=env).returncode == 0
+    port = (broker.url or "").rsplit(":", 1)[1]
+    no_port = run("topic", "list", "--broker", "grpc://127.0.0.1", env=env)
+    assert ":6651" in no_port.stderr or no_port.returncode == 0, no_port.stderr
+    assert ":443" not in no_port.stderr
+    assert run("topic", "list", "--broker", f"grpc://127.0.0.1:{port}").returncode == 0
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    run("topic", "create", "acme/web/orders", env=env)
+    run("schema", "set", "acme/web/orders", "--type", "avro", "--file",
+        str(examples / "order.avsc"), env=env)
+    text = run("produce", "acme/web/orders", stdin='\n{"value": "abc"}\n', env=env)
+    assert text.returncode == 2 and "stdin line 2" in text.stderr \
+        and "the topic has an Avro schema" in " ".join(text.stderr.split()), text.stderr
+    assert "message 0" not in text.stderr
+    now = run("topic", "set", "acme/web/c", "--retention", "0", env=env)
+    assert now.returncode == 2 and "give --yes to confirm" in " ".join(now.stderr.split())
+    assert run("topic", "get", "acme/web/c", env=env).stdout.count("none") >= 1
+    assert run("topic", "set", "acme/web/c", "--retention", "0", "--yes",
+               env=env).returncode == 0

@@ -410,6 +410,9 @@ def test_transactions_are_listed_and_a_stuck_one_aborted(broker: BrokerProcess) 
     assert [(r["txn_id"], r["state"]) for r in rows] == [(stuck.txn_id, "ABORTED")]
     proc = run("transactions", "--abort", "../x", env=env)
     assert proc.returncode == 2 and "invalid transaction id" in proc.stderr
+    # an id the broker never had is not "had already ended" (exit 0)
+    proc = run("transactions", "--abort", "nosuch", env=env)
+    assert proc.returncode == 2 and "knows no transaction 'nosuch'" in proc.stderr
 
 
 USAGE_ERRORS = [

@@ -54,3 +54,12 @@ def test_every_flag_name_reads_whole_in_an_80_column_terminal(shown: dict[str, s
                     assert name in re.findall(r"--[\w-]+", help_text), (path, name, help_text)
     assert "(--skip-data-loss:\n" not in shown["consume"]
     assert "print what survives" in shown["consume"], shown["consume"]
+
+
+def test_a_group_lists_its_commands_in_flowing_sentences() -> None:
+    """Regression: a group's list kept the docstring's line breaks (``... if it is not`` /
+    ``compatible; ...``), a short line in the middle of a sentence."""
+    code, text = in_terminal([sys.executable, "-m", "tierstream", "schema", "--help"], {},
+                             columns=80)
+    assert code == 0 and "rule, if it is not compatible; the same schema again is the " \
+        "version" in text, text

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from tierstream.broker.subscriptions.attached import ConsumerSettings
-from tierstream.errors import ConfigError, ProtocolError, TierstreamError
+from tierstream.errors import ConfigError, NotFoundError, ProtocolError, TierstreamError
 from tierstream.model.message_format import CONSUMER_SCHEMA, MESSAGE_SCHEMA
 from tierstream.model.names import TopicName
 from tierstream.model.positions import KeyRange, Offset, OffsetKind, Position
@@ -130,7 +130,17 @@ class ConsumeStreams:
             assert offset.time_ms is not None
             return plog.position_at_time(offset.time_ms)
         assert offset.position is not None
-        return check_partition(offset.position, plog)
+        position = check_partition(offset.position, plog)
+        if all(s.segment_id != position.segment_id for s in plog.segments()) and all(
+                d["segment_id"] != position.segment_id for d in
+                self.store.metadata.deleted_segments(plog.topic, plog.partition)):
+            # every position the store hands out names a segment of its partition: this one
+            # is a typo, or of another partition (it would read nothing, without a word)
+            ids = [s.segment_id for s in plog.segments()]
+            raise NotFoundError(f"position {position}: partition {plog.partition} of "
+                                f"{plog.topic!r} has no segment {position.segment_id} (its "
+                                f"segments are {_ranges(ids)})")
+        return position
 
     def _resolve_end(self, plog: PartitionLog, raw: Any) -> tuple[Position | None, int | None]:
         if raw is None:
@@ -161,6 +171,17 @@ def _carry_errors(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]
         yield from batches
     except TierstreamError as exc:
         raise server_error(exc) from None
+
+
+def _ranges(ids: list[int]) -> str:
+    """Segment ids as a short list: ``1, 4-6, 9``."""
+    runs: list[list[int]] = []
+    for i in sorted(ids):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "none"
 
 
 def check_partition(position: Position, plog: PartitionLog) -> Position:

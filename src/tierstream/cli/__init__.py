@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> None:
         code = app(args=args, prog_name="tierstream", standalone_mode=False)
     except typer.Exit as exc:
         code = exc.exit_code
+    except SystemExit as exc:  # typer's own exit: 1 when the reader of stdout left (EPIPE)
+        code = 0 if _reader_left() else exc.code
     except (typer.Abort, KeyboardInterrupt):
         err.print("interrupted")
         code = 130
@@ -80,6 +82,14 @@ def main(argv: list[str] | None = None) -> None:
                     "traceback, and please report it)")
         code = 1
     exit_process(code if isinstance(code, int) else 0)  # a broker may have left a server
+
+
+def _reader_left() -> bool:
+    """Whether stdout's reader went away (``tierstream consume ... | head``): click then
+    wraps stdout to silence the broken pipe. Unix tools end quietly there, and so do we."""
+    from typer._click.utils import PacifyFlushWrapper
+
+    return isinstance(sys.stdout, PacifyFlushWrapper)
 
 
 def _traceback_if(debug: bool) -> None:

@@ -166,6 +166,14 @@ def transactions(
 
     with Admin(broker, auth_token=auth_token) as admin:
         if abort is not None:
+            from tierstream.errors import NotFoundError
+            from tierstream.model.names import check_txn_id
+
+            check_txn_id(abort)
+            if all(str(t.get("txn_id")) != abort for t in admin.transactions()):
+                raise NotFoundError(f"the broker knows no transaction {abort!r} (never begun, "
+                                    "or ended and forgotten): tierstream transactions lists "
+                                    "those it knows")
             done = admin.abort_transaction(abort, "aborted with tierstream transactions")
             out.print(f"transaction {abort} " + ("aborted" if done else
                                                  "had already ended (nothing to abort)"),

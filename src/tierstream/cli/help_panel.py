@@ -90,6 +90,19 @@ def paragraphs(parts: list[str], markup_mode: Any) -> str:
                        for p in parts)
 
 
+def command_help(*, help_text: str, markup_mode: Any) -> Any:
+    """A command's line in its group's help: the first paragraph as one flowing text
+    (typer kept the docstring's line breaks: ``... if it is not`` / ``compatible; ...``)."""
+    import inspect
+
+    from typer import rich_utils
+
+    first = inspect.cleandoc(help_text).split("\n\n")[0]
+    text = first.replace("\b\n", "") if first.startswith("\b") else " ".join(first.split())
+    return rich_utils._make_rich_text(text=text.strip(), style=rich_utils.STYLE_OPTION_HELP,
+                                      markup_mode=markup_mode)
+
+
 def install() -> None:
     """Every command's help lays its options out with :func:`options_panel` and flows its
     paragraphs with :func:`paragraphs` (typer is pinned to one minor version in
@@ -108,5 +121,6 @@ def _patching_first(format_help: Callable[..., None]) -> Callable[..., None]:
 
         rich_utils._print_options_panel = options_panel
         rich_utils._fix_linebreaks = paragraphs  # type: ignore[assignment]
+        rich_utils._make_command_help = command_help
         format_help(self, ctx, formatter)
     return patched

@@ -7,6 +7,7 @@ import base64
 import hashlib
 import itertools
 import json
+import re
 import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Annotated, Any
@@ -22,7 +23,7 @@ from tierstream.cli.common import (
     err,
     progress_bar,
 )
-from tierstream.errors import ConfigError
+from tierstream.errors import ConfigError, UnavailableError
 from tierstream.options import DEFAULT_BROKER_URL
 from tierstream.util.timeutil import parse_time_ms
 
@@ -88,9 +89,11 @@ def produce(
     if batch_size < 1:
         raise ConfigError(f"invalid --batch-size {batch_size}: expected >= 1")
     total: int | None
+    line_of: dict[int, int] = {}  # id of a message from stdin -> its line number
     if generate is None:
         total = None
-        stdin = _stdin_batches(batch_size, linger_s=0.05, numbered=producer_name is not None)
+        stdin = _stdin_batches(batch_size, linger_s=0.05, numbered=producer_name is not None,
+                               line_of=line_of)
         first = next(stdin, None)  # the first lines are read and checked before connecting
         chunks: Iterator[list[dict[str, Any]]] = itertools.chain(
             [first] if first is not None else [], stdin)
@@ -112,7 +115,13 @@ def produce(
                                           Admin(broker, auth_token=auth_token))
             for chunk in chunks:
                 sending = len(chunk)
-                acks = producer.send_many(chunk)
+                try:
+                    acks = producer.send_many(chunk)
+                except ConfigError as exc:  # "message i" of the call: say its stdin line
+                    raise _at_line(exc, chunk, line_of) from None
+                finally:
+                    for message in chunk:
+                        line_of.pop(id(message), None)
                 sending = 0
                 restamped += sum(int(a.get("restamped") or 0) for a in acks)
                 skipped = sum(int(a.get("messages") or 0) for a in acks if a.get("duplicate"))
@@ -126,6 +135,16 @@ def produce(
             raise ConfigError(f"{exc}; the {sent} message(s) before it were sent to "
                               f"{topic}, none after it") from None
         raise
+    except UnavailableError as exc:  # the producer gave up: its advice is a Python call
+        text = str(exc)
+        if "; flush() re-sends them" not in text:
+            raise
+        again = (f"producing the same input again as --name {producer_name} stores only "
+                 "what is missing") if producer_name else (
+            "producing the input again may store them twice: give --name to make a re-run "
+            "store only what is missing")
+        raise UnavailableError(f"{text.split('; flush() re-sends them')[0]}; at least {sent:,} "
+                               f"message(s) before them were stored; {again}") from None
     except KeyboardInterrupt:  # out of the producer first: it does not wait for acks then
         in_flight = sending
     if in_flight is not None:
@@ -205,8 +224,21 @@ def _replayed_or_new(chunks: Iterator[list[dict[str, Any]]], producer: Producer,
         yield held
 
 
-def _stdin_batches(batch_size: int, *, linger_s: float, numbered: bool = False
-                   ) -> Iterator[list[dict[str, Any]]]:
+def _at_line(exc: ConfigError, chunk: list[dict[str, Any]], line_of: dict[int, int]
+             ) -> ConfigError:
+    """``exc`` about "message i" of a send, as the stdin line that message came from (one
+    way of counting in every message of the command)."""
+    match = re.match(r"message (\d+)\b", str(exc))
+    if match is None or int(match.group(1)) >= len(chunk):
+        return exc
+    line = line_of.get(id(chunk[int(match.group(1))]))
+    if line is None:
+        return exc
+    return type(exc)(f"stdin line {line}{str(exc)[match.end():]}")
+
+
+def _stdin_batches(batch_size: int, *, linger_s: float, numbered: bool = False,
+                   line_of: dict[int, int] | None = None) -> Iterator[list[dict[str, Any]]]:
     """Checked messages from stdin lines as they arrive: a batch goes out when it has
     ``batch_size`` lines or its first line waited ``linger_s``. A bad line ends it, after the
     lines before it were handed out."""
@@ -256,6 +288,8 @@ def _stdin_batches(batch_size: int, *, linger_s: float, numbered: bool = False
             last_seq = seq
         if not batch:
             deadline = time.monotonic() + linger_s
+        if line_of is not None:
+            line_of[id(message)] = item[0]
         batch.append(message)
         if len(batch) >= batch_size:
             yield batch

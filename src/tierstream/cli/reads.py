@@ -47,6 +47,7 @@ from tierstream.model.positions import KeyRange, Offset, OffsetKind
 from tierstream.options import DEFAULT_BROKER_URL, DEFAULT_DATA_DIR
 from tierstream.runtime.event_time import check_time_field, event_time_window, within_event_time
 from tierstream.schemas.codec import decode_batch, decoded_schema
+from tierstream.splits.split import StreamCut
 from tierstream.util.timeutil import parse_duration_ms
 
 
@@ -99,8 +100,12 @@ def consume(
     """
     from tierstream.client import read
 
-    start = Offset.parse(from_, what="--from")
+    start = parse_bound(from_, "--from", topic)
     if subscription is not None or type_ is not None or consumer_name is not None:
+        if isinstance(start, StreamCut):
+            raise ConfigError("--from with a subscription: earliest, latest or a time (a "
+                              "subscription starts every partition alike); a cut starts a "
+                              "read without --subscription")
         if subscription is None:
             raise ConfigError("--type and --consumer-name are for a subscription: give "
                               "--subscription NAME")
@@ -119,8 +124,8 @@ def consume(
         return
     if follow and to is not None:
         raise ConfigError("--follow and --to exclude each other: --follow reads without end")
-    end = None if follow else Offset.parse(to or "latest", what="--to")
-    if end is not None and _ends_before_start(start, end):
+    end = None if follow else parse_bound(to or "latest", "--to", topic)
+    if isinstance(start, Offset) and isinstance(end, Offset) and _ends_before_start(start, end):
         raise ConfigError(f"--to {to!r} is before --from {from_!r}: the window is empty")
     window = None
     if check_time_field(time_field, "--time-field") == "event_time":

@@ -90,6 +90,9 @@ def topic_set(
         help="Grow the topic to this many partitions (a multiple of its count) at one scale "
              "event, while it is written and read; every reader keeps each key's order.",
         show_default=False)] = None,
+    yes: Annotated[bool, typer.Option(
+        "--yes", help="Confirm a retention under an hour (it deletes the closed segments "
+                      "older than that within a tier pass, about 30 s).")] = False,
     broker: BrokerOpt = DEFAULT_BROKER_URL,
     tls_ca: TlsCaOpt = None,
     auth_token: TokenOpt = None,
@@ -106,6 +109,12 @@ def topic_set(
         raise ConfigError("nothing to set: give --retention and/or --partitions")
     retention_ms = None if retention is None or retention.strip().lower() == "none" \
         else check_retention(retention, what="--retention")
+    if retention_ms is not None and retention_ms < 3_600_000 and not yes:
+        from tierstream.util.timeutil import describe_duration
+
+        raise ConfigError(f"--retention {retention!r} ({describe_duration(retention_ms)}) "
+                          "deletes every closed segment whose newest message is older, at the "
+                          "next tier pass (within about 30 s): give --yes to confirm")
     with Admin(broker, auth_token=auth_token) as admin:
         if partitions is not None:
             before = admin.get_topic(topic).partitions

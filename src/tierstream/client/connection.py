@@ -7,12 +7,13 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Self
+from urllib.parse import urlsplit
 
 import pyarrow.flight as flight
 
 from tierstream.errors import ConfigError, NotOwnerError, UnavailableError
 from tierstream.model.message_format import PRODUCE_SCHEMA
-from tierstream.options import parse_options
+from tierstream.options import DEFAULT_BROKER_URL, parse_options
 from tierstream.wire.flight import decode, encode, translate_errors
 from tierstream.wire.security import call_headers, client_for, read_pem
 
@@ -51,11 +52,11 @@ class BrokerClient:
                              scope="client")
         #: every broker named, as given (what other clients of this one are given)
         self.broker: str = opts["broker"]
-        self.urls = [u.strip() for u in self.broker.split(",") if u.strip()]
-        for url in self.urls or [self.broker]:
+        for url in [u.strip() for u in self.broker.split(",") if u.strip()] or [self.broker]:
             if not url.startswith(("grpc://", "grpc+tcp://", "grpc+tls://")):
                 raise ConfigError(f"invalid broker URL {url!r}: expected grpc://HOST:PORT "
                                   "or grpc+tls://HOST:PORT (several: separated by commas)")
+        self.urls = [_with_port(u.strip()) for u in self.broker.split(",") if u.strip()]
         self.url: str = self.urls[0]  # the one in use
         self.auth_token: str | None = opts["authToken"]
         self.tls_ca = tls_ca if isinstance(tls_ca, bytes) else read_pem(opts["tlsCa"], "tlsCa")
@@ -234,6 +235,19 @@ class BrokerClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+BROKER_PORT = urlsplit(DEFAULT_BROKER_URL).port
+
+
+def _with_port(url: str) -> str:
+    """``url`` with the broker's port when it names none (gRPC would dial 443)."""
+    try:
+        port = urlsplit(url).port
+    except ValueError:
+        raise ConfigError(f"invalid broker URL {url!r}: its port is not a number in "
+                          "1-65535") from None
+    return url if port is not None else f"{url.rstrip('/')}:{BROKER_PORT}"
 
 
 def _partition_of(command: Mapping[str, Any]) -> tuple[str, int]:

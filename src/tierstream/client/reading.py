@@ -18,7 +18,7 @@ from tierstream.errors import ConfigError, UnavailableError
 from tierstream.model.data_loss import lost_segments, report_data_loss
 from tierstream.model.names import TopicName
 from tierstream.model.positions import KeyRange, Offset, OffsetKind, Position
-from tierstream.splits.split import check_window
+from tierstream.splits.split import StreamCut, check_window
 from tierstream.util.fanin import DONE, Cancel, drain, put, start_reader
 from tierstream.wire.flight import translate_errors
 
@@ -35,13 +35,17 @@ def check_ranges(key_ranges: Iterable[KeyRange] | None) -> list[list[int]]:
     return [r.to_list() for r in ranges]
 
 
-def read(topic: str, *, partition: int | None = None, start: Offset | None = None,
-         end: Offset | None = None, key_ranges: Iterable[KeyRange] | None = None,
+def read(topic: str, *, partition: int | None = None,
+         start: Offset | StreamCut | None = None, end: Offset | StreamCut | None = None,
+         key_ranges: Iterable[KeyRange] | None = None,
          broker: str | None = None, auth_token: str | None = None,
          tls_ca: bytes | str | None = None, fail_on_data_loss: bool = True) -> TopicReader:
     """Read a topic through the broker (every partition, or one ``partition``; a position as
     ``start`` or ``end`` names its partition, so it is the partition read).
 
+    ``start`` and ``end`` may be stream cuts of ``topic`` (a position per partition, as
+    ``Admin.latest_cut`` or ``tierstream read --cut-out`` give them): a partition the start
+    cut lacks (grown since) is read from its beginning, one the end cut lacks not at all.
     The partition streams are opened before this returns, so ``latest`` (as start or end) is
     pinned at call time for all partitions. ``end=None`` follows the tail until the reader is
     closed; a bounded ``end`` finishes. Batches have
@@ -60,12 +64,16 @@ def read(topic: str, *, partition: int | None = None, start: Offset | None = Non
 class TopicReader:
     """Iterator of record batches over open partition streams; see :func:`read`."""
 
-    def __init__(self, topic: str, *, partition: int | None, start: Offset | None,
-                 end: Offset | None, key_ranges: Iterable[KeyRange] | None,
+    def __init__(self, topic: str, *, partition: int | None, start: Offset | StreamCut | None,
+                 end: Offset | StreamCut | None, key_ranges: Iterable[KeyRange] | None,
                  broker: str | None, auth_token: str | None,
                  tls_ca: bytes | str | None = None, fail_on_data_loss: bool = True) -> None:
         name = str(TopicName.parse(topic))
-        partition = _partition_of(partition, start, end)
+        for cut in (start, end):
+            if isinstance(cut, StreamCut) and cut.topic != name:
+                raise ConfigError(f"the stream cut is of topic {cut.topic!r}, not {name!r}")
+        partition = _partition_of(partition, *(b for b in (start, end)
+                                               if not isinstance(b, StreamCut)))
         ranges = check_ranges(key_ranges)
         self._client = BrokerClient(broker, auth_token=auth_token, tls_ca=tls_ca)
         self._readers: list[Any] = []
@@ -78,13 +86,17 @@ class TopicReader:
                 if partition is not None and not 0 <= partition < count:
                     raise ConfigError(f"invalid partition {partition} for {name!r}: it has "
                                       f"0..{count - 1}")
-                parts = [partition] if partition is not None else list(range(count))
-                _check_data_loss(admin, name, parts, start, end, fail=fail_on_data_loss)
-                starts = _pinned_starts(admin, name, parts, start or Offset.earliest(),
-                                        following=end is None)
-            ticket = {"op": "consume", "topic": name, "key_ranges": ranges,
-                      "end": None if end is None else end.to_dict()}
-            tickets = [{**ticket, "partition": p, "start": starts[p]} for p in parts]
+                parts = [p for p in ([partition] if partition is not None else range(count))
+                         if not (isinstance(end, StreamCut) and end.get(p) is None)]
+                tickets = []
+                for p in parts:
+                    first, last = _of_partition(start, p), _of_partition(end, p)
+                    _check_data_loss(admin, name, [p], first, last, fail=fail_on_data_loss)
+                    pinned = _pinned_starts(admin, name, [p], first or Offset.earliest(),
+                                            following=end is None)
+                    tickets.append({"op": "consume", "topic": name, "key_ranges": ranges,
+                                    "partition": p, "start": pinned[p],
+                                    "end": None if last is None else last.to_dict()})
             for t in tickets:  # each returns once the broker resolved its offsets
                 self._readers.append(self._client.consume(t))
         except BaseException:
@@ -119,6 +131,14 @@ class TopicReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _of_partition(bound: Offset | StreamCut | None, p: int) -> Offset | None:
+    """A bound as partition ``p`` reads it: a cut's position there (none: from the start)."""
+    if isinstance(bound, StreamCut):
+        pos = bound.get(p)
+        return None if pos is None else Offset.at_position(pos)
+    return bound
 
 
 def _partition_of(partition: int | None, *bounds: Offset | None) -> int | None:

@@ -91,7 +91,10 @@ class Encoder:
                 if buf.read(1):
                     raise ValueError("bytes left after the record")
             except Exception as exc:
-                raise ConfigError(f"{where}: not Avro of this schema ({exc})") from None
+                raise ConfigError(
+                    f"{where}: the topic has an Avro schema and this value ({len(value)} "
+                    f"byte(s)) is not Avro of it ({exc}); give the value as a JSON object "
+                    "of the schema's fields, which the schema encodes") from None
             return bytes(value)
         try:
             validate(value, self._avro, raise_errors=True)
