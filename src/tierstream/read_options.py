@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from tierstream.enumerator import Enumerator, Query
@@ -24,19 +23,18 @@ if TYPE_CHECKING:
 
 from tierstream.model.positions import Offset
 from tierstream.splits.split import (
+    BoundLike,
     Cuts,
     ReaderKind,
     Split,
     StreamCut,
+    as_bound,
     cuts_from_dict,
     splits_from_json,
 )
 from tierstream.wire.security import read_pem
 
 __all__ = ["BoundLike", "ReadOptions", "as_bound"]
-
-#: a bound as the Python API takes it
-BoundLike = Offset | StreamCut | str | int | datetime
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +87,10 @@ class ReadOptions:
         """The keyword arguments of ``tierstream.plan``/``scan``/``read``/``tail`` as a read:
         the store's options (and what the environment gives them) parsed once by
         :meth:`parse`, the typed arguments kept as they are."""
+        if topic is not None and not isinstance(topic, str) and not (
+                isinstance(topic, (list, tuple)) and all(isinstance(t, str) for t in topic)):
+            raise ConfigError(f"invalid topic {topic!r}: expected a name tenant/namespace/topic "
+                              "or a list of them")
         raw = {"topic": topic if isinstance(topic, str) else None,
                "topics": None if topic is None or isinstance(topic, str) else ",".join(topic),
                "namespace": namespace, "dataDir": data_dir, "broker": broker,
@@ -223,19 +225,6 @@ class ReadOptions:
                      end=self.end, key_ranges=self.key_ranges,
                      max_split_bytes=self.max_split_bytes, reader=self.reader,
                      fail_on_data_loss=self.fail_on_data_loss, partitions=self.partitions)
-
-
-def as_bound(value: BoundLike | None, what: str) -> Offset | StreamCut | None:
-    """A bound given to the Python API: an Offset or StreamCut as it is, text as
-    ``earliest``/``latest``, an int (ms) or datetime as a time."""
-    if value is None or isinstance(value, Offset | StreamCut):
-        return value
-    if isinstance(value, str):
-        return Offset.parse(value, what=what)
-    if isinstance(value, int | datetime):
-        return Offset.at_time(value)  # type: ignore[arg-type]
-    raise ConfigError(f"invalid {what} {value!r}: expected an Offset, a StreamCut, a time or "
-                      "'earliest'/'latest'")
 
 
 def _derived_subscription(opts: dict[str, Any]) -> str:

@@ -169,3 +169,38 @@ def test_a_window_whose_end_is_before_its_start_is_refused_on_every_path(
     # an end equal to the start is an empty window, not a mistake
     assert tierstream.read("acme/web/win", start=early_cut, end=early_cut, broker=broker.url,
                            data_dir=str(data_dir)).num_rows == 0
+
+
+def test_the_python_api_names_the_argument_of_a_mistake(broker: BrokerProcess,
+                                                        data_dir: Path, tmp_path: Path) -> None:
+    """Issue 79 §4: each was an exception outside tierstream's error tree (TypeError,
+    AttributeError, ArrowTypeError, ArrowInvalid), or a silent fall back to the broker."""
+    from tierstream.client import Consumer
+
+    with Admin(broker.url) as admin:
+        admin.create_topic("acme/web/api", 1)
+    with pytest.raises(ConfigError, match="invalid topic 123"):
+        tierstream.read(123, broker=broker.url)  # type: ignore[arg-type]
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(ConfigError, match=r"invalid data_dir .*a file"):
+        tierstream.read("acme/web/api", broker=broker.url, data_dir=str(a_file))
+    with Producer("acme/web/api", broker=broker.url) as producer:
+        for message, needle in (({"value": "v", "key": 7}, "message 0: key must be text"),
+                                ({"value": "v", "properties": {"a": 1}},
+                                 "message 0: properties must map text to text"),
+                                ({"value": "v", "event_time": "yesterday"},
+                                 "invalid message 0: event_time 'yesterday'"),
+                                ({"value": "v", "publish_time": 1.5},
+                                 "message 0: publish_time must be epoch milliseconds")):
+            with pytest.raises(ConfigError, match=needle):
+                producer.send_many([message])
+        # a time as text is a natural way to say it: taken
+        producer.send_many([{"value": "v", "event_time": "2026-11-03T00:00:00Z"}])
+    with Consumer("acme/web/api", "s", broker=broker.url, initial=Offset.earliest()) as c, \
+            pytest.raises(ConfigError, match="invalid timeout '1s'"):
+        c.receive(timeout="1s")  # type: ignore[arg-type]
+    # a bound as text, as tierstream.read takes it
+    got = read("acme/web/api", start="2026-11-03", end="latest", broker=broker.url)
+    assert sum(b.num_rows for b in got) == 1
+    assert run("topic", "list", env=_env(broker)).returncode == 0

@@ -249,6 +249,10 @@ class Consumer:
 
     def receive(self, timeout: float | None = None) -> pa.RecordBatch | None:
         """The next batch, or None if none arrived within ``timeout`` seconds."""
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(
+                timeout, (int, float)) or timeout < 0):
+            raise ConfigError(f"invalid timeout {timeout!r}: expected seconds as a number "
+                              ">= 0, or None to wait")
         while True:
             try:
                 partition, item = self._queue.get(timeout=timeout)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -13,6 +14,7 @@ import pyarrow as pa
 
 from tierstream.errors import ConfigError
 from tierstream.model.message_format import PRODUCE_SCHEMA, key_hashes
+from tierstream.util.timeutil import parse_time_ms
 
 if TYPE_CHECKING:
     from tierstream.schemas.codec import Encoder
@@ -78,9 +80,11 @@ def to_batch(messages: list[Message]) -> pa.RecordBatch:
 
 
 def as_message(i: int, m: Message | Mapping[str, Any]) -> Message:
-    """Message ``i`` of a send_many call, from a Message or a mapping of its fields."""
+    """Message ``i`` of a send_many call, from a Message or a mapping of its fields, each
+    field checked (ConfigError naming the message and the field): a key is text, properties
+    map text to text, a time is epoch milliseconds, an ISO-8601 string or a datetime."""
     if isinstance(m, Message):
-        return m
+        return _checked(i, m)
     if not isinstance(m, Mapping):
         raise ConfigError(f"message {i}: expected a Message or a mapping such as "
                           f"{{'value': ..., 'key': ...}}, got {type(m).__name__} {m!r:.60}")
@@ -89,7 +93,29 @@ def as_message(i: int, m: Message | Mapping[str, Any]) -> Message:
     if unknown or "value" not in m:
         what = f"unknown field(s) {unknown}" if unknown else "no 'value'"
         raise ConfigError(f"message {i}: {what} (a message has {', '.join(names)})")
-    return Message(**m)
+    return _checked(i, Message(**m))
+
+
+def _checked(i: int, m: Message) -> Message:
+    if m.key is not None and not isinstance(m.key, str):
+        raise ConfigError(f"message {i}: key must be text or None, got "
+                          f"{type(m.key).__name__} {m.key!r:.60}")
+    if m.properties is not None and not (isinstance(m.properties, Mapping) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in m.properties.items())):
+        raise ConfigError(f"message {i}: properties must map text to text, got "
+                          f"{m.properties!r:.80}")
+    times: dict[str, Any] = {}
+    for field in ("event_time", "publish_time"):
+        value = getattr(m, field)
+        if value is None or (isinstance(value, int) and not isinstance(value, bool)
+                             and value >= 0):
+            continue
+        if isinstance(value, (str, datetime)):
+            times[field] = parse_time_ms(value, what=f"message {i}: {field}")
+            continue
+        raise ConfigError(f"message {i}: {field} must be epoch milliseconds (an int >= 0), an "
+                          f"ISO-8601 string or a datetime, got {value!r:.60}")
+    return replace(m, **times) if times else m
 
 
 def encoded_messages(encoder: Encoder | None, topic: str,

@@ -18,7 +18,7 @@ from tierstream.errors import ConfigError, UnavailableError
 from tierstream.model.data_loss import lost_segments, report_data_loss
 from tierstream.model.names import TopicName
 from tierstream.model.positions import KeyRange, Offset, OffsetKind, Position
-from tierstream.splits.split import StreamCut, check_window
+from tierstream.splits.split import BoundLike, StreamCut, as_bound, check_window
 from tierstream.util.fanin import DONE, Cancel, drain, put, start_reader
 from tierstream.wire.flight import translate_errors
 
@@ -36,7 +36,7 @@ def check_ranges(key_ranges: Iterable[KeyRange] | None) -> list[list[int]]:
 
 
 def read(topic: str, *, partition: int | None = None,
-         start: Offset | StreamCut | None = None, end: Offset | StreamCut | None = None,
+         start: BoundLike | None = None, end: BoundLike | None = None,
          key_ranges: Iterable[KeyRange] | None = None,
          broker: str | None = None, auth_token: str | None = None,
          tls_ca: bytes | str | None = None, fail_on_data_loss: bool = True) -> TopicReader:
@@ -55,6 +55,7 @@ def read(topic: str, *, partition: int | None = None,
     start), as every bounded reader does; ``fail_on_data_loss=False`` reads what survives and
     logs what was skipped.
     """
+    start, end = as_bound(start, "start"), as_bound(end, "end")
     check_window(start, end)
     return TopicReader(topic, partition=partition, start=start, end=end, key_ranges=key_ranges,
                        broker=broker, auth_token=auth_token, tls_ca=tls_ca,

@@ -72,6 +72,9 @@ class Enumerator:
                  auth_token: str | None = None, s3_endpoint: str | None = None,
                  s3_region: str | None = None, tls_ca: bytes | None = None) -> None:
         self.data_dir = Path(data_dir) if data_dir is not None else None
+        if self.data_dir is not None and self.data_dir.exists() and not self.data_dir.is_dir():
+            raise ConfigError(f"invalid data_dir {str(data_dir)!r}: a file, not the store's "
+                              "data directory")
         local = DataDir.at(self.data_dir).metadata if self.data_dir is not None else None
         self.metadata: MetadataReader
         if local is not None and (local.exists() or broker is None):

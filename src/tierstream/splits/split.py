@@ -10,15 +10,31 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from typing import Any
 
 from tierstream.errors import ConfigError
 from tierstream.model.positions import EntryRanges, KeyRange, Offset, OffsetKind, Position
 from tierstream.util.timeutil import format_ms, now_ms
 
-__all__ = ["CUT_FORMAT_VERSION", "SPLIT_FORMAT_VERSION", "Cuts", "ReaderKind", "Replica", "Split",
-           "StreamCut", "TierLocation", "chains", "check_window", "cuts_from_dict", "cuts_to_dict",
-           "splits_from_json", "splits_to_json"]
+__all__ = [
+    "CUT_FORMAT_VERSION",
+    "SPLIT_FORMAT_VERSION",
+    "BoundLike",
+    "Cuts",
+    "ReaderKind",
+    "Replica",
+    "Split",
+    "StreamCut",
+    "TierLocation",
+    "as_bound",
+    "chains",
+    "check_window",
+    "cuts_from_dict",
+    "cuts_to_dict",
+    "splits_from_json",
+    "splits_to_json",
+]
 
 #: Version 2: a bookie-log split names its replicas by bookie id and network endpoint (a
 #: reader on any host can use them), with the directory on the store's host only as a hint.
@@ -326,3 +342,20 @@ def _positions_of(start: Offset | StreamCut, end: Offset | StreamCut
         return {}
     ends = positions(end)
     return [(p, s, ends[p]) for p, s in positions(start).items() if p in ends]
+
+
+#: a bound as the Python API takes it
+BoundLike = Offset | StreamCut | str | int | datetime
+
+
+def as_bound(value: BoundLike | None, what: str) -> Offset | StreamCut | None:
+    """A bound given to the Python API: an Offset or StreamCut as it is, text as
+    ``earliest``/``latest``, an int (ms) or datetime as a time."""
+    if value is None or isinstance(value, Offset | StreamCut):
+        return value
+    if isinstance(value, str):
+        return Offset.parse(value, what=what)
+    if isinstance(value, int | datetime):
+        return Offset.at_time(value)  # type: ignore[arg-type]
+    raise ConfigError(f"invalid {what} {value!r}: expected an Offset, a StreamCut, a time or "
+                      "'earliest'/'latest'")
