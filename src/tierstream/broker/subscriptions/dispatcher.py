@@ -39,6 +39,7 @@ from tierstream.broker.subscriptions.attached import Attached, ConsumerSettings,
 from tierstream.broker.subscriptions.cursor_state import CursorState, DeadLetterIntent
 from tierstream.broker.subscriptions.dead_letters import DeadLetterSide, IntentRecovery
 from tierstream.broker.subscriptions.delivery_time import TIMED, DeliveryTimes
+from tierstream.broker.subscriptions.dispatcher_figures import DispatcherFigures
 from tierstream.broker.subscriptions.key_holds import KeyHolds
 from tierstream.broker.subscriptions.selectors import active_for_partition
 from tierstream.errors import ConfigError, ConflictError, TierstreamError
@@ -64,7 +65,7 @@ _READ_RETRY_FIRST_S = 0.2
 _READ_RETRY_MAX_S = 5.0
 
 
-class Dispatcher(DeliveryTimes, DeadLetterSide):
+class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
     """Dispatch and acknowledgement state of one subscription on one partition (delayed
     delivery: ``delivery_time.py``; dead letters: ``dead_letters.py``)."""
 
@@ -83,6 +84,9 @@ class Dispatcher(DeliveryTimes, DeadLetterSide):
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._stop = threading.Event()
+        #: the partition's log ended under it (let go, to be opened again as a new log):
+        #: the registry loads a new dispatcher for the next consumer (registry.py)
+        self.ended = False
         self.window = ReadWindow(plog.partition, state.mark_delete, state.acked)
         self._loaded = LoadedCursor(state)  # what was acknowledged before this broker
         self.consumers: dict[int, Attached] = {}
@@ -147,7 +151,7 @@ class Dispatcher(DeliveryTimes, DeadLetterSide):
             self._dispatch()
 
     def _detach(self, c: Attached) -> None:
-        if c.detached:
+        if c.detached or self.consumers.get(c.idx) is not c:  # gone, or another's consumer
             return
         c.detached = True
         self.consumers.pop(c.idx, None)
@@ -216,7 +220,8 @@ class Dispatcher(DeliveryTimes, DeadLetterSide):
                             self._cond.wait(0.1)
                     if self._stop.is_set():
                         return
-                return  # the follow ended: the broker closes, or the partition is gone
+                # the follow ended: the broker closes, or the partition is gone from here
+                return self._end()
             except TierstreamError as exc:
                 if self._stop.is_set():
                     return
@@ -230,7 +235,18 @@ class Dispatcher(DeliveryTimes, DeadLetterSide):
             except Exception:
                 log.exception("%s partition %d subscription %s: reader failed", self.topic,
                               self.partition, self.subscription)
-                return
+                return self._end()
+
+    def _end(self) -> None:
+        """No more reads through this dispatcher: its consumers are let go (their streams
+        end and their clients attach again, to a dispatcher of the log served then).
+        Before, they stayed attached to a reader that had stopped: a partition let go at a
+        lapsed lease and served again as a new log delivered nothing more, for good."""
+        with self._lock:
+            self.ended = True
+            for c in list(self.consumers.values()):
+                self._detach(c)
+            self._cond.notify_all()
 
     # -- dispatch -----------------------------------------------------------------------------
 
@@ -463,38 +479,14 @@ class Dispatcher(DeliveryTimes, DeadLetterSide):
                                list(self._intents), self._dead_letter_sequence,
                                entries, label=self.label).to_json()
 
-    def acknowledged_before(self) -> Position:
-        """Every message before this position is acknowledged."""
-        with self._lock:
-            return self.window.mark_delete()
-
-    def unacknowledged(self) -> int:
-        """Messages read and not acknowledged (the backlog before the read position)."""
-        with self._lock:
-            return self.window.unacknowledged()
-
-    def oldest_delivered_s(self) -> float | None:
-        """Seconds since the oldest message delivered and not acknowledged yet was sent
-        (None: none is out)."""
-        with self._lock:
-            sent = [float(c.until[c.state == DELIVERED].min()) for c in self.window
-                    if c.open and (c.state == DELIVERED).any()]
-        return None if not sent else max(0.0, time.monotonic() - min(sent))
-
-    def stats(self) -> list[dict[str, Any]]:
-        """Each consumer's share: its key ranges (key_shared), whether it is the active one
-        (failover, exclusive) or ``any`` (shared), and its counts."""
-        with self._lock:
-            return [c.stats(self.partition, self._keys.ranges(c.idx)
-                            if self._keys is not None else
-                            ("active" if c.idx == self._active else "standby")
-                            if self.type in SubscriptionType.CUMULATIVE else "any")
-                    for c in self.consumers.values()]
-
-    def close(self) -> None:
+    def stop(self) -> None:
+        """:meth:`close` without waiting for the reader to end (it ends at its next read)."""
         self._stop.set()
         with self._cond:
             for c in list(self.consumers.values()):
                 c.outbox.put(None)
             self._cond.notify_all()
+
+    def close(self) -> None:
+        self.stop()
         self._reader.join(timeout=5)

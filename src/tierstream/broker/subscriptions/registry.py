@@ -90,8 +90,11 @@ class Subscriptions:
         key = (topic, subscription, partition)
         with self._lock:
             d = self._dispatchers.get(key)
-            if d is not None:
+            if d is not None and not d.ended and not d.plog.lost:
                 return d
+            if d is not None:  # of a log no longer served: its state is stored, load anew
+                self._dispatchers.pop(key)
+                d.stop()
             plog = self._store.partition(topic, partition)
             stored = self._metadata.get_cursor(*key)
             if stored is not None:
