@@ -79,8 +79,8 @@ def produce(
     """
     from tierstream.client import Admin, Producer
 
-    if generate is not None and generate < 0:
-        raise ConfigError(f"invalid --generate {generate}: expected a count >= 0")
+    if generate is not None and not 0 <= generate <= 10**12:
+        raise ConfigError(f"invalid --generate {generate}: expected a count from 0 to 10^12")
     if keys < 1:
         raise ConfigError(f"invalid --keys {keys}: expected >= 1")
     if step_ms < 0:
