@@ -157,3 +157,16 @@ def test_everyday_reads_and_settings_say_what_they_do(broker: BrokerProcess,
     assert run("topic", "get", "acme/web/c", env=env).stdout.count("none") >= 1
     assert run("topic", "set", "acme/web/c", "--retention", "0", "--yes",
                env=env).returncode == 0
+
+
+def test_piped_tables_follow_columns_and_end_at_their_last_character(
+        broker: BrokerProcess) -> None:
+    """Before: ``broker stats`` piped into a file was 148 columns whatever COLUMNS said, and
+    14 of its lines ended in blanks."""
+    env = {"TIERSTREAM_BROKER": broker.url or ""}
+    for columns, widest in (("", 160), ("80", 80)):
+        shown = run("broker", "stats", env={**env, "COLUMNS": columns})
+        assert shown.returncode == 0, shown.stderr
+        lines = shown.stdout.splitlines()
+        assert max(len(line) for line in lines) <= widest, shown.stdout
+        assert not [line for line in lines if line.endswith(" ")], shown.stdout

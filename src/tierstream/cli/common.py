@@ -59,8 +59,21 @@ app.add_typer(schema_app, name="schema")
 app.add_typer(bookie_app, name="bookie")
 app.add_typer(topic_app, name="topic")
 
-# Tables stay readable when piped (rich would otherwise squeeze them to 80 columns).
-out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+
+
+class _Lines(Console):
+    """A console whose lines end at their last character: rich pads every table cell to its
+    column, so a table without borders left blanks at the end of most lines (14 of
+    ``broker stats``'s, piped into a file)."""
+
+    def _render_buffer(self, buffer: Any) -> str:
+        return "\n".join(line.rstrip(" ") for line in super()._render_buffer(buffer).split("\n"))
+
+
+# Tables stay readable when piped (rich would otherwise squeeze them to 80 columns), unless
+# COLUMNS says how wide the output may be.
+out = _Lines(soft_wrap=True, width=None if sys.stdout.isatty() or os.environ.get("COLUMNS")
+             else 160)
 err = Console(stderr=True, soft_wrap=True)
 
 BrokerOpt = Annotated[str, typer.Option(
