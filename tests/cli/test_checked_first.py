@@ -4,6 +4,7 @@ nothing created or half-written, and no "unexpected" error."""
 from __future__ import annotations
 
 import fcntl
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -152,6 +153,11 @@ def test_everyday_reads_and_settings_say_what_they_do(broker: BrokerProcess,
     assert text.returncode == 2 and "stdin line 2" in text.stderr \
         and "the topic has an Avro schema" in " ".join(text.stderr.split()), text.stderr
     assert "message 0" not in text.stderr
+    # a sealed partition's new open segment is empty: no split of 0 entries for it
+    assert run("seal", "acme/web/c", env=env).returncode == 0
+    planned = run("plan", "acme/web/c", "--json", "--data-dir", str(broker.data_dir), env=env)
+    splits = [json.loads(line) for line in planned.stdout.splitlines()]
+    assert splits and all(s["start"] != s["end"] for s in splits), planned.stdout
     now = run("topic", "set", "acme/web/c", "--retention", "0", env=env)
     assert now.returncode == 2 and "give --yes to confirm" in " ".join(now.stderr.split())
     assert run("topic", "get", "acme/web/c", env=env).stdout.count("none") >= 1

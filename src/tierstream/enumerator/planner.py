@@ -311,6 +311,8 @@ class Enumerator:
             p, seg.segment_id, 0, 0)  # start is never past this segment here
         if seg.state == SegmentState.OPEN:
             seg_end = end  # the open tail: to the resolved end, or unbounded
+            if seg_end is not None and seg_end <= seg_start:
+                return None  # nothing of it is in the window: no split of 0 entries
         else:
             seg_end = Position.known(p, seg.segment_id, seg.entries, 0)
             if end is not None and end < seg_end:
