@@ -170,6 +170,9 @@ def test_piped_tables_follow_columns_and_end_at_their_last_character(
     """Before: ``broker stats`` piped into a file was 148 columns whatever COLUMNS said, and
     14 of its lines ended in blanks."""
     env = {"TIERSTREAM_BROKER": broker.url or ""}
+    run("topic", "create", "acme/web/young", env=env)
+    young = run("topic", "stats", "acme/web/young", env=env)  # the broker is seconds old
+    assert "s (since the broker started): in" in young.stdout, young.stdout
     for columns, widest in (("", 160), ("80", 80)):
         shown = run("broker", "stats", env={**env, "COLUMNS": columns})
         assert shown.returncode == 0, shown.stderr

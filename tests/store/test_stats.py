@@ -35,6 +35,7 @@ def test_a_rate_meter_averages_the_last_minute() -> None:
     now[0] += 10
     meter.add(500, 5000)
     assert meter.rate() == (50.0, 500.0)  # started 10 s ago: over 10 s
+    assert meter.window_s() == 10.0  # and stats say so (topic stats: "last 10 s")
     now[0] += 50
     meter.add(100, 1000)
     assert meter.rate() == (10.0, 100.0)  # 600 messages in the last 60 s

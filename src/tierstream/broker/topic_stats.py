@@ -209,7 +209,8 @@ def topic_stats(store: Store, subscriptions: Subscriptions, streams: Streams, to
         "partition": p.partition, **_rates([p]),
         "messages_in": p.rate_in.messages_total, "bytes_in": p.rate_in.bytes_total,
         "messages_out": p.rate_out.messages_total, "bytes_out": p.rate_out.bytes_total,
-        "restamped": p.restamped, "storage": storage_of(p.segments()),
+        "restamped": p.restamped, "rate_window_s": p.rate_in.window_s(),
+        "storage": storage_of(p.segments()),
         "producers": _producers([s for s in live if s["partition"] == p.partition]),
         "readers": sum(1 for s in live if s["kind"] != "producer"
                        and s["partition"] == p.partition),
@@ -228,6 +229,7 @@ def topic_stats(store: Store, subscriptions: Subscriptions, streams: Streams, to
         "producers": [prod for p in parts for prod in p["producers"]],
         "subscriptions": merge_subscriptions([p["subscriptions"] for p in parts]),
         "owners": _owners(owners), "unanswered": unanswered,
+        "rate_window_s": min((float(p.get("rate_window_s", 60)) for p in parts), default=60),
     }
     if per_partition or here_only:
         out["partitions"] = parts

@@ -153,8 +153,8 @@ def render_topic_stats(stats: dict[str, Any]) -> Group:
     """``Admin.topic_stats`` as tables (``topic stats`` and its ``--watch``)."""
     growing = f", growing to {stats['announced']}" if stats.get("announced") else ""
     parts: list[Any] = [
-        Text(f"{stats['topic']} ({stats['partition_count']} partition(s){growing}), last "
-             "minute: in "
+        Text(f"{stats['topic']} ({stats['partition_count']} partition(s){growing}), "
+             f"{_window(stats)}: in "
              f"{_rate(stats['msg_rate_in'], stats['byte_rate_in'])}; out "
              f"{_rate(stats['msg_rate_out'], stats['byte_rate_out'])}; "
              f"{stats['readers']} partition stream(s) to readers and consumers"),
@@ -181,6 +181,13 @@ def render_topic_stats(stats: dict[str, Any]) -> Group:
                   _storage_table(p["storage"]), _producers_line(p["producers"]),
                   _subscriptions_table(p["subscriptions"])]
     return Group(*parts)
+
+
+def _window(stats: dict[str, Any]) -> str:
+    """What the rates average over: the last minute, or the seconds since the broker started
+    counting (a rate of a broker up 5 s is 5 s's)."""
+    seconds = float(stats.get("rate_window_s", 60))
+    return "last minute" if seconds >= 60 else f"last {seconds:.0f} s (since the broker started)"
 
 
 def _owner(owner: dict[str, Any]) -> str:

@@ -46,6 +46,11 @@ class RateMeter:
         while self._buckets and self._buckets[0][0] <= now - WINDOW_S:
             self._buckets.popleft()
 
+    def window_s(self) -> float:
+        """The seconds :meth:`rate` averages over: a minute, or less since this meter
+        started (stats say which, so a young meter's rate is not read as a minute's)."""
+        return max(1.0, min(float(WINDOW_S), self._clock() - self._started))
+
     def rate(self) -> tuple[float, float]:
         """(messages per second, bytes per second) over the last minute, or over the time
         since this meter started when that is shorter."""
