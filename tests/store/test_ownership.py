@@ -444,3 +444,56 @@ def test_a_renewal_that_comes_in_past_the_lease_timeout_lapses_the_lease_then_re
     finally:
         stopping.set()
         store.close()
+
+
+def test_a_renewal_that_waited_out_an_outage_of_the_store_for_everyone_does_not_lapse_after(
+        ) -> None:
+    """Regression (the cluster outage test's flake, issue 74): PostgreSQL halted past the
+    lease for every broker; each served on (a shared outage). The renewal that waited the
+    outage out went through once PostgreSQL was back, but counted from its start, so the
+    lease was at once "unrenewed for 15.5 s": the watch asked the peers, which had renewed
+    too, and every broker let its partitions go 0.2 s after PostgreSQL came back. A
+    renewal's heartbeat is written after the session it went through was opened: the
+    lease now counts from then."""
+    import time
+
+    from tierstream.metadata.lease import Lease
+
+    from ..postgres import started
+
+    server = started()  # a server of its own: it is halted
+    stopping = threading.Event()
+    away = threading.Event()
+    store = None
+    try:
+        url = server.new_database()
+        store = MetadataStore(url, hold=False)
+        owners = PartitionOwners(store, "broker-1", 1)
+        owners.advertise("grpc://10.0.0.1:6651")
+        owners.renew()
+        lease = Lease(owners, scaled(3))
+        lease.everyone_away = away.is_set  # the other brokers cannot reach it either
+        said: list[str] = []
+        lease.on_lapsed.append(said.append)
+        keeper = threading.Thread(target=lease.keep, args=(stopping,), daemon=True)
+        keeper.start()
+
+        def watch() -> None:  # as broker/lease_watch.py does, four times a period
+            while not stopping.wait(0.05):
+                lease.lapse_if_due()
+        threading.Thread(target=watch, daemon=True).start()
+        away.set()
+        server.halt()
+        time.sleep(2 * scaled(3))  # past the lease: a shared outage, nobody lapses
+        assert said == [] and owners.shared_outage
+        server.resume()
+        away.clear()  # the others renew as soon as it is back
+        wait_for(lambda: not owners.shared_outage and owners.renewing(),
+                 timeout=scaled(30), what="the renewal to go through")
+        time.sleep(scaled(2))  # the watch looks some 40 times meanwhile
+        assert said == [], said
+    finally:
+        stopping.set()
+        if store is not None:
+            store.close()
+        server.stop()

@@ -66,6 +66,10 @@ class Backend(Protocol):
     #: set while a statement waits for an unreachable server (what the broker knows from
     #: memory is served meanwhile rather than waited for: ``Store.topic``)
     unreachable: threading.Event
+    #: when (``time.monotonic()``) the session statements run in was opened: a statement
+    #: that went through ran after it (a lease renewal that waited out an outage counts
+    #: from there, not from its start: ``ownership.py``)
+    connected_at: float
 
     def transaction(self) -> Any:  # a context manager of a Tx: committed, or rolled back
         ...
@@ -109,6 +113,7 @@ class SqliteBackend:
         self.name = str(self.path)
         self.lost, self.lost_reason = threading.Event(), ""  # a local file is not lost
         self.unreachable = threading.Event()  # nor unreachable
+        self.connected_at = 0.0
         self._lock = threading.RLock()
         try:
             self._open(read_only)

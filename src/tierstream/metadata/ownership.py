@@ -348,6 +348,10 @@ class PartitionOwners:
                     log.exception("letting go of the partitions lost failed")
 
     def _renewed(self, started: float) -> None:
+        # the heartbeat was written after the session it went through was opened: a renewal
+        # that waited out an outage (its start long gone) renewed the lease as of then.
+        # Counted from its start, the lease lapsed at once after PostgreSQL came back.
+        started = max(started, self.metadata.backend.connected_at)
         now = time.monotonic()  # an outage ends at a renewal later than two periods
         if self.renewed_at is not None and now - self.renewed_at > MISSED_S:
             self.outage_ended_at, self.outage_s = now, now - self.renewed_at

@@ -173,6 +173,7 @@ class PostgresBackend:
         self.lost_reason = ""
         #: set while a statement waits for the server, cleared when one reaches it again
         self.unreachable = threading.Event()
+        self.connected_at = 0.0  # no session yet
         #: what the server shows as this backend's sessions' application_name (a cluster
         #: broker names its own: a taker ends those of a broker whose lease expired)
         self.application: str | None = None
@@ -218,6 +219,7 @@ class PostgresBackend:
     def _connect(self) -> None:
         self._conn = self.open_session(self.application or (
             BROKER_APPLICATION if self.hold and not self.read_only else "tierstream"))
+        self.connected_at = time.monotonic()
         if self.read_only:
             self._conn.read_only = True
 
