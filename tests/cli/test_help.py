@@ -63,3 +63,13 @@ def test_a_group_lists_its_commands_in_flowing_sentences() -> None:
                              columns=80)
     assert code == 0 and "rule, if it is not compatible; the same schema again is the " \
         "version" in text, text
+
+
+def test_no_url_in_help_is_broken_mid_word(shown: dict[str, str]) -> None:
+    """Regression: at 80 columns ``postgresql+psycopg://user@host/datab`` / ``ase`` and
+    ``postgresql://user[:password]@host[:p`` / ``ort]/db``: every URL shown is whole."""
+    for name, text in shown.items():
+        for url in re.findall(r"[a-z+]+://\S*", text):
+            assert not url.endswith(("│", "/datab", "[:p")), (name, url)
+    assert "postgresql+psycopg://user@host/db)." in shown["broker start"]
+    assert "postgresql://user@host:port/db" in shown["broker start"]

@@ -105,7 +105,7 @@ def broker_start(
     catalog_uri: Annotated[str | None, typer.Option(
         envvar="TIERSTREAM_CATALOG_URI", help="Iceberg SQL catalog URL, a SQLAlchemy URL "
         "(default: sqlite:///DATA_DIR/catalog.db; with --network-bookies or --standby, one "
-        "every broker host reaches, e.g. postgresql+psycopg://user@host/database).")] = None,
+        "every broker host reaches, e.g. postgresql+psycopg://user@host/db).")] = None,
     offload_after: Annotated[str | None, typer.Option(help=_help("offloadAfter"))] = None,
     offload_threshold: Annotated[str | None, typer.Option(help=_help("offloadThreshold"))]
         = None,
@@ -123,8 +123,9 @@ def broker_start(
         str | None, typer.Option(help=_help("clientRefreshWait"))] = None,
     metadata: Annotated[str | None, typer.Option(
         envvar="TIERSTREAM_METADATA", show_envvar=False,
-        help="Keep the metadata on PostgreSQL: postgresql://user[:password]@host[:port]/db "
-             "(env TIERSTREAM_METADATA) \\[default: SQLite in the data directory].",
+        help="Keep the metadata on PostgreSQL: postgresql://user@host:port/db (a password "
+             "as user:password@, or in PGPASSWORD; env TIERSTREAM_METADATA) \\[default: "
+             "SQLite in the data directory].",
         show_default=False)] = None,
     network_bookies: Annotated[bool, typer.Option(
         "--network-bookies", help="Write to the bookies registered in the metadata store "
