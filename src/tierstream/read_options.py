@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from tierstream.enumerator import Enumerator, Query
 from tierstream.errors import ConfigError
 from tierstream.model.names import TopicName
-from tierstream.options import parse_options, topic_from_path
+from tierstream.options import parse_options, parse_size, topic_from_path
 from tierstream.schemas.model import MODES
 
 if TYPE_CHECKING:
@@ -103,10 +103,11 @@ class ReadOptions:
         if end_bound is None:
             raise ConfigError("end=None is an unbounded read: use tail() for that")
         return replace(parsed, start=as_bound(start, "start") or Offset.earliest(),
-                       end=end_bound, key_ranges=key_ranges, max_split_bytes=max_split_bytes,
+                       end=end_bound, key_ranges=_count(key_ranges, "key_ranges"),
+                       max_split_bytes=parse_size(max_split_bytes, what="max_split_bytes"),
                        reader=ReaderKind.parse(reader) if isinstance(reader, str) else reader,
                        fail_on_data_loss=fail_on_data_loss,
-                       partitions=None if partitions is None else tuple(partitions))
+                       partitions=_partitions(partitions))
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> ReadOptions:
@@ -225,6 +226,24 @@ class ReadOptions:
                      end=self.end, key_ranges=self.key_ranges,
                      max_split_bytes=self.max_split_bytes, reader=self.reader,
                      fail_on_data_loss=self.fail_on_data_loss, partitions=self.partitions)
+
+
+def _count(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"invalid {what} {value!r}: expected an integer >= 1")
+    return value
+
+
+def _partitions(value: object) -> tuple[int, ...] | None:
+    """The Python API's ``partitions=``: partition numbers, or None for all."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, set, range)) \
+            or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0
+                       for p in value):
+        raise ConfigError(f"invalid partitions {value!r}: expected a list of partition "
+                          "numbers >= 0, or None for all")
+    return tuple(value)
 
 
 def _derived_subscription(opts: dict[str, Any]) -> str:

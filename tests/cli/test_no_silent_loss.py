@@ -181,6 +181,13 @@ def test_the_python_api_names_the_argument_of_a_mistake(broker: BrokerProcess,
         admin.create_topic("acme/web/api", 1)
     with pytest.raises(ConfigError, match="invalid topic 123"):
         tierstream.read(123, broker=broker.url)  # type: ignore[arg-type]
+    for kwargs, needle in (({"partitions": 7}, "invalid partitions 7"),
+                           ({"max_split_bytes": "x"}, "invalid max_split_bytes 'x'"),
+                           ({"key_ranges": "x"}, "invalid key_ranges 'x'")):
+        with pytest.raises(ConfigError, match=needle):
+            tierstream.plan("acme/web/api", broker=broker.url, **kwargs)
+    with pytest.raises(ConfigError, match="invalid partition 'x'"):
+        read("acme/web/api", partition="x", end="latest", broker=broker.url)  # type: ignore
     a_file = tmp_path / "file"
     a_file.write_text("x")
     with pytest.raises(ConfigError, match=r"invalid data_dir .*a file"):

@@ -131,12 +131,13 @@ class ConsumeStreams:
             return plog.position_at_time(offset.time_ms)
         assert offset.position is not None
         position = check_partition(offset.position, plog)
-        if all(s.segment_id != position.segment_id for s in plog.segments()) and all(
-                d["segment_id"] != position.segment_id for d in
-                self.store.metadata.deleted_segments(plog.topic, plog.partition)):
-            # every position the store hands out names a segment of its partition: this one
-            # is a typo, or of another partition (it would read nothing, without a word)
-            ids = [s.segment_id for s in plog.segments()]
+        ids = [s.segment_id for s in plog.segments()]
+        if position.segment_id not in ids and (position.segment_id > max(ids, default=-1) or any(
+                s.segment_id == position.segment_id for q in self.store.partitions(plog.topic)
+                if q.partition != plog.partition for s in q.segments())):
+            # a position past the partition's newest segment, or in another partition's: a
+            # typo (it read nothing, without a word). One in a segment the partition had
+            # (an empty open segment dropped at a restart, one retention deleted) is taken.
             raise NotFoundError(f"position {position}: partition {plog.partition} of "
                                 f"{plog.topic!r} has no segment {position.segment_id} (its "
                                 f"segments are {_ranges(ids)})")

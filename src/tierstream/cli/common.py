@@ -4,12 +4,11 @@ and the small formatting helpers."""
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from tierstream.cli import help_panel
@@ -60,20 +59,30 @@ app.add_typer(bookie_app, name="bookie")
 app.add_typer(topic_app, name="topic")
 
 
-
 class _Lines(Console):
-    """A console whose lines end at their last character: rich pads every table cell to its
-    column, so a table without borders left blanks at the end of most lines (14 of
-    ``broker stats``'s, piped into a file)."""
+    """stdout: on a terminal, as wide as it is; piped, as wide as COLUMNS says when the
+    command runs, else 160 (rich would squeeze tables to 80). Its lines end at their last
+    character: rich pads every table cell to its column, so a table without borders left
+    blanks at the end of most lines (14 of ``broker stats``'s, piped into a file)."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = Console.size.fget(self)  # type: ignore[attr-defined]
+        if self.is_terminal:
+            return size  # type: ignore[no-any-return]
+        columns = os.environ.get("COLUMNS", "")
+        width = int(columns) if columns.isdigit() and int(columns) > 0 else 160
+        return ConsoleDimensions(width, size.height)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)  # type: ignore[attr-defined]
 
     def _render_buffer(self, buffer: Any) -> str:
         return "\n".join(line.rstrip(" ") for line in super()._render_buffer(buffer).split("\n"))
 
 
-# Tables stay readable when piped (rich would otherwise squeeze them to 80 columns), unless
-# COLUMNS says how wide the output may be.
-out = _Lines(soft_wrap=True, width=None if sys.stdout.isatty() or os.environ.get("COLUMNS")
-             else 160)
+out = _Lines(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
 
 BrokerOpt = Annotated[str, typer.Option(

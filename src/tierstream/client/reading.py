@@ -144,6 +144,10 @@ def _of_partition(bound: Offset | StreamCut | None, p: int) -> Offset | None:
 
 def _partition_of(partition: int | None, *bounds: Offset | None) -> int | None:
     """The partition a read is about: ``partition``, or the one its position bounds name."""
+    if partition is not None and (isinstance(partition, bool) or not isinstance(
+            partition, int) or partition < 0):
+        raise ConfigError(f"invalid partition {partition!r}: expected a partition number "
+                          ">= 0, or None for all")
     named = {b.position.partition for b in bounds
              if b is not None and b.kind is OffsetKind.POSITION and b.position is not None}
     if partition is not None:
