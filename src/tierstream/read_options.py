@@ -103,7 +103,7 @@ class ReadOptions:
         if end_bound is None:
             raise ConfigError("end=None is an unbounded read: use tail() for that")
         return replace(parsed, start=as_bound(start, "start") or Offset.earliest(),
-                       end=end_bound, key_ranges=_count(key_ranges, "key_ranges"),
+                       end=end_bound, key_ranges=_count(key_ranges, "number of key ranges"),
                        max_split_bytes=parse_size(max_split_bytes, what="max_split_bytes"),
                        reader=ReaderKind.parse(reader) if isinstance(reader, str) else reader,
                        fail_on_data_loss=fail_on_data_loss,

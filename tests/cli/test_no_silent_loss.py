@@ -183,7 +183,7 @@ def test_the_python_api_names_the_argument_of_a_mistake(broker: BrokerProcess,
         tierstream.read(123, broker=broker.url)  # type: ignore[arg-type]
     for kwargs, needle in (({"partitions": 7}, "invalid partitions 7"),
                            ({"max_split_bytes": "x"}, "invalid max_split_bytes 'x'"),
-                           ({"key_ranges": "x"}, "invalid key_ranges 'x'")):
+                           ({"key_ranges": "x"}, "invalid number of key ranges 'x'")):
         with pytest.raises(ConfigError, match=needle):
             tierstream.plan("acme/web/api", broker=broker.url, **kwargs)
     with pytest.raises(ConfigError, match="invalid partition 'x'"):

@@ -60,19 +60,17 @@ app.add_typer(topic_app, name="topic")
 
 
 class _Lines(Console):
-    """stdout: on a terminal, as wide as it is; piped, as wide as COLUMNS says when the
-    command runs, else 160 (rich would squeeze tables to 80). Its lines end at their last
-    character: rich pads every table cell to its column, so a table without borders left
-    blanks at the end of most lines (14 of ``broker stats``'s, piped into a file)."""
+    """stdout: on a terminal, as wide as it is; piped, 160 columns (rich would squeeze
+    tables to 80, or to a COLUMNS that a parent process left behind). Its lines end at their
+    last character: rich pads every table cell to its column, so a table without borders
+    left blanks at the end of most lines (14 of ``broker stats``'s, piped into a file)."""
 
     @property
     def size(self) -> ConsoleDimensions:
         size = Console.size.fget(self)  # type: ignore[attr-defined]
         if self.is_terminal:
             return size  # type: ignore[no-any-return]
-        columns = os.environ.get("COLUMNS", "")
-        width = int(columns) if columns.isdigit() and int(columns) > 0 else 160
-        return ConsoleDimensions(width, size.height)
+        return ConsoleDimensions(160, size.height)
 
     @size.setter
     def size(self, new_size: tuple[int, int]) -> None:
