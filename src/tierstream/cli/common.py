@@ -4,11 +4,12 @@ and the small formatting helpers."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console, ConsoleDimensions
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from tierstream.cli import help_panel
@@ -65,22 +66,11 @@ class _Lines(Console):
     last character: rich pads every table cell to its column, so a table without borders
     left blanks at the end of most lines (14 of ``broker stats``'s, piped into a file)."""
 
-    @property
-    def size(self) -> ConsoleDimensions:
-        size = Console.size.fget(self)  # type: ignore[attr-defined]
-        if self.is_terminal:
-            return size  # type: ignore[no-any-return]
-        return ConsoleDimensions(160, size.height)
-
-    @size.setter
-    def size(self, new_size: tuple[int, int]) -> None:
-        Console.size.fset(self, new_size)  # type: ignore[attr-defined]
-
     def _render_buffer(self, buffer: Any) -> str:
         return "\n".join(line.rstrip(" ") for line in super()._render_buffer(buffer).split("\n"))
 
 
-out = _Lines(soft_wrap=True)
+out = _Lines(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, soft_wrap=True)
 
 BrokerOpt = Annotated[str, typer.Option(

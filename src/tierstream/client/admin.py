@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from tierstream.client.connection import BrokerClient
-from tierstream.errors import AlreadyExistsError, ConfigError, ConflictError, UnavailableError
+from tierstream.errors import AlreadyExistsError, ConflictError, UnavailableError
 from tierstream.metadata.records import SegmentRecord, TopicRecord
 from tierstream.model.names import TopicName
 from tierstream.model.positions import Position
@@ -70,8 +70,7 @@ class Admin(BrokerClient):
         """Grow ``topic`` to ``partitions`` (a multiple of its count) at one scale event,
         while it is written and read; every reader keeps each key's order across it. The
         same count again changes nothing; fewer is refused (ConfigError)."""
-        if not isinstance(partitions, int) or isinstance(partitions, bool) or partitions < 1:
-            raise ConfigError(f"invalid partition count {partitions!r}: expected an integer >= 1")
+        check_partition_count(partitions, topic)
         return self._topic("set-partitions", topic, partitions=partitions)
 
     def _topic(self, action: str, topic: str, **body: Any) -> TopicRecord:
