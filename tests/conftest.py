@@ -33,6 +33,9 @@ HANG_S = TEST_LIMIT_S + scaled(60)
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("timeout", None) is None:
         config.option.timeout = TEST_LIMIT_S
+    # xdist's workers start with COLUMNS=80, which every command run from a test would
+    # inherit: the CLI follows COLUMNS, so a test that wants a width says it
+    os.environ.pop("COLUMNS", None)
     spark_jvm.configure()  # every Spark of the suite: a JVM for short runs (spark_jvm.py)
     # reads of S3 tiers go through a tier cache (tier/cache.py): the suite's own, not the
     # user's ~/.cache, and gone with the run

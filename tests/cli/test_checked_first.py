@@ -62,6 +62,8 @@ def test_a_mistake_is_one_line_before_any_work(args: list[str], stdin: str | Non
     (["--catalog-uri", "sqlite:////no/such/dir/c.db"], "directory '/no/such/dir' does not"),
     (["--transaction-timeout", "0"], "invalid option 'transactionTimeout'"),
     (["--max-publish-time-ahead", "soon"], "invalid option 'maxPublishTimeAhead'"),
+    (["--max-publish-time-ahead", "-1h"], "invalid option 'maxPublishTimeAhead'"),
+    (["--max-publish-time-ahead", "5"], "a duration needs a unit"),
 ])
 def test_a_broker_option_it_cannot_use_is_refused_before_the_data_dir_is_made(
         option: list[str], needle: str, tmp_path: Path) -> None:
@@ -167,14 +169,13 @@ def test_everyday_reads_and_settings_say_what_they_do(broker: BrokerProcess,
 
 def test_piped_tables_follow_columns_and_end_at_their_last_character(
         broker: BrokerProcess) -> None:
-    """Before: 14 of ``broker stats``'s lines piped into a file ended in blanks. (COLUMNS is
-    not followed when piped: a parent process may leave it behind, 80, as the suite's
-    fork server did.)"""
+    """Before: 14 of ``broker stats``'s lines piped into a file ended in blanks, and its
+    tables were 160 wide whatever COLUMNS said."""
     env = {"TIERSTREAM_BROKER": broker.url or ""}
     run("topic", "create", "acme/web/young", env=env)
     young = run("topic", "stats", "acme/web/young", env=env)  # the broker is seconds old
     assert "s (since the broker started): in" in young.stdout, young.stdout
-    for columns, widest in (("", 160), ("80", 160)):
+    for columns, widest in (("", 160), ("100", 100), ("72", 72)):
         shown = run("broker", "stats", env={**env, "COLUMNS": columns})
         assert shown.returncode == 0, shown.stderr
         lines = shown.stdout.splitlines()

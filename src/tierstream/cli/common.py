@@ -4,12 +4,11 @@ and the small formatting helpers."""
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from tierstream.cli import help_panel
@@ -61,16 +60,29 @@ app.add_typer(topic_app, name="topic")
 
 
 class _Lines(Console):
-    """stdout: on a terminal, as wide as it is; piped, 160 columns (rich would squeeze
-    tables to 80, or to a COLUMNS that a parent process left behind). Its lines end at their
-    last character: rich pads every table cell to its column, so a table without borders
-    left blanks at the end of most lines (14 of ``broker stats``'s, piped into a file)."""
+    """stdout: as wide as COLUMNS says, read as each command prints (not when this module was
+    imported), else on a terminal as wide as it is and piped 160 columns (rich would squeeze
+    tables to 80). Its lines end at their last character: rich pads every
+    table cell to its column, so a table without borders left blanks at the end of most lines
+    (14 of ``broker stats``'s, piped into a file)."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = Console.size.fget(self)  # type: ignore[attr-defined]
+        columns = os.environ.get("COLUMNS", "")
+        if columns.isdigit() and int(columns) > 0:
+            return ConsoleDimensions(int(columns), size.height)
+        return size if self.is_terminal else ConsoleDimensions(160, size.height)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)  # type: ignore[attr-defined]
 
     def _render_buffer(self, buffer: Any) -> str:
         return "\n".join(line.rstrip(" ") for line in super()._render_buffer(buffer).split("\n"))
 
 
-out = _Lines(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+out = _Lines(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
 
 BrokerOpt = Annotated[str, typer.Option(
