@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from tierstream.enumerator import Enumerator, Query
 from tierstream.errors import ConfigError
+from tierstream.model import arguments
 from tierstream.model.names import TopicName
 from tierstream.options import parse_options, parse_size, topic_from_path
 from tierstream.schemas.model import MODES
@@ -105,8 +106,9 @@ class ReadOptions:
         return replace(parsed, start=as_bound(start, "start") or Offset.earliest(),
                        end=end_bound, key_ranges=_count(key_ranges, "number of key ranges"),
                        max_split_bytes=parse_size(max_split_bytes, what="max_split_bytes"),
-                       reader=ReaderKind.parse(reader) if isinstance(reader, str) else reader,
-                       fail_on_data_loss=fail_on_data_loss,
+                       reader=None if reader is None or isinstance(reader, ReaderKind)
+                       else ReaderKind.parse(reader),
+                       fail_on_data_loss=arguments.flag(fail_on_data_loss, "fail_on_data_loss"),
                        partitions=_partitions(partitions))
 
     @classmethod

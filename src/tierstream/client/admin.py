@@ -9,6 +9,7 @@ from typing import Any
 from tierstream.client.connection import BrokerClient
 from tierstream.errors import AlreadyExistsError, ConflictError, UnavailableError
 from tierstream.metadata.records import SegmentRecord, TopicRecord
+from tierstream.model import arguments
 from tierstream.model.names import TopicName
 from tierstream.model.positions import Position
 from tierstream.model.topic_rules import check_new_topic, check_partition_count, check_retention
@@ -46,6 +47,7 @@ class Admin(BrokerClient):
         every message; anything else is refused (here and by the broker) naming the value."""
         check_partition_count(partitions, check_new_topic(topic))
         retention_ms = check_retention(retention_ms)
+        arguments.flag(exist_ok, "exist_ok")
         try:
             return TopicRecord.from_dict(self.action("create-topic", {
                 "topic": topic, "partitions": partitions, "retention_ms": retention_ms}))

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 import pyarrow.flight as flight
 
 from tierstream.errors import ConfigError, NotOwnerError, UnavailableError
+from tierstream.model import arguments
 from tierstream.model.message_format import PRODUCE_SCHEMA
 from tierstream.options import DEFAULT_BROKER_URL, parse_options
 from tierstream.wire.flight import decode, encode, translate_errors
@@ -61,7 +62,8 @@ class BrokerClient:
         self.auth_token: str | None = opts["authToken"]
         self.tls_ca = tls_ca if isinstance(tls_ca, bytes) else read_pem(opts["tlsCa"], "tlsCa")
         headers = call_headers(self.auth_token)
-        self._options = flight.FlightCallOptions(headers=headers, timeout=timeout)
+        self._options = flight.FlightCallOptions(
+            headers=headers, timeout=arguments.seconds(timeout, "timeout", zero_ok=False))
         self._stream_options = flight.FlightCallOptions(headers=headers)
         self._clients: dict[str, Any] = {}
         self._passed_over: dict[str, float] = {}  # url -> until when (fenced())

@@ -20,14 +20,15 @@ from tierstream.client.connection import BrokerClient
 from tierstream.client.reading import check_ranges, flight_batches
 from tierstream.client.retry import Backoff, reconnect_timeout_s, with_reconnect
 from tierstream.errors import AckInDoubtError, ConfigError, TierstreamError, UnavailableError
+from tierstream.model import arguments
 from tierstream.model.message_format import CONSUMER_SCHEMA
 from tierstream.model.names import TopicName
 from tierstream.model.positions import KeyRange, Offset, Position
 from tierstream.model.subscription_type import SubscriptionType
+from tierstream.splits.split import as_bound
 from tierstream.util.fanin import put, start_reader
 from tierstream.util.faults import fault_point
 from tierstream.util.threads import Worker
-from tierstream.util.timeutil import parse_duration_ms
 from tierstream.wire.flight import encode_positions
 
 __all__ = ["Consumer"]
@@ -70,30 +71,25 @@ class Consumer:
                  dead_letter_topic: str | None = None, broker: str | None = None,
                  auth_token: str | None = None, tls_ca: bytes | str | None = None) -> None:
         self.topic = str(TopicName.parse(topic))
-        if not subscription or not isinstance(subscription, str):
-            raise ConfigError(f"invalid subscription name {subscription!r}")
-        self.subscription = subscription
+        self.subscription = arguments.text(subscription, "subscription name")
         self.mode = SubscriptionType.parse(mode, "mode")
         if key_ranges is not None and self.mode != SubscriptionType.KEY_SHARED:
             raise ConfigError(f"key_ranges are for mode='key_shared', not {self.mode!r}")
-        self.key_ranges = None if key_ranges is None else list(key_ranges)
-        ranges = None if self.key_ranges is None else check_ranges(self.key_ranges)
+        ranges = None if key_ranges is None else check_ranges(key_ranges)
+        self.key_ranges = None if ranges is None else [KeyRange(*r) for r in ranges]
         if ranges == []:
             raise ConfigError("key_ranges is empty: give at least one KeyRange, or None to "
                               "split keys among the consumers")
-        if isinstance(receiver_queue_size, bool) or not isinstance(receiver_queue_size, int) \
-                or receiver_queue_size < 1:
-            raise ConfigError(f"invalid receiver_queue_size {receiver_queue_size!r}: expected "
-                              "an integer >= 1")
-        self.ack_timeout = None if ack_timeout is None else _seconds(ack_timeout, "ack_timeout")
-        if self.ack_timeout == 0:
-            raise ConfigError("invalid ack_timeout 0: give None to turn it off")
-        self.nack_delay = _seconds(nack_delay, "nack_delay")
-        if max_redeliveries is not None and (isinstance(max_redeliveries, bool) or not
-                                             isinstance(max_redeliveries, int)
-                                             or max_redeliveries < 1):
-            raise ConfigError(f"invalid max_redeliveries {max_redeliveries!r}: expected an "
-                              "integer >= 1, or None")
+        arguments.positive_int(receiver_queue_size, "receiver_queue_size")
+        self.ack_timeout = arguments.seconds(ack_timeout, "ack_timeout", none_ok=True,
+                                             zero_ok=False)
+        self.nack_delay = arguments.seconds(nack_delay, "nack_delay")
+        arguments.positive_int(max_redeliveries, "max_redeliveries", none_ok=True)
+        start = as_bound(initial, "initial")
+        if start is not None and not isinstance(start, Offset):
+            raise ConfigError(f"invalid initial {initial!r}: expected an Offset, a time or "
+                              "'earliest'/'latest' (a subscription starts at one position "
+                              "in every partition)")
         if dead_letter_topic is not None and max_redeliveries is None:
             raise ConfigError("dead_letter_topic needs max_redeliveries (after how many "
                               "redeliveries a message goes there)")
@@ -104,7 +100,8 @@ class Consumer:
             except ConfigError as exc:
                 raise ConfigError(f"invalid dead-letter topic {dlq!r} ({exc}); pass "
                                   "dead_letter_topic=") from None
-        self.name = consumer_name or f"consumer-{uuid.uuid4().hex[:12]}"
+        self.name = arguments.text(consumer_name, "consumer_name", none_ok=True) \
+            or f"consumer-{uuid.uuid4().hex[:12]}"
         self._id = f"{self.name}/{uuid.uuid4().hex}".encode()
         self._client = BrokerClient(broker, auth_token=auth_token, tls_ca=tls_ca)
         self._admin = Admin(self._client.broker, auth_token=auth_token, tls_ca=self._client.tls_ca)
@@ -128,7 +125,7 @@ class Consumer:
             self._permits = max(1, receiver_queue_size // partitions)
             self._sub: dict[str, Any] = {
                 "name": subscription, "type": self.mode, "consumer": self.name,
-                "initial": (initial or Offset.latest()).to_dict(), "permits": self._permits,
+                "initial": (start or Offset.latest()).to_dict(), "permits": self._permits,
                 "ack_timeout_s": self.ack_timeout, "max_redeliveries": max_redeliveries,
                 "dead_letter_topic": dead_letter_topic, "ranges": ranges}
             # every stream opens before this returns: attach errors (a second exclusive
@@ -249,10 +246,7 @@ class Consumer:
 
     def receive(self, timeout: float | None = None) -> pa.RecordBatch | None:
         """The next batch, or None if none arrived within ``timeout`` seconds."""
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(
-                timeout, (int, float)) or timeout < 0):
-            raise ConfigError(f"invalid timeout {timeout!r}: expected seconds as a number "
-                              ">= 0, or None to wait")
+        timeout = arguments.seconds(timeout, "timeout", none_ok=True)
         while True:
             try:
                 partition, item = self._queue.get(timeout=timeout)
@@ -443,12 +437,3 @@ class Consumer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _seconds(value: float | str, what: str) -> float:
-    if isinstance(value, str):
-        return parse_duration_ms(value, what=what) / 1000
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ConfigError(f"invalid {what} {value!r}: expected seconds >= 0 or a duration "
-                          "such as '30s'")
-    return float(value)

@@ -19,8 +19,8 @@ from tierstream.util.timeutil import parse_time_ms
 if TYPE_CHECKING:
     from tierstream.schemas.codec import Encoder
 
-__all__ = ["Message", "as_message", "check_sequence_ids", "encoded_messages", "routed",
-           "to_batch"]
+__all__ = ["Message", "as_message", "check_sequence_ids", "checked_schema", "encoded_messages",
+           "routed", "to_batch"]
 
 
 @dataclass(frozen=True)
@@ -59,12 +59,14 @@ def check_sequence_ids(messages: list[Message]) -> bool:
         return False
     if len(given) != len(messages):
         raise ConfigError("give every message of a send a sequence_id, or none")
+    for i, seq in enumerate(given):
+        if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < 2**63:
+            raise ConfigError(f"message {i}: sequence_id {seq!r} must be an integer in "
+                              "[0, 2**63)")
     for i, (a, b) in enumerate(itertools.pairwise(given), 1):
-        if not isinstance(b, int) or b < 0 or b <= a:
+        if b <= a:
             raise ConfigError(f"message {i}: sequence_id {b!r} does not increase (the one "
                               f"before is {a!r}): ids must be increasing integers >= 0")
-    if not isinstance(given[0], int) or given[0] < 0:
-        raise ConfigError(f"message 0: sequence_id {given[0]!r} must be an integer >= 0")
     return True
 
 
@@ -77,6 +79,10 @@ def to_batch(messages: list[Message]) -> pa.RecordBatch:
         "properties": [None if m.properties is None else list(m.properties.items())
                        for m in messages],
     }, schema=PRODUCE_SCHEMA)
+
+
+#: the first epoch millisecond past 9999-12-31, the last time a time field may hold
+LAST_MS = 253_402_300_800_000
 
 
 def as_message(i: int, m: Message | Mapping[str, Any]) -> Message:
@@ -108,13 +114,14 @@ def _checked(i: int, m: Message) -> Message:
     for field in ("event_time", "publish_time"):
         value = getattr(m, field)
         if value is None or (isinstance(value, int) and not isinstance(value, bool)
-                             and value >= 0):
+                             and 0 <= value < LAST_MS):
             continue
         if isinstance(value, (str, datetime)):
             times[field] = parse_time_ms(value, what=f"message {i}: {field}")
             continue
-        raise ConfigError(f"message {i}: {field} must be epoch milliseconds (an int >= 0), an "
-                          f"ISO-8601 string or a datetime, got {value!r:.60}")
+        raise ConfigError(f"message {i}: {field} must be epoch milliseconds (an int in "
+                          f"[0, {LAST_MS})), an ISO-8601 string or a datetime, got "
+                          f"{value!r:.60}")
     return replace(m, **times) if times else m
 
 
@@ -122,6 +129,10 @@ def encoded_messages(encoder: Encoder | None, topic: str,
                      messages: Iterable[Message | Mapping[str, Any]]) -> list[Message]:
     """Messages with values encoded by the topic's schema ``encoder`` (all checked before
     any is sent); without one, values must be bytes or text."""
+    if isinstance(messages, str | bytes | Mapping | Message) or not isinstance(messages,
+                                                                          Iterable):
+        raise ConfigError(f"invalid messages {messages!r:.60}: expected a list of messages "
+                          "(Message objects or mappings such as {'value': ..., 'key': ...})")
     out = [as_message(i, m) for i, m in enumerate(messages)]
     if encoder is None:
         for i, m in enumerate(out):
@@ -135,3 +146,12 @@ def encoded_messages(encoder: Encoder | None, topic: str,
     return [Message(encoder.encode(m.value, i), m.key, m.event_time,
                     {**(m.properties or {}), **props}, m.publish_time, m.sequence_id)
             for i, m in enumerate(out)]
+
+
+def checked_schema(schema: Any) -> tuple[str, str | None] | None:
+    """A producer's ``schema`` argument: None, or (type, definition)."""
+    if schema is None or (isinstance(schema, tuple | list) and len(schema) == 2
+                          and isinstance(schema[0], str) and isinstance(schema[1], str | None)):
+        return None if schema is None else (schema[0], schema[1])
+    raise ConfigError(f"invalid schema {schema!r}: expected (type, definition), e.g. "
+                      "('json', None) or ('avro', '<the Avro schema as JSON text>')")

@@ -21,6 +21,7 @@ from tierstream.client.connection import BrokerClient
 from tierstream.client.messages import (
     Message,
     check_sequence_ids,
+    checked_schema,
     encoded_messages,
     routed,
     to_batch,
@@ -36,6 +37,7 @@ from tierstream.errors import (
     TierstreamError,
     UnavailableError,
 )
+from tierstream.model import arguments
 from tierstream.model.message_format import as_produce_batch, key_hash
 from tierstream.model.names import TopicName
 from tierstream.wire.flight import decode, encode, translate_errors
@@ -82,13 +84,11 @@ class Producer:
                  send_timeout: float = 30.0,
                  schema: tuple[str, str | None] | None = None) -> None:
         self.topic = str(TopicName.parse(topic))
-        if batch_size < 1 or max_in_flight < 1:
-            raise ConfigError(f"batch_size ({batch_size}) and max_in_flight ({max_in_flight}) "
-                              "must be >= 1")
-        self.name = name or f"producer-{uuid.uuid4().hex[:12]}"
-        self.batch_size = batch_size
-        self.max_in_flight = max_in_flight
-        self.send_timeout = send_timeout
+        self.name = arguments.text(name, "producer name", none_ok=True) \
+            or f"producer-{uuid.uuid4().hex[:12]}"
+        self.batch_size = arguments.positive_int(batch_size, "batch_size")
+        self.max_in_flight = arguments.positive_int(max_in_flight, "max_in_flight")
+        self.send_timeout = arguments.seconds(send_timeout, "send_timeout", zero_ok=False)
         self._client = BrokerClient(broker, auth_token=auth_token, tls_ca=tls_ca)
         self._admin = Admin(self._client.broker, auth_token=auth_token, tls_ca=self._client.tls_ca)
         self.partitions = self._admin.get_topic(self.topic).partitions
@@ -96,7 +96,7 @@ class Producer:
         self._add_streams()
         self._rr = itertools.count()
         self._acks: list[dict[str, Any]] = []
-        self.encoder = self._schema_encoder(schema)
+        self.encoder = self._schema_encoder(checked_schema(schema))
         self._txn: Transaction | None = None
 
     def __repr__(self) -> str:

@@ -15,6 +15,7 @@ from tierstream.client.admin import Admin
 from tierstream.client.connection import BrokerClient
 from tierstream.client.retry import Backoff, reconnect_timeout_s
 from tierstream.errors import ConfigError, UnavailableError
+from tierstream.model import arguments
 from tierstream.model.data_loss import lost_segments, report_data_loss
 from tierstream.model.names import TopicName
 from tierstream.model.positions import KeyRange, Offset, OffsetKind, Position
@@ -28,10 +29,16 @@ log = logging.getLogger(__name__)
 
 
 def check_ranges(key_ranges: Iterable[KeyRange] | None) -> list[list[int]]:
-    ranges = list(key_ranges or [])
+    """``key_ranges`` (KeyRange objects, or None for every key) as the wire carries them."""
+    if key_ranges is None:
+        return []
+    if isinstance(key_ranges, str | bytes | KeyRange) or not isinstance(key_ranges, Iterable):
+        raise ConfigError(f"invalid key_ranges {key_ranges!r}: expected a list of KeyRange, "
+                          "or None for every key")
+    ranges = list(key_ranges)
     for r in ranges:
         if not isinstance(r, KeyRange):
-            raise ConfigError(f"invalid key range {r!r}: expected a KeyRange")
+            raise ConfigError(f"invalid key range {r!r} in key_ranges: expected a KeyRange")
     return [r.to_list() for r in ranges]
 
 
@@ -57,6 +64,7 @@ def read(topic: str, *, partition: int | None = None,
     """
     start, end = as_bound(start, "start"), as_bound(end, "end")
     check_window(start, end)
+    fail_on_data_loss = arguments.flag(fail_on_data_loss, "fail_on_data_loss")
     return TopicReader(topic, partition=partition, start=start, end=end, key_ranges=key_ranges,
                        broker=broker, auth_token=auth_token, tls_ca=tls_ca,
                        fail_on_data_loss=fail_on_data_loss)

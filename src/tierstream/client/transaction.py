@@ -26,8 +26,9 @@ import pyarrow.flight as flight
 from tierstream.client.admin import Admin
 from tierstream.client.stream_io import StreamIO
 from tierstream.errors import ConfigError, ConflictError, NotFoundError, UnavailableError
+from tierstream.model import arguments
 from tierstream.model.message_format import as_produce_batch, batches_of_about, key_hashes
-from tierstream.model.names import TopicName
+from tierstream.model.names import TopicName, check_txn_id
 from tierstream.wire.flight import decode, translate_errors
 
 if TYPE_CHECKING:
@@ -62,19 +63,20 @@ class Transaction:
                  send_timeout: float = 30.0) -> None:
         if (sink is None) != (batch is None):
             raise ConfigError("a transaction names both a sink and a batch id, or neither")
-        if batch is not None and (not isinstance(batch, int) or batch < 0):
+        if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int)
+                                  or batch < 0):
             raise ConfigError(f"invalid batch id {batch!r}: expected an integer >= 0")
-        self.txn_id = txn_id or uuid.uuid4().hex
+        self.txn_id = uuid.uuid4().hex if txn_id is None else check_txn_id(
+            arguments.text(txn_id, "txn_id"))
         #: how long a staging stream may take to take a batch or answer, as a producer's
-        self.send_timeout = send_timeout
-        self.sink = sink
+        self.send_timeout = arguments.seconds(send_timeout, "send_timeout", zero_ok=False)
+        self.sink = arguments.text(sink, "sink", none_ok=True)
         self.batch = batch
         self._admin = Admin(broker, auth_token=auth_token, tls_ca=tls_ca)
         self._partitions: dict[str, int] = {}
         # a topic's values are encoded by its latest schema, or by the version given here
         # (a producer's own, which it registered)
-        self._encoders: dict[str, Encoder | None] = {
-            str(TopicName.parse(t)): e for t, e in (encoders or {}).items()}
+        self._encoders = _checked_encoders(encoders)
         # per (topic, partition, count routed by): a staging stream, and rows not sent yet
         self._streams: dict[tuple[str, int, int | None], StreamIO] = {}
         self._gathered: dict[tuple[str, int, int | None], list[pa.Table]] = {}
@@ -351,3 +353,14 @@ def _describe(exc_type: type[BaseException], exc: BaseException | None) -> str:
     and first line (``ValueError: bad row``), not ``<class 'ValueError'>``."""
     text = str(exc).strip().splitlines()[0] if exc is not None and str(exc).strip() else ""
     return f"{exc_type.__name__}: {text[:200]}" if text else exc_type.__name__
+
+
+def _checked_encoders(encoders: Any) -> dict[str, Encoder | None]:
+    """``encoders`` by topic name (a producer passes its own)."""
+    if encoders is not None and not isinstance(encoders, Mapping):
+        raise ConfigError(f"invalid encoders {encoders!r:.60}: expected a mapping of topic "
+                          "names to schema encoders")
+    try:
+        return {str(TopicName.parse(t)): e for t, e in (encoders or {}).items()}
+    except ConfigError as exc:
+        raise ConfigError(f"invalid encoders: {exc}") from None

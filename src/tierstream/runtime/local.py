@@ -18,6 +18,7 @@ from typing import Any
 import pyarrow as pa
 
 from tierstream.errors import ConfigError
+from tierstream.model import arguments
 from tierstream.model.message_format import READ_SCHEMA
 from tierstream.model.positions import KeyRange, Offset, OffsetKind
 from tierstream.read_options import BoundLike, ReadOptions, as_bound
@@ -225,6 +226,8 @@ def scan(topic: str | Sequence[str] | None = None, *, parallelism: int | None = 
     ``time_field="event_time"`` makes ``start``/``end`` (times) a window on event_time: the
     whole log up to its latest position is read and filtered (event times are not ordered;
     see ``tierstream/runtime/event_time.py``)."""
+    parallelism = arguments.positive_int(parallelism, "parallelism", none_ok=True)
+    arguments.instance(stats, "stats", ReadStats, "a tierstream.readers.ReadStats, or None")
     window = None
     if check_time_field(time_field) == "event_time":
         if kwargs.get("options") is not None:
