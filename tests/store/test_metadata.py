@@ -35,6 +35,31 @@ def test_a_version_6_store_gains_tier_sizes_and_keeps_its_segments(tmp_path: Pat
         store.close()
 
 
+def test_a_version_17_store_reads_a_retention_stored_as_text(tmp_path: Path) -> None:
+    """Before: ``Admin.set_retention(t, "30d")`` of an older version stored the text, and
+    every topic listing failed (``divmod()``) as did the broker's tier pass. Opened to write,
+    a readable duration becomes milliseconds and anything else no retention (kept, not
+    deleted)."""
+    path = tmp_path / "metadata.db"
+    store = MetadataStore(path)
+    for name in ("a/b/days", "a/b/half", "a/b/odd", "a/b/fine"):
+        store.create_topic(TopicName.parse(name), 1, created_at=1, ensembles=[("bookie-0",)])
+    store.close()
+    with sqlite3.connect(path) as c:  # as an older version let a client store them
+        c.executemany("UPDATE topics SET retention_ms=? WHERE name=?",
+                      [("30d", "a/b/days"), (1.5, "a/b/half"), ("7 parsecs", "a/b/odd"),
+                       (3_600_000, "a/b/fine")])
+        c.execute("UPDATE meta SET value='17' WHERE key='schema_version'")
+    c.close()
+    store = MetadataStore(path)
+    try:
+        assert {t.name: t.retention_ms for t in store.list_topics()} == {
+            "a/b/days": 30 * 86_400_000, "a/b/half": None, "a/b/odd": None,
+            "a/b/fine": 3_600_000}
+    finally:
+        store.close()
+
+
 def test_a_version_7_store_keeps_its_cursors_as_mark_delete_positions(tmp_path: Path) -> None:
     """Version 7 kept, per key range, the next position to read (cumulative acks only): the
     lowest of them is where everything is acknowledged up to."""

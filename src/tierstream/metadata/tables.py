@@ -7,11 +7,17 @@ they do not know (``store.py``).
 
 from __future__ import annotations
 
+import logging
+
+from tierstream.errors import ConfigError
 from tierstream.metadata.backend import Backend, Tx
+from tierstream.model.topic_rules import check_retention
+
+log = logging.getLogger(__name__)
 
 __all__ = ["SCHEMA_VERSION", "create_and_migrate", "ddl"]
 
-SCHEMA_VERSION = 17
+SCHEMA_VERSION = 18
 
 DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -275,3 +281,29 @@ def _migrate(conn: Tx, backend: Backend) -> None:
         if "admin_url" not in backend.columns("brokers"):
             conn.execute("ALTER TABLE brokers ADD COLUMN admin_url TEXT")
         conn.execute("UPDATE meta SET value='17' WHERE key='schema_version'")
+        version = 17
+    if version == 17:  # v18: a retention that is not milliseconds, as versions before
+        # topic_rules.py could store through the Python API ('30d', '7'), broke every topic
+        # listing and the tier pass; SQLite only (a PostgreSQL column refused such text)
+        if backend.dialect == "sqlite":
+            _retention_as_ms(conn)
+        conn.execute("UPDATE meta SET value='18' WHERE key='schema_version'")
+
+
+def _retention_as_ms(conn: Tx) -> None:
+    """Each topic's retention that SQLite kept as text or a float: milliseconds where it
+    reads as a duration with its unit, else none (keep everything: a value that cannot be
+    read never deletes data), each said in the broker's log."""
+    rows = conn.execute("SELECT name, retention_ms FROM topics WHERE typeof(retention_ms) "
+                        "NOT IN ('integer', 'null')").fetchall()
+    for name, stored in rows:
+        try:
+            ms = check_retention(stored)
+        except ConfigError as exc:
+            ms = None
+            log.warning("topic %s: its stored retention %r cannot be read (%s): it now keeps "
+                        "every message; set one with tierstream topic set --retention",
+                        name, stored, exc)
+        else:
+            log.warning("topic %s: its stored retention %r is now %s ms", name, stored, ms)
+        conn.execute("UPDATE topics SET retention_ms=? WHERE name=?", (ms, name))
