@@ -232,8 +232,10 @@ OPTIONS: dict[str, Option] = {
                description="The most partitions a topic may have; larger requests are refused "
                            "before anything is registered."),
         Option(key="maxOpenLedgers", parse=_positive_int, default=512, kind="an integer >= 1",
-               description="Per bookie: how many ledgers hold open files at a time (least "
-                           "recently written ones close theirs and reopen on demand)."),
+               description="Per bookie: how many ledgers hold open files at a time for "
+                           "appends (least recently written ones close theirs and reopen on "
+                           "demand), and as many for reads (one file shared by every read "
+                           "of it; the least recently read that no read uses close)."),
         Option(key="fsync", parse=_bool, default=True, kind="true or false",
                description="fsync bookie writes before acknowledging (turn off only for tests)."),
         Option(key="tierUrl", parse=_string, default=None, env="TIERSTREAM_TIER_URL",

@@ -14,9 +14,11 @@ import sys
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from tierstream.broker.process import BrokerProcess
+from tierstream.client import Admin
 from tierstream.model.message_format import as_produce_batch
 
 from ..store.test_tier import TOPIC, make_store
@@ -58,17 +60,34 @@ def many_segments(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return data_dir
 
 
-@pytest.mark.parametrize("how", ["read", "scan"])
+@pytest.mark.parametrize("how", ["read", "scan", "cli-read", "cli-consume"])
 def test_a_read_of_more_segments_than_open_files_holds_no_descriptor_per_segment(
-        many_segments: Path, how: str) -> None:
-    broker = BrokerProcess(many_segments).start()
+        many_segments: Path, how: str, tmp_path: Path) -> None:
+    """The reading process and the broker serving it are both limited to LIMIT open files;
+    ``cli-consume`` reads every segment through the broker (its reads share one descriptor
+    per ledger file: ``bookie/open_files.py``)."""
+    broker = BrokerProcess(many_segments, open_files=LIMIT).start()
+    limited = ["prlimit", f"--nofile={LIMIT}:{LIMIT}", sys.executable]
     try:
-        done = subprocess.run(["prlimit", f"--nofile={LIMIT}:{LIMIT}", sys.executable, "-c",
-                               _READ, str(many_segments), str(broker.url), how],
-                              capture_output=True, text=True)
+        if how.startswith("cli-"):
+            out = tmp_path / "r.parquet"
+            at = ["--broker", str(broker.url)]
+            done = subprocess.run(
+                [*limited, "-m", "tierstream", "read", TOPIC, "--out", str(out), "--data-dir",
+                 str(many_segments), *at] if how == "cli-read" else
+                [*limited, "-m", "tierstream", "consume", TOPIC, "--to", "latest", *at],
+                capture_output=True, text=True)
+            rows = pq.read_metadata(out).num_rows if how == "cli-read" and \
+                done.returncode == 0 else len(done.stdout.splitlines())
+            ledger_files = 0
+        else:
+            done = subprocess.run([*limited, "-c", _READ, str(many_segments), str(broker.url),
+                                   how], capture_output=True, text=True)
+            rows, ledger_files = map(int, done.stdout.split() or (0, 0))
+        stats = Admin(broker.url).stats()
     finally:
         broker.stop()
     assert done.returncode == 0, done.stderr[-2000:]
-    rows, ledger_files = map(int, done.stdout.split())
     assert rows == 2 * SEGMENTS
     assert ledger_files == 0, f"{ledger_files} ledger files held open by what the read returned"
+    assert all(b["read_files"] <= b["read_files_limit"] for b in stats["bookies"].values())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 from pathlib import Path
 
@@ -145,3 +147,38 @@ def test_entries_before_finds_the_first_entry_reaching_a_time() -> None:
     assert [entries_before(records, t) for t in (0, 9, 10, 15, 29, 30)] == [0, 0, 1, 1, 2, 3]
     assert [entries_before(records, t, by="first") for t in (0, 5, 10, 21, 30)] == [
         0, 1, 1, 3, 3]
+
+
+def _ledger_fds(path: Path) -> int:
+    """Descriptors of this process open on ledger files under ``path``."""
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            held.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return sum(h.startswith(str(path)) and h.endswith(".log") for h in held)
+
+
+def test_reads_of_ledger_files_share_one_descriptor_each_and_keep_few(tmp_path: Path) -> None:
+    """Issue 80: every reader of a ledger (a dispatcher, a broker read stream, a remote
+    reader) opened a file of its own: 50 reads of one segment held 50 descriptors, and reads
+    of 20 segments kept as many as were under way. Now one per file, and at most
+    ``max_open`` kept once no read uses them; a deleted ledger's file is closed at once."""
+    bookie = Bookie("b0", tmp_path, max_open=4)
+    try:
+        for segment_id in range(20):
+            _write(bookie, segment_id, 3)
+            bookie.seal_ledger(segment_id, 2)
+        readers = [bookie.open_reader(7) for _ in range(50)]
+        records = bookie.index(7)
+        assert all(decode_payload(r.read(records[1])) == _entry(7, 1) for r in readers)
+        assert _ledger_fds(tmp_path) == 1  # before: 50
+        for reader in readers:
+            reader.close()
+        for segment_id in range(20):
+            assert len(list(bookie.read_entries(segment_id, bookie.index(segment_id)))) == 3
+        assert _ledger_fds(tmp_path) <= 4
+        bookie.delete_ledger(19)  # the last read: kept open until deleted
+        assert _ledger_fds(tmp_path) <= 3
+    finally:
+        bookie.close()
+    assert _ledger_fds(tmp_path) == 0

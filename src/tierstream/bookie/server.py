@@ -46,6 +46,7 @@ from tierstream.bookie.ledger import (
     parse_frame,
     read_index,
 )
+from tierstream.bookie.open_files import LedgerFiles
 from tierstream.bookie.storage import ledger_paths
 from tierstream.bookie.writes import BookieWrites
 from tierstream.errors import (
@@ -91,8 +92,10 @@ class BookieServer(flight.FlightServerBase):
     def __init__(self, root: str | Path, *, bookie_id: str | None = None,
                  host: str = "127.0.0.1", port: int = 0, auth_token: str | None = None,
                  tls_cert: str | None = None, tls_key: str | None = None,
-                 writable: bool = False, fsync: bool = True) -> None:
+                 writable: bool = False, fsync: bool = True, open_files: int = 512) -> None:
         self.root = Path(root)
+        #: ledger files open for the reads served, shared by them and bounded
+        self.files = LedgerFiles(open_files)
         if not (self.root / "ledgers").is_dir() and not self.root.is_dir():
             raise ConfigError(f"invalid bookie directory {str(root)!r}: it does not exist")
         self.bookie_id = bookie_id or self.root.name
@@ -126,8 +129,8 @@ class BookieServer(flight.FlightServerBase):
             req = decode(ticket.ticket, "bookie ticket")
             self._addressed(req)
             if req.get("op") == "range":
-                batch = self._writes().byte_range(int(req["segment_id"]), int(req["offset"]),
-                                                  int(req["length"]))
+                batch = self._writes().byte_range(self.files, int(req["segment_id"]),
+                                                  int(req["offset"]), int(req["length"]))
                 return flight.RecordBatchStream(pa.Table.from_batches([batch]))
             if req.get("op") != "entries":
                 raise ProtocolError(f"unknown bookie DoGet operation {req.get('op')!r}")
@@ -216,6 +219,7 @@ class BookieServer(flight.FlightServerBase):
         super().shutdown()
         if self.writes is not None:
             self.writes.close()
+        self.files.close()
 
     def _index(self, segment_id: int) -> list[IndexRecord]:
         _, idx = ledger_paths(self.root, segment_id)
@@ -229,8 +233,8 @@ class BookieServer(flight.FlightServerBase):
                  cancelled: Any) -> Iterator[pa.RecordBatch]:
         log_path, _ = ledger_paths(self.root, segment_id)
         try:
-            fd = os.open(log_path, os.O_RDONLY)
-        except FileNotFoundError:
+            handle, fd = self.files.acquire(log_path)
+        except NotFoundError:
             raise server_error(NotFoundError(
                 f"ledger {segment_id} is not on bookie {self.bookie_id}")) from None
         where = f"bookie {self.bookie_id}"
@@ -250,7 +254,7 @@ class BookieServer(flight.FlightServerBase):
                                                       key_range)
                 yield self._batch(group, data, offsets, errors)
         finally:
-            os.close(fd)
+            self.files.release(handle)
 
     def _batch(self, group: list[IndexRecord], data: bytes, offsets: list[int],
                errors: list[str | None]) -> pa.RecordBatch:

@@ -40,6 +40,7 @@ from tierstream.bookie.ledger import (
     write_ledger_files,
 )
 from tierstream.bookie.ledger_reader import LedgerReader
+from tierstream.bookie.open_files import LedgerFiles
 from tierstream.errors import ConflictError, FencedError, NotFoundError, StorageError
 from tierstream.util.durable import fsync_dir
 from tierstream.util.faults import fault_point
@@ -104,6 +105,8 @@ class Bookie:
         self._in_flight: tuple[list[_Append], list[Future[None]]] = ([], [])
         self._closed = False
         self.checksum_failures = 0
+        #: ledger files open for reads, shared and bounded like the ones open for appends
+        self.files = LedgerFiles(max_open)
         #: ledger -> the lowest writer epoch it accepts appends from (fence())
         self._fences: dict[int, int] = {}
         self._thread.start()
@@ -401,6 +404,7 @@ class Bookie:
             self._with_fds.clear()
         for ledger in ledgers:
             _close_fds(ledger)
+        self.files.close()
 
     # -- read side ----------------------------------------------------------------------------
 
@@ -417,7 +421,7 @@ class Bookie:
 
     def open_reader(self, segment_id: int) -> LedgerReader:
         """A reader of one ledger's frames; close it when done. Raises NotFoundError."""
-        return LedgerReader(self.root, self.bookie_id, segment_id,
+        return LedgerReader(self.files, self.root, self.bookie_id, segment_id,
                             on_corrupt=self._count_checksum_failure)
 
     def _count_checksum_failure(self) -> None:
@@ -478,6 +482,7 @@ class Bookie:
     def delete_ledger(self, segment_id: int) -> None:
         for path in ledger_paths(self.root, segment_id):
             path.unlink(missing_ok=True)
+            self.files.forget(path)
         self._fence_path(segment_id).unlink(missing_ok=True)
         self._fences.pop(segment_id, None)
 

@@ -32,6 +32,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from tierstream.bookie.ledger import IndexRecord
+from tierstream.bookie.open_files import LedgerFiles
 from tierstream.bookie.storage import Bookie, ledger_paths
 from tierstream.bookie.wire import ACK_SCHEMA, RECORD_FIELDS, recovered_to
 from tierstream.errors import (
@@ -220,18 +221,19 @@ class BookieWrites:
             return [[getattr(r, f) for f in RECORD_FIELDS] for r in bookie.index(segment_id)]
         raise ProtocolError(f"unknown bookie action {kind!r}")
 
-    def byte_range(self, segment_id: int, offset: int, length: int) -> pa.RecordBatch:
+    def byte_range(self, files: LedgerFiles, segment_id: int, offset: int, length: int
+                   ) -> pa.RecordBatch:
         """Raw bytes of a ledger file (fewer at its end), as one row."""
         log_path, _ = ledger_paths(self.root, segment_id)
         try:
-            fd = os.open(log_path, os.O_RDONLY)
-        except FileNotFoundError:
+            handle, fd = files.acquire(log_path)
+        except NotFoundError:
             raise NotFoundError(f"ledger {segment_id} is not on bookie {self.bookie_id}") \
                 from None
         try:
             data = os.pread(fd, length, offset)
         finally:
-            os.close(fd)
+            files.release(handle)
         return pa.RecordBatch.from_pydict({"data": [data]},
                                           schema=pa.schema([("data", pa.binary())]))
 

@@ -22,7 +22,7 @@ what ``topic_stats.py`` reads, so an idle broker does no work for them:
   ``tierstream_under_replicated_segments`` (``managed_ledger/bookies/repair.py``),
   ``..._one_copy_segments``,
   ``..._no_copy_segments``, ``tierstream_re_replicated_segments_total``,
-  ``tierstream_bookie_available{bookie}``;
+  ``tierstream_bookie_available{bookie}``, ``tierstream_ledger_files_open{bookie}``;
 - Spark queries that report their lag (``spark_adapter.watch_lag``):
   ``tierstream_query_lag_messages{query, query_id, topic, partition}``;
 - the process: ``process_open_fds``, CPU and memory (``prometheus_client``'s own).
@@ -182,9 +182,16 @@ class _Collector:
                                   value=replication["re_replicated"])
         available = GaugeMetricFamily("tierstream_bookie_available",
                                       "1 while a bookie takes writes", labels=["bookie"])
+        read_files = GaugeMetricFamily("tierstream_ledger_files_open",
+                                       "Ledger files a bookie of this process holds open for "
+                                       "reads (shared by them; bounded by maxOpenLedgers)",
+                                       labels=["bookie"])
         for bookie, state in stats["bookies"].items():
             available.add_metric([bookie], 1 if state["available"] else 0)
+            if "read_files" in state:
+                read_files.add_metric([bookie], state["read_files"])
         yield available
+        yield read_files
         checksums = CounterMetricFamily("tierstream_checksum_failures",
                                         "Frames that failed their checksum", labels=["bookie"])
         for bookie, n in stats["checksum_failures"].items():

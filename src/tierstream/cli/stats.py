@@ -222,7 +222,10 @@ def render_broker_stats(stats: dict[str, Any]) -> Table:
          f"offloaded {_age(offload.get('oldest_to_delete_s'))} ago (lag "
          f"{_age(offload.get('deletion_lag_s'))})"),
         ("transactions", ", ".join(f"{v} {k.lower()}" for k, v in txns.items())),
-        ("open files", str(stats.get("open_files"))),
+        ("open files", f"{stats.get('open_files')}" + "".join(
+            f"; {b}: {s['read_files']} ledger file(s) for reads (at most "
+            f"{s['read_files_limit']} kept)" for b, s in (stats.get("bookies") or {}).items()
+            if "read_files" in s)),
         ("uptime", _age(stats.get("uptime_s"))),
         ("recovered segments", str(len(stats.get("recovered_segments") or []))),
         ("replica failures", str(stats.get("replica_failures"))),

@@ -43,7 +43,8 @@ class LocalBookie:
         return True  # it is this process
 
     def state(self) -> dict[str, Any]:
-        return {"where": str(self.storage.root), "host": self.host, "available": True}
+        return {"where": str(self.storage.root), "host": self.host, "available": True,
+                "read_files": self.storage.files.open, "read_files_limit": self.storage.files.limit}
 
     def create_ledger(self, segment_id: int) -> None:
         self.storage.create_ledger(segment_id)
