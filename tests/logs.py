@@ -13,7 +13,7 @@ from typing import Any
 import pyarrow as pa
 
 from tierstream.broker.config import StoreConfig
-from tierstream.broker.server import Broker
+from tierstream.broker.flight.server import Broker
 from tierstream.broker.store import Store
 from tierstream.model.message_format import MESSAGE_SCHEMA, as_produce_batch
 

@@ -98,7 +98,7 @@ def test_the_tree_shows_what_runs_where() -> None:
         assert not (SRC / "broker" / f"{part}.py").exists(), part
     modules = _modules()
     server_side = ("tierstream.broker", "tierstream.managed_ledger", "tierstream.bookie.storage",
-                   "tierstream.metadata.store", "tierstream.broker.offload")
+                   "tierstream.metadata.store", "tierstream.broker.topics.offload")
     for name, path in modules.items():
         if name.startswith("tierstream.client"):
             leaks = sorted(m for m in _imports(path, modules) if m.startswith(server_side))

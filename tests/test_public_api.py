@@ -50,3 +50,15 @@ def test_importing_tierstream_does_not_import_pyspark() -> None:
                           capture_output=True, text=True, timeout=scaled(60))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"
+
+
+def test_the_version_is_the_projects() -> None:
+    """One version: pyproject.toml's, as the package, the CLI and the broker say it."""
+    import tomllib
+    from pathlib import Path
+
+    import tierstream
+    from tierstream.util.version import VERSION
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert tierstream.__version__ == VERSION == project["project"]["version"]

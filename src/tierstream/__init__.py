@@ -20,8 +20,9 @@ from tierstream.model.positions import KeyRange, Offset, Position
 from tierstream.read_options import ReadOptions
 from tierstream.runtime.local import latest_cut, plan, read, scan, tail
 from tierstream.splits.split import ReaderKind, Split, StreamCut
+from tierstream.util.version import VERSION
 
-__version__ = "0.1.0"
+__version__ = VERSION
 
 __all__ = [
     "MESSAGE_SCHEMA",

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tierstream.broker.metrics import MetricsServer
+from tierstream.broker.stats.metrics import MetricsServer
 from tierstream.spark_adapter import register, watch_lag
 from tierstream.spark_adapter.lag import QueryLag
 

@@ -1,4 +1,5 @@
-"""Several brokers serving one store at once (``broker start --cluster``, broker/cluster.py):
+"""Several brokers serving one store at once (``broker start --cluster``,
+broker/cluster/membership.py):
 real broker processes, network bookies and PostgreSQL on loopback."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Transactions on several brokers (issue 52): each partition's rows are staged by its owner,
 the decision is one metadata transaction any broker makes, and each owner shows its entries
-(``broker/txn_owners.py``). Real broker processes, network bookies and PostgreSQL on
+(``broker/transactions/owners.py``). Real broker processes, network bookies and PostgreSQL on
 loopback."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Regression: its lease renewal hung in a statement until the session took the ser
 lease, and a client that named only it hung. Now it lets its partitions go before its lease
 runs out (before the other broker may take them), sends their clients to the other broker,
 says so in one line, and rejoins by itself when the route is back (``metadata/lease.py``,
-``broker/lease_watch.py``). A client that names only it is sent to the other broker.
+``broker/cluster/lease_watch.py``). A client that names only it is sent to the other broker.
 """
 
 from __future__ import annotations

@@ -478,7 +478,7 @@ def test_a_renewal_that_waited_out_an_outage_of_the_store_for_everyone_does_not_
         keeper = threading.Thread(target=lease.keep, args=(stopping,), daemon=True)
         keeper.start()
 
-        def watch() -> None:  # as broker/lease_watch.py does, four times a period
+        def watch() -> None:  # as broker/cluster/lease_watch.py does, four times a period
             while not stopping.wait(0.05):
                 lease.lapse_if_due()
         threading.Thread(target=watch, daemon=True).start()

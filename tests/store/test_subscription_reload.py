@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tierstream.broker.recovery import recover_open_segments
+from tierstream.broker.topics.recovery import recover_open_segments
 from tierstream.client import Admin, Consumer, Producer
 from tierstream.metadata.owner_rows import Owner
 from tierstream.model.positions import Offset

@@ -17,8 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tierstream.broker.config import StoreConfig
-from tierstream.broker.offload import FAULT_POINTS, Offloader
 from tierstream.broker.store import Store
+from tierstream.broker.topics.offload import FAULT_POINTS, Offloader
 from tierstream.errors import AuthError, ConfigError, NotFoundError, UnavailableError
 from tierstream.model.message_format import MESSAGE_SCHEMA, as_produce_batch
 from tierstream.model.names import TopicName

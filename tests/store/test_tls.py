@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tierstream.bookie.server import BookieServer
-from tierstream.broker.server import Broker
+from tierstream.broker.flight.server import Broker
 from tierstream.client import Admin
 from tierstream.enumerator import Enumerator, Query
 from tierstream.errors import AuthError, ConfigError, UnavailableError
@@ -161,7 +161,7 @@ def test_metrics_are_served_over_https_with_the_broker_s_certificate(tmp_path: P
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    from tierstream.broker.metrics import MetricsServer
+    from tierstream.broker.stats.metrics import MetricsServer
 
     cert, key = make_cert(tmp_path)
     with running_log(tmp_path / "data") as log:

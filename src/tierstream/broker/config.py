@@ -68,7 +68,7 @@ class StoreConfig:
     #: a standby: wait for the metadata database held by another broker, and take it over
     #: once that broker was silent this long (PostgreSQL metadata only)
     takeover_after_s: float | None = None
-    #: one of several brokers serving the store (``--cluster``, broker/cluster.py): each
+    #: one of several brokers serving the store (``--cluster``, broker/cluster/membership.py): each
     #: partition owned through a lease that expires this long after its last renewal
     lease_timeout_s: float | None = None
 

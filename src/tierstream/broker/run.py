@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow.flight as flight
 
 from tierstream.broker.config import StoreConfig
-from tierstream.broker.server import Broker
+from tierstream.broker.flight.server import Broker
 from tierstream.broker.store import Store
 from tierstream.errors import (
     ConfigError,
@@ -65,7 +65,7 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
     endpoint of its own (port ``bookie_port_base + i`` for bookie i, or any free port when it
     is 0; same host, token and TLS), registered in metadata under ``advertised_address`` (the
     host readers on other machines use) or ``host``. With ``metrics_port``, Prometheus
-    metrics are served there (``broker/metrics.py``; 0: any free port). With ``pulsar_port``
+    metrics are served there (``broker/stats/metrics.py``; 0: any free port). With ``pulsar_port``
     (0: off), Pulsar clients are served there (``broker/pulsar/server.py``); with TLS
     (``tls_cert``), on ``pulsar_tls_port`` instead (None: 6652; 0: off), as pulsar+ssl, and
     the plain port stays closed, as Flight has no plain port then; ``pulsar_auto_create``:
@@ -122,7 +122,7 @@ def run_broker(config: StoreConfig, *, host: str = "127.0.0.1", port: int = DEFA
             endpoints = serve_bookies(store, host, auth_token, tls_cert, tls_key,
                                        advertised_address, bookie_ports)
         if metrics_port is not None:
-            from tierstream.broker.metrics import MetricsServer
+            from tierstream.broker.stats.metrics import MetricsServer
 
             metrics = MetricsServer(store, broker.subscriptions, broker.streams, broker.lags,
                                     host=metrics_host, port=metrics_port, tls_cert=tls_cert,

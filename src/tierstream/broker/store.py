@@ -15,18 +15,18 @@ from pathlib import Path
 from typing import Any
 
 from tierstream.bookie.storage import Bookie
-from tierstream.broker.auto_scale import AutoScaler
-from tierstream.broker.cluster import Cluster, refuse_beside_a_cluster
+from tierstream.broker.cluster.membership import Cluster, refuse_beside_a_cluster
+from tierstream.broker.cluster.owned_partitions import OwnedPartitions
 from tierstream.broker.config import StoreConfig
 from tierstream.broker.data_dir import lock_data_dir, prepare_data_dir, unlock_data_dir
-from tierstream.broker.growth import Growth
-from tierstream.broker.housekeeping import report_failure, run_housekeeping
-from tierstream.broker.key_routing import KeyRouting
-from tierstream.broker.offload import Offloader
-from tierstream.broker.owned_partitions import OwnedPartitions
-from tierstream.broker.recovery import RecoveryReport, recover_open_segments
-from tierstream.broker.topic_deletion import purge_topic
-from tierstream.broker.transaction_coordinator import TransactionCoordinator
+from tierstream.broker.topics.auto_scale import AutoScaler
+from tierstream.broker.topics.deletion import purge_topic
+from tierstream.broker.topics.growth import Growth
+from tierstream.broker.topics.housekeeping import report_failure, run_housekeeping
+from tierstream.broker.topics.key_routing import KeyRouting
+from tierstream.broker.topics.offload import Offloader
+from tierstream.broker.topics.recovery import RecoveryReport, recover_open_segments
+from tierstream.broker.transactions.coordinator import TransactionCoordinator
 from tierstream.errors import (
     ConfigError,
     FencedError,
@@ -143,7 +143,7 @@ class Store(OwnedPartitions):
         #: written, and checked at every new segment and seal from then on (ownership.py)
         self.owners = PartitionOwners(self.metadata, f"broker-{self.epoch}", self.epoch)
         self.lease = Lease(self.owners, config.lease_timeout_s)  # renewed from the start on
-        #: one of several brokers serving the store (``--cluster``: broker/cluster.py)
+        #: one of several brokers serving the store (``--cluster``: broker/cluster/membership.py)
         self.cluster = None if config.lease_timeout_s is None else \
             Cluster(self, config.lease_timeout_s)
         served: set[tuple[str, int]] | None = None  # this broker's partitions: all, alone
@@ -284,7 +284,7 @@ class Store(OwnedPartitions):
 
     def set_partitions(self, name: str, partitions: int, *, reason: str = "admin"
                        ) -> TopicRecord:
-        """Grow a topic to ``partitions`` (``broker/growth.py``)."""
+        """Grow a topic to ``partitions`` (``broker/topics/growth.py``)."""
         if self.cluster is not None:  # its partitions gathered here first (cluster_topics.py)
             return self.cluster.topics.grow(name, partitions, reason=reason)
         return self.growth.set_partitions(name, partitions, reason=reason)
@@ -373,7 +373,7 @@ class Store(OwnedPartitions):
     def partitions(self, topic: str, *, serving: bool = False) -> list[PartitionLog]:
         """The partitions tierstream's readers see; with ``serving``, also those a growth
         announced to the topic's Pulsar clients, which write to them already
-        (``broker/growth.py``)."""
+        (``broker/topics/growth.py``)."""
         record = self.topic(topic)
         count = record.serving if serving else record.partitions
         logs = [self._logs.get((record.name, p)) for p in range(count)]

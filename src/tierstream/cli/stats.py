@@ -1,5 +1,5 @@
 """``tierstream topic stats`` and ``tierstream broker stats``: what the broker is doing, as
-``pulsar-admin topics stats`` and ``broker-stats`` show it (``broker/topic_stats.py``)."""
+``pulsar-admin topics stats`` and ``broker-stats`` show it (``broker/stats/topic_stats.py``)."""
 
 from __future__ import annotations
 

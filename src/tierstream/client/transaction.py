@@ -1,5 +1,5 @@
 """The client side of a transaction: stage rows to any partitions of any topics, then commit
-them all at once, or abort. ``broker/transaction_coordinator.py`` is the broker side and says
+them all at once, or abort. ``broker/transactions/coordinator.py`` is the broker side and says
 why a commit is atomic and crash-safe.
 
 ::

@@ -2,7 +2,7 @@
 the first entry of an undecided transaction (Pulsar's max read position) or while a commit
 holds the partition; entries of aborted transactions, or written again elsewhere, skipped.
 A mixin of :class:`~tierstream.managed_ledger.partition_log.PartitionLog` over its state;
-``broker/transaction_coordinator.py`` says how transactions use it.
+``broker/transactions/coordinator.py`` says how transactions use it.
 """
 
 from __future__ import annotations

@@ -81,6 +81,10 @@ class Backend(Protocol):
     def refresh_statistics(self) -> None:
         """Let the engine's planner see the tables as they are now (after bulk changes)."""
 
+    def name_sessions(self, application: str) -> None:
+        """Name this backend's sessions on its server (who holds them: a cluster's brokers
+        are found so); nothing where the engine has no server."""
+
     def close(self) -> None: ...
 
 
@@ -151,6 +155,9 @@ class SqliteBackend:
     def refresh_statistics(self) -> None:
         """Nothing: the planning query's plan does not depend on SQLite's statistics (it
         fixes its join order; ``store.py``)."""
+
+    def name_sessions(self, application: str) -> None:
+        """Nothing: a SQLite file has no server and no sessions."""
 
     def close(self) -> None:
         with self._lock:

@@ -9,7 +9,7 @@ doing meanwhile: a renewal does not always fail, it can hang — a network that 
 every packet to PostgreSQL, and only those (bookies and clients still reach the broker),
 holds a statement until the session takes its server for gone (``postgres.DEAD_PEER_S``,
 longer than a lease). Hence two threads: the one renewing (:meth:`Lease.keep`), and a watch
-(``broker/lease_watch.py``) that calls :meth:`Lease.lapse_if_due` four times a period: the
+(``broker/cluster/lease_watch.py``) that calls :meth:`Lease.lapse_if_due` four times a period: the
 lease lapses at its deadline, the start of the last renewal that went through plus the
 lease, less a margin of a quarter lease (at most one period) for the others' look and this
 broker's letting go.
@@ -47,7 +47,8 @@ class Lease:
         self.on_lapsed: list[Callable[[str], None]] = []
         #: called on the lease thread by the first renewal that went through after a lapse
         self.on_rejoined: list[Callable[[], None]] = []
-        #: asked once the lease is due for want of the metadata store (broker/cluster.py):
+        #: asked once the lease is due for want of the metadata store
+        #: (broker/cluster/membership.py):
         #: True when it is away for every live broker, so none can take a partition over;
         #: the broker then serves on (``owners.shared_outage``)
         self.everyone_away: Callable[[], bool] | None = None

@@ -23,7 +23,8 @@ which tierstream's clients follow.
 
 A broker serving a store alone (the data directory's lock, or the PostgreSQL advisory lock
 of ``leader_lease.py``) claims every partition when it opens the store, at the epoch it opened
-it under. Brokers of a cluster (``broker start --cluster``, ``broker/cluster.py``) claim the
+it under. Brokers of a cluster (``broker start --cluster``,
+``broker/cluster/membership.py``) claim the
 partitions no live broker owns (:meth:`PartitionOwners.orphans`,
 :meth:`PartitionOwners.take_over`), each takeover at a new epoch, and place a new topic's
 partitions over the live brokers (:meth:`PartitionOwners.place`): a broker's claims may carry

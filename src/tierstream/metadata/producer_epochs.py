@@ -1,4 +1,4 @@
-"""The topic epoch of each partition's exclusive producers (``broker/producer_access.py``),
+"""The topic epoch of each partition's exclusive producers (``broker/topics/producer_access.py``),
 kept in the metadata store as Pulsar keeps it in the topic's metadata: a producer that lost
 the partition to another is fenced when it comes back even after a broker restart or a
 standby's takeover. One row of ``meta`` per partition that ever had an exclusive producer."""

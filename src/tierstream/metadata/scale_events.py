@@ -2,7 +2,7 @@
 
 The event is one metadata transaction: the topic's new partition count, a new open segment for
 every partition, and the event row naming the first of those segments. The broker seals the
-old open segments before it (``broker/growth.py``), so the event row is the exact boundary.
+old open segments before it (``broker/topics/growth.py``), so the event row is the exact boundary.
 
 A topic whose keys its Pulsar clients route grows in two steps, because a client keeps routing
 by the old count until it looks again: the growth is first **announced** (its clients are told
@@ -52,7 +52,7 @@ def announce_growth(store: MetadataStore, name: str, old: int, new: int, *, at: 
     """The first half of a client-routed topic's growth (one transaction): its Pulsar clients
     are told ``new`` partitions and can write to the new ones (an open segment for each of
     partitions ``old..new-1``, ``ensembles[i]``), while tierstream's readers see ``old``
-    until :func:`record_scale_event` (``broker/growth.py``)."""
+    until :func:`record_scale_event` (``broker/topics/growth.py``)."""
     with store.atomic() as c:
         _check_count(c, name, old)
         c.execute("UPDATE topics SET announced=?, announced_at=? WHERE name=?", (new, at, name))

@@ -21,7 +21,7 @@ __all__ = ["EntryRanges", "KeyRange", "Offset", "OffsetKind", "Position", "cut_e
 
 #: Entry ids of one segment as sorted, disjoint half-open ranges ``((lo, hi), ...)``: the
 #: entries readers skip (aborted or set-aside transaction entries: see
-#: ``broker/transaction_coordinator.py``). Small: one range per run of such entries.
+#: ``broker/transactions/coordinator.py``). Small: one range per run of such entries.
 EntryRanges = tuple[tuple[int, int], ...]
 
 

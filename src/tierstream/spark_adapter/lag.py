@@ -9,7 +9,8 @@ and reports it:
 
 - into the log (``tierstream.spark_adapter.lag``, INFO, one line per batch);
 - to the broker, whose metrics endpoint exports it as
-  ``tierstream_query_lag_messages{query, query_id, topic, partition}`` (``broker/metrics.py``);
+  ``tierstream_query_lag_messages{query, query_id, topic, partition}``
+  (``broker/stats/metrics.py``);
 - to ``on_lag``, if given (``tierstream tail`` prints it on its console).
 
 The listener runs in the driver's Python process, on the thread Spark calls listeners from;

@@ -1,5 +1,5 @@
 """The sink: ``df.write.format("tierstream")`` and ``df.writeStream.format("tierstream")``,
-exactly once through two-phase commit (broker/transaction_coordinator.py).
+exactly once through two-phase commit (broker/transactions/coordinator.py).
 
 Each task attempt stages its rows as one transaction that no reader sees and returns its id;
 the driver commits the batch's transactions in one step, idempotent by (sink id, batch id):

@@ -2,5 +2,5 @@
 
 ``storage.py`` is the tier itself (paths, the key-bucket row layout, reads and deletes);
 ``catalog.py`` keeps each topic's Iceberg table. The broker moves segments here in idempotent
-steps and applies retention (``broker/offload.py``).
+steps and applies retention (``broker/topics/offload.py``).
 """

@@ -4,7 +4,7 @@
   each chunk is a batch of :data:`~tierstream.model.message_format.PRODUCE_SCHEMA` with app metadata
   ``{"seq": n}``; the broker answers each chunk with one metadata message, the JSON of an ack,
   in order, or ``{"error": "[tierstream:<code>] ..."}`` when the next one could not be stored
-  (the producer closes the stream and retries on a new one; see broker/produce_stream.py).
+  (the producer closes the stream and retries on a new one; see broker/flight/produce_stream.py).
 - consume: ``DoGet`` with a ticket ``{"op": "consume", topic, partition, start, end, ...}``; the
   stream has :data:`~tierstream.model.message_format.MESSAGE_SCHEMA`.
 - admin: ``DoAction`` with a JSON body; the result is one JSON document.

@@ -40,22 +40,20 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from tierstream.broker.cluster_topics import ClusterTopics
+from tierstream.broker.cluster.lease_watch import LeaseWatch
+from tierstream.broker.cluster.topics import ClusterTopics
 from tierstream.broker.config import StoreConfig
-from tierstream.broker.growth import Growth
-from tierstream.broker.lease_watch import LeaseWatch
 from tierstream.broker.peers import Peers
-from tierstream.broker.recovery import RecoveryReport, recover_open_segments
-from tierstream.broker.txn_owners import TxnOwners
+from tierstream.broker.topics.growth import Growth
+from tierstream.broker.topics.recovery import RecoveryReport, recover_open_segments
+from tierstream.broker.transactions.owners import TxnOwners
 from tierstream.errors import ConfigError, ConflictError, TierstreamError, UnavailableError
 from tierstream.managed_ledger.bookies.client import BookieClient
-from tierstream.managed_ledger.bookies.remote import RemoteBookie
 from tierstream.managed_ledger.partition_log import PartitionLog
 from tierstream.metadata.bookie_registry import take_writer_epoch
 from tierstream.metadata.leader_lease import BROKER_APPLICATION
 from tierstream.metadata.lease import Lease
 from tierstream.metadata.ownership import MISSED_S, RENEW_S, Owner, PartitionOwners
-from tierstream.metadata.postgres import PostgresBackend
 from tierstream.metadata.records import SegmentRecord, TopicRecord
 from tierstream.metadata.store import MetadataStore
 from tierstream.util.threads import Worker
@@ -139,8 +137,7 @@ class Cluster:
                                 "broker started without --cluster, which serves it alone: "
                                 "stop it, and start every broker of the store with --cluster")
         self.store.owners.join()
-        if isinstance(metadata.backend, PostgresBackend):  # named: see _end_sessions
-            metadata.backend.name_sessions(_session_name(self.store.owners.broker_id))
+        metadata.backend.name_sessions(_session_name(self.store.owners.broker_id))  # _end_sessions
         metadata.owner = self.store.owners  # every new segment and seal checks the owner
         self.watch.look()  # known from the start: asked in an outage of the store
         return set(self.claim())
@@ -197,8 +194,7 @@ class Cluster:
     def _write_under(self, epoch: int) -> None:
         """Fence, recover, seal and delete under ``epoch`` from now on."""
         for bookie in self.store.bookies.values():
-            if isinstance(bookie, RemoteBookie):
-                bookie.epoch = epoch
+            bookie.write_under(epoch)
         self.store.epoch = epoch
 
     def serve(self, partitions: list[tuple[str, int]]) -> list[RecoveryReport]:
@@ -402,7 +398,7 @@ def refuse_beside_a_cluster(metadata: MetadataStore, *, standby: bool) -> None:
     """A broker about to serve the store alone (no ``--cluster``) refuses a store that live
     cluster brokers serve, naming them (ConflictError): it would claim every partition from
     them at once. They are known by their sessions' names (:func:`_session_name`)."""
-    if not isinstance(metadata.backend, PostgresBackend):
+    if metadata.backend.dialect != "postgresql":
         return  # a SQLite store has no cluster
     rows = metadata.query("SELECT DISTINCT application_name FROM pg_stat_activity WHERE "
                           "datname = current_database() AND application_name LIKE ?",

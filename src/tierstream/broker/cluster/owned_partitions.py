@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from tierstream.broker.cluster import Cluster
+from tierstream.broker.cluster.membership import Cluster
 from tierstream.errors import NotOwnerError, UnavailableError
 from tierstream.managed_ledger.partition_log import PartitionLog
 from tierstream.metadata.ownership import Owner, PartitionOwners

@@ -18,8 +18,8 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
-from tierstream.broker.growth import Growth, check_growth
 from tierstream.broker.peers import Peers
+from tierstream.broker.topics.growth import Growth, check_growth
 from tierstream.errors import TierstreamError, UnavailableError
 from tierstream.managed_ledger.partition_log import PartitionLog
 from tierstream.metadata.ownership import PartitionOwners

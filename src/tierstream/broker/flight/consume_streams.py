@@ -1,6 +1,6 @@
 """The broker's read streams (Flight DoGet): bounded reads and tails of a partition, and
 subscription consumers, each counted in the partition's rate out and the broker's streams
-(``topic_stats.py``). A mixin of :class:`~tierstream.broker.server.Broker`."""
+(``topic_stats.py``). A mixin of :class:`~tierstream.broker.flight.server.Broker`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, cast
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from tierstream.broker.admin_actions import check_partition
 from tierstream.broker.subscriptions.attached import ConsumerSettings
 from tierstream.errors import ConfigError, NotFoundError, ProtocolError, TierstreamError
 from tierstream.model.message_format import CONSUMER_SCHEMA, MESSAGE_SCHEMA
@@ -21,16 +22,16 @@ from tierstream.model.subscription_type import SubscriptionType
 from tierstream.wire.flight import decode, server_error
 
 if TYPE_CHECKING:
+    from tierstream.broker.stats.topic_stats import Streams
     from tierstream.broker.store import Store
     from tierstream.broker.subscriptions.registry import Subscriptions
-    from tierstream.broker.topic_stats import Streams
     from tierstream.managed_ledger.partition_log import PartitionLog
 
-__all__ = ["ConsumeStreams", "check_partition", "stream_of"]
+__all__ = ["ConsumeStreams", "stream_of"]
 
 
 class ConsumeStreams:
-    """DoGet of :class:`~tierstream.broker.server.Broker` (a mixin over its state)."""
+    """DoGet of :class:`~tierstream.broker.flight.server.Broker` (a mixin over its state)."""
 
     store: Store
     subscriptions: Subscriptions
@@ -183,9 +184,3 @@ def _ranges(ids: list[int]) -> str:
         else:
             runs.append([i, i])
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "none"
-
-
-def check_partition(position: Position, plog: PartitionLog) -> Position:
-    if position.partition != plog.partition:
-        raise ConfigError(f"position {position} is not in partition {plog.partition}")
-    return position

@@ -2,4 +2,8 @@
 consume paths and the admin REST subset, calling the broker's services (the store,
 subscriptions, schemas, streams). What goes over the wire — frames, commands, message ids,
 message metadata, topic names, error codes — is :mod:`tierstream.pulsar_protocol`, which
-knows nothing of the broker."""
+knows nothing of the broker.
+
+May import: the store, ``admin_actions.py``, ``subscriptions/``, ``topics/``, ``stats/``;
+never ``flight/`` (the other serving surface).
+"""

@@ -4,8 +4,9 @@ grow, list and delete topics, topic stats, subscriptions, delete a subscription.
 Served on ``broker start --admin-port`` (Pulsar's ``webServicePort`` 8080; 8443 over HTTPS
 with the broker's ``--tls-cert``), so ``curl`` scripts and other Pulsar tooling work
 unchanged — the Python client cannot create a partitioned topic itself. Every operation is
-the broker's own admin action (``Broker.call``): the same checks and errors as ``tierstream
-topic create``. Errors are answered as Pulsar's are: an HTTP status and ``{"reason": ...}``.
+the broker's own admin action (``AdminActions.call``): the same checks and errors as
+``tierstream topic create``. Errors are answered as Pulsar's are: an HTTP status and
+``{"reason": ...}``.
 
 Paths, all under ``/admin/v2/persistent``:
 
@@ -62,7 +63,7 @@ from tierstream.pulsar_protocol.names import InvalidTopicName, parse_pulsar_topi
 from tierstream.wire.security import advertised_host
 
 if TYPE_CHECKING:
-    from tierstream.broker.server import Broker
+    from tierstream.broker.admin_actions import AdminActions
 
 __all__ = ["AdminServer"]
 
@@ -104,10 +105,11 @@ def pulsar_name(topic: str, partition: int | None = None) -> str:
 
 
 class AdminServer:
-    """Pulsar's admin REST subset for ``broker`` (a ``Broker``) on ``host:port`` (0: any free
-    port), on a thread of its own; HTTPS with ``tls_cert``/``tls_key``."""
+    """Pulsar's admin REST subset for ``broker`` (the serving broker's admin actions) on
+    ``host:port`` (0: any free port), on a thread of its own; HTTPS with ``tls_cert``/
+    ``tls_key``."""
 
-    def __init__(self, broker: Broker, *, host: str, port: int, auth_token: str | None = None,
+    def __init__(self, broker: AdminActions, *, host: str, port: int, auth_token: str | None = None,
                  advertised: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, pulsar_url: str | None = None,
                  auto_create: bool = False) -> None:
@@ -221,7 +223,7 @@ class AdminServer:
 class _Routes:
     """Paths to broker actions."""
 
-    def __init__(self, broker: Broker, *, pulsar_url: str | None = None,
+    def __init__(self, broker: AdminActions, *, pulsar_url: str | None = None,
                  auto_create: bool = False) -> None:
         self.broker = broker
         self.pulsar_url, self.auto_create = pulsar_url, auto_create

@@ -1,5 +1,5 @@
 """Pulsar's TopicStats JSON (the admin REST's ``.../stats``, ``admin_http.py``) from
-tierstream's topic stats (``broker/topic_stats.py``)."""
+tierstream's topic stats (``broker/stats/topic_stats.py``)."""
 
 from __future__ import annotations
 

@@ -21,7 +21,6 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tierstream import __version__
 from tierstream.broker.pulsar.consume import ConsumePath
 from tierstream.broker.pulsar.produce import ProducePath
 from tierstream.errors import (
@@ -42,11 +41,12 @@ from tierstream.pulsar_protocol.frames import (
 from tierstream.pulsar_protocol.names import parse_pulsar_topic
 from tierstream.pulsar_protocol.replies import error_code, request_id
 from tierstream.pulsar_protocol.schemas import pulsar_schema, schema_version_bytes, version_of
+from tierstream.util.version import VERSION
 
 if TYPE_CHECKING:
+    from tierstream.broker.stats.topic_stats import Streams
     from tierstream.broker.store import Store
     from tierstream.broker.subscriptions.registry import Subscriptions
-    from tierstream.broker.topic_stats import Streams
     from tierstream.metadata.schema_registry import SchemaRegistry
 
 __all__ = ["Connection", "Listener"]
@@ -288,7 +288,7 @@ class Connection:
         version = min(connect.protocol_version, PROTOCOL_VERSION)
         self.connected = True
         self.write(_Cmd(type=_Cmd.CONNECTED, connected=api.CommandConnected(
-            server_version=f"tierstream-{__version__}", protocol_version=version,
+            server_version=f"tierstream-{VERSION}", protocol_version=version,
             max_message_size=MAX_MESSAGE_SIZE)))
 
     def topic_partitions(self, name: str, *, create: bool) -> tuple[str, int, int | None]:

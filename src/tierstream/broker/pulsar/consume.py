@@ -38,9 +38,9 @@ from tierstream.util.faults import fault_point
 from tierstream.util.threads import Worker
 
 if TYPE_CHECKING:
+    from tierstream.broker.stats.topic_stats import Streams
     from tierstream.broker.store import Store
     from tierstream.broker.subscriptions.registry import Subscriptions
-    from tierstream.broker.topic_stats import Streams
     from tierstream.metadata.schema_registry import SchemaRegistry
 
 __all__ = ["ConsumePath", "ConsumerLink"]

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from tierstream.broker.producer_access import MODES
 from tierstream.broker.pulsar.chunks import Assembly
+from tierstream.broker.topics.producer_access import MODES
 from tierstream.errors import StaleRoutingError, TierstreamError
 from tierstream.model.message_format import key_hashes
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
@@ -39,8 +39,8 @@ from tierstream.util.faults import fault_point
 from tierstream.util.threads import Worker
 
 if TYPE_CHECKING:
+    from tierstream.broker.stats.topic_stats import Streams
     from tierstream.broker.store import Store
-    from tierstream.broker.topic_stats import Streams
     from tierstream.metadata.schema_registry import SchemaRegistry
 
 __all__ = ["Link", "ProducePath", "off_hash", "refuse_routing"]
@@ -117,7 +117,7 @@ class ProducePath:
 
     def create(self, req: api.CommandProducer) -> None:
         """PRODUCER: PRODUCER_SUCCESS with the name's last stored sequence id, or ERROR. Its
-        access mode is asked for (``broker/producer_access.py``): a WaitForExclusive producer
+        access mode is asked for (``broker/topics/producer_access.py``): a WaitForExclusive producer
         that must wait is answered PRODUCER_SUCCESS with producer_ready false, and again
         (ready) when the partition is granted, or ERROR if it is fenced meanwhile."""
         stream = None
@@ -284,7 +284,7 @@ class ProducePath:
     def _check_routing(self, rows: Any, topic: str, partition: int, count: int,
                        client: int) -> None:
         """A key where tierstream's hash would not put it makes the topic client-routed
-        (``broker/key_routing.py``); refused if the topic grew, or the client routed by an
+        (``broker/topics/key_routing.py``); refused if the topic grew, or the client routed by an
         older count."""
         found = off_hash(rows, partition, count)
         if found is None:

@@ -15,9 +15,9 @@ from tierstream.options import DEFAULT_PULSAR_PORT
 from tierstream.wire.security import advertised_host
 
 if TYPE_CHECKING:
+    from tierstream.broker.stats.topic_stats import Streams
     from tierstream.broker.store import Store
     from tierstream.broker.subscriptions.registry import Subscriptions
-    from tierstream.broker.topic_stats import Streams
     from tierstream.metadata.schema_registry import SchemaRegistry
 
 __all__ = ["PulsarServer"]

@@ -34,7 +34,7 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from tierstream.broker.topic_stats import (
+from tierstream.broker.stats.topic_stats import (
     QueryLags,
     Streams,
     broker_stats,

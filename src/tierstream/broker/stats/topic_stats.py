@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from tierstream.broker.producer_access import Epochs, ProducerAccess
+from tierstream.broker.topics.producer_access import Epochs, ProducerAccess
 from tierstream.metadata.ownership import Owner
 from tierstream.metadata.records import SegmentRecord, SegmentState
 from tierstream.metadata.transaction_records import TransactionRecords

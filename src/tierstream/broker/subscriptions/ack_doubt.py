@@ -17,8 +17,14 @@ from collections.abc import Callable, Collection
 
 import numpy as np
 
-from tierstream.broker.read_window import DELAYED, DELIVERED, WAITING, Chunk, ReadWindow
 from tierstream.broker.subscriptions.cursor_state import CursorState
+from tierstream.broker.subscriptions.read_window import (
+    DELAYED,
+    DELIVERED,
+    WAITING,
+    Chunk,
+    ReadWindow,
+)
 from tierstream.model.positions import Position
 
 __all__ = ["LoadedCursor", "cumulative_in_doubt", "in_doubt"]

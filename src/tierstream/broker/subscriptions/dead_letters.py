@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import pyarrow as pa
 
-from tierstream.broker.read_window import ACKED, DEAD, Chunk, ReadWindow
 from tierstream.broker.subscriptions.attached import ConsumerSettings
 from tierstream.broker.subscriptions.cursor_state import DeadLetterIntent
 from tierstream.broker.subscriptions.cursor_writer import CursorWriter, Snapshotting
+from tierstream.broker.subscriptions.read_window import ACKED, DEAD, Chunk, ReadWindow
 from tierstream.errors import AlreadyExistsError, TierstreamError
 from tierstream.model.message_format import CONSUMER_SCHEMA, PRODUCE_SCHEMA
 from tierstream.util.faults import fault_point

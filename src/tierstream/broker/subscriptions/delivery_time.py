@@ -17,13 +17,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tierstream.broker.read_window import DELAYED, WAITING, Chunk
+from tierstream.broker.subscriptions.read_window import DELAYED, WAITING, Chunk
 from tierstream.model.message_format import DELIVER_AT
 from tierstream.model.subscription_type import SubscriptionType
 from tierstream.util.timeutil import now_ms
 
 if TYPE_CHECKING:
-    from tierstream.broker.read_window import ReadWindow
+    from tierstream.broker.subscriptions.read_window import ReadWindow
 
 __all__ = ["TIMED", "DeliveryTimes", "delivery_times"]
 

@@ -1,10 +1,10 @@
 """One subscription on one partition: who gets which message, and what is acknowledged.
 
-A reader thread reads the partition from the mark-delete position into the
-:class:`~tierstream.broker.read_window.ReadWindow`; a dispatch pass hands waiting messages to
-consumers, in log order, each up to its permits (its receiver queue). What a consumer holds
-unacknowledged goes back to waiting when it leaves, when its ack timeout passes, or when it
-nacks (after the nack delay), with its redelivery count raised.
+A reader thread reads the partition from the mark-delete position into the read window
+(:class:`~tierstream.broker.subscriptions.read_window.ReadWindow`); a dispatch pass hands
+waiting messages to consumers, in log order, each up to its permits (its receiver queue).
+What a consumer holds unacknowledged goes back to waiting when it leaves, when its ack
+timeout passes, or when it nacks (after the nack delay), with its redelivery count raised.
 
 Key order (``key_shared``, PIP-379) is kept by
 :class:`~tierstream.broker.subscriptions.key_holds.KeyHolds`.
@@ -24,7 +24,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from tierstream.broker.read_window import (
+from tierstream.broker.subscriptions.ack_doubt import LoadedCursor, cumulative_in_doubt, in_doubt
+from tierstream.broker.subscriptions.attached import Attached, ConsumerSettings, check_join
+from tierstream.broker.subscriptions.cursor_state import CursorState, DeadLetterIntent
+from tierstream.broker.subscriptions.dead_letters import DeadLetterSide, IntentRecovery
+from tierstream.broker.subscriptions.delivery_time import TIMED, DeliveryTimes
+from tierstream.broker.subscriptions.dispatcher_figures import DispatcherFigures
+from tierstream.broker.subscriptions.key_holds import KeyHolds
+from tierstream.broker.subscriptions.read_window import (
     ACKED,
     DEAD,
     DELAYED,
@@ -34,13 +41,6 @@ from tierstream.broker.read_window import (
     ReadWindow,
     following,
 )
-from tierstream.broker.subscriptions.ack_doubt import LoadedCursor, cumulative_in_doubt, in_doubt
-from tierstream.broker.subscriptions.attached import Attached, ConsumerSettings, check_join
-from tierstream.broker.subscriptions.cursor_state import CursorState, DeadLetterIntent
-from tierstream.broker.subscriptions.dead_letters import DeadLetterSide, IntentRecovery
-from tierstream.broker.subscriptions.delivery_time import TIMED, DeliveryTimes
-from tierstream.broker.subscriptions.dispatcher_figures import DispatcherFigures
-from tierstream.broker.subscriptions.key_holds import KeyHolds
 from tierstream.broker.subscriptions.selectors import active_for_partition
 from tierstream.errors import ConfigError, ConflictError, TierstreamError
 from tierstream.model.positions import Position

@@ -8,14 +8,14 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from tierstream.broker.read_window import DELIVERED
+from tierstream.broker.subscriptions.read_window import DELIVERED
 from tierstream.model.positions import Position
 from tierstream.model.subscription_type import SubscriptionType
 
 if TYPE_CHECKING:
-    from tierstream.broker.read_window import ReadWindow
     from tierstream.broker.subscriptions.attached import Attached
     from tierstream.broker.subscriptions.key_holds import KeyHolds
+    from tierstream.broker.subscriptions.read_window import ReadWindow
 
 __all__ = ["DispatcherFigures"]
 

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
-from tierstream.broker.read_window import WAITING, Chunk
 from tierstream.broker.subscriptions.attached import Attached, ranges_of
+from tierstream.broker.subscriptions.read_window import WAITING, Chunk
 from tierstream.broker.subscriptions.selectors import slot_owners
 from tierstream.model.message_format import KEY_HASH_SLOTS
 

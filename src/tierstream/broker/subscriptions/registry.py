@@ -120,7 +120,7 @@ class Subscriptions:
                         ) -> Callable[[], bool]:
         """Closed while the growth that made ``partition`` is only announced (its Pulsar
         clients write to it, its parents may still get keys routed by the old count:
-        ``broker/growth.py``), then :meth:`_gate` of the event recorded."""
+        ``broker/topics/growth.py``), then :meth:`_gate` of the event recorded."""
         recorded: list[Callable[[], bool]] = []
 
         def gate() -> bool:

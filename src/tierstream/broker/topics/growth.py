@@ -5,7 +5,7 @@ segments are sealed, one metadata transaction records the new count, the scale e
 open segment for every partition, and the partitions serve again, refusing batches routed by
 the old count (a tierstream producer routes them again).
 
-A topic whose keys its Pulsar clients route (``broker/key_routing.py``) cannot refuse a batch
+A topic whose keys its Pulsar clients route (``broker/topics/key_routing.py``) cannot refuse a batch
 for its routing: the broker cannot compute a client's hash, and a client routes by the old
 count until it looks again (every 60 s). So it grows in two steps, Pravega's rule kept across
 them — a new partition is read only after its parent was read up to the event:

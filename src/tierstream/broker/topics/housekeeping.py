@@ -16,10 +16,10 @@ from tierstream.util.faults import fault_point
 from tierstream.util.timeutil import now_ms
 
 if TYPE_CHECKING:
-    from tierstream.broker.auto_scale import AutoScaler
     from tierstream.broker.config import StoreConfig
-    from tierstream.broker.growth import Growth
-    from tierstream.broker.transaction_coordinator import TransactionCoordinator
+    from tierstream.broker.topics.auto_scale import AutoScaler
+    from tierstream.broker.topics.growth import Growth
+    from tierstream.broker.transactions.coordinator import TransactionCoordinator
     from tierstream.managed_ledger.bookies.repair import Repairer
     from tierstream.managed_ledger.partition_log import PartitionLog
 

@@ -9,7 +9,7 @@ again (every 60 s), and only under tierstream's routing can the broker tell a ke
 it still belongs from one that moved (and refuse the latter). So the first time a Pulsar
 producer stores a key where tierstream's hash would not, the topic is recorded as
 ``client``-routed — unless it grew before, where the key is refused as before — and from then
-on it grows in two steps, announced before it is read (``broker/growth.py``).
+on it grows in two steps, announced before it is read (``broker/topics/growth.py``).
 """
 
 from __future__ import annotations
@@ -57,5 +57,5 @@ class KeyRouting:
                 self._client.add(topic)
                 log.info("%s: a Pulsar producer stored a key where tierstream's hash would "
                          "not; its keys are routed by its clients from now on (it grows in "
-                         "two steps: broker/growth.py)", topic)
+                         "two steps: broker/topics/growth.py)", topic)
         return True

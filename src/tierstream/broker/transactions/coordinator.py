@@ -22,7 +22,7 @@ commit writes again are recorded with its decision (``moved``): recovery reads t
 which staged entries of an open segment to show.
 
 Crash safety: before the decision, a crash leaves the transaction OPEN or PREPARED and its
-entries set aside at recovery (``broker/recovery.py``); a later commit still commits it, or
+entries set aside at recovery (``broker/topics/recovery.py``); a later commit still commits it, or
 the timeout aborts it. After the decision, recovery shows the entries committed in place and
 sets aside those of parts written again, and ``recover`` writes those again: entries already in
 the log are recognised by their (producer, sequence id) exactly like a producer's re-sent
@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from tierstream.broker.old_staging import finish_old_staging
-from tierstream.broker.transaction_parts import (
+from tierstream.broker.transactions.old_staging import finish_old_staging
+from tierstream.broker.transactions.parts import (
     Elsewhere,
     Held,
     Partitions,

@@ -1,5 +1,6 @@
 """What a broker's transactions need of the partitions they stage to (``Partitions``: the
-store; ``Elsewhere``: the owners of partitions other brokers serve, ``broker/txn_owners.py``),
+store; ``Elsewhere``: the owners of partitions other brokers serve,
+``broker/transactions/owners.py``),
 and the steps of staging and applying a commit done on one partition (writing its rows
 again among them)
 (``transaction_coordinator.py`` decides when)."""
@@ -65,7 +66,7 @@ class Partitions(Protocol):
 
 class Elsewhere(Protocol):
     """The owners of partitions this broker does not serve (several brokers: ``--cluster``,
-    ``broker/txn_owners.py``), asked for their part of a transaction."""
+    ``broker/transactions/owners.py``), asked for their part of a transaction."""
 
     def serves(self, topic: str, partition: int) -> bool: ...
 

@@ -50,6 +50,11 @@ class BookieClient(Protocol):
         """What ``broker stats`` says of it."""
         ...
 
+    def write_under(self, epoch: int) -> None:
+        """Fence, recover, seal and delete under the writer ``epoch`` from now on (a bookie
+        of this process checks no epoch: the data directory's lock is its fence)."""
+        ...
+
     def create_ledger(self, segment_id: int) -> None: ...
 
     def append(self, segment_id: int, entry_id: int, meta: dict[str, Any], payload: pa.Buffer,

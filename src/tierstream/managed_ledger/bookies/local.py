@@ -46,6 +46,9 @@ class LocalBookie:
         return {"where": str(self.storage.root), "host": self.host, "available": True,
                 "read_files": self.storage.files.open, "read_files_limit": self.storage.files.limit}
 
+    def write_under(self, epoch: int) -> None:
+        pass  # one process writes this directory: its lock fences the others
+
     def create_ledger(self, segment_id: int) -> None:
         self.storage.create_ledger(segment_id)
 

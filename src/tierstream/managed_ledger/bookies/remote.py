@@ -123,6 +123,9 @@ class RemoteBookie(BookieIdentity):
 
     # -- appends ------------------------------------------------------------------------------
 
+    def write_under(self, epoch: int) -> None:
+        self.epoch = epoch
+
     def create_ledger(self, segment_id: int) -> None:
         """Nothing to do here: the bookie opens a ledger at its first append."""
 
