@@ -9,9 +9,12 @@ about 1,000 segments. The mappings now hold no descriptor (``util/mapped.py``)."
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -91,3 +94,43 @@ def test_a_read_of_more_segments_than_open_files_holds_no_descriptor_per_segment
     assert rows == 2 * SEGMENTS
     assert ledger_files == 0, f"{ledger_files} ledger files held open by what the read returned"
     assert all(b["read_files"] <= b["read_files_limit"] for b in stats["bookies"].values())
+
+
+def _ledger_files_of_processes_below(pid: int) -> tuple[int, int]:
+    """(ledger files open, Python workers of Spark) in the processes under ``pid`` (Spark's
+    Python workers are children of its JVM, itself a child of this process)."""
+    held = workers = 0
+    for task in os.listdir("/proc"):
+        if not task.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            ancestors, at = set(), int(task)
+            while at > 1 and at not in ancestors:
+                ancestors.add(at)
+                at = int(Path(f"/proc/{at}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            if pid not in ancestors or int(task) == pid:
+                continue
+            workers += b"pyspark" in Path(f"/proc/{task}/cmdline").read_bytes()
+            for fd in os.listdir(f"/proc/{task}/fd"):
+                with contextlib.suppress(OSError):
+                    held += os.readlink(f"/proc/{task}/fd/{fd}").endswith((".log", ".idx"))
+    return held, workers
+
+
+def test_a_spark_batch_read_of_many_segments_leaves_no_ledger_file_open(
+        many_segments: Path, spark: Any) -> None:
+    """The Spark source reads splits with the same readers in its Python workers (long-lived:
+    Spark reuses them): after a batch read of every segment they hold no ledger file."""
+    from tierstream.spark_adapter import register
+
+    register(spark)
+    broker = BrokerProcess(many_segments, open_files=LIMIT).start()
+    try:
+        frame = spark.read.format("tierstream").option("topic", TOPIC) \
+            .option("dataDir", str(many_segments)).option("broker", str(broker.url)).load()
+        assert frame.count() == 2 * SEGMENTS
+    finally:
+        broker.stop()
+    held, workers = _ledger_files_of_processes_below(os.getpid())
+    assert workers > 0, "no Python worker of Spark found: the check would see nothing"
+    assert held == 0, f"{held} ledger files held open by Spark's Python workers"
