@@ -46,6 +46,24 @@ def _line_at(broker: BrokerProcess, text: str) -> datetime | None:
     return None
 
 
+def _send_with_pulsar(service_url: str, values: list[str]) -> None:
+    """``values`` sent by the real pulsar-client through ``service_url`` alone, each
+    acknowledged (a send that cannot reach an owner fails within the operation timeout)."""
+    import pulsar
+
+    client = pulsar.Client(service_url, authentication=pulsar.AuthenticationToken(TOKEN),
+                           operation_timeout_seconds=int(scaled(30)),
+                           logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
+    try:
+        producer = client.create_producer(f"persistent://{TOPIC}", batching_enabled=False,
+                                          send_timeout_millis=int(scaled(30) * 1000))
+        for i, value in enumerate(values):
+            producer.send(value.encode(), partition_key=f"k{i}")
+        producer.close()
+    finally:
+        client.close()
+
+
 def _owned(url: str) -> int:
     with Admin(url) as admin:
         return int(admin.stats()["broker"]["partitions_owned"])
@@ -102,9 +120,11 @@ def test_a_broker_cut_off_from_postgresql_alone_lets_go_in_time_and_rejoins(
                 f"A let go at {let_go}, B took over at {taken}"
             assert "sends their clients to" in "".join(a.stderr_tail)
 
-            # a client that names only A is sent to B
+            # a client that names only A is sent to B: tierstream's, and the real Pulsar
+            # client (its lookup through A is redirected to the owner)
             with Producer(TOPIC, broker=a.url, send_timeout=scaled(30)) as producer:
                 producer.send_many({"key": f"k{i}", "value": f"cut{i}"} for i in range(100))
+            _send_with_pulsar(a.pulsar_url, [f"pulsar{i}" for i in range(50)])
 
             subprocess.run([*route, "del", "blackhole", f"{PG_ADDRESS}/32"], check=True)
             wait_for(lambda: _line_at(a, "renews its lease again") is not None,
@@ -115,7 +135,8 @@ def test_a_broker_cut_off_from_postgresql_alone_lets_go_in_time_and_rejoins(
                 assert admin.stats()["broker"]["partitions_owned"] == 0
             values = sorted(bytes(v).decode() for v in
                             read_all(b.url, TOPIC).column("value").to_pylist())
-            wanted = [f"before{i}" for i in range(100)] + [f"cut{i}" for i in range(100)]
+            wanted = [f"before{i}" for i in range(100)] + [f"cut{i}" for i in range(100)] + \
+                [f"pulsar{i}" for i in range(50)]
             assert values == sorted(wanted)
         finally:
             for proc in procs:
