@@ -1,4 +1,5 @@
-"""The README's Python example runs as written, against a real broker."""
+"""The Python examples of the README and the guide (``docs/``) run as written, against a real
+broker."""
 
 from __future__ import annotations
 
@@ -6,17 +7,13 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
+from .guide import section
 from .timing import scaled
-
-README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def _python_block(heading: str) -> str:
-    text = README.read_text()
-    section = text[text.index(heading):]
-    match = re.search(r"```python\n(.*?)```", section, re.S)
+    match = re.search(r"```python\n(.*?)```", section(heading), re.S)
     assert match, f"no python block after {heading!r}"
     return match.group(1)
 

@@ -20,15 +20,13 @@ import pytest
 
 from tierstream.broker.process import BrokerProcess
 
+from .guide import README
 from .timing import scaled
-
-README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def tour_commands() -> list[str]:
-    text = README.read_text()
-    section = text[text.index("## A five-minute tour of the CLI"):]
-    block = re.search(r"```bash\n(.*?)```", section, re.S)
+    tour = README.read_text()[README.read_text().index("## A five-minute tour of the CLI"):]
+    block = re.search(r"```bash\n(.*?)```", tour, re.S)
     assert block
     commands, current = [], ""
     for line in block.group(1).splitlines():

@@ -426,11 +426,10 @@ def test_pulsar_ssl_with_the_brokers_certificate_checked_against_its_ca(
 
 def test_the_readme_example_runs(pulsar_broker: BrokerProcess) -> None:
     import re
-    from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = text[text.index("## Pulsar clients"):]
-    block = re.search(r"```python\n(.*?)```", section, re.S)
+    from ..guide import section
+
+    block = re.search(r"```python\n(.*?)```", section("# Pulsar clients"), re.S)
     assert block
     exec(block.group(1).replace("pulsar://127.0.0.1:6650", pulsar_broker.pulsar_url or ""),
          {})

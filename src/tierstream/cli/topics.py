@@ -172,7 +172,7 @@ def topic_get(
 def _routing_words(routing: str) -> str:
     if routing == "client":
         return ("where its Pulsar clients route them (a producer stored a key elsewhere than "
-                "tierstream's hash): it grows in two steps (README, 'Pulsar clients')")
+                "tierstream's hash): it grows in two steps (docs/pulsar.md)")
     return "by tierstream's hash (murmur3_32 % 65536 % partitions)"
 
 

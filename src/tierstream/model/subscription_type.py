@@ -1,5 +1,5 @@
 """The four subscription types, named as in Pulsar (what each guarantees:
-broker/subscriptions/selectors.py and the README's "Subscriptions")."""
+broker/subscriptions/selectors.py and docs/subscriptions.md)."""
 
 from __future__ import annotations
 

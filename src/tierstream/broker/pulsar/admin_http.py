@@ -285,7 +285,7 @@ class _Routes:
         raise _Answer(HTTPStatus.METHOD_NOT_ALLOWED if rest and rest[-1] in (
             "partitions", "stats", "partitioned-stats", "subscriptions") else
             HTTPStatus.NOT_FOUND, f"{method} {path} is not part of the Pulsar admin subset "
-            "tierstream serves (see README, 'Pulsar clients')")
+            "tierstream serves (see docs/pulsar.md)")
 
     # -- topics -------------------------------------------------------------------------------
 
