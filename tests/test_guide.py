@@ -17,7 +17,7 @@ from tierstream.cli import app
 from tierstream.client import Admin, Producer
 
 from .cli.every_help import commands
-from .guide import blocks, section
+from .guide import blocks, pages, section
 from .test_readme import _runs_ok
 
 
@@ -81,3 +81,16 @@ def test_the_readmes_python_read_runs(broker: BrokerProcess) -> None:
     assert code
     _runs_ok(code.group(1) + "\nassert table.num_rows == 100 and splits\nprint('ok')\n",
              broker.url or "")
+
+
+def test_the_readme_and_the_guide_say_what_is_not_when_or_how_it_was_built() -> None:
+    """No test names or issue numbers (the history is CHANGELOG.md's and the commits'): the
+    architecture page alone names the test files that hold the tree's rules."""
+    wrong = []
+    for page in pages():
+        text = page.read_text()
+        for pattern in (r"\bissue \d+", r"`tests/" if page.name != "architecture.md" else "$^",
+                        r"\btest_[a-z_]{8,}"):
+            wrong += [f"{page.name}: {m.group(0)!r}" for m in re.finditer(pattern, text)
+                      if page.name != "architecture.md" or "test_" not in pattern]
+    assert wrong == [], "\n".join(wrong)
