@@ -433,7 +433,10 @@ def test_reads_of_single_entries_leave_no_ledger_file_open(tmp_path) -> None:
         for t in times:
             admin.position_at_time(TOPIC, 0, t)
         assert read_all(log.url, TOPIC).num_rows == 200
-        assert _ledger_read_fds(log.data_dir) == 0
+        # what stays open is the bookies' shared files (bookie/open_files.py): at most one
+        # per ledger file, however many reads
+        ledgers = len(list(log.data_dir.rglob("*.log")))
+        assert _ledger_read_fds(log.data_dir) <= ledgers
 
 
 def test_readers_see_each_commit_whole(tmp_path) -> None:
