@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +51,12 @@ def test_parquet_and_iceberg_hold_what_the_local_runner_reads(spark: Any, log: A
     truth = _values(ts.read(TOPIC, start=BASE + 150_000, end=BASE + 950_000, **log.kw()))
     assert len(truth) == 800
 
-    files = backfill(spark, _options(log, **window), str(tmp_path / "files"))
+    seen: list[tuple[int, int]] = []
+    files = backfill(spark, _options(log, **window), str(tmp_path / "files"),
+                     progress=lambda done, total: seen.append((done, total)))
     assert files.rows == 800 and files.format == "parquet" and files.table is None
+    # the job's progress watcher is stopped and joined when it ends (its owner: jobs.py)
+    assert "tierstream-spark-progress" not in {t.name for t in threading.enumerate()}
     assert _values(pq.read_table(tmp_path / "files")) == truth
     assert files.bytes_read > 0 and files.bytes_written == sum(
         f.stat().st_size for f in (tmp_path / "files").glob("*.parquet"))

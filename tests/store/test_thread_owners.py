@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -178,6 +179,7 @@ def test_a_network_bookie_whose_journal_fails_stops_saying_why(tmp_path, postgre
 
 _WATCHED = """
 import sys
+import threading
 from tierstream.client import Consumer
 from tierstream.errors import TierstreamError
 from tierstream.model.positions import Offset
@@ -205,3 +207,56 @@ def test_a_consumer_whose_partition_watcher_fails_says_so_at_its_next_receive(
     assert "-watch stopped by an unexpected error" in done.stderr, done.stderr[-3000:]
     assert "receive raised: consumer" in done.stdout, done.stdout
     assert "stopped watching for new partitions" in done.stdout, done.stdout
+
+
+def _new_threads(before: set[int | None]) -> list[str]:
+    """Python threads started since ``before`` and still alive, but the ones C++ threads of
+    gRPC register when they call into Python (``Dummy-N``: not ours to join)."""
+    return sorted(t.name for t in threading.enumerate()
+                  if t.ident not in before and t.is_alive() and not t.name.startswith("Dummy"))
+
+
+def test_no_thread_of_a_broker_is_left_once_it_stops(tmp_path: Path) -> None:
+    """Every thread a broker starts has an owner that stops and joins it (issue 75 §2): its
+    dispatchers' readers, produce streams' ack writers, a transaction's confirmer, the Pulsar
+    listener and admin REST servers, its housekeeping and subscriptions' threads."""
+    import pulsar
+
+    from tierstream.broker.pulsar.admin_http import AdminServer
+    from tierstream.broker.pulsar.server import PulsarServer
+
+    from ..logs import running_log
+
+    before = {t.ident for t in threading.enumerate()}
+    with running_log(tmp_path / "data") as log:
+        listener = PulsarServer(log.store, port=0, schemas=log.broker.schemas,
+                                subscriptions=log.broker.subscriptions,
+                                streams=log.broker.streams)
+        admin_rest = AdminServer(log.broker, host="127.0.0.1", port=0,
+                                 pulsar_url=listener.url)
+        try:
+            with Admin(log.url) as admin:
+                admin.create_topic("a/threads/all", 2)
+            with Producer("a/threads/all", broker=log.url) as producer:
+                producer.send_many({"key": f"k{i}", "value": b"v"} for i in range(100))
+                with producer.transaction():
+                    producer.send_many({"key": f"k{i}", "value": b"t"} for i in range(10))
+            with Consumer("a/threads/all", "s", mode="key_shared", broker=log.url,
+                          initial=Offset.earliest()) as consumer:
+                got = 0
+                while got < 110 and (batch := consumer.receive(timeout=scaled(10))):
+                    got += batch.num_rows
+                    consumer.ack(batch)
+            client = pulsar.Client(listener.url)
+            try:
+                reader = client.subscribe("persistent://a/threads/all", "p",
+                                          initial_position=pulsar.InitialPosition.Earliest)
+                reader.acknowledge(reader.receive(timeout_millis=int(scaled(10) * 1000)))
+            finally:
+                client.close()
+        finally:
+            admin_rest.shutdown()
+            listener.shutdown()
+    assert got == 110
+    wait_for(lambda: not _new_threads(before), timeout=scaled(10),
+             what=f"the broker's threads to end: {_new_threads(before)}")

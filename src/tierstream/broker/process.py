@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from tierstream.errors import UnavailableError
+from tierstream.util.threads import Worker
 
 __all__ = ["FATAL_SIGNAL", "BrokerProcess"]
 
@@ -57,6 +58,7 @@ class BrokerProcess:
         #: the first lines of a fatal-signal report (faulthandler: the CLI turns it on), with
         #: the stack of the thread that crashed: kept whole, the tail may scroll past them
         self.fatal: list[str] = []
+        self._readers: list[Worker] = []  # of its stdout and stderr, once started
 
     def __repr__(self) -> str:
         return f"BrokerProcess(data_dir={str(self.data_dir)!r}, url={self.url!r})"
@@ -113,8 +115,10 @@ class BrokerProcess:
                     self.tracebacks.append(line.strip())
                     in_traceback = False
 
-        threading.Thread(target=read_stdout, daemon=True).start()
-        threading.Thread(target=read_stderr, daemon=True).start()
+        # they end with the process's output: stop() and kill() join them, so what it said
+        # last is in stderr_tail when they return
+        self._readers = [Worker("tierstream-broker-stdout", read_stdout).start(),
+                         Worker("tierstream-broker-stderr", read_stderr).start()]
         deadline = time.monotonic() + timeout
         while not ready.wait(0.05):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -130,17 +134,25 @@ class BrokerProcess:
             return self.proc.returncode if self.proc else 0
         self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(timeout)
+            code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
             raise UnavailableError(f"broker did not stop within {timeout}s of SIGTERM") from None
+        finally:
+            self._join_readers()
+        return code
 
     def kill(self) -> None:
         """SIGKILL: a crash, as far as the store can tell."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        self._join_readers()
+
+    def _join_readers(self) -> None:
+        for reader in self._readers:
+            reader.join(timeout=5)  # a child it started may hold the pipe: not for good
 
     def __enter__(self) -> Self:
         return self.start()

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from tierstream.errors import ERRORS_BY_CODE, ConfigError, TierstreamError
 from tierstream.model.positions import Offset, OffsetKind
 from tierstream.spark_adapter.driver_output import launch_driver, mute_driver_output
 from tierstream.splits.split import cuts_to_dict
+from tierstream.util.threads import Worker
 
 __all__ = ["BackfillResult", "backfill", "checkpoint_subscription", "local_spark", "query_error",
            "stop_spark"]
@@ -203,11 +203,9 @@ def _conf(spark: Any, settings: dict[str, str]) -> Iterator[None]:
 @contextmanager
 def _watch(spark: Any, progress: Any) -> Iterator[None]:
     """Report Spark's task counts to ``progress(done, total)`` while the block runs."""
-    stop = threading.Event()
-
     def watch() -> None:
         tracker = spark.sparkContext.statusTracker()
-        while not stop.wait(0.5):
+        while not watcher.stopping.wait(0.5):
             done = total = 0
             for stage_id in tracker.getActiveStageIds():
                 info = tracker.getStageInfo(stage_id)
@@ -217,13 +215,12 @@ def _watch(spark: Any, progress: Any) -> Iterator[None]:
             if progress is not None and total:
                 progress(done, total)
 
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
+    # an error in it (Spark stopping under it) is logged once; the job goes on without bars
+    watcher = Worker("tierstream-spark-progress", watch).start()
     try:
         yield
     finally:
-        stop.set()
-        watcher.join()
+        watcher.stop()
 
 
 def _tidy(data_dir: str) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +26,7 @@ import pyarrow.flight as flight
 from tierstream.errors import ProtocolError, TierstreamError
 from tierstream.managed_ledger.open_segment import PendingAppend
 from tierstream.managed_ledger.partition_log import PartitionLog
+from tierstream.util.threads import Worker
 from tierstream.wire.flight import decode, encode, error_text
 
 __all__ = ["MAX_PIPELINED", "produce_stream"]
@@ -67,8 +67,7 @@ def produce_stream(plog: PartitionLog, reader: flight.MetadataRecordBatchReader,
         with contextlib.suppress(BaseException):
             writer.write(pa.py_buffer(encode({"error": error_text(error)})))
 
-    acks = threading.Thread(target=send_acks, name="tierstream-acks", daemon=True)
-    acks.start()
+    acks = Worker("tierstream-acks", send_acks).start()
     try:
         while not failed:
             try:

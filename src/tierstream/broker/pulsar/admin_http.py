@@ -42,7 +42,6 @@ import json
 import logging
 import socket
 import ssl
-import threading
 import urllib.parse
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -60,6 +59,7 @@ from tierstream.errors import (
     UnavailableError,
 )
 from tierstream.pulsar_protocol.names import InvalidTopicName, parse_pulsar_topic
+from tierstream.util.threads import Worker
 from tierstream.wire.security import advertised_host
 
 if TYPE_CHECKING:
@@ -211,13 +211,12 @@ class AdminServer:
         name = advertised_host(host, advertised)  # not 0.0.0.0: other hosts follow it
         scheme = "https" if context is not None else "http"
         self.url = f"{scheme}://{'[' + name + ']' if ':' in name else name}:{self.port}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
-                                        name="tierstream-pulsar-admin")
-        self._thread.start()
+        self._thread = Worker("tierstream-pulsar-admin", self._server.serve_forever).start()
 
     def shutdown(self) -> None:
-        self._server.shutdown()
+        self._server.shutdown()  # serve_forever returns: the thread ends
         self._server.server_close()
+        self._thread.join()
 
 
 class _Routes:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from tierstream.broker.pulsar.connection import KEEPALIVE_S, Connection, Listener
 from tierstream.options import DEFAULT_PULSAR_PORT
+from tierstream.util.threads import Worker
 from tierstream.wire.security import advertised_host
 
 if TYPE_CHECKING:
@@ -73,15 +74,14 @@ class PulsarServer:
             store=store, schemas=schemas, subscriptions=subscriptions, streams=streams,
             url=self.url, tls=context is not None, auth_token=auth_token,
             auto_create=auto_create)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
-                                        name="tierstream-pulsar-listener")
-        self._thread.start()
+        self._thread = Worker("tierstream-pulsar-listener", self._server.serve_forever).start()
 
     def shutdown(self) -> None:
         """Stop accepting, tell every connected producer to go (CLOSE_PRODUCER: its client
         looks the topic up again and reconnects when a broker serves it), close."""
-        self._server.shutdown()
+        self._server.shutdown()  # serve_forever returns: the thread ends
         self._server.server_close()
+        self._thread.join()
         with self._lock:
             connections = list(self._connections)
         for connection in connections:

@@ -45,6 +45,7 @@ from tierstream.broker.subscriptions.selectors import active_for_partition
 from tierstream.errors import ConfigError, ConflictError, TierstreamError
 from tierstream.model.positions import Position
 from tierstream.model.subscription_type import SubscriptionType
+from tierstream.util.threads import Worker
 
 if TYPE_CHECKING:
     from tierstream.broker.subscriptions.cursor_writer import CursorWriter
@@ -106,10 +107,11 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
         #: earlier messages were acknowledged (broker/subscriptions/registry.py); then it is dropped
         self.gate: Callable[[], bool] | None = None
         self._gated = False
-        self._reader = threading.Thread(target=self._read_loop, daemon=True,
-                                        name=f"tierstream-dispatch-{self.topic}-"
-                                             f"{self.partition}-{subscription}")
-        self._reader.start()
+        # an error nobody foresaw ends the reads: its consumers are let go (_end), to attach
+        # again to a dispatcher that reads
+        self._reader = Worker(f"tierstream-dispatch-{self.topic}-{self.partition}-"
+                              f"{subscription}", self._read_loop,
+                              on_error=lambda _: self._end()).start()
 
     # -- consumers ----------------------------------------------------------------------------
 
@@ -232,10 +234,6 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
                                 exc)
                 self._stop.wait(pause)
                 pause = min(pause * 2, _READ_RETRY_MAX_S)
-            except Exception:
-                log.exception("%s partition %d subscription %s: reader failed", self.topic,
-                              self.partition, self.subscription)
-                return self._end()
 
     def _end(self) -> None:
         """No more reads through this dispatcher: its consumers are let go (their streams

@@ -26,6 +26,7 @@ from tierstream.model.message_format import (
     key_hashes,
 )
 from tierstream.util.faults import crash_point
+from tierstream.util.threads import Worker
 
 if TYPE_CHECKING:
     from tierstream.managed_ledger.partition_log import PartitionLog
@@ -98,8 +99,7 @@ def stage_entries(plog: PartitionLog, txn_id: str, batches: Iterable[pa.RecordBa
             except BaseException as exc:  # raised in the stream's thread
                 failed.append(exc)
 
-    confirmer = threading.Thread(target=confirm, name="tierstream-stage", daemon=True)
-    confirmer.start()
+    confirmer = Worker("tierstream-stage", confirm).start()
     try:
         for batch in batches:
             checked = as_produce_batch(batch)
