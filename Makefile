@@ -46,7 +46,7 @@ chaos: $(STAMP)
 		tests/spark_adapter/test_spark_exactly_once.py::test_sigkilled_streaming_query_restarts_exactly_once
 	TIERSTREAM_FUZZ_SECONDS=120 $(PY) -m pytest -p no:cacheprovider tests/pulsar_wire/test_pulsar_fuzz.py
 	$(PY) -m pytest -p no:cacheprovider -m chaos tests/spark_adapter/test_cluster.py
-	$(PY) -m pytest -p no:cacheprovider -m chaos tests/store/test_lease_lapse.py
+	$(PY) -m pytest -p no:cacheprovider -m chaos tests/store/test_network_namespaces.py -k lapsed_and_was_renewed
 
 bench: $(STAMP)
 	$(PY) -m bench all

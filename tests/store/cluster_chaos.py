@@ -27,7 +27,7 @@ After each fault both producers must get more acknowledgements and a transaction
 commit. At the end every acknowledged message is read once, in per-key order, the consumers
 received every one, every key in order, and every committed batch's rows are read once.
 ``--sequence`` replays a fixed list instead (the suite's short version,
-``test_network_hosts.py``).
+``network_hosts.py``).
 """
 
 from __future__ import annotations

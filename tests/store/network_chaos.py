@@ -1,5 +1,5 @@
 """``python -m tests.store.network_chaos [--faults N]``: the long version of
-``test_network_hosts.py`` (``make chaos``): a store on five network namespaces (three bookie
+``network_hosts.py`` (``make chaos``): a store on five network namespaces (three bookie
 hosts, two broker hosts, PostgreSQL on the bridge) under a named producer, with N faults
 drawn at random:
 

@@ -3,7 +3,7 @@ on another data directory taking the store over.
 
 Real processes throughout: PostgreSQL (``tests/postgres.py``), ``tierstream bookie serve
 --metadata`` bookies and ``tierstream broker start --network-bookies`` brokers on loopback;
-``test_network_hosts.py`` puts them in network namespaces and cuts a host's network.
+``network_hosts.py`` puts them in network namespaces and cuts a host's network.
 """
 
 from __future__ import annotations

@@ -122,8 +122,13 @@ def test_a_broker_cut_off_from_postgresql_alone_lets_go_in_time_and_rejoins(
 
             # a client that names only A is sent to B: tierstream's, and the real Pulsar
             # client (its lookup through A is redirected to the owner)
-            with Producer(TOPIC, broker=a.url, send_timeout=scaled(30)) as producer:
-                producer.send_many({"key": f"k{i}", "value": f"cut{i}"} for i in range(100))
+            try:
+                with Producer(TOPIC, broker=a.url, send_timeout=scaled(30)) as producer:
+                    producer.send_many({"key": f"k{i}", "value": f"cut{i}"} for i in range(100))
+            except Exception:  # seen once under heavy load: what each broker said then
+                print("=== broker A ===\n" + "".join(a.stderr_tail)[-12000:])
+                print("=== broker B ===\n" + "".join(b.stderr_tail)[-6000:])
+                raise
             _send_with_pulsar(a.pulsar_url, [f"pulsar{i}" for i in range(50)])
 
             subprocess.run([*route, "del", "blackhole", f"{PG_ADDRESS}/32"], check=True)
