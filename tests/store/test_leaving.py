@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import traceback
 from pathlib import Path
 
 import tierstream
@@ -50,8 +51,15 @@ def test_closing_a_local_tail_stops_its_threads_though_nothing_arrives(broker, d
     assert next(it).num_rows > 0
     assert _threads("tierstream-read")
     it.close()
-    wait_for(lambda: not _threads("tierstream-read"), timeout=scaled(10),
-             what="the tail's reader threads to stop")
+    try:
+        wait_for(lambda: not _threads("tierstream-read"), timeout=scaled(10),
+                 what="the tail's reader threads to stop")
+    except AssertionError:  # seen once in a fresh clone: where each one still is
+        frames = sys._current_frames()
+        raise AssertionError("\n".join(
+            f"{t.name}:\n{''.join(traceback.format_stack(frames[t.ident])[-4:])}"
+            for t in threading.enumerate()
+            if t.name.startswith("tierstream-read") and t.ident in frames)) from None
 
 
 def test_a_program_that_breaks_out_of_tail_exits(broker, data_dir) -> None:
