@@ -104,7 +104,8 @@ class ReadOptions:
         if end_bound is None:
             raise ConfigError("end=None is an unbounded read: use tail() for that")
         return replace(parsed, start=as_bound(start, "start") or Offset.earliest(),
-                       end=end_bound, key_ranges=_count(key_ranges, "number of key ranges"),
+                       end=end_bound,
+                       key_ranges=arguments.positive_int(key_ranges, "number of key ranges"),
                        max_split_bytes=parse_size(max_split_bytes, what="max_split_bytes"),
                        reader=None if reader is None or isinstance(reader, ReaderKind)
                        else ReaderKind.parse(reader),
@@ -228,12 +229,6 @@ class ReadOptions:
                      end=self.end, key_ranges=self.key_ranges,
                      max_split_bytes=self.max_split_bytes, reader=self.reader,
                      fail_on_data_loss=self.fail_on_data_loss, partitions=self.partitions)
-
-
-def _count(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"invalid {what} {value!r}: expected an integer >= 1")
-    return value
 
 
 def _partitions(value: object) -> tuple[int, ...] | None:

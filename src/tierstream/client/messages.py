@@ -14,7 +14,7 @@ import pyarrow as pa
 
 from tierstream.errors import ConfigError
 from tierstream.model.message_format import PRODUCE_SCHEMA, key_hashes
-from tierstream.util.timeutil import parse_time_ms
+from tierstream.util.timeutil import LAST_MS, parse_time_ms
 
 if TYPE_CHECKING:
     from tierstream.schemas.codec import Encoder
@@ -79,10 +79,6 @@ def to_batch(messages: list[Message]) -> pa.RecordBatch:
         "properties": [None if m.properties is None else list(m.properties.items())
                        for m in messages],
     }, schema=PRODUCE_SCHEMA)
-
-
-#: the first epoch millisecond past 9999-12-31, the last time a time field may hold
-LAST_MS = 253_402_300_800_000
 
 
 def as_message(i: int, m: Message | Mapping[str, Any]) -> Message:

@@ -1,8 +1,8 @@
 """Checks of the Python API's arguments, shared by its public entries (``tierstream.read`` and
 its kin, the clients): each returns the value in the type the code needs, or raises one
-ConfigError naming the argument and the value. Text the CLI and the Spark options would take
-for the same setting ("30s", "true") is taken here too; anything else is refused at the
-boundary, not found later as a TypeError deep inside.
+ConfigError naming the argument and the value. A duration as the CLI and the Spark options
+take it ("30s") is taken where seconds are; anything else is refused at the boundary, not
+found later as a TypeError deep inside.
 """
 
 from __future__ import annotations

@@ -8,7 +8,11 @@ from datetime import UTC, datetime
 
 from tierstream.errors import ConfigError
 
-__all__ = ["describe_duration", "format_ms", "now_ms", "parse_duration_ms", "parse_time_ms"]
+__all__ = ["LAST_MS", "describe_duration", "format_ms", "now_ms", "parse_duration_ms",
+           "parse_time_ms"]
+
+#: the first epoch millisecond past 9999-12-31: every time tierstream takes is below it
+LAST_MS = 253_402_300_800_000
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)")
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 604_800_000}
@@ -68,7 +72,7 @@ def _not_seconds(n: int, shown: object, what: str) -> int:
 
 
 def _check_range(ms: int, shown: object, what: str) -> int:
-    if not 0 <= ms < 253402300800000:  # 9999-12-31
+    if not 0 <= ms < LAST_MS:
         raise ConfigError(f"invalid {what} {shown!r}: epoch milliseconds must be in [0, 2.5e14)")
     return ms
 
