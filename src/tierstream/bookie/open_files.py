@@ -18,6 +18,7 @@ import os
 import resource
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +44,6 @@ class LedgerFiles:
         self._lock = threading.Lock()
         #: every file open, least recently let go first (a file in use is never closed)
         self._files: OrderedDict[tuple[str, int], _File] = OrderedDict()
-        self.opened = 0  # files opened since start (a reopen after eviction counts again)
 
     @property
     def open(self) -> int:
@@ -72,30 +72,26 @@ class LedgerFiles:
                 found.users += 1
                 return key, found.fd
             self._files[key] = _File(fd, users=1)
-            self.opened += 1
-            for stale in [k for k, f in self._files.items()
-                          if k[0] == key[0] and k != key and not f.users]:
-                os.close(self._files.pop(stale).fd)  # the file it was before a rewrite
-            self._close_unused()
+            self._close_unused(lambda k: k[0] == key[0] and k != key)  # before a rewrite
+            self._close_unused(limit=self.limit)
         return key, fd
 
     def _open(self, path: Path) -> int:
         """A new descriptor of ``path``; out of descriptors, the unused ones kept here are
         closed and it is tried once more."""
-        for attempt in (1, 2):
-            try:
-                return os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                raise NotFoundError(f"no ledger file {path}") from None
-            except OSError as exc:
-                if exc.errno not in (errno.EMFILE, errno.ENFILE):
-                    raise
-                if attempt == 2:
-                    raise StorageError(open_files_hint(str(path))) from None
-                with self._lock:
-                    for key in [k for k, f in self._files.items() if not f.users]:
-                        os.close(self._files.pop(key).fd)
-        raise AssertionError("unreachable")
+        try:
+            return _open_read_only(path)
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+        with self._lock:
+            self._close_unused()
+        try:
+            return _open_read_only(path)
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            raise StorageError(open_files_hint(str(path))) from None
 
     def release(self, key: tuple[str, int]) -> None:
         with self._lock:
@@ -106,15 +102,13 @@ class LedgerFiles:
             if found.users == 0:
                 self._files.move_to_end(key)
                 if not os.path.exists(key[0]):
-                    del self._files[key]  # deleted: free its space now
-                    os.close(found.fd)
-            self._close_unused()
+                    self._close_unused(lambda k: k == key)  # deleted: free its space now
+            self._close_unused(limit=self.limit)
 
     def forget(self, path: Path) -> None:
         """``path`` is deleted or replaced: close what no read uses of it."""
         with self._lock:
-            for key in [k for k, f in self._files.items() if k[0] == str(path) and not f.users]:
-                os.close(self._files.pop(key).fd)
+            self._close_unused(lambda k: k[0] == str(path))
 
     def close(self) -> None:
         with self._lock:
@@ -122,14 +116,21 @@ class LedgerFiles:
                 os.close(found.fd)
             self._files.clear()
 
-    def _close_unused(self) -> None:
-        """Past the limit, close the least recently used files that no read holds."""
-        if len(self._files) <= self.limit:
-            return
-        for key in [k for k, f in self._files.items() if not f.users]:
-            os.close(self._files.pop(key).fd)
-            if len(self._files) <= self.limit:
+    def _close_unused(self, which: Callable[[tuple[str, int]], bool] = lambda _: True, *,
+                      limit: int = 0) -> None:
+        """Close files no read holds, least recently used first, that ``which`` picks, until
+        at most ``limit`` are open (under the lock)."""
+        for key in [k for k, f in self._files.items() if not f.users and which(k)]:
+            if len(self._files) <= limit:
                 return
+            os.close(self._files.pop(key).fd)
+
+
+def _open_read_only(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise NotFoundError(f"no ledger file {path}") from None
 
 
 def _process_limit() -> int:
