@@ -306,3 +306,34 @@ def test_cumulative_acks_of_mixed_key_batches_acknowledge_everything_before(
                  what=f"a backlog of {left} (it is {run.backlog()})")
     finally:
         run.finish([consumer])
+
+
+def test_a_consumers_part_of_a_mixed_key_entry_arrives_as_one_batch(
+        module_broker: BrokerProcess) -> None:
+    """Two consumers subscribed before a backlog of mixed-key entries of 100 is read: each
+    gets its messages of an entry as one batch (a pack, with batch indexes of its own),
+    not message by message, and acknowledging them one by one empties the backlog."""
+    total = 1000
+    topic = _topic(module_broker, 1)
+    run = Run(module_broker, topic)
+    subscribed = [run.subscribe(f"c{n}") for n in range(2)]
+    _write(module_broker, topic, total, 100)
+    alone: list[Any] = []
+    try:
+        deadline = time.monotonic() + scaled(30)
+        while run.distinct() < total and time.monotonic() < deadline:
+            for n, consumer in enumerate(subscribed):
+                try:
+                    msg = consumer.receive(timeout_millis=20)
+                except pulsar.Timeout:
+                    continue
+                run.take(f"c{n}", msg.partition_key(), msg.data(), msg.redelivery_count())
+                if msg.message_id().batch_index() < 0:
+                    alone.append(msg.message_id())
+                consumer.acknowledge(msg)
+        run.check(total)
+        wait_for(lambda: run.backlog() == 0, timeout=scaled(15), what="a backlog of 0")
+    finally:
+        run.finish(subscribed)
+    assert len({name for name, _, _, _ in run.seen}) == 2, "one consumer received everything"
+    assert len(alone) < total // 100, f"{len(alone)} messages came alone, not in a batch"

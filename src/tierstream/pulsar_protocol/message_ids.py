@@ -10,9 +10,11 @@ for an acknowledged one.
 
 Where an entry cannot go out as a batch whose every message the consumer may acknowledge (a
 Key_Shared entry whose keys belong to several consumers, the rest of an entry after part of it
-was acknowledged), each message goes out alone with an id of its own: entryId = 2^62 + entry
-id * 2^20 + batch index. An ack, a negative ack or a redelivery request of such an id is one
-message of the log; the high bit tells these ids from receipts.
+was acknowledged), its messages go out with ids of the broker's own: alone, entryId = 2^62 +
+entry id * 2^20 + batch index, one message of the log; or packed, the consumer's messages of
+the entry as a batch of their own, entryId = 2^62 + 2^61 + entry id * 2^20 + the first one's
+batch index, whose batch indexes only the consumer that was sent it can map back to the log.
+Bit 62 tells these ids from receipts, bit 61 a pack from a message alone.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ from tierstream.model.positions import Position
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 
 __all__ = ["LAST_INDEX", "ack_words", "acked_indexes", "cumulative_end", "id_before", "is_own",
-           "last_message_id", "message_id", "no_message", "position_of", "positions_of",
-           "start_position", "wire_entry_ids"]
+           "last_message_id", "message_id", "no_message", "pack_entry_id", "position_of",
+           "positions_of", "start_position", "wire_entry_ids"]
 
 _OWN = 1 << 62
+_PACK = 1 << 61
 _SIGN = 1 << 63
 _INDEX_BITS = 20
 #: the largest batch index an id can name: "the end of the entry"
@@ -89,18 +92,19 @@ def cumulative_end(mid: api.MessageIdData, partition: int) -> Position | None:
 
 def message_id(segment: int, entry: int, index: int, partition: int) -> api.MessageIdData:
     """The id a consumer sees for one message (see the module's docstring)."""
-    if not 0 <= index < 1 << _INDEX_BITS or not 0 <= entry < 1 << (62 - _INDEX_BITS):
+    if not 0 <= index < 1 << _INDEX_BITS or not 0 <= entry < 1 << (61 - _INDEX_BITS):
         raise ConfigError(f"message ({segment}, {entry}, {index}) has no Pulsar id")
     return api.MessageIdData(ledgerId=segment, entryId=_OWN | entry << _INDEX_BITS | index,
                              partition=partition)
 
 
 def position_of(mid: api.MessageIdData, partition: int) -> Position:
-    """The log position a consumer's message id names: its own message's, or for a receipt's
-    id (a producer's) the entry's first message (a batch index, where given)."""
+    """The log position a consumer's message id names: its own message's (a pack's first:
+    only the consumer it went to maps the rest), or for a receipt's id (a producer's) the
+    entry's first message (a batch index, where given)."""
     entry = int(mid.entryId)
     if _is_own(entry):
-        return Position(partition, int(mid.ledgerId), (entry & (_OWN - 1)) >> _INDEX_BITS,
+        return Position(partition, int(mid.ledgerId), (entry & (_PACK - 1)) >> _INDEX_BITS,
                         entry & ((1 << _INDEX_BITS) - 1))
     return Position(partition, int(mid.ledgerId), entry, max(0, int(mid.batch_index)))
 
@@ -114,7 +118,7 @@ def positions_of(ids: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     given = np.fromiter((m.batch_index for m in ids), np.int64, n)
     own = ((wire & np.uint64(_OWN)) != 0) & (wire < np.uint64(_SIGN))
     low = np.uint64((1 << _INDEX_BITS) - 1)
-    entry = np.where(own, (wire & np.uint64(_OWN - 1)) >> np.uint64(_INDEX_BITS), wire)
+    entry = np.where(own, (wire & np.uint64(_PACK - 1)) >> np.uint64(_INDEX_BITS), wire)
     index = np.where(own, (wire & low).astype(np.int64), np.maximum(given, 0))
     return segment, entry.astype(np.int64), index.astype(np.int64)
 
@@ -124,10 +128,16 @@ def wire_entry_ids(entries: np.ndarray, indexes: np.ndarray) -> np.ndarray:
     message beyond what an id can name."""
     entries, indexes = entries.astype(np.uint64), indexes.astype(np.uint64)
     if len(entries) and (int(indexes.max()) >= 1 << _INDEX_BITS
-                         or int(entries.max()) >= 1 << (62 - _INDEX_BITS)):
+                         or int(entries.max()) >= 1 << (61 - _INDEX_BITS)):
         raise ConfigError(f"a message of entry {int(entries.max())} has no Pulsar id")
     ids: np.ndarray = np.uint64(_OWN) | entries << np.uint64(_INDEX_BITS) | indexes
     return ids
+
+
+def pack_entry_id(entry: int, first: int) -> int:
+    """The entryId of a pack: a consumer's messages of ``entry`` from batch index ``first``
+    on, sent as a batch of their own (see the module's docstring)."""
+    return int(wire_entry_ids(np.array([entry]), np.array([first]))[0]) | _PACK
 
 
 #: -1 as Pulsar's clients write it in an unsigned field: "no ledger", "no entry"

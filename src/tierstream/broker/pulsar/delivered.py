@@ -12,11 +12,14 @@ batch-index acks (the default) acknowledges a batch only once every message of i
 - a reader also gets other parts of an entry as a batch, the messages it is not given masked
   out by the MESSAGE's ``ack_set`` (it acknowledges cumulatively, if at all);
 - anything else (a Key_Shared entry whose keys belong to several consumers, what is left of an
-  entry after part of it was acknowledged) goes out message by message with ids of the
-  broker's own.
+  entry after part of it was acknowledged) goes out as a **pack**: the consumer's messages of
+  the entry as a batch of their own, under an id of the broker's own that this consumer's
+  record maps back (batch index j of the pack is the j-th message it was given); a message
+  that cannot share a batch (its redelivery count differs, it is large, it is the only one)
+  goes out alone, with an id of its own.
 
-An acknowledgement of a batch (``(segment, entry)``, with or without an ``ack_set``) is then
-read against what this consumer was sent of that entry, never more.
+An acknowledgement of a batch or a pack (with or without an ``ack_set``) is then read against
+what this consumer was sent of that entry, never more.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from tierstream.pulsar_protocol.message_ids import (
     acked_indexes,
     cumulative_end,
     is_own,
+    pack_entry_id,
     position_of,
     positions_of,
     wire_entry_ids,
@@ -67,6 +71,10 @@ class Delivered:
         self.unacked: set[_Key] = set()
         #: entries that went out as a batch (or as a receipt's lone message): their size
         self.batches: dict[tuple[int, int], int] = {}
+        #: packs on their way: (segment, the pack's entryId) -> the entry and the batch index
+        #: in the log of each of the pack's messages, in order
+        self.packs: dict[tuple[int, int], tuple[int, list[int]]] = {}
+        self._packs_of: dict[tuple[int, int], set[int]] = {}  # (segment, entry) -> pack ids
 
     # -- sending ------------------------------------------------------------------------------
 
@@ -105,7 +113,7 @@ class Delivered:
             return None  # one frame has one redelivery count
         first = idx[0] == 0 and idx[-1] == b - a - 1
         if not first and not self.reader:
-            return None
+            return self._pack_frames(cols, entry, idx, a, b)
         command = _Cmd(type=_Cmd.MESSAGE, message=api.CommandMessage(
             consumer_id=self.consumer_id, redelivery_count=count, message_id=api.MessageIdData(
                 ledgerId=segment, entryId=entry, partition=self.wire_partition)))
@@ -137,6 +145,40 @@ class Delivered:
         self.batches[(segment, entry)] = size
         self.unacked.update((segment, entry, i) for i in idx)
         return _message_frames(command, meta, payload)
+
+    def _pack_frames(self, cols: dict[str, list[Any]], entry: int, idx: list[int], a: int,
+                     b: int) -> list[bytes] | None:
+        """Rows ``a:b`` of one entry as a pack (see the module's docstring); None where they
+        go out alone."""
+        segment = cols["segment_id"][a]
+        wire = pack_entry_id(entry, idx[0])
+        if b - a < 2 or (segment, wire) in self.packs:
+            return None  # one message; or a pack with its id still on its way
+        if sum(len(v) for v in cols["value"][a:b]) > MAX_MESSAGE_SIZE // 2:
+            return None
+        made = batch_of(cols["key"][a:b], cols["value"][a:b], cols["event_time"][a:b],
+                        cols["properties"][a:b], cols["publish_time"][a])
+        if made is None:
+            return None
+        command = _Cmd(type=_Cmd.MESSAGE, message=api.CommandMessage(
+            consumer_id=self.consumer_id, redelivery_count=cols["redelivery_count"][a],
+            message_id=api.MessageIdData(ledgerId=segment, entryId=wire,
+                                         partition=self.wire_partition)))
+        self.packs[(segment, wire)] = (entry, idx)
+        self._packs_of.setdefault((segment, entry), set()).add(wire)
+        self.unacked.update((segment, entry, i) for i in idx)
+        return _message_frames(command, *made)
+
+    def _of_pack(self, m: api.MessageIdData, *, whole: bool = False) -> list[_Key] | None:
+        """The unacknowledged messages a pack's id names (None: ``m`` names no pack of this
+        consumer's; lock held)."""
+        segment = int(m.ledgerId)
+        pack = self.packs.get((segment, int(m.entryId)))
+        if pack is None:
+            return None
+        entry, idx = pack
+        chosen = range(len(idx)) if whole else acked_indexes(m, len(idx))
+        return [k for k in ((segment, entry, idx[j]) for j in chosen) if k in self.unacked]
 
     def _alone(self, cols: dict[str, list[Any]], entries: np.ndarray, indexes: np.ndarray,
                rows: list[int]) -> list[bytes]:
@@ -181,13 +223,22 @@ class Delivered:
         sent of that entry; one of an entry it holds nothing of counts for nothing (the
         client acknowledges what a connection before this one delivered, which the broker
         gave out again when that connection ended)."""
-        own = [m for m in ids if is_own(m)]
-        segment, entry, index = positions_of(own)
-        keys = list(zip(segment.tolist(), entry.tolist(), index.tolist(), strict=True))
         with self.lock:
+            packed: list[_Key] = []
+            rest = []
             for m in ids:
+                of_pack = self._of_pack(m) if self.packs else None
+                if of_pack is not None:
+                    packed += of_pack
+                else:
+                    rest.append(m)
+            own = [m for m in rest if is_own(m)]
+            segment, entry, index = positions_of(own)
+            keys = list(zip(segment.tolist(), entry.tolist(), index.tolist(), strict=True))
+            for m in rest:
                 if not is_own(m):
                     keys += self._of_batch(m)
+            keys += packed
             self._forget(keys)
         if len(keys) == len(own):
             return segment, entry, index
@@ -196,14 +247,22 @@ class Delivered:
     def acked_through(self, ids: Any) -> Position | None:
         """The last message a cumulative ACK's ids acknowledge (None: none), and everything
         up to it taken off what is unacknowledged."""
-        ends = [end for end in (cumulative_end(m, self.partition) for m in ids)
-                if end is not None]
-        if not ends:
-            return None
-        last = max(ends)
         with self.lock:
+            ends = [end for end in (self._cumulative_end(m) for m in ids) if end is not None]
+            if not ends:
+                return None
+            last = max(ends)
             self._forget([k for k in self.unacked if Position(self.partition, *k) <= last])
         return last
+
+    def _cumulative_end(self, m: api.MessageIdData) -> Position | None:
+        pack = self.packs.get((int(m.ledgerId), int(m.entryId))) if self.packs else None
+        if pack is None:
+            return cumulative_end(m, self.partition)
+        entry, idx = pack
+        acked = acked_indexes(m, len(idx))
+        upto = next((n for n, j in enumerate(acked) if n != j), len(acked))
+        return Position(self.partition, int(m.ledgerId), entry, idx[upto - 1]) if upto else None
 
     def taken_back(self, ids: Any) -> list[Position]:
         """The messages a redelivery request names (all this consumer holds when it names
@@ -214,7 +273,10 @@ class Delivered:
             else:
                 keys = []
                 for m in ids:
-                    if is_own(m):
+                    of_pack = self._of_pack(m, whole=True)
+                    if of_pack is not None:
+                        keys += of_pack
+                    elif is_own(m):
                         p = position_of(m, self.partition)
                         keys.append((p.segment_id, p.entry_id, p.batch_index))
                     else:
@@ -239,6 +301,14 @@ class Delivered:
             if size is not None and not any((segment, entry, i) in self.unacked
                                             for i in range(size)):
                 del self.batches[(segment, entry)]
+            wires = self._packs_of.get((segment, entry))
+            for wire in list(wires or ()):
+                if not any((segment, entry, i) in self.unacked
+                           for i in self.packs[(segment, wire)][1]):
+                    del self.packs[(segment, wire)]
+                    wires.discard(wire)  # type: ignore[union-attr]
+            if wires is not None and not wires:
+                del self._packs_of[(segment, entry)]
 
 
 def _message_frames(command: api.BaseCommand, meta: api.MessageMetadata, payload: bytes
