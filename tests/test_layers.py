@@ -110,8 +110,8 @@ BROKER: dict[str, set[str]] = {
     "(root).store": {"(root).config", "(root).data_dir", "cluster", "topics", "transactions"},
     "subscriptions": {"(root).store"},
     "stats": {"(root).peers", "(root).store", "cluster", "subscriptions", "topics"},
-    "(root).admin_actions": {"(root).store", "cluster", "stats", "subscriptions"},
-    "flight": {"(root).admin_actions", "(root).store", "stats", "subscriptions"},
+    "(root).admin_actions": {"(root).store", "cluster", "stats", "subscriptions", "topics"},
+    "flight": {"(root).admin_actions", "(root).store", "stats", "subscriptions", "topics"},
     "pulsar": {"(root).admin_actions", "(root).store", "stats", "subscriptions", "topics"},
     "(root).run": {"(root).config", "(root).store", "flight", "pulsar", "stats"},
 }

@@ -30,6 +30,7 @@ from tierstream.wire.flight import (
 )
 
 if TYPE_CHECKING:
+    from tierstream.broker.topics.compaction import Compactor
     from tierstream.managed_ledger.partition_log import PartitionLog
 
 __all__ = ["ACTIONS", "AdminActions", "check_partition"]
@@ -45,6 +46,7 @@ class AdminActions:
     schemas: SchemaRegistry
     streams: Streams
     lags: QueryLags
+    compactor: Compactor
 
     def call(self, action: str, body: dict[str, Any]) -> Any:
         """Run one admin action (``ACTIONS``) on ``body``: what Flight's ``do_action`` and
@@ -212,6 +214,12 @@ class AdminActions:
             segment_ids=None if ids is None else {int(i) for i in ids})
         return [s.to_dict() for s in moved]
 
+    def _compact(self, body: dict[str, Any]) -> Any:
+        return self.compactor.start(body["topic"], wait=bool(body.get("wait", True)))
+
+    def _compaction(self, body: dict[str, Any]) -> Any:
+        return self.compactor.status(body["topic"])
+
     def _tier_pass(self, body: dict[str, Any]) -> Any:
         return self.store.tier_pass()
 
@@ -365,6 +373,10 @@ ACTIONS: dict[str, tuple[Any, str]] = {
     "register-bookie": (_A._register_bookie, "Record {bookie, address} (bookie serve)."),
     "offload": (_A._offload, "Offload closed segments of {topic[, older_than_ms, "
                              "segment_ids]}."),
+    "compact": (_A._compact, "Compact the partitions of {topic} served here: the latest "
+                             "message per key up to now, as a snapshot [wait]."),
+    "compaction": (_A._compaction, "{topic}'s compaction: the last run's status and each "
+                                   "partition's snapshot."),
     "tier-pass": (_A._tier_pass, "Apply offload, bookie deletion and retention now."),
     "set-retention": (_A._set_retention, "Set {topic, retention_ms} (null: keep all)."),
     "deleted-segments": (_A._deleted_segments, "Segments removed by retention."),

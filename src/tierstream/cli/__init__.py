@@ -22,6 +22,7 @@ from tierstream.cli import (  # noqa: F401 - registers them
     admin,
     broker,
     cache,
+    compaction,
     produce,
     reads,
     schemas,

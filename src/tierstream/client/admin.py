@@ -175,6 +175,19 @@ class Admin(BrokerClient):
                                       "segment_ids": segment_ids})
         return [segment_record(s) for s in raw]
 
+    def compact(self, topic: str, *, wait: bool = True) -> dict[str, Any]:
+        """Compact ``topic`` (the partitions its broker serves): per partition, the latest
+        message of each key up to now becomes its snapshot. ``wait=False`` starts the run
+        and returns; :meth:`compaction` tells how it went."""
+        arguments.flag(wait, "wait")
+        return dict(self.action("compact", {"topic": str(TopicName.parse(topic)),
+                                            "wait": wait}))
+
+    def compaction(self, topic: str) -> dict[str, Any]:
+        """``topic``'s compaction: the last run's status (NOT_RUN, RUNNING, SUCCESS, ERROR
+        with its error) and each partition's snapshot (horizon, keys, bytes)."""
+        return dict(self.action("compaction", {"topic": str(TopicName.parse(topic))}))
+
     def tier_pass(self) -> dict[str, int]:
         """Apply the broker's offload, bookie-deletion and retention policies now."""
         return dict(self.action("tier-pass"))

@@ -66,6 +66,12 @@ class BrokerMetadata:
     def schema_versions(self, topic: str) -> list[SchemaInfo]:
         return self._admin.list_schemas(topic)[1]
 
+    def compactions(self, topic: str) -> dict[int, Any]:
+        from tierstream.metadata.compactions import CompactionRecord
+
+        snapshots = self._admin.compaction(topic)["snapshots"]
+        return {int(d["partition"]): CompactionRecord.from_dict(d) for d in snapshots}
+
     def bookie_endpoints(self) -> dict[str, str]:
         return self._admin.bookie_endpoints()
 

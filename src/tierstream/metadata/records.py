@@ -39,6 +39,10 @@ class MetadataReader(Protocol):
 
     def schema_versions(self, topic: str) -> list[SchemaInfo]: ...
 
+    def compactions(self, topic: str) -> dict[int, Any]:
+        """Each partition's compaction snapshot (``metadata/compactions.py``)."""
+        ...
+
     def close(self) -> None: ...
 
 

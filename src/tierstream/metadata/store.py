@@ -23,6 +23,7 @@ from tierstream.metadata.backend import (
     Tx,
     UniqueViolation,
 )
+from tierstream.metadata.compactions import compactions_of
 from tierstream.metadata.records import SegmentRecord, SegmentState, TopicRecord
 from tierstream.metadata.segment_rows import (
     SEGMENT_COLUMNS,
@@ -175,7 +176,7 @@ class MetadataStore:
         with self.atomic() as c:
             for table in ("segments", "cursors", "deleted_segments", "dedup", "schemas",
                           "schema_policies", "scale_events", "txn_set_aside",
-                          "partition_owners"):
+                          "partition_owners", "compactions"):
                 c.execute(f"DELETE FROM {table} WHERE topic=?", (name,))
             c.execute("DELETE FROM topics WHERE name=?", (name,))
             owners_changed(c)
@@ -336,6 +337,9 @@ class MetadataStore:
             if any(a.segment_id > b.segment_id for a, b in itertools.pairwise(segs)):
                 segs.sort(key=lambda seg: seg.segment_id)
         return out
+
+    def compactions(self, topic: str) -> dict[int, Any]:
+        return compactions_of(self, topic)
 
     def first_segment_id(self, topic: str, partition: int) -> int | None:
         row = self._one(

@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["SCHEMA_VERSION", "create_and_migrate", "ddl"]
 
-SCHEMA_VERSION = 18
+SCHEMA_VERSION = 19
 
 DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -152,6 +152,20 @@ CREATE TABLE IF NOT EXISTS brokers (
     started_at INTEGER NOT NULL,
     heartbeat_at INTEGER,
     admin_url TEXT
+);
+CREATE TABLE IF NOT EXISTS compactions (
+    topic TEXT NOT NULL,
+    partition INTEGER NOT NULL,
+    horizon_segment INTEGER NOT NULL,
+    horizon_entry INTEGER NOT NULL,
+    horizon_index INTEGER NOT NULL,
+    url TEXT,
+    previous_url TEXT,
+    keys INTEGER NOT NULL,
+    bytes INTEGER NOT NULL,
+    compacted_at INTEGER NOT NULL,
+    duration_ms INTEGER NOT NULL,
+    PRIMARY KEY (topic, partition)
 );
 CREATE TABLE IF NOT EXISTS partition_owners (
     topic TEXT NOT NULL,
@@ -288,6 +302,9 @@ def _migrate(conn: Tx, backend: Backend) -> None:
         if backend.dialect == "sqlite":
             _retention_as_ms(conn)
         conn.execute("UPDATE meta SET value='18' WHERE key='schema_version'")
+        version = 18
+    if version == 18:  # v19: compacted topics' snapshots (compactions: by the DDL above)
+        conn.execute("UPDATE meta SET value='19' WHERE key='schema_version'")
 
 
 def _retention_as_ms(conn: Tx) -> None:

@@ -9,6 +9,7 @@ store's data directory and broker address (defaults: the option table, i.e.
 from __future__ import annotations
 
 import contextlib
+import functools
 import queue
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -23,6 +24,7 @@ from tierstream.model.message_format import READ_SCHEMA
 from tierstream.model.positions import KeyRange, Offset, OffsetKind
 from tierstream.read_options import BoundLike, ReadOptions, as_bound
 from tierstream.readers import ReadStats, open_reader
+from tierstream.runtime.compacted import compacted_batches
 from tierstream.runtime.event_time import check_time_field, event_time_window, within_event_time
 from tierstream.runtime.follow import follow
 from tierstream.schemas.codec import decode_batches
@@ -214,7 +216,8 @@ def _aligned(members: list[Chain]) -> list[list[Split]] | None:
 
 def scan(topic: str | Sequence[str] | None = None, *, parallelism: int | None = None,
          stats: ReadStats | None = None, value_format: str = "raw", mode: str = "FAILFAST",
-         time_field: str = "publish_time", **kwargs: Any) -> Iterator[pa.RecordBatch]:
+         time_field: str = "publish_time", compacted: bool = False,
+         **kwargs: Any) -> Iterator[pa.RecordBatch]:
     """Batches (READ_SCHEMA) of a bounded read; arguments as :func:`plan`. ``stats`` (a
     :class:`~tierstream.readers.stats.ReadStats`) counts which way each split was read.
 
@@ -225,9 +228,27 @@ def scan(topic: str | Sequence[str] | None = None, *, parallelism: int | None = 
 
     ``time_field="event_time"`` makes ``start``/``end`` (times) a window on event_time: the
     whole log up to its latest position is read and filtered (event times are not ordered;
-    see ``tierstream/runtime/event_time.py``)."""
+    see ``tierstream/runtime/event_time.py``).
+
+    ``compacted=True`` reads the latest message of each key (per partition): the topic's
+    compaction snapshots, then the log after them (``tierstream/runtime/compacted.py``);
+    a message with an empty value removes its key, one without a key is left out."""
     parallelism = arguments.positive_int(parallelism, "parallelism", none_ok=True)
     arguments.instance(stats, "stats", ReadStats, "a tierstream.readers.ReadStats, or None")
+    if arguments.flag(compacted, "compacted"):
+        check_time_field(time_field)
+        if time_field != "publish_time":
+            raise ConfigError("a compacted read takes no event-time window")
+        decoder = _read_options(topic, None, value_format=value_format, mode=mode,
+                                **{k: v for k, v in kwargs.items()
+                                   if k in ("data_dir", "broker", "auth_token")}).decoder()
+        folded = compacted_batches(topic, functools.partial(scan, parallelism=parallelism,
+                                                            stats=stats), **kwargs)
+        if decoder is None:
+            yield from folded
+        else:
+            yield from decode_batches(folded, decoder, mode, str(topic))
+        return
     window = None
     if check_time_field(time_field) == "event_time":
         if kwargs.get("options") is not None:

@@ -28,6 +28,10 @@ The points, in the order a write passes them (``tests/store/test_crash_points.py
                               event is in metadata
 ``scale.recorded``            a scale event (new count, event row, new open segments) is
                               committed in metadata; no partition serves the new count yet
+``compaction.written``        a compaction snapshot's file is on the tier; metadata still
+                              names the previous snapshot
+``compaction.saved``          a compaction snapshot is committed in metadata; the file two
+                              runs old is not deleted yet
 ``scale.announced``           a client-routed topic's growth is announced in metadata (its
                               new partitions' open segments with it); none of them serves yet
 ``topic.delete-marked``       a topic is marked deleted; its data is all still there
@@ -93,6 +97,8 @@ POINTS = frozenset({
     "topic.registered",
     "scale.sealed",
     "scale.recorded",
+    "compaction.written",
+    "compaction.saved",
     "scale.announced",
     "topic.delete-marked",
     "topic.data-deleted",

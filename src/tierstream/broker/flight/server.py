@@ -19,6 +19,7 @@ from tierstream.broker.flight.produce_stream import produce_stream
 from tierstream.broker.stats.topic_stats import QueryLags, Streams
 from tierstream.broker.store import Store
 from tierstream.broker.subscriptions.registry import Subscriptions
+from tierstream.broker.topics.compaction import Compactor
 from tierstream.errors import (
     ConfigError,
     ProducerFencedError,
@@ -73,11 +74,13 @@ class Broker(ConsumeStreams, AdminActions, flight.FlightServerBase):
         self.schemas = SchemaRegistry(store.metadata)
         self.streams = Streams(epochs=MetadataEpochs(store.metadata))
         self.lags = QueryLags()
+        self.compactor = Compactor(store)
 
     def shutdown(self) -> None:
         """Stop serving, then store every subscription's last acks."""
         super().shutdown()
         self.subscriptions.close()
+        self.compactor.stop()
 
     @property
     def url(self) -> str:

@@ -1,0 +1,227 @@
+"""Topic compaction: per partition, the latest message of each key up to a horizon, as a
+Parquet snapshot on the tier (Pulsar's topic compaction, Kafka's log compaction).
+
+A run of one partition:
+
+1. the horizon is the partition's end as the run starts (exclusive: every message before it);
+2. the previous snapshot's rows and the log between its horizon and the new one are folded:
+   per key the message with the highest position wins; a winner with an empty value (a
+   tombstone, Pulsar's null value) removes its key; messages without a key are not in the
+   compacted view (as in Pulsar 3.2+ and Kafka);
+3. the rows, in position order and with their original positions, publish times and
+   properties, are written to a new file under the topic's tier directory (it appears whole
+   or not at all);
+4. the partition's ``compactions`` row is replaced in one metadata transaction: readers see
+   the old snapshot or the new one;
+5. the file two runs old is deleted (the one just replaced stays for readers still on it).
+
+A run killed before step 4 leaves the previous snapshot in force and at most a file nobody
+names (the next run of the partition writes a new one); after it, the run is done. Crash
+points ``compaction.written`` and ``compaction.saved`` let tests kill it between the steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tierstream.errors import TierstreamError
+from tierstream.metadata.compactions import CompactionRecord, compactions_of, save_compaction
+from tierstream.model.compacted_view import fold_latest
+from tierstream.model.message_format import MESSAGE_SCHEMA
+from tierstream.model.names import TopicName
+from tierstream.util.faults import crash_point
+from tierstream.util.threads import Worker
+from tierstream.util.timeutil import now_ms
+
+if TYPE_CHECKING:
+    from tierstream.managed_ledger.partition_log import PartitionLog
+    from tierstream.metadata.records import TopicRecord
+    from tierstream.metadata.store import MetadataStore
+    from tierstream.tier.storage import TierStorage
+
+__all__ = ["CompactionHost", "Compactor"]
+
+log = logging.getLogger(__name__)
+
+#: Pulsar's names for a topic's compaction status (``GET .../compaction``)
+NOT_RUN, RUNNING, SUCCESS, ERROR = "NOT_RUN", "RUNNING", "SUCCESS", "ERROR"
+
+
+class CompactionHost(Protocol):
+    """What the compactor uses of the store that runs it (the store implements it)."""
+
+    metadata: MetadataStore
+    tier: TierStorage
+
+    def topic(self, name: str) -> TopicRecord: ...
+
+    def partition(self, topic: str, partition: int) -> PartitionLog: ...
+
+    def partitions(self, topic: str) -> list[PartitionLog]: ...
+
+
+@dataclass
+class _Status:
+    state: str = NOT_RUN
+    error: str | None = None
+    started_ms: int | None = None
+    finished_ms: int | None = None
+    partitions: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+class Compactor:
+    """Compaction of the partitions a broker serves, on demand (``topic compact``); one run
+    per topic at a time, with its status kept for ``GET .../compaction``."""
+
+    def __init__(self, store: CompactionHost) -> None:
+        self.store = store
+        self._lock = threading.Lock()
+        self._status: dict[str, _Status] = {}
+        self._runs: dict[str, Worker] = {}
+
+    def status(self, topic: str) -> dict[str, Any]:
+        """The topic's last or current run, and each partition's snapshot."""
+        name = str(self.store.topic(topic).name)
+        with self._lock:
+            st = self._status.get(name, _Status())
+            out: dict[str, Any] = {"topic": name, "status": st.state, "error": st.error,
+                   "started_ms": st.started_ms, "finished_ms": st.finished_ms,
+                   "run": dict(st.partitions)}
+        snapshots = compactions_of(self.store.metadata, name)
+        out["snapshots"] = [r.to_dict() for r in snapshots.values()]
+        return out
+
+    def start(self, topic: str, *, wait: bool,
+              progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        """Compact every partition of ``topic`` served here: now (``wait``), or on a thread
+        of its own (the status tells when it is done). A run already going is not doubled."""
+        name = str(self.store.topic(topic).name)
+        with self._lock:
+            running = self._runs.get(name)
+            if running is not None and running.alive:
+                if not wait:
+                    return self.status(name) | {"status": RUNNING}
+            else:
+                self._status[name] = _Status(state=RUNNING, started_ms=now_ms())
+                running = None
+        if running is not None:
+            running.join()
+            return self.status(name)
+        if wait:
+            self._run(name, progress)
+            return self.status(name)
+        worker = Worker(f"tierstream-compact {name}", lambda: self._run(name, progress,
+                                                                        quiet=True))
+        with self._lock:
+            self._runs[name] = worker
+        worker.start()
+        return self.status(name)
+
+    def stop(self) -> None:
+        """Wait for the runs going on (the broker stops): each ends at its partition's next
+        step, and what it had not saved is redone by the next run."""
+        with self._lock:
+            runs = list(self._runs.values())
+        for worker in runs:
+            worker.join()
+
+    def _run(self, topic: str, progress: Callable[[dict[str, Any]], None] | None, *,
+             quiet: bool = False) -> None:
+        """Compact the topic's partitions; an error is the run's status (and raised unless
+        ``quiet``: a run on a thread of its own reports it only there)."""
+        try:
+            for plog in self.store.partitions(topic):
+                done = self.compact_partition(topic, plog.partition)
+                with self._lock:
+                    self._status[topic].partitions[plog.partition] = done
+                if progress is not None:
+                    progress(done)
+        except TierstreamError as exc:
+            self._end(topic, ERROR, str(exc))
+            log.warning("compaction of %s failed: %s", topic, exc)
+            if not quiet:
+                raise
+            return
+        except Exception as exc:
+            self._end(topic, ERROR, f"{type(exc).__name__}: {exc}")
+            log.exception("compaction of %s failed", topic)
+            if not quiet:
+                raise
+            return
+        self._end(topic, SUCCESS, None)
+
+    def _end(self, topic: str, state: str, error: str | None) -> None:
+        with self._lock:
+            st = self._status.setdefault(topic, _Status())
+            st.state, st.error, st.finished_ms = state, error, now_ms()
+
+    def compact_partition(self, topic: str, partition: int) -> dict[str, Any]:
+        """One run of one partition (see the module's docstring): what it did."""
+        started = time.monotonic()
+        plog = self.store.partition(topic, partition)
+        horizon = plog.end()
+        previous = compactions_of(self.store.metadata, topic).get(partition)
+        if previous is not None and previous.horizon >= horizon:
+            return {"partition": partition, "read": 0, "keys": previous.keys,
+                    "horizon": previous.to_dict()["horizon"], "unchanged": True}
+        parts = []
+        if previous is not None and previous.url is not None:
+            parts.append(self._snapshot_rows(previous.url))
+        start = previous.horizon if previous is not None else plog.earliest()
+        read = 0
+        for batch in _batches(plog.read(start, end=horizon)):
+            parts.append(pa.Table.from_batches([batch]))
+            read += batch.num_rows
+        rows = pa.concat_tables([p.select(MESSAGE_SCHEMA.names).cast(MESSAGE_SCHEMA)
+                                 for p in parts]) if parts else MESSAGE_SCHEMA.empty_table()
+        latest = fold_latest(rows)
+        url = None
+        size = 0
+        if latest.num_rows:
+            tier = self.store.tier
+            url = (f"{tier.topic_url(TopicName.parse(topic))}/compacted/partition-{partition}/"
+                   f"{horizon.segment_id}-{horizon.entry_id}-{horizon.batch_index}-"
+                   f"{uuid.uuid4().hex[:12]}.parquet")
+            size = self._write(url, latest)
+        crash_point("compaction.written")
+        record = CompactionRecord(topic, partition, horizon, url, latest.num_rows, size,
+                                  now_ms(), int((time.monotonic() - started) * 1000))
+        stale = save_compaction(self.store.metadata, record)
+        crash_point("compaction.saved")
+        if stale is not None:
+            self.store.tier.delete(stale)
+        log.info("compacted %s partition %d up to %s: %d key(s) live, %d message(s) read",
+                 topic, partition, horizon, latest.num_rows, read)
+        return {"partition": partition, "read": read, "keys": latest.num_rows,
+                "horizon": record.to_dict()["horizon"], "bytes": size,
+                "duration_ms": record.duration_ms}
+
+    def _snapshot_rows(self, url: str) -> pa.Table:
+        tier = self.store.tier
+        return pq.read_table(tier.path(url), filesystem=tier.filesystem())
+
+    def _write(self, url: str, rows: pa.Table) -> int:
+        tier = self.store.tier
+        fs = tier.filesystem()
+        path = tier.path(url)
+        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        partial = f"{path}.partial-{uuid.uuid4().hex[:8]}"
+        pq.write_table(rows, partial, filesystem=fs, compression="zstd")
+        fs.mv(partial, path)  # whole or not at all
+        return int(fs.size(path))
+
+
+def _batches(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    for batch in batches:
+        if batch.num_rows:
+            yield batch
+

@@ -1,0 +1,80 @@
+"""Compacted topics' snapshots in the metadata store (table ``compactions``): per partition,
+the horizon its snapshot covers (every message before it), the snapshot's Parquet file on the
+tier and what it holds. A run replaces a partition's row in one transaction, so a reader sees
+the old snapshot or the new one, never half; the file it replaced stays one more run
+(``previous_url``) for readers still on it, and goes at the run after."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+from tierstream.model.positions import Position
+
+__all__ = ["CompactionRecord", "compactions_of", "save_compaction"]
+
+_COLUMNS = ("partition, horizon_segment, horizon_entry, horizon_index, url, previous_url, keys, "
+            "bytes, compacted_at, duration_ms")
+
+
+class MetadataStore(Protocol):
+    """What this module uses of ``metadata/store.py``'s MetadataStore (which uses it)."""
+
+    def query(self, sql: str, args: Sequence[Any] = ()) -> list[Any]: ...
+
+    def atomic(self) -> AbstractContextManager[Any]: ...
+
+
+@dataclass(frozen=True)
+class CompactionRecord:
+    """A partition's snapshot: the latest live message of each key before ``horizon``."""
+
+    topic: str
+    partition: int
+    horizon: Position  # exclusive: the snapshot holds what came before it
+    url: str | None  # None: no key was live
+    keys: int
+    bytes: int
+    compacted_at: int
+    duration_ms: int
+    previous_url: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["horizon"] = [self.horizon.segment_id, self.horizon.entry_id,
+                          self.horizon.batch_index]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CompactionRecord:
+        seg, entry, index = (int(x) for x in data["horizon"])
+        return cls(**{**data, "horizon": Position(int(data["partition"]), seg, entry, index)})
+
+
+def compactions_of(metadata: MetadataStore, topic: str) -> dict[int, CompactionRecord]:
+    """The snapshot of each of ``topic``'s partitions that has one."""
+    rows = metadata.query(f"SELECT {_COLUMNS} FROM compactions WHERE topic = ? "
+                          "ORDER BY partition", (topic,))
+    return {int(r[0]): CompactionRecord(topic, int(r[0]), Position(int(r[0]), *map(int, r[1:4])),
+                                        r[4], int(r[6]), int(r[7]), int(r[8]), int(r[9]), r[5])
+            for r in rows}
+
+
+def save_compaction(metadata: MetadataStore, record: CompactionRecord) -> str | None:
+    """Make ``record`` its partition's snapshot in one transaction; the snapshot it replaces
+    becomes ``previous_url``. Returns the file two runs old, for the caller to delete."""
+    with metadata.atomic() as c:
+        row = c.execute("SELECT url, previous_url FROM compactions WHERE topic = ? AND "
+                        "partition = ?", (record.topic, record.partition)).fetchone()
+        previous, stale = (row[0], row[1]) if row else (None, None)
+        c.execute("DELETE FROM compactions WHERE topic = ? AND partition = ?",
+                  (record.topic, record.partition))
+        h = record.horizon
+        c.execute(f"INSERT INTO compactions (topic, {_COLUMNS}) VALUES "
+                  "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                  (record.topic, record.partition, h.segment_id, h.entry_id, h.batch_index,
+                   record.url, previous, record.keys, record.bytes, record.compacted_at,
+                   record.duration_ms))
+    return stale if stale not in (record.url, previous) else None
