@@ -15,7 +15,7 @@ import pytest
 
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer, Producer
-from tierstream.errors import ConfigError
+from tierstream.errors import ConfigError, NotFoundError
 from tierstream.model.positions import Offset
 
 from ..cli.test_cli import run
@@ -253,6 +253,29 @@ def test_partitions_move_between_live_brokers_on_demand_and_their_clients_follow
         acked = writer.stop()
     check_exactly_once_in_order(_read(a.url), acked)
     received.check(acked)
+
+
+def test_a_consumers_call_for_a_partition_drained_to_a_broker_is_served_there_at_once(
+        network_store) -> None:
+    """A unloads one of its 2 partitions to B, then B drains its 3 to A (leases of an hour:
+    no renewal refreshes a view of who owns what). A consumer's call for each partition
+    (a flow, as an ack), sent to A before any stream opened it there, is served by A."""
+    _, _, broker = network_store
+    a, b = (_cluster(broker, f"broker-{n}", "--lease-timeout", "1h").start() for n in "ab")
+    _spread((a, b), 4)
+    with Admin(a.url) as admin:
+        mine = [p["partition"] for p in admin.topic_stats(TOPIC, per_partition=True)
+                ["partitions"]]
+    moved = run("topic", "unload", f"{TOPIC}/{mine[0]}", "--broker", a.url)
+    assert moved.returncode == 0, moved.stderr
+    drained = run("broker", "drain", "--broker", b.url)
+    assert drained.returncode == 0 and "moved 3 partition(s)" in drained.stdout, drained
+    with Admin(a.url) as admin:
+        for p in range(4):
+            with pytest.raises(NotFoundError, match="no subscription 'audit'"):
+                admin.action("flow", {"topic": TOPIC, "subscription": "audit",
+                                      "partition": p, "consumer": "c", "permits": 10})
+    assert [_owned(x.url) for x in (a, b)] == [4, 0]
 
 
 def test_a_cluster_broker_stopped_cleanly_hands_its_partitions_over_at_once(

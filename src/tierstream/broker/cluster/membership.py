@@ -228,7 +228,10 @@ class Cluster:
         if owner is None or owner.broker_id != self.store.owners.broker_id:
             return False
         self.serve([(topic, partition)])
-        return (topic, partition) in self.store.serves()
+        if (topic, partition) not in self.store.serves():
+            return False
+        self.store.owners.note(gained=[(topic, partition)])  # served already: the view too
+        return True
 
     def _serve(self, wanted: set[tuple[str, int]]) -> list[RecoveryReport]:
         store = self.store
