@@ -27,9 +27,9 @@ from tierstream.errors import ConfigError
 from tierstream.model.positions import Position
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 
-__all__ = ["LAST_INDEX", "ack_words", "acked_indexes", "cumulative_end", "id_before", "is_own",
-           "last_message_id", "message_id", "no_message", "pack_entry_id", "position_of",
-           "positions_of", "start_position", "wire_entry_ids"]
+__all__ = ["LAST_INDEX", "NO_LEDGER", "ack_words", "acked_indexes", "cumulative_end", "id_before",
+           "is_own", "last_message_id", "message_id", "no_message", "pack_entry_id",
+           "position_of", "positions_of", "start_position", "wire_entry_ids"]
 
 _OWN = 1 << 62
 _PACK = 1 << 61
@@ -141,7 +141,7 @@ def pack_entry_id(entry: int, first: int) -> int:
 
 
 #: -1 as Pulsar's clients write it in an unsigned field: "no ledger", "no entry"
-_NONE = 2**64 - 1
+_NONE = NO_LEDGER = 2**64 - 1
 #: MessageId::latest(): INT64_MAX
 _LATEST = 2**63 - 1
 

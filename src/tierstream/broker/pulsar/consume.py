@@ -21,12 +21,14 @@ import numpy as np
 from tierstream.broker.pulsar.delivered import Delivered
 from tierstream.broker.pulsar.produce import Link
 from tierstream.broker.subscriptions.attached import Attached, ConsumerSettings
+from tierstream.broker.subscriptions.compacted_source import last_compacted
 from tierstream.broker.subscriptions.cursor_state import NON_DURABLE
 from tierstream.errors import ConflictError, TierstreamError
 from tierstream.model.positions import KeyRange, Position
 from tierstream.model.subscription_type import SubscriptionType
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.pulsar_protocol.message_ids import (
+    NO_LEDGER,
     id_before,
     last_message_id,
     no_message,
@@ -72,6 +74,7 @@ class _Consumer:
     partitioned: bool  # the client named a partition of a partitioned topic
     attached: Attached
     durable: bool = True  # False: a reader's, deleted when it leaves
+    compacted: bool = False  # it reads the compaction snapshot, then the log
     worker: Worker | None = None  # its delivery thread
     stream: int = -1  # its key in the broker's Streams
     counts: dict[str, Any] = field(default_factory=dict)  # its Streams entry
@@ -126,6 +129,10 @@ class ConsumePath:
         kind = _TYPES[req.subType]
         if not req.durable and kind != SubscriptionType.EXCLUSIVE:
             raise Refused("a non-durable subscription (a reader) is exclusive")
+        if req.read_compacted and kind not in (SubscriptionType.EXCLUSIVE,
+                                                SubscriptionType.FAILOVER):
+            raise Refused("Read compacted can only be used with exclusive or failover "
+                          "persistent subscriptions")
         topic, count, partition = self.link.partition_of(
             req.topic, create=req.force_topic_creation, verb="subscribe")
         if req.HasField("schema"):
@@ -139,18 +146,24 @@ class ConsumePath:
         settings = ConsumerSettings(name=name, type=kind, sticky=sticky, permits=MAX_PERMITS,
                                     initial_permits=0, whole_entries=True)
         plog = self.store.partition(topic, partition)
+        # compacted, the earliest is the snapshot's first, which may come before the log's
+        earliest = Position(partition, 0, 0, 0) if req.read_compacted else plog.earliest()
         if req.HasField("start_message_id"):
             initial = start_position(req.start_message_id, plog, reader=not req.durable)
+            if req.start_message_id.ledgerId == NO_LEDGER:
+                initial = earliest
         elif req.initialPosition == api.CommandSubscribe.Earliest:
-            initial = plog.earliest()
+            initial = earliest
         else:
             initial = plog.end()
         gone = self._closing.is_set
         attached = self.subscriptions.attach(topic, req.subscription, partition, settings,
                                              initial=initial, gone=gone,
-                                             label=None if req.durable else NON_DURABLE)
+                                             label=None if req.durable else NON_DURABLE,
+                                             compacted=req.read_compacted)
         consumer = _Consumer(req.consumer_id, topic, partition, req.subscription, name, kind,
-                             count > 1, attached, durable=req.durable)
+                             count > 1, attached, durable=req.durable,
+                             compacted=req.read_compacted)
         consumer.stream, consumer.counts = self.streams.open("consumer", topic, partition, name)
         with self._lock:
             self.consumers[req.consumer_id] = consumer
@@ -321,7 +334,9 @@ class ConsumePath:
                             f"no consumer {req.consumer_id} on this connection")
             return
         partition = c.wire_partition
-        last = self.store.partition(c.topic, c.partition).last_confirmed()[0]
+        plog = self.store.partition(c.topic, c.partition)
+        last = last_compacted(plog, self.store.metadata, self.store.tier) if c.compacted \
+            else plog.last_confirmed()[0]
         reply = api.CommandGetLastMessageIdResponse(request_id=req.request_id)
         if last is None:
             reply.last_message_id.CopyFrom(no_message(partition))

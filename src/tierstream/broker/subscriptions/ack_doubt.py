@@ -57,12 +57,11 @@ def in_doubt(window: ReadWindow, loaded: LoadedCursor, mine: Collection[int],
         pos = Position(window.partition, s, e, b)
         if loaded.covers(pos):
             continue
-        chunk = window.by_entry.get((s, e))
-        row = -1 if chunk is None else b - chunk.bi0
-        if chunk is None or not 0 <= row < chunk.n:
+        found = window.chunk_of(pos)
+        if found is None:
             doubt += pos < window.read_pos  # read, and acknowledged since
         else:
-            doubt += _sent_elsewhere(chunk, row, mine)
+            doubt += _sent_elsewhere(*found, mine)
     return doubt
 
 

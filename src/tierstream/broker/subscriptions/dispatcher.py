@@ -26,6 +26,7 @@ import pyarrow as pa
 
 from tierstream.broker.subscriptions.ack_doubt import LoadedCursor, cumulative_in_doubt, in_doubt
 from tierstream.broker.subscriptions.attached import Attached, ConsumerSettings, check_join
+from tierstream.broker.subscriptions.compacted_source import Reads
 from tierstream.broker.subscriptions.cursor_state import CursorState, DeadLetterIntent
 from tierstream.broker.subscriptions.dead_letters import DeadLetterSide, IntentRecovery
 from tierstream.broker.subscriptions.delivery_time import TIMED, DeliveryTimes
@@ -72,9 +73,13 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
 
     def __init__(self, plog: PartitionLog, subscription: str, state: CursorState, *,
                  writer: CursorWriter,
-                 dead_letter: Callable[[Dispatcher, DeadLetterIntent, pa.RecordBatch], None]
-                 ) -> None:
+                 dead_letter: Callable[[Dispatcher, DeadLetterIntent, pa.RecordBatch], None],
+                 reads: Reads | None = None) -> None:
         self.plog = plog
+        #: where it reads from: the log (or, compacted, its snapshot first: compacted_source)
+        self.compacted = reads is not None
+        self._reads: Reads = reads or (lambda start, cancelled: plog.read(
+            start, end=None, follow=True, cancelled=cancelled))
         self.topic = plog.topic
         self.partition = plog.partition
         self.subscription = subscription
@@ -199,8 +204,7 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
         pause, failing_since = _READ_RETRY_FIRST_S, None
         while not self._stop.is_set():
             try:
-                for batch in self.plog.read(self.window.read_pos, end=None, follow=True,
-                                            cancelled=self._stop.is_set):
+                for batch in self._reads(self.window.read_pos, self._stop.is_set):
                     if failing_since is not None:
                         log.warning("%s partition %d subscription %s reads again after %.1f s",
                                     self.topic, self.partition, self.subscription,

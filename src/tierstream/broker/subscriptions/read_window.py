@@ -105,7 +105,9 @@ class ReadWindow:
                  acked: list[tuple[Position, Position]]) -> None:
         self.partition = partition
         self.chunks: deque[Chunk] = deque()
-        self.by_entry: dict[tuple[int, int], Chunk] = {}
+        #: the chunks of each entry: one, but for a compacted read's snapshot (runs of an
+        #: entry's messages with the ones compaction left out between them)
+        self.by_entry: dict[tuple[int, int], list[Chunk]] = {}
         self.read_pos = mark_delete          # the next position to read
         self.ahead: list[tuple[Position, Position]] = sorted(acked)  # acked, not read yet
 
@@ -124,7 +126,7 @@ class ReadWindow:
                 return None  # nothing before it is open: the mark-delete passes it
             # a released chunk behind open ones is kept: the acked ranges run through it
         self.chunks.append(chunk)
-        self.by_entry[chunk.entry] = chunk
+        self.by_entry.setdefault(chunk.entry, []).append(chunk)
         return chunk if chunk.open else None
 
     def _acked_ahead(self, chunk: Chunk) -> np.ndarray | None:
@@ -172,22 +174,30 @@ class ReadWindow:
         inverse = inverse.reshape(-1)
         for k, (s, e) in enumerate(keys.tolist()):
             rows = index[inverse == k]
-            chunk = self.by_entry.get((s, e))
-            if chunk is not None and chunk.open == 0:
-                continue  # acknowledged already
-            if chunk is not None:
-                rows = rows - chunk.bi0
-                inside = (rows >= 0) & (rows < chunk.n)
-                if inside.any():
-                    found.append((chunk, rows[inside]))
-                rows = rows[~inside] + chunk.bi0
+            for chunk in self.by_entry.get((s, e), ()):
+                inside = (rows >= chunk.bi0) & (rows < chunk.bi0 + chunk.n)
+                if chunk.open and inside.any():  # (one all acknowledged: nothing to do)
+                    found.append((chunk, rows[inside] - chunk.bi0))
+                rows = rows[~inside]
             missing.extend(Position(self.partition, s, e, int(b)) for b in rows.tolist())
         return found, missing
+
+    def chunk_of(self, position: Position) -> tuple[Chunk, int] | None:
+        """The chunk holding ``position`` and its row there (None: not in the window)."""
+        for chunk in self.by_entry.get((position.segment_id, position.entry_id), ()):
+            row = position.batch_index - chunk.bi0
+            if 0 <= row < chunk.n:
+                return chunk, row
+        return None
 
     def trim(self) -> None:
         """Drop leading chunks whose every message is acknowledged."""
         while self.chunks and self.chunks[0].open == 0:
-            del self.by_entry[self.chunks.popleft().entry]
+            chunk = self.chunks.popleft()
+            of_entry = self.by_entry[chunk.entry]
+            of_entry.remove(chunk)
+            if not of_entry:
+                del self.by_entry[chunk.entry]
 
     def mark_delete(self) -> Position:
         """Everything before this position is acknowledged."""

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tierstream.broker.subscriptions.attached import Attached, ConsumerSettings
+from tierstream.broker.subscriptions.compacted_source import compacted_reads
 from tierstream.broker.subscriptions.cursor_state import NON_DURABLE, CursorState
 from tierstream.broker.subscriptions.cursor_writer import CursorWriter, NotStoredError
 from tierstream.broker.subscriptions.dead_letters import DeadLetterWriter
@@ -84,9 +85,12 @@ class Subscriptions:
                              topic.name, row["subscription"])
 
     def _dispatcher(self, topic: str, subscription: str, partition: int,
-                    initial: Position | None = None, label: str | None = None) -> Dispatcher:
+                    initial: Position | None = None, label: str | None = None, *,
+                    compacted: bool = False) -> Dispatcher:
         """The loaded dispatcher; loaded from its stored state, or created at ``initial``
-        with ``label`` (NotFoundError without one)."""
+        with ``label`` (NotFoundError without one). One loaded for a consumer that reads
+        ``compacted`` reads the partition's compaction snapshot first (one loaded before
+        for a consumer that did not stays as it is)."""
         key = (topic, subscription, partition)
         with self._lock:
             d = self._dispatchers.get(key)
@@ -105,7 +109,9 @@ class Subscriptions:
                 raise NotFoundError(f"topic {topic!r} has no subscription {subscription!r} "
                                     f"on partition {partition}")
             d = Dispatcher(plog, subscription, state, writer=self.writer,
-                           dead_letter=self.dead_letters.submit)
+                           dead_letter=self.dead_letters.submit,
+                           reads=compacted_reads(plog, self._metadata, self._store.tier)
+                           if compacted else None)
             if stored is None:
                 self._unwritten.add(d)
             record = self._store.topic(topic)
@@ -199,10 +205,13 @@ class Subscriptions:
 
     def attach(self, topic: str, subscription: str, partition: int,
                settings: ConsumerSettings, *, initial: Position,
-               gone: Callable[[], bool], label: str | None = None) -> Attached:
+               gone: Callable[[], bool], label: str | None = None,
+               compacted: bool = False) -> Attached:
         """Attach a consumer; a new subscription starts at ``initial``, its cursor labelled
-        ``label`` (``NON_DURABLE``: deleted at the next broker start)."""
-        d = self._dispatcher(topic, subscription, partition, initial, label)
+        ``label`` (``NON_DURABLE``: deleted at the next broker start); ``compacted``: see
+        :meth:`_dispatcher`."""
+        d = self._dispatcher(topic, subscription, partition, initial, label,
+                             compacted=compacted)
         attached = d.attach(settings, gone)
         if d in self._unwritten:  # the subscription exists once attached
             self._wait(self.writer.dirty(d), (topic, partition))
