@@ -350,6 +350,13 @@ OPTIONS: dict[str, Option] = {
                            "most parallel; batch default), or one per topic partition and key "
                            "range reading its segments in log order (key-ranges: each key in "
                            "one Spark partition, in order; streaming default)."),
+        Option(key="compacted", parse=_bool, default=False, kind="true or false",
+               scopes=("read",),
+               description="Batch: the latest message of each key (per partition), from the "
+                           "topic's compaction snapshots and the log after them; a message "
+                           "with an empty value removes its key, one without a key is left "
+                           "out. One Spark partition per key range (keyRanges), each folding "
+                           "its own keys: no shuffle."),
         Option(key="cursorLabel", parse=_string, default=None,
                kind="text", scopes=("read",),
                description="Streaming: what tierstream subscriptions says of this query's "

@@ -74,6 +74,7 @@ class ReadOptions:
     partitions: tuple[int, ...] | None = None  # the Python API's partitions=: only these
     tier_cache_dir: str | None = None  # None: the host's (tier/host_cache.py)
     tier_cache_size: int | None = None  # None: the host's; 0: off
+    compacted: bool = False  # Spark batch: the latest message per key (spark_adapter/compacted)
 
     @classmethod
     def from_kwargs(cls, topic: str | Sequence[str] | None = None, *,
@@ -188,7 +189,8 @@ class ReadOptions:
             cursor_label=opts["cursorLabel"],
             tier_reader=opts["tierReader"],
             value_format=value_format, mode=mode,
-            tier_cache_dir=opts["tierCacheDir"], tier_cache_size=opts["tierCacheSize"])
+            tier_cache_dir=opts["tierCacheDir"], tier_cache_size=opts["tierCacheSize"],
+            compacted=opts["compacted"])
 
     @property
     def tier_cache(self) -> tuple[str | None, int | None]:

@@ -15,7 +15,7 @@ import pulsar
 import pytest
 
 from tierstream.broker.process import BrokerProcess
-from tierstream.client import Admin
+from tierstream.client import Admin, Producer
 from tierstream.pulsar_protocol import key_router
 
 from ..store.helpers import wait_for
@@ -320,3 +320,18 @@ def _http(broker: BrokerProcess, path: str) -> tuple[int, Any]:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read() or b"null")
+
+
+def test_compaction_over_rest_starts_a_run_and_tells_its_status(admin_broker) -> None:
+    b = admin_broker
+    topic = "persistent/public/default/prices"
+    assert _call(b, "PUT", f"{topic}/partitions", 2) == (204, None)
+    assert _call(b, "GET", f"{topic}/compaction") == (200, {"status": "NOT_RUN",
+                                                           "lastError": ""})
+    with Producer("public/default/prices", broker=b.url) as producer:
+        producer.send_many({"key": f"k{i % 7}", "value": b"v"} for i in range(100))
+    assert _call(b, "PUT", f"{topic}/compaction") == (204, None)
+    wait_for(lambda: _call(b, "GET", f"{topic}/compaction")[1]["status"] == "SUCCESS",
+             timeout=scaled(30), what="the compaction to succeed")
+    status, answer = _call(b, "PUT", "persistent/public/default/nothing/compaction")
+    assert status == 404 and "nothing" in answer["reason"], answer

@@ -5,6 +5,7 @@ its key, messages without a key left out), with the compactor killed between its
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -128,3 +129,28 @@ def test_compact_on_the_command_line(broker: BrokerProcess) -> None:
     wrong = run("topic", "compact", "acme/prices/nothing", "--broker", broker.url)
     assert wrong.returncode != 0 and "acme/prices/nothing" in wrong.stderr
     assert "Traceback" not in wrong.stderr
+
+
+def test_a_topic_with_a_threshold_is_compacted_once_that_much_is_written(
+        start_broker: Callable[..., BrokerProcess]) -> None:
+    broker = start_broker("--tier-check-interval", "1s")
+    with Admin(broker.url) as admin:
+        admin.create_topic(TOPIC, 1)
+    wrong = run("topic", "set", TOPIC, "--compaction-threshold", "lots", "--broker", broker.url)
+    assert wrong.returncode != 0 and "--compaction-threshold" in wrong.stderr, wrong
+    said = run("topic", "set", TOPIC, "--compaction-threshold", "20KB", "--broker", broker.url)
+    assert said.returncode == 0 and "compacted whenever a partition has" in said.stdout, said
+    _write(broker, random.Random(3), 100, 0)  # about 2 KB: under the threshold
+    with Admin(broker.url) as admin:
+        time.sleep(scaled(2))  # two policy passes
+        assert admin.compaction(TOPIC)["snapshots"] == []
+        _write(broker, random.Random(4), 2000, 100)
+        wait_for(lambda: len(admin.compaction(TOPIC)["snapshots"]) == 1, timeout=scaled(30),
+                 what="the policy to compact the topic")
+        stats = admin.topic_stats(TOPIC)
+        keys = admin.compaction(TOPIC)["snapshots"][0]["keys"]  # at the horizon it chose
+    assert stats["compaction"]["threshold_bytes"] == 20_000
+    assert stats["compaction"]["keys"] == keys
+    shown = run("topic", "stats", TOPIC, "--broker", broker.url)
+    assert f"compacted: {keys:,} live key(s)" in shown.stdout, shown.stdout
+    assert _compacted(broker) == _oracle(broker)

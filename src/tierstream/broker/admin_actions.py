@@ -21,6 +21,7 @@ from tierstream.errors import (
     TierstreamError,
 )
 from tierstream.metadata.bookie_registry import set_bookie_endpoint
+from tierstream.metadata.compactions import set_compaction_threshold
 from tierstream.metadata.schema_registry import SchemaRegistry
 from tierstream.model.names import TopicName
 from tierstream.model.positions import Position
@@ -234,6 +235,13 @@ class AdminActions:
     def _compaction(self, body: dict[str, Any]) -> Any:
         return self.compactor.status(body["topic"])
 
+    def _set_compaction_threshold(self, body: dict[str, Any]) -> Any:
+        name = self.store.topic(body["topic"]).name
+        threshold = body.get("threshold_bytes")
+        set_compaction_threshold(self.store.metadata, name,
+                                 None if threshold is None else int(threshold))
+        return self.compactor.status(name)
+
     def _tier_pass(self, body: dict[str, Any]) -> Any:
         return self.store.tier_pass()
 
@@ -391,6 +399,9 @@ ACTIONS: dict[str, tuple[Any, str]] = {
                              "message per key up to now, as a snapshot [wait]."),
     "compaction": (_A._compaction, "{topic}'s compaction: the last run's status and each "
                                    "partition's snapshot."),
+    "set-compaction-threshold": (_A._set_compaction_threshold, "Compact {topic} whenever a "
+                                 "partition has {threshold_bytes} after its horizon (null: "
+                                 "on demand only)."),
     "tier-pass": (_A._tier_pass, "Apply offload, bookie deletion and retention now."),
     "set-retention": (_A._set_retention, "Set {topic, retention_ms} (null: keep all)."),
     "deleted-segments": (_A._deleted_segments, "Segments removed by retention."),

@@ -168,6 +168,8 @@ def render_topic_stats(stats: dict[str, Any]) -> Group:
         parts.insert(head, Text(f"{stats['restamped']:,} message(s) since the broker started "
                                 "asked for a publish time before their partition's newest "
                                 "and were stamped with that newer time", style="yellow"))
+    if stats.get("compaction"):
+        parts.insert(head, Text(_compaction_line(stats["compaction"])))
     for gap in reversed(stats.get("unanswered") or []):  # figures left out, and why
         whose = f"owned by {gap['broker']}" if gap["broker"] else "owned by no broker"
         numbers = ", ".join(map(str, gap["partitions"]))
@@ -181,6 +183,21 @@ def render_topic_stats(stats: dict[str, Any]) -> Group:
                   _storage_table(p["storage"]), _producers_line(p["producers"]),
                   _subscriptions_table(p["subscriptions"])]
     return Group(*parts)
+
+
+def _compaction_line(c: dict[str, Any]) -> str:
+    """A compacted topic's snapshots, what was written since, and its threshold."""
+    if c["snapshots"]:
+        horizons = ", ".join(f"{s['partition']}: ({', '.join(map(str, s['horizon']))})"
+                             for s in c["snapshots"])
+        said = (f"compacted: {c['keys']:,} live key(s) in {human_bytes(c['bytes'])} "
+                f"(horizons {horizons}; longest last run {c['last_duration_ms']} ms)")
+    else:
+        said = "not compacted yet"
+    said += f"; {human_bytes(c['backlog_bytes'])} written since"
+    if c.get("threshold_bytes") is not None:
+        said += f"; compacted again at {human_bytes(c['threshold_bytes'])}"
+    return said
 
 
 def _window(stats: dict[str, Any]) -> str:

@@ -12,6 +12,7 @@ from tierstream.cli.common import (
     BrokerOpt,
     TlsCaOpt,
     TokenOpt,
+    human_bytes,
     out,
     say_moved,
     topic_app,
@@ -90,6 +91,10 @@ def topic_set(
         help="Grow the topic to this many partitions (a multiple of its count) at one scale "
              "event, while it is written and read; every reader keeps each key's order.",
         show_default=False)] = None,
+    compaction_threshold: Annotated[str | None, typer.Option(
+        help="Compact the topic whenever a partition has this much written after its last "
+             "compaction, e.g. 100MB; 'none': only with tierstream topic compact.",
+        show_default=False)] = None,
     yes: Annotated[bool, typer.Option(
         "--yes", help="Confirm a retention under an hour (it deletes the closed segments "
                       "older than that within a tier pass, about 30 s).")] = False,
@@ -97,7 +102,8 @@ def topic_set(
     tls_ca: TlsCaOpt = None,
     auth_token: TokenOpt = None,
 ) -> None:
-    """Change a topic's settings: its retention, its partition count.
+    """Change a topic's settings: its retention, its partition count, its compaction
+    threshold.
 
     Example: tierstream topic set acme/web/clicks --partitions 8
     """
@@ -105,8 +111,17 @@ def topic_set(
     from tierstream.errors import ConfigError
     from tierstream.model.topic_rules import check_retention
 
-    if retention is None and partitions is None:
-        raise ConfigError("nothing to set: give --retention and/or --partitions")
+    if retention is None and partitions is None and compaction_threshold is None:
+        raise ConfigError("nothing to set: give --retention, --partitions and/or "
+                          "--compaction-threshold")
+    threshold: int | None = None
+    if compaction_threshold is not None and compaction_threshold.strip().lower() != "none":
+        from tierstream.options import parse_size
+
+        threshold = parse_size(compaction_threshold, what="--compaction-threshold")
+        if threshold <= 0:
+            raise ConfigError(f"invalid --compaction-threshold {compaction_threshold!r}: "
+                              "expected a size above 0, e.g. 100MB, or none")
     retention_ms = None if retention is None or retention.strip().lower() == "none" \
         else check_retention(retention, what="--retention")
     if retention_ms is not None and retention_ms < 3_600_000 and not yes:
@@ -129,6 +144,12 @@ def topic_set(
             else:
                 out.print(f"{record.name}: {record.scale_events[-1].describe()}; keys route "
                           f"by {record.partitions} from now on", highlight=False)
+        if compaction_threshold is not None:
+            status = admin.set_compaction_threshold(topic, threshold)
+            out.print(f"{status['topic']}: " + (
+                f"compacted whenever a partition has {human_bytes(threshold)} after its last "
+                "compaction" if threshold is not None else
+                "compacted only with tierstream topic compact"), highlight=False)
         if retention is not None:
             record = admin.set_retention(topic, retention_ms)
             out.print(f"{record.name}: {_retention_words(record.retention_ms)}",

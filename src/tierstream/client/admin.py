@@ -7,12 +7,13 @@ import time
 from typing import Any
 
 from tierstream.client.connection import BrokerClient
-from tierstream.errors import AlreadyExistsError, ConflictError, UnavailableError
+from tierstream.errors import AlreadyExistsError, ConfigError, ConflictError, UnavailableError
 from tierstream.metadata.records import SegmentRecord, TopicRecord
 from tierstream.model import arguments
 from tierstream.model.names import TopicName
 from tierstream.model.positions import Position
 from tierstream.model.topic_rules import check_new_topic, check_partition_count, check_retention
+from tierstream.options import parse_size
 from tierstream.schemas.model import SchemaInfo
 from tierstream.splits.split import StreamCut
 
@@ -187,6 +188,18 @@ class Admin(BrokerClient):
         """``topic``'s compaction: the last run's status (NOT_RUN, RUNNING, SUCCESS, ERROR
         with its error) and each partition's snapshot (horizon, keys, bytes)."""
         return dict(self.action("compaction", {"topic": str(TopicName.parse(topic))}))
+
+    def set_compaction_threshold(self, topic: str, threshold: int | str | None
+                                 ) -> dict[str, Any]:
+        """Compact ``topic`` whenever one of its partitions has ``threshold`` (bytes, or a
+        size such as ``'100MB'``) written after its snapshot's horizon; None: only on
+        demand."""
+        size = None if threshold is None else parse_size(threshold, what="compaction threshold")
+        if size is not None and size <= 0:
+            raise ConfigError(f"invalid compaction threshold {threshold!r}: expected a size "
+                              "above 0, e.g. 100MB, or None")
+        return dict(self.action("set-compaction-threshold", {
+            "topic": str(TopicName.parse(topic)), "threshold_bytes": size}))
 
     def tier_pass(self) -> dict[str, int]:
         """Apply the broker's offload, bookie-deletion and retention policies now."""

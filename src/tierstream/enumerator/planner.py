@@ -9,7 +9,7 @@ lives: tier -> parquet-tier, closed in bookies -> bookie-log, open -> tail-consu
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -123,6 +123,22 @@ class Enumerator:
     def schema_versions(self, topic: str) -> list[SchemaInfo]:
         """The topic's schema versions, in order (empty: its values are bytes)."""
         return self.metadata.schema_versions(str(TopicName.parse(topic)))
+
+    def compacted_start(self, topic: str, partitions: Sequence[int] | None = None
+                        ) -> tuple[StreamCut | None, dict[int, Any]]:
+        """Where a compacted read of ``topic`` (those ``partitions``) reads the log from:
+        each partition's snapshot horizon, or its first segment without one; and the
+        snapshots (``metadata/compactions.py``). None for the cut: no snapshot, read all."""
+        snapshots = self.metadata.compactions(topic)
+        if not snapshots:
+            return None, {}
+        wanted = partitions if partitions else range(self.metadata.get_topic(topic).partitions)
+        starts: dict[int, Position] = {}
+        for p in wanted:
+            snap = snapshots.get(p)
+            first = self.metadata.first_segment_id(topic, p)
+            starts[p] = snap.horizon if snap is not None else Position(p, first or 0, 0, 0)
+        return StreamCut.of(topic, starts), {p: s for p, s in snapshots.items() if p in starts}
 
     def latest_cut(self, topic: str) -> StreamCut:
         """The broker's last confirmed positions, as an exclusive end cut."""

@@ -2,7 +2,8 @@
 the horizon its snapshot covers (every message before it), the snapshot's Parquet file on the
 tier and what it holds. A run replaces a partition's row in one transaction, so a reader sees
 the old snapshot or the new one, never half; the file it replaced stays one more run
-(``previous_url``) for readers still on it, and goes at the run after."""
+(``previous_url``) for readers still on it, and goes at the run after. Table
+``compaction_policies``: the topics compacted by a threshold of bytes written since."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from typing import Any, Protocol
 
 from tierstream.model.positions import Position
 
-__all__ = ["CompactionRecord", "compactions_of", "save_compaction"]
+__all__ = ["CompactionRecord", "compaction_thresholds", "compactions_of", "save_compaction",
+           "set_compaction_threshold"]
 
 _COLUMNS = ("partition, horizon_segment, horizon_entry, horizon_index, url, previous_url, keys, "
             "bytes, compacted_at, duration_ms")
@@ -78,3 +80,19 @@ def save_compaction(metadata: MetadataStore, record: CompactionRecord) -> str | 
                    record.url, previous, record.keys, record.bytes, record.compacted_at,
                    record.duration_ms))
     return stale if stale not in (record.url, previous) else None
+
+
+def set_compaction_threshold(metadata: MetadataStore, topic: str, threshold: int | None) -> None:
+    """Compact ``topic`` whenever a partition has ``threshold`` bytes after its snapshot's
+    horizon (Pulsar's ``compactionThreshold``); None: only on demand."""
+    with metadata.atomic() as c:
+        c.execute("DELETE FROM compaction_policies WHERE topic = ?", (topic,))
+        if threshold is not None:
+            c.execute("INSERT INTO compaction_policies (topic, threshold_bytes) VALUES (?, ?)",
+                      (topic, threshold))
+
+
+def compaction_thresholds(metadata: MetadataStore) -> dict[str, int]:
+    """Each topic's compaction threshold, of those that have one."""
+    return {str(t): int(b) for t, b in metadata.query(
+        "SELECT topic, threshold_bytes FROM compaction_policies ORDER BY topic")}

@@ -176,7 +176,7 @@ class MetadataStore:
         with self.atomic() as c:
             for table in ("segments", "cursors", "deleted_segments", "dedup", "schemas",
                           "schema_policies", "scale_events", "txn_set_aside",
-                          "partition_owners", "compactions"):
+                          "partition_owners", "compactions", "compaction_policies"):
                 c.execute(f"DELETE FROM {table} WHERE topic=?", (name,))
             c.execute("DELETE FROM topics WHERE name=?", (name,))
             owners_changed(c)

@@ -167,6 +167,10 @@ CREATE TABLE IF NOT EXISTS compactions (
     duration_ms INTEGER NOT NULL,
     PRIMARY KEY (topic, partition)
 );
+CREATE TABLE IF NOT EXISTS compaction_policies (
+    topic TEXT PRIMARY KEY,
+    threshold_bytes INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS partition_owners (
     topic TEXT NOT NULL,
     partition INTEGER NOT NULL,
@@ -303,7 +307,8 @@ def _migrate(conn: Tx, backend: Backend) -> None:
             _retention_as_ms(conn)
         conn.execute("UPDATE meta SET value='18' WHERE key='schema_version'")
         version = 18
-    if version == 18:  # v19: compacted topics' snapshots (compactions: by the DDL above)
+    if version == 18:  # v19: compacted topics' snapshots and thresholds (compactions,
+        # compaction_policies: by the DDL above)
         conn.execute("UPDATE meta SET value='19' WHERE key='schema_version'")
 
 

@@ -15,10 +15,10 @@ import pyarrow as pa
 from tierstream.errors import ConfigError
 from tierstream.model.compacted_view import fold_latest
 from tierstream.model.message_format import MESSAGE_SCHEMA, READ_SCHEMA, with_topic
-from tierstream.model.positions import Offset, OffsetKind, Position
+from tierstream.model.positions import Offset, OffsetKind
 from tierstream.read_options import ReadOptions
 from tierstream.readers.snapshot import read_snapshot
-from tierstream.splits.split import StreamCut, as_bound
+from tierstream.splits.split import as_bound
 
 __all__ = ["compacted_batches"]
 
@@ -44,22 +44,15 @@ def compacted_batches(topic: Any, scan: Callable[..., Iterator[pa.RecordBatch]],
     end = as_bound(kwargs.get("end", "latest"), "end")
     latest = isinstance(end, Offset) and end.kind is OffsetKind.LATEST
     with read.enumerator() as enum:
-        record = enum.metadata.get_topic(name)
-        snapshots = enum.metadata.compactions(name) if latest else {}
+        enum.metadata.get_topic(name)  # an unknown topic fails here, named
         if not latest:
             log.info("compacted read of %s up to %s: its snapshots may hold later versions, "
                      "so the log up to there is folded instead", name, end)
-        wanted = read.partitions if read.partitions else range(record.partitions)
-        starts: dict[int, Position] = {}
-        for p in wanted:
-            snap = snapshots.get(p)
-            first = enum.metadata.first_segment_id(name, p)
-            starts[p] = snap.horizon if snap is not None else Position(p, first or 0, 0, 0)
+        cut, snapshots = enum.compacted_start(name, read.partitions) if latest else (None, {})
         location = enum.tier
-    tables = [read_snapshot(s.url, location) for p, s in sorted(snapshots.items())
-              if s.url is not None and p in starts]
-    tables = [t.select(MESSAGE_SCHEMA.names).cast(MESSAGE_SCHEMA) for t in tables]
-    start = StreamCut.of(name, starts) if snapshots else "earliest"
+    tables = [read_snapshot(s.url, location).select(MESSAGE_SCHEMA.names).cast(MESSAGE_SCHEMA)
+              for _, s in sorted(snapshots.items()) if s.url is not None]
+    start = cut if cut is not None else "earliest"
     for batch in scan(name, start=start, **kwargs):
         tables.append(pa.Table.from_batches([batch]).drop_columns(["topic"]))
     if not tables:

@@ -75,6 +75,7 @@ class Broker(ConsumeStreams, AdminActions, flight.FlightServerBase):
         self.streams = Streams(epochs=MetadataEpochs(store.metadata))
         self.lags = QueryLags()
         self.compactor = Compactor(store)
+        self.compactor.start_policy(store.config.tier_check_interval_ms / 1000)
 
     def shutdown(self) -> None:
         """Stop serving, then store every subscription's last acks."""

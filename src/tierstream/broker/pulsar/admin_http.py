@@ -21,6 +21,8 @@ Paths, all under ``/admin/v2/persistent``:
 - ``GET .../{topic}/stats`` (a topic or one ``-partition-i``; a partitioned topic's base name
   gives its sum) and ``GET .../{topic}/partitioned-stats[?perPartition=true]``.
 - ``GET .../{topic}/subscriptions``; ``DELETE .../{topic}/subscription/{name}``.
+- ``PUT .../{topic}/compaction``: start compacting it; ``GET .../{topic}/compaction``: the
+  run's ``{"status": NOT_RUN|RUNNING|SUCCESS|ERROR, "lastError": ...}``.
 
 And Pulsar's HTTP lookup, so that a client given ``http://host:8080`` as its service URL
 works: ``GET /lookup/v2/topic/persistent/{tenant}/{namespace}/{topic}`` answers the Pulsar
@@ -278,11 +280,20 @@ class _Routes:
                 name, _ = self._partition(namespace, topic)  # every partition has them all
                 rows = self.broker.call("subscriptions", {"topic": name})
                 return HTTPStatus.OK, sorted({r["subscription"] for r in rows})
+            case ("PUT", [topic, "compaction"]):
+                name, _ = self._partition(namespace, topic)
+                self.broker.call("compact", {"topic": name, "wait": False})
+                return HTTPStatus.NO_CONTENT, None
+            case ("GET", [topic, "compaction"]):
+                name, _ = self._partition(namespace, topic)
+                status = self.broker.call("compaction", {"topic": name})
+                return HTTPStatus.OK, {"status": status["status"],
+                                       "lastError": status.get("error") or ""}
             case ("DELETE", [topic, "subscription", subscription]):
                 self._delete_subscription(namespace, topic, subscription, query)
                 return HTTPStatus.NO_CONTENT, None
         raise _Answer(HTTPStatus.METHOD_NOT_ALLOWED if rest and rest[-1] in (
-            "partitions", "stats", "partitioned-stats", "subscriptions") else
+            "partitions", "stats", "partitioned-stats", "subscriptions", "compaction") else
             HTTPStatus.NOT_FOUND, f"{method} {path} is not part of the Pulsar admin subset "
             "tierstream serves (see docs/pulsar.md)")
 

@@ -23,7 +23,9 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from tierstream.broker.topics.compaction import backlog_bytes
 from tierstream.broker.topics.producer_access import Epochs, ProducerAccess
+from tierstream.metadata.compactions import compaction_thresholds, compactions_of
 from tierstream.metadata.ownership import Owner
 from tierstream.metadata.records import SegmentRecord, SegmentState
 from tierstream.metadata.transaction_records import TransactionRecords
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
     from tierstream.broker.store import Store
     from tierstream.broker.subscriptions.registry import Subscriptions
     from tierstream.managed_ledger.partition_log import PartitionLog
+    from tierstream.metadata.store import MetadataStore
 
 __all__ = ["LOCATIONS", "QueryLags", "Streams", "broker_stats", "merge_subscriptions",
            "storage_of", "subscription_stats", "topic_stats"]
@@ -231,9 +234,28 @@ def topic_stats(store: Store, subscriptions: Subscriptions, streams: Streams, to
         "owners": _owners(owners), "unanswered": unanswered,
         "rate_window_s": min((float(p.get("rate_window_s", 60)) for p in parts), default=60),
     }
+    compaction = compaction_stats(store.metadata, name, plogs)
+    if compaction is not None:
+        out["compaction"] = compaction
     if per_partition or here_only:
         out["partitions"] = parts
     return out
+
+
+def compaction_stats(metadata: MetadataStore, topic: str, plogs: list[PartitionLog]
+                     ) -> dict[str, Any] | None:
+    """A compacted topic's snapshots (every partition's: they are in the metadata), and
+    what the partitions served here hold after their horizons; None for a topic never
+    compacted and without a threshold."""
+    snaps = compactions_of(metadata, topic)
+    threshold = compaction_thresholds(metadata).get(topic)
+    if not snaps and threshold is None:
+        return None
+    return {"threshold_bytes": threshold, "keys": sum(s.keys for s in snaps.values()),
+            "bytes": sum(s.bytes for s in snaps.values()),
+            "snapshots": [s.to_dict() for s in snaps.values()],
+            "last_duration_ms": max((s.duration_ms for s in snaps.values()), default=None),
+            "backlog_bytes": sum(backlog_bytes(p, snaps.get(p.partition)) for p in plogs)}
 
 
 def _gather(topic: str, count: int, parts: list[dict[str, Any]], owners: dict[int, Owner],

@@ -34,7 +34,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tierstream.errors import TierstreamError
-from tierstream.metadata.compactions import CompactionRecord, compactions_of, save_compaction
+from tierstream.metadata.compactions import (
+    CompactionRecord,
+    compaction_thresholds,
+    compactions_of,
+    save_compaction,
+)
 from tierstream.model.compacted_view import fold_latest
 from tierstream.model.message_format import MESSAGE_SCHEMA
 from tierstream.model.names import TopicName
@@ -48,7 +53,7 @@ if TYPE_CHECKING:
     from tierstream.metadata.store import MetadataStore
     from tierstream.tier.storage import TierStorage
 
-__all__ = ["CompactionHost", "Compactor"]
+__all__ = ["CompactionHost", "Compactor", "backlog_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +92,7 @@ class Compactor:
         self._lock = threading.Lock()
         self._status: dict[str, _Status] = {}
         self._runs: dict[str, Worker] = {}
+        self._policy: Worker | None = None
 
     def status(self, topic: str) -> dict[str, Any]:
         """The topic's last or current run, and each partition's snapshot."""
@@ -98,6 +104,13 @@ class Compactor:
                    "run": dict(st.partitions)}
         snapshots = compactions_of(self.store.metadata, name)
         out["snapshots"] = [r.to_dict() for r in snapshots.values()]
+        out["threshold_bytes"] = compaction_thresholds(self.store.metadata).get(name)
+        try:
+            served = self.store.partitions(name)
+        except TierstreamError:
+            served = []
+        out["backlog_bytes"] = {p.partition: backlog_bytes(p, snapshots.get(p.partition))
+                                for p in served}
         return out
 
     def start(self, topic: str, *, wait: bool,
@@ -127,12 +140,47 @@ class Compactor:
         return self.status(name)
 
     def stop(self) -> None:
-        """Wait for the runs going on (the broker stops): each ends at its partition's next
-        step, and what it had not saved is redone by the next run."""
+        """Stop the threshold policy and wait for the runs going on (the broker stops):
+        what a run had not saved is redone by the next one."""
+        if self._policy is not None:
+            self._policy.stop()
         with self._lock:
             runs = list(self._runs.values())
         for worker in runs:
             worker.join()
+
+    def start_policy(self, interval_s: float) -> None:
+        """Look every ``interval_s`` for partitions served here whose topic has a
+        compaction threshold and that much written after their horizon; compact them."""
+        def run() -> None:
+            while not policy.stopping.wait(interval_s):
+                try:
+                    self.apply_policy()
+                except TierstreamError as exc:
+                    log.warning("compaction policy: %s; trying again in %.0f s", exc,
+                                interval_s)
+
+        policy = self._policy = Worker("tierstream-compaction-policy", run)
+        policy.start()
+
+    def apply_policy(self) -> list[str]:
+        """Start a run of each topic with a partition over its threshold: their names."""
+        started = []
+        for topic, threshold in compaction_thresholds(self.store.metadata).items():
+            snaps = compactions_of(self.store.metadata, topic)
+            try:
+                plogs = self.store.partitions(topic)
+            except TierstreamError:
+                continue  # deleted meanwhile
+            if any(backlog_bytes(p, snaps.get(p.partition)) >= threshold for p in plogs):
+                with self._lock:
+                    running = self._runs.get(topic)
+                if running is None or not running.alive:
+                    log.info("compacting %s: a partition has %s or more since its horizon",
+                             topic, threshold)
+                    self.start(topic, wait=False)
+                    started.append(topic)
+        return started
 
     def _run(self, topic: str, progress: Callable[[dict[str, Any]], None] | None, *,
              quiet: bool = False) -> None:
@@ -218,6 +266,13 @@ class Compactor:
         pq.write_table(rows, partial, filesystem=fs, compression="zstd")
         fs.mv(partial, path)  # whole or not at all
         return int(fs.size(path))
+
+
+def backlog_bytes(plog: PartitionLog, snapshot: CompactionRecord | None) -> int:
+    """About how many bytes a partition holds after its snapshot's horizon (all of it
+    without one): its segments from the horizon's on."""
+    first = snapshot.horizon.segment_id if snapshot is not None else -1
+    return sum(int(s.bytes or 0) for s in plog.segments() if s.segment_id >= first)
 
 
 def _batches(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
