@@ -252,7 +252,16 @@ def test_partitions_move_between_live_brokers_on_demand_and_their_clients_follow
     finally:
         acked = writer.stop()
     check_exactly_once_in_order(_read(a.url), acked)
-    received.check(acked)
+    try:
+        received.check(acked)
+    except AssertionError:
+        seen = {int(v.split(":")[1]) for v in list(received.values)}
+        print("missing:", sorted(set(range(acked)) - seen)[:30], "of", acked)
+        with Admin(a.url) as admin:
+            print("subscriptions at A:", admin.subscriptions(TOPIC))
+        for x in (a, b):
+            print(f"--- {x.data_dir} said:\n" + "".join(x.stderr_tail))
+        raise
 
 
 def test_a_consumers_call_for_a_partition_drained_to_a_broker_is_served_there_at_once(
