@@ -12,6 +12,7 @@ from pathlib import Path
 
 from bench import (
     brokers_bench,
+    compaction_bench,
     delayed_bench,
     elastic_bench,
     framework_bench,
@@ -80,6 +81,9 @@ BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
     "pulsar-produce": (pulsar_bench.pulsar_produce, "the real pulsar-client's async batched "
                        "produce (1 and 4 partitions) beside tierstream's own Producer; the "
                        "broker's decode of Pulsar batches alone"),
+    "compaction": (compaction_bench.compaction, "a Spark read of each key's latest value from "
+                   "the compaction snapshot beside reading everything and keeping each key's "
+                   "last; the compactor beside pq.write_table of the same messages"),
     "pulsar-consume": (pulsar_bench.pulsar_consume, "real pulsar-client consumers (1 exclusive, "
                        "4 shared, 4 key_shared; processes) receive + ack beside tierstream's "
                        "own Consumer"),

@@ -398,6 +398,8 @@ def pulsar_consume(quick: bool = True) -> Path:
                                               "value_bytes": len(VALUE)})
 
 
+#: the key_shared scaling topics' numbers, unique across calls (one broker serves them all)
+_TOPIC_NAMES = itertools.count()
 #: pulsar-client-cpp's default ackGroupingTimeMs, which the Python client does not expose
 _ACK_GROUPING_S = 0.1
 
@@ -410,11 +412,10 @@ def _key_shared_scaling(broker: BrokerProcess, messages: int, runs: int,
     keys written by tierstream's Producer in mixed-key batches of 100: already there
     (backlog), or written once the consumers joined (live). Interleaved runs."""
     out: dict[tuple[int, str], list[float]] = {}
-    names = itertools.count()
     for _ in range(max(1, runs)):
         for how in hows:
             for n in (1, 3):
-                topic = f"bench/pulsar/ks-scaling-{next(names)}"
+                topic = f"bench/pulsar/ks-scaling-{next(_TOPIC_NAMES)}"
                 out.setdefault((n, how), []).append(
                     _key_shared_drain(broker, topic, n, how, messages))
     return out

@@ -16,7 +16,7 @@ ROOT = Path(__file__).parent.parent
 #: three groups run side by side: most of a tiny run is process and JVM start-up and waiting
 #: for consumers to go idle, not CPU. The benchmarks on Spark share one group (one JVM); the
 #: rest are split so that no group is much longer than the others
-SPARK = ["spark", "sink", "schema"]
+SPARK = ["spark", "sink", "schema", "compaction"]
 WAITING = ["pulsar-consume", "subscriptions", "metadata", "delayed"]
 GROUPS = [SPARK, WAITING, [n for n in BENCHMARKS if n not in SPARK + WAITING]]
 
