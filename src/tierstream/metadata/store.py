@@ -24,6 +24,7 @@ from tierstream.metadata.backend import (
     UniqueViolation,
 )
 from tierstream.metadata.compactions import compactions_of
+from tierstream.metadata.cursor_rows import CursorRows
 from tierstream.metadata.records import SegmentRecord, SegmentState, TopicRecord
 from tierstream.metadata.segment_rows import (
     SEGMENT_COLUMNS,
@@ -36,6 +37,7 @@ from tierstream.metadata.segment_rows import (
     update_stats,
 )
 from tierstream.metadata.tables import SCHEMA_VERSION, create_and_migrate
+from tierstream.metadata.tier_rows import TierRows
 from tierstream.model.lineage import ScaleEvent
 from tierstream.model.names import TopicName
 from tierstream.model.topic_rules import check_new_topic, check_partition_count, check_retention
@@ -64,7 +66,7 @@ def open_backend(where: str | Path, *, read_only: bool = False,
     return SqliteBackend(where, read_only=read_only)
 
 
-class MetadataStore:
+class MetadataStore(TierRows, CursorRows):
     """The metadata: topics, segments, cursors, de-duplication, schemas, transactions, scale
     events, on a :class:`~tierstream.metadata.backend.Backend` (``where``: the SQLite file,
     default; or a ``postgresql://`` URL, ``postgres.py``). Thread-safe.
@@ -370,58 +372,6 @@ class MetadataStore:
             )
         return [segment_of_row(r) for r in rows]
 
-    # -- tiering ------------------------------------------------------------------------------
-
-    def set_offload_pending(self, segment_id: int, url: str) -> None:
-        """Record where the offloader writes this segment, before it writes anything, so a
-        retry after a crash reuses the same file instead of leaving an orphan."""
-        with self.atomic() as c:
-            self._held(c, segment_id)
-            c.execute("UPDATE segments SET offload_pending_url=? WHERE segment_id=?",
-                      (url, segment_id))
-
-    def flip_to_tier(self, segment_id: int, url: str, *, offloaded_at: int,
-                     tier_bytes: int | None = None) -> None:
-        """From now on readers read this segment from ``url`` (a file of ``tier_bytes``)."""
-        with self.atomic() as c:
-            self._held(c, segment_id)
-            c.execute("UPDATE segments SET tier_url=?, offloaded_at=?, tier_bytes=?, "
-                      "offload_pending_url=NULL WHERE segment_id=?",
-                      (url, offloaded_at, tier_bytes, segment_id))
-
-    def mark_bookie_deleted(self, segment_id: int, *, deleted_at: int) -> None:
-        with self.atomic() as c:
-            self._held(c, segment_id)
-            c.execute("UPDATE segments SET bookie_deleted_at=? WHERE segment_id=?",
-                      (deleted_at, segment_id))
-
-    def record_deletion(self, record: SegmentRecord, *, deleted_at: int, reason: str) -> None:
-        """Remove a segment record and remember what was removed and why, in one step."""
-        with self.atomic() as c:
-            self._held(c, record.segment_id)
-            c.execute(
-                "INSERT INTO deleted_segments (segment_id, topic, partition, entries, "
-                "messages, min_publish_time, max_publish_time, deleted_at, reason) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (segment_id) DO UPDATE SET "
-                "topic=excluded.topic, partition=excluded.partition, entries=excluded.entries, "
-                "messages=excluded.messages, min_publish_time=excluded.min_publish_time, "
-                "max_publish_time=excluded.max_publish_time, deleted_at=excluded.deleted_at, "
-                "reason=excluded.reason",
-                (record.segment_id, record.topic, record.partition, record.entries,
-                 record.messages, record.min_publish_time, record.max_publish_time, deleted_at,
-                 reason),
-            )
-            c.execute("DELETE FROM segments WHERE segment_id=?", (record.segment_id,))
-
-    def deleted_segments(self, topic: str, partition: int | None = None) -> list[dict[str, Any]]:
-        """Segments removed by retention, oldest first: what readers report as data loss."""
-        rows = self._by_topic(
-            "SELECT segment_id, topic, partition, entries, messages, min_publish_time, "
-            "max_publish_time, deleted_at, reason FROM deleted_segments", topic, partition)
-        keys = ("segment_id", "topic", "partition", "entries", "messages", "min_publish_time",
-                "max_publish_time", "deleted_at", "reason")
-        return [dict(zip(keys, r, strict=True)) for r in rows]
-
     # -- bookie endpoints ---------------------------------------------------------------------
 
     def schema_versions(self, topic: str) -> list[SchemaInfo]:
@@ -441,52 +391,6 @@ class MetadataStore:
         retention_ms = check_retention(retention_ms)
         with self.atomic() as c:
             c.execute("UPDATE topics SET retention_ms=? WHERE name=?", (retention_ms, topic))
-
-    # -- cursors ------------------------------------------------------------------------------
-
-    def get_cursor(self, topic: str, subscription: str, partition: int) -> Any:
-        """A subscription's stored partition state (subscriptions/cursor_state.py), or None."""
-        row = self._one(
-                "SELECT state FROM cursors WHERE topic=? AND subscription=? AND partition=?",
-                (topic, subscription, partition),
-            )
-        return None if row is None else json.loads(row[0])
-
-    def cursors(self, topic: str) -> list[dict[str, Any]]:
-        """Every stored cursor of ``topic``: subscription, partition, state, updated_at."""
-        rows = self.query(
-                "SELECT subscription, partition, state, updated_at FROM cursors WHERE topic=? "
-                "ORDER BY subscription, partition", (topic,))
-        return [{"subscription": r[0], "partition": r[1], "state": json.loads(r[2]),
-                 "updated_at": r[3]} for r in rows]
-
-    def save_cursors(self, rows: Sequence[tuple[str, str, int, Any]], *, now: int
-                     ) -> dict[tuple[str, int], str]:
-        """Store ``(topic, subscription, partition, state)`` rows in one transaction. A row
-        of a partition another broker owns now is not written over its cursor, and the
-        others are. Returns the partitions not stored, with their owner's id: whoever
-        waits on such a row must not say it is stored (its client sends it there)."""
-        with self.atomic() as c:
-            foreign = {} if self.owner is None else self.owner.foreign(
-                c, {(t, p) for t, _, p, _ in rows})
-            if foreign:
-                log.warning("cursors not stored, of partitions other brokers own now (what "
-                            "waits on them is refused, naming the owner): %s",
-                            sorted(foreign)[:5])
-                rows = [r for r in rows if (r[0], r[2]) not in foreign]
-            c.executemany(
-                "INSERT INTO cursors (topic, subscription, partition, state, updated_at) "
-                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (topic, subscription, partition) DO UPDATE "
-                "SET state=excluded.state, updated_at=excluded.updated_at",
-                [(t, sub, p, json.dumps(state), now) for t, sub, p, state in rows],
-            )
-        return foreign
-
-    def delete_cursors(self, topic: str, subscription: str) -> int:
-        """Forget a subscription of ``topic`` (every partition's cursor); how many went."""
-        with self.atomic() as c:
-            return int(c.execute("DELETE FROM cursors WHERE topic=? AND subscription=?",
-                                 (topic, subscription)).rowcount)
 
     # -- producer de-duplication ----------------------------------------------------------------
 
