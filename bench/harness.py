@@ -198,6 +198,55 @@ def cpu_seconds(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+class ProcessCpu:
+    """CPU seconds (user + system) this process (``client``) and process ``pid`` (``broker``)
+    spend between entering and leaving: a message's cost, which does not move with the
+    machine's load as its throughput does."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.client = self.broker = 0.0
+
+    def __enter__(self) -> ProcessCpu:
+        self._start = (cpu_seconds(), cpu_seconds(self.pid))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.client = cpu_seconds() - self._start[0]
+        self.broker = cpu_seconds(self.pid) - self._start[1]
+
+
+def _reference_loop(n: int) -> int:
+    total = 0
+    for i in range(n):
+        total += i * i % 7
+    return total
+
+
+def loop_unit_us() -> float:
+    """µs of one iteration of a fixed pure-Python loop (``total += i * i % 7``), the fastest
+    of 5 timings of 200,000 iterations in this run: CPU figures divided by it ("loop units")
+    compare across machines, as Python's own speed on each is the yardstick."""
+    return min(timed(lambda: _reference_loop(200_000)) for _ in range(5)) / 200_000 * 1e6
+
+
+def cost_figures(what: str, messages: int, used: list[ProcessCpu], unit_us: float, *,
+                 baseline: tuple[str, list[ProcessCpu]] | None = None) -> list[Figure]:
+    """The broker's and the client's CPU per message of ``used`` runs (µs, and in loop units
+    of ``unit_us``: see :func:`loop_unit_us`), beside ``baseline``'s where given."""
+    out = []
+    for side in ("broker", "client"):
+        us = [getattr(c, side) / messages * 1e6 for c in used]
+        base_name, base = (None, []) if baseline is None else (
+            baseline[0], [getattr(c, side) / messages * 1e6 for c in baseline[1]])
+        out += [Figure(f"{what}: {side} CPU per message", "us", us, base_name, base,
+                       higher_is_better=False),
+                Figure(f"{what}: {side} CPU per message, in loop units", "loops",
+                       [u / unit_us for u in us], base_name, [b / unit_us for b in base],
+                       higher_is_better=False)]
+    return out
+
+
 def timed(fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
     fn()

@@ -20,8 +20,11 @@ import pyarrow.flight as flight
 
 from bench.harness import (
     Figure,
+    ProcessCpu,
     broker_with_topic,
     console,
+    cost_figures,
+    loop_unit_us,
     repeat,
     report,
     save_chart,
@@ -61,10 +64,17 @@ def produce(quick: bool = True) -> Path:
             # (up to max_in_flight unacknowledged) and waits for the last ack
             table = pa.Table.from_batches([batch] * (messages // 1000))
 
+            assert broker.proc is not None
+            pid, cpus = broker.proc.pid, list[ProcessCpu]()
+
             def run() -> float:
-                return messages / timed(lambda: producer.send_batch(table, partition=0))
+                with ProcessCpu(pid) as used:
+                    rate = messages / timed(lambda: producer.send_batch(table, partition=0))
+                cpus.append(used)
+                return rate
 
             tput = repeat(run, runs)
+            unit = loop_unit_us()
             producer.close()
             with Admin(broker.url) as admin:
                 admin.create_topic("bench/produce/four", 4)
@@ -114,6 +124,7 @@ def produce(quick: bool = True) -> Path:
         Figure("produce value MB/s", "MB/s", mb),
         Figure("produce msg/s, 4 partitions x 4 producers (aggregate)", "msg/s", tput_four,
                "append+fdatasync of the same bytes", ceiling),
+        *cost_figures("produce, 1 partition", messages, cpus[-runs:], unit),
     ]
     return report("produce", figures, {"messages": messages, "runs": runs, "batch": 1000,
                                        "value_bytes": 100, "fsync": True})
@@ -231,6 +242,9 @@ def consume(quick: bool = True) -> Path:
                 raise RuntimeError(f"ceiling server did not start: {line!r}")
             ceiling_url = line.split()[-1]
 
+            assert broker.proc is not None
+            pid, cpus = broker.proc.pid, list[ProcessCpu]()
+
             def via_broker() -> float:
                 n = 0
 
@@ -238,7 +252,9 @@ def consume(quick: bool = True) -> Path:
                     nonlocal n
                     for b in read("bench/consume/t", broker=url, end=Offset.latest()):
                         n += b.num_rows
-                rate = messages / timed(go)
+                with ProcessCpu(pid) as used:
+                    rate = messages / timed(go)
+                cpus.append(used)
                 assert n == messages, f"read {n} of {messages}"
                 return rate
 
@@ -262,6 +278,8 @@ def consume(quick: bool = True) -> Path:
             broker.stop()
     figures = [Figure("consume msg/s through the broker", "msg/s", ours,
                       "Flight from memory", ceiling, aim="ratio >= 0.7",
-                      aim_check=lambda v, r: r is not None and r >= 0.7)]
+                      aim_check=lambda v, r: r is not None and r >= 0.7),
+               *cost_figures("consume through the broker", messages, cpus[-runs:],
+                             loop_unit_us())]
     console.print(f"{messages:,} messages of 100 B values, 1 partition, entries of 1,000")
     return report("consume", figures, {"messages": messages, "runs": runs})
