@@ -23,7 +23,17 @@ from typing import Any
 import pulsar
 import pyarrow as pa
 
-from bench.harness import Figure, WorkerProcess, cpu_seconds, repeat, report, sized, timed
+from bench.harness import (
+    Figure,
+    ProcessCpu,
+    WorkerProcess,
+    cost_figures,
+    loop_unit_us,
+    repeat,
+    report,
+    sized,
+    timed,
+)
 from tierstream.broker.config import StoreConfig
 from tierstream.broker.process import BrokerProcess
 from tierstream.broker.pulsar.produce import off_hash
@@ -44,26 +54,7 @@ VALUE = b"v" * 100
 BATCH = 1000
 
 
-class _Cpu:
-    """CPU seconds this process and the broker process spend between start and stop."""
-
-    def __init__(self, broker: BrokerProcess) -> None:
-        assert broker.proc is not None
-        self.pid = broker.proc.pid
-
-    def _now(self) -> tuple[float, float]:
-        return cpu_seconds(), cpu_seconds(self.pid)
-
-    def __enter__(self) -> _Cpu:
-        self.start = self._now()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        end = self._now()
-        self.client, self.broker = (end[0] - self.start[0], end[1] - self.start[1])
-
-
-def _pulsar_rate(client: Any, topic: str, messages: int, cpu: list[_Cpu],
+def _pulsar_rate(client: Any, topic: str, messages: int, cpu: list[ProcessCpu],
                  broker: BrokerProcess) -> float:
     """send_async without a callback: flush raises if any message failed. (A Python callback
     per message costs the client ~25 us of GIL hand-over from its I/O thread: measured at
@@ -79,7 +70,7 @@ def _pulsar_rate(client: Any, topic: str, messages: int, cpu: list[_Cpu],
             producer.send_async(VALUE, None)
         producer.flush()
 
-    with _Cpu(broker) as used:
+    with ProcessCpu(_pid(broker)) as used:
         rate = messages / timed(send)
     cpu.append(used)
     producer.close()
@@ -137,7 +128,7 @@ class _Replay:
         self.next_id += messages
         return out
 
-    def rate(self, broker: BrokerProcess, messages: int, cpu: list[_Cpu]) -> float:
+    def rate(self, broker: BrokerProcess, messages: int, cpu: list[ProcessCpu]) -> float:
         frames = self.frames(messages)
 
         def send() -> None:
@@ -146,24 +137,29 @@ class _Replay:
             self._until(lambda c: c.type == api.BaseCommand.SEND_RECEIPT, len(frames))
             writer.join()
 
-        with _Cpu(broker) as used:
+        with ProcessCpu(_pid(broker)) as used:
             rate = messages / timed(send)
         cpu.append(used)
         return rate
 
 
-def _own_rate(broker: BrokerProcess, topic: str, messages: int, cpu: list[_Cpu]) -> float:
+def _own_rate(broker: BrokerProcess, topic: str, messages: int, cpu: list[ProcessCpu]) -> float:
     with Producer(topic, broker=broker.url, batch_size=BATCH, max_in_flight=16) as producer:
         def send() -> None:
             producer.send_many({"value": VALUE} for _ in range(messages))
             producer.flush()
-        with _Cpu(broker) as used:
+        with ProcessCpu(_pid(broker)) as used:
             rate = messages / timed(send)
     cpu.append(used)
     return rate
 
 
-def _per_message_us(cpu: list[_Cpu], messages: int, side: str, runs: int) -> list[float]:
+def _pid(broker: BrokerProcess) -> int:
+    assert broker.proc is not None
+    return broker.proc.pid
+
+
+def _per_message_us(cpu: list[ProcessCpu], messages: int, side: str, runs: int) -> list[float]:
     return [getattr(c, side) / messages * 1e6 for c in cpu[-runs:]]  # not the warm-up
 
 
@@ -257,9 +253,10 @@ def pulsar_produce(quick: bool = True) -> Path:
                         admin.create_topic(name, parts)
                     return name
 
+                unit = loop_unit_us()
                 for partitions in (1, 4):
-                    theirs_cpu: list[_Cpu] = []
-                    ours_cpu: list[_Cpu] = []
+                    theirs_cpu: list[ProcessCpu] = []
+                    ours_cpu: list[ProcessCpu] = []
                     theirs = repeat(lambda p=partitions, c=theirs_cpu: _pulsar_rate(
                         client, f"persistent://{topic('pulsar', p)}", messages, c, broker),
                         runs)
@@ -274,15 +271,12 @@ def pulsar_produce(quick: bool = True) -> Path:
                     figures.append(Figure(
                         f"  the Pulsar client's own ceiling, {partitions} partition(s): "
                         "1 / its CPU per message", "msg/s", [1e6 / us for us in client_us]))
-                    for side in ("broker", "client"):
-                        figures.append(Figure(
-                            f"  {side} CPU per message, Pulsar path, {partitions} "
-                            "partition(s)", "us", _per_message_us(theirs_cpu, messages, side, runs),
-                            "tierstream's own path",
-                            _per_message_us(ours_cpu, messages, side, runs),
-                            higher_is_better=False))
+                    figures += cost_figures(
+                        f"  Pulsar path, {partitions} partition(s)", messages,
+                        theirs_cpu[-runs:], unit,
+                        baseline=("tierstream's own path", ours_cpu[-runs:]))
                     if partitions == 1:  # the broker's cost alone: the client's load taken off
-                        replay_cpu: list[_Cpu] = []
+                        replay_cpu: list[ProcessCpu] = []
                         replay = _Replay(broker.pulsar_url, f"persistent://{topic('replay', 1)}")
                         repeat(lambda r=replay, c=replay_cpu: r.rate(broker, messages, c), runs)
                         replay.sock.close()
