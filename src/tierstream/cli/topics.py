@@ -114,14 +114,9 @@ def topic_set(
     if retention is None and partitions is None and compaction_threshold is None:
         raise ConfigError("nothing to set: give --retention, --partitions and/or "
                           "--compaction-threshold")
-    threshold: int | None = None
-    if compaction_threshold is not None and compaction_threshold.strip().lower() != "none":
-        from tierstream.options import parse_size
+    from tierstream.client.admin import compaction_threshold as checked_threshold
 
-        threshold = parse_size(compaction_threshold, what="--compaction-threshold")
-        if threshold <= 0:
-            raise ConfigError(f"invalid --compaction-threshold {compaction_threshold!r}: "
-                              "expected a size above 0, e.g. 100MB, or none")
+    threshold = checked_threshold(compaction_threshold, "--compaction-threshold")
     retention_ms = None if retention is None or retention.strip().lower() == "none" \
         else check_retention(retention, what="--retention")
     if retention_ms is not None and retention_ms < 3_600_000 and not yes:

@@ -17,7 +17,7 @@ from tierstream.options import parse_size
 from tierstream.schemas.model import SchemaInfo
 from tierstream.splits.split import StreamCut
 
-__all__ = ["Admin", "segment_record"]
+__all__ = ["Admin", "compaction_threshold", "segment_record"]
 
 
 
@@ -194,10 +194,7 @@ class Admin(BrokerClient):
         """Compact ``topic`` whenever one of its partitions has ``threshold`` (bytes, or a
         size such as ``'100MB'``) written after its snapshot's horizon; None: only on
         demand."""
-        size = None if threshold is None else parse_size(threshold, what="compaction threshold")
-        if size is not None and size <= 0:
-            raise ConfigError(f"invalid compaction threshold {threshold!r}: expected a size "
-                              "above 0, e.g. 100MB, or None")
+        size = compaction_threshold(threshold, "compaction threshold")
         return dict(self.action("set-compaction-threshold", {
             "topic": str(TopicName.parse(topic)), "threshold_bytes": size}))
 
@@ -314,3 +311,15 @@ def segment_record(raw: dict[str, Any]) -> SegmentRecord:
     fields["ensemble"] = tuple(fields["ensemble"])
     fields["skipped"] = tuple((int(lo), int(hi)) for lo, hi in fields.get("skipped") or ())
     return SegmentRecord(**fields)
+
+
+def compaction_threshold(raw: int | str | None, what: str) -> int | None:
+    """A compaction threshold as given (bytes, or a size such as ``'100MB'``; None or
+    ``'none'``: no threshold), in bytes: above 0 and below 2**63."""
+    if raw is None or (isinstance(raw, str) and raw.strip().lower() == "none"):
+        return None
+    size = parse_size(raw, what=what)
+    if not 0 < size < 2**63:
+        raise ConfigError(f"invalid {what} {raw!r}: expected a size above 0 and below 8 EiB, "
+                          "e.g. 100MB, or none")
+    return size
