@@ -7,8 +7,10 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import pytest
 
 import tierstream
@@ -116,7 +118,7 @@ def test_a_compactor_killed_between_its_steps_leaves_a_valid_view(
         assert _compacted(broker) == expected, point
 
 
-def test_compact_on_the_command_line(broker: BrokerProcess) -> None:
+def test_compact_on_the_command_line(broker: BrokerProcess, tmp_path: Path) -> None:
     with Admin(broker.url) as admin:
         admin.create_topic(TOPIC, 1)
     _write(broker, random.Random(1), 100, 0)
@@ -126,6 +128,18 @@ def test_compact_on_the_command_line(broker: BrokerProcess) -> None:
     assert f"partition 0: {keys:,} live key(s)" in done.stdout, done.stdout
     status = run("topic", "compaction", TOPIC, "--broker", broker.url)
     assert status.returncode == 0 and f"{TOPIC}: SUCCESS" in status.stdout, status
+    out = tmp_path / "latest.parquet"
+    read = run("read", TOPIC, "--compacted", "--out", str(out), "--broker", broker.url,
+               "--data-dir", str(broker.data_dir))
+    assert read.returncode == 0, read.stderr
+    rows = pq.read_table(out).to_pylist()
+    assert {(r["partition"], r["key"]): r["value"] for r in rows} == {
+        k: v[0] for k, v in _oracle(broker).items()}
+    assert f"wrote {len(rows):,} live key(s)" in read.stderr
+    refused = run("read", TOPIC, "--compacted", "--from", "latest", "--out",
+                  str(tmp_path / "no.parquet"), "--broker", broker.url)
+    assert refused.returncode != 0 and "--compacted" in refused.stderr, refused
+    assert not (tmp_path / "no.parquet").exists()
     wrong = run("topic", "compact", "acme/prices/nothing", "--broker", broker.url)
     assert wrong.returncode != 0 and "acme/prices/nothing" in wrong.stderr
     assert "Traceback" not in wrong.stderr

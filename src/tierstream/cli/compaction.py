@@ -1,9 +1,11 @@
 """``tierstream topic compact`` and ``tierstream topic compaction``: a topic's latest value
-per key, as snapshots (``broker/topics/compaction.py``)."""
+per key, as snapshots (``broker/topics/compaction.py``); ``tierstream read --compacted``
+reads it."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -13,6 +15,7 @@ from tierstream.cli.common import (
     QuietOpt,
     TlsCaOpt,
     TokenOpt,
+    err,
     human_bytes,
     out,
     progress_bar,
@@ -92,3 +95,37 @@ def _say(status: dict[str, Any]) -> None:
                   highlight=False)
     if not status["snapshots"]:
         out.print("  no snapshot yet", highlight=False)
+
+
+def read_compacted(topic: str, out_path: Path, kwargs: dict[str, Any], decoder: Any,
+                   mode: str, quiet: bool) -> None:
+    """``tierstream read --compacted``: the topic's live keys into ``out_path`` (a new
+    Parquet file, written whole or not at all)."""
+    import pyarrow.parquet as pq
+
+    import tierstream
+    from tierstream.model.message_format import OUTPUT_SCHEMA, as_output_batch
+    from tierstream.schemas.codec import decode_batch, decoded_schema
+
+    schema = OUTPUT_SCHEMA if decoder is None else decoded_schema(OUTPUT_SCHEMA, decoder, mode)
+    wanted = {k: kwargs[k] for k in ("end", "data_dir", "broker", "auth_token", "key_ranges")}
+    started = time.perf_counter()
+    rows, dropped = 0, [0]
+    tmp = out_path.with_name(f".{out_path.name}.partial")
+    try:
+        with pq.ParquetWriter(tmp, schema, compression="zstd") as writer, \
+                progress_bar(not quiet) as progress:
+            progress.add_task("reading each key's latest value", total=None)
+            for raw in tierstream.scan(topic, compacted=True, **wanted):
+                batch = raw if decoder is None else decode_batch(raw, decoder, mode, topic,
+                                                                 dropped)
+                writer.write_batch(as_output_batch(batch, schema))
+                rows += batch.num_rows
+        tmp.replace(out_path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    if dropped[0]:
+        err.print(f"dropped {dropped[0]:,} message(s) whose value could not be decoded "
+                  "(--mode DROPMALFORMED)", highlight=False)
+    err.print(f"wrote {rows:,} live key(s) to {out_path} in "
+              f"{time.perf_counter() - started:.2f}s", highlight=False)

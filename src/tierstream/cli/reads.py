@@ -386,10 +386,15 @@ def read_cmd(
     auth_token: TokenOpt = None,
     tls_ca: TlsCaOpt = None,
     tier_cache_size: TierCacheOpt = None,  # applied by its callback
+    compacted: Annotated[bool, typer.Option(
+        "--compacted", help="Each key's latest message (per partition), from the topic's "
+                            "compaction snapshots and the log after them; a message with an "
+                            "empty value removes its key. Takes no --from.")] = False,
 ) -> None:
     """Read a bounded window with the local runner into one new Parquet file (written
     atomically; times as UTC timestamps, as backfill writes them). Prints the end cut, from
-    which `tail --from` or `read --from` continue with no gap and no duplicate.
+    which `tail --from` or `read --from` continue with no gap and no duplicate; with
+    --compacted, each key's latest value instead (and no cut).
 
     Example: tierstream read acme/web/clicks --from 2026-11-01 --to 2026-11-02 --out day1.parquet
     """
@@ -413,6 +418,15 @@ def read_cmd(
     ca = use_tls_ca(tls_ca)
     kwargs = _query_kwargs(topic, from_, to, key_ranges, max_split_bytes, reader,
                            fail_on_data_loss, data_dir, broker, auth_token)
+    if compacted:
+        from tierstream.cli.compaction import read_compacted
+
+        if from_ != "earliest" or time_field != "publish_time" or cut_out is not None:
+            raise ConfigError("--compacted reads each key's latest value: it takes no --from, "
+                              "--time-field or --cut-out")
+        read_compacted(topic, out_path, kwargs, _decoder(topic, value_format, mode, broker,
+                                                         auth_token), mode.upper(), quiet)
+        return
     window = None
     if check_time_field(time_field, "--time-field") == "event_time":
         window = event_time_window(kwargs["start"], kwargs["end"])
