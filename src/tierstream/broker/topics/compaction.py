@@ -270,9 +270,18 @@ class Compactor:
 
 def backlog_bytes(plog: PartitionLog, snapshot: CompactionRecord | None) -> int:
     """About how many bytes a partition holds after its snapshot's horizon (all of it
-    without one): its segments from the horizon's on."""
-    first = snapshot.horizon.segment_id if snapshot is not None else -1
-    return sum(int(s.bytes or 0) for s in plog.segments() if s.segment_id >= first)
+    without one): the segments after the horizon's, and of the horizon's own the share of
+    its entries after the horizon (counting all of it made a partition of one large segment
+    over its threshold at every pass, compacted again and again)."""
+    total = 0
+    for seg in plog.segments():
+        size = int(seg.bytes or 0)
+        if snapshot is None or seg.segment_id > snapshot.horizon.segment_id:
+            total += size
+        elif seg.segment_id == snapshot.horizon.segment_id and seg.entries:
+            after = max(0, seg.entries - snapshot.horizon.entry_id)
+            total += size * after // seg.entries
+    return total
 
 
 def _batches(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
