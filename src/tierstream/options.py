@@ -356,7 +356,8 @@ OPTIONS: dict[str, Option] = {
                            "topic's compaction snapshots and the log after them; a message "
                            "with an empty value removes its key, one without a key is left "
                            "out. One Spark partition per key range (keyRanges), each folding "
-                           "its own keys: no shuffle."),
+                           "its own keys: no shuffle. Streaming: the first micro-batch is that "
+                           "state (whatever the read limit), later ones the log after it."),
         Option(key="cursorLabel", parse=_string, default=None,
                kind="text", scopes=("read",),
                description="Streaming: what tierstream subscriptions says of this query's "

@@ -124,12 +124,17 @@ class Enumerator:
         """The topic's schema versions, in order (empty: its values are bytes)."""
         return self.metadata.schema_versions(str(TopicName.parse(topic)))
 
-    def compacted_start(self, topic: str, partitions: Sequence[int] | None = None
-                        ) -> tuple[StreamCut | None, dict[int, Any]]:
+    def compacted_start(self, topic: str, partitions: Sequence[int] | None = None,
+                        end: StreamCut | None = None) -> tuple[StreamCut | None, dict[int, Any]]:
         """Where a compacted read of ``topic`` (those ``partitions``) reads the log from:
         each partition's snapshot horizon, or its first segment without one; and the
-        snapshots (``metadata/compactions.py``). None for the cut: no snapshot, read all."""
+        snapshots (``metadata/compactions.py``). None for the cut: no snapshot, read all.
+        With an ``end`` cut, a snapshot whose horizon is past it is left out (it may hold
+        later versions): that partition's log is read from its start."""
         snapshots = self.metadata.compactions(topic)
+        if end is not None:
+            snapshots = {p: s for p, s in snapshots.items()
+                         if end.get(p) is not None and s.horizon <= end[p]}
         if not snapshots:
             return None, {}
         wanted = partitions if partitions else range(self.metadata.get_topic(topic).partitions)

@@ -21,8 +21,8 @@ from tierstream.model.message_format import OUTPUT_DDL, OUTPUT_SCHEMA, as_output
 from tierstream.model.positions import Offset
 from tierstream.read_options import ReadOptions
 from tierstream.readers.stats import ReadStats
-from tierstream.schemas.codec import Decoder, decode_batches, decoded_schema
-from tierstream.spark_adapter.partitions import read_partition, spark_batches, spark_partitions
+from tierstream.schemas.codec import Decoder, decoded_schema
+from tierstream.spark_adapter.partitions import read_partition, spark_partitions
 from tierstream.splits.split import Cuts, Split, StreamCut
 
 __all__ = [
@@ -183,13 +183,9 @@ class _BatchReader(DataSourceReader):
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         if self.settings.compacted:
-            from tierstream.spark_adapter.compacted import read_compacted
+            from tierstream.spark_adapter.compacted import spark_compacted
 
-            batches = read_compacted(self.settings, partition)
-            if self.decoder is None:
-                return spark_batches(batches)
-            return decode_batches(spark_batches(batches), self.decoder, self.settings.mode,
-                                  self.settings.topics[0])
+            return spark_compacted(self.settings, partition, self.decoder)
         return read_partition(self.settings, partition, self.stats, self.decoder)
 
 

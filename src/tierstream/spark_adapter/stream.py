@@ -12,6 +12,11 @@ A read of one ``topic`` uses that topic's stream cut as its offset, so an offset
 progress or checkpoint can be passed back as ``startingPosition``. A read of ``topics`` or a
 ``namespace`` uses ``{"v": 1, "cuts": {topic: cut}}``; a namespace read looks for new topics
 at every trigger and reads a topic that appeared mid-stream from its earliest message.
+
+With ``compacted=true`` the stream starts from ``{"v": 1, "compacted": topic}``, before its
+state: the first micro-batch is the topic's compacted view up to the cut it ends at
+(``compacted.py``, one row per live key, whatever the read limit), and every later one the
+log after it, a changelog (tombstones and keyless messages included, as the log holds them).
 """
 
 from __future__ import annotations
@@ -41,8 +46,21 @@ from tierstream.enumerator.streaming import (
 )
 from tierstream.errors import ConfigError
 from tierstream.model.positions import Offset, OffsetKind
+from tierstream.spark_adapter.compacted import (
+    check_compacted,
+    compacted_partitions,
+    is_compacted,
+    spark_compacted,
+)
 from tierstream.spark_adapter.partitions import read_partition, spark_partitions
-from tierstream.splits.split import Cuts, Split, StreamCut, cuts_from_dict, cuts_to_dict
+from tierstream.splits.split import (
+    CUT_FORMAT_VERSION,
+    Cuts,
+    Split,
+    StreamCut,
+    cuts_from_dict,
+    cuts_to_dict,
+)
 
 if TYPE_CHECKING:  # source.py imports this module: only the type, no import cycle
     from tierstream.read_options import ReadOptions
@@ -51,6 +69,12 @@ if TYPE_CHECKING:  # source.py imports this module: only the type, no import cyc
 __all__ = ["TierstreamStreamReader"]
 
 T = TypeVar("T")
+
+
+def _before_state(offset: dict[str, Any]) -> bool:
+    """Whether ``offset`` is a compacted stream's start, before its state's micro-batch."""
+    return "compacted" in offset
+
 
 class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __init__(self, settings: ReadOptions, decoder: Decoder | None = None) -> None:
@@ -62,6 +86,8 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
         # later fails to decode: restart the query to take it)
         self.decoder = decoder
         self.single = settings.namespace is None and len(settings.topics) == 1
+        if settings.compacted:
+            check_compacted(settings)
         self._target: Cuts | None = None
         self._cursor: dict[str, Any] | None = None  # the last offset stored as the cursor
         self._last_batch = time.monotonic()  # when the last micro-batch was planned
@@ -94,6 +120,8 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
 
     def _initial_offset(self) -> dict[str, Any]:
         start = self.settings.start
+        if self.settings.compacted:
+            return {"v": CUT_FORMAT_VERSION, "compacted": self.settings.topics[0]}
         if isinstance(start, (StreamCut, dict)):
             # cuts given: topics without one (of a namespace, or new) start at their earliest
             cuts = {start.topic: start} if isinstance(start, StreamCut) else dict(start)
@@ -146,6 +174,12 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
         # that batch is done. Spark's own commit(end) for it only comes once a next batch is
         # planned, so without this the cursor of a stream that went idle, or of an AvailableNow
         # run, would stay one batch behind.
+        if _before_state(start):  # the state's batch: all of it, up to what exists now
+            with self._admin() as admin:
+                target = dict(self._target) if self._target is not None \
+                    else self._latest(admin)
+            self._last_batch = time.monotonic()
+            return cuts_to_dict(target, single=True)
         begin = cuts_from_dict(start)
         with self._admin() as admin:
             self._move_cursor(start, admin)
@@ -188,6 +222,8 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
         from tierstream.enumerator import Query
 
         s = self.settings
+        if _before_state(start):
+            return compacted_partitions(s, end=cuts_from_dict(end)[s.topics[0]])
         begin, finish = cuts_from_dict(start), cuts_from_dict(end)
         # a time start filters every batch, not only the first
         time_from = s.start.time_ms if isinstance(s.start, Offset) \
@@ -204,6 +240,8 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
                                 max_bytes=s.max_split_bytes, min_partitions=s.min_partitions)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        if self.settings.compacted and is_compacted(partition):
+            return spark_compacted(self.settings, partition, self.decoder)
         return read_partition(self.settings, partition, decoder=self.decoder)
 
     def commit(self, end: dict[str, Any]) -> None:
@@ -215,7 +253,7 @@ class TierstreamStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow
 
     def _move_cursor(self, done: dict[str, Any], admin: Admin) -> None:
         """Store ``done`` as the subscription's durable cursor (forward only, on the broker)."""
-        if done == self._cursor:
+        if done == self._cursor or _before_state(done):
             return  # an idle stream asks every trigger: write only what is new
         for topic, cut in cuts_from_dict(done).items():
             admin.set_cursor(topic, self.settings.subscription,
