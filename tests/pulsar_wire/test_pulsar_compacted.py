@@ -96,6 +96,29 @@ def test_a_compacted_reader_gets_each_keys_latest_under_its_original_id(
     assert len(got) < 30 + 40
 
 
+def test_a_compacted_reader_gets_every_kept_message_of_an_entry_compaction_thinned(
+        module_broker: BrokerProcess) -> None:
+    # one entry: x0 y1 y2 z3 w4 w5 — compaction keeps batch indexes 0, 2, 3 and 5. A reader
+    # acknowledges (cumulatively) each batch's index 0 as it reads it; a second frame of the
+    # entry arriving after that was dropped by the client, and y, z and w were lost
+    topic = _topic(module_broker)
+    with Producer(topic, broker=module_broker.url, batch_size=6) as producer:
+        producer.send_many([{"key": k, "value": f"{k}{i}".encode()}
+                            for i, k in enumerate("xyyzww")])
+    with Admin(module_broker.url) as admin:
+        assert admin.compact(topic)["status"] == "SUCCESS"
+    client = client_of(module_broker)
+    try:
+        reader = client.create_reader(f"persistent://{topic}", pulsar.MessageId.earliest,
+                                      is_read_compacted=True, receiver_queue_size=1)
+        got = _drain(reader)
+        reader.close()
+    finally:
+        client.close()
+    assert [(m.partition_key(), m.data(), _id(m)[2]) for m in got] == [
+        ("x", b"x0", 0), ("y", b"y2", 2), ("z", b"z3", 3), ("w", b"w5", 5)]
+
+
 def test_a_table_view_fills_with_the_latest_value_per_key_and_follows(
         module_broker: BrokerProcess) -> None:
     rng = random.Random(9)
@@ -160,3 +183,32 @@ def test_a_compacted_exclusive_consumer_acknowledges_and_resumes(
     with Admin(module_broker.url) as admin:
         rows = {r["subscription"]: r for r in admin.subscriptions(topic)}
     assert int(rows["c"]["backlog"]) == 0, rows["c"]
+
+
+def test_a_compacted_exclusive_consumer_acknowledging_cumulatively_gets_every_key(
+        module_broker: BrokerProcess) -> None:
+    # entries [a0 a1 b2] [c3 c4] [d5]: compaction keeps a1 b2 (not the entry's start), c4, d5
+    topic = _topic(module_broker)
+    for batch in (["a", "a", "b"], ["c", "c"], ["d"]):
+        with Producer(topic, broker=module_broker.url, batch_size=len(batch)) as producer:
+            producer.send_many([{"key": k, "value": f"{k}{i}".encode()}
+                                for i, k in enumerate(batch)])
+    with Admin(module_broker.url) as admin:
+        assert admin.compact(topic)["status"] == "SUCCESS"
+    client = client_of(module_broker)
+    try:
+        consumer = client.subscribe(f"persistent://{topic}", "cumulative",
+                                    is_read_compacted=True, receiver_queue_size=1,
+                                    initial_position=pulsar.InitialPosition.Earliest)
+        got = []
+        for _ in range(4):
+            msg = consumer.receive(timeout_millis=int(scaled(10_000)))
+            got.append((msg.partition_key(), msg.data()))
+            consumer.acknowledge_cumulative(msg)
+        assert got == [("a", b"a1"), ("b", b"b2"), ("c", b"c1"), ("d", b"d0")]
+        consumer.close()
+    finally:
+        client.close()
+    with Admin(module_broker.url) as admin:
+        rows = {r["subscription"]: r for r in admin.subscriptions(topic)}
+    assert int(rows["cumulative"]["backlog"]) == 0, rows["cumulative"]

@@ -82,7 +82,8 @@ class _Consumer:
 
     def __post_init__(self) -> None:
         self.sent = Delivered(self.id, self.partition, self.wire_partition,
-                              reader=not self.durable)
+                              reader=not self.durable, cumulative=self.type in (
+                                  SubscriptionType.EXCLUSIVE, SubscriptionType.FAILOVER))
 
     @property
     def wire_partition(self) -> int:

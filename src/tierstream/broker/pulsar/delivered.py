@@ -12,9 +12,11 @@ batch-index acks (the default) acknowledges a batch only once every message of i
 - a reader also gets other parts of an entry as a batch, the messages it is not given masked
   out by the MESSAGE's ``ack_set`` (it acknowledges cumulatively, if at all);
 - anything else (a Key_Shared entry whose keys belong to several consumers, what is left of an
-  entry after part of it was acknowledged) goes out as a **pack**: the consumer's messages of
-  the entry as a batch of their own, under an id of the broker's own that this consumer's
-  record maps back (batch index j of the pack is the j-th message it was given); a message
+  entry after part of it was acknowledged, an entry compaction thinned) goes out as a
+  **pack**: the consumer's messages of the entry as a batch of their own, under an id of the
+  broker's own that this consumer's record maps back (batch index j of the pack is the j-th
+  message it was given) — for a consumer that may acknowledge cumulatively (Exclusive,
+  Failover), under the entry's own id while it holds no other part of the entry; a message
   that cannot share a batch (its redelivery count differs, it is large, it is the only one)
   goes out alone, with an id of its own.
 
@@ -64,8 +66,11 @@ class Delivered:
     """One consumer's messages on their way and unacknowledged, and how each entry went."""
 
     def __init__(self, consumer_id: int, partition: int, wire_partition: int, *,
-                 reader: bool) -> None:
+                 reader: bool, cumulative: bool = False) -> None:
         self.consumer_id, self.partition, self.reader = consumer_id, partition, reader
+        #: its client may acknowledge cumulatively (Exclusive, Failover): a pack goes out
+        #: under its entry's own id where it can (see _pack_frames)
+        self.cumulative = cumulative
         self.wire_partition = wire_partition  # -1 for a topic of one partition, as Pulsar's
         self.lock = threading.Lock()
         self.unacked: set[_Key] = set()
@@ -112,7 +117,7 @@ class Delivered:
         if any(n != count for n in cols["redelivery_count"][a + 1:b]):
             return None  # one frame has one redelivery count
         first = idx[0] == 0 and idx[-1] == b - a - 1
-        if not first and not self.reader:
+        if not self.reader and (not first or (segment, entry) in self._packs_of):
             return self._pack_frames(cols, entry, idx, a, b)
         command = _Cmd(type=_Cmd.MESSAGE, message=api.CommandMessage(
             consumer_id=self.consumer_id, redelivery_count=count, message_id=api.MessageIdData(
@@ -151,8 +156,14 @@ class Delivered:
         """Rows ``a:b`` of one entry as a pack (see the module's docstring); None where they
         go out alone."""
         segment = cols["segment_id"][a]
-        wire = pack_entry_id(entry, idx[0])
-        if b - a < 2 or (segment, wire) in self.packs:
+        # A client that acknowledges cumulatively drops every later frame whose id is at or
+        # below the one it acknowledged: a pack id (beyond every entry id) would hide the
+        # rest of its segment. So its packs take the entry's own id, unless this consumer
+        # holds another part of the entry, which has it.
+        original = self.cumulative and (segment, entry) not in self.batches \
+            and (segment, entry) not in self._packs_of
+        wire = entry if original else pack_entry_id(entry, idx[0])
+        if (b - a < 2 and not original) or (segment, wire) in self.packs:
             return None  # one message; or a pack with its id still on its way
         if sum(len(v) for v in cols["value"][a:b]) > MAX_MESSAGE_SIZE // 2:
             return None

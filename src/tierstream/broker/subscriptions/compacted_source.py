@@ -3,9 +3,10 @@ Exclusive or Failover consumer) is read from: the partition's compaction snapsho
 lies before its horizon, then the log (``broker/topics/compaction.py`` writes the snapshot).
 
 The snapshot's rows keep their positions, so the dispatcher's window takes them as it takes
-the log's: runs of consecutive messages of one entry, each a chunk; the messages compaction
-left out fall between the chunks, and the mark-delete position moves over them as over
-acknowledged ones."""
+the log's: an entry's messages kept, one chunk per entry, with the ones compaction left out
+between them as placeholders the window holds acknowledged (``_runs``); the messages left
+out between entries fall between the chunks, and the mark-delete position moves over them
+as over acknowledged ones."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tierstream.broker.subscriptions.read_window import COMPACTED_OUT
 from tierstream.metadata.compactions import compactions_of
 from tierstream.model.message_format import MESSAGE_SCHEMA
 from tierstream.model.positions import Position
@@ -84,14 +86,33 @@ def _from(rows: pa.Table, start: Position) -> pa.Table:
 
 
 def _runs(rows: pa.Table) -> Iterator[pa.RecordBatch]:
-    """``rows`` as batches of consecutive messages of one entry each."""
+    """``rows`` as one batch per entry, of consecutive batch indexes from the entry's first
+    row kept to its last: the messages compaction left out between them are there as
+    placeholders whose key hash is :data:`COMPACTED_OUT` (Pulsar's ``compacted_out``), which
+    the read window takes as acknowledged. One chunk per entry is what a Pulsar client needs:
+    it drops a second frame of an entry it has acknowledged a message of."""
     if rows.num_rows == 0:
         return
     seg = rows.column("segment_id").to_numpy()
     ent = rows.column("entry_id").to_numpy()
     idx = rows.column("batch_index").to_numpy()
-    cuts = np.flatnonzero((seg[1:] != seg[:-1]) | (ent[1:] != ent[:-1])
-                          | (idx[1:] != idx[:-1] + 1)) + 1
+    cuts = (np.flatnonzero((seg[1:] != seg[:-1]) | (ent[1:] != ent[:-1])) + 1).tolist()
     table = rows.combine_chunks()
-    for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), rows.num_rows], strict=True):
-        yield from table.slice(a, b - a).to_batches()
+    for a, b in zip([0, *cuts], [*cuts, rows.num_rows], strict=True):
+        lo, hi = int(idx[a]), int(idx[b - 1])
+        if hi - lo + 1 == b - a:
+            yield from table.slice(a, b - a).to_batches()
+            continue
+        take = np.full(hi - lo + 1, a, dtype=np.int64)
+        take[idx[a:b] - lo] = np.arange(a, b)
+        kept = np.zeros(hi - lo + 1, dtype=bool)
+        kept[idx[a:b] - lo] = True
+        full = table.take(pa.array(take)).combine_chunks()
+        full = full.set_column(full.schema.get_field_index("batch_index"),
+                               full.schema.field("batch_index"),
+                               pa.array(np.arange(lo, hi + 1), type=pa.int32()))
+        hashes = np.where(kept, full.column("key_hash").to_numpy(), COMPACTED_OUT)
+        full = full.set_column(full.schema.get_field_index("key_hash"),
+                               full.schema.field("key_hash"),
+                               pa.array(hashes, type=pa.int32()))
+        yield from full.to_batches()

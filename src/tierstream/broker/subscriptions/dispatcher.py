@@ -93,7 +93,8 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
         #: the partition's log ended under it (let go, to be opened again as a new log):
         #: the registry loads a new dispatcher for the next consumer (registry.py)
         self.ended = False
-        self.window = ReadWindow(plog.partition, state.mark_delete, state.acked)
+        self.window = ReadWindow(plog.partition, state.mark_delete, state.acked,
+                                 compacted=self.compacted)
         self._loaded = LoadedCursor(state)  # what was acknowledged before this broker
         self.consumers: dict[int, Attached] = {}
         self._next_idx = 0

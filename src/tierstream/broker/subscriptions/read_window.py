@@ -22,10 +22,13 @@ from tierstream.broker.subscriptions.cursor_state import MAX_ACKED_RANGES, Acked
 from tierstream.model.message_format import CONSUMER_SCHEMA
 from tierstream.model.positions import Position
 
-__all__ = ["ACKED", "DEAD", "DELAYED", "DELIVERED", "WAITING", "Chunk", "ReadWindow",
-           "following"]
+__all__ = ["ACKED", "COMPACTED_OUT", "DEAD", "DELAYED", "DELIVERED", "WAITING", "Chunk",
+           "ReadWindow", "following"]
 
 WAITING, DELIVERED, DELAYED, ACKED, DEAD = 0, 1, 2, 3, 4
+#: the key hash of a placeholder in a compacted read's chunk: a message compaction left out
+#: between two it kept of one entry (``compacted_source.py``), held acknowledged
+COMPACTED_OUT = -1
 _NOTHING = np.zeros(0, dtype=np.int32)
 
 
@@ -102,8 +105,9 @@ class ReadWindow:
     """The chunks of one partition from the mark-delete position to the read position."""
 
     def __init__(self, partition: int, mark_delete: Position,
-                 acked: list[tuple[Position, Position]]) -> None:
+                 acked: list[tuple[Position, Position]], *, compacted: bool = False) -> None:
         self.partition = partition
+        self.compacted = compacted  # chunks may hold COMPACTED_OUT placeholders
         self.chunks: deque[Chunk] = deque()
         #: the chunks of each entry: one, but for a compacted read's snapshot (runs of an
         #: entry's messages with the ones compaction left out between them)
@@ -120,6 +124,10 @@ class ReadWindow:
         chunk = Chunk(batch)
         self.read_pos = chunk.after()
         acked = self._acked_ahead(chunk)
+        if self.compacted:
+            out = chunk.slots == COMPACTED_OUT
+            if out.any():
+                acked = out if acked is None else acked | out
         if acked is not None:
             chunk.set_state(np.flatnonzero(acked), ACKED)
             if chunk.open == 0 and not self.chunks:
