@@ -45,6 +45,7 @@ chaos: $(STAMP)
 		tests/spark_adapter/test_sink.py::test_a_read_process_write_query_killed_repeatedly_writes_each_row_once \
 		tests/spark_adapter/test_spark_exactly_once.py::test_sigkilled_streaming_query_restarts_exactly_once
 	TIERSTREAM_FUZZ_SECONDS=120 $(PY) -m pytest -p no:cacheprovider tests/pulsar_wire/test_pulsar_fuzz.py
+	TIERSTREAM_COMPACTION_ROUNDS=40 $(PY) -m pytest -p no:cacheprovider tests/pulsar_wire/test_compaction_oracle.py
 	$(PY) -m pytest -p no:cacheprovider -m chaos tests/spark_adapter/test_cluster.py
 	$(PY) -m pytest -p no:cacheprovider -m chaos tests/store/test_network_namespaces.py -k lapsed_and_was_renewed
 
