@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+import tierstream
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer, Producer
 from tierstream.errors import ConfigError, NotFoundError
@@ -452,3 +453,29 @@ def test_a_partition_unloaded_to_another_broker_is_sent_and_served_there_at_once
             consumer_id=1, request_id=2)), (cmd.SUCCESS, cmd.ERROR))
         assert subscribed.type == cmd.SUCCESS, \
             f"move {move}: the new owner refused: {subscribed.error.message}"
+
+
+def test_compact_asked_of_one_cluster_broker_compacts_every_partition_by_its_owner(
+        network_store) -> None:
+    _, _, broker = network_store
+    a = _cluster(broker, "broker-a", "--lease-timeout", "1h").start()
+    b = _cluster(broker, "broker-b", "--lease-timeout", "1h").start()
+    _spread([a, b], 4)
+    with Producer(TOPIC, broker=a.url) as producer:
+        producer.send_many({"key": f"k{i % 60}", "value": f"v{i}".encode()} for i in range(600))
+    with Admin(a.url) as admin:
+        done = admin.compact(TOPIC)
+    assert done["status"] == "SUCCESS", done
+    assert sorted(int(p) for p in done["run"]) == [0, 1, 2, 3]  # two by A, two by B
+    assert sorted(s["partition"] for s in done["snapshots"]) == [0, 1, 2, 3]
+    with Admin(b.url) as admin:
+        status = admin.compaction(TOPIC)
+    assert status["status"] == "SUCCESS" and sorted(int(p) for p in status["run"]) == [0, 1, 2, 3]
+    rows = tierstream.read(TOPIC, broker=b.url, compacted=True).to_pylist()
+    latest = {}
+    for r in tierstream.read(TOPIC, broker=b.url).to_pylist():
+        key = (r["partition"], r["key"])
+        if key not in latest or (r["segment_id"], r["entry_id"], r["batch_index"]) > latest[key]:
+            latest[key] = (r["segment_id"], r["entry_id"], r["batch_index"])
+    assert {(r["partition"], r["key"]): (r["segment_id"], r["entry_id"], r["batch_index"])
+            for r in rows} == latest

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from tierstream.broker.cluster.compaction_owners import with_owners
 from tierstream.broker.cluster.membership import cluster_of
 from tierstream.broker.stats.topic_stats import QueryLags, Streams, broker_stats, topic_stats
 from tierstream.broker.store import Store
@@ -230,10 +231,12 @@ class AdminActions:
         return [s.to_dict() for s in moved]
 
     def _compact(self, body: dict[str, Any]) -> Any:
-        return self.compactor.start(body["topic"], wait=bool(body.get("wait", True)))
+        here = self.compactor.start(body["topic"], wait=bool(body.get("wait", True)))
+        return with_owners(self.store, here, "compact", body)
 
     def _compaction(self, body: dict[str, Any]) -> Any:
-        return self.compactor.status(body["topic"])
+        return with_owners(self.store, self.compactor.status(body["topic"]), "compaction",
+                           body)
 
     def _set_compaction_threshold(self, body: dict[str, Any]) -> Any:
         name = self.store.topic(body["topic"]).name
@@ -395,8 +398,9 @@ ACTIONS: dict[str, tuple[Any, str]] = {
     "register-bookie": (_A._register_bookie, "Record {bookie, address} (bookie serve)."),
     "offload": (_A._offload, "Offload closed segments of {topic[, older_than_ms, "
                              "segment_ids]}."),
-    "compact": (_A._compact, "Compact the partitions of {topic} served here: the latest "
-                             "message per key up to now, as a snapshot [wait]."),
+    "compact": (_A._compact, "Compact {topic}'s partitions (on a cluster each by its owner): "
+                             "the latest message per key up to now, as a snapshot [wait, "
+                             "here_only]."),
     "compaction": (_A._compaction, "{topic}'s compaction: the last run's status and each "
                                    "partition's snapshot."),
     "set-compaction-threshold": (_A._set_compaction_threshold, "Compact {topic} whenever a "
