@@ -333,3 +333,35 @@ def test_a_plain_path_becomes_a_file_url(tmp_path: Path) -> None:
     assert TierStorage.from_location(str(tmp_path / "t")).url == (tmp_path / "t").as_uri()
     with pytest.raises(ConfigError, match="invalid tier layout"):
         TierStorage.from_location(str(tmp_path), layout="random")
+
+
+def test_retention_of_a_compacted_topic_removes_only_what_a_snapshot_covers(
+        store: Store) -> None:
+    from tierstream.broker.topics.compaction import Compactor
+    from tierstream.metadata.compactions import compactions_of, set_compaction_threshold
+    from tierstream.model.compacted_view import fold_latest
+
+    store.create_topic(TOPIC, 1)
+    plog = store.partition(TOPIC, 0)
+    for e in range(35):  # 35 entries, 10 per segment: keys old-0..9 only in the first
+        keys = [f"old-{j}" for j in range(10)] if e == 0 else ["hot"] * 10
+        plog.append(as_produce_batch(pa.record_batch({
+            "key": keys, "value": [f"{e}-{j}".encode() for j in range(10)],
+            "publish_time": [BASE + (e * 10 + j) * 1000 for j in range(10)]})),
+            producer=None, sequence_id=None)
+    store.set_retention(TOPIC, 1_000)
+    set_compaction_threshold(store.metadata, TOPIC, 1 << 30)  # a compacted topic
+    later = BASE + 10_000_000
+    view = {r["key"]: r["value"] for r in fold_latest(everything(store)).to_pylist()}
+    assert store.offloader.apply_retention(TOPIC, now=later) == []  # no snapshot covers it
+    Compactor(store).start(TOPIC, wait=True)
+    horizon = compactions_of(store.metadata, TOPIC)[0].horizon
+    removed = store.offloader.apply_retention(TOPIC, now=later)
+    assert removed and all(r["segment_id"] < horizon.segment_id for r in removed)
+    snapshot = pq.read_table(store.tier.path(compactions_of(store.metadata, TOPIC)[0].url),
+                             filesystem=store.tier.filesystem())
+    after = everything(store)  # the log after the horizon, folded over the snapshot
+    rows = pa.concat_tables([snapshot.select(MESSAGE_SCHEMA.names).cast(MESSAGE_SCHEMA),
+                             after.filter(pa.compute.greater_equal(
+                                 after.column("segment_id"), horizon.segment_id))])
+    assert {r["key"]: r["value"] for r in fold_latest(rows).to_pylist()} == view

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import pyarrow as pa
 
 from tierstream.errors import ConfigError, CorruptionError, NotOwnerError
+from tierstream.metadata.compactions import compaction_thresholds, compactions_of
 from tierstream.metadata.ownership import PartitionOwners
 from tierstream.metadata.records import SegmentRecord, SegmentState, TopicRecord
 from tierstream.metadata.store import MetadataStore
@@ -200,11 +201,22 @@ class Offloader:
         removed = []
         name = TopicName.parse(topic)
         needed = TransactionRecords(self.store.metadata).set_aside_segments()
+        # a compacted topic's history before a partition's horizon is its snapshot: only
+        # what the snapshot covers may go, or a key's latest value would leave its view
+        snapshots = compactions_of(self.store.metadata, str(name))
+        compacted = bool(snapshots) or str(name) in compaction_thresholds(self.store.metadata)
         with self._lock:
             for plog in self._served(topic):
+                snap = snapshots.get(plog.partition)
                 for seg in plog.closed_segments():
                     if (seg.max_publish_time or 0) >= now - record.retention_ms:
                         break  # max publish time never decreases along the segments
+                    if compacted and (snap is None or Position(
+                            seg.partition, seg.segment_id, seg.entries, 0) > snap.horizon):
+                        log.info("retention keeps segment %s of %s/%s: its compaction "
+                                 "snapshot does not cover it yet", seg.segment_id, topic,
+                                 seg.partition)
+                        break
                     if seg.segment_id in needed:
                         log.info("retention keeps segment %s of %s/%s until the transactions "
                                  "with entries set aside there end", seg.segment_id, topic,
