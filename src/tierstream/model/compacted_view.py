@@ -14,22 +14,55 @@ __all__ = ["fold_latest"]
 def fold_latest(rows: pa.Table) -> pa.Table:
     """The compacted view of ``rows`` (MESSAGE_SCHEMA columns, any order): per partition and
     key the row with the highest position, unless its value is empty; rows without a key
-    left out; in partition and position order."""
-    if rows.num_rows == 0:
+    left out; in partition and position order.
+
+    Only the positions are ordered (not at all when they come in order, as the compactor's
+    snapshot-then-log does) and only the winners are taken: the rows, values and all, are
+    never reordered whole."""
+    n = rows.num_rows
+    if n == 0:
         return rows
-    order = pc.sort_indices(rows, sort_keys=[("partition", "ascending"),
-                                             ("segment_id", "ascending"),
-                                             ("entry_id", "ascending"),
-                                             ("batch_index", "ascending")])
-    rows = rows.take(order)
-    keyed = rows.filter(pc.is_valid(rows.column("key")))
-    if keyed.num_rows == 0:
-        return keyed
-    numbered = pa.table({"partition": keyed.column("partition"), "key": keyed.column("key"),
-                         "n": pa.array(np.arange(keyed.num_rows, dtype=np.int64))})
+    p, s, e, b = (rows.column(c).to_numpy() for c in
+                  ("partition", "segment_id", "entry_id", "batch_index"))
+    if _in_order(p, s, e, b):
+        rank = order = np.arange(n, dtype=np.int64)
+    else:
+        order = np.lexsort((b, e, s, p))  # rank -> row
+        rank = np.empty(n, dtype=np.int64)
+        rank[order] = np.arange(n, dtype=np.int64)  # row -> rank
+    numbered = pa.table({"partition": rows.column("partition"), "key": rows.column("key"),
+                         "n": pa.array(rank)})
     last = numbered.group_by(["partition", "key"], use_threads=False).aggregate([("n", "max")])
-    winners = np.sort(last.column("n_max").to_numpy())
-    latest = keyed.take(pa.array(winners))
+    last = last.filter(pc.is_valid(last.column("key")))  # keyless rows have no view
+    if last.num_rows == 0:
+        return rows.schema.empty_table()
+    latest = _take(rows, order[np.sort(last.column("n_max").to_numpy())])
     value = latest.column("value")
     live = pc.and_(pc.is_valid(value), pc.greater(pc.binary_length(value), 0))
     return latest.filter(live)
+
+
+def _take(rows: pa.Table, idx: np.ndarray) -> pa.Table:
+    """``rows.take(idx)``, chunk by chunk: a table read batch by batch has a chunk per
+    batch, and one take across a thousand chunks costs more than the fold."""
+    batches = rows.to_batches()
+    if len(batches) <= 1:
+        return rows.take(pa.array(idx))
+    offsets = np.cumsum([0, *(len(batch) for batch in batches)])
+    by_row = np.argsort(idx, kind="stable")
+    rows_sorted = idx[by_row]
+    chunk = np.searchsorted(offsets, rows_sorted, side="right") - 1
+    bounds = np.flatnonzero(np.diff(chunk)) + 1
+    parts = [batches[int(chunk[a])].take(pa.array(rows_sorted[a:z] - offsets[int(chunk[a])]))
+             for a, z in zip([0, *bounds.tolist()], [*bounds.tolist(), len(idx)], strict=True)]
+    taken = pa.Table.from_batches(parts, schema=rows.schema).combine_chunks()
+    back = np.empty_like(by_row)
+    back[by_row] = np.arange(len(idx))
+    return taken.take(pa.array(back))
+
+
+def _in_order(p: np.ndarray, s: np.ndarray, e: np.ndarray, b: np.ndarray) -> bool:
+    """Whether the positions ``(p, s, e, b)`` never go down from one row to the next."""
+    dp, ds, de, db = (np.diff(x.astype(np.int64)) for x in (p, s, e, b))
+    return bool(np.all((dp > 0) | ((dp == 0) & ((ds > 0) | ((ds == 0) & (
+        (de > 0) | ((de == 0) & (db >= 0))))))))
