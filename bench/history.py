@@ -7,7 +7,9 @@ revision is then a question for the same machine, the same hour: each round runs
 benchmark once on a copy of this tree and once on the older revision (``git archive`` of its
 ``src`` and ``bench``, run with this environment's packages), alternating, and the table shows
 both sets of ratios. Each run measures its own baseline interleaved as usual; only the ratios
-are compared.
+are compared — and the cost per message (every "CPU per message" figure in µs the benchmark
+reports at both revisions), which does not need a baseline: a change's effect on what a
+message costs the broker is one command.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from bench.harness import Figure, console, report
 
@@ -46,37 +49,51 @@ def _tree_at(rev: str | None, into: Path) -> Path:
     return into
 
 
-def _ratio(tree: Path, name: str, quick: bool) -> float:
+def _run(tree: Path, name: str, quick: bool) -> list[dict[str, Any]]:
     """Run ``python -m bench NAME`` in ``tree`` (its own tierstream first on the path) and
-    read the first figure's ratio from its result file."""
+    read its figures from its result file."""
     env = {**os.environ, "PYTHONPATH": f"{tree / 'src'}{os.pathsep}{tree}"}
     cmd = [sys.executable, "-m", "bench", name, *([] if quick else ["--full"])]
     done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     result = tree / "bench" / "results" / f"{name}.json"
     if done.returncode != 0 or not result.exists():
         raise RuntimeError(f"{name} at {tree} failed: {done.stderr.strip()[-2000:]}")
-    ratio = json.loads(result.read_text())["figures"][0]["ratio"]
+    figures = json.loads(result.read_text())["figures"]
     result.unlink()
-    return float(ratio)
+    return list(figures)
+
+
+def _costs(figures: list[dict[str, Any]]) -> dict[str, float]:
+    """The cost-per-message figures (µs) of one run, by name."""
+    return {f["name"]: float(f["value"]) for f in figures
+            if f["unit"] == "us" and "CPU per message" in f["name"]}
 
 
 def against(name: str, rev: str, quick: bool = True, rounds: int | None = None) -> Path:
-    """``name``'s first ratio (its first figure beside that figure's baseline) on this tree
-    and at ``rev``, one run each per round, alternating which goes first."""
+    """``name``'s first ratio (its first figure beside that figure's baseline), and its cost
+    per message, on this tree and at ``rev``, one run each per round, alternating which
+    goes first."""
     rounds = rounds or (4 if quick else 8)
     ours: list[float] = []
     old: list[float] = []
+    costs: dict[str, tuple[list[float], list[float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         now_tree = _tree_at(None, Path(tmp) / "now")
         old_tree = _tree_at(rev, Path(tmp) / "old")
         for i in range(rounds):
-            first, second = ((now_tree, ours), (old_tree, old)) if i % 2 == 0 \
-                else ((old_tree, old), (now_tree, ours))
-            for tree, into in (first, second):
-                into.append(_ratio(tree, name, quick))
+            first, second = ((now_tree, 0), (old_tree, 1)) if i % 2 == 0 \
+                else ((old_tree, 1), (now_tree, 0))
+            for tree, side in (first, second):
+                figures = _run(tree, name, quick)
+                (ours, old)[side].append(float(figures[0]["ratio"]))
+                for cost, us in _costs(figures).items():
+                    costs.setdefault(cost, ([], []))[side].append(us)
             console.print(f"round {i + 1}/{rounds}: this tree {ours[-1]:.2f}, {rev} "
                           f"{old[-1]:.2f}")
     figures = [Figure(f"{name}: first figure / its baseline, this tree", "x", ours,
                       f"the same at {rev}, alternating rounds", old)]
+    figures += [Figure(f"{cost}, this tree", "us", now, f"the same at {rev}", then,
+                       higher_is_better=False)
+                for cost, (now, then) in costs.items() if now and len(then) == len(now)]
     return report(f"{name}-against-{rev}", figures, {"benchmark": name, "revision": rev,
                                                      "rounds": rounds, "quick": quick})
