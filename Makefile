@@ -1,4 +1,6 @@
-# Every target creates .venv if it is missing and installs the project into it.
+# Every target creates .venv if it is missing and installs the project into it. --no-compile:
+# byte-compiling every installed module (pyspark's, botocore's) took half of a fresh install
+# (54 s -> 28 s); Python compiles the few that are imported when they are.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -9,7 +11,7 @@ STAMP  := $(VENV)/.installed-stamp
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-compile -e '.[dev]'
 	@touch $(STAMP)
 
 install: $(STAMP)
