@@ -31,8 +31,13 @@ def test_key_hash_of_no_key_is_the_hash_of_none_key() -> None:
 
 
 def test_vectorised_key_hashes_match_scalar_ones() -> None:
-    keys = ["a", None, "b", "a", "ünïcode", None]
+    keys = ["a", None, "b", "a", "ünïcode", None, "", "漢字😀", "x" * 300, *MURMUR3_VECTORS]
     assert key_hashes(pa.array(keys)).to_pylist() == [key_hash(k) for k in keys]
+    assert key_hashes(pa.array(keys).slice(3, 5)).to_pylist() == [key_hash(k)
+                                                                  for k in keys[3:8]]
+    assert key_hashes(pa.chunked_array([keys[:4], keys[4:]])).to_pylist() == [
+        key_hash(k) for k in keys]
+    assert key_hashes(pa.array(["k"] * 3)).to_pylist() == [key_hash("k")] * 3
 
 
 def test_read_schema_is_topic_then_message_schema() -> None:

@@ -177,11 +177,17 @@ class ReadWindow:
         missing: list[Position] = []
         if len(segment) == 0:
             return found, missing
-        pairs = np.stack([segment, entry], axis=1)
-        keys, inverse = np.unique(pairs, axis=0, return_inverse=True)
-        inverse = inverse.reshape(-1)
-        for k, (s, e) in enumerate(keys.tolist()):
-            rows = index[inverse == k]
+        # by entry: a client's acks come in log order (then no sort at all); np.unique over
+        # (segment, entry) pairs, and a pass over all positions per entry, were a third of
+        # the broker's CPU on the consume path
+        ds, de, di = np.diff(segment), np.diff(entry), np.diff(index)
+        if not np.all((ds > 0) | ((ds == 0) & ((de > 0) | ((de == 0) & (di >= 0))))):
+            order = np.lexsort((index, entry, segment))
+            segment, entry, index = segment[order], entry[order], index[order]
+            ds, de = np.diff(segment), np.diff(entry)
+        cuts = (np.flatnonzero((ds != 0) | (de != 0)) + 1).tolist()
+        for a, z in zip([0, *cuts], [*cuts, len(segment)], strict=True):
+            s, e, rows = int(segment[a]), int(entry[a]), index[a:z]
             for chunk in self.by_entry.get((s, e), ()):
                 inside = (rows >= chunk.bi0) & (rows < chunk.bi0 + chunk.n)
                 if chunk.open and inside.any():  # (one all acknowledged: nothing to do)
