@@ -262,7 +262,9 @@ OPTIONS: dict[str, Option] = {
                            "not-yet-offloaded bytes exceed this."),
         Option(key="deletionLag", parse=_duration, default=10 * 60_000,
                kind="a duration such as 0s, 10m or 4h",
-               description="How long bookie copies stay after a segment moved to the tier."),
+               description="How long bookie copies stay after a segment moved to the tier, "
+                           "and a compaction snapshot after a newer one replaced it (for "
+                           "reads still on it)."),
         Option(key="tierCheckInterval", parse=_duration, default=30_000,
                kind="a duration such as 500ms or 30s",
                description="How often the broker applies offload, deletion and retention."),

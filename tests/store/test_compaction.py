@@ -176,3 +176,26 @@ def test_a_topic_with_a_threshold_is_compacted_once_that_much_is_written(
     shown = run("topic", "stats", TOPIC, "--broker", broker.url)
     assert f"compacted: {keys:,} live key(s)" in shown.stdout, shown.stdout
     assert _compacted(broker) == _oracle(broker)
+
+
+def test_a_replaced_snapshot_file_stays_for_the_deletion_lag_then_goes(
+        start_broker: Callable[..., BrokerProcess], data_dir: Path) -> None:
+    rng = random.Random(4)
+    broker = start_broker()  # the default lag: ten minutes
+    with Admin(broker.url) as admin:
+        admin.create_topic(TOPIC, 1)
+    urls = []
+    for run_ in range(3):
+        _write(broker, rng, 50, 50 * run_)
+        with Admin(broker.url) as admin:
+            urls.append(admin.compact(TOPIC)["snapshots"][0]["url"])
+    files = sorted(data_dir.rglob("compacted/partition-0/*.parquet"))
+    assert len(files) == 3, files  # a reader planned on the first may still be reading it
+    broker.stop()
+    broker = start_broker("--deletion-lag", "0s")
+    _write(broker, rng, 50, 150)
+    with Admin(broker.url) as admin:
+        urls.append(admin.compact(TOPIC)["snapshots"][0]["url"])
+    left = sorted(p.name for p in data_dir.rglob("compacted/partition-0/*.parquet"))
+    assert left == sorted(u.rsplit("/", 1)[1] for u in urls[-2:])  # current and previous
+    assert _compacted(broker) == _oracle(broker)

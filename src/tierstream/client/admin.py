@@ -178,8 +178,8 @@ class Admin(BrokerClient):
 
     def compact(self, topic: str, *, wait: bool = True) -> dict[str, Any]:
         """Compact ``topic`` (on a cluster, each partition by the broker that owns it): per
-        partition, the latest message of each key up to now becomes its snapshot. ``wait=False`` starts the run
-        and returns; :meth:`compaction` tells how it went."""
+        partition, the latest message of each key up to now becomes its snapshot.
+        ``wait=False`` starts the run and returns; :meth:`compaction` tells how it went."""
         arguments.flag(wait, "wait")
         return dict(self.action("compact", {"topic": str(TopicName.parse(topic)),
                                             "wait": wait}))

@@ -48,6 +48,7 @@ from tierstream.util.threads import Worker
 from tierstream.util.timeutil import now_ms
 
 if TYPE_CHECKING:
+    from tierstream.broker.config import StoreConfig
     from tierstream.managed_ledger.partition_log import PartitionLog
     from tierstream.metadata.records import TopicRecord
     from tierstream.metadata.store import MetadataStore
@@ -66,6 +67,7 @@ class CompactionHost(Protocol):
 
     metadata: MetadataStore
     tier: TierStorage
+    config: StoreConfig  # deletion_lag_ms: how long a replaced snapshot stays for readers
 
     def topic(self, name: str) -> TopicRecord: ...
 
@@ -243,15 +245,43 @@ class Compactor:
         crash_point("compaction.written")
         record = CompactionRecord(topic, partition, horizon, url, latest.num_rows, size,
                                   now_ms(), int((time.monotonic() - started) * 1000))
-        stale = save_compaction(self.store.metadata, record)
+        previous_url = previous.url if previous is not None else None
+        save_compaction(self.store.metadata, record)
         crash_point("compaction.saved")
-        if stale is not None:
-            self.store.tier.delete(stale)
+        self._sweep(topic, partition, keep={u for u in (url, previous_url) if u})
         log.info("compacted %s partition %d up to %s: %d key(s) live, %d message(s) read",
                  topic, partition, horizon, latest.num_rows, read)
         return {"partition": partition, "read": read, "keys": latest.num_rows,
                 "horizon": record.to_dict()["horizon"], "bytes": size,
                 "duration_ms": record.duration_ms}
+
+    def _sweep(self, topic: str, partition: int, keep: set[str]) -> None:
+        """Delete the partition's snapshot files no reader is still on: a file other than
+        the current and the previous snapshot once the file that replaced it is older than
+        the store's deletion lag (a reader plans with a snapshot's URL and reads it later,
+        a Spark task maybe much later), and what a killed run left half-written as long
+        ago."""
+        tier = self.store.tier
+        fs = tier.filesystem()
+        folder = tier.path(f"{tier.topic_url(TopicName.parse(topic))}/compacted/"
+                           f"partition-{partition}")
+        try:
+            found = sorted((fs.modified(p).timestamp(), p) for p in fs.ls(folder, detail=False))
+        except FileNotFoundError:
+            return
+        kept = {tier.path(u) for u in keep}
+        lag_s = self.store.config.deletion_lag_ms / 1000
+        now = time.time()
+        snapshots = [(t, p) for t, p in found if ".partial-" not in p]
+        for t, path in found:
+            if path in kept:
+                continue
+            # a snapshot is replaced when the next one is written; a partial file never is
+            replaced = t if ".partial-" in path else \
+                min((u for u, _ in snapshots if u > t), default=None)
+            if replaced is not None and now - replaced >= lag_s:
+                fs.rm(path)
+                log.info("removed compaction snapshot file %s of %s/%d", path, topic, partition)
 
     def _snapshot_rows(self, url: str) -> pa.Table:
         tier = self.store.tier
