@@ -136,6 +136,13 @@ def test_compact_on_the_command_line(broker: BrokerProcess, tmp_path: Path) -> N
     assert {(r["partition"], r["key"]): r["value"] for r in rows} == {
         k: v[0] for k, v in _oracle(broker).items()}
     assert f"wrote {len(rows):,} live key(s)" in read.stderr
+    import datetime as dt
+
+    until = (dt.datetime.now(dt.UTC) + dt.timedelta(minutes=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    cut = run("read", TOPIC, "--compacted", "--to", until, "--out", str(tmp_path / "to.parquet"),
+              "--broker", broker.url, "--data-dir", str(broker.data_dir))
+    assert cut.returncode == 0 and "the log up to there is read and folded" in cut.stderr, cut
+    assert pq.read_table(tmp_path / "to.parquet").num_rows == len(rows)
     refused = run("read", TOPIC, "--compacted", "--from", "latest", "--out",
                   str(tmp_path / "no.parquet"), "--broker", broker.url)
     assert refused.returncode != 0 and "--compacted" in refused.stderr, refused

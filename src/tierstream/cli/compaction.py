@@ -110,6 +110,9 @@ def read_compacted(topic: str, out_path: Path, kwargs: dict[str, Any], decoder: 
     schema = OUTPUT_SCHEMA if decoder is None else decoded_schema(OUTPUT_SCHEMA, decoder, mode)
     wanted = {k: kwargs[k] for k in ("end", "data_dir", "broker", "auth_token", "key_ranges")}
     started = time.perf_counter()
+    if wanted["end"] not in (None, "latest"):
+        err.print(f"--to {wanted['end']}: the compaction snapshots may hold later versions, so "
+                  "the log up to there is read and folded instead", highlight=False)
     rows, dropped = 0, [0]
     tmp = out_path.with_name(f".{out_path.name}.partial")
     try:
