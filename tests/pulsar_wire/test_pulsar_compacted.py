@@ -212,3 +212,37 @@ def test_a_compacted_exclusive_consumer_acknowledging_cumulatively_gets_every_ke
     with Admin(module_broker.url) as admin:
         rows = {r["subscription"]: r for r in admin.subscriptions(topic)}
     assert int(rows["cumulative"]["backlog"]) == 0, rows["cumulative"]
+
+
+def test_has_message_available_answers_right_when_the_last_message_is_in_the_tier(
+        start_broker: Any) -> None:
+    from ..ports import fixed_port
+
+    broker = start_broker("--pulsar-port", str(fixed_port()), "--max-entries-per-segment", "5",
+                          "--deletion-lag", "0s")
+    topic = _topic(broker)
+    rng = random.Random(13)
+    for n in range(4):  # 4 segments of 5 entries of 10 messages: the open one left empty
+        _write(broker, topic, rng, 50, 50 * n)
+    with Admin(broker.url) as admin:
+        admin.compact(topic)
+        assert admin.offload(topic), "nothing offloaded"
+        admin.tier_pass()  # and the bookie copies deleted
+        open_ = [s for s in admin.list_segments(topic) if s.state == "OPEN"]
+        assert all(s.tier_url for s in admin.list_segments(topic) if s.state != "OPEN")
+    assert all(s.entries == 0 for s in open_), open_
+    client = client_of(broker)
+    try:
+        reader = client.create_reader(f"persistent://{topic}", pulsar.MessageId.earliest,
+                                      is_read_compacted=True)
+        got = _drain(reader)
+        reader.close()
+    finally:
+        client.close()
+    latest = {}
+    for msg in got:
+        if msg.data():
+            latest[msg.partition_key()] = (msg.data(), _id(msg))
+        else:
+            latest.pop(msg.partition_key(), None)
+    assert latest == _view(broker, topic)
