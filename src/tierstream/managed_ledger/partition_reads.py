@@ -75,7 +75,7 @@ class PartitionReads:
             self._index_cache.pop(segment_id, None)
             self._tier_cache.pop(segment_id, None)
             for key in [k for k in self._entry_cache if k[0] == segment_id]:
-                self._entry_cache_bytes -= self._entry_cache.pop(key).nbytes
+                self._entry_cache_bytes -= self._entry_cache.pop(key).get_total_buffer_size()
 
     def read(
         self,
@@ -292,10 +292,11 @@ class PartitionReads:
 
     def _cache_put(self, key: tuple[int, int], batch: pa.RecordBatch) -> None:
         self._entry_cache[key] = batch
-        self._entry_cache_bytes += batch.nbytes
+        # an entry's batch owns its buffers: their plain sum, a fortieth of nbytes' cost
+        self._entry_cache_bytes += batch.get_total_buffer_size()
         while self._entry_cache_bytes > _CACHE_BYTES and self._entry_cache:
             _, old = self._entry_cache.popitem(last=False)
-            self._entry_cache_bytes -= old.nbytes
+            self._entry_cache_bytes -= old.get_total_buffer_size()
 
 
 class TierSegment:

@@ -117,9 +117,10 @@ class ConsumeStreams:
         entry (topic stats: topic_stats.py)."""
         with self.streams.serving(kind, plog.topic, plog.partition, name) as entry:
             for batch in batches:
+                size = batch.nbytes  # (a sum over a set of buffers: once per batch)
                 entry["messages"] += batch.num_rows
-                entry["bytes"] += batch.nbytes
-                plog.rate_out.add(batch.num_rows, batch.nbytes)
+                entry["bytes"] += size
+                plog.rate_out.add(batch.num_rows, size)
                 yield batch
 
     def _resolve_start(self, plog: PartitionLog, offset: Offset) -> Position:

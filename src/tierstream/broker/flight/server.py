@@ -118,7 +118,7 @@ class Broker(ConsumeStreams, AdminActions, flight.FlightServerBase):
                         raise ProducerFencedError(stream["fenced"])
                     self.schemas.check_named_versions(plog.topic, named_versions(batch))
                     stream["messages"] += batch.num_rows
-                    stream["bytes"] += batch.nbytes
+                    stream["bytes"] += batch.get_total_buffer_size()  # (its own buffers)
 
                 produce_stream(plog, reader, writer, producer=producer, routed=routed,
                                check=check)

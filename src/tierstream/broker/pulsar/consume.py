@@ -195,9 +195,10 @@ class ConsumePath:
                 fault_point("pulsar.delivery")
                 frames = c.sent.frames(batch)
                 self.link.write_frames(frames)
-                plog.rate_out.add(batch.num_rows, batch.nbytes)
+                size = batch.nbytes  # (a sum over a set of buffers: once per batch)
+                plog.rate_out.add(batch.num_rows, size)
                 c.counts["messages"] += batch.num_rows
-                c.counts["bytes"] += batch.nbytes
+                c.counts["bytes"] += size
             if c.attached.detached and not self._closing.is_set() and self._take(c):
                 # the broker let it go (a seek elsewhere, the subscription deleted): the
                 # client is told, and subscribes again if it still wants to
