@@ -18,6 +18,7 @@ from bench import (
     framework_bench,
     harness,
     history,
+    keyed_bench,
     latency_fs_bench,
     metadata_bench,
     pulsar_bench,
@@ -92,6 +93,9 @@ BENCHMARKS: dict[str, tuple[Callable[[bool], Path], str]] = {
     "delayed": (delayed_bench.delayed, "delayed delivery: lateness of messages due at random "
                 "over 10 s (p50/p99), and the drain rate of held messages once due beside "
                 "unheld ones (2 shared consumers)"),
+    "keyed": (keyed_bench.keyed, "the broker's CPU per message to produce and consume "
+              "(acking each batch) with 1,000 distinct keys per batch, beside the same "
+              "messages without keys"),
     "layout": (tier_bench.layout, "bytes a k=4 key-range read and a 10% time window fetch, "
                                   "key-bucket layout vs log order"),
 }
