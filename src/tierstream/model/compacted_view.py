@@ -11,28 +11,32 @@ import pyarrow.compute as pc
 __all__ = ["fold_latest"]
 
 
-def fold_latest(rows: pa.Table) -> pa.Table:
+def fold_latest(rows: pa.Table, *, in_order: bool = False) -> pa.Table:
     """The compacted view of ``rows`` (MESSAGE_SCHEMA columns, any order): per partition and
     key the row with the highest position, unless its value is empty; rows without a key
     left out; in partition and position order.
 
-    Only the positions are ordered (not at all when they come in order, as the compactor's
-    snapshot-then-log does) and only the winners are taken: the rows, values and all, are
-    never reordered whole."""
+    Only the positions are ordered (not at all when they come in order: ``in_order`` says so
+    of rows known to, as the compactor's snapshot-then-log are, else it is checked) and only
+    the winners are taken: the rows, values and all, are never reordered whole."""
     n = rows.num_rows
     if n == 0:
         return rows
-    p, s, e, b = (rows.column(c).to_numpy() for c in
-                  ("partition", "segment_id", "entry_id", "batch_index"))
-    if _in_order(p, s, e, b):
+    p = rows.column("partition").to_numpy()
+    one_partition = bool(p.min() == p.max())
+    if in_order or _in_order(p, *(rows.column(c).to_numpy() for c in
+                                  ("segment_id", "entry_id", "batch_index"))):
         rank = order = np.arange(n, dtype=np.int64)
     else:
+        s, e, b = (rows.column(c).to_numpy() for c in ("segment_id", "entry_id",
+                                                       "batch_index"))
         order = np.lexsort((b, e, s, p))  # rank -> row
         rank = np.empty(n, dtype=np.int64)
         rank[order] = np.arange(n, dtype=np.int64)  # row -> rank
+    by = ["key"] if one_partition else ["partition", "key"]  # (one column groups faster)
     numbered = pa.table({"partition": rows.column("partition"), "key": rows.column("key"),
                          "n": pa.array(rank)})
-    last = numbered.group_by(["partition", "key"], use_threads=False).aggregate([("n", "max")])
+    last = numbered.group_by(by, use_threads=False).aggregate([("n", "max")])
     last = last.filter(pc.is_valid(last.column("key")))  # keyless rows have no view
     if last.num_rows == 0:
         return rows.schema.empty_table()

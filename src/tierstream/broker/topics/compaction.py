@@ -233,7 +233,7 @@ class Compactor:
             read += batch.num_rows
         rows = pa.concat_tables([p.select(MESSAGE_SCHEMA.names).cast(MESSAGE_SCHEMA)
                                  for p in parts]) if parts else MESSAGE_SCHEMA.empty_table()
-        latest = fold_latest(rows)
+        latest = fold_latest(rows, in_order=True)  # the snapshot's rows, then the log's
         url = None
         size = 0
         if latest.num_rows:
