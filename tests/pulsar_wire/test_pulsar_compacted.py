@@ -62,6 +62,36 @@ def _table(view: Any) -> dict[str, bytes]:
     return out
 
 
+def _latest(got: list[Any]) -> dict[str, tuple[bytes, tuple[int, int, int]]]:
+    """What a compacted reader's messages leave per key (a tombstone removes its key)."""
+    latest: dict[str, tuple[bytes, tuple[int, int, int]]] = {}
+    for msg in got:
+        if msg.data():
+            latest[msg.partition_key()] = (msg.data(), _id(msg))
+        else:
+            latest.pop(msg.partition_key(), None)
+    return latest
+
+
+def _read_compacted(broker: BrokerProcess, topic: str, **options: Any) -> list[Any]:
+    """Every message a compacted reader from the earliest gets until none is available."""
+    client = client_of(broker)
+    try:
+        reader = client.create_reader(f"persistent://{topic}", pulsar.MessageId.earliest,
+                                      is_read_compacted=True, **options)
+        got = _drain(reader)
+        reader.close()
+        return got
+    finally:
+        client.close()
+
+
+def _backlog(broker: BrokerProcess, topic: str, subscription: str) -> int:
+    with Admin(broker.url) as admin:
+        rows = {r["subscription"]: r for r in admin.subscriptions(topic)}
+    return int(rows[subscription]["backlog"])
+
+
 def _id(msg: Any) -> tuple[int, int, int]:
     mid = msg.message_id()
     return (mid.ledger_id(), mid.entry_id(), max(mid.batch_index(), 0))
@@ -75,21 +105,8 @@ def test_a_compacted_reader_gets_each_keys_latest_under_its_original_id(
     with Admin(module_broker.url) as admin:
         assert admin.compact(topic)["status"] == "SUCCESS"
     _write(module_broker, topic, rng, 40, 400)  # after the horizon: read from the log
-    client = client_of(module_broker)
-    try:
-        reader = client.create_reader(f"persistent://{topic}", pulsar.MessageId.earliest,
-                                      is_read_compacted=True)
-        got = _drain(reader)
-        reader.close()
-    finally:
-        client.close()
-    latest: dict[str, tuple[bytes, tuple[int, int, int]]] = {}
-    for msg in got:
-        if msg.data():
-            latest[msg.partition_key()] = (msg.data(), _id(msg))
-        else:
-            latest.pop(msg.partition_key(), None)
-    assert latest == _view(module_broker, topic)
+    got = _read_compacted(module_broker, topic)
+    assert _latest(got) == _view(module_broker, topic)
     ids = [_id(m) for m in got]
     assert ids == sorted(ids) and len(set(ids)) == len(ids)
     # the snapshot's part holds one message per key: far fewer than were written
@@ -107,14 +124,7 @@ def test_a_compacted_reader_gets_every_kept_message_of_an_entry_compaction_thinn
                             for i, k in enumerate("xyyzww")])
     with Admin(module_broker.url) as admin:
         assert admin.compact(topic)["status"] == "SUCCESS"
-    client = client_of(module_broker)
-    try:
-        reader = client.create_reader(f"persistent://{topic}", pulsar.MessageId.earliest,
-                                      is_read_compacted=True, receiver_queue_size=1)
-        got = _drain(reader)
-        reader.close()
-    finally:
-        client.close()
+    got = _read_compacted(module_broker, topic, receiver_queue_size=1)
     assert [(m.partition_key(), m.data(), _id(m)[2]) for m in got] == [
         ("x", b"x0", 0), ("y", b"y2", 2), ("z", b"z3", 3), ("w", b"w5", 5)]
 
@@ -180,9 +190,7 @@ def test_a_compacted_exclusive_consumer_acknowledges_and_resumes(
         consumer.close()
     finally:
         client.close()
-    with Admin(module_broker.url) as admin:
-        rows = {r["subscription"]: r for r in admin.subscriptions(topic)}
-    assert int(rows["c"]["backlog"]) == 0, rows["c"]
+    assert _backlog(module_broker, topic, "c") == 0
 
 
 def test_a_compacted_exclusive_consumer_acknowledging_cumulatively_gets_every_key(
@@ -209,9 +217,7 @@ def test_a_compacted_exclusive_consumer_acknowledging_cumulatively_gets_every_ke
         consumer.close()
     finally:
         client.close()
-    with Admin(module_broker.url) as admin:
-        rows = {r["subscription"]: r for r in admin.subscriptions(topic)}
-    assert int(rows["cumulative"]["backlog"]) == 0, rows["cumulative"]
+    assert _backlog(module_broker, topic, "cumulative") == 0
 
 
 def test_has_message_available_answers_right_when_the_last_message_is_in_the_tier(
@@ -231,18 +237,5 @@ def test_has_message_available_answers_right_when_the_last_message_is_in_the_tie
         open_ = [s for s in admin.list_segments(topic) if s.state == "OPEN"]
         assert all(s.tier_url for s in admin.list_segments(topic) if s.state != "OPEN")
     assert all(s.entries == 0 for s in open_), open_
-    client = client_of(broker)
-    try:
-        reader = client.create_reader(f"persistent://{topic}", pulsar.MessageId.earliest,
-                                      is_read_compacted=True)
-        got = _drain(reader)
-        reader.close()
-    finally:
-        client.close()
-    latest = {}
-    for msg in got:
-        if msg.data():
-            latest[msg.partition_key()] = (msg.data(), _id(msg))
-        else:
-            latest.pop(msg.partition_key(), None)
-    assert latest == _view(broker, topic)
+    got = _read_compacted(broker, topic)
+    assert _latest(got) == _view(broker, topic)
