@@ -233,6 +233,8 @@ def test_a_compaction_beside_writers_and_a_reader_loses_nothing_and_shows_no_hal
             for _ in range(5):
                 assert admin.compact(TOPIC)["status"] == "SUCCESS"
                 time.sleep(scaled(0.1))
+        # the reader read across the runs: a few views at least, however loaded the machine
+        wait_for(lambda: len(views) >= 3, timeout=scaled(60), what="three compacted reads")
     finally:
         stop.set()
         for t in threads:
