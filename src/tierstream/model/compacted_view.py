@@ -8,6 +8,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from tierstream.model.positions import in_position_order
+
 __all__ = ["fold_latest"]
 
 
@@ -24,13 +26,15 @@ def fold_latest(rows: pa.Table, *, in_order: bool = False) -> pa.Table:
         return rows
     p = rows.column("partition").to_numpy()
     one_partition = bool(p.min() == p.max())
-    if in_order or _in_order(p, *(rows.column(c).to_numpy() for c in
-                                  ("segment_id", "entry_id", "batch_index"))):
+    if in_order:
+        columns = None
+    else:
+        columns = [p, *(rows.column(c).to_numpy() for c in
+                        ("segment_id", "entry_id", "batch_index"))]
+    if columns is None or in_position_order(*columns):
         rank = order = np.arange(n, dtype=np.int64)
     else:
-        s, e, b = (rows.column(c).to_numpy() for c in ("segment_id", "entry_id",
-                                                       "batch_index"))
-        order = np.lexsort((b, e, s, p))  # rank -> row
+        order = np.lexsort(columns[::-1])  # rank -> row
         rank = np.empty(n, dtype=np.int64)
         rank[order] = np.arange(n, dtype=np.int64)  # row -> rank
     by = ["key"] if one_partition else ["partition", "key"]  # (one column groups faster)
@@ -63,10 +67,3 @@ def _take(rows: pa.Table, idx: np.ndarray) -> pa.Table:
     back = np.empty_like(by_row)
     back[by_row] = np.arange(len(idx))
     return taken.take(pa.array(back))
-
-
-def _in_order(p: np.ndarray, s: np.ndarray, e: np.ndarray, b: np.ndarray) -> bool:
-    """Whether the positions ``(p, s, e, b)`` never go down from one row to the next."""
-    dp, ds, de, db = (np.diff(x.astype(np.int64)) for x in (p, s, e, b))
-    return bool(np.all((dp > 0) | ((dp == 0) & ((ds > 0) | ((ds == 0) & (
-        (de > 0) | ((de == 0) & (db >= 0))))))))

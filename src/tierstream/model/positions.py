@@ -17,7 +17,8 @@ from tierstream.errors import ConfigError
 from tierstream.model.message_format import KEY_HASH_SLOTS
 
 __all__ = ["EntryRanges", "KeyRange", "Offset", "OffsetKind", "Position", "cut_entries",
-           "entries_between", "entry_ranges", "in_ranges", "ranges_within"]
+           "entries_between", "entry_ranges", "in_position_order", "in_ranges",
+           "ranges_within"]
 
 #: Entry ids of one segment as sorted, disjoint half-open ranges ``((lo, hi), ...)``: the
 #: entries readers skip (aborted or set-aside transaction entries: see
@@ -198,6 +199,20 @@ def cut_entries(start: Position, end: Position, n: int) -> list[tuple[Position, 
              end if i == n - 1 else Position(start.partition, start.segment_id,
                                               bounds[i + 1], 0))
             for i in range(n)]
+
+
+def in_position_order(*columns: Any) -> bool:
+    """Whether the rows of ``columns`` (numpy arrays of one length: partition, segment, entry,
+    batch index, or a leading part of them) never go down from one row to the next in
+    lexicographic order: rows read from the log, or acks a client sends, usually do, and then
+    need no sort."""
+    import numpy as np  # not at the top: most processes never compare positions in bulk
+
+    steps = [np.diff(c.astype(np.int64, copy=False)) for c in columns]
+    ok = steps[-1] >= 0
+    for step in reversed(steps[:-1]):
+        ok = (step > 0) | ((step == 0) & ok)
+    return bool(np.all(ok))
 
 
 class OffsetKind(enum.Enum):

@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from tierstream.broker.subscriptions.cursor_state import MAX_ACKED_RANGES, AckedEntry
 from tierstream.model.message_format import CONSUMER_SCHEMA
-from tierstream.model.positions import Position
+from tierstream.model.positions import Position, in_position_order
 
 __all__ = ["ACKED", "COMPACTED_OUT", "DEAD", "DELAYED", "DELIVERED", "WAITING", "Chunk",
            "ReadWindow", "following"]
@@ -180,12 +180,10 @@ class ReadWindow:
         # by entry: a client's acks come in log order (then no sort at all); np.unique over
         # (segment, entry) pairs, and a pass over all positions per entry, were a third of
         # the broker's CPU on the consume path
-        ds, de, di = np.diff(segment), np.diff(entry), np.diff(index)
-        if not np.all((ds > 0) | ((ds == 0) & ((de > 0) | ((de == 0) & (di >= 0))))):
+        if not in_position_order(segment, entry, index):
             order = np.lexsort((index, entry, segment))
             segment, entry, index = segment[order], entry[order], index[order]
-            ds, de = np.diff(segment), np.diff(entry)
-        cuts = (np.flatnonzero((ds != 0) | (de != 0)) + 1).tolist()
+        cuts = (np.flatnonzero((np.diff(segment) != 0) | (np.diff(entry) != 0)) + 1).tolist()
         for a, z in zip([0, *cuts], [*cuts, len(segment)], strict=True):
             s, e, rows = int(segment[a]), int(entry[a]), index[a:z]
             for chunk in self.by_entry.get((s, e), ()):
