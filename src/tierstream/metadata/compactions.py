@@ -64,13 +64,13 @@ def compactions_of(metadata: MetadataStore, topic: str) -> dict[int, CompactionR
             for r in rows}
 
 
-def save_compaction(metadata: MetadataStore, record: CompactionRecord) -> str | None:
+def save_compaction(metadata: MetadataStore, record: CompactionRecord) -> None:
     """Make ``record`` its partition's snapshot in one transaction; the snapshot it replaces
-    becomes ``previous_url``. Returns the file two runs old, for the caller to delete."""
+    becomes ``previous_url`` (its files are the compactor's to remove: see its sweep)."""
     with metadata.atomic() as c:
-        row = c.execute("SELECT url, previous_url FROM compactions WHERE topic = ? AND "
-                        "partition = ?", (record.topic, record.partition)).fetchone()
-        previous, stale = (row[0], row[1]) if row else (None, None)
+        row = c.execute("SELECT url FROM compactions WHERE topic = ? AND partition = ?",
+                        (record.topic, record.partition)).fetchone()
+        previous = row[0] if row else None
         c.execute("DELETE FROM compactions WHERE topic = ? AND partition = ?",
                   (record.topic, record.partition))
         h = record.horizon
@@ -79,7 +79,6 @@ def save_compaction(metadata: MetadataStore, record: CompactionRecord) -> str | 
                   (record.topic, record.partition, h.segment_id, h.entry_id, h.batch_index,
                    record.url, previous, record.keys, record.bytes, record.compacted_at,
                    record.duration_ms))
-    return stale if stale not in (record.url, previous) else None
 
 
 def set_compaction_threshold(metadata: MetadataStore, topic: str, threshold: int | None) -> None:

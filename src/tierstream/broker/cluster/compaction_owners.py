@@ -60,11 +60,10 @@ def with_owners(store: _Store, here: dict[str, Any], action: str,
             asked.setdefault(owner.url, []).append(partition)
     asking = {**body, "topic": name, "here_only": True, "wait": False}
     answers = cluster.peers.call_each({url: (action, asking) for url in asked})
-    while action == "compact" and body.get("wait", True) and any(
-            not isinstance(a, Exception) and a["status"] == "RUNNING" for a in answers.values()):
+    waits = action == "compact" and body.get("wait", True)
+    while waits and (running := [url for url, a in answers.items()
+                                 if not isinstance(a, Exception) and a["status"] == "RUNNING"]):
         time.sleep(POLL_S)
-        running = [url for url, a in answers.items()
-                   if not isinstance(a, Exception) and a["status"] == "RUNNING"]
         answers.update(cluster.peers.call_each({url: ("compaction", asking) for url in running}))
     out = dict(here)
     out["run"] = {str(k): v for k, v in here.get("run", {}).items()}

@@ -109,8 +109,8 @@ class ReadWindow:
         self.partition = partition
         self.compacted = compacted  # chunks may hold COMPACTED_OUT placeholders
         self.chunks: deque[Chunk] = deque()
-        #: the chunks of each entry: one, but for a compacted read's snapshot (runs of an
-        #: entry's messages with the ones compaction left out between them)
+        #: the chunks of each entry: one as a rule, a compacted read's snapshot entry too (with
+        #: placeholders for what compaction left out); a list, which assumes nothing
         self.by_entry: dict[tuple[int, int], list[Chunk]] = {}
         self.read_pos = mark_delete          # the next position to read
         self.ahead: list[tuple[Position, Position]] = sorted(acked)  # acked, not read yet
