@@ -18,6 +18,7 @@ from bench import (
     framework_bench,
     harness,
     history,
+    instructions,
     keyed_bench,
     latency_fs_bench,
     metadata_bench,
@@ -119,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--against", metavar="REV", default=None,
                         help="run the benchmark on this tree and at git revision REV in "
                              "alternating rounds, and compare their first ratio")
+    parser.add_argument("--instructions", action="store_true",
+                        help="the broker's instructions per message on the paths named ("
+                             f"{', '.join(instructions.PATHS)}), counted under valgrind's "
+                             "callgrind: a figure load does not move (~1.5 min for all four)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="rounds with --against (default 4, 8 with --full)")
     args = parser.parse_args(argv)
@@ -127,6 +132,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.full or args.against is not None:
             parser.error("--tiny takes neither --full nor --against")
         print(f"tiny profile: results in {harness.use_tiny_profile()}", file=sys.stderr)
+    if args.instructions:
+        if args.against is not None or "all" in args.name:
+            parser.error("--instructions takes neither --against nor all")
+        if other := [n for n in names if n not in instructions.PATHS]:
+            parser.error(f"--instructions counts {', '.join(instructions.PATHS)}, not "
+                         f"{', '.join(other)}")
+        instructions.instructions(names, not args.full)
+        return 0
     if args.against is not None:
         if len(names) != 1:
             parser.error("--against takes one benchmark, not several")

@@ -3,12 +3,14 @@ unseen (``python -m bench plan`` once failed for weeks on a private method that 
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from bench.__main__ import BENCHMARKS
+from bench.instructions import PATHS
 
 from .timing import scaled
 
@@ -19,6 +21,8 @@ ROOT = Path(__file__).parent.parent
 SPARK = ["spark", "sink", "schema", "compaction"]
 WAITING = ["pulsar-consume", "subscriptions", "metadata", "delayed"]
 GROUPS = [SPARK, WAITING, [n for n in BENCHMARKS if n not in SPARK + WAITING]]
+#: and the broker's instructions per message (``--instructions``: a broker under callgrind)
+COUNTED = list(PATHS) if shutil.which("valgrind") else []
 
 
 @pytest.mark.slow
@@ -26,17 +30,22 @@ def test_every_benchmark_runs_on_tiny_inputs(tmp_path: Path) -> None:
     assert sorted(n for g in GROUPS for n in g) == sorted(BENCHMARKS)
     results = ROOT / "bench" / "results"
     kept = {p: p.stat().st_mtime_ns for p in results.glob("*")}  # a user's real figures
-    logs = [tmp_path / f"group-{i}.log" for i in range(len(GROUPS))]
+    runs = [[*names, "--tiny"] for names in GROUPS]
+    runs += [[*COUNTED, "--instructions", "--tiny"]] if COUNTED else []
+    logs = [tmp_path / f"group-{i}.log" for i in range(len(runs))]
     procs = []
-    for names, log in zip(GROUPS, logs, strict=True):
+    for args, log in zip(runs, logs, strict=True):
         with log.open("w") as out:
-            procs.append(subprocess.Popen([sys.executable, "-m", "bench", *names, "--tiny"],
+            procs.append(subprocess.Popen([sys.executable, "-m", "bench", *args],
                                           cwd=ROOT, stdout=out, stderr=subprocess.STDOUT))
     codes = [p.wait(timeout=scaled(600)) for p in procs]
-    for names, code, log in zip(GROUPS, codes, logs, strict=True):
+    for args, code, log in zip(runs, codes, logs, strict=True):
         text = log.read_text()
-        assert code == 0, f"{names}:\n{text[-6000:]}"
-        for name in names:
+        assert code == 0, f"{args}:\n{text[-6000:]}"
+        if "--instructions" in args:
+            assert "broker instructions per message" in text, text[-3000:]
+            continue
+        for name in args[:-1]:
             assert f"benchmark {name}: " in text, (name, text[-3000:])
     assert {p: p.stat().st_mtime_ns for p in results.glob("*")} == kept, \
         "a tiny run wrote into bench/results/"

@@ -1,0 +1,237 @@
+"""``python -m bench NAME... --instructions``: the broker's instructions per message on a hot
+path, counted by valgrind's callgrind — the cost figure that does not move with the machine's
+load, as CPU seconds do (±40 % between quick runs on a busy 2-core machine).
+
+One broker runs under ``valgrind --tool=callgrind --instr-atstart=no``: it starts uninstrumented
+(about 5x slower than natively, ~6 s here) and counts nothing until a measured window, which
+``callgrind_control -i on`` opens and ``-i off`` then ``--dump`` close. Each path's messages are
+sent or read once uncounted (warm-up: imports, first allocations), then counted in ``runs``
+windows; inside one the broker runs 30-50x slower than natively, which the figure does not see.
+A window counts every thread of the broker (gRPC's, the Pulsar listener's, the dispatchers')
+and nothing of the client, which runs natively in this process. ``PYTHONHASHSEED=0``: set
+iteration orders, so that two windows of the same work count within a fraction of a percent.
+
+The real Pulsar client's paths are measured beside tierstream's own client doing the same work
+in the same broker (the cost table's "within 1.2x" goal). ``python -m bench produce consume
+pulsar-produce pulsar-consume --instructions`` takes about a minute and a half.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pulsar
+import pyarrow as pa
+
+from bench.harness import Figure, console, report, sized
+from tierstream.broker.process import BrokerProcess
+from tierstream.client import Admin, Consumer, Producer, read
+from tierstream.model.positions import Offset
+
+VALUE = b"v" * 100
+BATCH = 1000
+#: the goal for the real client's paths: what tierstream's own client costs the broker, x 1.2
+WITHIN: dict[str, Any] = {"higher_is_better": False, "aim": "ratio <= 1.2",
+                          "aim_check": lambda value, ratio: ratio is not None and ratio <= 1.2}
+
+
+class CountedBroker:
+    """A broker process under callgrind, counting only inside :meth:`window`."""
+
+    def __init__(self, tmp: Path) -> None:
+        if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+            raise RuntimeError("--instructions needs valgrind (callgrind and callgrind_control "
+                               "on PATH): apt-get install valgrind")
+        self.dumps = tmp / "callgrind"
+        self.dumps.mkdir()
+        with socket.socket() as s:  # a free port for the Pulsar listener (0 turns it off)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.proc = BrokerProcess(
+            tmp / "data", env={"PYTHONHASHSEED": "0"}, args=["--pulsar-port", str(port)],
+            prefix=["valgrind", "--tool=callgrind", "--instr-atstart=no", "--dump-instr=no",
+                    f"--callgrind-out-file={self.dumps}/callgrind.out.%p"])
+
+    def __enter__(self) -> CountedBroker:
+        self.proc.start(timeout=600)  # valgrind's start, then the broker's imports, 5x slower
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.stop(timeout=600)
+
+    @property
+    def url(self) -> str:
+        assert self.proc.url is not None
+        return self.proc.url
+
+    @property
+    def pulsar_url(self) -> str:
+        assert self.proc.pulsar_url is not None
+        return self.proc.pulsar_url
+
+    def _control(self, *args: str) -> None:
+        assert self.proc.proc is not None
+        done = subprocess.run(["callgrind_control", *args, str(self.proc.proc.pid)],
+                              capture_output=True, text=True, timeout=600)
+        if done.returncode != 0 or "OK" not in done.stdout:
+            raise RuntimeError(f"callgrind_control {' '.join(args)}: {done.stdout}{done.stderr}")
+
+    @contextmanager
+    def window(self, counted: list[int]) -> Iterator[None]:
+        """Count the broker's instructions (callgrind's Ir) while the block runs; append them
+        to ``counted``."""
+        before = set(self.dumps.iterdir())
+        self._control("-i", "on")
+        try:
+            yield
+        finally:
+            self._control("-i", "off")
+        self._control("--dump")
+        new = sorted(set(self.dumps.iterdir()) - before, key=lambda p: p.stat().st_mtime_ns)
+        if not new:
+            raise RuntimeError("callgrind wrote no dump for the window")
+        totals = [line for line in new[-1].read_text().splitlines()
+                  if line.startswith("totals:")]
+        counted.append(int(totals[0].split()[1]))
+
+
+def _topic(broker: CountedBroker, name: str) -> str:
+    topic = f"bench/instructions/{name}"
+    with Admin(broker.url) as admin:
+        admin.create_topic(topic, 1)
+    return topic
+
+
+def _own_produce(broker: CountedBroker, topic: str, messages: int) -> None:
+    batch = pa.record_batch({"value": [VALUE] * BATCH})
+    with Producer(topic, broker=broker.url, batch_size=BATCH, max_in_flight=16) as producer:
+        for _ in range(messages // BATCH):
+            producer.send_batch(batch, partition=0)
+        producer.flush()
+
+
+def _pulsar_produce(broker: CountedBroker, topic: str, messages: int) -> None:
+    client = pulsar.Client(broker.pulsar_url,
+                           logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
+    try:
+        producer = client.create_producer(
+            f"persistent://{topic}", batching_enabled=True, batching_max_messages=BATCH,
+            batching_max_allowed_size_in_bytes=4 << 20, batching_max_publish_delay_ms=5,
+            max_pending_messages=20 * BATCH, block_if_queue_full=True)
+        for _ in range(messages):
+            producer.send_async(VALUE, None)
+        producer.flush()
+        producer.close()
+    finally:
+        client.close()
+
+
+def _own_consume(broker: CountedBroker, topic: str, subscription: str, messages: int
+                 ) -> None:
+    got = 0
+    with Consumer(topic, subscription, mode="exclusive", broker=broker.url,
+                  initial=Offset.earliest()) as consumer:
+        while got < messages:
+            batch = consumer.receive(timeout=600)
+            if batch is None:
+                raise RuntimeError(f"{subscription}: {got} of {messages} messages received")
+            consumer.ack(batch)
+            got += batch.num_rows
+
+
+def _pulsar_consume(broker: CountedBroker, topic: str, subscription: str, messages: int
+                    ) -> None:
+    client = pulsar.Client(broker.pulsar_url,
+                           logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
+    try:
+        consumer = client.subscribe(
+            f"persistent://{topic}", subscription, consumer_type=pulsar.ConsumerType.Exclusive,
+            initial_position=pulsar.InitialPosition.Earliest, receiver_queue_size=BATCH)
+        for _ in range(messages):
+            consumer.acknowledge(consumer.receive(timeout_millis=600_000))
+        consumer.close()  # sends the acks still grouped: inside the window
+    finally:
+        client.close()
+
+
+def _read(broker: CountedBroker, topic: str, messages: int) -> None:
+    got = sum(b.num_rows for b in read(topic, broker=broker.url, end=Offset.latest()))
+    if got != messages:
+        raise RuntimeError(f"read {got} of {messages} messages")
+
+
+def _counted(broker: CountedBroker, runs: int, work: Callable[[int], None]) -> list[int]:
+    """Instructions of ``work(i)`` in ``runs`` windows after one uncounted call."""
+    work(0)
+    counted: list[int] = []
+    for i in range(1, runs + 1):
+        with broker.window(counted):
+            work(i)
+    return counted
+
+
+def instructions(names: list[str], quick: bool = True) -> Path:
+    """The broker's instructions per message on each path in ``names`` (PATHS)."""
+    messages, runs = sized((20_000, 3) if quick else (100_000, 5), (2_000, 1))
+    figures: list[Figure] = []
+    with tempfile.TemporaryDirectory() as tmp, CountedBroker(Path(tmp)) as broker:
+        console.print(f"broker under callgrind: {broker.url}")
+
+        def per_message(counted: list[int]) -> list[float]:
+            return [c / messages for c in counted]
+
+        def produced(kind: str, send: Callable[[CountedBroker, str, int], None]
+                     ) -> list[float]:
+            topic = _topic(broker, f"produce-{kind}")
+            return per_message(_counted(broker, runs, lambda _: send(broker, topic, messages)))
+
+        def consumed(kind: str, topic: str,
+                     receive: Callable[[CountedBroker, str, str, int], None]) -> list[float]:
+            return per_message(_counted(
+                broker, runs, lambda i: receive(broker, topic, f"{kind}-{i}", messages)))
+
+        own_produce = produced("own", _own_produce)
+        if "produce" in names:
+            figures.append(Figure("produce, 1 partition, batches of 1,000: broker "
+                                  "instructions per message", "instr", own_produce,
+                                  higher_is_better=False))
+        if "pulsar-produce" in names:
+            theirs = produced("pulsar", _pulsar_produce)
+            figures.append(Figure("real pulsar-client produce: broker instructions per "
+                                  "message", "instr", theirs, "tierstream's Producer",
+                                  own_produce, **WITHIN))
+        if "consume" in names or "pulsar-consume" in names:
+            topic = _topic(broker, "consume")  # what each window reads whole, from the start
+            _own_produce(broker, topic, messages)
+            own_consume = consumed("own", topic, _own_consume)
+        if "consume" in names:
+            figures += [
+                Figure("consume through the broker (read): broker instructions per message",
+                       "instr", per_message(_counted(
+                           broker, runs, lambda _: _read(broker, topic, messages))),
+                       higher_is_better=False),
+                Figure("exclusive subscription, receive + ack: broker instructions per "
+                       "message", "instr", own_consume, higher_is_better=False)]
+        if "pulsar-consume" in names:
+            figures.append(Figure("real pulsar-client exclusive receive + ack: broker "
+                                  "instructions per message", "instr",
+                                  consumed("pulsar", topic, _pulsar_consume),
+                                  "tierstream's Consumer", own_consume, **WITHIN))
+    for f in figures:
+        spread = (max(f.runs) - min(f.runs)) / statistics.median(f.runs) if f.runs else 0.0
+        console.print(f"{f.name}: {f.value:,.0f} (windows within {spread:.1%})")
+    return report("instructions", figures, {"messages": messages, "runs": runs,
+                                            "paths": names, "value_bytes": len(VALUE),
+                                            "batch": BATCH})
+
+
+#: the benchmarks whose path ``--instructions`` counts
+PATHS = ("produce", "consume", "pulsar-produce", "pulsar-consume")
