@@ -16,8 +16,10 @@ import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 V1 = Path("/sys/fs/cgroup/cpuacct")
@@ -47,8 +49,32 @@ def _cpu_seconds(account: Path) -> float:
     return int(usage.split()[1]) / 1e6
 
 
-def measure(test_file: str) -> tuple[float, float, int]:
-    """(CPU seconds, wall seconds, pytest's exit status) of ``test_file`` run alone."""
+ACCOUNT_ENV = "TIERSTREAM_CPU_ACCOUNT"
+PER_TEST_ENV = "TIERSTREAM_CPU_PER_TEST"
+
+
+def pytest_runtest_protocol(item: Any, nextitem: Any) -> Any:
+    """As a pytest plugin (``-p tests.cpu_by_file``, which ``--per-test`` adds): append each
+    test's CPU seconds, read from the cgroup account around it, to the file named in
+    ``TIERSTREAM_CPU_PER_TEST``."""
+    account, out = os.environ.get(ACCOUNT_ENV), os.environ.get(PER_TEST_ENV)
+    if not account or not out:
+        return None
+    before = _cpu_seconds(Path(account))
+    started = time.monotonic()
+    item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    from _pytest.runner import runtestprotocol
+    runtestprotocol(item, nextitem=nextitem)
+    item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    with open(out, "a") as f:
+        f.write(f"{_cpu_seconds(Path(account)) - before:.2f}\t"
+                f"{time.monotonic() - started:.1f}\t{item.nodeid}\n")
+    return True
+
+
+def measure(test_file: str, per_test: Path | None = None) -> tuple[float, float, int]:
+    """(CPU seconds, wall seconds, pytest's exit status) of ``test_file`` run alone; with
+    ``per_test``, each test's CPU seconds are appended to that file."""
     try:
         group, account = _cgroup(f"tierstream-cpu-{os.getpid()}-{Path(test_file).stem}")
     except PermissionError:
@@ -58,11 +84,13 @@ def measure(test_file: str) -> tuple[float, float, int]:
         before = _cpu_seconds(account)
         started = time.monotonic()
         # the shell joins the cgroup, then becomes pytest: everything it starts is counted
+        plugin = ["-p", "tests.cpu_by_file"] if per_test else []
+        env = {**os.environ, ACCOUNT_ENV: str(account), PER_TEST_ENV: str(per_test or "")}
         code = subprocess.call(
             ["sh", "-c", f'echo $$ > "{group}/cgroup.procs" && exec "$@"', "sh",
-             sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
+             sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin, "-m",
              "not chaos", test_file], cwd=ROOT, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL)
+            stderr=subprocess.DEVNULL, env=env)
         wall = time.monotonic() - started
         deadline = time.monotonic() + 30
         while (group / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
@@ -76,11 +104,16 @@ def measure(test_file: str) -> tuple[float, float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="*", help="test files (default: every one)")
-    files = parser.parse_args().files or sorted(
+    parser.add_argument("--per-test", action="store_true",
+                        help="also each test's CPU seconds, the costliest 30")
+    args = parser.parse_args()
+    files = args.files or sorted(
         str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py"))
+    per_test = Path(tempfile.mkstemp(prefix="tierstream-cpu-", suffix=".tsv")[1]) \
+        if args.per_test else None
     rows = []
     for f in files:
-        cpu, wall, code = measure(f)
+        cpu, wall, code = measure(f, per_test)
         rows.append((cpu, wall, code, f))
         print(f"{cpu:8.1f} CPU-s {wall:7.1f} s  {f}" + ("" if code == 0 else f"  (exit {code})"),
               flush=True)
@@ -88,6 +121,12 @@ def main() -> None:
           f"in {len(rows)} files; the costliest:")
     for cpu, wall, _, f in sorted(rows, reverse=True)[:15]:
         print(f"{cpu:8.1f} CPU-s {wall:7.1f} s  {f}")
+    if per_test is not None:
+        tests = [line.split("\t") for line in per_test.read_text().splitlines()]
+        per_test.unlink()
+        print("\nthe costliest tests:")
+        for cpu_s, wall_s, node in sorted(tests, key=lambda t: -float(t[0]))[:30]:
+            print(f"{float(cpu_s):8.1f} CPU-s {float(wall_s):7.1f} s  {node}")
 
 
 if __name__ == "__main__":
