@@ -26,7 +26,7 @@ from tierstream.model.message_format import as_produce_batch
 
 from ..store.test_tier import TOPIC, make_store
 
-SEGMENTS = 5000
+SEGMENTS = 1000  # a ledger file each, four times LIMIT (5,000 cost 4x the CPU)
 LIMIT = 256  # open files of the reading process: far fewer than the segments it reads
 
 _READ = f"""
