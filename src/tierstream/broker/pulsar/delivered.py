@@ -57,7 +57,7 @@ from tierstream.pulsar_protocol.messages import (
 __all__ = ["Delivered"]
 
 _Cmd = api.BaseCommand
-_Key = tuple[int, int, int]  # segment, entry, batch index
+_Entry = tuple[int, int]  # segment, entry
 _COLUMNS = ("key", "value", "publish_time", "event_time", "properties", "segment_id",
             "redelivery_count")
 
@@ -73,13 +73,16 @@ class Delivered:
         self.cumulative = cumulative
         self.wire_partition = wire_partition  # -1 for a topic of one partition, as Pulsar's
         self.lock = threading.Lock()
-        self.unacked: set[_Key] = set()
+        #: what it holds unacknowledged: per entry, the batch indexes as the set bits of an
+        #: int (bit i: index i), so that a batch of a thousand messages is one number to
+        #: record, look up and clear, not a thousand
+        self.unacked: dict[_Entry, int] = {}
         #: entries that went out as a batch (or as a receipt's lone message): their size
-        self.batches: dict[tuple[int, int], int] = {}
-        #: packs on their way: (segment, the pack's entryId) -> the entry and the batch index
-        #: in the log of each of the pack's messages, in order
-        self.packs: dict[tuple[int, int], tuple[int, list[int]]] = {}
-        self._packs_of: dict[tuple[int, int], set[int]] = {}  # (segment, entry) -> pack ids
+        self.batches: dict[_Entry, int] = {}
+        #: packs on their way: (segment, the pack's entryId) -> the entry, the batch index in
+        #: the log of each of the pack's messages, in order, and those indexes as bits
+        self.packs: dict[_Entry, tuple[int, list[int], int]] = {}
+        self._packs_of: dict[_Entry, set[int]] = {}  # (segment, entry) -> pack ids
 
     # -- sending ------------------------------------------------------------------------------
 
@@ -148,7 +151,7 @@ class Delivered:
             if not first:
                 command.message.ack_set.extend(ack_words(idx))
         self.batches[(segment, entry)] = size
-        self.unacked.update((segment, entry, i) for i in idx)
+        self._hold((segment, entry), _mask_of(idx))
         return _message_frames(command, meta, payload)
 
     def _pack_frames(self, cols: dict[str, list[Any]], entry: int, idx: list[int], a: int,
@@ -175,21 +178,27 @@ class Delivered:
             consumer_id=self.consumer_id, redelivery_count=cols["redelivery_count"][a],
             message_id=api.MessageIdData(ledgerId=segment, entryId=wire,
                                          partition=self.wire_partition)))
-        self.packs[(segment, wire)] = (entry, idx)
+        mask = _mask_of(idx)
+        self.packs[(segment, wire)] = (entry, idx, mask)
         self._packs_of.setdefault((segment, entry), set()).add(wire)
-        self.unacked.update((segment, entry, i) for i in idx)
+        self._hold((segment, entry), mask)
         return _message_frames(command, *made)
 
-    def _of_pack(self, m: api.MessageIdData, *, whole: bool = False) -> list[_Key] | None:
-        """The unacknowledged messages a pack's id names (None: ``m`` names no pack of this
-        consumer's; lock held)."""
+    def _hold(self, at: _Entry, mask: int) -> None:
+        self.unacked[at] = self.unacked.get(at, 0) | mask
+
+    def _of_pack(self, m: api.MessageIdData, *, whole: bool = False
+                 ) -> tuple[_Entry, int] | None:
+        """The entry and the unacknowledged messages of it (as bits) a pack's id names
+        (None: ``m`` names no pack of this consumer's; lock held)."""
         segment = int(m.ledgerId)
         pack = self.packs.get((segment, int(m.entryId)))
         if pack is None:
             return None
-        entry, idx = pack
-        chosen = range(len(idx)) if whole else acked_indexes(m, len(idx))
-        return [k for k in ((segment, entry, idx[j]) for j in chosen) if k in self.unacked]
+        entry, idx, mask = pack
+        if not whole and m.ack_set:
+            mask = _mask_of([idx[j] for j in acked_indexes(m, len(idx))])
+        return (segment, entry), mask & self.unacked.get((segment, entry), 0)
 
     def _alone(self, cols: dict[str, list[Any]], entries: np.ndarray, indexes: np.ndarray,
                rows: list[int]) -> list[bytes]:
@@ -209,7 +218,7 @@ class Delivered:
         out = []
         for n, i in enumerate(rows):
             seg = cols["segment_id"][i]
-            self.unacked.add((seg, int(entries[i]), int(indexes[i])))
+            self._hold((seg, int(entries[i])), 1 << int(indexes[i]))
             shared = (keys[i], publish[i], event[i], tuple(props[i]) if props[i] else None)
             meta = metas.get(shared)
             if meta is None:
@@ -235,25 +244,22 @@ class Delivered:
         client acknowledges what a connection before this one delivered, which the broker
         gave out again when that connection ended)."""
         with self.lock:
-            packed: list[_Key] = []
-            rest = []
+            took: dict[_Entry, int] = {}
+            own = []
             for m in ids:
-                of_pack = self._of_pack(m) if self.packs else None
-                if of_pack is not None:
-                    packed += of_pack
-                else:
-                    rest.append(m)
-            own = [m for m in rest if is_own(m)]
+                of = self._of_pack(m) if self.packs else None
+                if of is None and is_own(m):
+                    own.append(m)
+                    continue
+                if of is None:
+                    of = self._of_batch(m)
+                if of is not None:
+                    took[of[0]] = took.get(of[0], 0) | of[1]
             segment, entry, index = positions_of(own)
-            keys = list(zip(segment.tolist(), entry.tolist(), index.tolist(), strict=True))
-            for m in rest:
-                if not is_own(m):
-                    keys += self._of_batch(m)
-            keys += packed
-            self._forget(keys)
-        if len(keys) == len(own):
-            return segment, entry, index
-        return _arrays(keys)
+            for s, e, i in zip(segment.tolist(), entry.tolist(), index.tolist(), strict=True):
+                took[(s, e)] = took.get((s, e), 0) | 1 << i
+            self._forget(took)
+        return _arrays(took)
 
     def acked_through(self, ids: Any) -> Position | None:
         """The last message a cumulative ACK's ids acknowledge (None: none), and everything
@@ -263,14 +269,16 @@ class Delivered:
             if not ends:
                 return None
             last = max(ends)
-            self._forget([k for k in self.unacked if Position(self.partition, *k) <= last])
+            at, upto = (last.segment_id, last.entry_id), (1 << (last.batch_index + 1)) - 1
+            self._forget({e: mask if e < at else mask & upto
+                          for e, mask in self.unacked.items() if e <= at})
         return last
 
     def _cumulative_end(self, m: api.MessageIdData) -> Position | None:
         pack = self.packs.get((int(m.ledgerId), int(m.entryId))) if self.packs else None
         if pack is None:
             return cumulative_end(m, self.partition)
-        entry, idx = pack
+        entry, idx, _ = pack
         acked = acked_indexes(m, len(idx))
         upto = next((n for n, j in enumerate(acked) if n != j), len(acked))
         return Position(self.partition, int(m.ledgerId), entry, idx[upto - 1]) if upto else None
@@ -280,46 +288,51 @@ class Delivered:
         none), taken off what it holds: they go out again."""
         with self.lock:
             if not ids:
-                keys = sorted(self.unacked)
+                took = dict(self.unacked)
             else:
-                keys = []
+                took = {}
                 for m in ids:
-                    of_pack = self._of_pack(m, whole=True)
-                    if of_pack is not None:
-                        keys += of_pack
-                    elif is_own(m):
+                    of = self._of_pack(m, whole=True)
+                    if of is None and is_own(m):
                         p = position_of(m, self.partition)
-                        keys.append((p.segment_id, p.entry_id, p.batch_index))
-                    else:
-                        keys += self._of_batch(m, whole=True)
-                keys = sorted(set(keys) & self.unacked)
-            self._forget(keys)
-        return [Position(self.partition, *k) for k in keys]
+                        of = (p.segment_id, p.entry_id), 1 << p.batch_index
+                    elif of is None:
+                        of = self._of_batch(m, whole=True)
+                    if of is not None:
+                        took[of[0]] = took.get(of[0], 0) | of[1] & self.unacked.get(of[0], 0)
+            self._forget(took)
+        return [Position(self.partition, s, e, i) for s, e in sorted(took)
+                for i in _bits(took[(s, e)]).tolist()]
 
-    def _of_batch(self, m: api.MessageIdData, *, whole: bool = False) -> list[_Key]:
-        """The unacknowledged messages a batch's id names (lock held)."""
-        segment, entry = int(m.ledgerId), int(m.entryId)
-        size = self.batches.get((segment, entry))
+    def _of_batch(self, m: api.MessageIdData, *, whole: bool = False
+                  ) -> tuple[_Entry, int] | None:
+        """The entry and the unacknowledged messages of it (as bits) a batch's id names (None:
+        ``m`` names no batch this consumer was sent; lock held)."""
+        at = (int(m.ledgerId), int(m.entryId))
+        size = self.batches.get(at)
         if size is None:
-            return []
-        indexes = range(size) if whole else acked_indexes(m, size)
-        return [k for k in ((segment, entry, i) for i in indexes) if k in self.unacked]
+            return None
+        mask = (1 << size) - 1 if whole or not m.ack_set else _mask_of(acked_indexes(m, size))
+        return at, mask & self.unacked.get(at, 0)
 
-    def _forget(self, keys: list[_Key]) -> None:
-        self.unacked.difference_update(keys)
-        for segment, entry in {(s, e) for s, e, _ in keys}:
-            size = self.batches.get((segment, entry))
-            if size is not None and not any((segment, entry, i) in self.unacked
-                                            for i in range(size)):
-                del self.batches[(segment, entry)]
-            wires = self._packs_of.get((segment, entry))
+    def _forget(self, took: dict[_Entry, int]) -> None:
+        """Take the messages ``took`` names (per entry, as bits) off what it holds."""
+        for at, mask in took.items():
+            left = self.unacked.get(at, 0) & ~mask
+            if left:
+                self.unacked[at] = left
+            else:
+                self.unacked.pop(at, None)
+            size = self.batches.get(at)
+            if size is not None and not left & ((1 << size) - 1):
+                del self.batches[at]
+            wires = self._packs_of.get(at)
             for wire in list(wires or ()):
-                if not any((segment, entry, i) in self.unacked
-                           for i in self.packs[(segment, wire)][1]):
-                    del self.packs[(segment, wire)]
+                if not left & self.packs[(at[0], wire)][2]:
+                    del self.packs[(at[0], wire)]
                     wires.discard(wire)  # type: ignore[union-attr]
             if wires is not None and not wires:
-                del self._packs_of[(segment, entry)]
+                del self._packs_of[at]
 
 
 def _message_frames(command: api.BaseCommand, meta: api.MessageMetadata, payload: bytes
@@ -335,6 +348,30 @@ def _message_frames(command: api.BaseCommand, meta: api.MessageMetadata, payload
     return [serialized_payload_frame(data, m, part) for m, part in chunks]
 
 
-def _arrays(keys: list[_Key]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    table = np.array(keys, dtype=np.int64).reshape(-1, 3)
-    return table[:, 0].copy(), table[:, 1].copy(), table[:, 2].copy()
+def _mask_of(indexes: list[int]) -> int:
+    """Batch indexes (ascending, each once) as the set bits of an int."""
+    if not indexes:
+        return 0
+    if indexes[-1] - indexes[0] + 1 == len(indexes):  # a run: one shift
+        return ((1 << len(indexes)) - 1) << indexes[0]
+    mask = 0
+    for i in indexes:
+        mask |= 1 << i
+    return mask
+
+
+def _bits(mask: int) -> np.ndarray:
+    """The set bits of ``mask``, ascending."""
+    if not mask & (mask + 1):  # 0..k-1, as a whole batch's
+        return np.arange(mask.bit_length(), dtype=np.int64)
+    raw = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), np.uint8)
+    return np.flatnonzero(np.unpackbits(raw, bitorder="little")).astype(np.int64)
+
+
+def _arrays(took: dict[_Entry, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The messages ``took`` names as segment, entry and batch index arrays."""
+    indexes = [_bits(mask) for mask in took.values()]
+    counts = [len(i) for i in indexes]
+    at = np.array(list(took) or np.empty((0, 2)), dtype=np.int64).reshape(-1, 2)
+    return (np.repeat(at[:, 0], counts), np.repeat(at[:, 1], counts),
+            np.concatenate(indexes) if indexes else np.empty(0, np.int64))
