@@ -42,3 +42,38 @@ def test_errors_from_a_real_broker_come_back_as_their_class(broker) -> None:
     with pytest.raises(UnavailableError, match="cannot reach the broker"), \
             Admin("grpc://127.0.0.1:1") as nobody:
         nobody.ping()
+
+
+@pytest.mark.parametrize("shape", ["whole-entries", "random", "one", "none"])
+def test_ack_positions_cross_the_wire_as_runs_and_come_back_whole(shape: str) -> None:
+    """An ack names its messages as runs of consecutive indexes of an entry: a batch of whole
+    entries is one run each, any other set of positions comes back as it was, in order; a
+    body of the three arrays whole (an older client's) is read too."""
+    import base64
+
+    import numpy as np
+    import pyarrow as pa
+
+    from tierstream.wire.flight import decode_positions, encode_positions
+
+    rng = np.random.default_rng(3)
+    n = {"whole-entries": 3000, "random": 500, "one": 1, "none": 0}[shape]
+    if shape == "whole-entries":
+        segment, entry = np.full(n, 7), np.repeat([4, 5, 9], 1000)
+        index = np.tile(np.arange(1000), 3)
+    else:
+        segment, entry = np.sort(rng.integers(0, 3, n)), rng.integers(0, 3, n)
+        index = rng.integers(0, 4, n)
+    batch = pa.record_batch({"segment_id": segment, "entry_id": entry, "batch_index": index})
+    body = encode_positions(batch)
+    for got, sent in zip(decode_positions(body), (segment, entry, index), strict=True):
+        assert got.tolist() == sent.tolist()
+    if shape == "whole-entries":
+        assert len(base64.b64decode(body["runs"])) == 3 * 4 * 8  # three runs
+    older = {name: base64.b64encode(np.asarray(col, "<i8").tobytes()).decode()
+             for name, col in (("segment_id", segment), ("entry_id", entry),
+                               ("batch_index", index))}
+    assert [a.tolist() for a in decode_positions(older)] == [
+        segment.tolist(), entry.tolist(), index.tolist()]
+    with pytest.raises(ProtocolError, match="malformed positions"):
+        decode_positions({"runs": base64.b64encode(np.arange(3, dtype="<i8")).decode()})

@@ -76,20 +76,38 @@ def decode(data: bytes | memoryview | None, what: str) -> dict[str, Any]:
 
 
 def encode_positions(batch: pa.RecordBatch) -> dict[str, str]:
-    """The message positions of ``batch`` (one partition) for an ack or nack body: segment
-    ids, entry ids and batch indexes as base64 of little-endian int64 arrays."""
-    return {name: base64.b64encode(np.ascontiguousarray(
-        batch.column(name).to_numpy(), dtype="<i8").tobytes()).decode()
-        for name in ("segment_id", "entry_id", "batch_index")}
+    """The message positions of ``batch`` (one partition) for an ack or nack body, as runs:
+    base64 of a little-endian int64 array of (segment id, entry id, first batch index, count)
+    per run of consecutive indexes of one entry. A received batch is a few entries' runs, so
+    its ack is a few dozen bytes, not 24 bytes a message for the broker to decode."""
+    segment, entry, index = (np.asarray(batch.column(name).to_numpy(), dtype=np.int64)
+                             for name in ("segment_id", "entry_id", "batch_index"))
+    starts = np.flatnonzero(np.concatenate((
+        [True], (segment[1:] != segment[:-1]) | (entry[1:] != entry[:-1])
+        | (index[1:] != index[:-1] + 1)))) if len(segment) else np.empty(0, np.int64)
+    counts = np.diff(np.append(starts, len(segment)))
+    runs = np.stack((segment[starts], entry[starts], index[starts], counts), axis=1)
+    return {"runs": base64.b64encode(np.ascontiguousarray(runs, dtype="<i8").tobytes()).decode()}
 
 
 def decode_positions(body: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """What :func:`encode_positions` wrote, as three int64 arrays of one length."""
-    segment, entry, index = (np.frombuffer(base64.b64decode(body[name]), dtype="<i8")
-                             for name in ("segment_id", "entry_id", "batch_index"))
-    if not len(segment) == len(entry) == len(index):
-        raise ProtocolError("malformed positions: arrays of different lengths")
-    return segment, entry, index
+    """What :func:`encode_positions` wrote, as three int64 arrays of one length (a body of a
+    client before runs, with the three arrays whole, is read too)."""
+    if "runs" not in body:
+        segment, entry, index = (np.frombuffer(base64.b64decode(body[name]), dtype="<i8")
+                                 for name in ("segment_id", "entry_id", "batch_index"))
+        if not len(segment) == len(entry) == len(index):
+            raise ProtocolError("malformed positions: arrays of different lengths")
+        return segment, entry, index
+    flat = np.frombuffer(base64.b64decode(body["runs"]), dtype="<i8")
+    if len(flat) % 4 or (len(flat) and flat[3::4].min() < 1):
+        raise ProtocolError("malformed positions: runs are four numbers, counts positive")
+    runs = flat.reshape(-1, 4).astype(np.int64)
+    counts = runs[:, 3]
+    firsts = np.cumsum(counts) - counts  # where each run starts in the output
+    step = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(firsts, counts)
+    return (np.repeat(runs[:, 0], counts), np.repeat(runs[:, 1], counts),
+            np.repeat(runs[:, 2], counts) + step)
 
 
 def put_batches(reader: flight.MetadataRecordBatchReader) -> Iterator[pa.RecordBatch]:
