@@ -82,7 +82,8 @@ def delayed(quick: bool = True) -> Path:
     n = sized(100_000 if quick else 400_000, 2_000)
     spread_s, hold_s = sized((10.0, 2.0), (1.0, 0.5))
     rng = random.Random(7)
-    with broker_with_topic(TOPIC, PARTITIONS) as url:
+    with broker_with_topic(TOPIC, PARTITIONS) as broker:
+        url = broker.url
         # 1. on time: due at random over the next spread_s seconds (from the end of writing)
         offsets = [rng.uniform(0, spread_s * 1000) for _ in range(n)]
         base = time.time() * 1000 + 5_000  # writing takes less than this

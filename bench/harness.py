@@ -125,8 +125,9 @@ def fill_clicks(store: Any, topic: str, *, partitions: int, entries: int, per_en
 
 
 @contextlib.contextmanager
-def broker_with_topic(topic: str, partitions: int) -> Iterator[str]:
-    """A broker process on a temporary data directory, with ``topic`` created: its URL."""
+def broker_with_topic(topic: str, partitions: int) -> Iterator[Any]:
+    """A broker process (a ``BrokerProcess``: its ``url``, its ``proc.pid``) on a temporary
+    data directory, with ``topic`` created."""
     from tierstream.broker.process import BrokerProcess
     from tierstream.client import Admin
 
@@ -137,7 +138,7 @@ def broker_with_topic(topic: str, partitions: int) -> Iterator[str]:
             assert url is not None
             with Admin(url) as admin:
                 admin.create_topic(topic, partitions)
-            yield url
+            yield broker
         finally:
             broker.stop()
 

@@ -137,7 +137,8 @@ def tail(quick: bool = True) -> Path:
     per_batch = 50  # 200 batches/s
     ping_ms: list[float] = []
     per_run: list[list[float]] = []
-    with broker_with_topic("bench/tail/t", 1) as url:
+    with broker_with_topic("bench/tail/t", 1) as broker:
+        url = broker.url
         with Admin(url) as admin:
             for _ in range(200):
                 t0 = time.perf_counter()

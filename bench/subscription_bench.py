@@ -21,7 +21,18 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from bench.harness import Figure, WorkerProcess, broker_with_topic, console, report, sized
+from bench.harness import (
+    Figure,
+    ProcessCpu,
+    WorkerProcess,
+    broker_with_topic,
+    console,
+    cost_figures,
+    cpu_seconds,
+    loop_unit_us,
+    report,
+    sized,
+)
 from tierstream.client import Admin, Consumer, Producer
 from tierstream.model.message_format import as_produce_batch
 from tierstream.model.positions import Offset
@@ -43,16 +54,19 @@ def _worker_process(url: str, subscription: str, mode: str, name: str, *,
                          [url, subscription, mode, name, "1" if drain else "0"], name)
 
 
-def _throughput(url: str, mode: str, n: int, messages: int, run: int
+def _throughput(url: str, mode: str, n: int, messages: int, run: int, used: ProcessCpu
                 ) -> tuple[float, float, float]:
     """Messages/s and ack calls/s of ``n`` consumers of a new ``mode`` subscription draining
-    ``messages``, and the busiest consumer's messages over an even share."""
+    ``messages``, and the busiest consumer's messages over an even share. ``used`` gets the
+    broker's CPU over the run and, as its client's, the consumer processes' together."""
     subscription = f"{mode}-{run}"
     workers = [_worker_process(url, subscription, mode, f"{mode}-{run}-{i}", drain=True)
                for i in range(n)]
-    for w in workers:
-        w.tell("go")
-    results = [w.result() for w in workers]
+    with used:
+        for w in workers:
+            w.tell("go")
+        results = [w.result() for w in workers]
+    used.client = sum(r["cpu"] for r in results)
     got = sum(r["messages"] for r in results)
     if got != messages:
         raise RuntimeError(f"{mode}: {got} of {messages} messages received")
@@ -121,7 +135,8 @@ def _longest_gap(times: list[float], lo: float, hi: float) -> float:
 def subscriptions(quick: bool = True) -> Path:
     messages, runs, joins = sized((400_000, 3, 5) if quick else (2_000_000, 5, 15),
                                   (4_000, 1, 1))
-    with broker_with_topic(TOPIC, PARTITIONS) as url:
+    with broker_with_topic(TOPIC, PARTITIONS) as broker:
+        url = broker.url
         with Producer(TOPIC, broker=url, max_in_flight=16) as producer:
             for p in range(PARTITIONS):  # each partition's batches pipelined, one wait
                 producer.send_batch(pa.Table.from_batches(
@@ -133,9 +148,12 @@ def subscriptions(quick: bool = True) -> Path:
             writes0 = admin.stats().get("cursor_writes", 0)
         ack_calls = 0.0
         busiest: list[float] = []  # key_shared: keys are not split evenly
+        cpu: dict[str, list[ProcessCpu]] = {mode: [] for mode in rates}
+        unit = loop_unit_us()
         for run in range(runs):  # interleaved, so drift hits each alike
             for mode, n in (("exclusive", 1), ("shared", 4), ("key_shared", 4)):
-                rate, ack_rate, most = _throughput(url, mode, n, messages, run)
+                cpu[mode].append(ProcessCpu(broker.proc.pid))
+                rate, ack_rate, most = _throughput(url, mode, n, messages, run, cpu[mode][-1])
                 rates[mode].append(rate)
                 if mode == "key_shared":
                     busiest.append(most)
@@ -158,6 +176,10 @@ def subscriptions(quick: bool = True) -> Path:
         Figure("join: longest pause of the others, p99", "ms",
                [_p99(pauses)], "no join", [_p99(quiet)], aim="<= 100 ms",
                higher_is_better=False, aim_check=lambda v, r: v <= 100),
+        *cost_figures("4 shared consumers", messages, cpu["shared"], unit,
+                      baseline=("1 exclusive", cpu["exclusive"])),
+        *cost_figures("4 key_shared consumers", messages, cpu["key_shared"], unit,
+                      baseline=("1 exclusive", cpu["exclusive"])),
     ]
     console.print(f"{messages:,} messages of 100 B over {PARTITIONS} partitions, 1,000 keys; "
                   f"{ack_calls / max(writes, 1):.1f} ack calls per cursor write "
@@ -189,7 +211,7 @@ def _worker(url: str, subscription: str, mode: str, name: str, drain: bool) -> N
         stopped.set()
 
     threading.Thread(target=watch_stdin, daemon=True).start()
-    go = time.monotonic()
+    go, cpu = time.monotonic(), cpu_seconds()
     n = acks = 0
     times: list[float] = []
     last = None  # when the last ack returned
@@ -206,7 +228,7 @@ def _worker(url: str, subscription: str, mode: str, name: str, drain: bool) -> N
             last = time.monotonic()
             n += batch.num_rows
             acks += 1
-    print(json.dumps({"messages": n, "acks": acks, "go": go,
+    print(json.dumps({"messages": n, "acks": acks, "go": go, "cpu": cpu_seconds() - cpu,
                       "first": times[0] if times else None, "last": last,
                       "times": [] if drain else times}), flush=True)
 
