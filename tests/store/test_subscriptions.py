@@ -129,6 +129,21 @@ def test_an_ack_of_a_slice_acknowledges_just_its_rows_even_across_a_broker_kill(
     assert set(rest.column("redelivery_count").to_pylist()) == {0}
 
 
+def test_an_ack_naming_messages_twice_and_out_of_order_counts_each_once(broker) -> None:
+    """The broker takes an ack's positions as they come: repeated, and out of log order, each
+    message is acknowledged once and leaves its consumer's unacknowledged count once."""
+    _produce(broker.url, 30, batch_size=10)
+    with Consumer(TOPIC, "twice", broker=broker.url, initial=Offset.earliest()) as c:
+        batch = c.receive(timeout=scaled(10))
+        assert batch is not None and batch.num_rows >= 5
+        c.ack(pa.concat_batches([batch.slice(3, 2), batch.slice(2, 3), batch.slice(0, 1),
+                                 batch.slice(4, 1)]))
+        assert _backlog(broker.url, "twice") == 26
+        with Admin(broker.url) as admin:
+            shown = admin.subscriptions(TOPIC)[0]["consumers"][0]
+        assert shown["delivered"] - shown["unacked"] == 4  # (it may have been sent more)
+
+
 def test_every_other_message_acknowledged_stays_acknowledged_across_a_broker_kill(
         start_broker) -> None:
     """Key_Shared consumers acknowledge interleaved messages: a hole every other message, kept

@@ -341,12 +341,17 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
 
     def _unhold(self, chunk: Chunk, rows: np.ndarray) -> None:
         """``rows`` (delivered or delayed) are no longer held by their consumer."""
-        mine = rows[chunk.owner[rows] >= 0]  # not the ones held for their time
-        owners, counts = np.unique(chunk.owner[mine], return_counts=True)
-        for idx, n in zip(owners.tolist(), counts.tolist(), strict=True):
+        owner = chunk.owner[rows]
+        mine, owner = rows[owner >= 0], owner[owner >= 0]  # not the ones held for their time
+        if len(owner) and (owner == owner[0]).all():  # one consumer's, as an ack's are
+            counts = {int(owner[0]): len(owner)}
+        else:
+            ids, n = np.unique(owner, return_counts=True)
+            counts = dict(zip(ids.tolist(), n.tolist(), strict=True))
+        for idx, count in counts.items():
             c = self.consumers.get(idx)
             if c is not None:
-                c.held -= n
+                c.held -= count
         if self._keys is not None:
             self._keys.release(chunk.slots[mine])
         chunk.owner[rows] = -1
@@ -372,7 +377,7 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
             doubt = in_doubt(self.window, self._loaded, mine, segment, entry, index) \
                 if retry else 0
             for chunk, rows in found:
-                self._ack_rows(chunk, np.unique(rows), name)
+                self._ack_rows(chunk, rows, name)
             for pos in missing:
                 if pos >= self.window.read_pos:
                     self.window.ack_ahead(pos, following(pos))
@@ -440,7 +445,6 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
             found, _ = self.window.locate(segment, entry, index)
             ready = time.monotonic() + delay_s
             for chunk, rows in found:
-                rows = np.unique(rows)
                 rows = rows[(chunk.state[rows] == DELIVERED) & (chunk.owner[rows] == owner)]
                 if len(rows):
                     self._set(chunk, rows, DELAYED)

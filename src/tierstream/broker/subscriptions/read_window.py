@@ -171,8 +171,8 @@ class ReadWindow:
 
     def locate(self, segment: np.ndarray, entry: np.ndarray, index: np.ndarray
                ) -> tuple[list[tuple[Chunk, np.ndarray]], list[Position]]:
-        """The chunks and rows of the given message positions, and the positions not in the
-        window (acknowledged before it, or not read yet)."""
+        """The chunks and rows (ascending, each once) of the given message positions, and the
+        positions not in the window (acknowledged before it, or not read yet)."""
         found: list[tuple[Chunk, np.ndarray]] = []
         missing: list[Position] = []
         if len(segment) == 0:
@@ -183,7 +183,13 @@ class ReadWindow:
         if not in_position_order(segment, entry, index):
             order = np.lexsort((index, entry, segment))
             segment, entry, index = segment[order], entry[order], index[order]
-        cuts = (np.flatnonzero((np.diff(segment) != 0) | (np.diff(entry) != 0)) + 1).tolist()
+        new_entry = (np.diff(segment) != 0) | (np.diff(entry) != 0)
+        repeated = ~new_entry & (np.diff(index) == 0)
+        if repeated.any():  # a message named twice: once is enough
+            keep = np.concatenate(([True], ~repeated))
+            segment, entry, index, new_entry = (segment[keep], entry[keep], index[keep],
+                                                new_entry[keep[1:]])
+        cuts = (np.flatnonzero(new_entry) + 1).tolist()
         for a, z in zip([0, *cuts], [*cuts, len(segment)], strict=True):
             s, e, rows = int(segment[a]), int(entry[a]), index[a:z]
             for chunk in self.by_entry.get((s, e), ()):
