@@ -10,7 +10,6 @@ and the last confirmed entry (LAC) only ever moves forward by one.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import threading
@@ -21,7 +20,6 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -36,6 +34,7 @@ from tierstream.errors import (
 )
 from tierstream.managed_ledger.bookies.client import BookieClient
 from tierstream.managed_ledger.dedup import ProducerDedup, StoredBatch
+from tierstream.managed_ledger.entries import build_entry
 from tierstream.managed_ledger.open_segment import (
     TXN_PRODUCER,
     Ack,
@@ -50,7 +49,7 @@ from tierstream.managed_ledger.rollover import PartitionRollover
 from tierstream.metadata.records import SegmentRecord, SegmentState
 from tierstream.metadata.store import MetadataStore
 from tierstream.metadata.transaction_records import TransactionRecords
-from tierstream.model.message_format import MESSAGE_SCHEMA, as_produce_batch, key_hashes
+from tierstream.model.message_format import as_produce_batch
 from tierstream.model.positions import Position
 from tierstream.tier.storage import TierStorage
 from tierstream.util.faults import crash_point
@@ -204,8 +203,9 @@ class PartitionLog(PartitionRollover):
             entry_id = seg.next_entry
             seg.next_entry += 1
             now = requested_now if requested_now is not None else now_ms()
-            message_batch, first_pt, last_pt = self._build_entry(batch, seg.record.segment_id,
-                                                                 entry_id, now)
+            message_batch, first_pt, last_pt = build_entry(
+                batch, partition=self.partition, segment_id=seg.record.segment_id,
+                entry_id=entry_id, now=now, floor=self._last_pt)
             self._last_pt = last_pt
             payload = message_batch.serialize()
             meta: dict[str, Any] = {}
@@ -262,7 +262,10 @@ class PartitionLog(PartitionRollover):
                    pts[0].as_py(), pts[-1].as_py(), p.sequence_id, restamped=restamped)
 
     def _check_publish_times(self, batch: pa.RecordBatch, requested_now: int | None) -> None:
-        latest = pc.max(batch.column("publish_time")).as_py()
+        requested = batch.column("publish_time")
+        if requested.null_count == len(requested):
+            return  # the broker stamps them
+        latest = pc.max(requested).as_py()
         if latest is None or self.max_publish_ahead_ms is None:
             return
         now = requested_now if requested_now is not None else now_ms()
@@ -375,27 +378,6 @@ class PartitionLog(PartitionRollover):
             confirmed = False
             self._changed.wait(timeout=1.0)
 
-    def _build_entry(self, batch: pa.RecordBatch, segment_id: int, entry_id: int, now: int
-                     ) -> tuple[pa.RecordBatch, int, int]:
-        n = batch.num_rows
-        requested = pc.fill_null(batch.column("publish_time"), pa.scalar(now, pa.int64()))
-        floored = pc.max_element_wise(requested, pa.scalar(self._last_pt, pa.int64()))
-        publish_time = pc.cumulative_max(floored)
-        columns = [
-            batch.column("key"),
-            key_hashes(batch.column("key")),
-            batch.column("value"),
-            publish_time,
-            batch.column("event_time"),
-            batch.column("properties"),
-            pa.repeat(pa.scalar(self.partition, pa.int32()), n),
-            pa.repeat(pa.scalar(segment_id, pa.int64()), n),
-            pa.repeat(pa.scalar(entry_id, pa.int64()), n),
-            _batch_indexes(n),
-        ]
-        out = pa.RecordBatch.from_arrays(columns, schema=MESSAGE_SCHEMA)
-        return out, publish_time[0].as_py(), publish_time[-1].as_py()
-
     @property
     def lock(self) -> Any:
         """This log's lock: held by a scale event from sealing to reopening."""
@@ -491,8 +473,3 @@ class PartitionLog(PartitionRollover):
         return {"sequence_id": last, "key": key,
                 "value_sha256": hashlib.sha256(value or b"").hexdigest()}
 
-
-@functools.lru_cache(maxsize=8)
-def _batch_indexes(n: int) -> pa.Array:
-    """0..n-1, the batch index of an entry's messages (kept: entries repeat sizes)."""
-    return pa.array(np.arange(n, dtype=np.int32))
