@@ -268,15 +268,20 @@ def test_a_batch_decodes_to_what_was_sent_whichever_path_it_takes(case: str) -> 
         "true" if s.partition_key_b64_encoded else None for s, _ in singles]
 
 
+@pytest.mark.parametrize("shape", ["keyed", "unkeyed", "unkeyed-one-size"])
 @pytest.mark.parametrize("properties", [None, []], ids=["none", "empty"])
-def test_a_batch_the_broker_makes_of_stored_messages_decodes_to_them(properties: Any) -> None:
+def test_a_batch_the_broker_makes_of_stored_messages_decodes_to_them(properties: Any,
+                                                                     shape: str) -> None:
     """Messages without properties (what tierstream's own producer stores) are encoded without
     a step per message in Python; with them (here: empty lists), message by message. Either
     way a client unpacks keys, event times and values as stored, in order."""
     rng = np.random.default_rng(7)
-    keys = [[None, "a", "bé"][k] for k in rng.integers(0, 3, 300)]
-    values = [b"x" * int(n) for n in rng.integers(0, 9, 300)]
-    events = [[None, 5, 1_700_000_000_000][k] for k in rng.integers(0, 3, 300)]
+    keyed = shape == "keyed"
+    keys = [[None, "a", "bé"][k] if keyed else None for k in rng.integers(0, 3, 300)]
+    values = [b"x" * (int(n) if shape != "unkeyed-one-size" else 100)
+              for n in rng.integers(0, 9, 300)]
+    events = [[None, 5, 1_700_000_000_000][k] if keyed else None
+              for k in rng.integers(0, 3, 300)]
     made = batch_of(keys, values, events, [properties] * 300, 1_234)
     assert made is not None
     meta, payload = made

@@ -340,13 +340,25 @@ def _plain_payload(keys: list[str | None], values: list[bytes],
     """A batch's payload of messages without properties: each message's size prefix and
     ``SingleMessageMetadata`` made once per distinct (key, event time, size), then the
     prefixes and values joined in one call."""
-    shapes = list(zip(keys, event_times, map(len, values), strict=True))
-    heads = dict.fromkeys(shapes, b"")
-    for key, event, size in heads:
-        single = _single(key, event, (), size).SerializeToString()
-        heads[(key, event, size)] = len(single).to_bytes(4, "big") + single
-    return b"".join(itertools.chain.from_iterable(
-        zip(map(heads.__getitem__, shapes), values, strict=True)))
+    sizes = list(map(len, values))
+    if keys.count(None) == len(keys) and event_times.count(None) == len(event_times):
+        # unkeyed, no event times: a message's metadata is its size alone
+        by_size = {size: _head(None, None, size) for size in set(sizes)}
+        if len(by_size) == 1:  # all of one size: the same prefix before each value
+            head = by_size[sizes[0]]
+            return head + head.join(values)
+        heads = list(map(by_size.__getitem__, sizes))
+    else:
+        shapes = list(zip(keys, event_times, sizes, strict=True))
+        by_shape = {shape: _head(*shape) for shape in set(shapes)}
+        heads = list(map(by_shape.__getitem__, shapes))
+    return b"".join(itertools.chain.from_iterable(zip(heads, values, strict=True)))
+
+
+def _head(key: str | None, event_time: int | None, size: int) -> bytes:
+    """A batched message's size-prefixed ``SingleMessageMetadata``, without properties."""
+    single: bytes = _single(key, event_time, (), size).SerializeToString()
+    return len(single).to_bytes(4, "big") + single
 
 
 def _sequence_of(own: tuple[tuple[str, str], ...]) -> int | None:

@@ -88,7 +88,7 @@ class Delivered:
 
     def frames(self, batch: pa.RecordBatch) -> list[bytes]:
         """The MESSAGE frames of a batch from the dispatcher, entry by entry in its order."""
-        cols = {name: batch.column(name).to_pylist() for name in _COLUMNS}
+        cols = {name: _pylist(batch.column(name)) for name in _COLUMNS}
         segments = batch.column("segment_id").to_numpy(zero_copy_only=False)
         entries = batch.column("entry_id").to_numpy(zero_copy_only=False)
         indexes = batch.column("batch_index").to_numpy(zero_copy_only=False)
@@ -346,6 +346,16 @@ def _message_frames(command: api.BaseCommand, meta: api.MessageMetadata, payload
     if chunks is None:
         return [serialized_payload_frame(data, meta.SerializeToString(), payload)]
     return [serialized_payload_frame(data, m, part) for m, part in chunks]
+
+
+def _pylist(column: pa.Array) -> list[Any]:
+    """``column.to_pylist()``, without pyarrow's step per value where it can: all null (the
+    properties and event times of most batches), or integers without nulls (by numpy)."""
+    if column.null_count == len(column):
+        return [None] * len(column)
+    if column.null_count == 0 and pa.types.is_integer(column.type):
+        return list(column.to_numpy().tolist())
+    return list(column.to_pylist())
 
 
 def _mask_of(indexes: list[int]) -> int:
