@@ -117,7 +117,7 @@ class Delivered:
         frame (its chunks' frames, if it is larger than a frame may be); None where they go
         out one by one."""
         segment, count = cols["segment_id"][a], cols["redelivery_count"][a]
-        if any(n != count for n in cols["redelivery_count"][a + 1:b]):
+        if cols["redelivery_count"][a:b].count(count) != b - a:
             return None  # one frame has one redelivery count
         first = idx[0] == 0 and idx[-1] == b - a - 1
         if not self.reader and (not first or (segment, entry) in self._packs_of):
@@ -133,17 +133,21 @@ class Delivered:
             size = 1
         else:
             size = idx[-1] + 1
-            if sum(len(v) for v in cols["value"][a:b]) > MAX_MESSAGE_SIZE // 2:
+            if sum(map(len, cols["value"][a:b])) > MAX_MESSAGE_SIZE // 2:
                 return None  # large messages go one by one (in chunks where they must)
-            keys: list[Any] = [None] * size
-            values: list[bytes] = [b""] * size
-            events: list[int | None] = [None] * size
-            shared = [p for p in props[a] or () if p[0] in BATCH_PROPERTIES]
-            properties: list[Any] = [shared] * size  # what it is not given: empty messages
-            for row, i in enumerate(idx, start=a):
-                keys[i], values[i], events[i] = (cols["key"][row], cols["value"][row],
-                                                 cols["event_time"][row])
-                properties[i] = props[row]
+            if first:  # the whole entry in order: its rows as they are
+                keys, values, events, properties = (cols["key"][a:b], cols["value"][a:b],
+                                                    cols["event_time"][a:b], props[a:b])
+            else:
+                keys = [None] * size
+                values = [b""] * size
+                events = [None] * size
+                shared = [p for p in props[a] or () if p[0] in BATCH_PROPERTIES]
+                properties = [shared] * size  # what it is not given: empty messages
+                for row, i in enumerate(idx, start=a):
+                    keys[i], values[i], events[i] = (cols["key"][row], cols["value"][row],
+                                                     cols["event_time"][row])
+                    properties[i] = props[row]
             made = batch_of(keys, values, events, properties, cols["publish_time"][a])
             if made is None:
                 return None
@@ -168,7 +172,7 @@ class Delivered:
         wire = entry if original else pack_entry_id(entry, idx[0])
         if (b - a < 2 and not original) or (segment, wire) in self.packs:
             return None  # one message; or a pack with its id still on its way
-        if sum(len(v) for v in cols["value"][a:b]) > MAX_MESSAGE_SIZE // 2:
+        if sum(map(len, cols["value"][a:b])) > MAX_MESSAGE_SIZE // 2:
             return None
         made = batch_of(cols["key"][a:b], cols["value"][a:b], cols["event_time"][a:b],
                         cols["properties"][a:b], cols["publish_time"][a])
