@@ -28,6 +28,7 @@ from bench.harness import (
     ProcessCpu,
     WorkerProcess,
     cost_figures,
+    cpu_seconds,
     loop_unit_us,
     repeat,
     report,
@@ -314,7 +315,9 @@ _PULSAR_TYPES = {"exclusive": "Exclusive", "shared": "Shared", "key_shared": "Ke
 
 
 def _drain_rate(kind: str, urls: tuple[str, str], mode: str, n: int, messages: int,
-                run: int) -> float:
+                run: int, used: ProcessCpu) -> float:
+    """Messages/s of ``n`` ``kind`` consumers draining a new ``mode`` subscription; ``used``
+    gets the broker's CPU over the drain and, as the client's, the consumers' together."""
     subscription = f"{kind}-{mode}-{run}"
     url = urls[0] if kind == "own" else urls[1]
     # each consumer a process: it attaches when told go, receives and acknowledges until
@@ -322,9 +325,11 @@ def _drain_rate(kind: str, urls: tuple[str, str], mode: str, n: int, messages: i
     workers = [WorkerProcess("bench.pulsar_bench", [kind, url, subscription, mode,
                                                     f"{subscription}-{i}"],
                              f"{subscription}-{i}", timeout=300) for i in range(n)]
-    for w in workers:
-        w.tell("go")
-    results = WorkerProcess.drain_results(workers)
+    with used:
+        for w in workers:
+            w.tell("go")
+        results = WorkerProcess.drain_results(workers)
+    used.client = sum(r["cpu"] for r in results)
     got = sum(r["messages"] for r in results)
     if got != messages:
         raise RuntimeError(f"{kind} {mode}: {got} of {messages} messages received")
@@ -337,6 +342,8 @@ def pulsar_consume(quick: bool = True) -> Path:
     and acknowledge every message, beside tierstream's own Consumer on the same messages."""
     messages, runs = sized((100_000, 3) if quick else (400_000, 5), (2_000, 1))
     rates: dict[tuple[str, str], list[float]] = {}
+    cpu: dict[tuple[str, str], list[ProcessCpu]] = {}
+    unit = loop_unit_us()
     with tempfile.TemporaryDirectory() as tmp:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -353,8 +360,10 @@ def pulsar_consume(quick: bool = True) -> Path:
                 for mode, n in (("exclusive", 1), ("shared", sized(4, 2)),
                                 ("key_shared", sized(4, 2))):
                     for kind in ("pulsar", "own"):
+                        cpu.setdefault((kind, mode), []).append(ProcessCpu(_pid(broker)))
                         rates.setdefault((kind, mode), []).append(_drain_rate(
-                            kind, (broker.url, broker.pulsar_url), mode, n, messages, run))
+                            kind, (broker.url, broker.pulsar_url), mode, n, messages, run,
+                            cpu[(kind, mode)][-1]))
             scaling = _key_shared_scaling(broker, sized(6_000, 600), runs)
             large = _key_shared_scaling(broker, sized(60_000, 1_200), runs, ("backlog",))
         finally:
@@ -365,6 +374,9 @@ def pulsar_consume(quick: bool = True) -> Path:
                       aim=">= 0.8 of tierstream's own consumer",
                       aim_check=lambda v, r: r is not None and r >= 0.8)
                for mode in ("exclusive", "shared", "key_shared")]
+    for mode in ("exclusive", "key_shared"):
+        figures += cost_figures(f"Pulsar client, {mode}", messages, cpu[("pulsar", mode)],
+                                unit, baseline=("tierstream Consumer", cpu[("own", mode)]))
     for how in ("backlog", "live"):
         figures.append(Figure(
             f"3 Pulsar Key_Shared consumers, a thread each, joining one after another: "
@@ -475,7 +487,7 @@ def _worker(kind: str, url: str, subscription: str, mode: str, name: str) -> Non
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
         return
-    go = time.monotonic()
+    go, cpu = time.monotonic(), cpu_seconds()
     n, last = 0, None
     drained = threading.Event()  # another consumer saw the topic go idle
 
@@ -517,7 +529,8 @@ def _worker(kind: str, url: str, subscription: str, mode: str, name: str) -> Non
                 ours.ack(batch)
                 n += batch.num_rows
                 last = time.monotonic()
-    print(json.dumps({"messages": n, "go": go, "last": last}), flush=True)
+    print(json.dumps({"messages": n, "go": go, "last": last, "cpu": cpu_seconds() - cpu}),
+          flush=True)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
