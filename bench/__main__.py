@@ -15,6 +15,7 @@ from bench import (
     compaction_bench,
     delayed_bench,
     elastic_bench,
+    flames,
     framework_bench,
     harness,
     history,
@@ -124,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the broker's instructions per message on the paths named ("
                              f"{', '.join(instructions.PATHS)}), counted under valgrind's "
                              "callgrind: a figure load does not move (~1.5 min for all four)")
+    parser.add_argument("--flame", action="store_true",
+                        help="a flame graph of the broker's CPU on each path named (as "
+                             "--instructions), sampled by py-spy: bench/results/flame-NAME.svg")
     parser.add_argument("--rounds", type=int, default=None,
                         help="rounds with --against (default 4, 8 with --full)")
     args = parser.parse_args(argv)
@@ -132,13 +136,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.full or args.against is not None:
             parser.error("--tiny takes neither --full nor --against")
         print(f"tiny profile: results in {harness.use_tiny_profile()}", file=sys.stderr)
-    if args.instructions:
-        if args.against is not None or "all" in args.name:
-            parser.error("--instructions takes neither --against nor all")
+    if args.instructions or args.flame:
+        flag = "--instructions" if args.instructions else "--flame"
+        if args.against is not None or "all" in args.name or (
+                args.instructions and args.flame):
+            parser.error(f"{flag} takes neither --against, all, nor the other of "
+                         "--instructions and --flame")
         if other := [n for n in names if n not in instructions.PATHS]:
-            parser.error(f"--instructions counts {', '.join(instructions.PATHS)}, not "
+            parser.error(f"{flag} is for {', '.join(instructions.PATHS)}, not "
                          f"{', '.join(other)}")
-        instructions.instructions(names, not args.full)
+        if args.flame:
+            flames.flames(names, not args.full)
+        else:
+            instructions.instructions(names, not args.full)
         return 0
     if args.against is not None:
         if len(names) != 1:

@@ -26,7 +26,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pulsar
 import pyarrow as pa
@@ -41,6 +41,16 @@ BATCH = 1000
 #: the goal for the real client's paths: what tierstream's own client costs the broker, x 1.2
 WITHIN: dict[str, Any] = {"higher_is_better": False, "aim": "ratio <= 1.2",
                           "aim_check": lambda value, ratio: ratio is not None and ratio <= 1.2}
+
+
+class Served(Protocol):
+    """A broker the workloads below talk to: its Flight and Pulsar addresses."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def pulsar_url(self) -> str: ...
 
 
 class CountedBroker:
@@ -103,14 +113,14 @@ class CountedBroker:
         counted.append(int(totals[0].split()[1]))
 
 
-def _topic(broker: CountedBroker, name: str) -> str:
+def _topic(broker: Served, name: str) -> str:
     topic = f"bench/instructions/{name}"
     with Admin(broker.url) as admin:
         admin.create_topic(topic, 1)
     return topic
 
 
-def _own_produce(broker: CountedBroker, topic: str, messages: int) -> None:
+def _own_produce(broker: Served, topic: str, messages: int) -> None:
     batch = pa.record_batch({"value": [VALUE] * BATCH})
     with Producer(topic, broker=broker.url, batch_size=BATCH, max_in_flight=16) as producer:
         for _ in range(messages // BATCH):
@@ -118,7 +128,7 @@ def _own_produce(broker: CountedBroker, topic: str, messages: int) -> None:
         producer.flush()
 
 
-def _pulsar_produce(broker: CountedBroker, topic: str, messages: int) -> None:
+def _pulsar_produce(broker: Served, topic: str, messages: int) -> None:
     client = pulsar.Client(broker.pulsar_url,
                            logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
     try:
@@ -134,7 +144,7 @@ def _pulsar_produce(broker: CountedBroker, topic: str, messages: int) -> None:
         client.close()
 
 
-def _own_consume(broker: CountedBroker, topic: str, subscription: str, messages: int
+def _own_consume(broker: Served, topic: str, subscription: str, messages: int
                  ) -> None:
     got = 0
     with Consumer(topic, subscription, mode="exclusive", broker=broker.url,
@@ -147,7 +157,7 @@ def _own_consume(broker: CountedBroker, topic: str, subscription: str, messages:
             got += batch.num_rows
 
 
-def _pulsar_consume(broker: CountedBroker, topic: str, subscription: str, messages: int
+def _pulsar_consume(broker: Served, topic: str, subscription: str, messages: int
                     ) -> None:
     client = pulsar.Client(broker.pulsar_url,
                            logger=pulsar.ConsoleLogger(pulsar.LoggerLevel.Error))
@@ -162,7 +172,7 @@ def _pulsar_consume(broker: CountedBroker, topic: str, subscription: str, messag
         client.close()
 
 
-def _read(broker: CountedBroker, topic: str, messages: int) -> None:
+def _read(broker: Served, topic: str, messages: int) -> None:
     got = sum(b.num_rows for b in read(topic, broker=broker.url, end=Offset.latest()))
     if got != messages:
         raise RuntimeError(f"read {got} of {messages} messages")

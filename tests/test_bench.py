@@ -32,6 +32,7 @@ def test_every_benchmark_runs_on_tiny_inputs(tmp_path: Path) -> None:
     kept = {p: p.stat().st_mtime_ns for p in results.glob("*")}  # a user's real figures
     runs = [[*names, "--tiny"] for names in GROUPS]
     runs += [[*COUNTED, "--instructions", "--tiny"]] if COUNTED else []
+    runs += [[*PATHS, "--flame", "--tiny"]]  # (py-spy comes with the project's dev extras)
     logs = [tmp_path / f"group-{i}.log" for i in range(len(runs))]
     procs = []
     for args, log in zip(runs, logs, strict=True):
@@ -44,6 +45,12 @@ def test_every_benchmark_runs_on_tiny_inputs(tmp_path: Path) -> None:
         assert code == 0, f"{args}:\n{text[-6000:]}"
         if "--instructions" in args:
             assert "broker instructions per message" in text, text[-3000:]
+            continue
+        if "--flame" in args:
+            graphs = [line.rsplit(" ", 1)[-1] for line in text.splitlines()
+                      if line.startswith("flame graph of the broker")]
+            assert len(graphs) == len(PATHS), text[-3000:]
+            assert all(Path(g).read_text().lstrip().startswith("<?xml") for g in graphs)
             continue
         for name in args[:-1]:
             assert f"benchmark {name}: " in text, (name, text[-3000:])
