@@ -16,8 +16,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
-
 from tierstream.broker.pulsar.delivered import Delivered
 from tierstream.broker.pulsar.produce import Link
 from tierstream.broker.subscriptions.attached import Attached, ConsumerSettings
@@ -284,9 +282,8 @@ class ConsumePath:
         c = self.consumers.get(req.consumer_id)
         if c is None:
             return
-        positions = c.sent.taken_back(req.message_ids)
-        if positions:
-            segment, entry, index = _arrays(positions)
+        segment, entry, index = c.sent.taken_back(req.message_ids)
+        if len(segment):
             self.subscriptions.nack(c.topic, c.subscription, c.partition, c.name, segment,
                                     entry, index, 0.0)
 
@@ -404,12 +401,6 @@ class ConsumePath:
                 self.subscriptions.delete(c.topic, c.subscription)
         if c.worker is not None:
             c.worker.join(timeout=5)
-
-
-def _arrays(positions: list[Position]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    return (np.array([p.segment_id for p in positions], dtype=np.int64),
-            np.array([p.entry_id for p in positions], dtype=np.int64),
-            np.array([p.batch_index for p in positions], dtype=np.int64))
 
 
 def _subscribe_code(exc: BaseException) -> Any:

@@ -189,7 +189,7 @@ class Delivered:
         return _message_frames(command, *made)
 
     def _hold(self, at: _Entry, mask: int) -> None:
-        self.unacked[at] = self.unacked.get(at, 0) | mask
+        _add(self.unacked, at, mask)
 
     def _of_pack(self, m: api.MessageIdData, *, whole: bool = False
                  ) -> tuple[_Entry, int] | None:
@@ -258,10 +258,10 @@ class Delivered:
                 if of is None:
                     of = self._of_batch(m)
                 if of is not None:
-                    took[of[0]] = took.get(of[0], 0) | of[1]
+                    _add(took, *of)
             segment, entry, index = positions_of(own)
             for s, e, i in zip(segment.tolist(), entry.tolist(), index.tolist(), strict=True):
-                took[(s, e)] = took.get((s, e), 0) | 1 << i
+                _add(took, (s, e), 1 << i)
             self._forget(took)
         return _arrays(took)
 
@@ -287,9 +287,10 @@ class Delivered:
         upto = next((n for n, j in enumerate(acked) if n != j), len(acked))
         return Position(self.partition, int(m.ledgerId), entry, idx[upto - 1]) if upto else None
 
-    def taken_back(self, ids: Any) -> list[Position]:
+    def taken_back(self, ids: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The messages a redelivery request names (all this consumer holds when it names
-        none), taken off what it holds: they go out again."""
+        none), taken off what it holds, as segment, entry and batch index arrays in log
+        order: they go out again."""
         with self.lock:
             if not ids:
                 took = dict(self.unacked)
@@ -303,10 +304,9 @@ class Delivered:
                     elif of is None:
                         of = self._of_batch(m, whole=True)
                     if of is not None:
-                        took[of[0]] = took.get(of[0], 0) | of[1] & self.unacked.get(of[0], 0)
+                        _add(took, of[0], of[1] & self.unacked.get(of[0], 0))
             self._forget(took)
-        return [Position(self.partition, s, e, i) for s, e in sorted(took)
-                for i in _bits(took[(s, e)]).tolist()]
+        return _arrays(dict(sorted(took.items())))
 
     def _of_batch(self, m: api.MessageIdData, *, whole: bool = False
                   ) -> tuple[_Entry, int] | None:
@@ -350,6 +350,11 @@ def _message_frames(command: api.BaseCommand, meta: api.MessageMetadata, payload
     if chunks is None:
         return [serialized_payload_frame(data, meta.SerializeToString(), payload)]
     return [serialized_payload_frame(data, m, part) for m, part in chunks]
+
+
+def _add(held: dict[_Entry, int], at: _Entry, mask: int) -> None:
+    """Add the messages ``mask`` names of entry ``at`` to ``held``."""
+    held[at] = held.get(at, 0) | mask
 
 
 def _pylist(column: pa.Array) -> list[Any]:
