@@ -324,13 +324,12 @@ def batch_of(keys: list[str | None], values: list[bytes], event_times: list[int 
         own = tuple(p for p in props or [] if p[0] not in _SHARED)
         if {k: v for k, v in props or [] if k in _SHARED} != shared:
             return None
-        single = cache.get((key, event, own, len(value)))
-        if single is None:
-            single = cache[(key, event, own, len(value))] = _single(
-                key, event, own, len(value)).SerializeToString()
+        head = cache.get((key, event, own, len(value)))
+        if head is None:
+            head = cache[(key, event, own, len(value))] = _head(key, event, own, len(value))
         if sequence is None:
             sequence = _sequence_of(own)
-        parts += (len(single).to_bytes(4, "big"), single, value)
+        parts += (head, value)
     meta.sequence_id = sequence or 0
     return meta, b"".join(parts)
 
@@ -343,21 +342,23 @@ def _plain_payload(keys: list[str | None], values: list[bytes],
     sizes = list(map(len, values))
     if keys.count(None) == len(keys) and event_times.count(None) == len(event_times):
         # unkeyed, no event times: a message's metadata is its size alone
-        by_size = {size: _head(None, None, size) for size in set(sizes)}
+        by_size = {size: _head(None, None, (), size) for size in set(sizes)}
         if len(by_size) == 1:  # all of one size: the same prefix before each value
             head = by_size[sizes[0]]
             return head + head.join(values)
         heads = list(map(by_size.__getitem__, sizes))
     else:
         shapes = list(zip(keys, event_times, sizes, strict=True))
-        by_shape = {shape: _head(*shape) for shape in set(shapes)}
+        by_shape = {(k, e, size): _head(k, e, (), size) for k, e, size in set(shapes)}
         heads = list(map(by_shape.__getitem__, shapes))
     return b"".join(itertools.chain.from_iterable(zip(heads, values, strict=True)))
 
 
-def _head(key: str | None, event_time: int | None, size: int) -> bytes:
-    """A batched message's size-prefixed ``SingleMessageMetadata``, without properties."""
-    single: bytes = _single(key, event_time, (), size).SerializeToString()
+def _head(key: str | None, event_time: int | None, own: tuple[tuple[str, str], ...],
+          size: int) -> bytes:
+    """What goes before a batched message's value: its ``SingleMessageMetadata``, prefixed
+    with its size."""
+    single: bytes = _single(key, event_time, own, size).SerializeToString()
     return len(single).to_bytes(4, "big") + single
 
 
