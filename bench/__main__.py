@@ -145,10 +145,16 @@ def main(argv: list[str] | None = None) -> int:
         if other := [n for n in names if n not in instructions.PATHS]:
             parser.error(f"{flag} is for {', '.join(instructions.PATHS)}, not "
                          f"{', '.join(other)}")
-        if args.flame:
-            flames.flames(names, not args.full)
-        else:
-            instructions.instructions(names, not args.full)
+        try:
+            if args.flame:
+                flames.flames(names, not args.full)
+            else:
+                instructions.instructions(names, not args.full)
+        except Exception as exc:  # one line (valgrind or py-spy missing, a path failed)
+            print(f"{flag} failed: {exc}", file=sys.stderr)
+            if harness.TINY:  # a check of the benchmarks themselves: show where
+                traceback.print_exc()
+            return 1
         return 0
     if args.against is not None:
         if len(names) != 1:

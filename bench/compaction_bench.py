@@ -4,7 +4,6 @@ the compactor's throughput beside ``pq.write_table`` of the same messages."""
 
 from __future__ import annotations
 
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 import tierstream
-from bench.harness import Figure, report, sized, timed
+from bench.harness import Figure, free_port, report, sized, timed
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Producer
 
@@ -32,9 +31,7 @@ def compaction(quick: bool = True) -> Path:
     from tierstream.spark_adapter.jobs import local_spark
 
     with tempfile.TemporaryDirectory() as tmp:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         broker = BrokerProcess(Path(tmp) / "data", args=["--pulsar-port", str(port),
                                                          "--admin-port", "0"]).start()
         session = local_spark("tierstream-bench-compaction")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness
-from bench.harness import console, sized
+from bench.harness import console, free_port, sized
 from bench.instructions import (
     PATHS,
     _own_consume,
@@ -47,9 +46,7 @@ class _Broker:
     """A broker process with a Pulsar listener, for the workloads of instructions.py."""
 
     def __init__(self, tmp: Path) -> None:
-        with socket.socket() as s:  # a free port for the Pulsar listener (0 turns it off)
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         self.proc = BrokerProcess(tmp / "data", args=["--pulsar-port", str(port)]).start()
         assert self.proc.url is not None and self.proc.pulsar_url is not None
         self.url, self.pulsar_url = self.proc.url, self.proc.pulsar_url
@@ -99,7 +96,7 @@ def flames(names: list[str], quick: bool = True) -> list[Path]:
     """A flame graph of the broker's CPU on each path in ``names`` (``PATHS``)."""
     spy = _py_spy()
     # each path's work again and again for this long: a few thousand samples at RATE
-    messages, seconds = sized((200_000, 5.0) if quick else (1_000_000, 20.0), (4_000, 1.0))
+    messages, seconds = sized((200_000, 5.0) if quick else (1_000_000, 20.0), (4_000, 2.0))
     written: list[Path] = []
     harness.RESULTS.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -13,6 +13,7 @@ import os
 import platform
 import resource
 import selectors
+import socket
 import statistics
 import subprocess
 import sys
@@ -122,6 +123,13 @@ def fill_clicks(store: Any, topic: str, *, partitions: int, entries: int, per_en
                 "publish_time": [t0 + n * 10 for n in ns]})), producer=None, sequence_id=None)
     if seal:
         store.seal(topic)
+
+
+def free_port() -> int:
+    """A loopback port free now, for a listener that 0 would turn off (``--pulsar-port``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager

@@ -19,7 +19,6 @@ pulsar-produce pulsar-consume --instructions`` takes about a minute and a half.
 from __future__ import annotations
 
 import shutil
-import socket
 import statistics
 import subprocess
 import tempfile
@@ -31,7 +30,7 @@ from typing import Any, Protocol
 import pulsar
 import pyarrow as pa
 
-from bench.harness import Figure, console, report, sized
+from bench.harness import Figure, console, free_port, report, sized
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer, Producer, read
 from tierstream.model.positions import Offset
@@ -62,9 +61,7 @@ class CountedBroker:
                                "on PATH): apt-get install valgrind")
         self.dumps = tmp / "callgrind"
         self.dumps.mkdir()
-        with socket.socket() as s:  # a free port for the Pulsar listener (0 turns it off)
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         self.proc = BrokerProcess(
             tmp / "data", env={"PYTHONHASHSEED": "0"}, args=["--pulsar-port", str(port)],
             prefix=["valgrind", "--tool=callgrind", "--instr-atstart=no", "--dump-instr=no",

@@ -29,6 +29,7 @@ from bench.harness import (
     WorkerProcess,
     cost_figures,
     cpu_seconds,
+    free_port,
     loop_unit_us,
     repeat,
     report,
@@ -237,9 +238,7 @@ def pulsar_produce(quick: bool = True) -> Path:
     messages, runs = sized((200_000, 3) if quick else (1_000_000, 5), (2_000, 1))
     figures = []
     with tempfile.TemporaryDirectory() as tmp:
-        with socket.socket() as s:  # a free port for the Pulsar listener
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         broker = BrokerProcess(Path(tmp) / "data", args=["--pulsar-port", str(port)]).start()
         try:
             assert broker.url is not None and broker.pulsar_url is not None
@@ -345,9 +344,7 @@ def pulsar_consume(quick: bool = True) -> Path:
     cpu: dict[tuple[str, str], list[ProcessCpu]] = {}
     unit = loop_unit_us()
     with tempfile.TemporaryDirectory() as tmp:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         broker = BrokerProcess(Path(tmp) / "data", args=["--pulsar-port", str(port)]).start()
         try:
             assert broker.url is not None and broker.pulsar_url is not None
