@@ -300,3 +300,29 @@ def test_the_bound_holds_under_a_window_ten_times_the_cache(tmp_path: Path) -> N
     copies = [p for p in (tmp_path / "cache" / "objects").rglob("*") if p.is_file()]
     # on disk too (sparse copies: what is written, rounded up to the filesystem's blocks)
     assert sum(p.stat().st_blocks * 512 for p in copies) <= cache.limit + len(copies) * 4096
+
+
+def test_the_host_cache_follows_its_arguments_and_environment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every tier file a read opens asks host_cache which cache to use, and the answer is
+    remembered: it must still follow the environment and the working directory."""
+    monkeypatch.setenv(host_module.DIR_ENV, str(tmp_path / "a"))
+    monkeypatch.delenv(host_module.SIZE_ENV, raising=False)
+    first = host_module.host_cache()
+    assert first is not None and first.directory == tmp_path / "a"
+    assert host_module.host_cache() is first
+    monkeypatch.setenv(host_module.DIR_ENV, str(tmp_path / "b"))
+    assert host_module.host_cache().directory == tmp_path / "b"  # type: ignore[union-attr]
+    monkeypatch.setenv(host_module.SIZE_ENV, "0")
+    assert host_module.host_cache() is None
+    monkeypatch.setenv(host_module.SIZE_ENV, "1MiB")
+    sized = host_module.host_cache()
+    assert sized is not None and sized.limit == 1 << 20
+    assert host_module.host_cache(size=2 << 20).limit == 2 << 20  # type: ignore[union-attr]
+    for where in ("a", "b"):
+        monkeypatch.chdir(tmp_path / where)
+        here = host_module.host_cache("here")
+        assert here is not None and here.directory == tmp_path / where / "here"
+    host_module._open.clear()  # as in a new process: opened again, not the one of before
+    again = host_module.host_cache("here")
+    assert again is not None and again is not here and again.directory == here.directory

@@ -39,6 +39,7 @@ first half stays and hits every time; a block read once does not displace one re
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -118,6 +119,7 @@ class TierCache:
         except OSError as exc:
             raise ConfigError(f"invalid tier cache directory {str(self.directory)!r}: "
                               f"{exc.strerror or exc}") from None
+        self.given_limit = limit  # as asked for: None, a share of the free disk
         if limit is None:
             free = shutil.disk_usage(self.directory).free
             limit = min(DEFAULT_CAP, int(free * DEFAULT_SHARE))
@@ -482,7 +484,7 @@ class ObjectRef:
     size: int
     store: str
 
-    @property
+    @functools.cached_property
     def ident(self) -> str:
         """The object's id in the cache: store, name and size."""
         return hashlib.sha256(f"{self.store}\n{self.path}\n{self.size}".encode()

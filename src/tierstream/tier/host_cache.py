@@ -40,12 +40,33 @@ def parse_cache_size(raw: Any, what: str) -> int:
 
 _open: dict[tuple[str, int | None], TierCache] = {}
 _open_lock = threading.Lock()
+#: which of _open host_cache answered, by its arguments, the working directory (a relative
+#: directory) and the environment variables it reads; None: no cache
+_asked: dict[tuple[Any, ...], tuple[str, int | None] | None] = {}
+_ENV = (DIR_ENV, SIZE_ENV, "XDG_CACHE_HOME", "HOME")
+_UNKNOWN: Any = object()
 
 
 def host_cache(directory: str | None = None, size: int | None = None) -> TierCache | None:
     """This host's cache of tier bytes, or None when it is off (size 0). Given values win, then
     ``TIERSTREAM_TIER_CACHE_DIR``/``_SIZE``, then the default directory and a tenth of its
     free disk (at most 20 GiB)."""
+    # every tier file a read opens asks: the same arguments and environment, the same cache
+    # (resolving the directory again cost a tenth of a cached file's read)
+    asked = (directory, size, os.getcwd() if directory else None,
+             *(os.environ.get(k) for k in _ENV))
+    where = _asked.get(asked, _UNKNOWN)
+    if where is None:
+        return None
+    if where is not _UNKNOWN and (cache := _open.get(where)) is not None:
+        return cache
+    cache = _host_cache(directory, size)
+    with _open_lock:
+        _asked[asked] = None if cache is None else (str(cache.directory), cache.given_limit)
+    return cache
+
+
+def _host_cache(directory: str | None, size: int | None) -> TierCache | None:
     directory = directory or os.environ.get(DIR_ENV) or None
     if size is None and os.environ.get(SIZE_ENV):
         size = parse_cache_size(os.environ[SIZE_ENV], f"environment variable {SIZE_ENV}")
