@@ -13,7 +13,19 @@ import crc32c
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bench.harness import Figure, console, fill_clicks, repeat, report, save_chart, sized, timed
+from bench.harness import (
+    Figure,
+    console,
+    cpu_of,
+    fill_clicks,
+    loop_unit_us,
+    own_cost_figures,
+    repeat,
+    report,
+    save_chart,
+    sized,
+    timed,
+)
 from tierstream.bookie.ledger import FRAME_HEADER, read_index
 from tierstream.bookie.storage import ledger_paths
 from tierstream.broker.config import StoreConfig
@@ -177,16 +189,21 @@ def readers(quick: bool = True) -> Path:
         assert count(open_reader(bookie_split)) == ipc_ceiling() == messages
         assert count(open_reader(tier_split)) == parquet_ceiling() == messages
 
-        def rate(fn: Any) -> float:
-            return messages / timed(fn)
+        cpu: dict[str, list[float]] = {}
+
+        def rate(name: str, fn: Any) -> float:
+            seconds, used = cpu_of(fn)
+            cpu.setdefault(name, []).append(used)
+            return messages / seconds
 
         b_ours, b_ceil, b_checked, t_ours, t_ceil = [], [], [], [], []
         for _ in range(runs):  # interleaved: drift hits both sides alike
-            b_ours.append(rate(lambda: count(open_reader(bookie_split))))
-            b_ceil.append(rate(ipc_ceiling))
-            b_checked.append(rate(lambda: ipc_ceiling(checked=True)))
-            t_ours.append(rate(lambda: count(open_reader(tier_split))))
-            t_ceil.append(rate(parquet_ceiling))
+            b_ours.append(rate("bookie", lambda: count(open_reader(bookie_split))))
+            b_ceil.append(rate("ipc", ipc_ceiling))
+            b_checked.append(rate("ipc checked", lambda: ipc_ceiling(checked=True)))
+            t_ours.append(rate("tier", lambda: count(open_reader(tier_split))))
+            t_ceil.append(rate("parquet", parquet_ceiling))
+        unit = loop_unit_us()
     bookie_mb = seg.bytes / messages / 1e6
     figures = [
         Figure("bookie-log reader rows/s", "rows/s", b_ours, "pyarrow IPC on the same frames",
@@ -197,6 +214,11 @@ def readers(quick: bool = True) -> Path:
                [r * bookie_mb for r in b_ours]),
         Figure("parquet-tier reader rows/s", "rows/s", t_ours, "pyarrow.parquet.read_table",
                t_ceil, aim="ratio >= 0.8", aim_check=lambda v, r: r is not None and r >= 0.8),
+        # in process: the reader's whole cost is this process's CPU (decoding threads too)
+        *own_cost_figures("bookie-log reader", messages, cpu["bookie"], unit,
+                          baseline=("pyarrow IPC + crc32c", cpu["ipc checked"])),
+        *own_cost_figures("parquet-tier reader", messages, cpu["tier"], unit,
+                          baseline=("pyarrow.parquet.read_table", cpu["parquet"])),
     ]
     return report("readers", figures, {"messages": messages, "entries": entries})
 

@@ -240,20 +240,40 @@ def loop_unit_us() -> float:
 
 
 def cost_figures(what: str, messages: int, used: list[ProcessCpu], unit_us: float, *,
-                 baseline: tuple[str, list[ProcessCpu]] | None = None) -> list[Figure]:
-    """The broker's and the client's CPU per message of ``used`` runs (µs, and in loop units
-    of ``unit_us``: see :func:`loop_unit_us`), beside ``baseline``'s where given."""
+                 baseline: tuple[str, list[ProcessCpu]] | None = None,
+                 server: str = "broker") -> list[Figure]:
+    """The broker's (``server``: what the other process is) and the client's CPU per message
+    of ``used`` runs (µs, and in loop units of ``unit_us``: see :func:`loop_unit_us`), beside
+    ``baseline``'s where given."""
     out = []
-    for side in ("broker", "client"):
-        us = [getattr(c, side) / messages * 1e6 for c in used]
-        base_name, base = (None, []) if baseline is None else (
-            baseline[0], [getattr(c, side) / messages * 1e6 for c in baseline[1]])
-        out += [Figure(f"{what}: {side} CPU per message", "us", us, base_name, base,
-                       higher_is_better=False),
-                Figure(f"{what}: {side} CPU per message, in loop units", "loops",
-                       [u / unit_us for u in us], base_name, [b / unit_us for b in base],
-                       higher_is_better=False)]
+    for side, name in (("broker", server), ("client", "client")):
+        out += own_cost_figures(
+            f"{what}: {name}", messages, [getattr(c, side) for c in used], unit_us,
+            baseline=None if baseline is None else (
+                baseline[0], [getattr(c, side) for c in baseline[1]]))
     return out
+
+
+def own_cost_figures(what: str, messages: int, seconds: list[float], unit_us: float, *,
+                     baseline: tuple[str, list[float]] | None = None) -> list[Figure]:
+    """CPU per message of runs that used ``seconds`` of CPU each, in µs and in loop units of
+    ``unit_us``, beside ``baseline``'s runs where given."""
+    us = [s / messages * 1e6 for s in seconds]
+    base_name, base = (None, []) if baseline is None else (
+        baseline[0], [s / messages * 1e6 for s in baseline[1]])
+    return [Figure(f"{what} CPU per message", "us", us, base_name, base,
+                   higher_is_better=False),
+            Figure(f"{what} CPU per message, in loop units", "loops",
+                   [u / unit_us for u in us], base_name, [b / unit_us for b in base],
+                   higher_is_better=False)]
+
+
+def cpu_of(fn: Callable[[], Any]) -> tuple[float, float]:
+    """Seconds ``fn`` took, and the CPU seconds (user + system, every thread) this process
+    spent meanwhile."""
+    before = cpu_seconds()
+    seconds = timed(fn)
+    return seconds, cpu_seconds() - before
 
 
 def timed(fn: Callable[[], Any]) -> float:

@@ -20,7 +20,16 @@ from typing import Any
 import pyarrow.flight as flight
 
 from bench.framework_bench import _segment
-from bench.harness import Figure, console, report, sized, timed
+from bench.harness import (
+    Figure,
+    ProcessCpu,
+    console,
+    cost_figures,
+    loop_unit_us,
+    report,
+    sized,
+    timed,
+)
 from tierstream.bookie.server import BookieServer
 from tierstream.model.positions import KeyRange, Position
 from tierstream.readers import open_reader
@@ -63,11 +72,17 @@ def remote_bookie(quick: bool = True) -> Path:
                 return sum(chunk.data.num_rows for chunk in client.do_get(ticket))
 
             ours, base, wire_only = [], [], []
+            remote_cpu, local_cpu = list[ProcessCpu](), list[ProcessCpu]()
             for _ in range(runs):  # interleaved: drift hits all sides alike
-                ours.append(messages / timed(lambda: count(remote)))
-                base.append(messages / timed(lambda: count(local)))
+                with ProcessCpu(proc.pid) as used:
+                    ours.append(messages / timed(lambda: count(remote)))
+                remote_cpu.append(used)
+                with ProcessCpu(proc.pid) as used:
+                    base.append(messages / timed(lambda: count(local)))
+                local_cpu.append(used)
                 wire_only.append(messages / timed(transport))
             client.close()
+            unit = loop_unit_us()
 
             def wire(k: int) -> int:
                 before = server.bytes_served
@@ -91,6 +106,10 @@ def remote_bookie(quick: bool = True) -> Path:
                "the endpoint's Flight stream alone (transport ceiling)", wire_only),
         Figure("wire bytes of k=4 key ranges / k=1", "x", [amplification[4]],
                aim="<= 1.25", higher_is_better=False, aim_check=lambda v, r: v <= 1.25),
+        # the reader's process (client) and the bookie server's; a local read has no server
+        *cost_figures("bookie-log over the endpoint", messages, remote_cpu, unit,
+                      baseline=("bookie-log over local files", local_cpu),
+                      server="bookie server"),
     ]
     return report("remote-bookie", figures, {"messages": messages, "entries": entries,
                                              "per_entry": per_entry,
