@@ -117,7 +117,10 @@ class ConsumeStreams:
         entry (topic stats: topic_stats.py)."""
         with self.streams.serving(kind, plog.topic, plog.partition, name) as entry:
             for batch in batches:
-                size = batch.nbytes  # (a sum over a set of buffers: once per batch)
+                # the bytes of the buffers it references (a slice counts its buffers whole):
+                # exact ``nbytes`` merges every buffer's byte ranges, 21 us a batch of 1,000
+                # against 0.6 us, a tenth of the broker's cost of an exclusive receive + ack
+                size = batch.get_total_buffer_size()
                 entry["messages"] += batch.num_rows
                 entry["bytes"] += size
                 plog.rate_out.add(batch.num_rows, size)

@@ -41,6 +41,7 @@ from tierstream.broker.subscriptions.read_window import (
     Chunk,
     ReadWindow,
     following,
+    span,
 )
 from tierstream.broker.subscriptions.selectors import active_for_partition
 from tierstream.errors import ConfigError, ConflictError, TierstreamError
@@ -319,15 +320,15 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
                 if not len(rows):
                     return
         self._set(chunk, rows, DELIVERED)
-        chunk.owner[rows] = c.idx
-        chunk.until[rows] = time.monotonic()
+        sel = span(rows)  # (a slice when the rows are one run: views, not gathers)
+        chunk.owner[sel], chunk.until[sel] = c.idx, time.monotonic()
         if self._keys is not None:
-            self._keys.hold(chunk.slots[rows], c.idx)
+            self._keys.hold(chunk.slots[sel], c.idx)
         n = len(rows)
         c.held += n
         c.permits -= n
         c.delivered += n
-        c.redelivered += int(np.count_nonzero(chunk.redeliveries[rows]))
+        c.redelivered += int(np.count_nonzero(chunk.redeliveries[sel]))
         self._outgoing.setdefault(c.idx, []).append(chunk.take(rows))
 
     def _set(self, chunk: Chunk, rows: np.ndarray, state: int) -> None:
@@ -341,7 +342,7 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
 
     def _unhold(self, chunk: Chunk, rows: np.ndarray) -> None:
         """``rows`` (delivered or delayed) are no longer held by their consumer."""
-        owner = chunk.owner[rows]
+        owner = chunk.owner[sel := span(rows)]
         mine, owner = rows[owner >= 0], owner[owner >= 0]  # not the ones held for their time
         if len(owner) and (owner == owner[0]).all():  # one consumer's, as an ack's are
             counts = {int(owner[0]): len(owner)}
@@ -354,7 +355,7 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
                 c.held -= count
         if self._keys is not None:
             self._keys.release(chunk.slots[mine])
-        chunk.owner[rows] = -1
+        chunk.owner[sel] = -1
 
     def _return(self, chunk: Chunk, rows: np.ndarray) -> None:
         """Held ``rows`` go back to waiting (sent again, ahead of later messages)."""
@@ -416,7 +417,7 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
             self.window.ack_ahead(self.window.read_pos, end)
 
     def _ack_rows(self, chunk: Chunk, rows: np.ndarray, name: str | None) -> None:
-        state = chunk.state[rows]
+        state = chunk.state[span(rows)]
         held = rows[(state == DELIVERED) | (state == DELAYED)]
         self._delayed -= int(np.count_nonzero(state == DELAYED))
         self._timed -= int(np.count_nonzero(chunk.owner[held] == TIMED))
