@@ -64,6 +64,10 @@ _CRC_IDS = struct.Struct("<qqII")
 _IDS_AT = 8
 
 
+#: one encoder for every frame's metadata (json.dumps with separators builds one per call)
+_META_JSON = json.JSONEncoder(separators=(",", ":"))
+
+
 def _pad8(n: int) -> int:
     return (8 - n % 8) % 8
 
@@ -96,7 +100,7 @@ def encode_frame(segment_id: int, entry_id: int, meta: dict[str, Any], payload: 
     Any
 ]:
     """The pieces of one frame, ready for ``os.writev`` (payload is not copied)."""
-    meta_bytes = json.dumps(meta, separators=(",", ":")).encode()
+    meta_bytes = _META_JSON.encode(meta).encode()
     crc = _crc(_CRC_IDS.pack(segment_id, entry_id, len(meta_bytes), payload.size), meta_bytes,
                payload)
     header = FRAME_HEADER.pack(

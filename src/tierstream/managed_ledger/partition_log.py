@@ -34,7 +34,7 @@ from tierstream.errors import (
 )
 from tierstream.managed_ledger.bookies.client import BookieClient
 from tierstream.managed_ledger.dedup import ProducerDedup, StoredBatch
-from tierstream.managed_ledger.entries import build_entry
+from tierstream.managed_ledger.entries import ENTRY_PUBLISH_TIME, PRODUCE_PUBLISH_TIME, build_entry
 from tierstream.managed_ledger.open_segment import (
     TXN_PRODUCER,
     Ack,
@@ -253,16 +253,16 @@ class PartitionLog(PartitionRollover):
             if seg is self._open and not self._held and (
                     len(seg.records) >= self._max_entries or seg.bytes >= self._max_bytes):
                 self._roll()
-        requested = p.batch.column("publish_time")
+        requested = p.batch.column(PRODUCE_PUBLISH_TIME)
+        pts = message_batch.column(ENTRY_PUBLISH_TIME)
         restamped = 0 if requested.null_count == len(requested) else int(pc.sum(pc.less(
-            requested, message_batch.column("publish_time"))).as_py() or 0)
-        pts = message_batch.column("publish_time")
+            requested, pts)).as_py() or 0)
         self.restamped += restamped
         return Ack(self.partition, seg.record.segment_id, entry_id, message_batch.num_rows,
                    pts[0].as_py(), pts[-1].as_py(), p.sequence_id, restamped=restamped)
 
     def _check_publish_times(self, batch: pa.RecordBatch, requested_now: int | None) -> None:
-        requested = batch.column("publish_time")
+        requested = batch.column(PRODUCE_PUBLISH_TIME)
         if requested.null_count == len(requested):
             return  # the broker stamps them
         latest = pc.max(requested).as_py()

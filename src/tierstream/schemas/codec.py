@@ -420,9 +420,10 @@ def _decode_each(batch: pa.RecordBatch, decoder: Decoder, mode: str, topic: str,
 def named_versions(batch: pa.RecordBatch) -> set[str]:
     """The distinct values of the version property in ``batch``'s ``properties`` (what the
     broker checks against the topic's versions before storing a batch)."""
-    if "properties" not in batch.schema.names:
+    at = batch.schema.get_field_index("properties")  # (a name costs pyarrow an exception)
+    if at < 0:
         return set()
-    props = batch.column("properties")
+    props = batch.column(at)
     if len(props) == 0 or props.null_count == len(props) or len(props.keys) == 0:
         return set()
     import pyarrow.compute as pc  # where it is used: see message_format.key_hashes
