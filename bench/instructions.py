@@ -18,9 +18,11 @@ pulsar-produce pulsar-consume --instructions`` takes about a minute and a half.
 
 from __future__ import annotations
 
+import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -33,6 +35,7 @@ import pyarrow as pa
 from bench.harness import Figure, console, free_port, report, sized
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer, Producer, read
+from tierstream.model.message_format import as_produce_batch
 from tierstream.model.positions import Offset
 
 VALUE = b"v" * 100
@@ -52,41 +55,28 @@ class Served(Protocol):
     def pulsar_url(self) -> str: ...
 
 
-class CountedBroker:
-    """A broker process under callgrind, counting only inside :meth:`window`."""
+def _callgrind(dumps: Path) -> list[str]:
+    """The command prefix that runs a process under callgrind, counting nothing until told."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        raise RuntimeError("--instructions needs valgrind (callgrind and callgrind_control "
+                           "on PATH): apt-get install valgrind")
+    dumps.mkdir()
+    return ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--dump-instr=no",
+            f"--callgrind-out-file={dumps}/callgrind.out.%p"]
 
-    def __init__(self, tmp: Path) -> None:
-        if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
-            raise RuntimeError("--instructions needs valgrind (callgrind and callgrind_control "
-                               "on PATH): apt-get install valgrind")
-        self.dumps = tmp / "callgrind"
-        self.dumps.mkdir()
-        port = free_port()
-        self.proc = BrokerProcess(
-            tmp / "data", env={"PYTHONHASHSEED": "0"}, args=["--pulsar-port", str(port)],
-            prefix=["valgrind", "--tool=callgrind", "--instr-atstart=no", "--dump-instr=no",
-                    f"--callgrind-out-file={self.dumps}/callgrind.out.%p"])
 
-    def __enter__(self) -> CountedBroker:
-        self.proc.start(timeout=600)  # valgrind's start, then the broker's imports, 5x slower
-        return self
+class _Counted:
+    """A process under callgrind (``pid``, writing into ``dumps``), counting only inside
+    :meth:`window`."""
 
-    def __exit__(self, *exc: object) -> None:
-        self.proc.stop(timeout=600)
+    dumps: Path
 
     @property
-    def url(self) -> str:
-        assert self.proc.url is not None
-        return self.proc.url
-
-    @property
-    def pulsar_url(self) -> str:
-        assert self.proc.pulsar_url is not None
-        return self.proc.pulsar_url
+    def pid(self) -> int:
+        raise NotImplementedError
 
     def _control(self, *args: str) -> None:
-        assert self.proc.proc is not None
-        done = subprocess.run(["callgrind_control", *args, str(self.proc.proc.pid)],
+        done = subprocess.run(["callgrind_control", *args, str(self.pid)],
                               capture_output=True, text=True, timeout=600)
         if done.returncode != 0 or "OK" not in done.stdout:
             raise RuntimeError(f"callgrind_control {' '.join(args)}: {done.stdout}{done.stderr}")
@@ -108,6 +98,74 @@ class CountedBroker:
         totals = [line for line in new[-1].read_text().splitlines()
                   if line.startswith("totals:")]
         counted.append(int(totals[0].split()[1]))
+
+
+class CountedBroker(_Counted):
+    """A broker process under callgrind."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.dumps = tmp / "callgrind"
+        prefix = _callgrind(self.dumps)
+        self.proc = BrokerProcess(tmp / "data", env={"PYTHONHASHSEED": "0"},
+                                  args=["--pulsar-port", str(free_port())], prefix=prefix)
+
+    def __enter__(self) -> CountedBroker:
+        self.proc.start(timeout=600)  # valgrind's start, then the broker's imports, 5x slower
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.stop(timeout=600)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc.proc is not None
+        return self.proc.proc.pid
+
+    @property
+    def url(self) -> str:
+        assert self.proc.url is not None
+        return self.proc.url
+
+    @property
+    def pulsar_url(self) -> str:
+        assert self.proc.pulsar_url is not None
+        return self.proc.pulsar_url
+
+
+class CountedFloor(_Counted):
+    """The bare Flight server of ``bench/transport_floor.py`` under callgrind, serving
+    ``messages`` on each DoGet."""
+
+    def __init__(self, tmp: Path, messages: int) -> None:
+        self.dumps = tmp / "callgrind-floor"
+        self._command = [*_callgrind(self.dumps), sys.executable, "-m", "bench.transport_floor",
+                         "--messages", str(messages), "--batch", str(BATCH),
+                         "--value-bytes", str(len(VALUE))]
+        self.url = ""
+
+    def __enter__(self) -> CountedFloor:
+        env = {**os.environ, "PYTHONHASHSEED": "0"}
+        self._proc = subprocess.Popen(self._command, stdout=subprocess.PIPE, text=True, env=env,
+                                      cwd=Path(__file__).resolve().parents[1])
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()  # waits for valgrind's start and the imports
+        if not line.startswith("listening on "):
+            self._proc.kill()
+            raise RuntimeError(f"the transport floor server did not start: {line!r}")
+        self.url = line.split()[-1]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._proc.terminate()
+        try:
+            self._proc.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
 
 
 def _topic(broker: Served, name: str) -> str:
@@ -175,7 +233,7 @@ def _read(broker: Served, topic: str, messages: int) -> None:
         raise RuntimeError(f"read {got} of {messages} messages")
 
 
-def _counted(broker: CountedBroker, runs: int, work: Callable[[int], None]) -> list[int]:
+def _counted(broker: _Counted, runs: int, work: Callable[[int], None]) -> list[int]:
     """Instructions of ``work(i)`` in ``runs`` windows after one uncounted call."""
     work(0)
     counted: list[int] = []
@@ -232,12 +290,43 @@ def instructions(names: list[str], quick: bool = True) -> Path:
                                   "instructions per message", "instr",
                                   consumed("pulsar", topic, _pulsar_consume),
                                   "tierstream's Consumer", own_consume, **WITHIN))
+    if "produce" in names or "consume" in names:
+        figures += _floors(names, messages, runs, own_produce,
+                           own_consume if "consume" in names else [])
     for f in figures:
         spread = (max(f.runs) - min(f.runs)) / statistics.median(f.runs) if f.runs else 0.0
         console.print(f"{f.name}: {f.value:,.0f} (windows within {spread:.1%})")
     return report("instructions", figures, {"messages": messages, "runs": runs,
                                             "paths": names, "value_bytes": len(VALUE),
                                             "batch": BATCH})
+
+
+def _floors(names: list[str], messages: int, runs: int, own_produce: list[float],
+            own_consume: list[float]) -> list[Figure]:
+    """The transport's own instructions per message on the produce and consume paths (a
+    bare Flight server doing the same exchanges: bench/transport_floor.py), beside the
+    broker's: the part of the broker's figure no change to tierstream's code can remove."""
+    from bench.transport_floor import floor_consume, floor_produce
+
+    figures = []
+    batch = as_produce_batch(pa.record_batch({"value": [VALUE] * BATCH}))
+    with tempfile.TemporaryDirectory() as tmp, CountedFloor(Path(tmp), messages) as floor:
+        if "produce" in names:
+            runs_in = _counted(floor, runs, lambda _: floor_produce(floor.url, batch,
+                                                                    messages // BATCH))
+            figures.append(Figure(
+                "  produce floor: a bare Flight server in Python reading the same batches and "
+                "acking each (instructions per message)", "instr",
+                [c / messages for c in runs_in], "the broker's produce", own_produce,
+                higher_is_better=False))
+        if "consume" in names:
+            runs_out = _counted(floor, runs, lambda _: floor_consume(floor.url, messages))
+            figures.append(Figure(
+                "  consume floor: a bare Flight server streaming the same batches from memory, "
+                "one ack action each (instructions per message)", "instr",
+                [c / messages for c in runs_out], "the broker's exclusive receive + ack",
+                own_consume, higher_is_better=False))
+    return figures
 
 
 #: the benchmarks whose path ``--instructions`` counts

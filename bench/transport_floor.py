@@ -1,0 +1,126 @@
+"""The Flight transport's own cost per message: what a broker's instructions cannot go below.
+
+A bare pyarrow Flight server in Python, which stores nothing and looks at nothing: a DoPut
+reads each batch and answers it with a small ack, a DoGet streams batches built in memory once,
+a DoAction answers at once. ``bench --instructions`` counts it under callgrind beside the broker
+doing the same work (``produce``: batches of 1,000 in, an ack each; ``consume``: the batches
+out, an ack action each), so the broker's figure can be read against the part of it that is
+gRPC, Flight and the Python callbacks they make. Run: ``python -m bench.transport_floor``; it
+prints ``listening on URL`` when ready.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from tierstream.model.message_format import CONSUMER_SCHEMA, PRODUCE_SCHEMA
+
+__all__ = ["FloorServer", "floor_consume", "floor_produce"]
+
+_ACK = json.dumps({"ok": 1}).encode()
+
+
+def _consumer_batch(rows: int, value: bytes) -> pa.RecordBatch:
+    """A batch as a consumer receives it: ``rows`` unkeyed messages of ``value``."""
+    n = rows
+    ints = {"key_hash": np.zeros(n, np.int32), "publish_time": np.full(n, 1, np.int64),
+            "partition": np.zeros(n, np.int32), "segment_id": np.zeros(n, np.int64),
+            "entry_id": np.zeros(n, np.int64), "batch_index": np.arange(n, dtype=np.int32),
+            "redelivery_count": np.zeros(n, np.int32)}
+    columns = []
+    for field in CONSUMER_SCHEMA:
+        if field.name in ints:
+            columns.append(pa.array(ints[field.name], field.type))
+        elif field.name == "value":
+            columns.append(pa.array([value] * n, field.type))
+        else:
+            columns.append(pa.nulls(n, field.type))
+    return pa.RecordBatch.from_arrays(columns, schema=CONSUMER_SCHEMA)
+
+
+class FloorServer(flight.FlightServerBase):
+    """Answers every produce batch and ack, serves ``batches`` on every DoGet."""
+
+    def __init__(self, batches: list[pa.RecordBatch]) -> None:
+        super().__init__("grpc://127.0.0.1:0")
+        self.batches = batches
+
+    def do_put(self, context: Any, descriptor: flight.FlightDescriptor,
+               reader: flight.MetadataRecordBatchReader,
+               writer: flight.FlightMetadataWriter) -> None:
+        while True:
+            try:
+                chunk = reader.read_chunk()
+            except StopIteration:
+                return
+            if chunk.data is not None:
+                writer.write(pa.py_buffer(_ACK))
+
+    def do_get(self, context: Any, ticket: flight.Ticket) -> flight.FlightDataStream:
+        return flight.RecordBatchStream(
+            pa.RecordBatchReader.from_batches(CONSUMER_SCHEMA, iter(self.batches)))
+
+    def do_action(self, context: Any, action: flight.Action) -> list[bytes]:
+        return [_ACK]
+
+
+def floor_produce(url: str, batch: pa.RecordBatch, batches: int) -> None:
+    """``batches`` times ``batch`` (PRODUCE_SCHEMA) through a DoPut, every ack read."""
+    client = flight.FlightClient(url)
+    try:
+        writer, acks = client.do_put(flight.FlightDescriptor.for_command(b"produce"),
+                                     PRODUCE_SCHEMA)
+        for seq in range(batches):
+            writer.write_with_metadata(batch, pa.py_buffer(str(seq).encode()))
+        writer.done_writing()
+        got = 0
+        while acks.read() is not None:
+            got += 1
+        writer.close()
+        if got != batches:
+            raise RuntimeError(f"the floor server acknowledged {got} of {batches} batches")
+    finally:
+        client.close()
+
+
+def floor_consume(url: str, messages: int) -> None:
+    """The served batches through a DoGet, one ack action per batch."""
+    client = flight.FlightClient(url)
+    try:
+        got = 0
+        for chunk in client.do_get(flight.Ticket(b"consume")):
+            got += chunk.data.num_rows
+            list(client.do_action(flight.Action("ack", _ACK)))
+        if got != messages:
+            raise RuntimeError(f"the floor server sent {got} of {messages} messages")
+    finally:
+        client.close()
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--messages", type=int, required=True)
+    parser.add_argument("--batch", type=int, default=1000)
+    parser.add_argument("--value-bytes", type=int, default=100)
+    args = parser.parse_args()
+    one = _consumer_batch(args.batch, b"v" * args.value_bytes)
+    server = FloorServer([one] * (args.messages // args.batch))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    print(f"listening on grpc://127.0.0.1:{server.port}", flush=True)
+    while not stop.wait(0.5):
+        pass
+    server.shutdown()
+
+
+if __name__ == "__main__":
+    main()
