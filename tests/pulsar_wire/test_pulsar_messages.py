@@ -12,6 +12,7 @@ from typing import Any
 import _pulsar
 import numpy as np
 import pulsar
+import pyarrow as pa
 import pytest
 from pulsar.schema import AvroSchema, Integer, JsonSchema, Record, String, StringSchema
 
@@ -28,6 +29,7 @@ from tierstream.pulsar_protocol.messages import (
     PUBLISH_TIME,
     SEQUENCE_ID,
     batch_of,
+    plain_batch,
     to_rows,
 )
 from tierstream.pulsar_protocol.schemas import json_schema_of
@@ -290,6 +292,30 @@ def test_a_batch_the_broker_makes_of_stored_messages_decodes_to_them(properties:
     assert [r["key"] for r in rows] == keys
     assert [r["value"] for r in rows] == values
     assert [r["event_time"] for r in rows] == events
+
+
+@pytest.mark.parametrize("start", [0, 37])
+@pytest.mark.parametrize("sizes", ["one size", "two sizes", "empty"])
+def test_a_plain_batch_from_the_value_column_is_the_bytes_batch_of_makes(start: int,
+                                                                         sizes: str) -> None:
+    """The broker sends a whole entry of unkeyed messages without properties by
+    plain_batch, from the value column's buffers (here a slice of one, as the dispatcher's
+    batches are): the same metadata and payload as batch_of's, or None where it cannot."""
+    width = {"one size": [100], "two sizes": [100, 7], "empty": [0]}[sizes]
+    column = pa.array([b"%03d" % i * (width[i % len(width)] // 3 or 1) if width[0] else b""
+                       for i in range(start + 250)], pa.binary())
+    values = column.slice(start, 250)
+    made = plain_batch(values, 1_234)
+    if sizes != "one size":
+        assert made is None
+        return
+    assert made is not None
+    expected = batch_of([None] * 250, values.to_pylist(), [None] * 250, [None] * 250, 1_234)
+    assert expected is not None
+    assert made[0].SerializeToString() == expected[0].SerializeToString()
+    assert made[1] == expected[1]
+    assert [r["value"] for r in to_rows(made[0], made[1], sequence_id=0).to_pylist()] == \
+        values.to_pylist()
 
 
 @pytest.mark.parametrize("ids", [[7], list(range(5_000, 5_060)), list(range(980, 1_040)),

@@ -21,8 +21,8 @@ from tierstream.pulsar_protocol.schemas import schema_version_bytes
 from tierstream.schemas.model import VERSION_PROPERTY
 
 __all__ = ["BATCHED", "BATCH_PROPERTIES", "KEY_BASE64", "NULL_VALUE", "ORDERING_KEY",
-           "PUBLISH_TIME", "SEQUENCE_ID", "batch_of", "chunks_of", "metadata_of", "refused_feature",
-           "to_rows"]
+           "PUBLISH_TIME", "SEQUENCE_ID", "batch_of", "chunks_of", "metadata_of", "plain_batch",
+           "refused_feature", "to_rows"]
 
 _CODECS = {api.LZ4: "lz4_raw", api.ZSTD: "zstd", api.SNAPPY: "snappy"}
 
@@ -332,6 +332,33 @@ def batch_of(keys: list[str | None], values: list[bytes], event_times: list[int 
         parts += (head, value)
     meta.sequence_id = sequence or 0
     return meta, b"".join(parts)
+
+
+def plain_batch(values: pa.Array, publish_time: int) -> tuple[api.MessageMetadata, bytes] | None:
+    """:func:`batch_of` for messages without keys, event times or properties, all of one
+    size, from their value column (binary, no nulls) with no step per message: each message's
+    size prefix and metadata are the same bytes, laid before each value by numpy. None where
+    the values differ in size (or are empty): :func:`batch_of` makes those."""
+    n = len(values)
+    offsets = np.frombuffer(values.buffers()[1], np.int32, n + 1, values.offset * 4)
+    size = int(offsets[1] - offsets[0]) if n else 0
+    if size == 0 or int(offsets[-1] - offsets[0]) != n * size or \
+            (np.diff(offsets) != size).any():
+        return None
+    head = np.frombuffer(_plain_head(size), np.uint8)
+    data = np.frombuffer(values.buffers()[2], np.uint8, n * size, int(offsets[0]))
+    out = np.empty((n, len(head) + size), np.uint8)
+    out[:, :len(head)] = head
+    out[:, len(head):] = data.reshape(n, size)
+    meta = metadata_of(None, publish_time, None, [])
+    meta.num_messages_in_batch = n
+    meta.sequence_id = 0
+    return meta, out.tobytes()
+
+
+@functools.lru_cache(maxsize=64)
+def _plain_head(size: int) -> bytes:
+    return _head(None, None, (), size)
 
 
 def _plain_payload(keys: list[str | None], values: list[bytes],

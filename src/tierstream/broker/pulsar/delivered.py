@@ -52,14 +52,13 @@ from tierstream.pulsar_protocol.messages import (
     batch_of,
     chunks_of,
     metadata_of,
+    plain_batch,
 )
 
 __all__ = ["Delivered"]
 
 _Cmd = api.BaseCommand
 _Entry = tuple[int, int]  # segment, entry
-_COLUMNS = ("key", "value", "publish_time", "event_time", "properties", "segment_id",
-            "redelivery_count")
 
 
 class Delivered:
@@ -88,18 +87,22 @@ class Delivered:
 
     def frames(self, batch: pa.RecordBatch) -> list[bytes]:
         """The MESSAGE frames of a batch from the dispatcher, entry by entry in its order."""
-        cols = {name: _pylist(batch.column(name)) for name in _COLUMNS}
+        cols = _Columns(batch)
         segments = batch.column("segment_id").to_numpy(zero_copy_only=False)
         entries = batch.column("entry_id").to_numpy(zero_copy_only=False)
         indexes = batch.column("batch_index").to_numpy(zero_copy_only=False)
         cuts = np.flatnonzero((segments[1:] != segments[:-1]) | (entries[1:] != entries[:-1]))
         bounds = [0, *(cuts + 1).tolist(), len(entries)]
-        entry_list, index_list = entries.tolist(), indexes.tolist()
+        plain = _Plain.of(batch)
         out: list[bytes] = []
         alone: list[int] = []  # rows that go out with ids of their own, in order
         with self.lock:
             for a, b in pairwise(bounds):
-                frames = self._batch_frames(cols, entry_list[a], index_list[a:b], a, b)
+                frames = None if plain is None else self._plain_frames(
+                    plain, int(segments[a]), int(entries[a]), indexes, a, b)
+                if frames is None:
+                    frames = self._batch_frames(cols, int(entries[a]),
+                                                indexes[a:b].tolist(), a, b)
                 if frames is None:
                     alone.extend(range(a, b))
                     continue
@@ -111,7 +114,31 @@ class Delivered:
                 out += self._alone(cols, entries, indexes, alone)
         return out
 
-    def _batch_frames(self, cols: dict[str, list[Any]], entry: int, idx: list[int], a: int,
+    def _plain_frames(self, plain: _Plain, segment: int, entry: int, indexes: np.ndarray,
+                      a: int, b: int) -> list[bytes] | None:
+        """:meth:`_batch_frames` of a whole entry of messages without keys, event times or
+        properties, of one size and one redelivery count (most entries), made from the
+        batch's columns with no step per message; None where it is not such an entry."""
+        n = b - a
+        if n < 2 or indexes[a] != 0 or indexes[b - 1] != n - 1 \
+                or (segment, entry) in self._packs_of:
+            return None
+        counts = plain.redeliveries[a:b]
+        if (counts != counts[0]).any() or \
+                plain.offsets[b] - plain.offsets[a] > MAX_MESSAGE_SIZE // 2:
+            return None
+        made = plain_batch(plain.values.slice(a, n), int(plain.publish_times[a]))
+        if made is None:
+            return None
+        command = _Cmd(type=_Cmd.MESSAGE, message=api.CommandMessage(
+            consumer_id=self.consumer_id, redelivery_count=int(counts[0]),
+            message_id=api.MessageIdData(ledgerId=segment, entryId=entry,
+                                         partition=self.wire_partition)))
+        self.batches[(segment, entry)] = n
+        self._hold((segment, entry), (1 << n) - 1)
+        return _message_frames(command, *made)
+
+    def _batch_frames(self, cols: _Columns, entry: int, idx: list[int], a: int,
                       b: int) -> list[bytes] | None:
         """The frame of one entry's rows ``a:b`` as a batch, or a receipt's lone message's
         frame (its chunks' frames, if it is larger than a frame may be); None where they go
@@ -158,7 +185,7 @@ class Delivered:
         self._hold((segment, entry), _mask_of(idx))
         return _message_frames(command, meta, payload)
 
-    def _pack_frames(self, cols: dict[str, list[Any]], entry: int, idx: list[int], a: int,
+    def _pack_frames(self, cols: _Columns, entry: int, idx: list[int], a: int,
                      b: int) -> list[bytes] | None:
         """Rows ``a:b`` of one entry as a pack (see the module's docstring); None where they
         go out alone."""
@@ -204,7 +231,7 @@ class Delivered:
             mask = _mask_of([idx[j] for j in acked_indexes(m, len(idx))])
         return (segment, entry), mask & self.unacked.get((segment, entry), 0)
 
-    def _alone(self, cols: dict[str, list[Any]], entries: np.ndarray, indexes: np.ndarray,
+    def _alone(self, cols: _Columns, entries: np.ndarray, indexes: np.ndarray,
                rows: list[int]) -> list[bytes]:
         """A frame per row, each with an id of the broker's own. The per-message work is kept
         small: one command object refilled per message, and rows that share their metadata
@@ -350,6 +377,41 @@ def _message_frames(command: api.BaseCommand, meta: api.MessageMetadata, payload
     if chunks is None:
         return [serialized_payload_frame(data, meta.SerializeToString(), payload)]
     return [serialized_payload_frame(data, m, part) for m, part in chunks]
+
+
+class _Columns:
+    """A batch's columns as Python lists, each made when first asked for (an entry that
+    goes out by :meth:`Delivered._plain_frames` needs none)."""
+
+    def __init__(self, batch: pa.RecordBatch) -> None:
+        self._batch = batch
+        self._made: dict[str, list[Any]] = {}
+
+    def __getitem__(self, name: str) -> list[Any]:
+        made = self._made.get(name)
+        if made is None:
+            made = self._made[name] = _pylist(self._batch.column(name))
+        return made
+
+
+class _Plain:
+    """What :meth:`Delivered._plain_frames` reads of a batch whose messages have no keys,
+    event times nor properties."""
+
+    def __init__(self, batch: pa.RecordBatch) -> None:
+        self.values = batch.column("value")
+        self.offsets = np.frombuffer(self.values.buffers()[1], np.int32,
+                                     len(self.values) + 1, self.values.offset * 4)
+        self.redeliveries = batch.column("redelivery_count").to_numpy(zero_copy_only=False)
+        self.publish_times = batch.column("publish_time").to_numpy(zero_copy_only=False)
+
+    @classmethod
+    def of(cls, batch: pa.RecordBatch) -> _Plain | None:
+        if any(batch.column(name).null_count != batch.num_rows
+               for name in ("key", "event_time", "properties")) or \
+                batch.column("value").null_count:
+            return None
+        return cls(batch)
 
 
 def _add(held: dict[_Entry, int], at: _Entry, mask: int) -> None:
