@@ -54,10 +54,22 @@ def properties_column(ids: np.ndarray | Sequence[int], first: str,
     return pa.MapArray.from_arrays(map_offsets, keys, items, type=_PROPERTIES)
 
 
-@functools.lru_cache(maxsize=32)
+#: made for a power of two of messages (at least this many), and cut to a batch's: a Pulsar
+#: client's batches, cut by its batching timer, differ in size from one SEND to the next,
+#: and made for each size these were a tenth of its SEND's cost. (A cut keeps the buffers
+#: whole: what counts a batch's buffers sees at most twice its keys.)
+_MADE_FOR = 16
+
+
 def _keys(n: int, names: tuple[str, ...]) -> tuple[pa.Array, pa.Array]:
     """What every batch of ``n`` messages with properties ``names`` shares: its keys
     (``names``, n times) and each message's first entry."""
+    keys, offsets = _keys_made(_capacity(n), names)
+    return keys.slice(0, n * len(names)), offsets.slice(0, n + 1)
+
+
+@functools.lru_cache(maxsize=32)
+def _keys_made(n: int, names: tuple[str, ...]) -> tuple[pa.Array, pa.Array]:
     width = len(names)
     encoded = [name.encode() for name in names]
     blob = b"".join(encoded)
@@ -67,11 +79,21 @@ def _keys(n: int, names: tuple[str, ...]) -> tuple[pa.Array, pa.Array]:
     return keys, pa.array(np.arange(0, n * width + 1, width, dtype=np.int32))
 
 
-@functools.lru_cache(maxsize=32)
 def _item_offsets(n: int, digits: int, lengths: tuple[int, ...]) -> pa.Buffer:
     """The offsets of the values of ``n`` messages in a matrix of rows ``digits +
     sum(lengths)`` wide: an id of ``digits``, then shared values of ``lengths``."""
+    made = _item_offsets_made(_capacity(n), digits, lengths)
+    return made.slice(0, (n * (1 + len(lengths)) + 1) * 4)
+
+
+@functools.lru_cache(maxsize=32)
+def _item_offsets_made(n: int, digits: int, lengths: tuple[int, ...]) -> pa.Buffer:
     return pa.py_buffer(_offsets(n, digits + sum(lengths), [digits, *lengths]))
+
+
+def _capacity(n: int) -> int:
+    """The size made for ``n`` messages: the next power of two, at least _MADE_FOR."""
+    return max(_MADE_FOR, 1 << max(0, n - 1).bit_length())
 
 
 def _offsets(n: int, row: int, lengths: list[int]) -> np.ndarray:
