@@ -128,6 +128,7 @@ class PendingAppend:
     batch: pa.RecordBatch | None = None  # as sent (its requested publish times)
     stored: pa.RecordBatch | None = None  # as stored
     sequence_id: int | None = None
+    requested: pa.Array | None = None  # the publish times it asked for (None: the broker's)
 
     def result(self) -> Ack:
         if self.ack is None:

@@ -171,7 +171,9 @@ class PartitionLog(PartitionRollover):
         batch = as_produce_batch(batch)
         if batch.num_rows == 0:
             raise ConfigError("cannot append an empty batch")
-        self._check_publish_times(batch, requested_now)
+        times = batch.column(PRODUCE_PUBLISH_TIME)
+        requested = None if times.null_count == len(times) else times  # None: the broker's
+        self._check_publish_times(requested, requested_now)
         with self._lock:
             if self._lost is not None:
                 raise self._lost
@@ -222,7 +224,7 @@ class PartitionLog(PartitionRollover):
             seg.in_flight[entry_id] = InFlight(futures, message_batch, producer, sequence_id,
                                                payload.size, txn=txn, routed=routed)
         return PendingAppend(self._finish, seg=seg, entry_id=entry_id, futures=futures, batch=batch,
-                             stored=message_batch, sequence_id=sequence_id)
+                             stored=message_batch, sequence_id=sequence_id, requested=requested)
 
     def _finish(self, p: PendingAppend) -> Ack:
         """Wait for a submitted entry's quorum and confirm it: its ack."""
@@ -253,17 +255,18 @@ class PartitionLog(PartitionRollover):
             if seg is self._open and not self._held and (
                     len(seg.records) >= self._max_entries or seg.bytes >= self._max_bytes):
                 self._roll()
-        requested = p.batch.column(PRODUCE_PUBLISH_TIME)
-        pts = message_batch.column(ENTRY_PUBLISH_TIME)
-        restamped = 0 if requested.null_count == len(requested) else int(pc.sum(pc.less(
-            requested, pts)).as_py() or 0)
+        restamped = 0 if p.requested is None else int(pc.sum(pc.less(
+            p.requested, message_batch.column(ENTRY_PUBLISH_TIME))).as_py() or 0)
         self.restamped += restamped
+        # the publish times as the quorum's record has them (not two scalars of a column)
+        rec = next(f.result() for f in p.futures if f.done() and f.exception() is None)
         return Ack(self.partition, seg.record.segment_id, entry_id, message_batch.num_rows,
-                   pts[0].as_py(), pts[-1].as_py(), p.sequence_id, restamped=restamped)
+                   rec.first_publish_time, rec.last_publish_time, p.sequence_id,
+                   restamped=restamped)
 
-    def _check_publish_times(self, batch: pa.RecordBatch, requested_now: int | None) -> None:
-        requested = batch.column(PRODUCE_PUBLISH_TIME)
-        if requested.null_count == len(requested):
+    def _check_publish_times(self, requested: pa.Array | None, requested_now: int | None
+                             ) -> None:
+        if requested is None:
             return  # the broker stamps them
         latest = pc.max(requested).as_py()
         if latest is None or self.max_publish_ahead_ms is None:
@@ -280,6 +283,10 @@ class PartitionLog(PartitionRollover):
                 "was stored")
 
     def _wait_quorum(self, futures: list[Future[IndexRecord]]) -> None:
+        if self._ack_quorum >= len(futures):  # each must answer: waited for in turn (a
+            for f in futures:                 # future's own wait, not wait()'s waiters)
+                f.exception()
+            return
         pending = set(futures)
         while pending:
             ok = sum(1 for f in futures if f.done() and f.exception() is None)

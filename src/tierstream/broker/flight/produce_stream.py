@@ -24,15 +24,30 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from tierstream.errors import ProtocolError, TierstreamError
-from tierstream.managed_ledger.open_segment import PendingAppend
+from tierstream.managed_ledger.open_segment import Ack, PendingAppend
 from tierstream.managed_ledger.partition_log import PartitionLog
 from tierstream.util.threads import Worker
-from tierstream.wire.flight import decode, encode, error_text
+from tierstream.wire.flight import PROTOCOL_VERSION, decode, encode, error_text
 
-__all__ = ["MAX_PIPELINED", "produce_stream"]
+__all__ = ["MAX_PIPELINED", "ack_bytes", "produce_stream"]
 
 #: batches of one stream submitted but not yet acknowledged, at most
 MAX_PIPELINED = 64
+
+
+def ack_bytes(ack: Ack) -> bytes:
+    """``encode(ack.to_dict())``, the same JSON, formatted without the JSON encoder (its
+    fields are ints, None and a bool): the encoder was a tenth of the ack thread's cost."""
+    return (f'{{"v":{PROTOCOL_VERSION},"partition":{ack.partition},"segment_id":'
+            f'{_json_int(ack.segment_id)},"entry_id":{_json_int(ack.entry_id)},"messages":'
+            f'{ack.messages},"first_publish_time":{ack.first_publish_time},'
+            f'"last_publish_time":{ack.last_publish_time},"sequence_id":'
+            f'{_json_int(ack.sequence_id)},"duplicate":{"true" if ack.duplicate else "false"},'
+            f'"restamped":{ack.restamped}}}').encode()
+
+
+def _json_int(value: int | None) -> str:
+    return "null" if value is None else str(int(value))
 
 
 def produce_stream(plog: PartitionLog, reader: flight.MetadataRecordBatchReader,
@@ -54,7 +69,7 @@ def produce_stream(plog: PartitionLog, reader: flight.MetadataRecordBatchReader,
                 continue
             if not failed:
                 try:
-                    writer.write(pa.py_buffer(encode(ack.to_dict())))
+                    writer.write(pa.py_buffer(ack_bytes(ack)))
                 except BaseException as exc:
                     failed.append(exc)
 
