@@ -40,13 +40,13 @@ class Frame:
     payload: bytes = b""
 
 
-def read_frame_size(header: bytes | bytearray) -> int:
+def read_frame_size(header: bytes | bytearray | memoryview) -> int:
     """The size of the frame after its 4-byte size field."""
     (size,) = struct.unpack(">I", header)
     return int(size)
 
 
-def parse_frame(body: bytes | bytearray) -> Frame:
+def parse_frame(body: bytes | bytearray | memoryview) -> Frame:
     """A frame from ``body`` (what follows its total size); ProtocolError for a malformed one,
     naming what is wrong (a bad checksum is refused, never taken). The payload is the one copy
     made of ``body``'s bytes (it may be a receive buffer)."""

@@ -61,6 +61,8 @@ DISCARD_LIMIT = 256 * 1024 * 1024
 #: a connection that sends nothing for this long is sent a PING; twice as long, dropped
 KEEPALIVE_S = 30.0
 
+#: frames up to this size are received into the connection's own buffer (see _read)
+_KEEP = 1024 * 1024
 _Cmd = api.BaseCommand
 
 
@@ -85,6 +87,7 @@ class Connection:
         self.listener, self.sock, self.peer = listener, sock, peer
         self.store = listener.store
         self._send_lock = threading.Lock()
+        self._buffer = bytearray(64 * 1024)  # what _read receives into
         self._request_ids = itertools.count(1 << 62)  # of the broker's own requests
         self.connected = False
         self.produce = ProducePath(self, listener.store, listener.schemas, listener.streams)
@@ -204,17 +207,24 @@ class Connection:
         elif (rid := request_id(command)) is not None:
             self.error(rid, error, reason)
 
-    def _read(self, n: int) -> bytearray | None:
-        """``n`` bytes received into one buffer of that size (no chunks joined); None if the
-        client closed the connection first."""
-        buf = bytearray(n)
-        view, got = memoryview(buf), 0
+    def _read(self, n: int) -> memoryview | None:
+        """``n`` bytes received into one buffer (no chunks joined); None if the client closed
+        the connection first. Up to ``_KEEP`` bytes land in the connection's own buffer, valid
+        until the next read (parse_frame copies the one part it keeps, the payload): a new
+        buffer per frame was zero-filled, and its memory often faulted in, on every SEND."""
+        if n > _KEEP:
+            view = memoryview(bytearray(n))
+        else:
+            if len(self._buffer) < n:
+                self._buffer = bytearray(max(n, 2 * len(self._buffer)))
+            view = memoryview(self._buffer)[:n]
+        got = 0
         while got < n:
             k = self.sock.recv_into(view[got:])
             if not k:
                 return None
             got += k
-        return buf
+        return view
 
     def write_frames(self, frames: list[bytes]) -> None:
         data = b"".join(frames)
