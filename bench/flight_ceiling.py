@@ -35,7 +35,12 @@ def main() -> None:
     parser.add_argument("--topic", required=True)
     args = parser.parse_args()
     batches = list(read(args.topic, broker=args.broker, end=Offset.latest()))
-    server = CeilingServer(batches)
+    serve_until_terminated(CeilingServer(batches))
+
+
+def serve_until_terminated(server: flight.FlightServerBase) -> None:
+    """Say ``listening on URL`` (what the benchmark that started this process waits for),
+    then serve until SIGTERM."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     print(f"listening on grpc://127.0.0.1:{server.port}", flush=True)

@@ -12,15 +12,15 @@ prints ``listening on URL`` when ready.
 from __future__ import annotations
 
 import json
-import signal
-import threading
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from bench.flight_ceiling import serve_until_terminated
 from tierstream.model.message_format import CONSUMER_SCHEMA, PRODUCE_SCHEMA
+from tierstream.wire.flight import put_batches
 
 __all__ = ["FloorServer", "floor_consume", "floor_produce"]
 
@@ -55,13 +55,8 @@ class FloorServer(flight.FlightServerBase):
     def do_put(self, context: Any, descriptor: flight.FlightDescriptor,
                reader: flight.MetadataRecordBatchReader,
                writer: flight.FlightMetadataWriter) -> None:
-        while True:
-            try:
-                chunk = reader.read_chunk()
-            except StopIteration:
-                return
-            if chunk.data is not None:
-                writer.write(pa.py_buffer(_ACK))
+        for _ in put_batches(reader):
+            writer.write(pa.py_buffer(_ACK))
 
     def do_get(self, context: Any, ticket: flight.Ticket) -> flight.FlightDataStream:
         return flight.RecordBatchStream(
@@ -113,13 +108,7 @@ def main() -> None:
     parser.add_argument("--value-bytes", type=int, default=100)
     args = parser.parse_args()
     one = _consumer_batch(args.batch, b"v" * args.value_bytes)
-    server = FloorServer([one] * (args.messages // args.batch))
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    print(f"listening on grpc://127.0.0.1:{server.port}", flush=True)
-    while not stop.wait(0.5):
-        pass
-    server.shutdown()
+    serve_until_terminated(FloorServer([one] * (args.messages // args.batch)))
 
 
 if __name__ == "__main__":
