@@ -113,13 +113,12 @@ class TierCache:
     def __init__(self, directory: str | Path, limit: int | None = None, *,
                  block_size: int = BLOCK) -> None:
         self.directory = Path(directory)
-        self.block_size = block_size
+        self.block_size, self.given_limit = block_size, limit  # (None: a share of the disk)
         try:
             (self.directory / "objects").mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"invalid tier cache directory {str(self.directory)!r}: "
                               f"{exc.strerror or exc}") from None
-        self.given_limit = limit  # as asked for: None, a share of the free disk
         if limit is None:
             free = shutil.disk_usage(self.directory).free
             limit = min(DEFAULT_CAP, int(free * DEFAULT_SHARE))
