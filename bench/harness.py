@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import platform
+import random
 import resource
 import selectors
 import socket
@@ -125,11 +126,28 @@ def fill_clicks(store: Any, topic: str, *, partitions: int, entries: int, per_en
         store.seal(topic)
 
 
+#: where free_port looks: below the kernel's ephemeral ports (32768 and up here), which any
+#: outgoing connection or listener on port 0 may take between the check and the broker's
+#: bind (it did: "port already in use" with the benchmark groups of the suite running at
+#: once), and below the block tests/ports.py gives the test workers (20000 and up)
+_PORTS = range(10_000, 20_000)
+_given: set[int] = set()
+
+
 def free_port() -> int:
     """A loopback port free now, for a listener that 0 would turn off (``--pulsar-port``)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    for _ in range(len(_PORTS)):
+        port = random.choice(_PORTS)
+        if port in _given:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
+    raise RuntimeError(f"no free port left in {_PORTS}")
 
 
 @contextlib.contextmanager
