@@ -56,3 +56,16 @@ def test_every_benchmark_runs_on_tiny_inputs(tmp_path: Path) -> None:
             assert f"benchmark {name}: " in text, (name, text[-3000:])
     assert {p: p.stat().st_mtime_ns for p in results.glob("*")} == kept, \
         "a tiny run wrote into bench/results/"
+
+
+def test_a_port_the_benchmarks_choose_is_never_an_ephemeral_one() -> None:
+    """Regression: a benchmark's broker failed to start ("port already in use") on the
+    --pulsar-port free_port had checked: an ephemeral port, which any outgoing connection or
+    port-0 listener may take before the broker binds it. None of them may be one."""
+    from bench.harness import free_port
+
+    low, high = (int(n) for n in
+                 Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = [free_port() for _ in range(50)]
+    assert not [p for p in ports if low <= p <= high], ports
+    assert len(set(ports)) == len(ports)  # never the same one twice
