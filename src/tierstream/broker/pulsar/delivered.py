@@ -114,6 +114,13 @@ class Delivered:
                 out += self._alone(cols, entries, indexes, alone)
         return out
 
+    def _message(self, segment: int, entry: int, redelivery_count: int) -> api.BaseCommand:
+        """A MESSAGE to this consumer under the id (``segment``, ``entry``)."""
+        return _Cmd(type=_Cmd.MESSAGE, message=api.CommandMessage(
+            consumer_id=self.consumer_id, redelivery_count=redelivery_count,
+            message_id=api.MessageIdData(ledgerId=segment, entryId=entry,
+                                         partition=self.wire_partition)))
+
     def _plain_frames(self, plain: _Plain, segment: int, entry: int, indexes: np.ndarray,
                       a: int, b: int) -> list[bytes] | None:
         """:meth:`_batch_frames` of a whole entry of messages without keys, event times or
@@ -130,10 +137,7 @@ class Delivered:
         made = plain_batch(plain.values.slice(a, n), int(plain.publish_times[a]))
         if made is None:
             return None
-        command = _Cmd(type=_Cmd.MESSAGE, message=api.CommandMessage(
-            consumer_id=self.consumer_id, redelivery_count=int(counts[0]),
-            message_id=api.MessageIdData(ledgerId=segment, entryId=entry,
-                                         partition=self.wire_partition)))
+        command = self._message(segment, entry, int(counts[0]))
         self.batches[(segment, entry)] = n
         self._hold((segment, entry), (1 << n) - 1)
         return _message_frames(command, *made)
@@ -149,9 +153,7 @@ class Delivered:
         first = idx[0] == 0 and idx[-1] == b - a - 1
         if not self.reader and (not first or (segment, entry) in self._packs_of):
             return self._pack_frames(cols, entry, idx, a, b)
-        command = _Cmd(type=_Cmd.MESSAGE, message=api.CommandMessage(
-            consumer_id=self.consumer_id, redelivery_count=count, message_id=api.MessageIdData(
-                ledgerId=segment, entryId=entry, partition=self.wire_partition)))
+        command = self._message(segment, entry, count)
         props = cols["properties"]
         if first and b - a == 1 and (BATCHED, "true") not in (props[a] or ()):
             meta = metadata_of(cols["key"][a], cols["publish_time"][a], cols["event_time"][a],
@@ -205,10 +207,7 @@ class Delivered:
                         cols["properties"][a:b], cols["publish_time"][a])
         if made is None:
             return None
-        command = _Cmd(type=_Cmd.MESSAGE, message=api.CommandMessage(
-            consumer_id=self.consumer_id, redelivery_count=cols["redelivery_count"][a],
-            message_id=api.MessageIdData(ledgerId=segment, entryId=wire,
-                                         partition=self.wire_partition)))
+        command = self._message(segment, wire, cols["redelivery_count"][a])
         mask = _mask_of(idx)
         self.packs[(segment, wire)] = (entry, idx, mask)
         self._packs_of.setdefault((segment, entry), set()).add(wire)
