@@ -113,7 +113,7 @@ class TierCache:
     def __init__(self, directory: str | Path, limit: int | None = None, *,
                  block_size: int = BLOCK) -> None:
         self.directory = Path(directory)
-        self.block_size, self.given_limit = block_size, limit  # (None: a share of the disk)
+        self.block_size = block_size
         try:
             (self.directory / "objects").mkdir(parents=True, exist_ok=True)
         except OSError as exc:

@@ -60,29 +60,32 @@ def host_cache(directory: str | None = None, size: int | None = None) -> TierCac
         return None
     if where is not _UNKNOWN and (cache := _open.get(where)) is not None:
         return cache
-    cache = _host_cache(directory, size)
+    where, cache = _host_cache(directory, size)
     with _open_lock:
-        _asked[asked] = None if cache is None else (str(cache.directory), cache.given_limit)
+        _asked[asked] = where
     return cache
 
 
-def _host_cache(directory: str | None, size: int | None) -> TierCache | None:
+def _host_cache(directory: str | None, size: int | None
+                ) -> tuple[tuple[str, int | None] | None, TierCache | None]:
+    """The cache asked for and its key in ``_open`` (None, None: no cache)."""
     directory = directory or os.environ.get(DIR_ENV) or None
     if size is None and os.environ.get(SIZE_ENV):
         size = parse_cache_size(os.environ[SIZE_ENV], f"environment variable {SIZE_ENV}")
     if size == 0:
-        return None
+        return None, None
     where = str(Path(directory).expanduser().resolve()) if directory else \
         str(default_directory())
+    key = (where, size)
     with _open_lock:
-        cache = _open.get((where, size))
+        cache = _open.get(key)
         if cache is None:
             try:
-                cache = _open[(where, size)] = TierCache(where, size)
+                cache = _open[key] = TierCache(where, size)
             except ConfigError:
                 if directory:
                     raise
                 log.warning("the default tier cache directory %s cannot be used: reading "
                             "without a cache (set %s)", where, DIR_ENV)
-                return None
-        return cache
+                return None, None
+        return key, cache
