@@ -128,6 +128,7 @@ def broker_args(metadata: str, *extra: str) -> list[str]:
     import tempfile
 
     tier = Path(tempfile.gettempdir()) / "tierstream-shared-tiers" / metadata.rsplit("/", 1)[1]
+    tier.parent.mkdir(exist_ok=True)  # the catalog's directory: a broker does not make it
     return ["--metadata", metadata, "--network-bookies", "--no-fsync",
             "--bookie-timeout", f"{scaled(3):g}s", "--tier-url", str(tier), "--tier-shared",
             "--catalog-uri", f"sqlite:///{tier}-catalog.db", *extra]
