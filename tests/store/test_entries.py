@@ -9,9 +9,14 @@ import pyarrow as pa
 import pytest
 
 from tierstream.broker.flight.produce_stream import ack_bytes
+from tierstream.errors import ConfigError
 from tierstream.managed_ledger.entries import build_entry
 from tierstream.managed_ledger.open_segment import Ack
-from tierstream.model.message_format import as_produce_batch
+from tierstream.model.message_format import (
+    MESSAGE_SCHEMA,
+    as_produce_batch,
+    as_produce_columns,
+)
 from tierstream.wire.flight import PROTOCOL_VERSION, encode
 
 
@@ -34,6 +39,42 @@ def test_requested_times_are_kept_unless_they_would_go_back() -> None:
     # 50 is below the floor, 90 below the 120 before it: each is raised, never lowered
     assert _times([50, 120, None, 90, 200], now=110, floor=60) == (
         [60, 120, 120, 120, 200], 60, 200)
+
+
+@pytest.mark.parametrize("partition,segment_id,entry_id", [
+    (0, 1, 0), (2**31 - 1, 2**40 + 3, 2**62), (7, 5, 2**31)])
+@pytest.mark.parametrize("with_columns", [False, True])
+def test_an_entry_s_constant_columns_hold_their_values_in_the_message_schema(
+        partition: int, segment_id: int, entry_id: int, with_columns: bool) -> None:
+    """The partition, segment and entry columns are made from their values' bytes (numpy's
+    fill cost three times as much): each row holds the value, wide values too, and the entry
+    is the message schema whether the caller passed the batch's columns or not."""
+    batch, columns = as_produce_columns(pa.record_batch({
+        "key": ["a", None, "b"], "value": [b"x", b"", b"z"]}))
+    entry, first, last = build_entry(batch, partition=partition, segment_id=segment_id,
+                                     entry_id=entry_id, now=1_000, floor=0,
+                                     columns=columns if with_columns else None)
+    entry.validate(full=True)
+    assert entry.schema.equals(MESSAGE_SCHEMA, check_metadata=True)
+    assert entry.column("partition").to_pylist() == [partition] * 3
+    assert entry.column("segment_id").to_pylist() == [segment_id] * 3
+    assert entry.column("entry_id").to_pylist() == [entry_id] * 3
+    assert entry.column("publish_time").to_pylist() == [1_000] * 3 and first == last == 1_000
+    assert entry.column("key").to_pylist() == ["a", None, "b"]
+
+
+def test_a_not_null_column_with_nulls_is_refused_on_either_path() -> None:
+    batch = pa.record_batch([pa.array([b"x", None], pa.binary())], names=["value"])
+    for conform in (as_produce_batch, as_produce_columns):
+        with pytest.raises(ConfigError, match="'value' has nulls"):
+            conform(batch)
+    conformed = as_produce_batch(pa.record_batch({"value": [b"x", b"y"]}))
+    with_nulls = pa.RecordBatch.from_arrays(  # the schema says not null, the column has one
+        [conformed.column(0), pa.array([b"x", None], pa.binary()), *conformed.columns[2:]],
+        schema=conformed.schema)
+    for conform in (as_produce_batch, as_produce_columns):
+        with pytest.raises(ConfigError, match="'value' has nulls"):
+            conform(with_nulls)
 
 
 @pytest.mark.parametrize("ack", [

@@ -49,7 +49,7 @@ from tierstream.managed_ledger.rollover import PartitionRollover
 from tierstream.metadata.records import SegmentRecord, SegmentState
 from tierstream.metadata.store import MetadataStore
 from tierstream.metadata.transaction_records import TransactionRecords
-from tierstream.model.message_format import as_produce_batch
+from tierstream.model.message_format import as_produce_columns
 from tierstream.model.positions import Position
 from tierstream.tier.storage import TierStorage
 from tierstream.util.faults import crash_point
@@ -168,10 +168,10 @@ class PartitionLog(PartitionRollover):
         its own sequence ids): durable like any entry, invisible until the transaction is
         decided, and so is everything confirmed after it (:meth:`resolve`). A staged entry
         routed by a count the topic no longer has is taken: the commit routes it again."""
-        batch = as_produce_batch(batch)
+        batch, columns = as_produce_columns(batch)  # asked for once (each is ~9,000 instr.)
         if batch.num_rows == 0:
             raise ConfigError("cannot append an empty batch")
-        times = batch.column(PRODUCE_PUBLISH_TIME)
+        times = columns[PRODUCE_PUBLISH_TIME]
         requested = None if times.null_count == len(times) else times  # None: the broker's
         self._check_publish_times(requested, requested_now)
         with self._lock:
@@ -207,7 +207,7 @@ class PartitionLog(PartitionRollover):
             now = requested_now if requested_now is not None else now_ms()
             message_batch, first_pt, last_pt = build_entry(
                 batch, partition=self.partition, segment_id=seg.record.segment_id,
-                entry_id=entry_id, now=now, floor=self._last_pt)
+                entry_id=entry_id, now=now, floor=self._last_pt, columns=columns)
             self._last_pt = last_pt
             payload = message_batch.serialize()
             meta: dict[str, Any] = {}
