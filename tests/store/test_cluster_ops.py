@@ -516,3 +516,34 @@ def test_a_busy_topic_spread_over_two_brokers_grows_by_itself(network_store) -> 
     check_exactly_once_in_order(_read(b.url), acked)
     assert all(x.proc is not None and x.proc.poll() is None for x in brokers)
     assert a.tracebacks == [] and b.tracebacks == []
+
+
+def test_a_consumer_attaching_as_its_partition_moves_follows_it_to_the_new_owner(
+        network_store) -> None:
+    """A consumer's stream finds its partition served at A, and waits before it attaches
+    (``consumer.attaching`` paused) while A unloads the partition to B. A attached it all
+    the same, to a partition it served no more: the stream stayed open and idle, and no
+    message produced at B ever reached the consumer (cluster_chaos under load: two of twelve
+    partitions' 2,802 messages, never delivered after a drain). Now A refuses the attach,
+    naming B, and the consumer receives every message there, in key order."""
+    from tierstream.util.faults import PAUSE_ENV, PAUSE_S_ENV
+
+    _, _, broker = network_store
+    a = _cluster(broker, "broker-a")  # the second attach waits (the first makes the cursor)
+    a.env = {PAUSE_ENV: "consumer.attaching@2", PAUSE_S_ENV: f"{scaled(3):g}"}
+    a.start()
+    with Admin(a.url) as admin:
+        admin.create_topic(TOPIC, 1)
+    b = _cluster(broker, "broker-b").start()
+    with Consumer(TOPIC, "audit", mode="key_shared", initial=Offset.earliest(), broker=a.url):
+        pass  # the subscription exists from here on: an attach then writes nothing
+    received = _Received(f"{a.url},{b.url}")
+    wait_for(lambda: "pause point consumer.attaching" in "".join(a.stderr_tail),
+             timeout=scaled(30), what="the consumer's attach to wait at broker A")
+    with Admin(a.url) as admin:
+        assert list(admin.unload(TOPIC, 0)) == [f"{TOPIC}/0"]  # to B, while it waits
+    with Producer(TOPIC, broker=f"{b.url},{a.url}") as producer:
+        producer.send_many({"key": f"k{i % 7}", "value": f"k{i % 7}:{i}".encode()}
+                           for i in range(50))
+    received.check(50)
+    assert a.tracebacks == [] and b.tracebacks == []

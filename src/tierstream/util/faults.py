@@ -48,6 +48,8 @@ The points, in the order a write passes them (``tests/store/test_crash_points.py
 ``sink.committed``            the Spark sink's commit of a batch returned from the broker;
                               Spark has not recorded the batch as done (a Python process of
                               the Spark driver dies here, so the query fails and re-runs it)
+``consumer.attaching``        a consumer is about to attach to its subscription's dispatcher,
+                              found loaded (its partition served here)
 
 A fault point (``TIERSTREAM_FAULT_AT="pulsar.receipt@3"``, the same syntax) raises
 :class:`InjectedFault` — a ``RuntimeError``, which no handler expects — in the thread that
@@ -65,6 +67,7 @@ a test lands another thread's step, or another broker's, in that window.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -108,6 +111,7 @@ POINTS = frozenset({
     "txn.asked-to-show",
     "txn.partition-applied",
     "txn.applied",
+    "consumer.attaching",
     "sink.committed",
 })
 
@@ -176,6 +180,8 @@ def crash_point(name: str, *, before: Callable[[], object] | None = None) -> Non
     the state on disk at the kill is the one the point's name promises.
     """
     if _PAUSE is not None and _PAUSE[0] == name and _passed(_PAUSE, "pauses"):
+        logging.getLogger(__name__).warning("pause point %s: this thread sleeps %g s", name,
+                                            _pause_s)  # what a test waits for
         time.sleep(_pause_s)
     if _ARMED is not None and _ARMED[0] == name and _passed(_ARMED, "crashes"):
         if before is not None:

@@ -95,8 +95,8 @@ class ConsumeStreams:
                     batch = attached.next_batch(0.2)
                     if batch is not None:
                         yield batch
-                    elif context.is_cancelled() or closing.is_set():
-                        return
+                    elif context.is_cancelled() or closing.is_set() or plog.lost:
+                        return  # lost: its client attaches where the partition is now
             finally:
                 ended.set()
                 self.subscriptions.detach(plog.topic, name, plog.partition, attached)

@@ -35,7 +35,7 @@ from tierstream.errors import (
 from tierstream.metadata.records import SegmentState
 from tierstream.model.lineage import ScaleEvent
 from tierstream.model.positions import Position
-from tierstream.util.faults import fault_point
+from tierstream.util.faults import crash_point, fault_point
 from tierstream.util.threads import Worker
 from tierstream.util.timeutil import now_ms
 
@@ -212,7 +212,18 @@ class Subscriptions:
         :meth:`_dispatcher`."""
         d = self._dispatcher(topic, subscription, partition, initial, label,
                              compacted=compacted)
+        crash_point("consumer.attaching")
         attached = d.attach(settings, gone)
+        with self._lock:  # let go meanwhile (its partition moved) or ended: its consumers were
+            current = self._dispatchers.get((topic, subscription, partition)) is d \
+                and not d.ended  # detached before this one came, which would wait for good
+        if not current:
+            d.detach(attached)
+            if d.plog.lost:
+                raise self._store.not_served(topic, partition)  # names the owner now
+            raise UnavailableError(f"{topic} partition {partition}: subscription "
+                                   f"{subscription!r} was reloaded as the consumer attached; "
+                                   "attach again")
         if d in self._unwritten:  # the subscription exists once attached
             self._wait(self.writer.dirty(d), (topic, partition))
             self._unwritten.discard(d)
