@@ -16,7 +16,7 @@ import pytest
 import tierstream
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer, Producer
-from tierstream.errors import ConfigError, NotFoundError
+from tierstream.errors import ConfigError, NotFoundError, TierstreamError
 from tierstream.model.positions import Offset
 
 from ..cli.test_cli import run
@@ -51,6 +51,7 @@ class _Received:
     acknowledging until :meth:`check`."""
 
     def __init__(self, broker: str) -> None:
+        self.broker = broker
         self.values: list[str] = []
         self.errors: list[BaseException] = []
         self._stop = threading.Event()
@@ -73,13 +74,34 @@ class _Received:
     def check(self, acked: int) -> None:
         """Every acknowledged message received, every key in order (where each came first:
         a redelivery after a move starts over from the last acknowledgement stored)."""
-        wait_for(lambda: bool(self.errors) or set(range(acked)) <= {
-            int(v.split(":")[1]) for v in list(self.values)}, timeout=scaled(60),
-                 what="the consumer to receive every message acknowledged")
+        try:
+            wait_for(lambda: bool(self.errors) or set(range(acked)) <= {
+                int(v.split(":")[1]) for v in list(self.values)}, timeout=scaled(60),
+                     what="the consumer to receive every message acknowledged")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {self._stalled(acked)}") from None
         self._stop.set()
         self._thread.join(scaled(30))
         assert not self.errors, self.errors
         check_exactly_once_in_order(list(dict.fromkeys(self.values)), acked)
+
+    def _stalled(self, acked: int) -> str:
+        """What a stalled consumer left: how many messages it misses, and each partition
+        with a backlog as its owner lists it, with the consumers attached there (a
+        partition's pump attached nowhere, or somewhere that delivers nothing, shows as a
+        backlog and no consumer)."""
+        missing = sorted(set(range(acked)) - {int(v.split(":")[1]) for v in list(self.values)})
+        said = [f"{len(missing)} missing (first {missing[:5]})"]
+        for url in self.broker.split(","):
+            try:
+                with Admin(url) as admin:
+                    rows = admin.subscriptions(TOPIC)
+            except TierstreamError as exc:
+                said.append(f"{url}: {exc}")
+                continue
+            said += [f"{url}: partition {r['partition']} backlog {r['backlog']}, consumers "
+                     f"{[c['name'] for c in r['consumers']]}" for r in rows if r["backlog"]]
+        return "; ".join(said)
 
 
 def test_a_cluster_broker_takes_over_the_partitions_of_one_killed_under_load(
