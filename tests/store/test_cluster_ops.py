@@ -21,6 +21,7 @@ from ..ports import fixed_port
 from ..timing import scaled
 from .helpers import read_all, stop_process, wait_for
 from .test_cluster import _cluster, _owned, _Received, _spread
+from .test_cluster_transactions import _paused_at
 from .test_network_bookies import TOPIC, _read, _Writer, check_exactly_once_in_order
 
 
@@ -526,12 +527,9 @@ def test_a_consumer_attaching_as_its_partition_moves_follows_it_to_the_new_owner
     message produced at B ever reached the consumer (cluster_chaos under load: two of twelve
     partitions' 2,802 messages, never delivered after a drain). Now A refuses the attach,
     naming B, and the consumer receives every message there, in key order."""
-    from tierstream.util.faults import PAUSE_ENV, PAUSE_S_ENV
-
     _, _, broker = network_store
-    a = _cluster(broker, "broker-a")  # the second attach waits (the first makes the cursor)
-    a.env = {PAUSE_ENV: "consumer.attaching@2", PAUSE_S_ENV: f"{scaled(3):g}"}
-    a.start()
+    # the second attach waits (the first makes the cursor)
+    a = _paused_at(broker, "broker-a", "consumer.attaching@2", scaled(3))
     with Admin(a.url) as admin:
         admin.create_topic(TOPIC, 1)
     b = _cluster(broker, "broker-b").start()
