@@ -61,9 +61,10 @@ class Run:
                                      **kwargs)
 
     def receive_on(self, consumer: Any, name: str, *, until: threading.Event | None = None,
-                   handle: Any = None) -> threading.Thread:
+                   handle: Any = None, hold: threading.Event | None = None) -> threading.Thread:
         """A thread that receives, works and acknowledges (``handle(msg)`` instead of the
-        ack, where given) until the run or ``until`` stops it."""
+        ack, where given) until the run or ``until`` stops it; given ``hold``, it keeps its
+        first message (unacknowledged) until ``hold`` is set."""
         done = until or self.stop
 
         def run() -> None:
@@ -73,6 +74,8 @@ class Run:
                 except pulsar.Timeout:
                     continue
                 self.take(name, msg.partition_key(), msg.data(), msg.redelivery_count())
+                if hold is not None and not hold.wait(scaled(60)):
+                    return
                 time.sleep(WORK_S)
                 if handle is None:
                     consumer.acknowledge(msg)
@@ -171,21 +174,32 @@ def _write(broker: BrokerProcess, topic: str, total: int, batch: int) -> None:
 def test_key_shared_consumers_share_a_backlog_each_key_in_order(
         module_broker: BrokerProcess, consumers: int, partitions: int, data: str,
         joining: str) -> None:
+    """Each consumer's queue (200 a partition) holds less than the backlog, and the first to
+    join holds its first message until the others are in: so the others join while it has
+    messages in flight, and every consumer has a share whatever the timing. (With the default
+    queue of 1,000 a partition, the first consumer of a 3-partition backlog of 3,000 may be
+    sent all of it before the next one joins — in Pulsar too — and the others get nothing.)"""
     total = 3000
     topic = _topic(module_broker, partitions)
     if data != "live":
         _write(module_broker, topic, total, 100 if data == "mixed" else 1)
     run = Run(module_broker, topic)
     subscribed = []
+    everyone_in = threading.Event()
     try:
         if joining == "all at once":
-            subscribed = [run.subscribe(f"c{n}") for n in range(consumers)]
+            subscribed = [run.subscribe(f"c{n}", receiver_queue_size=200)
+                          for n in range(consumers)]
             for n, c in enumerate(subscribed):
                 run.receive_on(c, f"c{n}")
         else:
             for n in range(consumers):
-                subscribed.append(run.subscribe(f"c{n}"))
-                run.receive_on(subscribed[-1], f"c{n}")
+                subscribed.append(run.subscribe(f"c{n}", receiver_queue_size=200))
+                run.receive_on(subscribed[-1], f"c{n}", hold=everyone_in)
+                if n == 0 and data != "live":
+                    wait_for(lambda: run.distinct() > 0, timeout=scaled(30),
+                             what="c0's first message")
+        everyone_in.set()
         if data == "live":
             _write(module_broker, topic, total, 50)
         run.wait_all(total)
@@ -232,11 +246,15 @@ def test_pulsar_and_tierstream_key_shared_consumers_share_one_subscription(
     _write(module_broker, topic, total, 100)
     run = Run(module_broker, topic)
     subscribed: list[Any] = []
+    everyone_in = threading.Event()  # as in the test above: each has a share whatever the timing
     try:
         for n in range(2):
-            subscribed.append(run.subscribe(f"p{n}"))
-            run.receive_on(subscribed[-1], f"p{n}")
+            subscribed.append(run.subscribe(f"p{n}", receiver_queue_size=200))
+            run.receive_on(subscribed[-1], f"p{n}", hold=everyone_in)
+            if n == 0:
+                wait_for(lambda: run.distinct() > 0, timeout=scaled(30), what="p0's first message")
             subscribed.append(run.own_on(f"t{n}"))
+        everyone_in.set()
         run.wait_all(total)
     finally:
         run.finish(subscribed)
