@@ -189,7 +189,7 @@ def _pulsar_produce(broker: Served, topic: str, messages: int) -> None:
     try:
         producer = client.create_producer(
             f"persistent://{topic}", batching_enabled=True, batching_max_messages=BATCH,
-            batching_max_allowed_size_in_bytes=4 << 20, batching_max_publish_delay_ms=5,
+            batching_max_allowed_size_in_bytes=4 << 20, batching_max_publish_delay_ms=100,
             max_pending_messages=20 * BATCH, block_if_queue_full=True)
         for _ in range(messages):
             producer.send_async(VALUE, None)

@@ -19,6 +19,7 @@ from pulsar.schema import AvroSchema, Integer, JsonSchema, Record, String, Strin
 import tierstream
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin
+from tierstream.pulsar_protocol import messages
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.pulsar_protocol.columns import properties_column
 from tierstream.pulsar_protocol.frames import command_frame
@@ -232,19 +233,26 @@ def _batch_of(singles: list[tuple[api.SingleMessageMetadata, bytes]]) -> bytes:
                     for s, v in singles)
 
 
-@pytest.mark.parametrize("case", ["alike", "ids-cross-128", "ids-cross-1000", "sizes-differ",
+@pytest.mark.parametrize("case", ["alike", "ids-cross-128", "ids-cross-1000",
+                                  "ids-cross-16384", "ids-cross-128-keyed", "ids-cross-at-1",
+                                  "ids-cross-at-59", "sizes-differ", "sizes-step",
                                   "keyed", "keys-differ", "keys-in-base64", "empty",
                                   "event-time", "batch-event-time", "one"])
 def test_a_batch_decodes_to_what_was_sent_whichever_path_it_takes(case: str) -> None:
-    """Batches of plain messages alike in size are split column-wise (no step per message);
-    every other batch message by message: each comes out as sent."""
-    first = {"ids-cross-128": 100, "ids-cross-1000": 980}.get(case, 5_000)
+    """Batches of plain messages alike in size are split column-wise (no step per message),
+    as are those whose ids cross a varint length (two runs, the second a byte wider); every
+    other batch message by message: each comes out as sent."""
+    first = {"ids-cross-128": 100, "ids-cross-128-keyed": 100, "ids-cross-1000": 980,
+             "ids-cross-16384": 16_350, "ids-cross-at-1": 127, "ids-cross-at-59": 69,
+             }.get(case, 5_000)
     count = 1 if case == "one" else 60
     singles = []
     for i in range(count):
-        value = b"v" * (7 if case != "sizes-differ" else 5 + i % 3) if case != "empty" else b""
+        size = 5 + i % 3 if case == "sizes-differ" else 7 + (i >= 30) if case == "sizes-step" \
+            else 7
+        value = b"v" * size if case != "empty" else b""
         single = api.SingleMessageMetadata(payload_size=len(value), sequence_id=first + i)
-        if case in ("keyed", "keys-in-base64"):
+        if case in ("keyed", "keys-in-base64", "ids-cross-128-keyed"):
             single.partition_key = f"k{i % 3}é"  # one length: split column-wise
             single.partition_key_b64_encoded = case == "keys-in-base64"
         if case == "keys-differ":
@@ -268,6 +276,12 @@ def test_a_batch_decodes_to_what_was_sent_whichever_path_it_takes(case: str) -> 
     assert all(dict(r["properties"])[PUBLISH_TIME] == "1" for r in rows)
     assert [dict(r["properties"]).get(KEY_BASE64) for r in rows] == [
         "true" if s.partition_key_b64_encoded else None for s, _ in singles]
+    column_wise = messages._alike_batch(count, _batch_of(singles), 0) or \
+        messages._alike_runs(count, _batch_of(singles), 0)
+    assert (column_wise is not None) == (case in (
+        "alike", "ids-cross-128", "ids-cross-1000", "ids-cross-16384", "ids-cross-128-keyed",
+        "ids-cross-at-1", "ids-cross-at-59", "sizes-step", "keyed", "keys-differ",
+        "batch-event-time"))
 
 
 @pytest.mark.parametrize("shape", ["keyed", "unkeyed", "unkeyed-one-size"])

@@ -66,9 +66,10 @@ def to_rows(metadata: api.MessageMetadata, payload: bytes, *, sequence_id: int,
         messages = _Messages()
         messages.add(metadata, data, sequence_id, metadata.event_time)
     else:
-        messages = _alike_batch(metadata.num_messages_in_batch, data, metadata.event_time) \
-            or _split_batch(metadata.num_messages_in_batch, data, sequence_id,
-                            metadata.event_time)
+        count = metadata.num_messages_in_batch
+        messages = _alike_batch(count, data, metadata.event_time) \
+            or _alike_runs(count, data, metadata.event_time) \
+            or _split_batch(count, data, sequence_id, metadata.event_time)
     shared = [(PUBLISH_TIME, str(metadata.publish_time))]
     if metadata.HasField("num_messages_in_batch") and len(messages.values) == 1:
         shared.append((BATCHED, "true"))
@@ -129,35 +130,28 @@ class _Messages:
             self.own[i] = own
 
 
-def _alike_batch(count: int, data: bytes, event_time: int) -> _Messages | None:
+def _alike_batch(count: int, data: bytes, event_time: int, *, least: int = 2
+                 ) -> _Messages | None:
     """A batch whose every message is plain (a payload size, a sequence id and perhaps a key,
     nothing else) and alike in size — its payload, its key and its metadata (the sequence
     ids' varints of one length: ids of a batch cross a length boundary at 128, 16,384, ...
-    only) — split at once: the batch is then a table of ``count`` rows of one width. None
-    where it is not (keys of different lengths, properties, ...)."""
-    if count < 2 or len(data) < 6:
+    only, see ``_alike_runs``) — split at once: the batch is then a table of ``count`` rows
+    of one width. None where it is not (keys of different lengths, properties, fewer than
+    ``least`` messages, ...)."""
+    if count < least or len(data) < 6:
         return None
     head = int.from_bytes(data[:4], "big")
-    key, at = (6, 6 + data[5]) if data[4] == 0x12 and data[5] < 0x80 else (0, 4)
-    if at >= 4 + head or data[at] != 0x18:
-        return None
-    size, at = 0, at + 1  # the payload size's varint, from the first message
-    for shift in range(0, 35, 7):
-        if at >= 4 + head:
-            return None
-        byte = data[at]
-        size |= (byte & 0x7F) << shift
-        at += 1
-        if not byte & 0x80:
-            break
-    else:
-        return None
+    key = 6 if data[4] == 0x12 and data[5] < 0x80 else 0
+    size, at = _payload_size(data, 4 + head)  # the first message's
+    if data[at:at + 2] == b"\x30\x00":  # partition_key_b64_encoded false (Java's clients)
+        at += 2
     width = 4 + head + size
     digits = 4 + head - at - 1  # the sequence id's varint bytes
     if not size or digits < 1 or data[at] != 0x40 or width * count != len(data):
         return None
     rows = np.frombuffer(data, dtype=np.uint8).reshape(count, width)
-    # the sizes, the key's tag and length, the payload size, the sequence id's tag
+    # the sizes, the key's tag and length, the payload size (and a false base64 flag), the
+    # sequence id's tag
     fixed = rows[:, np.r_[0:key, key + data[5]:at + 1]] if key else rows[:, :at + 1]
     ids = rows[:, at + 1:4 + head]
     if not (fixed == fixed[0]).all() or (ids[:, -1] & 0x80).any() \
@@ -182,6 +176,54 @@ def _alike_batch(count: int, data: bytes, event_time: int) -> _Messages | None:
         else pa.nulls(count, pa.int64())
     messages.sequence_ids = sequence_ids
     return messages
+
+
+def _alike_runs(count: int, data: bytes, event_time: int) -> _Messages | None:
+    """A batch whose sequence ids cross a varint length boundary (128, 16,384, ...): two runs
+    of alike messages, the second a byte wider, each split at once (``_alike_batch``). Every
+    new producer's first batch is one (its ids start at 0), and a message by message split
+    of it cost as much as the next ten batches. None where it is not two such runs."""
+    if count < 2 or len(data) < 4:
+        return None
+    metadata_end = 4 + int.from_bytes(data[:4], "big")
+    width = metadata_end + _payload_size(data, min(metadata_end, len(data)))[0]
+    first = count * (width + 1) - len(data)  # messages of ``width``; the rest are 1 wider
+    if not 0 < first < count:
+        return None
+    head = _alike_batch(first, data[:first * width], event_time, least=1)
+    tail = _alike_batch(count - first, data[first * width:], event_time, least=1) \
+        if head is not None else None
+    if head is None or tail is None or isinstance(head.keys, pa.Array) != isinstance(
+            tail.keys, pa.Array):
+        return None
+    messages = _Messages()
+    if isinstance(head.keys, pa.Array):
+        messages.keys = pa.concat_arrays([head.keys, tail.keys])
+    messages.values = pa.concat_arrays([head.values, tail.values])
+    messages.events = pa.concat_arrays([head.events, tail.events])
+    messages.sequence_ids = np.concatenate([head.sequence_ids, tail.sequence_ids])
+    return messages
+
+
+def _payload_size(data: bytes, end: int) -> tuple[int, int]:
+    """The payload size (field 3) of a plain message metadata at ``data[4:end]`` (after
+    perhaps a key under 128 bytes: its varint) and where its varint ends; 0 where it is not
+    there."""
+    at = 4
+    if at + 2 <= end and data[at] == 0x12 and data[at + 1] < 0x80:
+        at += 2 + data[at + 1]
+    if at >= end or data[at] != 0x18:
+        return 0, at
+    size, at = 0, at + 1
+    for shift in range(0, 35, 7):
+        if at >= end:
+            return 0, at
+        byte = data[at]
+        size |= (byte & 0x7F) << shift
+        at += 1
+        if not byte & 0x80:
+            return size, at
+    return 0, at
 
 
 @functools.lru_cache(maxsize=16)
