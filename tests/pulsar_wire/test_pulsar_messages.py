@@ -19,8 +19,8 @@ from pulsar.schema import AvroSchema, Integer, JsonSchema, Record, String, Strin
 import tierstream
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin
-from tierstream.pulsar_protocol import messages
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
+from tierstream.pulsar_protocol.alike import split_alike
 from tierstream.pulsar_protocol.columns import properties_column
 from tierstream.pulsar_protocol.frames import command_frame
 from tierstream.pulsar_protocol.messages import (
@@ -276,8 +276,7 @@ def test_a_batch_decodes_to_what_was_sent_whichever_path_it_takes(case: str) -> 
     assert all(dict(r["properties"])[PUBLISH_TIME] == "1" for r in rows)
     assert [dict(r["properties"]).get(KEY_BASE64) for r in rows] == [
         "true" if s.partition_key_b64_encoded else None for s, _ in singles]
-    column_wise = messages._alike_batch(count, _batch_of(singles), 0) or \
-        messages._alike_runs(count, _batch_of(singles), 0)
+    column_wise = split_alike(count, _batch_of(singles), 0)
     assert (column_wise is not None) == (case in (
         "alike", "ids-cross-128", "ids-cross-1000", "ids-cross-16384", "ids-cross-128-keyed",
         "ids-cross-at-1", "ids-cross-at-59", "sizes-step", "keyed", "keys-differ",
@@ -332,8 +331,10 @@ def test_a_plain_batch_from_the_value_column_is_the_bytes_batch_of_makes(start: 
         values.to_pylist()
 
 
-@pytest.mark.parametrize("ids", [[7], list(range(5_000, 5_060)), list(range(980, 1_040)),
-                                 [3, 2**64 - 1, 40, 0], []])
+@pytest.mark.parametrize("ids", [
+    [7], [0, 9, 5], list(range(5_000, 5_060)), list(range(980, 1_040)),
+    [3, 2**64 - 1, 40, 0], [], list(range(99_990, 99_999)), [123_456_789, 900_000_001],
+    [10**19, 2**64 - 1], [12_345_678, 87_654_321, 10_000_000]])
 @pytest.mark.parametrize("shared", [[], [("a", "1795778434497")], [("b", ""), ("c", "xyz")]])
 def test_a_properties_column_holds_each_id_then_the_shared_properties(
         ids: list[int], shared: list[tuple[str, str]]) -> None:

@@ -16,6 +16,7 @@ import pyarrow as pa
 from tierstream.errors import ConfigError, ProtocolError
 from tierstream.model.message_format import DELIVER_AT, PRODUCE_SCHEMA
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
+from tierstream.pulsar_protocol.alike import Alike, split_alike
 from tierstream.pulsar_protocol.columns import properties_column
 from tierstream.pulsar_protocol.schemas import schema_version_bytes
 from tierstream.schemas.model import VERSION_PROPERTY
@@ -57,8 +58,8 @@ def to_rows(metadata: api.MessageMetadata, payload: bytes, *, sequence_id: int,
     in ``tierstream.schema.version``.
 
     A batch is a chain of size-prefixed protobufs, so in general it takes a Python step per
-    message; a batch of plain messages alike in size (``_alike_batch``: what a client sends
-    for unkeyed messages of one size) is split column-wise. Everything else is built
+    message; a batch of plain messages alike in size (``alike.py``: what a client sends for
+    messages of one size without properties) is split column-wise. Everything else is built
     column-wise: the properties of messages that carry nothing of their own beside the
     broker's (the common case) as one map array."""
     data = _uncompressed(metadata, payload)
@@ -67,9 +68,9 @@ def to_rows(metadata: api.MessageMetadata, payload: bytes, *, sequence_id: int,
         messages.add(metadata, data, sequence_id, metadata.event_time)
     else:
         count = metadata.num_messages_in_batch
-        messages = _alike_batch(count, data, metadata.event_time) \
-            or _alike_runs(count, data, metadata.event_time) \
-            or _split_batch(count, data, sequence_id, metadata.event_time)
+        alike = split_alike(count, data, metadata.event_time)
+        messages = _Messages.of(alike) if alike is not None \
+            else _split_batch(count, data, sequence_id, metadata.event_time)
     shared = [(PUBLISH_TIME, str(metadata.publish_time))]
     if metadata.HasField("num_messages_in_batch") and len(messages.values) == 1:
         shared.append((BATCHED, "true"))
@@ -105,10 +106,18 @@ class _Messages:
     def __init__(self) -> None:
         # list[str | None], empty where no message has a key, or a string array
         self.keys: Any = []
-        self.values: Any = []  # list[bytes], or a binary array (``_alike_batch``)
-        self.events: Any = []  # list[int | None], or an int64 array (``_alike_batch``)
+        self.values: Any = []  # list[bytes], or a binary array (``alike.py``)
+        self.events: Any = []  # list[int | None], or an int64 array (``alike.py``)
         self.sequence_ids: Any = []  # list[int], or a uint64 array
         self.own: dict[int, list[tuple[str, str]]] = {}  # message -> its own properties
+
+    @classmethod
+    def of(cls, alike: Alike) -> _Messages:
+        messages = cls()
+        messages.keys = [] if alike.keys is None else alike.keys
+        messages.values, messages.events = alike.values, alike.events
+        messages.sequence_ids = alike.sequence_ids
+        return messages
 
     def add(self, single: Any, value: bytes, sequence_id: int, event_time: int) -> None:
         """One message (a SingleMessageMetadata, or the MessageMetadata of a lone one)."""
@@ -128,109 +137,6 @@ class _Messages:
             own.append((KEY_BASE64, "true"))
         if own:
             self.own[i] = own
-
-
-def _alike_batch(count: int, data: bytes, event_time: int, *, least: int = 2
-                 ) -> _Messages | None:
-    """A batch whose every message is plain (a payload size, a sequence id and perhaps a key,
-    nothing else) and alike in size — its payload, its key and its metadata (the sequence
-    ids' varints of one length: ids of a batch cross a length boundary at 128, 16,384, ...
-    only, see ``_alike_runs``) — split at once: the batch is then a table of ``count`` rows
-    of one width. None where it is not (keys of different lengths, properties, fewer than
-    ``least`` messages, ...)."""
-    if count < least or len(data) < 6:
-        return None
-    head = int.from_bytes(data[:4], "big")
-    key = 6 if data[4] == 0x12 and data[5] < 0x80 else 0
-    size, at = _payload_size(data, 4 + head)  # the first message's
-    if data[at:at + 2] == b"\x30\x00":  # partition_key_b64_encoded false (Java's clients)
-        at += 2
-    width = 4 + head + size
-    digits = 4 + head - at - 1  # the sequence id's varint bytes
-    if not size or digits < 1 or data[at] != 0x40 or width * count != len(data):
-        return None
-    rows = np.frombuffer(data, dtype=np.uint8).reshape(count, width)
-    # the sizes, the key's tag and length, the payload size (and a false base64 flag), the
-    # sequence id's tag
-    fixed = rows[:, np.r_[0:key, key + data[5]:at + 1]] if key else rows[:, :at + 1]
-    ids = rows[:, at + 1:4 + head]
-    if not (fixed == fixed[0]).all() or (ids[:, -1] & 0x80).any() \
-            or (digits > 1 and not (ids[:, :-1] & 0x80).all()):
-        return None
-    messages = _Messages()
-    if key:
-        keys = pa.Array.from_buffers(pa.string(), count, [
-            None, _value_offsets(count, data[5]),
-            pa.py_buffer(rows[:, key:key + data[5]].tobytes())])
-        try:
-            keys.validate(full=True)  # UTF-8, as a protobuf string is
-        except pa.ArrowInvalid:
-            return None  # taken message by message, and refused there
-        messages.keys = keys
-    sequence_ids = np.zeros(count, dtype=np.uint64)
-    for j in range(digits):
-        sequence_ids |= (ids[:, j] & 0x7F).astype(np.uint64) << np.uint64(7 * j)
-    messages.values = pa.Array.from_buffers(pa.binary(), count, [
-        None, _value_offsets(count, size), pa.py_buffer(rows[:, 4 + head:].tobytes())])
-    messages.events = pa.repeat(pa.scalar(event_time, pa.int64()), count) if event_time \
-        else pa.nulls(count, pa.int64())
-    messages.sequence_ids = sequence_ids
-    return messages
-
-
-def _alike_runs(count: int, data: bytes, event_time: int) -> _Messages | None:
-    """A batch whose sequence ids cross a varint length boundary (128, 16,384, ...): two runs
-    of alike messages, the second a byte wider, each split at once (``_alike_batch``). Every
-    new producer's first batch is one (its ids start at 0), and a message by message split
-    of it cost as much as the next ten batches. None where it is not two such runs."""
-    if count < 2 or len(data) < 4:
-        return None
-    metadata_end = 4 + int.from_bytes(data[:4], "big")
-    width = metadata_end + _payload_size(data, min(metadata_end, len(data)))[0]
-    first = count * (width + 1) - len(data)  # messages of ``width``; the rest are 1 wider
-    if not 0 < first < count:
-        return None
-    head = _alike_batch(first, data[:first * width], event_time, least=1)
-    tail = _alike_batch(count - first, data[first * width:], event_time, least=1) \
-        if head is not None else None
-    if head is None or tail is None or isinstance(head.keys, pa.Array) != isinstance(
-            tail.keys, pa.Array):
-        return None
-    messages = _Messages()
-    if isinstance(head.keys, pa.Array):
-        messages.keys = pa.concat_arrays([head.keys, tail.keys])
-    messages.values = pa.concat_arrays([head.values, tail.values])
-    messages.events = pa.concat_arrays([head.events, tail.events])
-    messages.sequence_ids = np.concatenate([head.sequence_ids, tail.sequence_ids])
-    return messages
-
-
-def _payload_size(data: bytes, end: int) -> tuple[int, int]:
-    """The payload size (field 3) of a plain message metadata at ``data[4:end]`` (after
-    perhaps a key under 128 bytes: its varint) and where its varint ends; 0 where it is not
-    there."""
-    at = 4
-    if at + 2 <= end and data[at] == 0x12 and data[at + 1] < 0x80:
-        at += 2 + data[at + 1]
-    if at >= end or data[at] != 0x18:
-        return 0, at
-    size, at = 0, at + 1
-    for shift in range(0, 35, 7):
-        if at >= end:
-            return 0, at
-        byte = data[at]
-        size |= (byte & 0x7F) << shift
-        at += 1
-        if not byte & 0x80:
-            return size, at
-    return 0, at
-
-
-@functools.lru_cache(maxsize=16)
-def _value_offsets(count: int, size: int) -> pa.Buffer:
-    """The offsets of ``count`` values (or keys) of ``size`` bytes each (kept: batches repeat
-    shapes)."""
-    return pa.py_buffer(np.arange(0, size * (count + 1), size, dtype=np.int32))
 
 
 def _split_batch(count: int, data: bytes, sequence_id: int, event_time: int) -> _Messages:
