@@ -13,9 +13,12 @@ from tierstream.errors import ConfigError
 from tierstream.managed_ledger.entries import build_entry
 from tierstream.managed_ledger.open_segment import Ack
 from tierstream.model.message_format import (
+    DELIVER_AT,
     MESSAGE_SCHEMA,
+    PRODUCE_SCHEMA,
     as_produce_batch,
     as_produce_columns,
+    may_have_property,
 )
 from tierstream.wire.flight import PROTOCOL_VERSION, encode
 
@@ -87,3 +90,18 @@ def test_an_ack_goes_out_as_the_json_the_encoder_makes(ack: Ack) -> None:
     thread): the bytes must stay what a client decodes."""
     assert ack_bytes(ack) == encode(ack.to_dict())
     assert json.loads(ack_bytes(ack)) == {"v": PROTOCOL_VERSION, **ack.to_dict()}
+
+
+@pytest.mark.parametrize(("rows", "expected"), [
+    ([[("a", "1")], None, [("tierstream.deliver_at", "5")]], True),
+    ([[("a", "1")], [("tierstream.deliver_atx", "5")]], True),  # its bytes: looked through
+    ([[("a", "1")], [], None], False),
+    ([None, None], False),
+    ([], False),
+])
+def test_a_batch_without_a_property_is_told_without_a_lookup_per_message(
+        rows: list, expected: bool) -> None:
+    """``may_have_property`` is never False where a message has the property (a lookup
+    follows where it is True), and False where no key holds its bytes."""
+    properties = pa.array(rows, PRODUCE_SCHEMA.field("properties").type)
+    assert may_have_property(properties, DELIVER_AT) is expected

@@ -33,6 +33,7 @@ __all__ = [
     "key_hash",
     "key_hashes",
     "key_range_mask",
+    "may_have_property",
     "spark_ddl",
     "with_topic",
 ]
@@ -300,3 +301,14 @@ def _refuse_nulls(at: int, col: pa.Array) -> None:
         raise ConfigError(f"column {PRODUCE_SCHEMA.field(at).name!r} has nulls; it must not")
 
 
+
+
+def may_have_property(properties: pa.Array, name: str) -> bool:
+    """Whether a message of ``properties`` (a map column) may have property ``name``: False
+    when no key of the map holds its bytes — one search over the keys' bytes, where a lookup
+    in every message's map is an Arrow step per message (~300 instructions) — so that a
+    batch without the property is not looked through message by message."""
+    if len(properties) == 0 or properties.null_count == len(properties):
+        return False
+    data = properties.keys.buffers()[2]  # every key's bytes (those of a slice, and perhaps more)
+    return data is not None and name.encode() in data.to_pybytes()

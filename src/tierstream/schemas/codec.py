@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from tierstream.errors import ConfigError
+from tierstream.model.message_format import may_have_property
 from tierstream.schemas.model import MODES, VERSION_PROPERTY, SchemaInfo, SchemaType
 
 __all__ = ["MODES", "Decoder", "Encoder", "arrow_type", "decode_batch", "decode_batches",
@@ -424,7 +425,7 @@ def named_versions(batch: pa.RecordBatch) -> set[str]:
     if at < 0:
         return set()
     props = batch.column(at)
-    if len(props) == 0 or props.null_count == len(props) or len(props.keys) == 0:
+    if not may_have_property(props, VERSION_PROPERTY):
         return set()
     import pyarrow.compute as pc  # where it is used: see message_format.key_hashes
 

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from tierstream.broker.subscriptions.read_window import DELAYED, WAITING, Chunk
-from tierstream.model.message_format import DELIVER_AT
+from tierstream.model.message_format import DELIVER_AT, may_have_property
 from tierstream.model.subscription_type import SubscriptionType
 from tierstream.util.timeutil import now_ms
 
@@ -34,7 +34,10 @@ TIMED = -2
 def delivery_times(batch: pa.RecordBatch) -> np.ndarray | None:
     """Each message's delivery time (ms since epoch; 0: at once), or None when no message of
     ``batch`` has one."""
-    found = pc.map_lookup(batch.column("properties"), DELIVER_AT, "first")
+    properties = batch.column("properties")
+    if not may_have_property(properties, DELIVER_AT):
+        return None
+    found = pc.map_lookup(properties, DELIVER_AT, "first")
     if found.null_count == len(found):
         return None
     try:
