@@ -91,9 +91,9 @@ def _table(count: int, data: bytes, event_time: int) -> Alike | None:
     more = int.from_bytes(b"\x80" * (digits - 1) + b"\x00", "little")  # continuation bits
     if not ((varints & _each_byte(0x80, digits)) == more).all():
         return None
-    ids = np.zeros(count, dtype=np.uint64)
-    for j in range(digits):
-        ids |= ((varints >> np.uint64(8 * j)) & np.uint64(0x7F)) << np.uint64(7 * j)
+    ids = varints & np.uint64(0x7F)
+    for j in range(1, digits):  # byte j's 7 bits, shifted down by j to bits 7j.. 7j + 6
+        ids |= (varints >> np.uint64(j)) & np.uint64(0x7F << (7 * j))
     keys = None
     if keyed:
         keys = pa.Array.from_buffers(pa.string(), count, [
