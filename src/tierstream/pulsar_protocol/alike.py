@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from tierstream.model.message_format import nulls
+
 __all__ = ["Alike", "split_alike"]
 
 _KEY_TAG, _SIZE_TAG, _SEQUENCE_TAG = 0x12, 0x18, 0x40  # fields 2, 3 and 8, their wire types
@@ -105,7 +107,7 @@ def _table(count: int, data: bytes, event_time: int) -> Alike | None:
     values = pa.Array.from_buffers(pa.binary(), count, [
         None, _offsets(count, size), pa.py_buffer(rows.strings(end, size))])
     events = pa.repeat(pa.scalar(event_time, pa.int64()), count) if event_time \
-        else pa.nulls(count, pa.int64())
+        else nulls(count, pa.int64())
     return Alike(keys, values, events, ids)
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from tierstream.errors import ConfigError, ProtocolError
-from tierstream.model.message_format import DELIVER_AT, PRODUCE_SCHEMA
+from tierstream.model.message_format import DELIVER_AT, PRODUCE_SCHEMA, nulls
 from tierstream.pulsar_protocol import pulsar_api_pb2 as api
 from tierstream.pulsar_protocol.alike import Alike, split_alike
 from tierstream.pulsar_protocol.columns import properties_column
@@ -88,12 +88,12 @@ def to_rows(metadata: api.MessageMetadata, payload: bytes, *, sequence_id: int,
     events = messages.events
     return pa.RecordBatch.from_arrays([
         messages.keys if isinstance(messages.keys, pa.Array)
-        else pa.array(messages.keys, pa.string()) if messages.keys else pa.nulls(n, pa.string()),
+        else pa.array(messages.keys, pa.string()) if messages.keys else nulls(n, pa.string()),
         messages.values if isinstance(messages.values, pa.Array)
         else pa.array(messages.values, pa.binary()),
-        pa.nulls(n, pa.int64()),
+        nulls(n, pa.int64()),
         events if isinstance(events, pa.Array)
-        else pa.array(events, pa.int64()) if any(events) else pa.nulls(n, pa.int64()),
+        else pa.array(events, pa.int64()) if any(events) else nulls(n, pa.int64()),
         properties], schema=PRODUCE_SCHEMA)
 
 
