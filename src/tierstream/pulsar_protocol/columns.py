@@ -57,20 +57,17 @@ def _rows_of(ids: np.ndarray, digits: int, tail: bytes) -> np.ndarray:
     per four digits."""
     chunks = (digits + 3) // 4
     top = digits - 4 * (chunks - 1)  # the first chunk's digits, 1 to 4
-    fields = [("top", f"V{top}", 0)] + [
-        (f"c{k}", "<u4", top + 4 * k) for k in range(chunks - 1)]
-    if tail:
-        fields.append(("tail", f"V{len(tail)}", digits))
-    rows = np.empty(len(ids), dtype=np.dtype({
-        "names": [f[0] for f in fields], "formats": [f[1] for f in fields],
-        "offsets": [f[2] for f in fields], "itemsize": digits + len(tail)}))
+    # the tail is in every row from the start (a repeat of bytes: one copy, doubling)
+    rows = np.frombuffer(bytearray((b"0" * digits + tail) * len(ids)), dtype=np.dtype({
+        "names": ["top", *(f"c{k}" for k in range(chunks - 1))],
+        "formats": [f"V{top}", *["<u4"] * (chunks - 1)],
+        "offsets": [0, *(top + 4 * k for k in range(chunks - 1))],
+        "itemsize": digits + len(tail)}))
     rest = ids
     for k in reversed(range(chunks - 1)):  # from the least significant four
-        rows[f"c{k}"] = np.take(_digit_table(4), rest % 10_000)
-        rest = rest // 10_000
+        rest, four = np.divmod(rest, 10_000)
+        rows[f"c{k}"] = np.take(_digit_table(4), four)
     rows["top"] = np.take(_digit_table(top), rest)
-    if tail:
-        rows["tail"] = np.frombuffer(tail, f"V{len(tail)}")[0]
     return rows
 
 
