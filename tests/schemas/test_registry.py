@@ -299,6 +299,18 @@ def test_versions_are_read_from_sliced_batches() -> None:
     assert _versions(props.slice(3)).tolist() == [0, 7]
 
 
+def test_named_versions_are_found_and_a_batch_without_one_names_none() -> None:
+    from tierstream.schemas.codec import named_versions
+
+    props = pa.array([[("a", "1"), ("tierstream.schema.version", "3")], None,
+                      [("tierstream.schema.version", "5")], []], pa.map_(pa.string(), pa.string()))
+    assert named_versions(pa.record_batch({"properties": props})) == {"3", "5"}
+    assert named_versions(pa.record_batch({"properties": props.slice(2)})) == {"5"}
+    assert named_versions(pa.record_batch({"properties": props.slice(3)})) == set()
+    plain = pa.array([[("tierstream.schema.versions", "9")], [("b", "2")]], props.type)
+    assert named_versions(pa.record_batch({"properties": plain})) == set()
+
+
 def test_a_version_newer_than_the_read_says_to_restart() -> None:
     from tierstream.schemas.codec import Decoder, Encoder
     from tierstream.schemas.model import SchemaInfo, canonical
