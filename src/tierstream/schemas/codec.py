@@ -417,9 +417,6 @@ def _decode_each(batch: pa.RecordBatch, decoder: Decoder, mode: str, topic: str,
     return out
 
 
-_VERSION_BYTES = VERSION_PROPERTY.encode()
-
-
 def named_versions(batch: pa.RecordBatch) -> set[str]:
     """The distinct values of the version property in ``batch``'s ``properties`` (what the
     broker checks against the topic's versions before storing a batch)."""
@@ -428,11 +425,6 @@ def named_versions(batch: pa.RecordBatch) -> set[str]:
         return set()
     props = batch.column(at)
     if len(props) == 0 or props.null_count == len(props):
-        return set()
-    # no key holds the name's bytes: no version, without a lookup in every message's map
-    # (~300 instructions a message; message_format.may_have_property, a layer above)
-    keys = props.keys.buffers()[2]
-    if keys is None or _VERSION_BYTES not in keys.to_pybytes():
         return set()
     import pyarrow.compute as pc  # where it is used: see message_format.key_hashes
 
