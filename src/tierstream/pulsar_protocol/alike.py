@@ -48,10 +48,11 @@ def split_alike(count: int, data: bytes, event_time: int) -> Alike | None:
     whole = _table(count, data, event_time)
     if whole is not None:
         return whole
-    first = count * (_width(data) + 1) - len(data)  # messages of the first width
+    width = _width(data)
+    first = count * (width + 1) - len(data)  # messages of the first width
     if not 0 < first < count:
         return None
-    cut = len(data) - (count - first) * (_width(data) + 1)
+    cut = len(data) - (count - first) * (width + 1)
     head = _table(first, data[:cut], event_time)
     tail = _table(count - first, data[cut:], event_time) if head is not None else None
     if head is None or tail is None or (head.keys is None) != (tail.keys is None):
