@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                              "figures mean nothing; results go to a temporary directory)")
     parser.add_argument("--against", metavar="REV", default=None,
                         help="run the benchmark on this tree and at git revision REV in "
-                             "alternating rounds, and compare their first ratio")
+                             "alternating rounds, and compare their first ratio; with "
+                             "--instructions, count the broker at REV beside this tree's")
     parser.add_argument("--instructions", action="store_true",
                         help="the broker's instructions per message on the paths named ("
                              f"{', '.join(instructions.PATHS)}), counted under valgrind's "
@@ -133,15 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     names = list(BENCHMARKS) if "all" in args.name else list(dict.fromkeys(args.name))
     if args.tiny:
-        if args.full or args.against is not None:
-            parser.error("--tiny takes neither --full nor --against")
+        if args.full or (args.against is not None and not args.instructions):
+            parser.error("--tiny takes neither --full nor --against (but --instructions "
+                         "--against)")
         print(f"tiny profile: results in {harness.use_tiny_profile()}", file=sys.stderr)
     if args.instructions or args.flame:
         flag = "--instructions" if args.instructions else "--flame"
-        if args.against is not None or "all" in args.name or (
+        if (args.flame and args.against is not None) or "all" in args.name or (
                 args.instructions and args.flame):
-            parser.error(f"{flag} takes neither --against, all, nor the other of "
-                         "--instructions and --flame")
+            parser.error(f"{flag} takes neither all nor the other of --instructions and "
+                         "--flame" + ("" if args.instructions else ", nor --against"))
         if other := [n for n in names if n not in instructions.PATHS]:
             parser.error(f"{flag} is for {', '.join(instructions.PATHS)}, not "
                          f"{', '.join(other)}")
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.flame:
                 flames.flames(names, not args.full)
             else:
-                instructions.instructions(names, not args.full)
+                instructions.instructions(names, not args.full, args.against)
         except Exception as exc:  # one line (valgrind or py-spy missing, a path failed)
             print(f"{flag} failed: {exc}", file=sys.stderr)
             if harness.TINY:  # a check of the benchmarks themselves: show where

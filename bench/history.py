@@ -29,7 +29,7 @@ from bench.harness import Figure, console, report
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _tree_at(rev: str | None, into: Path) -> Path:
+def tree_at(rev: str | None, into: Path) -> Path:
     """``src`` and ``bench`` of ``rev`` (None: this working tree) under ``into``."""
     into.mkdir(parents=True)
     if rev is None:
@@ -78,8 +78,8 @@ def against(name: str, rev: str, quick: bool = True, rounds: int | None = None) 
     old: list[float] = []
     costs: dict[str, tuple[list[float], list[float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        now_tree = _tree_at(None, Path(tmp) / "now")
-        old_tree = _tree_at(rev, Path(tmp) / "old")
+        now_tree = tree_at(None, Path(tmp) / "now")
+        old_tree = tree_at(rev, Path(tmp) / "old")
         for i in range(rounds):
             first, second = ((now_tree, 0), (old_tree, 1)) if i % 2 == 0 \
                 else ((old_tree, 1), (now_tree, 0))

@@ -106,10 +106,16 @@ class _Counted:
 class CountedBroker(_Counted):
     """A broker process under callgrind."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, src: Path | None = None) -> None:
+        """``src``: the ``src`` directory of another revision, whose tierstream the broker
+        runs (first on its ``PYTHONPATH``); None: this tree's."""
         self.dumps = tmp / "callgrind"
         prefix = _callgrind(self.dumps)
-        self.proc = BrokerProcess(tmp / "data", env={"PYTHONHASHSEED": "0"},
+        env = {"PYTHONHASHSEED": "0"}
+        if src is not None:
+            env["PYTHONPATH"] = os.pathsep.join(
+                [str(src), *filter(None, [os.environ.get("PYTHONPATH")])])
+        self.proc = BrokerProcess(tmp / "data", env=env,
                                   args=["--pulsar-port", str(free_port())], prefix=prefix)
 
     def __enter__(self) -> CountedBroker:
@@ -259,12 +265,25 @@ def _counted(broker: _Counted, runs: int, work: Callable[[int], None]) -> list[i
     return counted
 
 
-def instructions(names: list[str], quick: bool = True) -> Path:
-    """The broker's instructions per message on each path in ``names`` (PATHS)."""
-    messages, runs = sized((20_000, 3) if quick else (100_000, 5), (2_000, 1))
-    figures: list[Figure] = []
-    with tempfile.TemporaryDirectory() as tmp, CountedBroker(Path(tmp)) as broker:
-        console.print(f"broker under callgrind: {broker.url}")
+#: what each path's counted figure is called (the keys of :func:`_count`'s answer)
+LABELS = {
+    "own-produce": "produce, 1 partition, batches of 1,000 (tierstream's Producer)",
+    "pulsar-produce": "real pulsar-client produce",
+    "as-pulsar": "tierstream's Producer sending the rows a Pulsar message is stored as",
+    "read": "consume through the broker (read)",
+    "own-consume": "exclusive subscription, receive + ack (tierstream's Consumer)",
+    "pulsar-consume": "real pulsar-client exclusive receive + ack",
+}
+
+
+def _count(names: list[str], messages: int, runs: int, src: Path | None = None
+           ) -> dict[str, list[float]]:
+    """The broker's instructions per message on the paths ``names`` need (LABELS' keys),
+    one broker under callgrind for all; ``src``: another revision's code (CountedBroker)."""
+    counts: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp, CountedBroker(Path(tmp), src) as broker:
+        console.print(f"broker under callgrind: {broker.url}"
+                      + ("" if src is None else f" (running {src})"))
 
         def per_message(counted: list[int]) -> list[float]:
             return [c / messages for c in counted]
@@ -279,49 +298,87 @@ def instructions(names: list[str], quick: bool = True) -> Path:
             return per_message(_counted(
                 broker, runs, lambda i: receive(broker, topic, f"{kind}-{i}", messages)))
 
-        own_produce = produced("own", _own_produce)
-        if "produce" in names:
-            figures.append(Figure("produce, 1 partition, batches of 1,000: broker "
-                                  "instructions per message", "instr", own_produce,
-                                  higher_is_better=False))
+        counts["own-produce"] = produced("own", _own_produce)
         if "pulsar-produce" in names:
-            theirs = produced("pulsar", _pulsar_produce)
-            figures.append(Figure("real pulsar-client produce: broker instructions per "
-                                  "message", "instr", theirs, "tierstream's Producer",
-                                  own_produce, **WITHIN))
-            # the same rows stored: what a Pulsar message carries beside its value costs
-            # every client; the rest is the protocol's (frames, the batch's split)
-            figures.append(Figure(
-                "  the same, beside tierstream's Producer sending the rows a Pulsar message "
-                "is stored as (its pulsar.* properties)", "instr", theirs,
-                "tierstream's Producer, same rows", produced("as-pulsar", _own_produce_as_pulsar),
-                higher_is_better=False))
+            counts["pulsar-produce"] = produced("pulsar", _pulsar_produce)
+            counts["as-pulsar"] = produced("as-pulsar", _own_produce_as_pulsar)
         if "consume" in names or "pulsar-consume" in names:
             topic = _topic(broker, "consume")  # what each window reads whole, from the start
             _own_produce(broker, topic, messages)
-            own_consume = consumed("own", topic, _own_consume)
+            counts["own-consume"] = consumed("own", topic, _own_consume)
         if "consume" in names:
-            figures += [
-                Figure("consume through the broker (read): broker instructions per message",
-                       "instr", per_message(_counted(
-                           broker, runs, lambda _: _read(broker, topic, messages))),
-                       higher_is_better=False),
-                Figure("exclusive subscription, receive + ack: broker instructions per "
-                       "message", "instr", own_consume, higher_is_better=False)]
+            counts["read"] = per_message(_counted(
+                broker, runs, lambda _: _read(broker, topic, messages)))
         if "pulsar-consume" in names:
-            figures.append(Figure("real pulsar-client exclusive receive + ack: broker "
-                                  "instructions per message", "instr",
-                                  consumed("pulsar", topic, _pulsar_consume),
-                                  "tierstream's Consumer", own_consume, **WITHIN))
+            counts["pulsar-consume"] = consumed("pulsar", topic, _pulsar_consume)
+    return counts
+
+
+def instructions(names: list[str], quick: bool = True, against: str | None = None) -> Path:
+    """The broker's instructions per message on each path in ``names`` (PATHS); with
+    ``against``, the same counted on that git revision's broker code beside them."""
+    messages, runs = sized((20_000, 3) if quick else (100_000, 5), (2_000, 1))
+    if against is not None:
+        return _against(names, messages, runs, against)
+    counts = _count(names, messages, runs)
+    own_produce = counts["own-produce"]
+    figures: list[Figure] = []
+    if "produce" in names:
+        figures.append(Figure("produce, 1 partition, batches of 1,000: broker "
+                              "instructions per message", "instr", own_produce,
+                              higher_is_better=False))
+    if "pulsar-produce" in names:
+        figures.append(Figure("real pulsar-client produce: broker instructions per "
+                              "message", "instr", counts["pulsar-produce"],
+                              "tierstream's Producer", own_produce, **WITHIN))
+        # the same rows stored: what a Pulsar message carries beside its value costs every
+        # client; the rest is the protocol's (frames, the batch's split)
+        figures.append(Figure(
+            "  the same, beside tierstream's Producer sending the rows a Pulsar message "
+            "is stored as (its pulsar.* properties)", "instr", counts["pulsar-produce"],
+            "tierstream's Producer, same rows", counts["as-pulsar"], higher_is_better=False))
+    if "consume" in names:
+        figures += [
+            Figure("consume through the broker (read): broker instructions per message",
+                   "instr", counts["read"], higher_is_better=False),
+            Figure("exclusive subscription, receive + ack: broker instructions per "
+                   "message", "instr", counts["own-consume"], higher_is_better=False)]
+    if "pulsar-consume" in names:
+        figures.append(Figure("real pulsar-client exclusive receive + ack: broker "
+                              "instructions per message", "instr", counts["pulsar-consume"],
+                              "tierstream's Consumer", counts["own-consume"], **WITHIN))
     if "produce" in names or "consume" in names:
         figures += _floors(names, messages, runs, own_produce,
-                           own_consume if "consume" in names else [])
-    for f in figures:
-        spread = (max(f.runs) - min(f.runs)) / statistics.median(f.runs) if f.runs else 0.0
-        console.print(f"{f.name}: {f.value:,.0f} (windows within {spread:.1%})")
+                           counts["own-consume"] if "consume" in names else [])
+    _print(figures)
     return report("instructions", figures, {"messages": messages, "runs": runs,
                                             "paths": names, "value_bytes": len(VALUE),
                                             "batch": BATCH})
+
+
+def _against(names: list[str], messages: int, runs: int, rev: str) -> Path:
+    """Every path's count on this tree's broker, then on ``rev``'s (its ``src`` from ``git
+    archive``; the clients and this counting are this tree's): ratio < 1 is a cut."""
+    from bench.history import tree_at
+
+    with tempfile.TemporaryDirectory() as tmp:
+        old = tree_at(rev, Path(tmp) / "old") / "src"  # first: a bad REV fails at once
+        now = _count(names, messages, runs)
+        then = _count(names, messages, runs, old)
+    figures = [Figure(f"{LABELS[key]}: broker instructions per message, this tree", "instr",
+                      runs_now, f"the same at {rev}", then[key], higher_is_better=False)
+               for key, runs_now in now.items()]
+    _print(figures)
+    return report(f"instructions-against-{rev}", figures,
+                  {"messages": messages, "runs": runs, "paths": names, "revision": rev,
+                   "value_bytes": len(VALUE), "batch": BATCH})
+
+
+def _print(figures: list[Figure]) -> None:
+    for f in figures:
+        spread = (max(f.runs) - min(f.runs)) / statistics.median(f.runs) if f.runs else 0.0
+        console.print(f"{f.name}: {f.value:,.0f} (windows within {spread:.1%})"
+                      + ("" if f.ratio is None else f", {f.ratio:.2f} x {f.baseline_name}"))
 
 
 def _floors(names: list[str], messages: int, runs: int, own_produce: list[float],

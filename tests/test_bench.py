@@ -32,6 +32,8 @@ def test_every_benchmark_runs_on_tiny_inputs(tmp_path: Path) -> None:
     kept = {p: p.stat().st_mtime_ns for p in results.glob("*")}  # a user's real figures
     runs = [[*names, "--tiny"] for names in GROUPS]
     runs += [[*COUNTED, "--instructions", "--tiny"]] if COUNTED else []
+    # a change's effect on the count, one command: the broker at HEAD beside this tree's
+    runs += [["produce", "--instructions", "--against", "HEAD", "--tiny"]] if COUNTED else []
     runs += [[*PATHS, "--flame", "--tiny"]]  # (py-spy comes with the project's dev extras)
     logs = [tmp_path / f"group-{i}.log" for i in range(len(runs))]
     procs = []
@@ -43,6 +45,11 @@ def test_every_benchmark_runs_on_tiny_inputs(tmp_path: Path) -> None:
     for args, code, log in zip(runs, codes, logs, strict=True):
         text = log.read_text()
         assert code == 0, f"{args}:\n{text[-6000:]}"
+        if "--against" in args:
+            words = " ".join(text.split())  # (the console wraps long lines at 140)
+            assert "broker instructions per message, this tree" in words, text[-3000:]
+            assert "x the same at HEAD" in words, text[-3000:]
+            continue
         if "--instructions" in args:
             assert "broker instructions per message" in text, text[-3000:]
             continue
