@@ -216,13 +216,15 @@ class WorkerProcess:
         return [w.result() for w in workers]
 
 
-def cpu_seconds(pid: int | None = None) -> float:
-    """CPU seconds (user + system) used so far by this process, or by process ``pid``."""
+def cpu_seconds(pid: int | None = None, *, system_only: bool = False) -> float:
+    """CPU seconds (user + system, or only system: in the kernel) used so far by this
+    process, or by process ``pid``."""
     if pid is None:
         used = resource.getrusage(resource.RUSAGE_SELF)
-        return used.ru_utime + used.ru_stime
+        return used.ru_stime + (0.0 if system_only else used.ru_utime)
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks = int(fields[12]) + (0 if system_only else int(fields[11]))
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 class ProcessCpu:
@@ -232,15 +234,17 @@ class ProcessCpu:
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        self.client = self.broker = 0.0
+        self.client = self.broker = self.broker_system = 0.0
 
     def __enter__(self) -> ProcessCpu:
-        self._start = (cpu_seconds(), cpu_seconds(self.pid))
+        self._start = (cpu_seconds(), cpu_seconds(self.pid),
+                       cpu_seconds(self.pid, system_only=True))
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.client = cpu_seconds() - self._start[0]
         self.broker = cpu_seconds(self.pid) - self._start[1]
+        self.broker_system = cpu_seconds(self.pid, system_only=True) - self._start[2]
 
 
 def _reference_loop(n: int) -> int:
@@ -269,6 +273,14 @@ def cost_figures(what: str, messages: int, used: list[ProcessCpu], unit_us: floa
             f"{what}: {name}", messages, [getattr(c, side) for c in used], unit_us,
             baseline=None if baseline is None else (
                 baseline[0], [getattr(c, side) for c in baseline[1]]))
+    # the kernel's part of the server's figure (system calls, fsync, waking threads): what
+    # no cut of Python or pyarrow work per message moves
+    out.insert(2, Figure(
+        f"{what}: {server} CPU per message, of it in the kernel", "us",
+        [c.broker_system / messages * 1e6 for c in used],
+        None if baseline is None else f"{baseline[0]}, in the kernel",
+        [] if baseline is None else [c.broker_system / messages * 1e6 for c in baseline[1]],
+        higher_is_better=False))
     return out
 
 
