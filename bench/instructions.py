@@ -18,6 +18,7 @@ pulsar-produce pulsar-consume --instructions`` takes about a minute and a half.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import statistics
@@ -33,6 +34,7 @@ from typing import Any, Protocol
 import pulsar
 import pyarrow as pa
 
+import tierstream
 from bench.harness import Figure, console, free_port, report, sized
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer, Producer, read
@@ -106,16 +108,10 @@ class _Counted:
 class CountedBroker(_Counted):
     """A broker process under callgrind."""
 
-    def __init__(self, tmp: Path, src: Path | None = None) -> None:
-        """``src``: the ``src`` directory of another revision, whose tierstream the broker
-        runs (first on its ``PYTHONPATH``); None: this tree's."""
+    def __init__(self, tmp: Path) -> None:
         self.dumps = tmp / "callgrind"
         prefix = _callgrind(self.dumps)
-        env = {"PYTHONHASHSEED": "0"}
-        if src is not None:
-            env["PYTHONPATH"] = os.pathsep.join(
-                [str(src), *filter(None, [os.environ.get("PYTHONPATH")])])
-        self.proc = BrokerProcess(tmp / "data", env=env,
+        self.proc = BrokerProcess(tmp / "data", env={"PYTHONHASHSEED": "0"},
                                   args=["--pulsar-port", str(free_port())], prefix=prefix)
 
     def __enter__(self) -> CountedBroker:
@@ -276,14 +272,13 @@ LABELS = {
 }
 
 
-def _count(names: list[str], messages: int, runs: int, src: Path | None = None
-           ) -> dict[str, list[float]]:
+def _count(names: list[str], messages: int, runs: int) -> dict[str, list[float]]:
     """The broker's instructions per message on the paths ``names`` need (LABELS' keys),
-    one broker under callgrind for all; ``src``: another revision's code (CountedBroker)."""
+    one broker under callgrind for all."""
     counts: dict[str, list[float]] = {}
-    with tempfile.TemporaryDirectory() as tmp, CountedBroker(Path(tmp), src) as broker:
-        console.print(f"broker under callgrind: {broker.url}"
-                      + ("" if src is None else f" (running {src})"))
+    with tempfile.TemporaryDirectory() as tmp, CountedBroker(Path(tmp)) as broker:
+        console.print(f"broker under callgrind: {broker.url} (tierstream of "
+                      f"{Path(tierstream.__file__).parent.parent})")
 
         def per_message(counted: list[int]) -> list[float]:
             return [c / messages for c in counted]
@@ -357,17 +352,28 @@ def instructions(names: list[str], quick: bool = True, against: str | None = Non
 
 
 def _against(names: list[str], messages: int, runs: int, rev: str) -> Path:
-    """Every path's count on this tree's broker, then on ``rev``'s (its ``src`` from ``git
-    archive``; the clients and this counting are this tree's): ratio < 1 is a cut."""
-    from bench.history import tree_at
+    """Every path's count on this tree, then at ``rev``: its ``src`` (``git archive``) first
+    on the path of a second counting process, so that the broker and the clients are
+    ``rev``'s (a client speaks its own revision's protocol) and the counting is this
+    tree's. A ratio under 1 is a cut."""
+    from bench.history import ROOT, tree_at
 
     with tempfile.TemporaryDirectory() as tmp:
         old = tree_at(rev, Path(tmp) / "old") / "src"  # first: a bad REV fails at once
         now = _count(names, messages, runs)
-        then = _count(names, messages, runs, old)
+        out = Path(tmp) / "counts.json"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(old), str(ROOT)])}
+        done = subprocess.run([sys.executable, "-m", "bench.instructions", str(out),
+                               str(messages), str(runs), *names],
+                              cwd=ROOT, env=env, capture_output=True, text=True)
+        if done.returncode != 0 or not out.exists():
+            last = (done.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
+            raise RuntimeError(f"counting at {rev} failed: {last}")
+        console.print(done.stdout.strip())
+        then = json.loads(out.read_text())
     figures = [Figure(f"{LABELS[key]}: broker instructions per message, this tree", "instr",
                       runs_now, f"the same at {rev}", then[key], higher_is_better=False)
-               for key, runs_now in now.items()]
+               for key, runs_now in now.items() if key in then]
     _print(figures)
     return report(f"instructions-against-{rev}", figures,
                   {"messages": messages, "runs": runs, "paths": names, "revision": rev,
@@ -411,3 +417,8 @@ def _floors(names: list[str], messages: int, runs: int, own_produce: list[float]
 
 #: the benchmarks whose path ``--instructions`` counts
 PATHS = ("produce", "consume", "pulsar-produce", "pulsar-consume")
+
+
+if __name__ == "__main__":  # the count at another revision (_against): OUT MESSAGES RUNS NAME...
+    _out, _messages, _runs, *_names = sys.argv[1:]
+    Path(_out).write_text(json.dumps(_count(_names, int(_messages), int(_runs))))
