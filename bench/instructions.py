@@ -36,6 +36,7 @@ import pyarrow as pa
 
 import tierstream
 from bench.harness import Figure, console, free_port, report, sized
+from bench.transport_floor import FloorProcess
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer, Producer, read
 from tierstream.model.message_format import as_produce_batch
@@ -137,40 +138,18 @@ class CountedBroker(_Counted):
         return self.proc.pulsar_url
 
 
-class CountedFloor(_Counted):
+class CountedFloor(FloorProcess, _Counted):
     """The bare Flight server of ``bench/transport_floor.py`` under callgrind, serving
     ``messages`` on each DoGet."""
 
     def __init__(self, tmp: Path, messages: int) -> None:
         self.dumps = tmp / "callgrind-floor"
-        self._command = [*_callgrind(self.dumps), sys.executable, "-m", "bench.transport_floor",
-                         "--messages", str(messages), "--batch", str(BATCH),
-                         "--value-bytes", str(len(VALUE))]
-        self.url = ""
+        super().__init__(messages, batch=BATCH, value_bytes=len(VALUE),
+                         prefix=_callgrind(self.dumps))
 
     def __enter__(self) -> CountedFloor:
-        env = {**os.environ, "PYTHONHASHSEED": "0"}
-        self._proc = subprocess.Popen(self._command, stdout=subprocess.PIPE, text=True, env=env,
-                                      cwd=Path(__file__).resolve().parents[1])
-        assert self._proc.stdout is not None
-        line = self._proc.stdout.readline()  # waits for valgrind's start and the imports
-        if not line.startswith("listening on "):
-            self._proc.kill()
-            raise RuntimeError(f"the transport floor server did not start: {line!r}")
-        self.url = line.split()[-1]
+        super().__enter__()
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._proc.terminate()
-        try:
-            self._proc.wait(timeout=600)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-
-    @property
-    def pid(self) -> int:
-        return self._proc.pid
 
 
 def _topic(broker: Served, name: str) -> str:

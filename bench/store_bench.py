@@ -24,6 +24,7 @@ from bench.harness import (
     broker_with_topic,
     console,
     cost_figures,
+    cpu_of,
     loop_unit_us,
     repeat,
     report,
@@ -100,6 +101,8 @@ def produce(quick: bool = True) -> Path:
         finally:
             broker.stop()
 
+        disk_cpu: list[float] = []
+
         def disk() -> float:
             # The disk's own ceiling: the same entry bytes appended and fdatasync'd per batch.
             path = Path(tmp) / "ceiling.log"
@@ -109,12 +112,15 @@ def produce(quick: bool = True) -> Path:
                     for _ in range(messages // 1000):
                         os.write(fd, payload)
                         os.fdatasync(fd)
-                return messages / timed(write)
+                seconds, cpu = cpu_of(write)
+                disk_cpu.append(cpu)
+                return messages / seconds
             finally:
                 os.close(fd)
                 path.unlink()
 
         ceiling = repeat(disk, runs)
+    floor_cpu = _transport_floor_cpu(batch, messages, runs)
     mb = [t * 100 / 1e6 for t in tput]
     figures = [
         Figure("produce msg/s (1 partition, 100 B, batch 1000, fsync)", "msg/s", tput,
@@ -125,9 +131,32 @@ def produce(quick: bool = True) -> Path:
         Figure("produce msg/s, 4 partitions x 4 producers (aggregate)", "msg/s", tput_four,
                "append+fdatasync of the same bytes", ceiling),
         *cost_figures("produce, 1 partition", messages, cpus[-runs:], unit),
+        # what any durable produce over Flight pays, beside the broker's figure above
+        Figure("  floor: append + fdatasync of the same bytes, CPU per message (what the "
+               "disk costs any durable produce)",
+               "us", [c / messages * 1e6 for c in disk_cpu[-runs:]], higher_is_better=False),
+        Figure("  floor: a bare Flight server in Python reading the same batches and acking "
+               "each, CPU per message (what the transport costs)", "us",
+               [c / messages * 1e6 for c in floor_cpu], higher_is_better=False),
     ]
     return report("produce", figures, {"messages": messages, "runs": runs, "batch": 1000,
                                        "value_bytes": 100, "fsync": True})
+
+
+def _transport_floor_cpu(batch: pa.RecordBatch, messages: int, runs: int) -> list[float]:
+    """CPU seconds of the bare Flight server (``bench/transport_floor.py``) taking
+    ``messages`` rows as ``batch`` after batch, acking each: one figure per run."""
+    from bench.transport_floor import FloorProcess, floor_produce
+
+    batches = messages // batch.num_rows
+    used: list[float] = []
+    with FloorProcess(batch.num_rows) as floor:
+        floor_produce(floor.url, batch, max(1, batches // 10))  # warm
+        for _ in range(runs):
+            with ProcessCpu(floor.pid) as cpu:
+                floor_produce(floor.url, batch, batches)
+            used.append(cpu.broker)
+    return used
 
 
 def tail(quick: bool = True) -> Path:

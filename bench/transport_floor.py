@@ -12,6 +12,11 @@ prints ``listening on URL`` when ready.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,7 +27,7 @@ from bench.flight_ceiling import serve_until_terminated
 from tierstream.model.message_format import CONSUMER_SCHEMA, PRODUCE_SCHEMA
 from tierstream.wire.flight import put_batches
 
-__all__ = ["FloorServer", "floor_consume", "floor_produce"]
+__all__ = ["FloorProcess", "FloorServer", "floor_consume", "floor_produce"]
 
 _ACK = json.dumps({"ok": 1}).encode()
 
@@ -97,6 +102,42 @@ def floor_consume(url: str, messages: int) -> None:
             raise RuntimeError(f"the floor server sent {got} of {messages} messages")
     finally:
         client.close()
+
+
+class FloorProcess:
+    """This module's server in a process of its own (``prefix``: a command to run it under,
+    such as valgrind's), serving ``messages`` rows on each DoGet; ``url`` once entered."""
+
+    def __init__(self, messages: int, *, batch: int = 1000, value_bytes: int = 100,
+                 prefix: Sequence[str] = ()) -> None:
+        self._command = [*prefix, sys.executable, "-m", "bench.transport_floor",
+                         "--messages", str(messages), "--batch", str(batch),
+                         "--value-bytes", str(value_bytes)]
+        self.url = ""
+
+    def __enter__(self) -> FloorProcess:
+        env = {**os.environ, "PYTHONHASHSEED": "0"}
+        self._proc = subprocess.Popen(self._command, stdout=subprocess.PIPE, text=True, env=env,
+                                      cwd=Path(__file__).resolve().parents[1])
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()  # waits for the imports (and a prefix's start)
+        if not line.startswith("listening on "):
+            self._proc.kill()
+            raise RuntimeError(f"the transport floor server did not start: {line!r}")
+        self.url = line.split()[-1]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._proc.terminate()
+        try:
+            self._proc.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
 
 
 def main() -> None:
