@@ -227,6 +227,24 @@ def cpu_seconds(pid: int | None = None, *, system_only: bool = False) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def thread_switches(pid: int) -> dict[int, int]:
+    """Context switches so far of each thread of process ``pid`` (voluntary and not), by
+    thread id: the difference of two counts is what the threads alive at the second did in
+    between (a thread that ended meanwhile is not in it)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # ended while listed
+            lines = (task / "status").read_text().splitlines()
+            out[int(task.name)] = sum(int(line.split()[1]) for line in lines
+                                      if line.startswith(("voluntary_ctxt", "nonvoluntary_ctxt")))
+    return out
+
+
+def switches_between(before: dict[int, int], after: dict[int, int]) -> int:
+    """Context switches between two :func:`thread_switches` counts."""
+    return sum(n - before.get(tid, 0) for tid, n in after.items())
+
+
 class ProcessCpu:
     """CPU seconds (user + system) this process (``client``) and process ``pid`` (``broker``)
     spend between entering and leaving: a message's cost, which does not move with the

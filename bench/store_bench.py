@@ -30,6 +30,8 @@ from bench.harness import (
     report,
     save_chart,
     sized,
+    switches_between,
+    thread_switches,
     timed,
 )
 from tierstream.broker.process import BrokerProcess
@@ -68,9 +70,14 @@ def produce(quick: bool = True) -> Path:
             assert broker.proc is not None
             pid, cpus = broker.proc.pid, list[ProcessCpu]()
 
+            switches: list[float] = []  # the broker's threads', per batch of 1,000
+
             def run() -> float:
+                before = thread_switches(pid)
                 with ProcessCpu(pid) as used:
                     rate = messages / timed(lambda: producer.send_batch(table, partition=0))
+                switches.append(switches_between(before, thread_switches(pid))
+                                / (messages // 1000))
                 cpus.append(used)
                 return rate
 
@@ -120,7 +127,7 @@ def produce(quick: bool = True) -> Path:
                 path.unlink()
 
         ceiling = repeat(disk, runs)
-    floor_cpu = _transport_floor_cpu(batch, messages, runs)
+    floor_cpu, floor_switches = _transport_floor_cpu(batch, messages, runs)
     mb = [t * 100 / 1e6 for t in tput]
     figures = [
         Figure("produce msg/s (1 partition, 100 B, batch 1000, fsync)", "msg/s", tput,
@@ -138,25 +145,34 @@ def produce(quick: bool = True) -> Path:
         Figure("  floor: a bare Flight server in Python reading the same batches and acking "
                "each, CPU per message (what the transport costs)", "us",
                [c / messages * 1e6 for c in floor_cpu], higher_is_better=False),
+        # threads handing a batch on to each other: the kernel's part above
+        Figure("produce, 1 partition: the broker's threads' context switches per batch of "
+               "1,000", "switches", switches[-runs:], "the bare Flight server's",
+               floor_switches, higher_is_better=False),
     ]
     return report("produce", figures, {"messages": messages, "runs": runs, "batch": 1000,
                                        "value_bytes": 100, "fsync": True})
 
 
-def _transport_floor_cpu(batch: pa.RecordBatch, messages: int, runs: int) -> list[float]:
+def _transport_floor_cpu(batch: pa.RecordBatch, messages: int, runs: int
+                         ) -> tuple[list[float], list[float]]:
     """CPU seconds of the bare Flight server (``bench/transport_floor.py``) taking
-    ``messages`` rows as ``batch`` after batch, acking each: one figure per run."""
+    ``messages`` rows as ``batch`` after batch, acking each, and its threads' context
+    switches per batch: one figure of each per run."""
     from bench.transport_floor import FloorProcess, floor_produce
 
     batches = messages // batch.num_rows
     used: list[float] = []
+    switches: list[float] = []
     with FloorProcess(batch.num_rows) as floor:
         floor_produce(floor.url, batch, max(1, batches // 10))  # warm
         for _ in range(runs):
+            before = thread_switches(floor.pid)
             with ProcessCpu(floor.pid) as cpu:
                 floor_produce(floor.url, batch, batches)
+            switches.append(switches_between(before, thread_switches(floor.pid)) / batches)
             used.append(cpu.broker)
-    return used
+    return used, switches
 
 
 def tail(quick: bool = True) -> Path:
