@@ -13,7 +13,9 @@ iteration orders, so that two windows of the same work count within a fraction o
 
 The real Pulsar client's paths are measured beside tierstream's own client doing the same work
 in the same broker (the cost table's "within 1.2x" goal). ``python -m bench produce consume
-pulsar-produce pulsar-consume --instructions`` takes about a minute and a half.
+pulsar-produce pulsar-consume --instructions`` takes about a minute and a half. With
+``--against REV`` the same windows are counted again at REV, by a second process with REV's
+``src`` first on its path (REV's broker and clients), beside this tree's.
 """
 
 from __future__ import annotations
