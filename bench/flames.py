@@ -69,6 +69,19 @@ def _py_spy() -> str:
 
 def _sampled(spy_path: str, broker: _Broker, out: Path, work: Callable[[int], Any],
              seconds: float) -> None:
+    """:func:`_sample_once`; again, for twice as long, while py-spy found no sample (on a
+    loaded machine it can attach only after a short run's work is over)."""
+    for attempt in range(3):
+        try:
+            _sample_once(spy_path, broker, out, work, seconds * 2 ** attempt)
+            return
+        except RuntimeError as exc:
+            if "No stack counts found" not in str(exc) or attempt == 2:
+                raise
+
+
+def _sample_once(spy_path: str, broker: _Broker, out: Path, work: Callable[[int], Any],
+                 seconds: float) -> None:
     """Run ``work(1)``, ``work(2)``... for at least ``seconds``, with py-spy sampling the
     broker into ``out``."""
     spy = subprocess.Popen(
