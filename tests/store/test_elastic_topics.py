@@ -211,3 +211,40 @@ def test_a_busy_topic_grows_by_itself_and_a_quiet_one_does_not(start_broker) -> 
     assert event.reason.startswith("auto-scale: every partition above 100 msg/s for 2 seconds")
     shown = _cli(broker.url, "topic", "get", busy)
     assert "scale event 1: 1 -> 2 partitions (auto-scale: every partition" in shown.stdout
+
+
+def test_a_refusal_a_write_meets_is_the_brokers_answer_not_an_interrupted_call(broker) -> None:
+    """A stream the broker refused (its batch routed by an old partition count) fails on the
+    next write once the broker has closed it. That error is the broker's answer: the stream
+    then says the refusal, and the producer follows the scale event. It was taken for an
+    interrupted call (answer unknown): every later call said "interrupted", and a producer
+    that met it retried for its send timeout and gave up on a topic that had only grown."""
+    import itertools
+
+    import pyarrow.flight as flight
+
+    from tierstream.client.connection import BrokerClient
+    from tierstream.client.stream_io import StreamIO
+    from tierstream.model.message_format import as_produce_batch
+    from tierstream.wire.flight import encode
+
+    with Admin(broker.url) as admin:
+        admin.create_topic(TOPIC, 4)
+    client = BrokerClient(broker.url)
+    io = StreamIO(client, {"op": "produce", "topic": TOPIC, "partition": 0, "producer": "w",
+                           "routed": 1})
+    batch = as_produce_batch(pa.record_batch({"key": ["k"], "value": [b"v"]}))
+    refused: list[BaseException] = []
+
+    def write_until_refused() -> bool:
+        try:
+            io.write(batch, pa.py_buffer(encode({"seq": next(seqs)})), scaled(10))
+        except flight.FlightError as exc:
+            refused.append(exc)
+        return bool(refused)
+
+    seqs = itertools.count()
+    wait_for(write_until_refused, what="a write to meet the broker's refusal")
+    assert "stale_routing" in str(refused[0])
+    with pytest.raises(flight.FlightError, match="stale_routing"):
+        io.close(scaled(10))  # the stream's answer: the refusal, not "interrupted"

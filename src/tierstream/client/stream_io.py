@@ -124,7 +124,9 @@ class StreamIO:
             self.stalled = True
             raise StalledError(f"the broker at {self.url} did not answer in {timeout:g}s "
                                f"(a {name} on its produce stream)") from None
-        except BaseException:
+        except BaseException as exc:
+            if future.done() and not future.cancelled() and future.exception() is exc:
+                raise  # the call's own error (a broker's refusal): its answer is known
             # the wait was interrupted (Ctrl-C): the call may still run and take its answer
             # (an ack that a later read would wait for in vain), so the stream is not used
             # again; the producer reconnects and re-sends what is unacknowledged
