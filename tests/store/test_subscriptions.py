@@ -581,3 +581,44 @@ def test_a_subscription_whose_data_was_unreadable_for_a_while_reads_on(start_bro
             c.ack(batch)
     assert got == [f"v{i}".encode() for i in range(100)]
     assert "reads again after" in "".join(broker.stderr_tail)
+
+
+def test_a_grouped_chunk_hands_out_exactly_the_rows_asked_for() -> None:
+    """A key_shared chunk keeps its rows also grouped by consumer, so that each consumer's
+    next messages are a slice of it, not a gather: whatever rows are asked for (one
+    consumer's run, a run cut short, rows of several consumers, rows returned for
+    redelivery), the batch handed out holds exactly those rows, in log order."""
+    import random
+
+    import numpy as np
+
+    from tierstream.broker.subscriptions.read_window import Chunk
+    from tierstream.model.message_format import MESSAGE_SCHEMA
+
+    n = 200
+    rng = random.Random(7)
+    batch = pa.RecordBatch.from_pydict({
+        "key": [f"k{i % 13}" for i in range(n)], "key_hash": [i % 13 for i in range(n)],
+        "value": [f"v{i}".encode() for i in range(n)], "publish_time": list(range(n)),
+        "event_time": [None] * n, "properties": [None] * n, "partition": [0] * n,
+        "segment_id": [3] * n, "entry_id": [9] * n, "batch_index": list(range(n))},
+        schema=MESSAGE_SCHEMA)
+    chunk = Chunk(batch)
+    owner = np.array([rng.randrange(4) for _ in range(13)])[chunk.slots]
+    chunk.group(owner, by=1)
+    asks = [chunk.rows_of(2)[:7], chunk.rows_of(2)[7:30], chunk.rows_of(0),
+            np.arange(5, 60), np.array([1, 4, 150]),
+            *(np.array(sorted(rng.sample(range(n), rng.randrange(1, n)))) for _ in range(50))]
+    for rows in asks:
+        out = chunk.take(rows)
+        assert out.column("batch_index").to_pylist() == rows.tolist()
+        assert out.column("value").to_pylist() == [f"v{i}".encode() for i in rows.tolist()]
+    assert all(np.all(owner[chunk.rows_of(c)] == c) for c in range(4))
+    # rows of two groups interleaved: their places in the grouped rows (0, 2, 1, 3) span a
+    # run, out of order
+    key = np.full(n, 2)
+    key[[0, 4]], key[[2, 6]] = 0, 1
+    chunk.group(key, by=2)
+    assert chunk.take(np.array([0, 2, 4, 6])).column("batch_index").to_pylist() == [0, 2, 4, 6]
+    assert sorted(np.concatenate([chunk.rows_of(c) for c in range(4)]).tolist()) == \
+        list(range(n))

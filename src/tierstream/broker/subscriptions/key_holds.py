@@ -22,6 +22,8 @@ from tierstream.model.message_format import KEY_HASH_SLOTS
 
 __all__ = ["KeyHolds"]
 
+_ONE = np.int32(1)  # (ufunc.at with a Python int: 4x slower, a cast per element)
+
 
 class KeyHolds:
     """Owners and holders of the hash slots of one partition."""
@@ -30,9 +32,15 @@ class KeyHolds:
         self.owners: np.ndarray | None = None  # slot -> owning consumer idx (-1: none)
         self._held = np.zeros(KEY_HASH_SLOTS, dtype=np.int32)     # held messages per slot
         self._holder = np.full(KEY_HASH_SLOTS, -1, dtype=np.int32)  # consumer holding them
+        self._assigned = 0  # how many times the slots were divided (chunks group by it)
+        #: whether a slot may be held by another consumer than its owner (a key moved): only
+        #: then can a message wait for another's acknowledgements
+        self._moved = False
 
     def assign(self, consumers: list[Attached]) -> None:
         """Divide the slots among ``consumers`` (none: no slot has an owner)."""
+        self._assigned += 1
+        self._moved = True  # (found out at the next dispatch)
         if not consumers:
             self.owners = None
             return
@@ -47,12 +55,12 @@ class KeyHolds:
 
     def hold(self, slots: np.ndarray, idx: int) -> None:
         """Consumer ``idx`` was sent messages of ``slots`` (one slot per message)."""
-        np.add.at(self._held, slots, 1)
+        np.add.at(self._held, slots, _ONE)
         self._holder[slots] = idx
 
     def release(self, slots: np.ndarray) -> None:
         """Messages of ``slots`` are no longer held (acknowledged, or waiting again)."""
-        np.subtract.at(self._held, slots, 1)
+        np.subtract.at(self._held, slots, _ONE)
         self._holder[slots[self._held[slots] <= 0]] = -1
 
     def dispatch(self, waiting: Iterable[Chunk], consumers: Mapping[int, Attached],
@@ -62,8 +70,35 @@ class KeyHolds:
         owners, holder = self.owners, self._holder
         if owners is None:
             return
+        if self._moved:
+            self._moved = bool(((holder >= 0) & (holder != owners)).any())
+        ready = [c for c in consumers.values() if c.permits > 0]
+        if self._moved:
+            self._dispatch_moved(waiting, ready, deliver)
+            return
+        for chunk in waiting:  # every held slot is held by its owner: no message waits on
+            if chunk.grouped_by != self._assigned:  # another consumer's
+                chunk.group(owners[chunk.slots], self._assigned)
+            for c in ready:
+                if c.permits <= 0:
+                    continue
+                rows = chunk.rows_of(c.idx)
+                rows = rows[chunk.state[rows] == WAITING]
+                if len(rows):
+                    deliver(chunk, rows if c.settings.whole_entries else rows[:c.permits], c)
+            if not any(c.permits > 0 for c in ready):
+                return
+
+    def _dispatch_moved(self, waiting: Iterable[Chunk], ready: list[Attached],
+                        deliver: Callable[[Chunk, np.ndarray, Attached], None]) -> None:
+        """:meth:`dispatch` while a slot may be held by another consumer than its owner: a
+        message of such a slot, and every later one of it in this pass, waits."""
+        owners, holder = self.owners, self._holder
+        assert owners is not None
         blocked: np.ndarray | None = None
         for chunk in waiting:
+            if chunk.grouped_by != self._assigned:  # each consumer's messages, one run each
+                chunk.group(owners[chunk.slots], self._assigned)
             rows = np.flatnonzero(chunk.state == WAITING)
             slots = chunk.slots[rows]
             target = owners[slots]
@@ -71,10 +106,11 @@ class KeyHolds:
             ok = (target >= 0) & ((held_by < 0) | (held_by == target))
             if blocked is not None:
                 ok &= ~blocked[slots]
-            for t in np.unique(target[ok]).tolist():
-                c = consumers[t]
-                idx = np.flatnonzero(ok & (target == t))
-                cap = len(idx) if c.settings.whole_entries and c.permits > 0 else c.permits
+            for c in ready:  # (a consumer without permits takes nothing in this pass)
+                if c.permits <= 0:
+                    continue
+                idx = np.flatnonzero(ok & (target == c.idx))
+                cap = len(idx) if c.settings.whole_entries else c.permits
                 if len(idx) > cap:
                     ok[idx[cap:]] = False
                     idx = idx[:cap]
@@ -84,5 +120,5 @@ class KeyHolds:
                 if blocked is None:
                     blocked = np.zeros(KEY_HASH_SLOTS, dtype=bool)
                 blocked[slots[~ok]] = True
-            if not any(c.permits > 0 for c in consumers.values()):
+            if not any(c.permits > 0 for c in ready):
                 return

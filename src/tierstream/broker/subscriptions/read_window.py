@@ -43,11 +43,17 @@ def span(rows: np.ndarray) -> slice | np.ndarray:
     return rows
 
 
+def _consecutive(at: np.ndarray) -> bool:
+    """Whether ``at`` counts up by one from its first value."""
+    return len(at) > 0 and bool((np.diff(at) == 1).all())
+
+
 class Chunk:
     """One read batch and the state of each of its messages."""
 
-    __slots__ = ("batch", "bi0", "entry_id", "n", "open", "owner", "partition", "queued",
-                 "redeliveries", "segment_id", "slots", "state", "until", "waiting")
+    __slots__ = ("batch", "bi0", "entry_id", "grouped", "grouped_at", "grouped_by", "groups",
+                 "n", "open", "owner", "partition", "queued", "redeliveries", "segment_id",
+                 "slots", "state", "until", "waiting")
 
     def __init__(self, batch: pa.RecordBatch) -> None:
         self.batch: pa.RecordBatch | None = batch
@@ -64,6 +70,13 @@ class Chunk:
         self.waiting = self.n  # messages in state WAITING
         self.open = self.n     # messages not ACKED
         self.queued = False    # in its dispatcher's list of chunks with waiting messages
+        #: the batch's rows ordered by a key (:meth:`group`; None: in that order already, or
+        #: not grouped), where each row lies in it, the rows of each key value, and what the
+        #: key was grouped for (None: not grouped)
+        self.grouped: pa.RecordBatch | None = None
+        self.grouped_at = _NOTHING
+        self.groups: dict[int, np.ndarray] = {}
+        self.grouped_by: object = None
 
     @property
     def entry(self) -> tuple[int, int]:
@@ -81,6 +94,30 @@ class Chunk:
         first)."""
         return self.n if self.after() <= end else max(0, end.batch_index - self.bi0)
 
+    def group(self, key: np.ndarray, by: object) -> None:
+        """Keep the batch's rows also ordered by ``key`` (one value per row, the order within
+        a value kept), noting ``by``: rows of one key value taken in log order are then a
+        slice of it. A key_shared chunk's messages go to 4 consumers in 8 or more deliveries;
+        each a gather of ~130 scattered rows cost as much as one gather of the whole batch
+        (~100 µs: pyarrow's take per column), the most of a key_shared message's dispatch."""
+        assert self.batch is not None
+        self.grouped_by = by
+        if bool((key[1:] >= key[:-1]).all()):  # in order already: its runs are slices
+            order = np.arange(self.n)
+            self.grouped, self.grouped_at = None, _NOTHING
+        else:
+            order = np.argsort(key, kind="stable")
+            self.grouped = self.batch.take(pa.array(order))
+            self.grouped_at = np.empty(self.n, dtype=np.intp)
+            self.grouped_at[order] = np.arange(self.n)
+        values, starts = np.unique(key[order], return_index=True)
+        bounds = [*starts.tolist(), self.n]
+        self.groups = {v: order[bounds[i]:bounds[i + 1]] for i, v in enumerate(values.tolist())}
+
+    def rows_of(self, value: int) -> np.ndarray:
+        """The rows (ascending) whose key was ``value`` when the chunk was grouped."""
+        return self.groups.get(value, _NOTHING)
+
     def take(self, rows: np.ndarray) -> pa.RecordBatch:
         """``rows`` as a consumer receives them: with their redelivery counts."""
         assert self.batch is not None
@@ -88,6 +125,8 @@ class Chunk:
         if isinstance(sel, slice):
             batch = self.batch if len(rows) == self.n else \
                 self.batch.slice(sel.start, len(rows))
+        elif self.grouped is not None and _consecutive(at := self.grouped_at[rows]):
+            batch = self.grouped.slice(int(at[0]), len(rows))
         else:
             batch = self.batch.take(pa.array(rows))
         # one column added (from_arrays, which checks every column against the schema, took
@@ -110,8 +149,9 @@ class Chunk:
     def release(self) -> None:
         """Every message is acknowledged: keep only where the chunk lies (a window behind one
         slow message may hold many of these)."""
-        self.batch = None
+        self.batch = self.grouped = None
         self.slots = self.state = self.owner = self.redeliveries = self.until = _NOTHING
+        self.grouped_at, self.groups = _NOTHING, {}
 
 
 class ReadWindow:
