@@ -54,7 +54,11 @@ class CursorWriter:
     def __init__(self, metadata: MetadataStore, *,
                  on_error: Callable[[BaseException], None] | None = None) -> None:
         self._metadata = metadata
-        self._cond = threading.Condition()
+        lock = threading.Lock()
+        #: the writer waits on ``_work`` (something is dirty), acks on ``_done`` (a write
+        #: ended): one condition for both woke every waiting ack at every other ack
+        self._work = threading.Condition(lock)
+        self._done = threading.Condition(lock)
         self._dirty: dict[int, Snapshotting] = {}
         self._requested = 0   # generation the next write will complete
         self._written = 0     # last generation on disk
@@ -71,9 +75,9 @@ class CursorWriter:
 
     def dirty(self, cursor: Snapshotting) -> int:
         """Mark ``cursor`` for the next write; the generation to :meth:`wait` for."""
-        with self._cond:
+        with self._work:
             self._dirty[id(cursor)] = cursor
-            self._cond.notify_all()
+            self._work.notify()
             return self._requested + 1
 
     def wait(self, generation: int, *, stopped: Callable[[], bool] = lambda: False,
@@ -81,14 +85,14 @@ class CursorWriter:
         """Return once generation ``generation`` is on disk. NotStoredError if the cursor of
         one of ``partitions`` (``(topic, partition)``: those the caller's state is in) was
         left out of it, or of a later write, because another broker owns it now."""
-        with self._cond:
+        with self._done:
             while self._written < generation:
                 if self._error is not None:
                     raise StorageError(f"cannot store a cursor: {self._error}")
                 if self._stop or stopped():
                     raise UnavailableError("the broker is shutting down; the ack was not "
                                            "stored")
-                self._cond.wait(0.5)
+                self._done.wait(0.5)
             for key in partitions:
                 left_out, owner = self._foreign.get(key, (0, ""))
                 if left_out >= generation:
@@ -96,9 +100,9 @@ class CursorWriter:
 
     def _run(self) -> None:
         while True:
-            with self._cond:
+            with self._work:
                 while not self._dirty and not self._stop:
-                    self._cond.wait()
+                    self._work.wait()
                 if not self._dirty and self._stop:
                     return
                 batch = list(self._dirty.values())
@@ -120,22 +124,22 @@ class CursorWriter:
                 # written again as it is then, and the acks waiting for this one with it
                 log.warning("storing %d cursor(s) did not complete (%s): writing them again",
                             len(batch), exc)
-                with self._cond:
+                with self._work:
                     for cursor in batch:
                         self._dirty.setdefault(id(cursor), cursor)
                 continue
-            with self._cond:
+            with self._done:
                 self.writes += 1
                 self.snapshots += len(rows)
                 self._written = generation
                 for key, owner in foreign.items():
                     self._foreign[key] = (generation, owner)
-                self._cond.notify_all()
+                self._done.notify_all()
 
     def _fail_waiters(self, exc: Exception) -> None:
-        with self._cond:
+        with self._done:
             self._error = exc
-            self._cond.notify_all()
+            self._done.notify_all()
 
     def _failed(self, exc: BaseException) -> None:
         """The thread died of an error nobody foresaw: the acks waiting, and every later one,
@@ -146,7 +150,8 @@ class CursorWriter:
 
     def close(self) -> None:
         """Write what is dirty, then stop."""
-        with self._cond:
+        with self._work:
             self._stop = True
-            self._cond.notify_all()
+            self._work.notify_all()
+            self._done.notify_all()
         self._thread.join(timeout=10)

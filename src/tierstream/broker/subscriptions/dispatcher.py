@@ -102,6 +102,7 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
         self._waiting: list[Chunk] = []   # chunks with waiting messages, in log order
         self._outgoing: dict[int, list[pa.RecordBatch]] = {}  # batches of one dispatch pass
         self._waiting_total = 0
+        self._reader_waits = False  # the reader waits for fewer waiting messages
         self._keys: KeyHolds | None = None  # key_shared: owners and holders of the slots
         self._active: int | None = None            # failover/exclusive: the active idx
         self._intents = list(state.dead_letters)
@@ -191,7 +192,6 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
                 if c.name == name:
                     c.permits = min(c.permits + permits, c.settings.permits)
             self._dispatch()
-            self._cond.notify_all()
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -225,7 +225,9 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
                             self._dispatch()
                         while self._waiting_total >= self._lookahead() \
                                 and not self._stop.is_set():
+                            self._reader_waits = True
                             self._cond.wait(0.1)
+                        self._reader_waits = False
                     if self._stop.is_set():
                         return
                 # the follow ended: the broker closes, or the partition is gone from here
@@ -278,7 +280,13 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
         for chunk in self._waiting:
             chunk.queued = chunk.waiting > 0
         self._waiting = [c for c in self._waiting if c.queued]
-        self._cond.notify_all()
+        self._wake_reader()
+
+    def _wake_reader(self) -> None:
+        """Wake the reader if it waits for room there is now (lock held); only then: a wake
+        for nothing was two thread switches on every ack and every flow."""
+        if self._reader_waits and self._waiting_total < self._lookahead():
+            self._cond.notify_all()
 
     def _dispatch_in_order(self) -> None:
         c = self.consumers.get(self._active) if self._active is not None else None
@@ -433,7 +441,7 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
     def _acked(self) -> int:
         self.window.trim()
         self._dispatch()  # acknowledged slots may free the keys that moved
-        self._cond.notify_all()
+        self._wake_reader()  # (acknowledged waiting messages make room too)
         return self._writer.dirty(self)
 
     def nack(self, name: str, segment: np.ndarray, entry: np.ndarray, index: np.ndarray,
