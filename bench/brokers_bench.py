@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from bench.harness import Figure, console, report, sized
+from bench.harness import Figure, console, cpu_seconds, report, sized
 from bench.remote_write_bench import _register
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer, Producer
@@ -113,8 +113,7 @@ def _create(running: list[BrokerProcess], topic: str) -> None:
 
 def _cpu_s(proc: BrokerProcess) -> float:
     assert proc.proc is not None
-    fields = Path(f"/proc/{proc.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / 100  # utime + stime, in clock ticks
+    return cpu_seconds(proc.proc.pid)
 
 
 def _rates(running: list[BrokerProcess], topic: str, messages: int

@@ -69,21 +69,20 @@ def _py_spy() -> str:
 
 def _sampled(spy_path: str, broker: _Broker, out: Path, work: Callable[[int], Any],
              seconds: float) -> None:
-    """:func:`_sample_once`; again, for twice as long, while py-spy found no sample (on a
+    """:func:`_sample_once`; again, for twice as long, while py-spy sampled nothing (on a
     loaded machine it can attach only after a short run's work is over)."""
     for attempt in range(3):
-        try:
-            _sample_once(spy_path, broker, out, work, seconds * 2 ** attempt)
+        if _sample_once(spy_path, broker, out, work, seconds * 2 ** attempt):
             return
-        except RuntimeError as exc:
-            if "No stack counts found" not in str(exc) or attempt == 2:
-                raise
+    raise RuntimeError(f"py-spy sampled nothing of the broker in 3 tries ({seconds * 4:g} s "
+                       "the last): the machine may be too busy for it to attach in time")
 
 
 def _sample_once(spy_path: str, broker: _Broker, out: Path, work: Callable[[int], Any],
-                 seconds: float) -> None:
+                 seconds: float) -> bool:
     """Run ``work(1)``, ``work(2)``... for at least ``seconds``, with py-spy sampling the
-    broker into ``out``."""
+    broker into ``out``; False if py-spy, stopped by us, had no sample to write."""
+    out.unlink(missing_ok=True)  # (one of an earlier run is not this one's)
     spy = subprocess.Popen(
         [spy_path, "record", "--gil", "--rate", str(RATE), "--format", "flamegraph",
          "--output", str(out), "--pid", str(broker.pid)],
@@ -99,10 +98,14 @@ def _sample_once(spy_path: str, broker: _Broker, out: Path, work: Callable[[int]
                 break
             i += 1
     finally:
+        ended = spy.poll() is not None  # on its own, before it was told: it failed
         spy.send_signal(signal.SIGINT)  # it writes the graph of what it sampled, then exits
         _, err = spy.communicate(timeout=120)
-    if spy.returncode not in (0, -signal.SIGINT) or not out.exists():
+    if out.exists():
+        return True
+    if ended:
         raise RuntimeError(f"py-spy wrote no flame graph ({spy.returncode}): {err[-2000:]}")
+    return False  # it ran until told to stop, and had nothing to write
 
 
 def flames(names: list[str], quick: bool = True) -> list[Path]:

@@ -216,15 +216,20 @@ class WorkerProcess:
         return [w.result() for w in workers]
 
 
-def cpu_seconds(pid: int | None = None, *, system_only: bool = False) -> float:
-    """CPU seconds (user + system, or only system: in the kernel) used so far by this
-    process, or by process ``pid``."""
+def cpu_times(pid: int | None = None) -> tuple[float, float]:
+    """CPU seconds used so far by this process, or by process ``pid``: user + system, and
+    of it system (in the kernel); one read of the process's accounting."""
     if pid is None:
         used = resource.getrusage(resource.RUSAGE_SELF)
-        return used.ru_stime + (0.0 if system_only else used.ru_utime)
+        return used.ru_utime + used.ru_stime, used.ru_stime
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = int(fields[12]) + (0 if system_only else int(fields[11]))
-    return ticks / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / tick, int(fields[12]) / tick
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """CPU seconds (user + system) used so far by this process, or by process ``pid``."""
+    return cpu_times(pid)[0]
 
 
 def thread_switches(pid: int) -> dict[int, int]:
@@ -255,14 +260,14 @@ class ProcessCpu:
         self.client = self.broker = self.broker_system = 0.0
 
     def __enter__(self) -> ProcessCpu:
-        self._start = (cpu_seconds(), cpu_seconds(self.pid),
-                       cpu_seconds(self.pid, system_only=True))
+        self._start = (cpu_seconds(), *cpu_times(self.pid))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.client = cpu_seconds() - self._start[0]
-        self.broker = cpu_seconds(self.pid) - self._start[1]
-        self.broker_system = cpu_seconds(self.pid, system_only=True) - self._start[2]
+        client, (broker, system) = cpu_seconds(), cpu_times(self.pid)
+        self.client = client - self._start[0]
+        self.broker = broker - self._start[1]
+        self.broker_system = system - self._start[2]
 
 
 def _reference_loop(n: int) -> int:
