@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                              "figures mean nothing; results go to a temporary directory)")
     parser.add_argument("--against", metavar="REV", default=None,
                         help="run the benchmark on this tree and at git revision REV in "
-                             "alternating rounds, and compare their first ratio; with "
+                             "alternating rounds, and compare their ratios; with "
                              "--instructions, count the broker at REV beside this tree's")
     parser.add_argument("--instructions", action="store_true",
                         help="the broker's instructions per message on the paths named ("

@@ -69,13 +69,21 @@ def _costs(figures: list[dict[str, Any]]) -> dict[str, float]:
             if f["unit"] == "us" and "CPU per message" in f["name"]}
 
 
+def _ratios(figures: list[dict[str, Any]]) -> dict[str, float]:
+    """The ratios of one run's figures to their baselines (cost figures aside), by name."""
+    return {f["name"]: float(f["ratio"]) for f in figures
+            if f.get("ratio") is not None and not (f["unit"] == "us" and
+                                                   "CPU per message" in f["name"])}
+
+
 def against(name: str, rev: str, quick: bool = True, rounds: int | None = None) -> Path:
-    """``name``'s first ratio (its first figure beside that figure's baseline), and its cost
-    per message, on this tree and at ``rev``, one run each per round, alternating which
-    goes first."""
+    """``name``'s ratios (each figure beside its baseline) and its cost per message, on this
+    tree and at ``rev``, one run each per round, alternating which goes first. A figure is
+    compared where both trees report it under the same name."""
     rounds = rounds or (4 if quick else 8)
     ours: list[float] = []
     old: list[float] = []
+    ratios: dict[str, tuple[list[float], list[float]]] = {}
     costs: dict[str, tuple[list[float], list[float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         now_tree = tree_at(None, Path(tmp) / "now")
@@ -86,12 +94,15 @@ def against(name: str, rev: str, quick: bool = True, rounds: int | None = None) 
             for tree, side in (first, second):
                 figures = _run(tree, name, quick)
                 (ours, old)[side].append(float(figures[0]["ratio"]))
+                for figure, ratio in _ratios(figures).items():
+                    ratios.setdefault(figure, ([], []))[side].append(ratio)
                 for cost, us in _costs(figures).items():
                     costs.setdefault(cost, ([], []))[side].append(us)
             console.print(f"round {i + 1}/{rounds}: this tree {ours[-1]:.2f}, {rev} "
                           f"{old[-1]:.2f}")
-    figures = [Figure(f"{name}: first figure / its baseline, this tree", "x", ours,
-                      f"the same at {rev}, alternating rounds", old)]
+    figures = [Figure(f"{figure}: ratio to its baseline, this tree", "x", now,
+                      f"the same at {rev}, alternating rounds", then)
+               for figure, (now, then) in ratios.items() if now and len(then) == len(now)]
     figures += [Figure(f"{cost}, this tree", "us", now, f"the same at {rev}", then,
                        higher_is_better=False)
                 for cost, (now, then) in costs.items() if now and len(then) == len(now)]
