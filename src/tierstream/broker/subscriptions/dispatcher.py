@@ -7,9 +7,9 @@ What a consumer holds unacknowledged goes back to waiting when it leaves, when i
 timeout passes, or when it nacks (after the nack delay), with its redelivery count raised.
 
 Key order (``key_shared``, PIP-379) is kept by
-:class:`~tierstream.broker.subscriptions.key_holds.KeyHolds`.
-``failover`` and ``exclusive`` keep the partition's order: a new active consumer starts once
-the previous one's messages are acknowledged or returned.
+:class:`~tierstream.broker.subscriptions.key_holds.KeyHolds`; the other types' turns are in
+``dispatch_order.py``. ``failover`` and ``exclusive`` keep the partition's order: a new
+active consumer starts once the previous one's messages are acknowledged or returned.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from tierstream.broker.subscriptions.compacted_source import Reads
 from tierstream.broker.subscriptions.cursor_state import CursorState, DeadLetterIntent
 from tierstream.broker.subscriptions.dead_letters import DeadLetterSide, IntentRecovery
 from tierstream.broker.subscriptions.delivery_time import TIMED, DeliveryTimes
+from tierstream.broker.subscriptions.dispatch_order import in_order, round_robin
 from tierstream.broker.subscriptions.dispatcher_figures import DispatcherFigures
 from tierstream.broker.subscriptions.key_holds import KeyHolds
 from tierstream.broker.subscriptions.read_window import (
@@ -266,11 +267,11 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
                 return  # tick() asks again
             self.gate = None  # acknowledgements only move forward: open for good
         if self.type == SubscriptionType.SHARED:
-            self._dispatch_shared()
+            round_robin(self._waiting, self.consumers, self._deliver)
         elif self._keys is not None:
             self._keys.dispatch(self._waiting, self.consumers, self._deliver)
         elif self.type in SubscriptionType.CUMULATIVE:
-            self._dispatch_in_order()
+            in_order(self._waiting, self.consumers, self._active, self._deliver)
         # one batch per consumer and pass: a consumer's keys are spread over many chunks, and
         # each batch costs it an ack call
         for idx, parts in self._outgoing.items():
@@ -287,34 +288,6 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
         for nothing was two thread switches on every ack and every flow."""
         if self._reader_waits and self._waiting_total < self._lookahead():
             self._cond.notify_all()
-
-    def _dispatch_in_order(self) -> None:
-        c = self.consumers.get(self._active) if self._active is not None else None
-        if c is None or any(o.held for o in self.consumers.values() if o is not c):
-            return  # the previous active consumer's messages come first
-        for chunk in self._waiting:
-            if c.permits <= 0:
-                return
-            rows = np.flatnonzero(chunk.state == WAITING)
-            take = rows if c.settings.whole_entries else rows[:c.permits]
-            self._deliver(chunk, take, c)
-            if len(take) < len(rows):
-                return
-
-    def _dispatch_shared(self) -> None:
-        ring = sorted(self.consumers.values(), key=lambda c: (-c.permits, c.idx))
-        turn = 0
-        for chunk in self._waiting:
-            rows = np.flatnonzero(chunk.state == WAITING)
-            while len(rows):
-                ready = [c for c in ring if c.permits > 0]
-                if not ready:
-                    return
-                c = ready[turn % len(ready)]
-                turn += 1
-                take = rows if c.settings.whole_entries else rows[:c.permits]
-                self._deliver(chunk, take, c)
-                rows = rows[len(take):]
 
     def _deliver(self, chunk: Chunk, rows: np.ndarray, c: Attached) -> None:
         if not len(rows):
