@@ -8,6 +8,9 @@ takes to move when its broker is SIGKILLed.
   from ``/proc``) is reported beside the totals: on this 2-core machine the brokers, the three
   bookies, PostgreSQL and the clients share two cores, so the totals cannot scale; the CPU
   per message per broker shows how the work divides.
+- **Cost per message** of the cluster, produce and consume: the brokers' CPU together and the
+  client's (this process), in µs and loop units, with 2 and 3 brokers beside 1. The bookies'
+  and PostgreSQL's CPU is not in it (the bookies run as processes of their own).
 - **Move time** (p50, p99): with 3 brokers, one producer per partition sends a batch at a
   time; a broker owning partitions is SIGKILLed, and a partition's move time is from the kill
   until the first ack of a batch sent after it. The baseline is the lease timeout, the floor of
@@ -24,7 +27,16 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from bench.harness import Figure, console, cpu_seconds, report, sized
+from bench.harness import (
+    Figure,
+    ProcessCpu,
+    console,
+    cost_figures,
+    cpu_seconds,
+    loop_unit_us,
+    report,
+    sized,
+)
 from bench.remote_write_bench import _register
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Consumer, Producer
@@ -43,7 +55,9 @@ def brokers(quick: bool = True) -> Path:
     produce: dict[int, float] = {}
     consume: dict[int, float] = {}
     cpu: dict[int, list[float]] = {}
+    costs: dict[int, tuple[tuple[ProcessCpu, int], ...]] = {}  # produce, consume: all brokers
     moves: list[float] = []
+    unit = loop_unit_us()
     server = PostgresServer(fsync=False)
     try:
         for n in (1, 2, 3):
@@ -56,7 +70,7 @@ def brokers(quick: bool = True) -> Path:
                 try:
                     topic = f"bench/brokers/n{n}"
                     _create(running, topic)
-                    produce[n], consume[n], cpu[n] = _rates(running, topic, messages)
+                    produce[n], consume[n], cpu[n], costs[n] = _rates(running, topic, messages)
                     console.print(f"{n} broker(s): produce {produce[n]:,.0f} msg/s, consume "
                                   f"{consume[n]:,.0f} msg/s, CPU per message per broker "
                                   f"{', '.join(f'{c:.1f}' for c in cpu[n])} µs")
@@ -76,6 +90,12 @@ def brokers(quick: bool = True) -> Path:
         for n in (2, 3)] + [
         Figure(f"CPU per message per broker, {n} brokers", "µs", cpu[n], "1 broker", cpu[1],
                higher_is_better=False) for n in (2, 3)]
+    for i, path in enumerate(("produce", "consume")):
+        for n in (2, 3):
+            (used, count), (one, one_count) = costs[n][i], costs[1][i]
+            assert count == one_count  # (the same messages on every cluster)
+            figures += cost_figures(f"{path}, {n} brokers", count, [used], unit,
+                                    baseline=("1 broker", [one]), server="brokers'")
     if moves:
         ordered = sorted(moves)
         p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
@@ -117,29 +137,35 @@ def _cpu_s(proc: BrokerProcess) -> float:
 
 
 def _rates(running: list[BrokerProcess], topic: str, messages: int
-           ) -> tuple[float, float, list[float]]:
+           ) -> tuple[float, float, list[float], tuple[tuple[ProcessCpu, int], ...]]:
+    """Produce and consume msg/s, each broker's CPU per message producing, and the CPU of
+    all brokers and of this process producing and consuming, with the messages of each."""
     urls = ",".join(p.url for p in running if p.url)
+    pids = [p.proc.pid for p in running if p.proc is not None]
+    produced, consumed = ProcessCpu(*pids), ProcessCpu(*pids)
     with Producer(topic, broker=urls, batch_size=100) as producer:
         producer.send_many({"value": VALUE, "key": f"k{i % 64}"} for i in range(1000))
         producer.flush()  # connected to every owner, warm
         before = [_cpu_s(p) for p in running]
         start = time.perf_counter()
-        producer.send_many({"value": VALUE, "key": f"k{i % 64}"} for i in range(messages))
-        producer.flush()
+        with produced:
+            producer.send_many({"value": VALUE, "key": f"k{i % 64}"} for i in range(messages))
+            producer.flush()
         produce = messages / (time.perf_counter() - start)
         cpu = [(_cpu_s(p) - b) / messages * 1e6 for p, b in zip(running, before, strict=True)]
     got = 0
     with Consumer(topic, "bench", mode="shared", initial=Offset.earliest(),
                   broker=urls) as consumer:
         start = time.perf_counter()
-        while got < messages + 1000:
-            batch = consumer.receive(timeout=60)
-            if batch is None:
-                raise RuntimeError(f"the consumer received {got} of {messages + 1000}")
-            got += batch.num_rows
-            consumer.ack(batch)
+        with consumed:
+            while got < messages + 1000:
+                batch = consumer.receive(timeout=60)
+                if batch is None:
+                    raise RuntimeError(f"the consumer received {got} of {messages + 1000}")
+                got += batch.num_rows
+                consumer.ack(batch)
         consume = got / (time.perf_counter() - start)
-    return produce, consume, cpu
+    return produce, consume, cpu, ((produced, messages), (consumed, got))
 
 
 def _moves(tmp: Path, url: str, running: list[BrokerProcess], topic: str, kills: int

@@ -251,20 +251,24 @@ def switches_between(before: dict[int, int], after: dict[int, int]) -> int:
 
 
 class ProcessCpu:
-    """CPU seconds (user + system) this process (``client``) and process ``pid`` (``broker``)
-    spend between entering and leaving: a message's cost, which does not move with the
-    machine's load as its throughput does."""
+    """CPU seconds (user + system) this process (``client``) and process ``pid`` (``broker``;
+    with several, the brokers of a cluster, their sum) spend between entering and leaving: a
+    message's cost, which does not move with the machine's load as its throughput does."""
 
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
+    def __init__(self, pid: int, *more: int) -> None:
+        self.pids = (pid, *more)
         self.client = self.broker = self.broker_system = 0.0
 
+    def _brokers(self) -> tuple[float, float]:
+        times = [cpu_times(pid) for pid in self.pids]
+        return sum(t[0] for t in times), sum(t[1] for t in times)
+
     def __enter__(self) -> ProcessCpu:
-        self._start = (cpu_seconds(), *cpu_times(self.pid))
+        self._start = (cpu_seconds(), *self._brokers())
         return self
 
     def __exit__(self, *exc: object) -> None:
-        client, (broker, system) = cpu_seconds(), cpu_times(self.pid)
+        client, (broker, system) = cpu_seconds(), self._brokers()
         self.client = client - self._start[0]
         self.broker = broker - self._start[1]
         self.broker_system = system - self._start[2]
