@@ -620,5 +620,7 @@ def test_a_grouped_chunk_hands_out_exactly_the_rows_asked_for() -> None:
     key[[0, 4]], key[[2, 6]] = 0, 1
     chunk.group(key, by=2)
     assert chunk.take(np.array([0, 2, 4, 6])).column("batch_index").to_pylist() == [0, 2, 4, 6]
+    chunk.handed_out()  # the grouped copy dropped: a redelivery's rows are gathered
+    assert chunk.take(chunk.rows_of(1)).column("batch_index").to_pylist() == [2, 6]
     assert sorted(np.concatenate([chunk.rows_of(c) for c in range(4)]).tolist()) == \
         list(range(n))

@@ -280,6 +280,8 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
         self._outgoing.clear()
         for chunk in self._waiting:
             chunk.queued = chunk.waiting > 0
+            if not chunk.queued:
+                chunk.handed_out()
         self._waiting = [c for c in self._waiting if c.queued]
         self._wake_reader()
 

@@ -114,6 +114,12 @@ class Chunk:
         bounds = [*starts.tolist(), self.n]
         self.groups = {v: order[bounds[i]:bounds[i + 1]] for i, v in enumerate(values.tolist())}
 
+    def handed_out(self) -> None:
+        """No message waits any more: the grouped copy goes (a redelivery's rows, scattered
+        anyway, are gathered), so a window of delivered, unacknowledged entries holds each
+        once. Which rows each key value has is kept."""
+        self.grouped, self.grouped_at = None, _NOTHING
+
     def rows_of(self, value: int) -> np.ndarray:
         """The rows (ascending) whose key was ``value`` when the chunk was grouped."""
         return self.groups.get(value, _NOTHING)
