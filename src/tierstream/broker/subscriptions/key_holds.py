@@ -76,8 +76,9 @@ class KeyHolds:
         if self._moved:
             self._dispatch_moved(waiting, ready, deliver)
             return
-        for chunk in waiting:  # every held slot is held by its owner: no message waits on
-            if chunk.grouped_by != self._assigned:  # another consumer's
+        # every held slot is held by its owner: no message waits on another consumer's acks
+        for chunk in waiting:
+            if chunk.grouped_by != self._assigned:  # each consumer's messages, one run each
                 chunk.group(owners[chunk.slots], self._assigned)
             for c in ready:
                 if c.permits <= 0:
