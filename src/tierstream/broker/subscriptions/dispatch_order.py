@@ -11,9 +11,8 @@ import numpy as np
 from tierstream.broker.subscriptions.attached import Attached
 from tierstream.broker.subscriptions.read_window import WAITING, Chunk
 
-__all__ = ["Deliver", "in_order", "round_robin"]
+__all__ = ["in_order", "round_robin"]
 
-#: how a rule hands a chunk's rows to a consumer (the dispatcher's delivery)
 Deliver = Callable[[Chunk, np.ndarray, Attached], None]
 
 

@@ -11,12 +11,11 @@ wait, and a stalled consumer stops only its own.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
 from tierstream.broker.subscriptions.attached import Attached, ranges_of
-from tierstream.broker.subscriptions.dispatch_order import Deliver
 from tierstream.broker.subscriptions.read_window import WAITING, Chunk
 from tierstream.broker.subscriptions.selectors import slot_owners
 from tierstream.model.message_format import KEY_HASH_SLOTS
@@ -64,13 +63,8 @@ class KeyHolds:
         np.subtract.at(self._held, slots, _ONE)
         self._holder[slots[self._held[slots] <= 0]] = -1
 
-    def _group(self, chunk: Chunk, owners: np.ndarray) -> None:
-        """Each consumer's messages of ``chunk`` one run of it, by the slots' owners now."""
-        if chunk.grouped_by != self._assigned:
-            chunk.group(owners[chunk.slots], self._assigned)
-
     def dispatch(self, waiting: Iterable[Chunk], consumers: Mapping[int, Attached],
-                 deliver: Deliver) -> None:
+                 deliver: Callable[[Chunk, np.ndarray, Attached], None]) -> None:
         """Hand the waiting messages of ``waiting`` (in log order) to their slots' owners,
         each up to its permits, through ``deliver``."""
         owners, holder = self.owners, self._holder
@@ -84,7 +78,8 @@ class KeyHolds:
             return
         # every held slot is held by its owner: no message waits on another consumer's acks
         for chunk in waiting:
-            self._group(chunk, owners)
+            if chunk.grouped_by != self._assigned:  # each consumer's messages, one run each
+                chunk.group(owners[chunk.slots], self._assigned)
             for c in ready:
                 if c.permits <= 0:
                     continue
@@ -96,14 +91,15 @@ class KeyHolds:
                 return
 
     def _dispatch_moved(self, waiting: Iterable[Chunk], ready: list[Attached],
-                        deliver: Deliver) -> None:
+                        deliver: Callable[[Chunk, np.ndarray, Attached], None]) -> None:
         """:meth:`dispatch` while a slot may be held by another consumer than its owner: a
         message of such a slot, and every later one of it in this pass, waits."""
         owners, holder = self.owners, self._holder
         assert owners is not None
         blocked: np.ndarray | None = None
         for chunk in waiting:
-            self._group(chunk, owners)
+            if chunk.grouped_by != self._assigned:  # each consumer's messages, one run each
+                chunk.group(owners[chunk.slots], self._assigned)
             rows = np.flatnonzero(chunk.state == WAITING)
             slots = chunk.slots[rows]
             target = owners[slots]
