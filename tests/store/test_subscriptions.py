@@ -593,7 +593,7 @@ def test_a_grouped_chunk_hands_out_exactly_the_rows_asked_for() -> None:
     import numpy as np
 
     from tierstream.broker.subscriptions.read_window import Chunk
-    from tierstream.model.message_format import MESSAGE_SCHEMA
+    from tierstream.model.message_format import CONSUMER_SCHEMA, MESSAGE_SCHEMA
 
     n = 200
     rng = random.Random(7)
@@ -624,3 +624,13 @@ def test_a_grouped_chunk_hands_out_exactly_the_rows_asked_for() -> None:
     assert chunk.take(chunk.rows_of(1)).column("batch_index").to_pylist() == [2, 6]
     assert sorted(np.concatenate([chunk.rows_of(c) for c in range(4)]).tolist()) == \
         list(range(n))
+    # once messages are sent again, every way of handing out rows carries their counts
+    chunk.group(owner, by=3)
+    chunk.count_redelivery(np.array([5, 6, 7]))
+    chunk.count_redelivery(np.array([6]))
+    for rows in (np.arange(4, 9), chunk.rows_of(2), np.array([1, 6, 150]), np.arange(n)):
+        out = chunk.take(rows)
+        assert out.schema.equals(CONSUMER_SCHEMA, check_metadata=True)
+        assert out.column("batch_index").to_pylist() == rows.tolist()
+        assert out.column("redelivery_count").to_pylist() == \
+            [{5: 1, 6: 2, 7: 1}.get(i, 0) for i in rows.tolist()]

@@ -292,27 +292,30 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
             self._cond.notify_all()
 
     def _deliver(self, chunk: Chunk, rows: np.ndarray, c: Attached) -> None:
+        """Hand ``rows`` (waiting, as every dispatch rule's are) of ``chunk`` to ``c``."""
         if not len(rows):
             return
         limit = c.settings.max_redeliveries
-        if limit is not None:
+        if limit is not None and (chunk.resent or limit < 0):
             over = chunk.redeliveries[rows] > limit
             if over.any():
                 self._to_dead_letters(chunk, rows[over], c.settings)
                 rows = rows[~over]
                 if not len(rows):
                     return
-        self._set(chunk, rows, DELIVERED)
+        n = len(rows)
         sel = span(rows)  # (a slice when the rows are one run: views, not gathers)
+        chunk.hand_out(sel, n)
+        self._waiting_total -= n
         chunk.owner[sel], chunk.until[sel] = c.idx, time.monotonic()
         if self._keys is not None:
             self._keys.hold(chunk.slots[sel], c.idx)
-        n = len(rows)
         c.held += n
         c.permits -= n
         c.delivered += n
-        c.redelivered += int(np.count_nonzero(chunk.redeliveries[sel]))
-        self._outgoing.setdefault(c.idx, []).append(chunk.take(rows))
+        if chunk.resent:
+            c.redelivered += int(np.count_nonzero(chunk.redeliveries[sel]))
+        self._outgoing.setdefault(c.idx, []).append(chunk.take(rows, sel))
 
     def _set(self, chunk: Chunk, rows: np.ndarray, state: int) -> None:
         """Move ``rows`` of ``chunk`` to ``state``, keeping the waiting list and counts."""
@@ -323,10 +326,14 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
             bisect.insort(self._waiting, chunk, key=lambda k: k.entry)
             chunk.queued = True
 
-    def _unhold(self, chunk: Chunk, rows: np.ndarray) -> None:
-        """``rows`` (delivered or delayed) are no longer held by their consumer."""
+    def _unhold(self, chunk: Chunk, rows: np.ndarray, *, delivered: bool = False) -> None:
+        """``rows`` (delivered or delayed; ``delivered``: all delivered) are no longer held by
+        their consumer."""
         owner = chunk.owner[sel := span(rows)]
-        mine, owner = rows[owner >= 0], owner[owner >= 0]  # not the ones held for their time
+        if not delivered:  # (a delivered message has its consumer; one held for its time not)
+            mine, owner = rows[owner >= 0], owner[owner >= 0]
+        else:
+            mine = rows
         if len(owner) and (owner == owner[0]).all():  # one consumer's, as an ack's are
             counts = {int(owner[0]): len(owner)}
         else:
@@ -344,7 +351,7 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
         """Held ``rows`` go back to waiting (sent again, ahead of later messages)."""
         self._delayed -= int(np.count_nonzero(chunk.state[rows] == DELAYED))
         self._unhold(chunk, rows)
-        chunk.redeliveries[rows] += 1
+        chunk.count_redelivery(rows)
         self._set(chunk, rows, WAITING)
 
     # -- acknowledgements ---------------------------------------------------------------------
@@ -400,7 +407,15 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
             self.window.ack_ahead(self.window.read_pos, end)
 
     def _ack_rows(self, chunk: Chunk, rows: np.ndarray, name: str | None) -> None:
-        state = chunk.state[span(rows)]
+        sel = span(rows)
+        state = chunk.state[sel]
+        if len(rows) and (state == DELIVERED).all():  # delivered, as nearly every ack's rows
+            for c in self.consumers.values():
+                if c.name == name:
+                    c.acked += len(rows)
+            self._unhold(chunk, rows, delivered=True)
+            chunk.settle(sel, len(rows))
+            return
         held = rows[(state == DELIVERED) | (state == DELAYED)]
         self._delayed -= int(np.count_nonzero(state == DELAYED))
         self._timed -= int(np.count_nonzero(chunk.owner[held] == TIMED))

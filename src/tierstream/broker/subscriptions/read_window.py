@@ -43,6 +43,15 @@ def span(rows: np.ndarray) -> slice | np.ndarray:
     return rows
 
 
+def _with_counts(batch: pa.RecordBatch, counts: np.ndarray) -> pa.RecordBatch:
+    """``batch`` with its messages' redelivery counts: the consumer's schema."""
+    # one column added (from_arrays, which checks every column against the schema, took a
+    # sixth of the Pulsar consume path's GIL time: bench --flame)
+    out = batch.append_column(_REDELIVERIES, pa.array(counts, pa.int32()))
+    return out if out.schema.equals(CONSUMER_SCHEMA, check_metadata=True) else \
+        pa.RecordBatch.from_arrays(out.columns, schema=CONSUMER_SCHEMA)
+
+
 def _consecutive(at: np.ndarray) -> bool:
     """Whether ``at`` counts up by one from its first value."""
     return len(at) > 0 and bool((np.diff(at) == 1).all())
@@ -52,8 +61,8 @@ class Chunk:
     """One read batch and the state of each of its messages."""
 
     __slots__ = ("batch", "bi0", "entry_id", "grouped", "grouped_at", "grouped_by", "groups",
-                 "n", "open", "owner", "partition", "queued", "redeliveries", "segment_id",
-                 "slots", "state", "until", "waiting")
+                 "n", "open", "owner", "partition", "queued", "redeliveries", "resent",
+                 "segment_id", "sent", "slots", "state", "until", "waiting")
 
     def __init__(self, batch: pa.RecordBatch) -> None:
         self.batch: pa.RecordBatch | None = batch
@@ -70,6 +79,10 @@ class Chunk:
         self.waiting = self.n  # messages in state WAITING
         self.open = self.n     # messages not ACKED
         self.queued = False    # in its dispatcher's list of chunks with waiting messages
+        #: the batch as a consumer receives it while none of it was sent again (a redelivery
+        #: count of 0 on each message; made at the first hand-out), and whether one was
+        self.sent: pa.RecordBatch | None = None
+        self.resent = False
         #: the batch's rows ordered by a key (:meth:`group`; None: in that order already, or
         #: not grouped), where each row lies in it, the rows of each key value, and what the
         #: key was grouped for (None: not grouped)
@@ -107,7 +120,7 @@ class Chunk:
             self.grouped, self.grouped_at = None, _NOTHING
         else:
             order = np.argsort(key, kind="stable")
-            self.grouped = self.batch.take(pa.array(order))
+            self.grouped = self._as_sent().take(pa.array(order))
             self.grouped_at = np.empty(self.n, dtype=np.intp)
             self.grouped_at[order] = np.arange(self.n)
         values, starts = np.unique(key[order], return_index=True)
@@ -124,22 +137,50 @@ class Chunk:
         """The rows (ascending) whose key was ``value`` when the chunk was grouped."""
         return self.groups.get(value, _NOTHING)
 
-    def take(self, rows: np.ndarray) -> pa.RecordBatch:
-        """``rows`` as a consumer receives them: with their redelivery counts."""
-        assert self.batch is not None
-        sel = span(rows)
+    def _as_sent(self) -> pa.RecordBatch:
+        """The whole batch as a consumer receives it, with a redelivery count of 0 each."""
+        if self.sent is None:
+            assert self.batch is not None
+            self.sent = _with_counts(self.batch, np.zeros(self.n, dtype=np.int32))
+        return self.sent
+
+    def take(self, rows: np.ndarray, sel: slice | np.ndarray | None = None) -> pa.RecordBatch:
+        """``rows`` as a consumer receives them: with their redelivery counts (``sel``:
+        ``span(rows)``, if the caller has it). Until a message of the chunk is sent again,
+        a run of rows in log order or in the grouped copy is a slice of a batch made once:
+        each pyarrow or numpy step of a hand-out costs tens of µs in a broker sharing two
+        cores with its consumers, so a hand-out of a key_shared share is one step, not ten."""
+        sel = span(rows) if sel is None else sel
         if isinstance(sel, slice):
-            batch = self.batch if len(rows) == self.n else \
-                self.batch.slice(sel.start, len(rows))
+            whole = self._as_sent()
+            batch = whole if len(rows) == self.n else whole.slice(sel.start, len(rows))
         elif self.grouped is not None and _consecutive(at := self.grouped_at[rows]):
             batch = self.grouped.slice(int(at[0]), len(rows))
         else:
-            batch = self.batch.take(pa.array(rows))
-        # one column added (from_arrays, which checks every column against the schema, took
-        # a sixth of the Pulsar consume path's GIL time: bench --flame)
-        out = batch.append_column(_REDELIVERIES, pa.array(self.redeliveries[sel], pa.int32()))
-        return out if out.schema.equals(CONSUMER_SCHEMA, check_metadata=True) else \
-            pa.RecordBatch.from_arrays(out.columns, schema=CONSUMER_SCHEMA)
+            batch = self._as_sent().take(pa.array(rows))
+        if not self.resent:
+            return batch
+        return batch.set_column(batch.num_columns - 1, _REDELIVERIES,
+                                pa.array(self.redeliveries[sel], pa.int32()))
+
+    def count_redelivery(self, rows: np.ndarray) -> None:
+        """``rows`` are sent again: one more redelivery each."""
+        self.redeliveries[rows] += 1
+        self.resent = True
+
+    def hand_out(self, sel: slice | np.ndarray, n: int) -> None:
+        """The ``n`` waiting messages at ``sel`` are delivered (:meth:`set_state` for rows
+        known to wait, as every dispatch rule's are: one step, not six)."""
+        self.state[sel] = DELIVERED
+        self.waiting -= n
+
+    def settle(self, sel: slice | np.ndarray, n: int) -> None:
+        """The ``n`` delivered messages at ``sel`` are acknowledged (:meth:`set_state` for
+        rows known to be delivered, as an ack's mostly are)."""
+        self.state[sel] = ACKED
+        self.open -= n
+        if self.open == 0:
+            self.release()
 
     def set_state(self, rows: np.ndarray, state: int) -> None:
         """Move ``rows`` (ascending, each once) to ``state`` and keep the counts."""
@@ -155,7 +196,7 @@ class Chunk:
     def release(self) -> None:
         """Every message is acknowledged: keep only where the chunk lies (a window behind one
         slow message may hold many of these)."""
-        self.batch = self.grouped = None
+        self.batch = self.grouped = self.sent = None
         self.slots = self.state = self.owner = self.redeliveries = self.until = _NOTHING
         self.grouped_at, self.groups = _NOTHING, {}
 
