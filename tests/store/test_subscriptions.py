@@ -289,6 +289,33 @@ def test_what_a_closed_consumer_held_goes_to_the_others_with_its_count(broker) -
     assert set(again.values()) == {1}
 
 
+def test_a_key_shared_consumer_attaching_after_acks_emptied_listed_entries_is_served(
+        broker) -> None:
+    """Regression: acks that came while no consumer was attached emptied entries still listed
+    as waiting; the next key_shared consumer's attach grouped one of them, already let go, and
+    failed after the dispatcher had taken the consumer. Its client, told to try again, met
+    itself ("already has a consumer named ... connected") and gave up: after a broker restart,
+    a consumer whose acks of what it held came before its re-attach died so."""
+    from tierstream.client.connection import BrokerClient
+    from tierstream.wire.flight import encode_positions
+
+    url = broker.url
+    _produce(url, 100, batch_size=20)
+    a = Consumer(TOPIC, "work", mode="key_shared", broker=url, consumer_name="a",
+                 initial=Offset.earliest())
+    held = _drain(a, 100, timeout=scaled(2))
+    a.close()  # what it held waits again, and nobody is attached
+    with BrokerClient(url) as client:
+        for batch in held:  # its acks come after its close, as a restarted broker may see them
+            client.action("ack", {"topic": TOPIC, "subscription": "work", "partition": 0,
+                                  "consumer": "a", **encode_positions(batch)})
+    _produce(url, 10, batch_size=20)  # (values v0..v9 again: the new ones)
+    with Consumer(TOPIC, "work", mode="key_shared", broker=url, consumer_name="b") as b:
+        got = _drain(b, 10, timeout=scaled(2), ack=True)
+    assert sum(batch.num_rows for batch in got) == 10
+    assert _backlog(url, "work") == 0
+
+
 def test_a_closed_consumer_is_gone_from_the_broker_when_close_returns(broker) -> None:
     """Pulsar's CloseConsumer: close() detaches before it returns, so the next exclusive
     consumer never finds the last one still there (a close used to take effect when the

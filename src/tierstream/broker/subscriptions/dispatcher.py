@@ -151,8 +151,13 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
             self.consumers[attached.idx] = attached
             if self.type == SubscriptionType.KEY_SHARED and self._keys is None:
                 self._keys = KeyHolds()
-            self._select()
-            self._dispatch()
+            try:
+                self._select()
+                self._dispatch()
+            except BaseException:  # a bug: not attached, or its client would meet itself
+                self._outgoing.pop(attached.idx, None)
+                self._detach(attached)
+                raise
             self._cond.notify_all()
             return attached
 
@@ -329,11 +334,9 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
     def _unhold(self, chunk: Chunk, rows: np.ndarray, *, delivered: bool = False) -> None:
         """``rows`` (delivered or delayed; ``delivered``: all delivered) are no longer held by
         their consumer."""
-        owner = chunk.owner[sel := span(rows)]
+        owner, mine = chunk.owner[sel := span(rows)], rows
         if not delivered:  # (a delivered message has its consumer; one held for its time not)
             mine, owner = rows[owner >= 0], owner[owner >= 0]
-        else:
-            mine = rows
         if len(owner) and (owner == owner[0]).all():  # one consumer's, as an ack's are
             counts = {int(owner[0]): len(owner)}
         else:
@@ -409,24 +412,22 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
     def _ack_rows(self, chunk: Chunk, rows: np.ndarray, name: str | None) -> None:
         sel = span(rows)
         state = chunk.state[sel]
-        if len(rows) and (state == DELIVERED).all():  # delivered, as nearly every ack's rows
-            for c in self.consumers.values():
-                if c.name == name:
-                    c.acked += len(rows)
-            self._unhold(chunk, rows, delivered=True)
-            chunk.settle(sel, len(rows))
-            return
-        held = rows[(state == DELIVERED) | (state == DELAYED)]
-        self._delayed -= int(np.count_nonzero(state == DELAYED))
-        self._timed -= int(np.count_nonzero(chunk.owner[held] == TIMED))
+        delivered = len(rows) > 0 and bool((state == DELIVERED).all())  # as most acks' rows
+        held = rows if delivered else rows[(state == DELIVERED) | (state == DELAYED)]
+        if not delivered:
+            self._delayed -= int(np.count_nonzero(state == DELAYED))
+            self._timed -= int(np.count_nonzero(chunk.owner[held] == TIMED))
         if len(held):
             for c in self.consumers.values():
                 if c.name == name:
                     c.acked += len(held)
-            self._unhold(chunk, held)
-        live = rows[(state != ACKED) & (state != DEAD)]
-        if len(live):
-            self._set(chunk, live, ACKED)
+            self._unhold(chunk, held, delivered=delivered)
+        if delivered:  # (one step, where counting every state first took six)
+            chunk.settle(sel, len(rows))
+        else:
+            live = rows[(state != ACKED) & (state != DEAD)]
+            if len(live):
+                self._set(chunk, live, ACKED)
 
     def _acked(self) -> int:
         self.window.trim()
