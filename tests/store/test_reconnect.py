@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -321,3 +322,45 @@ def test_a_consumer_of_a_partition_with_no_new_messages_rides_out_restarts_far_a
             got += batch.num_rows
     finally:
         consumer.close()
+
+
+def test_a_reattach_the_broker_fails_after_taking_the_consumer_leaves_no_consumer_behind(
+        start_broker, free_port) -> None:
+    """Regression: an attach that failed after the dispatcher had taken the consumer (its
+    cursor write refused, any error before its stream started) left the consumer attached
+    with no stream. The client, told to try again, met itself: "already has a consumer
+    named 'a' connected", and its consumer died. (A fresh clone's suite saw this after a
+    broker restart.) Now the failed attach takes the consumer back."""
+    from tierstream.client import Consumer
+    from tierstream.model.positions import Offset
+
+    broker = start_broker(port=free_port)
+    with Admin(broker.url) as admin:
+        admin.create_topic("acme/web/reattach", 1)
+    with Producer("acme/web/reattach", broker=broker.url) as producer:
+        producer.send_many({"key": f"k{i}", "value": f"v{i}".encode()} for i in range(10))
+    a = Consumer("acme/web/reattach", "billing", mode="exclusive", consumer_name="a",
+                 initial=Offset.earliest(), broker=broker.url)
+    try:
+        got: list[str] = []
+
+        def receives(n: int) -> Callable[[], bool]:
+            def check() -> bool:
+                batch = a.receive(timeout=0.1)
+                if batch is not None:
+                    got.extend(v.decode() for v in batch.column("value").to_pylist())
+                    a.ack(batch)
+                return len(set(got)) >= n
+            return check
+
+        wait_for(receives(10), timeout=scaled(30), what="the first 10 messages")
+        broker.kill()
+        # the restarted broker fails the consumer's first re-attach after taking it
+        broker = start_broker(port=free_port, env={"TIERSTREAM_FAULT_AT": "consumer.attached"})
+        with Producer("acme/web/reattach", broker=broker.url) as producer:
+            producer.send_many({"key": f"k{i}", "value": f"v{i}".encode()}
+                               for i in range(10, 15))
+        wait_for(receives(15), timeout=scaled(60), what="the 5 messages after the restart")
+        assert "fault point consumer.attached" in "".join(broker.stderr_tail)
+    finally:
+        a.close()

@@ -59,6 +59,8 @@ passes it, so a test sees what that thread's owner makes of a bug there
 ``pulsar.receipt``            a Pulsar connection's receipt thread, before it answers a SEND
 ``pulsar.delivery``           a Pulsar consumer's delivery thread, with a batch in hand
 ``consumer.watch``            a tierstream ``Consumer``'s watcher of the topic's partitions
+``consumer.attached``         a consumer's attach (a stream's, a Pulsar subscribe's): the
+                              dispatcher took it, its stream has not started
 
 A pause point (``TIERSTREAM_PAUSE_AT="scale.recorded"``, the syntax and points of the crash
 points) has the thread that passes it sleep ``TIERSTREAM_PAUSE_S`` seconds (default 3), so that
@@ -85,7 +87,7 @@ FAULT_POINTS = frozenset({"pulsar.receipt", "pulsar.delivery", "metadata.heartbe
                           "bookie.client.send", "bookie.client.receive", "bookie.client.watch",
                           "bookie.acks", "store.housekeeping", "subscriptions.tick",
                           "cursor.write", "dead_letters.write", "bookie.journal",
-                          "consumer.watch"})
+                          "consumer.watch", "consumer.attached"})
 
 POINTS = frozenset({
     "append.partial-replicas",

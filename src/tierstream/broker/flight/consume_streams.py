@@ -4,6 +4,7 @@ subscription consumers, each counted in the partition's rate out and the broker'
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from collections.abc import Iterator
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from tierstream.managed_ledger.partition_log import PartitionLog
 
 __all__ = ["ConsumeStreams", "stream_of"]
+
+log = logging.getLogger(__name__)
 
 
 class ConsumeStreams:
@@ -60,6 +63,9 @@ class ConsumeStreams:
             raise server_error(exc) from None
         except (KeyError, ValueError, TypeError) as exc:
             raise server_error(ProtocolError(f"malformed consume request: {exc!r}")) from None
+        except Exception:  # a bug: its client hears "failed" and tries again; say it here
+            log.exception("a consume stream met an error nobody expected")
+            raise
 
     def _subscribe(self, context: Any, plog: PartitionLog, sub: dict[str, Any],
                    ranges: list[KeyRange] | None) -> flight.FlightDataStream:

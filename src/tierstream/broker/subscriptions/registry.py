@@ -214,19 +214,26 @@ class Subscriptions:
                              compacted=compacted)
         crash_point("consumer.attaching")
         attached = d.attach(settings, gone)
-        with self._lock:  # let go meanwhile (its partition moved) or ended: its consumers were
-            current = self._dispatchers.get((topic, subscription, partition)) is d \
-                and not d.ended  # detached before this one came, which would wait for good
-        if not current:
+        try:
+            fault_point("consumer.attached")
+            with self._lock:  # let go meanwhile (its partition moved) or ended: its consumers
+                current = self._dispatchers.get((topic, subscription, partition)) is d \
+                    and not d.ended  # were detached before this one came: it would wait
+            if not current:
+                if d.plog.lost:
+                    raise self._store.not_served(topic, partition)  # names the owner now
+                raise UnavailableError(f"{topic} partition {partition}: subscription "
+                                       f"{subscription!r} was reloaded as the consumer "
+                                       "attached; attach again")
+            if d in self._unwritten:  # the subscription exists once attached
+                self._wait(self.writer.dirty(d), (topic, partition))
+                self._unwritten.discard(d)
+        except BaseException:
+            # no stream will serve it: left attached, it would hold what it is sent (and an
+            # exclusive subscription) for good, and its client, told to attach again,
+            # would meet itself ("already has a consumer named ... connected")
             d.detach(attached)
-            if d.plog.lost:
-                raise self._store.not_served(topic, partition)  # names the owner now
-            raise UnavailableError(f"{topic} partition {partition}: subscription "
-                                   f"{subscription!r} was reloaded as the consumer attached; "
-                                   "attach again")
-        if d in self._unwritten:  # the subscription exists once attached
-            self._wait(self.writer.dirty(d), (topic, partition))
-            self._unwritten.discard(d)
+            raise
         return attached
 
     def detach(self, topic: str, subscription: str, partition: int, attached: Attached
