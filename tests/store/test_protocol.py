@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tierstream.client import Admin
@@ -16,6 +18,8 @@ from tierstream.errors import (
     UnavailableError,
 )
 from tierstream.wire.flight import server_error, translate_errors
+
+from ..timing import scaled
 
 
 @pytest.mark.parametrize("cls", sorted(ERRORS_BY_CODE.values(), key=lambda c: c.code),
@@ -77,3 +81,38 @@ def test_ack_positions_cross_the_wire_as_runs_and_come_back_whole(shape: str) ->
         segment.tolist(), entry.tolist(), index.tolist()]
     with pytest.raises(ProtocolError, match="malformed positions"):
         decode_positions({"runs": base64.b64encode(np.arange(3, dtype="<i8")).decode()})
+
+
+_SUB = {"op": "consume", "topic": "a/b/c", "partition": 0}
+
+
+@pytest.mark.parametrize(("ticket", "error", "says"), [
+    ({"op": "read"}, ProtocolError, "unknown DoGet operation 'read'"),
+    ({"op": "consume", "topic": "a/b/c"}, ProtocolError,
+     "malformed consume request: KeyError('partition')"),
+    ({**_SUB, "partition": "one"}, ProtocolError, "malformed consume request: ValueError"),
+    ({**_SUB, "subscription": "s"}, ProtocolError, "malformed consume request"),
+    ({**_SUB, "subscription": {"name": "s", "permits": "many"}}, ProtocolError,
+     "malformed consume request: ValueError"),
+    ({**_SUB, "subscription": {"name": "s", "max_redeliveries": -1}}, ConfigError,
+     "max_redeliveries must be 0 or more, not -1"),
+], ids=["op", "no-partition", "partition", "subscription", "permits", "max-redeliveries"])
+def test_a_consume_ticket_that_does_not_convert_is_refused_naming_what(
+        broker, ticket, error, says) -> None:
+    """Any Flight client may send a ticket; one that does not convert is refused before
+    anything is attached, naming the field. A negative ``max_redeliveries`` was taken and
+    sent every message to the dead letters on its first delivery."""
+    import pyarrow.flight as flight
+
+    from tierstream.wire.flight import encode
+
+    with Admin(broker.url) as admin:
+        admin.create_topic("a/b/c", 1)
+    raw = flight.connect(broker.url)
+    try:
+        with pytest.raises(error, match=re.escape(says)), translate_errors(broker.url):
+            # (the old broker took a negative max_redeliveries and served the stream on)
+            raw.do_get(flight.Ticket(encode(ticket)),
+                       flight.FlightCallOptions(timeout=scaled(10))).read_all()
+    finally:
+        raw.close()

@@ -8,6 +8,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import pyarrow as pa
@@ -43,48 +44,27 @@ class ConsumeStreams:
     def do_get(self, context: Any, ticket: flight.Ticket) -> flight.FlightDataStream:
         try:
             self.store.check_serving()
-            req = decode(ticket.ticket, "consume ticket")
-            if req.get("op") != "consume":
-                raise ProtocolError(f"unknown DoGet operation {req.get('op')!r}")
-            plog = self.store.partition(req["topic"], int(req["partition"]))
+            req = _Request.parse(decode(ticket.ticket, "consume ticket"))
+            plog = self.store.partition(req.topic, req.partition)
             self.store.owners.serving(plog.topic, plog.partition)
-            ranges = [KeyRange(int(lo), int(hi)) for lo, hi in req.get("key_ranges") or []]
-            end, end_time = self._resolve_end(plog, req.get("end"))
-            sub = req.get("subscription")
-            if sub:
-                return self._subscribe(context, plog, sub, ranges or None)
-            start = self._resolve_start(plog, Offset.from_dict(req.get("start")
-                                                               or {"kind": "earliest"}))
+            if req.settings is not None:
+                return self._subscribe(context, plog, req.subscription, req.settings,
+                                       req.start)
+            end, end_time = self._resolve_end(plog, req.end)
             follow = end is None and end_time is None
-            batches = plog.read(start, end=end, end_time=end_time, key_ranges=ranges,
-                                follow=follow, cancelled=context.is_cancelled)
+            batches = plog.read(self._resolve_start(plog, req.start), end=end,
+                                end_time=end_time, key_ranges=req.ranges, follow=follow,
+                                cancelled=context.is_cancelled)
             return stream_of(self._counted(plog, "reader", None, batches))
         except TierstreamError as exc:
             raise server_error(exc) from None
-        except (KeyError, ValueError, TypeError) as exc:
-            raise server_error(ProtocolError(f"malformed consume request: {exc!r}")) from None
         except Exception:  # a bug: its client hears "failed" and tries again; say it here
             log.exception("a consume stream met an error nobody expected")
             raise
 
-    def _subscribe(self, context: Any, plog: PartitionLog, sub: dict[str, Any],
-                   ranges: list[KeyRange] | None) -> flight.FlightDataStream:
-        name = str(sub["name"])
-        kind = SubscriptionType.parse(str(sub.get("type") or SubscriptionType.EXCLUSIVE))
-        if ranges is not None and kind != SubscriptionType.KEY_SHARED:
-            raise ConfigError(f"key_ranges are for key_shared subscriptions, not {kind}")
-        settings = ConsumerSettings(
-            name=str(sub.get("consumer") or uuid.uuid4().hex[:12]), type=kind,
-            sticky=None if ranges is None else tuple(ranges),
-            permits=max(1, int(sub.get("permits") or 1000)),
-            ack_timeout_s=None if sub.get("ack_timeout_s") is None
-            else float(sub["ack_timeout_s"]),
-            max_redeliveries=None if sub.get("max_redeliveries") is None
-            else int(sub["max_redeliveries"]),
-            dead_letter_topic=None if not sub.get("dead_letter_topic")
-            else str(TopicName.parse(sub["dead_letter_topic"])))
-        initial = self._resolve_start(plog, Offset.from_dict(sub.get("initial")
-                                                             or {"kind": "latest"}))
+    def _subscribe(self, context: Any, plog: PartitionLog, name: str,
+                   settings: ConsumerSettings, start: Offset) -> flight.FlightDataStream:
+        initial = self._resolve_start(plog, start)
         # Other threads (the dispatcher, a consumer attaching beside this one) learn that this
         # consumer left from ``ended``, never from ``context``: a Flight call's context is
         # freed when the call ends, and asking a freed one crashed the broker (SIGSEGV under
@@ -154,10 +134,10 @@ class ConsumeStreams:
                                 f"segments are {_ranges(ids)})")
         return position
 
-    def _resolve_end(self, plog: PartitionLog, raw: Any) -> tuple[Position | None, int | None]:
-        if raw is None:
+    def _resolve_end(self, plog: PartitionLog, offset: Offset | None
+                     ) -> tuple[Position | None, int | None]:
+        if offset is None:
             return None, None
-        offset = Offset.from_dict(raw)
         if offset.kind is OffsetKind.LATEST:
             return plog.end(), None
         if offset.kind is OffsetKind.TIME:
@@ -166,6 +146,57 @@ class ConsumeStreams:
             return plog.earliest(), None
         assert offset.position is not None
         return check_partition(offset.position, plog), None
+
+
+@dataclass(frozen=True)
+class _Request:
+    """A consume ticket, every field converted: a ticket that does not convert is malformed
+    (a client's error), where an error past this point is the broker's own."""
+
+    topic: str
+    partition: int
+    ranges: list[KeyRange]
+    start: Offset  # a subscription's initial position, or a read's start
+    end: Offset | None
+    subscription: str = ""
+    settings: ConsumerSettings | None = None  # a subscription's consumer
+
+    @classmethod
+    def parse(cls, req: dict[str, Any]) -> _Request:
+        try:
+            if req.get("op") != "consume":
+                raise ProtocolError(f"unknown DoGet operation {req.get('op')!r}")
+            ranges = [KeyRange(int(lo), int(hi)) for lo, hi in req.get("key_ranges") or []]
+            end = None if req.get("end") is None else Offset.from_dict(req["end"])
+            sub = req.get("subscription")
+            if not sub:
+                return cls(str(req["topic"]), int(req["partition"]), ranges,
+                           Offset.from_dict(req.get("start") or {"kind": "earliest"}), end)
+            return cls(str(req["topic"]), int(req["partition"]), ranges,
+                       Offset.from_dict(sub.get("initial") or {"kind": "latest"}), end,
+                       str(sub["name"]), _settings(sub, ranges or None))
+        except TierstreamError:  # (a ConfigError is a ValueError too)
+            raise
+        except (AttributeError, KeyError, ValueError, TypeError) as exc:
+            raise ProtocolError(f"malformed consume request: {exc!r}") from None
+
+
+def _settings(sub: dict[str, Any], ranges: list[KeyRange] | None) -> ConsumerSettings:
+    """A subscription ticket's consumer settings."""
+    kind = SubscriptionType.parse(str(sub.get("type") or SubscriptionType.EXCLUSIVE))
+    if ranges is not None and kind != SubscriptionType.KEY_SHARED:
+        raise ConfigError(f"key_ranges are for key_shared subscriptions, not {kind}")
+    limit = None if sub.get("max_redeliveries") is None else int(sub["max_redeliveries"])
+    if limit is not None and limit < 0:
+        raise ConfigError(f"max_redeliveries must be 0 or more, not {limit}")
+    return ConsumerSettings(
+        name=str(sub.get("consumer") or uuid.uuid4().hex[:12]), type=kind,
+        sticky=None if ranges is None else tuple(ranges),
+        permits=max(1, int(sub.get("permits") or 1000)),
+        ack_timeout_s=None if sub.get("ack_timeout_s") is None else float(sub["ack_timeout_s"]),
+        max_redeliveries=limit,
+        dead_letter_topic=None if not sub.get("dead_letter_topic")
+        else str(TopicName.parse(sub["dead_letter_topic"])))
 
 
 def stream_of(batches: Iterator[pa.RecordBatch], schema: pa.Schema = MESSAGE_SCHEMA
