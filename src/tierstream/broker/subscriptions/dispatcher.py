@@ -263,45 +263,46 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
     # -- dispatch -----------------------------------------------------------------------------
 
     def _dispatch(self) -> None:
-        """Hand waiting messages to consumers with permits (lock held)."""
-        if not self._waiting or not any(c.permits > 0 for c in self.consumers.values()):
-            return
-        if self.gate is not None:
-            self._gated = not self.gate()
-            if self._gated:
-                return  # tick() asks again
-            self.gate = None  # acknowledgements only move forward: open for good
-        if self.type == SubscriptionType.SHARED:
-            round_robin(self._waiting, self.consumers, self._deliver)
-        elif self._keys is not None:
-            self._keys.dispatch(self._waiting, self.consumers, self._deliver)
-        elif self.type in SubscriptionType.CUMULATIVE:
-            in_order(self._waiting, self.consumers, self._active, self._deliver)
-        # one batch per consumer and pass: a consumer's keys are spread over many chunks, and
-        # each batch costs it an ack call
-        for idx, parts in self._outgoing.items():
-            self.consumers[idx].outbox.put(parts[0] if len(parts) == 1 else
-                                           pa.concat_batches(parts))
-        self._outgoing.clear()
+        """Hand waiting messages to consumers with permits (lock held); list only chunks with
+        waiting messages, after a pass with nobody to hand to too (acks may empty some)."""
+        if self._waiting and any(c.permits > 0 for c in self.consumers.values()) \
+                and self._gate_open():
+            if self.type == SubscriptionType.SHARED:
+                round_robin(self._waiting, self.consumers, self._deliver)
+            elif self._keys is not None:
+                self._keys.dispatch(self._waiting, self.consumers, self._deliver)
+            elif self.type in SubscriptionType.CUMULATIVE:
+                in_order(self._waiting, self.consumers, self._active, self._deliver)
+            # one batch per consumer and pass: a consumer's keys are spread over many chunks,
+            # and each batch costs it an ack call
+            for idx, parts in self._outgoing.items():
+                self.consumers[idx].outbox.put(parts[0] if len(parts) == 1 else
+                                               pa.concat_batches(parts))
+            self._outgoing.clear()
         for chunk in self._waiting:
             chunk.queued = chunk.waiting > 0
             if not chunk.queued:
                 chunk.handed_out()
         self._waiting = [c for c in self._waiting if c.queued]
-        self._wake_reader()
-
-    def _wake_reader(self) -> None:
-        """Wake the reader if it waits for room there is now (lock held); only then: a wake
-        for nothing was two thread switches on every ack and every flow."""
+        # wake the reader if it waits for room there is now; only then: a wake for nothing
+        # was two thread switches on every ack and every flow
         if self._reader_waits and self._waiting_total < self._lookahead():
             self._cond.notify_all()
+
+    def _gate_open(self) -> bool:
+        """Whether a partition grown at a scale event may dispatch (``tick`` asks again)."""
+        if self.gate is not None:
+            self._gated = not self.gate()
+            if not self._gated:
+                self.gate = None  # acknowledgements only move forward: open for good
+        return not self._gated
 
     def _deliver(self, chunk: Chunk, rows: np.ndarray, c: Attached) -> None:
         """Hand ``rows`` (waiting, as every dispatch rule's are) of ``chunk`` to ``c``."""
         if not len(rows):
             return
         limit = c.settings.max_redeliveries
-        if limit is not None and (chunk.resent or limit < 0):
+        if limit is not None and chunk.resent:
             over = chunk.redeliveries[rows] > limit
             if over.any():
                 self._to_dead_letters(chunk, rows[over], c.settings)
@@ -431,8 +432,7 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
 
     def _acked(self) -> int:
         self.window.trim()
-        self._dispatch()  # acknowledged slots may free the keys that moved
-        self._wake_reader()  # (acknowledged waiting messages make room too)
+        self._dispatch()  # acknowledged slots may free the keys that moved; room to read
         return self._writer.dirty(self)
 
     def nack(self, name: str, segment: np.ndarray, entry: np.ndarray, index: np.ndarray,

@@ -78,8 +78,6 @@ class KeyHolds:
             return
         # every held slot is held by its owner: no message waits on another consumer's acks
         for chunk in waiting:
-            if not chunk.waiting:  # (acks while nobody had permits emptied it; maybe let go)
-                continue
             if chunk.grouped_by != self._assigned:  # each consumer's messages, one run each
                 chunk.group(owners[chunk.slots], self._assigned)
             for c in ready:
@@ -100,8 +98,6 @@ class KeyHolds:
         assert owners is not None
         blocked: np.ndarray | None = None
         for chunk in waiting:
-            if not chunk.waiting:
-                continue
             if chunk.grouped_by != self._assigned:  # each consumer's messages, one run each
                 chunk.group(owners[chunk.slots], self._assigned)
             rows = np.flatnonzero(chunk.state == WAITING)
