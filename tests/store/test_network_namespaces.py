@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import pytest
 
+from .consumer_silence import (
+    consumer_a_host,
+    test_what_a_consumer_cut_off_holds_goes_to_the_others_and_it_attaches_again_when_back,
+)
 from .lease_lapse import (
     test_a_broker_cut_off_from_postgresql_alone_lets_go_in_time_and_rejoins,
     test_a_lease_that_lapsed_and_was_renewed_before_a_takeover_serves_its_partitions_again,
@@ -29,6 +33,7 @@ pytestmark = pytest.mark.slow  # minutes: the file starts first (tests/conftest.
 
 __all__ = [
     "broker_a_host",
+    "consumer_a_host",
     "hosts",
     "test_a_bookie_host_cut_off_and_a_broker_host_lost_cost_no_acknowledged_message",
     "test_a_broker_cut_off_from_postgresql_alone_lets_go_in_time_and_rejoins",
@@ -36,4 +41,5 @@ __all__ = [
     "test_a_lease_that_lapsed_and_was_renewed_before_a_takeover_serves_its_partitions_again",
     "test_the_sequence_of_host_faults_that_lost_acknowledged_messages_loses_nothing",
     "test_three_brokers_on_three_hosts_lose_nothing_to_a_kill_a_pause_and_a_drain",
+    "test_what_a_consumer_cut_off_holds_goes_to_the_others_and_it_attaches_again_when_back",
 ]

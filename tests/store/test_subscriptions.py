@@ -661,3 +661,39 @@ def test_a_grouped_chunk_hands_out_exactly_the_rows_asked_for() -> None:
         assert out.column("batch_index").to_pylist() == rows.tolist()
         assert out.column("redelivery_count").to_pylist() == \
             [{5: 1, 6: 2, 7: 1}.get(i, 0) for i in rows.tolist()]
+
+
+def test_a_client_that_lost_its_consumers_stream_attaches_again_in_its_place(
+        broker: BrokerProcess) -> None:
+    """A client that lost a consumer's stream without a word (its connection cut off: no
+    reset reaches the broker) attaches again under the same name. The broker, which may not
+    have noticed, takes the new attach from the same client object (``instance``) in the old
+    one's place, what it held coming again; before, it refused "already has a consumer
+    named", and the client took that as final and died. Another client's consumer of that
+    name is still refused."""
+    import pyarrow.flight as flight
+
+    from tierstream.wire.flight import encode, translate_errors
+
+    _produce(broker.url, 20)
+    sub = {"name": "s", "type": "exclusive", "consumer": "c", "initial": {"kind": "earliest"},
+           "instance": "c/one"}
+    ticket = {"op": "consume", "topic": TOPIC, "partition": 0, "subscription": sub}
+    clients = [flight.connect(broker.url) for _ in range(3)]
+    try:
+        lost = clients[0].do_get(flight.Ticket(encode(ticket)))
+        assert lost.read_chunk().data.num_rows == 20  # held, never acknowledged
+        with translate_errors(broker.url):
+            again = clients[1].do_get(flight.Ticket(encode(ticket)))
+            batch = again.read_chunk().data
+        assert batch.num_rows == 20
+        assert batch.column("redelivery_count").to_pylist() == [1] * 20
+        other = {**ticket, "subscription": {**sub, "instance": "c/two"}}
+        with pytest.raises(ConflictError, match="already has a consumer named 'c'"), \
+                translate_errors(broker.url):
+            clients[2].do_get(flight.Ticket(encode(other))).read_chunk()
+        with pytest.raises(StopIteration):  # the stream taken over ended
+            lost.read_chunk()
+    finally:
+        for client in clients:
+            client.close()

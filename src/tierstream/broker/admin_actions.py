@@ -217,6 +217,11 @@ class AdminActions:
                                 str(body["consumer"]), int(body["permits"]))
         return {"ok": True}
 
+    def _consumer_keepalive(self, body: dict[str, Any]) -> Any:
+        topic = self._served(body)
+        return {"attached": self.subscriptions.keepalive(
+            topic, str(body["subscription"]), int(body["partition"]), str(body["consumer"]))}
+
     def _close_consumer(self, body: dict[str, Any]) -> Any:
         topic = self._served(body)
         self.subscriptions.close_consumer(topic, str(body["subscription"]),
@@ -389,6 +394,8 @@ ACTIONS: dict[str, tuple[Any, str]] = {
                                            "(exclusive and failover only)."),
     "nack": (_A._nack, "Redeliver the given messages after {delay_s}."),
     "flow": (_A._flow, "Give a consumer {permits} more messages."),
+    "consumer-keepalive": (_A._consumer_keepalive, "{consumer} is there: whether it is "
+                                                   "attached here."),
     "close-consumer": (_A._close_consumer, "Detach {consumer} now: what it holds goes to "
                                            "the others."),
     "producer-state": (_A._producer_state, "Last stored id of {producer} [, its message]."),

@@ -61,7 +61,7 @@ class BrokerClient:
         self.url: str = self.urls[0]  # the one in use
         self.auth_token: str | None = opts["authToken"]
         self.tls_ca = tls_ca if isinstance(tls_ca, bytes) else read_pem(opts["tlsCa"], "tlsCa")
-        headers = call_headers(self.auth_token)
+        headers = self._headers = call_headers(self.auth_token)
         self._options = flight.FlightCallOptions(
             headers=headers, timeout=arguments.seconds(timeout, "timeout", zero_ok=False))
         self._stream_options = flight.FlightCallOptions(headers=headers)
@@ -191,13 +191,17 @@ class BrokerClient:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(broker={self.url!r})"
 
-    def action(self, name: str, body: Mapping[str, Any] | None = None) -> Any:
-        """Run action ``name``; one that names a partition (a consumer's ack, flow, nack)
-        goes to the partition's owner (:meth:`_partition_call`)."""
+    def action(self, name: str, body: Mapping[str, Any] | None = None, *,
+               timeout: float | None = None) -> Any:
+        """Run action ``name`` (within ``timeout`` if given, else the client's); one that
+        names a partition (a consumer's ack, flow, nack) goes to the partition's owner
+        (:meth:`_partition_call`)."""
         body = dict(body or {})
+        options = self._options if timeout is None else flight.FlightCallOptions(
+            headers=self._headers, timeout=timeout)
 
         def work(f: Any) -> Any:
-            return list(f.do_action(flight.Action(name, encode(body)), self._options))
+            return list(f.do_action(flight.Action(name, encode(body)), options))
 
         routed = "topic" in body and isinstance(body.get("partition"), int)
         results = self._partition_call(body, work) if routed else self._call(work)

@@ -61,6 +61,9 @@ class Consumer:
     after ``max_redeliveries`` redeliveries a message goes to ``dead_letter_topic`` (default
     ``<topic>-<subscription>-DLQ``). Durations are seconds, or text with a unit (``"30s"``).
     A consumer rides out a broker restart: what it had not acknowledged is delivered again.
+    Every ``keepalive`` (30 s, Pulsar's keepAliveInterval) it tells its brokers it is there:
+    a broker lets go of a consumer silent for twice that (what it held goes to the others),
+    and a consumer whose keepalive goes unanswered attaches again.
     """
 
     def __init__(self, topic: str, subscription: str, *, mode: str = "exclusive",
@@ -68,8 +71,9 @@ class Consumer:
                  consumer_name: str | None = None, initial: Offset | None = None,
                  receiver_queue_size: int = 1000, ack_timeout: float | str | None = None,
                  nack_delay: float | str = 1.0, max_redeliveries: int | None = None,
-                 dead_letter_topic: str | None = None, broker: str | None = None,
-                 auth_token: str | None = None, tls_ca: bytes | str | None = None) -> None:
+                 dead_letter_topic: str | None = None, keepalive: float | str = 30.0,
+                 broker: str | None = None, auth_token: str | None = None,
+                 tls_ca: bytes | str | None = None) -> None:
         self.topic = str(TopicName.parse(topic))
         self.subscription = arguments.text(subscription, "subscription name")
         self.mode = SubscriptionType.parse(mode, "mode")
@@ -84,6 +88,7 @@ class Consumer:
         self.ack_timeout = arguments.seconds(ack_timeout, "ack_timeout", none_ok=True,
                                              zero_ok=False)
         self.nack_delay = arguments.seconds(nack_delay, "nack_delay")
+        self.keepalive = arguments.seconds(keepalive, "keepalive", zero_ok=False)
         arguments.positive_int(max_redeliveries, "max_redeliveries", none_ok=True)
         start = as_bound(initial, "initial")
         if start is not None and not isinstance(start, Offset):
@@ -127,7 +132,8 @@ class Consumer:
                 "name": subscription, "type": self.mode, "consumer": self.name,
                 "initial": (start or Offset.latest()).to_dict(), "permits": self._permits,
                 "ack_timeout_s": self.ack_timeout, "max_redeliveries": max_redeliveries,
-                "dead_letter_topic": dead_letter_topic, "ranges": ranges}
+                "dead_letter_topic": dead_letter_topic, "keepalive_s": self.keepalive,
+                "instance": self._id.decode(), "ranges": ranges}
             # every stream opens before this returns: attach errors (a second exclusive
             # consumer, overlapping ranges, another type) surface here
             self._add_partitions(range(partitions), self._sub["initial"])
@@ -136,6 +142,8 @@ class Consumer:
             raise
         self._watcher = Worker(f"tierstream-consumer-{self.name}-watch", self._watch,
                                on_error=self._watch_failed).start()
+        self._keeper = Worker(f"tierstream-consumer-{self.name}-keepalive",
+                              self._keep_alive).start()
 
     def _add_partitions(self, partitions: Iterable[int], initial: dict[str, Any] | None
                         ) -> None:
@@ -176,6 +184,40 @@ class Consumer:
             except TierstreamError as exc:  # e.g. the topic was deleted
                 put(self._queue, (-1, exc), self._stop)
                 return
+
+    def _keep_alive(self) -> None:
+        """Tell each partition's broker, every ``keepalive``, that this consumer is there
+        (a broker lets go of a consumer silent for twice that: what it held goes to the
+        others). A keepalive unanswered in time means the connection is lost without a word
+        (a host cut off), and "not attached" that the broker let this consumer go: either
+        way the partition's stream is dropped and its pump attaches again (replacing what
+        is left of it there), rather than waiting on a stream nothing comes through."""
+        while not self._stop.wait(self.keepalive):
+            lost: set[str] = set()  # brokers that did not answer in time, this round
+            for p, reader in list(self._readers.items()):
+                if self._attaching.get(p) or self._stop.is_set():
+                    continue
+                url = self._client.url_for(self._tickets[p])
+                why = f"the broker at {url} did not answer its keepalive in time"
+                if url not in lost:
+                    try:
+                        if self._client.action("consumer-keepalive", {
+                                "topic": self.topic, "subscription": self.subscription,
+                                "partition": p, "consumer": self.name},
+                                timeout=self.keepalive)["attached"]:
+                            continue
+                        why = f"the broker at {url} let it go"
+                    except UnavailableError:
+                        lost.add(url)
+                    except TierstreamError:
+                        continue  # (the partition's pump hears of it)
+                if self._stop.is_set():
+                    return
+                if self._readers.get(p) is reader and reader is not None \
+                        and not self._attaching.get(p):
+                    log.warning("consumer %s partition %d: %s; attaching again", self.name,
+                                p, why)
+                    reader.cancel()
 
     def _watch_failed(self, exc: BaseException) -> None:
         """The watcher met an error nobody foresaw (logged with its stack): the next
@@ -410,9 +452,9 @@ class Consumer:
         if self._stop.is_set():
             return
         self._stop.set()
-        watcher = getattr(self, "_watcher", None)
-        if watcher is not None:
-            watcher.join(timeout=5)
+        for worker in (getattr(self, "_watcher", None), getattr(self, "_keeper", None)):
+            if worker is not None:
+                worker.join(timeout=5)
         for p in self._readers:
             with contextlib.suppress(TierstreamError):  # a broker that is down detached us
                 self._client.action("close-consumer", {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,12 @@ class ConsumerSettings:
     #: hand out an entry whole while any permit is left, as Pulsar's dispatchers do (a
     #: Pulsar consumer gets it as one batch whose ids are its receipts')
     whole_entries: bool = False
+    #: its client says it is there this often (None: it does not; a Pulsar client's
+    #: connection is pinged instead): silent for twice as long, it is let go (redelivery.py)
+    keepalive_s: float | None = None
+    #: the client object's id: an attach with the same one comes from a client that lost
+    #: this consumer's stream (a connection gone without a word) and replaces it
+    instance: str | None = None
 
 
 class Attached:
@@ -48,6 +55,7 @@ class Attached:
         self.acked = 0
         self.outbox: queue.SimpleQueue[pa.RecordBatch | None] = queue.SimpleQueue()
         self.detached = False
+        self.heard = time.monotonic()  # its last keepalive (or its attach)
         #: failover: whether the dispatcher serves this consumer now (None: not failover);
         #: set by the dispatcher as consumers come and go, read by the Pulsar listener
         self.active: bool | None = None
@@ -56,6 +64,15 @@ class Attached:
         return {"name": self.name, "partition": partition, "assignment": assignment,
                 "unacked": self.held, "delivered": self.delivered,
                 "redelivered": self.redelivered, "permits": self.permits}
+
+    def silent(self, now: float) -> bool:
+        """Whether its client, which keeps it alive, was not heard from for two keepalives."""
+        keepalive = self.settings.keepalive_s
+        return keepalive is not None and now - self.heard > 2 * keepalive
+
+    def lost_to(self, settings: ConsumerSettings) -> bool:
+        """Whether ``settings`` come from this consumer's own client, attaching again."""
+        return settings.instance is not None and settings.instance == self.settings.instance
 
     def next_batch(self, timeout: float) -> pa.RecordBatch | None:
         """The next batch to stream, or None (none within ``timeout``, or detached)."""

@@ -44,6 +44,7 @@ from tierstream.broker.subscriptions.read_window import (
     following,
     span,
 )
+from tierstream.broker.subscriptions.redelivery import Redelivery
 from tierstream.broker.subscriptions.selectors import active_for_partition
 from tierstream.errors import ConfigError, ConflictError, TierstreamError
 from tierstream.model.positions import Position
@@ -69,9 +70,10 @@ _READ_RETRY_FIRST_S = 0.2
 _READ_RETRY_MAX_S = 5.0
 
 
-class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
+class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures, Redelivery):
     """Dispatch and acknowledgement state of one subscription on one partition (delayed
-    delivery: ``delivery_time.py``; dead letters: ``dead_letters.py``)."""
+    delivery: ``delivery_time.py``; dead letters: ``dead_letters.py``; nacks, ack timeouts
+    and silent consumers: ``redelivery.py``)."""
 
     def __init__(self, plog: PartitionLog, subscription: str, state: CursorState, *,
                  writer: CursorWriter,
@@ -138,8 +140,8 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
 
     def _attach(self, settings: ConsumerSettings, gone: Callable[[], bool]) -> Attached:
         with self._lock:
-            for c in [c for c in self.consumers.values() if c.gone()]:
-                self._detach(c)
+            for c in [c for c in self.consumers.values() if c.gone() or c.lost_to(settings)]:
+                self._detach(c)  # (lost_to: its client attaches again, its stream lost)
             check_join(self.subscription, self.topic, self.partition, self.type,
                        self.consumers.values(), settings)
             if self.type is None:
@@ -434,48 +436,6 @@ class Dispatcher(DeliveryTimes, DeadLetterSide, DispatcherFigures):
         self.window.trim()
         self._dispatch()  # acknowledged slots may free the keys that moved; room to read
         return self._writer.dirty(self)
-
-    def nack(self, name: str, segment: np.ndarray, entry: np.ndarray, index: np.ndarray,
-             delay_s: float) -> None:
-        """Redeliver the given messages of consumer ``name`` after ``delay_s``."""
-        with self._lock:
-            owner = next((c.idx for c in self.consumers.values() if c.name == name), None)
-            if owner is None:
-                return
-            found, _ = self.window.locate(segment, entry, index)
-            ready = time.monotonic() + delay_s
-            for chunk, rows in found:
-                rows = rows[(chunk.state[rows] == DELIVERED) & (chunk.owner[rows] == owner)]
-                if len(rows):
-                    self._set(chunk, rows, DELAYED)
-                    chunk.until[rows] = ready
-                    self._delayed += len(rows)
-
-    def tick(self, now: float) -> None:
-        """Redeliver what a nack delayed and what outlived its consumer's ack timeout; look
-        again whether a closed gate opened."""
-        if self._gated:
-            with self._lock:
-                self._dispatch()
-        timeouts = {c.idx: c.settings.ack_timeout_s for c in self.consumers.values()
-                    if c.settings.ack_timeout_s}
-        if not self._delayed and not timeouts:
-            return
-        with self._lock:
-            changed = False
-            for chunk in list(self.window):
-                if not chunk.open:
-                    continue
-                due = (chunk.state == DELAYED) & (chunk.until <= now)
-                for idx, timeout in timeouts.items():
-                    due |= (chunk.state == DELIVERED) & (chunk.owner == idx) & \
-                        (chunk.until <= now - timeout)
-                rows = self._release_timed(chunk, np.flatnonzero(due))
-                changed |= bool(due.any())
-                if len(rows):
-                    self._return(chunk, rows)
-            if changed:
-                self._dispatch()
 
     # -- state --------------------------------------------------------------------------------
 

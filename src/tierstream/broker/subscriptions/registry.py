@@ -46,7 +46,7 @@ __all__ = ["Subscriptions"]
 
 log = logging.getLogger(__name__)
 
-#: How often nack delays and ack timeouts are checked.
+#: How often nack delays, ack timeouts and silent consumers are checked.
 _TICK_S = 0.05
 #: How often a closed gate asks another broker again whether its partition's messages
 #: before a scale event are acknowledged (several brokers).
@@ -249,6 +249,12 @@ class Subscriptions:
             return
         for c in [c for c in list(d.consumers.values()) if c.name == name]:
             d.detach(c)
+
+    def keepalive(self, topic: str, subscription: str, partition: int, name: str) -> bool:
+        """Consumer ``name`` is there (its client's keepalive): whether it is attached here
+        (not: its stream is lost, and its client attaches again)."""
+        d = self._dispatchers.get((topic, subscription, partition))
+        return d is not None and d.heard(name, time.monotonic())
 
     def ack(self, topic: str, subscription: str, partition: int, consumer: str,
             segment: np.ndarray, entry: np.ndarray, index: np.ndarray, *, retry: bool = False
