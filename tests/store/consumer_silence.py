@@ -15,6 +15,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +117,70 @@ def test_what_a_consumer_cut_off_holds_goes_to_the_others_and_it_attaches_again_
         if holder is not None:
             holder.kill()
         broker.kill()
+
+
+#: a tail reader (on the host cut off): prints how many messages it has read
+_TAIL = """
+import sys, tierstream
+n = 0
+for batch in tierstream.tail(sys.argv[2], start="earliest", broker=sys.argv[1]):
+    n += batch.num_rows
+    print(n, flush=True)
+"""
+
+
+@pytest.mark.chaos  # (about 7 minutes: gRPC's keepalive interval is 5.5; make chaos runs it)
+def test_a_reader_cut_off_past_the_brokers_give_up_reads_on_when_its_host_is_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: a tail reader whose host was cut off for longer than the broker's kernel
+    retransmits (``tcp_retries2``, 3 here: seconds, not the 15 minutes of the default) never
+    read again: the broker had given the connection up, and a stream that only receives
+    sends nothing that could find that out. Every client connection now pings while a call
+    is under way (``wire/security.py``): the reader's unanswered ping closes it, and the
+    reader reconnects from where it was."""
+    from tierstream.wire.security import KEEPALIVE_OPTIONS
+
+    monkeypatch.setenv("TIERSTREAM_AUTH_TOKEN", TOKEN)
+    keepalive_s = dict(KEEPALIVE_OPTIONS)["grpc.keepalive_time_ms"] / 1000
+    with hosts_or_fail(["reader", "broker", "bystander"]) as hosts:
+        subprocess.run(["ip", "netns", "exec", hosts.ns("broker"), "sysctl", "-qw",
+                        "net.ipv4.tcp_retries2=3"], check=True)
+        broker = BrokerProcess(tmp_path / "broker", host=hosts.address("broker"), port=6651,
+                               args=["--no-fsync"],
+                               prefix=["ip", "netns", "exec", hosts.ns("broker")])
+        reader = None
+        try:
+            broker.start(timeout=scaled(60))
+            assert broker.url is not None
+            with Admin(broker.url) as admin:
+                admin.create_topic(TOPIC, 1)
+
+            def send(tag: str, n: int) -> None:
+                with Producer(TOPIC, broker=broker.url) as producer:
+                    producer.send_many({"value": f"{tag}{i}"} for i in range(n))
+
+            send("a", 100)
+            reader = subprocess.Popen(
+                ["ip", "netns", "exec", hosts.ns("reader"), sys.executable, "-c", _TAIL,
+                 broker.url, TOPIC], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                text=True)
+            read: list[str] = []
+            threading.Thread(target=lambda: read.extend(iter(reader.stdout.readline, "")),
+                             daemon=True).start()
+
+            def count() -> int:
+                return max([int(line) for line in read if line.strip().isdigit()], default=0)
+
+            wait_for(lambda: count() == 100, timeout=scaled(60), what="the first 100")
+            hosts.cut("reader")
+            for k in range(20):  # sent into the silence: the broker retransmits, gives up
+                send(f"c{k}-", 10)
+            time.sleep(scaled(20))  # past the broker's give-up (a few seconds)
+            hosts.mend("reader")
+            send("b", 100)
+            wait_for(lambda: count() == 400, timeout=keepalive_s + scaled(120),
+                     what="the reader to read on after its host came back")
+        finally:
+            if reader is not None:
+                reader.kill()
+            broker.kill()

@@ -12,6 +12,7 @@ import pytest
 
 from .consumer_silence import (
     consumer_a_host,
+    test_a_reader_cut_off_past_the_brokers_give_up_reads_on_when_its_host_is_back,
     test_what_a_consumer_cut_off_holds_goes_to_the_others_and_it_attaches_again_when_back,
 )
 from .lease_lapse import (
@@ -39,6 +40,7 @@ __all__ = [
     "test_a_broker_cut_off_from_postgresql_alone_lets_go_in_time_and_rejoins",
     "test_a_broker_cut_off_from_postgresql_goes_on_after_a_short_cut_and_stops_at_the_limit",
     "test_a_lease_that_lapsed_and_was_renewed_before_a_takeover_serves_its_partitions_again",
+    "test_a_reader_cut_off_past_the_brokers_give_up_reads_on_when_its_host_is_back",
     "test_the_sequence_of_host_faults_that_lost_acknowledged_messages_loses_nothing",
     "test_three_brokers_on_three_hosts_lose_nothing_to_a_kill_a_pause_and_a_drain",
     "test_what_a_consumer_cut_off_holds_goes_to_the_others_and_it_attaches_again_when_back",

@@ -195,9 +195,10 @@ class Consumer:
         while not self._stop.wait(self.keepalive):
             lost: set[str] = set()  # brokers that did not answer in time, this round
             for p, reader in list(self._readers.items()):
-                if self._attaching.get(p) or self._stop.is_set():
+                ticket = self._tickets.get(p)  # (set just after the first attach returns)
+                if ticket is None or self._attaching.get(p) or self._stop.is_set():
                     continue
-                url = self._client.url_for(self._tickets[p])
+                url = self._client.url_for(ticket)
                 why = f"the broker at {url} did not answer its keepalive in time"
                 if url not in lost:
                     try:

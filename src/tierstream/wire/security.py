@@ -105,12 +105,24 @@ def server_tls(cert: str | None, key: str | None) -> list[tuple[bytes, bytes]] |
     return [(cert_pem, key_pem)]
 
 
+#: gRPC keepalive of every client connection while it has a call under way: a connection
+#: whose peer went silent without a word (a host cut off: no reset, no FIN) is closed when a
+#: ping goes unanswered, so a read waiting on it fails and reconnects. Before, a stream that
+#: only receives sent nothing whose loss the kernel could notice: once the server had given
+#: the connection up, the reader waited for good. The interval is the servers' floor: a gRPC
+#: server answers pings more often than every 5 minutes, on a connection it sends nothing on,
+#: with GOAWAY "too many pings", and pyarrow's Flight server cannot lower that
+#: (apache/arrow#44916). A consumer's own keepalive (client/consumer.py) notices sooner.
+KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", 330_000), ("grpc.keepalive_timeout_ms", 20_000),
+                     ("grpc.http2.max_pings_without_data", 0)]
+
+
 def client_for(url: str, *, tls_ca: bytes | None = None) -> Any:
     """A Flight client of ``url``: ``grpc+tls://`` trusts ``tls_ca`` (else the system CAs)."""
     if not url.startswith(TLS_SCHEMES + PLAIN_SCHEMES):
         raise ConfigError(f"invalid endpoint URL {url!r}: expected grpc://HOST:PORT or "
                           "grpc+tls://HOST:PORT")
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"generic_options": KEEPALIVE_OPTIONS}
     if url.startswith(TLS_SCHEMES) and tls_ca is not None:
         kwargs["tls_root_certs"] = tls_ca
     try:
