@@ -17,6 +17,7 @@ import pyarrow.flight as flight
 from tierstream.broker.admin_actions import check_partition
 from tierstream.broker.subscriptions.attached import ConsumerSettings
 from tierstream.errors import ConfigError, NotFoundError, ProtocolError, TierstreamError
+from tierstream.model import arguments
 from tierstream.model.message_format import CONSUMER_SCHEMA, MESSAGE_SCHEMA
 from tierstream.model.names import TopicName
 from tierstream.model.positions import KeyRange, Offset, OffsetKind, Position
@@ -189,15 +190,14 @@ def _settings(sub: dict[str, Any], ranges: list[KeyRange] | None) -> ConsumerSet
     limit = None if sub.get("max_redeliveries") is None else int(sub["max_redeliveries"])
     if limit is not None and limit < 0:
         raise ConfigError(f"max_redeliveries must be 0 or more, not {limit}")
-    keepalive = None if sub.get("keepalive_s") is None else float(sub["keepalive_s"])
-    if keepalive is not None and not keepalive > 0:
-        raise ConfigError(f"keepalive_s must be more than 0, not {keepalive}")
     return ConsumerSettings(
         name=str(sub.get("consumer") or uuid.uuid4().hex[:12]), type=kind,
         sticky=None if ranges is None else tuple(ranges),
         permits=max(1, int(sub.get("permits") or 1000)),
         ack_timeout_s=None if sub.get("ack_timeout_s") is None else float(sub["ack_timeout_s"]),
-        max_redeliveries=limit, keepalive_s=keepalive,
+        max_redeliveries=limit,
+        keepalive_s=arguments.seconds(sub.get("keepalive_s"), "keepalive_s", none_ok=True,
+                                      zero_ok=False),
         instance=None if sub.get("instance") is None else str(sub["instance"]),
         dead_letter_topic=None if not sub.get("dead_letter_topic")
         else str(TopicName.parse(sub["dead_letter_topic"])))
