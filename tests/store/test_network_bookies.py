@@ -8,6 +8,7 @@ Real processes throughout: PostgreSQL (``tests/postgres.py``), ``tierstream book
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import subprocess
@@ -324,3 +325,26 @@ def test_bad_network_bookie_settings_are_one_line_each(tmp_path, postgres) -> No
     assert done.returncode != 0 and "invalid --metadata 'mysql://x/y'" in done.stderr, \
         done.stderr
     assert not (tmp_path / "c").exists()
+
+
+def test_a_closed_network_bookie_client_closes_its_write_stream_itself(tmp_path, capfd) -> None:
+    """``RemoteBookie.close`` closes its write stream rather than leaving it to Arrow's
+    destructor, which prints the close's error (``Close() failed: Cancelled ...``) to stderr:
+    a broker printed one such line per bookie as it stopped. (The send thread, which closes
+    streams given up on, could end before the closing call handed it the stream.)"""
+    root = tmp_path / "b0"
+    root.mkdir()
+    server = _writable(root)
+    try:
+        for segment in range(20):  # the old end was a race lost about every other time
+            bookie = RemoteBookie("b0", server.url, host="h0", epoch=1)
+            futures = [bookie.append(segment, i, {"p": "w", "s": i}, _payload(i), 1, i, i)
+                       for i in range(20)]
+            assert [f.result(timeout=scaled(30)).entry_id for f in futures] == list(range(20))
+            bookie.close()
+            del bookie
+            gc.collect()
+    finally:
+        server.shutdown()
+    err = capfd.readouterr().err
+    assert "Close() failed" not in err, err

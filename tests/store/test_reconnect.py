@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -16,6 +19,7 @@ import pytest
 import tierstream
 from tierstream.broker.process import BrokerProcess
 from tierstream.client import Admin, Producer
+from tierstream.errors import UnavailableError
 
 from .. import forkserver
 from ..timing import scaled
@@ -366,3 +370,33 @@ def test_a_reattach_the_broker_fails_after_taking_the_consumer_leaves_no_consume
                  timeout=scaled(10), what="the broker to log the failed attach")
     finally:
         a.close()
+
+
+def test_a_producer_that_gave_up_on_a_hung_broker_leaves_arrow_nothing_to_complain_of(
+        start_broker, capfd, monkeypatch) -> None:
+    """A produce stream given up on while its call still waits inside Flight (the broker hung)
+    is closed by its own thread once the call returns (here: the broker is killed), not left
+    to Arrow's destructor, which prints the close's error to the user's stderr as
+    ``Close() failed: IOError: ... Stream removed`` after every hang and partition move."""
+    monkeypatch.setenv("TIERSTREAM_RECONNECT_TIMEOUT", f"{scaled(2):g}s")
+    broker: BrokerProcess = start_broker()
+    with Admin(broker.url) as admin:
+        admin.create_topic(TOPIC, 1)
+    producer = Producer(TOPIC, broker=broker.url, send_timeout=scaled(2))
+    producer.send_many([{"key": "k", "value": b"before"}])
+    assert broker.proc is not None
+    broker.proc.send_signal(signal.SIGSTOP)
+    with pytest.raises(UnavailableError):
+        producer.send_many([{"key": "k", "value": b"into the hang"}])
+
+    def streams() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "tierstream-produce-io"]
+
+    assert streams(), "no produce stream was left waiting on the hung broker"
+    broker.kill()  # the calls still waiting on the hung broker fail now
+    with contextlib.suppress(UnavailableError):
+        producer.close()
+    wait_for(lambda: not streams(), what="the streams given up on to end")
+    gc.collect()
+    err = capfd.readouterr().err
+    assert "Close() failed" not in err, err

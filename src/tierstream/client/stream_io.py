@@ -14,6 +14,7 @@ caller.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import queue
 from collections import deque
 from collections.abc import Mapping
@@ -146,31 +147,41 @@ def _run_calls(io: StreamIO, client: BrokerClient, command: dict[str, Any]) -> N
     writer = reader = None
     opening: BaseException | None = None
     calls = io._calls
+    closed = False  # whether the writer was closed by a call
     try:
         writer, reader, io.url = client.produce(command)
     except BaseException as exc:  # raised by the first call
         opening = exc
-    while (item := calls.get()) is not None:
-        future, name, args = item
-        if not future.set_running_or_notify_cancel():
-            continue
-        try:
-            if opening is not None:
-                raise opening
-            if name == "write":
-                batch, metadata = args
-                if metadata is None:
-                    writer.write_batch(batch)  # type: ignore[union-attr]
+    try:
+        while (item := calls.get()) is not None:
+            future, name, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                if opening is not None:
+                    raise opening
+                if name == "write":
+                    batch, metadata = args
+                    if metadata is None:
+                        writer.write_batch(batch)  # type: ignore[union-attr]
+                    else:
+                        writer.write_with_metadata(batch, metadata)  # type: ignore[union-attr]
+                    future.set_result(None)
+                elif name == "done":
+                    writer.done_writing()  # type: ignore[union-attr]
+                    future.set_result(None)
+                elif name == "read":
+                    future.set_result(reader.read())  # type: ignore[union-attr]
                 else:
-                    writer.write_with_metadata(batch, metadata)  # type: ignore[union-attr]
-                future.set_result(None)
-            elif name == "done":
-                writer.done_writing()  # type: ignore[union-attr]
-                future.set_result(None)
-            elif name == "read":
-                future.set_result(reader.read())  # type: ignore[union-attr]
-            else:
-                writer.close()  # type: ignore[union-attr]
-                future.set_result(None)
-        except BaseException as exc:
-            future.set_exception(exc)
+                    closed = True
+                    writer.close()  # type: ignore[union-attr]
+                    future.set_result(None)
+            except BaseException as exc:
+                future.set_exception(exc)
+    finally:
+        # a stream given up on (stalled, interrupted, dropped) is closed here once its last
+        # call returned, its error moot: left to Arrow's destructor, the error is printed to
+        # the user's stderr ("Close() failed: IOError: ...")
+        if writer is not None and not closed:
+            with contextlib.suppress(Exception):
+                writer.close()

@@ -197,6 +197,7 @@ class RemoteBookie(BookieIdentity):
             return
         with self._lock:
             if self._closed:
+                self._retired.append(stream)  # closed by the send loop as it ends
                 return
             self._stream, generation = stream, self._generation
             self.down_since = None
@@ -391,14 +392,19 @@ class RemoteBookie(BookieIdentity):
             {"op": "rewrite", "segment_id": segment_id, **self._addressed()}))
         with self._control():
             writer, _ = self._client.do_put(descriptor, FRAME_SCHEMA, self._options)
-            for i in range(0, len(frames), 256):
-                part = frames[i:i + 256]
-                writer.write_batch(pa.RecordBatch.from_pydict({
-                    "entry_id": [r.entry_id for r, _ in part],
-                    "messages": [r.messages for r, _ in part],
-                    "first_publish_time": [r.first_publish_time for r, _ in part],
-                    "last_publish_time": [r.last_publish_time for r, _ in part],
-                    "frame": [f for _, f in part]}, schema=FRAME_SCHEMA))
+            try:
+                for i in range(0, len(frames), 256):
+                    part = frames[i:i + 256]
+                    writer.write_batch(pa.RecordBatch.from_pydict({
+                        "entry_id": [r.entry_id for r, _ in part],
+                        "messages": [r.messages for r, _ in part],
+                        "first_publish_time": [r.first_publish_time for r, _ in part],
+                        "last_publish_time": [r.last_publish_time for r, _ in part],
+                        "frame": [f for _, f in part]}, schema=FRAME_SCHEMA))
+            except BaseException:  # the write's error is the one to raise, not the close's
+                with contextlib.suppress(Exception):
+                    writer.close()
+                raise
             writer.close()
 
     def open_reader(self, segment_id: int) -> RemoteLedgerReader:
@@ -466,6 +472,12 @@ class RemoteBookie(BookieIdentity):
                 self._retired.append(stream)  # closed by the send loop as it ends
                 self._lock.notify_all()
         self._sender.join(timeout=self.timeout_s)
+        if not self._sender.alive:  # it may have ended before it was handed the stream
+            with self._lock:
+                retired, self._retired = self._retired, []
+            for old in retired:  # closed here, not by Arrow's destructor (which prints why)
+                with contextlib.suppress(Exception):
+                    old[0].close()
         self._watchdog.stop(timeout=self.timeout_s)
         if self._receiver is not None:
             self._receiver.join(timeout=self.timeout_s)
