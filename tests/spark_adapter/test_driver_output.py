@@ -52,6 +52,37 @@ def test_lines_pass_until_muted_and_a_muted_pipe_is_still_drained() -> None:
     assert b"".join(seen) == b"WARN: one\nWARN: two\n"
 
 
+#: what a driver JVM prints as it starts (Spark 4 on Java 17), whatever it runs
+STARTUP = (b"WARNING: Using incubator modules: jdk.incubator.vector\n"
+           b"Using Spark's default log4j profile: org/apache/spark/log4j2-defaults.properties\n"
+           b'Setting default log level to "WARN".\n'
+           b"To adjust logging level use sc.setLogLevel(newLevel). For SparkR, use "
+           b"setLogLevel(newLevel).\n"
+           b"26/12/07 21:01:07 WARN NativeCodeLoader: Unable to load native-hadoop library for "
+           b"your platform... using builtin-java classes where applicable\n")
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_the_lines_every_driver_prints_as_it_starts_are_dropped_but_with_debug(
+        debug: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if debug:
+        monkeypatch.setenv("TIERSTREAM_DEBUG", "1")
+    else:
+        monkeypatch.delenv("TIERSTREAM_DEBUG", raising=False)
+    jvm_read, jvm_write = os.pipe()
+    term_read, term_write = os.pipe()
+    seen: list[bytes] = []
+    reader = _read_all(term_read, seen)
+    relay = DriverOutput(jvm_read, term_write)
+    said = b"26/12/07 21:01:09 WARN TaskSetManager: Lost task 0.0 in stage 1.0\n"
+    os.write(jvm_write, STARTUP + said)
+    os.close(jvm_write)
+    relay.join(scaled(30))
+    os.close(term_write)
+    reader.join(scaled(30))
+    assert b"".join(seen) == (STARTUP + said if debug else said)
+
+
 @pytest.mark.spark
 def test_a_local_session_passes_its_workers_stderr_on_and_drops_it_once_stopping() -> None:
     script = textwrap.dedent("""
@@ -81,3 +112,7 @@ def test_a_local_session_passes_its_workers_stderr_on_and_drops_it_once_stopping
     assert proc.stdout.strip() == "done"
     assert "worker-before-the-stop" in proc.stderr
     assert "worker-after-the-stop" not in proc.stderr
+    # nor the lines every driver prints as it starts
+    for mark in ("jdk.incubator.vector", "log4j2-defaults.properties", "default log level",
+                 "sc.setLogLevel", "NativeCodeLoader"):
+        assert mark not in proc.stderr, proc.stderr

@@ -12,6 +12,11 @@ source worker can find its socket closed (EOF), then fail to report that on the 
 (broken pipe), and print both tracebacks: noise about a stop the user asked for. Once muted,
 the pipe is still drained (a full pipe would block the JVM) and the lines are dropped.
 ``--debug`` (``TIERSTREAM_DEBUG``) never mutes.
+
+Nor, from the start, the lines every driver JVM prints as it starts whatever it runs (the
+JDK's incubator-module notice, log4j's default-profile banner, Hadoop's native-library
+warning): five lines of Spark in the middle of a command's output, nothing a user acts on.
+They are dropped unless ``--debug`` was given.
 """
 
 from __future__ import annotations
@@ -24,16 +29,26 @@ __all__ = ["DriverOutput", "launch_driver", "mute_driver_output"]
 
 _current: DriverOutput | None = None  # the relay of this process's driver JVM, if it has one
 
+#: how the start-up lines of every driver JVM begin (log4j's after its time stamp)
+_STARTUP = (b"WARNING: Using incubator modules: ", b"Using Spark's default log4j profile: ",
+            b'Setting default log level to "', b"To adjust logging level use sc.setLogLevel(")
+_STARTUP_LOGGED = (b" WARN NativeCodeLoader: Unable to load native-hadoop library",)
+
+
+def _startup_line(line: bytes) -> bool:
+    return line.startswith(_STARTUP) or any(part in line for part in _STARTUP_LOGGED)
+
 
 class DriverOutput:
-    """Copies what is written to the pipe ``read_fd`` to ``out_fd``, line by line, until
-    muted; drains it, dropping lines, after that. Ends when every writer has closed the
-    pipe (the JVM has exited)."""
+    """Copies what is written to the pipe ``read_fd`` to ``out_fd``, line by line (but the
+    JVM's start-up lines, unless ``TIERSTREAM_DEBUG``), until muted; drains it, dropping
+    lines, after that. Ends when every writer has closed the pipe (the JVM has exited)."""
 
     def __init__(self, read_fd: int, out_fd: int = 2) -> None:
         self._in = os.fdopen(read_fd, "rb", buffering=0)
         self._out = out_fd
         self.muted = False
+        self._quiet_start = not os.environ.get("TIERSTREAM_DEBUG")  # drop start-up lines
         self._worker = Worker("spark-driver-stderr", self._relay).start()
 
     def _relay(self) -> None:
@@ -42,6 +57,8 @@ class DriverOutput:
             while chunk := self._in.read(65536):
                 pending += chunk
                 *lines, pending = pending.split(b"\n")
+                if self._quiet_start:
+                    lines = [line for line in lines if not _startup_line(line)]
                 if not self.muted and lines:
                     os.write(self._out, b"".join(line + b"\n" for line in lines))
             if pending and not self.muted:
