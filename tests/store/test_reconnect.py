@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 
 import tierstream
 from tierstream.broker.process import BrokerProcess
-from tierstream.client import Admin, Producer
+from tierstream.client import Admin, Consumer, Producer
 from tierstream.errors import UnavailableError
 
 from .. import forkserver
@@ -400,3 +401,29 @@ def test_a_producer_that_gave_up_on_a_hung_broker_leaves_arrow_nothing_to_compla
     gc.collect()
     err = capfd.readouterr().err
     assert "Close() failed" not in err, err
+
+
+def test_a_consumer_whose_broker_is_down_leaves_the_reconnect_to_its_pump(
+        start_broker, caplog, monkeypatch) -> None:
+    """The keepalive is for a stream that looks alive. One the broker closed is its pump's to
+    attach again, which says so once: the keepalive warned "did not answer its keepalive in
+    time; attaching again" every keepalive for as long as the broker stayed down, and after
+    the consumer had given up on it."""
+    monkeypatch.setenv("TIERSTREAM_RECONNECT_TIMEOUT", f"{scaled(4):g}s")
+    broker: BrokerProcess = start_broker()
+    with Admin(broker.url) as admin:
+        admin.create_topic(TOPIC, 1)
+    _send(broker.url, 0, 1)
+    with Consumer(TOPIC, "sub", broker=broker.url, initial="earliest",
+                  keepalive=scaled(0.5)) as consumer:
+        assert consumer.receive(timeout=scaled(30)) is not None
+        with caplog.at_level(logging.INFO, logger="tierstream"):
+            broker.kill()
+            with pytest.raises(UnavailableError, match="stayed unavailable"):
+                deadline = time.monotonic() + scaled(60)
+                while time.monotonic() < deadline:
+                    consumer.receive(timeout=scaled(1))
+            time.sleep(scaled(1))  # two keepalives after the give-up
+    said = [r.getMessage() for r in caplog.records]
+    assert any("reconnecting" in m for m in said), said
+    assert not [m for m in said if "keepalive" in m], said

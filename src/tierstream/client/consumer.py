@@ -248,7 +248,7 @@ class Consumer:
                         self._taken[partition] = 0
                         backoff = None  # the broker answered: the outage is over
                     finally:
-                        self._attaching[partition] = False
+                        self._attaching[partition] = reader is None  # (still to attach)
                 epoch = str(self._epoch[partition]).encode()
                 for batch in flight_batches(self._client.url, reader):
                     backoff = None
@@ -266,6 +266,9 @@ class Consumer:
                     # to another consumer, which may acknowledge it before we re-attach
                     self._epoch[partition] += 1
                 reader = None
+                # to attach again (the keepalive leaves the partition to this pump, which
+                # knows the stream is gone: it warned again every keepalive of an outage)
+                self._attaching[partition] = True
                 if self._stop.is_set():
                     return
                 if backoff is None:
