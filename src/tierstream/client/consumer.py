@@ -242,13 +242,10 @@ class Consumer:
                     with self._doubt_lock:
                         for acking in self._acking[partition].values():
                             self._put_in_doubt(partition, acking)
-                    try:
-                        reader = self._readers[partition] = self._open(
-                            self._tickets[partition])
-                        self._taken[partition] = 0
-                        backoff = None  # the broker answered: the outage is over
-                    finally:
-                        self._attaching[partition] = reader is None  # (still to attach)
+                    reader = self._readers[partition] = self._open(self._tickets[partition])
+                    self._attaching[partition] = False  # (until then, also after a failure)
+                    self._taken[partition] = 0
+                    backoff = None  # the broker answered: the outage is over
                 epoch = str(self._epoch[partition]).encode()
                 for batch in flight_batches(self._client.url, reader):
                     backoff = None

@@ -147,7 +147,6 @@ def _run_calls(io: StreamIO, client: BrokerClient, command: dict[str, Any]) -> N
     writer = reader = None
     opening: BaseException | None = None
     calls = io._calls
-    closed = False  # whether the writer was closed by a call
     try:
         writer, reader, io.url = client.produce(command)
     except BaseException as exc:  # raised by the first call
@@ -173,7 +172,6 @@ def _run_calls(io: StreamIO, client: BrokerClient, command: dict[str, Any]) -> N
                 elif name == "read":
                     future.set_result(reader.read())  # type: ignore[union-attr]
                 else:
-                    closed = True
                     writer.close()  # type: ignore[union-attr]
                     future.set_result(None)
             except BaseException as exc:
@@ -181,7 +179,8 @@ def _run_calls(io: StreamIO, client: BrokerClient, command: dict[str, Any]) -> N
     finally:
         # a stream given up on (stalled, interrupted, dropped) is closed here once its last
         # call returned, its error moot: left to Arrow's destructor, the error is printed to
-        # the user's stderr ("Close() failed: IOError: ...")
-        if writer is not None and not closed:
+        # the user's stderr ("Close() failed: IOError: ..."). (Arrow's close is idempotent:
+        # a stream a call closed is not closed again.)
+        if writer is not None:
             with contextlib.suppress(Exception):
                 writer.close()

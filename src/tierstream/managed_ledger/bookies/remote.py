@@ -161,9 +161,7 @@ class RemoteBookie(BookieIdentity):
                 retired, self._retired = self._retired, []
                 closed = self._closed
                 stream, generation, idle = self._stream, self._generation, not self._outbox
-            for old in retired:  # its errors say nothing new: the stream was given up
-                with contextlib.suppress(Exception):
-                    old[0].close()
+            _close_writers(retired)
             if closed:
                 return
             if stream is None:
@@ -469,16 +467,22 @@ class RemoteBookie(BookieIdentity):
             with contextlib.suppress(Exception):
                 stream[1].cancel()
             with self._lock:
-                self._retired.append(stream)  # closed by the send loop as it ends
+                self._retired.append(stream)  # closed by the send loop, or below if it ended
                 self._lock.notify_all()
         self._sender.join(timeout=self.timeout_s)
         if not self._sender.alive:  # it may have ended before it was handed the stream
             with self._lock:
                 retired, self._retired = self._retired, []
-            for old in retired:  # closed here, not by Arrow's destructor (which prints why)
-                with contextlib.suppress(Exception):
-                    old[0].close()
+            _close_writers(retired)
         self._watchdog.stop(timeout=self.timeout_s)
         if self._receiver is not None:
             self._receiver.join(timeout=self.timeout_s)
         self._client.close()
+
+
+def _close_writers(streams: list[tuple[Any, Any]]) -> None:
+    """Close the writers of streams given up on, here rather than by Arrow's destructor
+    (which prints the close's error to stderr); their errors say nothing new."""
+    for writer, _ in streams:
+        with contextlib.suppress(Exception):
+            writer.close()
